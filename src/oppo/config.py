@@ -1,0 +1,412 @@
+"""Run configuration: nested dataclasses, a YAML file plus dotted overrides.
+
+    oppo train --config run.yaml ppo.actor_lr=1e-6 overlap.mode=sequential
+
+Every field carries its help text in ``metadata["help"]`` (``oppo train --help`` prints them).
+Validation raises :class:`ConfigError` with a message that names the problem and the fix; it
+never rewrites a value behind the user's back. Derived sizes are computed once, in
+:func:`validate`, and exposed as properties.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid. The message says which and how to fix it."""
+
+
+def opt(default: Any, help: str, choices: tuple | None = None) -> Any:
+    """A dataclass field with its help text (and the allowed values, when closed)."""
+    meta = {"help": help}
+    if choices is not None:
+        meta["choices"] = choices
+    if isinstance(default, (list, dict, tuple)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+MODES = ("sequential", "intra", "inter", "oppo")
+
+
+@dataclass
+class PolicyConfig:
+    path: str | None = opt(None, "Policy (actor) model: local directory or hub name. Empty: the built-in task's SFT policy.")
+    device: str = opt("auto", "Device of the policy and its rollout engine: cpu, cuda, cuda:N or auto (cuda if available).")
+    dtype: str = opt("auto", "Weights dtype: float32, bfloat16, float16 or auto (float32 on cpu, bfloat16 on cuda).",
+                     ("auto", "float32", "bfloat16", "float16"))
+    trust_remote_code: bool = opt(False, "Allow custom model code from the model directory (Hugging Face trust_remote_code).")
+
+
+@dataclass
+class ReferenceConfig:
+    path: str | None = opt(None, "Reference model for the KL penalty. Empty: a frozen copy of the initial policy.")
+    device: str = opt("auto", "Device of the reference model (auto: the policy's).")
+
+
+@dataclass
+class CriticConfig:
+    path: str | None = opt(None, "Critic initialisation: a causal-LM or sequence-classification checkpoint. "
+                                 "Empty: the reward model's path, else the policy's (a new value head is created).")
+    device: str = opt("auto", "Device of the critic (auto: the policy's).")
+
+
+@dataclass
+class RewardConfig:
+    path: str | None = opt(None, "Reward model (AutoModelForSequenceClassification with one label). "
+                                 "Empty with no function: the built-in task's reward model.")
+    function: str | None = opt(None, "A Python reward function 'module:function' taking (prompts, responses) as "
+                                     "lists of str and returning one float each; replaces the reward model.")
+    judge: str | None = opt(None, "Optional extra scorer 'module:function', logged as judge/mean, never trained on "
+                                  "(the built-in task sets its ground-truth judge).")
+    device: str = opt("auto", "Device of the reward model (auto: the policy's).")
+
+
+@dataclass
+class DataConfig:
+    task: str = opt("positive", "Built-in task used when no models are named (see `oppo prepare`).")
+    prompts: str | None = opt(None, "Prompt set: a .jsonl file, a local file or directory that `datasets` loads, "
+                                    "or a hub dataset name. Empty: the built-in task's prompts.")
+    field: str = opt("prompt", "Name of the prompt field in each record.")
+    split: str = opt("train", "Dataset split to read when the prompt set has splits.")
+    chat_template: bool = opt(False, "Wrap each prompt as a user message with the tokenizer's chat template "
+                                     "(error if the tokenizer has none).")
+    max_prompt_tokens: int = opt(128, "Longest prompt, in tokens; longer ones are handled by on_long_prompt.")
+    on_long_prompt: str = opt("truncate", "What to do with a prompt longer than max_prompt_tokens: "
+                                          "truncate (keep its last tokens) or skip. Counted in the metrics.",
+                              ("truncate", "skip"))
+    shuffle: bool = opt(True, "Shuffle the prompts each epoch (seeded).")
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int | None = opt(None, "Longest response, in tokens. Empty: the built-in task's default, else 256.")
+    temperature: float = opt(1.0, "Sampling temperature; the behaviour and reference log-probs use the same one.")
+    top_p: float = opt(1.0, "Nucleus sampling threshold (1.0: off).")
+    top_k: int = opt(0, "Sample among the k most likely tokens (0: off).")
+
+
+@dataclass
+class PPOConfig:
+    batch_size: int = opt(32, "B: sequences per PPO step (the rollout batch).")
+    minibatch_size: int = opt(16, "Sequences per optimizer step; batch_size must be a multiple of it.")
+    micro_batch_size: int = opt(8, "Sequences per forward/backward pass (gradient accumulation); "
+                                   "minibatch_size must be a multiple of it.")
+    epochs: int = opt(1, "PPO epochs over each batch.")
+    actor_lr: float = opt(1e-5, "Actor (policy) learning rate (AdamW).")
+    critic_lr: float = opt(5e-5, "Critic learning rate (AdamW).")
+    weight_decay: float = opt(0.0, "AdamW weight decay for actor and critic.")
+    max_grad_norm: float = opt(1.0, "Gradient clipping by global norm (0: off).")
+    kl_coef: float = opt(0.05, "beta: weight of the per-token KL(pi || ref) penalty in the reward.")
+    kl_estimator: str = opt("k1", "Per-token KL estimator in the reward.", ("k1", "k2", "k3", "abs"))
+    clip_eps: float = opt(0.2, "PPO ratio clip range (lower, and upper unless clip_eps_high is set).")
+    clip_eps_high: float | None = opt(None, "Upper ratio clip (decoupled clipping). Empty: clip_eps.")
+    value_clip_eps: float | None = opt(0.2, "Value clip range around the rollout values. Empty: no value clipping.")
+    gamma: float = opt(1.0, "GAE discount.")
+    lam: float = opt(0.95, "GAE lambda.")
+    whiten_advantages: bool = opt(True, "Normalise advantages over the batch (masked mean 0, std 1).")
+    entropy_coef: float = opt(0.0, "Entropy bonus weight in the actor loss.")
+    missing_eos_penalty: float | None = opt(None, "Subtract this from the score of responses that hit "
+                                                  "max_new_tokens without EOS. Empty: off.")
+    loss_agg: str = opt("token_mean", "Loss aggregation; token_mean averages over all response tokens of the batch, "
+                                      "independent of how it is split.",
+                        ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"))
+    is_truncate: float | None = opt(2.0, "Truncate importance weights pi_old/pi_behaviour of off-policy tokens at this "
+                                         "value (carried sequences). Empty: no truncation.")
+
+
+@dataclass
+class OverlapConfig:
+    mode: str = opt("oppo", "sequential: stage after stage; intra: stream chunks to the scorers while decoding; "
+                            "inter: overcommit and carry long generations; oppo: both.", MODES)
+    chunk_size: int = opt(0, "Tokens per streamed chunk. 0: chosen online among chunk_candidates.")
+    chunk_candidates: list = opt([8, 16, 32], "Chunk sizes tried by the online tuner.")
+    chunk_trial_steps: int = opt(2, "Steps each candidate chunk size is tried for.")
+    chunk_retune_every: int = opt(50, "Steps between re-tries of the chunk-size candidates.")
+    delta: int = opt(-1, "Delta: extra sequences in flight beyond B. -1: adaptive by the reward-slope rule.")
+    delta_init: int = opt(2, "Adaptive Delta: starting value.")
+    delta_min: int = opt(0, "Adaptive Delta: lower bound.")
+    delta_max: int = opt(8, "Adaptive Delta: upper bound (at most batch_size).")
+    delta_window: int = opt(5, "Adaptive Delta: steps in the reward-slope window.")
+    delta_proportional: bool = opt(False, "Adaptive Delta: step by max(1, Delta // 4) instead of 1.")
+    max_lag: int = opt(1, "Most steps a sequence may be carried; then the step waits for it.")
+    stale_kv: str = opt("keep", "Policy KV cache of a carried prefix after a weight update: keep or recompute.",
+                        ("keep", "recompute"))
+    stale_values: str = opt("recompute", "Critic values of a carried prefix after a critic update: keep or recompute.",
+                            ("keep", "recompute"))
+    refill: bool = opt(False, "Admit a new prompt as soon as a sequence finishes (continuous batching) instead of "
+                              "only at step start.")
+    actor_threads: int = opt(1, "CPU: torch threads of the actor (decoding) worker in overlapped modes.")
+    scorer_threads: int = opt(1, "CPU: torch threads of the scorer worker in overlapped modes.")
+
+
+@dataclass
+class RunConfig:
+    steps: int = opt(40, "PPO steps to run.")
+    seed: int = opt(0, "Seed for data order, sampling and initialisation.")
+    out_dir: str = opt("runs/latest", "Run directory: metrics, trace, checkpoints.")
+    save_every: int = opt(0, "Checkpoint every N steps (0: only at the end).")
+    keep_checkpoints: int = opt(2, "Most recent checkpoints kept (older ones are deleted).")
+    threads: int = opt(0, "torch CPU threads for sequential work (0: all cores).")
+    samples: int = opt(3, "Sample responses printed at the start and at the end.")
+
+
+@dataclass
+class LogConfig:
+    tensorboard: bool = opt(False, "Also write TensorBoard event files into the run directory.")
+    wandb: bool = opt(False, "Also log to Weights & Biases (needs `pip install wandb`).")
+    wandb_project: str = opt("oppo", "Weights & Biases project.")
+    trace: bool = opt(True, "Record each worker's busy spans to trace.json (Chrome trace format, open in Perfetto).")
+    progress: bool = opt(True, "Show a progress bar.")
+
+
+@dataclass
+class Config:
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    overlap: OverlapConfig = field(default_factory=OverlapConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    @property
+    def uses_builtin_task(self) -> bool:
+        return self.policy.path is None
+
+    @property
+    def streams(self) -> bool:
+        """Intra-step overlap: chunks stream to the scorers while the actor decodes."""
+        return self.overlap.mode in ("intra", "oppo")
+
+    @property
+    def carries(self) -> bool:
+        """Inter-step overlap: overcommit and carry unfinished sequences across steps."""
+        return self.overlap.mode in ("inter", "oppo")
+
+
+# --------------------------------------------------------------------------- building
+
+def _sections(cfg: Any) -> list[dataclasses.Field]:
+    return list(dataclasses.fields(cfg))
+
+
+def all_keys(cfg: Config | None = None) -> list[str]:
+    cfg = cfg or Config()
+    return [f"{s.name}.{f.name}" for s in _sections(cfg) for f in dataclasses.fields(getattr(cfg, s.name))]
+
+
+def _suggest(key: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
+    if not close:  # try matching the last component alone (e.g. "lr" -> "ppo.actor_lr")
+        leaf = key.split(".")[-1]
+        leaves = {k.split(".")[-1]: k for k in known}
+        hit = difflib.get_close_matches(leaf, list(leaves), n=1, cutoff=0.6)
+        close = [leaves[hit[0]]] if hit else []
+    return f" Did you mean '{close[0]}'?" if close else ""
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Convert a YAML/override value to the field's declared type, or raise ConfigError."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
+            if type(None) in args:
+                return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(key, value, inner[0])
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{key}: expected true or false, got {value!r}.")
+    if tp is int:
+        if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, str) and _is_int(value))):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}.")
+        return int(value)
+    if tp is float:
+        try:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}: expected a number, got {value!r}.") from None
+    if tp is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{key}: expected a string, got {value!r}.")
+        return str(value)
+    if tp is list or origin is list:
+        if isinstance(value, str):
+            value = yaml.safe_load(value if value.startswith("[") else f"[{value}]")
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list such as [8, 16, 32], got {value!r}.")
+        return value
+    return value
+
+
+def _is_int(s: str) -> bool:
+    try:
+        int(s)
+        return True
+    except ValueError:
+        return False
+
+
+def _set(cfg: Config, key: str, value: Any, source: str) -> None:
+    parts = key.split(".")
+    known = all_keys(cfg)
+    if len(parts) != 2 or key not in known:
+        raise ConfigError(f"Unknown setting '{key}' (from {source}).{_suggest(key, known)} "
+                          f"`oppo train --help` lists every setting.")
+    section = getattr(cfg, parts[0])
+    hints = typing.get_type_hints(type(section))
+    setattr(section, parts[1], _coerce(key, value, hints[parts[1]]))
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Build a Config from defaults, then a YAML file, then ``key=value`` overrides; then validate."""
+    cfg = Config()
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"Config file {p} not found. Give an existing YAML file to --config.")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"Config file {p} is not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"Config file {p} must hold a mapping of sections (policy:, ppo:, ...).")
+        for key, value in _flatten(data).items():
+            _set(cfg, key, value, str(p))
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"Override '{item}' must look like section.key=value (e.g. ppo.actor_lr=1e-6).")
+        key, raw = item.split("=", 1)
+        value = yaml.safe_load(raw) if raw.strip() else None
+        _set(cfg, key.strip(), value, "the command line")
+    validate(cfg)
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(d: dict) -> Config:
+    cfg = Config()
+    for key, value in _flatten(d).items():
+        _set(cfg, key, value, "a saved config")
+    validate(cfg)
+    return cfg
+
+
+# --------------------------------------------------------------------------- validation
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def validate(cfg: Config) -> None:
+    """Raise ConfigError on the first invalid value. Never changes a value."""
+    for s in _sections(cfg):
+        section = getattr(cfg, s.name)
+        for f in dataclasses.fields(section):
+            choices = f.metadata.get("choices")
+            v = getattr(section, f.name)
+            if choices and v not in choices:
+                raise ConfigError(f"{s.name}.{f.name}={v!r} is not one of {', '.join(map(str, choices))}.")
+    p, o, g = cfg.ppo, cfg.overlap, cfg.generation
+    _check(p.batch_size >= 1, f"ppo.batch_size must be >= 1, got {p.batch_size}.")
+    _check(p.minibatch_size >= 1 and p.batch_size % p.minibatch_size == 0,
+           f"ppo.batch_size={p.batch_size} must be a multiple of ppo.minibatch_size={p.minibatch_size}; "
+           f"set ppo.minibatch_size to a divisor of {p.batch_size}.")
+    _check(p.micro_batch_size >= 1 and p.minibatch_size % p.micro_batch_size == 0,
+           f"ppo.minibatch_size={p.minibatch_size} must be a multiple of ppo.micro_batch_size="
+           f"{p.micro_batch_size}; set ppo.micro_batch_size to a divisor of {p.minibatch_size}.")
+    _check(p.epochs >= 1, f"ppo.epochs must be >= 1, got {p.epochs}.")
+    _check(p.actor_lr >= 0 and p.critic_lr >= 0, "ppo.actor_lr and ppo.critic_lr must be >= 0.")
+    _check(p.kl_coef >= 0, f"ppo.kl_coef must be >= 0, got {p.kl_coef}.")
+    _check(0 < p.clip_eps < 1, f"ppo.clip_eps must be in (0, 1), got {p.clip_eps}.")
+    _check(0 <= p.gamma <= 1 and 0 <= p.lam <= 1, "ppo.gamma and ppo.lam must be in [0, 1].")
+    _check(p.is_truncate is None or p.is_truncate >= 1, "ppo.is_truncate must be >= 1 (or empty for none).")
+    _check(g.max_new_tokens is None or g.max_new_tokens >= 1, "generation.max_new_tokens must be >= 1.")
+    _check(g.temperature > 0, f"generation.temperature must be > 0, got {g.temperature}; "
+                              "greedy decoding is not a PPO behaviour policy.")
+    _check(0 < g.top_p <= 1, f"generation.top_p must be in (0, 1], got {g.top_p}.")
+    _check(g.top_k >= 0, f"generation.top_k must be >= 0, got {g.top_k}.")
+    _check(cfg.data.max_prompt_tokens >= 1, "data.max_prompt_tokens must be >= 1.")
+    _check(o.chunk_size >= 0, f"overlap.chunk_size must be >= 0 (0: online tuning), got {o.chunk_size}.")
+    _check(bool(o.chunk_candidates) and all(isinstance(c, int) and c >= 1 for c in o.chunk_candidates),
+           f"overlap.chunk_candidates must be a non-empty list of positive integers, got {o.chunk_candidates}.")
+    _check(o.max_lag >= 0, f"overlap.max_lag must be >= 0, got {o.max_lag}.")
+    _check(o.delta >= -1, f"overlap.delta must be >= 0, or -1 for adaptive, got {o.delta}.")
+    _check(0 <= o.delta_min <= o.delta_init <= o.delta_max,
+           f"overlap.delta_min <= delta_init <= delta_max must hold, got {o.delta_min}, {o.delta_init}, {o.delta_max}.")
+    dmax = o.delta_max if o.delta < 0 else o.delta
+    if cfg.carries:
+        _check(dmax <= p.batch_size, f"overlap Delta (up to {dmax}) must not exceed ppo.batch_size={p.batch_size}; "
+                                     f"lower overlap.delta / overlap.delta_max.")
+        _check(not (o.max_lag == 0 and (o.delta > 0 or (o.delta < 0 and o.delta_max > 0))),
+               "overlap.max_lag=0 forbids carrying, so Delta must be 0: set overlap.delta=0 or overlap.max_lag>=1.")
+    _check(o.actor_threads >= 1 and o.scorer_threads >= 1, "overlap.actor_threads and scorer_threads must be >= 1.")
+    _check(cfg.run.steps >= 0, "run.steps must be >= 0.")
+    _check(cfg.run.save_every >= 0, "run.save_every must be >= 0.")
+    _check(cfg.run.keep_checkpoints >= 1, "run.keep_checkpoints must be >= 1.")
+    _check(not (cfg.reward.path and cfg.reward.function),
+           "Give either reward.path (a reward model) or reward.function (a Python function), not both.")
+    for key in ("reward.function", "reward.judge"):
+        v = getattr(cfg.reward, key.split(".")[1])
+        _check(v is None or (":" in v and all(v.split(":", 1))),
+               f"{key}={v!r} must look like 'package.module:function'.")
+    if cfg.policy.path is not None:
+        _check(cfg.reward.path is not None or cfg.reward.function is not None,
+               "policy.path is set but no reward: set reward.path (a reward model) or reward.function "
+               "('module:function').")
+    for key in ("policy.device", "reference.device", "critic.device", "reward.device"):
+        d = getattr(getattr(cfg, key.split(".")[0]), "device")
+        _check(d in ("auto", "cpu", "cuda") or d.startswith("cuda:"),
+               f"{key}={d!r} must be cpu, cuda, cuda:N or auto.")
+
+
+# --------------------------------------------------------------------------- help
+
+def help_text() -> str:
+    lines = ["Settings (override with section.key=value, or put them in a YAML file for --config):", ""]
+    cfg = Config()
+    for s in _sections(cfg):
+        section = getattr(cfg, s.name)
+        lines.append(f"{s.name}:")
+        for f in dataclasses.fields(section):
+            default = getattr(section, f.name)
+            shown = "(empty)" if default is None else repr(default) if isinstance(default, str) else default
+            extra = f" [{'|'.join(map(str, f.metadata['choices']))}]" if f.metadata.get("choices") else ""
+            lines.append(f"  {s.name}.{f.name} = {shown}{extra}")
+            lines.append(f"      {f.metadata.get('help', '')}")
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,136 @@
+"""Rows of KV cache that can be extended, retired and merged: the slots of the rollout engine
+and of the streaming scorers.
+
+A :class:`KVRows` holds, for R rows (one per sequence):
+
+- ``cache``: a Hugging Face ``DynamicCache`` whose layers hold keys/values ``[R, heads, L, dim]``;
+- ``mask``: ``[R, L]`` 1 where the cache column holds a real token of that row, 0 for padding;
+- ``next_pos``: ``[R]`` the position id the row's next token gets.
+
+Rows are left-padded when they join (``merge``), and may carry masked "holes" in the middle when
+a forward pass feeds some rows fewer tokens than others (a chunk that ends at EOS, or a row that
+had no chunk this round). Masked columns get exactly zero attention weight, so the results equal
+an unpadded forward up to floating-point summation order. Position ids are explicit per row, so
+padding never shifts positions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVRows:
+    def __init__(self, device: torch.device):
+        from transformers import DynamicCache
+
+        self.device = device
+        self.cache = DynamicCache()
+        self.mask = torch.zeros(0, 0, dtype=torch.long, device=device)  # [R, L]
+        self.next_pos = torch.zeros(0, dtype=torch.long, device=device)  # [R]
+
+    @property
+    def rows(self) -> int:
+        return self.mask.shape[0]
+
+    @property
+    def length(self) -> int:
+        return self.mask.shape[1]
+
+    def forward(self, backbone: torch.nn.Module, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Feed ``tokens`` [R, C] (``valid`` [R, C] marks real ones) to ``backbone``; return hidden [R, C, H].
+
+        Invalid entries become masked cache columns; a row's valid tokens need not be contiguous
+        from the left but usually are (right padding of short chunks, or left padding of prompts).
+        """
+        valid = valid.to(torch.long)
+        if self.rows == 0:  # a fresh set of rows: this is their prefill
+            self.mask = valid.new_zeros(valid.shape[0], 0)
+            self.next_pos = valid.new_zeros(valid.shape[0])
+        pos = self.next_pos[:, None] + valid.cumsum(1) - 1  # [R, C]
+        pos = pos.clamp(min=0)
+        mask = torch.cat([self.mask, valid], dim=1)  # [R, L + C]
+        out = backbone(input_ids=tokens, attention_mask=mask, position_ids=pos,
+                       past_key_values=self.cache, use_cache=True)
+        self.mask = mask
+        self.next_pos = self.next_pos + valid.sum(1)
+        return out.last_hidden_state
+
+    def select(self, keep: torch.Tensor) -> None:
+        """Keep only rows ``keep`` (LongTensor of row indices, in the new order); then compact."""
+        if keep.numel() == self.rows and bool((keep == torch.arange(self.rows, device=keep.device)).all()):
+            return
+        if keep.numel() == 0:
+            self.__init__(self.device)
+            return
+        for layer in self.cache.layers:
+            if getattr(layer, "is_initialized", False):
+                layer.keys = layer.keys.index_select(0, keep)
+                layer.values = layer.values.index_select(0, keep)
+        self.mask = self.mask.index_select(0, keep)
+        self.next_pos = self.next_pos.index_select(0, keep)
+        self.compact()
+
+    def compact(self) -> None:
+        """Drop leading columns that no row uses (left padding left behind by retired rows)."""
+        if self.rows == 0 or self.length == 0:
+            return
+        used = self.mask.any(0)
+        start = int(used.to(torch.int8).argmax())  # CPU-GPU sync point (once per retire, not per token)
+        if start == 0:
+            return
+        for layer in self.cache.layers:
+            if getattr(layer, "is_initialized", False):
+                layer.keys = layer.keys[:, :, start:]
+                layer.values = layer.values[:, :, start:]
+        self.mask = self.mask[:, start:]
+
+    def merge(self, other: "KVRows") -> None:
+        """Append ``other``'s rows after ours, left-padding the shorter cache to a common length."""
+        if other.rows == 0:
+            return
+        if self.rows == 0:
+            self.cache, self.mask, self.next_pos = other.cache, other.mask, other.next_pos
+            return
+        L = max(self.length, other.length)
+        for mine, theirs in zip(self.cache.layers, other.cache.layers):
+            mine.keys = torch.cat([_pad_left(mine.keys, L, 2), _pad_left(theirs.keys, L, 2)], 0)
+            mine.values = torch.cat([_pad_left(mine.values, L, 2), _pad_left(theirs.values, L, 2)], 0)
+        self.mask = torch.cat([_pad_left(self.mask, L, 1), _pad_left(other.mask, L, 1)], 0)
+        self.next_pos = torch.cat([self.next_pos, other.next_pos])
+
+    def nbytes(self) -> int:
+        return sum(l.keys.numel() * l.keys.element_size() * 2 for l in self.cache.layers
+                   if getattr(l, "is_initialized", False) and l.keys is not None)
+
+
+def _pad_left(x: torch.Tensor, length: int, dim: int) -> torch.Tensor:
+    missing = length - x.shape[dim]
+    if missing == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = missing
+    return torch.cat([x.new_zeros(shape), x], dim=dim)
+
+
+def left_pad(seqs: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists -> (ids [R, P], valid [R, P]) left-padded to the longest."""
+    P = max((len(s) for s in seqs), default=0)
+    ids = torch.full((len(seqs), P), pad_id, dtype=torch.long)
+    valid = torch.zeros((len(seqs), P), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if s:
+            ids[i, P - len(s):] = torch.tensor(s, dtype=torch.long)
+            valid[i, P - len(s):] = 1
+    return ids.to(device), valid.to(device)
+
+
+def right_pad(seqs: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists -> (ids [R, C], valid [R, C]) right-padded to the longest."""
+    C = max((len(s) for s in seqs), default=0)
+    ids = torch.full((len(seqs), C), pad_id, dtype=torch.long)
+    valid = torch.zeros((len(seqs), C), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if s:
+            ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+            valid[i, : len(s)] = 1
+    return ids.to(device), valid.to(device)

@@ -1,0 +1,187 @@
+"""The rollout engine: batched KV-cache sampling with slots.
+
+Rows join (``admit``: prefill the prompt, merge into the running batch), decode in lock-step
+(``step``: sample one token per row, retire the rows that ended, feed the others), emit chunks of
+new tokens (``take_chunks``), and may stay in the engine across PPO steps (inter-step overlap),
+continuing under new weights. Each sampled token records its behaviour log-prob and the policy
+version whose logits it was sampled from.
+
+Behaviour log-probs are ``log_softmax(logits / temperature)`` at the sampled token, without the
+top-k/top-p renormalisation (as TRL and OpenRLHF do): the PPO ratio compares the
+temperature-scaled policy with itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .kv import KVRows, left_pad
+
+
+@dataclass
+class Rollout:
+    """One sequence, in flight or finished.
+
+    ``response_ids[t]`` was sampled by policy version ``versions[t]`` with behaviour log-prob
+    ``logprobs[t]``. ``emitted`` counts the tokens already streamed to the scorers.
+    """
+
+    uid: int
+    prompt_index: int
+    prompt: str
+    prompt_ids: list[int]
+    start_version: int
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finished: bool = False
+    ended_with_eos: bool = False
+    emitted: int = 0
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """New tokens of one sequence for the streaming scorers; ``final`` marks the sequence's end."""
+
+    uid: int
+    tokens: tuple[int, ...]
+    final: bool
+
+
+def sample_tokens(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                  generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row from ``logits`` [R, V]; return (tokens [R], behaviour logprobs [R])."""
+    scaled = logits.float() / temperature  # [R, V]
+    logp = torch.log_softmax(scaled, dim=-1)  # [R, V]
+    filtered = scaled
+    if top_k > 0 and top_k < filtered.shape[-1]:
+        kth = torch.topk(filtered, top_k, dim=-1).values[:, -1:]  # [R, 1]
+        filtered = filtered.masked_fill(filtered < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(filtered, descending=True, dim=-1)
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        drop = cum - torch.softmax(sorted_logits, dim=-1) >= top_p  # keep the smallest set reaching top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        filtered = torch.full_like(filtered, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = torch.softmax(filtered, dim=-1)
+    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # [R]
+    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+
+
+class RolloutEngine:
+    """Slots of in-flight sequences over one policy model (see the module docstring)."""
+
+    def __init__(self, model, eos_id: int, pad_id: int, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int = 0, greedy: bool = False):
+        from .models import backbone_and_head
+
+        self.model = model
+        self.backbone, self.head = backbone_and_head(model)
+        self.device = next(model.parameters()).device
+        self.eos_id, self.pad_id = eos_id, pad_id
+        self.max_new_tokens = max_new_tokens
+        self.temperature, self.top_k, self.top_p, self.greedy = temperature, top_k, top_p, greedy
+        self.generator = torch.Generator(self.device).manual_seed(seed)
+        self.version = 0
+        self.rows: list[Rollout] = []
+        self.kv = KVRows(self.device)
+        self.next_logits = torch.zeros(0, 0, device=self.device)  # [R, V]
+        self.logits_version: list[int] = []  # which policy version computed each row's next_logits
+        self.finished: list[Rollout] = []  # retired since the last take_chunks()
+
+    @property
+    def active(self) -> int:
+        return len(self.rows)
+
+    def uids(self) -> list[int]:
+        return [r.uid for r in self.rows]
+
+    @torch.no_grad()
+    def _prefill(self, seqs: list[list[int]]) -> tuple[KVRows, torch.Tensor]:
+        kv = KVRows(self.device)
+        ids, valid = left_pad(seqs, self.pad_id, self.device)
+        hidden = kv.forward(self.backbone, ids, valid)  # [R, P, H]
+        return kv, self.head(hidden[:, -1]).float()  # left padding: the last column is real for every row
+
+    @torch.no_grad()
+    def admit(self, rollouts: list[Rollout]) -> None:
+        """Prefill the new rows' prompts (and any response so far) and add them to the batch."""
+        if not rollouts:
+            return
+        kv, logits = self._prefill([r.prompt_ids + r.response_ids for r in rollouts])
+        self.kv.merge(kv)
+        self.rows.extend(rollouts)
+        self.next_logits = logits if self.next_logits.numel() == 0 else torch.cat([self.next_logits, logits])
+        self.logits_version.extend([self.version] * len(rollouts))
+
+    @torch.no_grad()
+    def recompute(self) -> None:
+        """Rebuild every row's KV cache and next-token logits under the current weights
+        (``overlap.stale_kv=recompute``)."""
+        rows = self.rows
+        self.rows, self.kv, self.logits_version = [], KVRows(self.device), []
+        self.next_logits = torch.zeros(0, 0, device=self.device)
+        self.admit(rows)
+
+    def set_version(self, version: int) -> None:
+        self.version = version
+
+    @torch.no_grad()
+    def step(self) -> list[Rollout]:
+        """Sample one token for every row; retire rows that ended; return them."""
+        if not self.rows:
+            return []
+        if self.greedy:
+            tokens = self.next_logits.argmax(-1)  # [R]
+            logp = torch.log_softmax(self.next_logits / self.temperature, -1).gather(1, tokens[:, None])[:, 0]
+        else:
+            tokens, logp = sample_tokens(self.next_logits, self.temperature, self.top_k, self.top_p, self.generator)
+        tok_list, lp_list = tokens.tolist(), logp.tolist()  # CPU-GPU sync point (one per decode step)
+        keep, done = [], []
+        for i, (row, t, lp) in enumerate(zip(self.rows, tok_list, lp_list)):
+            row.response_ids.append(t)
+            row.logprobs.append(lp)
+            row.versions.append(self.logits_version[i])
+            if t == self.eos_id or len(row.response_ids) >= self.max_new_tokens:
+                row.finished, row.ended_with_eos = True, t == self.eos_id
+                done.append(row)
+            else:
+                keep.append(i)
+        if done:
+            idx = torch.tensor(keep, dtype=torch.long, device=self.device)
+            self.kv.select(idx)
+            self.rows = [self.rows[i] for i in keep]
+            self.logits_version = [self.logits_version[i] for i in keep]
+            tokens = tokens.index_select(0, idx)
+            self.finished.extend(done)
+        if self.rows:
+            hidden = self.kv.forward(self.backbone, tokens[:, None], torch.ones_like(tokens)[:, None])  # [R, 1, H]
+            self.next_logits = self.head(hidden[:, -1]).float()  # [R, V]
+            self.logits_version = [self.version] * len(self.rows)
+        else:
+            self.next_logits = torch.zeros(0, 0, device=self.device)
+        return done
+
+    def take_chunks(self, chunk_size: int) -> list[Chunk]:
+        """Chunks for the scorers: every row with at least ``chunk_size`` unstreamed tokens, and
+        every row retired since the last call (its final chunk, possibly empty)."""
+        out = []
+        for row in self.finished:
+            out.append(Chunk(row.uid, tuple(row.response_ids[row.emitted:]), True))
+            row.emitted = len(row.response_ids)
+        self.finished = []
+        for row in self.rows:
+            if len(row.response_ids) - row.emitted >= chunk_size:
+                out.append(Chunk(row.uid, tuple(row.response_ids[row.emitted:]), False))
+                row.emitted = len(row.response_ids)
+        return out
+
+    def generate_all(self) -> list[Rollout]:
+        """Decode until every row has ended (the sequential rollout, with early exit)."""
+        done = []
+        while self.rows:
+            done.extend(self.step())
+        self.finished = []
+        return done

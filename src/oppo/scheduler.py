@@ -1,0 +1,735 @@
+"""Scheduling state machines for overlapped PPO: admission, step closing, staleness, Delta, chunk size.
+
+Everything here is pure: no torch, no threads, no I/O, no clocks. Events go in (a sequence
+finished, a step's update is done, a step took this long), decisions come out (admit these
+prompts, train these sequences). The runtime owns the engine, the clock and the models.
+
+Scheduler: the inter-step overlap
+---------------------------------
+Terms. ``B`` is the PPO batch size (sequences per step). A *sequence* is one prompt being
+answered; it gets a never-reused ``uid`` when admitted. Step ``k`` is sampled by policy version
+``k`` (``pi_k``), so the step index *is* the policy version. A sequence's ``start_version`` is
+the step at which it was admitted, i.e. the version that sampled its first token. If it is
+trained at step ``k`` its **lag** is ``k - start_version``. Tokens sampled later (after the
+sequence was carried into later steps) come from newer versions, so every token of a sequence
+trained at step ``k`` was sampled by a version in ``[k - lag, k]``; the engine tags each token
+with its version and the PPO loss importance-weights them against their behaviour log-probs.
+
+Phases (each call is only legal in the phase shown; otherwise ``RuntimeError``)::
+
+        begin_step() -> Admit               try_close() -> CloseStep       end_step(reward)
+    IDLE ─────────────────────────> OPEN ───────────────────────> UPDATING ───────────────> IDLE
+     ^  (top up admitted-but-untrained   (None until the batch     (PPO update runs;        (step += 1,
+     │   sequences to B + Delta)          is ready: call again      engine may keep          Delta updated)
+     │                                    after each finish)        decoding carried rows)
+     └── drain_for_checkpoint(), state_dict(), load_state_dict() only here
+
+    on_finished(uid) is legal in every phase; with refill=True it may return an Admit while OPEN.
+
+The staleness knob ``max_lag``. A sequence is **due** at step ``k`` when
+``k - start_version >= max_lag``: one more carry would push its lag past ``max_lag``. A step
+closes (``try_close`` returns a ``CloseStep``) as soon as
+
+1. at least ``B`` sequences are finished and untrained (the *finished pool*), and
+2. no due sequence is still running (the step waits for it instead of carrying it again).
+
+The batch is the ``B`` finished sequences with the smallest ``(start_version, finish order)``.
+Due sequences have the smallest start versions, so they are always in it. The rest of the
+pool (sequences that finished in the same instant) stays for the next step, oldest first;
+running sequences are carried with their partial work. Hence every trained sequence has
+``0 <= lag <= max_lag``: ``max_lag = 0`` is fully on-policy (nothing is ever carried; with
+``Delta = 0`` the schedule is exactly the sequential one: admit B, wait for all B), ``max_lag = 1``
+lets a sequence be carried once, and so on.
+
+Delta. At ``begin_step`` the scheduler admits new prompts until ``B + Delta`` sequences are
+admitted-but-untrained (carried running ones and carried finished ones count). Delta is fixed
+(an ``int``) or adapted after every step by a :class:`DeltaController` (reward-slope rule).
+
+Refill (continuous batching, ``refill=True``). While a step is OPEN, a finish frees an engine
+slot and the scheduler admits a replacement at once, keeping ``B + Delta`` sequences
+*running*, as long as no more than ``2 * B`` sequences are admitted-but-untrained. That cap is
+what keeps the carried set at most ``B`` (see the note in ``Scheduler.__init__``). Refill needs
+``max_lag >= 1``: with ``max_lag = 0`` a replacement would be due in the very step that
+admitted it, and any extra finished sequence could never be carried.
+
+Data position. Prompts are handed out in the order of a data-stream position, an ``int``
+counter that starts at ``start_position``; ``SeqTicket.prompt_index`` is that position and the
+caller maps it to a prompt (e.g. modulo the dataset size, with a per-epoch shuffle).
+
+Checkpoints (the rule). Call ``drain_for_checkpoint()`` between steps (IDLE), abort the
+returned sequences in the engine, then save ``state_dict()``. Draining forgets every
+admitted-but-untrained sequence (running or finished) and puts its prompt position on a
+``requeue`` list; ``begin_step`` (and refill) admit requeued positions first, under new uids
+and the current version, before any new position. Their partial (or even complete)
+generations are discarded and regenerated. Because the live run drains too, the live run and
+a run resumed from the checkpoint take exactly the same path, and neither loses nor repeats a
+prompt. If ``state_dict()`` is taken without draining, ``load_state_dict()`` requeues the
+untrained sequences itself: still nothing lost or trained twice, but the live run keeps their
+partial work while the resumed run regenerates them, so the two runs diverge from there.
+
+DeltaController: ``Delta`` from the slope of the mean reward (OPPO). ChunkSizeTuner: the
+chunk size for intra-step overlap, chosen online by timing real steps.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "Admit",
+    "ChunkSizeTuner",
+    "CloseStep",
+    "DeltaController",
+    "Phase",
+    "Scheduler",
+    "SeqTicket",
+]
+
+_STATE_FORMAT = 1
+
+
+# --------------------------------------------------------------------------- messages
+
+
+@dataclass(frozen=True)
+class SeqTicket:
+    """One admitted sequence.
+
+    uid: unique, increasing, never reused (also across checkpoint/resume).
+    prompt_index: data-stream position of its prompt (the caller maps it to a prompt).
+    start_version: step (= policy version) at which it was admitted; its first token's version.
+    """
+
+    uid: int
+    prompt_index: int
+    start_version: int
+
+
+@dataclass(frozen=True)
+class Admit:
+    """Start generating these sequences now (possibly none)."""
+
+    seqs: tuple[SeqTicket, ...]
+
+
+@dataclass(frozen=True)
+class CloseStep:
+    """Train step ``step`` on exactly B finished sequences.
+
+    ``uids`` are ordered by (start_version, finish order), so due sequences come first;
+    ``start_versions`` is parallel to ``uids``.
+    """
+
+    step: int
+    uids: tuple[int, ...]
+    start_versions: tuple[int, ...]
+
+    @property
+    def lags(self) -> tuple[int, ...]:
+        """Per-sequence lag ``step - start_version``, parallel to ``uids``."""
+        return tuple(self.step - v for v in self.start_versions)
+
+    def lag_histogram(self) -> dict[int, int]:
+        """``{lag: number of sequences}`` for this batch (for metrics)."""
+        out: dict[int, int] = {}
+        for lag in self.lags:
+            out[lag] = out.get(lag, 0) + 1
+        return dict(sorted(out.items()))
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"  # between steps: before begin_step(), after end_step()
+    OPEN = "open"  # step admitted; waiting for a closable batch
+    UPDATING = "updating"  # batch handed out; PPO update running until end_step()
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _check_int(name: str, value: Any, minimum: int, fix: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__}); {fix}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}; {fix}")
+    return value
+
+
+def _check_reward(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(
+            f"{what} must be a finite number, got {value!r}; check the reward computation "
+            "(a NaN/inf mean reward usually means the policy or reward model diverged)"
+        )
+    return float(value)
+
+
+def _state_mismatch(what: str, saved: Any, mine: Any) -> ValueError:
+    return ValueError(
+        f"checkpoint {what} is {saved!r} but this object was built with {mine!r}; construct it "
+        "with the same settings as the run that wrote the checkpoint"
+    )
+
+
+# --------------------------------------------------------------------------- DeltaController
+
+
+class DeltaController:
+    """Adaptive Delta by the reward-slope rule (OPPO).
+
+    ``update(R_t)`` is called once per step with the step's mean reward. With the last
+    ``window`` differences ``d_i = R_i - R_{i-1}``, the slope is ``s_t = mean(d)``;
+    ``s_t > 0`` -> ``Delta + step``, otherwise (flat or falling) ``Delta - step``; the result is
+    clipped to ``[delta_min, delta_max]``. ``step`` is 1, or with ``proportional=True``
+    ``max(1, floor(Delta / 4))`` computed from the current Delta. Until ``window`` differences
+    exist (the first ``window`` calls) Delta stays at ``delta_init``.
+    """
+
+    def __init__(
+        self,
+        delta_init: int = 0,
+        delta_min: int = 0,
+        delta_max: int = 8,
+        window: int = 5,
+        proportional: bool = False,
+    ) -> None:
+        _check_int("delta_min", delta_min, 0, "use 0 for 'no extra sequences'")
+        _check_int("delta_max", delta_max, 0, "use a non-negative bound")
+        _check_int("delta_init", delta_init, 0, "use a value in [delta_min, delta_max]")
+        _check_int("window", window, 1, "use a window of at least 1 reward difference")
+        if delta_min > delta_max:
+            raise ValueError(
+                f"delta_min ({delta_min}) > delta_max ({delta_max}); swap them or lower delta_min"
+            )
+        if not delta_min <= delta_init <= delta_max:
+            raise ValueError(
+                f"delta_init ({delta_init}) must lie in [delta_min, delta_max] = "
+                f"[{delta_min}, {delta_max}]; change delta_init or the bounds"
+            )
+        self.delta_min = delta_min
+        self.delta_max = delta_max
+        self.delta_init = delta_init
+        self.window = window
+        self.proportional = bool(proportional)
+        self._delta = delta_init
+        self._rewards: list[float] = []  # the last window + 1 mean rewards
+        self._slope: float | None = None
+
+    @property
+    def delta(self) -> int:
+        return self._delta
+
+    @property
+    def slope(self) -> float | None:
+        """Slope computed by the last ``update`` (None until ``window`` differences exist)."""
+        return self._slope
+
+    def update(self, mean_reward: float) -> int:
+        """Feed one step's mean reward; return the Delta for the next step."""
+        self._rewards.append(_check_reward(mean_reward, "mean_reward"))
+        del self._rewards[: -(self.window + 1)]
+        if len(self._rewards) < self.window + 1:
+            return self._delta
+        diffs = [b - a for a, b in zip(self._rewards, self._rewards[1:])]
+        self._slope = sum(diffs) / self.window
+        step = max(1, self._delta // 4) if self.proportional else 1
+        new = self._delta + step if self._slope > 0 else self._delta - step
+        self._delta = min(self.delta_max, max(self.delta_min, new))
+        return self._delta
+
+    def _config(self) -> dict[str, Any]:
+        return {
+            "delta_init": self.delta_init,
+            "delta_min": self.delta_min,
+            "delta_max": self.delta_max,
+            "window": self.window,
+            "proportional": self.proportional,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "config": self._config(),
+            "delta": self._delta,
+            "rewards": list(self._rewards),
+            "slope": self._slope,
+        }
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        if d["config"] != self._config():
+            raise _state_mismatch("DeltaController config", d["config"], self._config())
+        delta = _check_int("delta", d["delta"], 0, "the checkpoint is corrupt")
+        if not self.delta_min <= delta <= self.delta_max:
+            raise ValueError(f"checkpoint delta {delta} is outside [delta_min, delta_max]")
+        self._delta = delta
+        self._rewards = [_check_reward(r, "checkpoint reward") for r in d["rewards"]]
+        self._slope = None if d["slope"] is None else float(d["slope"])
+
+
+# --------------------------------------------------------------------------- Scheduler
+
+
+class Scheduler:
+    """Admission, step closing and staleness for inter-step overlap (see the module docstring).
+
+    Args:
+        batch_size: B, sequences per PPO step (>= 1).
+        max_lag: the largest allowed ``train step - start_version`` (>= 0).
+        delta: a fixed Delta (int >= 0) or a :class:`DeltaController` that this scheduler owns
+            and updates at every ``end_step``.
+        refill: continuous batching: replace finished sequences while the step is open.
+        start_position: first data-stream position handed out (for a fresh run).
+    """
+
+    def __init__(
+        self,
+        batch_size: int,
+        max_lag: int,
+        delta: int | DeltaController,
+        refill: bool = False,
+        start_position: int = 0,
+    ) -> None:
+        _check_int("batch_size", batch_size, 1, "a PPO step needs at least one sequence")
+        _check_int("max_lag", max_lag, 0, "use 0 for fully on-policy training")
+        _check_int("start_position", start_position, 0, "data positions start at 0")
+        if isinstance(delta, DeltaController):
+            self._controller: DeltaController | None = delta
+            self._fixed_delta = 0
+            delta_bound, delta_name = delta.delta_max, "DeltaController.delta_max"
+        else:
+            _check_int("delta", delta, 0, "use 0 for no extra sequences in flight")
+            self._controller = None
+            self._fixed_delta = delta
+            delta_bound, delta_name = delta, "delta"
+        # Why Delta <= B. At most B + Delta sequences are admitted-but-untrained when a step
+        # closes (2B with refill, which is capped there), and the step trains B of them, so at
+        # most Delta <= B are carried into the next step. Sequences admitted in step k have lag
+        # 0 < max_lag, so only carried ones can be due: at most B due sequences, and a batch of
+        # exactly B can always hold them all. With Delta > B, e.g. B=2, Delta=5, max_lag=1,
+        # two short sequences close step 0, five are carried and all five are due at step 1:
+        # no batch of 2 could take them without exceeding max_lag.
+        if delta_bound > batch_size:
+            raise ValueError(
+                f"{delta_name} ({delta_bound}) must be <= batch_size ({batch_size}): more carried "
+                "sequences than B could come due together and not fit one batch; lower "
+                f"{delta_name} or raise batch_size"
+            )
+        if max_lag == 0 and delta_bound != 0:
+            raise ValueError(
+                f"max_lag=0 forbids carrying any sequence into the next step, but {delta_name}="
+                f"{delta_bound} keeps extra sequences in flight that would be carried; set "
+                f"{delta_name}=0 or max_lag >= 1"
+            )
+        if refill and max_lag == 0:
+            raise ValueError(
+                "refill=True admits replacements mid-step that must be carried into a later "
+                "step, which max_lag=0 forbids; set refill=False or max_lag >= 1"
+            )
+        self.batch_size = batch_size
+        self.max_lag = max_lag
+        self.refill = bool(refill)
+        self.start_position = start_position
+
+        self._step = 0
+        self._phase = Phase.IDLE
+        self._next_uid = 0
+        self._next_position = start_position
+        self._requeue: list[int] = []
+        self._tickets: dict[int, SeqTicket] = {}  # admitted, not trained (admission order)
+        self._running: dict[int, None] = {}  # ordered set: still decoding
+        self._pool: dict[int, int] = {}  # finished, not trained: uid -> finish order
+        self._finish_counter = 0
+
+    # ----------------------------------------------------------------- queries
+
+    @property
+    def step(self) -> int:
+        """Index of the current (or next, when IDLE) step."""
+        return self._step
+
+    @property
+    def version(self) -> int:
+        """Policy version sampling new tokens now; one update per step, so equal to ``step``."""
+        return self._step
+
+    @property
+    def phase(self) -> Phase:
+        return self._phase
+
+    @property
+    def delta(self) -> int:
+        """Delta in force for the current/next step."""
+        return self._controller.delta if self._controller is not None else self._fixed_delta
+
+    @property
+    def controller(self) -> DeltaController | None:
+        return self._controller
+
+    @property
+    def in_flight(self) -> tuple[int, ...]:
+        """Uids still decoding, in admission order."""
+        return tuple(self._running)
+
+    @property
+    def finished_pool(self) -> tuple[int, ...]:
+        """Finished, untrained uids in batch-priority order (start_version, finish order)."""
+        return tuple(sorted(self._pool, key=self._priority))
+
+    @property
+    def untrained(self) -> int:
+        """Admitted-but-untrained count: ``len(in_flight) + len(finished_pool)``."""
+        return len(self._tickets)
+
+    @property
+    def due(self) -> tuple[int, ...]:
+        """Untrained uids that must be in this step's batch (``step - start_version >= max_lag``)."""
+        return tuple(u for u, t in self._tickets.items() if self._is_due(t))
+
+    @property
+    def waiting_on(self) -> tuple[int, ...]:
+        """Due uids still running: the step cannot close before they finish."""
+        return tuple(u for u in self._running if self._is_due(self._tickets[u]))
+
+    @property
+    def position(self) -> int:
+        """Next fresh data-stream position."""
+        return self._next_position
+
+    @property
+    def requeue(self) -> tuple[int, ...]:
+        """Drained prompt positions waiting to be admitted again (first in line)."""
+        return tuple(self._requeue)
+
+    def ticket(self, uid: int) -> SeqTicket:
+        """The ticket of an admitted, untrained sequence (KeyError otherwise)."""
+        return self._tickets[uid]
+
+    def lag(self, uid: int) -> int:
+        """Lag the sequence would have if trained now: ``step - start_version``."""
+        return self._step - self._tickets[uid].start_version
+
+    # ----------------------------------------------------------------- events
+
+    def begin_step(self) -> Admit:
+        """Open step ``step``; admit prompts until ``B + Delta`` are admitted-but-untrained.
+
+        Requeued positions (from a checkpoint drain) come first. With ``refill=True`` the
+        engine is also filled to ``B + Delta`` running, within the ``2B`` untrained cap.
+        """
+        self._require(Phase.IDLE, "begin_step")
+        self._phase = Phase.OPEN
+        return Admit(self._fill())
+
+    def on_finished(self, uid: int) -> Admit | None:
+        """Sequence ``uid`` produced its last token (EOS or length limit).
+
+        Returns the replacement admissions (``refill=True``, step OPEN), else None.
+        Raises ValueError if ``uid`` is not running (unknown, finished, trained or drained).
+        """
+        if uid not in self._running:
+            raise ValueError(
+                f"uid {uid} is not in flight (never admitted, already finished, trained or "
+                "drained for a checkpoint); the engine must abort drained sequences"
+            )
+        del self._running[uid]
+        self._pool[uid] = self._finish_counter
+        self._finish_counter += 1
+        if self.refill and self._phase is Phase.OPEN:
+            seqs = self._fill()
+            return Admit(seqs) if seqs else None
+        return None
+
+    def try_close(self) -> CloseStep | None:
+        """The step's batch, once B sequences are finished and no due one is still running.
+
+        Call it after every batch of ``on_finished`` events (sequences that finish in the same
+        instant are all reported before this call, so the oldest are chosen). Returns None
+        while the step must wait; on success the phase becomes UPDATING.
+        """
+        self._require(Phase.OPEN, "try_close")
+        if len(self._pool) < self.batch_size:
+            return None
+        if any(self._is_due(self._tickets[u]) for u in self._running):
+            return None
+        batch = sorted(self._pool, key=self._priority)[: self.batch_size]
+        chosen = set(batch)
+        left_due = [u for u in self._pool if u not in chosen and self._is_due(self._tickets[u])]
+        if left_due:  # impossible while Delta <= B and the 2B refill cap hold
+            raise RuntimeError(f"internal error: due sequences {left_due} do not fit the batch")
+        versions = tuple(self._tickets[u].start_version for u in batch)
+        for u in batch:
+            del self._pool[u]
+            del self._tickets[u]
+        self._phase = Phase.UPDATING
+        return CloseStep(step=self._step, uids=tuple(batch), start_versions=versions)
+
+    def end_step(self, mean_reward: float) -> None:
+        """The PPO update of this step is done: version += 1 and Delta is updated.
+
+        ``mean_reward`` is the mean reward of the batch just trained (used by a
+        DeltaController; ignored with a fixed Delta).
+        """
+        self._require(Phase.UPDATING, "end_step")
+        if self._controller is not None:
+            self._controller.update(mean_reward)
+        self._step += 1
+        self._phase = Phase.IDLE
+
+    # ----------------------------------------------------------------- checkpoints
+
+    def drain_for_checkpoint(self) -> list[SeqTicket]:
+        """Forget all admitted-but-untrained sequences and requeue their prompt positions.
+
+        Call between steps (IDLE), before ``state_dict()``. Returns the drained tickets in
+        admission order; the caller must abort them in the engine (their partial or complete
+        generations are discarded; the prompts are regenerated under new uids, first in line
+        at the next ``begin_step``).
+        """
+        self._require(Phase.IDLE, "drain_for_checkpoint")
+        drained = list(self._tickets.values())
+        self._requeue.extend(t.prompt_index for t in drained)
+        self._tickets.clear()
+        self._running.clear()
+        self._pool.clear()
+        return drained
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable state (IDLE only). Drain first for an exact resume."""
+        self._require(Phase.IDLE, "state_dict")
+        return {
+            "format": _STATE_FORMAT,
+            "config": self._config(),
+            "step": self._step,
+            "next_uid": self._next_uid,
+            "next_position": self._next_position,
+            "requeue": list(self._requeue),
+            # Normally empty (drained). Otherwise requeued on load, in admission order.
+            "untrained": [[t.uid, t.prompt_index, t.start_version] for t in self._tickets.values()],
+            "delta_controller": None if self._controller is None else self._controller.state_dict(),
+        }
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        """Restore ``state_dict()`` output into a fresh scheduler built with the same settings."""
+        self._require(Phase.IDLE, "load_state_dict")
+        if self._tickets or self._step or self._next_uid:
+            raise RuntimeError("load_state_dict needs a freshly constructed Scheduler")
+        if d.get("format") != _STATE_FORMAT:
+            raise ValueError(f"unknown scheduler state format {d.get('format')!r}")
+        saved = dict(d["config"])
+        mine = self._config()
+        saved_start = saved.pop("start_position")
+        mine.pop("start_position")
+        if saved != mine:
+            raise _state_mismatch("Scheduler config", saved, mine)
+        if (d["delta_controller"] is None) != (self._controller is None):
+            raise _state_mismatch("delta kind", saved["delta"], mine["delta"])
+        if self._controller is not None:
+            self._controller.load_state_dict(d["delta_controller"])
+        self.start_position = saved_start
+        self._step = _check_int("step", d["step"], 0, "the checkpoint is corrupt")
+        self._next_uid = _check_int("next_uid", d["next_uid"], 0, "the checkpoint is corrupt")
+        self._next_position = _check_int(
+            "next_position", d["next_position"], saved_start, "the checkpoint is corrupt"
+        )
+        untrained = sorted(d["untrained"], key=lambda row: row[0])
+        self._requeue = [int(p) for p in d["requeue"]] + [int(row[1]) for row in untrained]
+
+    # ----------------------------------------------------------------- internals
+
+    def _config(self) -> dict[str, Any]:
+        return {
+            "batch_size": self.batch_size,
+            "max_lag": self.max_lag,
+            "refill": self.refill,
+            "delta": "adaptive" if self._controller is not None else self._fixed_delta,
+            "start_position": self.start_position,
+        }
+
+    def _require(self, phase: Phase, call: str) -> None:
+        if self._phase is not phase:
+            order = "begin_step -> (on_finished)* -> try_close -> end_step"
+            raise RuntimeError(
+                f"{call}() needs phase {phase.value!r} but the scheduler is "
+                f"{self._phase.value!r} at step {self._step}; the cycle is {order}"
+            )
+
+    def _is_due(self, t: SeqTicket) -> bool:
+        return self._step - t.start_version >= self.max_lag
+
+    def _priority(self, uid: int) -> tuple[int, int]:
+        return (self._tickets[uid].start_version, self._pool[uid])
+
+    def _wants_one_more(self) -> bool:
+        target = self.batch_size + self.delta
+        if self.refill:
+            # keep B + Delta running, but never more than 2B untrained (keeps carried <= B)
+            return len(self._running) < target and len(self._tickets) < 2 * self.batch_size
+        return len(self._tickets) < target
+
+    def _fill(self) -> tuple[SeqTicket, ...]:
+        out = []
+        while self._wants_one_more():
+            if self._requeue:
+                position = self._requeue.pop(0)
+            else:
+                position = self._next_position
+                self._next_position += 1
+            t = SeqTicket(uid=self._next_uid, prompt_index=position, start_version=self._step)
+            self._next_uid += 1
+            self._tickets[t.uid] = t
+            self._running[t.uid] = None
+            out.append(t)
+        return tuple(out)
+
+
+# --------------------------------------------------------------------------- ChunkSizeTuner
+
+
+class ChunkSizeTuner:
+    """Online choice of the streaming chunk size (tokens per chunk) for intra-step overlap.
+
+    Cycle: a *tuning round* runs each candidate, in the given order, for ``trial_steps`` real
+    steps, then keeps the candidate with the lowest median step time (ties: the earlier
+    candidate); that ``best`` is used for ``retune_every`` steps, then a new round starts (the
+    OPPO paper re-tries candidates about every 50 steps, since response lengths drift). One
+    cycle is therefore ``len(candidates) * trial_steps + retune_every`` steps.
+    ``retune_every=None`` tunes once. ``fixed=N`` always returns N and never tunes.
+
+    Warm-up: when ``trial_steps >= 2`` the first step of each trial is recorded in ``history``
+    but left out of the median, because it still carries work shaped by the previous chunk
+    size (sequences carried across the step boundary were partly scored in the old chunking)
+    and pays one-off costs of new shapes (allocator growth, kernel selection). With
+    ``trial_steps == 1`` the single step is used as is.
+
+    Use: ``size = tuner.current()`` before a step, ``tuner.record(seconds)`` after it.
+    """
+
+    def __init__(
+        self,
+        candidates: Sequence[int] = (8, 16, 32, 64),
+        trial_steps: int = 2,
+        retune_every: int | None = 50,
+        fixed: int | None = None,
+    ) -> None:
+        cands = tuple(candidates)
+        if not cands:
+            raise ValueError("candidates is empty; give at least one chunk size (or fixed=N)")
+        for c in cands:
+            _check_int("chunk size candidate", c, 1, "chunk sizes are positive token counts")
+        if len(set(cands)) != len(cands):
+            raise ValueError(f"candidates {cands} contain duplicates; list each size once")
+        _check_int("trial_steps", trial_steps, 1, "each candidate needs at least one step")
+        if retune_every is not None:
+            _check_int("retune_every", retune_every, 1, "or None to tune only once")
+        if fixed is not None:
+            _check_int("fixed", fixed, 1, "or None to tune online")
+        self.candidates = cands
+        self.trial_steps = trial_steps
+        self.retune_every = retune_every
+        self.fixed = fixed
+        self.history: list[tuple[int, float]] = []  # (chunk size used, step time) per step
+        self._best: int | None = fixed
+        self._tuning = fixed is None
+        self._trial = 0  # index into candidates during a round
+        self._round: list[list[float]] = [[] for _ in cands]  # times of the current round
+        self._medians: dict[int, float] = {}  # of the last completed round
+        self._since_tuned = 0
+        self._rounds = 0
+
+    @property
+    def best(self) -> int | None:
+        """The chunk size chosen by the last completed round (``fixed`` if set; None before)."""
+        return self._best
+
+    @property
+    def tuning(self) -> bool:
+        return self._tuning
+
+    @property
+    def rounds(self) -> int:
+        """Completed tuning rounds."""
+        return self._rounds
+
+    @property
+    def medians(self) -> dict[int, float]:
+        """Median step time per candidate in the last completed round (for logging)."""
+        return dict(self._medians)
+
+    def current(self) -> int:
+        """Chunk size to use for the next step."""
+        if self.fixed is not None:
+            return self.fixed
+        if self._tuning:
+            return self.candidates[self._trial]
+        assert self._best is not None
+        return self._best
+
+    def record(self, step_time_s: float) -> None:
+        """Report the wall-clock time of the step that used ``current()``."""
+        if (
+            isinstance(step_time_s, bool)
+            or not isinstance(step_time_s, (int, float))
+            or not math.isfinite(step_time_s)
+            or step_time_s < 0
+        ):
+            raise ValueError(f"step_time_s must be a finite number >= 0, got {step_time_s!r}")
+        t = float(step_time_s)
+        self.history.append((self.current(), t))
+        if self.fixed is not None:
+            return
+        if not self._tuning:
+            self._since_tuned += 1
+            if self.retune_every is not None and self._since_tuned >= self.retune_every:
+                self._tuning, self._trial = True, 0
+                self._round = [[] for _ in self.candidates]
+            return
+        times = self._round[self._trial]
+        times.append(t)
+        if len(times) < self.trial_steps:
+            return
+        self._trial += 1
+        if self._trial < len(self.candidates):
+            return
+        warm = 1 if self.trial_steps >= 2 else 0
+        self._medians = {
+            c: statistics.median(ts[warm:]) for c, ts in zip(self.candidates, self._round)
+        }
+        self._best = min(self.candidates, key=lambda c: self._medians[c])  # first on ties
+        self._tuning, self._trial, self._since_tuned = False, 0, 0
+        self._rounds += 1
+
+    def _config(self) -> dict[str, Any]:
+        return {
+            "candidates": list(self.candidates),
+            "trial_steps": self.trial_steps,
+            "retune_every": self.retune_every,
+            "fixed": self.fixed,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "config": self._config(),
+            "history": [[c, t] for c, t in self.history],
+            "best": self._best,
+            "tuning": self._tuning,
+            "trial": self._trial,
+            "round": [list(ts) for ts in self._round],
+            "medians": [[c, m] for c, m in self._medians.items()],
+            "since_tuned": self._since_tuned,
+            "rounds": self._rounds,
+        }
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        if d["config"] != self._config():
+            raise _state_mismatch("ChunkSizeTuner config", d["config"], self._config())
+        self.history = [(int(c), float(t)) for c, t in d["history"]]
+        self._best = None if d["best"] is None else int(d["best"])
+        self._tuning = bool(d["tuning"])
+        self._trial = int(d["trial"])
+        self._round = [[float(t) for t in ts] for ts in d["round"]]
+        self._medians = {int(c): float(m) for c, m in d["medians"]}
+        self._since_tuned = int(d["since_tuned"])
+        self._rounds = int(d["rounds"])

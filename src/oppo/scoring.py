@@ -1,0 +1,193 @@
+"""Scorers: reward score, reference log-probs and critic values, one-shot or streamed.
+
+Alignment (drawn once; ``ppo_math`` uses the same): a sequence is ``prompt p_0..p_{P-1}`` then
+``response a_0..a_{T-1}``. With ``h_j`` the backbone's hidden state after token j of the full
+sequence,
+
+    ref_logprobs[t] = log softmax(lm_head(h_{P+t-1}) / temperature)[a_t]
+    values[t]       = value_head(h_{P+t-1})          (the state before a_t is sampled)
+    score           = score_head(h_{P+T-1})          (at the last response token: EOS if it ended)
+
+The one-shot path runs one forward over left-padded prompt + right-padded response. The
+streaming path (:class:`StreamingScorer`) keeps a KV cache per sequence: it prefills the prompt
+when the sequence is admitted and each chunk when it arrives, carrying the last hidden state
+``h`` of the previous chunk so that the first token of a chunk is scored against it. Both give
+the same numbers up to floating-point summation order (tested).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Literal
+
+import torch
+
+from .kv import KVRows, left_pad, right_pad
+from .models import backbone_and_head
+
+Kind = Literal["reward", "reference", "critic"]
+
+
+@dataclass
+class ScoredOutputs:
+    """Per-sequence outputs of one scorer role."""
+
+    score: float | None = None  # reward role
+    logprobs: list[float] = field(default_factory=list)  # reference role, one per response token
+    values: list[float] = field(default_factory=list)  # critic role, one per response token
+
+
+def _per_token(kind: Kind, head: torch.nn.Module, pre: torch.Tensor, tokens: torch.Tensor,
+               temperature: float) -> torch.Tensor:
+    """Head outputs for hidden states ``pre`` [R, C, H] that predict ``tokens`` [R, C] -> [R, C]."""
+    if kind == "reference":
+        logits = head(pre).float() / temperature  # [R, C, V]
+        return torch.log_softmax(logits, -1).gather(-1, tokens[..., None]).squeeze(-1)
+    return head(pre).float().squeeze(-1)  # critic: [R, C]
+
+
+def sequence_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: int, device: torch.device):
+    """Left-padded prompts + right-padded responses: (ids [R, P+T], valid [R, P+T], P, response_mask [R, T])."""
+    p_ids, p_valid = left_pad(prompts, pad_id, device)
+    r_ids, r_valid = right_pad(responses, pad_id, device)
+    return torch.cat([p_ids, r_ids], 1), torch.cat([p_valid, r_valid], 1), p_ids.shape[1], r_valid
+
+
+def full_hidden(backbone: torch.nn.Module, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """One forward without cache; positions from the valid mask (padding never shifts them)."""
+    pos = (valid.cumsum(1) - 1).clamp(min=0)  # [R, L]
+    return backbone(input_ids=ids, attention_mask=valid, position_ids=pos, use_cache=False).last_hidden_state
+
+
+def response_outputs(kind: Kind, model, ids: torch.Tensor, valid: torch.Tensor, P: int,
+                     temperature: float = 1.0) -> torch.Tensor:
+    """Per-response-token outputs [R, T] of a full forward (log-probs or values); differentiable.
+
+    Used by the one-shot scorers and by the learner (actor log-probs use kind="reference").
+    """
+    backbone, head = backbone_and_head(model)
+    hidden = full_hidden(backbone, ids, valid)  # [R, P+T, H]
+    return _per_token(kind, head, hidden[:, P - 1:-1], ids[:, P:], temperature)
+
+
+@torch.no_grad()
+def score_full(kind: Kind, model, prompts: list[list[int]], responses: list[list[int]], pad_id: int,
+               temperature: float = 1.0) -> list[ScoredOutputs]:
+    """One-shot scoring of whole sequences (the sequential mode's scorer)."""
+    device = next(model.parameters()).device
+    ids, valid, P, rmask = sequence_batch(prompts, responses, pad_id, device)
+    if kind == "reward":
+        backbone, head = backbone_and_head(model)
+        hidden = full_hidden(backbone, ids, valid)  # [R, P+T, H]
+        last = P + rmask.sum(1) - 1  # [R] column of the last response token
+        scores = head(hidden[torch.arange(len(prompts), device=device), last]).float().squeeze(-1)
+        return [ScoredOutputs(score=s) for s in scores.tolist()]
+    out = response_outputs(kind, model, ids, valid, P, temperature)  # [R, T]
+    res = []
+    for row, n in zip(out.tolist(), rmask.sum(1).tolist()):
+        res.append(ScoredOutputs(logprobs=row[:n]) if kind == "reference" else ScoredOutputs(values=row[:n]))
+    return res
+
+
+class StreamingScorer:
+    """One role's streaming scorer: a KV cache per sequence, fed prompt then chunks.
+
+    ``admit`` prefills prompts; ``feed`` prefills the chunks on hand in one batched forward; a
+    final chunk completes the sequence, frees its cache rows and makes its outputs available
+    from ``take_done``.
+    """
+
+    def __init__(self, kind: Kind, model, pad_id: int, temperature: float = 1.0):
+        self.kind, self.model, self.pad_id, self.temperature = kind, model, pad_id, temperature
+        self.backbone, self.head = backbone_and_head(model)
+        self.device = next(model.parameters()).device
+        self.kv = KVRows(self.device)
+        self.uids: list[int] = []
+        self.prev_hidden = torch.zeros(0, 0, device=self.device)  # [R, H] hidden of each row's last fed token
+        self.outputs: dict[int, ScoredOutputs] = {}
+        self.done: dict[int, ScoredOutputs] = {}
+        self.peak_cache_bytes = 0
+
+    @torch.no_grad()
+    def admit(self, uids: list[int], prompts: list[list[int]]) -> None:
+        if not uids:
+            return
+        kv = KVRows(self.device)
+        ids, valid = left_pad(prompts, self.pad_id, self.device)
+        hidden = kv.forward(self.backbone, ids, valid)  # [R, P, H]
+        self.kv.merge(kv)
+        self.uids.extend(uids)
+        last = hidden[:, -1]
+        self.prev_hidden = last if self.prev_hidden.numel() == 0 else torch.cat([self.prev_hidden, last])
+        for u in uids:
+            self.outputs[u] = ScoredOutputs()
+
+    @torch.no_grad()
+    def feed(self, chunks: dict[int, tuple[tuple[int, ...], bool]]) -> None:
+        """Prefill ``chunks``: uid -> (tokens, final). Rows without a chunk get masked padding."""
+        if not chunks:
+            return
+        seqs = [list(chunks[u][0]) if u in chunks else [] for u in self.uids]
+        lens = torch.tensor([len(s) for s in seqs], device=self.device)  # [R]
+        if int(lens.max()) > 0:
+            ids, valid = right_pad(seqs, self.pad_id, self.device)  # [R, C]
+            hidden = self.kv.forward(self.backbone, ids, valid)  # [R, C, H]
+            pre = torch.cat([self.prev_hidden[:, None], hidden[:, :-1]], 1)  # [R, C, H] state before each token
+            if self.kind != "reward":
+                per_tok = _per_token(self.kind, self.head, pre, ids, self.temperature).tolist()  # [R, C]
+                for i, u in enumerate(self.uids):
+                    out = self.outputs[u].logprobs if self.kind == "reference" else self.outputs[u].values
+                    out.extend(per_tok[i][: len(seqs[i])])
+            rows = torch.arange(len(seqs), device=self.device)
+            last = hidden[rows, (lens - 1).clamp(min=0)]  # [R, H]
+            self.prev_hidden = torch.where((lens > 0)[:, None], last, self.prev_hidden)
+        finals = [i for i, u in enumerate(self.uids) if u in chunks and chunks[u][1]]
+        if finals:
+            if self.kind == "reward":
+                scores = self.head(self.prev_hidden[finals]).float().squeeze(-1).tolist()
+                for i, s in zip(finals, scores):
+                    self.outputs[self.uids[i]].score = s
+            for i in finals:
+                u = self.uids[i]
+                self.done[u] = self.outputs.pop(u)
+            self.peak_cache_bytes = max(self.peak_cache_bytes, self.kv.nbytes())
+            keep = [i for i in range(len(self.uids)) if i not in set(finals)]
+            idx = torch.tensor(keep, dtype=torch.long, device=self.device)
+            self.kv.select(idx)
+            self.prev_hidden = self.prev_hidden.index_select(0, idx)
+            self.uids = [self.uids[i] for i in keep]
+        self.peak_cache_bytes = max(self.peak_cache_bytes, self.kv.nbytes())
+
+    def forget(self, uids: set[int]) -> None:
+        """Drop in-flight rows (e.g. after a checkpoint drain)."""
+        keep = [i for i, u in enumerate(self.uids) if u not in uids]
+        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
+        self.kv.select(idx)
+        self.prev_hidden = self.prev_hidden.index_select(0, idx) if self.prev_hidden.numel() else self.prev_hidden
+        self.uids = [self.uids[i] for i in keep]
+        for u in uids:
+            self.outputs.pop(u, None)
+
+    def take_done(self) -> dict[int, ScoredOutputs]:
+        done, self.done = self.done, {}
+        return done
+
+
+class RewardFunction:
+    """A plain Python reward: ``fn(prompts, responses) -> list[float]`` on text."""
+
+    def __init__(self, fn: Callable, name: str):
+        self.fn, self.name = fn, name
+
+    def __call__(self, prompts: list[str], responses: list[str]) -> list[float]:
+        import math
+
+        scores = list(self.fn(list(prompts), list(responses)))
+        if len(scores) != len(prompts):
+            raise ValueError(f"Reward function {self.name} returned {len(scores)} scores for {len(prompts)} "
+                             f"responses; it must return one float per response.")
+        for p, s in zip(prompts, scores):
+            if not isinstance(s, (int, float)) or not math.isfinite(float(s)):
+                raise ValueError(f"Reward function {self.name} returned {s!r} for the prompt {p!r}; "
+                                 f"rewards must be finite numbers.")
+        return [float(s) for s in scores]

@@ -1,0 +1,367 @@
+"""The built-in ``positive`` task: continue short reviews and notes, be positive about it.
+
+In the spirit of the classic RLHF demonstration (steer a language model toward positive
+text), but with nothing downloaded: the texts come from a small grammar over the word lists in
+``lexicon.py``, and the ground truth is ``judge``, a fast lexicon-based scorer with penalties
+for the usual reward hacks.
+
+**Corpus.** A text is an opener sentence that sets the scene ("we stayed at the hotel for
+three nights .") followed by body sentences, each an opinion (positive or negative, drawn from
+the text's *mood*) or a neutral remark. The prompt is the opener plus the first 0-3 words of
+the first body sentence; the response is the rest and ends with EOS. The number of body
+sentences after the first is heavy-tailed: with probability ``1 - tail_prob`` geometric with
+mean ``short_mean``; otherwise lognormal around ``long_median`` -- a rare long mode, as real
+RLHF responses have (``TaskParams`` sets all of it).
+
+**Judge** (``judge`` / ``judge_score``): for each response,
+
+    score = sentiment - repetition - malformed - cutoff,   clipped to [-3, 1]
+
+- ``sentiment = tanh(1.5 * (n_pos - n_neg) / sqrt(n_words))`` over the response's words, with
+  the task's own lexicon (``lexicon.POSITIVE_WORDS`` / ``NEGATIVE_WORDS``);
+- ``repetition``: ``2 * max(0, dup4 - 0.15)`` where ``dup4`` is the share of the response's
+  token 4-grams that already occurred earlier in it, plus ``0.5`` per extra use, beyond
+  ``max(3, 15% of the words)``, of the most frequent content word;
+- ``malformed``: the share of sentences that are not sentence-like (fewer than 3 words, more
+  than 40 tokens, or more than half sentiment words: word salad). The prompt's unfinished last
+  sentence is counted as the start of the response's first sentence;
+- ``cutoff``: 1.0 when the response does not end with ``.`` or ``!``. Every corpus response
+  ends its last sentence and then EOS, so a decoded response (special tokens skipped) that does
+  not end with a terminator was cut off by ``max_new_tokens`` (or the policy stopped mid-
+  sentence). This is the text-only way to see a missing EOS; a trainer that knows the token
+  ids can also check for EOS directly;
+- an empty response (no words) scores -2.
+
+Natural corpus text gets no penalty (``tests/test_task.py`` checks the rates), so the judge's
+range on corpus text is the sentiment term, about [-1, 1].
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import random
+from collections import Counter
+from dataclasses import asdict, dataclass
+
+from oppo.task import lexicon as L
+from oppo.task.text import detokenize, split
+
+# --- the generator ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TaskParams:
+    """Knobs of the ``positive`` corpus (part of the cache fingerprint)."""
+
+    short_mean: float = 1.0
+    """Mean number of body sentences after the first, in the common (geometric) mode."""
+    tail_prob: float = 0.1
+    """Share of texts in the rare long mode: the response-length tail. 0 disables it."""
+    long_median: float = 6.0
+    """Median number of body sentences after the first, in the long mode (lognormal)."""
+    long_sigma: float = 0.5
+    """Log-space spread of the long mode."""
+    opinion_prob: float = 0.75
+    """Share of body sentences that carry sentiment; the rest are neutral remarks."""
+
+    def __post_init__(self) -> None:
+        if self.short_mean < 0:
+            raise ValueError(f"short_mean must be >= 0, got {self.short_mean}")
+        if not 0.0 <= self.tail_prob <= 1.0:
+            raise ValueError(f"tail_prob must be in [0, 1], got {self.tail_prob}")
+        if self.long_median < 1:
+            raise ValueError(f"long_median must be >= 1, got {self.long_median}")
+        if self.long_sigma < 0:
+            raise ValueError(f"long_sigma must be >= 0, got {self.long_sigma}")
+        if not 0.0 <= self.opinion_prob <= 1.0:
+            raise ValueError(f"opinion_prob must be in [0, 1], got {self.opinion_prob}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Example:
+    """One generated text, split into prompt and response tokens (no special tokens)."""
+
+    prompt_tokens: tuple[str, ...]
+    response_tokens: tuple[str, ...]
+    mood: float
+    """Probability that an opinion sentence of this text is positive."""
+
+    @property
+    def prompt(self) -> str:
+        return detokenize(self.prompt_tokens)
+
+    @property
+    def response(self) -> str:
+        return detokenize(self.response_tokens)
+
+
+def _article(word: str) -> str:
+    return "an" if word[0] in "aeiou" else "a"
+
+
+class _Writer:
+    """Sentence templates for one text (one domain, one mood). Each method returns tokens."""
+
+    def __init__(self, rng: random.Random, domain: str, mood: float) -> None:
+        self.rng = rng
+        self.d = L.DOMAINS[domain]
+        self.place = rng.choice(self.d["places"])
+        self.mood = mood
+
+    def c(self, words):  # noqa: D401 - short helper: one random choice
+        return self.rng.choice(words)
+
+    def opener(self) -> list[str]:
+        c, p = self.c, self.place
+        options = [
+            lambda: ["we", "went", "to", "the", p, "on", c(L.WEEKDAYS), "."],
+            lambda: ["i", "visited", "the", p, "with", c(L.NAMES), "on", c(L.WEEKDAYS), "."],
+            lambda: ["my", c(L.RELATIVES), "and", "i", "spent", "the", "day", "at", "the", p, "."],
+            lambda: ["we", "stayed", "at", "the", p, "for", c(L.NUMBERS), "nights", "."],
+            lambda: ["i", "booked", "the", p, "last", c(("week", "month")), "."],
+            lambda: ["i", "watched", "the", p, "with", "my", c(L.RELATIVES), "."],
+            lambda: ["we", "saw", "the", p, "on", c(L.WEEKDAYS), c(L.PARTS_OF_DAY), "."],
+            lambda: ["i", "bought", "this", p, "last", c(("week", "month")), "."],
+            lambda: ["my", c(L.RELATIVES), "gave", "me", _article(p), p, "for", "my", "birthday", "."],
+            lambda: ["i", "have", "used", "the", p, "for", c(L.NUMBERS), "weeks", "."],
+            lambda: ["i", "read", "the", p, "in", c(L.NUMBERS), "days", "."],
+            lambda: [c(L.NAMES), "lent", "me", "the", p, "on", c(L.WEEKDAYS), "."],
+            lambda: ["dear", "diary", ",", "today", "we", "went", "to", "the", p, "."],
+            lambda: ["my", c(L.RELATIVES), "and", "i", "had", "dinner", "at", "the", p, "."],
+        ]
+        return self.c(options)()
+
+    def _adj(self, pos: bool) -> str:
+        return self.c(L.POS_ADJ if pos else L.NEG_ADJ)
+
+    def opinion(self, pos: bool) -> list[str]:
+        c, d, adj = self.c, self.d, self._adj
+        n, n2 = self.rng.sample(d["nouns"], 2)
+        a = adj(pos)
+        g = c(L.GENERIC_NOUNS)
+        options = [
+            lambda: ["the", n, "was", a, "."],
+            lambda: ["the", n, "was", c(L.INTENSIFIERS), a, "."],
+            lambda: ["the", n, "and", "the", n2, "were", a, "."],
+            lambda: ["the", n, "was", a, "and", adj(pos), "."],
+            lambda: ["i", c(L.POS_VERB if pos else L.NEG_VERB), "the", n, "."],
+            lambda: ["it", "was", _article(a), a, g, "."],
+            lambda: [c(L.NAMES), "thought", "the", n, "was", a, "."],
+            lambda: ["my", c(L.RELATIVES), "said", "the", n, "was", c(L.INTENSIFIERS), a, "."],
+            lambda: ["what", _article(a), a, n, "!"],
+            lambda: ["the", n, c(L.POS_AFFECT if pos else L.NEG_AFFECT), "me", "."],
+            lambda: ["we", "felt", c(L.POS_FEEL if pos else L.NEG_FEEL), c(("afterwards", "later")), "."],
+            lambda: [c(L.POS_ADV if pos else L.NEG_ADV), ",", "the", n, "was", a, "."],
+            lambda: (["i", "would", "recommend", "this", self.place, "to", "my", c(L.RELATIVES), "."]
+                     if pos else
+                     ["i", "would", "warn", "my", c(L.RELATIVES), "about", "this", self.place, "."]),
+            lambda: ["the", n, "was", a, ",", "but", "the", n2, "was", adj(not pos), "."],
+        ]
+        return c(options)()
+
+    def neutral(self) -> list[str]:
+        c, d = self.c, self.d
+        n = c(d["nouns"])
+        options = [
+            lambda: ["we", c(d["actions"]), "the", n, "on", c(L.WEEKDAYS), "."],
+            lambda: [c(L.NAMES), c(d["actions"]), "the", n, "."],
+            lambda: ["there", "were", c(L.NUMBERS), c(d["plural"]), "near", "the", n, "."],
+            lambda: ["it", "was", c(L.WEATHER), "outside", "."],
+            lambda: ["after", "that", ",", "we", c(("went", "came", "walked")), "home", "."],
+            lambda: ["the", n, "had", c(L.NUMBERS), c(d["plural"]), "."],
+            lambda: ["we", "waited", "for", c(L.NUMBERS), "minutes", "."],
+            lambda: ["i", "talked", "to", c(L.NAMES), "about", "the", n, c(L.TIMES), "."],
+            lambda: ["we", "returned", "in", "the", c(("morning", "afternoon", "evening")), "."],
+        ]
+        return c(options)()
+
+    def body(self, opinion_prob: float) -> list[str]:
+        if self.rng.random() < opinion_prob:
+            return self.opinion(self.rng.random() < self.mood)
+        return self.neutral()
+
+
+def _extra_sentences(rng: random.Random, p: TaskParams) -> int:
+    """Number of body sentences after the first: geometric, or (rarely) lognormal."""
+    if rng.random() < p.tail_prob:
+        return max(1, round(rng.lognormvariate(math.log(p.long_median), p.long_sigma)))
+    if p.short_mean <= 0:
+        return 0
+    stop = 1.0 / (1.0 + p.short_mean)  # geometric on {0, 1, ...} with this mean
+    k = 0
+    while rng.random() > stop:
+        k += 1
+    return k
+
+
+def generate_example(rng: random.Random, params: TaskParams) -> Example:
+    domain = rng.choice(sorted(L.DOMAINS))
+    mood = rng.choice((0.1, 0.3, 0.5, 0.7, 0.9))
+    w = _Writer(rng, domain, mood)
+    opener = w.opener()
+    first = w.body(params.opinion_prob)
+    k = rng.randint(0, min(3, len(first) - 2))  # leave at least one word and the terminator
+    rest: list[str] = first[k:]
+    for _ in range(_extra_sentences(rng, params)):
+        rest += w.body(params.opinion_prob)
+    return Example(tuple(opener + first[:k]), tuple(rest), mood)
+
+
+def generate(n: int, seed: int, params: TaskParams | None = None) -> list[Example]:
+    """``n`` examples, deterministic in ``seed`` (and ``params``)."""
+    params = params or TaskParams()
+    rng = random.Random(f"oppo-positive-{seed}")
+    return [generate_example(rng, params) for _ in range(n)]
+
+
+def make_prompts(n: int, seed: int, params: TaskParams | None = None) -> list[str]:
+    """``n`` prompt strings (openings of generated texts), deterministic in ``seed``."""
+    return [ex.prompt for ex in generate(n, seed, params)]
+
+
+def vocabulary() -> list[str]:
+    return L.all_words()
+
+
+def suggest_max_new_tokens(params: TaskParams | None = None, quantile: float = 0.995) -> int:
+    """Generation budget that leaves the corpus tail mostly untruncated: the ``quantile`` of
+    corpus response lengths (tokens, + 1 for EOS), rounded up to a multiple of 16."""
+    return _suggest(params or TaskParams(), quantile)
+
+
+@functools.lru_cache(maxsize=32)
+def _suggest(params: TaskParams, quantile: float) -> int:
+    lengths = sorted(len(ex.response_tokens) + 1 for ex in generate(20_000, 12345, params))
+    q = lengths[min(len(lengths) - 1, int(quantile * len(lengths)))]
+    return int(math.ceil(q / 16) * 16)
+
+
+# --- the judge ----------------------------------------------------------------------------------
+
+EMPTY_SCORE = -2.0
+CUTOFF_PENALTY = 1.0
+SENTIMENT_SCALE = 1.5
+DUP_TOLERANCE = 0.15
+DUP_WEIGHT = 2.0
+WORD_REPEAT_WEIGHT = 0.5
+MAX_SENTENCE_TOKENS = 40
+SCORE_MIN, SCORE_MAX = -3.0, 1.0
+
+_POS, _NEG = L.POSITIVE_WORDS, L.NEGATIVE_WORDS
+_SENTIMENT = _POS | _NEG
+_FUNCTION = frozenset(L.FUNCTION_WORDS) | {"i", "we", "my", "me"}
+_TERMINATORS = L.TERMINATORS
+_PUNCT = frozenset({".", ",", "!", "?", ";", ":"})
+
+
+def _is_word(tok: str) -> bool:
+    return tok[0].isalnum()
+
+
+def judge_parts(prompt: str, response: str) -> dict[str, float]:
+    """The judge's terms for one response (see the module docstring); ``score`` is the total."""
+    toks = split(response)
+    words = [t for t in toks if _is_word(t)]
+    if not words:
+        return {"score": EMPTY_SCORE, "sentiment": 0.0, "repetition": 0.0, "malformed": 0.0,
+                "cutoff": 0.0, "empty": 1.0}
+    n = len(words)
+    pos = sum(1 for w in words if w in _POS)
+    neg = sum(1 for w in words if w in _NEG)
+    sentiment = math.tanh(SENTIMENT_SCALE * (pos - neg) / math.sqrt(n))
+
+    # Repetition: repeated token 4-grams, and one content word used over and over.
+    repetition = 0.0
+    if len(toks) >= 8:
+        grams = list(zip(toks, toks[1:], toks[2:], toks[3:]))
+        dup = 1.0 - len(set(grams)) / len(grams)
+        repetition += DUP_WEIGHT * max(0.0, dup - DUP_TOLERANCE)
+    counts = Counter(w for w in words if w not in _FUNCTION)
+    if counts:
+        top = counts.most_common(1)[0][1]
+        repetition += WORD_REPEAT_WEIGHT * max(0, top - max(3, int(0.15 * n)))
+
+    # Malformed sentences; the prompt's unfinished sentence continues into the response.
+    head: list[str] = []
+    for t in reversed(split(prompt)):
+        if t in _TERMINATORS:
+            break
+        head.append(t)
+    head.reverse()
+    sentences: list[list[str]] = []
+    cur = head
+    for t in toks:
+        cur.append(t)
+        if t in _TERMINATORS:
+            sentences.append(cur)
+            cur = []
+    if cur:
+        sentences.append(cur)
+    bad = 0
+    for s in sentences:
+        sw = [t for t in s if _is_word(t)]
+        n_sent = sum(1 for t in sw if t in _SENTIMENT)
+        if len(sw) < 3 or len(s) > MAX_SENTENCE_TOKENS or 2 * n_sent > len(sw):
+            bad += 1
+    malformed = bad / len(sentences)
+
+    cutoff = 0.0 if toks[-1] in _TERMINATORS else CUTOFF_PENALTY
+    score = sentiment - repetition - malformed - cutoff
+    score = min(SCORE_MAX, max(SCORE_MIN, score))
+    return {"score": score, "sentiment": sentiment, "repetition": repetition,
+            "malformed": malformed, "cutoff": cutoff, "empty": 0.0}
+
+
+def judge(prompts: list[str], responses: list[str]) -> list[float]:
+    """Ground-truth score of each (prompt, response); higher is better, in [-3, 1]."""
+    if len(prompts) != len(responses):
+        raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+    return [judge_parts(p, r)["score"] for p, r in zip(prompts, responses)]
+
+
+def judge_score(prompts: list[str], responses: list[str]) -> list[float]:
+    """``judge`` under a reward-function name: ``"oppo.task.positive:judge_score"``."""
+    return judge(prompts, responses)
+
+
+# --- degenerate responses, for the reward model's training pairs --------------------------------
+
+
+def corrupt(rng: random.Random, ex: Example) -> tuple[str, ...]:
+    """A degenerate variant of ``ex``'s response that the judge penalises: repeated phrases, a
+    repeated word, a cut-off (no terminator), word salad of sentiment words, or empty."""
+    r = list(ex.response_tokens)
+    kind = rng.randrange(6)
+    if kind == 0:  # loop one sentence (or fragment) many times
+        sent = r[: r.index(".") + 1] if "." in r else r
+        out = sent * rng.randint(3, 8)
+    elif kind == 1:  # one word again and again, sometimes closed with a period
+        w = rng.choice([t for t in r if _is_word(t)] + list(L.POS_ADJ[:10]))
+        out = [w] * rng.randint(6, 30) + ([".", ] if rng.random() < 0.5 else [])
+    elif kind == 2:  # cut off mid-sentence
+        cut = rng.randint(1, max(1, len(r) - 1))
+        out = r[:cut]
+        while out and out[-1] in _TERMINATORS:
+            out = out[:-1]
+        if not out:
+            out = [rng.choice(L.POS_ADJ)]
+    elif kind == 3:  # positive word salad
+        out = rng.sample(L.POS_ADJ, rng.randint(3, 12)) + ["."]
+    elif kind == 4:  # empty
+        out = []
+    else:  # phrase loop inside a longer response, then cut off
+        sent = r[: r.index(".") + 1] if "." in r else r
+        out = r + sent * rng.randint(2, 6) + sent[: max(1, len(sent) // 2)]
+    return tuple(out)
+
+
+def params_from(task_params: TaskParams | dict | None) -> TaskParams:
+    if task_params is None:
+        return TaskParams()
+    if isinstance(task_params, TaskParams):
+        return task_params
+    return TaskParams(**task_params)

@@ -1,0 +1,60 @@
+"""Shared fixtures: tiny models created from a config in a temporary directory and loaded back
+through the same code a user's models go through."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+WORDS = ("the a good bad great awful film book day story was is and but very not quite it "
+         "i we liked hated loved fine nice poor sad happy . ,").split()
+
+
+def make_tokenizer(path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<unk>"] + WORDS)}
+    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tk.decoder = decoders.WordPiece(prefix="##")  # joins tokens with spaces
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    tok.save_pretrained(path)
+    return tok
+
+
+def make_models(root, seed: int = 0, hidden: int = 32, layers: int = 2):
+    """Write policy/ and reward/ directories (tokenizer included) under ``root``; return their paths."""
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+
+    torch.manual_seed(seed)
+    paths = {}
+    for name in ("policy", "reward"):
+        d = root / name
+        tok = make_tokenizer(d)
+        cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden,
+                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=256, pad_token_id=tok.pad_token_id,
+                          eos_token_id=tok.eos_token_id, bos_token_id=None, num_labels=1,
+                          tie_word_embeddings=False)
+        model = (LlamaForCausalLM if name == "policy" else LlamaForSequenceClassification)(cfg)
+        model.save_pretrained(d)
+        paths[name] = d
+    return paths
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    return make_models(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def tiny_prompts(tmp_path_factory):
+    import json
+
+    d = tmp_path_factory.mktemp("prompts")
+    p = d / "prompts.jsonl"
+    texts = ["the film was", "i liked the book", "a day", "we hated it but", "the story is very",
+             "it was quite", "the book", "a great"]
+    p.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    return p
