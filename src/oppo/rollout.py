@@ -125,6 +125,16 @@ class RolloutEngine:
         self.next_logits = torch.zeros(0, 0, device=self.device)
         self.admit(rows)
 
+    def abort(self, uids: set[int]) -> None:
+        """Drop in-flight rows (a checkpoint drain requeues their prompts)."""
+        keep = [i for i, r in enumerate(self.rows) if r.uid not in uids]
+        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
+        self.kv.select(idx)
+        self.rows = [self.rows[i] for i in keep]
+        self.logits_version = [self.logits_version[i] for i in keep]
+        self.next_logits = self.next_logits.index_select(0, idx) if keep else torch.zeros(0, 0, device=self.device)
+        self.finished = [r for r in self.finished if r.uid not in uids]
+
     def set_version(self, version: int) -> None:
         self.version = version
 

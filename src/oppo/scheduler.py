@@ -1,4 +1,4 @@
-"""Scheduling state machines for overlapped PPO: admission, step closing, staleness, Delta, chunk size.
+"""Scheduling state machines for overlapped PPO: admission, step closing, staleness, chunk size.
 
 Everything here is pure: no torch, no threads, no I/O, no clocks. Events go in (a sequence
 finished, a step's update is done, a step took this long), decisions come out (admit these
@@ -15,15 +15,16 @@ sequence was carried into later steps) come from newer versions, so every token 
 trained at step ``k`` was sampled by a version in ``[k - lag, k]``; the engine tags each token
 with its version and the PPO loss importance-weights them against their behaviour log-probs.
 
-Phases (each call is only legal in the phase shown; otherwise ``RuntimeError``)::
+Phases (a call made in the wrong phase raises ``RuntimeError``)::
 
-        begin_step() -> Admit               try_close() -> CloseStep       end_step(reward)
-    IDLE ─────────────────────────> OPEN ───────────────────────> UPDATING ───────────────> IDLE
-     ^  (top up admitted-but-untrained   (None until the batch     (PPO update runs;        (step += 1,
-     │   sequences to B + Delta)          is ready: call again      engine may keep          Delta updated)
-     │                                    after each finish)        decoding carried rows)
-     └── drain_for_checkpoint(), state_dict(), load_state_dict() only here
+    IDLE --begin_step()--> OPEN --try_close() gives a CloseStep--> UPDATING --end_step(r)--> IDLE
 
+    IDLE      between steps: begin_step() tops the admitted-but-untrained sequences up to
+              B + Delta. drain_for_checkpoint(), state_dict(), load_state_dict() only here.
+    OPEN      step k collects finishes; try_close() returns None until the batch is ready
+              (call it again after each round of on_finished()).
+    UPDATING  the PPO update runs; the engine may keep decoding carried rows meanwhile.
+              end_step() then moves to step k + 1 and updates Delta.
     on_finished(uid) is legal in every phase; with refill=True it may return an Admit while OPEN.
 
 The staleness knob ``max_lag``. A sequence is **due** at step ``k`` when
@@ -385,7 +386,7 @@ class Scheduler:
 
     @property
     def due(self) -> tuple[int, ...]:
-        """Untrained uids that must be in this step's batch (``step - start_version >= max_lag``)."""
+        """Untrained uids that must be in this step's batch: ``step - start_version >= max_lag``."""
         return tuple(u for u, t in self._tickets.items() if self._is_due(t))
 
     @property
@@ -512,7 +513,11 @@ class Scheduler:
         }
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
-        """Restore ``state_dict()`` output into a fresh scheduler built with the same settings."""
+        """Restore ``state_dict()`` output into a fresh scheduler built with the same settings.
+
+        ``start_position`` is taken from the checkpoint. Sequences that were untrained when the
+        state was saved (no drain) are put on the requeue, after the saved requeue.
+        """
         self._require(Phase.IDLE, "load_state_dict")
         if self._tickets or self._step or self._next_uid:
             raise RuntimeError("load_state_dict needs a freshly constructed Scheduler")

@@ -19,7 +19,7 @@ RLHF responses have (``TaskParams`` sets all of it).
 
 - ``sentiment = tanh(1.5 * (n_pos - n_neg) / sqrt(n_words))`` over the response's words, with
   the task's own lexicon (``lexicon.POSITIVE_WORDS`` / ``NEGATIVE_WORDS``);
-- ``repetition``: ``2 * max(0, dup4 - 0.15)`` where ``dup4`` is the share of the response's
+- ``repetition``: ``2 * max(0, dup4 - 0.25)`` where ``dup4`` is the share of the response's
   token 4-grams that already occurred earlier in it, plus ``0.5`` per extra use, beyond
   ``max(3, 15% of the words)``, of the most frequent content word;
 - ``malformed``: the share of sentences that are not sentence-like (fewer than 3 words, more
@@ -108,6 +108,7 @@ class _Writer:
 
     def __init__(self, rng: random.Random, domain: str, mood: float) -> None:
         self.rng = rng
+        self.domain = domain
         self.d = L.DOMAINS[domain]
         self.place = rng.choice(self.d["places"])
         self.mood = mood
@@ -117,23 +118,30 @@ class _Writer:
 
     def opener(self) -> list[str]:
         c, p = self.c, self.place
+        visit = ("restaurant", "hotel", "trip")
+        own = ("gadget", "book")
         options = [
-            lambda: ["we", "went", "to", "the", p, "on", c(L.WEEKDAYS), "."],
-            lambda: ["i", "visited", "the", p, "with", c(L.NAMES), "on", c(L.WEEKDAYS), "."],
-            lambda: ["my", c(L.RELATIVES), "and", "i", "spent", "the", "day", "at", "the", p, "."],
-            lambda: ["we", "stayed", "at", "the", p, "for", c(L.NUMBERS), "nights", "."],
-            lambda: ["i", "booked", "the", p, "last", c(("week", "month")), "."],
-            lambda: ["i", "watched", "the", p, "with", "my", c(L.RELATIVES), "."],
-            lambda: ["we", "saw", "the", p, "on", c(L.WEEKDAYS), c(L.PARTS_OF_DAY), "."],
-            lambda: ["i", "bought", "this", p, "last", c(("week", "month")), "."],
-            lambda: ["my", c(L.RELATIVES), "gave", "me", _article(p), p, "for", "my", "birthday", "."],
-            lambda: ["i", "have", "used", "the", p, "for", c(L.NUMBERS), "weeks", "."],
-            lambda: ["i", "read", "the", p, "in", c(L.NUMBERS), "days", "."],
-            lambda: [c(L.NAMES), "lent", "me", "the", p, "on", c(L.WEEKDAYS), "."],
-            lambda: ["dear", "diary", ",", "today", "we", "went", "to", "the", p, "."],
-            lambda: ["my", c(L.RELATIVES), "and", "i", "had", "dinner", "at", "the", p, "."],
+            (visit, lambda: ["we", "went", "to", "the", p, "on", c(L.WEEKDAYS), "."]),
+            (visit, lambda: ["i", "visited", "the", p, "with", c(L.NAMES), "on", c(L.WEEKDAYS), "."]),
+            (visit, lambda: ["dear", "diary", ",", "today", "we", "went", "to", "the", p, "."]),
+            (("hotel", "trip"),
+             lambda: ["my", c(L.RELATIVES), "and", "i", "spent", "the", "day", "at", "the", p, "."]),
+            (("restaurant",),
+             lambda: ["my", c(L.RELATIVES), "and", "i", "had", "dinner", "at", "the", p, "."]),
+            (("hotel",), lambda: ["we", "stayed", "at", "the", p, "for", c(L.NUMBERS), "nights", "."]),
+            (("hotel",), lambda: ["i", "booked", "the", p, "last", c(("week", "month")), "."]),
+            (("movie",), lambda: ["i", "watched", "the", p, "with", "my", c(L.RELATIVES), "."]),
+            (("movie",), lambda: ["we", "saw", "the", p, "on", c(L.WEEKDAYS),
+                                  c(("morning", "afternoon", "evening", "night")), "."]),
+            (("movie",), lambda: [c(L.NAMES), "and", "i", "went", "to", "see", "the", p, "."]),
+            (own, lambda: ["i", "bought", "this", p, "last", c(("week", "month")), "."]),
+            (own, lambda: ["my", c(L.RELATIVES), "gave", "me", _article(p), p, "for", "my",
+                           "birthday", "."]),
+            (("gadget",), lambda: ["i", "have", "used", "the", p, "for", c(L.NUMBERS), "weeks", "."]),
+            (("book",), lambda: ["i", "read", "the", p, "in", c(L.NUMBERS), "days", "."]),
+            (("book",), lambda: [c(L.NAMES), "lent", "me", "the", p, "on", c(L.WEEKDAYS), "."]),
         ]
-        return self.c(options)()
+        return c([make for domains, make in options if self.domain in domains])()
 
     def _adj(self, pos: bool) -> str:
         return self.c(L.POS_ADJ if pos else L.NEG_ADJ)
@@ -188,7 +196,8 @@ class _Writer:
 def _extra_sentences(rng: random.Random, p: TaskParams) -> int:
     """Number of body sentences after the first: geometric, or (rarely) lognormal."""
     if rng.random() < p.tail_prob:
-        return max(1, round(rng.lognormvariate(math.log(p.long_median), p.long_sigma)))
+        k = round(rng.lognormvariate(math.log(p.long_median), p.long_sigma))
+        return min(max(1, k), int(4 * p.long_median))  # no absurd outliers
     if p.short_mean <= 0:
         return 0
     stop = 1.0 / (1.0 + p.short_mean)  # geometric on {0, 1, ...} with this mean
@@ -206,8 +215,15 @@ def generate_example(rng: random.Random, params: TaskParams) -> Example:
     first = w.body(params.opinion_prob)
     k = rng.randint(0, min(3, len(first) - 2))  # leave at least one word and the terminator
     rest: list[str] = first[k:]
+    seen = {tuple(first)}
     for _ in range(_extra_sentences(rng, params)):
-        rest += w.body(params.opinion_prob)
+        sent = w.body(params.opinion_prob)
+        for _retry in range(3):  # a text rarely says the same sentence twice
+            if tuple(sent) not in seen:
+                break
+            sent = w.body(params.opinion_prob)
+        seen.add(tuple(sent))
+        rest += sent
     return Example(tuple(opener + first[:k]), tuple(rest), mood)
 
 
@@ -245,7 +261,7 @@ def _suggest(params: TaskParams, quantile: float) -> int:
 EMPTY_SCORE = -2.0
 CUTOFF_PENALTY = 1.0
 SENTIMENT_SCALE = 1.5
-DUP_TOLERANCE = 0.15
+DUP_TOLERANCE = 0.25
 DUP_WEIGHT = 2.0
 WORD_REPEAT_WEIGHT = 0.5
 MAX_SENTENCE_TOKENS = 40

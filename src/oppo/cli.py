@@ -1,0 +1,85 @@
+"""The ``oppo`` command: train, prepare, bench, report."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .config import ConfigError, help_text, load_config
+
+
+def _train(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="oppo train", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="PPO-based RLHF. With no models named, trains on the built-in task (prepared on first use).",
+        epilog=help_text())
+    p.add_argument("--config", help="YAML file of settings (sections as below).")
+    p.add_argument("--resume", help="Checkpoint directory to continue from, or 'auto' for the latest in run.out_dir.")
+    p.add_argument("overrides", nargs="*", help="section.key=value settings, applied after --config.")
+    args = p.parse_args(argv)
+    cfg = load_config(args.config, args.overrides)  # validation happens here, before any model loads
+    from .run import train
+
+    run_dir = train(cfg, resume=args.resume)
+    print(f"run directory: {run_dir}")
+    return 0
+
+
+def _prepare(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="oppo prepare", description="Build the built-in task's tiny models (cached).")
+    p.add_argument("--task", default="positive")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true", help="Rebuild even if a valid cache exists.")
+    args = p.parse_args(argv)
+    from .task import prepare
+
+    prepared = prepare(task=args.task, seed=args.seed, force=args.force)
+    print(f"prepared {args.task}: {prepared.root}")
+    return 0
+
+
+def _report(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="oppo report", description="Pictures (PNG) of one or more training runs.")
+    p.add_argument("run_dirs", nargs="+")
+    p.add_argument("--out", default=None, help="Output directory (default: RUN_DIR/report).")
+    args = p.parse_args(argv)
+    from pathlib import Path
+
+    from .report import make_report
+
+    out = Path(args.out) if args.out else Path(args.run_dirs[0]) / "report"
+    for path in make_report([Path(d) for d in args.run_dirs], out):
+        print(path)
+    return 0
+
+
+def _bench(argv: list[str]) -> int:
+    from .bench import main as bench_main
+
+    return bench_main(argv)
+
+
+COMMANDS = {"train": _train, "prepare": _prepare, "report": _report, "bench": _bench}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print("usage: oppo {train,prepare,bench,report} [options]   (oppo COMMAND --help for more)",
+              file=sys.stderr)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        return COMMANDS[argv[0]](argv[1:]) or 0
+    except ConfigError as e:
+        print(f"oppo: config error: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError) as e:
+        print(f"oppo: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

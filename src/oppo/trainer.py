@@ -1,0 +1,369 @@
+"""The trainer: build the roles from a Config, then run PPO steps in the configured mode.
+
+``Trainer.sequential_step`` is the reference loop (``overlap.mode=sequential``): the numbered
+stages of ``shared/DESIGN.md`` section 2, one after another. ``Trainer.overlapped_step`` runs
+the same stages in another order:
+
+- ``intra``: chunks stream from the rollout engine to the scorer worker while decoding;
+- ``inter``: B + Delta sequences in flight, the step closes when B have finished, the rest are
+  carried (scored one-shot after the step closes);
+- ``oppo``: both.
+
+With Delta = 0 and max_lag = 0 every overlapped mode trains exactly the batches of
+``sequential`` (tested step for step).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import ppo_math as pm
+from .config import Config
+from .data import PromptSet, build_prompt_set, read_prompts
+from .learner import Experience, Learner, build_experience, compute_advantages
+from .metrics import MetricsLogger, ProgressBar
+from .models import (load_causal_lm, load_critic, load_function, load_reward_model, load_tokenizer,
+                     resolve_device, resolve_dtype, check_model_path)
+from .rollout import Rollout, RolloutEngine
+from .scheduler import ChunkSizeTuner, DeltaController, Scheduler
+from .scoring import RewardFunction, ScoredOutputs, StreamingScorer, score_full
+from .trace import Tracer
+from .workers import ScorerWorker
+
+DEFAULT_MAX_NEW_TOKENS = 256
+
+
+@dataclass
+class ResolvedPaths:
+    policy: str
+    reward: str | None
+    reward_function: str | None
+    critic: str
+    reference: str | None
+    prompts: str
+    judge: str | None
+    max_new_tokens: int
+
+
+def resolve_paths(cfg: Config, progress: bool = True) -> ResolvedPaths:
+    """Fill in the built-in task's models and prompts where the config names none.
+
+    Checks user paths before anything expensive; prepares the built-in task if needed.
+    """
+    max_new = cfg.generation.max_new_tokens
+    if cfg.uses_builtin_task:
+        from .task import get_task, prepare
+
+        task = get_task(cfg.data.task)
+        prepared = prepare(task=cfg.data.task, progress=progress)
+        reward_fn = cfg.reward.function or task.reward_function
+        reward_path = cfg.reward.path or (None if reward_fn else str(prepared.reward_path))
+        return ResolvedPaths(
+            policy=str(prepared.policy_path), reward=reward_path, reward_function=reward_fn,
+            critic=cfg.critic.path or reward_path or str(prepared.policy_path),
+            reference=cfg.reference.path, prompts=cfg.data.prompts or str(prepared.prompts_path),
+            judge=cfg.reward.judge or task.judge_function, max_new_tokens=max_new or task.max_new_tokens)
+    if cfg.data.prompts is None:
+        raise ValueError("policy.path is set but data.prompts is not: give a prompt set (data.prompts=path.jsonl).")
+    for role, path in (("policy", cfg.policy.path), ("reward", cfg.reward.path), ("critic", cfg.critic.path),
+                       ("reference", cfg.reference.path)):
+        if path:
+            check_model_path(path, role)
+    return ResolvedPaths(
+        policy=cfg.policy.path, reward=cfg.reward.path, reward_function=cfg.reward.function,
+        critic=cfg.critic.path or cfg.reward.path or cfg.policy.path, reference=cfg.reference.path,
+        prompts=cfg.data.prompts, judge=cfg.reward.judge, max_new_tokens=max_new or DEFAULT_MAX_NEW_TOKENS)
+
+
+@dataclass
+class StepResult:
+    """What a step hands to metrics: the trained batch and its stats."""
+
+    exp: Experience
+    stats: dict[str, float]
+    texts: list[tuple[str, str]]
+
+
+class Trainer:
+    def __init__(self, cfg: Config, progress: bool = True):
+        self.cfg = cfg
+        threads = cfg.run.threads or torch.get_num_threads()
+        self.threads = threads
+        torch.set_num_threads(threads)
+        _seed_everything(cfg.run.seed)
+        paths = resolve_paths(cfg, progress=progress)
+        self.paths = paths
+        self.tokenizer = tok = load_tokenizer(paths.policy)
+        self.eos_id, self.pad_id = tok.eos_token_id, tok.pad_token_id
+        dev = resolve_device(cfg.policy.device)
+        self.device = dev
+        dtype = resolve_dtype(cfg.policy.dtype, dev)
+        self.prompt_set: PromptSet = build_prompt_set(
+            read_prompts(paths.prompts, cfg.data.field, cfg.data.split), tok, cfg.data, cfg.run.seed)
+        # Reward first: an invalid reward model or function fails before the big models load.
+        self.reward_fn = None
+        self.reward_model = None
+        if paths.reward_function:
+            self.reward_fn = RewardFunction(load_function(paths.reward_function), paths.reward_function)
+        else:
+            self.reward_model = load_reward_model(paths.reward, resolve_device(cfg.reward.device, str(dev)),
+                                                  dtype, self.pad_id)
+        self.judge_fn = load_function(paths.judge, "reward.judge") if paths.judge else None
+        self.policy = load_causal_lm(paths.policy, "policy", dev, dtype, cfg.policy.trust_remote_code)
+        ref_dev = resolve_device(cfg.reference.device, str(dev))
+        if paths.reference:
+            self.reference = load_causal_lm(paths.reference, "reference", ref_dev, dtype)
+        else:  # a frozen copy of the initial policy
+            self.reference = copy.deepcopy(self.policy).to(ref_dev)
+        self.reference.eval().requires_grad_(False)
+        self.critic = load_critic(paths.critic, resolve_device(cfg.critic.device, str(dev)), dtype, self.pad_id)
+        self.policy.eval()  # no dropout anywhere: rollout and training see the same function
+        self.critic.eval()
+        self.max_new_tokens = paths.max_new_tokens
+        g = cfg.generation
+        self.engine = RolloutEngine(self.policy, self.eos_id, self.pad_id, self.max_new_tokens, g.temperature,
+                                    g.top_k, g.top_p, seed=cfg.run.seed)
+        self.learner = Learner(self.policy, self.critic, cfg.ppo, g.temperature, cfg.run.seed)
+        o = cfg.overlap
+        carries = cfg.carries
+        delta = (DeltaController(o.delta_init, o.delta_min, o.delta_max, o.delta_window, o.delta_proportional)
+                 if carries and o.delta < 0 else (o.delta if carries else 0))
+        self.scheduler = Scheduler(cfg.ppo.batch_size, o.max_lag if carries else 0, delta,
+                                   refill=o.refill and carries)
+        self.tuner = ChunkSizeTuner(tuple(o.chunk_candidates), o.chunk_trial_steps, o.chunk_retune_every,
+                                    fixed=o.chunk_size or None)
+        self.tracer = Tracer(enabled=cfg.log.trace)
+        self.rollouts: dict[int, Rollout] = {}  # admitted, not yet trained
+        self.worker: ScorerWorker | None = None
+        if cfg.streams:
+            scorers = {"reference": StreamingScorer("reference", self.reference, self.pad_id, g.temperature),
+                       "critic": StreamingScorer("critic", self.critic, self.pad_id)}
+            if self.reward_model is not None:
+                scorers = {"reward": StreamingScorer("reward", self.reward_model, self.pad_id), **scorers}
+            self.worker = ScorerWorker(scorers, o.scorer_threads, self.tracer)
+        self.step = 0
+        self.wallclock = 0.0
+
+    # ================================================================== stages
+
+    def _start(self, tickets) -> list[Rollout]:
+        """Stage 1: turn admitted tickets into rollouts (prompt text and ids from the data stream)."""
+        new = []
+        for t in tickets:
+            text, ids = self.prompt_set.at(t.prompt_index)
+            r = Rollout(t.uid, t.prompt_index, text, list(ids), t.start_version)
+            self.rollouts[t.uid] = r
+            new.append(r)
+        return new
+
+    def _score(self, batch: list[Rollout], step: int) -> tuple[list[float], list[ScoredOutputs], list[ScoredOutputs]]:
+        """Stage 3, one-shot: reward score, reference log-probs, critic values of whole sequences."""
+        prompts, responses = [r.prompt_ids for r in batch], [r.response_ids for r in batch]
+        with self.tracer.span("scorer", "score_reward", step):
+            scores = self._reward_scores(batch) if self.reward_fn else [
+                o.score for o in score_full("reward", self.reward_model, prompts, responses, self.pad_id)]
+        with self.tracer.span("scorer", "score_reference", step):
+            ref = score_full("reference", self.reference, prompts, responses, self.pad_id,
+                             self.cfg.generation.temperature)
+        with self.tracer.span("scorer", "score_critic", step):
+            values = score_full("critic", self.critic, prompts, responses, self.pad_id)
+        return scores, ref, values
+
+    def _reward_scores(self, batch: list[Rollout]) -> list[float]:
+        return self.reward_fn([r.prompt for r in batch], [self._text(r) for r in batch])
+
+    def _text(self, r: Rollout) -> str:
+        return self.tokenizer.decode(r.response_ids, skip_special_tokens=True)
+
+    def _learn(self, batch: list[Rollout], scores, ref, values, step: int) -> StepResult:
+        """Stages 4-6: KL-shaped rewards, GAE, PPO epochs."""
+        with self.tracer.span("learner", "advantages", step):
+            exp = build_experience(batch, scores, ref, values, self.pad_id, self.device)
+            self.learner.proximal_logprobs(exp, step)
+            exp = compute_advantages(exp, self.cfg.ppo)
+        with self.tracer.span("learner", "train", step):
+            stats = self.learner.update(exp, step)
+        return StepResult(exp, stats, [(r.prompt, self._text(r)) for r in batch])
+
+    # ================================================================== the reference loop
+
+    def sequential_step(self, step: int) -> tuple[StepResult, dict[str, float]]:
+        """One PPO step, stage after stage (overlap.mode=sequential)."""
+        times: dict[str, float] = {}
+        # 1. take B prompts
+        batch = self._start(self.scheduler.begin_step().seqs)
+        # 2. generate: sample responses from pi_k with their behaviour log-probs and version
+        t = time.perf_counter()
+        self.engine.set_version(step)
+        with self.tracer.span("actor", "generate", step):
+            self.engine.admit(batch)
+            self.engine.generate_all()
+        times["time/generate"] = time.perf_counter() - t
+        for r in batch:
+            self.scheduler.on_finished(r.uid)
+        close = self.scheduler.try_close()
+        # 3. score: reward at the last token, reference log-probs, critic values
+        t = time.perf_counter()
+        scores, ref, values = self._score(batch, step)
+        times["time/score"] = time.perf_counter() - t
+        # 4-6. rewards, advantages, PPO epochs
+        t = time.perf_counter()
+        result = self._learn(batch, scores, ref, values, step)
+        times["time/train"] = time.perf_counter() - t
+        self._finish(close.uids)
+        return result, times
+
+    # ================================================================== the overlapped runtime
+
+    def overlapped_step(self, step: int) -> tuple[StepResult, dict[str, float]]:
+        """The same stages with intra-step streaming and/or inter-step carrying."""
+        cfg, eng, sched, worker = self.cfg, self.engine, self.scheduler, self.worker
+        times: dict[str, float] = {}
+        t_gen = time.perf_counter()
+        eng.set_version(step)
+        if cfg.carries and cfg.overlap.stale_kv == "recompute" and eng.active:
+            with self.tracer.span("actor", "recompute_kv", step):
+                eng.recompute()
+        chunk = self.tuner.current() if worker else 0
+        self._admit(sched.begin_step().seqs, step)
+        close = None
+        t_span = time.perf_counter()
+        while close is None:
+            if eng.active == 0:
+                raise RuntimeError("internal error: the step cannot close but nothing is decoding")
+            for r in eng.step():
+                refill = sched.on_finished(r.uid)
+                if refill is not None:
+                    self._admit(refill.seqs, step)
+            if worker:
+                chunks = eng.take_chunks(chunk)
+                if chunks:
+                    now = time.perf_counter()
+                    self.tracer.add("actor", "decode", step, t_span, now)
+                    t_span = now
+                    worker.feed(chunks, step)
+            close = sched.try_close()
+        self.tracer.add("actor", "decode", step, t_span, time.perf_counter())
+        times["time/generate"] = time.perf_counter() - t_gen
+        batch = [self.rollouts[u] for u in close.uids]
+        t = time.perf_counter()
+        if worker:
+            worker.feed(eng.take_chunks(chunk), step)  # rows retired since the last boundary
+            with self.tracer.span("actor", "wait_scorers", step):
+                worker.barrier()  # also: no scorer work may touch the critic while it trains
+            out = worker.take(list(close.uids))
+            scores = self._reward_scores(batch) if self.reward_fn else [o.score for o in out["reward"]]
+            ref, values = out["reference"], out["critic"]
+            stale = [i for i, r in enumerate(batch) if r.start_version < step]
+            if stale and cfg.overlap.stale_values == "recompute":  # critic changed since their prefix was scored
+                with self.tracer.span("scorer", "recompute_values", step):
+                    fresh = score_full("critic", self.critic, [batch[i].prompt_ids for i in stale],
+                                       [batch[i].response_ids for i in stale], self.pad_id)
+                for i, v in zip(stale, fresh):
+                    values[i] = v
+        else:
+            scores, ref, values = self._score(batch, step)
+        times["time/score"] = time.perf_counter() - t
+        t = time.perf_counter()
+        result = self._learn(batch, scores, ref, values, step)
+        times["time/train"] = time.perf_counter() - t
+        result.stats.update(self._overlap_stats(close, result.exp, chunk))
+        self._finish(close.uids)
+        return result, times
+
+    def _admit(self, tickets, step: int) -> None:
+        new = self._start(tickets)
+        if not new:
+            return
+        with self.tracer.span("actor", "prefill_prompt", step):
+            self.engine.admit(new)
+        if self.worker:
+            self.worker.admit([r.uid for r in new], [r.prompt_ids for r in new])
+
+    def _finish(self, uids) -> None:
+        for u in uids:
+            self.rollouts.pop(u, None)
+
+    def _overlap_stats(self, close, exp: Experience, chunk: int) -> dict[str, float]:
+        lags = close.lags
+        mask = exp.mask > 0
+        off = (exp.versions < close.step) & mask
+        w = exp.is_weights[off]
+        return {
+            "overlap/delta": self.scheduler.delta, "overlap/carried": len(self.scheduler.in_flight),
+            "overlap/lag_max": max(lags), "overlap/lag_mean": sum(lags) / len(lags),
+            "overlap/offpolicy_token_frac": off.sum().item() / max(1, mask.sum().item()),
+            "overlap/is_weight_mean": w.mean().item() if w.numel() else 1.0,
+            "overlap/is_weight_max": w.max().item() if w.numel() else 1.0,
+            "overlap/chunk_size": chunk,
+            "overlap/generated_length_mean": _mean([len(r.response_ids) for r in self.rollouts.values()
+                                                    if r.uid not in set(close.uids)] or [0]),
+        }
+
+    # ================================================================== the loop
+
+    def run_step(self) -> dict[str, float]:
+        step = self.step
+        t0 = time.perf_counter()
+        torch.set_num_threads(self.cfg.overlap.actor_threads if self.cfg.overlap.mode != "sequential"
+                              else self.threads)
+        if self.cfg.overlap.mode == "sequential":
+            result, times = self.sequential_step(step)
+        else:
+            result, times = self.overlapped_step(step)
+        torch.set_num_threads(self.threads)
+        dt = time.perf_counter() - t0
+        self.wallclock += dt
+        self.tuner.record(dt)
+        metrics = self._metrics(result, times, dt)
+        self.scheduler.end_step(metrics["reward/mean"])
+        self.step += 1
+        self.last_result = result
+        return metrics
+
+    def _metrics(self, result: StepResult, times: dict[str, float], dt: float) -> dict[str, float]:
+        exp = result.exp
+        lengths = exp.mask.sum(1)
+        kl_seq = (exp.kl * exp.mask).sum(1)
+        m = {
+            "reward/mean": exp.scores.mean().item(), "reward/std": exp.scores.std().item() if len(exp.scores) > 1 else 0.0,
+            "kl/mean": kl_seq.mean().item(),
+            "response_length/mean": lengths.mean().item(), "response_length/max": lengths.max().item(),
+            "response_length/eos_frac": _mean([float(r.ended_with_eos) for r in exp.rollouts]),
+            "value/explained_var": pm.explained_variance(exp.values, exp.returns, exp.mask).item(),
+            "time/step": dt, "time/wallclock": self.wallclock,
+            "perf/tokens_per_s": lengths.sum().item() / dt,
+            "data/prompts_truncated": self.prompt_set.truncated, "data/prompts_skipped": self.prompt_set.skipped,
+            **times,
+        }
+        m.update({k: v for k, v in result.stats.items() if not k.startswith("_")})
+        if self.judge_fn is not None:
+            m["judge/mean"] = _mean(self.judge_fn([p for p, _ in result.texts], [r for _, r in result.texts]))
+        return m
+
+    def close(self) -> None:
+        if self.worker:
+            self.worker.close()
+
+
+def _mean(xs) -> float:
+    xs = list(xs)
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:
+        pass

@@ -1,0 +1,158 @@
+"""The scorer worker: streaming scorers on their own thread, fed by a queue of small messages.
+
+On CPU the worker has its own torch thread count (``overlap.scorer_threads``) so the actor and
+the scorers each own a core; torch releases the GIL inside its kernels. On GPU the worker puts
+its work on its own CUDA stream (or the scorers sit on their own devices, by their settings).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from .rollout import Chunk
+from .scoring import ScoredOutputs, StreamingScorer
+from .trace import Tracer
+
+
+@dataclass(frozen=True)
+class AdmitMsg:
+    uids: tuple[int, ...]
+    prompts: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class ChunksMsg:
+    chunks: tuple[Chunk, ...]
+    step: int
+
+
+@dataclass(frozen=True)
+class ForgetMsg:
+    uids: frozenset[int]
+
+
+@dataclass(frozen=True)
+class BarrierMsg:
+    done: threading.Event
+
+
+@dataclass(frozen=True)
+class StopMsg:
+    pass
+
+
+class ScorerWorker:
+    """Runs the streaming scorers of the reward model, reference and critic on one thread."""
+
+    def __init__(self, scorers: dict[str, StreamingScorer], threads: int, tracer: Tracer, name: str = "scorer"):
+        self.scorers, self.threads, self.tracer, self.name = scorers, threads, tracer, name
+        self.q: queue.Queue = queue.Queue()
+        self.results: dict[str, dict[int, ScoredOutputs]] = {role: {} for role in scorers}
+        self.error: BaseException | None = None
+        self.busy_s = 0.0
+        self.stream = None
+        devices = {s.device for s in scorers.values()}
+        if len(devices) == 1 and next(iter(devices)).type == "cuda":
+            self.stream = torch.cuda.Stream(device=next(iter(devices)))
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    # ------------------------------------------------------------------ controller side
+
+    def admit(self, uids: list[int], prompts: list[list[int]]) -> None:
+        self.q.put(AdmitMsg(tuple(uids), tuple(tuple(p) for p in prompts)))
+
+    def feed(self, chunks: list[Chunk], step: int) -> None:
+        if chunks:
+            self.q.put(ChunksMsg(tuple(chunks), step))
+
+    def forget(self, uids: set[int]) -> None:
+        self.q.put(ForgetMsg(frozenset(uids)))
+
+    def barrier(self) -> None:
+        """Wait until every message sent so far has been processed; re-raise a worker error."""
+        ev = threading.Event()
+        self.q.put(BarrierMsg(ev))
+        while not ev.wait(0.5):
+            if not self.thread.is_alive():
+                break
+        if self.error is not None:
+            raise RuntimeError(f"scorer worker failed: {self.error!r}") from self.error
+
+    def take(self, uids: list[int]) -> dict[str, list[ScoredOutputs]]:
+        """Outputs for ``uids`` (all must be complete: call barrier() first)."""
+        return {role: [res.pop(u) for u in uids] for role, res in self.results.items()}
+
+    def close(self) -> None:
+        self.q.put(StopMsg())
+        self.thread.join(timeout=10)
+
+    # ------------------------------------------------------------------ worker side
+
+    def _run(self) -> None:
+        torch.set_num_threads(self.threads)
+        ctx = torch.cuda.stream(self.stream) if self.stream is not None else _null()
+        with ctx:
+            while True:
+                msgs = [self.q.get()]
+                while True:  # batch the chunks on hand: drain what is queued
+                    try:
+                        msgs.append(self.q.get_nowait())
+                    except queue.Empty:
+                        break
+                try:
+                    if self._handle(msgs):
+                        return
+                except BaseException as e:  # surfaced by barrier()
+                    self.error = e
+                    for m in msgs:
+                        if isinstance(m, BarrierMsg):
+                            m.done.set()
+
+    def _handle(self, msgs: list) -> bool:
+        pending: dict[int, tuple[tuple[int, ...], bool]] = {}
+        step = 0
+        for m in msgs:
+            if isinstance(m, ChunksMsg):
+                step = m.step
+                for c in m.chunks:  # consecutive chunks of one sequence are concatenated
+                    prev = pending.get(c.uid, ((), False))
+                    pending[c.uid] = (prev[0] + c.tokens, c.final)
+                continue
+            self._flush(pending, step)
+            pending = {}
+            if isinstance(m, AdmitMsg):
+                with self.tracer.span(self.name, "prefill_prompt", step):
+                    for s in self.scorers.values():
+                        s.admit(list(m.uids), [list(p) for p in m.prompts])
+            elif isinstance(m, ForgetMsg):
+                for s in self.scorers.values():
+                    s.forget(set(m.uids))
+            elif isinstance(m, BarrierMsg):
+                if self.stream is not None:
+                    self.stream.synchronize()
+                m.done.set()
+            elif isinstance(m, StopMsg):
+                return True
+        self._flush(pending, step)
+        return False
+
+    def _flush(self, pending: dict, step: int) -> None:
+        if not pending:
+            return
+        for role, s in self.scorers.items():
+            with self.tracer.span(self.name, f"score_{role}", step, tokens=sum(len(t) for t, _ in pending.values())):
+                s.feed(pending)
+            self.results[role].update(s.take_done())
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
