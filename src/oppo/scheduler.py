@@ -306,8 +306,8 @@ class Scheduler:
             self._fixed_delta = delta
             delta_bound, delta_name = delta, "delta"
         # Why Delta <= B. At most B + Delta sequences are admitted-but-untrained when a step
-        # closes (2B with refill, which is capped there), and the step trains B of them, so at
-        # most Delta <= B are carried into the next step. Sequences admitted in step k have lag
+        # closes (with refill: at most 2B, the refill cap), and the step trains B of them, so
+        # at most Delta <= B (with refill: B) are carried into the next step. Sequences admitted in step k have lag
         # 0 < max_lag, so only carried ones can be due: at most B due sequences, and a batch of
         # exactly B can always hold them all. With Delta > B, e.g. B=2, Delta=5, max_lag=1,
         # two short sequences close step 0, five are carried and all five are due at step 1:

@@ -227,6 +227,8 @@ class Trainer:
         cfg, eng, sched, worker = self.cfg, self.engine, self.scheduler, self.worker
         times: dict[str, float] = {}
         t_gen = time.perf_counter()
+        # The actor decodes on its own core(s); the scorer worker has its own thread count.
+        torch.set_num_threads(cfg.overlap.actor_threads if worker else self.threads)
         eng.set_version(step)
         if cfg.carries and cfg.overlap.stale_kv == "recompute" and eng.active:
             with self.tracer.span("actor", "recompute_kv", step):
@@ -252,13 +254,15 @@ class Trainer:
             close = sched.try_close()
         self.tracer.add("actor", "decode", step, t_span, time.perf_counter())
         times["time/generate"] = time.perf_counter() - t_gen
-        batch = [self.rollouts[u] for u in close.uids]
+        torch.set_num_threads(self.threads)
+        uids = sorted(close.uids)  # admission order, as the sequential loop trains them
+        batch = [self.rollouts[u] for u in uids]
         t = time.perf_counter()
         if worker:
             worker.feed(eng.take_chunks(chunk), step)  # rows retired since the last boundary
             with self.tracer.span("actor", "wait_scorers", step):
                 worker.barrier()  # also: no scorer work may touch the critic while it trains
-            out = worker.take(list(close.uids))
+            out = worker.take(uids)
             scores = self._reward_scores(batch) if self.reward_fn else [o.score for o in out["reward"]]
             ref, values = out["reference"], out["critic"]
             stale = [i for i, r in enumerate(batch) if r.start_version < step]
@@ -318,7 +322,6 @@ class Trainer:
             result, times = self.sequential_step(step)
         else:
             result, times = self.overlapped_step(step)
-        torch.set_num_threads(self.threads)
         dt = time.perf_counter() - t0
         self.wallclock += dt
         self.tuner.record(dt)
