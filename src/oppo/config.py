@@ -209,7 +209,11 @@ def all_keys(cfg: Config | None = None) -> list[str]:
 
 
 def _suggest(key: str, known: list[str]) -> str:
-    close = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
+    section, _, leaf = key.rpartition(".")
+    # a leaf that is a word of known leaves (e.g. "ppo.lr" -> "ppo.actor_lr"), same section first
+    words = [k for k in known if leaf in k.split(".")[-1].split("_")]
+    close = sorted(words, key=lambda k: k.split(".")[0] != section)[:1]
+    close = close or difflib.get_close_matches(key, known, n=1, cutoff=0.5)
     if not close:  # try matching the last component alone (e.g. "lr" -> "ppo.actor_lr")
         leaf = key.split(".")[-1]
         leaves = {k.split(".")[-1]: k for k in known}
@@ -246,6 +250,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         except (TypeError, ValueError):
             raise ConfigError(f"{key}: expected a number, got {value!r}.") from None
     if tp is str:
+        if value is None:
+            raise ConfigError(f"{key}: must not be empty.")
         if isinstance(value, (dict, list)):
             raise ConfigError(f"{key}: expected a string, got {value!r}.")
         return str(value)
@@ -307,10 +313,26 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if "=" not in item:
             raise ConfigError(f"Override '{item}' must look like section.key=value (e.g. ppo.actor_lr=1e-6).")
         key, raw = item.split("=", 1)
-        value = yaml.safe_load(raw) if raw.strip() else None
-        _set(cfg, key.strip(), value, "the command line")
+        _set(cfg, key.strip(), _parse_override(cfg, key.strip(), raw.strip()), "the command line")
     validate(cfg)
     return cfg
+
+
+def _parse_override(cfg: Config, key: str, raw: str) -> Any:
+    """An override's value: YAML for numbers, booleans and lists; text settings keep their text
+    (data.split=on is 'on', policy.path=0755 is '0755', not True and 493)."""
+    if not raw:
+        return None
+    if key not in all_keys(cfg):
+        return raw  # _set reports the unknown key
+    section, name = key.split(".")
+    tp = typing.get_type_hints(type(getattr(cfg, section)))[name]
+    if str in (tp, *typing.get_args(tp)) and raw[0] not in "'\"":
+        return raw
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{key}={raw!r}: cannot parse the value ({getattr(e, 'problem', e)}).") from None
 
 
 def to_dict(cfg: Config) -> dict:

@@ -75,7 +75,7 @@ def _read_with_datasets(source: str, p: Path, field: str, split: str) -> list[st
                 ds = datasets.load_from_disk(str(p))
             except FileNotFoundError:
                 ds = datasets.load_dataset(str(p))
-        elif source.startswith(("/", "./", "../", "~")):
+        elif source.startswith(("/", "./", "../", "~")) or p.suffix in (".json", ".csv", ".parquet", ".txt"):
             raise DataError(f"Prompt set {source} not found. Set data.prompts to an existing file or directory.")
         else:
             ds = datasets.load_dataset(source)
@@ -90,7 +90,11 @@ def _read_with_datasets(source: str, p: Path, field: str, split: str) -> list[st
     if field not in ds.column_names:
         raise DataError(f"Prompt set {source} has no column {field!r} (it has {', '.join(ds.column_names)}); "
                         f"set data.field.")
-    return [str(x) for x in ds[field]]
+    values = ds[field]
+    for i, x in enumerate(values):
+        if x is None:
+            raise DataError(f"Prompt set {source}: record {i} has no value in column {field!r}.")
+    return [str(x) for x in values]
 
 
 @dataclass

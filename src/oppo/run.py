@@ -56,7 +56,8 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True) -> Path
                 if step == first:
                     _print_samples(f"samples at step {step}:", res.texts, res.exp.scores.tolist(), cfg.run.samples)
                 logger.log(step, metrics)
-                lengths.write(json.dumps({"step": step, "lengths": res.exp.mask.sum(1).int().tolist()}) + "\n")
+                lengths.write(json.dumps({"step": step, "lengths": res.exp.mask.sum(1).int().tolist(),
+                                          "prompt_index": [r.prompt_index for r in res.exp.rollouts]}) + "\n")
                 lengths.flush()
                 bar.update(step, metrics)
                 if cfg.run.save_every and trainer.step % cfg.run.save_every == 0 and trainer.step < cfg.run.steps:

@@ -1,0 +1,364 @@
+"""Tests for oppo.config: defaults, YAML + overrides, coercion, validation messages, help, CLI."""
+
+from __future__ import annotations
+
+import pytest
+
+from oppo import cli
+from oppo.config import Config, ConfigError, all_keys, from_dict, help_text, load_config, to_dict, validate
+
+
+def _error(overrides, path=None) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    return str(info.value)
+
+
+# --------------------------------------------------------------------------- defaults, file, overrides
+
+def test_defaults_validate():
+    cfg = Config()
+    validate(cfg)
+    assert load_config() == cfg
+    assert cfg.uses_builtin_task and cfg.streams and cfg.carries
+
+
+def test_round_trip_through_dict():
+    cfg = load_config(None, ["ppo.actor_lr=2e-6", "overlap.chunk_candidates=[4, 8]", "data.field=text"])
+    assert from_dict(to_dict(cfg)) == cfg
+
+
+def test_yaml_file_and_overrides(tmp_path):
+    p = tmp_path / "run.yaml"
+    p.write_text("ppo:\n  batch_size: 16\n  minibatch_size: 8\n  actor_lr: 3.0e-6\n"
+                 "overlap:\n  mode: intra\ndata:\n  field: text\n")
+    cfg = load_config(p)
+    assert (cfg.ppo.batch_size, cfg.ppo.minibatch_size, cfg.ppo.actor_lr) == (16, 8, 3e-6)
+    assert cfg.overlap.mode == "intra" and cfg.data.field == "text"
+    assert cfg.ppo.micro_batch_size == 8  # untouched default
+    cfg = load_config(p, ["ppo.batch_size=32", "overlap.mode=sequential"])
+    assert cfg.ppo.batch_size == 32 and cfg.overlap.mode == "sequential"  # override wins over the file
+    assert cfg.ppo.minibatch_size == 8 and cfg.data.field == "text"  # the rest of the file still applies
+
+
+def _write(p, text):
+    p.write_text(text)
+    return p
+
+
+def test_empty_yaml_file_is_defaults(tmp_path):
+    assert load_config(_write(tmp_path / "empty.yaml", "")) == Config()
+
+
+def test_unknown_key_in_file_names_the_file(tmp_path):
+    p = _write(tmp_path / "bad.yaml", "ppo:\n  actor_lrr: 1.0e-6\n")
+    msg = _error([], path=p)
+    assert "ppo.actor_lrr" in msg and str(p) in msg and "'ppo.actor_lr'" in msg
+
+
+# --------------------------------------------------------------------------- coercion
+
+def test_int_float_bool_coercion():
+    cfg = load_config(None, ["ppo.epochs=3", "ppo.actor_lr=1e-6", "ppo.critic_lr=2.5E-5", "ppo.kl_coef=0",
+                             "data.shuffle=false", "log.trace=no", "log.tensorboard=True"])
+    assert cfg.ppo.epochs == 3 and type(cfg.ppo.epochs) is int
+    assert cfg.ppo.actor_lr == 1e-6 and type(cfg.ppo.actor_lr) is float  # YAML reads '1e-6' as a string
+    assert cfg.ppo.critic_lr == 2.5e-5
+    assert cfg.ppo.kl_coef == 0.0 and type(cfg.ppo.kl_coef) is float
+    assert cfg.data.shuffle is False and cfg.log.trace is False and cfg.log.tensorboard is True
+
+
+def test_optional_none_and_empty():
+    cfg = load_config(None, ["ppo.clip_eps_high=0.3", "ppo.value_clip_eps=", "ppo.is_truncate=None",
+                             "generation.max_new_tokens=null"])
+    assert cfg.ppo.clip_eps_high == 0.3
+    assert cfg.ppo.value_clip_eps is None and cfg.ppo.is_truncate is None and cfg.generation.max_new_tokens is None
+    cfg = load_config(None, ["generation.max_new_tokens=12", "reward.judge="])
+    assert cfg.generation.max_new_tokens == 12 and cfg.reward.judge is None
+
+
+def test_list_coercion():
+    assert load_config(None, ["overlap.chunk_candidates=[4, 8]"]).overlap.chunk_candidates == [4, 8]
+    assert load_config(None, ["overlap.chunk_candidates=2,4,6"]).overlap.chunk_candidates == [2, 4, 6]
+    assert load_config(None, ["overlap.chunk_candidates=16"]).overlap.chunk_candidates == [16]
+    assert "overlap.chunk_candidates" in _error(["overlap.chunk_candidates=[]"])
+    assert "overlap.chunk_candidates" in _error(["overlap.chunk_candidates=[4, x]"])
+
+
+def test_defaults_are_not_shared_between_configs():
+    a, b = Config(), Config()
+    a.overlap.chunk_candidates.append(64)
+    assert b.overlap.chunk_candidates == [8, 16, 32]
+
+
+def test_text_settings_keep_their_text():
+    # YAML would read these as True / 493 / a parse error; a text setting keeps what was typed.
+    cfg = load_config(None, ["data.split=on", "data.field=yes", "data.prompts=@prompts.jsonl"])
+    assert (cfg.data.split, cfg.data.field, cfg.data.prompts) == ("on", "yes", "@prompts.jsonl")
+    cfg = load_config(None, ["policy.path=0755", "reward.function=mod:fn", "data.prompts=p.jsonl"])
+    assert cfg.policy.path == "0755" and cfg.reward.function == "mod:fn"
+    assert load_config(None, ['data.field="my field"']).data.field == "my field"  # quotes still unquote
+
+
+def test_empty_required_text_is_an_error():
+    msg = _error(["data.field="])
+    assert "data.field" in msg and "empty" in msg
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("ppo.batch_size=abc", "expected an integer"),
+    ("ppo.batch_size=1.5", "expected an integer"),
+    ("ppo.batch_size=true", "expected an integer"),
+    ("ppo.actor_lr=fast", "expected a number"),
+    ("data.shuffle=maybe", "expected true or false"),
+    ("data.field=[a, b]", None),  # text setting: kept as text, no error
+])
+def test_wrong_type_names_the_key(override, expected):
+    key = override.split("=")[0]
+    if expected is None:
+        load_config(None, [override])
+        return
+    msg = _error([override])
+    assert msg.startswith(key) and expected in msg
+
+
+def test_unparseable_value_is_a_config_error():
+    msg = _error(["ppo.batch_size=[1"])
+    assert "ppo.batch_size" in msg and "parse" in msg
+
+
+def test_override_without_equals():
+    assert "section.key=value" in _error(["ppo.batch_size"])
+
+
+# --------------------------------------------------------------------------- unknown keys
+
+@pytest.mark.parametrize("key, suggestion", [
+    ("ppo.actor_lrr", "ppo.actor_lr"),
+    ("ppo.lr", "ppo.actor_lr"),
+    ("ppo.batchsize", "ppo.batch_size"),
+    ("ppoo.batch_size", "ppo.batch_size"),
+    ("run.seeds", "run.seed"),
+    ("overlap.modes", "overlap.mode"),
+])
+def test_unknown_key_suggests_closest(key, suggestion):
+    msg = _error([f"{key}=1"])
+    assert f"Unknown setting '{key}'" in msg
+    assert f"Did you mean '{suggestion}'?" in msg
+    assert "--help" in msg
+
+
+def test_unknown_section():
+    msg = _error(["optimizer.momentum=0.9"])
+    assert "Unknown setting 'optimizer.momentum'" in msg and "--help" in msg
+    assert "Did you mean" not in msg  # nothing close: no made-up suggestion
+    assert "Unknown setting 'ppo'" in _error(["ppo=1"])
+    assert "Unknown setting 'ppo.batch_size.x'" in _error(["ppo.batch_size.x=1"])
+
+
+def test_unknown_section_in_file(tmp_path):
+    msg = _error([], path=_write(tmp_path / "c.yaml", "optimiser:\n  lr: 1\n"))
+    assert "optimiser.lr" in msg
+
+
+# --------------------------------------------------------------------------- validation
+
+def test_invalid_choice_lists_choices():
+    msg = _error(["overlap.mode=fast"])
+    assert "overlap.mode='fast'" in msg
+    for mode in ("sequential", "intra", "inter", "oppo"):
+        assert mode in msg
+    msg = _error(["data.on_long_prompt=drop"])
+    assert "truncate" in msg and "skip" in msg
+
+
+def test_batch_not_multiple_of_minibatch():
+    msg = _error(["ppo.batch_size=10", "ppo.minibatch_size=4", "ppo.micro_batch_size=4"])
+    assert "ppo.batch_size=10" in msg and "ppo.minibatch_size=4" in msg
+    assert "divisor of 10" in msg  # the fix
+
+
+def test_minibatch_not_multiple_of_micro_batch():
+    msg = _error(["ppo.batch_size=8", "ppo.minibatch_size=4", "ppo.micro_batch_size=3"])
+    assert "ppo.minibatch_size=4" in msg and "ppo.micro_batch_size=3" in msg
+    assert "divisor of 4" in msg
+
+
+@pytest.mark.parametrize("key", ["ppo.batch_size", "ppo.minibatch_size", "ppo.micro_batch_size"])
+def test_zero_sizes(key):
+    assert key in _error([f"{key}=0"])
+
+
+def test_delta_larger_than_batch_in_carry_modes():
+    base = ["ppo.batch_size=4", "ppo.minibatch_size=4", "ppo.micro_batch_size=2"]
+    for mode in ("inter", "oppo"):
+        msg = _error(base + [f"overlap.mode={mode}", "overlap.delta=5"])
+        assert "ppo.batch_size=4" in msg and "overlap.delta" in msg
+    # adaptive Delta: its upper bound counts
+    assert "delta_max" in _error(base + ["overlap.mode=oppo", "overlap.delta_max=6"])
+    # modes that never carry ignore Delta
+    for mode in ("sequential", "intra"):
+        assert load_config(None, base + [f"overlap.mode={mode}", "overlap.delta=5"]).overlap.delta == 5
+
+
+def test_max_lag_zero_needs_zero_delta():
+    msg = _error(["overlap.max_lag=0", "overlap.delta=2"])
+    assert "overlap.max_lag=0" in msg and "overlap.delta=0" in msg
+    assert "overlap.max_lag" in _error(["overlap.max_lag=0"])  # adaptive Delta with delta_max=8 > 0
+    cfg = load_config(None, ["overlap.max_lag=0", "overlap.delta=0"])
+    assert cfg.overlap.max_lag == 0
+    load_config(None, ["overlap.max_lag=0", "overlap.delta_init=0", "overlap.delta_max=0"])
+
+
+def test_delta_bounds_order():
+    assert "delta_min <= delta_init <= delta_max" in _error(["overlap.delta_init=9"])
+
+
+def test_reward_path_and_function_both_set():
+    msg = _error(["reward.path=rm", "reward.function=mod:fn"])
+    assert "reward.path" in msg and "reward.function" in msg and "not both" in msg
+
+
+def test_policy_without_reward():
+    msg = _error(["policy.path=some/dir"])
+    assert "policy.path" in msg and "reward.path" in msg and "reward.function" in msg
+    load_config(None, ["policy.path=some/dir", "reward.path=rm/dir"])
+    load_config(None, ["policy.path=some/dir", "reward.function=mod:fn"])
+
+
+@pytest.mark.parametrize("spec", ["nocolon", ":fn", "mod:"])
+def test_malformed_reward_function(spec):
+    msg = _error([f"reward.function={spec}"])
+    assert f"reward.function={spec!r}" in msg and "module:function" in msg
+
+
+def test_malformed_judge():
+    assert "reward.judge" in _error(["reward.judge=nocolon"])
+
+
+@pytest.mark.parametrize("key", ["policy.device", "reference.device", "critic.device", "reward.device"])
+def test_bad_device(key):
+    msg = _error([f"{key}=gpu"])
+    assert f"{key}='gpu'" in msg and "cuda:N" in msg
+
+
+def test_good_devices():
+    cfg = load_config(None, ["policy.device=cpu", "reward.device=cuda:1", "critic.device=cuda", "reference.device=auto"])
+    assert cfg.reward.device == "cuda:1"
+
+
+@pytest.mark.parametrize("override, key", [
+    ("generation.temperature=0", "generation.temperature"),
+    ("generation.top_p=0", "generation.top_p"),
+    ("generation.top_k=-1", "generation.top_k"),
+    ("generation.max_new_tokens=0", "generation.max_new_tokens"),
+    ("ppo.clip_eps=1.5", "ppo.clip_eps"),
+    ("ppo.kl_coef=-1", "ppo.kl_coef"),
+    ("ppo.epochs=0", "ppo.epochs"),
+    ("ppo.is_truncate=0.5", "ppo.is_truncate"),
+    ("data.max_prompt_tokens=0", "data.max_prompt_tokens"),
+    ("run.keep_checkpoints=0", "run.keep_checkpoints"),
+    ("overlap.chunk_size=-1", "overlap.chunk_size"),
+    ("overlap.delta=-2", "overlap.delta"),
+])
+def test_other_ranges(override, key):
+    assert key in _error([override])
+
+
+def test_validate_does_not_change_values():
+    cfg = Config()
+    cfg.ppo.batch_size, cfg.ppo.minibatch_size = 12, 5
+    with pytest.raises(ConfigError):
+        validate(cfg)
+    assert (cfg.ppo.batch_size, cfg.ppo.minibatch_size) == (12, 5)
+
+
+# --------------------------------------------------------------------------- files
+
+def test_missing_config_file(tmp_path):
+    msg = _error([], path=tmp_path / "nope.yaml")
+    assert "nope.yaml" in msg and "not found" in msg
+
+
+@pytest.mark.parametrize("text", ["- a\n- b\n", "just a string\n", "42\n"])
+def test_yaml_not_a_mapping(tmp_path, text):
+    p = _write(tmp_path / "list.yaml", text)
+    msg = _error([], path=p)
+    assert str(p) in msg and "mapping" in msg
+
+
+def test_invalid_yaml(tmp_path):
+    p = _write(tmp_path / "broken.yaml", "ppo: [1,\n")
+    msg = _error([], path=p)
+    assert str(p) in msg and "not valid YAML" in msg
+
+
+# --------------------------------------------------------------------------- help and CLI
+
+def test_help_text_lists_every_key():
+    text = help_text()
+    for key in all_keys():
+        assert f"  {key} = " in text, key
+    assert "[sequential|intra|inter|oppo]" in text  # choices shown
+    assert "ppo.actor_lr = 1e-05" in text
+
+
+def test_cli_train_help(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["train", "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "--config" in out and "--resume" in out
+    for key in all_keys():
+        assert key in out, key
+
+
+@pytest.fixture
+def no_training(monkeypatch):
+    """Fail loudly if anything past validation runs."""
+    import oppo.run
+    import oppo.trainer
+
+    def boom(*a, **k):
+        raise AssertionError("a model was about to load before the config was validated")
+
+    monkeypatch.setattr(oppo.trainer.Trainer, "__init__", boom)
+    monkeypatch.setattr(oppo.run, "train", boom)
+
+
+def test_cli_invalid_value_exits_2_before_loading(no_training, capsys):
+    assert cli.main(["train", "ppo.batch_size=0"]) == 2
+    err = capsys.readouterr().err
+    assert "config error" in err and "ppo.batch_size" in err
+
+
+def test_cli_unknown_key_exits_2(no_training, capsys):
+    assert cli.main(["train", "ppo.lr=1e-6"]) == 2
+    err = capsys.readouterr().err
+    assert "ppo.lr" in err and "ppo.actor_lr" in err
+
+
+def test_cli_missing_config_file_exits_2(no_training, capsys, tmp_path):
+    assert cli.main(["train", "--config", str(tmp_path / "x.yaml")]) == 2
+    assert "x.yaml" in capsys.readouterr().err
+
+
+def test_cli_valid_config_reaches_training(monkeypatch, capsys, tmp_path):
+    import oppo.run
+
+    seen = {}
+
+    def fake_train(cfg, resume=None):
+        seen["cfg"], seen["resume"] = cfg, resume
+        return tmp_path
+
+    monkeypatch.setattr(oppo.run, "train", fake_train)
+    assert cli.main(["train", "--resume", "auto", "ppo.actor_lr=1e-6", "run.steps=3"]) == 0
+    assert seen["cfg"].ppo.actor_lr == 1e-6 and seen["cfg"].run.steps == 3 and seen["resume"] == "auto"
+    assert str(tmp_path) in capsys.readouterr().out
+
+
+def test_cli_usage():
+    assert cli.main([]) == 2
+    assert cli.main(["--help"]) == 0
+    assert cli.main(["frobnicate"]) == 2

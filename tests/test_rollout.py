@@ -1,0 +1,129 @@
+import torch
+
+from oppo.models import load_causal_lm, load_tokenizer
+from oppo.rollout import RolloutEngine, Rollout, sample_tokens
+
+PROMPTS = ["the film was", "i liked the book and", "a", "we hated it but the story"]
+
+
+def _load(tiny_models):
+    tok = load_tokenizer(str(tiny_models["policy"]))
+    model = load_causal_lm(str(tiny_models["policy"]), "policy", torch.device("cpu"), torch.float32).eval()
+    return tok, model
+
+
+def _rollouts(tok, prompts=PROMPTS):
+    return [Rollout(i, i, p, tok(p)["input_ids"], 0) for i, p in enumerate(prompts)]
+
+
+def _eos_biased(model, tok, bias=3.0):
+    """Make EOS likely enough that rows end at different times."""
+    with torch.no_grad():
+        model.get_output_embeddings().weight[tok.eos_token_id] += bias * model.get_output_embeddings().weight.std()
+    return model
+
+
+def _reference_greedy(model, tok, prompts, n):
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    out = model.generate(**enc, do_sample=False, max_new_tokens=n, pad_token_id=tok.pad_token_id,
+                         eos_token_id=tok.eos_token_id)
+    refs = []
+    for row in out[:, enc["input_ids"].shape[1]:].tolist():
+        if tok.eos_token_id in row:
+            row = row[: row.index(tok.eos_token_id) + 1]
+        refs.append(row)
+    return refs
+
+
+def test_greedy_equals_generate(tiny_models):
+    tok, model = _load(tiny_models)
+    eng = RolloutEngine(model, tok.eos_token_id, tok.pad_token_id, max_new_tokens=16, greedy=True)
+    rs = _rollouts(tok)
+    eng.admit(rs)
+    eng.generate_all()
+    for r, ref in zip(rs, _reference_greedy(model, tok, PROMPTS, 16)):
+        assert r.response_ids == ref
+
+
+def test_greedy_equals_generate_with_staggered_admission_and_eos(tiny_models):
+    """Rows that join mid-decode (continuous batching) and rows that end early still decode
+    exactly as generate does them alone."""
+    tok, model = _load(tiny_models)
+    model = _eos_biased(model, tok)
+    refs = _reference_greedy(model, tok, PROMPTS, 24)
+    assert len({len(r) for r in refs}) > 1, "fixture should give different lengths"
+    eng = RolloutEngine(model, tok.eos_token_id, tok.pad_token_id, max_new_tokens=24, greedy=True)
+    rs = _rollouts(tok)
+    eng.admit(rs[:2])
+    for _ in range(3):
+        eng.step()
+    eng.admit(rs[2:])
+    eng.generate_all()
+    for r, ref in zip(rs, refs):
+        assert r.response_ids == ref
+        assert r.ended_with_eos == (ref[-1] == tok.eos_token_id)
+
+
+def test_behaviour_logprobs_match_a_full_forward(tiny_models):
+    tok, model = _load(tiny_models)
+    eng = RolloutEngine(model, tok.eos_token_id, tok.pad_token_id, max_new_tokens=10, temperature=0.7, seed=3)
+    rs = _rollouts(tok)
+    eng.admit(rs)
+    eng.generate_all()
+    for r in rs:
+        ids = torch.tensor([r.prompt_ids + r.response_ids])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(r.prompt_ids) - 1:-1] / 0.7
+        lp = torch.log_softmax(logits, -1).gather(1, torch.tensor(r.response_ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(r.logprobs), lp, atol=1e-4, rtol=1e-4)
+        assert r.versions == [0] * len(r.response_ids)
+
+
+def test_sampling_is_seeded_and_stops_at_max_new_tokens(tiny_models):
+    tok, model = _load(tiny_models)
+    outs = []
+    for _ in range(2):
+        eng = RolloutEngine(model, tok.eos_token_id, tok.pad_token_id, max_new_tokens=7, seed=11)
+        rs = _rollouts(tok)
+        eng.admit(rs)
+        eng.generate_all()
+        outs.append([r.response_ids for r in rs])
+        assert all(len(r.response_ids) <= 7 for r in rs)
+        assert all(r.ended_with_eos or len(r.response_ids) == 7 for r in rs)
+    assert outs[0] == outs[1]
+
+
+def test_chunks_cover_each_response_once(tiny_models):
+    tok, model = _load(tiny_models)
+    model = _eos_biased(model, tok)
+    eng = RolloutEngine(model, tok.eos_token_id, tok.pad_token_id, max_new_tokens=20, seed=1)
+    rs = _rollouts(tok)
+    eng.admit(rs)
+    got = {r.uid: [] for r in rs}
+    finals = set()
+    while eng.active:
+        eng.step()
+        for c in eng.take_chunks(3):
+            assert c.uid not in finals
+            got[c.uid].extend(c.tokens)
+            assert c.final or len(c.tokens) == 3
+            if c.final:
+                finals.add(c.uid)
+    for c in eng.take_chunks(3):
+        got[c.uid].extend(c.tokens)
+        finals.add(c.uid)
+    assert finals == {r.uid for r in rs}
+    for r in rs:
+        assert got[r.uid] == r.response_ids
+
+
+def test_top_k_and_top_p_restrict_the_support():
+    logits = torch.tensor([[4.0, 3.0, 0.0, -1.0, -2.0]]).repeat(200, 1)
+    g = torch.Generator().manual_seed(0)
+    tok, _ = sample_tokens(logits, 1.0, top_k=2, top_p=1.0, generator=g)
+    assert set(tok.tolist()) <= {0, 1}
+    tok, _ = sample_tokens(logits, 1.0, top_k=0, top_p=0.5, generator=g)
+    assert set(tok.tolist()) == {0}  # p(0) = 0.70 > 0.5 alone
+    tok, lp = sample_tokens(logits, 2.0, top_k=0, top_p=1.0, generator=g)
+    expected = torch.log_softmax(logits / 2.0, -1).gather(1, tok[:, None])[:, 0]
+    torch.testing.assert_close(lp, expected)
