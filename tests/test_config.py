@@ -80,7 +80,7 @@ def test_optional_none_and_empty():
 def test_list_coercion():
     assert load_config(None, ["overlap.chunk_candidates=[4, 8]"]).overlap.chunk_candidates == [4, 8]
     assert load_config(None, ["overlap.chunk_candidates=2,4,6"]).overlap.chunk_candidates == [2, 4, 6]
-    assert load_config(None, ["overlap.chunk_candidates=16"]).overlap.chunk_candidates == [16]
+    assert load_config(None, ["overlap.chunk_candidates=[16]"]).overlap.chunk_candidates == [16]
     assert "overlap.chunk_candidates" in _error(["overlap.chunk_candidates=[]"])
     assert "overlap.chunk_candidates" in _error(["overlap.chunk_candidates=[4, x]"])
 

@@ -155,6 +155,8 @@ def load_function(spec: str, role: str = "reward.function") -> Callable:
     except ImportError as e:
         raise ModelLoadError(f"{role}: cannot import module {mod_name!r} ({e}). Make it importable "
                              f"(run from its directory or add it to PYTHONPATH).") from None
+    except Exception as e:  # the module itself is broken (SyntaxError, NameError, ... at import)
+        raise ModelLoadError(f"{role}: importing module {mod_name!r} failed: {type(e).__name__}: {e}") from e
     fn = getattr(mod, fn_name, None)
     if not callable(fn):
         raise ModelLoadError(f"{role}: module {mod_name!r} has no function {fn_name!r}.")

@@ -39,6 +39,7 @@ class Rollout:
     finished: bool = False
     ended_with_eos: bool = False
     emitted: int = 0
+    target_length: int | None = None  # benchmark workloads only: force EOS at exactly this length
 
 
 @dataclass(frozen=True)
@@ -143,11 +144,13 @@ class RolloutEngine:
         """Sample one token for every row; retire rows that ended; return them."""
         if not self.rows:
             return []
+        logits = self._forced(self.next_logits)
         if self.greedy:
-            tokens = self.next_logits.argmax(-1)  # [R]
-            logp = torch.log_softmax(self.next_logits / self.temperature, -1).gather(1, tokens[:, None])[:, 0]
+            tokens = logits.argmax(-1)  # [R]
         else:
-            tokens, logp = sample_tokens(self.next_logits, self.temperature, self.top_k, self.top_p, self.generator)
+            tokens, _ = sample_tokens(logits, self.temperature, self.top_k, self.top_p, self.generator)
+        # behaviour log-prob under the model's own distribution (what the learner recomputes)
+        logp = torch.log_softmax(self.next_logits.float() / self.temperature, -1).gather(1, tokens[:, None])[:, 0]
         tok_list, lp_list = tokens.tolist(), logp.tolist()  # CPU-GPU sync point (one per decode step)
         keep, done = [], []
         for i, (row, t, lp) in enumerate(zip(self.rows, tok_list, lp_list)):
@@ -173,6 +176,24 @@ class RolloutEngine:
         else:
             self.next_logits = torch.zeros(0, 0, device=self.device)
         return done
+
+    def _forced(self, logits: torch.Tensor) -> torch.Tensor:
+        """Synthetic-length workloads (``oppo bench --tail``): EOS is banned before a row's
+        target length and forced at it, so the length distribution is set directly while the
+        model still does all the real work."""
+        targets = [r.target_length for r in self.rows]
+        if all(t is None for t in targets):
+            return logits
+        logits = logits.clone()
+        for i, (row, t) in enumerate(zip(self.rows, targets)):
+            if t is None:
+                continue
+            if len(row.response_ids) + 1 >= t:
+                logits[i] = float("-inf")
+                logits[i, self.eos_id] = 0.0
+            else:
+                logits[i, self.eos_id] = float("-inf")
+        return logits
 
     def take_chunks(self, chunk_size: int) -> list[Chunk]:
         """Chunks for the scorers: every row with at least ``chunk_size`` unstreamed tokens, and

@@ -150,6 +150,8 @@ class Trainer:
             self.worker = ScorerWorker(scorers, o.scorer_threads, self.tracer)
         self.step = 0
         self.wallclock = 0.0
+        self.step_windows: dict[int, tuple[float, float]] = {}  # perf_counter bounds of each step
+        self.length_sampler = None  # benchmarks: prompt_index -> forced response length
 
     # ================================================================== stages
 
@@ -159,6 +161,8 @@ class Trainer:
         for t in tickets:
             text, ids = self.prompt_set.at(t.prompt_index)
             r = Rollout(t.uid, t.prompt_index, text, list(ids), t.start_version)
+            if self.length_sampler is not None:
+                r.target_length = self.length_sampler(t.prompt_index)
             self.rollouts[t.uid] = r
             new.append(r)
         return new
@@ -322,7 +326,9 @@ class Trainer:
             result, times = self.sequential_step(step)
         else:
             result, times = self.overlapped_step(step)
-        dt = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        dt = t1 - t0
+        self.step_windows[step] = (t0, t1)
         self.wallclock += dt
         self.tuner.record(dt)
         metrics = self._metrics(result, times, dt)

@@ -1,0 +1,376 @@
+"""Bad inputs, through the code a user hits (`Trainer(load_config(...))`, `oppo train`): each fails
+early with a message that names the culprit, or is handled as documented."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import oppo.trainer
+from conftest import WORDS
+from oppo import cli
+from oppo.checkpoint import checkpoint_dirs, latest_checkpoint, load_checkpoint, save_checkpoint
+from oppo.config import load_config
+from oppo.data import DataError, build_prompt_set
+from oppo.models import ModelLoadError, load_tokenizer
+from oppo.scoring import RewardFunction
+from oppo.trainer import Trainer
+
+TINY = ["ppo.batch_size=2", "ppo.minibatch_size=2", "ppo.micro_batch_size=1", "generation.max_new_tokens=4",
+        "overlap.mode=sequential", "run.threads=1", "log.progress=false", "log.trace=false"]
+
+
+def make_cfg(tiny_models, tiny_prompts, tmp_path, **settings):
+    """A tiny user config: the fixture's policy and reward model unless ``settings`` say otherwise."""
+    s = {"policy.path": tiny_models["policy"], "data.prompts": tiny_prompts, "run.out_dir": tmp_path / "run"}
+    if "reward.function" not in settings:
+        s["reward.path"] = tiny_models["reward"]
+    s.update(settings)
+    return load_config(None, TINY + [f"{k}={v}" for k, v in s.items() if v is not None])
+
+
+@pytest.fixture
+def nothing_loads(monkeypatch):
+    """Make every expensive loader fail loudly: the error under test must come first."""
+    def boom(*a, **k):
+        raise AssertionError("something was loaded before the bad input was reported")
+
+    for name in ("load_tokenizer", "read_prompts", "load_reward_model", "load_causal_lm", "load_critic",
+                 "load_function"):
+        monkeypatch.setattr(oppo.trainer, name, boom)
+
+
+def _write_tokenizer(d: Path, **special) -> None:
+    """Replace the tokenizer in model directory ``d`` by the test vocabulary with only ``special`` tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    for f in d.glob("tokenizer*"):
+        f.unlink()
+    tk = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(["<pad>", "<eos>", "<unk>"] + WORDS)},
+                                    unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", **special).save_pretrained(d)
+
+
+def _copy_policy(tiny_models, dst: Path) -> Path:
+    shutil.copytree(tiny_models["policy"], dst)
+    return dst
+
+
+def _reward_module(tmp_path, monkeypatch, name: str, body: str) -> str:
+    (tmp_path / f"{name}.py").write_text(body)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return name
+
+
+# --------------------------------------------------------------------------- model paths
+
+@pytest.mark.parametrize("role", ["policy", "reward", "critic", "reference"])
+def test_missing_model_path_fails_first(tiny_models, tiny_prompts, tmp_path, nothing_loads, role):
+    missing = tmp_path / f"no_{role}_here"
+    cfg = make_cfg(tiny_models, tiny_prompts, tmp_path, **{f"{role}.path": missing})
+    with pytest.raises(ModelLoadError) as info:
+        Trainer(cfg, progress=False)
+    msg = str(info.value)
+    assert str(missing) in msg and role in msg and "does not exist" in msg
+
+
+def test_missing_model_path_cli_exit_2(tiny_models, tiny_prompts, tmp_path, nothing_loads, capsys):
+    missing = tmp_path / "typo_policy"
+    code = cli.main(["train", *TINY, f"policy.path={missing}", f"reward.path={tiny_models['reward']}",
+                     f"data.prompts={tiny_prompts}", f"run.out_dir={tmp_path / 'run'}"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert str(missing) in err and "Traceback" not in err
+
+
+def test_directory_without_config_json(tiny_models, tiny_prompts, tmp_path, nothing_loads):
+    d = tmp_path / "not_a_model"
+    d.mkdir()
+    (d / "weights.bin").write_bytes(b"\0")
+    cfg = make_cfg(tiny_models, tiny_prompts, tmp_path, **{"reward.path": d})
+    with pytest.raises(ModelLoadError) as info:
+        Trainer(cfg, progress=False)
+    assert str(d) in str(info.value) and "config.json" in str(info.value)
+
+
+def test_file_instead_of_directory(tiny_models, tiny_prompts, tmp_path, nothing_loads):
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(b"\0")
+    cfg = make_cfg(tiny_models, tiny_prompts, tmp_path, **{"policy.path": f})
+    with pytest.raises(ModelLoadError, match="not a directory"):
+        Trainer(cfg, progress=False)
+
+
+def test_prompts_required_with_user_models(tiny_models, tmp_path, nothing_loads, capsys):
+    code = cli.main(["train", *TINY, f"policy.path={tiny_models['policy']}", f"reward.path={tiny_models['reward']}",
+                     f"run.out_dir={tmp_path / 'run'}"])
+    assert code == 2
+    assert "data.prompts" in capsys.readouterr().err
+
+
+def test_reward_model_with_two_labels(tiny_models, tiny_prompts, tmp_path, monkeypatch):
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
+
+    d = tmp_path / "two_label_rm"
+    tok = AutoTokenizer.from_pretrained(tiny_models["reward"])
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, pad_token_id=tok.pad_token_id, num_labels=2)
+    LlamaForSequenceClassification(cfg).save_pretrained(d)
+    tok.save_pretrained(d)
+
+    def boom(*a, **k):
+        raise AssertionError("the policy loaded before the reward model was checked")
+
+    monkeypatch.setattr(oppo.trainer, "load_causal_lm", boom)
+    with pytest.raises(ModelLoadError) as info:
+        Trainer(make_cfg(tiny_models, tiny_prompts, tmp_path, **{"reward.path": d}), progress=False)
+    msg = str(info.value)
+    assert str(d) in msg and "2 labels" in msg and "num_labels=1" in msg
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+def test_tokenizer_without_eos(tiny_models, tiny_prompts, tmp_path):
+    d = _copy_policy(tiny_models, tmp_path / "no_eos")
+    _write_tokenizer(d, pad_token="<pad>")
+    with pytest.raises(ModelLoadError) as info:
+        Trainer(make_cfg(tiny_models, tiny_prompts, tmp_path, **{"policy.path": d}), progress=False)
+    assert str(d) in str(info.value) and "EOS" in str(info.value)
+
+
+def test_tokenizer_without_pad_falls_back_to_eos(tiny_models, tiny_prompts, tmp_path):
+    d = _copy_policy(tiny_models, tmp_path / "no_pad")
+    _write_tokenizer(d, eos_token="<eos>")
+    with pytest.warns(UserWarning, match="no pad token"):
+        tok = load_tokenizer(str(d))
+    assert tok.pad_token == tok.eos_token == "<eos>" and tok.padding_side == "left"
+    with pytest.warns(UserWarning, match="no pad token"):
+        trainer = Trainer(make_cfg(tiny_models, tiny_prompts, tmp_path, **{"policy.path": d}), progress=False)
+    try:
+        assert trainer.pad_id == trainer.eos_id == tok.eos_token_id
+    finally:
+        trainer.close()
+
+
+def test_tokenizer_with_pad_gives_no_warning(tiny_models):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tok = load_tokenizer(str(tiny_models["policy"]))
+    assert tok.pad_token == "<pad>" and tok.pad_token_id != tok.eos_token_id
+
+
+# --------------------------------------------------------------------------- prompts
+
+LONG = "the film was very good and the book was very bad but i liked it"
+
+
+def test_long_prompt_truncated_or_skipped(tiny_models):
+    tok = load_tokenizer(str(tiny_models["policy"]))
+    texts = [LONG, "a day", "the story is very"]
+    n = len(tok(LONG)["input_ids"])
+    assert n > 8
+    cfg = load_config(None, ["data.max_prompt_tokens=8"])
+    ps = build_prompt_set(texts, tok, cfg.data, seed=0)
+    assert ps.truncated == 1 and ps.skipped == 0 and len(ps) == 3
+    assert ps.ids[0] == tok(LONG)["input_ids"][-8:]
+    cfg = load_config(None, ["data.max_prompt_tokens=8", "data.on_long_prompt=skip"])
+    ps = build_prompt_set(texts, tok, cfg.data, seed=0)
+    assert ps.truncated == 0 and ps.skipped == 1 and ps.texts == ["a day", "the story is very"]
+
+
+@pytest.mark.parametrize("mode, truncated, skipped, kept", [("truncate", 1, 0, 3), ("skip", 0, 1, 2)])
+def test_long_prompt_counted_by_trainer(tiny_models, tmp_path, mode, truncated, skipped, kept):
+    p = tmp_path / "p.jsonl"
+    p.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in [LONG, "a day", "the book"]))
+    cfg = make_cfg(tiny_models, p, tmp_path, **{"data.max_prompt_tokens": 6, "data.on_long_prompt": mode})
+    trainer = Trainer(cfg, progress=False)
+    try:
+        ps = trainer.prompt_set
+        assert (ps.truncated, ps.skipped, len(ps)) == (truncated, skipped, kept)
+        assert all(len(ids) <= 6 for ids in ps.ids)
+    finally:
+        trainer.close()
+
+
+def test_empty_prompt_set(tiny_models, tmp_path, monkeypatch, capsys):
+    p = tmp_path / "empty.jsonl"
+    p.write_text("\n")
+
+    def boom(*a, **k):
+        raise AssertionError("the policy loaded before the prompt set was checked")
+
+    monkeypatch.setattr(oppo.trainer, "load_causal_lm", boom)
+    with pytest.raises(DataError, match="empty"):
+        Trainer(make_cfg(tiny_models, p, tmp_path), progress=False)
+    code = cli.main(["train", *TINY, f"policy.path={tiny_models['policy']}", f"reward.path={tiny_models['reward']}",
+                     f"data.prompts={p}", f"run.out_dir={tmp_path / 'run'}"])
+    assert code == 2 and "empty" in capsys.readouterr().err
+
+
+def test_all_prompts_too_long_with_skip(tiny_models, tmp_path):
+    p = tmp_path / "long.jsonl"
+    p.write_text(json.dumps({"prompt": LONG}) + "\n")
+    cfg = make_cfg(tiny_models, p, tmp_path, **{"data.max_prompt_tokens": 4, "data.on_long_prompt": "skip"})
+    with pytest.raises(DataError, match="No usable prompt"):
+        Trainer(cfg, progress=False)
+
+
+# --------------------------------------------------------------------------- reward functions
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), "1.0", None])
+def test_reward_function_non_finite(bad):
+    fn = RewardFunction(lambda ps, rs: [1.0] + [bad] * (len(ps) - 1), "mod:fn")
+    with pytest.raises(ValueError) as info:
+        fn(["good prompt", "the culprit"], ["x", "y"])
+    msg = str(info.value)
+    assert "mod:fn" in msg and "'the culprit'" in msg and "finite" in msg
+
+
+def test_reward_function_ok_values():
+    fn = RewardFunction(lambda ps, rs: (len(r) for r in rs), "mod:fn")  # any iterable, ints fine
+    assert fn(["a", "b"], ["xy", "z"]) == [2.0, 1.0]
+
+
+def test_reward_function_wrong_count():
+    fn = RewardFunction(lambda ps, rs: [0.0], "mod:fn")
+    with pytest.raises(ValueError) as info:
+        fn(["a", "b", "c"], ["x", "y", "z"])
+    assert "returned 1 scores for 3" in str(info.value)
+
+
+def test_nan_reward_end_to_end(tiny_models, tiny_prompts, tmp_path, monkeypatch):
+    mod = _reward_module(tmp_path, monkeypatch, "oppo_test_nan_reward",
+                         "def bad(prompts, responses):\n    return [float('nan')] * len(prompts)\n")
+    trainer = Trainer(make_cfg(tiny_models, tiny_prompts, tmp_path, **{"reward.function": f"{mod}:bad"}),
+                      progress=False)
+    try:
+        assert trainer.reward_model is None
+        with pytest.raises(ValueError) as info:
+            trainer.run_step()
+    finally:
+        trainer.close()
+    msg = str(info.value)
+    assert f"{mod}:bad" in msg and "nan" in msg
+    prompts = [json.loads(line)["prompt"] for line in tiny_prompts.read_text().splitlines()]
+    assert any(repr(p) in msg for p in prompts)  # names the prompt
+
+
+def test_wrong_count_end_to_end(tiny_models, tiny_prompts, tmp_path, monkeypatch):
+    mod = _reward_module(tmp_path, monkeypatch, "oppo_test_short_reward",
+                         "def short(prompts, responses):\n    return [1.0]\n")
+    trainer = Trainer(make_cfg(tiny_models, tiny_prompts, tmp_path, **{"reward.function": f"{mod}:short"}),
+                      progress=False)
+    try:
+        with pytest.raises(ValueError, match="returned 1 scores for 2"):
+            trainer.run_step()
+    finally:
+        trainer.close()
+
+
+def test_good_reward_function_end_to_end(tiny_models, tiny_prompts, tmp_path, monkeypatch):
+    mod = _reward_module(tmp_path, monkeypatch, "oppo_test_len_reward",
+                         "def length(prompts, responses):\n    return [len(r.split()) for r in responses]\n")
+    trainer = Trainer(make_cfg(tiny_models, tiny_prompts, tmp_path, **{"reward.function": f"{mod}:length"}),
+                      progress=False)
+    try:
+        m = trainer.run_step()
+    finally:
+        trainer.close()
+    assert math.isfinite(m["reward/mean"]) and trainer.step == 1
+
+
+def test_unimportable_reward_module(tiny_models, tiny_prompts, tmp_path, monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("the policy loaded before the reward function was imported")
+
+    monkeypatch.setattr(oppo.trainer, "load_causal_lm", boom)
+    cfg = make_cfg(tiny_models, tiny_prompts, tmp_path, **{"reward.function": "no_such_module_xyz:score"})
+    with pytest.raises(ModelLoadError) as info:
+        Trainer(cfg, progress=False)
+    assert "'no_such_module_xyz'" in str(info.value) and "reward.function" in str(info.value)
+
+
+def test_reward_module_raising_on_import(tiny_models, tiny_prompts, tmp_path, monkeypatch):
+    mod = _reward_module(tmp_path, monkeypatch, "oppo_test_broken_import",
+                         "import no_such_dependency_xyz\n\ndef f(p, r):\n    return [0.0] * len(p)\n")
+    with pytest.raises(ModelLoadError) as info:
+        Trainer(make_cfg(tiny_models, tiny_prompts, tmp_path, **{"reward.function": f"{mod}:f"}), progress=False)
+    assert mod in str(info.value)
+
+
+@pytest.mark.parametrize("body, cause", [("def f(p, r:\n    pass\n", "SyntaxError"),
+                                         ("x = undefined_name\n", "NameError")])
+def test_reward_module_broken_at_import(tiny_models, tiny_prompts, tmp_path, monkeypatch, capsys, body, cause):
+    mod = _reward_module(tmp_path, monkeypatch, f"oppo_test_broken_{cause.lower()}", body)
+    with pytest.raises(ModelLoadError) as info:
+        Trainer(make_cfg(tiny_models, tiny_prompts, tmp_path, **{"reward.function": f"{mod}:f"}), progress=False)
+    assert mod in str(info.value) and cause in str(info.value)
+    code = cli.main(["train", *TINY, f"policy.path={tiny_models['policy']}", f"reward.function={mod}:f",
+                     f"data.prompts={tiny_prompts}", f"run.out_dir={tmp_path / 'run'}"])
+    assert code == 2 and cause in capsys.readouterr().err
+
+
+def test_reward_module_without_the_function(tiny_models, tiny_prompts, tmp_path, monkeypatch):
+    mod = _reward_module(tmp_path, monkeypatch, "oppo_test_no_fn", "x = 1\n")
+    with pytest.raises(ModelLoadError) as info:
+        Trainer(make_cfg(tiny_models, tiny_prompts, tmp_path, **{"reward.function": f"{mod}:x"}), progress=False)
+    assert mod in str(info.value) and "'x'" in str(info.value)
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+def _digest(d: Path) -> dict[str, str]:
+    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*"))
+            if p.is_file()}
+
+
+def test_interrupted_checkpoint_save_keeps_previous(tiny_models, tiny_prompts, tmp_path, monkeypatch):
+    import oppo.checkpoint
+
+    trainer = Trainer(make_cfg(tiny_models, tiny_prompts, tmp_path), progress=False)
+    run_dir = tmp_path / "run"
+    try:
+        first = save_checkpoint(trainer, run_dir)
+        assert first.name == "step_000000"
+        for f in ("state.json", "optim.pt", "rng.pt", "policy/config.json", "critic/config.json"):
+            assert (first / f).is_file(), f
+        before = _digest(first)
+
+        real_save = oppo.checkpoint.torch.save
+        calls = []
+
+        def failing_save(obj, f, *a, **k):
+            calls.append(f)
+            if len(calls) == 2:  # optim.pt is written, then the process "dies" writing rng.pt
+                raise KeyboardInterrupt("interrupted mid-save")
+            return real_save(obj, f, *a, **k)
+
+        monkeypatch.setattr(oppo.checkpoint.torch, "save", failing_save)
+        # a later step (a new directory) and the same step again (replacing the existing one)
+        for step in (1, 0):
+            calls.clear()
+            trainer.step = step
+            with pytest.raises(KeyboardInterrupt):
+                save_checkpoint(trainer, run_dir)
+            assert len(calls) == 2
+            assert latest_checkpoint(run_dir) == first
+            assert checkpoint_dirs(run_dir) == [first]
+            assert _digest(first) == before  # intact, byte for byte
+            steps = [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step_")]
+            assert steps == [first]  # no half-written step_* directory
+        monkeypatch.undo()
+
+        trainer.step = 5
+        load_checkpoint(trainer, latest_checkpoint(run_dir))  # the survivor still loads
+        assert trainer.step == 0
+    finally:
+        trainer.close()
