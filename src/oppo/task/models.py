@@ -149,6 +149,7 @@ def train_sft(model: LlamaForCausalLM, seqs: list[list[int]], *, steps: int, bat
     torch.manual_seed(seed)
     rng = random.Random(f"sft-{seed}")
     lengths = [len(s) for s in seqs]
+    mean_tokens = sum(lengths) / len(lengths) - 1  # predicted tokens per sequence
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
     model.train()
     batches: list[list[int]] = []
@@ -157,11 +158,16 @@ def train_sft(model: LlamaForCausalLM, seqs: list[list[int]], *, steps: int, bat
     for step in range(steps):
         if not batches:
             batches = sortish_batches(lengths, batch_size, rng)
-        ids, mask = _pad_right([seqs[i] for i in batches.pop()])
-        labels = ids.masked_fill(mask == 0, -100)
+        ids, mask = _pad_right([seqs[i] for i in batches.pop()])  # [B, T]
         for group in opt.param_groups:
             group["lr"] = _lr_at(step, steps, lr, warmup=max(1, steps // 20))
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]  # [B, T-1, V]
+        targets = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)  # [B, T-1]
+        # Sum over tokens / a constant, not a per-batch mean: batches are length-sorted, and a
+        # per-batch mean would weight the tokens of short texts more, which over-predicts an
+        # early EOS and cuts the long tail short.
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
+                               ignore_index=-100, reduction="sum") / (len(ids) * mean_tokens)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
