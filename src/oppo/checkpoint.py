@@ -60,6 +60,8 @@ def save_checkpoint(trainer, run_dir: Path, keep: int = 2) -> Path:
             trainer.worker.barrier()
         for u in uids:
             trainer.rollouts.pop(u, None)
+    for leftover in root.glob(".tmp-step_*"):  # from an interrupted save: never a valid checkpoint
+        shutil.rmtree(leftover, ignore_errors=True)
     final = root / f"step_{trainer.step:06d}"
     tmp = root / f".tmp-step_{trainer.step:06d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)

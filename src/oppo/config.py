@@ -258,6 +258,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     if tp is list or origin is list:
         if isinstance(value, str):
             value = yaml.safe_load(value if value.startswith("[") else f"[{value}]")
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = [value]
         if not isinstance(value, list):
             raise ConfigError(f"{key}: expected a list such as [8, 16, 32], got {value!r}.")
         return value

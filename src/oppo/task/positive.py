@@ -243,6 +243,10 @@ def vocabulary() -> list[str]:
     return L.all_words()
 
 
+DEFAULT_MAX_NEW_TOKENS = 112
+"""``suggest_max_new_tokens()`` for the default ``TaskParams`` (a test keeps them equal)."""
+
+
 def suggest_max_new_tokens(params: TaskParams | None = None, quantile: float = 0.995) -> int:
     """Generation budget that leaves the corpus tail mostly untruncated: the ``quantile`` of
     corpus response lengths (tokens, + 1 for EOS), rounded up to a multiple of 16."""
@@ -347,10 +351,10 @@ def judge_score(prompts: list[str], responses: list[str]) -> list[float]:
 # --- degenerate responses, for the reward model's training pairs --------------------------------
 
 
-def corrupt(rng: random.Random, ex: Example) -> tuple[str, ...]:
-    """A degenerate variant of ``ex``'s response that the judge penalises: repeated phrases, a
-    repeated word, a cut-off (no terminator), word salad of sentiment words, or empty."""
-    r = list(ex.response_tokens)
+def corrupt(rng: random.Random, response: tuple[str, ...]) -> tuple[str, ...]:
+    """A degenerate variant of a response (tokens) that the judge penalises: repeated phrases,
+    a repeated word, a cut-off (no terminator), word salad of sentiment words, or empty."""
+    r = list(response) or ["."]
     kind = rng.randrange(6)
     if kind == 0:  # loop one sentence (or fragment) many times
         sent = r[: r.index(".") + 1] if "." in r else r
@@ -375,9 +379,26 @@ def corrupt(rng: random.Random, ex: Example) -> tuple[str, ...]:
     return tuple(out)
 
 
-def params_from(task_params: TaskParams | dict | None) -> TaskParams:
-    if task_params is None:
-        return TaskParams()
-    if isinstance(task_params, TaskParams):
-        return task_params
-    return TaskParams(**task_params)
+_FLIP_GROUPS = [
+    (L.POS_ADJ, L.NEG_ADJ), (L.POS_VERB, L.NEG_VERB), (L.POS_AFFECT, L.NEG_AFFECT),
+    (L.POS_FEEL, L.NEG_FEEL), (L.POS_ADV, L.NEG_ADV), (L.POS_RECOMMEND, L.NEG_RECOMMEND),
+]
+_OPPOSITES: dict[str, tuple[str, ...]] = {}
+for _pos, _neg in _FLIP_GROUPS:
+    for _w in _pos:
+        _OPPOSITES.setdefault(_w, _neg)
+    for _w in _neg:
+        _OPPOSITES.setdefault(_w, _pos)
+
+
+def flip_sentiment(rng: random.Random, tokens: tuple[str, ...]) -> tuple[str, ...]:
+    """``tokens`` with some sentiment words (each with probability 1/2, at least one when there
+    is one) swapped for a word of the opposite polarity: a pair that differs only in sentiment."""
+    where = [i for i, t in enumerate(tokens) if t in _OPPOSITES]
+    if not where:
+        return tokens
+    chosen = [i for i in where if rng.random() < 0.5] or [rng.choice(where)]
+    out = list(tokens)
+    for i in chosen:
+        out[i] = rng.choice(_OPPOSITES[out[i]])
+    return tuple(out)
