@@ -91,6 +91,7 @@ class RolloutEngine:
         self.next_logits = torch.zeros(0, 0, device=self.device)  # [R, V]
         self.logits_version: list[int] = []  # which policy version computed each row's next_logits
         self.finished: list[Rollout] = []  # retired since the last take_chunks()
+        self.peak_cache_bytes = 0
 
     @property
     def active(self) -> int:
@@ -163,6 +164,7 @@ class RolloutEngine:
             else:
                 keep.append(i)
         if done:
+            self.peak_cache_bytes = max(self.peak_cache_bytes, self.kv.nbytes())
             idx = torch.tensor(keep, dtype=torch.long, device=self.device)
             self.kv.select(idx)
             self.rows = [self.rows[i] for i in keep]

@@ -311,6 +311,7 @@ class Trainer:
             "overlap/is_weight_mean": w.mean().item() if w.numel() else 1.0,
             "overlap/is_weight_max": w.max().item() if w.numel() else 1.0,
             "overlap/chunk_size": chunk,
+            **{f"overlap/lag_{lag}": n for lag, n in close.lag_histogram().items()},
             "overlap/generated_length_mean": _mean([len(r.response_ids) for r in self.rollouts.values()
                                                     if r.uid not in set(close.uids)] or [0]),
         }
@@ -353,9 +354,22 @@ class Trainer:
             **times,
         }
         m.update({k: v for k, v in result.stats.items() if not k.startswith("_")})
+        m.update(self._memory())
         if self.judge_fn is not None:
             m["judge/mean"] = _mean(self.judge_fn([p for p, _ in result.texts], [r for _, r in result.texts]))
         return m
+
+    def _memory(self) -> dict[str, float]:
+        """Peak KV-cache memory per role (MiB) and, on GPU, peak allocated memory per device."""
+        mb = 1024 * 1024
+        out = {"memory/actor_kv_peak_mb": self.engine.peak_cache_bytes / mb}
+        if self.worker:
+            for role, s in self.worker.scorers.items():
+                out[f"memory/{role}_kv_peak_mb"] = s.peak_cache_bytes / mb
+        if torch.cuda.is_available():
+            for i in range(torch.cuda.device_count()):
+                out[f"memory/cuda{i}_peak_mb"] = torch.cuda.max_memory_allocated(i) / mb
+        return out
 
     def close(self) -> None:
         if self.worker:

@@ -175,6 +175,9 @@ bought last gave birthday used weeks read lent finished days spent day dear diar
 thought felt said talked waited minutes home came returned walked outside near
 """)
 
+# Sentence openers of long texts ("then , the soup was cold .").
+CONNECTIVES = _words("then later next also meanwhile afterwards")
+
 PUNCTUATION = (".", ",", "!")
 TERMINATORS = frozenset({".", "!"})
 
@@ -182,7 +185,7 @@ TERMINATORS = frozenset({".", "!"})
 def all_words() -> list[str]:
     """Every word and punctuation mark the generator can emit, deduplicated, in a fixed order."""
     lists: list[tuple[str, ...]] = [
-        FUNCTION_WORDS, PUNCTUATION, NEUTRAL_MISC, INTENSIFIERS, NAMES, RELATIVES,
+        FUNCTION_WORDS, PUNCTUATION, NEUTRAL_MISC, CONNECTIVES, INTENSIFIERS, NAMES, RELATIVES,
         TIMES, WEEKDAYS, PARTS_OF_DAY, WEATHER, NUMBERS, GENERIC_NOUNS,
         POS_ADJ, NEG_ADJ, POS_VERB, NEG_VERB, POS_AFFECT, NEG_AFFECT, POS_FEEL, NEG_FEEL,
         POS_ADV, NEG_ADV, POS_RECOMMEND, NEG_RECOMMEND,

@@ -172,14 +172,18 @@ def train_sft(model: LlamaForCausalLM, seqs: list[list[int]], *, steps: int, bat
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        losses.append(loss.item())
+        n_tok = int((targets != -100).sum())
+        losses.append((loss.item() * len(ids) * mean_tokens / n_tok, n_tok))  # per-token mean
         bar.update(1)
         if step % 20 == 0:
-            bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
+            bar.set_postfix(loss=f"{_token_mean(losses[-20:]):.3f}")
     bar.close()
     model.eval()
-    tail = losses[-max(1, steps // 10):]
-    return {"final_loss": sum(tail) / len(tail), "steps": steps}
+    return {"final_loss": _token_mean(losses[-max(1, steps // 10):]), "steps": steps}
+
+
+def _token_mean(losses: list[tuple[float, int]]) -> float:
+    return sum(l * n for l, n in losses) / max(1, sum(n for _, n in losses))
 
 
 # --- sampling -----------------------------------------------------------------------------------

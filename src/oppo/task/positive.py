@@ -64,6 +64,10 @@ class TaskParams:
     """Log-space spread of the long mode."""
     opinion_prob: float = 0.75
     """Share of body sentences that carry sentiment; the rest are neutral remarks."""
+    long_style: float = 0.5
+    """In the long mode, the share of sentences after the first that open with a connective
+    ("then ,", "later ,", ...): long texts read like stories, so a model can tell, a sentence
+    or two in, that it is writing a long one (as real long answers have their own style)."""
 
     def __post_init__(self) -> None:
         if self.short_mean < 0:
@@ -76,6 +80,8 @@ class TaskParams:
             raise ValueError(f"long_sigma must be >= 0, got {self.long_sigma}")
         if not 0.0 <= self.opinion_prob <= 1.0:
             raise ValueError(f"opinion_prob must be in [0, 1], got {self.opinion_prob}")
+        if not 0.0 <= self.long_style <= 1.0:
+            raise ValueError(f"long_style must be in [0, 1], got {self.long_style}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -193,18 +199,19 @@ class _Writer:
         return self.neutral()
 
 
-def _extra_sentences(rng: random.Random, p: TaskParams) -> int:
-    """Number of body sentences after the first: geometric, or (rarely) lognormal."""
+def _extra_sentences(rng: random.Random, p: TaskParams) -> tuple[int, bool]:
+    """Number of body sentences after the first -- geometric, or (rarely) lognormal -- and
+    whether the text is in the long mode."""
     if rng.random() < p.tail_prob:
         k = round(rng.lognormvariate(math.log(p.long_median), p.long_sigma))
-        return min(max(1, k), int(4 * p.long_median))  # no absurd outliers
+        return min(max(1, k), int(4 * p.long_median)), True  # no absurd outliers
     if p.short_mean <= 0:
-        return 0
+        return 0, False
     stop = 1.0 / (1.0 + p.short_mean)  # geometric on {0, 1, ...} with this mean
     k = 0
     while rng.random() > stop:
         k += 1
-    return k
+    return k, False
 
 
 def generate_example(rng: random.Random, params: TaskParams) -> Example:
@@ -216,13 +223,16 @@ def generate_example(rng: random.Random, params: TaskParams) -> Example:
     k = rng.randint(0, min(3, len(first) - 2))  # leave at least one word and the terminator
     rest: list[str] = first[k:]
     seen = {tuple(first)}
-    for _ in range(_extra_sentences(rng, params)):
+    n_extra, long_mode = _extra_sentences(rng, params)
+    for _ in range(n_extra):
         sent = w.body(params.opinion_prob)
         for _retry in range(3):  # a text rarely says the same sentence twice
             if tuple(sent) not in seen:
                 break
             sent = w.body(params.opinion_prob)
         seen.add(tuple(sent))
+        if long_mode and rng.random() < params.long_style:
+            rest += [rng.choice(L.CONNECTIVES), ","]
         rest += sent
     return Example(tuple(opener + first[:k]), tuple(rest), mood)
 
@@ -243,7 +253,7 @@ def vocabulary() -> list[str]:
     return L.all_words()
 
 
-DEFAULT_MAX_NEW_TOKENS = 112
+DEFAULT_MAX_NEW_TOKENS = 128
 """``suggest_max_new_tokens()`` for the default ``TaskParams`` (a test keeps them equal)."""
 
 
