@@ -11,7 +11,8 @@ the text's *mood*) or a neutral remark. The prompt is the opener plus the first 
 the first body sentence; the response is the rest and ends with EOS. The number of body
 sentences after the first is heavy-tailed: with probability ``1 - tail_prob`` geometric with
 mean ``short_mean``; otherwise lognormal around ``long_median`` -- a rare long mode, as real
-RLHF responses have (``TaskParams`` sets all of it).
+RLHF responses have; long texts open some later sentences with a connective ("then , ..."),
+so the mode shows a sentence or two in (``TaskParams`` sets all of it).
 
 **Judge** (``judge`` / ``judge_score``): for each response,
 
@@ -22,9 +23,9 @@ RLHF responses have (``TaskParams`` sets all of it).
 - ``repetition``: ``2 * max(0, dup4 - 0.25)`` where ``dup4`` is the share of the response's
   token 4-grams that already occurred earlier in it, plus ``0.5`` per extra use, beyond
   ``max(3, 15% of the words)``, of the most frequent content word;
-- ``malformed``: the share of sentences that are not sentence-like (fewer than 3 words, more
-  than 40 tokens, or more than half sentiment words: word salad). The prompt's unfinished last
-  sentence is counted as the start of the response's first sentence;
+- ``malformed``: 1 per sentence that is not sentence-like (fewer than 3 words, more than 40
+  tokens, or more than half sentiment words: word salad), at most 2. The prompt's unfinished
+  last sentence is counted as the start of the response's first sentence;
 - ``cutoff``: 1.0 when the response does not end with ``.`` or ``!``. Every corpus response
   ends its last sentence and then EOS, so a decoded response (special tokens skipped) that does
   not end with a terminator was cut off by ``max_new_tokens`` (or the policy stopped mid-
@@ -119,7 +120,8 @@ class _Writer:
         self.place = rng.choice(self.d["places"])
         self.mood = mood
 
-    def c(self, words):  # noqa: D401 - short helper: one random choice
+    def c(self, words):
+        """One random choice (short: the templates call it a lot)."""
         return self.rng.choice(words)
 
     def opener(self) -> list[str]:
@@ -279,6 +281,8 @@ DUP_TOLERANCE = 0.25
 DUP_WEIGHT = 2.0
 WORD_REPEAT_WEIGHT = 0.5
 MAX_SENTENCE_TOKENS = 40
+MALFORMED_PENALTY = 1.0
+MAX_MALFORMED = 2.0
 SCORE_MIN, SCORE_MAX = -3.0, 1.0
 
 _POS, _NEG = L.POSITIVE_WORDS, L.NEGATIVE_WORDS
@@ -337,7 +341,7 @@ def judge_parts(prompt: str, response: str) -> dict[str, float]:
         n_sent = sum(1 for t in sw if t in _SENTIMENT)
         if len(sw) < 3 or len(s) > MAX_SENTENCE_TOKENS or 2 * n_sent > len(sw):
             bad += 1
-    malformed = bad / len(sentences)
+    malformed = min(MAX_MALFORMED, MALFORMED_PENALTY * bad)
 
     cutoff = 0.0 if toks[-1] in _TERMINATORS else CUTOFF_PENALTY
     score = sentiment - repetition - malformed - cutoff

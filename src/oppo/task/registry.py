@@ -36,6 +36,10 @@ class Task:
     """``examples(n, seed)`` -> SFT (prompt tokens, response tokens), without special tokens."""
     vocabulary: Callable[[], list[str]] = field(repr=False, compare=False)
     """Every token the task's text uses (the tokenizer's vocabulary, before special tokens)."""
+    eval_disjoint: bool = True
+    """Whether ``prepare`` keeps eval prompts out of the training prompts. False when the
+    question space is too small for that (arith: 672 sums and differences in all), so eval
+    prompts are fresh draws from the same distribution."""
 
     def prompts(self, n: int, seed: int = 0) -> list[str]:
         """``n`` prompts, deterministic in ``seed``."""
@@ -84,6 +88,7 @@ def arith_task() -> Task:
         make_prompts=arith.make_prompts,
         examples=lambda n, seed: arith.examples(n, seed),
         vocabulary=arith.vocabulary,
+        eval_disjoint=False,
     )
 
 

@@ -16,8 +16,6 @@ text.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
@@ -58,7 +56,3 @@ def build_tokenizer(words: list[str], model_max_length: int = 512) -> PreTrained
     assert (fast.pad_token_id, fast.bos_token_id, fast.eos_token_id, fast.unk_token_id) == (
         PAD_ID, BOS_ID, EOS_ID, UNK_ID)
     return fast
-
-
-def save_tokenizer(tokenizer: PreTrainedTokenizerFast, directory: str | Path) -> None:
-    tokenizer.save_pretrained(str(directory))
