@@ -146,16 +146,17 @@ class Learner:
                 self.critic_opt.zero_grad(set_to_none=True)
                 for micro in mb.split(cfg.micro_batch_size):
                     stats = self._micro_step(exp, micro, num_tokens, len(mb))
+                    w = stats.pop("_frac")  # the micro-batch's share of the minibatch's tokens
                     for k, v in stats.items():
-                        sums[k] = sums.get(k, 0.0) + v
-                    n += 1
-                sums["actor_grad_norm"] = sums.get("actor_grad_norm", 0.0) + _clip(self.actor, cfg.max_grad_norm)
-                sums["critic_grad_norm"] = sums.get("critic_grad_norm", 0.0) + _clip(self.critic, cfg.max_grad_norm)
+                        # losses are already scaled by the minibatch denominator: they add up;
+                        # per-token means are weighted by the micro-batch's token share
+                        sums[k] = sums.get(k, 0.0) + (v if k.startswith("loss/") else v * w)
+                n += 1
+                sums["grad_norm/actor"] = sums.get("grad_norm/actor", 0.0) + _clip(self.actor, cfg.max_grad_norm)
+                sums["grad_norm/critic"] = sums.get("grad_norm/critic", 0.0) + _clip(self.critic, cfg.max_grad_norm)
                 self.actor_opt.step()
                 self.critic_opt.step()
-        n_opt = cfg.epochs * (B // cfg.minibatch_size)
-        out = {k: v / (n_opt if k.endswith("grad_norm") else n) for k, v in sums.items()}
-        return out
+        return {k: v / n for k, v in sums.items()}  # means over optimizer steps
 
     def _micro_step(self, exp: Experience, rows: torch.Tensor, num_tokens, num_seqs: int) -> dict[str, float]:
         cfg = self.cfg
@@ -182,7 +183,7 @@ class Learner:
             "loss/policy": pl.item(), "loss/value": vl.item(),
             "ppo/clipfrac": pstats["clipfrac"].item(), "ppo/approx_kl": pstats["approx_kl"].item(),
             "ppo/entropy": pm.masked_mean(entropy.detach(), mask).item(),
-            "value/clipfrac": vstats["vf_clipfrac"].item(), "ppo/ratio_max": pstats["ratio_max"].item(),
+            "value/clipfrac": vstats["vf_clipfrac"].item(),
             "_frac": frac.item(),
         }
 
