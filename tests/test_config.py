@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from oppo import cli
-from oppo.config import Config, ConfigError, all_keys, from_dict, help_text, load_config, to_dict, validate
+from oppo.config import TASK_PRESETS, Config, ConfigError, all_keys, from_dict, help_text, load_config, to_dict, validate
 
 
 def _error(overrides, path=None) -> str:
@@ -19,8 +19,14 @@ def _error(overrides, path=None) -> str:
 def test_defaults_validate():
     cfg = Config()
     validate(cfg)
-    assert load_config() == cfg
     assert cfg.uses_builtin_task and cfg.streams and cfg.carries
+    # with no models named, the built-in task's preset fills the keys the user did not set
+    loaded = load_config()
+    assert loaded.ppo.actor_lr == TASK_PRESETS["positive"]["ppo.actor_lr"] != cfg.ppo.actor_lr
+    assert load_config(None, ["ppo.actor_lr=3e-6"]).ppo.actor_lr == 3e-6
+    # a user's own models never get the preset
+    own = load_config(None, ["policy.path=/m", "reward.path=/r"])
+    assert own.ppo.actor_lr == cfg.ppo.actor_lr and own.run.steps == cfg.run.steps
 
 
 def test_round_trip_through_dict():
@@ -47,7 +53,7 @@ def _write(p, text):
 
 
 def test_empty_yaml_file_is_defaults(tmp_path):
-    assert load_config(_write(tmp_path / "empty.yaml", "")) == Config()
+    assert load_config(_write(tmp_path / "empty.yaml", "")) == load_config()
 
 
 def test_unknown_key_in_file_names_the_file(tmp_path):

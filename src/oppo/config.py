@@ -37,6 +37,15 @@ def opt(default: Any, help: str, choices: tuple | None = None) -> Any:
 
 MODES = ("sequential", "intra", "inter", "oppo")
 
+# Settings that the built-in tasks' tiny models (about 2M parameters) need to learn visibly in a
+# few CPU minutes. They apply only when no policy is named and the user has not set the key;
+# the general defaults below are for real models (1e-5 would barely move the tiny ones).
+TASK_PRESETS: dict[str, dict[str, Any]] = {
+    "positive": {"ppo.actor_lr": 1e-4, "ppo.critic_lr": 1e-4, "run.steps": 150},
+    "arith": {"ppo.actor_lr": 1e-4, "ppo.critic_lr": 1e-4, "run.steps": 100, "ppo.batch_size": 64,
+              "ppo.minibatch_size": 32, "ppo.micro_batch_size": 32},
+}
+
 
 @dataclass
 class PolicyConfig:
@@ -299,6 +308,7 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Build a Config from defaults, then a YAML file, then ``key=value`` overrides; then validate."""
     cfg = Config()
+    explicit: set[str] = set()
     if path is not None:
         p = Path(path)
         if not p.is_file():
@@ -311,11 +321,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ConfigError(f"Config file {p} must hold a mapping of sections (policy:, ppo:, ...).")
         for key, value in _flatten(data).items():
             _set(cfg, key, value, str(p))
+            explicit.add(key)
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"Override '{item}' must look like section.key=value (e.g. ppo.actor_lr=1e-6).")
         key, raw = item.split("=", 1)
         _set(cfg, key.strip(), _parse_override(cfg, key.strip(), raw.strip()), "the command line")
+        explicit.add(key.strip())
+    if cfg.uses_builtin_task:
+        for key, value in TASK_PRESETS.get(cfg.data.task, {}).items():
+            if key not in explicit:
+                _set(cfg, key, value, f"the built-in task {cfg.data.task!r}'s preset")
     validate(cfg)
     return cfg
 
@@ -422,6 +438,10 @@ def validate(cfg: Config) -> None:
 
 def help_text() -> str:
     lines = ["Settings (override with section.key=value, or put them in a YAML file for --config):", ""]
+    for task, preset in TASK_PRESETS.items():
+        shown = ", ".join(f"{k}={v}" for k, v in preset.items())
+        lines.append(f"With no models named, the built-in task {task!r} sets, unless you do: {shown}")
+    lines.append("")
     cfg = Config()
     for s in _sections(cfg):
         section = getattr(cfg, s.name)
