@@ -23,7 +23,11 @@ def _print_samples(title: str, texts, scores, n: int) -> None:
 
 def train(cfg: Config, resume: str | None = None, progress: bool = True) -> Path:
     """Run PPO as configured; return the run directory."""
+    from transformers.utils import logging as hf_logging
+
     from .trainer import Trainer
+
+    hf_logging.disable_progress_bar()  # "Loading weights" bars for every role drown the run's own output
 
     run_dir = Path(cfg.run.out_dir)
     ckpt = None
