@@ -112,25 +112,22 @@ def _pad_left(x: torch.Tensor, length: int, dim: int) -> torch.Tensor:
     return torch.cat([x.new_zeros(shape), x], dim=dim)
 
 
-def left_pad(seqs: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token lists -> (ids [R, P], valid [R, P]) left-padded to the longest."""
-    P = max((len(s) for s in seqs), default=0)
-    ids = torch.full((len(seqs), P), pad_id, dtype=torch.long)
-    valid = torch.zeros((len(seqs), P), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        if s:
-            ids[i, P - len(s):] = torch.tensor(s, dtype=torch.long)
-            valid[i, P - len(s):] = 1
+def pad(seqs: list[list[int]], pad_id: int, device: torch.device, side: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists -> (ids [R, L], valid [R, L]) padded to the longest on the ``side`` given."""
+    L = max((len(x) for x in seqs), default=0)
+    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
+    valid = torch.zeros((len(seqs), L), dtype=torch.long)
+    for i, x in enumerate(seqs):
+        if x:
+            cols = slice(L - len(x), L) if side == "left" else slice(0, len(x))
+            ids[i, cols] = torch.tensor(x, dtype=torch.long)
+            valid[i, cols] = 1
     return ids.to(device), valid.to(device)
+
+
+def left_pad(seqs: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return pad(seqs, pad_id, device, "left")
 
 
 def right_pad(seqs: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token lists -> (ids [R, C], valid [R, C]) right-padded to the longest."""
-    C = max((len(s) for s in seqs), default=0)
-    ids = torch.full((len(seqs), C), pad_id, dtype=torch.long)
-    valid = torch.zeros((len(seqs), C), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        if s:
-            ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-            valid[i, : len(s)] = 1
-    return ids.to(device), valid.to(device)
+    return pad(seqs, pad_id, device, "right")
