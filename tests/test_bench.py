@@ -40,7 +40,7 @@ def test_summarize_busy_fraction_and_speedup():
     # oppo: actor 0-2, scorer 0.5-2.5 (overlapping), learner 2.5-3 -> window 3 s.
     def rec(spans, end):
         return {"metrics": [{"time/step": end, "perf/tokens_per_s": 10.0, "reward/mean": 0.5,
-                             "response_length/mean": 5.0}],
+                             "response_length/mean": 5.0, "perf/cpu_util": 0.5}],
                 "windows": {0: (0.0, end)}, "spans": spans}
     seq = rec([Span("actor", "generate", 0, 0, 2), Span("scorer", "score", 0, 2, 3),
                Span("learner", "train", 0, 3, 4)], 4.0)

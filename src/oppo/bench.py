@@ -140,6 +140,7 @@ def summarize(records: dict[str, dict], warmup: int = 1, target: float | None = 
             "judge_last": ms[-1].get("judge/mean"),
             "time_to_target_s": reached,
             "response_length_mean": statistics.mean(m["response_length/mean"] for m in ms),
+            "cpu_util": statistics.median([m["perf/cpu_util"] for m in ms[warmup:]] or [0.0]),
         }
     if "sequential" in out:
         base = out["sequential"]["step_time_median_s"]
@@ -157,8 +158,8 @@ def to_markdown(result: dict) -> str:
              f"Workload: {result['workload']}; {result['steps']} steps per mode, interleaved; "
              f"timings skip the first step.", "",
              "| mode | step time median (s) | p25-p75 (s) | speedup | tokens/s | busy fraction (actor / scorer / learner) "
-             "| busiest vs sequential | bubble ratio | reward (last) | time to target (s) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| busiest vs sequential | bubble ratio | CPU use | reward (last) | time to target (s) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for mode, v in result["modes"].items():
         bf = v["busy_fraction"]
         busy = " / ".join(f"{bf.get(w, 0.0):.2f}" for w in ("actor", "scorer", "learner"))
@@ -166,9 +167,11 @@ def to_markdown(result: dict) -> str:
         lines.append(f"| {mode} | {v['step_time_median_s']:.2f} | {v['step_time_p25_s']:.2f}-{v['step_time_p75_s']:.2f} "
                      f"| {result['speedup'].get(mode, float('nan')):.2f}x | {v['tokens_per_s']:.0f} | {busy} "
                      f"| {result['busiest_busy_ratio'].get(mode, float('nan')):.2f}x | {v['bubble_ratio']:.2f} "
+                     f"| {v['cpu_util']:.0%} "
                      f"| {v['reward_last']:.3f} | {ttt} |")
     lines += ["", f"Target reward: {result['target_reward']:.3f} (sequential's mean over its last 3 steps unless "
-              f"--target was given); time to target uses a 3-step moving average.", ""]
+              f"--target was given); time to target uses a 3-step moving average. CPU use: process CPU time "
+             f"over wall time times cores (how much of the machine the mode kept busy).", ""]
     if result.get("tail_sweep"):
         lines += ["## Speedup against tail heaviness (synthetic lengths, log-normal sigma)", "",
                   "| sigma | length p50 | length p99 | " + " | ".join(f"{m} speedup" for m in result["tail_modes"]) + " |",
@@ -190,11 +193,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--tail", default=None,
                    help="Comma-separated log-normal sigmas for the synthetic-length sweep (e.g. 0.25,0.75,1.25).")
     p.add_argument("--tail-steps", type=int, default=4, help="Steps per mode at each sigma of the sweep.")
-    p.add_argument("--tail-modes", default="sequential,oppo", help="Modes compared in the tail sweep.")
+    p.add_argument("--tail-modes", default=",".join(MODES), help="Modes compared in the tail sweep.")
     p.add_argument("--target", type=float, default=None, help="Target reward for time-to-target.")
     p.add_argument("--config", default=None, help="YAML settings shared by every mode.")
     p.add_argument("overrides", nargs="*", help="section.key=value settings shared by every mode.")
     args = p.parse_args(argv)
+    if args.quick and args.tail is None:
+        args.tail = "0.5,1.0,1.5"
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
     if bad:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -320,7 +321,7 @@ class Trainer:
 
     def run_step(self) -> dict[str, float]:
         step = self.step
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         torch.set_num_threads(self.cfg.overlap.actor_threads if self.cfg.overlap.mode != "sequential"
                               else self.threads)
         if self.cfg.overlap.mode == "sequential":
@@ -333,6 +334,8 @@ class Trainer:
         self.wallclock += dt
         self.tuner.record(dt)
         metrics = self._metrics(result, times, dt)
+        # share of the machine's CPU capacity this process used during the step
+        metrics["perf/cpu_util"] = (time.process_time() - c0) / (dt * (os.cpu_count() or 1))
         self.scheduler.end_step(metrics["reward/mean"])
         self.step += 1
         self.last_result = result
