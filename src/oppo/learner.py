@@ -173,7 +173,9 @@ class Learner:
         if cfg.entropy_coef:
             loss = loss - cfg.entropy_coef * pm.aggregate(entropy, mask, cfg.loss_agg, num_tokens, num_seqs)
         loss.backward()
-        values = response_outputs("critic", self.critic, ids, valid, P)  # [b, T]
+        critic_dev = next(self.critic.parameters()).device  # the critic may sit on its own device
+        values = response_outputs("critic", self.critic, ids.to(critic_dev), valid.to(critic_dev), P)
+        values = values.to(mask.device)  # [b, T]
         vl, vstats = pm.value_loss(values, exp.values[rows][:, :T], exp.returns[rows][:, :T], mask,
                                    clip_eps=cfg.value_clip_eps, loss_agg=cfg.loss_agg,
                                    num_tokens=num_tokens, num_seqs=num_seqs)
