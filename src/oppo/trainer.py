@@ -256,6 +256,8 @@ class Trainer:
                     self.tracer.add("actor", "decode", step, t_span, now)
                     t_span = now
                     worker.feed(chunks, step)
+            else:
+                eng.finished.clear()  # no scorer to stream final chunks to
             close = sched.try_close()
         self.tracer.add("actor", "decode", step, t_span, time.perf_counter())
         times["time/generate"] = time.perf_counter() - t_gen
@@ -265,7 +267,7 @@ class Trainer:
         t = time.perf_counter()
         if worker:
             worker.feed(eng.take_chunks(chunk), step)  # rows retired since the last boundary
-            with self.tracer.span("actor", "wait_scorers", step):
+            with self.tracer.span("controller", "wait_scorers", step):  # waiting: not actor work
                 worker.barrier()  # also: no scorer work may touch the critic while it trains
             out = worker.take(uids)
             scores = self._reward_scores(batch) if self.reward_fn else [o.score for o in out["reward"]]
