@@ -136,8 +136,12 @@ def _lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
 def _bar(total: int, desc: str, progress: bool):
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc=desc, disable=not progress, leave=False, dynamic_ncols=True,
-                mininterval=0.5)
+    import sys
+
+    # A bar redrawn into a log file (CI, nohup) is thousands of lines; there the "[oppo prepare]"
+    # summary lines already say where prepare is.
+    return tqdm(total=total, desc=desc, disable=not (progress and sys.stderr.isatty()), leave=False,
+                dynamic_ncols=True, mininterval=0.5)
 
 
 # --- SFT ----------------------------------------------------------------------------------------
