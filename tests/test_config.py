@@ -200,8 +200,8 @@ def test_delta_larger_than_batch_in_carry_modes():
     for mode in ("inter", "oppo"):
         msg = _error(base + [f"overlap.mode={mode}", "overlap.delta=5"])
         assert "ppo.batch_size=4" in msg and "overlap.delta" in msg
-    # adaptive Delta: its upper bound counts
-    assert "delta_max" in _error(base + ["overlap.mode=oppo", "overlap.delta_max=6"])
+    # adaptive Delta: its bounds are capped at B (a derived size), so a small batch needs no edits
+    assert load_config(None, base + ["overlap.mode=oppo", "overlap.delta_max=6"]).overlap.delta_max == 6
     # modes that never carry ignore Delta
     for mode in ("sequential", "intra"):
         assert load_config(None, base + [f"overlap.mode={mode}", "overlap.delta=5"]).overlap.delta == 5
@@ -216,8 +216,21 @@ def test_max_lag_zero_needs_zero_delta():
     load_config(None, ["overlap.max_lag=0", "overlap.delta_init=0", "overlap.delta_max=0"])
 
 
-def test_delta_bounds_order():
-    assert "delta_min <= delta_init <= delta_max" in _error(["overlap.delta_init=9"])
+def test_delta_bounds_must_be_non_negative():
+    assert "must be >= 0" in _error(["overlap.delta_min=-1"])
+
+
+def test_adaptive_delta_bounds_are_capped_at_the_batch(tiny_models, tiny_prompts, tmp_path):
+    from oppo.trainer import Trainer
+
+    cfg = load_config(None, [f"policy.path={tiny_models['policy']}", f"reward.path={tiny_models['reward']}",
+                             f"data.prompts={tiny_prompts}", "ppo.batch_size=4", "ppo.minibatch_size=4",
+                             "ppo.micro_batch_size=4", "overlap.mode=inter", "overlap.delta_min=6",
+                             "overlap.delta_init=9", "overlap.delta_max=20", f"run.out_dir={tmp_path}"])
+    t = Trainer(cfg, progress=False)
+    c = t.scheduler.controller
+    assert (c.delta_min, c.delta, c.delta_max) == (4, 4, 4)
+    t.close()
 
 
 def test_reward_path_and_function_both_set():

@@ -142,12 +142,13 @@ class OverlapConfig:
     chunk_trial_steps: int = opt(2, "Steps each candidate chunk size is tried for.")
     chunk_retune_every: int = opt(50, "Steps between re-tries of the chunk-size candidates.")
     delta: int = opt(-1, "Delta: extra sequences in flight beyond B. -1: adaptive by the reward-slope rule.")
-    delta_init: int = opt(2, "Adaptive Delta: starting value.")
-    delta_min: int = opt(0, "Adaptive Delta: lower bound.")
-    delta_max: int = opt(8, "Adaptive Delta: upper bound (at most batch_size).")
+    delta_init: int = opt(8, "Adaptive Delta: starting value (kept within the bounds below).")
+    delta_min: int = opt(4, "Adaptive Delta: lower bound (capped at delta_max).")
+    delta_max: int = opt(16, "Adaptive Delta: upper bound (capped at ppo.batch_size: more carried sequences "
+                             "than B could come due at once).")
     delta_window: int = opt(5, "Adaptive Delta: steps in the reward-slope window.")
     delta_proportional: bool = opt(False, "Adaptive Delta: step by max(1, Delta // 4) instead of 1.")
-    max_lag: int = opt(1, "Most steps a sequence may be carried; then the step waits for it.")
+    max_lag: int = opt(2, "Most steps a sequence may be carried; then the step waits for it.")
     stale_kv: str = opt("keep", "Policy KV cache of a carried prefix after a weight update: keep or recompute.",
                         ("keep", "recompute"))
     stale_values: str = opt("recompute", "Critic values of a carried prefix after a critic update: keep or recompute.",
@@ -406,12 +407,12 @@ def validate(cfg: Config) -> None:
            f"overlap.chunk_candidates must be a non-empty list of positive integers, got {o.chunk_candidates}.")
     _check(o.max_lag >= 0, f"overlap.max_lag must be >= 0, got {o.max_lag}.")
     _check(o.delta >= -1, f"overlap.delta must be >= 0, or -1 for adaptive, got {o.delta}.")
-    _check(0 <= o.delta_min <= o.delta_init <= o.delta_max,
-           f"overlap.delta_min <= delta_init <= delta_max must hold, got {o.delta_min}, {o.delta_init}, {o.delta_max}.")
-    dmax = o.delta_max if o.delta < 0 else o.delta
+    _check(min(o.delta_min, o.delta_init, o.delta_max) >= 0,
+           f"overlap.delta_min, delta_init and delta_max must be >= 0, got {o.delta_min}, {o.delta_init}, "
+           f"{o.delta_max}.")
     if cfg.carries:
-        _check(dmax <= p.batch_size, f"overlap Delta (up to {dmax}) must not exceed ppo.batch_size={p.batch_size}; "
-                                     f"lower overlap.delta / overlap.delta_max.")
+        _check(o.delta <= p.batch_size, f"overlap.delta={o.delta} must not exceed ppo.batch_size={p.batch_size} "
+                                        f"(more carried sequences than B could come due at once); lower it.")
         _check(not (o.max_lag == 0 and (o.delta > 0 or (o.delta < 0 and o.delta_max > 0))),
                "overlap.max_lag=0 forbids carrying, so Delta must be 0: set overlap.delta=0 or overlap.max_lag>=1.")
     _check(o.actor_threads >= 1 and o.scorer_threads >= 1, "overlap.actor_threads and scorer_threads must be >= 1.")

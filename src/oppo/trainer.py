@@ -134,7 +134,11 @@ class Trainer:
         self.learner = Learner(self.policy, self.critic, cfg.ppo, g.temperature, cfg.run.seed)
         o = cfg.overlap
         carries = cfg.carries
-        delta = (DeltaController(o.delta_init, o.delta_min, o.delta_max, o.delta_window, o.delta_proportional)
+        B = cfg.ppo.batch_size
+        dmax = min(o.delta_max, B)  # derived once: the adaptive bounds never exceed B (see OverlapConfig)
+        dmin = min(o.delta_min, dmax)
+        delta = (DeltaController(min(max(o.delta_init, dmin), dmax), dmin, dmax, o.delta_window,
+                                 o.delta_proportional)
                  if carries and o.delta < 0 else (o.delta if carries else 0))
         self.scheduler = Scheduler(cfg.ppo.batch_size, o.max_lag if carries else 0, delta,
                                    refill=o.refill and carries)
