@@ -148,7 +148,7 @@ class OverlapConfig:
                              "than B could come due at once).")
     delta_window: int = opt(5, "Adaptive Delta: steps in the reward-slope window.")
     delta_proportional: bool = opt(False, "Adaptive Delta: step by max(1, Delta // 4) instead of 1.")
-    max_lag: int = opt(2, "Most steps a sequence may be carried; then the step waits for it.")
+    max_lag: int = opt(1, "Most steps a sequence may be carried; then the step waits for it.")
     stale_kv: str = opt("keep", "Policy KV cache of a carried prefix after a weight update: keep or recompute.",
                         ("keep", "recompute"))
     stale_values: str = opt("recompute", "Critic values of a carried prefix after a critic update: keep or recompute.",
