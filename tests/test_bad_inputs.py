@@ -11,7 +11,6 @@ import warnings
 from pathlib import Path
 
 import pytest
-import torch
 
 import oppo.trainer
 from conftest import WORDS

@@ -4,7 +4,6 @@ from_pretrained."""
 import json
 
 import pytest
-import torch
 
 from oppo.checkpoint import latest_checkpoint
 from oppo.config import load_config

@@ -153,7 +153,7 @@ def summarize(records: dict[str, dict], warmup: int = 1, target: float | None = 
 
 
 def to_markdown(result: dict) -> str:
-    lines = [f"# oppo bench", "", f"Machine: {result['machine']}", "",
+    lines = ["# oppo bench", "", f"Machine: {result['machine']}", "",
              f"Command: `{result['command']}`", "",
              f"Workload: {result['workload']}; {result['steps']} steps per mode, interleaved; "
              f"timings skip the first step.", "",

@@ -16,12 +16,10 @@ With Delta = 0 and max_lag = 0 every overlapped mode trains exactly the batches 
 from __future__ import annotations
 
 import copy
-import math
 import os
 import random
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -29,7 +27,6 @@ from . import ppo_math as pm
 from .config import Config
 from .data import PromptSet, build_prompt_set, read_prompts
 from .learner import Experience, Learner, build_experience, compute_advantages
-from .metrics import MetricsLogger, ProgressBar
 from .models import (load_causal_lm, load_critic, load_function, load_reward_model, load_tokenizer,
                      resolve_device, resolve_dtype, check_model_path)
 from .rollout import Rollout, RolloutEngine
