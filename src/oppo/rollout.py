@@ -147,11 +147,12 @@ class RolloutEngine:
             return []
         logits = self._forced(self.next_logits)
         if self.greedy:
-            tokens = logits.argmax(-1)  # [R]
+            tokens, logp = logits.argmax(-1), None  # [R]
         else:
-            tokens, _ = sample_tokens(logits, self.temperature, self.top_k, self.top_p, self.generator)
-        # behaviour log-prob under the model's own distribution (what the learner recomputes)
-        logp = torch.log_softmax(self.next_logits.float() / self.temperature, -1).gather(1, tokens[:, None])[:, 0]
+            tokens, logp = sample_tokens(logits, self.temperature, self.top_k, self.top_p, self.generator)
+        if logp is None or logits is not self.next_logits:
+            # behaviour log-prob under the model's own distribution (what the learner recomputes)
+            logp = torch.log_softmax(self.next_logits.float() / self.temperature, -1).gather(1, tokens[:, None])[:, 0]
         tok_list, lp_list = tokens.tolist(), logp.tolist()  # CPU-GPU sync point (one per decode step)
         keep, done = [], []
         for i, (row, t, lp) in enumerate(zip(self.rows, tok_list, lp_list)):

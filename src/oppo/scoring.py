@@ -151,7 +151,8 @@ class StreamingScorer:
                 u = self.uids[i]
                 self.done[u] = self.outputs.pop(u)
             self.peak_cache_bytes = max(self.peak_cache_bytes, self.kv.nbytes())
-            keep = [i for i in range(len(self.uids)) if i not in set(finals)]
+            final_rows = set(finals)
+            keep = [i for i in range(len(self.uids)) if i not in final_rows]
             idx = torch.tensor(keep, dtype=torch.long, device=self.device)
             self.kv.select(idx)
             self.prev_hidden = self.prev_hidden.index_select(0, idx)

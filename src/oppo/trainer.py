@@ -305,6 +305,7 @@ class Trainer:
 
     def _overlap_stats(self, close, exp: Experience, chunk: int) -> dict[str, float]:
         lags = close.lags
+        trained = set(close.uids)
         mask = exp.mask > 0
         off = (exp.versions < close.step) & mask
         w = exp.is_weights[off]
@@ -316,8 +317,8 @@ class Trainer:
             "overlap/is_weight_max": w.max().item() if w.numel() else 1.0,
             "overlap/chunk_size": chunk,
             **{f"overlap/lag_{lag}": n for lag, n in close.lag_histogram().items()},
-            "overlap/generated_length_mean": _mean([len(r.response_ids) for r in self.rollouts.values()
-                                                    if r.uid not in set(close.uids)] or [0]),
+            "overlap/in_flight_length_mean": _mean([len(r.response_ids) for u, r in self.rollouts.items()
+                                                    if u not in trained] or [0]),
         }
 
     # ================================================================== the loop
