@@ -154,6 +154,7 @@ class Trainer:
         self.wallclock = 0.0
         self.step_windows: dict[int, tuple[float, float]] = {}  # perf_counter bounds of each step
         self.length_sampler = None  # benchmarks: prompt_index -> forced response length
+        self.last_result: StepResult | None = None
 
     # ================================================================== stages
 
