@@ -41,9 +41,12 @@ def assert_same_run(a, b):
         assert x["m"]["loss/policy"] == pytest.approx(y["m"]["loss/policy"], abs=1e-4)
 
 
-def test_intra_equals_sequential(tiny_models, tiny_prompts, tmp_path):
+@pytest.mark.parametrize("process", ["true", "false"])
+def test_intra_equals_sequential(tiny_models, tiny_prompts, tmp_path, process):
+    """Both scorer workers: a child process (the CPU default) and a thread (the GPU one)."""
     seq = run_steps(tiny_cfg(tiny_models, tiny_prompts, tmp_path / "s", "overlap.mode=sequential"))
-    intra = run_steps(tiny_cfg(tiny_models, tiny_prompts, tmp_path / "i", "overlap.mode=intra"))
+    intra = run_steps(tiny_cfg(tiny_models, tiny_prompts, tmp_path / "i", "overlap.mode=intra",
+                               f"overlap.scorer_process={process}"))
     assert_same_run(seq, intra)
 
 

@@ -171,7 +171,8 @@ def to_markdown(result: dict) -> str:
                      f"| {v['reward_last']:.3f} | {ttt} |")
     lines += ["", f"Target reward: {result['target_reward']:.3f} (sequential's mean over its last 3 steps unless "
               f"--target was given); time to target uses a 3-step moving average. CPU use: process CPU time "
-             f"over wall time times cores (how much of the machine the mode kept busy).", ""]
+             f"over wall time times cores (how much of the machine the mode kept busy; OpenMP spin-waits count as busy, "
+             f"and a scorer worker in its own process is not counted).", ""]
     if result.get("tail_sweep"):
         lines += ["## Speedup against tail heaviness (synthetic lengths, log-normal sigma)", "",
                   "| sigma | length p50 | length p99 | " + " | ".join(f"{m} speedup" for m in result["tail_modes"]) + " |",

@@ -155,6 +155,8 @@ class OverlapConfig:
                             ("keep", "recompute"))
     refill: bool = opt(False, "Admit a new prompt as soon as a sequence finishes (continuous batching) instead of "
                               "only at step start.")
+    scorer_process: bool = opt(True, "CPU: run the scorer worker in its own process (no GIL shared with the "
+                                      "actor) instead of a thread. Ignored on GPU.")
     actor_threads: int = opt(1, "CPU: torch threads of the actor (decoding) worker in overlapped modes.")
     scorer_threads: int = opt(1, "CPU: torch threads of the scorer worker in overlapped modes.")
 

@@ -33,7 +33,7 @@ from .rollout import Rollout, RolloutEngine
 from .scheduler import ChunkSizeTuner, DeltaController, Scheduler
 from .scoring import RewardFunction, ScoredOutputs, StreamingScorer, score_full
 from .trace import Tracer
-from .workers import ScorerWorker
+from .workers import ProcessScorerWorker, ScorerWorker
 
 DEFAULT_MAX_NEW_TOKENS = 256
 
@@ -149,7 +149,9 @@ class Trainer:
                        "critic": StreamingScorer("critic", self.critic, self.pad_id)}
             if self.reward_model is not None:
                 scorers = {"reward": StreamingScorer("reward", self.reward_model, self.pad_id), **scorers}
-            self.worker = ScorerWorker(scorers, o.scorer_threads, self.tracer)
+            on_cpu = all(s.device.type == "cpu" for s in scorers.values())
+            worker_cls = ProcessScorerWorker if (o.scorer_process and on_cpu) else ScorerWorker
+            self.worker = worker_cls(scorers, o.scorer_threads, self.tracer)
         self.step = 0
         self.wallclock = 0.0
         self.step_windows: dict[int, tuple[float, float]] = {}  # perf_counter bounds of each step

@@ -37,7 +37,7 @@ class ForgetMsg:
 
 @dataclass(frozen=True)
 class BarrierMsg:
-    done: threading.Event
+    id: int
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,7 @@ class ScorerWorker:
         devices = {s.device for s in scorers.values()}
         if len(devices) == 1 and next(iter(devices)).type == "cuda":
             self.stream = torch.cuda.Stream(device=next(iter(devices)))
+        self._events: dict[int, threading.Event] = {}
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
@@ -76,7 +77,8 @@ class ScorerWorker:
     def barrier(self) -> None:
         """Wait until every message sent so far has been processed; re-raise a worker error."""
         ev = threading.Event()
-        self.q.put(BarrierMsg(ev))
+        self._events[id(ev)] = ev
+        self.q.put(BarrierMsg(id(ev)))
         while not ev.wait(0.5):
             if not self.thread.is_alive():
                 break
@@ -111,7 +113,7 @@ class ScorerWorker:
                     self.error = e
                     for m in msgs:
                         if isinstance(m, BarrierMsg):
-                            m.done.set()
+                            self._events.pop(m.id).set()
 
     def _handle(self, msgs: list) -> bool:
         pending: dict[int, tuple[tuple[int, ...], bool]] = {}
@@ -135,11 +137,14 @@ class ScorerWorker:
             elif isinstance(m, BarrierMsg):
                 if self.stream is not None:
                     self.stream.synchronize()
-                m.done.set()
+                self._ack(m)
             elif isinstance(m, StopMsg):
                 return True
         self._flush(pending, step)
         return False
+
+    def _ack(self, m: BarrierMsg) -> None:
+        self._events.pop(m.id).set()
 
     def _flush(self, pending: dict, step: int) -> None:
         if not pending:
@@ -156,3 +161,96 @@ class _null:
 
     def __exit__(self, *a):
         return False
+
+
+class ProcessScorerWorker(ScorerWorker):
+    """The same scorer loop in a child process (CPU): no GIL shared with the decoding actor.
+
+    The models' weights are moved to shared memory before the child starts, so the learner's
+    in-place optimizer updates of the critic are what the child reads (it only reads while the
+    controller waits at a barrier or the actor decodes, never while the critic trains).
+    Results, busy spans and peak cache sizes come back on a second queue at each barrier.
+    """
+
+    def __init__(self, scorers: dict[str, StreamingScorer], threads: int, tracer: Tracer, name: str = "scorer"):
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")  # fork after OpenMP/threads started is unsafe
+        self.threads, self.tracer, self.name = threads, tracer, name
+        self.scorers = scorers  # parent-side handles (for peak_cache_bytes); the child has its own
+        for s in scorers.values():
+            s.model.share_memory()
+        self.q, self.out = ctx.Queue(), ctx.Queue()
+        self.results = {role: {} for role in scorers}
+        self.error = None
+        self._next_barrier = 0
+        spec = {role: (s.kind, s.model, s.pad_id, s.temperature) for role, s in scorers.items()}
+        self.proc = ctx.Process(target=_child_main, args=(spec, threads, name, self.q, self.out), daemon=True)
+        self.proc.start()
+
+    def barrier(self) -> None:
+        self._next_barrier += 1
+        self.q.put(BarrierMsg(self._next_barrier))
+        while True:
+            try:
+                kind, payload = self.out.get(timeout=1.0)
+            except queue.Empty:
+                if not self.proc.is_alive():
+                    raise RuntimeError("scorer process died") from None
+                continue
+            if kind == "error":
+                raise RuntimeError(f"scorer process failed: {payload}")
+            results, spans, peaks, bid = payload
+            for role, res in results.items():
+                self.results[role].update(res)
+            for sp in spans:
+                self.tracer.add(sp.worker, sp.stage, sp.step, sp.start, sp.end, **sp.args)
+            for role, peak in peaks.items():
+                self.scorers[role].peak_cache_bytes = peak
+            if bid == self._next_barrier:
+                return
+
+    def close(self) -> None:
+        try:
+            self.q.put(StopMsg())
+            self.proc.join(timeout=10)
+        finally:
+            if self.proc.is_alive():
+                self.proc.terminate()
+
+
+class _ChildLoop(ScorerWorker):
+    """The child's side: ScorerWorker's message loop, replying on a queue instead of Events."""
+
+    def __init__(self, scorers, threads, name, q, out):
+        self.scorers, self.threads, self.name, self.q, self.out = scorers, threads, name, q, out
+        self.tracer = Tracer(enabled=True)
+        self.results = {role: {} for role in scorers}
+        self.error = None
+        self.stream = None
+
+    def _ack(self, m: BarrierMsg) -> None:
+        spans = self.tracer.spans
+        self.tracer.clear()
+        results, self.results = self.results, {role: {} for role in self.scorers}
+        peaks = {role: s.peak_cache_bytes for role, s in self.scorers.items()}
+        self.out.put(("results", (results, spans, peaks, m.id)))
+
+
+def _child_main(spec, threads, name, q, out) -> None:
+    try:
+        scorers = {role: StreamingScorer(kind, model, pad_id, temperature)
+                   for role, (kind, model, pad_id, temperature) in spec.items()}
+        loop = _ChildLoop(scorers, threads, name, q, out)
+        torch.set_num_threads(threads)
+        while True:
+            msgs = [q.get()]
+            while True:
+                try:
+                    msgs.append(q.get_nowait())
+                except queue.Empty:
+                    break
+            if loop._handle(msgs):
+                return
+    except BaseException as e:  # reported to the controller at its next barrier
+        out.put(("error", repr(e)))
