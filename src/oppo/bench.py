@@ -190,7 +190,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--quick", action="store_true", help="A small budget: under 10 minutes on 2 CPU cores.")
     p.add_argument("--out", default="benchmarks/latest", help="Output directory (bench.json, bench.md, PNGs).")
     p.add_argument("--modes", default=",".join(MODES), help="Comma-separated modes.")
-    p.add_argument("--steps", type=int, default=None, help="Steps per mode (default 12; --quick 10).")
+    p.add_argument("--steps", type=int, default=None, help="Steps per mode, the first untimed (default 21; --quick 11).")
     p.add_argument("--tail", default=None,
                    help="Comma-separated log-normal sigmas for the synthetic-length sweep (e.g. 0.25,0.75,1.25).")
     p.add_argument("--tail-steps", type=int, default=4, help="Steps per mode at each sigma of the sweep.")
@@ -207,7 +207,7 @@ def main(argv: list[str]) -> int:
         raise ValueError(f"--modes: unknown mode(s) {bad}; choose from {', '.join(MODES)}.")
     overrides = (QUICK if args.quick else []) + list(args.overrides) + ["log.progress=false", "run.samples=0"]
     base = load_config(args.config, overrides)
-    steps = args.steps or (10 if args.quick else 12)
+    steps = args.steps or (11 if args.quick else 21)  # the first step is a warm-up, not timed
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     say = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
