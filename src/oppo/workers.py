@@ -1,8 +1,11 @@
-"""The scorer worker: streaming scorers on their own thread, fed by a queue of small messages.
+"""The scorer worker: streaming scorers beside the decoding actor, fed by a queue of small messages.
 
-On CPU the worker has its own torch thread count (``overlap.scorer_threads``) so the actor and
-the scorers each own a core; torch releases the GIL inside its kernels. On GPU the worker puts
-its work on its own CUDA stream (or the scorers sit on their own devices, by their settings).
+``ScorerWorker`` runs them on a thread; on GPU it puts their work on its own CUDA stream (or the
+scorers sit on their own devices, by their settings). ``ProcessScorerWorker`` (the CPU default,
+``overlap.scorer_process``) runs the same message loop in a child process, because as a thread
+it shared the GIL with the actor and slowed its decode 1.6x (measured, docs/overlap.md). Either
+way the worker has its own torch thread count (``overlap.scorer_threads``), so on 2 cores the
+actor and the scorers each own one.
 """
 
 from __future__ import annotations
