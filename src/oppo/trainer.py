@@ -300,7 +300,7 @@ class Trainer:
         with self.tracer.span("actor", "prefill_prompt", step):
             self.engine.admit(new)
         if self.worker:
-            self.worker.admit([r.uid for r in new], [r.prompt_ids for r in new])
+            self.worker.admit([r.uid for r in new], [r.prompt_ids for r in new], step)
 
     def _finish(self, uids) -> None:
         for u in uids:

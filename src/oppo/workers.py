@@ -25,6 +25,7 @@ from .trace import Tracer
 class AdmitMsg:
     uids: tuple[int, ...]
     prompts: tuple[tuple[int, ...], ...]
+    step: int
 
 
 @dataclass(frozen=True)
@@ -67,8 +68,8 @@ class ScorerWorker:
 
     # ------------------------------------------------------------------ controller side
 
-    def admit(self, uids: list[int], prompts: list[list[int]]) -> None:
-        self.q.put(AdmitMsg(tuple(uids), tuple(tuple(p) for p in prompts)))
+    def admit(self, uids: list[int], prompts: list[list[int]], step: int) -> None:
+        self.q.put(AdmitMsg(tuple(uids), tuple(tuple(p) for p in prompts), step))
 
     def feed(self, chunks: list[Chunk], step: int) -> None:
         if chunks:
@@ -131,7 +132,7 @@ class ScorerWorker:
             self._flush(pending, step)
             pending = {}
             if isinstance(m, AdmitMsg):
-                with self.tracer.span(self.name, "prefill_prompt", step):
+                with self.tracer.span(self.name, "prefill_prompt", m.step):
                     for s in self.scorers.values():
                         s.admit(list(m.uids), [list(p) for p in m.prompts])
             elif isinstance(m, ForgetMsg):
