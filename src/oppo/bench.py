@@ -78,11 +78,10 @@ def run_modes(base, modes: list[str], steps: int, out: Path, tail_sigma: float |
         Path(cfg.run.out_dir).mkdir(parents=True, exist_ok=True)
         t = Trainer(cfg, progress=False)
         if tail_sigma is not None:
-            median = max(2, t.max_new_tokens // 12)
-            t.length_sampler = _length_sampler(tail_sigma, median, t.max_new_tokens, cfg.run.seed)
+            t.length_sampler = _synthetic_sampler(tail_sigma, t.max_new_tokens, cfg.run.seed)
         trainers[mode] = t
         loggers[mode] = MetricsLogger(cfg.run.out_dir)
-        records[mode] = {"metrics": []}
+        records[mode] = {"metrics": [], "sampler": t.length_sampler}
     try:
         for step in range(steps):
             for mode in modes:
@@ -225,7 +224,8 @@ def main(argv: list[str]) -> int:
             say(f"tail sweep: sigma={sigma}")
             rec = run_modes(base, tail_modes, args.tail_steps, out / "tail" / f"sigma_{sigma}", sigma, progress=say)
             s = summarize(rec)
-            sampler_lens = _synthetic_lengths(base, sigma)
+            sampler = rec[tail_modes[0]]["sampler"]
+            sampler_lens = [sampler(i) for i in range(2000)]  # the distribution the runs drew from
             sweep.append({"sigma": sigma, "speedup": s["speedup"], "length_p50": _pct(sampler_lens, 0.5),
                           "length_p99": _pct(sampler_lens, 0.99),
                           "step_time_median_s": {m: v["step_time_median_s"] for m, v in s["modes"].items()}})
@@ -240,14 +240,9 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _synthetic_lengths(base, sigma: float, n: int = 2000) -> list[int]:
-    max_new = base.generation.max_new_tokens or 256
-    if base.uses_builtin_task and base.generation.max_new_tokens is None:
-        from .task import get_task
-
-        max_new = get_task(base.data.task).max_new_tokens
-    sampler = _length_sampler(sigma, max(2, max_new // 12), max_new, base.run.seed)
-    return [sampler(i) for i in range(n)]
+def _synthetic_sampler(sigma: float, max_new_tokens: int, seed: int):
+    """Log-normal response lengths with median max_new_tokens / 12, clipped to max_new_tokens."""
+    return _length_sampler(sigma, max(2, max_new_tokens // 12), max_new_tokens, seed)
 
 
 def _settings_yaml(cfg) -> str:

@@ -168,10 +168,13 @@ class Learner:
                                     clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high,
                                     is_weights=exp.is_weights[rows][:, :T], loss_agg=cfg.loss_agg,
                                     num_tokens=num_tokens, num_seqs=num_seqs)
-        entropy = pm.entropy_from_logits(logits / self.temperature)  # [b, T]
         loss = pl
-        if cfg.entropy_coef:
+        if cfg.entropy_coef:  # in the graph only when it is in the loss; otherwise a detached statistic
+            entropy = pm.entropy_from_logits(logits / self.temperature)  # [b, T]
             loss = loss - cfg.entropy_coef * pm.aggregate(entropy, mask, cfg.loss_agg, num_tokens, num_seqs)
+        else:
+            with torch.no_grad():
+                entropy = pm.entropy_from_logits(logits / self.temperature)  # [b, T]
         loss.backward()
         critic_dev = next(self.critic.parameters()).device  # the critic may sit on its own device
         values = response_outputs("critic", self.critic, ids.to(critic_dev), valid.to(critic_dev), P)

@@ -172,11 +172,12 @@ class Trainer:
             new.append(r)
         return new
 
-    def _score(self, batch: list[Rollout], step: int) -> tuple[list[float], list[ScoredOutputs], list[ScoredOutputs]]:
+    def _score(self, batch: list[Rollout], texts: list[str], step: int
+               ) -> tuple[list[float], list[ScoredOutputs], list[ScoredOutputs]]:
         """Stage 3, one-shot: reward score, reference log-probs, critic values of whole sequences."""
         prompts, responses = [r.prompt_ids for r in batch], [r.response_ids for r in batch]
         with self.tracer.span("scorer", "score_reward", step):
-            scores = self._reward_scores(batch) if self.reward_fn else [
+            scores = self._reward_scores(batch, texts) if self.reward_fn else [
                 o.score for o in score_full("reward", self.reward_model, prompts, responses, self.pad_id)]
         with self.tracer.span("scorer", "score_reference", step):
             ref = score_full("reference", self.reference, prompts, responses, self.pad_id,
@@ -185,13 +186,14 @@ class Trainer:
             values = score_full("critic", self.critic, prompts, responses, self.pad_id)
         return scores, ref, values
 
-    def _reward_scores(self, batch: list[Rollout]) -> list[float]:
-        return self.reward_fn([r.prompt for r in batch], [self._text(r) for r in batch])
+    def _reward_scores(self, batch: list[Rollout], texts: list[str]) -> list[float]:
+        return self.reward_fn([r.prompt for r in batch], texts)
 
-    def _text(self, r: Rollout) -> str:
-        return self.tokenizer.decode(r.response_ids, skip_special_tokens=True)
+    def _texts(self, batch: list[Rollout]) -> list[str]:
+        """Each response decoded once per step (reward function, judge and samples share it)."""
+        return self.tokenizer.batch_decode([r.response_ids for r in batch], skip_special_tokens=True)
 
-    def _learn(self, batch: list[Rollout], scores, ref, values, step: int) -> StepResult:
+    def _learn(self, batch: list[Rollout], texts: list[str], scores, ref, values, step: int) -> StepResult:
         """Stages 4-6: KL-shaped rewards, GAE, PPO epochs."""
         with self.tracer.span("learner", "advantages", step):
             exp = build_experience(batch, scores, ref, values, self.pad_id, self.device)
@@ -199,7 +201,7 @@ class Trainer:
             exp = compute_advantages(exp, self.cfg.ppo)
         with self.tracer.span("learner", "train", step):
             stats = self.learner.update(exp, step)
-        return StepResult(exp, stats, [(r.prompt, self._text(r)) for r in batch])
+        return StepResult(exp, stats, [(r.prompt, t) for r, t in zip(batch, texts)])
 
     # ================================================================== the reference loop
 
@@ -220,11 +222,12 @@ class Trainer:
         close = self.scheduler.try_close()
         # 3. score: reward at the last token, reference log-probs, critic values
         t = time.perf_counter()
-        scores, ref, values = self._score(batch, step)
+        texts = self._texts(batch)
+        scores, ref, values = self._score(batch, texts, step)
         times["time/score"] = time.perf_counter() - t
         # 4-6. rewards, advantages, PPO epochs
         t = time.perf_counter()
-        result = self._learn(batch, scores, ref, values, step)
+        result = self._learn(batch, texts, scores, ref, values, step)
         times["time/train"] = time.perf_counter() - t
         self._finish(close.uids)
         return result, times
@@ -269,12 +272,13 @@ class Trainer:
         uids = sorted(close.uids)  # admission order, as the sequential loop trains them
         batch = [self.rollouts[u] for u in uids]
         t = time.perf_counter()
+        texts = self._texts(batch)
         if worker:
             worker.feed(eng.take_chunks(chunk), step)  # rows retired since the last boundary
             with self.tracer.span("controller", "wait_scorers", step):  # waiting: not actor work
                 worker.barrier()  # also: no scorer work may touch the critic while it trains
             out = worker.take(uids)
-            scores = self._reward_scores(batch) if self.reward_fn else [o.score for o in out["reward"]]
+            scores = self._reward_scores(batch, texts) if self.reward_fn else [o.score for o in out["reward"]]
             ref, values = out["reference"], out["critic"]
             stale = [i for i, r in enumerate(batch) if r.start_version < step]
             if stale and cfg.overlap.stale_values == "recompute":  # critic changed since their prefix was scored
@@ -284,10 +288,10 @@ class Trainer:
                 for i, v in zip(stale, fresh):
                     values[i] = v
         else:
-            scores, ref, values = self._score(batch, step)
+            scores, ref, values = self._score(batch, texts, step)
         times["time/score"] = time.perf_counter() - t
         t = time.perf_counter()
-        result = self._learn(batch, scores, ref, values, step)
+        result = self._learn(batch, texts, scores, ref, values, step)
         times["time/train"] = time.perf_counter() - t
         result.stats.update(self._overlap_stats(close, result.exp, chunk))
         self._finish(close.uids)
