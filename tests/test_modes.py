@@ -95,3 +95,24 @@ def test_micro_batch_split_does_not_change_the_update(tiny_models, tiny_prompts,
     for a, b in ((weights[0], weights[2]), (weights[1], weights[3])):
         for k in a:
             torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-5)
+
+
+def test_critic_trained_on_worker_is_the_learners_critic(tiny_models, tiny_prompts, tmp_path):
+    """With the critic's update on the scorer process, the weights and AdamW moments the parent
+    checkpoints are the ones the child updated (shared memory, updated in place)."""
+    cfg = tiny_cfg(tiny_models, tiny_prompts, tmp_path, "overlap.mode=intra", "overlap.scorer_process=true",
+                   "overlap.critic_on_worker=true")
+    t = Trainer(cfg, progress=False)
+    try:
+        before = {k: v.clone() for k, v in t.critic.state_dict().items()}
+        m = t.run_step()
+        m = t.run_step()
+        assert "loss/value" in m and "grad_norm/critic" in m
+        steps = {float(st["step"]) for st in t.learner.critic_opt.state.values()}
+        assert steps == {4.0}, "2 steps x 2 minibatches, seen from the parent"
+        moved = [k for k, v in t.critic.state_dict().items() if not torch.equal(v, before[k])]
+        assert moved, "the parent's critic weights changed"
+        assert all(float(st["exp_avg_sq"].abs().sum()) > 0 for st in t.learner.critic_opt.state.values()
+                   if st["exp_avg_sq"].numel() > 1)
+    finally:
+        t.close()

@@ -74,3 +74,19 @@ def test_one_shot_scores_are_padding_invariant(roles):
     for i in range(len(prompts)):
         alone = score_full("critic", roles["critic"], [prompts[i]], [responses[i]], pad)[0]
         torch.testing.assert_close(torch.tensor(alone.values), torch.tensor(batch[i].values), atol=1e-5, rtol=1e-5)
+
+
+def test_empty_final_chunk_and_idle_rows(roles):
+    """A final chunk with no tokens completes a row; rows idle for several rounds stay exact."""
+    prompts, responses = _data(11)
+    pad = roles["tok"].pad_token_id
+    expected = score_full("critic", roles["critic"], prompts, responses, pad)
+    s = StreamingScorer("critic", roles["critic"], pad)
+    s.admit(list(range(len(prompts))), prompts)
+    s.feed({0: (tuple(responses[0]), False)})  # only row 0 runs; the others wait
+    s.feed({1: (tuple(responses[1]), False)})
+    s.feed({0: ((), True), 1: ((), True)})  # empty finals
+    s.feed({u: (tuple(responses[u]), True) for u in range(2, len(prompts))})
+    got = s.take_done()
+    for u in range(len(prompts)):
+        torch.testing.assert_close(torch.tensor(got[u].values), torch.tensor(expected[u].values), atol=1e-5, rtol=1e-5)

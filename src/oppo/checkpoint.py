@@ -91,6 +91,8 @@ def load_checkpoint(trainer, ckpt: Path) -> None:
     """Restore a Trainer built from the same config to the state saved in ``ckpt``."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+    from .workers import load_optimizer_state_in_place
+
     ckpt = Path(ckpt)
     if not (ckpt / "state.json").is_file():
         raise FileNotFoundError(f"{ckpt} is not a complete checkpoint (no state.json). Give a step_* directory "
@@ -102,7 +104,8 @@ def load_checkpoint(trainer, ckpt: Path) -> None:
         model.load_state_dict(saved.state_dict())
     opt = torch.load(ckpt / "optim.pt", weights_only=False)
     trainer.learner.actor_opt.load_state_dict(opt["actor"])
-    trainer.learner.critic_opt.load_state_dict(opt["critic"])
+    # in place: with overlap.critic_on_worker its state tensors are shared with the scorer process
+    load_optimizer_state_in_place(trainer.learner.critic_opt, opt["critic"])
     rng = torch.load(ckpt / "rng.pt", weights_only=False)
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])

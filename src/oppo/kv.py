@@ -55,6 +55,32 @@ class KVRows:
         self.next_pos = self.next_pos + valid.sum(1)
         return out.last_hidden_state
 
+    def forward_rows(self, backbone: torch.nn.Module, rows: torch.Tensor, tokens: torch.Tensor,
+                     valid: torch.Tensor) -> torch.Tensor:
+        """Feed ``tokens`` [S, C] to rows ``rows`` (LongTensor [S]) only; return hidden [S, C, H].
+
+        The other rows compute nothing: they get C masked columns (no work, only a copy), where
+        ``forward`` would have run C padding tokens through every layer for them. Worth it when
+        few rows have tokens on hand (the streaming scorers' final chunks arrive one by one).
+        """
+        if rows.numel() == self.rows:
+            return self.forward(backbone, tokens, valid)
+        from transformers import DynamicCache
+
+        sub = KVRows(self.device)
+        sub.cache = DynamicCache()
+        for i, layer in enumerate(self.cache.layers):
+            sub.cache.update(layer.keys.index_select(0, rows), layer.values.index_select(0, rows), i)
+        sub.mask, sub.next_pos = self.mask.index_select(0, rows), self.next_pos.index_select(0, rows)
+        hidden = sub.forward(backbone, tokens, valid)
+        C = tokens.shape[1]
+        for mine, theirs in zip(self.cache.layers, sub.cache.layers):
+            mine.keys = _pad_right(mine.keys, C, 2).index_copy_(0, rows, theirs.keys)
+            mine.values = _pad_right(mine.values, C, 2).index_copy_(0, rows, theirs.values)
+        self.mask = _pad_right(self.mask, C, 1).index_copy_(0, rows, sub.mask)
+        self.next_pos = self.next_pos.index_copy(0, rows, sub.next_pos)
+        return hidden
+
     def select(self, keep: torch.Tensor) -> None:
         """Keep only rows ``keep`` (LongTensor of row indices, in the new order); then compact."""
         if keep.numel() == self.rows and bool((keep == torch.arange(self.rows, device=keep.device)).all()):
@@ -110,6 +136,12 @@ def _pad_left(x: torch.Tensor, length: int, dim: int) -> torch.Tensor:
     shape = list(x.shape)
     shape[dim] = missing
     return torch.cat([x.new_zeros(shape), x], dim=dim)
+
+
+def _pad_right(x: torch.Tensor, extra: int, dim: int) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[dim] = extra
+    return torch.cat([x, x.new_zeros(shape)], dim=dim)
 
 
 def pad(seqs: list[list[int]], pad_id: int, device: torch.device, side: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -38,9 +38,9 @@ class Experience:
     behaviour_logprobs: torch.Tensor
     old_logprobs: torch.Tensor
     is_weights: torch.Tensor
-    ref_logprobs: torch.Tensor
-    values: torch.Tensor
-    scores: torch.Tensor
+    ref_logprobs: torch.Tensor | None = None  # filled by attach_scores
+    values: torch.Tensor | None = None
+    scores: torch.Tensor | None = None
     rewards: torch.Tensor | None = None
     kl: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
@@ -54,9 +54,8 @@ def _pad_rows(rows: list[list[float]], T: int, device, dtype=torch.float32) -> t
     return out.to(device)
 
 
-def build_experience(rollouts: list[Rollout], scores: list[float], ref: list[ScoredOutputs],
-                     values: list[ScoredOutputs], pad_id: int, device) -> Experience:
-    """Stack per-sequence results into tensors (no math yet)."""
+def build_experience(rollouts: list[Rollout], pad_id: int, device) -> Experience:
+    """Stack the rollouts' tokens, versions and behaviour log-probs into tensors (no scores yet)."""
     ids, valid, P, rmask = sequence_batch([r.prompt_ids for r in rollouts], [r.response_ids for r in rollouts],
                                           pad_id, device)
     T = rmask.shape[1]
@@ -64,11 +63,17 @@ def build_experience(rollouts: list[Rollout], scores: list[float], ref: list[Sco
     return Experience(
         rollouts=rollouts, ids=ids, valid=valid, P=P, mask=rmask.float(),
         versions=_pad_rows([r.versions for r in rollouts], T, device, torch.long),
-        behaviour_logprobs=lp, old_logprobs=lp.clone(), is_weights=torch.ones_like(lp),
-        ref_logprobs=_pad_rows([o.logprobs for o in ref], T, device),
-        values=_pad_rows([o.values for o in values], T, device),
-        scores=torch.tensor(scores, dtype=torch.float32, device=device),
-    )
+        behaviour_logprobs=lp, old_logprobs=lp.clone(), is_weights=torch.ones_like(lp))
+
+
+def attach_scores(exp: Experience, scores: list[float], ref: list[ScoredOutputs], values: list[ScoredOutputs]
+                  ) -> Experience:
+    """Stage 3's results, per sequence, as [B, T] tensors aligned with the responses."""
+    T, device = exp.mask.shape[1], exp.mask.device
+    exp.ref_logprobs = _pad_rows([o.logprobs for o in ref], T, device)
+    exp.values = _pad_rows([o.values for o in values], T, device)
+    exp.scores = torch.tensor(scores, dtype=torch.float32, device=device)
+    return exp
 
 
 @torch.no_grad()
@@ -83,7 +88,7 @@ def compute_advantages(exp: Experience, cfg: PPOConfig) -> Experience:
     return exp
 
 
-def _micro_slices(exp: Experience, rows: torch.Tensor):
+def _micro_slices(exp: "Experience | CriticBatch", rows: torch.Tensor):
     """Tensors of ``rows`` with columns trimmed to what those rows use."""
     valid = exp.valid[rows]
     first = int(valid[:, : exp.P].argmax(1).min()) if exp.P else 0  # leftmost real prompt column
@@ -127,38 +132,27 @@ class Learner:
             w = w.clamp(max=self.cfg.is_truncate)
         exp.is_weights = torch.where(off, w, torch.ones_like(w))
 
-    def update(self, exp: Experience, step: int) -> dict[str, float]:
-        """Stage 6: PPO epochs over minibatches; micro-batches accumulate gradients.
+    def minibatches(self, B: int, step: int) -> list[torch.Tensor]:
+        """Row indices of each minibatch, every epoch: a fresh permutation seeded by the step only
+        (so a resumed run draws the same ones)."""
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        return [mb for _ in range(self.cfg.epochs) for mb in torch.randperm(B, generator=gen).split(self.cfg.minibatch_size)]
 
-        The loss of a minibatch is aggregated with the minibatch's global token (and sequence)
-        count, so splitting it into micro-batches changes nothing but memory.
+    def update(self, exp: Experience, step: int, critic: bool = True) -> dict[str, float]:
+        """Stage 6: PPO epochs over minibatches for the actor, then (``critic``) for the critic.
+
+        The two updates share nothing but the minibatches, so running them one after the other
+        (here) or at the same time (the critic on the scorer worker, ``critic_update``) gives the
+        same weights. ``critic=False`` leaves the critic to the caller.
         """
-        cfg = self.cfg
-        B = exp.mask.shape[0]
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)  # resumable: depends on step only
-        sums: dict[str, float] = {}
-        n = 0
-        for _ in range(cfg.epochs):
-            perm = torch.randperm(B, generator=gen).to(exp.mask.device)
-            for mb in perm.split(cfg.minibatch_size):
-                num_tokens = exp.mask[mb].sum().clamp(min=1)
-                self.actor_opt.zero_grad(set_to_none=True)
-                self.critic_opt.zero_grad(set_to_none=True)
-                for micro in mb.split(cfg.micro_batch_size):
-                    stats = self._micro_step(exp, micro, num_tokens, len(mb))
-                    w = stats.pop("_frac")  # the micro-batch's share of the minibatch's tokens
-                    for k, v in stats.items():
-                        # losses are already scaled by the minibatch denominator: they add up;
-                        # per-token means are weighted by the micro-batch's token share
-                        sums[k] = sums.get(k, 0.0) + (v if k.startswith("loss/") else v * w)
-                n += 1
-                sums["grad_norm/actor"] = sums.get("grad_norm/actor", 0.0) + _clip(self.actor, cfg.max_grad_norm)
-                sums["grad_norm/critic"] = sums.get("grad_norm/critic", 0.0) + _clip(self.critic, cfg.max_grad_norm)
-                self.actor_opt.step()
-                self.critic_opt.step()
-        return {k: v / n for k, v in sums.items()}  # means over optimizer steps
+        mbs = [mb.to(exp.mask.device) for mb in self.minibatches(exp.mask.shape[0], step)]
+        stats = _train(self.actor, self.actor_opt, exp.mask, mbs, self.cfg, "actor",
+                       lambda rows, nt, ns: self._actor_micro_step(exp, rows, nt, ns))
+        if critic:
+            stats.update(critic_update(self.critic, self.critic_opt, CriticBatch.of(exp), mbs, self.cfg))
+        return stats
 
-    def _micro_step(self, exp: Experience, rows: torch.Tensor, num_tokens, num_seqs: int) -> dict[str, float]:
+    def _actor_micro_step(self, exp: Experience, rows: torch.Tensor, num_tokens, num_seqs: int) -> dict[str, float]:
         cfg = self.cfg
         ids, valid, P, T = _micro_slices(exp, rows)
         mask = exp.mask[rows][:, :T]
@@ -176,21 +170,82 @@ class Learner:
             with torch.no_grad():
                 entropy = pm.entropy_from_logits(logits / self.temperature)  # [b, T]
         loss.backward()
-        critic_dev = next(self.critic.parameters()).device  # the critic may sit on its own device
-        values = response_outputs("critic", self.critic, ids.to(critic_dev), valid.to(critic_dev), P)
-        values = values.to(mask.device)  # [b, T]
-        vl, vstats = pm.value_loss(values, exp.values[rows][:, :T], exp.returns[rows][:, :T], mask,
+        return {
+            "loss/policy": pl.item(), "ppo/clipfrac": pstats["clipfrac"].item(),
+            "ppo/approx_kl": pstats["approx_kl"].item(),
+            "ppo/entropy": pm.masked_mean(entropy.detach(), mask).item(),
+            "_frac": (mask.sum() / num_tokens).item(),  # weight of this micro-batch's stats in the minibatch
+        }
+
+
+@dataclass
+class CriticBatch:
+    """What the critic's update needs from an Experience (small enough to send to a worker)."""
+
+    ids: torch.Tensor
+    valid: torch.Tensor
+    P: int
+    mask: torch.Tensor
+    values: torch.Tensor
+    returns: torch.Tensor
+
+    @classmethod
+    def of(cls, exp: Experience) -> "CriticBatch":
+        return cls(exp.ids, exp.valid, exp.P, exp.mask, exp.values, exp.returns)
+
+    def to(self, device) -> "CriticBatch":
+        return CriticBatch(self.ids.to(device), self.valid.to(device), self.P, self.mask.to(device),
+                           self.values.to(device), self.returns.to(device))
+
+
+def critic_update(critic, opt: torch.optim.Optimizer, batch: CriticBatch, minibatches: list[torch.Tensor],
+                  cfg: PPOConfig, before_micro=None) -> dict[str, float]:
+    """Stage 6 for the critic: clipped value loss over the given minibatches.
+
+    A plain function of its arguments, so the scorer worker that holds the critic can run it
+    while the actor trains (``overlap.critic_on_worker``). ``before_micro()``, if given, runs
+    before each micro-batch (the worker adapts its thread count there).
+    """
+    dev = next(critic.parameters()).device
+    batch = batch.to(dev)
+
+    def micro(rows, num_tokens, num_seqs):
+        if before_micro is not None:
+            before_micro()
+        ids, valid, P, T = _micro_slices(batch, rows)
+        mask = batch.mask[rows][:, :T]
+        values = response_outputs("critic", critic, ids, valid, P)  # [b, T]
+        vl, vstats = pm.value_loss(values, batch.values[rows][:, :T], batch.returns[rows][:, :T], mask,
                                    clip_eps=cfg.value_clip_eps, loss_agg=cfg.loss_agg,
                                    num_tokens=num_tokens, num_seqs=num_seqs)
         vl.backward()
-        frac = mask.sum() / num_tokens  # weight of this micro-batch's stats in the minibatch
-        return {
-            "loss/policy": pl.item(), "loss/value": vl.item(),
-            "ppo/clipfrac": pstats["clipfrac"].item(), "ppo/approx_kl": pstats["approx_kl"].item(),
-            "ppo/entropy": pm.masked_mean(entropy.detach(), mask).item(),
-            "value/clipfrac": vstats["vf_clipfrac"].item(),
-            "_frac": frac.item(),
-        }
+        return {"loss/value": vl.item(), "value/clipfrac": vstats["vf_clipfrac"].item(),
+                "_frac": (mask.sum() / num_tokens).item()}
+
+    return _train(critic, opt, batch.mask, [mb.to(dev) for mb in minibatches], cfg, "critic", micro)
+
+
+def _train(model, opt, mask: torch.Tensor, minibatches: list[torch.Tensor], cfg: PPOConfig, name: str,
+           micro_step) -> dict[str, float]:
+    """Optimizer steps over ``minibatches``; each is split into micro-batches that accumulate gradients.
+
+    The loss of a minibatch is aggregated with the minibatch's global token (and sequence) count,
+    so splitting it into micro-batches changes nothing but memory. Returns means over optimizer
+    steps: losses add up across micro-batches (they are already scaled by the minibatch
+    denominator), per-token statistics are weighted by each micro-batch's token share.
+    """
+    sums: dict[str, float] = {}
+    for mb in minibatches:
+        num_tokens = mask[mb].sum().clamp(min=1)
+        opt.zero_grad(set_to_none=True)
+        for rows in mb.split(cfg.micro_batch_size):
+            stats = micro_step(rows, num_tokens, len(mb))
+            w = stats.pop("_frac")
+            for k, v in stats.items():
+                sums[k] = sums.get(k, 0.0) + (v if k.startswith("loss/") else v * w)
+        sums[f"grad_norm/{name}"] = sums.get(f"grad_norm/{name}", 0.0) + _clip(model, cfg.max_grad_norm)
+        opt.step()
+    return {k: v / len(minibatches) for k, v in sums.items()}
 
 
 def _clip(model, max_norm: float) -> float:

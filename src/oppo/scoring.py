@@ -124,23 +124,27 @@ class StreamingScorer:
 
     @torch.no_grad()
     def feed(self, chunks: dict[int, tuple[tuple[int, ...], bool]]) -> None:
-        """Prefill ``chunks``: uid -> (tokens, final). Rows without a chunk get masked padding."""
+        """Prefill ``chunks``: uid -> (tokens, final). Only rows with tokens on hand run through the
+        model; the other rows get masked cache columns and no compute."""
         if not chunks:
             return
-        seqs = [list(chunks[u][0]) if u in chunks else [] for u in self.uids]
-        lens = torch.tensor([len(s) for s in seqs], device=self.device)  # [R]
-        if int(lens.max()) > 0:
-            ids, valid = right_pad(seqs, self.pad_id, self.device)  # [R, C]
-            hidden = self.kv.forward(self.backbone, ids, valid)  # [R, C, H]
-            pre = torch.cat([self.prev_hidden[:, None], hidden[:, :-1]], 1)  # [R, C, H] state before each token
+        # only rows with tokens on hand run through the model (the rest get masked columns)
+        sel = [i for i, u in enumerate(self.uids) if u in chunks and chunks[u][0]]
+        if sel:
+            seqs = [list(chunks[self.uids[i]][0]) for i in sel]
+            rows = torch.tensor(sel, dtype=torch.long, device=self.device)  # [S]
+            lens = torch.tensor([len(s) for s in seqs], device=self.device)  # [S]
+            ids, valid = right_pad(seqs, self.pad_id, self.device)  # [S, C]
+            hidden = self.kv.forward_rows(self.backbone, rows, ids, valid)  # [S, C, H]
+            prev = self.prev_hidden.index_select(0, rows)  # [S, H]
+            pre = torch.cat([prev[:, None], hidden[:, :-1]], 1)  # [S, C, H] state before each token
             if self.kind != "reward":
-                per_tok = _per_token(self.kind, self.head, pre, ids, self.temperature).tolist()  # [R, C]
-                for i, u in enumerate(self.uids):
-                    out = self.outputs[u].logprobs if self.kind == "reference" else self.outputs[u].values
-                    out.extend(per_tok[i][: len(seqs[i])])
-            rows = torch.arange(len(seqs), device=self.device)
-            last = hidden[rows, (lens - 1).clamp(min=0)]  # [R, H]
-            self.prev_hidden = torch.where((lens > 0)[:, None], last, self.prev_hidden)
+                per_tok = _per_token(self.kind, self.head, pre, ids, self.temperature).tolist()  # [S, C]
+                for j, i in enumerate(sel):
+                    out = self.outputs[self.uids[i]]
+                    (out.logprobs if self.kind == "reference" else out.values).extend(per_tok[j][: len(seqs[j])])
+            last = hidden[torch.arange(len(sel), device=self.device), lens - 1]  # [S, H]
+            self.prev_hidden = self.prev_hidden.index_copy(0, rows, last)
         finals = [i for i, u in enumerate(self.uids) if u in chunks and chunks[u][1]]
         if finals:
             if self.kind == "reward":

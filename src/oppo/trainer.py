@@ -26,7 +26,7 @@ import torch
 from . import ppo_math as pm
 from .config import Config
 from .data import PromptSet, build_prompt_set, read_prompts
-from .learner import Experience, Learner, build_experience, compute_advantages
+from .learner import CriticBatch, Experience, Learner, attach_scores, build_experience, compute_advantages
 from .models import (load_causal_lm, load_critic, load_function, load_reward_model, load_tokenizer,
                      resolve_device, resolve_dtype, check_model_path)
 from .rollout import Rollout, RolloutEngine
@@ -151,7 +151,8 @@ class Trainer:
                 scorers = {"reward": StreamingScorer("reward", self.reward_model, self.pad_id), **scorers}
             on_cpu = all(s.device.type == "cpu" for s in scorers.values())
             worker_cls = ProcessScorerWorker if (o.scorer_process and on_cpu) else ScorerWorker
-            self.worker = worker_cls(scorers, o.scorer_threads, self.tracer)
+            trainer = (self.learner.critic_opt, cfg.ppo) if o.critic_on_worker else None
+            self.worker = worker_cls(scorers, o.scorer_threads, self.tracer, critic_trainer=trainer)
         self.step = 0
         self.wallclock = 0.0
         self.step_windows: dict[int, tuple[float, float]] = {}  # perf_counter bounds of each step
@@ -193,14 +194,31 @@ class Trainer:
         """Each response decoded once per step (reward function, judge and samples share it)."""
         return self.tokenizer.batch_decode([r.response_ids for r in batch], skip_special_tokens=True)
 
-    def _learn(self, batch: list[Rollout], texts: list[str], scores, ref, values, step: int) -> StepResult:
-        """Stages 4-6: KL-shaped rewards, GAE, PPO epochs."""
-        with self.tracer.span("learner", "advantages", step):
-            exp = build_experience(batch, scores, ref, values, self.pad_id, self.device)
+    def _experience(self, batch: list[Rollout], step: int) -> Experience:
+        """The batch as tensors, with the off-policy correction of carried tokens (needs no scores)."""
+        with self.tracer.span("learner", "experience", step):
+            exp = build_experience(batch, self.pad_id, self.device)
             self.learner.proximal_logprobs(exp, step)
-            exp = compute_advantages(exp, self.cfg.ppo)
-        with self.tracer.span("learner", "train", step):
-            stats = self.learner.update(exp, step)
+        return exp
+
+    def _learn(self, exp: Experience, texts: list[str], scores, ref, values, step: int) -> StepResult:
+        """Stages 4-6: KL-shaped rewards, GAE, PPO epochs."""
+        batch = exp.rollouts
+        with self.tracer.span("learner", "advantages", step):
+            exp = compute_advantages(attach_scores(exp, scores, ref, values), self.cfg.ppo)
+        if self.worker and self.cfg.overlap.critic_on_worker:
+            # the critic trains on the scorer worker (its own core or stream) while the actor trains here
+            self.worker.train_critic(CriticBatch.of(exp), self.learner.minibatches(len(batch), step), step)
+            torch.set_num_threads(self.cfg.overlap.actor_threads)
+            with self.tracer.span("learner", "train", step):
+                stats = self.learner.update(exp, step, critic=False)
+            torch.set_num_threads(self.threads)
+            with self.tracer.span("controller", "wait_critic", step):
+                self.worker.barrier()
+            stats.update(self.worker.take_train_stats())
+        else:
+            with self.tracer.span("learner", "train", step):
+                stats = self.learner.update(exp, step)
         return StepResult(exp, stats, [(r.prompt, t) for r, t in zip(batch, texts)])
 
     # ================================================================== the reference loop
@@ -227,7 +245,7 @@ class Trainer:
         times["time/score"] = time.perf_counter() - t
         # 4-6. rewards, advantages, PPO epochs
         t = time.perf_counter()
-        result = self._learn(batch, texts, scores, ref, values, step)
+        result = self._learn(self._experience(batch, step), texts, scores, ref, values, step)
         times["time/train"] = time.perf_counter() - t
         self._finish(close.uids)
         return result, times
@@ -272,26 +290,35 @@ class Trainer:
         uids = sorted(close.uids)  # admission order, as the sequential loop trains them
         batch = [self.rollouts[u] for u in uids]
         t = time.perf_counter()
-        texts = self._texts(batch)
         if worker:
             worker.feed(eng.take_chunks(chunk), step)  # rows retired since the last boundary
+            # While the scorers finish the last chunks, this process does the batch's own work on its
+            # core: texts, the off-policy correction, and the values of carried prefixes (reading
+            # the critic alongside the scorer is safe: nothing writes it until the update).
+            torch.set_num_threads(cfg.overlap.actor_threads)
+            texts = self._texts(batch)
+            exp = self._experience(batch, step)
+            stale = [i for i, r in enumerate(batch) if r.start_version < step]
+            fresh = []
+            if stale and cfg.overlap.stale_values == "recompute":  # critic changed since their prefix was scored
+                with self.tracer.span("learner", "recompute_values", step):
+                    fresh = score_full("critic", self.critic, [batch[i].prompt_ids for i in stale],
+                                       [batch[i].response_ids for i in stale], self.pad_id)
+            torch.set_num_threads(self.threads)
             with self.tracer.span("controller", "wait_scorers", step):  # waiting: not actor work
                 worker.barrier()  # also: no scorer work may touch the critic while it trains
             out = worker.take(uids)
             scores = self._reward_scores(batch, texts) if self.reward_fn else [o.score for o in out["reward"]]
             ref, values = out["reference"], out["critic"]
-            stale = [i for i, r in enumerate(batch) if r.start_version < step]
-            if stale and cfg.overlap.stale_values == "recompute":  # critic changed since their prefix was scored
-                with self.tracer.span("scorer", "recompute_values", step):
-                    fresh = score_full("critic", self.critic, [batch[i].prompt_ids for i in stale],
-                                       [batch[i].response_ids for i in stale], self.pad_id)
-                for i, v in zip(stale, fresh):
-                    values[i] = v
+            for i, v in zip(stale, fresh):
+                values[i] = v
         else:
+            texts = self._texts(batch)
+            exp = self._experience(batch, step)
             scores, ref, values = self._score(batch, texts, step)
         times["time/score"] = time.perf_counter() - t
         t = time.perf_counter()
-        result = self._learn(batch, texts, scores, ref, values, step)
+        result = self._learn(exp, texts, scores, ref, values, step)
         times["time/train"] = time.perf_counter() - t
         result.stats.update(self._overlap_stats(close, result.exp, chunk))
         self._finish(close.uids)

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .config import PPOConfig
+from .learner import CriticBatch, critic_update
 from .rollout import Chunk
 from .scoring import ScoredOutputs, StreamingScorer
 from .trace import Tracer
@@ -40,6 +42,13 @@ class ForgetMsg:
 
 
 @dataclass(frozen=True)
+class TrainCriticMsg:
+    batch: CriticBatch
+    minibatches: tuple[torch.Tensor, ...]
+    step: int
+
+
+@dataclass(frozen=True)
 class BarrierMsg:
     id: int
 
@@ -52,8 +61,11 @@ class StopMsg:
 class ScorerWorker:
     """Runs the streaming scorers of the reward model, reference and critic on one thread."""
 
-    def __init__(self, scorers: dict[str, StreamingScorer], threads: int, tracer: Tracer, name: str = "scorer"):
+    def __init__(self, scorers: dict[str, StreamingScorer], threads: int, tracer: Tracer, name: str = "scorer",
+                 critic_trainer: tuple[torch.optim.Optimizer, PPOConfig] | None = None):
         self.scorers, self.threads, self.tracer, self.name = scorers, threads, tracer, name
+        self.critic_opt, self.ppo_cfg = critic_trainer or (None, None)
+        self.train_stats: dict[str, float] = {}
         self.q: queue.Queue = queue.Queue()
         self.results: dict[str, dict[int, ScoredOutputs]] = {role: {} for role in scorers}
         self.error: BaseException | None = None
@@ -77,6 +89,17 @@ class ScorerWorker:
 
     def forget(self, uids: set[int]) -> None:
         self.q.put(ForgetMsg(frozenset(uids)))
+
+    def train_critic(self, batch: CriticBatch, minibatches: list[torch.Tensor], step: int) -> None:
+        """Start the critic's PPO update on this worker; its stats come from ``take_train_stats``
+        after the next barrier. Needs the worker built with ``critic_trainer``."""
+        if self.critic_opt is None:
+            raise RuntimeError("internal error: this scorer worker was built without a critic optimizer")
+        self.q.put(TrainCriticMsg(batch, tuple(minibatches), step))
+
+    def take_train_stats(self) -> dict[str, float]:
+        stats, self.train_stats = self.train_stats, {}
+        return stats
 
     def barrier(self) -> None:
         """Wait until every message sent so far has been processed; re-raise a worker error."""
@@ -134,10 +157,15 @@ class ScorerWorker:
             if isinstance(m, AdmitMsg):
                 with self.tracer.span(self.name, "prefill_prompt", m.step):
                     for s in self.scorers.values():
+                        self._adapt_threads()
                         s.admit(list(m.uids), [list(p) for p in m.prompts])
             elif isinstance(m, ForgetMsg):
                 for s in self.scorers.values():
                     s.forget(set(m.uids))
+            elif isinstance(m, TrainCriticMsg):
+                with self.tracer.span(self.name, "train_critic", m.step):
+                    self.train_stats = critic_update(self.scorers["critic"].model, self.critic_opt, m.batch,
+                                                     list(m.minibatches), self.ppo_cfg, self._adapt_threads)
             elif isinstance(m, BarrierMsg):
                 if self.stream is not None:
                     self.stream.synchronize()
@@ -150,10 +178,14 @@ class ScorerWorker:
     def _ack(self, m: BarrierMsg) -> None:
         self._events.pop(m.id).set()
 
+    def _adapt_threads(self) -> None:
+        """A thread worker keeps its thread count (torch's is per process, shared with the actor)."""
+
     def _flush(self, pending: dict, step: int) -> None:
         if not pending:
             return
         for role, s in self.scorers.items():
+            self._adapt_threads()
             with self.tracer.span(self.name, f"score_{role}", step, tokens=sum(len(t) for t, _ in pending.values())):
                 s.feed(pending)
             self.results[role].update(s.take_done())
@@ -171,12 +203,15 @@ class ProcessScorerWorker(ScorerWorker):
     """The same scorer loop in a child process (CPU): no GIL shared with the decoding actor.
 
     The models' weights are moved to shared memory before the child starts, so the learner's
-    in-place optimizer updates of the critic are what the child reads (it only reads while the
-    controller waits at a barrier or the actor decodes, never while the critic trains).
-    Results, busy spans and peak cache sizes come back on a second queue at each barrier.
+    in-place optimizer updates of the critic are what the child reads, and (``critic_trainer``)
+    the critic's AdamW state is too: the child updates weights and moments in place, the parent
+    checkpoints them. Only one side touches the critic at a time: the controller reads it only
+    after a barrier. Results, busy spans, peak cache sizes and training stats come back on a
+    second queue at each barrier.
     """
 
-    def __init__(self, scorers: dict[str, StreamingScorer], threads: int, tracer: Tracer, name: str = "scorer"):
+    def __init__(self, scorers: dict[str, StreamingScorer], threads: int, tracer: Tracer, name: str = "scorer",
+                 critic_trainer: tuple[torch.optim.Optimizer, PPOConfig] | None = None):
         import torch.multiprocessing as mp
 
         ctx = mp.get_context("spawn")  # fork after OpenMP/threads started is unsafe
@@ -184,17 +219,33 @@ class ProcessScorerWorker(ScorerWorker):
         self.scorers = scorers  # parent-side handles (for peak_cache_bytes); the child has its own
         for s in scorers.values():
             s.model.share_memory()
+        self.critic_opt, self.ppo_cfg = critic_trainer or (None, None)
+        self.train_stats = {}
+        opt_spec = None
+        if self.critic_opt is not None:
+            opt_spec = (share_adam_state(self.critic_opt), self.ppo_cfg)
         self.q, self.out = ctx.Queue(), ctx.Queue()
+        # set while the controller blocks at a barrier: the child may then use the controller's cores too
+        self.boost = ctx.Value("b", 0, lock=False)
         self.results = {role: {} for role in scorers}
         self.error = None
         self._next_barrier = 0
         spec = {role: (s.kind, s.model, s.pad_id, s.temperature) for role, s in scorers.items()}
-        self.proc = ctx.Process(target=_child_main, args=(spec, threads, name, self.q, self.out), daemon=True)
+        threads = (threads, max(threads, torch.get_num_threads()))  # (normal, while the controller waits)
+        self.proc = ctx.Process(target=_child_main, args=(spec, threads, name, self.q, self.out, opt_spec,
+                                                          self.boost), daemon=True)
         self.proc.start()
 
     def barrier(self) -> None:
         self._next_barrier += 1
         self.q.put(BarrierMsg(self._next_barrier))
+        self.boost.value = 1
+        try:
+            self._wait_barrier()
+        finally:
+            self.boost.value = 0
+
+    def _wait_barrier(self) -> None:
         while True:
             try:
                 kind, payload = self.out.get(timeout=1.0)
@@ -204,7 +255,8 @@ class ProcessScorerWorker(ScorerWorker):
                 continue
             if kind == "error":
                 raise RuntimeError(f"scorer process failed: {payload}")
-            results, spans, peaks, bid = payload
+            results, spans, peaks, train_stats, bid = payload
+            self.train_stats.update(train_stats)
             for role, res in results.items():
                 self.results[role].update(res)
             for sp in spans:
@@ -226,8 +278,10 @@ class ProcessScorerWorker(ScorerWorker):
 class _ChildLoop(ScorerWorker):
     """The child's side: ScorerWorker's message loop, replying on a queue instead of Events."""
 
-    def __init__(self, scorers, threads, name, q, out):
-        self.scorers, self.threads, self.name, self.q, self.out = scorers, threads, name, q, out
+    def __init__(self, scorers, threads, name, q, out, critic_opt=None, ppo_cfg=None, boost=None):
+        self.scorers, self.name, self.q, self.out = scorers, name, q, out
+        (self.threads, self.boost_threads), self.boost = threads, boost
+        self.critic_opt, self.ppo_cfg, self.train_stats = critic_opt, ppo_cfg, {}
         self.tracer = Tracer(enabled=True)
         self.results = {role: {} for role in scorers}
         self.error = None
@@ -238,15 +292,27 @@ class _ChildLoop(ScorerWorker):
         self.tracer.clear()
         results, self.results = self.results, {role: {} for role in self.scorers}
         peaks = {role: s.peak_cache_bytes for role, s in self.scorers.items()}
-        self.out.put(("results", (results, spans, peaks, m.id)))
+        self.out.put(("results", (results, spans, peaks, self.take_train_stats(), m.id)))
+
+    def _adapt_threads(self) -> None:
+        want = self.boost_threads if self.boost is not None and self.boost.value else self.threads
+        if torch.get_num_threads() != want:
+            torch.set_num_threads(want)
 
 
-def _child_main(spec, threads, name, q, out) -> None:
+def _child_main(spec, threads, name, q, out, opt_spec, boost) -> None:
     try:
         scorers = {role: StreamingScorer(kind, model, pad_id, temperature)
                    for role, (kind, model, pad_id, temperature) in spec.items()}
-        loop = _ChildLoop(scorers, threads, name, q, out)
-        torch.set_num_threads(threads)
+        opt = ppo_cfg = None
+        if opt_spec is not None:
+            (hyper, states), ppo_cfg = opt_spec
+            params = list(scorers["critic"].model.parameters())
+            opt = torch.optim.AdamW(params, **hyper)
+            for p, st in zip(params, states):
+                opt.state[p] = st  # the parent's shared tensors: updated in place here
+        loop = _ChildLoop(scorers, threads, name, q, out, opt, ppo_cfg, boost)
+        torch.set_num_threads(loop.threads)
         while True:
             msgs = [q.get()]
             while True:
@@ -258,3 +324,41 @@ def _child_main(spec, threads, name, q, out) -> None:
                 return
     except BaseException as e:  # reported to the controller at its next barrier
         out.put(("error", repr(e)))
+
+
+def share_adam_state(opt: torch.optim.Optimizer) -> tuple[dict, list[dict[str, torch.Tensor]]]:
+    """Create an AdamW's per-parameter state now, in shared memory, as its first step would.
+
+    Returns (hyperparameters, states in parameter order) for a copy of the optimizer in another
+    process that updates the same tensors in place (``step``, ``exp_avg`` and ``exp_avg_sq``
+    are all updated in place by torch's AdamW).
+    """
+    if type(opt) is not torch.optim.AdamW or len(opt.param_groups) != 1:
+        raise TypeError("share_adam_state expects a single-group torch.optim.AdamW")
+    group = opt.param_groups[0]
+    if group["amsgrad"] or group.get("fused") or group.get("capturable"):
+        raise ValueError("share_adam_state: amsgrad, fused and capturable AdamW are not supported")
+    states = []
+    for p in group["params"]:
+        st = opt.state[p]
+        if not st:
+            st["step"] = torch.tensor(0.0, dtype=torch.float32)
+            st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        for v in st.values():
+            v.share_memory_()
+        states.append(st)
+    hyper = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay")}
+    return hyper, states
+
+
+def load_optimizer_state_in_place(opt: torch.optim.Optimizer, state_dict: dict) -> None:
+    """``opt.load_state_dict`` that keeps the existing state tensors (shared memory stays shared)."""
+    old = {p: dict(st) for p, st in opt.state.items()}
+    opt.load_state_dict(state_dict)
+    for p, st in opt.state.items():
+        for k, v in st.items():
+            prev = old.get(p, {}).get(k)
+            if torch.is_tensor(v) and torch.is_tensor(prev) and prev.shape == v.shape:
+                prev.copy_(v)
+                st[k] = prev
