@@ -54,13 +54,35 @@ def main() -> int:
             }
             runs.append(run_dir)
             labels.append(mode)
+    summary["_by_mode"] = by_mode(summary)
     (out / "curves.json").write_text(json.dumps(summary, indent=1))
     for path in make_report(runs, out, labels=labels):
         print(path)
+    for mode, agg in summary["_by_mode"].items():
+        print(mode, json.dumps(agg))
     for k, v in summary.items():
+        if k.startswith("_"):
+            continue
         print(f"{k}: reward {v['reward_first5']:.3f} -> {v['reward_last5']:.3f}, judge {v['judge_first5']} -> "
               f"{v['judge_last5']}, kl {v['kl_last5']:.3f}, step {v['step_time_median_s']:.2f}s")
     return 0
+
+
+def by_mode(summary: dict) -> dict:
+    """Across seeds, per mode: mean, min and max of the last-5-step reward and judge, and of the
+    mean reward over all steps (the area under the curve, which compares whole curves)."""
+    out = {}
+    for mode in sorted({v["mode"] for v in summary.values()}):
+        runs = [v for v in summary.values() if v["mode"] == mode]
+        agg = {}
+        for key, values in (("reward_last5", [r["reward_last5"] for r in runs]),
+                            ("judge_last5", [r["judge_last5"] for r in runs if r["judge_last5"] is not None]),
+                            ("reward_auc", [statistics.mean(r["reward"]) for r in runs])):
+            if values:
+                agg[key] = {"mean": statistics.mean(values), "min": min(values), "max": max(values),
+                            "std": statistics.stdev(values) if len(values) > 1 else 0.0}
+        out[mode] = agg
+    return out
 
 
 if __name__ == "__main__":

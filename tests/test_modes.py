@@ -116,3 +116,21 @@ def test_critic_trained_on_worker_is_the_learners_critic(tiny_models, tiny_promp
                    if st["exp_avg_sq"].numel() > 1)
     finally:
         t.close()
+
+
+def test_critic_on_worker_gives_the_sequential_weights(tiny_models, tiny_prompts, tmp_path):
+    """Actor and critic updated at the same time (critic on the scorer process) end with the
+    weights of the sequential loop, which updates one after the other."""
+    weights = {}
+    for mode in ("sequential", "intra"):
+        t = Trainer(tiny_cfg(tiny_models, tiny_prompts, tmp_path / mode, f"overlap.mode={mode}"), progress=False)
+        try:
+            for _ in range(2):
+                t.run_step()
+            weights[mode] = ({k: v.clone() for k, v in t.policy.state_dict().items()},
+                             {k: v.clone() for k, v in t.critic.state_dict().items()})
+        finally:
+            t.close()
+    for a, b in zip(weights["sequential"], weights["intra"]):
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-4)

@@ -95,6 +95,8 @@ class ScorerWorker:
         after the next barrier. Needs the worker built with ``critic_trainer``."""
         if self.critic_opt is None:
             raise RuntimeError("internal error: this scorer worker was built without a critic optimizer")
+        if batch.mask.is_cuda:  # the batch was computed on the controller's stream; the worker has its own
+            torch.cuda.current_stream(batch.mask.device).synchronize()
         self.q.put(TrainCriticMsg(batch, tuple(minibatches), step))
 
     def take_train_stats(self) -> dict[str, float]:
