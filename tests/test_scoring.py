@@ -90,3 +90,30 @@ def test_empty_final_chunk_and_idle_rows(roles):
     got = s.take_done()
     for u in range(len(prompts)):
         torch.testing.assert_close(torch.tensor(got[u].values), torch.tensor(expected[u].values), atol=1e-5, rtol=1e-5)
+
+
+def test_kv_repack_drops_holes_exactly(roles):
+    """A cache with holes (rows fed at different times) gives the same next hidden states after
+    repacking, with fewer columns."""
+    import copy
+
+    from oppo.kv import KVRows, left_pad, right_pad
+    from oppo.models import backbone_and_head
+
+    backbone, _ = backbone_and_head(roles["reference"])
+    pad = roles["tok"].pad_token_id
+    prompts, responses = _data(3, n=4)
+    kv = KVRows(torch.device("cpu"))
+    with torch.no_grad():
+        kv.forward(backbone, *left_pad(prompts, pad, torch.device("cpu")))
+        for r in range(4):  # each round only one row gets tokens: the other three get holes
+            ids, valid = right_pad([responses[r][:5] or [5]], pad, torch.device("cpu"))
+            kv.forward_rows(backbone, torch.tensor([r]), ids, valid)
+        twin = copy.deepcopy(kv)
+        before = kv.length
+        assert kv.repack()
+        assert kv.length < before
+        step = [[7, 8, 9]] * 4
+        ids, valid = right_pad(step, pad, torch.device("cpu"))
+        torch.testing.assert_close(kv.forward(backbone, ids, valid), twin.forward(backbone, ids, valid),
+                                   atol=1e-5, rtol=1e-5)

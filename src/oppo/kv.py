@@ -110,6 +110,30 @@ class KVRows:
                 layer.values = layer.values[:, :, start:]
         self.mask = self.mask[:, start:]
 
+    def repack(self, max_fill: float = 0.5) -> bool:
+        """Move each row's real columns to the right and drop the holes between them, when the
+        fullest row uses at most ``max_fill`` of the columns. Exact: keys are cached after their
+        rotary embedding and positions are explicit, so only which columns are masked matters.
+
+        Holes build up where rows get tokens at different times (a streaming scorer's rows that
+        had no chunk in a round); every later forward would attend over them and copy them.
+        """
+        if self.rows == 0 or self.length == 0:
+            return False
+        keep = int(self.mask.sum(1).max())
+        if keep > max_fill * self.length:
+            return False
+        # stable sort of the 0/1 mask: each row's holes first, then its real columns in order
+        idx = torch.argsort(self.mask, dim=1, stable=True)[:, self.length - keep:]  # [R, keep]
+        for layer in self.cache.layers:
+            if getattr(layer, "is_initialized", False):
+                R, H, _, D = layer.keys.shape
+                g = idx[:, None, :, None].expand(R, H, keep, D)
+                layer.keys = layer.keys.gather(2, g)
+                layer.values = layer.values.gather(2, g)
+        self.mask = self.mask.gather(1, idx)
+        return True
+
     def merge(self, other: "KVRows") -> None:
         """Append ``other``'s rows after ours, left-padding the shorter cache to a common length."""
         if other.rows == 0:

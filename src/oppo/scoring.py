@@ -162,6 +162,7 @@ class StreamingScorer:
             self.prev_hidden = self.prev_hidden.index_select(0, idx)
             self.uids = [self.uids[i] for i in keep]
         self.peak_cache_bytes = max(self.peak_cache_bytes, self.kv.nbytes())
+        self.kv.repack()  # drop the holes left by rows that had no chunk in some rounds
 
     def forget(self, uids: set[int]) -> None:
         """Drop in-flight rows (e.g. after a checkpoint drain)."""
