@@ -26,10 +26,24 @@ def main() -> int:
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--modes", default="sequential,oppo")
     p.add_argument("--out", default="benchmarks/curves")
+    p.add_argument("--merge", default=None,
+                   help="Comma-separated output directories of earlier invocations (e.g. seeds run in two "
+                        "batches): train nothing, write their runs' combined summary and pictures to --out.")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
     out = Path(args.out)
     runs, labels, summary = [], [], {}
+    if args.merge:
+        out.mkdir(parents=True, exist_ok=True)
+        for d in (Path(x) for x in args.merge.split(",")):
+            for key, v in json.loads((d / "curves.json").read_text()).items():
+                if not key.startswith("_"):
+                    summary[key] = v
+                    runs.append(d / key)
+                    labels.append(v["mode"])
+        order = sorted(range(len(runs)), key=lambda i: (labels[i], summary_key(runs[i])))
+        runs, labels = [runs[i] for i in order], [labels[i] for i in order]
+        return finish(out, runs, labels, summary)
     for mode in args.modes.split(","):
         for seed in (int(s) for s in args.seeds.split(",")):
             run_dir = out / f"{mode}_seed{seed}"
@@ -54,6 +68,14 @@ def main() -> int:
             }
             runs.append(run_dir)
             labels.append(mode)
+    return finish(out, runs, labels, summary)
+
+
+def summary_key(run_dir: Path) -> int:
+    return int(run_dir.name.rsplit("seed", 1)[1])
+
+
+def finish(out: Path, runs: list[Path], labels: list[str], summary: dict) -> int:
     summary["_by_mode"] = by_mode(summary)
     (out / "curves.json").write_text(json.dumps(summary, indent=1))
     for path in make_report(runs, out, labels=labels):
@@ -80,8 +102,18 @@ def by_mode(summary: dict) -> dict:
                             ("reward_auc", [statistics.mean(r["reward"]) for r in runs])):
             if values:
                 agg[key] = {"mean": statistics.mean(values), "min": min(values), "max": max(values),
-                            "std": statistics.stdev(values) if len(values) > 1 else 0.0}
+                            "std": statistics.stdev(values) if len(values) > 1 else 0.0, "n": len(values)}
         out[mode] = agg
+    base = out.get("sequential")
+    for mode, agg in out.items():
+        if base is None or mode == "sequential":
+            continue
+        for key, a in agg.items():  # Welch's t of this mode's seeds against sequential's
+            b = base.get(key)
+            if b and a["n"] > 1 and b["n"] > 1:
+                se = (a["std"] ** 2 / a["n"] + b["std"] ** 2 / b["n"]) ** 0.5
+                a["diff_vs_sequential"] = a["mean"] - b["mean"]
+                a["welch_t_vs_sequential"] = (a["mean"] - b["mean"]) / se if se > 0 else 0.0
     return out
 
 
