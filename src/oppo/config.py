@@ -51,7 +51,10 @@ TASK_PRESETS: dict[str, dict[str, Any]] = {
 class PolicyConfig:
     path: str | None = opt(None, "Policy (actor) model: local directory or hub name. Empty: the built-in task's SFT policy.")
     device: str = opt("auto", "Device of the policy and its rollout engine: cpu, cuda, cuda:N or auto (cuda if available).")
-    dtype: str = opt("auto", "Weights dtype: float32, bfloat16, float16 or auto (float32 on cpu, bfloat16 on cuda).",
+    dtype: str = opt("auto", "Compute dtype of every role: float32, bfloat16 or auto (float32 on cpu, bfloat16 on "
+                             "cuda). Under bfloat16 the actor and critic train fp32 master weights with fp32 AdamW "
+                             "state (bf16 autocast forward); rollout and scorers run bf16 copies synced after each "
+                             "update. float16 is refused (no loss scaling).",
                      ("auto", "float32", "bfloat16", "float16"))
     trust_remote_code: bool = opt(False, "Allow custom model code from the model directory (Hugging Face trust_remote_code).")
 
@@ -129,6 +132,11 @@ class PPOConfig:
     loss_agg: str = opt("token_mean", "Loss aggregation; token_mean averages over all response tokens of the batch, "
                                       "independent of how it is split.",
                         ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"))
+    old_logprobs: str = opt("auto", "Log-probs the PPO ratio is centred on for tokens sampled by the current policy: "
+                                    "recompute (the training forward, as OpenRLHF and verl do), sampler (the "
+                                    "sampler's own), or auto: recompute when the two can differ (a dtype other "
+                                    "than float32, top-k/top-p truncation). Off-policy tokens are always recomputed.",
+                            ("auto", "recompute", "sampler"))
     is_truncate: float | None = opt(2.0, "Truncate importance weights pi_old/pi_behaviour of off-policy tokens at this "
                                          "value (carried sequences). Empty: no truncation.")
 
@@ -401,6 +409,9 @@ def validate(cfg: Config) -> None:
     _check(0 < p.clip_eps < 1, f"ppo.clip_eps must be in (0, 1), got {p.clip_eps}.")
     _check(0 <= p.gamma <= 1 and 0 <= p.lam <= 1, "ppo.gamma and ppo.lam must be in [0, 1].")
     _check(p.is_truncate is None or p.is_truncate >= 1, "ppo.is_truncate must be >= 1 (or empty for none).")
+    _check(cfg.policy.dtype != "float16",
+           "policy.dtype=float16 would train without loss scaling (gradients underflow); use bfloat16 "
+           "(fp32 master weights, bf16 compute) or float32.")
     _check(g.max_new_tokens is None or g.max_new_tokens >= 1, "generation.max_new_tokens must be >= 1.")
     _check(g.temperature > 0, f"generation.temperature must be > 0, got {g.temperature}; "
                               "greedy decoding is not a PPO behaviour policy.")

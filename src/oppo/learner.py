@@ -15,6 +15,7 @@ from .config import PPOConfig
 from .rollout import Rollout
 from .scoring import ScoredOutputs, full_hidden, response_outputs, sequence_batch
 from .models import backbone_and_head
+from .weights import autocast
 
 
 @dataclass
@@ -23,9 +24,11 @@ class Experience:
 
     ids, valid: [B, P+T] left-padded prompts then right-padded responses; ``P`` prompt width.
     mask: [B, T] 1 on response tokens (EOS included). versions: [B, T] policy version per token.
-    behaviour_logprobs: [B, T] from the sampler. old_logprobs: [B, T] under pi_k, the policy
-    the PPO ratio is clipped around (equal to behaviour for on-policy tokens).
-    is_weights: [B, T] pi_k / behaviour for off-policy tokens (truncated), 1 otherwise.
+    behaviour_logprobs: [B, T] from the sampler (the distribution actually sampled: its precision,
+    its top-k/top-p truncation). old_logprobs: [B, T] under pi_k by the training forward, the
+    policy the PPO ratio is clipped around (the sampler's, unrecomputed, where the two cannot
+    differ: see ``Learner.old_logprobs``). is_weights: [B, T] pi_k / behaviour for off-policy
+    tokens (truncated), 1 otherwise. ``stats``: the sampler-vs-trainer gap, for the metrics.
     ref_logprobs, values, rewards, kl, advantages, returns: [B, T]. scores: [B].
     """
 
@@ -45,6 +48,7 @@ class Experience:
     kl: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
+    stats: dict[str, float] | None = None
 
 
 def _pad_rows(rows: list[list[float]], T: int, device, dtype=torch.float32) -> torch.Tensor:
@@ -98,39 +102,70 @@ def _micro_slices(exp: "Experience | CriticBatch", rows: torch.Tensor):
 
 
 class Learner:
-    """Actor and critic with their optimizers; ``update`` runs the PPO epochs on one batch."""
+    """Actor and critic with their optimizers; ``update`` runs the PPO epochs on one batch.
 
-    def __init__(self, actor, critic, cfg: PPOConfig, temperature: float, seed: int):
+    ``actor`` and ``critic`` are the trained weights (fp32 masters under mixed precision,
+    ``weights.py``); their forwards run under ``compute_dtype`` autocast. ``recompute_old``:
+    recompute every token's ``old_logprobs`` with this training forward (see ``old_logprobs``).
+    """
+
+    def __init__(self, actor, critic, cfg: PPOConfig, temperature: float, seed: int,
+                 compute_dtype: torch.dtype = torch.float32, recompute_old: bool = False):
         self.actor, self.critic, self.cfg, self.temperature, self.seed = actor, critic, cfg, temperature, seed
+        self.compute_dtype, self.recompute_old = compute_dtype, recompute_old
+        self.device = next(actor.parameters()).device
         self.actor_opt = torch.optim.AdamW(actor.parameters(), lr=cfg.actor_lr, weight_decay=cfg.weight_decay)
         self.critic_opt = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr, weight_decay=cfg.weight_decay)
 
     def _actor_logits(self, ids, valid, P):
         backbone, head = backbone_and_head(self.actor)
-        hidden = full_hidden(backbone, ids, valid)  # [b, P+T, H]
-        return head(hidden[:, P - 1:-1]).float()  # [b, T, V] logits predicting each response token
+        with autocast(self.device, self.compute_dtype):
+            hidden = full_hidden(backbone, ids, valid)  # [b, P+T, H]
+            return head(hidden[:, P - 1:-1]).float()  # [b, T, V] logits predicting each response token
 
     @torch.no_grad()
-    def proximal_logprobs(self, exp: Experience, version: int) -> None:
-        """Off-policy correction for carried sequences (decoupled PPO, as AReaL does).
+    def old_logprobs(self, exp: Experience, version: int) -> None:
+        """Set ``exp.old_logprobs`` (the ratio's centre, pi_k) and ``exp.is_weights``.
 
-        Tokens sampled by an older version get old_logprobs recomputed under pi_k (the current
-        policy, around which the ratio is clipped) and an importance weight
-        pi_k / pi_behaviour, truncated at ``ppo.is_truncate``. On-policy tokens are unchanged.
+        - Off-policy tokens (sampled by a version older than ``version``, or, with
+          ``stale_kv=keep``, by new weights over an older KV prefix: ``RolloutEngine``) get
+          old_logprobs recomputed under pi_k by the training forward, and an importance weight
+          pi_k / pi_behaviour truncated at ``ppo.is_truncate`` (decoupled PPO, as AReaL does).
+        - On-policy tokens keep the sampler's log-probs unless ``recompute_old``: then the
+          training forward recomputes them too (as OpenRLHF and verl do), because the sampler
+          can differ from it (bf16 KV-cached decode: mean |dlogp| 0.024 measured, enough to
+          push 0.7% of tokens outside the clip range at a ratio that should be exactly 1;
+          top-k/top-p truncation). Their weight stays 1: the gap is numerical (or the
+          truncation), reported as ``ppo/sampler_logprob_gap`` and
+          ``ppo/sampler_ratio_outside_clip``, not a policy change.
         """
-        off = (exp.versions < version) & (exp.mask > 0)  # [B, T]
-        rows = off.any(1).nonzero().squeeze(1)
+        mask = exp.mask > 0
+        off = (exp.versions < version) & mask  # [B, T]
+        redo = mask if self.recompute_old else off  # [B, T]
+        rows = redo.any(1).nonzero().squeeze(1)
+        exp.stats = {}
         if rows.numel() == 0:
             return
-        ids, valid, P, T = _micro_slices(exp, rows)
-        prox = pm.logprobs_from_logits(self._actor_logits(ids, valid, P), ids[:, P:], self.temperature)  # [b, T]
-        old = exp.old_logprobs[rows]
-        old[:, :T] = torch.where(off[rows][:, :T], prox, old[:, :T])
-        exp.old_logprobs[rows] = old
-        w = torch.exp(exp.old_logprobs - exp.behaviour_logprobs)
+        old = exp.old_logprobs.clone()
+        for chunk in rows.split(self.cfg.micro_batch_size):  # the training forward's memory footprint
+            ids, valid, P, T = _micro_slices(exp, chunk)
+            new = pm.logprobs_from_logits(self._actor_logits(ids, valid, P), ids[:, P:], self.temperature)  # [b, T]
+            sub = old[chunk]
+            sub[:, :T] = torch.where(redo[chunk][:, :T], new, sub[:, :T])
+            old[chunk] = sub
+        exp.old_logprobs = old
+        w = torch.exp(old - exp.behaviour_logprobs)  # [B, T]
         if self.cfg.is_truncate is not None:
             w = w.clamp(max=self.cfg.is_truncate)
         exp.is_weights = torch.where(off, w, torch.ones_like(w))
+        on = mask & ~off & redo
+        if on.any():
+            gap = (old - exp.behaviour_logprobs).abs()[on]
+            ratio = torch.exp(exp.behaviour_logprobs - old)[on]  # the first minibatch's ratio had we not recomputed
+            eps_hi = self.cfg.clip_eps_high if self.cfg.clip_eps_high is not None else self.cfg.clip_eps
+            exp.stats = {"ppo/sampler_logprob_gap": gap.mean().item(), "ppo/sampler_logprob_gap_max": gap.max().item(),
+                         "ppo/sampler_ratio_outside_clip": ((ratio < 1 - self.cfg.clip_eps) | (ratio > 1 + eps_hi))
+                         .float().mean().item()}
 
     def minibatches(self, B: int, step: int) -> list[torch.Tensor]:
         """Row indices of each minibatch, every epoch: a fresh permutation seeded by the step only
@@ -149,7 +184,8 @@ class Learner:
         stats = _train(self.actor, self.actor_opt, exp.mask, mbs, self.cfg, "actor",
                        lambda rows, nt, ns: self._actor_micro_step(exp, rows, nt, ns))
         if critic:
-            stats.update(critic_update(self.critic, self.critic_opt, CriticBatch.of(exp), mbs, self.cfg))
+            stats.update(critic_update(self.critic, self.critic_opt, CriticBatch.of(exp), mbs, self.cfg,
+                                       compute_dtype=self.compute_dtype))
         return stats
 
     def _actor_micro_step(self, exp: Experience, rows: torch.Tensor, num_tokens, num_seqs: int) -> dict[str, float]:
@@ -199,12 +235,13 @@ class CriticBatch:
 
 
 def critic_update(critic, opt: torch.optim.Optimizer, batch: CriticBatch, minibatches: list[torch.Tensor],
-                  cfg: PPOConfig, before_micro=None) -> dict[str, float]:
+                  cfg: PPOConfig, before_micro=None, compute_dtype: torch.dtype = torch.float32) -> dict[str, float]:
     """Stage 6 for the critic: clipped value loss over the given minibatches.
 
     A plain function of its arguments, so the scorer worker that holds the critic can run it
     while the actor trains (``overlap.critic_on_worker``). ``before_micro()``, if given, runs
-    before each micro-batch (the worker adapts its thread count there).
+    before each micro-batch (the worker adapts its thread count there). ``critic`` holds the
+    trained (master) weights; its forward runs under ``compute_dtype`` autocast.
     """
     dev = next(critic.parameters()).device
     batch = batch.to(dev)
@@ -214,7 +251,8 @@ def critic_update(critic, opt: torch.optim.Optimizer, batch: CriticBatch, miniba
             before_micro()
         ids, valid, P, T = _micro_slices(batch, rows)
         mask = batch.mask[rows][:, :T]
-        values = response_outputs("critic", critic, ids, valid, P)  # [b, T]
+        with autocast(dev, compute_dtype):
+            values = response_outputs("critic", critic, ids, valid, P)  # [b, T]
         vl, vstats = pm.value_loss(values, batch.values[rows][:, :T], batch.returns[rows][:, :T], mask,
                                    clip_eps=cfg.value_clip_eps, loss_agg=cfg.loss_agg,
                                    num_tokens=num_tokens, num_seqs=num_seqs)

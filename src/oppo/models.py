@@ -96,21 +96,76 @@ def load_causal_lm(path: str, role: str, device: torch.device, dtype: torch.dtyp
     from transformers import AutoModelForCausalLM
 
     model = _from_pretrained(AutoModelForCausalLM, path, role, dtype=dtype, trust_remote_code=trust_remote_code)
-    return model.to(device)
+    model = model.to(device)
+    verify_model(model, role)
+    return model
+
+
+def load_config(path: str, role: str, trust_remote_code: bool = False):
+    """A model directory's config only (fast): for the checks that run before any weights load."""
+    from transformers import AutoConfig
+
+    check_model_path(path, role)
+    try:
+        return AutoConfig.from_pretrained(str(Path(path).expanduser()) if _looks_local(path) else path,
+                                          trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"Could not read the {role} model's config at {path!r}: {e}") from None
+
+
+def check_scorer_config(config, path: str, role: str, require_one_label: bool) -> None:
+    """Before loading weights: a reward/critic model must be a causal (decoder-only) backbone with
+    a one-label head. ``require_one_label``: the reward model must already have it; a critic
+    may start from a causal-LM checkpoint (a fresh one-label head is created)."""
+    if not is_causal_architecture(config):
+        raise ModelLoadError(
+            f"The {role} model at {path!r} is a {getattr(config, 'model_type', '?')} model, not a decoder-only "
+            f"(causal) one. oppo reads the {role} at the last token (reward) or every token (critic) of a causal "
+            f"backbone with a KV cache; an encoder's pooled classifier cannot be read that way. Use a causal-LM-based "
+            f"{role} model (e.g. a Llama/Qwen/Mistral/GPT-2 ...ForSequenceClassification with num_labels=1)"
+            + (", or reward.function for a text scorer." if role == "reward" else "."))
+    archs = getattr(config, "architectures", None) or []
+    is_classifier = any(a.endswith("ForSequenceClassification") for a in archs)
+    n = getattr(config, "num_labels", 1)
+    if (require_one_label or is_classifier) and n != 1:
+        raise ModelLoadError(f"The {role} model at {path!r} has {n} labels; PPO needs a scalar "
+                             f"(AutoModelForSequenceClassification with num_labels=1).")
+
+
+def check_roles(policy_tok, reward: str | None = None, critic: str | None = None,
+                reference: str | None = None) -> None:
+    """Every check of the scorer roles that needs no weights, all problems at once: each is a
+    causal backbone (reward: with one label) reading the policy's token ids."""
+    problems = []
+    for role, path in (("reward", reward), ("critic", critic), ("reference", reference)):
+        if not path:
+            continue
+        try:
+            cfg = load_config(path, role)
+            if role == "reference":
+                if not is_causal_architecture(cfg):
+                    raise ModelLoadError(f"The reference model at {path!r} is a {cfg.model_type} model, not a "
+                                         f"causal LM; use the policy's base model (AutoModelForCausalLM).")
+            else:
+                check_scorer_config(cfg, path, role, require_one_label=role == "reward")
+            check_tokenizer_match(policy_tok, path, role, getattr(_text_config(cfg), "vocab_size", None))
+        except ModelLoadError as e:
+            problems.append(str(e))
+    if problems:
+        raise ModelLoadError(problems[0] if len(problems) == 1 else
+                             f"{len(problems)} problems with the scorer models:\n- " + "\n- ".join(problems))
 
 
 def load_reward_model(path: str, device: torch.device, dtype: torch.dtype, pad_token_id: int):
-    from transformers import AutoConfig, AutoModelForSequenceClassification
+    from transformers import AutoModelForSequenceClassification
 
-    check_model_path(path, "reward")
-    cfg = AutoConfig.from_pretrained(str(Path(path).expanduser()) if _looks_local(path) else path)
-    if getattr(cfg, "num_labels", 1) != 1:
-        raise ModelLoadError(f"The reward model at {path!r} has {cfg.num_labels} labels; PPO needs a scalar reward "
-                             f"(AutoModelForSequenceClassification with num_labels=1).")
+    check_scorer_config(load_config(path, "reward"), path, "reward", require_one_label=True)
     model = _from_pretrained(AutoModelForSequenceClassification, path, "reward", dtype=dtype, num_labels=1)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = pad_token_id
-    return model.to(device).eval().requires_grad_(False)
+    model = model.to(device).eval().requires_grad_(False)
+    verify_model(model, "reward", pad_token_id)
+    return model
 
 
 def load_critic(path: str, device: torch.device, dtype: torch.dtype, pad_token_id: int):
@@ -118,6 +173,7 @@ def load_critic(path: str, device: torch.device, dtype: torch.dtype, pad_token_i
     from transformers import AutoModelForSequenceClassification
     from transformers.utils import logging as hf_logging
 
+    check_scorer_config(load_config(path, "critic"), path, "critic", require_one_label=False)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # "newly initialised score head" is expected from a causal-LM checkpoint
     try:
@@ -125,22 +181,175 @@ def load_critic(path: str, device: torch.device, dtype: torch.dtype, pad_token_i
     finally:
         hf_logging.set_verbosity(verbosity)
     model.config.pad_token_id = pad_token_id
-    return model.to(device)
+    model = model.to(device)
+    verify_model(model, "critic", pad_token_id)
+    return model
+
+
+class LogitsHead(torch.nn.Module):
+    """A causal LM's output head *with the model's own logit post-processing*, which Hugging Face
+    applies inside ``forward`` after ``lm_head``: Gemma 2/3 ``final_logit_softcapping``
+    (``tanh(x / c) * c``), Cohere ``logit_scale`` (``x * s``), Granite ``logits_scaling``
+    (``x / s``). Skipping them changes every log-prob (measured: Granite 0.22, Cohere 0.59).
+    :func:`verify_model` checks on a probe input that this head reproduces ``model(...)``, so an
+    architecture with post-processing we do not know is refused, not trained on wrong numbers.
+    """
+
+    def __init__(self, lm_head: torch.nn.Module, softcap: float | None = None, scale: float = 1.0):
+        super().__init__()
+        self.lm_head, self.softcap, self.scale = lm_head, softcap, scale
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        if self.scale != 1.0:
+            logits = logits * self.scale
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+def _text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _logit_processing(model) -> tuple[float | None, float]:
+    """(softcap, scale) that the model's forward applies to its logits after lm_head."""
+    cfg = _text_config(model.config)
+    softcap = getattr(cfg, "final_logit_softcapping", None)
+    scale = 1.0
+    if getattr(model, "logit_scale", None) is not None and not isinstance(model.logit_scale, torch.nn.Module):
+        scale *= float(model.logit_scale)  # Cohere keeps it on the model
+    if getattr(cfg, "logits_scaling", None) not in (None, 1, 1.0):
+        scale /= float(cfg.logits_scaling)  # Granite divides
+    return softcap, scale
 
 
 def backbone_and_head(model) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """Split a CausalLM / SequenceClassification model into (backbone, head)."""
+    """Split a CausalLM / SequenceClassification model into (backbone, head).
+
+    The head of a causal LM is a :class:`LogitsHead`: ``lm_head`` plus the model's own logit
+    post-processing, so ``head(backbone(...).last_hidden_state)`` equals ``model(...).logits``.
+    The pair is cached on the model (a reference to modules it already owns).
+    """
+    cached = getattr(model, "_oppo_backbone_and_head", None)
+    if cached is not None:
+        return cached
     backbone = model.base_model
     if backbone is model:
         raise ModelLoadError(f"{type(model).__name__} has no separate backbone (base_model); unsupported.")
+    pair = None
     for name in ("score", "classifier", "v_head"):
         head = getattr(model, name, None)
         if isinstance(head, torch.nn.Module):
-            return backbone, head
-    head = model.get_output_embeddings()
-    if head is None:
-        raise ModelLoadError(f"{type(model).__name__}: cannot find its output head (score or lm_head).")
-    return backbone, head
+            pair = (backbone, head)
+            break
+    if pair is None:
+        head = model.get_output_embeddings()
+        if head is None:
+            raise ModelLoadError(f"{type(model).__name__}: cannot find its output head (score or lm_head).")
+        softcap, scale = _logit_processing(model)
+        pair = (backbone, LogitsHead(head, softcap, scale))
+    object.__setattr__(model, "_oppo_backbone_and_head", pair)  # not a submodule: no state_dict entry
+    return pair
+
+
+def uses_sliding_window(model_or_config) -> bool:
+    """Whether any attention layer of the model is windowed (Mistral, Gemma 2/3, Qwen2 with
+    ``use_sliding_window``): its mask counts KV-cache columns, so cache holes shift the window."""
+    cfg = _text_config(getattr(model_or_config, "config", model_or_config))
+    if getattr(cfg, "sliding_window", None) is None:
+        return False
+    types_ = getattr(cfg, "layer_types", None)
+    return types_ is None or "sliding_attention" in types_
+
+
+def is_causal_architecture(config) -> bool:
+    """A decoder-only model type that ``AutoModelForCausalLM`` knows (not an encoder such as
+    BERT or DeBERTa, whose sequence-classification head pools instead of reading the last token)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    cfg = _text_config(config)
+    if getattr(cfg, "is_encoder_decoder", False):
+        return False
+    encoders = {"bert", "roberta", "deberta", "deberta-v2", "distilbert", "albert", "electra", "xlm-roberta",
+                "camembert", "ernie", "modernbert", "mpnet", "xlm", "funnel", "longformer", "big_bird"}
+    return cfg.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and cfg.model_type not in encoders
+
+
+@torch.no_grad()
+def verify_model(model, role: str, pad_token_id: int | None = None) -> None:
+    """Check on a small probe input that oppo reads ``model`` as Hugging Face's own forward does.
+
+    - causal: the hidden state at a position does not depend on later tokens (a model that
+      attends both ways cannot be streamed or scored per token);
+    - head: ``head(backbone(x))`` equals ``model(x).logits`` (a causal LM's logits at every
+      position; a sequence classifier's score at the last token, which is what HF pools when
+      there is no padding).
+    Costs one forward of 8 tokens per role. Raises ModelLoadError naming the fix.
+    """
+    backbone, head = backbone_and_head(model)
+    device = next(model.parameters()).device
+    vocab = int(_text_config(model.config).vocab_size)
+    g = torch.Generator().manual_seed(1234)
+    ids = torch.randint(0, vocab, (1, 8), generator=g)
+    if pad_token_id is not None:
+        ids[ids == pad_token_id] = (pad_token_id + 1) % vocab
+    ids = ids.to(device)
+    changed = ids.clone()
+    changed[0, -1] = (changed[0, -1] + 1) % vocab
+    if pad_token_id is not None and int(changed[0, -1]) == pad_token_id:
+        changed[0, -1] = (changed[0, -1] + 1) % vocab
+    name = type(model).__name__
+    h = backbone(input_ids=ids).last_hidden_state.float()
+    h2 = backbone(input_ids=changed).last_hidden_state.float()
+    scale = h[0, :-1].abs().max().clamp(min=1.0)
+    if not torch.allclose(h[0, :-1], h2[0, :-1], atol=1e-3 * float(scale), rtol=0):
+        raise ModelLoadError(
+            f"The {role} model ({name}) is not causal: its earlier hidden states change when a later token "
+            f"changes (an encoder such as BERT or DeBERTa). PPO reads every role token by token, left to right; "
+            f"use a decoder-only (causal LM) model for the {role}.")
+    ours = head(backbone(input_ids=ids).last_hidden_state).float()  # [1, 8, V] or [1, 8, 1]
+    theirs = model(input_ids=ids).logits.float()
+    if theirs.dim() == 2:  # sequence classification: HF pools the last token
+        ours = ours[:, -1]
+    tol = (1e-4 if next(model.parameters()).dtype == torch.float32 else 2e-2) * float(theirs.abs().max().clamp(min=1))
+    if ours.shape != theirs.shape or not torch.allclose(ours, theirs, atol=tol, rtol=0):
+        gap = (ours - theirs).abs().max().item() if ours.shape == theirs.shape else float("nan")
+        raise ModelLoadError(
+            f"The {role} model ({name}) post-processes its outputs in a way oppo does not reproduce "
+            f"(max gap {gap:.3g} between its forward and oppo's head on a probe input). Training on it would "
+            f"use the wrong log-probs; please report the architecture.")
+
+
+def check_tokenizer_match(policy_tok, path: str, role: str, vocab_size: int | None = None) -> None:
+    """A reward/critic/reference model must read the policy's token ids: same vocabulary.
+
+    ``path``'s own tokenizer, when it has one, must map every token to the same id as the
+    policy's; ``vocab_size`` (the model's embedding rows) must cover every policy id.
+    """
+    from transformers import AutoTokenizer
+
+    n = len(policy_tok)
+    if vocab_size is not None and vocab_size < n:
+        raise ModelLoadError(
+            f"The {role} model at {path!r} has {vocab_size} token embeddings but the policy's tokenizer has {n} "
+            f"tokens: it was not trained with the policy's tokenizer. Use a {role} model that shares the policy's "
+            f"vocabulary, or (reward) a reward.function that scores the decoded text.")
+    p = Path(path).expanduser()
+    if not _looks_local(path) or not any((p / f).is_file() for f in
+                                         ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")):
+        return  # no tokenizer saved beside the model: the embedding size check above is all we can do
+    try:
+        other = AutoTokenizer.from_pretrained(str(p))
+    except (OSError, ValueError):
+        return
+    mine, theirs = policy_tok.get_vocab(), other.get_vocab()
+    if mine != theirs:
+        diff = sorted(set(mine.items()) ^ set(theirs.items()), key=str)[:3]
+        raise ModelLoadError(
+            f"The {role} model at {path!r} has a different tokenizer from the policy's ({len(theirs)} vs {len(mine)} "
+            f"tokens; e.g. {diff}). Its scores would be read from the wrong token ids. Use a {role} model trained "
+            f"with the policy's tokenizer, or (reward) a reward.function that scores the decoded text.")
 
 
 def load_function(spec: str, role: str = "reward.function") -> Callable:
@@ -161,3 +370,15 @@ def load_function(spec: str, role: str = "reward.function") -> Callable:
     if not callable(fn):
         raise ModelLoadError(f"{role}: module {mod_name!r} has no function {fn_name!r}.")
     return fn
+
+
+def stop_token_ids(tokenizer, model) -> tuple[int, ...]:
+    """Every id that ends a response: the tokenizer's EOS and each EOS of the model's
+    ``generation_config`` (an int or a list: Llama 3 instruct stops on <|eot_id|> and
+    <|end_of_text|>, Qwen2 chat on <|im_end|> and <|endoftext|>)."""
+    ids = [tokenizer.eos_token_id]
+    gen = getattr(model, "generation_config", None)
+    extra = getattr(gen, "eos_token_id", None) if gen is not None else None
+    if extra is not None:
+        ids.extend(extra if isinstance(extra, (list, tuple)) else [extra])
+    return tuple(dict.fromkeys(int(i) for i in ids if i is not None))

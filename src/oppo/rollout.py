@@ -3,12 +3,16 @@
 Rows join (``admit``: prefill the prompt, merge into the running batch), decode in lock-step
 (``step``: sample one token per row, retire the rows that ended, feed the others), emit chunks of
 new tokens (``take_chunks``), and may stay in the engine across PPO steps (inter-step overlap),
-continuing under new weights. Each sampled token records its behaviour log-prob and the policy
-version whose logits it was sampled from.
+continuing under new weights. Each sampled token records its behaviour log-prob and the oldest
+policy version that shaped its distribution: the version of the weights that computed its logits,
+or, with ``overlap.stale_kv=keep``, the older version that computed part of the row's KV cache
+(new weights over an old prefix are a hybrid policy, not pi_k: such tokens are off-policy).
 
-Behaviour log-probs are ``log_softmax(logits / temperature)`` at the sampled token, without the
-top-k/top-p renormalisation (as TRL and OpenRLHF do): the PPO ratio compares the
-temperature-scaled policy with itself.
+Behaviour log-probs are those of the distribution actually sampled: ``log_softmax(logits /
+temperature)`` after top-k/top-p truncation and renormalisation. With truncation on they differ
+from the policy's own (untruncated) log-probs, so the learner then recomputes ``old_logprobs``
+with its training forward and keeps these as the behaviour policy of the importance weight
+(``Learner.old_logprobs``).
 """
 
 from __future__ import annotations
@@ -53,9 +57,9 @@ class Chunk:
 
 def sample_tokens(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
                   generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row from ``logits`` [R, V]; return (tokens [R], behaviour logprobs [R])."""
+    """Sample one token per row from ``logits`` [R, V]; return (tokens [R], behaviour logprobs [R]):
+    the log-probs of the truncated, renormalised distribution the token was drawn from."""
     scaled = logits.float() / temperature  # [R, V]
-    logp = torch.log_softmax(scaled, dim=-1)  # [R, V]
     filtered = scaled
     if top_k > 0 and top_k < filtered.shape[-1]:
         kth = torch.topk(filtered, top_k, dim=-1).values[:, -1:]  # [R, 1]
@@ -66,22 +70,25 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
         drop = cum - torch.softmax(sorted_logits, dim=-1) >= top_p  # keep the smallest set reaching top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         filtered = torch.full_like(filtered, float("-inf")).scatter(-1, order, sorted_logits)
-    probs = torch.softmax(filtered, dim=-1)
-    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # [R]
+    logp = torch.log_softmax(filtered, dim=-1)  # [R, V]; -inf outside the kept set
+    tokens = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)  # [R]
     return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
 
 
 class RolloutEngine:
     """Slots of in-flight sequences over one policy model (see the module docstring)."""
 
-    def __init__(self, model, eos_id: int, pad_id: int, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int = 0, top_p: float = 1.0, seed: int = 0, greedy: bool = False):
+    def __init__(self, model, eos_id: int | tuple[int, ...], pad_id: int, max_new_tokens: int,
+                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0, greedy: bool = False):
+        """``eos_id``: the id, or every id, that ends a response (``models.stop_token_ids``)."""
         from .models import backbone_and_head
 
         self.model = model
         self.backbone, self.head = backbone_and_head(model)
         self.device = next(model.parameters()).device
-        self.eos_id, self.pad_id = eos_id, pad_id
+        self.eos_ids = frozenset([eos_id] if isinstance(eos_id, int) else eos_id)
+        self.eos_id = eos_id if isinstance(eos_id, int) else eos_id[0]  # forced-length benchmarks end with it
+        self.pad_id = pad_id
         self.max_new_tokens = max_new_tokens
         self.temperature, self.top_k, self.top_p, self.greedy = temperature, top_k, top_p, greedy
         self.generator = torch.Generator(self.device).manual_seed(seed)
@@ -90,6 +97,7 @@ class RolloutEngine:
         self.kv = KVRows(self.device)
         self.next_logits = torch.zeros(0, 0, device=self.device)  # [R, V]
         self.logits_version: list[int] = []  # which policy version computed each row's next_logits
+        self.kv_version: list[int] = []  # oldest policy version in each row's KV cache
         self.finished: list[Rollout] = []  # retired since the last take_chunks()
         self.peak_cache_bytes = 0
 
@@ -117,13 +125,14 @@ class RolloutEngine:
         self.rows.extend(rollouts)
         self.next_logits = logits if self.next_logits.numel() == 0 else torch.cat([self.next_logits, logits])
         self.logits_version.extend([self.version] * len(rollouts))
+        self.kv_version.extend([self.version] * len(rollouts))
 
     @torch.no_grad()
     def recompute(self) -> None:
         """Rebuild every row's KV cache and next-token logits under the current weights
         (``overlap.stale_kv=recompute``)."""
         rows = self.rows
-        self.rows, self.kv, self.logits_version = [], KVRows(self.device), []
+        self.rows, self.kv, self.logits_version, self.kv_version = [], KVRows(self.device), [], []
         self.next_logits = torch.zeros(0, 0, device=self.device)
         self.admit(rows)
 
@@ -134,6 +143,7 @@ class RolloutEngine:
         self.kv.select(idx)
         self.rows = [self.rows[i] for i in keep]
         self.logits_version = [self.logits_version[i] for i in keep]
+        self.kv_version = [self.kv_version[i] for i in keep]
         self.next_logits = self.next_logits.index_select(0, idx) if keep else torch.zeros(0, 0, device=self.device)
         self.finished = [r for r in self.finished if r.uid not in uids]
 
@@ -158,9 +168,9 @@ class RolloutEngine:
         for i, (row, t, lp) in enumerate(zip(self.rows, tok_list, lp_list)):
             row.response_ids.append(t)
             row.logprobs.append(lp)
-            row.versions.append(self.logits_version[i])
-            if t == self.eos_id or len(row.response_ids) >= self.max_new_tokens:
-                row.finished, row.ended_with_eos = True, t == self.eos_id
+            row.versions.append(min(self.logits_version[i], self.kv_version[i]))
+            if t in self.eos_ids or len(row.response_ids) >= self.max_new_tokens:
+                row.finished, row.ended_with_eos = True, t in self.eos_ids
                 done.append(row)
             else:
                 keep.append(i)
@@ -170,6 +180,7 @@ class RolloutEngine:
             self.kv.select(idx)
             self.rows = [self.rows[i] for i in keep]
             self.logits_version = [self.logits_version[i] for i in keep]
+            self.kv_version = [self.kv_version[i] for i in keep]
             tokens = tokens.index_select(0, idx)
             self.finished.extend(done)
         if self.rows:
@@ -195,7 +206,7 @@ class RolloutEngine:
                 logits[i] = float("-inf")
                 logits[i, self.eos_id] = 0.0
             else:
-                logits[i, self.eos_id] = float("-inf")
+                logits[i, list(self.eos_ids)] = float("-inf")
         return logits
 
     def take_chunks(self, chunk_size: int) -> list[Chunk]:

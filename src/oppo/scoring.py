@@ -13,6 +13,13 @@ streaming path (:class:`StreamingScorer`) keeps a KV cache per sequence: it pref
 when the sequence is admitted and each chunk when it arrives, carrying the last hidden state
 ``h`` of the previous chunk so that the first token of a chunk is scored against it. Both give
 the same numbers up to floating-point summation order (tested).
+
+Sliding-window models (Mistral, Gemma 2/3): Hugging Face's window counts KV-cache columns, not
+positions, so a masked hole inside a row's cache (a round in which the row had no chunk, a
+chunk shorter than the batch's) would let a token see one column less of real context than a
+full forward does. Their streaming caches are therefore repacked after every round, so each
+row's real columns are contiguous and right-aligned whenever a forward runs: exact, at the cost
+of a gather of the cache per round. Left padding is harmless (it shifts a whole row).
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from typing import Callable, Literal
 import torch
 
 from .kv import KVRows, left_pad, right_pad
-from .models import backbone_and_head
+from .models import backbone_and_head, uses_sliding_window
 
 Kind = Literal["reward", "reference", "critic"]
 
@@ -101,6 +108,7 @@ class StreamingScorer:
         self.kind, self.model, self.pad_id, self.temperature = kind, model, pad_id, temperature
         self.backbone, self.head = backbone_and_head(model)
         self.device = next(model.parameters()).device
+        self.contiguous = uses_sliding_window(model)  # no holes in the cache (module docstring)
         self.kv = KVRows(self.device)
         self.uids: list[int] = []
         self.prev_hidden = torch.zeros(0, 0, device=self.device)  # [R, H] hidden of each row's last fed token
@@ -162,7 +170,9 @@ class StreamingScorer:
             self.prev_hidden = self.prev_hidden.index_select(0, idx)
             self.uids = [self.uids[i] for i in keep]
         self.peak_cache_bytes = max(self.peak_cache_bytes, self.kv.nbytes())
-        self.kv.repack()  # drop the holes left by rows that had no chunk in some rounds
+        # drop the holes left by rows that had no chunk in some rounds: when they pile up, or always
+        # for a sliding window (module docstring)
+        self.kv.repack(max_fill=1.0 if self.contiguous else 0.5)
 
     def forget(self, uids: set[int]) -> None:
         """Drop in-flight rows (e.g. after a checkpoint drain)."""

@@ -27,12 +27,13 @@ from . import ppo_math as pm
 from .config import Config
 from .data import PromptSet, build_prompt_set, read_prompts
 from .learner import CriticBatch, Experience, Learner, attach_scores, build_experience, compute_advantages
-from .models import (load_causal_lm, load_critic, load_function, load_reward_model, load_tokenizer,
-                     resolve_device, resolve_dtype, check_model_path)
+from .models import (check_model_path, check_roles, load_causal_lm, load_critic, load_function, load_reward_model,
+                     load_tokenizer, resolve_device, resolve_dtype, stop_token_ids)
 from .rollout import Rollout, RolloutEngine
 from .scheduler import ChunkSizeTuner, DeltaController, Scheduler
 from .scoring import RewardFunction, ScoredOutputs, StreamingScorer, score_full
 from .trace import Tracer
+from .weights import copy_weights, master_dtype, serving_copy
 from .workers import ProcessScorerWorker, ScorerWorker
 
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -102,9 +103,14 @@ class Trainer:
         self.eos_id, self.pad_id = tok.eos_token_id, tok.pad_token_id
         dev = resolve_device(cfg.policy.device)
         self.device = dev
-        dtype = resolve_dtype(cfg.policy.dtype, dev)
+        # compute dtype (rollout, scoring, the training forward) and the trained weights' dtype:
+        # fp32 masters under bf16 (weights.py)
+        dtype = self.compute_dtype = resolve_dtype(cfg.policy.dtype, dev)
+        master = master_dtype(dtype)
         self.prompt_set: PromptSet = build_prompt_set(
             read_prompts(paths.prompts, cfg.data.field, cfg.data.split), tok, cfg.data, cfg.run.seed)
+        # every role's config and tokenizer, before any weights load (fast; names the fix)
+        check_roles(tok, reward=paths.reward, critic=paths.critic, reference=paths.reference)
         # Reward first: an invalid reward model or function fails before the big models load.
         self.reward_fn = None
         self.reward_model = None
@@ -114,21 +120,30 @@ class Trainer:
             self.reward_model = load_reward_model(paths.reward, resolve_device(cfg.reward.device, str(dev)),
                                                   dtype, self.pad_id)
         self.judge_fn = load_function(paths.judge, "reward.judge") if paths.judge else None
-        self.policy = load_causal_lm(paths.policy, "policy", dev, dtype, cfg.policy.trust_remote_code)
+        # self.policy / self.critic: the trained weights (what the learner steps and checkpoints
+        # save); self.rollout_policy / self.scoring_critic: what the engine and scorers run, the
+        # same objects in fp32, bf16 copies refreshed after each update under mixed precision
+        self.policy = load_causal_lm(paths.policy, "policy", dev, master, cfg.policy.trust_remote_code)
+        self.rollout_policy = serving_copy(self.policy, dtype)
         ref_dev = resolve_device(cfg.reference.device, str(dev))
         if paths.reference:
             self.reference = load_causal_lm(paths.reference, "reference", ref_dev, dtype)
         else:  # a frozen copy of the initial policy
-            self.reference = copy.deepcopy(self.policy).to(ref_dev)
+            self.reference = copy.deepcopy(self.rollout_policy).to(ref_dev)
         self.reference.eval().requires_grad_(False)
-        self.critic = load_critic(paths.critic, resolve_device(cfg.critic.device, str(dev)), dtype, self.pad_id)
+        self.critic = load_critic(paths.critic, resolve_device(cfg.critic.device, str(dev)), master, self.pad_id)
+        self.scoring_critic = serving_copy(self.critic, dtype)
         self.policy.eval()  # no dropout anywhere: rollout and training see the same function
         self.critic.eval()
         self.max_new_tokens = paths.max_new_tokens
         g = cfg.generation
-        self.engine = RolloutEngine(self.policy, self.eos_id, self.pad_id, self.max_new_tokens, g.temperature,
-                                    g.top_k, g.top_p, seed=cfg.run.seed)
-        self.learner = Learner(self.policy, self.critic, cfg.ppo, g.temperature, cfg.run.seed)
+        self.stop_ids = stop_token_ids(tok, self.policy)
+        self.engine = RolloutEngine(self.rollout_policy, self.stop_ids, self.pad_id, self.max_new_tokens,
+                                    g.temperature, g.top_k, g.top_p, seed=cfg.run.seed)
+        recompute = {"recompute": True, "sampler": False}.get(
+            cfg.ppo.old_logprobs, dtype != torch.float32 or g.top_k > 0 or g.top_p < 1.0)  # auto: when they can differ
+        self.learner = Learner(self.policy, self.critic, cfg.ppo, g.temperature, cfg.run.seed,
+                               compute_dtype=dtype, recompute_old=recompute)
         o = cfg.overlap
         carries = cfg.carries
         B = cfg.ppo.batch_size
@@ -146,13 +161,18 @@ class Trainer:
         self.worker: ScorerWorker | None = None
         if cfg.streams:
             scorers = {"reference": StreamingScorer("reference", self.reference, self.pad_id, g.temperature),
-                       "critic": StreamingScorer("critic", self.critic, self.pad_id)}
+                       "critic": StreamingScorer("critic", self.scoring_critic, self.pad_id)}
             if self.reward_model is not None:
                 scorers = {"reward": StreamingScorer("reward", self.reward_model, self.pad_id), **scorers}
             on_cpu = all(s.device.type == "cpu" for s in scorers.values())
-            worker_cls = ProcessScorerWorker if (o.scorer_process and on_cpu) else ScorerWorker
+            # the child process shares the critic's weights in place, so it serves only when the
+            # trained critic is the one it scores with (float32); a bf16 run uses the thread worker
+            use_process = o.scorer_process and on_cpu and self.scoring_critic is self.critic
+            worker_cls = ProcessScorerWorker if use_process else ScorerWorker
             trainer = (self.learner.critic_opt, cfg.ppo) if o.critic_on_worker else None
             self.worker = worker_cls(scorers, o.scorer_threads, self.tracer, critic_trainer=trainer)
+            if not use_process:
+                self.worker.critic_master, self.worker.compute_dtype = self.critic, dtype
         self.step = 0
         self.wallclock = 0.0
         self.step_windows: dict[int, tuple[float, float]] = {}  # perf_counter bounds of each step
@@ -184,7 +204,7 @@ class Trainer:
             ref = score_full("reference", self.reference, prompts, responses, self.pad_id,
                              self.cfg.generation.temperature)
         with self.tracer.span("scorer", "score_critic", step):
-            values = score_full("critic", self.critic, prompts, responses, self.pad_id)
+            values = score_full("critic", self.scoring_critic, prompts, responses, self.pad_id)
         return scores, ref, values
 
     def _reward_scores(self, batch: list[Rollout], texts: list[str]) -> list[float]:
@@ -198,7 +218,7 @@ class Trainer:
         """The batch as tensors, with the off-policy correction of carried tokens (needs no scores)."""
         with self.tracer.span("learner", "experience", step):
             exp = build_experience(batch, self.pad_id, self.device)
-            self.learner.proximal_logprobs(exp, step)
+            self.learner.old_logprobs(exp, step)
         return exp
 
     def _learn(self, exp: Experience, texts: list[str], scores, ref, values, step: int) -> StepResult:
@@ -219,7 +239,16 @@ class Trainer:
         else:
             with self.tracer.span("learner", "train", step):
                 stats = self.learner.update(exp, step)
+                copy_weights(self.critic, self.scoring_critic)
+        with self.tracer.span("learner", "weight_sync", step):
+            copy_weights(self.policy, self.rollout_policy)
+        stats.update(exp.stats or {})
         return StepResult(exp, stats, [(r.prompt, t) for r, t in zip(batch, texts)])
+
+    def sync_weights(self) -> None:
+        """Refresh the serving copies from the trained weights (after a checkpoint load)."""
+        copy_weights(self.policy, self.rollout_policy)
+        copy_weights(self.critic, self.scoring_critic)
 
     # ================================================================== the reference loop
 
@@ -302,7 +331,7 @@ class Trainer:
             fresh = []
             if stale and cfg.overlap.stale_values == "recompute":  # critic changed since their prefix was scored
                 with self.tracer.span("learner", "recompute_values", step):
-                    fresh = score_full("critic", self.critic, [batch[i].prompt_ids for i in stale],
+                    fresh = score_full("critic", self.scoring_critic, [batch[i].prompt_ids for i in stale],
                                        [batch[i].response_ids for i in stale], self.pad_id)
             torch.set_num_threads(self.threads)
             with self.tracer.span("controller", "wait_scorers", step):  # waiting: not actor work

@@ -21,6 +21,7 @@ from .learner import CriticBatch, critic_update
 from .rollout import Chunk
 from .scoring import ScoredOutputs, StreamingScorer
 from .trace import Tracer
+from .weights import copy_weights
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,11 @@ class StopMsg:
 
 class ScorerWorker:
     """Runs the streaming scorers of the reward model, reference and critic on one thread."""
+
+    # the critic's trained weights when they are not the scorer's (fp32 masters under bf16,
+    # weights.py); set by the trainer. None: the scorer's critic is the trained one.
+    critic_master: torch.nn.Module | None = None
+    compute_dtype: torch.dtype = torch.float32
 
     def __init__(self, scorers: dict[str, StreamingScorer], threads: int, tracer: Tracer, name: str = "scorer",
                  critic_trainer: tuple[torch.optim.Optimizer, PPOConfig] | None = None):
@@ -165,9 +171,12 @@ class ScorerWorker:
                 for s in self.scorers.values():
                     s.forget(set(m.uids))
             elif isinstance(m, TrainCriticMsg):
+                scorer_critic = self.scorers["critic"].model
+                master = self.critic_master if self.critic_master is not None else scorer_critic
                 with self.tracer.span(self.name, "train_critic", m.step):
-                    self.train_stats = critic_update(self.scorers["critic"].model, self.critic_opt, m.batch,
-                                                     list(m.minibatches), self.ppo_cfg, self._adapt_threads)
+                    self.train_stats = critic_update(master, self.critic_opt, m.batch, list(m.minibatches),
+                                                     self.ppo_cfg, self._adapt_threads, self.compute_dtype)
+                    copy_weights(master, scorer_critic)  # the bf16 copy it scores with (no-op in fp32)
             elif isinstance(m, BarrierMsg):
                 if self.stream is not None:
                     self.stream.synchronize()
