@@ -1,0 +1,1 @@
+"""``oppo plan``: a calibrated planner for the overlapped PPO step."""

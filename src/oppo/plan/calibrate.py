@@ -1,0 +1,263 @@
+"""Fit the stage costs from oppo's own traces, and check the planner against measured speedups.
+
+A measured run directory (``trace.json`` + ``metrics.jsonl``, as ``oppo bench`` writes them)
+is replayed: the planner simulates the same workload (same batch, the same response lengths,
+the same Delta and chunk size per step), which gives every measured span the sizes of the
+work it did (decode steps and rows, tokens scored, padded tokens trained...). Least squares
+with non-negative coefficients then gives seconds per unit of each size (``LinearCosts``).
+
+Response lengths are known exactly only for synthetic-length runs (``oppo bench --tail``):
+``LogNormalLengths(median, sigma, cap, seed)`` reproduces the bench's sampler. The calibration
+therefore uses the tail sweep's runs; ``replay_workload`` checks that the replayed batches have
+the measured mean and maximum response length at every step and refuses a run where they differ.
+
+On the CPU the modes do not run on the same "devices": ``sequential`` and ``inter`` run every
+stage in the controller on all cores, ``intra`` and ``oppo`` run the actor on one core and the
+scorer process on the other. So two cost sets are fitted, ``together`` (from the sequential and
+inter runs) and ``split`` (from the intra and oppo runs), and ``cpu_profile`` maps each mode to
+its costs and placement. The first (warm-up) step of every run is left out of the fit.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..trace import Span, load_trace
+from .costs import LinearCosts, Work, nnls
+from .lengths import LogNormalLengths
+from .sim import MODES, STREAMING, Placement, Workload, simulate
+
+__all__ = ["MeasuredRun", "load_run", "load_tail_sweep", "replay_workload", "fit", "cpu_placement", "CpuProfile",
+           "validate"]
+
+
+@dataclass
+class MeasuredRun:
+    """One mode's run directory from a bench: its metrics, spans and workload settings."""
+
+    path: Path
+    mode: str
+    metrics: list[dict]
+    spans: list[Span]
+    settings: dict
+    sigma: float | None = None
+
+    @property
+    def step_times(self) -> list[float]:
+        return [m["time/step"] for m in self.metrics]
+
+
+def load_run(path: str | Path, mode: str | None = None, settings: dict | None = None,
+             sigma: float | None = None) -> MeasuredRun:
+    path = Path(path)
+    metrics = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return MeasuredRun(path, mode or path.name, metrics, load_trace(path / "trace.json"), settings or {}, sigma)
+
+
+def _bench_settings(bench_dir: Path) -> dict:
+    import yaml
+
+    res = json.loads((bench_dir / "bench.json").read_text())
+    return yaml.safe_load(res["settings"])
+
+
+def load_tail_sweep(bench_dir: str | Path) -> list[MeasuredRun]:
+    """Every ``tail/sigma_*/<mode>/`` run of an ``oppo bench`` output directory."""
+    bench_dir = Path(bench_dir)
+    settings = _bench_settings(bench_dir)
+    runs = []
+    for d in sorted((bench_dir / "tail").glob("sigma_*")):
+        sigma = float(d.name.split("_", 1)[1])
+        for mode in MODES:
+            if (d / mode / "trace.json").is_file():
+                runs.append(load_run(d / mode, mode, settings, sigma))
+    if not runs:
+        raise FileNotFoundError(f"no tail/sigma_*/<mode>/trace.json under {bench_dir} (run `oppo bench --tail ...`)")
+    return runs
+
+
+PROMPT_TOKENS, PROMPT_PAD = 11, 15  # the built-in task's prompts: 11.3 tokens on average, 8-15
+
+
+def replay_workload(run: MeasuredRun, max_new_tokens: int = 128, check: bool = True) -> Workload:
+    """The workload a tail-sweep run trained: its lengths, batch sizes, Delta and chunk per step."""
+    if run.sigma is None:
+        raise ValueError(f"{run.path}: only synthetic-length runs (oppo bench --tail) can be replayed exactly")
+    ppo, ov = run.settings["ppo"], run.settings["overlap"]
+    mnt = run.settings.get("generation", {}).get("max_new_tokens") or max_new_tokens
+    lengths = LogNormalLengths(max(2, mnt // 12), run.sigma, mnt, run.settings["run"]["seed"])
+    wl = Workload(
+        batch=ppo["batch_size"], lengths=lengths, prompt_tokens=PROMPT_TOKENS, prompt_pad=PROMPT_PAD,
+        delta=[int(m.get("overlap/delta", 0)) for m in run.metrics] or 0, max_lag=ov["max_lag"],
+        chunk=[int(m.get("overlap/chunk_size", 0)) or 16 for m in run.metrics], minibatch=ppo["minibatch_size"],
+        micro=ppo["micro_batch_size"], epochs=ppo["epochs"])
+    if check:
+        sim = simulate(run.mode, wl, _UNIT, cpu_placement(run.mode, ov.get("critic_on_worker", True)),
+                       steps=len(run.metrics), warmup=0)
+        for m, s in zip(run.metrics, sim.steps):
+            if (abs(statistics.mean(s.lengths) - m["response_length/mean"]) > 1e-3
+                    or max(s.lengths) != m["response_length/max"]):
+                raise ValueError(f"{run.path}: step {s.step}: replayed batch (mean length "
+                                 f"{statistics.mean(s.lengths):.3f}, max {max(s.lengths)}) differs from the measured "
+                                 f"one ({m['response_length/mean']:.3f}, {m['response_length/max']:g}); "
+                                 "is it a run of this oppo version with the bench's seed?")
+    return wl
+
+
+# any positive decode cost gives the same schedule on one device: the finish order depends on lengths only
+_UNIT = LinearCosts({"decode.calls": 1e-3, "decode.rows": 1e-5}, "unit")
+
+
+def cpu_placement(mode: str, critic_on_worker: bool = True) -> Placement:
+    """Where oppo runs each stage on a CPU machine in ``mode`` (see the module docstring)."""
+    if mode in STREAMING:
+        return Placement(1, 1, critic="scorer" if critic_on_worker else "actor")
+    return Placement(1, 0, critic="actor")
+
+
+def _group(mode: str) -> str:
+    return "split" if mode in STREAMING else "together"
+
+
+def _samples(run: MeasuredRun, warmup: int = 1) -> list[tuple[dict[str, float], float, str]]:
+    """(features, measured seconds, label) for every measured span the replay can size."""
+    wl = replay_workload(run)
+    sim = simulate(run.mode, wl, _UNIT, cpu_placement(run.mode, run.settings["overlap"].get("critic_on_worker", True)),
+                   steps=len(run.metrics), warmup=0, fine=True)
+    simulated: dict[tuple[str, str, int], list[tuple[Work, ...]]] = {}
+    for _dev, worker, stage, step, _s, _e, works in sim_log(sim):
+        simulated.setdefault((worker, stage, step), []).append(works)
+    measured: dict[tuple[str, str, int], list[Span]] = {}
+    for s in run.spans:
+        measured.setdefault((s.worker, s.stage, s.step), []).append(s)
+    out = []
+
+    def add(works, seconds, label):
+        f: dict[str, float] = {}
+        for w in works:
+            for k, v in LinearCosts.features(w).items():
+                f[k] = f.get(k, 0.0) + v
+        if f:
+            out.append((f, seconds, label))
+
+    for (worker, stage, step), spans in measured.items():
+        if step < warmup or worker == "controller":
+            continue
+        if worker == "scorer" and stage.startswith("score_") and run.mode in STREAMING:
+            role = stage[len("score_"):]  # the worker's own batching is timing-dependent: use its token count
+            for s in spans:
+                add([Work("stream", role, 1, 0, s.args.get("tokens", 0))], s.duration, f"stream.{role}")
+            continue
+        if (worker, stage) == ("actor", "generate"):  # the sequential loop: prefill + decode in one span
+            sim_works = [w for key in (("actor", "prefill_prompt", step), ("actor", "decode", step))
+                         for ws in simulated.get(key, []) for w in ws]
+            add(sim_works, sum(s.duration for s in spans), "generate")
+            continue
+        sim_spans = simulated.get((worker, stage, step), [])
+        if not sim_spans:
+            continue
+        if stage == "decode" and len(spans) == len(sim_spans) + 1:
+            # the runtime closes its last decode span after the loop (the close check): fold it in
+            last = spans[-2]
+            spans = spans[:-2] + [Span(last.worker, last.stage, last.step, last.start, spans[-1].end)]
+        if len(sim_spans) == len(spans):  # one to one (decode segments between chunk hand-offs)
+            for s, ws in zip(spans, sim_spans):
+                add(ws, s.duration, stage)
+        else:
+            add([w for ws in sim_spans for w in ws], sum(s.duration for s in spans), stage)
+    return out
+
+
+def sim_log(result) -> list:
+    """The simulated spans with the work each did: (device, worker, stage, step, start, end, works)."""
+    out = []
+    for s in result.spans:
+        works = tuple(Work(**w) for w in s.args.get("works", []))
+        out.append(("", s.worker, s.stage, s.step, s.start, s.end, works))
+    return out
+
+
+def fit(runs: list[MeasuredRun], warmup: int = 1) -> dict[str, LinearCosts]:
+    """Fit one ``LinearCosts`` per cost group (``together``, ``split``) from the runs' spans."""
+    by_group: dict[str, list] = {}
+    for run in runs:
+        by_group.setdefault(_group(run.mode), []).extend(_samples(run, warmup))
+    out = {}
+    for group, samples in sorted(by_group.items()):
+        names = sorted({k for f, _, _ in samples for k in f})
+        A = np.array([[f.get(k, 0.0) for k in names] for f, _, _ in samples])
+        b = np.array([sec for _, sec, _ in samples])
+        scale = np.where(A.max(0) > 0, A.max(0), 1.0)  # columns of very different sizes: scale for stability
+        x = nnls(A / scale, b) / scale
+        costs = LinearCosts({k: float(v) for k, v in zip(names, x)}, f"fitted on CPU traces ({group})")
+        pred = A @ x
+        costs.fit_stats = {  # how well the linear model explains the spans, per kind of span
+            label: {"spans": int(sum(1 for _, _, l in samples if l == label)),
+                    "measured_s": float(sum(s for (_, s, l) in samples if l == label)),
+                    "predicted_s": float(sum(p for p, (_, _, l) in zip(pred, samples) if l == label))}
+            for label in sorted({l for _, _, l in samples})}
+        out[group] = costs
+    return out
+
+
+@dataclass
+class CpuProfile:
+    """Costs and placement per mode for oppo on a CPU machine (one ``LinearCosts`` per group)."""
+
+    costs: dict[str, LinearCosts]
+    critic_on_worker: bool = True
+    overhead_s: float = 0.001  # untraced controller time per step (measured: about 1 ms)
+
+    def costs_for(self, mode: str) -> LinearCosts:
+        c = self.costs[_group(mode)]
+        if mode in STREAMING and not self.critic_on_worker:
+            # the controller trains actor and critic on all cores after the barrier (together's update costs)
+            coef = {k: v for k, v in c.coef.items() if not k.startswith("train.")}
+            coef.update({k: v for k, v in self.costs["together"].coef.items() if k.startswith("train.")})
+            c = LinearCosts(coef, c.label + " + together's training")
+        return c
+
+    def placement_for(self, mode: str) -> Placement:
+        return cpu_placement(mode, self.critic_on_worker)
+
+    def simulate(self, mode: str, wl: Workload, steps: int, warmup: int = 1):
+        return simulate(mode, wl, self.costs_for(mode), self.placement_for(mode), steps, warmup,
+                        overhead_s=self.overhead_s)
+
+
+@dataclass
+class Comparison:
+    label: str
+    measured: dict[str, float]  # mode -> speedup
+    predicted: dict[str, float]
+    measured_s: dict[str, float] = field(default_factory=dict)  # mode -> median step time
+    predicted_s: dict[str, float] = field(default_factory=dict)
+    note: str = ""
+
+    def error(self, mode: str) -> float:
+        return self.predicted[mode] / self.measured[mode] - 1.0
+
+    def to_dict(self) -> dict:
+        return {"label": self.label, "note": self.note, "measured_speedup": self.measured,
+                "predicted_speedup": self.predicted, "measured_step_s": self.measured_s,
+                "predicted_step_s": self.predicted_s,
+                "error": {m: self.error(m) for m in self.measured if m != "sequential"}}
+
+
+def validate(profile: CpuProfile, runs: list[MeasuredRun], label: str, warmup: int = 1) -> Comparison:
+    """Replay the runs of one tail setting (all modes) with ``profile``; compare median-step speedups."""
+    meas, pred, meas_s, pred_s = {}, {}, {}, {}
+    for run in runs:
+        wl = replay_workload(run)
+        res = profile.simulate(run.mode, wl, len(run.metrics), warmup)
+        meas_s[run.mode] = statistics.median(run.step_times[warmup:])
+        pred_s[run.mode] = res.step_time_median
+    for mode in meas_s:
+        meas[mode] = meas_s["sequential"] / meas_s[mode]
+        pred[mode] = pred_s["sequential"] / pred_s[mode]
+    return Comparison(label, meas, pred, meas_s, pred_s)

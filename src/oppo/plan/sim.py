@@ -1,0 +1,541 @@
+"""A discrete-event simulation of oppo's PPO steps, per mode and placement.
+
+It replays what ``Trainer.sequential_step`` and ``Trainer.overlapped_step`` do
+(``src/oppo/trainer.py``), with every stage's duration taken from a cost model (``costs.py``)
+instead of a clock:
+
+- **admission and closing** are decided by oppo's own pure scheduler (``oppo.scheduler``):
+  B + Delta in flight, a step closes when B have finished and no due sequence still runs, the
+  rest are carried with their partial work (``max_lag``);
+- **decoding** is lock-step per actor device: each decode step costs
+  ``costs.decode_steps(rows still running, context they hold)``; a finished row leaves the batch
+  (as oppo's engine retires it), carried rows pause while the step closes and trains;
+- **streaming** (``intra``, ``oppo``): after every decode step, rows with ``chunk`` new tokens
+  and rows that just finished hand their tokens to the scorer devices; a scorer device drains
+  everything queued in one batched forward per role, like ``workers.py``; at the close the
+  controller waits for the scorers to finish what was sent (the barrier);
+- **one-shot scoring** (``sequential``, ``inter``): after the close, one padded forward per
+  scorer role over the batch;
+- **training**: the actor's PPO update on the actor devices and the critic's on the scorer
+  devices beside it (``overlap.critic_on_worker``), after it, or nowhere (a value head on the
+  actor); micro-batches padded as the learner pads them.
+
+A :class:`Placement` says which devices do what. Data parallelism: the actor devices split the
+rows (each decodes its own rows in lock-step), forwards and updates split the batch evenly.
+
+Output per step: step time, each device's and each worker's busy seconds, the spans (the same
+``oppo.trace.Span`` records the runtime writes, so a simulated step can be opened in Perfetto),
+and the trained batch's lengths and lags.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import statistics
+from dataclasses import dataclass, field, replace
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ..scheduler import DeltaController, Scheduler
+from ..trace import Span
+from .costs import CostModel, Work
+
+MODES = ("sequential", "intra", "inter", "oppo")
+STREAMING = ("intra", "oppo")
+CARRYING = ("inter", "oppo")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What is trained: batch size, lengths, and the overlap and PPO settings that set the schedule.
+
+    ``lengths(prompt_index)`` gives a response's length in tokens (EOS included). ``chunk`` and
+    ``delta`` may be one value or one per step (the last repeats), e.g. a measured run's
+    ``overlap/chunk_size`` per step.
+    """
+
+    batch: int
+    lengths: Callable[[int], int]
+    prompt_tokens: int = 11
+    prompt_pad: int | None = None  # width of the left-padded prompts in a one-shot batch (default: prompt_tokens)
+    delta: int | Sequence[int] = 8
+    max_lag: int = 1
+    chunk: int | Sequence[int] = 16
+    minibatch: int = 16
+    micro: int = 8
+    epochs: int = 1
+    seed: int = 0
+
+    def chunk_at(self, step: int) -> int:
+        return _at(self.chunk, step)
+
+    def delta_at(self, step: int) -> int:
+        return _at(self.delta, step)
+
+    @property
+    def pad(self) -> int:
+        return self.prompt_pad if self.prompt_pad is not None else self.prompt_tokens
+
+
+def _at(v, step: int) -> int:
+    if isinstance(v, (int, np.integer)):
+        return int(v)
+    v = list(v)
+    return int(v[min(step, len(v) - 1)])
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which devices run what.
+
+    actor_devices: devices that decode (data-parallel, each its own rows) and train the actor.
+    scorer_devices: devices that hold ``scorer_roles``; 0 = those models share the actor devices
+        and run in turn with everything else (oppo's controller on CPU in sequential/inter).
+    scorer_roles: models scored on the scorer devices; streamed chunk by chunk in intra/oppo.
+    actor_roles: models run one-shot on the actor devices after each close in every mode (e.g.
+        the reference and a value-head forward in the paper's TRL setup).
+    critic: where the critic's update runs: ``"scorer"`` (beside the actor's, on the scorer
+        devices), ``"actor"`` (after the actor's, on the actor devices) or ``"value_head"`` (part
+        of the actor's update: no separate critic).
+    """
+
+    actor_devices: int = 1
+    scorer_devices: int = 1
+    scorer_roles: tuple[str, ...] = ("reward", "reference", "critic")
+    actor_roles: tuple[str, ...] = ()
+    critic: str = "scorer"
+
+    def __post_init__(self) -> None:
+        if self.actor_devices < 1 or self.scorer_devices < 0:
+            raise ValueError(f"a placement needs >= 1 actor device and >= 0 scorer devices; got {self}")
+        if self.critic not in ("scorer", "actor", "value_head"):
+            raise ValueError(f"critic must be 'scorer', 'actor' or 'value_head', not {self.critic!r}")
+
+    @property
+    def shared(self) -> bool:
+        return self.scorer_devices == 0
+
+    @property
+    def devices(self) -> int:
+        return self.actor_devices + self.scorer_devices
+
+    def label(self) -> str:
+        return f"{self.actor_devices}" if self.shared else f"{self.actor_devices}+{self.scorer_devices}"
+
+
+@dataclass
+class StepResult:
+    step: int
+    start: float
+    end: float
+    close: float  # when the batch was complete (decoding stopped)
+    lengths: list[int]  # the trained batch's response lengths
+    lags: list[int]
+    offpolicy_tokens: int
+    tokens: int
+    carried: int
+    device_busy: dict[str, float]
+    worker_busy: dict[str, float]
+
+    @property
+    def time(self) -> float:
+        return self.end - self.start
+
+
+@dataclass
+class RunResult:
+    mode: str
+    placement: Placement
+    steps: list[StepResult]
+    spans: list[Span]
+    warmup: int = 1
+
+    @property
+    def timed(self) -> list[StepResult]:
+        return self.steps[self.warmup:] or self.steps
+
+    @property
+    def step_time_median(self) -> float:
+        return statistics.median(s.time for s in self.timed)
+
+    @property
+    def step_time_mean(self) -> float:
+        return statistics.mean(s.time for s in self.timed)
+
+    def busy_fraction(self, by: str = "device") -> dict[str, float]:
+        """Busy seconds over wall seconds of the timed steps, per device or per worker."""
+        total = sum(s.time for s in self.timed)
+        keys = sorted({k for s in self.timed for k in (s.device_busy if by == "device" else s.worker_busy)})
+        return {k: sum((s.device_busy if by == "device" else s.worker_busy).get(k, 0.0) for s in self.timed) / total
+                for k in keys}
+
+    def utilization(self) -> dict[str, float]:
+        """Mean busy fraction of the actor devices, of the scorer devices, and of all devices."""
+        bf = self.busy_fraction("device")
+        a = [v for k, v in bf.items() if k.startswith("actor")]
+        s = [v for k, v in bf.items() if k.startswith("scorer")]
+        out = {"actor_devices": statistics.mean(a) if a else 0.0}
+        if s:
+            out["scorer_devices"] = statistics.mean(s)
+        out["all_devices"] = statistics.mean(a + s)
+        return out
+
+    def tokens_per_s(self) -> float:
+        return sum(s.tokens for s in self.timed) / sum(s.time for s in self.timed)
+
+
+# --------------------------------------------------------------------------- internals
+
+
+@dataclass
+class _Row:
+    uid: int
+    index: int
+    length: int
+    version: int
+    device: int
+    done: int = 0  # tokens sampled so far
+    emitted: int = 0  # tokens handed to the scorers
+    prior: int = 0  # tokens sampled before the current step
+    finished: bool = False
+
+
+class _DeltaSchedule(DeltaController):
+    """Delta per step from a list (e.g. a measured run's ``overlap/delta``) instead of the reward slope."""
+
+    def __init__(self, values: Sequence[int]):
+        values = [int(v) for v in values]
+        super().__init__(values[0], min(values), max(values), 1)
+        self._values, self._k = values, 0
+
+    def update(self, mean_reward: float) -> int:
+        self._k += 1
+        self._delta = self._values[min(self._k, len(self._values) - 1)]
+        return self._delta
+
+
+class _Device:
+    """One device (or one CPU worker): does one thing at a time."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.free = 0.0
+
+    def run(self, sim: "_Sim", ready: float, seconds: float, worker: str, stage: str, step: int,
+            works: Sequence[Work] = ()) -> float:
+        start = max(ready, self.free)
+        self.free = start + max(0.0, seconds)
+        sim.record(self, worker, stage, step, start, self.free, works)
+        return self.free
+
+
+def _group_run(sim: "_Sim", devs: list[_Device], ready: float, seconds: float, worker: str, stage: str,
+               step: int, works: Sequence[Work] = ()) -> float:
+    """A data-parallel piece of work on every device of a group, starting together."""
+    start = max([ready] + [d.free for d in devs])
+    for d in devs:
+        d.free = start
+        d.run(sim, start, seconds, worker, stage, step, works)
+    return start + max(0.0, seconds)
+
+
+def _split(n: int, parts: int) -> list[int]:
+    return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
+
+
+class _Sim:
+    def __init__(self, mode: str, wl: Workload, costs: CostModel, pl: Placement, fine: bool):
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; one of {', '.join(MODES)}")
+        self.mode, self.wl, self.costs, self.pl, self.fine = mode, wl, costs, pl, fine
+        self.streams = mode in STREAMING
+        self.carries = mode in CARRYING
+        lag = wl.max_lag if self.carries else 0
+        if self.carries and lag < 1:
+            raise ValueError(f"{mode} carries sequences: max_lag must be >= 1 (got {lag})")
+        delta = (wl.delta if isinstance(wl.delta, (int, np.integer)) else _DeltaSchedule(wl.delta)) if self.carries else 0
+        self.sched = Scheduler(wl.batch, lag, delta)
+        self.actors = [_Device(f"actor{i}") for i in range(pl.actor_devices)]
+        self.scorers = self.actors if pl.shared else [_Device(f"scorer{i}") for i in range(pl.scorer_devices)]
+        self.rows: dict[int, _Row] = {}
+        self.spans: list[Span] = []
+        self.clock = 0.0
+        self.stage_log: list[tuple[str, str, str, int, float, float, tuple[Work, ...]]] = []
+
+    def record(self, dev: _Device, worker: str, stage: str, step: int, start: float, end: float,
+               works: Sequence[Work]) -> None:
+        if end > start or works:
+            self.stage_log.append((dev.name, worker, stage, step, start, end, tuple(works)))
+
+    # ---------------------------------------------------------------- one step
+
+    def step(self, k: int) -> StepResult:
+        wl, pl, costs = self.wl, self.pl, self.costs
+        t0 = self.clock
+        for d in self.actors + self.scorers:
+            d.free = t0
+        chunk = wl.chunk_at(k)
+        for r in self.rows.values():
+            r.prior = r.done  # tokens sampled by older policy versions, if trained at this step
+        new = []
+        for t in self.sched.begin_step().seqs:
+            load = [0] * len(self.actors)
+            for r in self.rows.values():
+                if not r.finished:
+                    load[r.device] += 1
+            for r in new:
+                load[r.device] += 1
+            dev = min(range(len(load)), key=lambda i: (load[i], i))
+            row = _Row(t.uid, t.prompt_index, max(1, int(wl.lengths(t.prompt_index))), t.start_version, dev)
+            self.rows[row.uid] = row
+            new.append(row)
+        # 1. the actor prefills the admitted prompts (each device its own)
+        for i, dev in enumerate(self.actors):
+            n = sum(1 for r in new if r.device == i)
+            if n:
+                w = Work("prefill", "policy", 1, n, n * wl.pad, n * wl.prompt_tokens ** 2 / 2)
+                dev.run(self, t0, costs.time(w), "actor", "prefill_prompt", k, [w])
+        # ... and the streaming scorers prefill them too (their first queued message)
+        queues: list[list[tuple[float, int, int, int, bool]]] = [[] for _ in self.scorers]
+        if self.streams and new:
+            for j, dev in enumerate(self.scorers):
+                n = sum(1 for r in new if r.uid % len(self.scorers) == j)
+                if n:
+                    works = [Work("stream", role, 1, n, n * wl.prompt_tokens, n * wl.prompt_tokens ** 2 / 2)
+                             for role in pl.scorer_roles]
+                    dev.run(self, t0, sum(costs.time(w) for w in works), "scorer", "prefill_prompt", k, works)
+        # 2. decode until the scheduler closes the step
+        close_t, close = self._decode(k, chunk, queues)
+        batch = [self.rows[u] for u in sorted(close.uids)]
+        # 3. score, 4-6. learn
+        end = self._close_and_learn(k, close_t, batch, queues)
+        lengths = [r.length for r in batch]
+        off_tokens = sum(r.prior for r in batch if r.version < k)
+        for u in close.uids:
+            del self.rows[u]
+        self.sched.end_step(0.0)
+        self.clock = end
+        dev_busy, work_busy = self._busy(t0, end)
+        return StepResult(k, t0, end, close_t, lengths, list(close.lags), off_tokens, sum(lengths),
+                          sum(1 for r in self.rows.values() if not r.finished), dev_busy, work_busy)
+
+    def _decode(self, k: int, chunk: int, queues) -> tuple[float, object]:
+        """Decode every running row per actor device; feed finishes to the scheduler in time order."""
+        wl, costs = self.wl, self.costs
+        per_dev: dict[int, list[_Row]] = {}
+        for r in self.rows.values():
+            if not r.finished:
+                per_dev.setdefault(r.device, []).append(r)
+        timelines: dict[int, tuple[float, np.ndarray, np.ndarray, np.ndarray]] = {}
+        events: list[tuple[float, int, int]] = []  # (finish time, device, uid)
+        for i, rows in per_dev.items():
+            start = self.actors[i].free
+            rem = np.array([r.length - r.done for r in rows])
+            base = np.array([wl.prompt_tokens + r.done for r in rows], float)
+            order = np.argsort(rem, kind="stable")
+            rem_s, base_s = rem[order], base[order]
+            S = int(rem_s[-1])
+            s = np.arange(1, S + 1)
+            first = np.searchsorted(rem_s, s, side="left")  # rows with rem >= s are still running
+            active = len(rem_s) - first
+            suffix = np.concatenate([np.cumsum(base_s[::-1])[::-1], [0.0]])
+            attn = suffix[first] + active * (s - 1)  # context each running row holds at step s
+            ends = start + np.cumsum(costs.decode_steps(active, attn))
+            timelines[i] = (start, ends, active, attn)
+            for r, left in zip(rows, rem):
+                events.append((float(ends[left - 1]), i, r.uid))
+        events.sort()
+        close, close_t, j = None, None, 0
+        while close is None:
+            if j >= len(events):
+                raise RuntimeError("internal error: the step cannot close but nothing is decoding")
+            t = events[j][0]
+            while j < len(events) and events[j][0] == t:
+                self.sched.on_finished(events[j][2])
+                j += 1
+            close = self.sched.try_close()
+            close_t = t
+        # advance every running row to the close; stream its chunks; record the decode spans
+        for i, rows in per_dev.items():
+            start, ends, active, attn = timelines[i]
+            n = int(np.searchsorted(ends, close_t + 1e-12, side="right"))  # decode steps done by the close
+            if n == 0:
+                continue
+            cuts = {n}
+            for r in rows:
+                m = min(r.length - r.done, n)
+                if self.streams:
+                    q = queues[r.uid % len(self.scorers)]
+                    s = r.emitted - r.done + chunk  # local step at which chunk tokens are on hand
+                    while s < min(r.length - r.done, n + 1):
+                        if s >= 1:
+                            q.append((float(ends[s - 1]), r.uid, r.done + s - r.emitted, wl.prompt_tokens + r.emitted,
+                                      False))
+                            r.emitted = r.done + s
+                            cuts.add(s)
+                        s += chunk
+                    if r.length - r.done <= n:  # finished in this step: its final chunk
+                        s = r.length - r.done
+                        q.append((float(ends[s - 1]), r.uid, r.length - r.emitted, wl.prompt_tokens + r.emitted, True))
+                        r.emitted = r.length
+                        cuts.add(s)
+                else:
+                    if r.length - r.done <= n:
+                        cuts.add(r.length - r.done)
+                r.done += m
+                r.finished = r.done >= r.length
+            dev = self.actors[i]
+            segments = sorted(c for c in cuts if c <= n) if (self.fine and self.streams) else [n]
+            prev = 0
+            for c in segments:
+                if c <= prev:
+                    continue
+                w = Work("decode", "policy", c - prev, float(active[prev:c].sum()), 0.0, float(attn[prev:c].sum()))
+                t_start = start if prev == 0 else float(ends[prev - 1])
+                dev.free = t_start
+                dev.run(self, t_start, float(ends[c - 1]) - t_start, "actor", "decode", k, [w])
+                prev = c
+        return close_t, close
+
+    def _score_queue(self, k: int, j: int, items: list) -> float:
+        """A streaming scorer device drains its queue: each round, everything on hand in one forward per role."""
+        dev, roles, costs = self.scorers[j], self.pl.scorer_roles, self.costs
+        items.sort()
+        i = 0
+        while i < len(items):
+            start = max(dev.free, items[i][0])
+            pending: dict[int, list] = {}
+            while i < len(items) and items[i][0] <= start:
+                _, uid, ntok, ctx, _final = items[i]
+                if uid in pending:
+                    pending[uid][0] += ntok
+                else:
+                    pending[uid] = [ntok, ctx]
+                i += 1
+            rows = len(pending)
+            tokens = sum(p[0] for p in pending.values())
+            attn = sum(p[0] * (p[1] + p[0] / 2) for p in pending.values())
+            for role in roles:
+                w = Work("stream", role, 1, rows, tokens, attn)
+                dev.run(self, start, costs.time(w), "scorer", f"score_{role}", k, [w])
+                start = dev.free
+        return dev.free
+
+    def _close_and_learn(self, k: int, t_close: float, batch: list[_Row], queues) -> float:
+        wl, pl, costs = self.wl, self.pl, self.costs
+        B = len(batch)
+        A = len(self.actors)
+        lens = [r.length for r in batch]
+        stale = [r for r in batch if r.version < k]
+        for d in self.actors:
+            d.free = max(d.free, t_close)
+
+        def oneshot(role: str, rows: list[_Row], devs: list[_Device], worker: str, stage: str, ready: float) -> float:
+            if not rows:
+                return ready
+            parts = _split(len(rows), len(devs))
+            width = wl.pad + max(r.length for r in rows)  # one padded batch, as score_full pads it
+            n = parts[0]
+            w = Work("oneshot", role, 1, n, n * width, n * width ** 2 / 2)
+            return _group_run(self, devs, ready, costs.time(w), worker, stage, k, [w])
+
+        # the controller's own work: experience tensors, the off-policy correction of carried rows
+        t = _group_run(self, self.actors, t_close, costs.time(Work("book", "", 1, B / A)), "learner", "experience", k,
+                       [Work("book", "", 1, B / A)])
+        t = oneshot("policy", stale, self.actors, "learner", "experience", t)
+        for role in pl.actor_roles:
+            t = oneshot(role, batch, self.actors, "learner", f"forward_{role}", t)
+        if self.streams:
+            if stale and "critic" in pl.scorer_roles and pl.critic != "value_head":
+                t = oneshot("critic", stale, self.actors, "learner", "recompute_values", t)  # stale_values=recompute
+            done = [self._score_queue(k, j, q) for j, q in enumerate(queues)]
+            t_scored = max([t] + done)  # the barrier: the scorers finish what was sent
+        else:
+            t_s = t
+            for role in pl.scorer_roles:
+                t_s = oneshot(role, batch, self.scorers, "scorer", f"score_{role}", t_s if pl.shared else t_close)
+            t_scored = max(t, t_s)
+        book = Work("book", "", 1, B / A)
+        t = _group_run(self, self.actors, t_scored, costs.time(book), "learner", "advantages", k, [book])
+        # 4-6. PPO epochs: the actor's update, and the critic's beside it, after it, or not at all
+        works = [self._train_work("actor", lens, A)]
+        if pl.critic == "scorer" and not pl.shared:
+            cw = self._train_work("critic", lens, len(self.scorers))
+            end_c = _group_run(self, self.scorers, t, costs.time(cw), "scorer", "train_critic", k, [cw])
+        else:
+            end_c = t
+            if pl.critic != "value_head":  # after the actor's, in the same span (as learner.update records it)
+                works.append(self._train_work("critic", lens, A))
+        end_a = _group_run(self, self.actors, t, sum(costs.time(w) for w in works), "learner", "train", k, works)
+        return max(end_a, end_c)
+
+    def _train_work(self, role: str, lens: list[int], dp: int) -> Work:
+        """One PPO update over the batch: random minibatches, micro-batches padded to their longest row."""
+        wl = self.wl
+        rng = np.random.default_rng(wl.seed * 7919 + self.sched.step)
+        calls, tokens, attn, opt = 0, 0.0, 0.0, 0
+        lens_a = np.array(lens)
+        for _ in range(wl.epochs):
+            perm = rng.permutation(len(lens))
+            for m0 in range(0, len(lens), wl.minibatch):
+                mb = perm[m0:m0 + wl.minibatch]
+                opt += 1
+                for u0 in range(0, len(mb), wl.micro):
+                    rows = lens_a[mb[u0:u0 + wl.micro]]
+                    width = wl.pad + int(rows.max())
+                    calls += 1
+                    tokens += len(rows) * width
+                    attn += len(rows) * width ** 2 / 2
+        return Work("train", role, math.ceil(calls / dp), 0, tokens / dp, attn / dp, opt, dp)
+
+    def _busy(self, t0: float, t1: float) -> tuple[dict[str, float], dict[str, float]]:
+        dev: dict[str, float] = {d.name: 0.0 for d in self.actors + self.scorers}
+        work: dict[str, float] = {}
+        seen_worker: dict[str, list[tuple[float, float]]] = {}
+        for name, worker, stage, step, s, e, _ in self.stage_log:
+            a, b = max(s, t0), min(e, t1)
+            if b <= a:
+                continue
+            dev[name] = dev.get(name, 0.0) + (b - a)
+            if name in ("actor0", "scorer0") or (self.pl.shared and name == "actor0"):
+                seen_worker.setdefault(worker, []).append((a, b))
+        for w, iv in seen_worker.items():
+            work[w] = _union_len(iv)
+        return dev, work
+
+
+def _union_len(iv: list[tuple[float, float]]) -> float:
+    total, cur = 0.0, None
+    for a, b in sorted(iv):
+        if cur is None or a > cur[1]:
+            if cur:
+                total += cur[1] - cur[0]
+            cur = [a, b]
+        else:
+            cur[1] = max(cur[1], b)
+    if cur:
+        total += cur[1] - cur[0]
+    return total
+
+
+def simulate(mode: str, workload: Workload, costs: CostModel, placement: Placement, steps: int = 8,
+             warmup: int = 1, fine: bool = False, overhead_s: float = 0.0) -> RunResult:
+    """Simulate ``steps`` PPO steps of ``mode``; the first ``warmup`` are left out of the summaries.
+
+    ``fine=True`` splits the decode spans at every chunk hand-off, as the runtime records them
+    (for calibration). ``overhead_s`` is added to every step (the controller's untraced time).
+    """
+    sim = _Sim(mode, workload, costs, placement, fine)
+    out = []
+    for k in range(steps):
+        r = sim.step(k)
+        if overhead_s:
+            r.end += overhead_s
+            sim.clock = r.end
+        out.append(r)
+    spans = [Span(worker if len(sim.actors) == 1 else f"{worker}:{dev}", stage, step, s, e,
+                  {"works": [w.__dict__ for w in works]} if works else {})
+             for dev, worker, stage, step, s, e, works in sim.stage_log]
+    return RunResult(mode, placement, out, spans, warmup)
