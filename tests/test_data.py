@@ -195,8 +195,50 @@ def test_truncation_keeps_last_tokens(tok):
     ps = build_prompt_set([long, short], tok, DataConfig(max_prompt_tokens=4), seed=0)
     assert ps.ids[0] == full[-4:] == tok("the book was bad")["input_ids"]
     assert ps.ids[1] == tok(short)["input_ids"]
-    assert ps.texts == [long, short]  # the text is kept for logging
+    assert ps.texts == ["the book was bad", short]  # the reward function sees what the policy saw
     assert ps.truncated == 1 and ps.skipped == 0
+
+
+def _bos_tokenizer(path):
+    """The test tokenizer with a BOS prepended to every text (as Llama's does)."""
+    from tokenizers.processors import TemplateProcessing
+
+    t = make_tokenizer(path)
+    bos = t.convert_tokens_to_ids("i")  # any id: stands for <s>
+    t.backend_tokenizer.post_processor = TemplateProcessing(single="i $A", special_tokens=[("i", bos)])
+    return t, bos
+
+
+def test_truncation_keeps_bos(tmp_path):
+    t, bos = _bos_tokenizer(tmp_path)
+    long = "the film was very good and the book was bad"
+    assert t(long)["input_ids"][0] == bos
+    ps = build_prompt_set([long], t, DataConfig(max_prompt_tokens=5), seed=0)
+    # before: the last 5 tokens, BOS lost; now BOS + the text's last 4 tokens
+    assert ps.ids[0] == [bos] + t("the book was bad", add_special_tokens=False)["input_ids"]
+    assert ps.truncated == 1
+
+
+def test_truncation_keeps_the_chat_template_frame(tmp_path):
+    t = make_tokenizer(tmp_path)
+    # a header before the user's text and an assistant turn after it
+    t.chat_template = ("{% for m in messages %}we . {{ m['content'] }} .{% endfor %}"
+                       "{% if add_generation_prompt %} i{% endif %}")
+    text = "the film was very good and the book was bad"
+    full = t(t.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                   add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+    ps = build_prompt_set([text], t, DataConfig(chat_template=True, max_prompt_tokens=8), seed=0)
+    ids = ps.ids[0]
+    assert len(full) == 14 and len(ids) == 8
+    assert ids[:2] == full[:2] and ids[-2:] == full[-2:], "header 'we .' and tail '. i' kept"
+    assert ids[2:6] == t("the book was bad", add_special_tokens=False)["input_ids"]
+    assert ps.texts == [t.decode(ids)] and "the book was bad" in ps.texts[0] and "film" not in ps.texts[0]
+
+
+def test_truncation_budget_smaller_than_frame_is_an_error(tmp_path):
+    t, _ = _bos_tokenizer(tmp_path)
+    with pytest.raises(DataError, match="max_prompt_tokens=1"):
+        build_prompt_set(["the film was very good"], t, DataConfig(max_prompt_tokens=1), seed=0)
 
 
 def test_prompt_exactly_at_limit_is_untouched(tok):

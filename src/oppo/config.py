@@ -94,7 +94,8 @@ class DataConfig:
                                      "(error if the tokenizer has none).")
     max_prompt_tokens: int = opt(128, "Longest prompt, in tokens; longer ones are handled by on_long_prompt.")
     on_long_prompt: str = opt("truncate", "What to do with a prompt longer than max_prompt_tokens: "
-                                          "truncate (keep its last tokens) or skip. Counted in the metrics.",
+                                          "truncate (keep BOS and the chat template's framing, cut the start of the text) or "
+                                          "skip. Counted in the metrics.",
                               ("truncate", "skip"))
     shuffle: bool = opt(True, "Shuffle the prompts each epoch (seeded).")
 

@@ -125,13 +125,44 @@ class PromptSet:
         return self.texts[j], self.ids[j]
 
 
+def _frame(tokenizer, chat_template: bool) -> list[int]:
+    """The tokens of an empty prompt: BOS (and EOS, for tokenizers that add one), or a chat
+    template's system block, user header and assistant turn. Truncation keeps them."""
+    if chat_template:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": ""}], tokenize=False,
+                                             add_generation_prompt=True)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer("")["input_ids"]
+
+
+def _truncate(tok: list[int], frame: list[int], budget: int) -> list[int] | None:
+    """``tok`` cut to ``budget`` tokens: the frame's head and tail kept, the start of the text
+    between them dropped. None when the frame alone fills the budget."""
+    head = 0
+    while head < min(len(tok), len(frame)) and tok[head] == frame[head]:
+        head += 1
+    tail = 0
+    while tail < min(len(tok) - head, len(frame) - head) and tok[-1 - tail] == frame[-1 - tail]:
+        tail += 1
+    body = budget - head - tail
+    if body < 1:
+        return None
+    return tok[:head] + tok[head: len(tok) - tail][-body:] + tok[len(tok) - tail:]
+
+
 def build_prompt_set(texts: list[str], tokenizer, cfg: DataConfig, seed: int) -> PromptSet:
+    """Tokenise the prompts (through the chat template when asked). A prompt longer than
+    ``data.max_prompt_tokens`` is skipped, or truncated: its frame (BOS, the template's header
+    and assistant turn) stays and the start of the user's text is cut, keeping its end, nearest
+    to where the response begins. The prompt text the reward function sees is then the decoded
+    truncated prompt, what the policy actually saw."""
     if cfg.chat_template:
         if not getattr(tokenizer, "chat_template", None):
             raise DataError("data.chat_template=true but the policy's tokenizer has no chat template; "
                             "set data.chat_template=false or use a tokenizer with one.")
         texts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
                                                add_generation_prompt=True) for t in texts]
+    frame = None
     keep_texts, ids, truncated, skipped = [], [], 0, 0
     for t in texts:
         tok = tokenizer(t, add_special_tokens=not cfg.chat_template)["input_ids"]
@@ -142,7 +173,14 @@ def build_prompt_set(texts: list[str], tokenizer, cfg: DataConfig, seed: int) ->
             if cfg.on_long_prompt == "skip":
                 skipped += 1
                 continue
-            tok = tok[-cfg.max_prompt_tokens:]
+            if frame is None:
+                frame = _frame(tokenizer, cfg.chat_template)
+            cut = _truncate(tok, frame, cfg.max_prompt_tokens)
+            if cut is None:
+                raise DataError(f"data.max_prompt_tokens={cfg.max_prompt_tokens} leaves no room for the prompt's "
+                                f"text beside its frame tokens (BOS, chat template: {len(frame)}); raise it.")
+            tok = cut
+            t = tokenizer.decode(tok, skip_special_tokens=not cfg.chat_template)
             truncated += 1
         keep_texts.append(t)
         ids.append(tok)
