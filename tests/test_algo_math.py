@@ -440,6 +440,7 @@ def test_grpo_algorithm_by_hand_kl_in_loss():
     # unbiased std sqrt(0.5) -> +-0.5/0.70711 = +-0.70711 on each row's tokens; group (2, 2) -> 0
     r = 0.5 / math.sqrt(0.5)
     _close(res.advantages, [[r, r], [-r, 0.0], [0.0, 0.0], [0.0, 0.0]])
+    _close(res.rewards, [[0.0, 1.0], [0.0, 0.0], [0.0, 2.0], [0.0, 2.0]])  # no KL in them
     assert res.returns is None
     _close(res.kl[0], [0.5 + math.log(2) - 1, 0.0])  # k3 per token, for metrics
     _close(res.stats["group/zero_std_frac"], 0.5)
