@@ -68,6 +68,48 @@ prompt. If ``state_dict()`` is taken without draining, ``load_state_dict()`` req
 untrained sequences itself: still nothing lost or trained twice, but the live run keeps their
 partial work while the resumed run regenerates them, so the two runs diverge from there.
 
+Groups (``group_size`` G, for GRPO/RLOO). A prompt is answered G times; its G sequences are a
+*group*: admitted together (one data position, one ``start_version``, consecutive uids; the
+group's id is its first uid), closed together, carried together, drained together, trained in
+the same step. With G = 1 every group is one sequence and everything above holds word for word
+(the decisions are identical to the scheduler before groups existed). For G > 1, in groups:
+
+* ``B`` must be a multiple of G; a step trains ``B / G`` whole groups.
+* A group is *complete* when its last member finishes. A step closes as soon as ``B / G``
+  groups are complete and no due group still has a running member; the batch is the complete
+  groups with the smallest ``(start_version, completion order)``, members adjacent in uid order.
+* **Delta counts groups**: ``begin_step`` tops the untrained set up to ``B / G + Delta`` groups,
+  and ``Delta <= B / G`` (the proof above, in groups). A DeltaController's +-1 is +-G sequences.
+* ``max_lag`` applies per group (all members share the start version, so it is also per
+  sequence); every token still carries its own version for the loss.
+* Refill admits a whole group once G engine slots are free, keeping ``(B / G + Delta) * G``
+  sequences running and at most ``2B / G`` groups untrained.
+* A drain requeues one position per group; the prompt comes back as a new whole group.
+
+The design decision: **carry whole groups**. When a step closes, every group that is not
+complete is carried whole into the next step: its running members keep decoding (with their
+partial work) and its finished members wait, scored, in the finished pool until their last
+sibling finishes; then the whole group is trained in one step. No group is ever split across
+steps, lost, or trained twice (property tests in ``tests/test_scheduler.py``). Why:
+
+* splitting a group (train the finished members now, the rest later) is not an option: the
+  group baseline (GRPO's mean and std, RLOO's leave-one-out mean) needs all G scores at once,
+  and training the early members with a partial baseline changes the estimator;
+* the alternative, *close on groups*, lets a step close only when no admitted group is partly
+  finished (or drops the finished members of incomplete groups and regenerates them). The
+  first waits for the slowest member of every in-flight group, which removes the inter-step
+  overlap exactly where it pays; the second throws away finished decoding and scoring work;
+* a group completes only when its slowest member does, so the long tail is heavier with G
+  (a group is slow if any of its G members is), which is what extra in-flight groups hide:
+  with ``Delta`` spare groups the step closes on the ``B / G`` groups that complete first.
+  The price is that finished members of carried groups wait (memory for their tokens and
+  scores, not engine slots: they are no longer decoding) and that a group can mix tokens of
+  several policy versions, each importance-weighted by its own behaviour log-prob.
+
+Measurement pending: this is reasoning, not a timing. The end-to-end comparison (step
+wall-clock, bubble ratio, lag histogram and finished-member waiting time for G in {1, 2, 4}
+at a fixed B, carry vs close) needs the trainer wiring of groups and is still to be done.
+
 DeltaController: ``Delta`` from the slope of the mean reward (OPPO). ChunkSizeTuner: the
 chunk size for intra-step overlap, chosen online by timing real steps.
 """
@@ -79,7 +121,7 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 __all__ = [
     "Admit",
@@ -104,31 +146,60 @@ class SeqTicket:
     uid: unique, increasing, never reused (also across checkpoint/resume).
     prompt_index: data-stream position of its prompt (the caller maps it to a prompt).
     start_version: step (= policy version) at which it was admitted; its first token's version.
+    group: the uid of its group's first member (see "Groups" in the module docstring); the G
+        members of a group share ``prompt_index`` and ``start_version`` and have consecutive
+        uids ``group .. group + G - 1``. Left out, it is ``uid`` (a group of one).
     """
 
     uid: int
     prompt_index: int
     start_version: int
+    group: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.group is None:
+            object.__setattr__(self, "group", self.uid)
 
 
 @dataclass(frozen=True)
 class Admit:
-    """Start generating these sequences now (possibly none)."""
+    """Start generating these sequences now (possibly none); whole groups, members adjacent."""
 
     seqs: tuple[SeqTicket, ...]
+
+    @property
+    def groups(self) -> tuple[tuple[SeqTicket, ...], ...]:
+        """``seqs`` split into their groups, in admission order."""
+        out: dict[int, list[SeqTicket]] = {}
+        for t in self.seqs:
+            out.setdefault(t.group, []).append(t)  # type: ignore[arg-type]
+        return tuple(tuple(g) for g in out.values())
 
 
 @dataclass(frozen=True)
 class CloseStep:
-    """Train step ``step`` on exactly B finished sequences.
+    """Train step ``step`` on exactly B finished sequences: B / group_size whole groups.
 
-    ``uids`` are ordered by (start_version, finish order), so due sequences come first;
-    ``start_versions`` is parallel to ``uids``.
+    Groups are ordered by (start_version, completion order), so due ones come first; the
+    members of a group are adjacent, in uid order (with ``group_size`` 1: every sequence by
+    (start_version, finish order)). ``start_versions`` is parallel to ``uids``.
     """
 
     step: int
     uids: tuple[int, ...]
     start_versions: tuple[int, ...]
+    group_size: int = 1
+
+    @property
+    def groups(self) -> tuple[tuple[int, ...], ...]:
+        """``uids`` cut into the batch's groups (G adjacent uids each)."""
+        g = self.group_size
+        return tuple(self.uids[i : i + g] for i in range(0, len(self.uids), g))
+
+    @property
+    def group_index(self) -> tuple[int, ...]:
+        """Per-sequence group number in this batch, parallel to ``uids``: ``0,..,0,1,..``."""
+        return tuple(i // self.group_size for i in range(len(self.uids)))
 
     @property
     def lags(self) -> tuple[int, ...]:
@@ -277,12 +348,15 @@ class Scheduler:
     """Admission, step closing and staleness for inter-step overlap (see the module docstring).
 
     Args:
-        batch_size: B, sequences per PPO step (>= 1).
+        batch_size: B, sequences per PPO step (>= 1; a multiple of ``group_size``).
         max_lag: the largest allowed ``train step - start_version`` (>= 0).
         delta: a fixed Delta (int >= 0) or a :class:`DeltaController` that this scheduler owns
-            and updates at every ``end_step``.
+            and updates at every ``end_step``. Counted in *groups* (= sequences when
+            ``group_size`` is 1).
         refill: continuous batching: replace finished sequences while the step is open.
         start_position: first data-stream position handed out (for a fresh run).
+        group_size: G, sequences sampled per prompt and admitted, closed, carried, drained
+            and trained together (GRPO/RLOO); 1 (the default) is plain PPO.
     """
 
     def __init__(
@@ -292,10 +366,18 @@ class Scheduler:
         delta: int | DeltaController,
         refill: bool = False,
         start_position: int = 0,
+        group_size: int = 1,
     ) -> None:
         _check_int("batch_size", batch_size, 1, "a PPO step needs at least one sequence")
         _check_int("max_lag", max_lag, 0, "use 0 for fully on-policy training")
         _check_int("start_position", start_position, 0, "data positions start at 0")
+        _check_int("group_size", group_size, 1, "use 1 for one sequence per prompt")
+        if batch_size % group_size:
+            raise ValueError(
+                f"batch_size ({batch_size}) must be a multiple of group_size ({group_size}): a "
+                "step trains whole groups only; change batch_size or group_size"
+            )
+        n_groups = batch_size // group_size
         if isinstance(delta, DeltaController):
             self._controller: DeltaController | None = delta
             self._fixed_delta = 0
@@ -312,11 +394,18 @@ class Scheduler:
         # exactly B can always hold them all. With Delta > B, e.g. B=2, Delta=5, max_lag=1,
         # two short sequences close step 0, five are carried and all five are due at step 1:
         # no batch of 2 could take them without exceeding max_lag.
-        if delta_bound > batch_size:
+        # With groups the same argument runs in groups: Delta <= B / G.
+        if delta_bound > n_groups and group_size == 1:
             raise ValueError(
                 f"{delta_name} ({delta_bound}) must be <= batch_size ({batch_size}): more carried "
                 "sequences than B could come due together and not fit one batch; lower "
                 f"{delta_name} or raise batch_size"
+            )
+        if delta_bound > n_groups:
+            raise ValueError(
+                f"{delta_name} ({delta_bound}) must be <= batch_size / group_size ({n_groups}): "
+                "Delta counts extra groups, and more carried groups than a batch holds could come "
+                f"due together and not fit one batch; lower {delta_name} or raise batch_size"
             )
         if max_lag == 0 and delta_bound != 0:
             raise ValueError(
@@ -333,15 +422,20 @@ class Scheduler:
         self.max_lag = max_lag
         self.refill = bool(refill)
         self.start_position = start_position
+        self.group_size = group_size
+        self.groups_per_step = n_groups
 
         self._step = 0
         self._phase = Phase.IDLE
         self._next_uid = 0
         self._next_position = start_position
-        self._requeue: list[int] = []
+        self._requeue: list[int] = []  # one data position per drained group
         self._tickets: dict[int, SeqTicket] = {}  # admitted, not trained (admission order)
         self._running: dict[int, None] = {}  # ordered set: still decoding
         self._pool: dict[int, int] = {}  # finished, not trained: uid -> finish order
+        self._groups: dict[int, tuple[int, ...]] = {}  # untrained groups: group -> member uids
+        self._unfinished: dict[int, int] = {}  # untrained group -> members still running
+        self._complete: dict[int, int] = {}  # every member finished: group -> completion order
         self._finish_counter = 0
 
     # ----------------------------------------------------------------- queries
@@ -383,6 +477,21 @@ class Scheduler:
     def untrained(self) -> int:
         """Admitted-but-untrained count: ``len(in_flight) + len(finished_pool)``."""
         return len(self._tickets)
+
+    @property
+    def untrained_groups(self) -> int:
+        """Admitted-but-untrained groups (``untrained / group_size``)."""
+        return len(self._groups)
+
+    @property
+    def complete_groups(self) -> tuple[int, ...]:
+        """Untrained groups whose members have all finished, in batch-priority order
+        (start_version, completion order)."""
+        return tuple(sorted(self._complete, key=self._group_priority))
+
+    def members(self, group: int) -> tuple[int, ...]:
+        """Member uids of an untrained group, in uid order (KeyError otherwise)."""
+        return self._groups[group]
 
     @property
     def due(self) -> tuple[int, ...]:
@@ -429,6 +538,7 @@ class Scheduler:
 
         Returns the replacement admissions (``refill=True``, step OPEN), else None.
         Raises ValueError if ``uid`` is not running (unknown, finished, trained or drained).
+        The group of ``uid`` becomes complete when its last member finishes.
         """
         if uid not in self._running:
             raise ValueError(
@@ -437,6 +547,10 @@ class Scheduler:
             )
         del self._running[uid]
         self._pool[uid] = self._finish_counter
+        group = self._tickets[uid].group
+        self._unfinished[group] -= 1
+        if self._unfinished[group] == 0:
+            self._complete[group] = self._finish_counter
         self._finish_counter += 1
         if self.refill and self._phase is Phase.OPEN:
             seqs = self._fill()
@@ -444,28 +558,31 @@ class Scheduler:
         return None
 
     def try_close(self) -> CloseStep | None:
-        """The step's batch, once B sequences are finished and no due one is still running.
+        """The step's batch, once B / G groups are complete and no due one is still running.
 
         Call it after every batch of ``on_finished`` events (sequences that finish in the same
         instant are all reported before this call, so the oldest are chosen). Returns None
         while the step must wait; on success the phase becomes UPDATING.
         """
         self._require(Phase.OPEN, "try_close")
-        if len(self._pool) < self.batch_size:
+        if len(self._complete) < self.groups_per_step:
             return None
         if any(self._is_due(self._tickets[u]) for u in self._running):
             return None
-        batch = sorted(self._pool, key=self._priority)[: self.batch_size]
-        chosen = set(batch)
-        left_due = [u for u in self._pool if u not in chosen and self._is_due(self._tickets[u])]
-        if left_due:  # impossible while Delta <= B and the 2B refill cap hold
-            raise RuntimeError(f"internal error: due sequences {left_due} do not fit the batch")
+        chosen = sorted(self._complete, key=self._group_priority)[: self.groups_per_step]
+        left_due = [g for g in self._complete if g not in chosen and self._is_due(self._tickets[g])]
+        if left_due:  # impossible while Delta <= B / G and the 2B refill cap hold
+            raise RuntimeError(f"internal error: due groups {left_due} do not fit the batch")
+        batch = tuple(u for g in chosen for u in self._groups[g])
         versions = tuple(self._tickets[u].start_version for u in batch)
-        for u in batch:
-            del self._pool[u]
-            del self._tickets[u]
+        for g in chosen:
+            for u in self._groups.pop(g):
+                del self._pool[u]
+                del self._tickets[u]
+            del self._unfinished[g]
+            del self._complete[g]
         self._phase = Phase.UPDATING
-        return CloseStep(step=self._step, uids=tuple(batch), start_versions=versions)
+        return CloseStep(step=self._step, uids=batch, start_versions=versions, group_size=self.group_size)
 
     def end_step(self, mean_reward: float) -> None:
         """The PPO update of this step is done: version += 1 and Delta is updated.
@@ -487,14 +604,18 @@ class Scheduler:
         Call between steps (IDLE), before ``state_dict()``. Returns the drained tickets in
         admission order; the caller must abort them in the engine (their partial or complete
         generations are discarded; the prompts are regenerated under new uids, first in line
-        at the next ``begin_step``).
+        at the next ``begin_step``). Whole groups only: each drained group's position is
+        requeued once and comes back as a whole new group of G.
         """
         self._require(Phase.IDLE, "drain_for_checkpoint")
         drained = list(self._tickets.values())
-        self._requeue.extend(t.prompt_index for t in drained)
+        self._requeue.extend(self._tickets[g].prompt_index for g in self._groups)
         self._tickets.clear()
         self._running.clear()
         self._pool.clear()
+        self._groups.clear()
+        self._unfinished.clear()
+        self._complete.clear()
         return drained
 
     def state_dict(self) -> dict[str, Any]:
@@ -516,7 +637,8 @@ class Scheduler:
         """Restore ``state_dict()`` output into a fresh scheduler built with the same settings.
 
         ``start_position`` is taken from the checkpoint. Sequences that were untrained when the
-        state was saved (no drain) are put on the requeue, after the saved requeue.
+        state was saved (no drain) are put on the requeue, after the saved requeue, one
+        position per group. A checkpoint without ``group_size`` (older) has group size 1.
         """
         self._require(Phase.IDLE, "load_state_dict")
         if self._tickets or self._step or self._next_uid:
@@ -524,6 +646,7 @@ class Scheduler:
         if d.get("format") != _STATE_FORMAT:
             raise ValueError(f"unknown scheduler state format {d.get('format')!r}")
         saved = dict(d["config"])
+        saved.setdefault("group_size", 1)  # written before groups existed
         mine = self._config()
         saved_start = saved.pop("start_position")
         mine.pop("start_position")
@@ -540,7 +663,17 @@ class Scheduler:
             "next_position", d["next_position"], saved_start, "the checkpoint is corrupt"
         )
         untrained = sorted(d["untrained"], key=lambda row: row[0])
-        self._requeue = [int(p) for p in d["requeue"]] + [int(row[1]) for row in untrained]
+        G = self.group_size
+        groups = [untrained[i : i + G] for i in range(0, len(untrained), G)]
+        for rows in groups:  # whole groups: G consecutive uids, one position and version
+            if len(rows) != G or any(
+                (r[0] - rows[0][0], r[1], r[2]) != (i, rows[0][1], rows[0][2]) for i, r in enumerate(rows)
+            ):
+                raise ValueError(
+                    f"checkpoint untrained sequences {rows} are not a whole group of {G}; the "
+                    "checkpoint is corrupt or was written with another group_size"
+                )
+        self._requeue = [int(p) for p in d["requeue"]] + [int(rows[0][1]) for rows in groups]
 
     # ----------------------------------------------------------------- internals
 
@@ -551,6 +684,7 @@ class Scheduler:
             "refill": self.refill,
             "delta": "adaptive" if self._controller is not None else self._fixed_delta,
             "start_position": self.start_position,
+            "group_size": self.group_size,
         }
 
     def _require(self, phase: Phase, call: str) -> None:
@@ -567,12 +701,18 @@ class Scheduler:
     def _priority(self, uid: int) -> tuple[int, int]:
         return (self._tickets[uid].start_version, self._pool[uid])
 
+    def _group_priority(self, group: int) -> tuple[int, int]:
+        return (self._tickets[group].start_version, self._complete[group])
+
     def _wants_one_more(self) -> bool:
-        target = self.batch_size + self.delta
+        """Room for one more whole group? (With G = 1: one more sequence.)"""
+        G, n = self.group_size, self.groups_per_step
+        target = n + self.delta  # groups
         if self.refill:
-            # keep B + Delta running, but never more than 2B untrained (keeps carried <= B)
-            return len(self._running) < target and len(self._tickets) < 2 * self.batch_size
-        return len(self._tickets) < target
+            # keep (B/G + Delta) groups' worth of sequences running, but never more than 2B/G
+            # groups untrained (keeps carried <= B/G groups)
+            return len(self._running) + G <= target * G and len(self._groups) < 2 * n
+        return len(self._groups) < target
 
     def _fill(self) -> tuple[SeqTicket, ...]:
         out = []
@@ -582,11 +722,15 @@ class Scheduler:
             else:
                 position = self._next_position
                 self._next_position += 1
-            t = SeqTicket(uid=self._next_uid, prompt_index=position, start_version=self._step)
-            self._next_uid += 1
-            self._tickets[t.uid] = t
-            self._running[t.uid] = None
-            out.append(t)
+            group = self._next_uid
+            for uid in range(group, group + self.group_size):
+                t = SeqTicket(uid=uid, prompt_index=position, start_version=self._step, group=group)
+                self._tickets[uid] = t
+                self._running[uid] = None
+                out.append(t)
+            self._next_uid += self.group_size
+            self._groups[group] = tuple(range(group, group + self.group_size))
+            self._unfinished[group] = self.group_size
         return tuple(out)
 
 
