@@ -127,3 +127,64 @@ def test_top_k_and_top_p_restrict_the_support():
     tok, lp = sample_tokens(logits, 2.0, top_k=0, top_p=1.0, generator=g)
     expected = torch.log_softmax(logits / 2.0, -1).gather(1, tok[:, None])[:, 0]
     torch.testing.assert_close(lp, expected)
+
+
+def test_truncated_sampling_records_the_truncated_distribution():
+    """top-k/top-p: the behaviour log-prob is that of the distribution the token was drawn from
+    (renormalised over the kept set), not of the untruncated softmax."""
+    logits = torch.tensor([[4.0, 3.0, 0.0, -1.0, -2.0]]).repeat(50, 1)
+    g = torch.Generator().manual_seed(0)
+    tok, lp = sample_tokens(logits, 1.0, top_k=2, top_p=1.0, generator=g)
+    # kept {0, 1}: p(0) = e^4 / (e^4 + e^3) = 1 / (1 + e^-1) = 0.7311, p(1) = 0.2689
+    want = {0: torch.tensor(0.7311).log(), 1: torch.tensor(0.2689).log()}
+    for t, l in zip(tok.tolist(), lp.tolist()):
+        assert abs(l - float(want[t])) < 1e-3
+    tok, lp = sample_tokens(logits, 1.0, top_k=0, top_p=0.5, generator=g)
+    assert tok.eq(0).all() and lp.abs().max() < 1e-6  # the nucleus is {0} alone: log 1 = 0
+
+
+def test_stops_on_every_generation_config_eos(tiny_models):
+    """A second stop id from generation_config (a list, as Llama 3 instruct's) ends a row at its
+    first occurrence, as an EOS."""
+    from oppo.models import stop_token_ids
+
+    tok, model = _load(tiny_models)
+    eng = RolloutEngine(model, tok.eos_token_id, tok.pad_token_id, max_new_tokens=16, greedy=True)
+    rs = _rollouts(tok)
+    eng.admit(rs)
+    eng.generate_all()
+    free = [r.response_ids for r in rs]
+    other = free[0][2]  # a token the first row emits third
+    assert other != tok.eos_token_id
+    model.generation_config.eos_token_id = [tok.eos_token_id, other]
+    ids = stop_token_ids(tok, model)
+    assert set(ids) == {tok.eos_token_id, other}
+    eng = RolloutEngine(model, ids, tok.pad_token_id, max_new_tokens=16, greedy=True)
+    rs = _rollouts(tok)
+    eng.admit(rs)
+    eng.generate_all()
+    for r, f in zip(rs, free):
+        want = f[: f.index(other) + 1] if other in f else f
+        assert r.response_ids == want
+        assert r.ended_with_eos == (want[-1] in ids)
+    assert len(rs[0].response_ids) == 3 and rs[0].ended_with_eos
+
+
+def test_stale_kv_keep_tags_tokens_over_an_old_prefix_as_old(tiny_models):
+    """stale_kv=keep: after a weight update, tokens decoded by the new weights over a KV prefix
+    computed by the old ones carry the old version (off-policy: the learner recomputes them);
+    recompute() rebuilds the cache and new tokens are on-policy again."""
+    tok, model = _load(tiny_models)
+    eng = RolloutEngine(model, tok.eos_token_id, tok.pad_token_id, max_new_tokens=12, seed=0)
+    eng.admit(_rollouts(tok, ["the film was"]))
+    for _ in range(3):
+        eng.step()
+    eng.set_version(1)  # new weights arrive; the cache is kept
+    for _ in range(3):
+        eng.step()
+    row = eng.rows[0]
+    assert row.versions == [0] * 6, "hybrid tokens are not pi_1's"
+    eng.recompute()
+    eng.step()
+    eng.step()
+    assert row.versions == [0] * 6 + [1, 1]
