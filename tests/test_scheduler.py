@@ -643,3 +643,379 @@ def test_chunk_tuner_fixed_and_validation_and_state():
     assert a.history == b.history and a.best == b.best == 32
     with pytest.raises(ValueError, match="same settings"):
         ChunkSizeTuner(trial_steps=3).load_state_dict(a.state_dict())
+
+
+# ============================================================================ groups (G sequences per prompt)
+
+
+def groups_of(admit: Admit | None) -> list[list[int]]:
+    return [] if admit is None else [[t.uid for t in g] for g in admit.groups]
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        (dict(batch_size=6, max_lag=1, delta=0, group_size=4), "multiple of group_size"),
+        (dict(batch_size=4, max_lag=1, delta=0, group_size=0), "group_size"),
+        (dict(batch_size=4, max_lag=1, delta=3, group_size=2), "batch_size / group_size (2)"),
+        (dict(batch_size=4, max_lag=1, delta=DeltaController(delta_max=3), group_size=2), "delta_max"),
+    ],
+)
+def test_group_validation_names_problem_and_fix(kwargs, words):
+    with pytest.raises(ValueError) as e:
+        Scheduler(**kwargs)
+    assert words in str(e.value) and ";" in str(e.value)
+
+
+def test_group_tickets_and_messages():
+    assert SeqTicket(uid=7, prompt_index=2, start_version=0).group == 7  # a group of one
+    assert SeqTicket(uid=7, prompt_index=2, start_version=0, group=6).group == 6
+    c = CloseStep(step=2, uids=(4, 5, 0, 1), start_versions=(1, 1, 1, 1), group_size=2)
+    assert c.groups == ((4, 5), (0, 1)) and c.group_index == (0, 0, 1, 1)
+    assert CloseStep(step=0, uids=(3, 1), start_versions=(0, 0)).group_index == (0, 1)
+
+
+def test_groups_admitted_closed_and_carried_whole_by_hand():
+    s = Scheduler(batch_size=4, max_lag=1, delta=1, start_position=10, group_size=2)
+    a = s.begin_step()  # B/G + Delta = 3 groups
+    assert groups_of(a) == [[0, 1], [2, 3], [4, 5]]
+    assert [(t.uid, t.prompt_index, t.group) for t in a.seqs] == [
+        (0, 10, 0), (1, 10, 0), (2, 11, 2), (3, 11, 2), (4, 12, 4), (5, 12, 4)]
+    assert s.untrained == 6 and s.untrained_groups == 3 and s.members(2) == (2, 3)
+    for u in (0, 2, 3):
+        s.on_finished(u)
+    assert s.complete_groups == (2,)  # uid 0 finished, its sibling 1 still runs
+    assert s.try_close() is None  # one complete group, two needed
+    s.on_finished(5)
+    s.on_finished(4)
+    c0 = s.try_close()
+    assert c0 == CloseStep(step=0, uids=(2, 3, 4, 5), start_versions=(0,) * 4, group_size=2)
+    assert s.finished_pool == (0,) and s.in_flight == (1,)  # group 0 carried whole
+    s.end_step(0.0)
+
+    a1 = s.begin_step()  # 1 carried group + 2 new = 3
+    assert groups_of(a1) == [[6, 7], [8, 9]] and {t.start_version for t in a1.seqs} == {1}
+    assert s.due == (0, 1) and s.waiting_on == (1,)  # the group is due, per group
+    for u in (9, 8, 6, 7):
+        s.on_finished(u)
+    assert s.complete_groups == (8, 6)  # completion order: group 8 (at uid 8) before 6 (at uid 7)
+    assert s.try_close() is None  # two complete groups, but due group 0 still runs
+    s.on_finished(1)
+    c1 = s.try_close()
+    assert c1.uids == (0, 1, 8, 9) and c1.lags == (1, 1, 0, 0)  # due group first, then oldest
+    assert c1.groups == ((0, 1), (8, 9))
+    assert s.complete_groups == (6,)
+
+
+def test_group_refill_needs_a_whole_group_of_free_slots():
+    s = Scheduler(batch_size=4, max_lag=1, delta=0, refill=True, group_size=2)
+    assert groups_of(s.begin_step()) == [[0, 1], [2, 3]]
+    assert s.on_finished(0) is None  # one free slot: a group needs two
+    assert groups_of(s.on_finished(2)) == [[4, 5]]  # two free slots (from two groups)
+    assert s.in_flight == (1, 3, 4, 5)
+    s.on_finished(1)
+    assert groups_of(s.on_finished(3)) == [[6, 7]]  # 4 groups untrained = 2B/G: the cap
+    assert s.untrained_groups == 4
+    s.on_finished(4)
+    assert s.on_finished(5) is None  # cap reached
+    assert s.try_close().uids == (0, 1, 2, 3)
+
+
+def test_group_drain_and_state_dict_requeue_one_position_per_group():
+    s = Scheduler(batch_size=2, max_lag=1, delta=1, start_position=100, group_size=2)
+    s.begin_step()  # groups 0 (100), 2 (101)
+    s.on_finished(3)
+    s.on_finished(2)
+    s.on_finished(0)
+    assert s.try_close().uids == (2, 3)
+    s.end_step(0.0)
+    state = roundtrip(s.state_dict())  # not drained: group 0 untrained (0 finished, 1 running)
+    assert state["untrained"] == [[0, 100, 0], [1, 100, 0]] and state["config"]["group_size"] == 2
+    r = Scheduler(batch_size=2, max_lag=1, delta=1, group_size=2)
+    r.load_state_dict(state)
+    assert r.requeue == (100,)
+    assert [(t.uid, t.prompt_index) for t in r.begin_step().seqs] == [(4, 100), (5, 100), (6, 102), (7, 102)]
+
+    drained = s.drain_for_checkpoint()
+    assert [t.uid for t in drained] == [0, 1] and s.requeue == (100,) and s.untrained_groups == 0
+    a = s.begin_step()
+    assert [(t.uid, t.prompt_index, t.group) for t in a.seqs] == [(4, 100, 4), (5, 100, 4), (6, 102, 6), (7, 102, 6)]
+
+    bad = dict(state, untrained=[[0, 100, 0]])  # half a group
+    with pytest.raises(ValueError, match="whole group"):
+        Scheduler(batch_size=2, max_lag=1, delta=1, group_size=2).load_state_dict(bad)
+    with pytest.raises(ValueError, match="same settings"):
+        Scheduler(batch_size=2, max_lag=1, delta=1, group_size=1).load_state_dict(state)
+
+
+def test_state_written_before_groups_loads_as_group_size_1():
+    s = Scheduler(batch_size=2, max_lag=1, delta=1)
+    state = roundtrip(s.state_dict())
+    del state["config"]["group_size"]
+    Scheduler(batch_size=2, max_lag=1, delta=1).load_state_dict(state)
+    with pytest.raises(ValueError, match="same settings"):
+        Scheduler(batch_size=2, max_lag=1, delta=1, group_size=2).load_state_dict(state)
+
+
+# ---------------------------------------------------------------------------- group property tests
+
+
+@dataclass(frozen=True)
+class GroupSimConfig:
+    group_size: int
+    groups_per_step: int  # B / G
+    max_lag: int
+    delta: int  # in groups; delta_max when adaptive
+    adaptive: tuple[int, int, int, bool] | None
+    refill: bool
+    seed: int
+    steps: int
+    update_ticks: int
+    max_len: int
+    start_position: int
+    checkpoints: frozenset[int]
+    drain: bool
+    reload: bool
+    together: bool  # a group's members all take the same number of ticks
+
+    @property
+    def batch_size(self) -> int:
+        return self.group_size * self.groups_per_step
+
+
+def make_group_scheduler(cfg: GroupSimConfig) -> Scheduler:
+    if cfg.adaptive is None:
+        delta: int | DeltaController = cfg.delta
+    else:
+        init, lo, window, prop = cfg.adaptive
+        delta = DeltaController(init, lo, cfg.delta, window, prop)
+    return Scheduler(cfg.batch_size, cfg.max_lag, delta, cfg.refill, cfg.start_position, cfg.group_size)
+
+
+class GroupEngine:
+    """One token per tick per running row. Same-instant finishes are reported group by group in a
+    random group order; members of a group in random order, interleaved with other groups'
+    unless ``together`` (then a group's members are reported one after another)."""
+
+    def __init__(self, cfg: GroupSimConfig) -> None:
+        self.cfg = cfg
+        self.remaining: dict[int, int] = {}
+        self.group: dict[int, int] = {}
+
+    def admit(self, admit: Admit | None) -> None:
+        G = self.cfg.group_size
+        for t in () if admit is None else admit.seqs:
+            assert t.uid not in self.remaining
+            key = t.group // G if self.cfg.together else t.uid  # the k-th group is group k
+            self.remaining[t.uid] = seq_length(self.cfg.seed, key, self.cfg.max_len)
+            self.group[t.uid] = t.group
+
+    def tick(self, rng: random.Random, member_rng: random.Random) -> list[int]:
+        done: dict[int, list[int]] = {}
+        for u in list(self.remaining):
+            self.remaining[u] -= 1
+            if self.remaining[u] == 0:
+                del self.remaining[u]
+                done.setdefault(self.group[u], []).append(u)
+        order = sorted(done)
+        rng.shuffle(order)
+        if self.cfg.together:
+            for g in order:
+                member_rng.shuffle(done[g])
+            return [u for g in order for u in done[g]]
+        flat = [u for g in order for u in done[g]]
+        member_rng.shuffle(flat)
+        return flat
+
+
+def run_group_sim(cfg: GroupSimConfig) -> list[tuple]:
+    """Drive a grouped scheduler with a ledger of groups; check every group invariant.
+
+    Returns the decisions with groups named by their ordinal (k-th group admitted = k), so runs
+    with different G can be compared: [("admit", step, ((k, position, version), ...)),
+    ("close", step, (k, ...), (version, ...))].
+    """
+    G, n, L = cfg.group_size, cfg.groups_per_step, cfg.max_lag
+    rng, member_rng = random.Random(cfg.seed), random.Random(cfg.seed + 1)
+    sched = make_group_scheduler(cfg)
+    engine = GroupEngine(cfg)
+    live: dict[int, tuple[int, ...]] = {}  # untrained group -> member uids
+    ticket: dict[int, SeqTicket] = {}
+    finished: set[int] = set()
+    trained_pos: set[int] = set()
+    trained_uids: set[int] = set()
+    pending: list[int] = []
+    next_fresh = cfg.start_position
+    last_uid = -1
+    trace: list[tuple] = []
+
+    def admitted(admit: Admit | None) -> None:
+        nonlocal next_fresh, last_uid
+        if admit is None:
+            return
+        assert len(admit.seqs) % G == 0
+        for g in admit.groups:
+            assert len(g) == G  # admitted together, whole
+            first = g[0]
+            assert first.uid == last_uid + 1  # consecutive uids, never reused
+            assert [t.uid for t in g] == list(range(first.uid, first.uid + G))
+            last_uid = g[-1].uid
+            assert {(t.group, t.prompt_index, t.start_version) for t in g} == {
+                (first.uid, first.prompt_index, sched.step)}
+            if pending:
+                assert first.prompt_index == pending.pop(0)  # one requeued position per group
+            else:
+                assert first.prompt_index == next_fresh
+                next_fresh += 1
+            assert first.prompt_index not in trained_pos
+            live[first.uid] = tuple(t.uid for t in g)
+            for t in g:
+                ticket[t.uid] = t
+        engine.admit(admit)
+        assert sched.untrained_groups <= 2 * n and sched.untrained == G * sched.untrained_groups
+        if admit.seqs:
+            if cfg.refill:
+                assert len(sched.in_flight) <= (n + sched.delta) * G
+            else:
+                assert sched.untrained_groups <= n + sched.delta
+        trace.append(("admit", sched.step, tuple((t.group // G, t.prompt_index, t.start_version)
+                                                 for t in admit.seqs[::G])))
+
+    def report(u: int) -> None:
+        finished.add(u)
+        r = sched.on_finished(u)
+        assert r is None or (cfg.refill and sched.phase is Phase.OPEN)
+        admitted(r)
+
+    for k in range(cfg.steps):
+        admitted(sched.begin_step())
+        ticks = 0
+        while (close := sched.try_close()) is None:
+            ticks += 1
+            assert ticks < 10_000, "step never closed"
+            for u in engine.tick(rng, member_rng):
+                report(u)
+
+        # ---- the batch: B / G whole, finished, untrained groups
+        assert close.step == k and close.group_size == G
+        assert len(close.uids) == cfg.batch_size == len(set(close.uids))
+        chosen = [g[0] for g in close.groups]
+        for g, members in zip(chosen, close.groups):
+            assert live[g] == members  # exactly one whole group, members in uid order
+            assert all(u in finished and u not in trained_uids for u in members)
+        due = {g for g, members in live.items() if k - ticket[g].start_version >= L}
+        assert due <= set(chosen)
+        for u, v in zip(close.uids, close.start_versions):
+            assert ticket[u].start_version == v and 0 <= k - v <= L
+        assert list(close.start_versions) == sorted(close.start_versions)
+        for g in chosen:
+            trained_pos.add(ticket[g].prompt_index)
+            trained_uids.update(live.pop(g))
+            finished.difference_update(close.uids)
+        assert len(trained_pos) == n * (k + 1)  # no group trained twice
+        # carried groups are whole: no member of a live group was trained
+        assert all(u not in trained_uids for members in live.values() for u in members)
+        assert sched.untrained_groups == len(live) <= n
+        if not cfg.refill and cfg.adaptive is None:
+            assert len(live) <= cfg.delta
+        trace.append(("close", k, tuple(g // G for g in chosen), close.start_versions[::G]))
+
+        for _ in range(cfg.update_ticks):
+            for u in engine.tick(rng, member_rng):
+                report(u)
+        sched.end_step(rng.random() + 0.1 * k * rng.choice((-1, 1)))
+
+        if k in cfg.checkpoints:
+            if cfg.drain:
+                drained = sched.drain_for_checkpoint()
+                assert [t.uid for t in drained] == sorted(u for m in live.values() for u in m)
+                pending.extend(ticket[g].prompt_index for g in sorted(live))
+                live.clear()
+                finished.clear()
+                engine.remaining.clear()
+            if cfg.reload:
+                state = roundtrip(sched.state_dict())
+                pending.extend(ticket[g].prompt_index for g in sorted(live))
+                live.clear()
+                finished.clear()
+                engine.remaining.clear()
+                sched = make_group_scheduler(cfg)
+                sched.load_state_dict(state)
+
+    # ---- the ledger: trained + untrained + requeued == every position handed out, disjoint
+    assert sched.requeue == tuple(pending)
+    assert set(sched.in_flight) == set(engine.remaining)
+    assert set(sched.finished_pool) == finished
+    assert set(sched.in_flight) | finished == {u for m in live.values() for u in m}
+    parts = [*trained_pos, *(ticket[g].prompt_index for g in live), *pending]
+    assert len(parts) == len(set(parts))
+    assert set(parts) == set(range(cfg.start_position, sched.position))
+    return trace
+
+
+@st.composite
+def group_sim_configs(draw, checkpoints: bool = True, sequential: bool = False,
+                      together: bool | None = None) -> GroupSimConfig:
+    G = draw(st.sampled_from((1, 2, 4)))
+    n = draw(st.integers(1, 4))
+    L = 0 if sequential else draw(st.integers(0, 3))
+    dmax = 0 if L == 0 else draw(st.integers(0, n))
+    adaptive = None
+    if not sequential and draw(st.booleans()):
+        init = draw(st.integers(0, dmax))
+        adaptive = (init, draw(st.integers(0, init)), draw(st.integers(1, 3)), draw(st.booleans()))
+    steps = draw(st.integers(1, 10))
+    cps = draw(st.sets(st.integers(0, steps - 1))) if checkpoints else set()
+    return GroupSimConfig(
+        group_size=G,
+        groups_per_step=n,
+        max_lag=L,
+        delta=dmax,
+        adaptive=adaptive,
+        refill=L >= 1 and draw(st.booleans()),
+        seed=draw(st.integers(0, 2**32 - 1)),
+        steps=steps,
+        update_ticks=draw(st.integers(0, 2)),
+        max_len=draw(st.integers(1, 12)),
+        start_position=draw(st.integers(0, 1000)),
+        checkpoints=frozenset(cps),
+        drain=draw(st.booleans()),
+        reload=draw(st.booleans()),
+        together=draw(st.booleans()) if together is None else together,
+    )
+
+
+@settings(max_examples=100, deadline=None)
+@given(group_sim_configs())
+def test_property_groups_never_split_lost_or_trained_twice(cfg):
+    run_group_sim(cfg)
+
+
+@settings(max_examples=30, deadline=None)
+@given(group_sim_configs(checkpoints=False, sequential=True))
+def test_property_groups_no_overlap_is_sequential(cfg):
+    trace = run_group_sim(cfg)
+    closes = [t for t in trace if t[0] == "close"]
+    for k, (_, _, ordinals, versions) in enumerate(closes):  # step k trains exactly its own n groups
+        n = cfg.groups_per_step
+        assert sorted(ordinals) == list(range(k * n, (k + 1) * n)) and set(versions) == {k}
+
+
+@settings(max_examples=60, deadline=None)
+@given(group_sim_configs(together=True), st.data())
+def test_property_groups_finishing_together_schedule_like_single_sequences(cfg, data):
+    """When a group's members finish in the same instant, a group of G behaves exactly like one
+    sequence of a G = 1 scheduler with B / G per step and the same Delta: the grouped scheduler
+    is checked against the (separately tested) single-sequence one."""
+    grouped = run_group_sim(cfg)
+    single = run_group_sim(replace(cfg, group_size=1))
+    assert grouped == single
+
+
+@settings(max_examples=50, deadline=None)
+@given(group_sim_configs(), st.data())
+def test_property_group_drained_resume_is_exact(cfg, data):
+    cps = cfg.checkpoints or frozenset({data.draw(st.integers(0, cfg.steps - 1))})
+    live = run_group_sim(replace(cfg, checkpoints=cps, drain=True, reload=False))
+    resumed = run_group_sim(replace(cfg, checkpoints=cps, drain=True, reload=True))
+    assert resumed == live
