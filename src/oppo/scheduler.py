@@ -121,7 +121,7 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 __all__ = [
     "Admit",
@@ -154,7 +154,7 @@ class SeqTicket:
     uid: int
     prompt_index: int
     start_version: int
-    group: Optional[int] = None
+    group: int | None = None
 
     def __post_init__(self) -> None:
         if self.group is None:
