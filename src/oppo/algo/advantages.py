@@ -131,8 +131,8 @@ def grpo_advantages(
     """GRPO outcome advantages: each score against its group (DeepSeekMath, Shao et al. 2024).
 
       A_i = (s_i - mean_g) / (std_g + eps)     std_normalize=True  (GRPO; std unbiased)
-      A_i =  s_i - mean_g                      std_normalize=False (Dr. GRPO, Liu et al. 2025:
-                                               dividing by std up-weights near-solved groups)
+      A_i =  s_i - mean_g                      std_normalize=False (Dr. GRPO, Liu et al. 2025: the std
+                                               up-weights all-but-solved and all-but-failed groups)
 
     Groups whose scores are all equal give exactly 0; a group of one gives 0. Returns
     ``(advantages shaped like scores, stats)`` with ``group/zero_std_frac`` (over groups) and
