@@ -9,6 +9,7 @@ from oppo.checkpoint import latest_checkpoint
 from oppo.config import load_config
 from oppo.metrics import read_metrics
 from oppo.run import train
+from oppo.trace import load_trace
 
 
 def cfg_for(tiny_models, tiny_prompts, out, steps, mode="sequential", *extra):
@@ -20,8 +21,11 @@ def cfg_for(tiny_models, tiny_prompts, out, steps, mode="sequential", *extra):
         "run.samples=0", *extra])
 
 
-@pytest.mark.parametrize("mode", ["sequential", "intra"])
+@pytest.mark.parametrize("mode", ["sequential", "intra", "inter", "oppo"])
 def test_resume_equals_uninterrupted(tiny_models, tiny_prompts, tmp_path, mode):
+    """Every mode. Both runs checkpoint at step 2 (run.save_every=2): in inter and oppo a checkpoint
+    drains the sequences in flight (requeued, regenerated after it), so the uninterrupted run
+    drains there too, and the resumed run must then repeat it exactly."""
     full = train(cfg_for(tiny_models, tiny_prompts, tmp_path / "full", 4, mode), progress=False)
     part = tmp_path / "part"
     train(cfg_for(tiny_models, tiny_prompts, part, 2, mode), progress=False)
@@ -35,6 +39,10 @@ def test_resume_equals_uninterrupted(tiny_models, tiny_prompts, tmp_path, mode):
             assert x[k] == pytest.approx(y[k], rel=1e-5, abs=1e-6), (x["step"], k)
     lengths = [json.loads(l) for l in (part / "lengths.jsonl").read_text().splitlines()]
     assert [l["step"] for l in lengths] == [0, 1, 2, 3]
+    if mode in ("inter", "oppo"):  # the case worth testing: sequences were carried across steps
+        assert any(m["overlap/carried"] > 0 for m in a), "nothing was carried: the test would not cover carrying"
+    steps = {s.step for s in load_trace(part / "trace.json")}
+    assert {0, 1, 2, 3} <= steps, "the resumed run's trace keeps the steps before the checkpoint"
 
 
 def test_checkpoint_is_hugging_face_format(tiny_models, tiny_prompts, tmp_path):

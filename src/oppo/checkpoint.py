@@ -7,6 +7,10 @@ step. It is written into a temporary directory beside the target and renamed int
 interrupted save leaves the previous checkpoint intact and never a half-written one that looks
 valid.
 
+Each checkpoint also holds the run's settings (``config.yaml``), so that ``--resume`` can check,
+before any model loads, that the run being resumed is configured as the one that was saved
+(:func:`settings_mismatches`).
+
 Sequences in flight at a checkpoint (inter-step overlap) are drained: their prompts are
 requeued and regenerated first after the save (see ``Scheduler.drain_for_checkpoint``), so a
 resumed run loses no prompt and trains none twice. Sequential and intra runs have nothing in
@@ -22,8 +26,21 @@ import shutil
 from pathlib import Path
 
 import torch
+import yaml
 
 CKPT_DIR = "checkpoints"
+CONFIG_FILE = "config.yaml"
+
+# Settings that may differ between a checkpoint and the run resuming it: how long to run, where
+# and how often to write, what to print, and where the work runs (placement changes neither the
+# math nor the saved state). Every other setting changes what is trained or the shape of the saved
+# state, so a resume with another value would not continue the same run.
+RESUMABLE_CHANGES = frozenset({
+    "run.steps", "run.out_dir", "run.save_every", "run.keep_checkpoints", "run.samples", "run.threads",
+    "policy.device", "reference.device", "critic.device", "reward.device",
+    "overlap.scorer_process", "overlap.actor_threads", "overlap.scorer_threads",
+})
+RESUMABLE_SECTIONS = frozenset({"log"})
 
 
 def checkpoint_dirs(run_dir: Path) -> list[Path]:
@@ -45,6 +62,44 @@ def _rng_state(trainer) -> dict:
     return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
             "engine": trainer.engine.generator.get_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def checkpoint_step(ckpt: Path) -> int:
+    """The step a checkpoint was saved at (the number of steps trained before it)."""
+    return int(json.loads((Path(ckpt) / "state.json").read_text())["step"])
+
+
+def checkpoint_settings(ckpt: Path) -> dict | None:
+    """The settings a checkpoint was saved with, as nested dicts; None for checkpoints written
+    before checkpoints held them (then the run directory's ``config.yaml`` is the best guess)."""
+    ckpt = Path(ckpt)
+    for path in (ckpt / CONFIG_FILE, ckpt.parent.parent / CONFIG_FILE):
+        if path.is_file():
+            return yaml.safe_load(path.read_text()) or {}
+    return None
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def settings_mismatches(saved: dict, now: dict) -> list[tuple[str, object, object]]:
+    """(setting, value in the checkpoint, value now) for every setting that must match on resume
+    and does not. Settings the checkpoint does not know (added to oppo since) are not compared."""
+    a, b = _flat(saved), _flat(now)
+    out = []
+    for key in sorted(a.keys() & b.keys()):
+        if key in RESUMABLE_CHANGES or key.split(".")[0] in RESUMABLE_SECTIONS:
+            continue
+        if a[key] != b[key]:
+            out.append((key, a[key], b[key]))
+    return out
 
 
 def save_checkpoint(trainer, run_dir: Path, keep: int = 2) -> Path:
@@ -72,6 +127,9 @@ def save_checkpoint(trainer, run_dir: Path, keep: int = 2) -> Path:
     torch.save({"actor": trainer.learner.actor_opt.state_dict(), "critic": trainer.learner.critic_opt.state_dict()},
                tmp / "optim.pt")
     torch.save(_rng_state(trainer), tmp / "rng.pt")
+    from .config import to_dict
+
+    (tmp / CONFIG_FILE).write_text(yaml.safe_dump(to_dict(trainer.cfg), sort_keys=False))
     state = {"step": trainer.step, "wallclock": trainer.wallclock, "scheduler": trainer.scheduler.state_dict(),
              "tuner": trainer.tuner.state_dict(), "drained": len(drained)}
     (tmp / "state.json").write_text(json.dumps(state, indent=1))  # written last: marks the checkpoint complete

@@ -9,23 +9,30 @@ from .config import ConfigError, help_text, load_config
 
 
 def _train(argv: list[str]) -> int:
+    """PPO on your models, or on the built-in task (prepared on first use); progress, then a summary."""
     p = argparse.ArgumentParser(
         prog="oppo train", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="PPO-based RLHF. With no models named, trains on the built-in task (prepared on first use).",
         epilog=help_text())
     p.add_argument("--config", help="YAML file of settings (sections as below).")
-    p.add_argument("--resume", help="Checkpoint directory to continue from, or 'auto' for the latest in run.out_dir.")
+    p.add_argument("--resume", help="Continue a run: 'auto' for the latest checkpoint of run.out_dir (with the "
+                                    "default, the newest run), or a checkpoint or run directory. The settings must "
+                                    "be the checkpoint's, and run.steps beyond its step.")
     p.add_argument("overrides", nargs="*", help="section.key=value settings, applied after --config.")
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.overrides)  # validation happens here, before any model loads
-    from .run import train
+    import time
 
+    from .run import run_summary, train
+
+    t0 = time.perf_counter()
     run_dir = train(cfg, resume=args.resume)
-    print(f"run directory: {run_dir}")
+    print(run_summary(run_dir, time.perf_counter() - t0, link=cfg.run.out_dir))
     return 0
 
 
 def _prepare(argv: list[str]) -> int:
+    """Build the built-in task's tiny SFT policy and reward model (cached; `train` does it when needed)."""
     p = argparse.ArgumentParser(prog="oppo prepare", description="Build the built-in task's tiny models (cached).")
     p.add_argument("--task", default="positive")
     p.add_argument("--seed", type=int, default=0)
@@ -39,6 +46,7 @@ def _prepare(argv: list[str]) -> int:
 
 
 def _report(argv: list[str]) -> int:
+    """Pictures (PNG) of one or more run directories: reward, KL, timeline, lengths, overlap."""
     p = argparse.ArgumentParser(prog="oppo report", description="Pictures (PNG) of one or more training runs.")
     p.add_argument("run_dirs", nargs="+")
     p.add_argument("--out", default=None, help="Output directory (default: RUN_DIR/report).")
@@ -54,6 +62,7 @@ def _report(argv: list[str]) -> int:
 
 
 def _bench(argv: list[str]) -> int:
+    """The same workload in every overlap mode, side by side: step times, speedups, pictures."""
     from .bench import main as bench_main
 
     return bench_main(argv)
@@ -62,17 +71,33 @@ def _bench(argv: list[str]) -> int:
 COMMANDS = {"train": _train, "prepare": _prepare, "report": _report, "bench": _bench}
 
 
+def usage() -> str:
+    """The command list, one line each (from each command's docstring)."""
+    width = max(map(len, COMMANDS))
+    lines = ["usage: oppo COMMAND [options]   (oppo COMMAND --help for its options)", "", "commands:"]
+    for name, fn in COMMANDS.items():
+        doc = (fn.__doc__ or "").strip().splitlines()
+        lines.append(f"  {name:<{width}}  {doc[0] if doc else ''}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: oppo {train,prepare,bench,report} [options]   (oppo COMMAND --help for more)",
-              file=sys.stderr)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+        asked = bool(argv) and argv[0] in ("-h", "--help")
+        if argv and not asked:
+            print(f"oppo: unknown command {argv[0]!r}", file=sys.stderr)
+        print(usage(), file=sys.stdout if asked else sys.stderr)
+        return 0 if asked else 2
     try:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
         return COMMANDS[argv[0]](argv[1:]) or 0
+    except KeyboardInterrupt:
+        print("\noppo: interrupted. A run continues from its last checkpoint with: oppo train --resume auto "
+              "(and the same settings).", file=sys.stderr)
+        return 130
     except ConfigError as e:
         print(f"oppo: config error: {e}", file=sys.stderr)
         return 2

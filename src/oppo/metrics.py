@@ -364,6 +364,8 @@ class ProgressBar:
         out = {"step": str(step)}
         if "reward/mean" in metrics:
             out["reward"] = _fmt(metrics["reward/mean"], ".3f")
+        if "judge/mean" in metrics:  # the independent check on reward hacking, when there is one
+            out["judge"] = _fmt(metrics["judge/mean"], ".3f")
         if "kl/mean" in metrics:
             out["kl"] = _fmt(metrics["kl/mean"], ".4f")
         if "time/step" in metrics:
@@ -371,7 +373,7 @@ class ProgressBar:
         return out
 
     def update(self, step: int, metrics: Mapping[str, Any]) -> None:
-        """Record one finished step and show its step number, reward, KL and step time."""
+        """Record one finished step and show its step number, reward, judge (if any), KL and step time."""
         self.done += 1
         summary = self._summary(step, metrics)
         if self._bar is not None:

@@ -1,16 +1,198 @@
-"""``oppo train``: a Trainer in a run directory, with metrics, samples, trace and checkpoints."""
+"""``oppo train``: a Trainer in a run directory, with metrics, samples, trace and checkpoints.
+
+Run directories. A new run never writes into another run's directory:
+
+- ``run.out_dir`` named ``latest`` (the default, ``runs/latest``) is a link, not a directory:
+  each new run gets its own directory beside it, ``runs/<date>-<time>-<mode>/``, and
+  ``runs/latest`` is pointed at the newest (so ``oppo report runs/latest`` and
+  ``oppo train --resume auto`` find it);
+- any other ``run.out_dir`` is the run directory itself; a new run refuses one that already
+  holds a run (its config, metrics, trace or checkpoints), naming ``--resume auto`` and a fresh
+  ``run.out_dir`` as the two ways on.
+
+Resuming (``--resume auto`` or a checkpoint directory) continues the run in its own directory.
+Before any model loads it checks that the checkpoint was saved with the run's settings (those
+that change what is trained; see ``checkpoint.RESUMABLE_CHANGES`` for the ones that may differ)
+and that ``run.steps`` lies beyond the checkpoint's step; either problem is reported with its
+fix and nothing is touched. Every check that needs no model (:mod:`oppo.preflight`) runs at the
+same time, and all problems are reported in one message.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import shlex
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import (CKPT_DIR, checkpoint_settings, checkpoint_step, latest_checkpoint, load_checkpoint,
+                         save_checkpoint, settings_mismatches)
 from .config import Config, to_dict
-from .metrics import MetricsLogger, ProgressBar
+from .metrics import METRICS_FILE, MetricsLogger, ProgressBar, read_metrics
+from .preflight import PreflightError, input_problems
+
+LINK_NAME = "latest"
+RUN_FILES = ("config.yaml", METRICS_FILE, "trace.json", "lengths.jsonl", CKPT_DIR)
+
+
+@dataclass
+class RunPlan:
+    """Where a run writes and what it starts from, decided before anything is written."""
+
+    run_dir: Path
+    """The run's own directory (created when the models have loaded, if it does not exist)."""
+    link: Path | None
+    """A ``latest`` link to point at ``run_dir``, or None."""
+    checkpoint: Path | None
+    """The checkpoint to resume from, or None for a new run."""
+    start_step: int = 0
+
+
+def holds_run(d: Path) -> bool:
+    """Whether directory ``d`` already holds (part of) a run."""
+    return any((Path(d) / f).exists() for f in RUN_FILES)
+
+
+def _describe_run(d: Path) -> str:
+    ckpt = latest_checkpoint(d)
+    try:
+        steps = len(read_metrics(d))
+    except (OSError, ValueError):
+        steps = 0
+    bits = [f"{steps} steps of metrics" if steps else "no metrics yet"]
+    if ckpt is not None:
+        bits.append(f"a checkpoint at step {checkpoint_step(ckpt)}")
+    return ", ".join(bits)
+
+
+def _is_link(out: Path) -> bool:
+    """``out`` is the 'latest' link (or where it will be), not a run directory."""
+    return out.name == LINK_NAME and (out.is_symlink() or not out.exists())
+
+
+def _fmt(v) -> str:
+    return "empty" if v is None else str(v)
+
+
+def _new_run_dir(parent: Path, mode: str) -> Path:
+    base = f"{time.strftime('%Y%m%d-%H%M%S')}-{mode}"
+    cand, n = parent / base, 2
+    while cand.exists():
+        cand, n = parent / f"{base}-{n}", n + 1
+    return cand
+
+
+def _resume_problems(cfg: Config, ckpt: Path, arg: str) -> tuple[list[str], int]:
+    step = checkpoint_step(ckpt)
+    problems = []
+    saved = checkpoint_settings(ckpt)
+    if saved is not None:
+        diffs = settings_mismatches(saved, to_dict(cfg))
+        if diffs:
+            said = "; ".join(f"{k} is {_fmt(a)} in the checkpoint, {_fmt(b)} now" for k, a, b in diffs)
+            fix = " ".join(f"{k}={'' if a is None else shlex.quote(str(a))}" for k, a, _ in diffs)
+            problems.append(
+                f"--resume {arg}: {ckpt} was saved with other settings: {said}. To continue that run, resume with "
+                f"its settings ({fix}); to train with the new ones, start a new run (no --resume, a fresh "
+                f"run.out_dir). The checkpoint's policy and critic, in Hugging Face format, are {ckpt / 'policy'} "
+                f"and {ckpt / 'critic'}.")
+    if cfg.run.steps <= step:
+        problems.append(f"--resume {arg}: run.steps={cfg.run.steps} but {ckpt} is at step {step}, so there is nothing "
+                        f"left to train. Set run.steps above {step} (e.g. run.steps={max(2 * step, step + 1)}) to "
+                        f"train on.")
+    return problems, step
+
+
+def plan_run(cfg: Config, resume: str | None = None) -> RunPlan:
+    """Decide the run directory and the checkpoint, and run every check that needs no model.
+
+    Writes nothing. Raises :class:`~oppo.preflight.PreflightError` listing every problem found:
+    the run directory's, the checkpoint's and the inputs' (:func:`oppo.preflight.input_problems`).
+    """
+    out = Path(cfg.run.out_dir).expanduser()
+    problems: list[str] = []
+    link = out if _is_link(out) else None
+    ckpt, run_dir, step = None, out, 0
+    if resume is None:
+        if link is not None:
+            run_dir = _new_run_dir(out.parent, cfg.overlap.mode)
+        elif holds_run(out):
+            hint = (f" ({out} is a run directory from an older oppo: runs now get their own directories beside a "
+                    f"'{LINK_NAME}' link; rename it, e.g. mv {out} {out.parent / 'old-run'}, to go on with the "
+                    f"default)") if out.name == LINK_NAME else ""
+            problems.append(
+                f"run.out_dir={cfg.run.out_dir} already holds a run ({_describe_run(out)}); a new run never writes "
+                f"over another. To continue that run: oppo train --resume auto run.out_dir={cfg.run.out_dir} "
+                f"(with its settings). To start a new run: give a fresh directory, e.g. "
+                f"run.out_dir={out.parent / (out.name + '-2')}, or delete {out} first.{hint}")
+    elif resume == "auto":
+        if link is not None and not out.is_symlink():
+            problems.append(f"--resume auto: there is no run to resume: {out} does not exist yet. Start a run "
+                            f"without --resume, or set run.out_dir to the directory of the run to continue.")
+        else:
+            run_dir = out.resolve() if link is not None else out
+            ckpt = latest_checkpoint(run_dir)
+            if ckpt is None:
+                problems.append(f"--resume auto: no checkpoint under {run_dir / CKPT_DIR}; start without --resume, "
+                                f"or set run.out_dir to the directory of the run to continue.")
+    else:
+        ckpt = Path(resume).expanduser()
+        if not (ckpt / "state.json").is_file() and latest_checkpoint(ckpt) is not None:
+            ckpt = latest_checkpoint(ckpt)  # a run directory: its latest checkpoint
+        if not (ckpt / "state.json").is_file():
+            problems.append(f"--resume {resume}: {ckpt} is not a checkpoint (no state.json). Give a "
+                            f"{CKPT_DIR}/step_N directory, a run directory, or auto.")
+            ckpt = None
+        else:
+            own = ckpt.parent.parent
+            run_dir = own if link is not None else out
+            if run_dir.resolve() != own.resolve() and holds_run(run_dir):
+                problems.append(f"--resume {resume}: run.out_dir={cfg.run.out_dir} holds another run "
+                                f"({_describe_run(run_dir)}); continue the checkpoint's run in its own directory "
+                                f"(run.out_dir={own}) or give an empty run.out_dir.")
+    if ckpt is not None:
+        found, step = _resume_problems(cfg, ckpt, resume)
+        problems += found
+    problems += input_problems(cfg)
+    if problems:
+        raise PreflightError(problems)
+    return RunPlan(run_dir, link, ckpt, step)
+
+
+def _create(plan: RunPlan) -> Path:
+    """Create the run directory (another name if a concurrent run took this one) and point the link."""
+    run_dir = plan.run_dir
+    if plan.link is not None and plan.checkpoint is None:
+        base, n = run_dir, 2
+        while True:
+            try:
+                run_dir.mkdir(parents=True)
+                break
+            except FileExistsError:
+                run_dir, n = base.with_name(f"{base.name}-{n}"), n + 1
+    else:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    if plan.link is not None:
+        _point_link(plan.link, run_dir)
+    return run_dir
+
+
+def _point_link(link: Path, target: Path) -> None:
+    """Atomically (re)point ``link`` at ``target`` (a relative link when they are siblings)."""
+    rel = target.name if target.resolve().parent == link.parent.resolve() else str(target.resolve())
+    tmp = link.with_name(f".{link.name}.tmp-{os.getpid()}")
+    try:
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(rel, target_is_directory=True)
+        os.replace(tmp, link)
+    except OSError as e:  # a filesystem without symlinks: the run still has its directory
+        tmp.unlink(missing_ok=True)
+        print(f"oppo: note: could not point {link} at {target} ({e})", file=sys.stderr)
 
 
 def _print_samples(title: str, texts, scores, n: int) -> None:
@@ -21,59 +203,143 @@ def _print_samples(title: str, texts, scores, n: int) -> None:
         print(f"  [{s:+.3f}] {prompt} ||| {response}", file=sys.stderr)
 
 
+def _keep_lines_before(path: Path, step: int) -> None:
+    """Drop the records of steps >= ``step`` from a JSONL file (rewritten atomically)."""
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines(keepends=True)
+            if line.strip() and _step_of(line) is not None and _step_of(line) < step]
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
+
+
+def _step_of(line: str) -> int | None:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None  # a torn last line from a killed run
+
+
+def _earlier_spans(path: Path, before: int):
+    from .trace import load_trace
+
+    if before <= 0 or not path.is_file():
+        return []
+    try:
+        return [s for s in load_trace(path) if s.step < before]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []  # unreadable (a run killed mid-write cannot leave one: saves are atomic)
+
+
 def train(cfg: Config, resume: str | None = None, progress: bool = True) -> Path:
-    """Run PPO as configured; return the run directory."""
+    """Run PPO as configured; return the run directory.
+
+    ``resume``: None for a new run, ``"auto"`` for the latest checkpoint of ``run.out_dir``, or a
+    checkpoint (or run) directory. Raises :class:`~oppo.preflight.PreflightError` before loading
+    anything when the run directory, the checkpoint or the inputs are wrong.
+    """
     from transformers.utils import logging as hf_logging
 
     from .trainer import Trainer
 
     hf_logging.disable_progress_bar()  # "Loading weights" bars for every role drown the run's own output
-
-    run_dir = Path(cfg.run.out_dir)
-    ckpt = None
-    if resume is not None:
-        ckpt = latest_checkpoint(run_dir) if resume == "auto" else Path(resume)
-        if ckpt is None:
-            raise FileNotFoundError(f"--resume auto: no checkpoint under {run_dir}/checkpoints; "
-                                    f"start without --resume or set run.out_dir to the earlier run's directory.")
-        if not (Path(ckpt) / "state.json").is_file():
-            raise FileNotFoundError(f"--resume {resume}: {ckpt} is not a checkpoint directory (no state.json).")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    plan = plan_run(cfg, resume)
+    ckpt = plan.checkpoint
     trainer = Trainer(cfg, progress=progress)
     try:
         if ckpt is not None:
-            load_checkpoint(trainer, Path(ckpt))
+            load_checkpoint(trainer, ckpt)
             print(f"resumed from {ckpt} at step {trainer.step}", file=sys.stderr)
+        run_dir = _create(plan)
+        if progress:
+            linked = f" ({plan.link} points to it)" if plan.link is not None else ""
+            print(f"run directory: {run_dir}{linked}", file=sys.stderr)
+        first = trainer.step
         (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         logger = MetricsLogger(run_dir, tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb,
                                wandb_project=cfg.log.wandb_project, config=to_dict(cfg), resume=ckpt is not None)
         if ckpt is not None:
-            logger.truncate_after(trainer.step - 1)
+            logger.truncate_after(first - 1)
         lengths_path = run_dir / "lengths.jsonl"
-        bar = ProgressBar(cfg.run.steps, initial=trainer.step, enabled=cfg.log.progress)
-        first = trainer.step
-        with open(lengths_path, "a" if ckpt else "w") as lengths:
-            while trainer.step < cfg.run.steps:
-                step = trainer.step
-                metrics = trainer.run_step()
-                res = trainer.last_result
-                if step == first:
-                    _print_samples(f"samples at step {step}:", res.texts, res.exp.scores.tolist(), cfg.run.samples)
-                logger.log(step, metrics)
-                lengths.write(json.dumps({"step": step, "lengths": res.exp.mask.sum(1).int().tolist(),
-                                          "prompt_index": [r.prompt_index for r in res.exp.rollouts]}) + "\n")
-                lengths.flush()
-                bar.update(step, metrics)
-                if cfg.run.save_every and trainer.step % cfg.run.save_every == 0 and trainer.step < cfg.run.steps:
-                    save_checkpoint(trainer, run_dir, cfg.run.keep_checkpoints)
-        bar.close()
+        _keep_lines_before(lengths_path, first)
+        earlier = _earlier_spans(run_dir / "trace.json", first) if cfg.log.trace else []
+        bar = ProgressBar(cfg.run.steps, initial=first, enabled=cfg.log.progress)
+        try:
+            with open(lengths_path, "a" if ckpt else "w") as lengths:
+                while trainer.step < cfg.run.steps:
+                    step = trainer.step
+                    metrics = trainer.run_step()
+                    res = trainer.last_result
+                    if step == first:
+                        _print_samples(f"samples at step {step}:", res.texts, res.exp.scores.tolist(),
+                                       cfg.run.samples)
+                    logger.log(step, metrics)
+                    lengths.write(json.dumps({"step": step, "lengths": res.exp.mask.sum(1).int().tolist(),
+                                              "prompt_index": [r.prompt_index for r in res.exp.rollouts]}) + "\n")
+                    lengths.flush()
+                    bar.update(step, metrics)
+                    if cfg.run.save_every and trainer.step % cfg.run.save_every == 0 and trainer.step < cfg.run.steps:
+                        save_checkpoint(trainer, run_dir, cfg.run.keep_checkpoints)
+        finally:
+            bar.close()
+            if cfg.log.trace:  # also when interrupted: the trace of the steps run so far
+                trainer.tracer.save(run_dir / "trace.json", previous=earlier)
         if trainer.step > first:
             res = trainer.last_result
             _print_samples(f"samples at step {trainer.step - 1}:", res.texts, res.exp.scores.tolist(), cfg.run.samples)
         save_checkpoint(trainer, run_dir, cfg.run.keep_checkpoints)
-        if cfg.log.trace:
-            trainer.tracer.save(run_dir / "trace.json")
         logger.close()
     finally:
         trainer.close()
     return run_dir
+
+
+# --------------------------------------------------------------------------- the closing summary
+
+def _duration(seconds: float) -> str:
+    s = int(round(seconds))
+    h, rem = divmod(s, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+def _mean(records: list[dict], key: str) -> float | None:
+    vals = [r[key] for r in records if r.get(key) is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def run_summary(run_dir: str | Path, wall_seconds: float | None = None, link: str | Path | None = None) -> str:
+    """A few lines that close a run: steps, reward and judge at the start and the end, wall time,
+    the run directory and the command that draws its pictures."""
+    run_dir = Path(run_dir)
+    try:
+        ms = read_metrics(run_dir)
+    except (OSError, ValueError):
+        ms = []
+    lines = []
+    if ms:
+        k = 5 if len(ms) >= 10 else 1
+        head, tail = ms[:k], ms[-k:]
+        took = f" in {_duration(wall_seconds)}" if wall_seconds is not None else ""
+        train_s = ms[-1].get("time/wallclock")
+        lines.append(f"done: {len(ms)} steps ({ms[0]['step']}-{ms[-1]['step']}){took}"
+                     + (f", {_duration(train_s)} of it training" if train_s is not None and wall_seconds else ""))
+        parts = []
+        for key, name in (("reward/mean", "reward"), ("judge/mean", "judge")):
+            a, b = _mean(head, key), _mean(tail, key)
+            if a is not None and b is not None:
+                parts.append(f"{name} {a:.3f} -> {b:.3f}")
+        kl = _mean(tail, "kl/mean")
+        if kl is not None:
+            parts.append(f"KL {kl:.3g} at the end")
+        if parts:
+            which = f"means of the first and last {k} steps" if k > 1 else "first and last step"
+            lines.append(f"  {', '.join(parts)} ({which})")
+    where = f"  run directory: {run_dir}"
+    if link is not None and Path(link).is_symlink() and Path(link).resolve() == run_dir.resolve():
+        where += f"  ({link} points to it)"
+    lines.append(where)
+    if ms:
+        lines.append(f"  pictures:      oppo report {shlex.quote(str(run_dir))}")
+    return "\n".join(lines)

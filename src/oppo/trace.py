@@ -150,11 +150,24 @@ class Tracer:
         """The trace as a Chrome trace-event dict (see the module docstring)."""
         return spans_to_chrome(self.spans, t0=self.t0)
 
-    def save(self, path: str | Path) -> Path:
-        """Write the Chrome trace JSON atomically (temp file + rename); returns the path."""
+    def save(self, path: str | Path, previous: Iterable[Span] = ()) -> Path:
+        """Write the Chrome trace JSON atomically (temp file + rename); returns the path.
+
+        ``previous``: spans of an earlier process of the same run (a resumed run passes the
+        steps before its checkpoint, read back with :func:`load_trace`). They are written first,
+        on their own clock, and this tracer's spans follow them after a one-second gap that marks
+        the restart, so resuming never loses the trace of the steps already run.
+        """
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        data = self.to_chrome()
+        previous = list(previous)
+        if previous:
+            shift = max(s.end for s in previous) + 1.0 - self.t0
+            spans = previous + [Span(s.worker, s.stage, s.step, s.start + shift, s.end + shift, s.args)
+                                for s in self.spans]
+            data = spans_to_chrome(spans, t0=0.0)
+        else:
+            data = self.to_chrome()
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".trace.", suffix=".tmp")
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:

@@ -222,8 +222,9 @@ def verify(root: Path, fp: str) -> str | None:
 def _build(task: Task, out: Path, seed: int, sizes: PrepareSizes, fp: str, log: _Log) -> dict:
     t0 = time.time()
     cpu0 = time.process_time()
+    log.phases = 4 if task.uses_reward_model else 2
     log(f"preparing task {task.name!r} (seed {seed}, {torch.get_num_threads()} threads) "
-        f"into {out.parent / task.name}")
+        f"into {out.parent / task.name}; {log.phases} phases")
     tokenizer = build_tokenizer(task.vocabulary(), model_max_length=sizes.model.max_positions)
     vocab = tokenizer.get_vocab()
     tokenizer.save_pretrained(str(out / "tokenizer"))
@@ -255,7 +256,7 @@ def _build(task: Task, out: Path, seed: int, sizes: PrepareSizes, fp: str, log: 
     seqs = [[BOS_ID] + ids(p) + ids(r) + [tokenizer.eos_token_id] for p, r in examples]
     torch.manual_seed(_sub(seed, 4))
     policy = M.build_policy(sizes.model, len(tokenizer), task.max_new_tokens)
-    log(f"SFT: {M.n_params(policy) / 1e6:.2f}M parameters, {len(seqs)} texts, "
+    log.phase(f"SFT policy: {M.n_params(policy) / 1e6:.2f}M parameters, {len(seqs)} texts, "
         f"{sizes.sft_steps} steps")
     sft_stats = M.train_sft(policy, seqs, steps=sizes.sft_steps, batch_size=sizes.sft_batch_size,
                             lr=sizes.sft_lr, seed=_sub(seed, 5), progress=log.enabled)
@@ -264,6 +265,8 @@ def _build(task: Task, out: Path, seed: int, sizes: PrepareSizes, fp: str, log: 
 
     # 2. SFT metrics: samples at temperature 1 on the held-out prompts.
     t = time.time()
+    log.phase(f"SFT metrics: trained in {sft_seconds:.0f}s (final loss {sft_stats['final_loss']:.3f}); sampling "
+              f"{sizes.eval_samples} responses on held-out prompts")
     eval_p = [eval_prompts[i % len(eval_prompts)] for i in range(sizes.eval_samples)]
     eval_ids = [tokenizer(p)["input_ids"] for p in eval_p]
     samples = M.sample(policy, eval_ids, max_new_tokens=task.max_new_tokens,
@@ -306,7 +309,7 @@ def _build(task: Task, out: Path, seed: int, sizes: PrepareSizes, fp: str, log: 
             by_kind.setdefault(kind, []).append(ok)
         info["sft_accuracy_by_kind"] = {k: round(sum(v) / len(v), 4)
                                         for k, v in sorted(by_kind.items())}
-    log(f"SFT done in {sft_seconds:.0f}s: eos rate {info['sft_eos_rate']:.3f}, length p50 "
+    log(f"SFT metrics: eos rate {info['sft_eos_rate']:.3f}, length p50 "
         f"{info['length_p50']} p99 {info['length_p99']}, judge mean {info['sft_judge_mean']:.3f}")
     timings = {"sft": sft_seconds, "sft_eval": time.time() - t}
 
@@ -332,14 +335,15 @@ def _build(task: Task, out: Path, seed: int, sizes: PrepareSizes, fp: str, log: 
 def _build_reward_model(task: Task, policy, tokenizer, ids, out: Path, seed: int,
                         sizes: PrepareSizes, eval_p: list[str], eval_samples: list[M.Sample],
                         eval_judged: list[float], log: _Log) -> dict:
-    log(f"reward model: sampling the policy on {sizes.rm_prompts} + {sizes.rm_eval_prompts} prompts")
+    log.phase(f"reward model pairs: sampling the policy on {sizes.rm_prompts} + {sizes.rm_eval_prompts} prompts, "
+              f"labelling pairs with the judge")
     train_pairs, _ = _preference_pairs(task, policy, tokenizer, ids, sizes.rm_prompts,
                                        _sub(seed, 7), sizes)
     held_pairs, held_kinds = _preference_pairs(task, policy, tokenizer, ids,
                                                sizes.rm_eval_prompts, _sub(seed, 8), sizes)
     torch.manual_seed(_sub(seed, 9))
     rm = M.build_reward_model(sizes.model, len(tokenizer), init_from=policy)
-    log(f"reward model: {len(train_pairs)} train pairs, {len(held_pairs)} held-out, "
+    log.phase(f"reward model: {len(train_pairs)} train pairs, {len(held_pairs)} held-out, "
         f"{sizes.rm_steps} steps")
     stats = M.train_reward_model(rm, train_pairs, steps=sizes.rm_steps,
                                  batch_size=sizes.rm_batch_size, lr=sizes.rm_lr,
@@ -439,11 +443,19 @@ def _preference_pairs(task: Task, policy, tokenizer, ids, n: int, seed: int,
 
 
 class _Log:
-    """Concise progress lines on stderr (silent when ``progress=False``)."""
+    """Concise progress lines on stderr (silent when ``progress=False``): one when each phase
+    starts (numbered, so a log without a terminal shows where the build is) and one with its
+    results. The phases' own bars (``task/models.py``) show only on a terminal."""
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self.t0 = time.time()
+        self.phases = 0
+        self._phase = 0
+
+    def phase(self, msg: str) -> None:
+        self._phase += 1
+        self(f"phase {self._phase}/{self.phases}: {msg}")
 
     def __call__(self, msg: str) -> None:
         if self.enabled:
@@ -466,7 +478,7 @@ def _save_model(model, tokenizer, path: Path, progress: bool) -> None:
     from transformers.utils import logging as hf_logging
 
     bars = hf_logging.is_progress_bar_enabled()
-    if not progress:
+    if not (progress and sys.stderr.isatty()):  # without a terminal, a bar is a line of \r noise
         hf_logging.disable_progress_bar()
     try:
         model.save_pretrained(str(path), safe_serialization=True)

@@ -1,0 +1,254 @@
+"""Checks that need no model: they run before ``oppo prepare`` and before any model loads.
+
+``oppo train`` (and :func:`oppo.train`) calls :func:`input_problems` with the run's settings and
+reports every problem it finds in one message, so a user fixes them all in one go instead of
+one per attempt, each attempt costing a model load:
+
+- the prompt set: given when the models are the user's, present, not empty, its first record
+  readable with the configured field;
+- model paths: each local one a directory with ``config.json`` (the policy's also with its
+  tokenizer; a reward model with one label); each hub name cached locally or the hub reachable;
+- ``reward.function`` and ``reward.judge``: importable, and callable;
+- devices: CUDA present when asked for; TensorBoard / W&B installed when asked for.
+
+The network: a hub name (``org/model``) that is not in the local Hugging Face cache needs the
+hub. One TCP connection to the hub endpoint, with a short timeout, tells within seconds whether
+it is reachable; when it is not, every hub name missing from the cache is one clear line about
+the network (instead of Hugging Face's 49 s of retries and then a message about a missing
+tokenizer), and when all of them are cached, offline mode is switched on so that the loaders go
+straight to the cache (:func:`hub_reachable`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import threading
+from pathlib import Path
+from urllib.parse import urlparse
+
+from .config import Config
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model", "vocab.json",
+                   "vocab.txt")
+_OFFLINE_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+class PreflightError(ValueError):
+    """One or more problems found before anything expensive ran; the message lists them all."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        if len(self.problems) == 1:
+            msg = self.problems[0]
+        else:
+            msg = (f"{len(self.problems)} problems, found before loading anything:\n"
+                   + "\n".join(f"  - {p}" for p in self.problems))
+        super().__init__(msg)
+
+
+def raise_if(problems: list[str]) -> None:
+    if problems:
+        raise PreflightError(problems)
+
+
+# --------------------------------------------------------------------------- the network
+
+_REACHABLE: dict[str, bool] = {}
+
+
+def _offline_env() -> bool:
+    return any(os.environ.get(k, "").strip().lower() in ("1", "true", "yes", "on") for k in _OFFLINE_ENV)
+
+
+def hub_endpoint() -> str:
+    return os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether a TCP connection to the hub endpoint opens within ``timeout`` seconds (cached per
+    endpoint for the process). False at once in offline mode (``HF_HUB_OFFLINE=1``).
+
+    Name resolution has no timeout of its own, so the probe runs on a daemon thread and is given
+    up on after ``timeout``: a machine without network answers in seconds either way.
+    """
+    if _offline_env():
+        return False
+    endpoint = hub_endpoint()
+    if endpoint in _REACHABLE:
+        return _REACHABLE[endpoint]
+    url = urlparse(endpoint)
+    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+    result: list[bool] = []
+
+    def probe() -> None:
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            result.append(True)
+        except OSError:
+            result.append(False)
+
+    t = threading.Thread(target=probe, name="oppo-hub-probe", daemon=True)
+    t.start()
+    t.join(timeout + 0.5)
+    _REACHABLE[endpoint] = bool(result and result[0])
+    return _REACHABLE[endpoint]
+
+
+def go_offline() -> None:
+    """Make Hugging Face read only its local cache, in this process and in the ones it starts."""
+    for k in _OFFLINE_ENV:
+        os.environ[k] = "1"
+    try:
+        import huggingface_hub.constants as hc
+
+        hc.HF_HUB_OFFLINE = True  # read at call time by huggingface_hub and transformers
+    except ImportError:  # pragma: no cover - transformers depends on it
+        pass
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:  # pragma: no cover
+        return False
+    try:
+        hit = try_to_load_from_cache(repo_id, "config.json")
+    except Exception:  # an invalid repo id, an unreadable cache: not cached
+        return False
+    return isinstance(hit, str)
+
+
+# --------------------------------------------------------------------------- the checks
+
+def _looks_local(path: str) -> bool:
+    from .models import _looks_local as looks_local  # one definition of "a local path"
+
+    return looks_local(path)
+
+
+def _model_problems(role: str, key: str, path: str, hub_names: list[tuple[str, str]]) -> list[str]:
+    if not _looks_local(path):
+        hub_names.append((key, path))
+        return []
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        return [f"{key}={path!r} does not exist or is not a directory. Give a directory written by "
+                f"save_pretrained, or a hub name such as 'org/model'."]
+    if not (p / "config.json").is_file():
+        return [f"{key}={path!r} has no config.json: it is not a Hugging Face model directory "
+                f"(write one with model.save_pretrained(dir))."]
+    out = []
+    if role == "policy" and not any((p / f).is_file() for f in TOKENIZER_FILES):
+        out.append(f"{key}={path!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES[:2])}, ...); "
+                   f"save it beside the model with tokenizer.save_pretrained(dir).")
+    if role == "reward":
+        try:
+            conf = json.loads((p / "config.json").read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            return [f"{key}={path!r}: config.json is unreadable ({e})."]
+        labels = len(conf["id2label"]) if isinstance(conf.get("id2label"), dict) else conf.get("num_labels")
+        if isinstance(labels, int) and labels != 1:
+            out.append(f"{key}={path!r} has {labels} labels; PPO needs a scalar reward "
+                       f"(AutoModelForSequenceClassification with num_labels=1).")
+    return out
+
+
+def _prompt_problems(source: str, field: str) -> tuple[list[str], bool]:
+    """(problems, is a hub dataset name)."""
+    p = Path(source).expanduser()
+    local = p.exists() or source.startswith(("/", "./", "../", "~")) or p.suffix in (
+        ".jsonl", ".json", ".csv", ".parquet", ".txt")
+    if not local:
+        return [], True
+    if not p.exists():
+        return [f"data.prompts={source!r}: no such file or directory. Set data.prompts to an existing "
+                f"prompt file (JSONL with a {field!r} field per line)."], False
+    if p.is_dir():
+        if not any(p.iterdir()):
+            return [f"data.prompts={source!r} is an empty directory."], False
+        return [], False
+    first = None
+    with open(p, encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                first = (lineno, line)
+                break
+    if first is None:
+        return [f"data.prompts={source!r} is empty. Give a file with at least one prompt."], False
+    if p.suffix == ".jsonl" or (p.suffix == ".json" and first[1].lstrip().startswith("{")):
+        lineno, line = first
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            return [f"{source}:{lineno}: not valid JSON ({e.msg}). Each line must be one JSON object such as "
+                    f"{{\"{field}\": \"...\"}}."], False
+        if not isinstance(rec, dict) or field not in rec:
+            keys = ", ".join(map(repr, rec)) if isinstance(rec, dict) else "none"
+            return [f"{source}:{lineno}: no field {field!r} (the record has {keys}). Set data.field to the name "
+                    f"of the prompt field."], False
+    return [], False
+
+
+def _function_problems(key: str, spec: str) -> list[str]:
+    from .models import ModelLoadError, load_function
+
+    try:
+        load_function(spec, key)
+    except ModelLoadError as e:
+        return [str(e)]
+    return []
+
+
+def input_problems(cfg: Config) -> list[str]:
+    """Everything wrong with the run's inputs that can be found without loading a model.
+
+    Also switches Hugging Face to offline mode when the hub is unreachable and every hub name is
+    cached (so loading goes straight to the cache)."""
+    problems: list[str] = []
+    hub_names: list[tuple[str, str]] = []
+    if cfg.uses_builtin_task:
+        from .task import TASKS
+
+        if cfg.data.task not in TASKS:
+            problems.append(f"data.task={cfg.data.task!r} is not a built-in task; known: {', '.join(sorted(TASKS))}.")
+    elif cfg.data.prompts is None:
+        problems.append("policy.path is set but data.prompts is not: give a prompt set (data.prompts=path.jsonl).")
+    for role in ("policy", "reward", "critic", "reference"):
+        path = getattr(cfg, role).path
+        if path:
+            problems += _model_problems(role, f"{role}.path", path, hub_names)
+    hub_dataset = False
+    if cfg.data.prompts:
+        found, hub_dataset = _prompt_problems(cfg.data.prompts, cfg.data.field)
+        problems += found
+    for key, spec in (("reward.function", cfg.reward.function), ("reward.judge", cfg.reward.judge)):
+        if spec:
+            problems += _function_problems(key, spec)
+    for role in ("policy", "reward", "critic", "reference"):
+        dev = getattr(cfg, role).device
+        if dev.startswith("cuda"):
+            import torch
+
+            if not torch.cuda.is_available():
+                problems.append(f"{role}.device={dev!r} but CUDA is not available here; use cpu or auto.")
+    for flag, package, extra in ((cfg.log.tensorboard, "tensorboard", "tensorboard"), (cfg.log.wandb, "wandb", "wandb")):
+        if flag and importlib.util.find_spec(package) is None:
+            problems.append(f"log.{package}=true but the '{package}' package is not installed: "
+                            f"pip install 'oppo[{extra}]', or set log.{package}=false.")
+    missing = [(k, name) for k, name in hub_names if not _in_hub_cache(name)]
+    if (missing or hub_dataset) and not hub_reachable():
+        why = ("offline mode is on (HF_HUB_OFFLINE)" if _offline_env()
+               else f"no network: {hub_endpoint()} cannot be reached")
+        for key, name in missing:
+            problems.append(f"{key}={name!r} is a hub name that is not in the local Hugging Face cache, and {why}. "
+                            f"Download it where there is network (huggingface-cli download {name}) or give a "
+                            f"local directory.")
+        if hub_dataset:
+            problems.append(f"data.prompts={cfg.data.prompts!r} is not a local file, so it would be a hub dataset, "
+                            f"and {why}. Give a local JSONL file.")
+    elif hub_names and not missing and not hub_reachable():
+        go_offline()  # every hub model is cached: load from the cache without retrying the network
+    return problems
