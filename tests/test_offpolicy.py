@@ -1,0 +1,149 @@
+"""The off-policy path, by hand: old log-probs, importance weights and their truncation, and the
+stale state of carried sequences (stale_kv, stale_values)."""
+
+import copy
+import math
+
+import pytest
+import torch
+
+from oppo.config import PPOConfig, load_config
+from oppo.learner import Experience, Learner
+from oppo.models import load_causal_lm, load_tokenizer
+from oppo.rollout import Rollout, RolloutEngine
+from oppo.scoring import score_full
+from oppo.trainer import Trainer
+
+L = math.log
+
+
+def _hand_experience() -> Experience:
+    """Two rows, prompt width 1, responses [0, 1] and [1] over a 2-token vocabulary.
+
+    versions at step 1: row 0's first token was sampled by version 0 (carried), the rest by 1.
+    behaviour log-probs: row 0 [log .25, log .3], row 1 [log .5].
+    """
+    ids = torch.tensor([[1, 0, 1], [1, 1, 0]])
+    valid = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    beh = torch.tensor([[L(0.25), L(0.3)], [L(0.5), 0.0]])
+    return Experience(rollouts=[], ids=ids, valid=valid, P=1, mask=mask, versions=torch.tensor([[0, 1], [1, 0]]),
+                      behaviour_logprobs=beh, old_logprobs=beh.clone(), is_weights=torch.ones_like(beh))
+
+
+def _hand_learner(recompute_old: bool) -> Learner:
+    cfg = PPOConfig(is_truncate=1.5, clip_eps=0.2)
+    lrn = Learner(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), cfg, temperature=1.0, seed=0,
+                  recompute_old=recompute_old)
+    # pi_1 gives every token probability 1/2: equal logits at every position
+    lrn._actor_logits = lambda ids, valid, P: torch.zeros(ids.shape[0], ids.shape[1] - P, 2)
+    return lrn
+
+
+def test_off_policy_tokens_get_pi_k_and_a_truncated_weight():
+    exp = _hand_experience()
+    _hand_learner(recompute_old=False).old_logprobs(exp, version=1)
+    # row 0 token 0 is off-policy: old := log pi_1 = log .5; weight pi_1/behaviour = .5/.25 = 2 -> truncated 1.5
+    # on-policy tokens keep the sampler's log-prob and weight 1
+    torch.testing.assert_close(exp.old_logprobs, torch.tensor([[L(0.5), L(0.3)], [L(0.5), 0.0]]))
+    torch.testing.assert_close(exp.is_weights, torch.tensor([[1.5, 1.0], [1.0, 1.0]]))
+    assert exp.stats == {}
+
+
+def test_untruncated_weight():
+    exp = _hand_experience()
+    lrn = _hand_learner(recompute_old=False)
+    lrn.cfg.is_truncate = None
+    lrn.old_logprobs(exp, version=1)
+    assert exp.is_weights[0, 0].item() == pytest.approx(2.0)
+
+
+def test_recompute_old_centres_every_token_on_the_training_forward():
+    exp = _hand_experience()
+    _hand_learner(recompute_old=True).old_logprobs(exp, version=1)
+    # every real token: old := log .5; weights unchanged (only off-policy tokens are reweighted)
+    torch.testing.assert_close(exp.old_logprobs, torch.tensor([[L(0.5), L(0.5)], [L(0.5), 0.0]]))
+    torch.testing.assert_close(exp.is_weights, torch.tensor([[1.5, 1.0], [1.0, 1.0]]))
+    # the gap on the two on-policy tokens: |log .5 - log .3| = 0.5108 and 0 -> mean 0.2554;
+    # their unrecomputed ratios .3/.5 = 0.6 (outside [0.8, 1.2]) and 1 -> half outside
+    assert exp.stats["ppo/sampler_logprob_gap"] == pytest.approx(L(0.5 / 0.3) / 2, rel=1e-5)
+    assert exp.stats["ppo/sampler_logprob_gap_max"] == pytest.approx(L(0.5 / 0.3), rel=1e-5)
+    assert exp.stats["ppo/sampler_ratio_outside_clip"] == pytest.approx(0.5)
+
+
+def test_nothing_off_policy_changes_nothing():
+    exp = _hand_experience()
+    exp.versions.fill_(1)
+    before = exp.old_logprobs.clone()
+    _hand_learner(recompute_old=False).old_logprobs(exp, version=1)
+    assert torch.equal(exp.old_logprobs, before) and torch.equal(exp.is_weights, torch.ones_like(before))
+
+
+def test_stale_kv_recompute_rebuilds_the_cache_under_new_weights(tiny_models):
+    """After new weights arrive, recompute() gives the next-token logits of a full forward under
+    the new weights; keeping the cache does not (the prefix was computed by the old ones)."""
+    tok = load_tokenizer(str(tiny_models["policy"]))
+    model = load_causal_lm(str(tiny_models["policy"]), "policy", torch.device("cpu"), torch.float32).eval()
+    eng = RolloutEngine(model, tok.eos_token_id, tok.pad_token_id, max_new_tokens=30, seed=0)
+    eng.admit([Rollout(0, 0, "p", tok("the film was")["input_ids"], 0),
+               Rollout(1, 1, "q", tok("a day")["input_ids"], 0)])
+    for _ in range(4):
+        eng.step()
+    assert eng.active == 2
+    with torch.no_grad():  # a weight update
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    eng.set_version(1)
+
+    def full_forward_logits():
+        out = []
+        for r in eng.rows:
+            with torch.no_grad():
+                out.append(model(torch.tensor([r.prompt_ids + r.response_ids])).logits[0, -1])
+        return torch.stack(out)
+
+    eng.step()  # one token under the kept (stale) cache
+    kept = eng.next_logits.clone()
+    want = full_forward_logits()
+    assert (kept - want).abs().max() > 1e-3, "the kept cache is stale"
+    eng.recompute()
+    torch.testing.assert_close(eng.next_logits, want, atol=1e-4, rtol=1e-4)
+    assert eng.logits_version == [1, 1] and eng.kv_version == [1, 1]
+
+
+@pytest.mark.parametrize("stale_values", ["recompute", "keep"])
+def test_stale_values(tiny_models, tiny_prompts, tmp_path, stale_values):
+    """oppo mode streams critic values while sequences decode. A sequence carried over an update
+    has values of its prefix from the previous critic: stale_values=recompute replaces them with
+    the current critic's (the one-shot values of the whole sequence); keep leaves them."""
+    cfg = load_config(None, [
+        f"policy.path={tiny_models['policy']}", f"reward.path={tiny_models['reward']}",
+        f"data.prompts={tiny_prompts}", "run.threads=1", "ppo.batch_size=4", "ppo.minibatch_size=4",
+        "ppo.micro_batch_size=4", "generation.max_new_tokens=24", "overlap.mode=oppo", "overlap.delta=4",
+        "overlap.max_lag=2", "overlap.chunk_size=2", f"overlap.stale_values={stale_values}",
+        "ppo.critic_lr=1e-2", f"run.out_dir={tmp_path}", "log.progress=false"])
+    t = Trainer(cfg, progress=False)
+    try:
+        carried_seen = 0
+        for _ in range(4):
+            critic_now = copy.deepcopy(t.scoring_critic)  # the critic of this step (updated after scoring)
+            t.run_step()
+            exp = t.last_result.exp
+            rs = exp.rollouts
+            want = score_full("critic", critic_now, [r.prompt_ids for r in rs], [r.response_ids for r in rs],
+                              t.pad_id)
+            for i, (r, w) in enumerate(zip(rs, want)):
+                n = len(r.response_ids)
+                got = exp.values[i, :n]
+                gap = (got - torch.tensor(w.values)).abs().max().item()
+                if r.start_version < t.step - 1:  # carried across an update
+                    carried_seen += 1
+                    if stale_values == "recompute":
+                        assert gap < 1e-4
+                    elif n > 2:
+                        assert gap > 1e-4, "keep: the prefix's values are the previous critic's"
+                else:
+                    assert gap < 1e-4
+        assert carried_seen > 0, "the fixture must carry some sequences"
+    finally:
+        t.close()
