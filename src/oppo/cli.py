@@ -68,7 +68,14 @@ def _bench(argv: list[str]) -> int:
     return bench_main(argv)
 
 
-COMMANDS = {"train": _train, "prepare": _prepare, "report": _report, "bench": _bench}
+def _plan(argv: list[str]) -> int:
+    """Simulate the PPO step per mode: fit costs from bench traces, check them, project GPU clusters."""
+    from .plan.cli import main as plan_main
+
+    return plan_main(argv)
+
+
+COMMANDS = {"train": _train, "prepare": _prepare, "report": _report, "bench": _bench, "plan": _plan}
 
 
 def usage() -> str:

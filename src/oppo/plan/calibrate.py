@@ -33,7 +33,7 @@ from .lengths import LogNormalLengths
 from .sim import MODES, STREAMING, Placement, Workload, simulate
 
 __all__ = ["MeasuredRun", "load_run", "load_tail_sweep", "replay_workload", "fit", "cpu_placement", "CpuProfile",
-           "validate"]
+           "Comparison", "validate", "check_bench", "validation", "BUILTIN_LENGTHS"]
 
 
 @dataclass
@@ -261,3 +261,66 @@ def validate(profile: CpuProfile, runs: list[MeasuredRun], label: str, warmup: i
         meas[mode] = meas_s["sequential"] / meas_s[mode]
         pred[mode] = pred_s["sequential"] / pred_s[mode]
     return Comparison(label, meas, pred, meas_s, pred_s)
+
+
+BUILTIN_LENGTHS = (8.0, 0.7)
+"""The built-in task's response lengths, as a log-normal (median, sigma), capped at 128.
+
+Its runs record per-step mean and maximum lengths only, not every sequence's, so the planner
+assumes a distribution: median 8 and sigma 0.7 give a mean of 10 tokens and a typical maximum of
+about 34 in a batch of 32, as the 41-step bench's response-length plot shows after its first
+steps (means 8-10, maxima 20-55). This is an assumption, and the check against those benches
+tests it together with the costs."""
+
+
+def check_bench(profile: CpuProfile, bench_dir: str | Path, lengths: tuple[float, float] = BUILTIN_LENGTHS,
+                max_new_tokens: int = 128, seed: int = 1) -> Comparison:
+    """Predict a built-in-task bench (``bench.json``, no traces needed) with assumed lengths."""
+    bench_dir = Path(bench_dir)
+    res = json.loads((bench_dir / "bench.json").read_text())
+    import yaml
+
+    st = yaml.safe_load(res["settings"])
+    ppo, ov = st["ppo"], st["overlap"]
+    chunk = ([c for c in ov["chunk_candidates"] for _ in range(ov["chunk_trial_steps"])] + [16]
+             if not ov["chunk_size"] else ov["chunk_size"])  # the tuner's trials, then (assumed) 16
+    delta = ov["delta"] if ov["delta"] >= 0 else ov["delta_init"]  # adaptive in the run; its start here
+    wl = Workload(batch=ppo["batch_size"], lengths=LogNormalLengths(lengths[0], lengths[1], max_new_tokens, seed),
+                  prompt_tokens=PROMPT_TOKENS, prompt_pad=PROMPT_PAD, delta=delta, max_lag=ov["max_lag"], chunk=chunk,
+                  minibatch=ppo["minibatch_size"], micro=ppo["micro_batch_size"], epochs=ppo["epochs"])
+    prof = CpuProfile(profile.costs, ov.get("critic_on_worker", True), profile.overhead_s)
+    pred_s, meas_s, busy = {}, {}, {}
+    for mode, v in res["modes"].items():
+        sim = prof.simulate(mode, wl, res["steps"])
+        pred_s[mode] = sim.step_time_median
+        meas_s[mode] = v["step_time_median_s"]
+        busy[mode] = {"measured": {w: v["busy_fraction"].get(w, 0.0) for w in ("actor", "scorer", "learner")},
+                      "predicted": {w: sim.busy_fraction("worker").get(w, 0.0) for w in ("actor", "scorer", "learner")}}
+    cmp = Comparison(f"built-in task, {bench_dir.name} ({res['steps']} steps)",
+                     {m: meas_s["sequential"] / v for m, v in meas_s.items()},
+                     {m: pred_s["sequential"] / v for m, v in pred_s.items()}, meas_s, pred_s,
+                     note=f"lengths assumed log-normal median {lengths[0]:g} sigma {lengths[1]:g}; "
+                          f"Delta fixed at {delta}; critic_on_worker={ov.get('critic_on_worker', True)}")
+    cmp.busy = busy
+    return cmp
+
+
+def validation(tail_dirs: list[str | Path], check_dirs: list[str | Path] = (),
+               lengths: tuple[float, float] = BUILTIN_LENGTHS) -> dict:
+    """Fit on every tail run; compare per sigma (in-sample and with that sigma held out) and per check bench."""
+    runs = [r for d in tail_dirs for r in load_tail_sweep(d)]
+    costs = fit(runs)
+    profile = CpuProfile(costs)
+    sigmas = sorted({r.sigma for r in runs})
+    comparisons = []
+    for sigma in sigmas:
+        mine = [r for r in runs if r.sigma == sigma]
+        c = validate(profile, mine, f"tail sigma {sigma:g}")
+        others = [r for r in runs if r.sigma != sigma]
+        if others:
+            held = validate(CpuProfile(fit(others)), mine, "held out")
+            c.held_out = held.predicted
+        comparisons.append(c)
+    for d in check_dirs:
+        comparisons.append(check_bench(profile, d, lengths))
+    return {"costs": costs, "profile": profile, "comparisons": comparisons, "runs": len(runs)}

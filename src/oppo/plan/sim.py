@@ -30,7 +30,7 @@ and the trained batch's lengths and lags.
 
 from __future__ import annotations
 
-import bisect
+import heapq
 import math
 import statistics
 from dataclasses import dataclass, field, replace
@@ -262,6 +262,7 @@ class _Sim:
         self.rows: dict[int, _Row] = {}
         self.spans: list[Span] = []
         self.clock = 0.0
+        self.log_start = 0
         self.stage_log: list[tuple[str, str, str, int, float, float, tuple[Work, ...]]] = []
 
     def record(self, dev: _Device, worker: str, stage: str, step: int, start: float, end: float,
@@ -280,28 +281,33 @@ class _Sim:
         for r in self.rows.values():
             r.prior = r.done  # tokens sampled by older policy versions, if trained at this step
         new = []
-        for t in self.sched.begin_step().seqs:
-            load = [0] * len(self.actors)
-            for r in self.rows.values():
-                if not r.finished:
-                    load[r.device] += 1
-            for r in new:
+        load = [0] * len(self.actors)  # running rows per actor device: a new row goes to the least loaded
+        for r in self.rows.values():
+            if not r.finished:
                 load[r.device] += 1
-            dev = min(range(len(load)), key=lambda i: (load[i], i))
+        heap = [(n, i) for i, n in enumerate(load)]
+        heapq.heapify(heap)
+        for t in self.sched.begin_step().seqs:
+            n, dev = heapq.heappop(heap)
+            heapq.heappush(heap, (n + 1, dev))
             row = _Row(t.uid, t.prompt_index, max(1, int(wl.lengths(t.prompt_index))), t.start_version, dev)
             self.rows[row.uid] = row
             new.append(row)
+        self.log_start = len(self.stage_log)
         # 1. the actor prefills the admitted prompts (each device its own)
-        for i, dev in enumerate(self.actors):
-            n = sum(1 for r in new if r.device == i)
+        per_actor = [0] * len(self.actors)
+        per_scorer = [0] * len(self.scorers)
+        for r in new:
+            per_actor[r.device] += 1
+            per_scorer[r.uid % len(self.scorers)] += 1
+        for dev, n in zip(self.actors, per_actor):
             if n:
                 w = Work("prefill", "policy", 1, n, n * wl.pad, n * wl.prompt_tokens ** 2 / 2)
                 dev.run(self, t0, costs.time(w), "actor", "prefill_prompt", k, [w])
         # ... and the streaming scorers prefill them too (their first queued message)
         queues: list[list[tuple[float, int, int, int, bool]]] = [[] for _ in self.scorers]
         if self.streams and new:
-            for j, dev in enumerate(self.scorers):
-                n = sum(1 for r in new if r.uid % len(self.scorers) == j)
+            for dev, n in zip(self.scorers, per_scorer):
                 if n:
                     works = [Work("stream", role, 1, n, n * wl.prompt_tokens, n * wl.prompt_tokens ** 2 / 2)
                              for role in pl.scorer_roles]
@@ -347,6 +353,7 @@ class _Sim:
             for r, left in zip(rows, rem):
                 events.append((float(ends[left - 1]), i, r.uid))
         events.sort()
+        pool = sum(1 for r in self.rows.values() if r.finished)  # finished, untrained (carried)
         close, close_t, j = None, None, 0
         while close is None:
             if j >= len(events):
@@ -354,8 +361,10 @@ class _Sim:
             t = events[j][0]
             while j < len(events) and events[j][0] == t:
                 self.sched.on_finished(events[j][2])
+                pool += 1
                 j += 1
-            close = self.sched.try_close()
+            if pool >= self.wl.batch:  # try_close cannot succeed before (it costs O(B) per call at scale)
+                close = self.sched.try_close()
             close_t = t
         # advance every running row to the close; stream its chunks; record the decode spans
         for i, rows in per_dev.items():
@@ -444,7 +453,8 @@ class _Sim:
         # the controller's own work: experience tensors, the off-policy correction of carried rows
         t = _group_run(self, self.actors, t_close, costs.time(Work("book", "", 1, B / A)), "learner", "experience", k,
                        [Work("book", "", 1, B / A)])
-        t = oneshot("policy", stale, self.actors, "learner", "experience", t)
+        if "policy" not in pl.actor_roles:  # else the full policy forward below gives the proximal log-probs
+            t = oneshot("policy", stale, self.actors, "learner", "experience", t)
         for role in pl.actor_roles:
             t = oneshot(role, batch, self.actors, "learner", f"forward_{role}", t)
         if self.streams:
@@ -494,7 +504,7 @@ class _Sim:
         dev: dict[str, float] = {d.name: 0.0 for d in self.actors + self.scorers}
         work: dict[str, float] = {}
         seen_worker: dict[str, list[tuple[float, float]]] = {}
-        for name, worker, stage, step, s, e, _ in self.stage_log:
+        for name, worker, stage, step, s, e, _ in self.stage_log[self.log_start:]:
             a, b = max(s, t0), min(e, t1)
             if b <= a:
                 continue
@@ -521,11 +531,12 @@ def _union_len(iv: list[tuple[float, float]]) -> float:
 
 
 def simulate(mode: str, workload: Workload, costs: CostModel, placement: Placement, steps: int = 8,
-             warmup: int = 1, fine: bool = False, overhead_s: float = 0.0) -> RunResult:
+             warmup: int = 1, fine: bool = False, overhead_s: float = 0.0, keep_spans: bool = True) -> RunResult:
     """Simulate ``steps`` PPO steps of ``mode``; the first ``warmup`` are left out of the summaries.
 
     ``fine=True`` splits the decode spans at every chunk hand-off, as the runtime records them
     (for calibration). ``overhead_s`` is added to every step (the controller's untraced time).
+    ``keep_spans=False`` skips building the spans (large clusters: the summaries need none).
     """
     sim = _Sim(mode, workload, costs, placement, fine)
     out = []
@@ -535,7 +546,7 @@ def simulate(mode: str, workload: Workload, costs: CostModel, placement: Placeme
             r.end += overhead_s
             sim.clock = r.end
         out.append(r)
-    spans = [Span(worker if len(sim.actors) == 1 else f"{worker}:{dev}", stage, step, s, e,
+    spans = [] if not keep_spans else [Span(worker if len(sim.actors) == 1 else f"{worker}:{dev}", stage, step, s, e,
                   {"works": [w.__dict__ for w in works]} if works else {})
              for dev, worker, stage, step, s, e, works in sim.stage_log]
     return RunResult(mode, placement, out, spans, warmup)
