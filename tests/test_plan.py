@@ -1,0 +1,182 @@
+"""The planner (oppo.plan): hand-checkable schedules, the cost models, the length model, and the
+calibration against the committed CPU benches. All fast (no models, no torch work)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from oppo.plan.costs import GPUS, Efficiency, LinearCosts, Roofline, Work, model_shape, nnls
+from oppo.plan.lengths import FixedLengths, LogNormalLengths
+from oppo.plan.sim import Placement, Workload, simulate
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "latest"
+
+# one second per decode step, nothing else costs anything unless a test says so
+UNIT = {"decode.calls": 1.0}
+
+
+def step_times(mode, wl, coef, pl, steps):
+    res = simulate(mode, wl, LinearCosts(coef), pl, steps=steps, warmup=0)
+    return [round(s.time, 9) for s in res.steps]
+
+
+class Table:
+    """Lengths from a dict (prompt index -> tokens), 1 for any other index."""
+
+    def __init__(self, d):
+        self.d = d
+
+    def __call__(self, i):
+        return self.d.get(i, 1)
+
+
+def test_two_stage_pipeline_by_hand():
+    # B = 2 rows of 4 tokens; decode 1 s per step; the reward model's forward costs 0.5 s a call
+    # streamed, 2 s one-shot; the PPO update 1 s (one micro-batch).
+    # sequential: decode 0-4, score 4-6, train 6-7                 -> 7.0 s
+    # intra, chunk 1: scorer prefills prompts 0-0.5, then scores each token's chunk as it
+    #   arrives at 1, 2, 3, 4 (0.5 s each, so it keeps up); last done at 4.5; train 4.5-5.5 -> 5.5 s
+    coef = {**UNIT, "stream.reward.calls": 0.5, "oneshot.reward.calls": 2.0, "train.actor.calls": 1.0}
+    pl = Placement(1, 1, scorer_roles=("reward",), critic="value_head")
+    for chunk in (1, 2, 4):
+        wl = Workload(2, FixedLengths(4), minibatch=2, micro=2, chunk=chunk, delta=0)
+        assert step_times("sequential", wl, coef, pl, 2) == [7.0, 7.0]
+        assert step_times("intra", wl, coef, pl, 2) == [5.5, 5.5]
+
+
+def test_scorer_slower_than_decode_queues_and_batches():
+    # chunk 1, streamed forward 1.5 s per call, decode 1 s per step, 4 tokens:
+    # prompts 0-1.5; chunks arrive at 1, 2, 3, 4 -> forwards 1.5-3 (chunk@1), 3-4.5 (chunks @2, @3
+    # batched in one call), 4.5-6 (final chunk @4); train 1 s -> 7.0
+    coef = {**UNIT, "stream.reward.calls": 1.5, "train.actor.calls": 1.0}
+    pl = Placement(1, 1, scorer_roles=("reward",), critic="value_head")
+    wl = Workload(2, FixedLengths(4), minibatch=2, micro=2, chunk=1, delta=0)
+    res = simulate("intra", wl, LinearCosts(coef), pl, steps=1, warmup=0)
+    assert res.steps[0].time == pytest.approx(7.0)
+    scored = [(s.start, s.end) for s in res.spans if s.stage == "score_reward"]
+    assert scored == [(1.5, 3.0), (3.0, 4.5), (4.5, 6.0)]
+
+
+def test_zero_scorer_cost_makes_intra_equal_sequential():
+    coef = {"decode.calls": 0.01, "decode.rows": 0.001, "train.actor.tokens": 1e-4, "train.critic.tokens": 1e-4,
+            "prefill.tokens": 1e-4}
+    pl = Placement(1, 1, critic="actor")  # same devices, same critic placement in both modes
+    wl = Workload(8, LogNormalLengths(6, 1.0, 64), minibatch=4, micro=2, chunk=3, delta=0)
+    assert step_times("intra", wl, coef, pl, 5) == pytest.approx(step_times("sequential", wl, coef, pl, 5))
+
+
+def test_equal_lengths_give_inter_no_gain():
+    # every sequence ends at the same decode step: closing at B finished carries only finished
+    # ones, each step decodes B new rows for L steps, exactly as the sequential loop
+    coef = {**UNIT, "oneshot.reward.tokens": 1e-3, "train.actor.tokens": 1e-3}
+    pl = Placement(1, 0, scorer_roles=("reward",), critic="value_head")
+    wl = Workload(4, FixedLengths(5), minibatch=4, micro=4, delta=2, max_lag=1)
+    seq = step_times("sequential", wl, coef, pl, 6)
+    inter = step_times("inter", wl, coef, pl, 6)
+    assert inter == pytest.approx(seq)
+
+
+def test_inter_carries_the_long_sequence_by_hand():
+    # B = 2, Delta = 1, max_lag = 1, decode 1 s per step, nothing else costs.
+    # Lengths: prompt 0 -> 4 tokens, every other prompt 1 token.
+    # sequential: step 0 = prompts {0, 1}: 4 s; then {2, 3}, {4, 5}: 1 s each.
+    # inter: step 0 admits {0, 1, 2}; 1 and 2 finish at 1 s -> close, 0 carried with 1 token;
+    #   step 1 admits {3}; 0 is due (lag 1), needs 3 more steps -> 3 s; trains {0, 3};
+    #   step 2 admits {4, 5} -> 1 s.
+    pl = Placement(1, 0, scorer_roles=(), critic="value_head")
+    wl = Workload(2, Table({0: 4}), minibatch=2, micro=2, delta=1, max_lag=1)
+    assert step_times("sequential", wl, UNIT, pl, 3) == [4.0, 1.0, 1.0]
+    assert step_times("inter", wl, UNIT, pl, 3) == [1.0, 3.0, 1.0]
+    res = simulate("inter", wl, LinearCosts(UNIT), pl, steps=3, warmup=0)
+    assert res.steps[1].lags == [1, 0] and res.steps[1].offpolicy_tokens == 1  # one token sampled by pi_0
+
+
+def test_data_parallel_actors_split_rows_and_wait_for_the_slowest():
+    # 4 rows on 2 actor devices (2 each); lengths 1, 1, 1, 6 by prompt index: the device holding
+    # the 6-token row decodes 6 s, the other 1 s; the sequential step waits for both.
+    pl = Placement(2, 0, scorer_roles=(), critic="value_head")
+    wl = Workload(4, Table({3: 6}), minibatch=4, micro=4, delta=0)
+    res = simulate("sequential", wl, LinearCosts(UNIT), pl, steps=1, warmup=0)
+    assert res.steps[0].time == pytest.approx(6.0)
+    busy = res.steps[0].device_busy
+    assert sorted(busy.values()) == pytest.approx([1.0, 6.0])
+
+
+def test_lognormal_lengths_replay_the_bench_sampler():
+    from oppo.bench import _synthetic_sampler
+
+    bench = _synthetic_sampler(1.5, 128, 0)
+    mine = LogNormalLengths(128 // 12, 1.5, 128, seed=0)
+    assert [mine(i) for i in range(500)] == [bench(i) for i in range(500)]
+    assert LogNormalLengths(10, 0.0, 128).sample(5) == [10] * 5
+
+
+def test_nnls_recovers_nonnegative_coefficients():
+    A = np.array([[1.0, 0.0], [1.0, 1.0], [1.0, 2.0], [1.0, 3.0]])
+    assert nnls(A, A @ np.array([2.0, 0.5])) == pytest.approx([2.0, 0.5])
+    # least squares would give a negative intercept (-1); NNLS clamps it at 0 and refits the slope
+    x = nnls(A, np.array([-1.0, 0.0, 1.0, 2.0]))
+    assert x[0] == 0.0 and x[1] == pytest.approx(8 / 14)
+
+
+def test_linear_costs_features_and_time():
+    c = LinearCosts({"decode.calls": 2.0, "decode.rows": 0.5, "train.actor.tokens": 0.01})
+    assert c.time(Work("decode", "policy", calls=3, rows=10)) == pytest.approx(3 * 2.0 + 10 * 0.5)
+    assert c.time(Work("train", "actor", calls=2, tokens=100)) == pytest.approx(1.0)
+    assert c.time(Work("train", "critic", calls=2, tokens=100)) == 0.0  # no coefficient, no cost
+    assert list(c.decode_steps(np.array([1, 4]), np.array([0, 0]))) == [2.5, 4.0]
+
+
+def test_roofline_decode_and_forward_by_hand():
+    m = model_shape(7)  # 7.6e9 parameters, bf16
+    r = Roofline(GPUS["h100"], {"policy": m}, Efficiency(decode_bw=0.5, decode_step_s=0.01, forward=0.5,
+                                                        forward_call_s=0.0))
+    # one row, empty cache: read 15.2 GB at 3.35 TB/s * 0.5 -> 9.07 ms, plus 10 ms
+    assert r.decode_steps(np.array([1]), np.array([0]))[0] == pytest.approx(15.2e9 / 1.675e12 + 0.01)
+    # 100k tokens, no attention: 2 * 7.6e9 * 1e5 FLOP at 989e12 * 0.5 -> 3.07 s (compute-bound)
+    assert r.time(Work("oneshot", "policy", 1, 100, 1e5, 0)) == pytest.approx(2 * 7.6e9 * 1e5 / 494.5e12)
+
+
+def test_bad_inputs_say_what_to_do():
+    with pytest.raises(ValueError, match="unknown op"):
+        Work("dance")
+    with pytest.raises(ValueError, match="critic must be"):
+        Placement(critic="nowhere")
+    from oppo.plan.project import parse_placement
+
+    assert parse_placement("7+1", 8) == (7, 1)
+    with pytest.raises(ValueError, match="make them agree"):
+        parse_placement("7+1", 16)
+
+
+@pytest.mark.skipif(not (BENCH / "tail").is_dir(), reason="needs the committed benchmarks/latest tail sweep")
+def test_calibration_replays_the_measured_runs_and_predicts_within_15_percent():
+    from oppo.plan.calibrate import load_tail_sweep, validation
+
+    runs = load_tail_sweep(BENCH)
+    assert len(runs) == 12  # 3 sigmas x 4 modes; replay_workload (called by the fit) checks every batch
+    v = validation([BENCH])
+    for c in v["comparisons"]:
+        for mode in ("intra", "inter", "oppo"):
+            assert abs(c.error(mode)) < 0.15, (c.label, mode, c.measured[mode], c.predicted[mode])
+
+
+def test_cli_prints_a_projection(capsys):
+    from oppo.plan.cli import main
+
+    assert main(["--sigma", "1.0", "--steps", "4"]) == 0
+    text = capsys.readouterr().out
+    assert "| oppo |" in text and "spec sheet" in text
+
+
+def test_projection_shows_the_long_tail_gain():
+    from oppo.plan.project import paper_setting, project, summarize
+
+    s = summarize(project(paper_setting("h100", sigma=1.0), steps=6, warmup=1))
+    assert s["sequential"]["speedup"] == pytest.approx(1.0)
+    assert s["oppo"]["speedup"] > s["inter"]["speedup"] > 1.1
+    assert math.isclose(s["intra"]["offpolicy_token_frac"], 0.0)
