@@ -68,7 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"Weak-scaling sweep over these GPU counts (e.g. {DEFAULT_SCALE}), 7+1 per node, "
                         "16 sequences per actor GPU, Delta = B/14.")
     g.add_argument("--sensitivity", action="store_true", help="Re-project with one assumption changed at a time.")
-    g.add_argument("--steps", type=int, default=10, help="Simulated steps per mode (the first 2 untimed).")
+    g.add_argument("--steps", type=int, default=60,
+                   help="Simulated steps per mode, the first 2 untimed (default 60; a sweep's large clusters run "
+                        "fewer: about 60 x 112 / B, at least 5, as their steps hold many more sequences).")
     p.add_argument("--out", default=None, help="Write plan.json, plan.md and the pictures here.")
     return p
 
@@ -129,7 +131,7 @@ def main(argv: list[str]) -> int:
         gpus_list = [int(x) for x in _floats(args.scale, "--scale")]
         say(f"weak scaling over {gpus_list} GPUs, sigmas {sigmas}")
         scale_kw = {k: v for k, v in base.items() if k not in ("actor_gpus", "scorer_gpus", "batch", "delta")}
-        scale_rows = scale_sweep(args.gpu, gpus_list, sigmas, steps=min(args.steps, 8), progress=say,
+        scale_rows = scale_sweep(args.gpu, gpus_list, sigmas, steps=args.steps, progress=say,
                                  node=(actor, scorer) if scorer else (actor, 0),
                                  per_gpu_batch=max(1, args.batch // actor), delta_frac=args.delta / args.batch,
                                  **{k: v for k, v in scale_kw.items() if k != "gpu"})
@@ -137,9 +139,13 @@ def main(argv: list[str]) -> int:
         md += ["## Weak scaling: projected speedup (intra / inter / oppo)", "",
                report.scale_markdown(scale_rows), ""]
         grid = [0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75]
+        tuned = {**base, "delta": max(1, args.batch // 4), "max_lag": 2}
         for s in grid:
             summ = summarize(project(paper_setting(sigma=s, **base), steps=args.steps))
-            sigma_rows.append({"sigma": s, **{f"{m}_speedup": v["speedup"] for m, v in summ.items()}})
+            t = summarize(project(paper_setting(sigma=s, **tuned), ("sequential", "oppo"), steps=args.steps))
+            sigma_rows.append({"sigma": s, **{f"{m}_speedup": v["speedup"] for m, v in summ.items()},
+                               "oppo_tuned_speedup": t["oppo"]["speedup"],
+                               "tuned_label": f"oppo, Delta {tuned['delta']}, max_lag 2"})
         out["sigma_sweep"] = sigma_rows
     out["seconds"] = time.time() - started
     text = "\n".join(md)
