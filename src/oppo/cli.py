@@ -19,7 +19,7 @@ def _train(argv: list[str]) -> int:
                                     "default, the newest run), or a checkpoint or run directory. The settings must "
                                     "be the checkpoint's, and run.steps beyond its step.")
     p.add_argument("overrides", nargs="*", help="section.key=value settings, applied after --config.")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # settings may come before and after --resume / --config
     cfg = load_config(args.config, args.overrides)  # validation happens here, before any model loads
     import time
 

@@ -170,6 +170,11 @@ def _prompt_problems(source: str, field: str) -> tuple[list[str], bool]:
         if not any(p.iterdir()):
             return [f"data.prompts={source!r} is an empty directory."], False
         return [], False
+    if p.suffix not in (".jsonl", ".json", ".csv", ".parquet", ".txt"):
+        return [f"data.prompts={source!r}: cannot tell its format from the name; use .jsonl (one "
+                f"{{\"{field}\": ...}} object per line), .json, .csv, .parquet or .txt."], False
+    if p.suffix == ".parquet":
+        return [], False  # binary: the reader checks it
     first = None
     with open(p, encoding="utf-8", errors="replace") as f:
         for lineno, line in enumerate(f, 1):
