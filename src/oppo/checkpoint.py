@@ -123,9 +123,11 @@ def save_checkpoint(trainer, run_dir: Path, keep: int = 2) -> Path:
     tmp.mkdir()
     trainer.policy.save_pretrained(tmp / "policy")
     trainer.tokenizer.save_pretrained(tmp / "policy")
-    trainer.critic.save_pretrained(tmp / "critic")
-    torch.save({"actor": trainer.learner.actor_opt.state_dict(), "critic": trainer.learner.critic_opt.state_dict()},
-               tmp / "optim.pt")
+    optim = {"actor": trainer.learner.actor_opt.state_dict()}
+    if trainer.critic is not None:  # critic-free algorithms have none
+        trainer.critic.save_pretrained(tmp / "critic")
+        optim["critic"] = trainer.learner.critic_opt.state_dict()
+    torch.save(optim, tmp / "optim.pt")
     torch.save(_rng_state(trainer), tmp / "rng.pt")
     from .config import to_dict
 
@@ -158,12 +160,16 @@ def load_checkpoint(trainer, ckpt: Path) -> None:
     state = json.loads((ckpt / "state.json").read_text())
     for model, cls, sub in ((trainer.policy, AutoModelForCausalLM, "policy"),
                             (trainer.critic, AutoModelForSequenceClassification, "critic")):
+        if model is None:
+            continue
         saved = cls.from_pretrained(ckpt / sub, dtype=next(model.parameters()).dtype)
         model.load_state_dict(saved.state_dict())
+    trainer.sync_weights()  # the bf16 serving copies (weights.py), when there are any
     opt = torch.load(ckpt / "optim.pt", weights_only=False)
     trainer.learner.actor_opt.load_state_dict(opt["actor"])
-    # in place: with overlap.critic_on_worker its state tensors are shared with the scorer process
-    load_optimizer_state_in_place(trainer.learner.critic_opt, opt["critic"])
+    if trainer.critic is not None:
+        # in place: with overlap.critic_on_worker its state tensors are shared with the scorer process
+        load_optimizer_state_in_place(trainer.learner.critic_opt, opt["critic"])
     rng = torch.load(ckpt / "rng.pt", weights_only=False)
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])

@@ -119,8 +119,10 @@ class PPOConfig:
     critic_lr: float = opt(5e-5, "Critic learning rate (AdamW).")
     weight_decay: float = opt(0.0, "AdamW weight decay for actor and critic.")
     max_grad_norm: float = opt(1.0, "Gradient clipping by global norm (0: off).")
-    kl_coef: float = opt(0.05, "beta: weight of the per-token KL(pi || ref) penalty in the reward.")
-    kl_estimator: str = opt("k1", "Per-token KL estimator in the reward.", ("k1", "k2", "k3", "abs"))
+    kl_coef: float = opt(0.05, "beta: weight of the per-token KL(pi || ref) penalty (in the reward, or in the "
+                               "loss: algo.kl_placement).")
+    kl_estimator: str = opt("auto", "Per-token KL estimator. auto: k1 in the reward, k3 in the loss (GRPO's).",
+                            ("auto", "k1", "k2", "k3", "abs"))
     clip_eps: float = opt(0.2, "PPO ratio clip range (lower, and upper unless clip_eps_high is set).")
     clip_eps_high: float | None = opt(None, "Upper ratio clip (decoupled clipping). Empty: clip_eps.")
     value_clip_eps: float | None = opt(0.2, "Value clip range around the rollout values. Empty: no value clipping.")
@@ -173,6 +175,24 @@ class OverlapConfig:
     scorer_threads: int = opt(1, "CPU: torch threads of the scorer worker in overlapped modes.")
 
 
+ALGORITHMS = ("ppo", "grpo", "rloo", "reinforce_pp")
+GROUPED = ("grpo", "rloo")  # compare the G responses to one prompt
+
+
+@dataclass
+class AlgoConfig:
+    name: str = opt("ppo", "ppo: clipped PPO with a critic and GAE. Critic-free (no critic is loaded, scored, "
+                           "trained or checkpointed): grpo (group-normalised outcome advantages), rloo "
+                           "(leave-one-out baseline), reinforce_pp (REINFORCE++: batch-whitened return-to-go).",
+                    ALGORITHMS)
+    group_size: int = opt(0, "G: responses sampled per prompt, admitted, scored and trained together. "
+                             "0: 4 for grpo and rloo, 1 otherwise.")
+    kl_placement: str = opt("auto", "Where the KL(pi || ref) penalty goes: reward (per token, PPO/RLOO/REINFORCE++ "
+                                    "style) or loss (a k3 term of the actor loss, GRPO style). auto: loss for grpo, "
+                                    "reward otherwise.", ("auto", "reward", "loss"))
+    std_normalize: bool = opt(True, "grpo: divide by the group's reward std (false: Dr. GRPO).")
+
+
 @dataclass
 class RunConfig:
     steps: int = opt(40, "PPO steps to run.")
@@ -202,6 +222,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
     overlap: OverlapConfig = field(default_factory=OverlapConfig)
     run: RunConfig = field(default_factory=RunConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -214,6 +235,26 @@ class Config:
     def streams(self) -> bool:
         """Intra-step overlap: chunks stream to the scorers while the actor decodes."""
         return self.overlap.mode in ("intra", "oppo")
+
+    @property
+    def group_size(self) -> int:
+        return self.algo.group_size or (4 if self.algo.name in GROUPED else 1)
+
+    @property
+    def kl_placement(self) -> str:
+        if self.algo.kl_placement != "auto":
+            return self.algo.kl_placement
+        return "loss" if self.algo.name == "grpo" else "reward"
+
+    @property
+    def kl_estimator(self) -> str:
+        if self.ppo.kl_estimator != "auto":
+            return self.ppo.kl_estimator
+        return "k3" if self.kl_placement == "loss" else "k1"
+
+    @property
+    def needs_critic(self) -> bool:
+        return self.algo.name == "ppo"
 
     @property
     def carries(self) -> bool:
@@ -407,6 +448,15 @@ def validate(cfg: Config) -> None:
     _check(p.epochs >= 1, f"ppo.epochs must be >= 1, got {p.epochs}.")
     _check(p.actor_lr >= 0 and p.critic_lr >= 0, "ppo.actor_lr and ppo.critic_lr must be >= 0.")
     _check(p.kl_coef >= 0, f"ppo.kl_coef must be >= 0, got {p.kl_coef}.")
+    a, G = cfg.algo, cfg.group_size
+    _check(a.group_size >= 0, f"algo.group_size must be >= 0 (0: the algorithm's default), got {a.group_size}.")
+    _check(a.name not in GROUPED or G >= 2,
+           f"algo.name={a.name} compares the responses to one prompt and needs algo.group_size >= 2, got {G}.")
+    _check(p.batch_size % G == 0, f"ppo.batch_size={p.batch_size} must be a multiple of the group size {G} "
+                                  f"(algo.group_size): a step trains whole groups.")
+    _check(not (cfg.kl_placement == "loss" and cfg.kl_estimator in ("k1", "abs")),
+           f"ppo.kl_estimator={cfg.kl_estimator} as a loss term has no useful gradient (k1's is zero in "
+           f"expectation); use k3 (GRPO's) or k2, or algo.kl_placement=reward.")
     _check(0 < p.clip_eps < 1, f"ppo.clip_eps must be in (0, 1), got {p.clip_eps}.")
     _check(0 <= p.gamma <= 1 and 0 <= p.lam <= 1, "ppo.gamma and ppo.lam must be in [0, 1].")
     _check(p.is_truncate is None or p.is_truncate >= 1, "ppo.is_truncate must be >= 1 (or empty for none).")
@@ -428,8 +478,13 @@ def validate(cfg: Config) -> None:
            f"overlap.delta_min, delta_init and delta_max must be >= 0, got {o.delta_min}, {o.delta_init}, "
            f"{o.delta_max}.")
     if cfg.carries:
-        _check(o.delta <= p.batch_size, f"overlap.delta={o.delta} must not exceed ppo.batch_size={p.batch_size} "
-                                        f"(more carried sequences than B could come due at once); lower it.")
+        if G == 1:
+            _check(o.delta <= p.batch_size, f"overlap.delta={o.delta} must not exceed ppo.batch_size={p.batch_size} "
+                                            f"(more carried sequences than B could come due at once); lower it.")
+        else:
+            _check(o.delta <= p.batch_size // G,
+                   f"overlap.delta={o.delta} counts groups of {G} and must not exceed ppo.batch_size / group size = "
+                   f"{p.batch_size // G} (more carried groups than a batch could come due at once); lower it.")
         _check(not (o.max_lag == 0 and (o.delta > 0 or (o.delta < 0 and o.delta_max > 0))),
                "overlap.max_lag=0 forbids carrying, so Delta must be 0: set overlap.delta=0 or overlap.max_lag>=1.")
     _check(o.actor_threads >= 1 and o.scorer_threads >= 1, "overlap.actor_threads and scorer_threads must be >= 1.")

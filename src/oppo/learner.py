@@ -49,6 +49,7 @@ class Experience:
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
     stats: dict[str, float] | None = None
+    group_ids: torch.Tensor | None = None  # [B] the group of each row (GRPO/RLOO): its first member's uid
 
 
 def _pad_rows(rows: list[list[float]], T: int, device, dtype=torch.float32) -> torch.Tensor:
@@ -67,28 +68,31 @@ def build_experience(rollouts: list[Rollout], pad_id: int, device) -> Experience
     return Experience(
         rollouts=rollouts, ids=ids, valid=valid, P=P, mask=rmask.float(),
         versions=_pad_rows([r.versions for r in rollouts], T, device, torch.long),
-        behaviour_logprobs=lp, old_logprobs=lp.clone(), is_weights=torch.ones_like(lp))
+        behaviour_logprobs=lp, old_logprobs=lp.clone(), is_weights=torch.ones_like(lp),
+        group_ids=torch.tensor([r.group for r in rollouts], dtype=torch.long, device=device))
 
 
-def attach_scores(exp: Experience, scores: list[float], ref: list[ScoredOutputs], values: list[ScoredOutputs]
-                  ) -> Experience:
-    """Stage 3's results, per sequence, as [B, T] tensors aligned with the responses."""
+def attach_scores(exp: Experience, scores: list[float], ref: list[ScoredOutputs],
+                  values: list[ScoredOutputs] | None) -> Experience:
+    """Stage 3's results, per sequence, as [B, T] tensors aligned with the responses
+    (``values`` None: a critic-free algorithm)."""
     T, device = exp.mask.shape[1], exp.mask.device
     exp.ref_logprobs = _pad_rows([o.logprobs for o in ref], T, device)
-    exp.values = _pad_rows([o.values for o in values], T, device)
+    exp.values = _pad_rows([o.values for o in values], T, device) if values is not None else None
     exp.scores = torch.tensor(scores, dtype=torch.float32, device=device)
     return exp
 
 
 @torch.no_grad()
-def compute_advantages(exp: Experience, cfg: PPOConfig) -> Experience:
-    """Stages 4 and 5: KL-shaped per-token rewards, then GAE advantages and returns."""
+def compute_advantages(exp: Experience, cfg: PPOConfig, algorithm) -> Experience:
+    """Stages 4 and 5: per-token rewards (KL-shaped when the KL goes in the reward), then the
+    algorithm's advantages (``algo.Algorithm``: GAE with the critic's values for PPO; group,
+    leave-one-out or batch baselines for the critic-free ones) and, for PPO, returns."""
     ended = torch.tensor([r.ended_with_eos for r in exp.rollouts], device=exp.scores.device)
     scores = pm.missing_eos_penalty(exp.scores, ended, cfg.missing_eos_penalty)
-    exp.rewards, exp.kl = pm.kl_shaped_rewards(scores, exp.old_logprobs, exp.ref_logprobs, exp.mask,
-                                               cfg.kl_coef, cfg.kl_estimator)
-    adv, exp.returns = pm.gae(exp.rewards, exp.values, exp.mask, cfg.gamma, cfg.lam)
-    exp.advantages = pm.masked_whiten(adv, exp.mask) if cfg.whiten_advantages else adv
+    res = algorithm.advantages(scores, exp.mask, exp.old_logprobs, exp.ref_logprobs, exp.values, exp.group_ids)
+    exp.rewards, exp.kl, exp.advantages, exp.returns = res.rewards, res.kl, res.advantages, res.returns
+    exp.stats = {**(exp.stats or {}), **{k: float(v) for k, v in res.stats.items()}}
     return exp
 
 
@@ -110,12 +114,15 @@ class Learner:
     """
 
     def __init__(self, actor, critic, cfg: PPOConfig, temperature: float, seed: int,
-                 compute_dtype: torch.dtype = torch.float32, recompute_old: bool = False):
+                 compute_dtype: torch.dtype = torch.float32, recompute_old: bool = False, algorithm=None):
+        """``critic`` None: a critic-free algorithm. ``algorithm`` (``algo.Algorithm``): adds its
+        term to the actor loss (the KL, when it goes in the loss); None: plain PPO."""
         self.actor, self.critic, self.cfg, self.temperature, self.seed = actor, critic, cfg, temperature, seed
-        self.compute_dtype, self.recompute_old = compute_dtype, recompute_old
+        self.compute_dtype, self.recompute_old, self.algorithm = compute_dtype, recompute_old, algorithm
         self.device = next(actor.parameters()).device
         self.actor_opt = torch.optim.AdamW(actor.parameters(), lr=cfg.actor_lr, weight_decay=cfg.weight_decay)
-        self.critic_opt = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr, weight_decay=cfg.weight_decay)
+        self.critic_opt = (torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr, weight_decay=cfg.weight_decay)
+                           if critic is not None else None)
 
     def _actor_logits(self, ids, valid, P):
         backbone, head = backbone_and_head(self.actor)
@@ -183,7 +190,7 @@ class Learner:
         mbs = [mb.to(exp.mask.device) for mb in self.minibatches(exp.mask.shape[0], step)]
         stats = _train(self.actor, self.actor_opt, exp.mask, mbs, self.cfg, "actor",
                        lambda rows, nt, ns: self._actor_micro_step(exp, rows, nt, ns))
-        if critic:
+        if critic and self.critic is not None:
             stats.update(critic_update(self.critic, self.critic_opt, CriticBatch.of(exp), mbs, self.cfg,
                                        compute_dtype=self.compute_dtype))
         return stats
@@ -199,6 +206,13 @@ class Learner:
                                     is_weights=exp.is_weights[rows][:, :T], loss_agg=cfg.loss_agg,
                                     num_tokens=num_tokens, num_seqs=num_seqs)
         loss = pl
+        extra_stats = {}
+        if self.algorithm is not None and self.algorithm.kl_in_loss:  # GRPO-style KL term
+            kl_term, kstats = self.algorithm.actor_loss_extra(
+                logprobs, exp.ref_logprobs[rows][:, :T], mask, is_weights=exp.is_weights[rows][:, :T],
+                loss_agg=cfg.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs)
+            loss = loss + kl_term
+            extra_stats = {"loss/kl": kl_term.item(), **{k: v.item() for k, v in kstats.items()}}
         if cfg.entropy_coef:  # in the graph only when it is in the loss; otherwise a detached statistic
             entropy = pm.entropy_from_logits(logits / self.temperature)  # [b, T]
             loss = loss - cfg.entropy_coef * pm.aggregate(entropy, mask, cfg.loss_agg, num_tokens, num_seqs)
@@ -211,6 +225,7 @@ class Learner:
             "ppo/approx_kl": pstats["approx_kl"].item(),
             "ppo/entropy": pm.masked_mean(entropy.detach(), mask).item(),
             "_frac": (mask.sum() / num_tokens).item(),  # weight of this micro-batch's stats in the minibatch
+            **extra_stats,
         }
 
 

@@ -44,6 +44,11 @@ class Rollout:
     ended_with_eos: bool = False
     emitted: int = 0
     target_length: int | None = None  # benchmark workloads only: force EOS at exactly this length
+    group: int | None = None  # GRPO/RLOO: the uid of its group's first member (None: its own uid)
+
+    def __post_init__(self) -> None:
+        if self.group is None:
+            self.group = self.uid
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from . import ppo_math as pm
+from .algo import get_algorithm
 from .config import Config
 from .data import PromptSet, build_prompt_set, read_prompts
 from .learner import CriticBatch, Experience, Learner, attach_scores, build_experience, compute_advantages
@@ -90,6 +91,19 @@ class StepResult:
     texts: list[tuple[str, str]]
 
 
+def build_algorithm(cfg: Config):
+    """The configured ``algo.Algorithm`` (its settings are derived once, in the config)."""
+    settings = dict(group_size=cfg.group_size, kl_coef=cfg.ppo.kl_coef, kl_estimator=cfg.kl_estimator,
+                    kl_placement=cfg.kl_placement)
+    if cfg.algo.name == "ppo":
+        settings.update(gamma=cfg.ppo.gamma, lam=cfg.ppo.lam, whiten=cfg.ppo.whiten_advantages)
+    elif cfg.algo.name == "reinforce_pp":
+        settings.update(gamma=cfg.ppo.gamma)
+    elif cfg.algo.name == "grpo":
+        settings.update(std_normalize=cfg.algo.std_normalize)
+    return get_algorithm(cfg.algo.name, **settings)
+
+
 class Trainer:
     def __init__(self, cfg: Config, progress: bool = True):
         self.cfg = cfg
@@ -110,6 +124,9 @@ class Trainer:
         self.prompt_set: PromptSet = build_prompt_set(
             read_prompts(paths.prompts, cfg.data.field, cfg.data.split), tok, cfg.data, cfg.run.seed)
         # every role's config and tokenizer, before any weights load (fast; names the fix)
+        self.algorithm = build_algorithm(cfg)
+        if not self.algorithm.needs_critic:
+            paths.critic = None  # critic-free: no critic is loaded, scored, trained or checkpointed
         check_roles(tok, reward=paths.reward, critic=paths.critic, reference=paths.reference)
         # Reward first: an invalid reward model or function fails before the big models load.
         self.reward_fn = None
@@ -131,10 +148,12 @@ class Trainer:
         else:  # a frozen copy of the initial policy
             self.reference = copy.deepcopy(self.rollout_policy).to(ref_dev)
         self.reference.eval().requires_grad_(False)
-        self.critic = load_critic(paths.critic, resolve_device(cfg.critic.device, str(dev)), master, self.pad_id)
-        self.scoring_critic = serving_copy(self.critic, dtype)
+        self.critic = self.scoring_critic = None
+        if paths.critic:
+            self.critic = load_critic(paths.critic, resolve_device(cfg.critic.device, str(dev)), master,
+                                      self.pad_id).eval()
+            self.scoring_critic = serving_copy(self.critic, dtype)
         self.policy.eval()  # no dropout anywhere: rollout and training see the same function
-        self.critic.eval()
         self.max_new_tokens = paths.max_new_tokens
         g = cfg.generation
         self.stop_ids = stop_token_ids(tok, self.policy)
@@ -143,25 +162,27 @@ class Trainer:
         recompute = {"recompute": True, "sampler": False}.get(
             cfg.ppo.old_logprobs, dtype != torch.float32 or g.top_k > 0 or g.top_p < 1.0)  # auto: when they can differ
         self.learner = Learner(self.policy, self.critic, cfg.ppo, g.temperature, cfg.run.seed,
-                               compute_dtype=dtype, recompute_old=recompute)
+                               compute_dtype=dtype, recompute_old=recompute, algorithm=self.algorithm)
         o = cfg.overlap
         carries = cfg.carries
         B = cfg.ppo.batch_size
-        dmax = min(o.delta_max, B)  # derived once: the adaptive bounds never exceed B (see OverlapConfig)
+        G = cfg.group_size
+        dmax = min(o.delta_max, B // G)  # derived once: the adaptive bounds never exceed B (groups: B / G)
         dmin = min(o.delta_min, dmax)
         delta = (DeltaController(min(max(o.delta_init, dmin), dmax), dmin, dmax, o.delta_window,
                                  o.delta_proportional)
                  if carries and o.delta < 0 else (o.delta if carries else 0))
         self.scheduler = Scheduler(cfg.ppo.batch_size, o.max_lag if carries else 0, delta,
-                                   refill=o.refill and carries)
+                                   refill=o.refill and carries, group_size=G)
         self.tuner = ChunkSizeTuner(tuple(o.chunk_candidates), o.chunk_trial_steps, o.chunk_retune_every,
                                     fixed=o.chunk_size or None)
         self.tracer = Tracer(enabled=cfg.log.trace)
         self.rollouts: dict[int, Rollout] = {}  # admitted, not yet trained
         self.worker: ScorerWorker | None = None
         if cfg.streams:
-            scorers = {"reference": StreamingScorer("reference", self.reference, self.pad_id, g.temperature),
-                       "critic": StreamingScorer("critic", self.scoring_critic, self.pad_id)}
+            scorers = {"reference": StreamingScorer("reference", self.reference, self.pad_id, g.temperature)}
+            if self.critic is not None:
+                scorers["critic"] = StreamingScorer("critic", self.scoring_critic, self.pad_id)
             if self.reward_model is not None:
                 scorers = {"reward": StreamingScorer("reward", self.reward_model, self.pad_id), **scorers}
             on_cpu = all(s.device.type == "cpu" for s in scorers.values())
@@ -169,7 +190,7 @@ class Trainer:
             # trained critic is the one it scores with (float32); a bf16 run uses the thread worker
             use_process = o.scorer_process and on_cpu and self.scoring_critic is self.critic
             worker_cls = ProcessScorerWorker if use_process else ScorerWorker
-            trainer = (self.learner.critic_opt, cfg.ppo) if o.critic_on_worker else None
+            trainer = (self.learner.critic_opt, cfg.ppo) if o.critic_on_worker and self.critic is not None else None
             self.worker = worker_cls(scorers, o.scorer_threads, self.tracer, critic_trainer=trainer)
             if not use_process:
                 self.worker.critic_master, self.worker.compute_dtype = self.critic, dtype
@@ -186,7 +207,7 @@ class Trainer:
         new = []
         for t in tickets:
             text, ids = self.prompt_set.at(t.prompt_index)
-            r = Rollout(t.uid, t.prompt_index, text, list(ids), t.start_version)
+            r = Rollout(t.uid, t.prompt_index, text, list(ids), t.start_version, group=t.group)
             if self.length_sampler is not None:
                 r.target_length = self.length_sampler(t.prompt_index)
             self.rollouts[t.uid] = r
@@ -203,8 +224,10 @@ class Trainer:
         with self.tracer.span("scorer", "score_reference", step):
             ref = score_full("reference", self.reference, prompts, responses, self.pad_id,
                              self.cfg.generation.temperature)
-        with self.tracer.span("scorer", "score_critic", step):
-            values = score_full("critic", self.scoring_critic, prompts, responses, self.pad_id)
+        values = None
+        if self.critic is not None:
+            with self.tracer.span("scorer", "score_critic", step):
+                values = score_full("critic", self.scoring_critic, prompts, responses, self.pad_id)
         return scores, ref, values
 
     def _reward_scores(self, batch: list[Rollout], texts: list[str]) -> list[float]:
@@ -225,8 +248,8 @@ class Trainer:
         """Stages 4-6: KL-shaped rewards, GAE, PPO epochs."""
         batch = exp.rollouts
         with self.tracer.span("learner", "advantages", step):
-            exp = compute_advantages(attach_scores(exp, scores, ref, values), self.cfg.ppo)
-        if self.worker and self.cfg.overlap.critic_on_worker:
+            exp = compute_advantages(attach_scores(exp, scores, ref, values), self.cfg.ppo, self.algorithm)
+        if self.worker and self.cfg.overlap.critic_on_worker and self.critic is not None:
             # the critic trains on the scorer worker (its own core or stream) while the actor trains here
             self.worker.train_critic(CriticBatch.of(exp), self.learner.minibatches(len(batch), step), step)
             torch.set_num_threads(self.cfg.overlap.actor_threads)
@@ -329,7 +352,8 @@ class Trainer:
             exp = self._experience(batch, step)
             stale = [i for i, r in enumerate(batch) if r.start_version < step]
             fresh = []
-            if stale and cfg.overlap.stale_values == "recompute":  # critic changed since their prefix was scored
+            if stale and self.critic is not None and cfg.overlap.stale_values == "recompute":
+                # the critic changed since their prefix was scored
                 with self.tracer.span("learner", "recompute_values", step):
                     fresh = score_full("critic", self.scoring_critic, [batch[i].prompt_ids for i in stale],
                                        [batch[i].response_ids for i in stale], self.pad_id)
@@ -338,7 +362,7 @@ class Trainer:
                 worker.barrier()  # also: no scorer work may touch the critic while it trains
             out = worker.take(uids)
             scores = self._reward_scores(batch, texts) if self.reward_fn else [o.score for o in out["reward"]]
-            ref, values = out["reference"], out["critic"]
+            ref, values = out["reference"], out.get("critic")
             for i, v in zip(stale, fresh):
                 values[i] = v
         else:
@@ -417,12 +441,13 @@ class Trainer:
             "kl/mean": kl_seq.mean().item(),
             "response_length/mean": lengths.mean().item(), "response_length/max": lengths.max().item(),
             "response_length/eos_frac": _mean([float(r.ended_with_eos) for r in exp.rollouts]),
-            "value/explained_var": pm.explained_variance(exp.values, exp.returns, exp.mask).item(),
             "time/step": dt, "time/wallclock": self.wallclock,
             "perf/tokens_per_s": lengths.sum().item() / dt,
             "data/prompts_truncated": self.prompt_set.truncated, "data/prompts_skipped": self.prompt_set.skipped,
             **times,
         }
+        if exp.values is not None and exp.returns is not None:
+            m["value/explained_var"] = pm.explained_variance(exp.values, exp.returns, exp.mask).item()
         m.update({k: v for k, v in result.stats.items() if not k.startswith("_")})
         m.update(self._memory())
         if self.judge_fn is not None:
