@@ -1,0 +1,12 @@
+"""Where roles run. This package places them on Ray (``shared/DESIGN.md`` section 4).
+
+- :mod:`.specs`: how a role's model is loaded wherever it runs (a path, a dtype, a device), so
+  that models travel as a few strings, never as pickled weights;
+- :mod:`.cluster`: joining a Ray cluster, or starting a local one;
+- :mod:`.ray_scorer`: the streaming scorers (reward, reference, critic) in Ray actors, behind a
+  handle with the methods of :class:`oppo.workers.ScorerWorker`;
+- :mod:`.dp`: the learner as a data-parallel group of Ray actors (``torch.distributed``: gloo on
+  CPU, NCCL on GPU) whose update equals one learner's, and the weight sync to the rollout side.
+
+Nothing here imports Ray at import time: ``ray`` is an optional dependency (the ``ray`` extra).
+"""

@@ -1,0 +1,328 @@
+"""The streaming scorers in Ray actors, behind a drop-in for :class:`oppo.workers.ScorerWorker`.
+
+Each actor (:class:`ScorerHost`) loads its roles' models itself from :class:`~.specs.ModelSpec`
+paths and runs the very message loop the local worker runs (a ``ScorerWorker`` on a thread inside
+the actor): the actor's methods only enqueue, so a call returns at once and chunks that queue up
+while the scorers are busy are scored together in one batched forward, as locally.
+
+The controller's handle, :class:`RayScorerWorker`, sends each call with ``.remote()`` and keeps
+the returned refs; Ray runs one caller's calls to one actor in submission order, so a
+``barrier`` is one more call whose reply carries every result finished since the last one (plus
+the actor's spans, peak cache sizes and critic-training stats). The refs are only waited on at
+``barrier``, which is where errors surface, named by role and rank, as the local worker's do:
+
+- an exception in the actor: ``RuntimeError("scorer actor (role=critic, rank=0) failed: ...")``;
+- a dead actor (``ray.exceptions.RayActorError``: killed, OOM, lost node):
+  ``RuntimeError("scorer actor (role=critic, rank=0) died: ...")``.
+
+Roles go to actors by ``groups``: all three in one actor (the default, as the local worker), or
+one actor per role (each with its own CPUs/GPU: the scale-out of DESIGN.md section 4). ``rank``
+is the actor's index among the replicas of its roles; this slice has one replica per group.
+
+The critic trains where it is served or is sent after each update:
+
+- ``critic_trainer=ppo_cfg``: the actor holding the critic also holds its fp32 master weights and
+  AdamW (as ``overlap.critic_on_worker`` does locally); ``train_critic`` runs the update there,
+  and checkpoints read and restore it with ``critic_state`` / ``load_critic_state``;
+- otherwise whoever trains it (a learner group) pushes its weights with ``set_critic_weights``
+  (a state dict or a Ray ref to one: the weights then go from the trainer to the scorer
+  without passing through the controller).
+
+Spans recorded in the actors use ``time.perf_counter`` (CLOCK_MONOTONIC), comparable with the
+controller's on the same machine; on another node they are on that node's clock.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from ..config import PPOConfig
+from ..learner import CriticBatch
+from ..rollout import Chunk
+from ..scoring import ScoredOutputs, StreamingScorer, score_full
+from ..trace import Tracer
+from ..weights import copy_weights, master_dtype, serving_copy
+from ..workers import ScorerWorker, load_optimizer_state_in_place
+from .specs import ModelSpec
+
+SCORER_ROLES = ("reward", "reference", "critic")
+
+
+@dataclass(frozen=True)
+class BarrierReply:
+    """What a barrier brings back from one actor."""
+
+    results: dict[str, dict[int, ScoredOutputs]]
+    spans: list
+    peaks: dict[str, int]
+    train_stats: dict[str, float]
+
+
+class ScorerHost:
+    """The actor: a :class:`ScorerWorker` over models it loads itself (see the module docstring).
+
+    Plain class; :class:`RayScorerWorker` wraps it with ``ray.remote``. Usable without Ray too
+    (the tests compare it with the local worker that way as well).
+    """
+
+    def __init__(self, specs: dict[str, ModelSpec], temperature: float, threads: int, name: str,
+                 critic_trainer: PPOConfig | None = None, seed: int = 0):
+        torch.set_num_threads(threads)
+        torch.manual_seed(seed)  # a fresh critic head is then at least reproducible (specs.py)
+        self.critic_master: torch.nn.Module | None = None
+        self.critic_opt: torch.optim.Optimizer | None = None
+        scorers = {}
+        for role, spec in specs.items():
+            if role not in SCORER_ROLES:
+                raise ValueError(f"a scorer hosts {SCORER_ROLES}, not {role!r}")
+            if spec.pad_id is None:
+                raise ValueError(f"the {role} scorer's ModelSpec needs pad_id (it pads chunks with it)")
+            if role == "critic" and critic_trainer is not None:
+                # trained here: fp32 masters and AdamW; the scorer reads a serving copy (weights.py)
+                self.critic_master = spec.with_dtype(master_dtype(spec.dtype)).load()
+                model = serving_copy(self.critic_master, spec.dtype)
+                self.critic_opt = torch.optim.AdamW(self.critic_master.parameters(), lr=critic_trainer.critic_lr,
+                                                    weight_decay=critic_trainer.weight_decay)
+            else:
+                model = spec.load()
+            scorers[role] = StreamingScorer(role, model, spec.pad_id,
+                                            temperature if role == "reference" else 1.0)
+        self.scorers, self.temperature = scorers, temperature
+        self.tracer = Tracer(enabled=True)
+        self.worker = ScorerWorker(scorers, threads, self.tracer, name,
+                                   critic_trainer=(self.critic_opt, critic_trainer) if self.critic_opt else None)
+        if self.critic_master is not None:
+            self.worker.critic_master = self.critic_master
+            self.worker.compute_dtype = specs["critic"].dtype
+
+    # calls from the controller: the first four only enqueue (ScorerWorker's message loop)
+    def admit(self, uids: list[int], prompts: list[list[int]], step: int) -> None:
+        self.worker.admit(uids, prompts, step)
+
+    def feed(self, chunks: list[Chunk], step: int) -> None:
+        self.worker.feed(chunks, step)
+
+    def forget(self, uids: set[int]) -> None:
+        self.worker.forget(uids)
+
+    def train_critic(self, batch: CriticBatch, minibatches: list[torch.Tensor], step: int) -> None:
+        self.worker.train_critic(batch, minibatches, step)
+
+    def barrier(self) -> BarrierReply:
+        self.worker.barrier()  # the loop is idle from here until this method returns
+        results = {role: dict(res) for role, res in self.worker.results.items()}
+        for res in self.worker.results.values():
+            res.clear()
+        spans = self.tracer.spans
+        self.tracer.clear()
+        return BarrierReply(results, spans, {r: s.peak_cache_bytes for r, s in self.scorers.items()},
+                            self.worker.take_train_stats())
+
+    def set_critic_weights(self, state_dict: dict[str, torch.Tensor], step: int = -1) -> None:
+        """Load trained critic weights (from a learner) into the critic this actor scores with."""
+        self.worker.barrier()  # nothing may be reading the critic while it changes
+        t = time.perf_counter()
+        target = self.critic_master if self.critic_master is not None else self.scorers["critic"].model
+        target.load_state_dict(state_dict)
+        copy_weights(target, self.scorers["critic"].model)
+        self.tracer.add(self.worker.name, "load_critic", step, t, time.perf_counter())
+
+    def critic_state(self) -> dict[str, Any]:
+        """The trained critic's weights and AdamW state (the formats of ``Learner.critic`` and
+        ``Learner.critic_opt``), for checkpoints."""
+        self.worker.barrier()
+        if self.critic_master is None:
+            raise RuntimeError("this scorer actor does not train the critic (built without critic_trainer)")
+        return {"model": {k: v.detach().cpu() for k, v in self.critic_master.state_dict().items()},
+                "optim": self.critic_opt.state_dict()}
+
+    def load_critic_state(self, model: dict[str, torch.Tensor], optim: dict | None = None) -> None:
+        self.worker.barrier()
+        if self.critic_master is None:
+            raise RuntimeError("this scorer actor does not train the critic (built without critic_trainer)")
+        self.critic_master.load_state_dict(model)
+        copy_weights(self.critic_master, self.scorers["critic"].model)
+        if optim is not None:
+            load_optimizer_state_in_place(self.critic_opt, optim)
+
+    def score_full(self, role: str, prompts: list[list[int]], responses: list[list[int]]) -> list[ScoredOutputs]:
+        """One-shot scores of whole sequences with this actor's model of ``role`` (after the queued work)."""
+        self.worker.barrier()
+        s = self.scorers[role]
+        return score_full(role, s.model, prompts, responses, s.pad_id, s.temperature)
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+class _PeakProxy:
+    """What the trainer reads of a remote scorer: its peak KV-cache size (refreshed at barriers)."""
+
+    def __init__(self, kind: str):
+        self.kind, self.peak_cache_bytes = kind, 0
+
+
+class RayScorerWorker:
+    """Drop-in for :class:`oppo.workers.ScorerWorker` with the scorers in Ray actors.
+
+    ``specs``: role -> ModelSpec for the roles to score (any of reward, reference, critic).
+    ``groups``: which roles share an actor; None: all in one. Each actor gets ``num_cpus`` CPUs and
+    ``num_gpus`` GPUs from Ray and runs ``threads`` torch threads. ``critic_trainer``: the PPO
+    settings if the critic trains on its actor (``train_critic``). Call :func:`.cluster.init_ray`
+    first.
+    """
+
+    def __init__(self, specs: dict[str, ModelSpec], tracer: Tracer, *, temperature: float = 1.0, threads: int = 1,
+                 num_cpus: float = 1, num_gpus: float = 0, groups: Sequence[Sequence[str]] | None = None,
+                 critic_trainer: PPOConfig | None = None, name: str = "scorer", seed: int = 0):
+        import ray
+
+        roles = [r for r in SCORER_ROLES if r in specs]
+        groups = [tuple(roles)] if groups is None else [tuple(g) for g in groups]
+        if sorted(r for g in groups for r in g) != sorted(specs):
+            raise ValueError(f"scorer groups {groups} must place each of {sorted(specs)} exactly once")
+        self.tracer, self.name = tracer, name
+        self.scorers = {r: _PeakProxy(r) for r in roles}
+        self.results: dict[str, dict[int, ScoredOutputs]] = {r: {} for r in roles}
+        self.train_stats: dict[str, float] = {}
+        self.critic_trains_here = critic_trainer is not None
+        self.actors, self.labels, self._pending = [], [], []
+        host = ray.remote(ScorerHost)
+        for g in groups:
+            label = "+".join(g)
+            worker_name = name if len(groups) == 1 else f"{name}/{label}"
+            actor = host.options(num_cpus=num_cpus, num_gpus=num_gpus).remote(
+                {r: specs[r] for r in g}, temperature, threads, worker_name,
+                critic_trainer if "critic" in g else None, seed)
+            self.actors.append(actor)
+            self.labels.append(label)
+            self._pending.append([])
+        self._critic = next((i for i, g in enumerate(groups) if "critic" in g), None)
+
+    # ------------------------------------------------------------------ the ScorerWorker methods
+
+    def admit(self, uids: list[int], prompts: list[list[int]], step: int) -> None:
+        self._broadcast("admit", list(uids), [list(p) for p in prompts], step)
+
+    def feed(self, chunks: list[Chunk], step: int) -> None:
+        if chunks:
+            self._broadcast("feed", list(chunks), step)
+
+    def forget(self, uids: set[int]) -> None:
+        self._broadcast("forget", set(uids))
+
+    def train_critic(self, batch: CriticBatch, minibatches: list[torch.Tensor], step: int) -> None:
+        """Start the critic's PPO update on its actor; stats from ``take_train_stats`` after the
+        next barrier. The batch goes as CPU tensors (the actor moves it to its device)."""
+        if not self.critic_trains_here:
+            raise RuntimeError("internal error: this scorer worker was built without critic_trainer")
+        self._call(self._critic, "train_critic", batch.to("cpu"), [mb.cpu() for mb in minibatches], step)
+
+    def take_train_stats(self) -> dict[str, float]:
+        stats, self.train_stats = self.train_stats, {}
+        return stats
+
+    def barrier(self) -> None:
+        """Wait until every call sent so far has run; collect results, spans and peaks. Raise if an
+        actor failed or died, naming each one that did by role and rank."""
+        for i, actor in enumerate(self.actors):
+            self._pending[i].append(actor.barrier.remote())
+        replies, errors = [], []
+        for i in range(len(self.actors)):  # every actor's outcome, so that each failure is named
+            try:
+                replies.append(self._wait(i)[-1])
+            except RuntimeError as e:
+                errors.append(e)
+        if errors:
+            raise RuntimeError("; ".join(str(e) for e in errors)) from errors[0].__cause__
+        for reply in replies:
+            for role, res in reply.results.items():
+                self.results[role].update(res)
+            for sp in reply.spans:
+                self.tracer.add(sp.worker, sp.stage, sp.step, sp.start, sp.end, **sp.args)
+            for role, peak in reply.peaks.items():
+                self.scorers[role].peak_cache_bytes = peak
+            self.train_stats.update(reply.train_stats)
+
+    def take(self, uids: list[int]) -> dict[str, list[ScoredOutputs]]:
+        """Outputs for ``uids`` (all must be complete: call barrier() first)."""
+        return {role: [res.pop(u) for u in uids] for role, res in self.results.items()}
+
+    def close(self) -> None:
+        """Stop the actors (a clean stop if they answer within 10 s, then killed either way)."""
+        import ray
+
+        refs = [a.close.remote() for a in self.actors]
+        try:
+            ray.wait(refs, num_returns=len(refs), timeout=10)
+        finally:
+            for a in self.actors:
+                ray.kill(a)
+            self.actors = []
+
+    # ------------------------------------------------------------------ the critic's weights
+
+    def set_critic_weights(self, state_dict, step: int = -1) -> None:
+        """Send trained critic weights (a state dict, a module, or a Ray ref to a state dict) to the
+        actor scoring with the critic; they apply before any call sent after this one."""
+        import ray
+
+        if isinstance(state_dict, torch.nn.Module):
+            state_dict = {k: v.detach().cpu() for k, v in state_dict.state_dict().items()}
+        if not isinstance(state_dict, ray.ObjectRef):
+            state_dict = ray.put(state_dict)
+        self._call(self._critic, "set_critic_weights", state_dict, step)
+
+    def critic_state(self) -> dict[str, Any]:
+        """``{"model": critic state_dict, "optim": AdamW state_dict}`` from the actor that trains it."""
+        self._call(self._critic, "critic_state")
+        return self._wait(self._critic)[-1]
+
+    def load_critic_state(self, model: dict[str, torch.Tensor], optim: dict | None = None) -> None:
+        self._call(self._critic, "load_critic_state", model, optim)
+        self._wait(self._critic)
+
+    def score_full(self, role: str, prompts: list[list[int]], responses: list[list[int]]) -> list[ScoredOutputs]:
+        """One-shot scoring on the actor holding ``role`` (e.g. the values of carried prefixes with
+        the critic it trained, or the sequential mode's stage 3)."""
+        i = next(i for i, label in enumerate(self.labels) if role in label.split("+"))
+        self._call(i, "score_full", role, [list(p) for p in prompts], [list(r) for r in responses])
+        return self._wait(i)[-1]
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _broadcast(self, method: str, *args) -> None:
+        if len(self.actors) > 1:  # serialise once, not once per actor
+            import ray
+
+            args = tuple(ray.put(a) for a in args)
+        for i in range(len(self.actors)):
+            self._call(i, method, *args)
+
+    def _call(self, i: int | None, method: str, *args) -> None:
+        if i is None:
+            raise RuntimeError("internal error: no scorer actor holds the critic")
+        self._pending[i].append(getattr(self.actors[i], method).remote(*args))
+
+    def _wait(self, i: int) -> list:
+        """Results of actor ``i``'s pending calls, in order; the first failure raised by role and rank."""
+        import ray
+
+        refs, self._pending[i] = self._pending[i], []
+        try:
+            return ray.get(refs)
+        except ray.exceptions.RayActorError as e:
+            raise RuntimeError(f"scorer actor (role={self.labels[i]}, rank=0) died: {_short(e)}") from e
+        except ray.exceptions.RayTaskError as e:
+            cause = getattr(e, "cause", None) or e
+            raise RuntimeError(f"scorer actor (role={self.labels[i]}, rank=0) failed: {cause!r}") from cause
+
+
+def _short(e: BaseException) -> str:
+    """The first line of a Ray error (its full text repeats the actor's whole creation record)."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
