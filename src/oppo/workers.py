@@ -243,8 +243,12 @@ class ProcessScorerWorker(ScorerWorker):
         self._next_barrier = 0
         spec = {role: (s.kind, s.model, s.pad_id, s.temperature) for role, s in scorers.items()}
         threads = (threads, max(threads, torch.get_num_threads()))  # (normal, while the controller waits)
+        import os
+
+        # the child exits when this process dies, however it dies (see _die_with_parent)
+        parent = (os.getpid(), threading.current_thread() is threading.main_thread())
         self.proc = ctx.Process(target=_child_main, args=(spec, threads, name, self.q, self.out, opt_spec,
-                                                          self.boost), daemon=True)
+                                                          self.boost, parent), daemon=True)
         self.proc.start()
 
     def barrier(self) -> None:
@@ -279,11 +283,16 @@ class ProcessScorerWorker(ScorerWorker):
 
     def close(self) -> None:
         try:
-            self.q.put(StopMsg())
-            self.proc.join(timeout=10)
+            if self.proc.is_alive():
+                self.q.put(StopMsg())
+                self.proc.join(timeout=10)
         finally:
             if self.proc.is_alive():
                 self.proc.terminate()
+                self.proc.join(timeout=5)
+            if self.proc.is_alive():  # stuck in a kernel that ignores SIGTERM
+                self.proc.kill()
+                self.proc.join(timeout=5)
 
 
 class _ChildLoop(ScorerWorker):
@@ -311,7 +320,50 @@ class _ChildLoop(ScorerWorker):
             torch.set_num_threads(want)
 
 
-def _child_main(spec, threads, name, q, out, opt_spec, boost) -> None:
+def _die_with_parent(parent_pid: int, parent_is_main_thread: bool) -> None:
+    """Make this child process exit when the process that started it dies, however it dies.
+
+    A controller killed by a signal (kill -9, the OOM killer, SIGTERM with no handler) runs no
+    cleanup: multiprocessing's ``daemon`` flag only acts at a normal exit, and the child would
+    wait in ``q.get()`` forever, orphaned, holding its models' memory. Two guards:
+
+    - Linux: ``prctl(PR_SET_PDEATHSIG, SIGKILL)``, the kernel kills this process the moment its
+      parent dies. The kernel ties it to the parent *thread* that started the child, so it is set
+      only when that was the main thread (a worker started from a thread that ends earlier would
+      otherwise be killed with that thread);
+    - everywhere: a daemon thread polls ``os.getppid()`` each second. A dead parent's children
+      are handed to init or a subreaper, so a changed parent pid means the parent is gone.
+
+    The parent can die before either guard is up (the child spends seconds importing torch):
+    comparing ``getppid()`` with the pid the parent passed covers that window.
+    """
+    import ctypes
+    import os
+    import signal
+    import sys
+    import time
+
+    if sys.platform.startswith("linux") and parent_is_main_thread:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            PR_SET_PDEATHSIG = 1
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):  # no prctl: the watchdog below still acts
+            pass
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+    def watchdog() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
+        os._exit(1)  # no cleanup to run: the parent owns every file and shared tensor
+
+    threading.Thread(target=watchdog, name="parent-watchdog", daemon=True).start()
+
+
+def _child_main(spec, threads, name, q, out, opt_spec, boost, parent=None) -> None:
+    if parent is not None:
+        _die_with_parent(*parent)
     try:
         scorers = {role: StreamingScorer(kind, model, pad_id, temperature)
                    for role, (kind, model, pad_id, temperature) in spec.items()}
