@@ -1,7 +1,9 @@
 """Checkpoints: written atomically, resumed exactly.
 
 A checkpoint ``<run>/checkpoints/step_000010/`` holds the policy (with its tokenizer) and the
-critic in Hugging Face format (``from_pretrained`` loads them), both optimizers, every RNG
+critic in Hugging Face format (``from_pretrained`` loads them; with LoRA the policy directory
+holds the adapter, which ``PeftModel.from_pretrained(base, path)`` loads; critic-free
+algorithms have no critic), both optimizers, every RNG
 state, the scheduler (data position, Delta, requeued prompts), the chunk-size tuner and the
 step. It is written into a temporary directory beside the target and renamed into place, so an
 interrupted save leaves the previous checkpoint intact and never a half-written one that looks
@@ -152,6 +154,7 @@ def load_checkpoint(trainer, ckpt: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from .workers import load_optimizer_state_in_place
+    from .models import is_peft
 
     ckpt = Path(ckpt)
     if not (ckpt / "state.json").is_file():
@@ -161,6 +164,11 @@ def load_checkpoint(trainer, ckpt: Path) -> None:
     for model, cls, sub in ((trainer.policy, AutoModelForCausalLM, "policy"),
                             (trainer.critic, AutoModelForSequenceClassification, "critic")):
         if model is None:
+            continue
+        if is_peft(model):  # LoRA: the checkpoint holds the adapter (PeftModel.from_pretrained loads it)
+            from peft import load_peft_weights, set_peft_model_state_dict
+
+            set_peft_model_state_dict(model, load_peft_weights(str(ckpt / sub), device=str(trainer.device)))
             continue
         saved = cls.from_pretrained(ckpt / sub, dtype=next(model.parameters()).dtype)
         model.load_state_dict(saved.state_dict())

@@ -57,6 +57,8 @@ class PolicyConfig:
                              "update. float16 is refused (no loss scaling).",
                      ("auto", "float32", "bfloat16", "float16"))
     trust_remote_code: bool = opt(False, "Allow custom model code from the model directory (Hugging Face trust_remote_code).")
+    gradient_checkpointing: bool = opt(False, "Recompute activations in the backward pass of the actor's and the "
+                                              "critic's training forward (less memory, about a third more compute).")
 
 
 @dataclass
@@ -175,6 +177,17 @@ class OverlapConfig:
     scorer_threads: int = opt(1, "CPU: torch threads of the scorer worker in overlapped modes.")
 
 
+@dataclass
+class LoraConfig:
+    r: int = opt(0, "LoRA rank of the policy's adapters (peft). 0: full fine-tuning. With LoRA the base weights "
+                    "stay frozen in the compute dtype, only the adapters train (fp32), the reference is the base "
+                    "model without adapters (shared weights, no second copy) and checkpoints save the adapter.")
+    alpha: float = opt(16.0, "LoRA alpha (the adapter's scale is alpha / r).")
+    dropout: float = opt(0.0, "LoRA dropout. Keep 0 for PPO: rollout and training must see the same function.")
+    target_modules: list = opt([], "Module names to adapt, e.g. [q_proj, v_proj]. Empty: every linear layer but "
+                                    "the output head (peft's all-linear).")
+
+
 ALGORITHMS = ("ppo", "grpo", "rloo", "reinforce_pp")
 GROUPED = ("grpo", "rloo")  # compare the G responses to one prompt
 
@@ -223,6 +236,7 @@ class Config:
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     overlap: OverlapConfig = field(default_factory=OverlapConfig)
     run: RunConfig = field(default_factory=RunConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -448,6 +462,11 @@ def validate(cfg: Config) -> None:
     _check(p.epochs >= 1, f"ppo.epochs must be >= 1, got {p.epochs}.")
     _check(p.actor_lr >= 0 and p.critic_lr >= 0, "ppo.actor_lr and ppo.critic_lr must be >= 0.")
     _check(p.kl_coef >= 0, f"ppo.kl_coef must be >= 0, got {p.kl_coef}.")
+    _check(cfg.lora.r >= 0 and cfg.lora.alpha > 0 and 0 <= cfg.lora.dropout < 1,
+           "lora.r must be >= 0, lora.alpha > 0 and lora.dropout in [0, 1).")
+    _check(not (cfg.lora.r and not cfg.reference.path and cfg.reference.device not in ("auto", cfg.policy.device)),
+           "With LoRA the reference is the policy's base weights (shared, no copy), on the policy's device: "
+           "leave reference.device=auto or set reference.path to a separate reference model.")
     a, G = cfg.algo, cfg.group_size
     _check(a.group_size >= 0, f"algo.group_size must be >= 0 (0: the algorithm's default), got {a.group_size}.")
     _check(a.name not in GROUPED or G >= 2,

@@ -14,7 +14,7 @@ from . import ppo_math as pm
 from .config import PPOConfig
 from .rollout import Rollout
 from .scoring import ScoredOutputs, full_hidden, response_outputs, sequence_batch
-from .models import backbone_and_head
+from .models import backbone_and_head, checkpointing
 from .weights import autocast
 
 
@@ -120,7 +120,9 @@ class Learner:
         self.actor, self.critic, self.cfg, self.temperature, self.seed = actor, critic, cfg, temperature, seed
         self.compute_dtype, self.recompute_old, self.algorithm = compute_dtype, recompute_old, algorithm
         self.device = next(actor.parameters()).device
-        self.actor_opt = torch.optim.AdamW(actor.parameters(), lr=cfg.actor_lr, weight_decay=cfg.weight_decay)
+        # only what trains: with LoRA, the adapters
+        self.actor_opt = torch.optim.AdamW([p for p in actor.parameters() if p.requires_grad], lr=cfg.actor_lr,
+                                           weight_decay=cfg.weight_decay)
         self.critic_opt = (torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr, weight_decay=cfg.weight_decay)
                            if critic is not None else None)
 
@@ -199,7 +201,8 @@ class Learner:
         cfg = self.cfg
         ids, valid, P, T = _micro_slices(exp, rows)
         mask = exp.mask[rows][:, :T]
-        logits = self._actor_logits(ids, valid, P)  # [b, T, V]
+        with checkpointing(self.actor):  # recomputes activations in backward if policy.gradient_checkpointing
+            logits = self._actor_logits(ids, valid, P)  # [b, T, V]
         logprobs = pm.logprobs_from_logits(logits, ids[:, P:], self.temperature)  # [b, T]
         pl, pstats = pm.policy_loss(logprobs, exp.old_logprobs[rows][:, :T], exp.advantages[rows][:, :T], mask,
                                     clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high,
@@ -266,7 +269,7 @@ def critic_update(critic, opt: torch.optim.Optimizer, batch: CriticBatch, miniba
             before_micro()
         ids, valid, P, T = _micro_slices(batch, rows)
         mask = batch.mask[rows][:, :T]
-        with autocast(dev, compute_dtype):
+        with autocast(dev, compute_dtype), checkpointing(critic):
             values = response_outputs("critic", critic, ids, valid, P)  # [b, T]
         vl, vstats = pm.value_loss(values, batch.values[rows][:, :T], batch.returns[rows][:, :T], mask,
                                    clip_eps=cfg.value_clip_eps, loss_agg=cfg.loss_agg,

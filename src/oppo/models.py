@@ -229,11 +229,16 @@ def backbone_and_head(model) -> tuple[torch.nn.Module, torch.nn.Module]:
 
     The head of a causal LM is a :class:`LogitsHead`: ``lm_head`` plus the model's own logit
     post-processing, so ``head(backbone(...).last_hidden_state)`` equals ``model(...).logits``.
-    The pair is cached on the model (a reference to modules it already owns).
+    The pair is cached on the model (a reference to modules it already owns). A peft model is
+    read through its underlying transformers model (adapters included).
     """
     cached = getattr(model, "_oppo_backbone_and_head", None)
     if cached is not None:
         return cached
+    if is_peft(model):
+        pair = backbone_and_head(model.get_base_model())
+        object.__setattr__(model, "_oppo_backbone_and_head", pair)
+        return pair
     backbone = model.base_model
     if backbone is model:
         raise ModelLoadError(f"{type(model).__name__} has no separate backbone (base_model); unsupported.")
@@ -382,3 +387,95 @@ def stop_token_ids(tokenizer, model) -> tuple[int, ...]:
     if extra is not None:
         ids.extend(extra if isinstance(extra, (list, tuple)) else [extra])
     return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
+# --------------------------------------------------------------------------- LoRA and memory
+
+def is_peft(model) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def apply_lora(model, r: int, alpha: float, dropout: float, target_modules: list[str]):
+    """Wrap ``model`` with peft LoRA adapters: base weights frozen, adapters trainable (fp32)."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = list(target_modules) if target_modules else "all-linear"
+    cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, bias="none",
+                     task_type="CAUSAL_LM")
+    try:
+        return get_peft_model(model, cfg)
+    except ValueError as e:
+        raise ModelLoadError(f"LoRA could not be applied to the policy ({type(model).__name__}): {e}. "
+                             f"Set lora.target_modules to module names the model has.") from None
+
+
+def base_view(peft_model) -> torch.nn.Module:
+    """The LoRA policy's base model without adapters, as a separate module whose weights are the
+    *same tensors* as the policy's frozen base weights (no second copy in memory): the
+    reference policy. Separate modules, so the reference can score on a worker while the actor
+    decodes with its adapters on (toggling ``disable_adapter`` would race)."""
+    import copy
+
+    inner = peft_model.get_base_model()  # the transformers model with LoRA layers injected
+    with torch.device("meta"):
+        view = type(inner)(copy.deepcopy(inner.config))
+    shared = {}
+    for name, t in list(inner.named_parameters()) + list(inner.named_buffers()):
+        if "lora_" in name:
+            continue
+        shared[name.replace(".base_layer.", ".")] = t
+    keys = set(view.state_dict())
+    missing = keys - set(shared)
+    if missing:
+        raise ModelLoadError(f"internal error: the LoRA base view misses {sorted(missing)[:3]}")
+    view.load_state_dict({k: v for k, v in shared.items() if k in keys}, assign=True, strict=True)
+    # what the state dict does not hold (non-persistent buffers such as rotary inv_freq, plain
+    # tensor attributes): from the same module of the policy
+    theirs = dict(inner.named_modules())
+    for name, mod in view.named_modules():
+        src = theirs.get(f"{name}.base_layer") or theirs.get(name)
+        for key, buf in list(mod._buffers.items()):
+            if buf is not None and buf.is_meta:
+                mod._buffers[key] = src._buffers[key]
+        for key, val in list(vars(mod).items()):
+            if torch.is_tensor(val) and val.is_meta:
+                setattr(mod, key, getattr(src, key))
+    leftover = [n for n, t in list(view.named_parameters()) + list(view.named_buffers()) if t.is_meta]
+    if leftover:
+        raise ModelLoadError(f"internal error: the LoRA base view has unset tensors {leftover[:3]}")
+    if getattr(inner.config, "tie_word_embeddings", False):
+        view.tie_weights()
+    view.generation_config = inner.generation_config
+    return view.eval().requires_grad_(False)
+
+
+def enable_gradient_checkpointing(model) -> None:
+    """Mark the model's decoder layers for activation recomputation (non-reentrant). They only
+    checkpoint inside :func:`checkpointing` (training forwards): oppo keeps every model in eval
+    mode, and a checkpointing layer in training mode would drop the KV cache of decoding."""
+    inner = model.get_base_model() if is_peft(model) else model
+    kwargs = {"use_reentrant": False}
+    if hasattr(inner, "activation_checkpointing_enable"):  # transformers >= 5.x's name
+        inner.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    inner.eval()
+
+
+class checkpointing:
+    """Context: the gradient-checkpointed layers of ``model`` recompute activations in backward
+    (their ``training`` flag only; dropout modules stay in eval mode)."""
+
+    def __init__(self, model, enabled: bool = True):
+        self.layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True] \
+            if enabled and model is not None else []
+
+    def __enter__(self):
+        for m in self.layers:
+            m.training = True
+        return self
+
+    def __exit__(self, *exc):
+        for m in self.layers:
+            m.training = False
+        return False

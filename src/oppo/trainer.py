@@ -28,8 +28,9 @@ from .algo import get_algorithm
 from .config import Config
 from .data import PromptSet, build_prompt_set, read_prompts
 from .learner import CriticBatch, Experience, Learner, attach_scores, build_experience, compute_advantages
-from .models import (check_model_path, check_roles, load_causal_lm, load_critic, load_function, load_reward_model,
-                     load_tokenizer, resolve_device, resolve_dtype, stop_token_ids)
+from .models import (apply_lora, base_view, check_model_path, check_roles, enable_gradient_checkpointing,
+                     load_causal_lm, load_critic, load_function, load_reward_model, load_tokenizer, resolve_device,
+                     resolve_dtype, stop_token_ids)
 from .rollout import Rollout, RolloutEngine
 from .scheduler import ChunkSizeTuner, DeltaController, Scheduler
 from .scoring import RewardFunction, ScoredOutputs, StreamingScorer, score_full
@@ -140,11 +141,18 @@ class Trainer:
         # self.policy / self.critic: the trained weights (what the learner steps and checkpoints
         # save); self.rollout_policy / self.scoring_critic: what the engine and scorers run, the
         # same objects in fp32, bf16 copies refreshed after each update under mixed precision
-        self.policy = load_causal_lm(paths.policy, "policy", dev, master, cfg.policy.trust_remote_code)
+        lora = cfg.lora
+        # LoRA: the frozen base stays in the compute dtype (only the fp32 adapters train)
+        self.policy = load_causal_lm(paths.policy, "policy", dev, dtype if lora.r else master,
+                                     cfg.policy.trust_remote_code)
+        if lora.r:
+            self.policy = apply_lora(self.policy, lora.r, lora.alpha, lora.dropout, lora.target_modules)
         self.rollout_policy = serving_copy(self.policy, dtype)
         ref_dev = resolve_device(cfg.reference.device, str(dev))
         if paths.reference:
             self.reference = load_causal_lm(paths.reference, "reference", ref_dev, dtype)
+        elif lora.r:  # the base model without adapters: the policy's own frozen weights, no copy
+            self.reference = base_view(self.policy)
         else:  # a frozen copy of the initial policy
             self.reference = copy.deepcopy(self.rollout_policy).to(ref_dev)
         self.reference.eval().requires_grad_(False)
@@ -153,6 +161,10 @@ class Trainer:
             self.critic = load_critic(paths.critic, resolve_device(cfg.critic.device, str(dev)), master,
                                       self.pad_id).eval()
             self.scoring_critic = serving_copy(self.critic, dtype)
+        if cfg.policy.gradient_checkpointing:  # the trained models; recomputation only while training
+            for m in (self.policy, self.critic):
+                if m is not None:
+                    enable_gradient_checkpointing(m)
         self.policy.eval()  # no dropout anywhere: rollout and training see the same function
         self.max_new_tokens = paths.max_new_tokens
         g = cfg.generation

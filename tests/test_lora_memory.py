@@ -1,0 +1,90 @@
+"""LoRA (peft) and gradient checkpointing: what they promise, checked."""
+
+import pytest
+import torch
+
+from oppo.checkpoint import latest_checkpoint
+from oppo.config import load_config
+from oppo.run import train
+from oppo.trainer import Trainer
+
+
+def _cfg(tiny_models, tiny_prompts, tmp_path, *extra):
+    return load_config(None, [
+        f"policy.path={tiny_models['policy']}", f"reward.path={tiny_models['reward']}",
+        f"data.prompts={tiny_prompts}", "run.threads=1", "ppo.batch_size=4", "ppo.minibatch_size=2",
+        "ppo.micro_batch_size=2", "generation.max_new_tokens=10", "overlap.mode=sequential",
+        f"run.out_dir={tmp_path}", "log.progress=false", "run.samples=0", "ppo.actor_lr=1e-2", *extra])
+
+
+def test_gradient_checkpointing_recomputes_and_changes_nothing(tiny_models, tiny_prompts, tmp_path):
+    weights, forwards = {}, {}
+    for gc in (False, True):
+        t = Trainer(_cfg(tiny_models, tiny_prompts, tmp_path / str(gc), f"policy.gradient_checkpointing={gc}"),
+                    progress=False)
+        try:
+            calls = []
+            mlp = t.policy.model.layers[0].mlp  # inside the checkpointed layer: runs again in backward
+            h = mlp.register_forward_pre_hook(lambda m, a: calls.append(torch.is_grad_enabled()))
+            t.run_step()
+            h.remove()
+            forwards[gc] = sum(calls)  # forwards with grad on: training, and the recomputation in backward
+            weights[gc] = {n: p.detach().clone() for n, p in t.policy.named_parameters()}
+        finally:
+            t.close()
+    assert forwards[True] > forwards[False] > 0, forwards
+    for n, w in weights[False].items():
+        torch.testing.assert_close(weights[True][n], w, atol=1e-6, rtol=1e-5)
+
+
+def test_lora_trains_adapters_and_shares_the_base_with_the_reference(tiny_models, tiny_prompts, tmp_path):
+    t = Trainer(_cfg(tiny_models, tiny_prompts, tmp_path, "lora.r=4", "lora.alpha=8"), progress=False)
+    try:
+        inner = t.policy.get_base_model()
+        base = {n: p for n, p in inner.named_parameters() if "lora_" not in n}
+        adapters = {n: p for n, p in inner.named_parameters() if "lora_" in n}
+        assert adapters and all(p.requires_grad for p in adapters.values())
+        assert not any(p.requires_grad for p in base.values())
+        opt_params = {id(p) for g in t.learner.actor_opt.param_groups for p in g["params"]}
+        assert opt_params == {id(p) for p in adapters.values()}, "only the adapters train"
+        # the reference is the base model: the same tensors, no copy
+        ref = dict(t.reference.named_parameters())
+        for n, p in base.items():
+            assert ref[n.replace(".base_layer.", ".")].data_ptr() == p.data_ptr(), n
+        b0 = {n: p.detach().clone() for n, p in base.items()}
+        a0 = {n: p.detach().clone() for n, p in adapters.items()}
+        m = None
+        for _ in range(2):
+            m = t.run_step()
+        assert m["kl/mean"] != 0.0, "the adapted policy moved away from the base reference"
+        assert all(torch.equal(p, b0[n]) for n, p in base.items()), "base weights frozen"
+        assert any(not torch.equal(p, a0[n]) for n, p in adapters.items()), "adapters trained"
+    finally:
+        t.close()
+
+
+def test_lora_checkpoint_is_an_adapter_and_resumes(tiny_models, tiny_prompts, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
+    train(_cfg(tiny_models, tiny_prompts, out, "lora.r=4", "run.steps=1"), progress=False)
+    ckpt = latest_checkpoint(out)
+    assert (ckpt / "policy" / "adapter_config.json").is_file()
+    assert not (ckpt / "policy" / "model.safetensors").exists(), "the adapter only, not the full weights"
+    base = AutoModelForCausalLM.from_pretrained(tiny_models["policy"])
+    loaded = PeftModel.from_pretrained(base, ckpt / "policy").eval()
+    t = Trainer(_cfg(tiny_models, tiny_prompts, out, "lora.r=4", "run.steps=2"), progress=False)
+    try:
+        from oppo.checkpoint import load_checkpoint
+
+        x = torch.tensor([[3, 4, 5, 6, 7]])
+        before = t.policy(x).logits
+        load_checkpoint(t, ckpt)
+        after = t.policy(x).logits
+        with torch.no_grad():
+            want = loaded(x).logits
+        assert (before - want).abs().max() > 1e-4, "the checkpoint's adapter differs from a fresh one"
+        torch.testing.assert_close(after, want, atol=1e-5, rtol=1e-5)
+    finally:
+        t.close()
