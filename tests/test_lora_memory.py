@@ -88,3 +88,26 @@ def test_lora_checkpoint_is_an_adapter_and_resumes(tiny_models, tiny_prompts, tm
         torch.testing.assert_close(after, want, atol=1e-5, rtol=1e-5)
     finally:
         t.close()
+
+
+def test_kv_budget_stops_a_step_with_the_fix(tiny_models, tiny_prompts, tmp_path):
+    from oppo.rollout import KVBudgetError
+
+    t = Trainer(_cfg(tiny_models, tiny_prompts, tmp_path, "generation.kv_budget_mb=0.01"), progress=False)
+    try:
+        with pytest.raises(KVBudgetError) as info:
+            t.run_step()
+        msg = str(info.value)
+        assert "generation.kv_budget_mb=0.01" in msg and "ppo.batch_size" in msg and "max_new_tokens" in msg
+    finally:
+        t.close()
+
+
+def test_kv_peak_is_reported_per_step_and_within_budget(tiny_models, tiny_prompts, tmp_path):
+    t = Trainer(_cfg(tiny_models, tiny_prompts, tmp_path, "generation.kv_budget_mb=64"), progress=False)
+    try:
+        m = t.run_step()
+        # 4 rows, at most ~16 columns, 2 layers x (k, v) x 2 kv heads x 8 dims x 4 bytes per column
+        assert 0 < m["memory/actor_kv_peak_mb"] < 64 and m["memory/host_rss_peak_mb"] > 0
+    finally:
+        t.close()

@@ -108,6 +108,9 @@ class GenerationConfig:
     temperature: float = opt(1.0, "Sampling temperature; the behaviour and reference log-probs use the same one.")
     top_p: float = opt(1.0, "Nucleus sampling threshold (1.0: off).")
     top_k: int = opt(0, "Sample among the k most likely tokens (0: off).")
+    kv_budget_mb: float = opt(0.0, "Most memory the actor's KV cache may take, in MiB; a step that would exceed it "
+                                    "stops with an error naming the settings to lower (0: no limit). The per-step "
+                                    "peak is reported as memory/actor_kv_peak_mb.")
 
 
 @dataclass
@@ -487,6 +490,7 @@ def validate(cfg: Config) -> None:
                               "greedy decoding is not a PPO behaviour policy.")
     _check(0 < g.top_p <= 1, f"generation.top_p must be in (0, 1], got {g.top_p}.")
     _check(g.top_k >= 0, f"generation.top_k must be >= 0, got {g.top_k}.")
+    _check(g.kv_budget_mb >= 0, f"generation.kv_budget_mb must be >= 0 (0: no limit), got {g.kv_budget_mb}.")
     _check(cfg.data.max_prompt_tokens >= 1, "data.max_prompt_tokens must be >= 1.")
     _check(o.chunk_size >= 0, f"overlap.chunk_size must be >= 0 (0: online tuning), got {o.chunk_size}.")
     _check(bool(o.chunk_candidates) and all(isinstance(c, int) and c >= 1 for c in o.chunk_candidates),

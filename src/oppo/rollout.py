@@ -80,6 +80,10 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
     return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
 
 
+class KVBudgetError(ValueError):
+    """The actor's KV cache outgrew ``generation.kv_budget_mb``; the message names the fix."""
+
+
 class RolloutEngine:
     """Slots of in-flight sequences over one policy model (see the module docstring)."""
 
@@ -105,6 +109,19 @@ class RolloutEngine:
         self.kv_version: list[int] = []  # oldest policy version in each row's KV cache
         self.finished: list[Rollout] = []  # retired since the last take_chunks()
         self.peak_cache_bytes = 0
+        self.kv_budget_mb: float | None = None  # generation.kv_budget_mb; None: unlimited
+
+    def _check_budget(self) -> None:
+        """Raise before the cache outgrows its budget, rather than dying of an out-of-memory
+        error somewhere in a long-tailed step (or swapping on a CPU)."""
+        n = self.kv.nbytes()
+        self.peak_cache_bytes = max(self.peak_cache_bytes, n)
+        if self.kv_budget_mb is not None and n > self.kv_budget_mb * 1024 * 1024:
+            raise KVBudgetError(
+                f"The actor's KV cache reached {n / 2**20:.3g} MiB ({self.kv.rows} rows x {self.kv.length} columns), "
+                f"over generation.kv_budget_mb={self.kv_budget_mb:g}. Lower ppo.batch_size, "
+                f"overlap.delta_max or generation.max_new_tokens (or data.max_prompt_tokens), or raise "
+                f"generation.kv_budget_mb if the device has room.")
 
     @property
     def active(self) -> int:
@@ -131,6 +148,7 @@ class RolloutEngine:
         self.next_logits = logits if self.next_logits.numel() == 0 else torch.cat([self.next_logits, logits])
         self.logits_version.extend([self.version] * len(rollouts))
         self.kv_version.extend([self.version] * len(rollouts))
+        self._check_budget()
 
     @torch.no_grad()
     def recompute(self) -> None:
@@ -190,6 +208,7 @@ class RolloutEngine:
             self.finished.extend(done)
         if self.rows:
             hidden = self.kv.forward(self.backbone, tokens[:, None], torch.ones_like(tokens)[:, None])  # [R, 1, H]
+            self._check_budget()
             self.next_logits = self.head(hidden[:, -1]).float()  # [R, V]
             self.logits_version = [self.version] * len(self.rows)
         else:

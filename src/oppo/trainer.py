@@ -171,6 +171,8 @@ class Trainer:
         self.stop_ids = stop_token_ids(tok, self.policy)
         self.engine = RolloutEngine(self.rollout_policy, self.stop_ids, self.pad_id, self.max_new_tokens,
                                     g.temperature, g.top_k, g.top_p, seed=cfg.run.seed)
+        if g.kv_budget_mb:
+            self.engine.kv_budget_mb = g.kv_budget_mb
         recompute = {"recompute": True, "sampler": False}.get(
             cfg.ppo.old_logprobs, dtype != torch.float32 or g.top_k > 0 or g.top_p < 1.0)  # auto: when they can differ
         self.learner = Learner(self.policy, self.critic, cfg.ppo, g.temperature, cfg.run.seed,
@@ -467,15 +469,22 @@ class Trainer:
         return m
 
     def _memory(self) -> dict[str, float]:
-        """Peak KV-cache memory per role (MiB) and, on GPU, peak allocated memory per device."""
+        """Memory of this step (MiB): the actor's KV-cache peak, the streaming scorers' (peak so
+        far), on GPU each device's peak allocation during the step (reset after reading), and the
+        process's peak resident memory (all roles of this process; the scorer process apart)."""
+        import resource
+
         mb = 1024 * 1024
         out = {"memory/actor_kv_peak_mb": self.engine.peak_cache_bytes / mb}
+        self.engine.peak_cache_bytes = 0  # per step
         if self.worker:
             for role, s in self.worker.scorers.items():
                 out[f"memory/{role}_kv_peak_mb"] = s.peak_cache_bytes / mb
         if torch.cuda.is_available():
             for i in range(torch.cuda.device_count()):
                 out[f"memory/cuda{i}_peak_mb"] = torch.cuda.max_memory_allocated(i) / mb
+                torch.cuda.reset_peak_memory_stats(i)
+        out["memory/host_rss_peak_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
         return out
 
     def close(self) -> None:
