@@ -238,6 +238,8 @@ class Comparison:
     measured_s: dict[str, float] = field(default_factory=dict)  # mode -> median step time
     predicted_s: dict[str, float] = field(default_factory=dict)
     note: str = ""
+    measured_mean: dict[str, float] = field(default_factory=dict)  # speedup of the mean step time (training time)
+    predicted_mean: dict[str, float] = field(default_factory=dict)
 
     def error(self, mode: str) -> float:
         return self.predicted[mode] / self.measured[mode] - 1.0
@@ -246,21 +248,27 @@ class Comparison:
         return {"label": self.label, "note": self.note, "measured_speedup": self.measured,
                 "predicted_speedup": self.predicted, "measured_step_s": self.measured_s,
                 "predicted_step_s": self.predicted_s,
-                "error": {m: self.error(m) for m in self.measured if m != "sequential"}}
+                "error": {m: self.error(m) for m in self.measured if m != "sequential"},
+                "measured_speedup_of_mean_step": self.measured_mean,
+                "predicted_speedup_of_mean_step": self.predicted_mean}
 
 
 def validate(profile: CpuProfile, runs: list[MeasuredRun], label: str, warmup: int = 1) -> Comparison:
     """Replay the runs of one tail setting (all modes) with ``profile``; compare median-step speedups."""
-    meas, pred, meas_s, pred_s = {}, {}, {}, {}
+    meas_s, pred_s, meas_m, pred_m = {}, {}, {}, {}
     for run in runs:
         wl = replay_workload(run)
         res = profile.simulate(run.mode, wl, len(run.metrics), warmup)
         meas_s[run.mode] = statistics.median(run.step_times[warmup:])
         pred_s[run.mode] = res.step_time_median
-    for mode in meas_s:
-        meas[mode] = meas_s["sequential"] / meas_s[mode]
-        pred[mode] = pred_s["sequential"] / pred_s[mode]
-    return Comparison(label, meas, pred, meas_s, pred_s)
+        meas_m[run.mode] = statistics.mean(run.step_times[warmup:])
+        pred_m[run.mode] = res.step_time_mean
+
+    def ratio(d):
+        return {m: d["sequential"] / v for m, v in d.items()}
+
+    return Comparison(label, ratio(meas_s), ratio(pred_s), meas_s, pred_s, measured_mean=ratio(meas_m),
+                      predicted_mean=ratio(pred_m))
 
 
 BUILTIN_LENGTHS = (8.0, 0.7)

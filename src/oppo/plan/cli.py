@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sensitivity", action="store_true", help="Re-project with one assumption changed at a time.")
     g.add_argument("--steps", type=int, default=60,
                    help="Simulated steps per mode, the first 2 untimed (default 60; a sweep's large clusters run "
-                        "fewer: about 60 x 112 / B, at least 5, as their steps hold many more sequences).")
+                        "fewer: about 60 x 112 / B, at least 12, as their steps hold many more sequences).")
     p.add_argument("--out", default=None, help="Write plan.json, plan.md and the pictures here.")
     return p
 
@@ -96,7 +96,9 @@ def main(argv: list[str]) -> int:
                               "busy": getattr(c, "busy", None)} for c in comparisons]
         md += ["## Validation: planner vs measured speedups (CPU)", "",
                f"Stage costs fitted on {v['runs']} measured runs (every tail-sweep mode and sigma; first step "
-               "left out). Speedup = sequential's median step time / the mode's, as `oppo bench` reports it.", "",
+               "left out). Speedup = sequential's median step time / the mode's, as `oppo bench` reports it; "
+               "the last columns use the mean of the timed steps instead (the run's wall-clock per step; the "
+               "built-in benches' bench.json keeps medians only).", "",
                report.validation_markdown(comparisons), "", report.step_time_markdown(comparisons), ""]
     actor, scorer = parse_placement(args.placement, args.gpus)
     eff = replace(Efficiency(), decode_step_s=args.decode_step_ms / 1e3, train_mfu=args.mfu)

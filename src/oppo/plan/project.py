@@ -125,9 +125,10 @@ def scale_sweep(gpu: str, gpus_list: list[int], sigmas: list[float], per_gpu_bat
             B = per_gpu_batch * a
             st = paper_setting(gpu, sigma=sigma, actor_gpus=a, scorer_gpus=s, batch=B,
                                delta=max(1, round(delta_frac * B)), **kw)
-            n_steps = max(warmup + 3, min(steps, round(steps * 112 / B)))  # big batches: steady means sooner
+            # big batches give steady means in fewer steps; 10 timed steps at least
+            n_steps = max(warmup + 10, min(steps, round(steps * 112 / B)))
             res = summarize(project(st, modes, n_steps, warmup))
-            rows.append({"gpus": n, "sigma": sigma, "batch": B, "delta": st.workload.delta_at(0),
+            rows.append({"gpus": n, "sigma": sigma, "batch": B, "delta": st.workload.delta_at(0), "steps": n_steps,
                          "placement": st.placement.label(),
                          **{f"{m}_speedup": res[m]["speedup"] for m in modes},
                          **{f"{m}_step_s": res[m]["step_time_mean_s"] for m in modes},

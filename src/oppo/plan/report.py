@@ -13,15 +13,19 @@ def _pct(x: float) -> str:
 
 
 def validation_markdown(comparisons: list) -> str:
-    lines = ["| workload | mode | measured | predicted | error | predicted, this sigma held out | error |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| workload | mode | measured | predicted | error | predicted, this sigma held out | error "
+             "| of the mean step: measured / predicted | error |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for c in comparisons:
         held = getattr(c, "held_out", None)
         for m in c.measured:
             if m == "sequential":
                 continue
             h = f"{held[m]:.2f}x | {_pct(held[m] / c.measured[m] - 1)}" if held else "- | -"
-            lines.append(f"| {c.label} | {m} | {c.measured[m]:.2f}x | {c.predicted[m]:.2f}x | {_pct(c.error(m))} | {h} |")
+            mm, pm = c.measured_mean.get(m), c.predicted_mean.get(m)
+            mean = f"{mm:.2f}x / {pm:.2f}x | {_pct(pm / mm - 1)}" if mm and pm else "- | -"
+            lines.append(f"| {c.label} | {m} | {c.measured[m]:.2f}x | {c.predicted[m]:.2f}x | {_pct(c.error(m))} | {h} "
+                         f"| {mean} |")
     return "\n".join(lines)
 
 
