@@ -13,7 +13,8 @@ from oppo.report import make_report
 from oppo.trace import Tracer
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-ALL_PNGS = {"reward_vs_step.png", "reward_vs_time.png", "timeline.png", "response_lengths.png", "overlap.png"}
+ALL_PNGS = {"reward_vs_step.png", "reward_vs_time.png", "kl_vs_step.png", "timeline.png", "response_lengths.png",
+            "overlap.png"}
 
 
 def _fake_run(run_dir, seed: int, step_time: float, overlapped: bool, n_steps: int = 6) -> None:
@@ -110,3 +111,58 @@ def test_missing_metrics_is_a_clear_error(runs, tmp_path):
 def test_labels_must_match_runs(runs, tmp_path):
     with pytest.raises(ValueError, match="2 labels for 3"):
         make_report(runs, tmp_path / "out", labels=["a", "b"])
+
+
+# --------------------------------------------------------------------------- what a user sees
+
+def _timeline(run_dirs, labels=None):
+    from oppo.report import _load_run, _timeline_figure
+
+    return _timeline_figure([_load_run(d, label) for d, label in zip(run_dirs, labels or [d.name for d in run_dirs])])
+
+
+def test_timeline_shows_every_runs_whole_step(tmp_path):
+    """The shortest run first, the longest last: the shared time axis still holds the longest step."""
+    short, long_ = tmp_path / "fast", tmp_path / "slow"
+    _fake_run(short, seed=0, step_time=0.3, overlapped=True)
+    _fake_run(long_, seed=1, step_time=2.0, overlapped=False)
+    fig = _timeline([short, long_])
+    rightmost = [max(p.vertices[:, 0].max() for coll in ax.collections for p in coll.get_paths())
+                 for ax in fig.axes[:2]]
+    assert rightmost[1] > 1.9 > rightmost[0]  # the slow run's step is about 2 s, the fast one's 0.3 s
+    for ax in fig.axes[:2]:
+        assert ax.get_xlim()[0] == 0 and ax.get_xlim()[1] >= max(rightmost)
+
+
+def test_stage_colours_and_rows_are_the_same_in_every_picture(runs, tmp_path):
+    """One colour per stage whatever other stages a picture holds; rows in the same order."""
+    from matplotlib.colors import to_rgba
+
+    from oppo.report import stage_color
+
+    other = tmp_path / "other"
+    _fake_run(other, seed=3, step_time=0.5, overlapped=False)
+    spans = json.loads((other / "trace.json").read_text())
+    for e in spans["traceEvents"]:  # a picture with stages the others lack
+        if e.get("name") == "ref_values":
+            e["name"] = "advantages"
+    (other / "trace.json").write_text(json.dumps(spans))
+    seen: dict[str, tuple] = {}
+    for dirs in ([runs[0], runs[1]], [other, runs[2]]):
+        fig = _timeline(dirs)
+        for ax in fig.axes[:2]:
+            rows = [t.get_text() for t in ax.get_yticklabels()]
+            assert rows == ["policy", "reward", "critic", "learner"], rows
+            for coll in ax.collections:
+                stage = coll.get_gid()
+                color = tuple(coll.get_facecolor()[0][:3])
+                assert color == to_rgba(stage_color(stage))[:3], stage
+                assert seen.setdefault(stage, color) == color, stage
+    assert len(seen) >= 4
+    assert len({stage_color(s) for s in ("train", "train_critic", "advantages", "decode", "wait_critic",
+                                         "experience", "wait_scorers")}) == 7  # no two oppo stages share one
+
+
+def test_kl_picture(runs, tmp_path):
+    written = make_report(runs, tmp_path / "out")
+    assert "kl_vs_step.png" in {p.name for p in written}

@@ -7,8 +7,11 @@ file                        content (written only when its data exists)
 ==========================  =====================================================================
 ``reward_vs_step.png``      ``reward/mean`` (solid) and ``judge/mean`` (dashed) against step
 ``reward_vs_time.png``      the same against ``time/wallclock`` (or summed ``time/step``)
+``kl_vs_step.png``          ``kl/mean`` (summed per-token KL to the reference, per sequence)
+                            against step
 ``timeline.png``            one step per run as a Gantt chart from ``trace.json``: a row per
-                            worker, a bar per span coloured by stage
+                            worker, a bar per span coloured by stage; every run's whole step
+                            on one time axis
 ``response_lengths.png``    histogram of response lengths from ``lengths.jsonl``; without it,
                             ``response_length/mean`` and ``/max`` against step
 ``overlap.png``             ``overlap/delta`` and ``overlap/lag_max`` against step
@@ -16,6 +19,12 @@ file                        content (written only when its data exists)
 
 Runs that share a label (the same mode with several seeds) are drawn as one line, their mean,
 with a shaded band from the minimum to the maximum over the runs.
+
+Colours mean the same thing in every picture: a mode has one colour (:data:`MODE_COLORS`, the
+same as ``oppo plan``'s pictures), and so has each stage of the timeline
+(:data:`STAGE_COLORS`, grouped by the worker that runs it; waiting is hatched grey). Lines
+drawn on top of one another (two modes that trained the same batches) stay visible: each
+later line is drawn thinner than the one below it.
 
 A run directory holds ``metrics.jsonl`` (see :mod:`oppo.metrics`) and optionally
 ``trace.json`` (:mod:`oppo.trace`) and ``lengths.jsonl``, one line per step:
@@ -35,15 +44,46 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
+from matplotlib.ticker import MaxNLocator
 
 from oppo.metrics import METRICS_FILE, read_metrics
 from oppo.trace import Span, bubble_ratio, load_trace, step_windows
 
-__all__ = ["make_report"]
+__all__ = ["MODE_COLORS", "STAGE_COLORS", "make_report", "stage_color"]
 
 TRACE_FILE = "trace.json"
 LENGTHS_FILE = "lengths.jsonl"
 _DPI = 110
+
+MODE_COLORS = {"sequential": "#1f77b4", "intra": "#ff7f0e", "inter": "#2ca02c", "oppo": "#d62728"}
+"""One colour per overlap mode, in every picture (a label that starts with a mode name takes its colour)."""
+
+STAGE_COLORS = {
+    # the actor (policy worker): reds and oranges
+    "generate": "#d62728", "prefill_prompt": "#9467bd", "decode": "#ff7f0e", "recompute_kv": "#ffbb78",
+    # the scorers: olive, slate, pink; the critic's update on the scorer worker: dark blue
+    "score_reward": "#bcbd22", "score_reference": "#7f7f7f", "score_critic": "#e377c2",
+    "train_critic": "#1f3a93", "load_critic": "#aec7e8",
+    # the learner: greens and cyans
+    "experience": "#2ca02c", "advantages": "#98df8a", "recompute_values": "#8c564b", "train": "#17becf",
+    "weight_sync": "#c49c94",
+    # the controller waiting (not work)
+    "wait_scorers": "#d9d9d9", "wait_critic": "#bdbdbd",
+}
+"""One colour per stage, in every picture; other stages get a colour from their name."""
+
+_WAITING = ("wait_",)
+_WORKER_ORDER = ("policy", "actor", "scorer", "reward", "reference", "critic", "learner", "controller")
+_EXTRA = ["#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#5254a3", "#8ca252", "#bd9e39", "#ad494a",
+          "#a55194"]
+
+
+def stage_color(stage: str) -> str:
+    """The stage's colour: fixed for oppo's stages, derived from the name (stable) for others."""
+    if stage in STAGE_COLORS:
+        return STAGE_COLORS[stage]
+    h = sum((i + 1) * ord(c) for i, c in enumerate(stage))  # not hash(): that changes per process
+    return _EXTRA[h % len(_EXTRA)]
 
 
 @dataclass
@@ -162,7 +202,17 @@ def _save(fig: Figure, path: Path) -> Path:
 
 
 def _colors(labels: Sequence[str]) -> dict[str, str]:
-    return {label: f"C{i % 10}" for i, label in enumerate(labels)}
+    """A mode's colour for labels naming a mode, other colours for the rest."""
+    out, spare = {}, [c for c in (f"C{i}" for i in range(10)) if c not in ("C0", "C1", "C2", "C3")]
+    for label in labels:
+        mode = next((m for m in MODE_COLORS if label == m or label.startswith((m + "_", m + "-", m + " "))), None)
+        out[label] = MODE_COLORS[mode] if mode else spare[len([x for x in out.values() if x in spare]) % len(spare)]
+    return out
+
+
+def _widths(n: int) -> list[float]:
+    """Line widths for n lines drawn in order: the first thickest, so coinciding lines all show."""
+    return [1.5 + 1.3 * (n - 1 - i) for i in range(n)]
 
 
 def _band_note(groups: dict[str, list[_Run]]) -> str:
@@ -181,30 +231,36 @@ def _line_figure(
 ) -> Path | None:
     """Generic 'metric against step/time' figure: one panel per (ylabel, [(key, linestyle)])."""
     colors = _colors(list(groups))
-    fig, axes = _new_figure(8, 3.2 * len(panels) + 0.6, nrows=len(panels))
+    widths = dict(zip(groups, _widths(len(groups))))
+    fig, axes = _new_figure(9, 3.2 * len(panels) + 0.6, nrows=len(panels))
     drew_any = False
     for ax, (ylabel, keys) in zip(axes, panels):
         drew = False
         for label, runs in groups.items():
             for key, linestyle in keys:
                 get = (lambda r, k=key: _time_series(r, k)) if by_time else (lambda r, k=key: _series(r, k))
-                name = label if len(keys) == 1 else f"{label} {key}"
+                name = label if len(keys) == 1 else f"{label}: {key.split('/')[0]}"
                 drew |= _plot_group(
                     ax,
                     [get(r) for r in runs],
                     interpolate=by_time,
                     color=colors[label],
                     linestyle=linestyle,
+                    linewidth=widths[label],
                     label=name,
                 )
         if drew:
             ax.set_ylabel(ylabel)
             ax.grid(alpha=0.3)
-            ax.legend(fontsize="small")
+            ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+            if all(k.startswith("overlap/") for k, _ in keys):  # counts: whole numbers
+                ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         drew_any |= drew
     if not drew_any:
         return None
     axes[-1].set_xlabel(xlabel)
+    if not by_time:
+        axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     fig.suptitle(title + _band_note(groups), fontsize="medium")
     return _save(fig, path)
 
@@ -217,19 +273,31 @@ def _reward_panels(groups: dict[str, list[_Run]]) -> list[tuple[str, list[tuple[
 
 
 def _workers_in_order(spans: list[Span]) -> list[str]:
-    """Workers by their first span's start: rows read top-down in pipeline order."""
+    """Rows top-down in pipeline order, the same in every run: oppo's workers in a fixed order,
+    then any others by their first span's start."""
     first: dict[str, float] = {}
     for s in spans:
         first[s.worker] = min(first.get(s.worker, s.start), s.start)
-    return sorted(first, key=lambda w: (first[w], w))
+    rank = {w: i for i, w in enumerate(_WORKER_ORDER)}
+    return sorted(first, key=lambda w: (rank.get(w, len(rank)), first[w], w))
+
+
+def _stages_in_order(stages: set[str]) -> list[str]:
+    known = [st for st in STAGE_COLORS if st in stages]
+    return known + sorted(stages - set(known))
 
 
 def _plot_timeline(runs: list[_Run], path: Path) -> Path | None:
+    fig = _timeline_figure(runs)
+    return None if fig is None else _save(fig, path)
+
+
+def _timeline_figure(runs: list[_Run]) -> Figure | None:
     runs = [r for r in runs if r.spans]
     if not runs:
         return None
-    stages = sorted({s.stage for r in runs for s in r.spans})
-    stage_colors = {st: f"C{i % 10}" for i, st in enumerate(stages)}
+    stages = _stages_in_order({s.stage for r in runs for s in r.spans})
+    stage_colors = {st: stage_color(st) for st in stages}
     rows = [_workers_in_order(r.spans) for r in runs]
     fig = Figure(figsize=(10, sum(0.45 * len(w) + 1.1 for w in rows) + 0.8), layout="constrained")
     FigureCanvasAgg(fig)
@@ -237,11 +305,13 @@ def _plot_timeline(runs: list[_Run], path: Path) -> Path | None:
         len(runs), 1, sharex=True, squeeze=False, height_ratios=[len(w) + 1.5 for w in rows]
     )[:, 0]
     other_steps_drawn = False
+    longest = 0.0
     for ax, run, workers in zip(axes, runs, rows):
         windows = step_windows(s for s in run.spans if s.step >= 0) or step_windows(run.spans)
         steps = list(windows)
         step = steps[len(steps) // 2]  # the median step: past warm-up, not the ragged last one
         w0, w1 = windows[step]
+        longest = max(longest, w1 - w0)
         # One broken_barh call per (worker, stage, own step?): chunked stages give many spans.
         bars: dict[tuple[str, str, bool], list[tuple[float, float]]] = {}
         for s in run.spans:
@@ -254,6 +324,7 @@ def _plot_timeline(runs: list[_Run], path: Path) -> Path | None:
             ax.broken_barh(
                 xranges,
                 (workers.index(worker) - 0.38, 0.76),
+                gid=stage,  # tests read the stage of each bar back
                 facecolors=stage_colors[stage],
                 edgecolor="black" if own else "grey",
                 linewidth=0.4,
@@ -262,7 +333,6 @@ def _plot_timeline(runs: list[_Run], path: Path) -> Path | None:
             )
         ax.set_yticks(range(len(workers)), workers)
         ax.set_ylim(len(workers) - 0.5, -0.5)  # first worker on top
-        ax.set_xlim(left=0)
         ax.grid(axis="x", alpha=0.3)
         name = run.label if run.label == run.path.name else f"{run.label} ({run.path.name})"
         bubble = bubble_ratio(run.spans, (w0, w1))
@@ -271,15 +341,18 @@ def _plot_timeline(runs: list[_Run], path: Path) -> Path | None:
             fontsize="medium",
             loc="left",
         )
+    axes[-1].set_xlim(0, longest * 1.02)  # shared: every run's whole step, the longest included
     axes[-1].set_xlabel("seconds since the step's first span")
     handles = [
-        Patch(facecolor=stage_colors[st], edgecolor="black", linewidth=0.4, label=st) for st in stages
+        Patch(facecolor=stage_colors[st], edgecolor="black", linewidth=0.4,
+              label=f"{st} (waiting)" if st.startswith(_WAITING) else st)
+        for st in stages
     ]
     if other_steps_drawn:
         handles.append(Patch(facecolor="white", edgecolor="grey", hatch="///", label="other step's work"))
     fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 6), fontsize="small")
     fig.suptitle("One step per run: who was busy when", fontsize="medium")
-    return _save(fig, path)
+    return fig
 
 
 def _plot_length_hist(groups: dict[str, list[_Run]], path: Path) -> Path | None:
@@ -364,6 +437,14 @@ def make_report(
             xlabel="wall-clock seconds",
             title="Reward vs wall-clock",
             by_time=True,
+        ),
+        _line_figure(
+            groups,
+            out_dir / "kl_vs_step.png",
+            [("KL(policy || reference) per sequence", [("kl/mean", "-")])],
+            xlabel="step",
+            title="KL to the reference vs step: the per-token estimate (ppo.kl_estimator) summed per sequence,\n"
+                  "the quantity ppo.kl_coef penalises (the k1 estimate of one batch can dip below 0)",
         ),
         _plot_timeline(runs, out_dir / "timeline.png"),
     ]
