@@ -1,3 +1,53 @@
-"""oppo: PPO-based RLHF for Hugging Face causal language models, with overlapped stages."""
+"""oppo: PPO-based RLHF for Hugging Face causal language models, with overlapped stages.
+
+The Python API, without the CLI::
+
+    import oppo
+
+    cfg = oppo.load_config(overrides=["overlap.mode=sequential", "run.steps=20"])  # or a YAML path
+    trainer = oppo.Trainer(cfg)          # loads (or prepares) the models
+    try:
+        for _ in range(cfg.run.steps):
+            metrics = trainer.run_step()     # one PPO step; a dict of numbers (see oppo.metrics)
+            print(trainer.step, metrics["reward/mean"], metrics["kl/mean"])
+    finally:
+        trainer.close()                  # stops the scorer worker
+
+    run_dir = oppo.train(cfg)            # or all of `oppo train`: run directory, metrics, checkpoints
+    print(oppo.run_summary(run_dir))
+    oppo.make_report([run_dir], run_dir / "report")
+
+Names are imported on first use, so ``import oppo`` loads neither torch nor transformers.
+"""
+
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "Config": "config", "ConfigError": "config", "load_config": "config", "help_text": "config",
+    "Trainer": "trainer",
+    "train": "run", "plan_run": "run", "run_summary": "run",
+    "PreflightError": "preflight", "input_problems": "preflight",
+    "read_metrics": "metrics",
+    "make_report": "report",
+    "latest_checkpoint": "checkpoint",
+    "prepare": "task",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'oppo' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
