@@ -1,0 +1,454 @@
+"""The learner as a data-parallel group of Ray actors, and the weight sync to the rollout side.
+
+Each of the M ranks (:class:`LearnerRank`, one Ray actor each, gang-scheduled in a placement
+group) holds a replica of actor and critic with their AdamW: a plain :class:`oppo.learner.Learner`
+built from the same :class:`~.specs.ModelSpec` paths. They join one ``torch.distributed`` process
+group (gloo on CPU, NCCL on GPU) at the address of rank 0, and rank 0's weights are broadcast at
+start, so the replicas are identical even where loading is not (a freshly initialised head).
+
+The update (:func:`dp_update`) is the single learner's, split by rows:
+
+- every rank draws the same minibatches (``Learner.minibatches`` is seeded by the step only);
+- the learner's own loop (``learner._train``) runs on every rank over every minibatch, with the
+  minibatch's *global* token and sequence counts as the loss denominators; each rank computes
+  only its share of the minibatch's micro-batches (micro-batch j goes to rank j mod M) and passes
+  over the others;
+- after a minibatch's last micro-batch the gradients are summed over the ranks (one all-reduce
+  of one flat buffer). Each micro-batch's loss is already divided by the global counts, so the
+  sum is the single learner's gradient (up to summation order); clipping (on that gradient) and
+  the AdamW step are then the same on every rank, and the replicas stay identical;
+- the statistics are summed over ranks the same way (losses and per-token means are already
+  weighted by the global counts); the gradient norm is every rank's (the same).
+
+A rank gets work only if a minibatch has at least M micro-batches: choose
+``ppo.micro_batch_size <= ppo.minibatch_size / M`` (as DeepSpeed's global batch = micro x
+accumulation x ranks); otherwise the update is still exact, but ranks idle.
+
+We sum gradients by hand rather than wrap the models in DDP: the learner runs the backbone and
+the head separately (``models.backbone_and_head``), which bypasses a DDP wrapper's forward, and
+the SUM over ranks of globally normalised losses is exactly what the single learner computes
+(DDP averages, which would need the loss rescaled by M).
+
+Checkpoints: :meth:`DPLearnerGroup.state_dict` is rank 0's state in the single learner's format
+(``{"actor", "critic"}`` model state dicts, ``{"actor_opt", "critic_opt"}`` AdamW state dicts, as
+``checkpoint.py`` saves from ``Learner``), so a checkpoint resumes on any number of ranks.
+
+Weight sync: after each update, rank 0's actor weights go to the rollout model (timed:
+``time/weight_sync``), and, if the critic trains here, its weights go to the Ray scorer actor that
+scores with it, rank 0 to scorer, without passing through the controller.
+
+Faults: a rank that raises or dies is named (``learner actor (role=learner, rank=1) died: ...``)
+and the whole group is stopped: the other ranks would otherwise wait in a collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable
+
+import torch
+
+from .. import ppo_math as pm
+from ..config import PPOConfig
+from ..learner import CriticBatch, Experience, Learner, _micro_slices, _train
+from ..models import checkpointing
+from ..scoring import response_outputs
+from ..weights import autocast
+from .ray_scorer import _short
+from .specs import ModelSpec
+
+
+@dataclass(frozen=True)
+class LearnerSpec:
+    """What every rank builds its ``Learner`` from, as the trainer builds its own.
+
+    ``actor``/``critic``: the trained models' specs, in their master dtype (fp32 under bf16
+    compute, ``weights.py``; with LoRA the actor's frozen base in the compute dtype). ``critic``
+    None: a critic-free algorithm. ``algorithm``: the ``algo.Algorithm`` (None: plain PPO).
+    ``lora``: ``(r, alpha, dropout, target_modules)`` to wrap the actor with, or None.
+    """
+
+    actor: ModelSpec
+    critic: ModelSpec | None
+    ppo: PPOConfig
+    temperature: float
+    seed: int
+    compute_dtype: torch.dtype = torch.float32
+    recompute_old: bool = False
+    algorithm: object = None
+    lora: tuple | None = None
+    gradient_checkpointing: bool = False
+
+    def build(self) -> Learner:
+        from ..models import apply_lora, enable_gradient_checkpointing
+
+        torch.manual_seed(self.seed)
+        actor = self.actor.load()
+        if self.lora is not None:
+            actor = apply_lora(actor, *self.lora)
+        critic = self.critic.load() if self.critic is not None else None
+        if self.gradient_checkpointing:
+            for m in (actor, critic):
+                if m is not None:
+                    enable_gradient_checkpointing(m)
+        actor.eval()
+        return Learner(actor, critic, self.ppo, self.temperature, self.seed, compute_dtype=self.compute_dtype,
+                       recompute_old=self.recompute_old, algorithm=self.algorithm)
+
+
+# ====================================================================== the math on one rank
+
+def dp_update(learner: Learner, exp: Experience, step: int, rank: int, world: int, critic: bool = True
+              ) -> dict[str, float]:
+    """``learner.update(exp, step, critic)`` as rank ``rank`` of ``world`` in the default process
+    group (module docstring). Every rank gets the whole batch and returns the same stats."""
+    import torch.distributed as dist
+
+    cfg = learner.cfg
+    mbs = [mb.to(exp.mask.device) for mb in learner.minibatches(exp.mask.shape[0], step)]
+    actor_steps = _Shard(mbs, rank, world, learner.actor,
+                         lambda rows, nt, ns: learner._actor_micro_step(exp, rows, nt, ns))
+    stats = _train(learner.actor, learner.actor_opt, exp.mask, mbs, cfg, "actor", actor_steps)
+    actor_steps.check_done()
+    if critic and learner.critic is not None:
+        batch = CriticBatch.of(exp)
+        critic_steps = _Shard(mbs, rank, world, learner.critic,
+                              lambda rows, nt, ns: _critic_micro_step(learner.critic, batch, rows, nt, ns, cfg,
+                                                                      learner.compute_dtype))
+        stats.update(_train(learner.critic, learner.critic_opt, batch.mask, mbs, cfg, "critic", critic_steps))
+        critic_steps.check_done()
+    if world == 1:
+        return stats
+    gathered: list[dict[str, float]] = [{} for _ in range(world)]
+    dist.all_gather_object(gathered, stats)
+    out = {}
+    for k in sorted(set().union(*gathered)):
+        # the gradient norm is computed after the all-reduce: the same on every rank
+        out[k] = gathered[0][k] if k.startswith("grad_norm/") else sum(g.get(k, 0.0) for g in gathered)
+    return out
+
+
+class _Shard:
+    """The micro-step ``learner._train`` calls, for one rank: computes its share of each minibatch's
+    micro-batches, passes over the others, and all-reduces the gradients after each minibatch's
+    last micro-batch (before ``_train`` clips and steps)."""
+
+    def __init__(self, minibatches: list[torch.Tensor], rank: int, world: int, model: torch.nn.Module,
+                 micro_step: Callable):
+        self.mbs, self.rank, self.world, self.model, self.micro_step = minibatches, rank, world, model, micro_step
+        self.i = self.pos = self.j = 0  # minibatch, rows of it seen, micro-batches of it seen
+
+    def __call__(self, rows: torch.Tensor, num_tokens: torch.Tensor, num_seqs: int) -> dict[str, float]:
+        mb = self.mbs[self.i]
+        if not torch.equal(rows, mb[self.pos: self.pos + len(rows)]):
+            raise RuntimeError("internal error: the learner's loop no longer visits each minibatch's rows in order; "
+                               "dp_update must follow it")
+        stats = self.micro_step(rows, num_tokens, num_seqs) if self.j % self.world == self.rank else {"_frac": 0.0}
+        self.pos += len(rows)
+        self.j += 1
+        if self.pos == len(mb):
+            if self.world > 1:
+                all_reduce_grads(self.model)
+            self.i, self.pos, self.j = self.i + 1, 0, 0
+        return stats
+
+    def check_done(self) -> None:
+        if self.i != len(self.mbs):
+            raise RuntimeError("internal error: the learner's loop skipped minibatches; dp_update must follow it")
+
+
+def all_reduce_grads(model: torch.nn.Module) -> None:
+    """Sum the gradients of ``model`` over the ranks, in one flat buffer. A parameter without a
+    gradient on every rank keeps none (so AdamW skips it, as the single learner's would)."""
+    import torch.distributed as dist
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        return
+    ref = next((p.grad for p in params if p.grad is not None), params[0])
+    has = torch.tensor([float(p.grad is not None) for p in params], dtype=ref.dtype, device=ref.device)
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p, dtype=ref.dtype)).reshape(-1)
+                      for p in params] + [has])
+    dist.all_reduce(flat)  # SUM
+    off = 0
+    for p, n in zip(params, flat[-len(params):].tolist()):
+        k = p.numel()
+        p.grad = flat[off: off + k].view_as(p) if n > 0 else None
+        off += k
+
+
+def _critic_micro_step(critic, batch: CriticBatch, rows: torch.Tensor, num_tokens, num_seqs: int, cfg: PPOConfig,
+                       compute_dtype: torch.dtype) -> dict[str, float]:
+    """The micro-step of ``learner.critic_update`` (there a closure, so repeated here; the DP test
+    compares the two updates' weights and stats)."""
+    ids, valid, P, T = _micro_slices(batch, rows)
+    mask = batch.mask[rows][:, :T]
+    with autocast(ids.device, compute_dtype), checkpointing(critic):
+        values = response_outputs("critic", critic, ids, valid, P)  # [b, T]
+    vl, vstats = pm.value_loss(values, batch.values[rows][:, :T], batch.returns[rows][:, :T], mask,
+                               clip_eps=cfg.value_clip_eps, loss_agg=cfg.loss_agg,
+                               num_tokens=num_tokens, num_seqs=num_seqs)
+    vl.backward()
+    return {"loss/value": vl.item(), "value/clipfrac": vstats["vf_clipfrac"].item(),
+            "_frac": (mask.sum() / num_tokens).item()}
+
+
+def portable(exp: Experience) -> Experience:
+    """The Experience as it travels to the ranks: CPU tensors, no Rollout records (the update
+    needs only the tensors)."""
+    moved = {f.name: (v.cpu() if torch.is_tensor(v) else v) for f in dataclasses.fields(exp)
+             for v in [getattr(exp, f.name)]}
+    moved["rollouts"] = []
+    return Experience(**moved)
+
+
+def _to(exp: Experience, device: torch.device) -> Experience:
+    return dataclasses.replace(exp, **{f.name: getattr(exp, f.name).to(device) for f in dataclasses.fields(exp)
+                                       if torch.is_tensor(getattr(exp, f.name))})
+
+
+def learner_state(learner: Learner) -> dict:
+    """A learner's trained state as checkpoints save it: ``{"actor", "critic"}`` model state dicts
+    (CPU tensors) and ``{"actor_opt", "critic_opt"}`` AdamW state dicts."""
+    state = {"actor": _cpu_state(learner.actor), "actor_opt": _cpu_state(learner.actor_opt)}
+    if learner.critic is not None:  # critic-free algorithms have none
+        state.update(critic=_cpu_state(learner.critic), critic_opt=_cpu_state(learner.critic_opt))
+    return state
+
+
+def load_learner_state(learner: Learner, state: dict) -> None:
+    """Inverse of :func:`learner_state` (for a single learner, or a rank of a group of any size)."""
+    if (learner.critic is None) != ("critic" not in state):
+        raise ValueError("a learner state with a critic loads only into a learner with one (and without into without)")
+    learner.actor.load_state_dict(state["actor"])
+    learner.actor_opt.load_state_dict(state["actor_opt"])
+    if learner.critic is not None:
+        learner.critic.load_state_dict(state["critic"])
+        learner.critic_opt.load_state_dict(state["critic_opt"])
+
+
+def _cpu_state(module_or_opt) -> dict:
+    """A snapshot of a module's or optimizer's state dict: CPU copies, never views of live tensors."""
+    return _cpu_copy(module_or_opt.state_dict())
+
+
+def _cpu_copy(x):
+    if torch.is_tensor(x):
+        return x.detach().to("cpu", copy=True)
+    if isinstance(x, dict):
+        return {k: _cpu_copy(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_cpu_copy(v) for v in x]
+    return x
+
+
+# ====================================================================== the rank (a Ray actor)
+
+class LearnerRank:
+    """One rank: a Learner replica in a process group. Plain class; the group wraps it with
+    ``ray.remote``."""
+
+    def __init__(self, spec: LearnerSpec, rank: int, world: int, threads: int = 1):
+        torch.set_num_threads(threads)
+        self.rank, self.world = rank, world
+        self.learner = spec.build()
+
+    def address(self) -> tuple[str, int]:
+        """(this node's IP, a free port) for the process group's rendezvous (rank 0)."""
+        import socket
+
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def join(self, host: str, port: int, backend: str, timeout_s: float) -> None:
+        import torch.distributed as dist
+
+        dev = self.learner.device
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank, world_size=self.world,
+                                timeout=timedelta(seconds=timeout_s))
+        with torch.no_grad():  # identical replicas, whatever loading gave (a fresh head, LoRA adapters)
+            for model in (self.learner.actor, self.learner.critic):
+                if model is None:
+                    continue
+                for t in list(model.parameters()) + list(model.buffers()):
+                    dist.broadcast(t.data, src=0)
+
+    def update(self, exp: Experience, step: int, critic: bool) -> dict[str, float]:
+        return dp_update(self.learner, _to(exp, self.learner.device), step, self.rank, self.world, critic)
+
+    def old_logprobs(self, exp: Experience, version: int):
+        exp = _to(exp, self.learner.device)
+        self.learner.old_logprobs(exp, version)
+        return exp.old_logprobs.cpu(), exp.is_weights.cpu(), exp.stats
+
+    def actor_state(self) -> dict[str, torch.Tensor]:
+        return _cpu_state(self.learner.actor)
+
+    def critic_state(self) -> dict[str, torch.Tensor]:
+        return _cpu_state(self.learner.critic)
+
+    def state_dict(self) -> dict:
+        return learner_state(self.learner)
+
+    def load_state_dict(self, state: dict) -> None:
+        load_learner_state(self.learner, state)
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# ====================================================================== the controller's handle
+
+class DPLearnerGroup:
+    """M learner ranks on Ray; ``update`` = ``Learner.update`` on the same batch (module docstring).
+
+    ``rollout``: the model the rollout engine samples with (a local module): rank 0's actor
+    weights are copied into it after each update (``time/weight_sync``). ``critic_scorer``: a
+    :class:`~.ray_scorer.RayScorerWorker` scoring with the critic trained here: rank 0's critic
+    weights are sent to it after each update (and once at start). Each rank gets ``num_cpus``
+    CPUs and ``num_gpus`` GPUs; ``strategy``: Ray placement-group strategy (PACK: as few nodes as
+    possible; SPREAD / STRICT_SPREAD: across nodes). Call :func:`.cluster.init_ray` first.
+    """
+
+    def __init__(self, spec: LearnerSpec, world_size: int, *, num_cpus: float = 1, num_gpus: float = 0,
+                 threads: int = 1, backend: str | None = None, strategy: str = "PACK",
+                 rollout: torch.nn.Module | None = None, critic_scorer=None, timeout_s: float = 600.0):
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if critic_scorer is not None and spec.critic is None:
+            raise ValueError("critic_scorer given but the learner has no critic (a critic-free algorithm)")
+        self.world, self.rollout, self.critic_scorer = world_size, rollout, critic_scorer
+        bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})}
+        self.pg = placement_group([bundle] * world_size, strategy=strategy)
+        ready, _ = ray.wait([self.pg.ready()], timeout=timeout_s)
+        if not ready:
+            ray.util.remove_placement_group(self.pg)
+            raise RuntimeError(f"the Ray cluster cannot place {world_size} learner ranks of {bundle} "
+                               f"({strategy}) within {timeout_s:.0f} s; it has {ray.cluster_resources()}")
+        cls = ray.remote(LearnerRank)
+        self.ranks = [cls.options(num_cpus=num_cpus, num_gpus=num_gpus, scheduling_strategy=
+                                  PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r)
+                                  ).remote(spec, r, world_size, threads) for r in range(world_size)]
+        host, port = self._gather([self.ranks[0].address.remote()], ranks=[0])[0]
+        backend = backend or ("nccl" if num_gpus else "gloo")
+        self._gather([r.join.remote(host, port, backend, timeout_s) for r in self.ranks])
+        if critic_scorer is not None:
+            critic_scorer.set_critic_weights(self.ranks[0].critic_state.remote())
+
+    def update(self, exp: Experience, step: int, critic: bool = True) -> dict[str, float]:
+        """Stage 6 on the group, then the weight sync; returns the learner's stats plus
+        ``time/weight_sync`` (seconds: rank 0's actor weights into ``rollout``)."""
+        import ray
+
+        ref = ray.put(portable(exp))  # once, read by every rank
+        stats = self._gather([r.update.remote(ref, step, critic) for r in self.ranks])[0]
+        if self.critic_scorer is not None and critic:
+            self.critic_scorer.set_critic_weights(self.ranks[0].critic_state.remote(), step)  # rank 0 -> scorer
+        if self.rollout is not None:
+            stats["time/weight_sync"] = self.sync_actor(self.rollout)
+        return stats
+
+    def sync_actor(self, target: torch.nn.Module) -> float:
+        """Copy rank 0's actor weights into ``target`` (cast to its dtype); returns the seconds taken."""
+        t = time.perf_counter()
+        state = self._gather([self.ranks[0].actor_state.remote()], ranks=[0])[0]
+        with torch.no_grad():
+            target.load_state_dict(state)
+        return time.perf_counter() - t
+
+    def old_logprobs(self, exp: Experience, version: int) -> None:
+        """``Learner.old_logprobs`` on rank 0 (its weights are pi_k): sets ``exp.old_logprobs``,
+        ``exp.is_weights`` and ``exp.stats``."""
+        old, w, stats = self._gather([self.ranks[0].old_logprobs.remote(portable(exp), version)], ranks=[0])[0]
+        exp.old_logprobs, exp.is_weights, exp.stats = old.to(exp.mask.device), w.to(exp.mask.device), stats
+
+    def actor_state(self) -> dict[str, torch.Tensor]:
+        return self._gather([self.ranks[0].actor_state.remote()], ranks=[0])[0]
+
+    def critic_state(self) -> dict[str, torch.Tensor]:
+        return self._gather([self.ranks[0].critic_state.remote()], ranks=[0])[0]
+
+    def state_dict(self) -> dict:
+        """Rank 0's ``{"actor", "critic", "actor_opt", "critic_opt"}``: the single learner's format."""
+        return self._gather([self.ranks[0].state_dict.remote()], ranks=[0])[0]
+
+    def load_state_dict(self, state: dict) -> None:
+        """Every rank loads ``state`` (from this group, a group of another size, or a single learner)."""
+        import ray
+
+        ref = ray.put(state)
+        self._gather([r.load_state_dict.remote(ref) for r in self.ranks])
+        if self.critic_scorer is not None:
+            self.critic_scorer.set_critic_weights(self.ranks[0].critic_state.remote())
+
+    def close(self) -> None:
+        import ray
+
+        refs = [r.close.remote() for r in self.ranks]
+        ray.wait(refs, num_returns=len(refs), timeout=10)
+        self._kill()
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _gather(self, refs: list, ranks: list[int] | None = None, grace_s: float = 5.0) -> list:
+        """Results of one call per rank. On a failure or death, stop the whole group (the other
+        ranks may be waiting in a collective) and raise naming each rank that failed or died; the
+        dead ones first, as a rank whose peer died fails in its next collective as a consequence."""
+        import ray
+
+        ranks = list(range(len(refs))) if ranks is None else ranks
+        which = {ref: r for ref, r in zip(refs, ranks)}
+        out, left, dead, failed = {}, list(refs), [], []
+        while left:
+            done, left = ray.wait(left, num_returns=1)
+            try:
+                out[done[0]] = ray.get(done[0])
+                continue
+            except ray.exceptions.RayActorError as e:
+                dead.append((which[done[0]], e))
+            except ray.exceptions.RayTaskError as e:
+                failed.append((which[done[0]], e))
+            more, left = ray.wait(left, num_returns=len(left), timeout=grace_s) if left else ([], [])
+            for ref in more:  # the others' outcomes, briefly: name every rank that failed
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError as e:
+                    dead.append((which[ref], e))
+                except ray.exceptions.RayTaskError as e:
+                    failed.append((which[ref], e))
+            self._kill()
+            msgs = [f"learner actor (role=learner, rank={r}) died: {_short(e)}" for r, e in sorted(dead, key=_rank)]
+            msgs += [f"learner actor (role=learner, rank={r}) failed: {getattr(e, 'cause', None) or e!r}"
+                     for r, e in sorted(failed, key=_rank)]
+            first = (dead or failed)[0][1]
+            raise RuntimeError("; ".join(msgs) + "; the learner group was stopped") from first
+        return [out[r] for r in refs]
+
+    def _kill(self) -> None:
+        import ray
+
+        for r in self.ranks:
+            ray.kill(r)
+        if self.pg is not None:
+            ray.util.remove_placement_group(self.pg)
+            self.pg = None
+
+
+def _rank(item: tuple[int, BaseException]) -> int:
+    return item[0]
