@@ -33,3 +33,43 @@ def test_cli_rejects_bad_setting_before_loading(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "ppo.minibatch_size" in proc.stderr
+
+
+def test_help_lists_every_command_with_a_line(capsys):
+    from oppo import cli
+
+    assert cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for name in cli.COMMANDS:
+        line = next((l for l in out.splitlines() if l.strip().startswith(name + " ")), None)
+        assert line is not None and len(line.split()) > 3, (name, out)
+    assert cli.main(["nope"]) == 2
+    assert "unknown command 'nope'" in capsys.readouterr().err
+
+
+def test_progress_line_shows_the_judge():
+    import io
+
+    from oppo.metrics import ProgressBar
+
+    out = io.StringIO()
+    bar = ProgressBar(total_steps=2, file=out)
+    bar.update(0, {"reward/mean": 0.5, "judge/mean": -0.25, "kl/mean": 0.01, "time/step": 1.0})
+    bar.update(1, {"reward/mean": 0.5, "kl/mean": 0.01, "time/step": 1.0})  # no judge configured
+    first, second = out.getvalue().splitlines()
+    assert "reward 0.500 | judge -0.250 | kl" in first and "judge" not in second
+
+
+def test_run_summary(tmp_path):
+    from oppo.metrics import MetricsLogger
+    from oppo.run import run_summary
+
+    with MetricsLogger(tmp_path / "r") as log:
+        for step in range(12):
+            log.log(step, {"reward/mean": float(step), "judge/mean": step / 10, "kl/mean": 0.5,
+                           "time/wallclock": 10.0 * (step + 1)})
+    text = run_summary(tmp_path / "r", wall_seconds=150)
+    assert "done: 12 steps (0-11) in 2m30s, 2m00s of it training" in text
+    assert "reward 2.000 -> 9.000, judge 0.200 -> 0.900" in text and "first and last 5 steps" in text
+    assert f"oppo report {tmp_path / 'r'}" in text
+    assert run_summary(tmp_path / "nothing").strip() == f"run directory: {tmp_path / 'nothing'}"

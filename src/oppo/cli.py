@@ -12,7 +12,9 @@ def _train(argv: list[str]) -> int:
     """PPO on your models, or on the built-in task (prepared on first use); progress, then a summary."""
     p = argparse.ArgumentParser(
         prog="oppo train", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="PPO-based RLHF. With no models named, trains on the built-in task (prepared on first use).",
+        description="PPO-based RLHF. With no models named, trains on the built-in task (prepared on first use).\n"
+                    "Each run gets its own directory, runs/<date>-<time>-<mode>/, and runs/latest points to the\n"
+                    "newest; with run.out_dir=DIR the run directory is DIR, which must not hold another run.",
         epilog=help_text())
     p.add_argument("--config", help="YAML file of settings (sections as below).")
     p.add_argument("--resume", help="Continue a run: 'auto' for the latest checkpoint of run.out_dir (with the "

@@ -536,7 +536,22 @@ def _versions() -> dict:
     import transformers
 
     return {"torch": torch.__version__, "transformers": transformers.__version__,
-            "tokenizers": tokenizers.__version__, "python": sys.version.split()[0]}
+            "tokenizers": tokenizers.__version__, "python": sys.version.split()[0], "cpu": _cpu_name()}
+
+
+def _cpu_name() -> str:
+    """The CPU model: the build is deterministic on one kind of CPU (with the same library versions
+    and thread count), not across kinds, whose float kernels differ (README, "deterministic")."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 @contextlib.contextmanager
