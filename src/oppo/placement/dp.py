@@ -334,6 +334,7 @@ class DPLearnerGroup:
         if critic_scorer is not None and spec.critic is None:
             raise ValueError("critic_scorer given but the learner has no critic (a critic-free algorithm)")
         self.world, self.rollout, self.critic_scorer = world_size, rollout, critic_scorer
+        self._draw = _Draw(spec.ppo, spec.seed)
         bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})}
         self.pg = placement_group([bundle] * world_size, strategy=strategy)
         ready, _ = ray.wait([self.pg.ready()], timeout=timeout_s)
@@ -363,6 +364,11 @@ class DPLearnerGroup:
         if self.rollout is not None:
             stats["time/weight_sync"] = self.sync_actor(self.rollout)
         return stats
+
+    def minibatches(self, B: int, step: int) -> list[torch.Tensor]:
+        """The rows of each minibatch, as every rank draws them (``Learner.minibatches``: seeded by
+        the step only); for a critic trained elsewhere on the same minibatches."""
+        return Learner.minibatches(self._draw, B, step)  # the learner's own draw, on its two settings
 
     def sync_actor(self, target: torch.nn.Module) -> float:
         """Copy rank 0's actor weights into ``target`` (cast to its dtype); returns the seconds taken."""
@@ -452,3 +458,11 @@ class DPLearnerGroup:
 
 def _rank(item: tuple[int, BaseException]) -> int:
     return item[0]
+
+
+@dataclass(frozen=True)
+class _Draw:
+    """What ``Learner.minibatches`` reads of a learner (its settings), for the controller's copy."""
+
+    cfg: PPOConfig
+    seed: int
