@@ -260,7 +260,6 @@ class _Sim:
         self.actors = [_Device(f"actor{i}") for i in range(pl.actor_devices)]
         self.scorers = self.actors if pl.shared else [_Device(f"scorer{i}") for i in range(pl.scorer_devices)]
         self.rows: dict[int, _Row] = {}
-        self.spans: list[Span] = []
         self.clock = 0.0
         self.log_start = 0
         self.stage_log: list[tuple[str, str, str, int, float, float, tuple[Work, ...]]] = []
@@ -509,7 +508,7 @@ class _Sim:
             if b <= a:
                 continue
             dev[name] = dev.get(name, 0.0) + (b - a)
-            if name in ("actor0", "scorer0") or (self.pl.shared and name == "actor0"):
+            if name in ("actor0", "scorer0"):  # per-worker figures: one device of each group, like a bench trace
                 seen_worker.setdefault(worker, []).append((a, b))
         for w, iv in seen_worker.items():
             work[w] = _union_len(iv)
