@@ -1,8 +1,8 @@
-"""The data-parallel learner group: 2 Ray ranks (gloo) train the single learner's weights on the same
+"""The data-parallel learner group: 2 Ray ranks (gloo), on two nodes, train the single learner's weights on the same
 batch; its state is the single learner's format, so it resumes on another number of ranks; rank 0's
 actor weights reach the rollout model after each update; a dead rank is named and stops the group.
 
-One local Ray cluster (2 CPUs, shared with the other Ray test modules) and one group of 2 ranks.
+One local Ray cluster of two nodes (shared with the other Ray test modules) and one group of 2 ranks.
 """
 
 import random
@@ -16,7 +16,7 @@ from oppo.algo import get_algorithm  # noqa: E402
 from oppo.config import PPOConfig  # noqa: E402
 from oppo.learner import Experience, attach_scores, build_experience, compute_advantages  # noqa: E402
 from oppo.models import load_tokenizer  # noqa: E402
-from oppo.placement.cluster import init_ray  # noqa: E402
+from oppo.placement.cluster import start_local_cluster  # noqa: E402
 from oppo.placement.dp import DPLearnerGroup, LearnerSpec, learner_state, load_learner_state  # noqa: E402
 from oppo.placement.specs import ModelSpec  # noqa: E402
 from oppo.rollout import Rollout  # noqa: E402
@@ -35,10 +35,10 @@ ALGO = get_algorithm("ppo", kl_placement="loss", kl_estimator="k3", kl_coef=0.1)
 
 @pytest.fixture(scope="module")
 def ray_local(request):
-    """A local Ray of 2 CPUs, started once per test session (shared by the Ray test modules)."""
+    """A local Ray cluster of two nodes of 1 CPU each, started once per test session (the Ray test
+    modules share it: a start costs ~25 s on 2 busy cores) and shut down at its end."""
     if not ray.is_initialized():
-        init_ray(address=None, num_cpus=2)
-        request.config.add_cleanup(ray.shutdown)
+        request.config.add_cleanup(start_local_cluster(nodes=2, cpus_per_node=1))
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +98,9 @@ def test_dp_group_trains_like_one_learner_resumes_across_sizes_and_stops_on_a_de
     initial = learner_state(single)
     exp0 = _experience(single, pad, seed=0)
     rollout = spec.actor.load()  # what the rollout engine would sample with
-    group = DPLearnerGroup(spec, 2, num_cpus=1, rollout=rollout)
+    group = DPLearnerGroup(spec, 2, num_cpus=1, rollout=rollout, strategy="STRICT_SPREAD", timeout_s=120)
     try:
+        assert len(set(group.nodes())) == 2, "one rank per node: gloo and the weights cross nodes"
         # the off-policy correction on rank 0 equals the local one
         local_exp, remote_exp = _experience(single, pad, seed=5), _experience(single, pad, seed=5)
         for e in (local_exp, remote_exp):

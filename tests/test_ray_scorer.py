@@ -1,10 +1,14 @@
 """The streaming scorers in Ray actors give the local scorers' outputs; the critic trains there as it
 does locally; a failing or dead actor is reported by role and rank at the next barrier.
 
-One local Ray cluster (2 CPUs) for the whole module; each test starts as few actors as it can.
+One local Ray cluster of two nodes (1 CPU each, shared by the Ray test modules); each test starts as
+few actors as it can.
 """
 
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,7 +18,7 @@ ray = pytest.importorskip("ray")
 from oppo.config import PPOConfig  # noqa: E402
 from oppo.learner import CriticBatch, critic_update  # noqa: E402
 from oppo.models import load_critic, load_tokenizer  # noqa: E402
-from oppo.placement.cluster import init_ray  # noqa: E402
+from oppo.placement.cluster import start_local_cluster  # noqa: E402
 from oppo.placement.ray_scorer import RayScorerWorker  # noqa: E402
 from oppo.placement.specs import ModelSpec  # noqa: E402
 from oppo.rollout import Chunk  # noqa: E402
@@ -29,11 +33,10 @@ TEMP = 0.9
 
 @pytest.fixture(scope="module")
 def ray_local(request):
-    """A local Ray of 2 CPUs, started once per test session (the Ray test modules share it: a start
-    costs ~15 s on 2 busy cores) and shut down at its end."""
+    """A local Ray cluster of two nodes of 1 CPU each, started once per test session (the Ray test
+    modules share it: a start costs ~25 s on 2 busy cores) and shut down at its end."""
     if not ray.is_initialized():
-        init_ray(address=None, num_cpus=2)
-        request.config.add_cleanup(ray.shutdown)
+        request.config.add_cleanup(start_local_cluster(nodes=2, cpus_per_node=1))
 
 
 @pytest.fixture(scope="module")
@@ -199,3 +202,14 @@ def test_ray_critic_trains_like_locally_and_failures_are_named(ray_worker, specs
 def _check_values(got, want):
     for g, v in zip(got, want):
         _close(g.values, v.values, "critic values")
+
+
+def test_init_ray_joins_the_running_cluster(ray_local):
+    """``init_ray()`` (address "auto") in another process joins the cluster named by RAY_ADDRESS."""
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    code = ("import ray; from oppo.placement.cluster import init_ray; r = init_ray(); "
+            "print(len(ray.nodes()), r['CPU'])")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-2:] == ["2", "2.0"]
+

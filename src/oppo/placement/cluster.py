@@ -28,3 +28,25 @@ def init_ray(address: str | None = "auto", num_cpus: int | None = None, num_gpus
         else:
             ray.init(address=address, **kwargs)
     return ray.cluster_resources()
+
+
+def start_local_cluster(nodes: int = 2, cpus_per_node: float = 1, gpus_per_node: int = 0):
+    """A Ray cluster of ``nodes`` nodes on this machine (``ray.cluster_utils.Cluster``), and this
+    process connected to it: what the tests run on, so that placement across nodes (a learner
+    group spread over two nodes, weights crossing between their object stores) is exercised on
+    one machine. Returns the function that shuts it down."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": cpus_per_node, "num_gpus": gpus_per_node,
+                                                              "include_dashboard": False})
+    for _ in range(nodes - 1):
+        cluster.add_node(num_cpus=cpus_per_node, num_gpus=gpus_per_node)
+    ray.init(address=cluster.address)
+    cluster.wait_for_nodes()
+
+    def shutdown() -> None:
+        ray.shutdown()
+        cluster.shutdown()
+
+    return shutdown

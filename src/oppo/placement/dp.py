@@ -59,6 +59,7 @@ from ..scoring import response_outputs
 from ..weights import autocast
 from .ray_scorer import _short
 from .specs import ModelSpec
+from .weight_sync import Packed, pack, unpack_into
 
 
 @dataclass(frozen=True)
@@ -267,6 +268,11 @@ class LearnerRank:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     def join(self, host: str, port: int, backend: str, timeout_s: float) -> None:
         import torch.distributed as dist
 
@@ -295,6 +301,13 @@ class LearnerRank:
 
     def critic_state(self) -> dict[str, torch.Tensor]:
         return _cpu_state(self.learner.critic)
+
+    def actor_weights(self) -> Packed:
+        """The actor's weights for a weight sync (``weight_sync.pack``: no tensor pickling)."""
+        return pack(self.learner.actor)
+
+    def critic_weights(self) -> Packed:
+        return pack(self.learner.critic)
 
     def state_dict(self) -> dict:
         return learner_state(self.learner)
@@ -350,7 +363,7 @@ class DPLearnerGroup:
         backend = backend or ("nccl" if num_gpus else "gloo")
         self._gather([r.join.remote(host, port, backend, timeout_s) for r in self.ranks])
         if critic_scorer is not None:
-            critic_scorer.set_critic_weights(self.ranks[0].critic_state.remote())
+            critic_scorer.set_critic_weights(self.ranks[0].critic_weights.remote())
 
     def update(self, exp: Experience, step: int, critic: bool = True) -> dict[str, float]:
         """Stage 6 on the group, then the weight sync; returns the learner's stats plus
@@ -360,7 +373,7 @@ class DPLearnerGroup:
         ref = ray.put(portable(exp))  # once, read by every rank
         stats = self._gather([r.update.remote(ref, step, critic) for r in self.ranks])[0]
         if self.critic_scorer is not None and critic:
-            self.critic_scorer.set_critic_weights(self.ranks[0].critic_state.remote(), step)  # rank 0 -> scorer
+            self.critic_scorer.set_critic_weights(self.ranks[0].critic_weights.remote(), step)  # rank 0 -> scorer
         if self.rollout is not None:
             stats["time/weight_sync"] = self.sync_actor(self.rollout)
         return stats
@@ -373,9 +386,7 @@ class DPLearnerGroup:
     def sync_actor(self, target: torch.nn.Module) -> float:
         """Copy rank 0's actor weights into ``target`` (cast to its dtype); returns the seconds taken."""
         t = time.perf_counter()
-        state = self._gather([self.ranks[0].actor_state.remote()], ranks=[0])[0]
-        with torch.no_grad():
-            target.load_state_dict(state)
+        unpack_into(target, self._gather([self.ranks[0].actor_weights.remote()], ranks=[0])[0])
         return time.perf_counter() - t
 
     def old_logprobs(self, exp: Experience, version: int) -> None:
@@ -383,6 +394,10 @@ class DPLearnerGroup:
         ``exp.is_weights`` and ``exp.stats``."""
         old, w, stats = self._gather([self.ranks[0].old_logprobs.remote(portable(exp), version)], ranks=[0])[0]
         exp.old_logprobs, exp.is_weights, exp.stats = old.to(exp.mask.device), w.to(exp.mask.device), stats
+
+    def nodes(self) -> list[str]:
+        """The Ray node id each rank runs on."""
+        return self._gather([r.node_id.remote() for r in self.ranks])
 
     def actor_state(self) -> dict[str, torch.Tensor]:
         return self._gather([self.ranks[0].actor_state.remote()], ranks=[0])[0]
@@ -401,7 +416,7 @@ class DPLearnerGroup:
         ref = ray.put(state)
         self._gather([r.load_state_dict.remote(ref) for r in self.ranks])
         if self.critic_scorer is not None:
-            self.critic_scorer.set_critic_weights(self.ranks[0].critic_state.remote())
+            self.critic_scorer.set_critic_weights(self.ranks[0].critic_weights.remote())
 
     def close(self) -> None:
         import ray

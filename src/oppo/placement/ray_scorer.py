@@ -48,6 +48,7 @@ from ..trace import Tracer
 from ..weights import copy_weights, master_dtype, serving_copy
 from ..workers import ScorerWorker, load_optimizer_state_in_place
 from .specs import ModelSpec
+from .weight_sync import is_packed, pack, unpack_into
 
 SCORER_ROLES = ("reward", "reference", "critic")
 
@@ -122,12 +123,16 @@ class ScorerHost:
         return BarrierReply(results, spans, {r: s.peak_cache_bytes for r, s in self.scorers.items()},
                             self.worker.take_train_stats())
 
-    def set_critic_weights(self, state_dict: dict[str, torch.Tensor], step: int = -1) -> None:
-        """Load trained critic weights (from a learner) into the critic this actor scores with."""
+    def set_critic_weights(self, weights: dict, step: int = -1) -> None:
+        """Load trained critic weights (from a learner: a state dict, or ``weight_sync.pack``'s
+        arrays) into the critic this actor scores with."""
         self.worker.barrier()  # nothing may be reading the critic while it changes
         t = time.perf_counter()
         target = self.critic_master if self.critic_master is not None else self.scorers["critic"].model
-        target.load_state_dict(state_dict)
+        if is_packed(weights):
+            unpack_into(target, weights)
+        else:
+            target.load_state_dict(weights)
         copy_weights(target, self.scorers["critic"].model)
         self.tracer.add(self.worker.name, "load_critic", step, t, time.perf_counter())
 
@@ -267,12 +272,13 @@ class RayScorerWorker:
     # ------------------------------------------------------------------ the critic's weights
 
     def set_critic_weights(self, state_dict, step: int = -1) -> None:
-        """Send trained critic weights (a state dict, a module, or a Ray ref to a state dict) to the
-        actor scoring with the critic; they apply before any call sent after this one."""
+        """Send trained critic weights (a state dict, a module, ``weight_sync.pack``'s arrays, or a
+        Ray ref to either) to the actor scoring with the critic; they apply before any call sent
+        after this one."""
         import ray
 
         if isinstance(state_dict, torch.nn.Module):
-            state_dict = {k: v.detach().cpu() for k, v in state_dict.state_dict().items()}
+            state_dict = pack(state_dict)
         if not isinstance(state_dict, ray.ObjectRef):
             state_dict = ray.put(state_dict)
         self._call(self._critic, "set_critic_weights", state_dict, step)
