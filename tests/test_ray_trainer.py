@@ -9,9 +9,9 @@ ray = pytest.importorskip("ray")
 
 from oppo.config import load_config  # noqa: E402
 from oppo.placement.cluster import start_local_cluster  # noqa: E402
-from oppo.placement.dp import DPLearnerGroup, LearnerSpec  # noqa: E402
+from oppo.placement.dp import DPLearnerGroup, learner_spec  # noqa: E402
 from oppo.placement.ray_scorer import RayScorerWorker  # noqa: E402
-from oppo.placement.specs import ModelSpec  # noqa: E402
+from oppo.placement.specs import scorer_specs  # noqa: E402
 from oppo.trainer import Trainer  # noqa: E402
 
 pytestmark = pytest.mark.ray
@@ -41,17 +41,12 @@ def _record(t: Trainer, m: dict) -> dict:
 
 def on_ray(t: Trainer, world: int = 2) -> DPLearnerGroup:
     """Move a built Trainer's scorers and learner onto Ray (what ``run.backend=ray`` will do)."""
-    pad, dtype, p = t.pad_id, t.compute_dtype, t.paths
-    specs = {"reference": ModelSpec("reference", p.reference or p.policy, dtype, "cpu", pad),
-             "critic": ModelSpec("critic", p.critic, dtype, "cpu", pad)}
-    if t.reward_model is not None:
-        specs["reward"] = ModelSpec("reward", p.reward, dtype, "cpu", pad)
+    specs = scorer_specs(t.paths, t.pad_id, t.compute_dtype, reward_model=t.reward_model is not None,
+                         critic=t.critic is not None, device="cpu")
     t.worker.close()
     t.worker = RayScorerWorker(specs, t.tracer, temperature=t.cfg.generation.temperature, num_cpus=0.5)
-    spec = LearnerSpec(actor=ModelSpec("policy", p.policy, torch.float32, "cpu"),
-                       critic=ModelSpec("critic", p.critic, torch.float32, "cpu", pad),
-                       ppo=t.cfg.ppo, temperature=t.cfg.generation.temperature, seed=t.cfg.run.seed,
-                       compute_dtype=dtype, recompute_old=t.learner.recompute_old, algorithm=t.algorithm)
+    spec = learner_spec(t.cfg, t.paths, t.pad_id, t.compute_dtype, t.algorithm, t.learner.recompute_old,
+                        device="cpu")
     group = DPLearnerGroup(spec, world, num_cpus=0.5, rollout=t.rollout_policy, critic_scorer=t.worker)
     t.learner = group
     return group

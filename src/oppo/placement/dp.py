@@ -100,6 +100,26 @@ class LearnerSpec:
                        recompute_old=self.recompute_old, algorithm=self.algorithm)
 
 
+def learner_spec(cfg, paths, pad_id: int, compute_dtype: torch.dtype, algorithm, recompute_old: bool,
+                 critic: bool = True, device: str = "auto") -> LearnerSpec:
+    """The learner the trainer builds (``Trainer.__init__``), as a spec for the ranks: the policy in
+    its master dtype (the compute dtype under LoRA: only the fp32 adapters train), the critic in
+    its master dtype (``critic`` False: none here, e.g. it trains on its scorer actor, or a
+    critic-free algorithm), LoRA and gradient checkpointing as configured. ``cfg``: the Config."""
+    from ..weights import master_dtype
+
+    master = master_dtype(compute_dtype)
+    lora = cfg.lora
+    return LearnerSpec(
+        actor=ModelSpec("policy", paths.policy, compute_dtype if lora.r else master, device,
+                        trust_remote_code=cfg.policy.trust_remote_code),
+        critic=ModelSpec("critic", paths.critic, master, device, pad_id) if critic and paths.critic else None,
+        ppo=cfg.ppo, temperature=cfg.generation.temperature, seed=cfg.run.seed, compute_dtype=compute_dtype,
+        recompute_old=recompute_old, algorithm=algorithm,
+        lora=(lora.r, lora.alpha, lora.dropout, list(lora.target_modules)) if lora.r else None,
+        gradient_checkpointing=cfg.policy.gradient_checkpointing)
+
+
 # ====================================================================== the math on one rank
 
 def dp_update(learner: Learner, exp: Experience, step: int, rank: int, world: int, critic: bool = True
