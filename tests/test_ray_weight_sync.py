@@ -31,3 +31,15 @@ def test_pack_unpack_round_trip(src_dtype, dst_dtype):
 def test_unpack_refuses_another_model():
     with pytest.raises(KeyError, match=r"unexpected \['1\."):
         unpack_into(torch.nn.Sequential(torch.nn.Linear(4, 8)), pack(_model(0)))
+
+
+def test_trainable_only_sends_what_trains():
+    src, dst = _model(0), _model(1)
+    src[0].requires_grad_(False)  # a frozen part (a LoRA base) is not sent
+    packed = pack(src, trainable_only=True)
+    assert set(packed) == {"1.weight", "1.bias", "2.weight", "2.bias"}
+    with pytest.raises(KeyError):
+        unpack_into(dst, packed)  # a full load needs every weight
+    unpack_into(dst, packed, partial=True)
+    assert torch.equal(dst[2].weight, src[2].weight) and not torch.equal(dst[0].weight, src[0].weight)
+

@@ -323,8 +323,9 @@ class LearnerRank:
         return _cpu_state(self.learner.critic)
 
     def actor_weights(self) -> Packed:
-        """The actor's weights for a weight sync (``weight_sync.pack``: no tensor pickling)."""
-        return pack(self.learner.actor)
+        """What an update changed of the actor, for a weight sync (``weight_sync.pack``: no tensor
+        pickling; the trained parameters only: with LoRA, the adapters)."""
+        return pack(self.learner.actor, trainable_only=True)
 
     def critic_weights(self) -> Packed:
         return pack(self.learner.critic)
@@ -406,7 +407,7 @@ class DPLearnerGroup:
     def sync_actor(self, target: torch.nn.Module) -> float:
         """Copy rank 0's actor weights into ``target`` (cast to its dtype); returns the seconds taken."""
         t = time.perf_counter()
-        unpack_into(target, self._gather([self.ranks[0].actor_weights.remote()], ranks=[0])[0])
+        unpack_into(target, self._gather([self.ranks[0].actor_weights.remote()], ranks=[0])[0], partial=True)
         return time.perf_counter() - t
 
     def old_logprobs(self, exp: Experience, version: int) -> None:

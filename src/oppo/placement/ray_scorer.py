@@ -329,6 +329,9 @@ class RayScorerWorker:
 
 
 def _short(e: BaseException) -> str:
-    """The first line of a Ray error (its full text repeats the actor's whole creation record)."""
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+    """A Ray actor error in one line: its first line (what happened) and its last (why: "killed by
+    ray.kill", out of memory, or, when the actor's ``__init__`` raised, that exception)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    if not lines:
+        return type(e).__name__
+    return lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"

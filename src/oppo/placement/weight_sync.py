@@ -22,10 +22,15 @@ import torch
 Packed = dict[str, tuple[object, str]]  # name -> (numpy array, torch dtype name)
 
 
-def pack(module: torch.nn.Module) -> Packed:
-    """``module``'s state dict as numpy arrays (views of CPU tensors; a device copy on GPU)."""
+def pack(module: torch.nn.Module, trainable_only: bool = False) -> Packed:
+    """``module``'s state dict as numpy arrays (views of CPU tensors; a device copy on GPU).
+    ``trainable_only``: only the parameters that train (what an update changes: with LoRA the
+    adapters, not the frozen base), for :func:`unpack_into` with ``partial=True``."""
     out = {}
-    for name, t in module.state_dict().items():
+    state = module.state_dict()
+    if trainable_only:
+        state = {k: p for k, p in module.named_parameters() if p.requires_grad}
+    for name, t in state.items():
         t = t.detach().cpu()
         if t.dtype == torch.bfloat16:
             out[name] = (t.view(torch.int16).numpy(), "bfloat16")
@@ -35,11 +40,12 @@ def pack(module: torch.nn.Module) -> Packed:
 
 
 @torch.no_grad()
-def unpack_into(module: torch.nn.Module, packed: Packed) -> None:
+def unpack_into(module: torch.nn.Module, packed: Packed, partial: bool = False) -> None:
     """Copy :func:`pack`'s arrays into ``module``'s tensors of the same names (cast to their
-    dtype and device). Every name of ``module``'s state dict must be there, and no other."""
+    dtype and device). Every name of ``module``'s state dict must be there (``partial``: some
+    may be left out), and no other."""
     targets = module.state_dict(keep_vars=True)
-    if targets.keys() != packed.keys():
+    if not packed.keys() <= targets.keys() or (not partial and targets.keys() != packed.keys()):
         missing, extra = sorted(targets.keys() - packed.keys()), sorted(packed.keys() - targets.keys())
         raise KeyError(f"weights do not match the model: missing {missing[:3]}, unexpected {extra[:3]}")
     with warnings.catch_warnings():
