@@ -2,11 +2,12 @@
 
 - :mod:`.specs`: how a role's model is loaded wherever it runs (a path, a dtype, a device), so
   that models travel as a few strings, never as pickled weights;
-- :mod:`.cluster`: joining a Ray cluster, or starting a local one;
+- :mod:`.cluster`: joining a Ray cluster, or starting a local one (or a local multi-node one);
 - :mod:`.ray_scorer`: the streaming scorers (reward, reference, critic) in Ray actors, behind a
   handle with the methods of :class:`oppo.workers.ScorerWorker`;
 - :mod:`.dp`: the learner as a data-parallel group of Ray actors (``torch.distributed``: gloo on
-  CPU, NCCL on GPU) whose update equals one learner's, and the weight sync to the rollout side.
+  CPU, NCCL on GPU) whose update equals one learner's, and the weight sync to the rollout side;
+- :mod:`.weight_sync`: weights through Ray's object store as numpy views, not pickled tensors.
 
 Nothing here imports Ray at import time: ``ray`` is an optional dependency (the ``ray`` extra).
 """
