@@ -1,0 +1,423 @@
+"""A static-shape rollout engine: preallocated KV slots and a decode step that can be captured.
+
+:class:`StaticRolloutEngine` is a drop-in for :class:`oppo.rollout.RolloutEngine` (same
+constructor arguments, same methods and attributes, same outputs: tokens, behaviour log-probs of
+the distribution actually sampled, versions = min(logits version, KV version)). What differs is
+how the KV cache lives:
+
+- **Slots.** Each layer's keys and values are one tensor ``[max_rows, kv_heads, max_len, dim]``,
+  allocated once (at the first ``admit``, when the cache shapes are known). A row is admitted into
+  the lowest free slot and retired by freeing it: no tensor is reallocated, concatenated or
+  compacted while decoding (the eager engine's ``DynamicCache`` concatenates every layer's cache
+  at every token and copies it again when rows leave).
+- **Contiguous rows.** A row's tokens occupy columns ``0 .. n-1`` of its slot, and its position
+  ids are its column indices. So a sliding window (which Hugging Face's masks count in cache
+  columns) means exactly what it means in a single-sequence forward.
+- **One decode step** is one forward of shape ``[Rb, 1]`` over slots ``0 .. Rb-1`` attending to
+  columns ``0 .. Lb-1``, with an additive 4-D mask built from each slot's length: a slot's query
+  sees its own columns ``<= n`` (and, for windowed layers, ``> n - window``). Free slots decode
+  garbage into their own column 0; their results are ignored and admission overwrites them.
+  ``Rb``/``Lb`` are the highest used slot and longest row, rounded up to a bucket (exact in eager
+  mode), so a half-empty engine does not pay for its whole preallocation.
+- **Capture.** ``capture="cuda_graph"`` records the decode step once per (Rb, Lb) bucket into a
+  CUDA graph whose inputs are two static buffers (the fed tokens and the slots' lengths) and
+  replays it; admitting and retiring rows only writes those buffers, so nothing is re-captured.
+  ``capture="compile"`` runs the same step through ``torch.compile`` (``reduce-overhead`` on
+  CUDA, which also uses CUDA graphs). ``capture="none"`` runs it eagerly (CPU, and the oracle).
+  Weight updates copy into the same parameter tensors (``weights.copy_weights``), so captured
+  graphs read the new weights.
+
+Prefill stays eager: the new rows' prompts go through one right-padded forward with a temporary
+``DynamicCache``, whose columns are copied into the rows' slots (prefill is compute-bound; its
+shapes vary). Only ``sdpa`` and ``eager`` attention take the 4-D mask; other implementations are
+refused at construction.
+"""
+
+from __future__ import annotations
+
+import heapq
+import inspect
+
+import torch
+
+from .kv import right_pad
+from .rollout import KVBudgetError, Rollout, RolloutEngine, sample_tokens
+
+CAPTURE_MODES = ("none", "cuda_graph", "compile")
+
+
+class UnsupportedForStaticDecode(ValueError):
+    """The model cannot run in the static engine; the message says why and what to use instead."""
+
+
+class _SlotLayer:
+    """One layer's slots: keys/values ``[max_rows, kv_heads, max_len, dim]``.
+
+    ``update`` writes the fed tokens' keys/values at each slot's own column (``cols``, set by the
+    engine before the forward) and returns the ``[:Rb, :, :Lb]`` view the attention reads.
+    Duck-types transformers' ``CacheLayerMixin`` (the methods a decoder layer calls).
+    """
+
+    is_compileable = True
+    is_sliding = False
+    is_initialized = True
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, cache: "_SlotCache"):
+        self.keys, self.values, self.cache = keys, values, cache
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        rb, lb, cols = self.cache.rb, self.cache.lb, self.cache.cols  # cols [Rb] long
+        _, h, c, d = key_states.shape  # [Rb, H, 1, D]
+        idx = cols[:, None, None, None].expand(rb, h, c, d)
+        k, v = self.keys[:rb], self.values[:rb]
+        k.scatter_(2, idx, key_states.to(k.dtype))
+        v.scatter_(2, idx.expand(rb, h, c, value_states.shape[-1]), value_states.to(v.dtype))
+        return k[:, :, :lb], v[:, :, :lb]
+
+    def get_seq_length(self) -> int:
+        return self.cache.lb
+
+    def get_max_length(self) -> int:
+        return self.keys.shape[2]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cache.lb, 0
+
+
+def _slot_cache_class():
+    from transformers.cache_utils import Cache
+
+    class _SlotCache(Cache):
+        """The slots of every layer, passed as ``past_key_values`` to the decode forward.
+        ``rb``/``lb``/``cols`` describe the current step (see :class:`_SlotLayer`)."""
+
+        def __init__(self, shapes: list[tuple[tuple[int, ...], tuple[int, ...]]], dtype, device):
+            layers = []
+            super().__init__(layers=layers)
+            self.rb, self.lb = 0, 0
+            self.cols = torch.zeros(0, dtype=torch.long, device=device)
+            for kshape, vshape in shapes:
+                layers.append(_SlotLayer(torch.zeros(kshape, dtype=dtype, device=device),
+                                         torch.zeros(vshape, dtype=dtype, device=device), self))
+
+        def get_seq_length(self, layer_idx: int = 0) -> int:
+            return self.lb
+
+        def nbytes(self) -> int:
+            return sum(l.keys.numel() * l.keys.element_size() + l.values.numel() * l.values.element_size()
+                       for l in self.layers)
+
+    return _SlotCache
+
+
+def _bucket(n: int, cap: int) -> int:
+    """The smallest of 16, 32, 48, 64, 96, 128, 192, 256, ... (powers of two and 1.5x them) >= n,
+    at most ``cap``: a few captured graphs cover every size with at most 1/3 wasted."""
+    b = 16
+    while b < n:
+        b = b * 3 // 2 if b & (b - 1) == 0 else (b // 3) * 4
+    return min(b, cap)
+
+
+class StaticRolloutEngine(RolloutEngine):
+    """:class:`RolloutEngine` over preallocated KV slots with a capturable decode step (module
+    docstring). It subclasses the eager engine to share what does not touch the cache (forced
+    lengths, chunks, versions, ``generate_all``); everything that does is overridden here.
+
+    ``max_rows``: slots (the most rows in flight: B + Delta_max, in groups times G).
+    ``max_len``: columns per slot (longest prompt + max_new_tokens; default: 512 + max_new_tokens,
+    capped at the model's ``max_position_embeddings`` when it has one).
+    ``capture``: ``none`` | ``cuda_graph`` | ``compile`` (the first two need CUDA for graphs).
+    """
+
+    def __init__(self, model, eos_id: int | tuple[int, ...], pad_id: int, max_new_tokens: int,
+                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0, greedy: bool = False,
+                 max_rows: int = 64, max_len: int | None = None, capture: str = "none"):
+        super().__init__(model, eos_id, pad_id, max_new_tokens, temperature, top_k, top_p, seed, greedy)
+        self.kv = None  # the eager engine's cache; this engine has slots instead
+        if capture not in CAPTURE_MODES:
+            raise ValueError(f"capture must be one of {', '.join(CAPTURE_MODES)}, got {capture!r}.")
+        if capture == "cuda_graph" and self.device.type != "cuda":
+            raise ValueError("capture='cuda_graph' needs the model on a CUDA device; use capture='none' on CPU.")
+        if max_rows < 1:
+            raise ValueError(f"max_rows must be >= 1, got {max_rows}.")
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        impl = getattr(cfg, "_attn_implementation", None) or "eager"
+        if impl not in ("sdpa", "eager"):
+            raise UnsupportedForStaticDecode(
+                f"The static decode engine passes a 4-D attention mask, which attention implementation {impl!r} "
+                f"does not take; load the policy with attn_implementation='sdpa' or use the eager engine.")
+        max_pos = getattr(cfg, "max_position_embeddings", None)
+        if max_len is None:
+            max_len = max_new_tokens + 512
+            if max_pos:
+                max_len = min(max_len, max_pos)
+        if max_len <= max_new_tokens:
+            raise ValueError(f"max_len={max_len} leaves no room for a prompt before {max_new_tokens} new tokens.")
+        self.max_rows, self.max_len, self.capture = max_rows, max_len, capture
+        self.window = self._window(model, cfg, max_len)
+        self._masks_as_dict = self.window is not None and _forward_takes_mask_dict(self.backbone)
+        if self.window is not None and not self._masks_as_dict and getattr(cfg, "layer_types", None) is not None \
+                and len(set(cfg.layer_types)) > 1:
+            raise UnsupportedForStaticDecode(
+                f"{type(model).__name__} mixes windowed and full attention layers but its forward takes no "
+                f"per-type masks; use the eager engine (generation.engine=eager).")
+        self.cache = None  # _SlotCache, allocated at the first admit
+        self.slot_of: list[int] = []  # the slot of each row, parallel to self.rows
+        self._free: list[int] = list(range(max_rows))  # a heap: lowest slot first keeps Rb small
+        self._len = [0] * max_rows  # tokens in each slot's cache (= the column the next fed token takes)
+        self._tok = torch.full((max_rows, 1), pad_id, dtype=torch.long, device=self.device)  # static input
+        self._pos = torch.zeros(max_rows, dtype=torch.long, device=self.device)  # static input: _len on device
+        self._graphs: dict[tuple[int, int], tuple[object, torch.Tensor]] = {}  # (Rb, Lb) -> (graph, logits)
+        self._compiled = None
+        self.captures = 0  # graphs captured (or compiled variants traced) so far
+
+    # ------------------------------------------------------------------ setup
+
+    @staticmethod
+    def _window(model, cfg, max_len: int) -> int | None:
+        """The attention window in cache columns when it can bite within ``max_len``, else None."""
+        from .models import uses_sliding_window
+
+        w = getattr(cfg, "sliding_window", None)
+        if not uses_sliding_window(model) or w is None or w >= max_len:
+            return None
+        return int(w)
+
+    @property
+    def peak_cache_bytes(self) -> int:
+        """The slots' bytes: reserved once, the same at every step (assignments are ignored: the
+        trainer resets the eager engine's per-step peak, which has no meaning here)."""
+        return self.cache.nbytes() if self.cache is not None else 0
+
+    @peak_cache_bytes.setter
+    def peak_cache_bytes(self, value: int) -> None:
+        pass
+
+    def _allocate(self, prefill_cache) -> None:
+        from transformers.cache_utils import DynamicLayer
+
+        shapes = []
+        for i, layer in enumerate(prefill_cache.layers):
+            if type(layer) is not DynamicLayer or layer.keys is None:
+                raise UnsupportedForStaticDecode(
+                    f"layer {i} keeps a {type(layer).__name__} cache (not plain keys/values): the static decode "
+                    f"engine supports attention-only decoders; use the eager engine.")
+            k, v = layer.keys, layer.values  # [n, H, P, D]
+            shapes.append(((self.max_rows, k.shape[1], self.max_len, k.shape[3]),
+                           (self.max_rows, v.shape[1], self.max_len, v.shape[3])))
+        dtype = prefill_cache.layers[0].keys.dtype
+        need = sum(self.max_rows * self.max_len * (ks[1] * ks[3] + vs[1] * vs[3]) for ks, vs in shapes)
+        need *= torch.empty(0, dtype=dtype).element_size()
+        budget = getattr(self, "kv_budget_mb", None)
+        if budget:
+            if need > budget * 2**20:
+                raise KVBudgetError(
+                    f"The static engine's KV slots take {need / 2**20:.3g} MiB ({self.max_rows} slots x "
+                    f"{self.max_len} columns), over generation.kv_budget_mb={budget:g}. Lower the slots "
+                    f"(ppo.batch_size, overlap.delta_max) or the columns (generation.max_new_tokens, "
+                    f"data.max_prompt_tokens), or raise generation.kv_budget_mb if the device has room.")
+        self.cache = _slot_cache_class()(shapes, dtype, self.device)
+        self._mask_dtype = dtype
+
+    # ------------------------------------------------------------------ prefill
+
+    @torch.no_grad()
+    def _prefill_into(self, rows: list[Rollout], slots: list[int]) -> torch.Tensor:
+        """Prefill ``rows`` (prompt + response so far) and copy their KV into ``slots``; return the
+        next-token logits [n, V] (float32)."""
+        from transformers import DynamicCache
+
+        seqs = [r.prompt_ids + r.response_ids for r in rows]
+        lens = [len(s) for s in seqs]
+        for r, n in zip(rows, lens):
+            if len(r.prompt_ids) + self.max_new_tokens - 1 > self.max_len:
+                raise ValueError(
+                    f"A row of {len(r.prompt_ids)} prompt tokens + {self.max_new_tokens} new tokens does not fit "
+                    f"the static engine's max_len={self.max_len} columns; raise max_len (longest prompt + "
+                    f"max_new_tokens).")
+        ids, valid = right_pad(seqs, self.pad_id, self.device)  # [n, P]: columns = slot columns
+        P = ids.shape[1]
+        pos = torch.arange(P, device=self.device)[None].expand_as(ids)  # [n, P]
+        dyn = DynamicCache()
+        out = self.backbone(input_ids=ids, attention_mask=valid, position_ids=pos, past_key_values=dyn,
+                            use_cache=True)
+        last = torch.tensor([n - 1 for n in lens], device=self.device)
+        hidden = out.last_hidden_state[torch.arange(len(rows), device=self.device), last]  # [n, H]
+        logits = self.head(hidden).float()  # [n, V]
+        if self.cache is None:
+            self._allocate(dyn)
+        if len(dyn.layers) != len(self.cache.layers):
+            raise UnsupportedForStaticDecode("the prefill cache changed its number of layers between calls.")
+        idx = torch.tensor(slots, dtype=torch.long, device=self.device)
+        for mine, theirs in zip(self.cache.layers, dyn.layers):
+            # columns beyond a row's length hold padding's keys: masked until decode overwrites them
+            mine.keys[:, :, :P].index_copy_(0, idx, theirs.keys.to(mine.keys.dtype))
+            mine.values[:, :, :P].index_copy_(0, idx, theirs.values.to(mine.values.dtype))
+        for s, n in zip(slots, lens):
+            self._len[s] = n
+        return logits
+
+    @torch.no_grad()
+    def admit(self, rollouts: list[Rollout]) -> None:
+        """Prefill the new rows into free slots and add them to the batch."""
+        if not rollouts:
+            return
+        if len(rollouts) > len(self._free):
+            raise ValueError(
+                f"The static engine has {len(self._free)} free slots of max_rows={self.max_rows} for {len(rollouts)} "
+                f"new rows; raise max_rows to the most rows in flight (ppo.batch_size + overlap.delta_max, in "
+                f"groups times algo.group_size).")
+        slots = [heapq.heappop(self._free) for _ in rollouts]
+        try:
+            logits = self._prefill_into(rollouts, slots)
+        except Exception:
+            for s in slots:
+                heapq.heappush(self._free, s)
+            raise
+        self.rows.extend(rollouts)
+        self.slot_of.extend(slots)
+        self.next_logits = logits if self.next_logits.numel() == 0 else torch.cat([self.next_logits, logits])
+        self.logits_version.extend([self.version] * len(rollouts))
+        self.kv_version.extend([self.version] * len(rollouts))
+
+    @torch.no_grad()
+    def recompute(self) -> None:
+        """Rebuild every row's KV cache and next-token logits under the current weights, in the
+        same slots (``overlap.stale_kv=recompute``)."""
+        if not self.rows:
+            return
+        self.next_logits = self._prefill_into(self.rows, self.slot_of)
+        self.logits_version = [self.version] * len(self.rows)
+        self.kv_version = [self.version] * len(self.rows)
+
+    def _retire(self, keep: list[int]) -> None:
+        gone = set(range(len(self.rows))) - set(keep)
+        for i in gone:
+            heapq.heappush(self._free, self.slot_of[i])
+            self._len[self.slot_of[i]] = 0
+        self.rows = [self.rows[i] for i in keep]
+        self.slot_of = [self.slot_of[i] for i in keep]
+        self.logits_version = [self.logits_version[i] for i in keep]
+        self.kv_version = [self.kv_version[i] for i in keep]
+
+    def abort(self, uids: set[int]) -> None:
+        """Drop in-flight rows (a checkpoint drain requeues their prompts); free their slots."""
+        keep = [i for i, r in enumerate(self.rows) if r.uid not in uids]
+        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
+        self.next_logits = self.next_logits.index_select(0, idx) if keep else torch.zeros(0, 0, device=self.device)
+        self._retire(keep)
+        self.finished = [r for r in self.finished if r.uid not in uids]
+
+    # ------------------------------------------------------------------ decode
+
+    @torch.no_grad()
+    def step(self) -> list[Rollout]:
+        """Sample one token for every row; retire rows that ended; return them (as the eager engine)."""
+        if not self.rows:
+            return []
+        logits = self._forced(self.next_logits)
+        if self.greedy:
+            tokens, logp = logits.argmax(-1), None  # [R]
+        else:
+            tokens, logp = sample_tokens(logits, self.temperature, self.top_k, self.top_p, self.generator)
+        if logp is None or logits is not self.next_logits:
+            # behaviour log-prob under the model's own distribution (what the learner recomputes)
+            logp = torch.log_softmax(self.next_logits.float() / self.temperature, -1).gather(1, tokens[:, None])[:, 0]
+        tok_list, lp_list = tokens.tolist(), logp.tolist()  # CPU-GPU sync point (one per decode step)
+        keep, done = [], []
+        for i, (row, t, lp) in enumerate(zip(self.rows, tok_list, lp_list)):
+            row.response_ids.append(t)
+            row.logprobs.append(lp)
+            row.versions.append(min(self.logits_version[i], self.kv_version[i]))
+            if t in self.eos_ids or len(row.response_ids) >= self.max_new_tokens:
+                row.finished, row.ended_with_eos = True, t in self.eos_ids
+                done.append(row)
+            else:
+                keep.append(i)
+        if done:
+            self._retire(keep)
+            tokens = tokens.index_select(0, torch.tensor(keep, dtype=torch.long, device=self.device))
+            self.finished.extend(done)
+        if self.rows:
+            slots = torch.tensor(self.slot_of, dtype=torch.long, device=self.device)
+            self._tok.index_copy_(0, slots, tokens[:, None])
+            # the fed token takes column _len[s] (= its position id); free slots write their column 0
+            self._pos.copy_(torch.tensor(self._len, dtype=torch.long))
+            for s in self.slot_of:
+                self._len[s] += 1
+            out = self._decode(max(self.slot_of) + 1, max(self._len[s] for s in self.slot_of))  # [Rb, V]
+            self.next_logits = out.index_select(0, slots).float()  # [R, V] (a copy: graph outputs are reused)
+            self.logits_version = [self.version] * len(self.rows)
+        else:
+            self.next_logits = torch.zeros(0, 0, device=self.device)
+        return done
+
+    def _decode(self, rows: int, cols: int) -> torch.Tensor:
+        """One decode forward over slots [:Rb] and columns [:Lb]; returns logits [Rb, V]."""
+        if self.capture == "none":
+            return self._decode_step(rows, cols)
+        rb, lb = _bucket(rows, self.max_rows), _bucket(cols, self.max_len)
+        if self.capture == "compile":
+            if self._compiled is None:
+                import torch._dynamo
+
+                torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+                mode = "reduce-overhead" if self.device.type == "cuda" else None
+                self._compiled = torch.compile(self._decode_step, mode=mode, dynamic=False)
+            if (rb, lb) not in self._graphs:
+                self._graphs[(rb, lb)] = (None, None)
+                self.captures += 1
+            out = self._compiled(rb, lb)
+            return out.clone() if self.device.type == "cuda" else out
+        graph, out = self._graphs.get((rb, lb), (None, None))
+        if graph is None:
+            graph, out = self._capture(rb, lb)
+            self._graphs[(rb, lb)] = (graph, out)
+        graph.replay()
+        return out
+
+    def _capture(self, rb: int, lb: int):
+        """Record the decode step for (rb, lb) into a CUDA graph. The warm-up runs compute the
+        same step the replay then computes (same inputs), so their cache writes are harmless."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._decode_step(rb, lb)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        if not hasattr(self, "_pool"):
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self._decode_step(rb, lb)
+        self.captures += 1
+        return graph, out
+
+    def _decode_step(self, rb: int, lb: int) -> torch.Tensor:
+        """The captured region: static inputs ``_tok``/``_pos`` in, logits [rb, V] out."""
+        pos = self._pos[:rb]  # [Rb] the fed token's column = position id
+        cache = self.cache
+        cache.rb, cache.lb, cache.cols = rb, lb, pos
+        col = torch.arange(lb, device=pos.device)  # [Lb]
+        seen = col[None, :] <= pos[:, None]  # [Rb, Lb] causal within the row's own columns
+        neg = torch.finfo(self._mask_dtype).min
+        zero = torch.zeros((), dtype=self._mask_dtype, device=pos.device)
+        full = torch.where(seen, zero, neg)[:, None, None, :]  # [Rb, 1, 1, Lb] additive
+        mask = full
+        if self.window is not None:
+            windowed = torch.where(seen & (col[None, :] > pos[:, None] - self.window), zero, neg)[:, None, None, :]
+            mask = {"full_attention": full, "sliding_attention": windowed} if self._masks_as_dict else windowed
+        out = self.backbone(input_ids=self._tok[:rb], attention_mask=mask, position_ids=pos[:, None],
+                            past_key_values=cache, use_cache=True)
+        return self.head(out.last_hidden_state[:, -1]).float()  # [Rb, V]
+
+
+def _forward_takes_mask_dict(backbone) -> bool:
+    """Whether the backbone's forward uses a ``{layer type: mask}`` dict as given (transformers'
+    models with per-layer attention types do: ``isinstance(causal_mask_mapping := attention_mask, dict)``)."""
+    try:
+        src = inspect.getsource(type(backbone).forward)
+    except (OSError, TypeError):
+        return False
+    return "attention_mask, dict)" in src

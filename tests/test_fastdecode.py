@@ -1,0 +1,318 @@
+"""The static-shape rollout engine (oppo.fastdecode) against the eager engine and Hugging Face:
+greedy token-for-token equality under continuous batching (staggered admission, rows ending at
+different times, slots reused), behaviour log-probs against a full forward, sliding windows that
+bite, and the engine bookkeeping the trainer relies on. CUDA-graph capture is opt-in (gpu)."""
+
+import pytest
+import torch
+
+from oppo.fastdecode import StaticRolloutEngine, UnsupportedForStaticDecode, _bucket
+from oppo.rollout import Rollout, RolloutEngine
+
+EOS, PAD = 1, 0
+PROMPTS = [[5, 6, 7, 8, 9], [3, 4], [12, 13, 14, 15, 16, 17, 18, 19], [20], [21, 22, 23], [30, 31, 32, 33],
+           [40, 41], [7, 7, 7, 7, 7, 7]]
+
+
+def _model(kind: str = "llama", window: int | None = None, seed: int = 0, eos_bias: float = 0.0):
+    """A small random decoder whose greedy outputs vary (init std 0.2) and, with ``eos_bias``,
+    end at different lengths."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, \
+        Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=50, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=256, eos_token_id=EOS, pad_token_id=PAD, bos_token_id=None,
+                  initializer_range=0.2)
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, **common))
+    elif kind == "mistral":  # every layer windowed: one mask
+        model = MistralForCausalLM(MistralConfig(num_hidden_layers=2, sliding_window=window, **common))
+    else:  # qwen2: full attention in layer 0, windowed after: a mask per layer type
+        model = Qwen2ForCausalLM(Qwen2Config(num_hidden_layers=3, use_sliding_window=window is not None,
+                                             sliding_window=window, max_window_layers=1, **common))
+    model.eval()
+    if eos_bias:
+        with torch.no_grad():
+            w = model.get_output_embeddings().weight
+            w[EOS] += eos_bias * w.std()
+    return model
+
+
+def _rows(prompts=PROMPTS):
+    return [Rollout(i, i, "", list(p), 0) for i, p in enumerate(prompts)]
+
+
+def _generate(model, prompts, n):
+    """Hugging Face greedy decoding, one prompt at a time (no padding at all), cut at EOS."""
+    out = []
+    for p in prompts:
+        g = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                           do_sample=False, max_new_tokens=n, eos_token_id=EOS, pad_token_id=PAD)
+        g = g[0, len(p):].tolist()
+        out.append(g[: g.index(EOS) + 1] if EOS in g else g)
+    return out
+
+
+def _continuous(eng, rows, first=2):
+    """Admit ``first`` rows, then refill every free slot from the queue after each step, as the
+    overlapped trainer does; return {slot: [uids it hosted]}."""
+    queue = list(rows)
+    hosted: dict[int, list[int]] = {}
+
+    def admit(k):
+        new = [queue.pop(0) for _ in range(min(k, len(queue)))]
+        eng.admit(new)
+        for r in new:
+            i = next(i for i, x in enumerate(eng.rows) if x is r)
+            hosted.setdefault(eng.slot_of[i], []).append(r.uid)
+
+    admit(first)
+    while eng.active or queue:
+        eng.step()
+        admit(len(eng._free))
+    return hosted
+
+
+def test_greedy_equals_eager_engine_and_generate_with_continuous_batching():
+    model = _model(eos_bias=2.0)
+    n = 20
+    refs = _generate(model, PROMPTS, n)
+    assert len({len(r) for r in refs}) > 2 and any(r[-1] == EOS for r in refs), "fixture: varied lengths"
+    eng = StaticRolloutEngine(model, EOS, PAD, n, greedy=True, max_rows=3, max_len=64)
+    rows = _rows()
+    hosted = _continuous(eng, rows)
+    assert max(len(u) for u in hosted.values()) > 1, "a retired row's slot was reused"
+    assert len(hosted) <= 3
+    for r, ref in zip(rows, refs):
+        assert r.response_ids == ref
+        assert r.ended_with_eos == (ref[-1] == EOS)
+        assert r.finished and r.versions == [0] * len(ref)
+    eager = RolloutEngine(model, EOS, PAD, n, greedy=True)
+    erows = _rows()
+    eager.admit(erows)
+    eager.generate_all()
+    assert [r.response_ids for r in erows] == refs
+    assert eng.captures == 0 and eng.active == 0 and sorted(eng._free) == [0, 1, 2]
+
+
+def test_next_logits_equal_the_eager_engine_step_by_step():
+    """Same admissions into both engines; every step's next-token logits agree (fp32)."""
+    model = _model(eos_bias=1.5, seed=1)
+    a = RolloutEngine(model, EOS, PAD, 16, greedy=True)
+    b = StaticRolloutEngine(model, EOS, PAD, 16, greedy=True, max_rows=8, max_len=40)
+    ra, rb = _rows(), _rows()
+    for eng, rows in ((a, ra), (b, rb)):
+        eng.admit(rows[:3])
+    for t in range(40):
+        torch.testing.assert_close(b.next_logits, a.next_logits, atol=1e-5, rtol=1e-5)
+        assert b.uids() == a.uids()
+        if t == 2:
+            a.admit(ra[3:6])
+            b.admit(rb[3:6])
+        if not a.active:
+            break
+        a.step()
+        b.step()
+    assert [r.response_ids for r in ra] == [r.response_ids for r in rb]
+
+
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_sampled_logprobs_equal_a_full_forward(top_k):
+    """Behaviour log-probs are those of the (truncated, renormalised) distribution sampled, as a
+    full forward of the finished sequence computes them; the same seed samples what the eager
+    engine samples."""
+    model = _model(seed=2)
+    temp = 0.7
+    eng = StaticRolloutEngine(model, EOS, PAD, 12, temperature=temp, top_k=top_k, seed=3, max_rows=4, max_len=40)
+    rows = _rows()
+    _continuous(eng, rows, first=3)
+    eager = RolloutEngine(model, EOS, PAD, 12, temperature=temp, top_k=top_k, seed=3)
+    erows = _rows()
+    _eager_continuous(eager, erows, first=3, slots=4)
+    assert [r.response_ids for r in rows] == [r.response_ids for r in erows]
+    for r in rows:
+        ids = torch.tensor([r.prompt_ids + r.response_ids])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(r.prompt_ids) - 1:-1].float() / temp  # [T, V]
+        if top_k:
+            kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        lp = torch.log_softmax(logits, -1).gather(1, torch.tensor(r.response_ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(r.logprobs), lp, atol=1e-4, rtol=1e-4)
+
+
+def _eager_continuous(eng, rows, first, slots):
+    queue = list(rows)
+    eng.admit([queue.pop(0) for _ in range(first)])
+    while eng.active or queue:
+        eng.step()
+        free = slots - eng.active
+        eng.admit([queue.pop(0) for _ in range(min(free, len(queue)))])
+
+
+@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+def test_sliding_window_equals_generate(kind):
+    """A window of 4 columns bites (sequences reach 25 tokens): each row's tokens are contiguous
+    in its slot, so the window counted in cache columns is the window in positions. Mistral
+    windows every layer (one mask); Qwen2 mixes full and windowed layers (a mask per type)."""
+    model = _model(kind, window=4, seed=4)
+    prompts = PROMPTS[:5]
+    refs = _generate(model, prompts, 18)
+    eng = StaticRolloutEngine(model, EOS, PAD, 18, greedy=True, max_rows=2, max_len=32)
+    assert eng.window == 4 and eng._masks_as_dict == (kind == "qwen2")
+    rows = _rows(prompts)
+    _continuous(eng, rows, first=1)
+    assert [r.response_ids for r in rows] == refs
+    # the window changes the outputs: the same weights without it decode differently
+    unwindowed = _model(kind, window=None, seed=4)
+    assert _generate(unwindowed, prompts, 18) != refs
+
+
+def test_forced_lengths_stop_ids_versions_recompute_and_abort():
+    model = _model(seed=5)
+    eng = StaticRolloutEngine(model, (EOS, 9), PAD, 30, seed=0, max_rows=4, max_len=48)
+    assert eng.eos_id == EOS and eng.eos_ids == frozenset({EOS, 9})
+    rows = _rows(PROMPTS[:3])
+    for r, t in zip(rows, (3, 7, 12)):
+        r.target_length = t
+    eng.admit(rows)
+    for _ in range(3):
+        eng.step()
+    eng.set_version(1)  # new weights, KV kept: tokens over the old prefix stay version 0
+    for _ in range(2):
+        eng.step()
+    assert rows[0].finished and len(rows[0].response_ids) == 3 and rows[0].ended_with_eos
+    assert rows[1].versions == [0] * 5
+    eng.recompute()  # rebuilt under version 1 in the same slots
+    while eng.active:
+        eng.step()
+    assert [len(r.response_ids) for r in rows] == [3, 7, 12]
+    assert rows[1].versions == [0] * 5 + [1, 1]
+    assert rows[2].versions == [0] * 5 + [1] * 7
+    assert all(r.response_ids[-1] == EOS and EOS not in r.response_ids[:-1] for r in rows)
+    chunks = eng.take_chunks(4)
+    assert {c.uid for c in chunks if c.final} == {0, 1, 2}
+    # abort frees the slots; rows admitted after decode exactly as alone
+    more = _rows(PROMPTS[3:7])
+    eng.admit(more[:4])
+    eng.step()
+    eng.abort({more[1].uid, more[2].uid})
+    assert eng.uids() == [more[0].uid, more[3].uid] and len(eng._free) == 2
+    eng.admit([Rollout(99, 99, "", list(PROMPTS[7]), 1)])
+    eng.generate_all()
+    # a stop id other than the tokenizer's EOS ends the row as an EOS
+    for r in more[:1] + more[3:]:
+        assert r.finished and (r.ended_with_eos == (r.response_ids[-1] in (EOS, 9)))
+
+
+def test_peak_cache_bytes_is_the_reservation_and_the_budget_is_checked():
+    from oppo.rollout import KVBudgetError
+
+    model = _model()
+    eng = StaticRolloutEngine(model, EOS, PAD, 8, greedy=True, max_rows=4, max_len=32)
+    eng.admit(_rows(PROMPTS[:1]))
+    # 2 layers x (K + V) x 4 slots x 2 kv heads x 32 columns x head dim 8 x 4 bytes
+    assert eng.peak_cache_bytes == 2 * 2 * 4 * 2 * 32 * 8 * 4
+    eng.peak_cache_bytes = 0  # the trainer's per-step reset: the reservation stays
+    assert eng.peak_cache_bytes == 2 * 2 * 4 * 2 * 32 * 8 * 4
+    small = StaticRolloutEngine(model, EOS, PAD, 8, greedy=True, max_rows=4, max_len=32)
+    small.kv_budget_mb = 0.01
+    with pytest.raises(KVBudgetError, match="kv_budget_mb"):
+        small.admit(_rows(PROMPTS[:1]))
+
+
+def test_refusals_name_the_fix():
+    model = _model()
+    eng = StaticRolloutEngine(model, EOS, PAD, 8, greedy=True, max_rows=2, max_len=16)
+    with pytest.raises(ValueError, match="max_rows"):
+        eng.admit(_rows(PROMPTS[:3]))
+    with pytest.raises(ValueError, match="max_len"):
+        eng.admit([Rollout(0, 0, "", list(range(2, 12)), 0)])  # 10 + 8 - 1 > 16
+    assert sorted(eng._free) == [0, 1], "a refused admission frees its slots"
+    with pytest.raises(ValueError, match="cuda_graph"):
+        StaticRolloutEngine(model, EOS, PAD, 8, capture="cuda_graph")  # the model is on the CPU
+    with pytest.raises(ValueError, match="capture"):
+        StaticRolloutEngine(model, EOS, PAD, 8, capture="graphs")
+    model.config._attn_implementation = "flash_attention_2"
+    try:
+        with pytest.raises(UnsupportedForStaticDecode, match="sdpa"):
+            StaticRolloutEngine(model, EOS, PAD, 8)
+    finally:
+        model.config._attn_implementation = "sdpa"
+
+
+def test_buckets_cover_every_size_with_bounded_waste():
+    sizes = [_bucket(n, 10_000) for n in range(1, 5000)]
+    assert all(b >= n for n, b in zip(range(1, 5000), sizes))
+    assert all(b <= max(16, 1.5 * n) for n, b in zip(range(1, 5000), sizes))
+    assert len(set(sizes)) <= 2 * 9 + 1  # a few graphs per decade of sizes
+    assert _bucket(100, 64) == 64
+
+
+def test_trainer_with_the_static_engine_trains_the_same_batches(tiny_models, tiny_prompts, tmp_path):
+    """The trainer drives the static engine exactly as the eager one: in oppo mode (streamed
+    chunks, carried rows) the same seed samples the same responses and the same rewards."""
+    from oppo.config import load_config
+    from oppo.trainer import Trainer
+
+    def run(static: bool):
+        cfg = load_config(None, [
+            f"policy.path={tiny_models['policy']}", f"reward.path={tiny_models['reward']}",
+            f"data.prompts={tiny_prompts}", "ppo.batch_size=4", "ppo.minibatch_size=4", "ppo.micro_batch_size=4",
+            "generation.max_new_tokens=10", "overlap.mode=oppo", "overlap.delta=2", "overlap.max_lag=1",
+            "overlap.scorer_process=false", f"run.out_dir={tmp_path / str(static)}", "log.progress=false"])
+        t = Trainer(cfg, progress=False)
+        if static:
+            e = t.engine
+            t.engine = StaticRolloutEngine(t.rollout_policy, t.stop_ids, t.pad_id, t.max_new_tokens,
+                                           cfg.generation.temperature, cfg.generation.top_k, cfg.generation.top_p,
+                                           seed=cfg.run.seed, max_rows=cfg.ppo.batch_size + 2,
+                                           max_len=cfg.data.max_prompt_tokens + t.max_new_tokens)
+            del e
+        try:
+            out = []
+            for _ in range(3):
+                m = t.run_step()
+                out.append((m["reward/mean"], m["response_length/mean"], m["overlap/carried"]))
+            return out, [r.response_ids for r in t.last_result.exp.rollouts]
+        finally:
+            t.close()
+
+    (eager, eager_ids), (static, static_ids) = run(False), run(True)
+    assert static_ids == eager_ids
+    for e, s in zip(eager, static):
+        assert s[1:] == e[1:]
+        assert s[0] == pytest.approx(e[0], abs=1e-4)
+
+
+@pytest.mark.slow
+def test_compiled_decode_equals_eager_on_cpu():
+    """capture='compile' (torch.compile of the same step; one variant per bucket)."""
+    model = _model(eos_bias=2.0)
+    refs = _generate(model, PROMPTS[:4], 12)
+    eng = StaticRolloutEngine(model, EOS, PAD, 12, greedy=True, max_rows=2, max_len=16, capture="compile")
+    rows = _rows(PROMPTS[:4])
+    _continuous(eng, rows, first=2)
+    assert [r.response_ids for r in rows] == refs
+    assert eng.captures >= 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graph_decode_equals_eager_on_gpu(dtype):
+    """Captured decode (one CUDA graph per bucket, slots admitted and retired between replays)
+    gives the uncaptured engine's tokens, and in fp32 Hugging Face's."""
+    model = _model(eos_bias=2.0).to("cuda", dtype)
+    outs = {}
+    for capture in ("none", "cuda_graph"):
+        eng = StaticRolloutEngine(model, EOS, PAD, 20, greedy=True, max_rows=3, max_len=64, capture=capture)
+        rows = _rows()
+        _continuous(eng, rows)
+        outs[capture] = [r.response_ids for r in rows]
+        if capture == "cuda_graph":
+            assert 1 <= eng.captures <= 8
+    assert outs["cuda_graph"] == outs["none"]
+    if dtype == torch.float32:
+        assert outs["none"] == _generate(model.cpu(), PROMPTS, 20)
