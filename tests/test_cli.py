@@ -73,3 +73,39 @@ def test_run_summary(tmp_path):
     assert "reward 2.000 -> 9.000, judge 0.200 -> 0.900" in text and "first and last 5 steps" in text
     assert f"oppo report {tmp_path / 'r'}" in text
     assert run_summary(tmp_path / "nothing").strip() == f"run directory: {tmp_path / 'nothing'}"
+
+
+@pytest.mark.slow
+def test_prepare_without_a_terminal_prints_a_line_per_phase(tmp_path, capsys):
+    import importlib
+
+    prep = importlib.import_module("oppo.task.prepare")
+    prep.prepare("positive", home=tmp_path, progress=True, sizes=prep.PrepareSizes.tiny())
+    err = capsys.readouterr().err  # captured: not a terminal
+    phases = [line for line in err.splitlines() if "] phase " in line and "still running" not in line]
+    assert [line.split("] ")[1].split(":")[0] for line in phases] == [f"phase {i}/4" for i in range(1, 5)]
+    assert "\r" not in err and "Writing model shards" not in err  # no progress bars in a log
+    assert err.splitlines()[-1].split("] ")[1].startswith("done in")
+
+
+def test_prepare_heartbeat_in_long_phases(capsys):
+    import importlib
+    import threading
+
+    prep = importlib.import_module("oppo.task.prepare")
+    log = prep._Log(True)
+    log.phases = 2
+    beat = threading.Event()
+    real = log.__call__
+
+    class Spy(type(log)):
+        def __call__(self, msg):
+            real(msg)
+            if "still running" in msg:
+                beat.set()
+
+    log.__class__ = Spy
+    with log.heartbeat(every=0.05):
+        log.phase("a long one")
+        assert beat.wait(30), "no heartbeat line"
+    assert "phase 1/2 still running" in capsys.readouterr().err

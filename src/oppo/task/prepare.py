@@ -177,7 +177,7 @@ def prepare(task: str | Task = "positive", home: str | Path | None = None, seed:
         tmp = home / f".{task.name}.tmp-{os.getpid()}-{time.time_ns()}"
         tmp.mkdir()
         try:
-            with _threads(), torch.random.fork_rng(devices=[]):
+            with _threads(), torch.random.fork_rng(devices=[]), log.heartbeat():
                 info = _build(task, tmp, seed, sizes, fp, log)
             _swap_into_place(tmp, root)
         except BaseException:
@@ -455,7 +455,33 @@ class _Log:
 
     def phase(self, msg: str) -> None:
         self._phase += 1
+        self._phase_t0 = time.time()
         self(f"phase {self._phase}/{self.phases}: {msg}")
+
+    @contextlib.contextmanager
+    def heartbeat(self, every: float = 60.0):
+        """Without a terminal (no bars), a line every ``every`` seconds of a long phase, so a log
+        shows the build is alive and where it is."""
+        if not self.enabled or sys.stderr.isatty():
+            yield
+            return
+        import threading
+
+        stop = threading.Event()
+
+        def beat() -> None:
+            while not stop.wait(every):
+                if self._phase:
+                    self(f"phase {self._phase}/{self.phases} still running "
+                         f"({time.time() - self._phase_t0:.0f}s so far)")
+
+        t = threading.Thread(target=beat, name="prepare-heartbeat", daemon=True)
+        t.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            t.join()
 
     def __call__(self, msg: str) -> None:
         if self.enabled:
