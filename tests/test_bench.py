@@ -53,3 +53,75 @@ def test_summarize_busy_fraction_and_speedup():
     # busiest worker: sequential 2/4 = 0.5; oppo max(2/3, 2/3) -> ratio (2/3)/0.5
     assert s["busiest_busy_ratio"]["oppo"] == pytest.approx((2 / 3) / 0.5)
     assert s["modes"]["oppo"]["time_to_target_s"] == pytest.approx(3.0)
+
+
+def test_representative_workload_is_long_tailed():
+    """The named preset the GPU bench headlines: p99/p50 >= 4 and a maximum in the hundreds."""
+    from oppo.bench import WORKLOADS
+
+    w = WORKLOADS["representative"]
+    st = w.stats(seed=0)
+    assert st["p99_over_p50"] >= 4.0
+    assert 100 <= st["max"] <= 999 and st["max"] <= w.max_new_tokens
+    assert st["p50"] == pytest.approx(w.median, abs=1)
+    small = w.scaled(64).stats(seed=0)  # the smoke's copy keeps the shape
+    assert small["p99_over_p50"] >= 4.0 and small["max"] <= 64
+
+
+def test_stage_profile_shares_and_lengths():
+    # sequential, 3 steps, the first a warm-up: generate 6/8 s, score 1/1 s, train 1/3 s, step 8/12 s
+    # -> medians 7, 1, 2, 10 -> shares 0.7, 0.1, 0.2; lengths of steps 1-2: 1..100 -> p50 50.5, max 100
+    from oppo.bench import stage_profile, stage_profile_markdown
+
+    def m(g, s, t):
+        return {"time/generate": g, "time/score": s, "time/train": t, "time/step": g + s + t}
+    rec = {"sequential": {"metrics": [m(50, 5, 5), m(6, 1, 1), m(8, 1, 3)],
+                          "lengths": [[999], list(range(1, 51)), list(range(51, 101))]}}
+    p = stage_profile(rec, "w")
+    assert (p["generate_s"], p["score_s"], p["train_s"], p["step_s"]) == (7, 1, 2, 10)
+    assert p["generate_share"] == pytest.approx(0.7) and p["train_share"] == pytest.approx(0.2)
+    assert p["largest"] == "generate"
+    assert p["length_p50"] == pytest.approx(50.5) and p["length_max"] == 100 and p["sequences"] == 100
+    text = "\n".join(stage_profile_markdown([p]))
+    assert "| w | 10.00 | 7.00 s (70%) | 1.00 s (10%) | 2.00 s (20%) | generate |" in text
+    assert "as in real RLHF" in text
+
+
+def test_forced_workload_sets_the_main_runs_lengths(tiny_models, tiny_prompts, tmp_path):
+    """run_modes with a LengthWorkload trains exactly the sampler's lengths (EOS forced there)."""
+    from oppo.bench import LengthWorkload, run_modes
+    from oppo.config import load_config
+
+    w = LengthWorkload("t", sigma=0.75, median=4, max_new_tokens=16, description="test")
+    cfg = load_config(None, [f"policy.path={tiny_models['policy']}", f"reward.path={tiny_models['reward']}",
+                             f"data.prompts={tiny_prompts}", "ppo.batch_size=4", "ppo.minibatch_size=4",
+                             "ppo.micro_batch_size=4", "generation.max_new_tokens=16", "run.threads=1",
+                             "log.progress=false", "run.samples=0"])
+    rec = run_modes(cfg, ["sequential"], 2, tmp_path, progress=lambda s: None, lengths=w)["sequential"]
+    sampler = w.sampler(cfg.run.seed)
+    assert rec["lengths"] == [[sampler(i) for i in range(4)], [sampler(i) for i in range(4, 8)]]
+    assert len(set(rec["lengths"][0] + rec["lengths"][1])) > 2
+
+
+@pytest.mark.slow
+def test_gpu_bench_smoke_on_cpu(tmp_path):
+    """benchmarks/gpu_bench.py --device cpu --tiny: models from config, all four modes, the files
+    the GPU run writes, the stage profile's two rows."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_bench.py"
+    spec = importlib.util.spec_from_file_location("gpu_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "gpu"
+    assert mod.main(["--device", "cpu", "--tiny", "--out", str(out)]) == 0
+    res = json.loads((out / "bench.json").read_text())
+    assert set(res["modes"]) == {"sequential", "intra", "inter", "oppo"}
+    assert res["machine"] and res["steps"] == 2
+    assert [r["workload"].split()[0] for r in res["stage_profile"]] == ["representative", "short"]
+    assert res["workload_lengths"]["p99_over_p50"] >= 4
+    md = (out / "bench.md").read_text()
+    assert "## Stage profile" in md and "| oppo |" in md
+    for png in ("reward_vs_step.png", "timeline.png", "response_lengths.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -9,6 +9,13 @@ the last step and time to a target reward. ``--tail`` adds a synthetic workload 
 lengths are drawn from a log-normal of the given sigma (heavier tail for larger sigma), to
 measure speedup against tail heaviness. No mode is tuned differently from the others; the
 settings table in bench.md says what all of them ran with.
+
+``--workload representative`` forces the main run's response lengths too (:data:`WORKLOADS`): a
+long-tailed distribution like real RLHF's, where generation is the largest share of the
+sequential step. bench.md states each run's stage profile (generate / score / train shares of
+the sequential step and the response lengths' p50, p99 and maximum), so a reader sees which
+regime the speedups were measured in: a tiny model on a CPU, where training dominates, says
+little about a GPU run where decoding the longest response does.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import random
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -65,9 +73,146 @@ def _length_sampler(sigma: float, median: float, max_len: int, seed: int):
     return sample
 
 
+@dataclass(frozen=True)
+class LengthWorkload:
+    """Forced response lengths: log-normal around ``median`` with shape ``sigma``, clipped to
+    [1, max_new_tokens]; the row's EOS is banned before its length and forced at it, so the
+    distribution holds whatever the model's quality (random weights included)."""
+
+    name: str
+    sigma: float
+    median: int
+    max_new_tokens: int
+    description: str
+
+    def sampler(self, seed: int):
+        """prompt_index -> forced length (the same prompt always gets the same length)."""
+        return _length_sampler(self.sigma, self.median, self.max_new_tokens, seed)
+
+    def scaled(self, max_new_tokens: int) -> "LengthWorkload":
+        """The same shape at another maximum (smoke runs): median and clip scaled together."""
+        f = max_new_tokens / self.max_new_tokens
+        return LengthWorkload(f"{self.name} (x{f:g})", self.sigma, max(2, round(self.median * f)), max_new_tokens,
+                              self.description)
+
+    def stats(self, seed: int = 0, n: int = 2000) -> dict[str, float]:
+        """p50, p99, max and p99/p50 of ``n`` draws (what a run's prompts draw from)."""
+        lens = [self.sampler(seed)(i) for i in range(n)]
+        p50, p99 = _pct(lens, 0.5), _pct(lens, 0.99)
+        return {"p50": p50, "p99": p99, "max": max(lens), "p99_over_p50": p99 / p50, "mean": statistics.mean(lens)}
+
+
+# p99/p50 = exp(2.326 sigma) = 5.7 at sigma 0.75; p99 ~ 240, max of 2000 draws 512 (the clip)
+WORKLOADS = {
+    "representative": LengthWorkload(
+        "representative", sigma=0.75, median=42, max_new_tokens=512,
+        description="long-tailed RLHF responses: log-normal lengths, median 42, sigma 0.75 (p99/p50 ~ 5.7), "
+                    "clipped at 512 tokens; every mode draws the same length for the same prompt"),
+}
+
+
+# Llama-style decoders built from config (random weights), for benchmarks on machines without
+# internet: sizes count every parameter (embeddings and, for a causal LM, the untied lm_head).
+MODEL_SIZES = {
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=176, vocab_size=512),  # ~0.2M
+    "small": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+                  intermediate_size=1408, vocab_size=8192),  # ~32M
+    "125m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                 intermediate_size=2048, vocab_size=32768),  # ~100M as a reward model, ~125M as a causal LM
+    "350m": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=4,
+                 intermediate_size=2816, vocab_size=32768),  # ~340M
+    "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+               intermediate_size=5632, vocab_size=32768),  # ~0.86B
+}
+
+
+def synthetic_config(size: str, **extra):
+    """A ``LlamaConfig`` of a named size (:data:`MODEL_SIZES`); ids 0/1/2 are pad/eos/unk."""
+    from transformers import LlamaConfig
+
+    if size not in MODEL_SIZES:
+        raise ValueError(f"unknown model size {size!r}; choose from {', '.join(MODEL_SIZES)}.")
+    return LlamaConfig(**MODEL_SIZES[size], max_position_embeddings=4096, pad_token_id=0, eos_token_id=1,
+                       bos_token_id=None, tie_word_embeddings=False, num_labels=1, **extra)
+
+
+def synthetic_tokenizer(vocab_size: int):
+    """A word-level tokenizer over ``w3 .. w{vocab-1}`` (no download): whitespace-split words."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(3, vocab_size)])}
+    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def write_synthetic_models(root: Path, policy_size: str, reward_size: str, device: str = "cpu",
+                           dtype: torch.dtype = torch.float32, seed: int = 0, prompts: int = 512,
+                           prompt_words: tuple[int, int] = (16, 96)) -> dict[str, Path]:
+    """Write ``policy/`` (a causal LM), ``reward/`` (a sequence classifier; also the critic) and
+    ``prompts.jsonl`` (random words, lengths uniform in ``prompt_words``) under ``root``, built
+    from config with random weights (initialised on ``device``: fast for large sizes). Reuses
+    what a previous call with the same arguments wrote."""
+    import json as _json
+
+    from transformers import LlamaForCausalLM, LlamaForSequenceClassification
+
+    root = Path(root)
+    stamp = f"{policy_size} {reward_size} {dtype} {seed} {prompts} {prompt_words}"
+    paths = {"policy": root / "policy", "reward": root / "reward", "prompts": root / "prompts.jsonl"}
+    if (root / "stamp.txt").is_file() and (root / "stamp.txt").read_text() == stamp:
+        return paths
+    root.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    vocab = MODEL_SIZES[policy_size]["vocab_size"]
+    if MODEL_SIZES[reward_size]["vocab_size"] != vocab:
+        raise ValueError(f"policy size {policy_size} and reward size {reward_size} have different vocabularies.")
+    for name, size, cls in (("policy", policy_size, LlamaForCausalLM),
+                            ("reward", reward_size, LlamaForSequenceClassification)):
+        with torch.device(device):
+            model = cls(synthetic_config(size)).to(dtype)
+        model.save_pretrained(paths[name])
+        synthetic_tokenizer(vocab).save_pretrained(paths[name])
+        del model
+    rng = random.Random(seed)
+    with open(paths["prompts"], "w") as f:
+        for _ in range(prompts):
+            words = " ".join(f"w{rng.randrange(3, vocab)}" for _ in range(rng.randint(*prompt_words)))
+            f.write(_json.dumps({"prompt": words}) + "\n")
+    (root / "stamp.txt").write_text(stamp)
+    return paths
+
+
+def static_engine(capture: str = "none"):
+    """``make_engine`` for :func:`run_modes`: a :class:`oppo.fastdecode.StaticRolloutEngine` in
+    place of the trainer's eager engine, with slots for every row that can be in flight (2B with
+    carrying: B + Delta and the refill cap are both at most 2B) and columns for the longest
+    prompt plus the longest response."""
+    def make(t):
+        from .fastdecode import StaticRolloutEngine
+
+        g, B = t.cfg.generation, t.cfg.ppo.batch_size
+        eng = StaticRolloutEngine(t.rollout_policy, t.stop_ids, t.pad_id, t.max_new_tokens, g.temperature, g.top_k,
+                                  g.top_p, seed=t.cfg.run.seed, max_rows=2 * B if t.cfg.carries else B,
+                                  max_len=t.cfg.data.max_prompt_tokens + t.max_new_tokens, capture=capture)
+        eng.kv_budget_mb = getattr(t.engine, "kv_budget_mb", None)
+        return eng
+    return make
+
+
 def run_modes(base, modes: list[str], steps: int, out: Path, tail_sigma: float | None = None,
-              progress=print) -> dict[str, dict]:
-    """Run every mode for ``steps`` steps, interleaved; return per-mode raw records."""
+              progress=print, lengths: LengthWorkload | None = None, make_engine=None,
+              deadline: float | None = None) -> dict[str, dict]:
+    """Run every mode for ``steps`` steps, interleaved; return per-mode raw records.
+
+    ``lengths`` forces response lengths (a :class:`LengthWorkload`; ``tail_sigma`` is the sweep's
+    shorthand for one). ``make_engine(trainer)``, if given, replaces each trainer's rollout engine
+    (e.g. a :class:`oppo.fastdecode.StaticRolloutEngine`) before the first step. ``deadline``
+    (a ``time.time()``): stop after the round of steps that would end past it, once every mode
+    has at least two steps (one warm-up, one timed).
+    """
     from .trainer import Trainer
 
     trainers, loggers, records = {}, {}, {}
@@ -77,19 +222,29 @@ def run_modes(base, modes: list[str], steps: int, out: Path, tail_sigma: float |
         cfg.run.out_dir = str(out / mode)
         Path(cfg.run.out_dir).mkdir(parents=True, exist_ok=True)
         t = Trainer(cfg, progress=False)
+        trainers[mode] = t
         if tail_sigma is not None:
             t.length_sampler = _synthetic_sampler(tail_sigma, t.max_new_tokens, cfg.run.seed)
-        trainers[mode] = t
+        elif lengths is not None:
+            t.length_sampler = lengths.sampler(cfg.run.seed)
+        if make_engine is not None:
+            t.engine = make_engine(t)
         loggers[mode] = MetricsLogger(cfg.run.out_dir)
-        records[mode] = {"metrics": [], "sampler": t.length_sampler}
+        records[mode] = {"metrics": [], "sampler": t.length_sampler, "lengths": []}
     try:
         for step in range(steps):
+            t_round = time.time()
             for mode in modes:
                 m = trainers[mode].run_step()
                 loggers[mode].log(step, m)
                 records[mode]["metrics"].append(m)
+                exp = trainers[mode].last_result.exp
+                records[mode]["lengths"].append([int(n) for n in exp.mask.sum(1).tolist()])
             progress(f"  step {step + 1}/{steps}: " + "  ".join(
                 f"{mode} {records[mode]['metrics'][-1]['time/step']:.2f}s" for mode in modes))
+            if deadline is not None and step >= 1 and time.time() + (time.time() - t_round) > deadline:
+                progress(f"  stopping after {step + 1} steps: the next round would end past the time budget")
+                break
         for mode, t in trainers.items():
             t.tracer.save(out / mode / "trace.json")
             records[mode]["windows"] = dict(t.step_windows)
@@ -151,6 +306,49 @@ def summarize(records: dict[str, dict], warmup: int = 1, target: float | None = 
     return {"modes": out, "speedup": speed, "busiest_busy_ratio": util, "target_reward": target}
 
 
+def stage_profile(records: dict[str, dict], workload: str, warmup: int = 1, mode: str = "sequential") -> dict:
+    """Where the sequential step's time goes (median seconds and share of the step for generate,
+    score and train) and the response lengths it trained on (p50, p99, max over every trained
+    sequence). ``mode`` falls back to the first mode run when ``sequential`` was not."""
+    if mode not in records:
+        mode = next(iter(records))
+    ms = records[mode]["metrics"]
+    ms = ms[warmup:] or ms
+    med = {k: statistics.median(m.get(f"time/{k}", 0.0) for m in ms) for k in ("generate", "score", "train", "step")}
+    lens = [n for step in records[mode].get("lengths", [])[warmup:] or records[mode].get("lengths", []) for n in step]
+    p50 = _pct(lens, 0.5) if lens else float("nan")
+    p99 = _pct(lens, 0.99) if lens else float("nan")
+    shares = {k: med[k] / med["step"] if med["step"] else float("nan") for k in ("generate", "score", "train")}
+    return {"workload": workload, "mode": mode, "step_s": med["step"],
+            **{f"{k}_s": med[k] for k in ("generate", "score", "train")},
+            **{f"{k}_share": v for k, v in shares.items()},
+            "largest": max(shares, key=lambda k: shares[k]),
+            "length_p50": p50, "length_p99": p99, "length_max": max(lens) if lens else None,
+            "p99_over_p50": p99 / p50 if lens and p50 else float("nan"), "sequences": len(lens)}
+
+
+def stage_profile_markdown(rows: list[dict]) -> list[str]:
+    """The stage-profile table: one row per workload, the headline first."""
+    if not rows:
+        return []
+    lines = ["## Stage profile (where the sequential step's time goes)", "",
+             "| workload | step (s) | generate | score | train | largest | response length p50 / p99 / max "
+             "| p99/p50 |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        mx = r["length_max"] if r["length_max"] is not None else float("nan")
+        lines.append(f"| {r['workload']} | {r['step_s']:.2f} | {r['generate_s']:.2f} s ({r['generate_share']:.0%}) "
+                     f"| {r['score_s']:.2f} s ({r['score_share']:.0%}) | {r['train_s']:.2f} s ({r['train_share']:.0%}) "
+                     f"| {r['largest']} | {r['length_p50']:.0f} / {r['length_p99']:.0f} / {mx:.0f} "
+                     f"| {r['p99_over_p50']:.1f} |")
+    head = rows[0]
+    lines += ["", f"Measured on `{head['mode']}` (stages one after another; the first step excluded). Headline "
+              f"workload: {head['largest']} is the largest share of the step ({head[head['largest'] + '_share']:.0%})"
+              + (", as in real RLHF, where decoding the longest response bounds the step." if head["largest"] == "generate"
+                 else "; real RLHF runs are generation-bound, so read these speedups as this regime's, not theirs.")
+              + " Lengths are those of the sequences trained (forced where the workload says so).", ""]
+    return lines
+
+
 def to_markdown(result: dict) -> str:
     lines = ["# oppo bench", "", f"Machine: {result['machine']}", "",
              f"Command: `{result['command']}`", "",
@@ -172,6 +370,11 @@ def to_markdown(result: dict) -> str:
               f"--target was given); time to target uses a 3-step moving average. CPU use: process CPU time "
              f"over wall time times cores (how much of the machine the mode kept busy; OpenMP spin-waits count as busy, "
              f"and a scorer worker in its own process is not counted).", ""]
+    if result.get("workload_lengths"):
+        w = result["workload_lengths"]
+        lines += [f"Forced lengths ({w['name']}): {w['description']}; the distribution drawn from has p50 "
+                  f"{w['p50']:.0f}, p99 {w['p99']:.0f}, max {w['max']:.0f} (p99/p50 {w['p99_over_p50']:.1f}).", ""]
+    lines += stage_profile_markdown(result.get("stage_profile", []))
     if result.get("tail_sweep"):
         lines += ["## Speedup against tail heaviness (synthetic lengths, log-normal sigma)", "",
                   "| sigma | length p50 | length p99 | " + " | ".join(f"{m} speedup" for m in result["tail_modes"]) + " |",
@@ -194,6 +397,10 @@ def main(argv: list[str]) -> int:
                    help="Comma-separated log-normal sigmas for the synthetic-length sweep (e.g. 0.25,0.75,1.25).")
     p.add_argument("--tail-steps", type=int, default=4, help="Steps per mode at each sigma of the sweep.")
     p.add_argument("--tail-modes", default=",".join(MODES), help="Modes compared in the tail sweep.")
+    p.add_argument("--workload", default=None, choices=sorted(WORKLOADS),
+                   help="Force the main run's response lengths to a named distribution (sets "
+                        "generation.max_new_tokens to its maximum unless given): representative = long-tailed, "
+                        "generation-bound, like real RLHF.")
     p.add_argument("--target", type=float, default=None, help="Target reward for time-to-target.")
     p.add_argument("--config", default=None, help="YAML settings shared by every mode.")
     p.add_argument("overrides", nargs="*", help="section.key=value settings shared by every mode.")
@@ -204,19 +411,27 @@ def main(argv: list[str]) -> int:
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise ValueError(f"--modes: unknown mode(s) {bad}; choose from {', '.join(MODES)}.")
-    overrides = (QUICK if args.quick else []) + list(args.overrides) + ["log.progress=false", "run.samples=0"]
+    workload = WORKLOADS[args.workload] if args.workload else None
+    preset = [f"generation.max_new_tokens={workload.max_new_tokens}"] if workload else []
+    overrides = (QUICK if args.quick else []) + preset + list(args.overrides) + ["log.progress=false", "run.samples=0"]
     base = load_config(args.config, overrides)
+    if workload and base.generation.max_new_tokens != workload.max_new_tokens:
+        workload = workload.scaled(base.generation.max_new_tokens)
     steps = args.steps or (11 if args.quick else 21)  # the first step is a warm-up, not timed
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     say = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     started = time.time()
     say(f"oppo bench: {', '.join(modes)} x {steps} steps, interleaved -> {out}")
-    records = run_modes(base, modes, steps, out / "runs", progress=say)
+    records = run_modes(base, modes, steps, out / "runs", progress=say, lengths=workload)
     result = summarize(records, target=args.target)
-    result.update(machine=machine(), command="oppo bench " + " ".join(argv), steps=steps,
-                  workload=f"built-in task '{base.data.task}'" if base.uses_builtin_task else "user models",
-                  settings=_settings_yaml(base))
+    label = f"built-in task '{base.data.task}'" if base.uses_builtin_task else "user models"
+    if workload:
+        label += f", {workload.name} lengths"
+        result["workload_lengths"] = {"name": workload.name, "description": workload.description,
+                                      **workload.stats(base.run.seed)}
+    result.update(machine=machine(), command="oppo bench " + " ".join(argv), steps=steps, workload=label,
+                  settings=_settings_yaml(base), stage_profile=[stage_profile(records, label)])
     if args.tail:
         tail_modes = [m.strip() for m in args.tail_modes.split(",")]
         sweep = []

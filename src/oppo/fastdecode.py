@@ -110,12 +110,13 @@ def _slot_cache_class():
     return _SlotCache
 
 
-def _bucket(n: int, cap: int) -> int:
-    """The smallest of 16, 32, 48, 64, 96, 128, 192, 256, ... (powers of two and 1.5x them) >= n,
-    at most ``cap``: a few captured graphs cover every size with at most 1/3 wasted."""
-    b = 16
+def _bucket(n: int, cap: int, smallest: int = 16) -> int:
+    """The smallest of ``smallest`` (a power of two), then 1.5x / 2x alternately (16, 24, 32, 48,
+    64, 96, ...; from 1: 1, 2, 3, 4, 6, 8, ...) that is >= n, at most ``cap``: a few captured
+    graphs cover every size with at most a third of a step wasted."""
+    b = smallest
     while b < n:
-        b = b * 3 // 2 if b & (b - 1) == 0 else (b // 3) * 4
+        b = b * 3 // 2 if b >= 2 and b & (b - 1) == 0 else (b // 3) * 4 if b % 3 == 0 else b * 2
     return min(b, cap)
 
 
@@ -357,7 +358,7 @@ class StaticRolloutEngine(RolloutEngine):
         """One decode forward over slots [:Rb] and columns [:Lb]; returns logits [Rb, V]."""
         if self.capture == "none":
             return self._decode_step(rows, cols)
-        rb, lb = _bucket(rows, self.max_rows), _bucket(cols, self.max_len)
+        rb, lb = _bucket(rows, self.max_rows, smallest=1), _bucket(cols, self.max_len)
         if self.capture == "compile":
             if self._compiled is None:
                 import torch._dynamo
