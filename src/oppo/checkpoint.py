@@ -123,12 +123,11 @@ def save_checkpoint(trainer, run_dir: Path, keep: int = 2) -> Path:
     tmp = root / f".tmp-step_{trainer.step:06d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
+    optim = trainer.learner_state()  # on Ray: also brings the ranks' weights home
     trainer.policy.save_pretrained(tmp / "policy")
     trainer.tokenizer.save_pretrained(tmp / "policy")
-    optim = {"actor": trainer.learner.actor_opt.state_dict()}
     if trainer.critic is not None:  # critic-free algorithms have none
         trainer.critic.save_pretrained(tmp / "critic")
-        optim["critic"] = trainer.learner.critic_opt.state_dict()
     torch.save(optim, tmp / "optim.pt")
     torch.save(_rng_state(trainer), tmp / "rng.pt")
     from .config import to_dict
@@ -153,7 +152,6 @@ def load_checkpoint(trainer, ckpt: Path) -> None:
     """Restore a Trainer built from the same config to the state saved in ``ckpt``."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from .workers import load_optimizer_state_in_place
     from .models import is_peft
 
     ckpt = Path(ckpt)
@@ -173,11 +171,7 @@ def load_checkpoint(trainer, ckpt: Path) -> None:
         saved = cls.from_pretrained(ckpt / sub, dtype=next(model.parameters()).dtype)
         model.load_state_dict(saved.state_dict())
     trainer.sync_weights()  # the bf16 serving copies (weights.py), when there are any
-    opt = torch.load(ckpt / "optim.pt", weights_only=False)
-    trainer.learner.actor_opt.load_state_dict(opt["actor"])
-    if trainer.critic is not None:
-        # in place: with overlap.critic_on_worker its state tensors are shared with the scorer process
-        load_optimizer_state_in_place(trainer.learner.critic_opt, opt["critic"])
+    trainer.load_learner_state(torch.load(ckpt / "optim.pt", weights_only=False))
     rng = torch.load(ckpt / "rng.pt", weights_only=False)
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])

@@ -210,6 +210,24 @@ class AlgoConfig:
 
 
 @dataclass
+class PlacementConfig:
+    backend: str = opt("local", "local: every role in this process (plus the scorer worker). ray: the scorers "
+                                "(reward, reference, critic) in Ray actors and the learner as a data-parallel group "
+                                "of Ray ranks (torch.distributed: gloo on CPU, NCCL on GPU); the rollout engine stays "
+                                "with the controller.", ("local", "ray"))
+    address: str = opt("auto", "Ray cluster to join: auto (the one started by `ray start` on this machine, "
+                               "else a new local one), or host:port / ray://host:port.")
+    learner_workers: int = opt(1, "Ray: data-parallel learner ranks (each holds actor, critic and AdamW; gradients "
+                                  "summed once per minibatch: the same update as one learner).")
+    learner_cpus: float = opt(1.0, "Ray: CPUs per learner rank.")
+    learner_gpus: float = opt(0.0, "Ray: GPUs per learner rank.")
+    scorer_cpus: float = opt(1.0, "Ray: CPUs of the scorer actor.")
+    scorer_gpus: float = opt(0.0, "Ray: GPUs of the scorer actor.")
+    spread: bool = opt(False, "Ray: place the learner ranks on different nodes (STRICT_SPREAD) instead of as few "
+                              "as possible (PACK).")
+
+
+@dataclass
 class RunConfig:
     steps: int = opt(40, "PPO steps to run.")
     seed: int = opt(0, "Seed for data order, sampling and initialisation.")
@@ -240,6 +258,7 @@ class Config:
     ppo: PPOConfig = field(default_factory=PPOConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
     overlap: OverlapConfig = field(default_factory=OverlapConfig)
     run: RunConfig = field(default_factory=RunConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -512,6 +531,10 @@ def validate(cfg: Config) -> None:
                "overlap.max_lag=0 forbids carrying, so Delta must be 0: set overlap.delta=0 or overlap.max_lag>=1.")
     _check(o.actor_threads >= 1 and o.scorer_threads >= 1, "overlap.actor_threads and scorer_threads must be >= 1.")
     _check(cfg.run.steps >= 0, "run.steps must be >= 0.")
+    pl = cfg.placement
+    _check(pl.learner_workers >= 1, f"placement.learner_workers must be >= 1, got {pl.learner_workers}.")
+    _check(min(pl.learner_cpus, pl.learner_gpus, pl.scorer_cpus, pl.scorer_gpus) >= 0,
+           "placement.*_cpus and *_gpus must be >= 0.")
     _check(cfg.run.save_every >= 0, "run.save_every must be >= 0.")
     _check(cfg.run.keep_checkpoints >= 1, "run.keep_checkpoints must be >= 1.")
     _check(not (cfg.reward.path and cfg.reward.function),

@@ -208,11 +208,83 @@ class Trainer:
             self.worker = worker_cls(scorers, o.scorer_threads, self.tracer, critic_trainer=trainer)
             if not use_process:
                 self.worker.critic_master, self.worker.compute_dtype = self.critic, dtype
+        if cfg.placement.backend == "ray":
+            self._place_on_ray(dtype, recompute)
         self.step = 0
         self.wallclock = 0.0
         self.step_windows: dict[int, tuple[float, float]] = {}  # perf_counter bounds of each step
         self.length_sampler = None  # benchmarks: prompt_index -> forced response length
         self.last_result: StepResult | None = None
+
+    def _place_on_ray(self, dtype: torch.dtype, recompute_old: bool) -> None:
+        """``placement.backend=ray``: the scorers become Ray actors (all stage-3 scoring goes to them,
+        streamed or one-shot) and the learner a data-parallel group of Ray ranks that trains actor
+        and critic; after each update rank 0's actor weights are copied into ``self.policy`` (the
+        rollout engine's, ``time/weight_sync``) and its critic's to the scorer actor. The step code
+        is the same: both are drop-ins (``placement/``)."""
+        from .placement.cluster import init_ray
+        from .placement.dp import DPLearnerGroup, learner_spec
+        from .placement.ray_scorer import RayScorerWorker
+        from .placement.specs import scorer_specs
+
+        pl, o = self.cfg.placement, self.cfg.overlap
+        init_ray(pl.address)
+        if self.worker is not None:
+            self.worker.close()
+        specs = scorer_specs(self.paths, self.pad_id, dtype, reward_model=self.reward_model is not None,
+                             critic=self.critic is not None)
+        self.worker = RayScorerWorker(specs, self.tracer, temperature=self.cfg.generation.temperature,
+                                      threads=o.scorer_threads, num_cpus=pl.scorer_cpus, num_gpus=pl.scorer_gpus,
+                                      seed=self.cfg.run.seed)
+        spec = learner_spec(self.cfg, self.paths, self.pad_id, dtype, self.algorithm, recompute_old)
+        self.learner = DPLearnerGroup(spec, pl.learner_workers, num_cpus=pl.learner_cpus, num_gpus=pl.learner_gpus,
+                                      threads=o.actor_threads, strategy="STRICT_SPREAD" if pl.spread else "PACK",
+                                      rollout=self.policy,
+                                      critic_scorer=self.worker if self.critic is not None else None)
+        self.learner.sync_actor(self.policy)  # fresh heads/adapters are initialised per process: rank 0's rule
+        copy_weights(self.policy, self.rollout_policy)
+
+    @property
+    def on_ray(self) -> bool:
+        return self.cfg.placement.backend == "ray"
+
+    def learner_state(self) -> dict:
+        """The optimizer states a checkpoint saves (``{"actor", "critic"}``); on Ray, also brings the
+        ranks' trained weights into ``self.policy`` / ``self.critic``, which checkpoints save."""
+        if not self.on_ray:
+            out = {"actor": self.learner.actor_opt.state_dict()}
+            if self.critic is not None:
+                out["critic"] = self.learner.critic_opt.state_dict()
+            return out
+        st = self.learner.state_dict()
+        self.policy.load_state_dict(st["actor"])
+        out = {"actor": st["actor_opt"]}
+        if self.critic is not None:
+            self.critic.load_state_dict(st["critic"])
+            out["critic"] = st["critic_opt"]
+        return out
+
+    def load_learner_state(self, optim: dict) -> None:
+        """Inverse of :meth:`learner_state`, after ``self.policy`` / ``self.critic`` hold the
+        checkpoint's weights. A checkpoint of any placement loads into any other."""
+        from .workers import load_optimizer_state_in_place
+
+        if self.on_ray:
+            st = {"actor": self.policy.state_dict(), "actor_opt": optim["actor"]}
+            if self.critic is not None:
+                st.update(critic=self.critic.state_dict(), critic_opt=optim["critic"])
+            self.learner.load_state_dict(st)
+            return
+        self.learner.actor_opt.load_state_dict(optim["actor"])
+        if self.critic is not None:
+            # in place: with overlap.critic_on_worker its state tensors are shared with the scorer process
+            load_optimizer_state_in_place(self.learner.critic_opt, optim["critic"])
+
+    def _score_full(self, role: str, model, prompts, responses, temperature: float = 1.0):
+        """One-shot scoring of one role: on its Ray actor, or here."""
+        if self.on_ray:
+            return self.worker.score_full(role, prompts, responses)
+        return score_full(role, model, prompts, responses, self.pad_id, temperature)
 
     # ================================================================== stages
 
@@ -234,14 +306,13 @@ class Trainer:
         prompts, responses = [r.prompt_ids for r in batch], [r.response_ids for r in batch]
         with self.tracer.span("scorer", "score_reward", step):
             scores = self._reward_scores(batch, texts) if self.reward_fn else [
-                o.score for o in score_full("reward", self.reward_model, prompts, responses, self.pad_id)]
+                o.score for o in self._score_full("reward", self.reward_model, prompts, responses)]
         with self.tracer.span("scorer", "score_reference", step):
-            ref = score_full("reference", self.reference, prompts, responses, self.pad_id,
-                             self.cfg.generation.temperature)
+            ref = self._score_full("reference", self.reference, prompts, responses, self.cfg.generation.temperature)
         values = None
         if self.critic is not None:
             with self.tracer.span("scorer", "score_critic", step):
-                values = score_full("critic", self.scoring_critic, prompts, responses, self.pad_id)
+                values = self._score_full("critic", self.scoring_critic, prompts, responses)
         return scores, ref, values
 
     def _reward_scores(self, batch: list[Rollout], texts: list[str]) -> list[float]:
@@ -263,7 +334,8 @@ class Trainer:
         batch = exp.rollouts
         with self.tracer.span("learner", "advantages", step):
             exp = compute_advantages(attach_scores(exp, scores, ref, values), self.cfg.ppo, self.algorithm)
-        if self.worker and self.cfg.overlap.critic_on_worker and self.critic is not None:
+        if self.worker and self.cfg.overlap.critic_on_worker and self.critic is not None and not self.on_ray:
+            # (on Ray the learner group trains the critic and sends it to the scorer actor)
             # the critic trains on the scorer worker (its own core or stream) while the actor trains here
             self.worker.train_critic(CriticBatch.of(exp), self.learner.minibatches(len(batch), step), step)
             torch.set_num_threads(self.cfg.overlap.actor_threads)
@@ -369,8 +441,8 @@ class Trainer:
             if stale and self.critic is not None and cfg.overlap.stale_values == "recompute":
                 # the critic changed since their prefix was scored
                 with self.tracer.span("learner", "recompute_values", step):
-                    fresh = score_full("critic", self.scoring_critic, [batch[i].prompt_ids for i in stale],
-                                       [batch[i].response_ids for i in stale], self.pad_id)
+                    fresh = self._score_full("critic", self.scoring_critic, [batch[i].prompt_ids for i in stale],
+                                             [batch[i].response_ids for i in stale])
             torch.set_num_threads(self.threads)
             with self.tracer.span("controller", "wait_scorers", step):  # waiting: not actor work
                 worker.barrier()  # also: no scorer work may touch the critic while it trains
@@ -488,6 +560,8 @@ class Trainer:
         return out
 
     def close(self) -> None:
+        if self.on_ray:
+            self.learner.close()
         if self.worker:
             self.worker.close()
 
