@@ -570,7 +570,8 @@ class Scheduler:
         if any(self._is_due(self._tickets[u]) for u in self._running):
             return None
         chosen = sorted(self._complete, key=self._group_priority)[: self.groups_per_step]
-        left_due = [g for g in self._complete if g not in chosen and self._is_due(self._tickets[g])]
+        picked = set(chosen)  # a set: the planner simulates B in the thousands
+        left_due = [g for g in self._complete if g not in picked and self._is_due(self._tickets[g])]
         if left_due:  # impossible while Delta <= B / G and the 2B refill cap hold
             raise RuntimeError(f"internal error: due groups {left_due} do not fit the batch")
         batch = tuple(u for g in chosen for u in self._groups[g])
