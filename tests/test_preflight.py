@@ -179,3 +179,20 @@ def test_resume_without_a_run(tmp_path, nothing_loads):
     with pytest.raises(PreflightError, match="not a checkpoint"):
         oppo.run.train(cfg, resume=str(tmp_path))
     assert not (tmp_path / "runs").exists() and not (tmp_path / "x").exists()
+
+
+def test_a_run_still_writing_its_directory_is_not_resumed(tiny_models, tiny_prompts, tmp_path, nothing_loads):
+    import fcntl
+    import os
+
+    cfg = user_cfg(tiny_models, tiny_prompts, tmp_path, "run.steps=5")
+    ckpt = _fake_checkpoint(tmp_path / "run", cfg, 2)
+    with open(tmp_path / "run" / oppo.run.LOCK_FILE, "w") as held:  # as a live `oppo train` holds it
+        held.write("12345\n")
+        held.flush()
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(PreflightError, match="pid 12345.* is still writing"):
+            oppo.run.plan_run(cfg, resume="auto")
+    assert oppo.run.plan_run(cfg, resume="auto").checkpoint == ckpt  # released (the writer ended or died)
+    assert (tmp_path / "run" / oppo.run.LOCK_FILE).read_text() == "12345\n"  # the check wrote nothing
+    assert os.path.exists(ckpt / "state.json")

@@ -38,6 +38,40 @@ from .preflight import PreflightError, input_problems
 
 LINK_NAME = "latest"
 RUN_FILES = ("config.yaml", METRICS_FILE, "trace.json", "lengths.jsonl", CKPT_DIR)
+LOCK_FILE = ".oppo.lock"  # held (flock) by the process writing the run; the kernel drops it when that dies
+
+
+def _take_lock(run_dir: Path, mark: bool = True):
+    """An open file holding the run directory's lock (with this pid written in it when ``mark``),
+    or None if another process holds it."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX: no lock
+        return open(os.devnull)
+    f = open(run_dir / LOCK_FILE, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        return None
+    if mark:
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+    return f
+
+
+def _writer_of(run_dir: Path) -> str | None:
+    """'pid N' of a live process writing ``run_dir``, or None."""
+    if not (run_dir / LOCK_FILE).is_file():
+        return None
+    lock = _take_lock(run_dir, mark=False)  # a check only: leaves the file as it is
+    if lock is not None:
+        lock.close()
+        return None
+    pid = (run_dir / LOCK_FILE).read_text().strip()
+    return f"pid {pid}" if pid else "another process"
 
 
 @dataclass
@@ -158,6 +192,10 @@ def plan_run(cfg: Config, resume: str | None = None) -> RunPlan:
     if ckpt is not None:
         found, step = _resume_problems(cfg, ckpt, resume)
         problems += found
+    writer = _writer_of(run_dir) if run_dir.is_dir() else None
+    if writer is not None:
+        problems.append(f"oppo train ({writer}) is still writing {run_dir}; wait for it to end or stop it, "
+                        f"then resume with --resume auto.")
     problems += input_problems(cfg)
     if problems:
         raise PreflightError(problems)
@@ -246,12 +284,17 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True) -> Path
     hf_logging.disable_progress_bar()  # "Loading weights" bars for every role drown the run's own output
     plan = plan_run(cfg, resume)
     ckpt = plan.checkpoint
+    lock = None
     trainer = Trainer(cfg, progress=progress)
     try:
         if ckpt is not None:
             load_checkpoint(trainer, ckpt)
             print(f"resumed from {ckpt} at step {trainer.step}", file=sys.stderr)
         run_dir = _create(plan)
+        lock = _take_lock(run_dir)
+        if lock is None:  # another run took the directory since the check
+            raise PreflightError([f"another oppo train is writing {run_dir} (started since the checks); "
+                                  f"give a fresh run.out_dir."])
         if progress:
             linked = f" ({plan.link} points to it)" if plan.link is not None else ""
             print(f"run directory: {run_dir}{linked}", file=sys.stderr)
@@ -292,6 +335,8 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True) -> Path
         logger.close()
     finally:
         trainer.close()
+        if lock is not None:
+            lock.close()  # releases the flock
     return run_dir
 
 
