@@ -8,7 +8,8 @@ A Llama-style model of a named size (``oppo.bench.MODEL_SIZES``, random weights,
 config) decodes B rows of ``--prompt-len`` random prompt tokens for ``--new-tokens`` greedy
 steps (no EOS: every row runs to the end), for each B in ``--batches``. The time of one engine
 step (sample one token per row, feed it, compute the next logits; prefill excluded) is the
-median over ``--repeats`` timed passes after an untimed one (which also captures the graphs).
+median over ``--repeats`` timed passes after an untimed one (which also captures the graphs);
+passes alternate between engines.
 
 The bound: a decode step must read every weight once (the input embedding only for the B rows
 it looks up) and each row's KV cache so far (its mean length over the run), so
@@ -23,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
 import statistics
 import sys
 import time
@@ -81,22 +84,25 @@ def kv_bytes_per_token(model) -> int:
     return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * next(model.parameters()).element_size()
 
 
-def time_engine(eng, prompts: list[list[int]], repeats: int, device: torch.device) -> tuple[float, int]:
-    """Median seconds per engine step over ``repeats`` timed passes (after one untimed pass)."""
-    times, steps = [], 0
+def time_engines(engines: dict, prompts: list[list[int]], repeats: int, device: torch.device) -> dict[str, float]:
+    """Median seconds per engine step for each engine over ``repeats`` timed passes, after one
+    untimed pass each (which also captures the graphs). Passes alternate between engines, so a
+    burst of load on a shared machine hits them alike."""
+    times: dict[str, list[float]] = {name: [] for name in engines}
     for rep in range(repeats + 1):
-        eng.admit([Rollout(i, i, "", list(p), 0) for i, p in enumerate(prompts)])
-        _sync(device)
-        t = time.perf_counter()
-        steps = 0
-        while eng.active:
-            eng.step()
-            steps += 1
-        _sync(device)
-        if rep:
-            times.append((time.perf_counter() - t) / steps)
-        eng.finished = []
-    return statistics.median(times), steps
+        for name, eng in engines.items():
+            eng.admit([Rollout(i, i, "", list(p), 0) for i, p in enumerate(prompts)])
+            _sync(device)
+            t = time.perf_counter()
+            steps = 0
+            while eng.active:
+                eng.step()
+                steps += 1
+            _sync(device)
+            if rep:
+                times[name].append((time.perf_counter() - t) / steps)
+            eng.finished = []
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def run(args) -> dict:
@@ -115,11 +121,12 @@ def run(args) -> dict:
     g = torch.Generator().manual_seed(1)
     vocab = model.config.vocab_size
     captures = ["none"] + (["cuda_graph"] if device.type == "cuda" else []) + (["compile"] if args.compile else [])
-    engines = {"eager": lambda: RolloutEngine(model, -1, 0, args.new_tokens, greedy=True)}
+    # one instance per engine, reused across passes and batch sizes (the static slots reserved once)
+    engines = {"eager": RolloutEngine(model, -1, 0, args.new_tokens, greedy=True)}
     static = {c: StaticRolloutEngine(model, -1, 0, args.new_tokens, greedy=True, max_rows=max(batches),
                                      max_len=args.prompt_len + args.new_tokens, capture=c) for c in captures}
-    for c, e in static.items():
-        engines[f"static/{c}"] = lambda e=e: e  # one instance per mode, reused: slots reserved once
+    engines.update({f"static/{c}": e for c, e in static.items()})
+    load_start = os.getloadavg()[0]
     bw = measured_bandwidth(device, args.copy_mb)
     nominal = nominal_bandwidth(device)
     wbytes, kvtok = weight_bytes(model), kv_bytes_per_token(model)
@@ -128,8 +135,7 @@ def run(args) -> dict:
     for B in batches:
         prompts = [torch.randint(3, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(B)]
         row = {"batch": B}
-        for name, make in engines.items():
-            sec, steps = time_engine(make(), prompts, args.repeats, device)
+        for name, sec in time_engines(engines, prompts, args.repeats, device).items():
             row[f"{name}_ms_per_step"] = sec * 1e3
             row[f"{name}_us_per_token"] = sec * 1e6 / B
             row[f"{name}_tokens_per_s"] = B / sec
@@ -140,8 +146,10 @@ def run(args) -> dict:
         if nominal:
             row["nominal_bound_ms_per_step"] = step_bytes / nominal * 1e3
         rows.append(row)
-    return {"machine": machine() + (f"; {args.threads} torch thread(s)" if device.type == "cpu" else ""),
-            "command": "python benchmarks/decode_speed.py " + " ".join(args.argv),
+    load = f"load average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end"
+    return {"machine": machine() + (f"; {args.threads} torch thread(s)" if device.type == "cpu" else "")
+            + f"; {load}" + (f"; {args.note}" if args.note else ""),
+            "command": "python benchmarks/decode_speed.py " + shlex.join(args.argv),
             "size": args.size, "params": params, "dtype": str(dtype), "device": str(device),
             "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "repeats": args.repeats,
             "weight_bytes": wbytes, "kv_bytes_per_token": kvtok, "bandwidth_measured_Bps": bw,
@@ -192,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="CPU: torch threads (the memcpy bandwidth uses the same).")
     p.add_argument("--compile", action="store_true", help="Also time capture='compile' (slow to compile on CPU).")
     p.add_argument("--copy-mb", type=int, default=512)
+    p.add_argument("--note", default="", help="A note on the machine for the report (e.g. 'shared with other jobs').")
     p.add_argument("--out", default=None, help="Directory for decode_speed.json and decode_speed.md "
                                                "(default benchmarks/decode/<device type>).")
     args = p.parse_args(argv)

@@ -125,10 +125,12 @@ class StaticRolloutEngine(RolloutEngine):
     docstring). It subclasses the eager engine to share what does not touch the cache (forced
     lengths, chunks, versions, ``generate_all``); everything that does is overridden here.
 
-    ``max_rows``: slots (the most rows in flight: B + Delta_max, in groups times G).
+    ``max_rows``: slots, the most rows ever in flight (B without carrying; 2B with it: B + Delta
+    and the scheduler's refill cap are both at most 2B). Admitting more raises.
     ``max_len``: columns per slot (longest prompt + max_new_tokens; default: 512 + max_new_tokens,
     capped at the model's ``max_position_embeddings`` when it has one).
-    ``capture``: ``none`` | ``cuda_graph`` | ``compile`` (the first two need CUDA for graphs).
+    ``capture``: ``none`` (eager, exact shapes), ``cuda_graph`` (needs CUDA) or ``compile``
+    (``torch.compile``; on CUDA in ``reduce-overhead`` mode, i.e. with CUDA graphs too).
     """
 
     def __init__(self, model, eos_id: int | tuple[int, ...], pad_id: int, max_new_tokens: int,
@@ -376,6 +378,8 @@ class StaticRolloutEngine(RolloutEngine):
             graph, out = self._capture(rb, lb)
             self._graphs[(rb, lb)] = (graph, out)
         graph.replay()
+        # graphs share one memory pool: another bucket's replay may overwrite this output, so the
+        # caller copies it (index_select) before the next replay
         return out
 
     def _capture(self, rb: int, lb: int):
