@@ -124,3 +124,30 @@ def test_kill_9_of_oppo_train_leaves_nothing_behind(tiny_models, tiny_prompts, t
         if train.poll() is None:
             train.kill()
             train.wait()
+
+
+@pytest.mark.slow
+def test_sigterm_of_oppo_train_stops_cleanly(tiny_models, tiny_prompts, tmp_path):
+    """`kill` (SIGTERM) ends a run like Ctrl-C: the trace so far is saved, children exit, the
+    message says how to resume."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "oppo.cli", "train", f"policy.path={tiny_models['policy']}",
+           f"reward.path={tiny_models['reward']}", f"data.prompts={tiny_prompts}", "overlap.mode=intra",
+           "run.steps=100000", "ppo.batch_size=4", "ppo.minibatch_size=2", "ppo.micro_batch_size=2",
+           "generation.max_new_tokens=6", f"run.out_dir={out}", "log.progress=false", "run.samples=0"]
+    train = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env())
+    try:
+        wait_until(lambda: (out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").stat().st_size > 0
+                   or train.poll() is not None, limit=300, what="the first step")
+        assert train.poll() is None, "oppo train ended early"
+        kids = children(train.pid)
+        train.send_signal(signal.SIGTERM)
+        _, err = train.communicate(timeout=120)
+        assert train.returncode == 130, err[-2000:]
+        assert "--resume auto" in err and "Traceback" not in err
+        assert (out / "trace.json").is_file()
+        wait_until(lambda: not any(alive(k) for k in kids), what=f"children {kids} to exit")
+    finally:
+        if train.poll() is None:
+            train.kill()
+            train.wait()

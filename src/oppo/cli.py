@@ -90,7 +90,25 @@ def usage() -> str:
     return "\n".join(lines)
 
 
+def _terminate_like_ctrl_c() -> None:
+    """SIGTERM (``kill``, a job scheduler) ends the command as Ctrl-C does: ``finally`` blocks run,
+    so the trace of the steps so far is saved, the scorer worker stops and a half-built cache is
+    removed. (SIGKILL runs nothing; the worker's child exits on its own, see workers.py.)"""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # the `oppo` command itself (not a call from Python, whose signals are the caller's)
+        _terminate_like_ctrl_c()
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         asked = bool(argv) and argv[0] in ("-h", "--help")
