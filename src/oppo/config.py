@@ -108,6 +108,9 @@ class GenerationConfig:
     temperature: float = opt(1.0, "Sampling temperature; the behaviour and reference log-probs use the same one.")
     top_p: float = opt(1.0, "Nucleus sampling threshold (1.0: off).")
     top_k: int = opt(0, "Sample among the k most likely tokens (0: off).")
+    engine: str = opt("eager", "Rollout engine: eager (a growing KV cache per batch) or static (preallocated KV slots "
+                               "of 2B rows x (max_prompt_tokens + max_new_tokens) columns; on CUDA the decode step "
+                               "is captured in CUDA graphs; not yet measured on a GPU).", ("eager", "static"))
     kv_budget_mb: float = opt(0.0, "Most memory the actor's KV cache may take, in MiB; a step that would exceed it "
                                     "stops with an error naming the settings to lower (0: no limit). The per-step "
                                     "peak is reported as memory/actor_kv_peak_mb.")

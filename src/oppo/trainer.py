@@ -169,8 +169,18 @@ class Trainer:
         self.max_new_tokens = paths.max_new_tokens
         g = cfg.generation
         self.stop_ids = stop_token_ids(tok, self.policy)
-        self.engine = RolloutEngine(self.rollout_policy, self.stop_ids, self.pad_id, self.max_new_tokens,
-                                    g.temperature, g.top_k, g.top_p, seed=cfg.run.seed)
+        if g.engine == "static":
+            from .fastdecode import StaticRolloutEngine
+
+            B = cfg.ppo.batch_size
+            self.engine = StaticRolloutEngine(self.rollout_policy, self.stop_ids, self.pad_id, self.max_new_tokens,
+                                              g.temperature, g.top_k, g.top_p, seed=cfg.run.seed,
+                                              max_rows=2 * B if cfg.carries else B,  # B + Delta, refill: <= 2B
+                                              max_len=cfg.data.max_prompt_tokens + self.max_new_tokens,
+                                              capture="cuda_graph" if dev.type == "cuda" else "none")
+        else:
+            self.engine = RolloutEngine(self.rollout_policy, self.stop_ids, self.pad_id, self.max_new_tokens,
+                                        g.temperature, g.top_k, g.top_p, seed=cfg.run.seed)
         if g.kv_budget_mb:
             self.engine.kv_budget_mb = g.kv_budget_mb
         recompute = {"recompute": True, "sampler": False}.get(
