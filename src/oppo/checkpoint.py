@@ -41,8 +41,11 @@ RESUMABLE_CHANGES = frozenset({
     "run.steps", "run.out_dir", "run.save_every", "run.keep_checkpoints", "run.samples", "run.threads",
     "policy.device", "reference.device", "critic.device", "reward.device",
     "overlap.scorer_process", "overlap.actor_threads", "overlap.scorer_threads",
+    # the same math, other machinery: the decode engine, a memory cap, activation recomputation
+    "generation.engine", "generation.kv_budget_mb", "policy.gradient_checkpointing",
 })
-RESUMABLE_SECTIONS = frozenset({"log"})
+# placement: a checkpoint of a data-parallel Ray run resumes on another worker count or locally
+RESUMABLE_SECTIONS = frozenset({"log", "placement"})
 
 
 def checkpoint_dirs(run_dir: Path) -> list[Path]:
