@@ -80,7 +80,11 @@ def test_prepare_without_a_terminal_prints_a_line_per_phase(tmp_path, capsys):
     import importlib
 
     prep = importlib.import_module("oppo.task.prepare")
-    prep.prepare("positive", home=tmp_path, progress=True, sizes=prep.PrepareSizes.tiny())
+    import dataclasses
+
+    sizes = dataclasses.replace(prep.PrepareSizes.tiny(), n_prompts=8, n_eval_prompts=4, sft_steps=2, rm_prompts=4,
+                                rm_eval_prompts=4, rm_steps=1, eval_samples=4)  # the phases, not the models
+    prep.prepare("positive", home=tmp_path, progress=True, sizes=sizes)
     err = capsys.readouterr().err  # captured: not a terminal
     phases = [line for line in err.splitlines() if "] phase " in line and "still running" not in line]
     assert [line.split("] ")[1].split(":")[0] for line in phases] == [f"phase {i}/4" for i in range(1, 5)]
