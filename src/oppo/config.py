@@ -234,7 +234,10 @@ class PlacementConfig:
 class RunConfig:
     steps: int = opt(40, "PPO steps to run.")
     seed: int = opt(0, "Seed for data order, sampling and initialisation.")
-    out_dir: str = opt("runs/latest", "Run directory: metrics, trace, checkpoints.")
+    out_dir: str = opt("runs/latest", "Run directory: metrics, trace, checkpoints. A directory named latest (the "
+                                      "default runs/latest) is a link: each run gets runs/<date>-<time>-<mode>/ and "
+                                      "the link points to the newest. Any other directory is the run directory "
+                                      "itself; a new run refuses one that already holds a run.")
     save_every: int = opt(0, "Checkpoint every N steps (0: only at the end).")
     keep_checkpoints: int = opt(2, "Most recent checkpoints kept (older ones are deleted).")
     threads: int = opt(0, "torch CPU threads for sequential work (0: all cores).")

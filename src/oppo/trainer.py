@@ -569,6 +569,13 @@ class Trainer:
         out["memory/host_rss_peak_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
         return out
 
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.close()
+        return False
+
     def close(self) -> None:
         if self.on_ray:
             self.learner.close()
