@@ -267,18 +267,24 @@ def critic_update(critic, opt: torch.optim.Optimizer, batch: CriticBatch, miniba
     def micro(rows, num_tokens, num_seqs):
         if before_micro is not None:
             before_micro()
-        ids, valid, P, T = _micro_slices(batch, rows)
-        mask = batch.mask[rows][:, :T]
-        with autocast(dev, compute_dtype), checkpointing(critic):
-            values = response_outputs("critic", critic, ids, valid, P)  # [b, T]
-        vl, vstats = pm.value_loss(values, batch.values[rows][:, :T], batch.returns[rows][:, :T], mask,
-                                   clip_eps=cfg.value_clip_eps, loss_agg=cfg.loss_agg,
-                                   num_tokens=num_tokens, num_seqs=num_seqs)
-        vl.backward()
-        return {"loss/value": vl.item(), "value/clipfrac": vstats["vf_clipfrac"].item(),
-                "_frac": (mask.sum() / num_tokens).item()}
+        return critic_micro_step(critic, batch, rows, num_tokens, num_seqs, cfg, compute_dtype)
 
     return _train(critic, opt, batch.mask, [mb.to(dev) for mb in minibatches], cfg, "critic", micro)
+
+
+def critic_micro_step(critic, batch: CriticBatch, rows: torch.Tensor, num_tokens, num_seqs: int, cfg: PPOConfig,
+                      compute_dtype: torch.dtype = torch.float32) -> dict[str, float]:
+    """One micro-batch of the critic's update: clipped value loss, backward (gradients accumulate)."""
+    ids, valid, P, T = _micro_slices(batch, rows)
+    mask = batch.mask[rows][:, :T]
+    with autocast(ids.device, compute_dtype), checkpointing(critic):
+        values = response_outputs("critic", critic, ids, valid, P)  # [b, T]
+    vl, vstats = pm.value_loss(values, batch.values[rows][:, :T], batch.returns[rows][:, :T], mask,
+                               clip_eps=cfg.value_clip_eps, loss_agg=cfg.loss_agg,
+                               num_tokens=num_tokens, num_seqs=num_seqs)
+    vl.backward()
+    return {"loss/value": vl.item(), "value/clipfrac": vstats["vf_clipfrac"].item(),
+            "_frac": (mask.sum() / num_tokens).item()}
 
 
 def _train(model, opt, mask: torch.Tensor, minibatches: list[torch.Tensor], cfg: PPOConfig, name: str,

@@ -51,12 +51,8 @@ from typing import Callable
 
 import torch
 
-from .. import ppo_math as pm
 from ..config import PPOConfig
-from ..learner import CriticBatch, Experience, Learner, _micro_slices, _train
-from ..models import checkpointing
-from ..scoring import response_outputs
-from ..weights import autocast
+from ..learner import CriticBatch, Experience, Learner, _train, critic_micro_step
 from .ray_scorer import _short
 from .specs import ModelSpec
 from .weight_sync import Packed, pack, unpack_into
@@ -137,7 +133,7 @@ def dp_update(learner: Learner, exp: Experience, step: int, rank: int, world: in
     if critic and learner.critic is not None:
         batch = CriticBatch.of(exp)
         critic_steps = _Shard(mbs, rank, world, learner.critic,
-                              lambda rows, nt, ns: _critic_micro_step(learner.critic, batch, rows, nt, ns, cfg,
+                              lambda rows, nt, ns: critic_micro_step(learner.critic, batch, rows, nt, ns, cfg,
                                                                       learner.compute_dtype))
         stats.update(_train(learner.critic, learner.critic_opt, batch.mask, mbs, cfg, "critic", critic_steps))
         critic_steps.check_done()
@@ -199,22 +195,6 @@ def all_reduce_grads(model: torch.nn.Module) -> None:
         k = p.numel()
         p.grad = flat[off: off + k].view_as(p) if n > 0 else None
         off += k
-
-
-def _critic_micro_step(critic, batch: CriticBatch, rows: torch.Tensor, num_tokens, num_seqs: int, cfg: PPOConfig,
-                       compute_dtype: torch.dtype) -> dict[str, float]:
-    """The micro-step of ``learner.critic_update`` (there a closure, so repeated here; the DP test
-    compares the two updates' weights and stats)."""
-    ids, valid, P, T = _micro_slices(batch, rows)
-    mask = batch.mask[rows][:, :T]
-    with autocast(ids.device, compute_dtype), checkpointing(critic):
-        values = response_outputs("critic", critic, ids, valid, P)  # [b, T]
-    vl, vstats = pm.value_loss(values, batch.values[rows][:, :T], batch.returns[rows][:, :T], mask,
-                               clip_eps=cfg.value_clip_eps, loss_agg=cfg.loss_agg,
-                               num_tokens=num_tokens, num_seqs=num_seqs)
-    vl.backward()
-    return {"loss/value": vl.item(), "value/clipfrac": vstats["vf_clipfrac"].item(),
-            "_frac": (mask.sum() / num_tokens).item()}
 
 
 def portable(exp: Experience) -> Experience:
