@@ -41,7 +41,7 @@ import inspect
 import torch
 
 from .kv import right_pad
-from .rollout import KVBudgetError, Rollout, RolloutEngine, sample_tokens
+from .rollout import KVBudgetError, Rollout, RolloutEngine
 
 CAPTURE_MODES = ("none", "cuda_graph", "compile")
 
@@ -319,25 +319,7 @@ class StaticRolloutEngine(RolloutEngine):
         """Sample one token for every row; retire rows that ended; return them (as the eager engine)."""
         if not self.rows:
             return []
-        logits = self._forced(self.next_logits)
-        if self.greedy:
-            tokens, logp = logits.argmax(-1), None  # [R]
-        else:
-            tokens, logp = sample_tokens(logits, self.temperature, self.top_k, self.top_p, self.generator)
-        if logp is None or logits is not self.next_logits:
-            # behaviour log-prob under the model's own distribution (what the learner recomputes)
-            logp = torch.log_softmax(self.next_logits.float() / self.temperature, -1).gather(1, tokens[:, None])[:, 0]
-        tok_list, lp_list = tokens.tolist(), logp.tolist()  # CPU-GPU sync point (one per decode step)
-        keep, done = [], []
-        for i, (row, t, lp) in enumerate(zip(self.rows, tok_list, lp_list)):
-            row.response_ids.append(t)
-            row.logprobs.append(lp)
-            row.versions.append(min(self.logits_version[i], self.kv_version[i]))
-            if t in self.eos_ids or len(row.response_ids) >= self.max_new_tokens:
-                row.finished, row.ended_with_eos = True, t in self.eos_ids
-                done.append(row)
-            else:
-                keep.append(i)
+        tokens, keep, done = self._sample_and_record()
         if done:
             self._retire(keep)
             tokens = tokens.index_select(0, torch.tensor(keep, dtype=torch.long, device=self.device))

@@ -173,11 +173,10 @@ class RolloutEngine:
     def set_version(self, version: int) -> None:
         self.version = version
 
-    @torch.no_grad()
-    def step(self) -> list[Rollout]:
-        """Sample one token for every row; retire rows that ended; return them."""
-        if not self.rows:
-            return []
+    def _sample_and_record(self) -> tuple[torch.Tensor, list[int], list[Rollout]]:
+        """Sample one token per row from ``next_logits``, append it to its row with its behaviour
+        log-prob and version, and mark the rows that ended. Returns (tokens [R], the indices of
+        the rows that go on, the rows that ended). Shared by every engine's ``step``."""
         logits = self._forced(self.next_logits)
         if self.greedy:
             tokens, logp = logits.argmax(-1), None  # [R]
@@ -197,6 +196,14 @@ class RolloutEngine:
                 done.append(row)
             else:
                 keep.append(i)
+        return tokens, keep, done
+
+    @torch.no_grad()
+    def step(self) -> list[Rollout]:
+        """Sample one token for every row; retire rows that ended; return them."""
+        if not self.rows:
+            return []
+        tokens, keep, done = self._sample_and_record()
         if done:
             self.peak_cache_bytes = max(self.peak_cache_bytes, self.kv.nbytes())
             idx = torch.tensor(keep, dtype=torch.long, device=self.device)
