@@ -20,7 +20,7 @@ def test_bench_writes_json_markdown_and_pictures(tiny_models, tiny_prompts, tmp_
     assert rc == 0
     res = json.loads((out / "bench.json").read_text())
     assert res["machine"]
-    assert set(res["modes"]) == {"sequential", "intra", "inter", "oppo"}
+    assert set(res["modes"]) == {"sequential", "intra", "inter", "oppo", "pipeline"}
     for mode, v in res["modes"].items():
         assert v["step_time_median_s"] > 0
         assert {"actor", "scorer", "learner"} <= set(v["busy_fraction"])
@@ -117,7 +117,7 @@ def test_gpu_bench_smoke_on_cpu(tmp_path):
     out = tmp_path / "gpu"
     assert mod.main(["--device", "cpu", "--tiny", "--out", str(out)]) == 0
     res = json.loads((out / "bench.json").read_text())
-    assert set(res["modes"]) == {"sequential", "intra", "inter", "oppo"}
+    assert set(res["modes"]) == {"sequential", "intra", "inter", "oppo", "pipeline"}
     assert res["machine"] and res["steps"] == 2
     assert [r["workload"].split()[0] for r in res["stage_profile"]] == ["representative", "short"]
     assert res["workload_lengths"]["p99_over_p50"] >= 4

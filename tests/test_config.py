@@ -318,7 +318,7 @@ def test_help_text_lists_every_key():
     text = help_text()
     for key in all_keys():
         assert f"  {key} = " in text, key
-    assert "[sequential|intra|inter|oppo]" in text  # choices shown
+    assert "[sequential|intra|inter|oppo|pipeline]" in text  # choices shown
     assert "ppo.actor_lr = 1e-05" in text
 
 

@@ -84,3 +84,72 @@ def test_ray_backend_equals_sequential_and_resumes_on_another_worker_count(ray_l
     assert torch.equal(x["ids"], y["ids"])
     for k in ("reward/mean", "loss/value", "kl/mean", "loss/policy"):
         assert y["m"][k] == pytest.approx(x["m"][k], abs=1e-4, rel=1e-3), k
+
+
+@pytest.mark.slow
+def test_ray_pipeline_loads_weights_in_flight(ray_local, tiny_models, tiny_prompts, tmp_path):
+    """overlap.mode=pipeline on Ray: the learner group trains in the background while the engine
+    decodes; rank 0's weights reach the engine at the end of each step, every rank's training span
+    joins the trace, and no token is older than max_lag + 1 versions."""
+    t = Trainer(_cfg(tiny_models, tiny_prompts, tmp_path / "p", "overlap.mode=pipeline", "placement.backend=ray",
+                     "placement.learner_cpus=0.5", "placement.scorer_cpus=0.5", "generation.max_new_tokens=32",
+                     "overlap.delta=2", "overlap.refill=true", "overlap.max_lag=1", "run.steps=10"), progress=False)
+    try:
+        early, inflight = 0, 0
+        for step in range(3):
+            m = t.run_step()
+            inflight += m["pipeline/inflight_tokens"]
+            assert m["time/weight_sync"] > 0
+            for r in t.last_result.exp.rollouts:
+                assert all(step - 2 <= v <= step for v in r.versions), (step, r.versions)
+                early += any(v < r.start_version for v in r.versions)
+        rank0 = t.learner.actor_state()
+        for name, p in t.rollout_policy.named_parameters():
+            assert torch.equal(p, rank0[name]), name
+        assert {"learner0", "scorer", "actor"} <= {s.worker for s in t.tracer.spans}
+    finally:
+        t.close()
+    assert inflight > 0 and early > 0, "decoding went on while the learner trained"
+
+
+@pytest.mark.slow
+def test_a_killed_ray_actor_stops_the_run_by_role_and_the_resume_is_exact(ray_local, tiny_models, tiny_prompts,
+                                                                           tmp_path, monkeypatch):
+    """The scorer actor dies mid-step (after generation, before scoring) at step 3: the run stops
+    with an error naming the role and rank, the checkpoint of step 2 is intact, and --resume trains
+    steps 2 and 3 as an uninterrupted run does: the same prompts, once each, the same figures."""
+    from oppo.checkpoint import latest_checkpoint
+    from oppo.metrics import read_metrics
+    from oppo.run import train
+
+    def lengths(run_dir):
+        import json
+
+        return [json.loads(line) for line in (run_dir / "lengths.jsonl").read_text().splitlines()]
+
+    common = ("overlap.mode=sequential", "run.steps=4", "run.save_every=2")
+    oracle = train(_cfg(tiny_models, tiny_prompts, tmp_path / "oracle", *common), progress=False)
+
+    cfg = _cfg(tiny_models, tiny_prompts, tmp_path / "killed", *common, "placement.backend=ray",
+               "placement.learner_cpus=0.5", "placement.scorer_cpus=0.5")
+    score = Trainer._score
+
+    def dying_score(self, batch, texts, step):
+        if step == 3:
+            ray.kill(self.worker.actors[0])
+        return score(self, batch, texts, step)
+
+    monkeypatch.setattr(Trainer, "_score", dying_score)
+    with pytest.raises(RuntimeError, match=r"scorer actor \(role=reward\+reference\+critic, rank=0\) died"):
+        train(cfg, progress=False)
+    run_dir = tmp_path / "killed"
+    assert latest_checkpoint(run_dir).name == "step_000002", "the last checkpoint is intact and nothing newer"
+    monkeypatch.setattr(Trainer, "_score", score)
+    train(cfg, resume="auto", progress=False)
+    want, got = read_metrics(oracle), read_metrics(run_dir)
+    assert [m["step"] for m in got] == [0, 1, 2, 3]
+    for x, y in zip(want, got):
+        for k in ("reward/mean", "kl/mean", "loss/policy", "loss/value"):
+            assert y[k] == pytest.approx(x[k], abs=1e-4, rel=1e-3), (x["step"], k)
+    assert [r["prompt_index"] for r in lengths(run_dir)] == [r["prompt_index"] for r in lengths(oracle)], \
+        "every prompt trained once, in the uninterrupted order"

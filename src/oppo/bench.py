@@ -10,6 +10,12 @@ lengths are drawn from a log-normal of the given sigma (heavier tail for larger 
 measure speedup against tail heaviness. No mode is tuned differently from the others; the
 settings table in bench.md says what all of them ran with.
 
+A mode may carry settings of its own after colons, e.g. ``pipeline:overlap.stale_kv=recompute``
+(keep vs recompute of the stale KV cache in one run) or ``sequential:placement.backend=local``.
+Under a Ray placement (``placement.backend=ray``) the best single-process sequential run,
+``sequential:placement.backend=local``, joins as a second baseline unless ``--modes`` names it,
+and the table gains a column of speedups against it.
+
 ``--workload representative`` forces the main run's response lengths too (:data:`WORKLOADS`): a
 long-tailed distribution like real RLHF's, where generation is the largest share of the
 sequential step. bench.md states each run's stage profile (generate / score / train shares of
@@ -21,7 +27,6 @@ little about a GPU run where decoding the longest response does.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
 import os
@@ -35,11 +40,26 @@ from pathlib import Path
 
 import torch
 
-from .config import MODES, load_config, to_dict
+from .config import MODES, load_config, to_dict, with_overrides
 from .metrics import MetricsLogger
 from .trace import busy_seconds
 
 QUICK = ["ppo.batch_size=32", "ppo.minibatch_size=16", "ppo.micro_batch_size=16"]
+LOCAL_BASELINE = "sequential:placement.backend=local"
+"""The second baseline of a bench under a Ray placement: the best single-process sequential run."""
+
+
+def split_mode(spec: str) -> tuple[str, list[str]]:
+    """``"pipeline:overlap.stale_kv=recompute"`` -> ``("pipeline", ["overlap.stale_kv=recompute"])``."""
+    mode, *over = [x.strip() for x in spec.split(":")]
+    if mode not in MODES:
+        raise ValueError(f"--modes: unknown mode {mode!r} in {spec!r}; choose from {', '.join(MODES)}, optionally "
+                         f"with settings after colons (e.g. pipeline:overlap.stale_kv=recompute).")
+    return mode, over
+
+
+def _slug(spec: str) -> str:
+    return "".join(c if c.isalnum() or c in "._-" else "+" for c in spec.replace(":", "+"))
 
 
 def machine() -> str:
@@ -216,10 +236,11 @@ def run_modes(base, modes: list[str], steps: int, out: Path, tail_sigma: float |
     from .trainer import Trainer
 
     trainers, loggers, records = {}, {}, {}
-    for mode in modes:
-        cfg = copy.deepcopy(base)
-        cfg.overlap.mode = mode
-        cfg.run.out_dir = str(out / mode)
+    for mode in modes:  # a mode, or a mode with settings of its own (split_mode)
+        name, over = split_mode(mode)
+        # run.steps: a pipeline run begins no step beyond the bench's; no checkpoints in a bench
+        cfg = with_overrides(base, [f"overlap.mode={name}", *over, f"run.out_dir={out / _slug(mode)}",
+                                    f"run.steps={steps}", "run.save_every=0"])
         Path(cfg.run.out_dir).mkdir(parents=True, exist_ok=True)
         t = Trainer(cfg, progress=False)
         trainers[mode] = t
@@ -246,7 +267,7 @@ def run_modes(base, modes: list[str], steps: int, out: Path, tail_sigma: float |
                 progress(f"  stopping after {step + 1} steps: the next round would end past the time budget")
                 break
         for mode, t in trainers.items():
-            t.tracer.save(out / mode / "trace.json")
+            t.tracer.save(Path(t.cfg.run.out_dir) / "trace.json")
             records[mode]["windows"] = dict(t.step_windows)
             records[mode]["spans"] = t.tracer.spans
     finally:
@@ -303,7 +324,11 @@ def summarize(records: dict[str, dict], warmup: int = 1, target: float | None = 
         util = {m: max(v["busy_fraction"].values(), default=float("nan")) / seq_busiest for m, v in out.items()}
     else:
         speed, util = {}, {}
-    return {"modes": out, "speedup": speed, "busiest_busy_ratio": util, "target_reward": target}
+    res = {"modes": out, "speedup": speed, "busiest_busy_ratio": util, "target_reward": target}
+    if LOCAL_BASELINE in out:
+        base = out[LOCAL_BASELINE]["step_time_median_s"]
+        res["speedup_vs_local"] = {m: base / v["step_time_median_s"] for m, v in out.items()}
+    return res
 
 
 def stage_profile(records: dict[str, dict], workload: str, warmup: int = 1, mode: str = "sequential") -> dict:
@@ -357,12 +382,21 @@ def to_markdown(result: dict) -> str:
              "| mode | step time median (s) | p25-p75 (s) | speedup | tokens/s | busy fraction (actor / scorer / learner) "
              "| busiest vs sequential | bubble ratio | CPU use | reward (last) | time to target (s) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    local = result.get("speedup_vs_local")
+    if local:
+        lines[-2] = lines[-2].replace(" | speedup |", " | speedup | vs 1 process |")
+        lines[-1] += "---|"
     for mode, v in result["modes"].items():
         bf = v["busy_fraction"]
         busy = " / ".join(f"{bf.get(w, 0.0):.2f}" for w in ("actor", "scorer", "learner"))
+        if any(w.startswith("learner") and w != "learner" for w in bf):  # Ray learner ranks
+            busy += " (ranks " + " / ".join(f"{bf[w]:.2f}" for w in sorted(bf) if w.startswith("learner")
+                                            and w != "learner") + ")"
         ttt = f"{v['time_to_target_s']:.1f}" if v["time_to_target_s"] is not None else "not reached"
         lines.append(f"| {mode} | {v['step_time_median_s']:.2f} | {v['step_time_p25_s']:.2f}-{v['step_time_p75_s']:.2f} "
-                     f"| {result['speedup'].get(mode, float('nan')):.2f}x | {v['tokens_per_s']:.0f} | {busy} "
+                     f"| {result['speedup'].get(mode, float('nan')):.2f}x "
+                     + (f"| {local.get(mode, float('nan')):.2f}x " if local else "")
+                     + f"| {v['tokens_per_s']:.0f} | {busy} "
                      f"| {result['busiest_busy_ratio'].get(mode, float('nan')):.2f}x | {v['bubble_ratio']:.2f} "
                      f"| {v['cpu_util']:.0%} "
                      f"| {v['reward_last']:.3f} | {ttt} |")
@@ -408,13 +442,16 @@ def main(argv: list[str]) -> int:
     if args.quick and args.tail is None:
         args.tail = "0.5,1.0,1.5"
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES]
-    if bad:
-        raise ValueError(f"--modes: unknown mode(s) {bad}; choose from {', '.join(MODES)}.")
+    for m in modes:
+        split_mode(m)  # an unknown mode fails here, before anything loads
     workload = WORKLOADS[args.workload] if args.workload else None
     preset = [f"generation.max_new_tokens={workload.max_new_tokens}"] if workload else []
     overrides = (QUICK if args.quick else []) + preset + list(args.overrides) + ["log.progress=false", "run.samples=0"]
     base = load_config(args.config, overrides)
+    for m in modes:  # each mode's own settings are valid, before anything loads
+        with_overrides(base, [f"overlap.mode={split_mode(m)[0]}", *split_mode(m)[1]])
+    if base.placement.backend == "ray" and LOCAL_BASELINE not in modes and "sequential" in modes:
+        modes.append(LOCAL_BASELINE)
     if workload and base.generation.max_new_tokens != workload.max_new_tokens:
         workload = workload.scaled(base.generation.max_new_tokens)
     steps = args.steps or (11 if args.quick else 21)  # the first step is a warm-up, not timed
@@ -450,7 +487,7 @@ def main(argv: list[str]) -> int:
     (out / "bench.md").write_text(to_markdown(result))
     from .report import make_report
 
-    make_report([out / "runs" / m for m in modes], out, labels=modes)
+    make_report([out / "runs" / _slug(m) for m in modes], out, labels=modes)
     say((out / "bench.md").read_text())
     return 0
 

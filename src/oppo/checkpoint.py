@@ -111,6 +111,7 @@ def save_checkpoint(trainer, run_dir: Path, keep: int = 2) -> Path:
     run_dir = Path(run_dir)
     root = run_dir / CKPT_DIR
     root.mkdir(parents=True, exist_ok=True)
+    trainer.between_steps()
     drained = trainer.scheduler.drain_for_checkpoint()
     if drained:
         uids = {t.uid for t in drained}

@@ -10,6 +10,7 @@ never rewrites a value behind the user's back. Derived sizes are computed once, 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import types
@@ -35,7 +36,7 @@ def opt(default: Any, help: str, choices: tuple | None = None) -> Any:
     return field(default=default, metadata=meta)
 
 
-MODES = ("sequential", "intra", "inter", "oppo")
+MODES = ("sequential", "intra", "inter", "oppo", "pipeline")
 
 # Settings that the built-in tasks' tiny models (about 2M parameters) need to learn visibly in a
 # few CPU minutes. They apply only when no policy is named and the user has not set the key;
@@ -155,7 +156,9 @@ class PPOConfig:
 @dataclass
 class OverlapConfig:
     mode: str = opt("oppo", "sequential: stage after stage; intra: stream chunks to the scorers while decoding; "
-                            "inter: overcommit and carry long generations; oppo: both.", MODES)
+                            "inter: overcommit and carry long generations; oppo: both; pipeline: oppo plus "
+                            "in-flight weight updates (PipelineRL: decoding goes on while the learner trains, new "
+                            "weights load between decode steps; not bitwise reproducible).", MODES)
     chunk_size: int = opt(0, "Tokens per streamed chunk. 0: chosen online among chunk_candidates.")
     chunk_candidates: list = opt([8, 16, 32], "Chunk sizes tried by the online tuner.")
     chunk_trial_steps: int = opt(2, "Steps each candidate chunk size is tried for.")
@@ -167,7 +170,8 @@ class OverlapConfig:
                              "than B could come due at once).")
     delta_window: int = opt(5, "Adaptive Delta: steps in the reward-slope window.")
     delta_proportional: bool = opt(False, "Adaptive Delta: step by max(1, Delta // 4) instead of 1.")
-    max_lag: int = opt(1, "Most steps a sequence may be carried; then the step waits for it.")
+    max_lag: int = opt(1, "Most steps a sequence may be carried; then the step waits for it. (pipeline: a token "
+                          "may be one version older still, sampled while the learner trained.)")
     stale_kv: str = opt("keep", "Policy KV cache of a carried prefix after a weight update: keep or recompute.",
                         ("keep", "recompute"))
     stale_values: str = opt("recompute", "Critic values of a carried prefix after a critic update: keep or recompute.",
@@ -176,8 +180,9 @@ class OverlapConfig:
                               "only at step start.")
     scorer_process: bool = opt(True, "CPU: run the scorer worker in its own process (no GIL shared with the "
                                       "actor) instead of a thread. Ignored on GPU.")
-    critic_on_worker: bool = opt(True, "Overlapped modes: the scorer worker, which holds the critic, runs the critic's "
-                                       "PPO update while the actor trains (same weights as one after the other).")
+    critic_on_worker: bool = opt(True, "intra, inter and oppo modes: the scorer worker, which holds the critic, runs "
+                                       "the critic's PPO update while the actor trains (same weights as one after the "
+                                       "other). pipeline trains both in its learner thread.")
     actor_threads: int = opt(1, "CPU: torch threads of the actor (decoding and, with critic_on_worker, training) "
                                 "in overlapped modes.")
     scorer_threads: int = opt(1, "CPU: torch threads of the scorer worker in overlapped modes.")
@@ -276,7 +281,7 @@ class Config:
     @property
     def streams(self) -> bool:
         """Intra-step overlap: chunks stream to the scorers while the actor decodes."""
-        return self.overlap.mode in ("intra", "oppo")
+        return self.overlap.mode in ("intra", "oppo", "pipeline")
 
     @property
     def group_size(self) -> int:
@@ -301,7 +306,13 @@ class Config:
     @property
     def carries(self) -> bool:
         """Inter-step overlap: overcommit and carry unfinished sequences across steps."""
-        return self.overlap.mode in ("inter", "oppo")
+        return self.overlap.mode in ("inter", "oppo", "pipeline")
+
+    @property
+    def in_flight(self) -> bool:
+        """In-flight weight updates (PipelineRL): the learner trains in the background while the
+        engine decodes; new weights load between decode steps."""
+        return self.overlap.mode == "pipeline"
 
 
 # --------------------------------------------------------------------------- building
@@ -432,6 +443,18 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
                 _set(cfg, key, value, f"the built-in task {cfg.data.task!r}'s preset")
     validate(cfg)
     return cfg
+
+
+def with_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Config:
+    """A copy of ``cfg`` with ``key=value`` overrides applied, validated (``cfg`` is unchanged)."""
+    out = copy.deepcopy(cfg)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"Override '{item}' must look like section.key=value (e.g. ppo.actor_lr=1e-6).")
+        key, raw = (x.strip() for x in item.split("=", 1))
+        _set(out, key, _parse_override(out, key, raw), "the command line")
+    validate(out)
+    return out
 
 
 def _parse_override(cfg: Config, key: str, raw: str) -> Any:

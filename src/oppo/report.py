@@ -55,12 +55,14 @@ TRACE_FILE = "trace.json"
 LENGTHS_FILE = "lengths.jsonl"
 _DPI = 110
 
-MODE_COLORS = {"sequential": "#1f77b4", "intra": "#ff7f0e", "inter": "#2ca02c", "oppo": "#d62728"}
+MODE_COLORS = {"sequential": "#1f77b4", "intra": "#ff7f0e", "inter": "#2ca02c", "oppo": "#d62728",
+               "pipeline": "#9467bd"}
 """One colour per overlap mode, in every picture (a label that starts with a mode name takes its colour)."""
 
 STAGE_COLORS = {
     # the actor (policy worker): reds and oranges
     "generate": "#d62728", "prefill_prompt": "#9467bd", "decode": "#ff7f0e", "recompute_kv": "#ffbb78",
+    "decode_inflight": "#f7b6d2",
     # the scorers: olive, slate, pink; the critic's update on the scorer worker: dark blue
     "score_reward": "#bcbd22", "score_reference": "#7f7f7f", "score_critic": "#e377c2",
     "train_critic": "#1f3a93", "load_critic": "#aec7e8",
@@ -68,7 +70,7 @@ STAGE_COLORS = {
     "experience": "#2ca02c", "advantages": "#98df8a", "recompute_values": "#8c564b", "train": "#17becf",
     "weight_sync": "#c49c94",
     # the controller waiting (not work)
-    "wait_scorers": "#d9d9d9", "wait_critic": "#bdbdbd",
+    "wait_scorers": "#d9d9d9", "wait_critic": "#bdbdbd", "wait_learner": "#969696",
 }
 """One colour per stage, in every picture; other stages get a colour from their name."""
 
@@ -205,7 +207,7 @@ def _colors(labels: Sequence[str]) -> dict[str, str]:
     """A mode's colour for labels naming a mode, other colours for the rest."""
     out, spare = {}, [c for c in (f"C{i}" for i in range(10)) if c not in ("C0", "C1", "C2", "C3")]
     for label in labels:
-        mode = next((m for m in MODE_COLORS if label == m or label.startswith((m + "_", m + "-", m + " "))), None)
+        mode = next((m for m in MODE_COLORS if label == m or label.startswith((m + "_", m + "-", m + " ", m + ":"))), None)
         out[label] = MODE_COLORS[mode] if mode else spare[len([x for x in out.values() if x in spare]) % len(spare)]
     return out
 

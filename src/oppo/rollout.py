@@ -45,6 +45,7 @@ class Rollout:
     emitted: int = 0
     target_length: int | None = None  # benchmark workloads only: force EOS at exactly this length
     group: int | None = None  # GRPO/RLOO: the uid of its group's first member (None: its own uid)
+    scored_version: int | None = None  # weights version the scorers held when it was admitted (stale values)
 
     def __post_init__(self) -> None:
         if self.group is None:

@@ -597,6 +597,13 @@ class Scheduler:
         self._step += 1
         self._phase = Phase.IDLE
 
+    def suspend(self) -> None:
+        """Back from OPEN to IDLE without closing: the step's admitted sequences stay in flight,
+        untrained, as carried ones do after ``end_step`` (a pipeline run begins the next step while
+        the learner trains; a checkpoint between steps needs IDLE)."""
+        self._require(Phase.OPEN, "suspend")
+        self._phase = Phase.IDLE
+
     # ----------------------------------------------------------------- checkpoints
 
     def drain_for_checkpoint(self) -> list[SeqTicket]:

@@ -9,6 +9,11 @@ the same stages in another order:
   carried (scored one-shot after the step closes);
 - ``oppo``: both.
 
+``Trainer.pipeline_step`` (``pipeline``) is the ``oppo`` step with in-flight weight updates
+(PipelineRL): the update runs in a learner thread (or on the Ray learner group) while the
+engine goes on decoding the next step's sequences with the weights it has, and the new weights
+load between two decode steps with those sequences in flight.
+
 With Delta = 0 and max_lag = 0 every overlapped mode trains exactly the batches of
 ``sequential`` (tested step for step).
 """
@@ -19,6 +24,7 @@ import copy
 import os
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -147,7 +153,8 @@ class Trainer:
                                      cfg.policy.trust_remote_code)
         if lora.r:
             self.policy = apply_lora(self.policy, lora.r, lora.alpha, lora.dropout, lora.target_modules)
-        self.rollout_policy = serving_copy(self.policy, dtype)
+        inflight = cfg.in_flight  # the learner trains the masters while the copies serve
+        self.rollout_policy = serving_copy(self.policy, dtype, separate=inflight)
         ref_dev = resolve_device(cfg.reference.device, str(dev))
         if paths.reference:
             self.reference = load_causal_lm(paths.reference, "reference", ref_dev, dtype)
@@ -160,7 +167,7 @@ class Trainer:
         if paths.critic:
             self.critic = load_critic(paths.critic, resolve_device(cfg.critic.device, str(dev)), master,
                                       self.pad_id).eval()
-            self.scoring_critic = serving_copy(self.critic, dtype)
+            self.scoring_critic = serving_copy(self.critic, dtype, separate=inflight)
         if cfg.policy.gradient_checkpointing:  # the trained models; recomputation only while training
             for m in (self.policy, self.critic):
                 if m is not None:
@@ -203,6 +210,12 @@ class Trainer:
         self.tracer = Tracer(enabled=cfg.log.trace)
         self.rollouts: dict[int, Rollout] = {}  # admitted, not yet trained
         self.worker: ScorerWorker | None = None
+        # the critic trains on the scorer worker (local placements; not with in-flight updates,
+        # whose learner thread trains both)
+        self.critic_on_worker = (cfg.streams and o.critic_on_worker and self.critic is not None
+                                 and not inflight and cfg.placement.backend != "ray")
+        self._learner_thread = ThreadPoolExecutor(1, thread_name_prefix="oppo-learner") if inflight else None
+        self._next_begun = False  # pipeline: the next step's prompts were admitted while the learner trained
         if cfg.streams:
             scorers = {"reference": StreamingScorer("reference", self.reference, self.pad_id, g.temperature)}
             if self.critic is not None:
@@ -214,7 +227,7 @@ class Trainer:
             # trained critic is the one it scores with (float32); a bf16 run uses the thread worker
             use_process = o.scorer_process and on_cpu and self.scoring_critic is self.critic
             worker_cls = ProcessScorerWorker if use_process else ScorerWorker
-            trainer = (self.learner.critic_opt, cfg.ppo) if o.critic_on_worker and self.critic is not None else None
+            trainer = (self.learner.critic_opt, cfg.ppo) if self.critic_on_worker else None
             self.worker = worker_cls(scorers, o.scorer_threads, self.tracer, critic_trainer=trainer)
             if not use_process:
                 self.worker.critic_master, self.worker.compute_dtype = self.critic, dtype
@@ -250,7 +263,8 @@ class Trainer:
         self.learner = DPLearnerGroup(spec, pl.learner_workers, num_cpus=pl.learner_cpus, num_gpus=pl.learner_gpus,
                                       threads=o.actor_threads, strategy="STRICT_SPREAD" if pl.spread else "PACK",
                                       rollout=self.policy,
-                                      critic_scorer=self.worker if self.critic is not None else None)
+                                      critic_scorer=self.worker if self.critic is not None else None,
+                                      tracer=self.tracer)
         self.learner.sync_actor(self.policy)  # fresh heads/adapters are initialised per process: rank 0's rule
         copy_weights(self.policy, self.rollout_policy)
 
@@ -340,12 +354,18 @@ class Trainer:
         return exp
 
     def _learn(self, exp: Experience, texts: list[str], scores, ref, values, step: int) -> StepResult:
-        """Stages 4-6: KL-shaped rewards, GAE, PPO epochs."""
+        """Stages 4-6 (KL-shaped rewards, GAE, PPO epochs), then the weight sync."""
+        result = self._update(exp, texts, scores, ref, values, step)
+        self._load_weights(result.stats, step)
+        return result
+
+    def _update(self, exp: Experience, texts: list[str], scores, ref, values, step: int) -> StepResult:
+        """Stages 4-6: KL-shaped rewards, GAE, PPO epochs. Changes the trained weights only (the
+        pipeline's learner thread runs it while the engine decodes with the serving copies)."""
         batch = exp.rollouts
         with self.tracer.span("learner", "advantages", step):
             exp = compute_advantages(attach_scores(exp, scores, ref, values), self.cfg.ppo, self.algorithm)
-        if self.worker and self.cfg.overlap.critic_on_worker and self.critic is not None and not self.on_ray:
-            # (on Ray the learner group trains the critic and sends it to the scorer actor)
+        if self.critic_on_worker:
             # the critic trains on the scorer worker (its own core or stream) while the actor trains here
             self.worker.train_critic(CriticBatch.of(exp), self.learner.minibatches(len(batch), step), step)
             torch.set_num_threads(self.cfg.overlap.actor_threads)
@@ -357,12 +377,24 @@ class Trainer:
             stats.update(self.worker.take_train_stats())
         else:
             with self.tracer.span("learner", "train", step):
-                stats = self.learner.update(exp, step)
-                copy_weights(self.critic, self.scoring_critic)
-        with self.tracer.span("learner", "weight_sync", step):
-            copy_weights(self.policy, self.rollout_policy)
+                # on Ray the group pulls rank 0's weights into self.policy and sends its critic to
+                # the scorer actor, here or (in-flight updates) in _load_weights
+                stats = (self.learner.update(exp, step, sync=False) if self.on_ray and self.cfg.in_flight
+                         else self.learner.update(exp, step))
         stats.update(exp.stats or {})
         return StepResult(exp, stats, [(r.prompt, t) for r, t in zip(batch, texts)])
+
+    def _load_weights(self, stats: dict[str, float], step: int) -> None:
+        """The weight sync: the serving copies (engine, critic scorer) := the trained weights; adds
+        the seconds it took to ``time/weight_sync`` (on Ray: with the pull from rank 0)."""
+        t = time.perf_counter()
+        with self.tracer.span("learner", "weight_sync", step):
+            if self.on_ray and self.cfg.in_flight:
+                self.learner.sync(step)  # (timed below, with the local copies)
+            if not self.critic_on_worker:  # (the worker refreshes the copy it scores with)
+                copy_weights(self.critic, self.scoring_critic)
+            copy_weights(self.policy, self.rollout_policy)
+        stats["time/weight_sync"] = stats.get("time/weight_sync", 0.0) + time.perf_counter() - t
 
     def sync_weights(self) -> None:
         """Refresh the serving copies from the trained weights (after a checkpoint load)."""
@@ -402,69 +434,18 @@ class Trainer:
 
     def overlapped_step(self, step: int) -> tuple[StepResult, dict[str, float]]:
         """The same stages with intra-step streaming and/or inter-step carrying."""
-        cfg, eng, sched, worker = self.cfg, self.engine, self.scheduler, self.worker
         times: dict[str, float] = {}
         t_gen = time.perf_counter()
         # The actor decodes on its own core(s); the scorer worker has its own thread count.
-        torch.set_num_threads(cfg.overlap.actor_threads if worker else self.threads)
-        eng.set_version(step)
-        if cfg.carries and cfg.overlap.stale_kv == "recompute" and eng.active:
-            with self.tracer.span("actor", "recompute_kv", step):
-                eng.recompute()
-        chunk = self.tuner.current() if worker else 0
-        self._admit(sched.begin_step().seqs, step)
-        close = None
-        t_span = time.perf_counter()
-        while close is None:
-            if eng.active == 0:
-                raise RuntimeError("internal error: the step cannot close but nothing is decoding")
-            for r in eng.step():
-                refill = sched.on_finished(r.uid)
-                if refill is not None:
-                    self._admit(refill.seqs, step)
-            if worker:
-                chunks = eng.take_chunks(chunk)
-                if chunks:
-                    now = time.perf_counter()
-                    self.tracer.add("actor", "decode", step, t_span, now)
-                    t_span = now
-                    worker.feed(chunks, step)
-            else:
-                eng.finished.clear()  # no scorer to stream final chunks to
-            close = sched.try_close()
-        self.tracer.add("actor", "decode", step, t_span, time.perf_counter())
+        torch.set_num_threads(self.cfg.overlap.actor_threads if self.worker else self.threads)
+        self._new_weights(step)
+        chunk = self.tuner.current() if self.worker else 0
+        self._admit(self.scheduler.begin_step().seqs, step)
+        close = self._decode_until_close(step, chunk)
         times["time/generate"] = time.perf_counter() - t_gen
         torch.set_num_threads(self.threads)
-        uids = sorted(close.uids)  # admission order, as the sequential loop trains them
-        batch = [self.rollouts[u] for u in uids]
         t = time.perf_counter()
-        if worker:
-            worker.feed(eng.take_chunks(chunk), step)  # rows retired since the last boundary
-            # While the scorers finish the last chunks, this process does the batch's own work on its
-            # core: texts, the off-policy correction, and the values of carried prefixes (reading
-            # the critic alongside the scorer is safe: nothing writes it until the update).
-            torch.set_num_threads(cfg.overlap.actor_threads)
-            texts = self._texts(batch)
-            exp = self._experience(batch, step)
-            stale = [i for i, r in enumerate(batch) if r.start_version < step]
-            fresh = []
-            if stale and self.critic is not None and cfg.overlap.stale_values == "recompute":
-                # the critic changed since their prefix was scored
-                with self.tracer.span("learner", "recompute_values", step):
-                    fresh = self._score_full("critic", self.scoring_critic, [batch[i].prompt_ids for i in stale],
-                                             [batch[i].response_ids for i in stale])
-            torch.set_num_threads(self.threads)
-            with self.tracer.span("controller", "wait_scorers", step):  # waiting: not actor work
-                worker.barrier()  # also: no scorer work may touch the critic while it trains
-            out = worker.take(uids)
-            scores = self._reward_scores(batch, texts) if self.reward_fn else [o.score for o in out["reward"]]
-            ref, values = out["reference"], out.get("critic")
-            for i, v in zip(stale, fresh):
-                values[i] = v
-        else:
-            texts = self._texts(batch)
-            exp = self._experience(batch, step)
-            scores, ref, values = self._score(batch, texts, step)
+        exp, texts, scores, ref, values = self._close_batch(close, step, chunk)
         times["time/score"] = time.perf_counter() - t
         t = time.perf_counter()
         result = self._learn(exp, texts, scores, ref, values, step)
@@ -473,10 +454,139 @@ class Trainer:
         self._finish(close.uids)
         return result, times
 
+    def pipeline_step(self, step: int) -> tuple[StepResult, dict[str, float]]:
+        """``overlap.mode=pipeline``: the ``oppo`` step with in-flight weight updates (PipelineRL).
+
+        Once the batch is closed and scored, the update runs in the learner thread (or on the Ray
+        learner group) while this thread admits the next step's prompts and goes on decoding with
+        the weights it has, tagging each token with that version. When the update is done, the new
+        weights load between two decode steps; the sequences in flight keep their KV cache
+        (``stale_kv=keep``, their later tokens count as the older version) or have it recomputed.
+        A token is at most ``max_lag + 1`` versions old when trained. Not bitwise reproducible: how
+        far decoding gets during an update depends on timing. No next step starts before a
+        checkpoint (``run.save_every``) or after the run's last step: a checkpoint would drop it.
+        """
+        cfg, eng, sched = self.cfg, self.engine, self.scheduler
+        times: dict[str, float] = {}
+        t_gen = time.perf_counter()
+        torch.set_num_threads(cfg.overlap.actor_threads)
+        if eng.version != step:  # the first step of a run or of a resume (otherwise loaded at the last one's end)
+            self._new_weights(step)
+        chunk = self.tuner.current()
+        if not self._next_begun:
+            self._admit(sched.begin_step().seqs, step)
+        self._next_begun = False
+        close = self._decode_until_close(step, chunk)
+        times["time/generate"] = time.perf_counter() - t_gen
+        t = time.perf_counter()
+        exp, texts, scores, ref, values = self._close_batch(close, step, chunk)
+        times["time/score"] = time.perf_counter() - t
+        t = time.perf_counter()
+        stats = self._overlap_stats(close, exp, chunk)  # before the next step is admitted
+        update = self._learner_thread.submit(self._update, exp, texts, scores, ref, values, step)
+        sched.end_step(sum(scores) / len(scores))
+        nxt, decoded = step + 1, 0
+        if nxt < cfg.run.steps and not (cfg.run.save_every and nxt % cfg.run.save_every == 0):
+            self._admit(sched.begin_step().seqs, step)  # the next step's sequences, sampled by this step's weights
+            self._next_begun = True
+            t_span = time.perf_counter()
+            while not update.done() and eng.active:
+                decoded += eng.active
+                t_span = self._decode_once(step, chunk, t_span, stage="decode_inflight")
+            self.tracer.add("actor", "decode_inflight", step, t_span, time.perf_counter())
+        times["time/inflight_decode"] = time.perf_counter() - t
+        with self.tracer.span("controller", "wait_learner", step):
+            result = update.result()
+        times["time/train"] = time.perf_counter() - t
+        in_flight = eng.active
+        if self.worker and not self.on_ray:
+            self.worker.barrier()  # no chunk is being scored with the critic copy while it changes
+        self._load_weights(result.stats, step)
+        self._new_weights(nxt)
+        result.stats.update(stats, **{"pipeline/inflight_tokens": decoded, "pipeline/rows_at_load": in_flight})
+        self._finish(close.uids)
+        return result, times
+
+    def _new_weights(self, version: int) -> None:
+        """The engine samples as ``version`` from now on; with ``stale_kv=recompute`` the rows in
+        flight get their KV cache rebuilt by it."""
+        self.engine.set_version(version)
+        if self.cfg.carries and self.cfg.overlap.stale_kv == "recompute" and self.engine.active:
+            with self.tracer.span("actor", "recompute_kv", version):
+                self.engine.recompute()
+
+    def _decode_until_close(self, step: int, chunk: int):
+        """Decode (streaming chunks to the scorers) until the scheduler closes the step."""
+        close, t_span = None, time.perf_counter()
+        while close is None:
+            if self.engine.active == 0:  # (pipeline: the batch may have finished while the learner trained)
+                close = self.scheduler.try_close()
+                if close is None:
+                    raise RuntimeError("internal error: the step cannot close but nothing is decoding")
+                break
+            t_span = self._decode_once(step, chunk, t_span)
+            close = self.scheduler.try_close()
+        self.tracer.add("actor", "decode", step, t_span, time.perf_counter())
+        return close
+
+    def _decode_once(self, step: int, chunk: int, t_span: float, stage: str = "decode") -> float:
+        """One decode step: finished rows go to the scheduler (refills are admitted), chunks of
+        ``chunk`` tokens to the scorer worker. Returns the start of the open trace span."""
+        for r in self.engine.step():
+            refill = self.scheduler.on_finished(r.uid)
+            if refill is not None:
+                self._admit(refill.seqs, step)
+        if self.worker:
+            chunks = self.engine.take_chunks(chunk)
+            if chunks:
+                now = time.perf_counter()
+                self.tracer.add("actor", stage, step, t_span, now)
+                t_span = now
+                self.worker.feed(chunks, step)
+        else:
+            self.engine.finished.clear()  # no scorer to stream final chunks to
+        return t_span
+
+    def _close_batch(self, close, step: int, chunk: int):
+        """The closed step's batch with its scores: (experience, texts, scores, reference
+        log-probs, values)."""
+        cfg, worker = self.cfg, self.worker
+        uids = sorted(close.uids)  # admission order, as the sequential loop trains them
+        batch = [self.rollouts[u] for u in uids]
+        if not worker:
+            texts = self._texts(batch)
+            exp = self._experience(batch, step)
+            return (exp, texts, *self._score(batch, texts, step))
+        worker.feed(self.engine.take_chunks(chunk), step)  # rows retired since the last boundary
+        # While the scorers finish the last chunks, this process does the batch's own work on its
+        # core: texts, the off-policy correction, and the values of carried prefixes (reading
+        # the critic alongside the scorer is safe: nothing writes it until the update).
+        torch.set_num_threads(cfg.overlap.actor_threads)
+        texts = self._texts(batch)
+        exp = self._experience(batch, step)
+        # the critic changed since their prefix was scored
+        stale = [i for i, r in enumerate(batch) if r.scored_version is not None and r.scored_version < step]
+        fresh = []
+        if stale and self.critic is not None and cfg.overlap.stale_values == "recompute":
+            with self.tracer.span("learner", "recompute_values", step):
+                fresh = self._score_full("critic", self.scoring_critic, [batch[i].prompt_ids for i in stale],
+                                         [batch[i].response_ids for i in stale])
+        torch.set_num_threads(self.threads)
+        with self.tracer.span("controller", "wait_scorers", step):  # waiting: not actor work
+            worker.barrier()  # also: no scorer work may touch the critic while it trains
+        out = worker.take(uids)
+        scores = self._reward_scores(batch, texts) if self.reward_fn else [o.score for o in out["reward"]]
+        ref, values = out["reference"], out.get("critic")
+        for i, v in zip(stale, fresh):
+            values[i] = v
+        return exp, texts, scores, ref, values
+
     def _admit(self, tickets, step: int) -> None:
         new = self._start(tickets)
         if not new:
             return
+        for r in new:
+            r.scored_version = self.engine.version
         with self.tracer.span("actor", "prefill_prompt", step):
             self.engine.admit(new)
         if self.worker:
@@ -513,6 +623,8 @@ class Trainer:
                               else self.threads)
         if self.cfg.overlap.mode == "sequential":
             result, times = self.sequential_step(step)
+        elif self.cfg.in_flight:
+            result, times = self.pipeline_step(step)  # (ends the scheduler's step itself)
         else:
             result, times = self.overlapped_step(step)
         t1 = time.perf_counter()
@@ -523,7 +635,8 @@ class Trainer:
         metrics = self._metrics(result, times, dt)
         # share of the machine's CPU capacity this process used during the step
         metrics["perf/cpu_util"] = (time.process_time() - c0) / (dt * (os.cpu_count() or 1))
-        self.scheduler.end_step(metrics["reward/mean"])
+        if not self.cfg.in_flight:
+            self.scheduler.end_step(metrics["reward/mean"])
         self.step += 1
         self.last_result = result
         return metrics
@@ -576,7 +689,16 @@ class Trainer:
         self.close()
         return False
 
+    def between_steps(self) -> None:
+        """Bring the run to a state a checkpoint saves: a pipeline run's next step, begun while
+        the learner trained, is un-begun (its sequences stay admitted, for the checkpoint to drain)."""
+        if self._next_begun:
+            self.scheduler.suspend()
+            self._next_begun = False
+
     def close(self) -> None:
+        if self._learner_thread is not None:
+            self._learner_thread.shutdown(wait=True)
         if self.on_ray:
             self.learner.close()
         if self.worker:

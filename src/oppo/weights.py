@@ -8,7 +8,9 @@ fp32 master weights and fp32 optimizer state, their training forward runs under 
 and the rollout engine and the critic's scorer read bf16 copies that :func:`copy_weights`
 refreshes after every update (the weight sync a distributed runtime does by broadcast).
 
-In float32 there is one model per role and no copy: :func:`serving_copy` returns the master.
+In float32 there is one model per role and no copy: :func:`serving_copy` returns the master,
+except with in-flight updates (``overlap.mode=pipeline``), where the learner trains the master
+while the engine and the scorers go on with the copies.
 """
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ def master_dtype(compute: torch.dtype) -> torch.dtype:
     return torch.float32 if compute in LOW_PRECISION else compute
 
 
-def serving_copy(master: torch.nn.Module, compute: torch.dtype) -> torch.nn.Module:
-    """The model the engine/scorer runs: ``master`` itself when it already computes in ``compute``,
-    else a frozen copy cast to ``compute``."""
-    if next(master.parameters()).dtype == compute:
+def serving_copy(master: torch.nn.Module, compute: torch.dtype, separate: bool = False) -> torch.nn.Module:
+    """The model the engine/scorer runs: ``master`` itself when it already computes in ``compute``
+    (unless ``separate``: in-flight updates train the master while the copy serves), else a
+    frozen copy cast to ``compute``."""
+    if next(master.parameters()).dtype == compute and not separate:
         return master
     return copy.deepcopy(master).to(compute).eval().requires_grad_(False)
 

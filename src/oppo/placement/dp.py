@@ -289,7 +289,11 @@ class LearnerRank:
                     dist.broadcast(t.data, src=0)
 
     def update(self, exp: Experience, step: int, critic: bool) -> dict[str, float]:
-        return dp_update(self.learner, _to(exp, self.learner.device), step, self.rank, self.world, critic)
+        """``dp_update``'s stats, with ``_t0`` / ``_t1``: when this rank trained (``time.perf_counter``,
+        CLOCK_MONOTONIC: the controller's clock on the same node) for the merged trace."""
+        t0 = time.perf_counter()
+        stats = dp_update(self.learner, _to(exp, self.learner.device), step, self.rank, self.world, critic)
+        return {**stats, "_t0": t0, "_t1": time.perf_counter()}
 
     def old_logprobs(self, exp: Experience, version: int):
         exp = _to(exp, self.learner.device)
@@ -328,7 +332,8 @@ class LearnerRank:
 class DPLearnerGroup:
     """M learner ranks on Ray; ``update`` = ``Learner.update`` on the same batch (module docstring).
 
-    ``rollout``: the model the rollout engine samples with (a local module): rank 0's actor
+    ``tracer``: where each rank's training span goes (worker ``learner<rank>``; on another node
+    its clock differs). ``rollout``: the model the rollout engine samples with (a local module): rank 0's actor
     weights are copied into it after each update (``time/weight_sync``). ``critic_scorer``: a
     :class:`~.ray_scorer.RayScorerWorker` scoring with the critic trained here: rank 0's critic
     weights are sent to it after each update (and once at start). Each rank gets ``num_cpus``
@@ -338,7 +343,8 @@ class DPLearnerGroup:
 
     def __init__(self, spec: LearnerSpec, world_size: int, *, num_cpus: float = 1, num_gpus: float = 0,
                  threads: int = 1, backend: str | None = None, strategy: str = "PACK",
-                 rollout: torch.nn.Module | None = None, critic_scorer=None, timeout_s: float = 600.0):
+                 rollout: torch.nn.Module | None = None, critic_scorer=None, timeout_s: float = 600.0,
+                 tracer=None):
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -347,7 +353,7 @@ class DPLearnerGroup:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         if critic_scorer is not None and spec.critic is None:
             raise ValueError("critic_scorer given but the learner has no critic (a critic-free algorithm)")
-        self.world, self.rollout, self.critic_scorer = world_size, rollout, critic_scorer
+        self.world, self.rollout, self.critic_scorer, self.tracer = world_size, rollout, critic_scorer, tracer
         self._draw = _Draw(spec.ppo, spec.seed)
         bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})}
         self.pg = placement_group([bundle] * world_size, strategy=strategy)
@@ -366,18 +372,32 @@ class DPLearnerGroup:
         if critic_scorer is not None:
             critic_scorer.set_critic_weights(self.ranks[0].critic_weights.remote())
 
-    def update(self, exp: Experience, step: int, critic: bool = True) -> dict[str, float]:
-        """Stage 6 on the group, then the weight sync; returns the learner's stats plus
-        ``time/weight_sync`` (seconds: rank 0's actor weights into ``rollout``)."""
+    def update(self, exp: Experience, step: int, critic: bool = True, sync: bool = True) -> dict[str, float]:
+        """Stage 6 on the group, then (``sync``) the weight sync; returns the learner's stats plus
+        ``time/weight_sync`` (seconds: rank 0's actor weights into ``rollout``). With in-flight
+        updates the update runs in a thread of its own and the caller syncs (:meth:`sync`) between
+        two decode steps."""
         import ray
 
         ref = ray.put(portable(exp))  # once, read by every rank
-        stats = self._gather([r.update.remote(ref, step, critic) for r in self.ranks])[0]
+        per_rank = self._gather([r.update.remote(ref, step, critic) for r in self.ranks])
+        for r, st in enumerate(per_rank):  # each rank's busy span joins the trace as worker learner<r>
+            t0, t1 = st.pop("_t0"), st.pop("_t1")
+            if self.tracer is not None:
+                self.tracer.add(f"learner{r}", "train", step, t0, t1)
+        stats = per_rank[0]
+        if sync:
+            stats.update(self.sync(step, critic))
+        return stats
+
+    def sync(self, step: int, critic: bool = True) -> dict[str, float]:
+        """The weight sync after an update: rank 0's critic to the scorer actor (applied before any
+        later call to it), its actor into ``rollout``; returns ``time/weight_sync``."""
         if self.critic_scorer is not None and critic:
             self.critic_scorer.set_critic_weights(self.ranks[0].critic_weights.remote(), step)  # rank 0 -> scorer
-        if self.rollout is not None:
-            stats["time/weight_sync"] = self.sync_actor(self.rollout)
-        return stats
+        if self.rollout is None:
+            return {}
+        return {"time/weight_sync": self.sync_actor(self.rollout)}
 
     def minibatches(self, B: int, step: int) -> list[torch.Tensor]:
         """The rows of each minibatch, as every rank draws them (``Learner.minibatches``: seeded by
