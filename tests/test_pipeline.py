@@ -35,13 +35,17 @@ def _teacher_forced(model, rollout, temperature: float) -> torch.Tensor:
     return torch.log_softmax(logits, -1)[P - 1:-1].gather(-1, torch.tensor(rollout.response_ids)[:, None])[:, 0]
 
 
-def test_pipeline_tokens_carry_the_version_that_sampled_them(tiny_models, tiny_prompts, tmp_path):
+@pytest.mark.parametrize("critic_on_worker", [True, False])
+def test_pipeline_tokens_carry_the_version_that_sampled_them(tiny_models, tiny_prompts, tmp_path, critic_on_worker):
+    """critic_on_worker: the scorer worker trains the critic it scores with (in message order), as
+    in oppo mode; else the learner thread trains it and the scorers get a copy at each load."""
     steps, max_lag = 4, 1
-    t = Trainer(_cfg(tiny_models, tiny_prompts, tmp_path, "overlap.stale_kv=recompute", f"overlap.max_lag={max_lag}"),
-                progress=False)
+    t = Trainer(_cfg(tiny_models, tiny_prompts, tmp_path, "overlap.stale_kv=recompute", f"overlap.max_lag={max_lag}",
+                     f"overlap.critic_on_worker={critic_on_worker}"), progress=False)
     try:
-        assert t.rollout_policy is not t.policy and t.scoring_critic is not t.critic, \
-            "the learner trains the masters while the engine and the scorers use their own copies"
+        assert t.rollout_policy is not t.policy, "the learner trains the master while the engine samples a copy"
+        assert (t.scoring_critic is t.critic) == critic_on_worker
+        critic0 = copy.deepcopy(t.critic.state_dict())
         snapshots = {0: copy.deepcopy(t.policy.state_dict())}
         trained, metrics = [], []
         for _ in range(steps):
@@ -51,6 +55,9 @@ def test_pipeline_tokens_carry_the_version_that_sampled_them(tiny_models, tiny_p
             # the weights are loaded at the end of every step: the serving copy equals the master
             for a, b in zip(t.policy.parameters(), t.rollout_policy.parameters()):
                 assert torch.equal(a, b)
+            for a, b in zip(t.critic.parameters(), t.scoring_critic.parameters()):
+                assert torch.equal(a, b)
+        assert any(not torch.equal(v, t.critic.state_dict()[k]) for k, v in critic0.items()), "the critic trained"
     finally:
         t.close()
     model = copy.deepcopy(t.policy)

@@ -180,9 +180,8 @@ class OverlapConfig:
                               "only at step start.")
     scorer_process: bool = opt(True, "CPU: run the scorer worker in its own process (no GIL shared with the "
                                       "actor) instead of a thread. Ignored on GPU.")
-    critic_on_worker: bool = opt(True, "intra, inter and oppo modes: the scorer worker, which holds the critic, runs "
-                                       "the critic's PPO update while the actor trains (same weights as one after the "
-                                       "other). pipeline trains both in its learner thread.")
+    critic_on_worker: bool = opt(True, "Overlapped modes: the scorer worker, which holds the critic, runs the critic's "
+                                       "PPO update while the actor trains (same weights as one after the other).")
     actor_threads: int = opt(1, "CPU: torch threads of the actor (decoding and, with critic_on_worker, training) "
                                 "in overlapped modes.")
     scorer_threads: int = opt(1, "CPU: torch threads of the scorer worker in overlapped modes.")

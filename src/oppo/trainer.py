@@ -164,10 +164,14 @@ class Trainer:
             self.reference = copy.deepcopy(self.rollout_policy).to(ref_dev)
         self.reference.eval().requires_grad_(False)
         self.critic = self.scoring_critic = None
+        # the critic trains on the scorer worker (local placements), which scores with it in the
+        # same message order; otherwise the learner (in-flight: its thread) trains it
+        self.critic_on_worker = bool(cfg.streams and cfg.overlap.critic_on_worker and paths.critic
+                                     and cfg.placement.backend != "ray")
         if paths.critic:
             self.critic = load_critic(paths.critic, resolve_device(cfg.critic.device, str(dev)), master,
                                       self.pad_id).eval()
-            self.scoring_critic = serving_copy(self.critic, dtype, separate=inflight)
+            self.scoring_critic = serving_copy(self.critic, dtype, separate=inflight and not self.critic_on_worker)
         if cfg.policy.gradient_checkpointing:  # the trained models; recomputation only while training
             for m in (self.policy, self.critic):
                 if m is not None:
@@ -210,10 +214,6 @@ class Trainer:
         self.tracer = Tracer(enabled=cfg.log.trace)
         self.rollouts: dict[int, Rollout] = {}  # admitted, not yet trained
         self.worker: ScorerWorker | None = None
-        # the critic trains on the scorer worker (local placements; not with in-flight updates,
-        # whose learner thread trains both)
-        self.critic_on_worker = (cfg.streams and o.critic_on_worker and self.critic is not None
-                                 and not inflight and cfg.placement.backend != "ray")
         self._learner_thread = ThreadPoolExecutor(1, thread_name_prefix="oppo-learner") if inflight else None
         self._next_begun = False  # pipeline: the next step's prompts were admitted while the learner trained
         if cfg.streams:
@@ -223,9 +223,11 @@ class Trainer:
             if self.reward_model is not None:
                 scorers = {"reward": StreamingScorer("reward", self.reward_model, self.pad_id), **scorers}
             on_cpu = all(s.device.type == "cpu" for s in scorers.values())
-            # the child process shares the critic's weights in place, so it serves only when the
-            # trained critic is the one it scores with (float32); a bf16 run uses the thread worker
-            use_process = o.scorer_process and on_cpu and self.scoring_critic is self.critic
+            # the child process shares the scorers' weights in place (the controller refreshes the
+            # critic's copy only after a barrier); when the critic trains in the child, it trains the
+            # copy it scores with, so that must be the fp32 master: a bf16 run then uses the thread worker
+            use_process = o.scorer_process and on_cpu and (self.scoring_critic is self.critic
+                                                           or not self.critic_on_worker)
             worker_cls = ProcessScorerWorker if use_process else ScorerWorker
             trainer = (self.learner.critic_opt, cfg.ppo) if self.critic_on_worker else None
             self.worker = worker_cls(scorers, o.scorer_threads, self.tracer, critic_trainer=trainer)
@@ -367,11 +369,15 @@ class Trainer:
             exp = compute_advantages(attach_scores(exp, scores, ref, values), self.cfg.ppo, self.algorithm)
         if self.critic_on_worker:
             # the critic trains on the scorer worker (its own core or stream) while the actor trains here
+            # (in-flight: from the learner thread, while the controller goes on feeding it chunks)
             self.worker.train_critic(CriticBatch.of(exp), self.learner.minibatches(len(batch), step), step)
-            torch.set_num_threads(self.cfg.overlap.actor_threads)
+            threads = not self.cfg.in_flight  # (torch's thread count is per process: the decoding's too)
+            if threads:
+                torch.set_num_threads(self.cfg.overlap.actor_threads)
             with self.tracer.span("learner", "train", step):
                 stats = self.learner.update(exp, step, critic=False)
-            torch.set_num_threads(self.threads)
+            if threads:
+                torch.set_num_threads(self.threads)
             with self.tracer.span("controller", "wait_critic", step):
                 self.worker.barrier()
             stats.update(self.worker.take_train_stats())
