@@ -505,7 +505,7 @@ class Trainer:
             result = update.result()
         times["time/train"] = time.perf_counter() - t
         in_flight = eng.active
-        if self.worker and not self.on_ray:
+        if self.critic is not None and not self.critic_on_worker and not self.on_ray:
             self.worker.barrier()  # no chunk is being scored with the critic copy while it changes
         self._load_weights(result.stats, step)
         self._new_weights(nxt)
