@@ -232,6 +232,11 @@ class PlacementConfig:
     scorer_gpus: float = opt(0.0, "Ray: GPUs of the scorer actor.")
     spread: bool = opt(False, "Ray: place the learner ranks on different nodes (STRICT_SPREAD) instead of as few "
                               "as possible (PACK).")
+    rollout_workers: int = opt(0, "Ray: rollout workers, each a copy of the policy with its own engine, sharing the "
+                                  "B + Delta sequences and streaming their chunks straight to the scorer actors. "
+                                  "0: the engine runs in the controller process.")
+    rollout_cpus: float = opt(1.0, "Ray: CPUs per rollout worker.")
+    rollout_gpus: float = opt(0.0, "Ray: GPUs per rollout worker.")
 
 
 @dataclass
@@ -561,8 +566,15 @@ def validate(cfg: Config) -> None:
     _check(cfg.run.steps >= 0, "run.steps must be >= 0.")
     pl = cfg.placement
     _check(pl.learner_workers >= 1, f"placement.learner_workers must be >= 1, got {pl.learner_workers}.")
-    _check(min(pl.learner_cpus, pl.learner_gpus, pl.scorer_cpus, pl.scorer_gpus) >= 0,
-           "placement.*_cpus and *_gpus must be >= 0.")
+    _check(min(pl.learner_cpus, pl.learner_gpus, pl.scorer_cpus, pl.scorer_gpus, pl.rollout_cpus,
+               pl.rollout_gpus) >= 0, "placement.*_cpus and *_gpus must be >= 0.")
+    _check(pl.rollout_workers >= 0, f"placement.rollout_workers must be >= 0, got {pl.rollout_workers}.")
+    if pl.rollout_workers:
+        _check(pl.backend == "ray", "placement.rollout_workers needs placement.backend=ray (or set it to 0).")
+        _check(g.engine == "eager", "placement.rollout_workers runs the eager engine in each worker; "
+                                    "set generation.engine=eager (the static engine is not built for workers yet).")
+        _check(cfg.lora.r == 0, "placement.rollout_workers does not carry LoRA adapters yet; set lora.r=0 or "
+                                "placement.rollout_workers=0.")
     _check(cfg.run.save_every >= 0, "run.save_every must be >= 0.")
     _check(cfg.run.keep_checkpoints >= 1, "run.keep_checkpoints must be >= 1.")
     _check(not (cfg.reward.path and cfg.reward.function),

@@ -216,6 +216,8 @@ class Trainer:
         self.worker: ScorerWorker | None = None
         self._learner_thread = ThreadPoolExecutor(1, thread_name_prefix="oppo-learner") if inflight else None
         self._next_begun = False  # pipeline: the next step's prompts were admitted while the learner trained
+        self.rollout_group = None  # placement.rollout_workers: the engine is a group of Ray rollout workers
+        self.streams_direct = False  # ...which admit and feed the scorer actors themselves
         if cfg.streams:
             scorers = {"reference": StreamingScorer("reference", self.reference, self.pad_id, g.temperature)}
             if self.critic is not None:
@@ -269,6 +271,22 @@ class Trainer:
                                       tracer=self.tracer)
         self.learner.sync_actor(self.policy)  # fresh heads/adapters are initialised per process: rank 0's rule
         copy_weights(self.policy, self.rollout_policy)
+        if pl.rollout_workers:
+            from .placement.ray_rollout import EngineSettings, RayRolloutGroup
+            from .placement.specs import ModelSpec
+
+            g = self.cfg.generation
+            settings = EngineSettings(tuple(self.stop_ids), self.pad_id, self.max_new_tokens, g.temperature, g.top_k,
+                                      g.top_p, g.kv_budget_mb or None)
+            spec = ModelSpec("policy", self.paths.policy, dtype, pad_id=self.pad_id,
+                             trust_remote_code=self.cfg.policy.trust_remote_code)
+            stream = self.cfg.overlap.mode != "sequential"  # (the scorer actors serve every other mode)
+            self.engine = self.rollout_group = RayRolloutGroup(
+                spec, settings, pl.rollout_workers, seed=self.cfg.run.seed, tracer=self.tracer,
+                scorer=self.worker if stream else None, num_cpus=pl.rollout_cpus, num_gpus=pl.rollout_gpus,
+                threads=o.actor_threads)
+            self.streams_direct = stream
+            self.rollout_group.load_weights(self.policy)
 
     @property
     def on_ray(self) -> bool:
@@ -400,12 +418,16 @@ class Trainer:
             if not self.critic_on_worker:  # (the worker refreshes the copy it scores with)
                 copy_weights(self.critic, self.scoring_critic)
             copy_weights(self.policy, self.rollout_policy)
+            if self.rollout_group is not None:
+                self.rollout_group.load_weights(self.policy)
         stats["time/weight_sync"] = stats.get("time/weight_sync", 0.0) + time.perf_counter() - t
 
     def sync_weights(self) -> None:
         """Refresh the serving copies from the trained weights (after a checkpoint load)."""
         copy_weights(self.policy, self.rollout_policy)
         copy_weights(self.critic, self.scoring_critic)
+        if self.rollout_group is not None:
+            self.rollout_group.load_weights(self.policy)
 
     # ================================================================== the reference loop
 
@@ -595,7 +617,7 @@ class Trainer:
             r.scored_version = self.engine.version
         with self.tracer.span("actor", "prefill_prompt", step):
             self.engine.admit(new)
-        if self.worker:
+        if self.worker and not self.streams_direct:
             self.worker.admit([r.uid for r in new], [r.prompt_ids for r in new], step)
 
     def _finish(self, uids) -> None:
@@ -705,6 +727,8 @@ class Trainer:
     def close(self) -> None:
         if self._learner_thread is not None:
             self._learner_thread.shutdown(wait=True)
+        if self.rollout_group is not None:
+            self.rollout_group.close()
         if self.on_ray:
             self.learner.close()
         if self.worker:

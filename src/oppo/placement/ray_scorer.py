@@ -196,6 +196,7 @@ class RayScorerWorker:
         self.train_stats: dict[str, float] = {}
         self.critic_trains_here = critic_trainer is not None
         self.actors, self.labels, self._pending = [], [], []
+        self.feeders: list = []  # others that feed the actors (rollout workers): flushed before a barrier
         host = ray.remote(ScorerHost)
         for g in groups:
             label = "+".join(g)
@@ -234,6 +235,8 @@ class RayScorerWorker:
     def barrier(self) -> None:
         """Wait until every call sent so far has run; collect results, spans and peaks. Raise if an
         actor failed or died, naming each one that did by role and rank."""
+        for f in self.feeders:  # their chunks first: Ray orders one caller's calls, not two callers'
+            f.flush()
         for i, actor in enumerate(self.actors):
             self._pending[i].append(actor.barrier.remote())
         replies, errors = [], []

@@ -1,0 +1,282 @@
+"""Rollout workers on Ray: N replicas of the policy, each with its own engine, that stream their
+chunks straight to the scorer actors (``placement.rollout_workers``).
+
+:class:`RayRolloutGroup` is a drop-in for :class:`oppo.rollout.RolloutEngine` in the trainer's
+loops: ``admit`` spreads new sequences over the workers (the least loaded first, so B + Delta
+is shared), ``step`` runs one decode step on every worker at once and returns the rows that
+ended anywhere (the scheduler closes the step on the first B finished across all workers),
+``set_version`` / ``recompute`` / ``abort`` go to every worker. The controller never relays a
+token: each :class:`RolloutHost` admits its sequences to the scorer actors and feeds them its
+chunks itself (``take_chunks`` returns nothing here), and before the controller's barrier on the
+scorers the group's ``flush`` waits until every chunk sent has reached them (Ray orders the
+calls of one caller to one actor, not those of two callers: this is what makes the barrier
+cover the workers' chunks).
+
+Weights: after an update the trainer calls ``load_weights`` with the trained policy; its
+arrays go into Ray's object store once (``weight_sync.pack``) and every worker loads them
+(``time/weight_sync`` includes it). Each worker samples with its own generator, seeded
+``run.seed + rank``: with one worker the samples are those of the local engine (tested); a
+checkpoint saves every worker's generator state.
+
+A worker that dies is named by role and rank (``rollout worker (role=rollout, rank=1) died:
+...``), like the scorer and learner actors.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..rollout import Rollout, RolloutEngine
+from ..trace import Tracer
+from .specs import ModelSpec
+from .weight_sync import Packed, pack, unpack_into
+
+
+@dataclass
+class EngineSettings:
+    """What each worker's :class:`RolloutEngine` is built with (the trainer's own)."""
+
+    stop_ids: tuple[int, ...]
+    pad_id: int
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    kv_budget_mb: float | None = None
+
+
+@dataclass
+class StepReply:
+    """One decode step of one worker: the rows that ended (whole, with their tokens,
+    log-probs and versions) and how many are still decoding."""
+
+    done: list[Rollout]
+    active: int
+
+
+class RolloutHost:
+    """The actor: a policy loaded from ``spec`` and its engine. ``scorers``: the scorer actors'
+    handles (None: no streaming; the sequential loop scores one-shot). Plain class;
+    :class:`RayRolloutGroup` wraps it with ``ray.remote``."""
+
+    def __init__(self, spec: ModelSpec, settings: EngineSettings, seed: int, threads: int, name: str,
+                 scorers: list | None = None):
+        torch.set_num_threads(threads)
+        self.name = name
+        self.model = spec.load().requires_grad_(False)
+        s = settings
+        self.engine = RolloutEngine(self.model, s.stop_ids, s.pad_id, s.max_new_tokens, s.temperature, s.top_k,
+                                    s.top_p, seed=seed)
+        self.engine.kv_budget_mb = s.kv_budget_mb
+        self.scorers = scorers or []
+        self.sent: list = []  # refs of the calls made to the scorers since the last flush
+        self.tracer = Tracer(enabled=True)
+
+    def admit(self, rollouts: list[Rollout], step: int) -> None:
+        if self.scorers:  # first to the scorers, so that they hold the prompt before any chunk
+            uids, prompts = [r.uid for r in rollouts], [list(r.prompt_ids) for r in rollouts]
+            self.sent += [a.admit.remote(uids, prompts, step) for a in self.scorers]
+        with self.tracer.span(self.name, "prefill_prompt", step):
+            self.engine.admit(rollouts)
+
+    def step(self, chunk: int, step: int) -> StepReply:
+        """One decode step; the chunks it completes (``chunk`` tokens, or a row's end) go to the
+        scorers."""
+        t = time.perf_counter()
+        done = self.engine.step()
+        if self.scorers:
+            chunks = self.engine.take_chunks(chunk)
+            if chunks:
+                self.sent += [a.feed.remote(chunks, step) for a in self.scorers]
+        else:
+            self.engine.finished.clear()
+        self.tracer.add(self.name, "decode", step, t, time.perf_counter())
+        return StepReply(done, self.engine.active)
+
+    def generate_all(self, step: int) -> list[Rollout]:
+        with self.tracer.span(self.name, "generate", step):
+            return self.engine.generate_all()
+
+    def flush(self) -> tuple[list, int]:
+        """Wait until every call sent to the scorers has run; return (this worker's spans since
+        the last flush, its KV-cache peak in bytes)."""
+        import ray
+
+        sent, self.sent = self.sent, []
+        try:
+            ray.get(sent)
+        except ray.exceptions.RayActorError as e:
+            from .ray_scorer import _short
+
+            raise RuntimeError(f"a scorer actor that {self.name} streams to died: {_short(e)}") from None
+        spans, peak = self.tracer.spans, self.engine.peak_cache_bytes
+        self.tracer.clear()
+        self.engine.peak_cache_bytes = 0
+        return spans, peak
+
+    def set_version(self, version: int) -> None:
+        self.engine.set_version(version)
+
+    def recompute(self) -> None:
+        self.engine.recompute()
+
+    def abort(self, uids: set[int]) -> None:
+        self.engine.abort(set(uids) & set(self.engine.uids()))
+
+    def load_weights(self, weights: Packed) -> None:
+        unpack_into(self.model, weights, partial=True)
+
+    def rng_state(self) -> torch.Tensor:
+        return self.engine.generator.get_state()
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        self.engine.generator.set_state(state)
+
+
+class _Generators:
+    """``engine.generator`` for a checkpoint: the state of every worker's generator."""
+
+    def __init__(self, group: "RayRolloutGroup"):
+        self.group = group
+
+    def get_state(self) -> list[torch.Tensor]:
+        return self.group._gather([w.rng_state.remote() for w in self.group.workers])
+
+    def set_state(self, state) -> None:
+        """A list from a group of the same size restores each worker's; anything else (another
+        count, a local engine's single state) restores worker 0's where it can and leaves the
+        others at their seeds: the resume is then not bitwise the uninterrupted run."""
+        states = state if isinstance(state, list) else [state]
+        if len(states) != len(self.group.workers):
+            states = states[:1]
+        self.group._gather([w.set_rng_state.remote(s) for w, s in zip(self.group.workers, states)])
+
+
+class RayRolloutGroup:
+    """N rollout workers behind the engine interface the trainer uses (module docstring).
+    ``scorer``: the :class:`~.ray_scorer.RayScorerWorker` to stream to (None: no streaming). Call
+    :func:`.cluster.init_ray` first."""
+
+    def __init__(self, spec: ModelSpec, settings: EngineSettings, n: int, *, seed: int, tracer: Tracer,
+                 scorer=None, num_cpus: float = 1, num_gpus: float = 0, threads: int = 1):
+        import ray
+
+        if n < 1:
+            raise ValueError(f"a rollout group needs at least one worker, got {n}")
+        host = ray.remote(RolloutHost)
+        handles = list(scorer.actors) if scorer is not None else None
+        self.workers = [host.options(num_cpus=num_cpus, num_gpus=num_gpus).remote(
+            spec, settings, seed + i, threads, f"rollout{i}", handles) for i in range(n)]
+        self.tracer, self.scorer = tracer, scorer
+        if scorer is not None:
+            scorer.feeders.append(self)  # its barrier flushes the workers' chunks first
+        self.version = 0
+        self.rows: dict[int, int] = {}  # uid -> worker of every row decoding
+        self.owned: dict[int, Rollout] = {}  # uid -> the controller's Rollout
+        self.admitted = [0] * n  # sequences admitted to each worker so far
+        self.finished: list[Rollout] = []  # (the engine interface; chunks never pass here)
+        self.peak_cache_bytes = 0
+        self.kv_budget_mb = settings.kv_budget_mb
+        self.generator = _Generators(self)
+        self._gather([w.set_version.remote(0) for w in self.workers])  # up, and named if it failed to load
+
+    @property
+    def active(self) -> int:
+        return len(self.rows)
+
+    def uids(self) -> list[int]:
+        return list(self.rows)
+
+    def admit(self, rollouts: list[Rollout]) -> None:
+        """Each new row to the worker with the fewest rows (the lowest rank on a tie)."""
+        if not rollouts:
+            return
+        load = [0] * len(self.workers)
+        for w in self.rows.values():
+            load[w] += 1
+        share: list[list[Rollout]] = [[] for _ in self.workers]
+        for r in rollouts:
+            w = min(range(len(load)), key=lambda i: (load[i], i))
+            load[w] += 1
+            self.admitted[w] += 1
+            share[w].append(r)
+            self.rows[r.uid], self.owned[r.uid] = w, r
+        self._gather([self.workers[i].admit.remote(rs, self.version) for i, rs in enumerate(share) if rs])
+
+    def step(self, chunk: int = 1 << 30) -> list[Rollout]:
+        """One decode step on every worker with rows; the rows that ended, in worker order."""
+        busy = sorted(set(self.rows.values()))
+        replies = self._gather([self.workers[i].step.remote(chunk, self.version) for i in busy], ranks=busy)
+        return [self._take(r) for reply in replies for r in reply.done]
+
+    def take_chunks(self, chunk_size: int) -> list:
+        """Nothing: the workers send their chunks to the scorers themselves (``step``)."""
+        return []
+
+    def generate_all(self) -> list[Rollout]:
+        busy = sorted(set(self.rows.values()))
+        done = self._gather([self.workers[i].generate_all.remote(self.version) for i in busy], ranks=busy)
+        return [self._take(r) for rows in done for r in rows]
+
+    def flush(self) -> None:
+        """Every chunk the workers sent has reached the scorers; their spans join the trace."""
+        for spans, peak in self._gather([w.flush.remote() for w in self.workers]):
+            for sp in spans:
+                self.tracer.add(sp.worker, sp.stage, sp.step, sp.start, sp.end, **sp.args)
+            self.peak_cache_bytes = max(self.peak_cache_bytes, peak)
+
+    def set_version(self, version: int) -> None:
+        self.version = version
+        self._gather([w.set_version.remote(version) for w in self.workers])
+
+    def recompute(self) -> None:
+        self._gather([w.recompute.remote() for w in self.workers])
+
+    def abort(self, uids: set[int]) -> None:
+        self._gather([w.abort.remote(set(uids)) for w in self.workers])
+        for u in uids:
+            self.rows.pop(u, None)
+            self.owned.pop(u, None)
+
+    def load_weights(self, policy: torch.nn.Module) -> None:
+        """The trained policy's weights into every worker (one copy in the object store)."""
+        import ray
+
+        ref = ray.put(pack(policy, trainable_only=True))
+        self._gather([w.load_weights.remote(ref) for w in self.workers])
+
+    def close(self) -> None:
+        import ray
+
+        for w in self.workers:
+            ray.kill(w)
+        self.workers = []
+
+    def _take(self, remote: Rollout) -> Rollout:
+        """The controller's Rollout, given the worker's finished copy of it."""
+        mine = self.owned.pop(remote.uid)
+        del self.rows[remote.uid]
+        for f in ("response_ids", "logprobs", "versions", "finished", "ended_with_eos", "emitted"):
+            setattr(mine, f, getattr(remote, f))
+        return mine
+
+    def _gather(self, refs: list, ranks: list[int] | None = None) -> list:
+        """``ray.get`` of one call per worker; a failure named by role and rank."""
+        import ray
+
+        ranks = list(range(len(refs))) if ranks is None else ranks
+        out = []
+        for rank, ref in zip(ranks, refs):
+            try:
+                out.append(ray.get(ref))
+            except ray.exceptions.RayActorError as e:
+                from .ray_scorer import _short
+
+                raise RuntimeError(f"rollout worker (role=rollout, rank={rank}) died: {_short(e)}") from e
+            except ray.exceptions.RayTaskError as e:
+                cause = getattr(e, "cause", None) or e
+                raise RuntimeError(f"rollout worker (role=rollout, rank={rank}) failed: {cause!r}") from cause
+        return out

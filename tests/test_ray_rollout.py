@@ -1,0 +1,94 @@
+"""Rollout workers on Ray (placement.rollout_workers): the policy's engines in Ray actors that
+stream their chunks straight to the scorer actor.
+
+One worker samples what the local engine samples, so a run with one rollout worker trains the
+local run's batches step for step; with two workers the B + Delta sequences are shared, the
+streamed scores equal one-shot scoring of the same sequences, and a dead worker is named."""
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from oppo.config import load_config  # noqa: E402
+from oppo.placement.cluster import start_local_cluster  # noqa: E402
+from oppo.scoring import score_full  # noqa: E402
+from oppo.trainer import Trainer  # noqa: E402
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture(scope="module")
+def ray_local(request):
+    """The session's local Ray cluster (two nodes of 1 CPU; started by the first Ray module)."""
+    if not ray.is_initialized():
+        request.config.add_cleanup(start_local_cluster(nodes=2, cpus_per_node=1))
+
+
+def _cfg(tiny_models, tiny_prompts, out, *extra):
+    return load_config(None, [
+        f"policy.path={tiny_models['policy']}", f"reward.path={tiny_models['reward']}",
+        f"data.prompts={tiny_prompts}", "run.threads=1", "ppo.batch_size=4", "ppo.minibatch_size=2",
+        "ppo.micro_batch_size=1", "generation.max_new_tokens=12", "overlap.chunk_size=4",
+        f"run.out_dir={out}", "log.progress=false", *extra])
+
+
+RAY = ("placement.backend=ray", "placement.learner_cpus=0.25", "placement.scorer_cpus=0.25",
+       "placement.rollout_cpus=0.25")
+
+
+@pytest.mark.slow
+def test_one_rollout_worker_trains_the_local_run(ray_local, tiny_models, tiny_prompts, tmp_path):
+    steps = 3
+    want = []
+    with Trainer(_cfg(tiny_models, tiny_prompts, tmp_path / "l", "overlap.mode=oppo", "overlap.delta=2"),
+                 progress=False) as t:
+        for _ in range(steps):
+            m = t.run_step()
+            want.append((t.last_result.exp.ids.clone(), m))
+    with Trainer(_cfg(tiny_models, tiny_prompts, tmp_path / "r", "overlap.mode=oppo", "overlap.delta=2",
+                      "placement.rollout_workers=1", *RAY), progress=False) as t:
+        assert type(t.engine).__name__ == "RayRolloutGroup" and t.streams_direct
+        for ids, m_local in want:
+            m = t.run_step()
+            assert torch.equal(t.last_result.exp.ids, ids), "the same responses"
+            for k in ("reward/mean", "kl/mean", "loss/policy", "loss/value"):
+                assert m[k] == pytest.approx(m_local[k], abs=1e-4, rel=1e-3), k
+        assert "rollout0" in {s.worker for s in t.tracer.spans}, "the worker's spans join the trace"
+
+
+@pytest.mark.slow
+def test_two_rollout_workers_share_the_batch_and_stream_to_the_scorers(ray_local, tiny_models, tiny_prompts, tmp_path):
+    cfg = _cfg(tiny_models, tiny_prompts, tmp_path / "r2", "overlap.mode=oppo", "overlap.delta=2",
+               "placement.rollout_workers=2", *RAY)
+    t = Trainer(cfg, progress=False)
+    try:
+        for step in range(3):
+            m = t.run_step()
+            exp = t.last_result.exp
+            assert len(exp.rollouts) == 4 and m["reward/mean"] == m["reward/mean"]
+            prompts = [r.prompt_ids for r in exp.rollouts]
+            responses = [r.response_ids for r in exp.rollouts]
+            # streamed from two rollout actors through the scorer actor = one-shot scoring here
+            # (the frozen models; the critic trains on the learner rank, so only at step 0)
+            one_shot = score_full("reward", t.reward_model, prompts, responses, t.pad_id)
+            torch.testing.assert_close(exp.scores, torch.tensor([o.score for o in one_shot]), atol=1e-4, rtol=1e-4)
+            ref = score_full("reference", t.reference, prompts, responses, t.pad_id, t.cfg.generation.temperature)
+            for i, o in enumerate(ref):
+                n = len(responses[i])
+                torch.testing.assert_close(exp.ref_logprobs[i, :n], torch.tensor(o.logprobs), atol=1e-4, rtol=1e-4)
+            if step == 0:
+                vals = score_full("critic", t.scoring_critic, prompts, responses, t.pad_id)
+                for i, o in enumerate(vals):
+                    n = len(responses[i])
+                    torch.testing.assert_close(exp.values[i, :n], torch.tensor(o.values), atol=1e-4, rtol=1e-4)
+            for r in exp.rollouts:
+                assert all(step - 1 <= v <= step for v in r.versions)
+        assert min(t.engine.admitted) >= 4, f"both workers decoded a share: {t.engine.admitted}"
+        assert {"rollout0", "rollout1"} <= {s.worker for s in t.tracer.spans}
+        ray.kill(t.engine.workers[1])
+        with pytest.raises(RuntimeError, match=r"rollout worker \(role=rollout, rank=1\) died"):
+            for _ in range(3):
+                t.run_step()
+    finally:
+        t.close()
