@@ -10,6 +10,7 @@ import torch
 
 ray = pytest.importorskip("ray")
 
+from oppo.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from oppo.config import load_config  # noqa: E402
 from oppo.placement.cluster import start_local_cluster  # noqa: E402
 from oppo.scoring import score_full  # noqa: E402
@@ -86,9 +87,18 @@ def test_two_rollout_workers_share_the_batch_and_stream_to_the_scorers(ray_local
                 assert all(step - 1 <= v <= step for v in r.versions)
         assert min(t.engine.admitted) >= 4, f"both workers decoded a share: {t.engine.admitted}"
         assert {"rollout0", "rollout1"} <= {s.worker for s in t.tracer.spans}
+        ckpt = save_checkpoint(t, tmp_path / "r2")
+        states = t.engine.generator.get_state()
+        assert len(states) == 2 and not torch.equal(states[0], states[1]), "each worker samples with its own stream"
         ray.kill(t.engine.workers[1])
         with pytest.raises(RuntimeError, match=r"rollout worker \(role=rollout, rank=1\) died"):
             for _ in range(3):
                 t.run_step()
     finally:
         t.close()
+    with Trainer(cfg, progress=False) as r:  # the checkpoint restores every worker's sampling state
+        load_checkpoint(r, ckpt)
+        for a, b in zip(r.engine.generator.get_state(), states):
+            assert torch.equal(a, b)
+        r.run_step()
+        assert r.step == 4

@@ -221,7 +221,7 @@ class PlacementConfig:
     backend: str = opt("local", "local: every role in this process (plus the scorer worker). ray: the scorers "
                                 "(reward, reference, critic) in Ray actors and the learner as a data-parallel group "
                                 "of Ray ranks (torch.distributed: gloo on CPU, NCCL on GPU); the rollout engine stays "
-                                "with the controller.", ("local", "ray"))
+                                "with the controller unless placement.rollout_workers is set.", ("local", "ray"))
     address: str = opt("auto", "Ray cluster to join: auto (the one started by `ray start` on this machine, "
                                "else a new local one), or host:port / ray://host:port.")
     learner_workers: int = opt(1, "Ray: data-parallel learner ranks (each holds actor, critic and AdamW; gradients "

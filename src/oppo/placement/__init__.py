@@ -7,6 +7,8 @@
   handle with the methods of :class:`oppo.workers.ScorerWorker`;
 - :mod:`.dp`: the learner as a data-parallel group of Ray actors (``torch.distributed``: gloo on
   CPU, NCCL on GPU) whose update equals one learner's, and the weight sync to the rollout side;
+- :mod:`.ray_rollout`: rollout workers, N policy engines in Ray actors behind the engine's
+  interface, streaming their chunks straight to the scorer actors;
 - :mod:`.weight_sync`: weights through Ray's object store as numpy views, not pickled tensors.
 
 Nothing here imports Ray at import time: ``ray`` is an optional dependency (the ``ray`` extra).
