@@ -21,6 +21,9 @@ def test_bench_writes_json_markdown_and_pictures(tiny_models, tiny_prompts, tmp_
     res = json.loads((out / "bench.json").read_text())
     assert res["machine"]
     assert set(res["modes"]) == {"sequential", "intra", "inter", "oppo", "pipeline"}
+    # the headline is the representative (long-tailed) workload; the task's own lengths are the second row
+    assert [r["workload"].split(", ")[-1].split()[0] for r in res["stage_profile"]] == ["representative", "its"]
+    assert res["workload_lengths"]["p99_over_p50"] >= 4
     for mode, v in res["modes"].items():
         assert v["step_time_median_s"] > 0
         assert {"actor", "scorer", "learner"} <= set(v["busy_fraction"])

@@ -16,12 +16,14 @@ Under a Ray placement (``placement.backend=ray``) the best single-process sequen
 ``sequential:placement.backend=local``, joins as a second baseline unless ``--modes`` names it,
 and the table gains a column of speedups against it.
 
-``--workload representative`` forces the main run's response lengths too (:data:`WORKLOADS`): a
-long-tailed distribution like real RLHF's, where generation is the largest share of the
-sequential step. bench.md states each run's stage profile (generate / score / train shares of
-the sequential step and the response lengths' p50, p99 and maximum), so a reader sees which
-regime the speedups were measured in: a tiny model on a CPU, where training dominates, says
-little about a GPU run where decoding the longest response does.
+The main run forces its response lengths (``--workload``, default ``representative``,
+:data:`WORKLOADS`): a long-tailed distribution like real RLHF's, where generation is the largest
+share of the sequential step. bench.md states the stage profile (generate / score / train shares
+of the sequential step and the response lengths' p50, p99 and maximum) of that headline run and,
+as a second row, of a short sequential run on the task's own lengths (``--workload natural``
+makes those the headline), so a reader sees which regime the speedups were measured in: a tiny
+model on a CPU, where training dominates, says little about a GPU run where decoding the longest
+response does. The tail sweep uses the task's own maximum length.
 """
 
 from __future__ import annotations
@@ -56,6 +58,14 @@ def split_mode(spec: str) -> tuple[str, list[str]]:
         raise ValueError(f"--modes: unknown mode {mode!r} in {spec!r}; choose from {', '.join(MODES)}, optionally "
                          f"with settings after colons (e.g. pipeline:overlap.stale_kv=recompute).")
     return mode, over
+
+
+def mode_overrides(spec: str) -> list[str]:
+    """The settings a mode spec sets: its overlap mode and its own settings (a local placement
+    drops the Ray-only rollout workers)."""
+    mode, over = split_mode(spec)
+    local = [] if "placement.backend=local" not in over else ["placement.rollout_workers=0"]
+    return [f"overlap.mode={mode}", *local, *over]
 
 
 def _slug(spec: str) -> str:
@@ -237,9 +247,8 @@ def run_modes(base, modes: list[str], steps: int, out: Path, tail_sigma: float |
 
     trainers, loggers, records = {}, {}, {}
     for mode in modes:  # a mode, or a mode with settings of its own (split_mode)
-        name, over = split_mode(mode)
         # run.steps: a pipeline run begins no step beyond the bench's; no checkpoints in a bench
-        cfg = with_overrides(base, [f"overlap.mode={name}", *over, f"run.out_dir={out / _slug(mode)}",
+        cfg = with_overrides(base, [*mode_overrides(mode), f"run.out_dir={out / _slug(mode)}",
                                     f"run.steps={steps}", "run.save_every=0"])
         Path(cfg.run.out_dir).mkdir(parents=True, exist_ok=True)
         t = Trainer(cfg, progress=False)
@@ -431,10 +440,10 @@ def main(argv: list[str]) -> int:
                    help="Comma-separated log-normal sigmas for the synthetic-length sweep (e.g. 0.25,0.75,1.25).")
     p.add_argument("--tail-steps", type=int, default=4, help="Steps per mode at each sigma of the sweep.")
     p.add_argument("--tail-modes", default=",".join(MODES), help="Modes compared in the tail sweep.")
-    p.add_argument("--workload", default=None, choices=sorted(WORKLOADS),
-                   help="Force the main run's response lengths to a named distribution (sets "
-                        "generation.max_new_tokens to its maximum unless given): representative = long-tailed, "
-                        "generation-bound, like real RLHF.")
+    p.add_argument("--workload", default="representative", choices=sorted(WORKLOADS) + ["natural"],
+                   help="The main run's response lengths: representative (the default) = long-tailed, "
+                        "generation-bound, like real RLHF (sets generation.max_new_tokens to its maximum unless "
+                        "given); natural = the task's own (the tiny models' short responses, training-bound).")
     p.add_argument("--target", type=float, default=None, help="Target reward for time-to-target.")
     p.add_argument("--config", default=None, help="YAML settings shared by every mode.")
     p.add_argument("overrides", nargs="*", help="section.key=value settings shared by every mode.")
@@ -444,12 +453,13 @@ def main(argv: list[str]) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for m in modes:
         split_mode(m)  # an unknown mode fails here, before anything loads
-    workload = WORKLOADS[args.workload] if args.workload else None
+    workload = WORKLOADS.get(args.workload)  # None: natural
     preset = [f"generation.max_new_tokens={workload.max_new_tokens}"] if workload else []
-    overrides = (QUICK if args.quick else []) + preset + list(args.overrides) + ["log.progress=false", "run.samples=0"]
-    base = load_config(args.config, overrides)
+    shared = (QUICK if args.quick else []) + list(args.overrides) + ["log.progress=false", "run.samples=0"]
+    base = load_config(args.config, preset + shared)
+    natural = load_config(args.config, shared)  # the task's own lengths: the second profile row, the tail sweep
     for m in modes:  # each mode's own settings are valid, before anything loads
-        with_overrides(base, [f"overlap.mode={split_mode(m)[0]}", *split_mode(m)[1]])
+        with_overrides(base, mode_overrides(m))
     if base.placement.backend == "ray" and LOCAL_BASELINE not in modes and "sequential" in modes:
         modes.append(LOCAL_BASELINE)
     if workload and base.generation.max_new_tokens != workload.max_new_tokens:
@@ -469,12 +479,18 @@ def main(argv: list[str]) -> int:
                                       **workload.stats(base.run.seed)}
     result.update(machine=machine(), command="oppo bench " + " ".join(argv), steps=steps, workload=label,
                   settings=_settings_yaml(base), stage_profile=[stage_profile(records, label)])
+    if workload is not None:  # the second row: the task's own lengths, sequential only, a few steps
+        say("stage profile, second row: the task's own response lengths (sequential)")
+        rec = run_modes(natural, ["sequential"], min(steps, 5), out / "natural", progress=say)
+        own = (f"built-in task '{base.data.task}'" if base.uses_builtin_task else "user models") + ", its own lengths"
+        result["stage_profile"].append(stage_profile(rec, own))
     if args.tail:
         tail_modes = [m.strip() for m in args.tail_modes.split(",")]
         sweep = []
         for sigma in (float(s) for s in args.tail.split(",")):
             say(f"tail sweep: sigma={sigma}")
-            rec = run_modes(base, tail_modes, args.tail_steps, out / "tail" / f"sigma_{sigma}", sigma, progress=say)
+            rec = run_modes(natural, tail_modes, args.tail_steps, out / "tail" / f"sigma_{sigma}", sigma,
+                            progress=say)
             s = summarize(rec)
             sampler = rec[tail_modes[0]]["sampler"]
             sampler_lens = [sampler(i) for i in range(2000)]  # the distribution the runs drew from
