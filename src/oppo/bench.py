@@ -17,8 +17,9 @@ Under a Ray placement (``placement.backend=ray``) the best single-process sequen
 and the table gains a column of speedups against it.
 
 The main run forces its response lengths (``--workload``, default ``representative``,
-:data:`WORKLOADS`): a long-tailed distribution like real RLHF's, where generation is the largest
-share of the sequential step. bench.md states the stage profile (generate / score / train shares
+:data:`WORKLOADS`): a long-tailed distribution like real RLHF's, where, on GPUs, generation is
+the largest share of the sequential step (on the 2-vCPU machine with the tiny models training
+still is, at 40% against 36%: ``benchmarks/representative_quick``). bench.md states the stage profile (generate / score / train shares
 of the sequential step and the response lengths' p50, p99 and maximum) of that headline run and,
 as a second row, of a short sequential run on the task's own lengths (``--workload natural``
 makes those the headline), so a reader sees which regime the speedups were measured in: a tiny
@@ -442,7 +443,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--tail-modes", default=",".join(MODES), help="Modes compared in the tail sweep.")
     p.add_argument("--workload", default="representative", choices=sorted(WORKLOADS) + ["natural"],
                    help="The main run's response lengths: representative (the default) = long-tailed, "
-                        "generation-bound, like real RLHF (sets generation.max_new_tokens to its maximum unless "
+                        "like real RLHF (sets generation.max_new_tokens to its maximum unless "
                         "given); natural = the task's own (the tiny models' short responses, training-bound).")
     p.add_argument("--target", type=float, default=None, help="Target reward for time-to-target.")
     p.add_argument("--config", default=None, help="YAML settings shared by every mode.")
