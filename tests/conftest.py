@@ -58,3 +58,15 @@ def tiny_prompts(tmp_path_factory):
              "it was quite", "the book", "a great"]
     p.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
     return p
+
+
+@pytest.fixture(scope="session")
+def ray_local(request):
+    """A local Ray cluster of two nodes of 1 CPU each, started once per test session by the first
+    test that asks (a start costs ~25 s on 2 busy cores) and shut down at its end. Skips without
+    Ray."""
+    ray = pytest.importorskip("ray")
+    from oppo.placement.cluster import start_local_cluster
+
+    if not ray.is_initialized():
+        request.config.add_cleanup(start_local_cluster(nodes=2, cpus_per_node=1))

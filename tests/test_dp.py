@@ -16,7 +16,6 @@ from oppo.algo import get_algorithm  # noqa: E402
 from oppo.config import PPOConfig  # noqa: E402
 from oppo.learner import Experience, attach_scores, build_experience, compute_advantages  # noqa: E402
 from oppo.models import load_tokenizer  # noqa: E402
-from oppo.placement.cluster import start_local_cluster  # noqa: E402
 from oppo.placement.dp import DPLearnerGroup, LearnerSpec, learner_state, load_learner_state  # noqa: E402
 from oppo.placement.specs import ModelSpec  # noqa: E402
 from oppo.rollout import Rollout  # noqa: E402
@@ -31,14 +30,6 @@ CFG = PPOConfig(batch_size=8, minibatch_size=4, micro_batch_size=3, epochs=2, ac
                 weight_decay=0.01, entropy_coef=0.01)
 # PPO with its KL term in the actor loss (the algorithm's part of the loss crosses the ranks too)
 ALGO = get_algorithm("ppo", kl_placement="loss", kl_estimator="k3", kl_coef=0.1)
-
-
-@pytest.fixture(scope="module")
-def ray_local(request):
-    """A local Ray cluster of two nodes of 1 CPU each, started once per test session (the Ray test
-    modules share it: a start costs ~25 s on 2 busy cores) and shut down at its end."""
-    if not ray.is_initialized():
-        request.config.add_cleanup(start_local_cluster(nodes=2, cpus_per_node=1))
 
 
 @pytest.fixture(scope="module")

@@ -11,27 +11,11 @@ import torch
 ray = pytest.importorskip("ray")
 
 from oppo.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
-from oppo.config import load_config  # noqa: E402
-from oppo.placement.cluster import start_local_cluster  # noqa: E402
 from oppo.scoring import score_full  # noqa: E402
 from oppo.trainer import Trainer  # noqa: E402
+from test_ray_trainer import _cfg  # noqa: E402  (the same tiny run as the other Ray trainer tests)
 
 pytestmark = pytest.mark.ray
-
-
-@pytest.fixture(scope="module")
-def ray_local(request):
-    """The session's local Ray cluster (two nodes of 1 CPU; started by the first Ray module)."""
-    if not ray.is_initialized():
-        request.config.add_cleanup(start_local_cluster(nodes=2, cpus_per_node=1))
-
-
-def _cfg(tiny_models, tiny_prompts, out, *extra):
-    return load_config(None, [
-        f"policy.path={tiny_models['policy']}", f"reward.path={tiny_models['reward']}",
-        f"data.prompts={tiny_prompts}", "run.threads=1", "ppo.batch_size=4", "ppo.minibatch_size=2",
-        "ppo.micro_batch_size=1", "generation.max_new_tokens=12", "overlap.chunk_size=4",
-        f"run.out_dir={out}", "log.progress=false", *extra])
 
 
 RAY = ("placement.backend=ray", "placement.learner_cpus=0.25", "placement.scorer_cpus=0.25",

@@ -18,7 +18,6 @@ ray = pytest.importorskip("ray")
 from oppo.config import PPOConfig  # noqa: E402
 from oppo.learner import CriticBatch, critic_update  # noqa: E402
 from oppo.models import load_critic, load_tokenizer  # noqa: E402
-from oppo.placement.cluster import start_local_cluster  # noqa: E402
 from oppo.placement.ray_scorer import RayScorerWorker  # noqa: E402
 from oppo.placement.specs import ModelSpec  # noqa: E402
 from oppo.rollout import Chunk  # noqa: E402
@@ -29,14 +28,6 @@ from oppo.workers import ScorerWorker  # noqa: E402
 pytestmark = pytest.mark.ray
 
 TEMP = 0.9
-
-
-@pytest.fixture(scope="module")
-def ray_local(request):
-    """A local Ray cluster of two nodes of 1 CPU each, started once per test session (the Ray test
-    modules share it: a start costs ~25 s on 2 busy cores) and shut down at its end."""
-    if not ray.is_initialized():
-        request.config.add_cleanup(start_local_cluster(nodes=2, cpus_per_node=1))
 
 
 @pytest.fixture(scope="module")

@@ -8,18 +8,9 @@ import torch
 ray = pytest.importorskip("ray")
 
 from oppo.config import load_config  # noqa: E402
-from oppo.placement.cluster import start_local_cluster  # noqa: E402
 from oppo.trainer import Trainer  # noqa: E402
 
 pytestmark = pytest.mark.ray
-
-
-@pytest.fixture(scope="module")
-def ray_local(request):
-    """A local Ray cluster of two nodes of 1 CPU each, started once per test session (the Ray test
-    modules share it: a start costs ~25 s on 2 busy cores) and shut down at its end."""
-    if not ray.is_initialized():
-        request.config.add_cleanup(start_local_cluster(nodes=2, cpus_per_node=1))
 
 
 def _cfg(tiny_models, tiny_prompts, out, *extra):
