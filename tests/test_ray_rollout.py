@@ -70,6 +70,8 @@ def test_two_rollout_workers_share_the_batch_and_stream_to_the_scorers(ray_local
             for r in exp.rollouts:
                 assert all(step - 1 <= v <= step for v in r.versions)
         assert min(t.engine.admitted) >= 4, f"both workers decoded a share: {t.engine.admitted}"
+        # chunks of 4 tokens (overlap.chunk_size) while decoding, not only each sequence at its end
+        assert t.engine.chunk == 4 and t.engine.chunks_sent > sum(t.engine.admitted), t.engine.chunks_sent
         assert {"rollout0", "rollout1"} <= {s.worker for s in t.tracer.spans}
         ckpt = save_checkpoint(t, tmp_path / "r2")
         states = t.engine.generator.get_state()

@@ -286,6 +286,7 @@ class Trainer:
                 scorer=self.worker if stream else None, num_cpus=pl.rollout_cpus, num_gpus=pl.rollout_gpus,
                 threads=o.actor_threads)
             self.streams_direct = stream
+            self.rollout_group.chunk = self.tuner.current()  # (then the size of each step's take_chunks)
             self.rollout_group.load_weights(self.policy)
 
     @property

@@ -73,7 +73,9 @@ class RolloutHost:
         self.engine.kv_budget_mb = s.kv_budget_mb
         self.scorers = scorers or []
         self.sent: list = []  # refs of the calls made to the scorers since the last flush
+        self.chunks_sent = 0  # chunks streamed since the last flush
         self.tracer = Tracer(enabled=True)
+        self._span: tuple[float, int] | None = None  # (start, step) of the decode span not yet recorded
 
     def admit(self, rollouts: list[Rollout], step: int) -> None:
         if self.scorers:  # first to the scorers, so that they hold the prompt before any chunk
@@ -85,26 +87,36 @@ class RolloutHost:
     def step(self, chunk: int, step: int) -> StepReply:
         """One decode step; the chunks it completes (``chunk`` tokens, or a row's end) go to the
         scorers."""
-        t = time.perf_counter()
+        if self._span is None:
+            self._span = (time.perf_counter(), step)
         done = self.engine.step()
         if self.scorers:
             chunks = self.engine.take_chunks(chunk)
             if chunks:
+                self._close_span()  # one decode span per stretch between two sends, as the controller's
                 self.sent += [a.feed.remote(chunks, step) for a in self.scorers]
+                self.chunks_sent += len(chunks)
         else:
             self.engine.finished.clear()
-        self.tracer.add(self.name, "decode", step, t, time.perf_counter())
+        if done and not self.engine.active:
+            self._close_span()
         return StepReply(done, self.engine.active)
+
+    def _close_span(self) -> None:
+        if self._span is not None:
+            self.tracer.add(self.name, "decode", self._span[1], self._span[0], time.perf_counter())
+            self._span = None
 
     def generate_all(self, step: int) -> list[Rollout]:
         with self.tracer.span(self.name, "generate", step):
             return self.engine.generate_all()
 
-    def flush(self) -> tuple[list, int]:
+    def flush(self) -> tuple[list, int, int]:
         """Wait until every call sent to the scorers has run; return (this worker's spans since
-        the last flush, its KV-cache peak in bytes)."""
+        the last flush, its KV-cache peak in bytes, the chunks it streamed)."""
         import ray
 
+        self._close_span()
         sent, self.sent = self.sent, []
         try:
             ray.get(sent)
@@ -112,10 +124,10 @@ class RolloutHost:
             from .ray_scorer import _short
 
             raise RuntimeError(f"a scorer actor that {self.name} streams to died: {_short(e)}") from None
-        spans, peak = self.tracer.spans, self.engine.peak_cache_bytes
+        spans, peak, sent_chunks = self.tracer.spans, self.engine.peak_cache_bytes, self.chunks_sent
         self.tracer.clear()
-        self.engine.peak_cache_bytes = 0
-        return spans, peak
+        self.engine.peak_cache_bytes, self.chunks_sent = 0, 0
+        return spans, peak, sent_chunks
 
     def set_version(self, version: int) -> None:
         self.engine.set_version(version)
@@ -177,6 +189,8 @@ class RayRolloutGroup:
         self.rows: dict[int, int] = {}  # uid -> worker of every row decoding
         self.owned: dict[int, Rollout] = {}  # uid -> the controller's Rollout
         self.admitted = [0] * n  # sequences admitted to each worker so far
+        self.chunks_sent = 0  # chunks the workers streamed to the scorers so far
+        self.chunk = 1 << 30  # tokens per streamed chunk: the trainer's current size (take_chunks)
         self.finished: list[Rollout] = []  # (the engine interface; chunks never pass here)
         self.peak_cache_bytes = 0
         self.kv_budget_mb = settings.kv_budget_mb
@@ -206,27 +220,32 @@ class RayRolloutGroup:
             self.rows[r.uid], self.owned[r.uid] = w, r
         self._gather([self.workers[i].admit.remote(rs, self.version) for i, rs in enumerate(share) if rs])
 
-    def step(self, chunk: int = 1 << 30) -> list[Rollout]:
-        """One decode step on every worker with rows; the rows that ended, in worker order."""
+    def step(self) -> list[Rollout]:
+        """One decode step on every worker with rows (streaming chunks of ``self.chunk`` tokens);
+        the rows that ended, in worker order."""
         busy = sorted(set(self.rows.values()))
-        replies = self._gather([self.workers[i].step.remote(chunk, self.version) for i in busy], ranks=busy)
+        replies = self._gather([self.workers[i].step.remote(self.chunk, self.version) for i in busy], ranks=busy)
         return [self._take(r) for reply in replies for r in reply.done]
 
     def take_chunks(self, chunk_size: int) -> list:
-        """Nothing: the workers send their chunks to the scorers themselves (``step``)."""
+        """Nothing: the workers send their chunks to the scorers themselves; ``chunk_size`` is the
+        size they stream from the next ``step`` on (the trainer calls this after every step)."""
+        self.chunk = chunk_size
         return []
 
     def generate_all(self) -> list[Rollout]:
         busy = sorted(set(self.rows.values()))
         done = self._gather([self.workers[i].generate_all.remote(self.version) for i in busy], ranks=busy)
+        self.flush()  # (the sequential loop has no scorer barrier to bring the workers' spans home)
         return [self._take(r) for rows in done for r in rows]
 
     def flush(self) -> None:
         """Every chunk the workers sent has reached the scorers; their spans join the trace."""
-        for spans, peak in self._gather([w.flush.remote() for w in self.workers]):
+        for spans, peak, sent in self._gather([w.flush.remote() for w in self.workers]):
             for sp in spans:
                 self.tracer.add(sp.worker, sp.stage, sp.step, sp.start, sp.end, **sp.args)
             self.peak_cache_bytes = max(self.peak_cache_bytes, peak)
+            self.chunks_sent += sent
 
     def set_version(self, version: int) -> None:
         self.version = version
