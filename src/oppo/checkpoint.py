@@ -182,7 +182,10 @@ def load_checkpoint(trainer, ckpt: Path) -> None:
     import numpy as np
 
     np.random.set_state(rng["numpy"])
-    trainer.engine.generator.set_state(rng["engine"])
+    engine_rng = rng["engine"]
+    if isinstance(engine_rng, list) and trainer.rollout_group is None:
+        engine_rng = engine_rng[0]  # saved by Ray rollout workers (one state each): rank 0's, as theirs do
+    trainer.engine.generator.set_state(engine_rng)
     if rng.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
     trainer.scheduler.load_state_dict(state["scheduler"])
