@@ -266,7 +266,8 @@ class Trainer:
         spec = learner_spec(self.cfg, self.paths, self.pad_id, dtype, self.algorithm, recompute_old)
         self.learner = DPLearnerGroup(spec, pl.learner_workers, num_cpus=pl.learner_cpus, num_gpus=pl.learner_gpus,
                                       threads=o.actor_threads, strategy="STRICT_SPREAD" if pl.spread else "PACK",
-                                      rollout=self.policy,
+                                      # rollout workers load rank 0's weights themselves (_load_weights)
+                                      rollout=None if pl.rollout_workers else self.policy,
                                       critic_scorer=self.worker if self.critic is not None else None,
                                       tracer=self.tracer)
         self.learner.sync_actor(self.policy)  # fresh heads/adapters are initialised per process: rank 0's rule
@@ -418,9 +419,10 @@ class Trainer:
                 self.learner.sync(step)  # (timed below, with the local copies)
             if not self.critic_on_worker:  # (the worker refreshes the copy it scores with)
                 copy_weights(self.critic, self.scoring_critic)
-            copy_weights(self.policy, self.rollout_policy)
-            if self.rollout_group is not None:
-                self.rollout_group.load_weights(self.policy)
+            if self.rollout_group is not None:  # (self.policy is brought home only for checkpoints)
+                self.rollout_group.load_weights(self.learner.actor_weights())
+            else:
+                copy_weights(self.policy, self.rollout_policy)
         stats["time/weight_sync"] = stats.get("time/weight_sync", 0.0) + time.perf_counter() - t
 
     def sync_weights(self) -> None:

@@ -404,6 +404,10 @@ class DPLearnerGroup:
         the step only); for a critic trained elsewhere on the same minibatches."""
         return Learner.minibatches(self._draw, B, step)  # the learner's own draw, on its two settings
 
+    def actor_weights(self):
+        """A Ray ref to rank 0's actor weights (``weight_sync.pack``), for workers to load directly."""
+        return self.ranks[0].actor_weights.remote()
+
     def sync_actor(self, target: torch.nn.Module) -> float:
         """Copy rank 0's actor weights into ``target`` (cast to its dtype); returns the seconds taken."""
         t = time.perf_counter()

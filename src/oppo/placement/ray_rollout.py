@@ -12,9 +12,9 @@ scorers the group's ``flush`` waits until every chunk sent has reached them (Ray
 calls of one caller to one actor, not those of two callers: this is what makes the barrier
 cover the workers' chunks).
 
-Weights: after an update the trainer calls ``load_weights`` with the trained policy; its
-arrays go into Ray's object store once (``weight_sync.pack``) and every worker loads them
-(``time/weight_sync`` includes it). Each worker samples with its own generator, seeded
+Weights: after an update every worker loads learner rank 0's arrays straight from Ray's object
+store (``weight_sync.pack``; the controller does not pull them; ``time/weight_sync`` includes
+it). Each worker samples with its own generator, seeded
 ``run.seed + rank``: with one worker the samples are those of the local engine (tested); a
 checkpoint saves every worker's generator state.
 
@@ -31,6 +31,7 @@ import torch
 
 from ..rollout import Rollout, RolloutEngine
 from ..trace import Tracer
+from .ray_scorer import _short, get_named
 from .specs import ModelSpec
 from .weight_sync import Packed, pack, unpack_into
 
@@ -46,15 +47,6 @@ class EngineSettings:
     top_k: int = 0
     top_p: float = 1.0
     kv_budget_mb: float | None = None
-
-
-@dataclass
-class StepReply:
-    """One decode step of one worker: the rows that ended (whole, with their tokens,
-    log-probs and versions) and how many are still decoding."""
-
-    done: list[Rollout]
-    active: int
 
 
 class RolloutHost:
@@ -84,9 +76,9 @@ class RolloutHost:
         with self.tracer.span(self.name, "prefill_prompt", step):
             self.engine.admit(rollouts)
 
-    def step(self, chunk: int, step: int) -> StepReply:
+    def step(self, chunk: int, step: int) -> list[Rollout]:
         """One decode step; the chunks it completes (``chunk`` tokens, or a row's end) go to the
-        scorers."""
+        scorers. Returns the rows that ended (whole: tokens, log-probs, versions)."""
         if self._span is None:
             self._span = (time.perf_counter(), step)
         done = self.engine.step()
@@ -100,7 +92,7 @@ class RolloutHost:
             self.engine.finished.clear()
         if done and not self.engine.active:
             self._close_span()
-        return StepReply(done, self.engine.active)
+        return done
 
     def _close_span(self) -> None:
         if self._span is not None:
@@ -121,8 +113,6 @@ class RolloutHost:
         try:
             ray.get(sent)
         except ray.exceptions.RayActorError as e:
-            from .ray_scorer import _short
-
             raise RuntimeError(f"a scorer actor that {self.name} streams to died: {_short(e)}") from None
         spans, peak, sent_chunks = self.tracer.spans, self.engine.peak_cache_bytes, self.chunks_sent
         self.tracer.clear()
@@ -193,16 +183,12 @@ class RayRolloutGroup:
         self.chunk = 1 << 30  # tokens per streamed chunk: the trainer's current size (take_chunks)
         self.finished: list[Rollout] = []  # (the engine interface; chunks never pass here)
         self.peak_cache_bytes = 0
-        self.kv_budget_mb = settings.kv_budget_mb
         self.generator = _Generators(self)
         self._gather([w.set_version.remote(0) for w in self.workers])  # up, and named if it failed to load
 
     @property
     def active(self) -> int:
         return len(self.rows)
-
-    def uids(self) -> list[int]:
-        return list(self.rows)
 
     def admit(self, rollouts: list[Rollout]) -> None:
         """Each new row to the worker with the fewest rows (the lowest rank on a tie)."""
@@ -224,8 +210,8 @@ class RayRolloutGroup:
         """One decode step on every worker with rows (streaming chunks of ``self.chunk`` tokens);
         the rows that ended, in worker order."""
         busy = sorted(set(self.rows.values()))
-        replies = self._gather([self.workers[i].step.remote(self.chunk, self.version) for i in busy], ranks=busy)
-        return [self._take(r) for reply in replies for r in reply.done]
+        done = self._gather([self.workers[i].step.remote(self.chunk, self.version) for i in busy], ranks=busy)
+        return [self._take(r) for rows in done for r in rows]
 
     def take_chunks(self, chunk_size: int) -> list:
         """Nothing: the workers send their chunks to the scorers themselves; ``chunk_size`` is the
@@ -260,11 +246,13 @@ class RayRolloutGroup:
             self.rows.pop(u, None)
             self.owned.pop(u, None)
 
-    def load_weights(self, policy: torch.nn.Module) -> None:
-        """The trained policy's weights into every worker (one copy in the object store)."""
+    def load_weights(self, weights) -> None:
+        """New policy weights into every worker: a module (packed here), or a Ray ref to
+        ``weight_sync.pack``'s arrays (from learner rank 0, not through the controller). One copy
+        in the object store either way."""
         import ray
 
-        ref = ray.put(pack(policy, trainable_only=True))
+        ref = weights if isinstance(weights, ray.ObjectRef) else ray.put(pack(weights, trainable_only=True))
         self._gather([w.load_weights.remote(ref) for w in self.workers])
 
     def close(self) -> None:
@@ -284,18 +272,5 @@ class RayRolloutGroup:
 
     def _gather(self, refs: list, ranks: list[int] | None = None) -> list:
         """``ray.get`` of one call per worker; a failure named by role and rank."""
-        import ray
-
         ranks = list(range(len(refs))) if ranks is None else ranks
-        out = []
-        for rank, ref in zip(ranks, refs):
-            try:
-                out.append(ray.get(ref))
-            except ray.exceptions.RayActorError as e:
-                from .ray_scorer import _short
-
-                raise RuntimeError(f"rollout worker (role=rollout, rank={rank}) died: {_short(e)}") from e
-            except ray.exceptions.RayTaskError as e:
-                cause = getattr(e, "cause", None) or e
-                raise RuntimeError(f"rollout worker (role=rollout, rank={rank}) failed: {cause!r}") from cause
-        return out
+        return [get_named(ref, f"rollout worker (role=rollout, rank={rank})") for rank, ref in zip(ranks, refs)]

@@ -319,16 +319,22 @@ class RayScorerWorker:
 
     def _wait(self, i: int) -> list:
         """Results of actor ``i``'s pending calls, in order; the first failure raised by role and rank."""
-        import ray
-
         refs, self._pending[i] = self._pending[i], []
-        try:
-            return ray.get(refs)
-        except ray.exceptions.RayActorError as e:
-            raise RuntimeError(f"scorer actor (role={self.labels[i]}, rank=0) died: {_short(e)}") from e
-        except ray.exceptions.RayTaskError as e:
-            cause = getattr(e, "cause", None) or e
-            raise RuntimeError(f"scorer actor (role={self.labels[i]}, rank=0) failed: {cause!r}") from cause
+        return get_named(refs, f"scorer actor (role={self.labels[i]}, rank=0)")
+
+
+def get_named(refs, who: str):
+    """``ray.get(refs)``; an actor that died or raised is reported as a RuntimeError naming ``who``
+    (its role and rank) and what happened."""
+    import ray
+
+    try:
+        return ray.get(refs)
+    except ray.exceptions.RayActorError as e:
+        raise RuntimeError(f"{who} died: {_short(e)}") from e
+    except ray.exceptions.RayTaskError as e:
+        cause = getattr(e, "cause", None) or e
+        raise RuntimeError(f"{who} failed: {cause!r}") from cause
 
 
 def _short(e: BaseException) -> str:
