@@ -63,9 +63,15 @@ def main() -> int:
                 "step_time_median_s": statistics.median(m["time/step"] for m in ms[1:] or ms),
                 "wallclock_s": ms[-1]["time/wallclock"],
                 "reward": [m["reward/mean"] for m in ms],
+                "wallclock": [m["time/wallclock"] for m in ms],
                 "judge": [m.get("judge/mean") for m in ms],
                 "response_length_mean": [m["response_length/mean"] for m in ms],
             }
+            if "task/accuracy" in ms[0]:  # tasks with one right answer (arith)
+                acc = [m["task/accuracy"] for m in ms]
+                summary[f"{mode}_seed{seed}"].update(
+                    accuracy=acc, accuracy_first20=statistics.mean(acc[:20]),
+                    accuracy_last20=statistics.mean(acc[-20:]))
             runs.append(run_dir)
             labels.append(mode)
     return finish(out, runs, labels, summary)
@@ -91,15 +97,18 @@ def finish(out: Path, runs: list[Path], labels: list[str], summary: dict) -> int
 
 
 def by_mode(summary: dict) -> dict:
-    """Across seeds, per mode: mean, min and max of the last-5-step reward and judge, and of the
-    mean reward over all steps (the area under the curve, which compares whole curves)."""
+    """Across seeds, per mode: mean, min and max of the last-5-step reward and judge, of the
+    mean reward over all steps (the area under the curve, which compares whole curves), and
+    where the task has one right answer, of the last-20-step and all-step accuracy."""
     out = {}
     for mode in sorted({v["mode"] for v in summary.values()}):
         runs = [v for v in summary.values() if v["mode"] == mode]
         agg = {}
         for key, values in (("reward_last5", [r["reward_last5"] for r in runs]),
                             ("judge_last5", [r["judge_last5"] for r in runs if r["judge_last5"] is not None]),
-                            ("reward_auc", [statistics.mean(r["reward"]) for r in runs])):
+                            ("reward_auc", [statistics.mean(r["reward"]) for r in runs]),
+                            ("accuracy_last20", [r["accuracy_last20"] for r in runs if "accuracy" in r]),
+                            ("accuracy_auc", [statistics.mean(r["accuracy"]) for r in runs if "accuracy" in r])):
             if values:
                 agg[key] = {"mean": statistics.mean(values), "min": min(values), "max": max(values),
                             "std": statistics.stdev(values) if len(values) > 1 else 0.0, "n": len(values)}

@@ -691,6 +691,7 @@ def test_groups_admitted_closed_and_carried_whole_by_hand():
     c0 = s.try_close()
     assert c0 == CloseStep(step=0, uids=(2, 3, 4, 5), start_versions=(0,) * 4, group_size=2)
     assert s.finished_pool == (0,) and s.in_flight == (1,)  # group 0 carried whole
+    assert s.waiting_members == 1
     s.end_step(0.0)
 
     a1 = s.begin_step()  # 1 carried group + 2 new = 3
@@ -705,6 +706,29 @@ def test_groups_admitted_closed_and_carried_whole_by_hand():
     assert c1.uids == (0, 1, 8, 9) and c1.lags == (1, 1, 0, 0)  # due group first, then oldest
     assert c1.groups == ((0, 1), (8, 9))
     assert s.complete_groups == (6,)
+
+
+def test_partial_groups_wait_holds_the_close_for_a_partly_finished_group():
+    s = Scheduler(batch_size=4, max_lag=1, delta=1, group_size=2, partial_groups="wait")
+    s.begin_step()  # groups 0, 2, 4
+    for u in (0, 2, 3, 5, 4):
+        s.on_finished(u)
+    assert s.complete_groups == (2, 4)
+    assert s.try_close() is None  # "carry" would close here (see the test above); uid 1 still runs
+    assert s.waiting_members == 1  # uid 0 waits for uid 1
+    s.on_finished(1)
+    c0 = s.try_close()
+    assert c0.uids == (2, 3, 4, 5) and s.complete_groups == (0,) and s.in_flight == ()
+    s.end_step(0.0)
+    s.begin_step()  # groups 6, 8 (group 0 waits, complete, in the pool)
+    for u in (6, 8):
+        s.on_finished(u)
+    assert s.try_close() is None  # due group 0 is complete, but groups 6 and 8 are partly finished
+    s.on_finished(7)
+    s.on_finished(9)
+    assert s.try_close().uids == (0, 1, 6, 7)  # the due group first, then the earliest completed
+    with pytest.raises(ValueError, match="partial_groups"):
+        Scheduler(batch_size=4, max_lag=1, delta=1, group_size=2, partial_groups="split")
 
 
 def test_group_refill_needs_a_whole_group_of_free_slots():
@@ -777,6 +801,7 @@ class GroupSimConfig:
     drain: bool
     reload: bool
     together: bool  # a group's members all take the same number of ticks
+    partial_groups: str = "carry"
 
     @property
     def batch_size(self) -> int:
@@ -789,7 +814,8 @@ def make_group_scheduler(cfg: GroupSimConfig) -> Scheduler:
     else:
         init, lo, window, prop = cfg.adaptive
         delta = DeltaController(init, lo, cfg.delta, window, prop)
-    return Scheduler(cfg.batch_size, cfg.max_lag, delta, cfg.refill, cfg.start_position, cfg.group_size)
+    return Scheduler(cfg.batch_size, cfg.max_lag, delta, cfg.refill, cfg.start_position, cfg.group_size,
+                     partial_groups=cfg.partial_groups)
 
 
 class GroupEngine:
@@ -898,6 +924,10 @@ def run_group_sim(cfg: GroupSimConfig) -> list[tuple]:
 
         # ---- the batch: B / G whole, finished, untrained groups
         assert close.step == k and close.group_size == G
+        waiting = sum(len(finished.intersection(m)) for m in live.values() if not set(m) <= finished)
+        assert sched.waiting_members == waiting
+        if cfg.partial_groups == "wait":  # no group closes partly finished: all or none of it ran out
+            assert waiting == 0
         assert len(close.uids) == cfg.batch_size == len(set(close.uids))
         chosen = [g[0] for g in close.groups]
         for g, members in zip(chosen, close.groups):
@@ -982,6 +1012,7 @@ def group_sim_configs(draw, checkpoints: bool = True, sequential: bool = False,
         drain=draw(st.booleans()),
         reload=draw(st.booleans()),
         together=draw(st.booleans()) if together is None else together,
+        partial_groups=draw(st.sampled_from(("carry", "wait"))),
     )
 
 

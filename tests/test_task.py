@@ -161,6 +161,15 @@ def test_arith_reward_checks_the_answer():
         arith.reward(["hello?"], ["the answer is 1."])
 
 
+def test_arith_accuracy_counts_right_first_numbers_only():
+    prompts = ["what is 7 plus 5?"] * 6
+    responses = ["the answer is 12.", "the answer is 12", "12 or 13.", "the answer is 13.", "the answer is.", ""]
+    assert arith.reward(prompts, responses) == [1.0, 0.8, 1.0, 0.0, -0.5, -0.7]
+    assert arith.accuracy(prompts, responses) == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
+    assert get_task("arith").accuracy_function == "oppo.task.arith:accuracy"
+    assert get_task("positive").accuracy_function is None
+
+
 # --- tokenizer ----------------------------------------------------------------------------------
 
 
@@ -298,6 +307,23 @@ def test_prepare_arith_builds_policy_only(tmp_path, monkeypatch):
     assert "sft_accuracy" in prep.info and "rm_pairwise_accuracy" not in prep.info
     assert 0.0 <= prep.info["sft_accuracy"] <= 1.0
     assert prep.info["reward_function"] == "oppo.task.arith:reward"
+
+    # a step on it logs task/accuracy: the share of responses whose first number is right
+    import oppo.task
+    from oppo.config import load_config
+    from oppo.trainer import Trainer
+
+    monkeypatch.setattr(oppo.task, "prepare", lambda **kw: prep)
+    cfg = load_config(None, ["data.task=arith", "ppo.batch_size=8", "ppo.minibatch_size=8", "ppo.micro_batch_size=8",
+                             "run.threads=1", f"run.out_dir={tmp_path / 'run'}", "log.progress=false"])
+    t = Trainer(cfg, progress=False)
+    try:
+        m = t.run_step()
+        texts = t.last_result.texts
+        right = arith.accuracy([p for p, _ in texts], [r for _, r in texts])
+        assert m["task/accuracy"] == pytest.approx(sum(right) / len(right))
+    finally:
+        t.close()
 
 
 def test_sampler_stops_rows_at_eos():

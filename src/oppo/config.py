@@ -178,6 +178,10 @@ class OverlapConfig:
                             ("keep", "recompute"))
     refill: bool = opt(False, "Admit a new prompt as soon as a sequence finishes (continuous batching) instead of "
                               "only at step start.")
+    partial_groups: str = opt("carry", "Groups (algo.group_size > 1) that are partly finished when a step closes: "
+                                       "carry them whole into the next step (their finished members wait, "
+                                       "scored), or wait for their running members before closing. Groups with no "
+                                       "finished member are carried either way.", ("carry", "wait"))
     scorer_process: bool = opt(True, "CPU: run the scorer worker in its own process (no GIL shared with the "
                                       "actor) instead of a thread. Ignored on GPU.")
     critic_on_worker: bool = opt(True, "Overlapped modes: the scorer worker, which holds the critic, runs the critic's "

@@ -41,6 +41,8 @@ name                          meaning
 ``overlap/delta``             Delta: extra sequences kept in flight beyond the batch size B
 ``overlap/carried``           sequences left unfinished at the end of the step and carried
                               into the next one
+``overlap/waiting_members``   finished members of carried groups, waiting (scored) for a
+                              sibling still decoding (GRPO/RLOO; ``overlap.partial_groups``)
 ``overlap/lag_max``           largest policy-version lag (trained version - sampling version)
                               among the step's tokens
 ``overlap/lag_mean``          mean policy-version lag over the step's tokens

@@ -371,7 +371,7 @@ def run_summary(run_dir: str | Path, wall_seconds: float | None = None, link: st
         lines.append(f"done: {len(ms)} steps ({ms[0]['step']}-{ms[-1]['step']}){took}"
                      + (f", {_duration(train_s)} of it training" if train_s is not None and wall_seconds else ""))
         parts = []
-        for key, name in (("reward/mean", "reward"), ("judge/mean", "judge")):
+        for key, name in (("reward/mean", "reward"), ("judge/mean", "judge"), ("task/accuracy", "accuracy")):
             a, b = _mean(head, key), _mean(tail, key)
             if a is not None and b is not None:
                 parts.append(f"{name} {a:.3f} -> {b:.3f}")

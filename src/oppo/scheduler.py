@@ -134,6 +134,7 @@ __all__ = [
 ]
 
 _STATE_FORMAT = 1
+PARTIAL_GROUPS = ("carry", "wait")
 
 
 # --------------------------------------------------------------------------- messages
@@ -357,6 +358,11 @@ class Scheduler:
         start_position: first data-stream position handed out (for a fresh run).
         group_size: G, sequences sampled per prompt and admitted, closed, carried, drained
             and trained together (GRPO/RLOO); 1 (the default) is plain PPO.
+        partial_groups: what a closing step does with a group some of whose members finished
+            and some still run: ``"carry"`` it whole into the next step (the default), or
+            ``"wait"`` for its running members before closing (groups with no finished member
+            are carried either way). See "Groups" in the module docstring; not part of the
+            checkpointed config, so a resume may change it.
     """
 
     def __init__(
@@ -367,11 +373,14 @@ class Scheduler:
         refill: bool = False,
         start_position: int = 0,
         group_size: int = 1,
+        partial_groups: str = "carry",
     ) -> None:
         _check_int("batch_size", batch_size, 1, "a PPO step needs at least one sequence")
         _check_int("max_lag", max_lag, 0, "use 0 for fully on-policy training")
         _check_int("start_position", start_position, 0, "data positions start at 0")
         _check_int("group_size", group_size, 1, "use 1 for one sequence per prompt")
+        if partial_groups not in PARTIAL_GROUPS:
+            raise ValueError(f"partial_groups must be one of {', '.join(PARTIAL_GROUPS)}, got {partial_groups!r}")
         if batch_size % group_size:
             raise ValueError(
                 f"batch_size ({batch_size}) must be a multiple of group_size ({group_size}): a "
@@ -424,6 +433,7 @@ class Scheduler:
         self.start_position = start_position
         self.group_size = group_size
         self.groups_per_step = n_groups
+        self.partial_groups = partial_groups
 
         self._step = 0
         self._phase = Phase.IDLE
@@ -482,6 +492,12 @@ class Scheduler:
     def untrained_groups(self) -> int:
         """Admitted-but-untrained groups (``untrained / group_size``)."""
         return len(self._groups)
+
+    @property
+    def waiting_members(self) -> int:
+        """Finished members of groups that still have a running member: scored sequences that
+        wait for a sibling (0 with ``group_size`` 1, and at a close under ``partial_groups="wait"``)."""
+        return sum(1 for u in self._pool if self._unfinished[self._tickets[u].group] > 0)
 
     @property
     def complete_groups(self) -> tuple[int, ...]:
@@ -568,6 +584,10 @@ class Scheduler:
         if len(self._complete) < self.groups_per_step:
             return None
         if any(self._is_due(self._tickets[u]) for u in self._running):
+            return None
+        if self.partial_groups == "wait" and any(
+            self._unfinished[self._tickets[u].group] < self.group_size for u in self._running
+        ):  # a running member of a partly finished group: wait for it
             return None
         chosen = sorted(self._complete, key=self._group_priority)[: self.groups_per_step]
         picked = set(chosen)  # a set: the planner simulates B in the thousands

@@ -57,6 +57,8 @@ class ResolvedPaths:
     prompts: str
     judge: str | None
     max_new_tokens: int
+    accuracy: str | None = None
+    """The built-in task's right-answer function (``task/accuracy``), if it has one."""
 
 
 def resolve_paths(cfg: Config, progress: bool = True) -> ResolvedPaths:
@@ -76,7 +78,8 @@ def resolve_paths(cfg: Config, progress: bool = True) -> ResolvedPaths:
             policy=str(prepared.policy_path), reward=reward_path, reward_function=reward_fn,
             critic=cfg.critic.path or reward_path or str(prepared.policy_path),
             reference=cfg.reference.path, prompts=cfg.data.prompts or str(prepared.prompts_path),
-            judge=cfg.reward.judge or task.judge_function, max_new_tokens=max_new or task.max_new_tokens)
+            judge=cfg.reward.judge or task.judge_function, max_new_tokens=max_new or task.max_new_tokens,
+            accuracy=None if cfg.reward.judge else task.accuracy_function)
     if cfg.data.prompts is None:
         raise ValueError("policy.path is set but data.prompts is not: give a prompt set (data.prompts=path.jsonl).")
     for role, path in (("policy", cfg.policy.path), ("reward", cfg.reward.path), ("critic", cfg.critic.path),
@@ -144,6 +147,7 @@ class Trainer:
             self.reward_model = load_reward_model(paths.reward, resolve_device(cfg.reward.device, str(dev)),
                                                   dtype, self.pad_id)
         self.judge_fn = load_function(paths.judge, "reward.judge") if paths.judge else None
+        self.accuracy_fn = load_function(paths.accuracy, "task accuracy") if paths.accuracy else None
         # self.policy / self.critic: the trained weights (what the learner steps and checkpoints
         # save); self.rollout_policy / self.scoring_critic: what the engine and scorers run, the
         # same objects in fp32, bf16 copies refreshed after each update under mixed precision
@@ -208,7 +212,7 @@ class Trainer:
                                  o.delta_proportional)
                  if carries and o.delta < 0 else (o.delta if carries else 0))
         self.scheduler = Scheduler(cfg.ppo.batch_size, o.max_lag if carries else 0, delta,
-                                   refill=o.refill and carries, group_size=G)
+                                   refill=o.refill and carries, group_size=G, partial_groups=o.partial_groups)
         self.tuner = ChunkSizeTuner(tuple(o.chunk_candidates), o.chunk_trial_steps, o.chunk_retune_every,
                                     fixed=o.chunk_size or None)
         self.tracer = Tracer(enabled=cfg.log.trace)
@@ -635,6 +639,7 @@ class Trainer:
         w = exp.is_weights[off]
         return {
             "overlap/delta": self.scheduler.delta, "overlap/carried": len(self.scheduler.in_flight),
+            "overlap/waiting_members": self.scheduler.waiting_members,
             "overlap/lag_max": max(lags), "overlap/lag_mean": sum(lags) / len(lags),
             "overlap/offpolicy_token_frac": off.sum().item() / max(1, mask.sum().item()),
             "overlap/is_weight_mean": w.mean().item() if w.numel() else 1.0,
@@ -692,6 +697,8 @@ class Trainer:
         m.update(self._memory())
         if self.judge_fn is not None:
             m["judge/mean"] = _mean(self.judge_fn([p for p, _ in result.texts], [r for _, r in result.texts]))
+        if self.accuracy_fn is not None:
+            m["task/accuracy"] = _mean(self.accuracy_fn([p for p, _ in result.texts], [r for _, r in result.texts]))
         return m
 
     def _memory(self) -> dict[str, float]:

@@ -84,6 +84,12 @@ def answer_of(prompt: str) -> int | None:
     return None
 
 
+def accuracy(prompts: list[str], responses: list[str]) -> list[float]:
+    """1.0 where the first number in the response is the right answer, else 0.0 (the cut-off
+    penalty and the no-number case of ``reward`` aside): what a step logs as ``task/accuracy``."""
+    return [float(r >= CORRECT - CUTOFF_PENALTY) for r in reward(prompts, responses)]
+
+
 def reward(prompts: list[str], responses: list[str]) -> list[float]:
     """Rule reward: see the module docstring. Raises on a prompt that is not an arith question."""
     if len(prompts) != len(responses):

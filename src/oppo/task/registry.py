@@ -36,6 +36,9 @@ class Task:
     """``examples(n, seed)`` -> SFT (prompt tokens, response tokens), without special tokens."""
     vocabulary: Callable[[], list[str]] = field(repr=False, compare=False)
     """Every token the task's text uses (the tokenizer's vocabulary, before special tokens)."""
+    accuracy_function: str | None = None
+    """``"module:function"`` giving 1.0 per right answer and 0.0 otherwise, for tasks with one
+    right answer (arith); the trainer logs its mean as ``task/accuracy``."""
     eval_disjoint: bool = True
     """Whether ``prepare`` keeps eval prompts out of the training prompts. False when the
     question space is too small for that (arith: 672 sums and differences in all), so eval
@@ -84,6 +87,7 @@ def arith_task() -> Task:
         judge=arith.reward,
         judge_function="oppo.task.arith:reward",
         reward_function="oppo.task.arith:reward",
+        accuracy_function="oppo.task.arith:accuracy",
         params=None,
         make_prompts=arith.make_prompts,
         examples=lambda n, seed: arith.examples(n, seed),
