@@ -13,8 +13,8 @@ from oppo.report import make_report
 from oppo.trace import Tracer
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-ALL_PNGS = {"reward_vs_step.png", "reward_vs_time.png", "kl_vs_step.png", "timeline.png", "response_lengths.png",
-            "overlap.png"}
+ALL_PNGS = {"reward_vs_step.png", "reward_vs_time.png", "accuracy_vs_step.png", "kl_vs_step.png", "timeline.png",
+            "response_lengths.png", "overlap.png"}
 
 
 def _fake_run(run_dir, seed: int, step_time: float, overlapped: bool, n_steps: int = 6) -> None:
@@ -26,6 +26,7 @@ def _fake_run(run_dir, seed: int, step_time: float, overlapped: bool, n_steps: i
             metrics = {
                 "reward/mean": 0.1 * step + rng.uniform(-0.05, 0.05),
                 "judge/mean": 0.08 * step,
+                "task/accuracy": 0.05 * step,
                 "kl/mean": 0.01 * step,
                 "response_length/mean": 20 + step,
                 "response_length/max": 40 + 2 * step,

@@ -7,6 +7,7 @@ file                        content (written only when its data exists)
 ==========================  =====================================================================
 ``reward_vs_step.png``      ``reward/mean`` (solid) and ``judge/mean`` (dashed) against step
 ``reward_vs_time.png``      the same against ``time/wallclock`` (or summed ``time/step``)
+``accuracy_vs_step.png``    ``task/accuracy`` against step (tasks with one right answer: arith)
 ``kl_vs_step.png``          ``kl/mean`` (summed per-token KL to the reference, per sequence)
                             against step
 ``timeline.png``            one step per run as a Gantt chart from ``trace.json``: a row per
@@ -439,6 +440,13 @@ def make_report(
             xlabel="wall-clock seconds",
             title="Reward vs wall-clock",
             by_time=True,
+        ),
+        _line_figure(  # tasks with one right answer (arith) only
+            groups,
+            out_dir / "accuracy_vs_step.png",
+            [("task/accuracy", [("task/accuracy", "-")])],
+            xlabel="step",
+            title="Accuracy vs step: share of responses with the right answer",
         ),
         _line_figure(
             groups,
