@@ -93,7 +93,7 @@ def test_stage_profile_shares_and_lengths():
 def test_forced_workload_sets_the_main_runs_lengths(tiny_models, tiny_prompts, tmp_path):
     """run_modes with a LengthWorkload trains exactly the sampler's lengths (EOS forced there)."""
     from oppo.bench import LengthWorkload, run_modes
-    from oppo.config import load_config
+    from oppo.config import load_config, with_overrides
 
     w = LengthWorkload("t", sigma=0.75, median=4, max_new_tokens=16, description="test")
     cfg = load_config(None, [f"policy.path={tiny_models['policy']}", f"reward.path={tiny_models['reward']}",
@@ -104,6 +104,11 @@ def test_forced_workload_sets_the_main_runs_lengths(tiny_models, tiny_prompts, t
     sampler = w.sampler(cfg.run.seed)
     assert rec["lengths"] == [[sampler(i) for i in range(4)], [sampler(i) for i in range(4, 8)]]
     assert len(set(rec["lengths"][0] + rec["lengths"][1])) > 2
+    # groups: each member of a group draws its own length (member 0 keeps the prompt's)
+    grouped = with_overrides(cfg, ["algo.name=grpo", "algo.group_size=2"])
+    rec = run_modes(grouped, ["sequential"], 1, tmp_path / "g", progress=lambda s: None, lengths=w)["sequential"]
+    assert sorted(rec["lengths"][0]) == sorted(sampler(p, m) if m else sampler(p) for p in range(2) for m in range(2))
+    assert sampler(0, 0) == sampler(0) and any(sampler(p) != sampler(p, 1) for p in range(4))
 
 
 @pytest.mark.slow

@@ -98,8 +98,11 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def _length_sampler(sigma: float, median: float, max_len: int, seed: int):
-    def sample(prompt_index: int) -> int:
-        rng = random.Random(seed * 1_000_003 + prompt_index)
+    def sample(prompt_index: int, member: int = 0) -> int:
+        # member: a sequence's place in its group (GRPO/RLOO); the G answers to one prompt get
+        # their own lengths, so some of a group finish before the rest, as sampled ones would
+        key = seed * 1_000_003 + prompt_index if member == 0 else f"{seed}/{prompt_index}/{member}"
+        rng = random.Random(key)
         return max(1, min(max_len, int(round(median * math.exp(rng.gauss(0.0, sigma))))))
     return sample
 
@@ -117,7 +120,8 @@ class LengthWorkload:
     description: str
 
     def sampler(self, seed: int):
-        """prompt_index -> forced length (the same prompt always gets the same length)."""
+        """(prompt_index, member in its group = 0) -> forced length: the same sequence always gets
+        the same length, in every mode."""
         return _length_sampler(self.sigma, self.median, self.max_new_tokens, seed)
 
     def scaled(self, max_new_tokens: int) -> "LengthWorkload":
