@@ -4,7 +4,8 @@
     python benchmarks/arith_compare.py --runs benchmarks/arith/grpo,benchmarks/arith/ppo --out benchmarks/arith
 
 Writes ``table.md`` (per algorithm and mode, over seeds: accuracy over the first and the last 20
-steps, over all steps, step time and wall-clock) and ``accuracy.png`` (accuracy against step and
+steps and over all steps, the step and the wall-clock second at which the 20-step mean first
+reaches ``--threshold``, step time and wall-clock) and ``accuracy.png`` (accuracy against step and
 against wall-clock seconds; each run's mean over the last ``--window`` steps, averaged over seeds).
 """
 
@@ -39,18 +40,35 @@ def load(dirs: list[Path]) -> dict[tuple[str, str], list[dict]]:
     return cells
 
 
-def table(cells: dict[tuple[str, str], list[dict]]) -> str:
+def reached(run: dict, threshold: float, window: int) -> tuple[int, float] | None:
+    """The first step whose last-``window``-step mean accuracy is >= ``threshold``, and the
+    wall-clock seconds at that step; None if the run never gets there."""
+    for i, a in enumerate(smooth(run["accuracy"], window)):
+        if a >= threshold:
+            return i + window - 1, run["wallclock"][i + window - 1]
+    return None
+
+
+def table(cells: dict[tuple[str, str], list[dict]], threshold: float, window: int) -> str:
     def cell(vals: list[float]) -> str:
         return f"{statistics.mean(vals):.3f} ({min(vals):.3f}-{max(vals):.3f})"
 
+    def to_threshold(runs: list[dict]) -> str:
+        hits = [reached(r, threshold, window) for r in runs]
+        got = [h for h in hits if h is not None]
+        if not got:
+            return "not reached"
+        text = f"{statistics.mean(h[0] for h in got):.0f} / {statistics.mean(h[1] for h in got):.0f} s"
+        return text if len(got) == len(runs) else f"{text} ({len(got)} of {len(runs)} seeds)"
+
     rows = ["| algorithm | mode | seeds | accuracy, first 20 steps | accuracy, last 20 steps (range) | "
-            "accuracy, all steps | median step | wall-clock |",
-            "|---|---|---|---|---|---|---|---|"]
+            f"accuracy, all steps | steps / seconds to {threshold} | median step | wall-clock |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for (algo, mode), runs in cells.items():
         rows.append(
             f"| {algo} | {mode} | {len(runs)} | {statistics.mean(r['accuracy_first20'] for r in runs):.3f} | "
             f"{cell([r['accuracy_last20'] for r in runs])} | "
-            f"{statistics.mean(statistics.mean(r['accuracy']) for r in runs):.3f} | "
+            f"{statistics.mean(statistics.mean(r['accuracy']) for r in runs):.3f} | {to_threshold(runs)} | "
             f"{statistics.mean(r['step_time_median_s'] for r in runs):.2f} s | "
             f"{statistics.mean(r['wallclock_s'] for r in runs):.0f} s |")
     return "\n".join(rows) + "\n"
@@ -77,7 +95,7 @@ def picture(cells: dict[tuple[str, str], list[dict]], path: Path, window: int) -
         ax.set_ylabel(f"accuracy (mean of the last {window} steps and of the seeds)")
         ax.grid(alpha=0.3)
     by_time.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
-    fig.suptitle("arith: share of right answers, GRPO (G=4) and PPO in each overlap mode")
+    fig.suptitle(f"arith: share of right answers, {', '.join(algos)}, in each overlap mode")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -87,12 +105,16 @@ def main() -> int:
     p.add_argument("--runs", default="benchmarks/arith/grpo,benchmarks/arith/ppo")
     p.add_argument("--out", default="benchmarks/arith")
     p.add_argument("--window", type=int, default=20)
+    p.add_argument("--threshold", type=float, default=0.35,
+                   help="Accuracy whose first crossing (of the --window-step mean) the table times.")
+    p.add_argument("--plot", default=None, help="Comma-separated algorithms to draw (default: all of --runs).")
     args = p.parse_args()
     cells = load([Path(d) for d in args.runs.split(",")])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "table.md").write_text(table(cells))
-    picture(cells, out / "accuracy.png", args.window)
+    (out / "table.md").write_text(table(cells, args.threshold, args.window))
+    drawn = set(args.plot.split(",")) if args.plot else {a for a, _ in cells}
+    picture({k: v for k, v in cells.items() if k[0] in drawn}, out / "accuracy.png", args.window)
     print((out / "table.md").read_text())
     return 0
 
