@@ -18,6 +18,8 @@ name                          meaning
 ``reward/std``                standard deviation of those scores
 ``judge/mean``                mean score from an independent judge, when one is configured
                               (a check on reward hacking: it should rise with ``reward/mean``)
+``task/accuracy``             share of responses with the right answer (built-in tasks with one
+                              right answer: arith)
 ``kl/mean``                   mean over sequences of the summed per-token KL(pi || ref)
                               estimate, the quantity that ``beta`` penalises
 ``loss/policy``               clipped PPO policy loss, averaged over epochs and minibatches
