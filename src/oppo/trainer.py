@@ -79,7 +79,7 @@ def resolve_paths(cfg: Config, progress: bool = True) -> ResolvedPaths:
             critic=cfg.critic.path or reward_path or str(prepared.policy_path),
             reference=cfg.reference.path, prompts=cfg.data.prompts or str(prepared.prompts_path),
             judge=cfg.reward.judge or task.judge_function, max_new_tokens=max_new or task.max_new_tokens,
-            accuracy=None if cfg.reward.judge else task.accuracy_function)
+            accuracy=None if cfg.data.prompts else task.accuracy_function)  # it knows only the task's prompts
     if cfg.data.prompts is None:
         raise ValueError("policy.path is set but data.prompts is not: give a prompt set (data.prompts=path.jsonl).")
     for role, path in (("policy", cfg.policy.path), ("reward", cfg.reward.path), ("critic", cfg.critic.path),
