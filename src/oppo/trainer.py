@@ -697,10 +697,11 @@ class Trainer:
             m["value/explained_var"] = pm.explained_variance(exp.values, exp.returns, exp.mask).item()
         m.update({k: v for k, v in result.stats.items() if not k.startswith("_")})
         m.update(self._memory())
+        prompts, responses = [p for p, _ in result.texts], [r for _, r in result.texts]
         if self.judge_fn is not None:
-            m["judge/mean"] = _mean(self.judge_fn([p for p, _ in result.texts], [r for _, r in result.texts]))
+            m["judge/mean"] = _mean(self.judge_fn(prompts, responses))
         if self.accuracy_fn is not None:
-            m["task/accuracy"] = _mean(self.accuracy_fn([p for p, _ in result.texts], [r for _, r in result.texts]))
+            m["task/accuracy"] = _mean(self.accuracy_fn(prompts, responses))
         return m
 
     def _memory(self) -> dict[str, float]:
