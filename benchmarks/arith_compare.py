@@ -1,7 +1,7 @@
 """GRPO against PPO on the built-in ``arith`` task: one table and one picture from the runs of
 ``learning_curves.py`` (one output directory per algorithm).
 
-    python benchmarks/arith_compare.py --runs benchmarks/arith/grpo,benchmarks/arith/ppo --out benchmarks/arith
+    python benchmarks/arith_compare.py        # the five directories under benchmarks/arith
 
 Writes ``table.md`` (per algorithm and mode, over seeds: accuracy over the first and the last 20
 steps and over all steps, the step and the wall-clock second at which the 20-step mean first
@@ -102,18 +102,22 @@ def picture(cells: dict[tuple[str, str], list[dict]], path: Path, window: int) -
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--runs", default="benchmarks/arith/grpo,benchmarks/arith/ppo")
+    p.add_argument("--runs", default="benchmarks/arith/grpo,benchmarks/arith/ppo,benchmarks/arith/rloo,"
+                                     "benchmarks/arith/reinforce_pp,benchmarks/arith/grpo_256")
     p.add_argument("--out", default="benchmarks/arith")
     p.add_argument("--window", type=int, default=20)
     p.add_argument("--threshold", type=float, default=0.35,
                    help="Accuracy whose first crossing (of the --window-step mean) the table times.")
-    p.add_argument("--plot", default=None, help="Comma-separated algorithms to draw (default: all of --runs).")
+    p.add_argument("--plot", default="grpo,ppo,grpo_256",
+                   help="Comma-separated algorithms (directory names) to draw; empty: all of --runs.")
     args = p.parse_args()
     cells = load([Path(d) for d in args.runs.split(",")])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "table.md").write_text(table(cells, args.threshold, args.window))
     drawn = set(args.plot.split(",")) if args.plot else {a for a, _ in cells}
+    if not drawn & {a for a, _ in cells}:
+        raise SystemExit(f"--plot {args.plot!r} names none of the algorithms in --runs")
     picture({k: v for k, v in cells.items() if k[0] in drawn}, out / "accuracy.png", args.window)
     print((out / "table.md").read_text())
     return 0
