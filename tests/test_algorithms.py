@@ -75,3 +75,26 @@ def test_grpo_checkpoint_has_no_critic_and_resumes(tiny_models, tiny_prompts, tm
 def test_bad_algorithm_settings(bad, msg):
     with pytest.raises(ConfigError, match=msg):
         load_config(None, ["ppo.batch_size=8", "ppo.minibatch_size=4", "ppo.micro_batch_size=4", *bad])
+
+
+@pytest.mark.parametrize("policy", ["carry", "wait"])
+def test_partly_finished_groups_carried_or_waited_for(tiny_models, tiny_prompts, tmp_path, policy):
+    """Members of a group with their own forced lengths: under carry some finished members wait
+    for a sibling across a close; under wait none does, and every group still trains whole."""
+    t = Trainer(_cfg(tiny_models, tiny_prompts, tmp_path, "algo.name=grpo", "algo.group_size=2", "overlap.mode=oppo",
+                     "overlap.delta=2", "overlap.max_lag=1", f"overlap.partial_groups={policy}"), progress=False)
+    t.length_sampler = lambda i, member=0: 2 if member == 0 else 2 + (3 * i + 5) % 9  # sibling 2-10 tokens
+    try:
+        waiting = []
+        for _ in range(4):
+            m = t.run_step()
+            waiting.append(m["overlap/waiting_members"])
+            rows = t.last_result.exp.rollouts
+            for i in range(0, len(rows), 2):  # whole groups, one prompt each
+                assert rows[i].group == rows[i + 1].group and rows[i].prompt_index == rows[i + 1].prompt_index
+        if policy == "wait":
+            assert waiting == [0] * 4
+        else:
+            assert max(waiting) > 0
+    finally:
+        t.close()
