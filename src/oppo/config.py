@@ -132,6 +132,9 @@ class PPOConfig:
     critic_lr: float = opt(5e-5, "Critic learning rate (AdamW).")
     weight_decay: float = opt(0.0, "AdamW weight decay for actor and critic.")
     max_grad_norm: float = opt(1.0, "Gradient clipping by global norm (0: off).")
+    lr_warmup_steps: int = opt(0, "Optimizer steps over which each learning rate ramps linearly up to ppo.actor_lr / "
+                                  "ppo.critic_lr (0: none). Counted by the optimizer itself, so a resumed run "
+                                  "continues the ramp.")
     kl_coef: float = opt(0.05, "beta: weight of the per-token KL(pi || ref) penalty (in the reward, or in the "
                                "loss: algo.kl_placement).")
     kl_estimator: str = opt("auto", "Per-token KL estimator. auto: k1 in the reward, k3 in the loss (GRPO's).",
@@ -525,6 +528,7 @@ def validate(cfg: Config) -> None:
     _check(p.epochs >= 1, f"ppo.epochs must be >= 1, got {p.epochs}.")
     _check(p.actor_lr >= 0 and p.critic_lr >= 0, "ppo.actor_lr and ppo.critic_lr must be >= 0.")
     _check(p.kl_coef >= 0, f"ppo.kl_coef must be >= 0, got {p.kl_coef}.")
+    _check(p.lr_warmup_steps >= 0, f"ppo.lr_warmup_steps must be >= 0 (0: no warm-up), got {p.lr_warmup_steps}.")
     _check(cfg.lora.r >= 0 and cfg.lora.alpha > 0 and 0 <= cfg.lora.dropout < 1,
            "lora.r must be >= 0, lora.alpha > 0 and lora.dropout in [0, 1).")
     _check(not (cfg.lora.r and not cfg.reference.path and cfg.reference.device not in ("auto", cfg.policy.device)),

@@ -306,8 +306,20 @@ def _train(model, opt, mask: torch.Tensor, minibatches: list[torch.Tensor], cfg:
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0.0) + (v if k.startswith("loss/") else v * w)
         sums[f"grad_norm/{name}"] = sums.get(f"grad_norm/{name}", 0.0) + _clip(model, cfg.max_grad_norm)
+        if cfg.lr_warmup_steps > 0:
+            warm_up(opt, cfg.actor_lr if name == "actor" else cfg.critic_lr, cfg.lr_warmup_steps)
         opt.step()
     return {k: v / len(minibatches) for k, v in sums.items()}
+
+
+def warm_up(opt: torch.optim.Optimizer, lr: float, warmup_steps: int) -> None:
+    """Set the learning rate of the optimizer step about to be taken, the n-th (from 1):
+    ``lr * min(1, n / warmup_steps)``. n comes from the optimizer's own step count (AdamW's
+    per-parameter ``step``, in its state dict), so a resumed run, the scorer worker's shared
+    critic optimizer and every data-parallel rank agree without a scheduler of their own."""
+    done = next((int(st["step"]) for st in opt.state.values() if "step" in st), 0)
+    for group in opt.param_groups:
+        group["lr"] = lr * min(1.0, (done + 1) / warmup_steps)
 
 
 def _clip(model, max_norm: float) -> float:
