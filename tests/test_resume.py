@@ -34,9 +34,14 @@ def test_resume_equals_uninterrupted(tiny_models, tiny_prompts, tmp_path, mode):
     train(cfg_for(tiny_models, tiny_prompts, part, 4, mode), resume="auto", progress=False)
     a, b = read_metrics(full), read_metrics(part)
     assert [m["step"] for m in b] == [0, 1, 2, 3]
+    # loss/policy of an on-policy batch is a mean of whitened advantages: 0 up to rounding (about
+    # 1e-6). In oppo mode the critic's values come from the scorer process, whose thread count
+    # follows the actor's load, so that rounding differs between two runs of the same step 0
+    # (CI saw -7.1e-6 against 2.1e-6): its absolute tolerance is that scale, not 1e-6.
+    tol = {"loss/policy": 1e-4}
     for x, y in zip(a, b):
         for k in ("reward/mean", "loss/policy", "loss/value", "kl/mean", "response_length/mean"):
-            assert x[k] == pytest.approx(y[k], rel=1e-5, abs=1e-6), (x["step"], k)
+            assert x[k] == pytest.approx(y[k], rel=1e-5, abs=tol.get(k, 1e-6)), (x["step"], k)
     lengths = [json.loads(l) for l in (part / "lengths.jsonl").read_text().splitlines()]
     assert [l["step"] for l in lengths] == [0, 1, 2, 3]
     if mode in ("inter", "oppo"):  # the case worth testing: sequences were carried across steps
