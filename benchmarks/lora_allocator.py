@@ -19,13 +19,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
+from memory import rss_mb, saved_for_backward  # benchmarks/memory.py, beside this script
 from oppo.bench import write_synthetic_models
 from oppo.models import apply_lora
-
-
-def rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
 
 
 def main(mode: str) -> int:
@@ -36,17 +32,9 @@ def main(mode: str) -> int:
     model = AutoModelForCausalLM.from_pretrained(paths["policy"])
     if mode == "lora":
         model = apply_lora(model, 8, 16.0, 0.0, [])
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(x):
-        if x.untyped_storage().data_ptr() not in params:
-            saved[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
-        return x
-
     ids = torch.randint(4, 100, (8, 300), generator=torch.Generator().manual_seed(0))
     base = rss_mb()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+    with saved_for_backward(model) as saved:
         out = model(input_ids=ids)
     after = rss_mb()
     ctypes.CDLL("libc.so.6").malloc_trim(0)

@@ -16,6 +16,7 @@ loaded state (on CPU: resident set size, ``VmRSS`` and ``ru_maxrss``; on CUDA:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import resource
 import subprocess
@@ -31,7 +32,8 @@ CONFIGS = {
 }
 
 
-def _rss_mb() -> float:
+def rss_mb() -> float:
+    """This process's resident set size now (MiB)."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("VmRSS:"):
@@ -39,17 +41,13 @@ def _rss_mb() -> float:
     return float("nan")
 
 
-def saved_by_actor_forward(t, micro: int) -> float:
-    """MiB of the tensors that one actor training forward of ``micro`` sequences of the last
-    batch saves for its backward (distinct storages, parameters excluded): the activation
-    memory, which the resident set size blurs with freed memory the allocator keeps."""
+@contextlib.contextmanager
+def saved_for_backward(model):
+    """Within the block, the tensors autograd saves for backward are counted (distinct storages,
+    ``model``'s parameters excluded); yields a dict storage -> bytes, complete after the block."""
     import torch
 
-    from oppo.learner import _micro_slices
-    from oppo.models import checkpointing
-
-    actor = t.learner.actor
-    params = {p.untyped_storage().data_ptr() for p in actor.parameters()}
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
 
     def pack(x):
@@ -58,8 +56,22 @@ def saved_by_actor_forward(t, micro: int) -> float:
             seen[ptr] = x.untyped_storage().nbytes()
         return x
 
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        yield seen
+
+
+def saved_by_actor_forward(t, micro: int) -> float:
+    """MiB of the tensors that one actor training forward of ``micro`` sequences of the last
+    batch saves for its backward: the activation memory, which the resident set size blurs
+    with freed memory the allocator keeps."""
+    import torch
+
+    from oppo.learner import _micro_slices
+    from oppo.models import checkpointing
+
+    actor = t.learner.actor
     ids, valid, P, _ = _micro_slices(t.last_result.exp, torch.arange(micro))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x), checkpointing(actor):
+    with saved_for_backward(actor) as seen, checkpointing(actor):
         logits = t.learner._actor_logits(ids, valid, P)
     del logits
     return sum(seen.values()) / 2**20
@@ -82,8 +94,8 @@ def child(args) -> dict:
         "run.samples=0", f"run.out_dir={Path(args.out) / 'run'}", *json.loads(args.child)])
     cuda = args.device.startswith("cuda")
     t = Trainer(cfg, progress=False)
-    t.length_sampler = lambda i: args.length
-    loaded = torch.cuda.memory_allocated() / 2**20 if cuda else _rss_mb()
+    t.length_sampler = lambda i, member: args.length
+    loaded = torch.cuda.memory_allocated() / 2**20 if cuda else rss_mb()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()

@@ -83,7 +83,7 @@ def test_partly_finished_groups_carried_or_waited_for(tiny_models, tiny_prompts,
     for a sibling across a close; under wait none does, and every group still trains whole."""
     t = Trainer(_cfg(tiny_models, tiny_prompts, tmp_path, "algo.name=grpo", "algo.group_size=2", "overlap.mode=oppo",
                      "overlap.delta=2", "overlap.max_lag=1", f"overlap.partial_groups={policy}"), progress=False)
-    t.length_sampler = lambda i, member=0: 2 if member == 0 else 2 + (3 * i + 5) % 9  # sibling 2-10 tokens
+    t.length_sampler = lambda i, member: 2 if member == 0 else 2 + (3 * i + 5) % 9  # sibling 2-10 tokens
     try:
         waiting = []
         for _ in range(4):

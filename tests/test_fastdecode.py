@@ -275,7 +275,7 @@ def test_trainer_with_the_static_engine_trains_the_same_batches(tiny_models, tin
             "generation.max_new_tokens=10", "overlap.mode=oppo", "overlap.delta=2", "overlap.max_lag=1",
             "overlap.scorer_process=false", f"run.out_dir={tmp_path / str(static)}", "log.progress=false"])
         t = Trainer(cfg, progress=False)
-        t.length_sampler = lambda i: 2 + (i * 7) % 9  # rows end at different times: some are carried
+        t.length_sampler = lambda i, member: 2 + (i * 7) % 9  # rows end at different times: some are carried
         if static:
             e = t.engine
             t.engine = StaticRolloutEngine(t.rollout_policy, t.stop_ids, t.pad_id, t.max_new_tokens,

@@ -19,8 +19,9 @@ and the table gains a column of speedups against it.
 The main run forces its response lengths (``--workload``, default ``representative``,
 :data:`WORKLOADS`): a long-tailed distribution like real RLHF's, where, on GPUs, generation is
 the largest share of the sequential step (on the 2-vCPU machine with the tiny models training
-still is, at 40% against 36%: ``benchmarks/representative_quick``). bench.md states the stage profile (generate / score / train shares
-of the sequential step and the response lengths' p50, p99 and maximum) of that headline run and,
+still is, at 40% against 36%: ``benchmarks/representative_quick``). bench.md states the stage
+profile (generate / score / train shares of the sequential step and the response lengths' p50,
+p99 and maximum) of that headline run and,
 as a second row, of a short sequential run on the task's own lengths (``--workload natural``
 makes those the headline), so a reader sees which regime the speedups were measured in: a tiny
 model on a CPU, where training dominates, says little about a GPU run where decoding the longest

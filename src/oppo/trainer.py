@@ -244,7 +244,7 @@ class Trainer:
         self.step = 0
         self.wallclock = 0.0
         self.step_windows: dict[int, tuple[float, float]] = {}  # perf_counter bounds of each step
-        self.length_sampler = None  # benchmarks: (prompt_index[, member of its group]) -> forced response length
+        self.length_sampler = None  # benchmarks: (prompt_index, member of its group) -> forced response length
         self.last_result: StepResult | None = None
 
     def _place_on_ray(self, dtype: torch.dtype, recompute_old: bool) -> None:
@@ -345,9 +345,7 @@ class Trainer:
             text, ids = self.prompt_set.at(t.prompt_index)
             r = Rollout(t.uid, t.prompt_index, text, list(ids), t.start_version, group=t.group)
             if self.length_sampler is not None:
-                member = t.uid - t.group  # place in its group; a group of one calls with the index alone
-                r.target_length = (self.length_sampler(t.prompt_index, member) if member
-                                   else self.length_sampler(t.prompt_index))
+                r.target_length = self.length_sampler(t.prompt_index, t.uid - t.group)  # (its place in its group)
             self.rollouts[t.uid] = r
             new.append(r)
         return new

@@ -84,14 +84,9 @@ def answer_of(prompt: str) -> int | None:
     return None
 
 
-def accuracy(prompts: list[str], responses: list[str]) -> list[float]:
-    """1.0 where the first number in the response is the right answer, else 0.0 (the cut-off
-    penalty and the no-number case of ``reward`` aside): what a step logs as ``task/accuracy``."""
-    return [float(r >= CORRECT - CUTOFF_PENALTY) for r in reward(prompts, responses)]
-
-
-def reward(prompts: list[str], responses: list[str]) -> list[float]:
-    """Rule reward: see the module docstring. Raises on a prompt that is not an arith question."""
+def _first_number_right(prompts: list[str], responses: list[str]) -> list[bool | None]:
+    """Per response: whether its first number is the right answer (None: it has no number).
+    Raises on a prompt that is not an arith question."""
     if len(prompts) != len(responses):
         raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
     out = []
@@ -100,7 +95,21 @@ def reward(prompts: list[str], responses: list[str]) -> list[float]:
         if truth is None:
             raise ValueError(f"not an arith prompt: {prompt!r}")
         m = _NUMBER.search(response)
-        r = NO_ANSWER if m is None else (CORRECT if int(m.group()) == truth else WRONG)
+        out.append(None if m is None else int(m.group()) == truth)
+    return out
+
+
+def accuracy(prompts: list[str], responses: list[str]) -> list[float]:
+    """1.0 where the first number in the response is the right answer, else 0.0 (no cut-off
+    penalty, no number counts as wrong): what a step logs as ``task/accuracy``."""
+    return [float(right is True) for right in _first_number_right(prompts, responses)]
+
+
+def reward(prompts: list[str], responses: list[str]) -> list[float]:
+    """Rule reward: see the module docstring. Raises on a prompt that is not an arith question."""
+    out = []
+    for right, response in zip(_first_number_right(prompts, responses), responses):
+        r = NO_ANSWER if right is None else (CORRECT if right else WRONG)
         if not response.rstrip().endswith("."):
             r -= CUTOFF_PENALTY
         out.append(r)
