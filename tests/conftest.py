@@ -10,6 +10,10 @@ WORDS = ("the a good bad great awful film book day story was is and but very not
          "i we liked hated loved fine nice poor sad happy . ,").split()
 
 
+TINY_PROMPTS = ("the film was", "i liked the book", "a day", "we hated it but", "the story is very",
+                "it was quite", "the book", "a great")
+
+
 def make_tokenizer(path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -54,9 +58,7 @@ def tiny_prompts(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("prompts")
     p = d / "prompts.jsonl"
-    texts = ["the film was", "i liked the book", "a day", "we hated it but", "the story is very",
-             "it was quite", "the book", "a great"]
-    p.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    p.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in TINY_PROMPTS))
     return p
 
 
