@@ -1,0 +1,1 @@
+"""Roles: what each of the four models does, wherever it runs (``protocols`` names the seams)."""

@@ -1,0 +1,174 @@
+"""What crosses a role boundary: the rollout backend, the scorer and the learner, as
+``typing.Protocol`` classes, and the typed events a rollout backend reports.
+
+The controller (``oppo.control``) only calls these methods. Where a role runs (this thread, a
+child process, a Ray actor, a vLLM engine) is decided once, by ``oppo.setup.build_roles``; every
+implementation of one Protocol passes the same conformance suite (``tests/test_conformance.py``).
+
+Implementations:
+
+- :class:`RolloutBackend`: ``rollout.RolloutEngine`` (eager), ``fastdecode.StaticRolloutEngine``
+  (static slots, CUDA graphs), ``placement.ray_rollout.RayRolloutGroup`` (N Ray workers, each
+  with its own engine, decoding on their own between two calls and streaming to the scorers
+  themselves).
+- :class:`Scorer`: ``workers.ScorerWorker`` (a thread), ``workers.ProcessScorerWorker`` (a child
+  process), ``placement.ray_scorer.RayScorerWorker`` (Ray actors).
+- :class:`Learner`: ``learner.Learner`` (local), ``placement.dp.DPLearnerGroup`` (data-parallel
+  Ray ranks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Protocol, Union, runtime_checkable
+
+import torch
+
+from ..rollout import Chunk, Rollout
+from ..scoring import ScoredOutputs
+
+
+# ---------------------------------------------------------------- rollout events
+
+
+@dataclass(frozen=True)
+class SequenceFinished:
+    """A sequence ended (EOS or its token budget). ``rollout`` holds all its tokens, behaviour
+    log-probs and per-token versions."""
+
+    rollout: Rollout
+
+
+@dataclass(frozen=True)
+class ChunkReady:
+    """New tokens of one sequence for the streaming scorers (``chunk.final``: its last ones)."""
+
+    chunk: Chunk
+
+
+Event = Union[SequenceFinished, ChunkReady]
+
+
+# ---------------------------------------------------------------- rollout backend
+
+
+@runtime_checkable
+class RolloutBackend(Protocol):
+    """Samples responses for admitted sequences, a step at a time; carries unfinished ones
+    across PPO steps; loads new weights between two steps.
+
+    Every sampled token gets its behaviour log-prob and the policy version that sampled it
+    (``Rollout.logprobs`` / ``Rollout.versions``).
+    """
+
+    version: int
+    """The policy version the backend samples with (what new tokens are tagged with)."""
+
+    @property
+    def active(self) -> int:
+        """Sequences admitted and not yet finished or aborted."""
+
+    def admit(self, rollouts: list[Rollout]) -> None:
+        """Start sampling these sequences (prompt, plus any response so far)."""
+
+    def advance(self, chunk_size: int | None) -> list[Event]:
+        """Sample at least one token for every active sequence and report what happened, in
+        order: every :class:`SequenceFinished`, then every :class:`ChunkReady`.
+
+        ``chunk_size``: emit a chunk for each sequence with that many unstreamed tokens, and a
+        final chunk for each finished one. None: no chunks (no streaming scorer listens, or the
+        backend streams to them itself). A backend may sample several tokens per call (a Ray
+        worker decodes on its own until a sequence ends or a chunk is due); it returns no
+        later than the first sequence that finishes.
+        """
+
+    def generate_all(self) -> list[Rollout]:
+        """Sample until every active sequence has ended (the sequential rollout); return them."""
+
+    def set_version(self, version: int) -> None:
+        """Tag every token sampled from now on with ``version`` (its weights are loaded)."""
+
+    def load_weights(self, weights: torch.nn.Module, version: int) -> None:
+        """Load the learner's current policy weights, then sample as ``version``. Sequences in
+        flight stay (their KV cache is kept; see :meth:`recompute`)."""
+
+    def recompute(self) -> None:
+        """Rebuild every active sequence's KV cache under the current weights
+        (``overlap.stale_kv=recompute``)."""
+
+    def abort(self, uids: set[int]) -> None:
+        """Drop these sequences."""
+
+    def state_dict(self) -> dict:
+        """The sampling state a checkpoint saves (random generators)."""
+
+    def load_state_dict(self, state: dict) -> None:
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+# ---------------------------------------------------------------- scorers
+
+
+@runtime_checkable
+class Scorer(Protocol):
+    """The frozen and trained scorers (reward model, reference, critic), streaming or one-shot.
+
+    Messages are processed in the order they are sent; ``barrier`` waits for all of them.
+    """
+
+    roles: tuple[str, ...]
+    """Which of "reward", "reference", "critic" it scores."""
+
+    def admit(self, uids: list[int], prompts: list[list[int]], step: int) -> None:
+        """Prefill these sequences' prompts."""
+
+    def feed(self, chunks: list[Chunk], step: int) -> None:
+        """Prefill the chunks; a final chunk completes its sequence."""
+
+    def forget(self, uids: set[int]) -> None:
+        """Drop these sequences' state."""
+
+    def barrier(self) -> None:
+        """Wait until every message sent so far has been processed (re-raises a worker error)."""
+
+    def take(self, uids: list[int]) -> dict[str, list[ScoredOutputs]]:
+        """Completed outputs of these sequences, per role (after a barrier)."""
+
+    def score_full(self, role: str, prompts: list[list[int]], responses: list[list[int]]
+                   ) -> list[ScoredOutputs]:
+        """One-shot scoring of whole sequences by one role."""
+
+    def close(self) -> None:
+        ...
+
+
+# ---------------------------------------------------------------- learner
+
+
+@runtime_checkable
+class Learner(Protocol):
+    """Trains the actor (and the critic, unless the scorer trains it beside its scoring)."""
+
+    def old_logprobs(self, exp, version: int) -> None:
+        """Fill ``exp.old_logprobs`` / ``exp.is_weights`` under the current weights."""
+
+    def minibatches(self, B: int, step: int) -> list[torch.Tensor]:
+        """The row indices of every optimizer step of one update (seeded per step)."""
+
+    def update(self, exp, step: int, critic: bool = True) -> dict[str, float]:
+        """PPO epochs over ``exp``: actor (and critic); returns the stats."""
+
+    def actor_weights(self) -> Iterable | torch.nn.Module:
+        """The policy's trained weights, for the rollout backend."""
+
+    def state_dict(self) -> dict:
+        """Optimizer states (and, when they live elsewhere, the trained weights)."""
+
+    def load_state_dict(self, state: dict) -> None:
+        ...
+
+    def close(self) -> None:
+        ...
