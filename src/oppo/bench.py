@@ -229,11 +229,11 @@ def static_engine(capture: str = "none"):
     def make(t):
         from .fastdecode import StaticRolloutEngine
 
-        g, B = t.cfg.generation, t.cfg.ppo.batch_size
-        eng = StaticRolloutEngine(t.rollout_policy, t.stop_ids, t.pad_id, t.max_new_tokens, g.temperature, g.top_k,
-                                  g.top_p, seed=t.cfg.run.seed, max_rows=2 * B if t.cfg.carries else B,
-                                  max_len=t.cfg.data.max_prompt_tokens + t.max_new_tokens, capture=capture)
-        eng.kv_budget_mb = getattr(t.engine, "kv_budget_mb", None)
+        r, g, B = t.roles, t.cfg.generation, t.cfg.ppo.batch_size
+        eng = StaticRolloutEngine(r.rollout_policy, r.stop_ids, r.pad_id, r.max_new_tokens, g.temperature,
+                                  g.top_k, g.top_p, seed=t.cfg.run.seed, max_rows=2 * B if t.cfg.carries else B,
+                                  max_len=t.cfg.data.max_prompt_tokens + r.max_new_tokens, capture=capture)
+        eng.kv_budget_mb = getattr(r.rollout, "kv_budget_mb", None)
         return eng
     return make
 
@@ -264,7 +264,7 @@ def run_modes(base, modes: list[str], steps: int, out: Path, tail_sigma: float |
         elif lengths is not None:
             t.length_sampler = lengths.sampler(cfg.run.seed)
         if make_engine is not None:
-            t.engine = make_engine(t)
+            t.roles.rollout = make_engine(t)
         loggers[mode] = MetricsLogger(cfg.run.out_dir)
         records[mode] = {"metrics": [], "sampler": t.length_sampler, "lengths": []}
     try:

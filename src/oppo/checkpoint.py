@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 from pathlib import Path
 
@@ -59,14 +58,6 @@ def checkpoint_dirs(run_dir: Path) -> list[Path]:
 def latest_checkpoint(run_dir: Path) -> Path | None:
     dirs = checkpoint_dirs(run_dir)
     return dirs[-1] if dirs else None
-
-
-def _rng_state(trainer) -> dict:
-    import numpy as np
-
-    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
-            "engine": trainer.engine.generator.get_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
 
 
 def checkpoint_step(ckpt: Path) -> int:
@@ -108,38 +99,27 @@ def settings_mismatches(saved: dict, now: dict) -> list[tuple[str, object, objec
 
 
 def save_checkpoint(trainer, run_dir: Path, keep: int = 2) -> Path:
+    """Write ``trainer``'s state (``Trainer.models`` and ``Trainer.state_dict``) as
+    ``checkpoints/step_N/``, atomically: a temporary directory renamed into place, ``state.json``
+    written last. Keeps the newest ``keep``."""
     run_dir = Path(run_dir)
     root = run_dir / CKPT_DIR
     root.mkdir(parents=True, exist_ok=True)
-    trainer.between_steps()
-    drained = trainer.scheduler.drain_for_checkpoint()
-    if drained:
-        uids = {t.uid for t in drained}
-        trainer.engine.abort(uids)
-        if trainer.worker:
-            trainer.worker.forget(uids)
-            trainer.worker.barrier()
-        for u in uids:
-            trainer.rollouts.pop(u, None)
+    state = trainer.state_dict()  # drains the sequences in flight; on Ray, brings the ranks' weights home
+    step = state["state"]["step"]
     for leftover in root.glob(".tmp-step_*"):  # from an interrupted save: never a valid checkpoint
         shutil.rmtree(leftover, ignore_errors=True)
-    final = root / f"step_{trainer.step:06d}"
-    tmp = root / f".tmp-step_{trainer.step:06d}-{os.getpid()}"
+    final = root / f"step_{step:06d}"
+    tmp = root / f".tmp-step_{step:06d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    optim = trainer.learner_state()  # on Ray: also brings the ranks' weights home
-    trainer.policy.save_pretrained(tmp / "policy")
-    trainer.tokenizer.save_pretrained(tmp / "policy")
-    if trainer.critic is not None:  # critic-free algorithms have none
-        trainer.critic.save_pretrained(tmp / "critic")
-    torch.save(optim, tmp / "optim.pt")
-    torch.save(_rng_state(trainer), tmp / "rng.pt")
-    from .config import to_dict
-
-    (tmp / CONFIG_FILE).write_text(yaml.safe_dump(to_dict(trainer.cfg), sort_keys=False))
-    state = {"step": trainer.step, "wallclock": trainer.wallclock, "scheduler": trainer.scheduler.state_dict(),
-             "tuner": trainer.tuner.state_dict(), "drained": len(drained)}
-    (tmp / "state.json").write_text(json.dumps(state, indent=1))  # written last: marks the checkpoint complete
+    for name, model in trainer.models().items():  # critic-free algorithms have no critic
+        model.save_pretrained(tmp / name)
+    state["tokenizer"].save_pretrained(tmp / "policy")
+    torch.save(state["optim"], tmp / "optim.pt")
+    torch.save(state["rng"], tmp / "rng.pt")
+    (tmp / CONFIG_FILE).write_text(yaml.safe_dump(state["config"], sort_keys=False))
+    (tmp / "state.json").write_text(json.dumps(state["state"], indent=1))  # written last: marks the checkpoint complete
     if final.exists():
         old = root / f".old-{final.name}-{os.getpid()}"
         os.replace(final, old)
@@ -163,32 +143,15 @@ def load_checkpoint(trainer, ckpt: Path) -> None:
         raise FileNotFoundError(f"{ckpt} is not a complete checkpoint (no state.json). Give a step_* directory "
                                 f"under {CKPT_DIR}/, or --resume auto.")
     state = json.loads((ckpt / "state.json").read_text())
-    for model, cls, sub in ((trainer.policy, AutoModelForCausalLM, "policy"),
-                            (trainer.critic, AutoModelForSequenceClassification, "critic")):
-        if model is None:
-            continue
+    classes = {"policy": AutoModelForCausalLM, "critic": AutoModelForSequenceClassification}
+    for sub, model in trainer.models().items():
         if is_peft(model):  # LoRA: the checkpoint holds the adapter (PeftModel.from_pretrained loads it)
             from peft import load_peft_weights, set_peft_model_state_dict
 
-            set_peft_model_state_dict(model, load_peft_weights(str(ckpt / sub), device=str(trainer.device)))
+            device = str(next(model.parameters()).device)
+            set_peft_model_state_dict(model, load_peft_weights(str(ckpt / sub), device=device))
             continue
-        saved = cls.from_pretrained(ckpt / sub, dtype=next(model.parameters()).dtype)
+        saved = classes[sub].from_pretrained(ckpt / sub, dtype=next(model.parameters()).dtype)
         model.load_state_dict(saved.state_dict())
-    trainer.sync_weights()  # the bf16 serving copies (weights.py), when there are any
-    trainer.load_learner_state(torch.load(ckpt / "optim.pt", weights_only=False))
-    rng = torch.load(ckpt / "rng.pt", weights_only=False)
-    torch.set_rng_state(rng["torch"])
-    random.setstate(rng["python"])
-    import numpy as np
-
-    np.random.set_state(rng["numpy"])
-    engine_rng = rng["engine"]
-    if isinstance(engine_rng, list) and trainer.rollout_group is None:
-        engine_rng = engine_rng[0]  # saved by Ray rollout workers (one state each): rank 0's, as theirs do
-    trainer.engine.generator.set_state(engine_rng)
-    if rng.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
-    trainer.scheduler.load_state_dict(state["scheduler"])
-    trainer.tuner.load_state_dict(state["tuner"])
-    trainer.step = state["step"]
-    trainer.wallclock = state["wallclock"]
+    trainer.load_state_dict({"state": state, "optim": torch.load(ckpt / "optim.pt", weights_only=False),
+                             "rng": torch.load(ckpt / "rng.pt", weights_only=False)})

@@ -6,13 +6,14 @@ Stages 4-6 of the PPO step (``shared/DESIGN.md`` section 2) live here as plain f
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from . import ppo_math as pm
 from .config import PPOConfig
-from .rollout import Rollout
+from .types import Rollout, Scores
 from .scoring import ScoredOutputs, full_hidden, response_outputs, sequence_batch
 from .models import backbone_and_head, checkpointing
 from .weights import autocast
@@ -41,7 +42,7 @@ class Experience:
     behaviour_logprobs: torch.Tensor
     old_logprobs: torch.Tensor
     is_weights: torch.Tensor
-    ref_logprobs: torch.Tensor | None = None  # filled by attach_scores
+    ref_logprobs: torch.Tensor | None = None  # set by attach_scores (a new record)
     values: torch.Tensor | None = None
     scores: torch.Tensor | None = None
     rewards: torch.Tensor | None = None
@@ -72,28 +73,26 @@ def build_experience(rollouts: list[Rollout], pad_id: int, device) -> Experience
         group_ids=torch.tensor([r.group for r in rollouts], dtype=torch.long, device=device))
 
 
-def attach_scores(exp: Experience, scores: list[float], ref: list[ScoredOutputs],
-                  values: list[ScoredOutputs] | None) -> Experience:
-    """Stage 3's results, per sequence, as [B, T] tensors aligned with the responses
-    (``values`` None: a critic-free algorithm)."""
+def attach_scores(exp: Experience, scored: Scores) -> Experience:
+    """A new record with stage 3's results, per sequence, as [B, T] tensors aligned with the
+    responses (``scored.values`` None: a critic-free algorithm)."""
     T, device = exp.mask.shape[1], exp.mask.device
-    exp.ref_logprobs = _pad_rows([o.logprobs for o in ref], T, device)
-    exp.values = _pad_rows([o.values for o in values], T, device) if values is not None else None
-    exp.scores = torch.tensor(scores, dtype=torch.float32, device=device)
-    return exp
+    return dataclasses.replace(
+        exp, ref_logprobs=_pad_rows([o.logprobs for o in scored.reference], T, device),
+        values=_pad_rows([o.values for o in scored.values], T, device) if scored.values is not None else None,
+        scores=torch.tensor(scored.scores, dtype=torch.float32, device=device))
 
 
 @torch.no_grad()
 def compute_advantages(exp: Experience, cfg: PPOConfig, algorithm) -> Experience:
-    """Stages 4 and 5: per-token rewards (KL-shaped when the KL goes in the reward), then the
+    """Stages 4 and 5 (a new record): per-token rewards (KL-shaped when the KL goes in the reward), then the
     algorithm's advantages (``algo.Algorithm``: GAE with the critic's values for PPO; group,
     leave-one-out or batch baselines for the critic-free ones) and, for PPO, returns."""
     ended = torch.tensor([r.ended_with_eos for r in exp.rollouts], device=exp.scores.device)
     scores = pm.missing_eos_penalty(exp.scores, ended, cfg.missing_eos_penalty)
     res = algorithm.advantages(scores, exp.mask, exp.old_logprobs, exp.ref_logprobs, exp.values, exp.group_ids)
-    exp.rewards, exp.kl, exp.advantages, exp.returns = res.rewards, res.kl, res.advantages, res.returns
-    exp.stats = {**(exp.stats or {}), **{k: float(v) for k, v in res.stats.items()}}
-    return exp
+    return dataclasses.replace(exp, rewards=res.rewards, kl=res.kl, advantages=res.advantages, returns=res.returns,
+                               stats={**(exp.stats or {}), **{k: float(v) for k, v in res.stats.items()}})
 
 
 def _micro_slices(exp: "Experience | CriticBatch", rows: torch.Tensor):
@@ -196,6 +195,27 @@ class Learner:
             stats.update(critic_update(self.critic, self.critic_opt, CriticBatch.of(exp), mbs, self.cfg,
                                        compute_dtype=self.compute_dtype))
         return stats
+
+    def actor_weights(self) -> torch.nn.Module:
+        """The trained policy (the rollout backend copies from it: ``RolloutBackend.load_weights``)."""
+        return self.actor
+
+    def checkpoint_state(self) -> dict:
+        """The optimizer states a checkpoint saves: ``{"actor"[, "critic"]}``."""
+        out = {"actor": self.actor_opt.state_dict()}
+        if self.critic is not None:
+            out["critic"] = self.critic_opt.state_dict()
+        return out
+
+    def load_checkpoint_state(self, optim: dict) -> None:
+        """Inverse of :meth:`checkpoint_state` (the weights are loaded into the modules first)."""
+        self.actor_opt.load_state_dict(optim["actor"])
+        if self.critic is not None:
+            # in place: with overlap.critic_on_worker its state tensors are shared with the scorer process
+            load_optimizer_state_in_place(self.critic_opt, optim["critic"])
+
+    def close(self) -> None:
+        pass
 
     def _actor_micro_step(self, exp: Experience, rows: torch.Tensor, num_tokens, num_seqs: int) -> dict[str, float]:
         cfg = self.cfg
@@ -328,3 +348,15 @@ def _clip(model, max_norm: float) -> float:
         return 0.0
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
     return float(norm)
+
+
+def load_optimizer_state_in_place(opt: torch.optim.Optimizer, state_dict: dict) -> None:
+    """``opt.load_state_dict`` that keeps the existing state tensors (shared memory stays shared)."""
+    old = {p: dict(st) for p, st in opt.state.items()}
+    opt.load_state_dict(state_dict)
+    for p, st in opt.state.items():
+        for k, v in st.items():
+            prev = old.get(p, {}).get(k)
+            if torch.is_tensor(v) and torch.is_tensor(prev) and prev.shape == v.shape:
+                prev.copy_(v)
+                st[k] = prev

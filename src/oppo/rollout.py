@@ -17,48 +17,12 @@ with its training forward and keeps these as the behaviour policy of the importa
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from .kv import KVRows, left_pad
+from .types import Chunk, ChunkReady, Event, Rollout, SequenceFinished
 
-
-@dataclass
-class Rollout:
-    """One sequence, in flight or finished.
-
-    ``response_ids[t]`` was sampled by policy version ``versions[t]`` with behaviour log-prob
-    ``logprobs[t]``. ``emitted`` counts the tokens already streamed to the scorers.
-    """
-
-    uid: int
-    prompt_index: int
-    prompt: str
-    prompt_ids: list[int]
-    start_version: int
-    response_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    finished: bool = False
-    ended_with_eos: bool = False
-    emitted: int = 0
-    target_length: int | None = None  # benchmark workloads only: force EOS at exactly this length
-    group: int | None = None  # GRPO/RLOO: the uid of its group's first member (None: its own uid)
-    scored_version: int | None = None  # weights version the scorers held when it was admitted (stale values)
-
-    def __post_init__(self) -> None:
-        if self.group is None:
-            self.group = self.uid
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """New tokens of one sequence for the streaming scorers; ``final`` marks the sequence's end."""
-
-    uid: int
-    tokens: tuple[int, ...]
-    final: bool
+__all__ = ["Chunk", "KVBudgetError", "Rollout", "RolloutEngine", "sample_tokens"]
 
 
 def sample_tokens(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
@@ -173,6 +137,35 @@ class RolloutEngine:
 
     def set_version(self, version: int) -> None:
         self.version = version
+
+    def load_weights(self, weights: torch.nn.Module, version: int) -> None:
+        """The trained policy's weights into the model this engine samples with (a no-op when it
+        is that model: fp32 without in-flight updates), then sample as ``version``. Rows in
+        flight keep their KV cache (``recompute`` rebuilds it)."""
+        from .weights import copy_weights
+
+        copy_weights(weights, self.model)
+        self.set_version(version)
+
+    def advance(self, chunk_size: int | None) -> list[Event]:
+        """One decode step (``RolloutBackend.advance``): the rows that ended, then the chunks due."""
+        events: list[Event] = [SequenceFinished(r) for r in self.step()]
+        if chunk_size is None:
+            self.finished.clear()  # no scorer streams: no final chunks to send
+            return events
+        return events + [ChunkReady(c) for c in self.take_chunks(chunk_size)]
+
+    def state_dict(self) -> dict:
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        gen = state["generator"]
+        if isinstance(gen, list):  # saved by Ray rollout workers (one state each): rank 0's, as theirs do
+            gen = gen[0]
+        self.generator.set_state(gen)
+
+    def close(self) -> None:
+        pass
 
     def _sample_and_record(self) -> tuple[torch.Tensor, list[int], list[Rollout]]:
         """Sample one token per row from ``next_logits``, append it to its row with its behaviour

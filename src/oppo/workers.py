@@ -1,25 +1,33 @@
 """The scorer worker: streaming scorers beside the decoding actor, fed by a queue of small messages.
 
-``ScorerWorker`` runs them on a thread; on GPU it puts their work on its own CUDA stream (or the
-scorers sit on their own devices, by their settings). ``ProcessScorerWorker`` (the CPU default,
-``overlap.scorer_process``) runs the same message loop in a child process, because as a thread
-it shared the GIL with the actor and slowed its decode 1.6x (measured, docs/overlap.md). Either
-way the worker has its own torch thread count (``overlap.scorer_threads``), so on 2 cores the
-actor and the scorers each own one.
+One controller-side handle, :class:`ScorerWorker`, and two transports it is composed with:
+
+- ``transport="thread"``: the message loop runs on a thread of this process; on GPU its work goes
+  on its own CUDA stream (or the scorers sit on their own devices, by their settings);
+- ``transport="process"`` (the CPU default, ``overlap.scorer_process``): the same loop in a child
+  process, because as a thread it shared the GIL with the actor and slowed its decode 1.6x
+  (measured, docs/overlap.md).
+
+Either way the loop (:class:`ScorerLoop`) has its own torch thread count
+(``overlap.scorer_threads``), so on 2 cores the actor and the scorers each own one, and results
+come back the same way: at each barrier, a :class:`BarrierReply` with every output completed
+since the last one, the loop's busy spans, peak cache sizes and critic-training stats. The Ray
+scorer actors (``placement/ray_scorer.py``) run the same handle inside each actor.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from .config import PPOConfig
-from .learner import CriticBatch, critic_update
+from .learner import CriticBatch, critic_update, load_optimizer_state_in_place  # noqa: F401 (re-exported)
 from .rollout import Chunk
-from .scoring import ScoredOutputs, StreamingScorer
+from .scoring import ScoredOutputs, StreamingScorer, score_full
 from .trace import Tracer
 from .weights import copy_weights
 
@@ -59,98 +67,68 @@ class StopMsg:
     pass
 
 
-class ScorerWorker:
-    """Runs the streaming scorers of the reward model, reference and critic on one thread."""
+@dataclass(frozen=True)
+class BarrierReply:
+    """What a barrier brings back: outputs completed since the last one (role -> uid -> outputs),
+    the loop's busy spans, each role's peak KV-cache bytes, the critic's training stats."""
 
-    # the critic's trained weights when they are not the scorer's (fp32 masters under bf16,
-    # weights.py); set by the trainer. None: the scorer's critic is the trained one.
-    critic_master: torch.nn.Module | None = None
+    id: int
+    results: dict[str, dict[int, ScoredOutputs]]
+    spans: list
+    peaks: dict[str, int]
+    train_stats: dict[str, float]
+
+
+@dataclass
+class CriticTrainer:
+    """The critic's PPO update where it is scored (``overlap.critic_on_worker``): its AdamW, the
+    PPO settings, and its fp32 master weights when they are not the scored module (bf16,
+    weights.py; None: the scorer's critic is the trained one)."""
+
+    opt: torch.optim.Optimizer
+    cfg: PPOConfig
+    master: torch.nn.Module | None = None
     compute_dtype: torch.dtype = torch.float32
 
-    def __init__(self, scorers: dict[str, StreamingScorer], threads: int, tracer: Tracer, name: str = "scorer",
-                 critic_trainer: tuple[torch.optim.Optimizer, PPOConfig] | None = None):
-        self.scorers, self.threads, self.tracer, self.name = scorers, threads, tracer, name
-        self.critic_opt, self.ppo_cfg = critic_trainer or (None, None)
-        self.train_stats: dict[str, float] = {}
-        self.q: queue.Queue = queue.Queue()
-        self.results: dict[str, dict[int, ScoredOutputs]] = {role: {} for role in scorers}
-        self.error: BaseException | None = None
-        self.busy_s = 0.0
-        self.stream = None
-        devices = {s.device for s in scorers.values()}
-        if len(devices) == 1 and next(iter(devices)).type == "cuda":
-            self.stream = torch.cuda.Stream(device=next(iter(devices)))
-        self._events: dict[int, threading.Event] = {}
-        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self.thread.start()
-
-    # ------------------------------------------------------------------ controller side
-
-    def admit(self, uids: list[int], prompts: list[list[int]], step: int) -> None:
-        self.q.put(AdmitMsg(tuple(uids), tuple(tuple(p) for p in prompts), step))
-
-    def feed(self, chunks: list[Chunk], step: int) -> None:
-        if chunks:
-            self.q.put(ChunksMsg(tuple(chunks), step))
-
-    def forget(self, uids: set[int]) -> None:
-        self.q.put(ForgetMsg(frozenset(uids)))
-
-    def train_critic(self, batch: CriticBatch, minibatches: list[torch.Tensor], step: int) -> None:
-        """Start the critic's PPO update on this worker; its stats come from ``take_train_stats``
-        after the next barrier. Needs the worker built with ``critic_trainer``."""
-        if self.critic_opt is None:
-            raise RuntimeError("internal error: this scorer worker was built without a critic optimizer")
-        if batch.mask.is_cuda:  # the batch was computed on the controller's stream; the worker has its own
-            torch.cuda.current_stream(batch.mask.device).synchronize()
-        self.q.put(TrainCriticMsg(batch, tuple(minibatches), step))
-
-    def take_train_stats(self) -> dict[str, float]:
-        stats, self.train_stats = self.train_stats, {}
+    def train(self, scored: torch.nn.Module, msg: TrainCriticMsg, adapt: Callable[[], None]) -> dict[str, float]:
+        master = self.master if self.master is not None else scored
+        stats = critic_update(master, self.opt, msg.batch, list(msg.minibatches), self.cfg, adapt, self.compute_dtype)
+        copy_weights(master, scored)  # the bf16 copy it scores with (no-op in fp32)
         return stats
 
-    def barrier(self) -> None:
-        """Wait until every message sent so far has been processed; re-raise a worker error."""
-        ev = threading.Event()
-        self._events[id(ev)] = ev
-        self.q.put(BarrierMsg(id(ev)))
-        while not ev.wait(0.5):
-            if not self.thread.is_alive():
-                break
-        if self.error is not None:
-            raise RuntimeError(f"scorer worker failed: {self.error!r}") from self.error
 
-    def take(self, uids: list[int]) -> dict[str, list[ScoredOutputs]]:
-        """Outputs for ``uids`` (all must be complete: call barrier() first)."""
-        return {role: [res.pop(u) for u in uids] for role, res in self.results.items()}
+@dataclass
+class ScorerLoop:
+    """The message loop, wherever it runs: scorers, the outputs they completed, and (optionally)
+    the critic's trainer. ``adapt_threads`` is called before each forward (a child process
+    widens its thread count while the controller waits at a barrier)."""
 
-    def close(self) -> None:
-        self.q.put(StopMsg())
-        self.thread.join(timeout=10)
+    scorers: dict[str, StreamingScorer]
+    name: str = "scorer"
+    trainer: CriticTrainer | None = None
+    adapt_threads: Callable[[], None] = lambda: None
+    stream: object | None = None  # a CUDA stream, synchronised at each barrier
+    tracer: Tracer = field(default_factory=lambda: Tracer(enabled=True))
 
-    # ------------------------------------------------------------------ worker side
+    def __post_init__(self) -> None:
+        self.results: dict[str, dict[int, ScoredOutputs]] = {role: {} for role in self.scorers}
+        self.train_stats: dict[str, float] = {}
 
-    def _run(self) -> None:
-        torch.set_num_threads(self.threads)
-        ctx = torch.cuda.stream(self.stream) if self.stream is not None else _null()
-        with ctx:
-            while True:
-                msgs = [self.q.get()]
-                while True:  # batch the chunks on hand: drain what is queued
-                    try:
-                        msgs.append(self.q.get_nowait())
-                    except queue.Empty:
-                        break
+    def serve(self, get: Callable[[], object], get_nowait: Callable[[], object],
+              reply: Callable[[BarrierReply], None]) -> None:
+        """Handle messages until a StopMsg; the chunks on hand are batched into one forward."""
+        while True:
+            msgs = [get()]
+            while True:  # batch the chunks on hand: drain what is queued
                 try:
-                    if self._handle(msgs):
-                        return
-                except BaseException as e:  # surfaced by barrier()
-                    self.error = e
-                    for m in msgs:
-                        if isinstance(m, BarrierMsg):
-                            self._events.pop(m.id).set()
+                    msgs.append(get_nowait())
+                except queue.Empty:
+                    break
+            if self.handle(msgs, reply):
+                return
 
-    def _handle(self, msgs: list) -> bool:
+    def handle(self, msgs: list, reply: Callable[[BarrierReply], None]) -> bool:
+        """Process ``msgs`` in order; True at a StopMsg."""
         pending: dict[int, tuple[tuple[int, ...], bool]] = {}
         step = 0
         for m in msgs:
@@ -165,121 +143,148 @@ class ScorerWorker:
             if isinstance(m, AdmitMsg):
                 with self.tracer.span(self.name, "prefill_prompt", m.step):
                     for s in self.scorers.values():
-                        self._adapt_threads()
+                        self.adapt_threads()
                         s.admit(list(m.uids), [list(p) for p in m.prompts])
             elif isinstance(m, ForgetMsg):
                 for s in self.scorers.values():
                     s.forget(set(m.uids))
             elif isinstance(m, TrainCriticMsg):
-                scorer_critic = self.scorers["critic"].model
-                master = self.critic_master if self.critic_master is not None else scorer_critic
+                if self.trainer is None:
+                    raise RuntimeError("internal error: this scorer worker was built without a critic trainer")
                 with self.tracer.span(self.name, "train_critic", m.step):
-                    self.train_stats = critic_update(master, self.critic_opt, m.batch, list(m.minibatches),
-                                                     self.ppo_cfg, self._adapt_threads, self.compute_dtype)
-                    copy_weights(master, scorer_critic)  # the bf16 copy it scores with (no-op in fp32)
+                    self.train_stats = self.trainer.train(self.scorers["critic"].model, m, self.adapt_threads)
             elif isinstance(m, BarrierMsg):
                 if self.stream is not None:
                     self.stream.synchronize()
-                self._ack(m)
+                reply(self.take_reply(m.id))
             elif isinstance(m, StopMsg):
                 return True
         self._flush(pending, step)
         return False
 
-    def _ack(self, m: BarrierMsg) -> None:
-        self._events.pop(m.id).set()
-
-    def _adapt_threads(self) -> None:
-        """A thread worker keeps its thread count (torch's is per process, shared with the actor)."""
+    def take_reply(self, bid: int) -> BarrierReply:
+        spans = self.tracer.spans
+        self.tracer.clear()
+        results, self.results = self.results, {role: {} for role in self.scorers}
+        stats, self.train_stats = self.train_stats, {}
+        return BarrierReply(bid, results, spans, {r: s.peak_cache_bytes for r, s in self.scorers.items()}, stats)
 
     def _flush(self, pending: dict, step: int) -> None:
         if not pending:
             return
         for role, s in self.scorers.items():
-            self._adapt_threads()
+            self.adapt_threads()
             with self.tracer.span(self.name, f"score_{role}", step, tokens=sum(len(t) for t, _ in pending.values())):
                 s.feed(pending)
             self.results[role].update(s.take_done())
 
 
-class _null:
-    def __enter__(self):
-        return self
+class _ThreadTransport:
+    """The loop on a thread of this process (on GPU: on its own CUDA stream)."""
 
-    def __exit__(self, *a):
-        return False
+    def __init__(self, loop: ScorerLoop, threads: int, name: str):
+        self.q: queue.Queue = queue.Queue()
+        self.replies: queue.Queue = queue.Queue()
+        self.error: BaseException | None = None
+        devices = {s.device for s in loop.scorers.values()}
+        if len(devices) == 1 and next(iter(devices)).type == "cuda":
+            loop.stream = torch.cuda.Stream(device=next(iter(devices)))
+        self.loop, self.threads = loop, threads
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def put(self, msg) -> None:
+        self.q.put(msg)
+
+    def wait_reply(self) -> BarrierReply:
+        while True:
+            try:
+                reply = self.replies.get(timeout=0.5)
+            except queue.Empty:
+                if not self.thread.is_alive():
+                    raise RuntimeError("scorer worker thread died") from self.error
+                continue
+            if isinstance(reply, BaseException):
+                raise RuntimeError(f"scorer worker failed: {reply!r}") from reply
+            return reply
+
+    def _run(self) -> None:
+        torch.set_num_threads(self.threads)
+        ctx = torch.cuda.stream(self.loop.stream) if self.loop.stream is not None else _null()
+        with ctx:
+            while True:
+                msgs = [self.q.get()]
+                while True:
+                    try:
+                        msgs.append(self.q.get_nowait())
+                    except queue.Empty:
+                        break
+                try:
+                    if self.loop.handle(msgs, self.replies.put):
+                        return
+                except BaseException as e:  # surfaced at the barriers of this batch of messages
+                    self.error = e
+                    for m in msgs:
+                        if isinstance(m, BarrierMsg):
+                            self.replies.put(e)
+
+    def close(self) -> None:
+        self.q.put(StopMsg())
+        self.thread.join(timeout=10)
 
 
-class ProcessScorerWorker(ScorerWorker):
-    """The same scorer loop in a child process (CPU): no GIL shared with the decoding actor.
+class _ProcessTransport:
+    """The loop in a child process (CPU): no GIL shared with the decoding actor.
 
     The models' weights are moved to shared memory before the child starts, so the learner's
-    in-place optimizer updates of the critic are what the child reads, and (``critic_trainer``)
-    the critic's AdamW state is too: the child updates weights and moments in place, the parent
+    in-place optimizer updates of the critic are what the child reads, and (critic trainer) the
+    critic's AdamW state is too: the child updates weights and moments in place, the parent
     checkpoints them. Only one side touches the critic at a time: the controller reads it only
-    after a barrier. Results, busy spans, peak cache sizes and training stats come back on a
-    second queue at each barrier.
+    after a barrier. Replies come back on a second queue.
     """
 
-    def __init__(self, scorers: dict[str, StreamingScorer], threads: int, tracer: Tracer, name: str = "scorer",
-                 critic_trainer: tuple[torch.optim.Optimizer, PPOConfig] | None = None):
+    def __init__(self, scorers: dict[str, StreamingScorer], threads: int, name: str, trainer: CriticTrainer | None):
+        import os
+
         import torch.multiprocessing as mp
 
         ctx = mp.get_context("spawn")  # fork after OpenMP/threads started is unsafe
-        self.threads, self.tracer, self.name = threads, tracer, name
-        self.scorers = scorers  # parent-side handles (for peak_cache_bytes); the child has its own
         for s in scorers.values():
             s.model.share_memory()
-        self.critic_opt, self.ppo_cfg = critic_trainer or (None, None)
-        self.train_stats = {}
         opt_spec = None
-        if self.critic_opt is not None:
-            opt_spec = (share_adam_state(self.critic_opt), self.ppo_cfg)
+        if trainer is not None:
+            if trainer.master is not None:
+                raise ValueError("internal error: the scorer process trains the critic it scores with (fp32 only)")
+            opt_spec = (share_adam_state(trainer.opt), trainer.cfg)
         self.q, self.out = ctx.Queue(), ctx.Queue()
         # set while the controller blocks at a barrier: the child may then use the controller's cores too
         self.boost = ctx.Value("b", 0, lock=False)
-        self.results = {role: {} for role in scorers}
-        self.error = None
-        self._next_barrier = 0
         spec = {role: (s.kind, s.model, s.pad_id, s.temperature) for role, s in scorers.items()}
         threads = (threads, max(threads, torch.get_num_threads()))  # (normal, while the controller waits)
-        import os
-
         # the child exits when this process dies, however it dies (see _die_with_parent)
         parent = (os.getpid(), threading.current_thread() is threading.main_thread())
         self.proc = ctx.Process(target=_child_main, args=(spec, threads, name, self.q, self.out, opt_spec,
                                                           self.boost, parent), daemon=True)
         self.proc.start()
 
-    def barrier(self) -> None:
-        self._next_barrier += 1
-        self.q.put(BarrierMsg(self._next_barrier))
+    def put(self, msg) -> None:
+        self.q.put(msg)
+
+    def wait_reply(self) -> BarrierReply:
         self.boost.value = 1
         try:
-            self._wait_barrier()
+            while True:
+                try:
+                    kind, payload = self.out.get(timeout=1.0)
+                except queue.Empty:
+                    if not self.proc.is_alive():
+                        raise RuntimeError("scorer process died") from None
+                    continue
+                if kind == "error":
+                    raise RuntimeError(f"scorer process failed: {payload}")
+                return payload
         finally:
             self.boost.value = 0
-
-    def _wait_barrier(self) -> None:
-        while True:
-            try:
-                kind, payload = self.out.get(timeout=1.0)
-            except queue.Empty:
-                if not self.proc.is_alive():
-                    raise RuntimeError("scorer process died") from None
-                continue
-            if kind == "error":
-                raise RuntimeError(f"scorer process failed: {payload}")
-            results, spans, peaks, train_stats, bid = payload
-            self.train_stats.update(train_stats)
-            for role, res in results.items():
-                self.results[role].update(res)
-            for sp in spans:
-                self.tracer.add(sp.worker, sp.stage, sp.step, sp.start, sp.end, **sp.args)
-            for role, peak in peaks.items():
-                self.scorers[role].peak_cache_bytes = peak
-            if bid == self._next_barrier:
-                return
 
     def close(self) -> None:
         try:
@@ -295,29 +300,94 @@ class ProcessScorerWorker(ScorerWorker):
                 self.proc.join(timeout=5)
 
 
-class _ChildLoop(ScorerWorker):
-    """The child's side: ScorerWorker's message loop, replying on a queue instead of Events."""
+class ScorerWorker:
+    """The streaming scorers of the reward model, reference and critic, on a thread or in a child
+    process (``transport``); the controller's handle (the ``Scorer`` Protocol of
+    ``roles/protocols.py``).
 
-    def __init__(self, scorers, threads, name, q, out, critic_opt=None, ppo_cfg=None, boost=None):
-        self.scorers, self.name, self.q, self.out = scorers, name, q, out
-        (self.threads, self.boost_threads), self.boost = threads, boost
-        self.critic_opt, self.ppo_cfg, self.train_stats = critic_opt, ppo_cfg, {}
-        self.tracer = Tracer(enabled=True)
-        self.results = {role: {} for role in scorers}
-        self.error = None
-        self.stream = None
+    ``trainer``: the critic trains here, between the scoring messages (``train_critic``).
+    ``score_full`` scores whole sequences in the caller's thread with the same models (the child
+    process reads the very tensors, in shared memory): it must not run while the critic trains.
+    """
 
-    def _ack(self, m: BarrierMsg) -> None:
-        spans = self.tracer.spans
-        self.tracer.clear()
-        results, self.results = self.results, {role: {} for role in self.scorers}
-        peaks = {role: s.peak_cache_bytes for role, s in self.scorers.items()}
-        self.out.put(("results", (results, spans, peaks, self.take_train_stats(), m.id)))
+    def __init__(self, scorers: dict[str, StreamingScorer], threads: int, tracer: Tracer, name: str = "scorer",
+                 trainer: CriticTrainer | None = None, transport: str = "thread"):
+        self.scorers, self.tracer, self.name = scorers, tracer, name
+        self.roles = tuple(scorers)
+        self.critic_trains_here = trainer is not None
+        self.results: dict[str, dict[int, ScoredOutputs]] = {role: {} for role in scorers}
+        self.peak_cache_bytes = {role: 0 for role in scorers}
+        self.train_stats: dict[str, float] = {}
+        self._next_barrier = 0
+        if transport == "process":
+            self.transport = _ProcessTransport(scorers, threads, name, trainer)
+        elif transport == "thread":
+            self.transport = _ThreadTransport(ScorerLoop(scorers, name, trainer), threads, name)
+        else:
+            raise ValueError(f"unknown scorer transport {transport!r}: thread or process")
 
-    def _adapt_threads(self) -> None:
-        want = self.boost_threads if self.boost is not None and self.boost.value else self.threads
-        if torch.get_num_threads() != want:
-            torch.set_num_threads(want)
+    @property
+    def proc(self):
+        """The child process (process transport), for tests that kill its parent."""
+        return self.transport.proc
+
+    def admit(self, uids: list[int], prompts: list[list[int]], step: int) -> None:
+        self.transport.put(AdmitMsg(tuple(uids), tuple(tuple(p) for p in prompts), step))
+
+    def feed(self, chunks: list[Chunk], step: int) -> None:
+        if chunks:
+            self.transport.put(ChunksMsg(tuple(chunks), step))
+
+    def forget(self, uids: set[int]) -> None:
+        self.transport.put(ForgetMsg(frozenset(uids)))
+
+    def train_critic(self, batch: CriticBatch, minibatches: list[torch.Tensor], step: int) -> None:
+        """Start the critic's PPO update on this worker; its stats come from ``take_train_stats``
+        after the next barrier. Needs the worker built with a ``trainer``."""
+        if not self.critic_trains_here:
+            raise RuntimeError("internal error: this scorer worker was built without a critic trainer")
+        if batch.mask.is_cuda:  # the batch was computed on the controller's stream; the worker has its own
+            torch.cuda.current_stream(batch.mask.device).synchronize()
+        self.transport.put(TrainCriticMsg(batch, tuple(minibatches), step))
+
+    def take_train_stats(self) -> dict[str, float]:
+        stats, self.train_stats = self.train_stats, {}
+        return stats
+
+    def barrier(self) -> None:
+        """Wait until every message sent so far has been processed; collect what came back;
+        re-raise a worker error."""
+        self._next_barrier += 1
+        self.transport.put(BarrierMsg(self._next_barrier))
+        while True:
+            reply = self.transport.wait_reply()
+            self.train_stats.update(reply.train_stats)
+            for role, res in reply.results.items():
+                self.results[role].update(res)
+            for sp in reply.spans:
+                self.tracer.add(sp.worker, sp.stage, sp.step, sp.start, sp.end, **sp.args)
+            self.peak_cache_bytes.update(reply.peaks)
+            if reply.id == self._next_barrier:
+                return
+
+    def take(self, uids: list[int]) -> dict[str, list[ScoredOutputs]]:
+        """Outputs for ``uids`` (all must be complete: call barrier() first)."""
+        return {role: [res.pop(u) for u in uids] for role, res in self.results.items()}
+
+    def score_full(self, role: str, prompts: list[list[int]], responses: list[list[int]]) -> list[ScoredOutputs]:
+        s = self.scorers[role]
+        return score_full(role, s.model, prompts, responses, s.pad_id, s.temperature)
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
 
 
 def _die_with_parent(parent_pid: int, parent_is_main_thread: bool) -> None:
@@ -367,24 +437,24 @@ def _child_main(spec, threads, name, q, out, opt_spec, boost, parent=None) -> No
     try:
         scorers = {role: StreamingScorer(kind, model, pad_id, temperature)
                    for role, (kind, model, pad_id, temperature) in spec.items()}
-        opt = ppo_cfg = None
+        trainer = None
         if opt_spec is not None:
             (hyper, states), ppo_cfg = opt_spec
             params = list(scorers["critic"].model.parameters())
             opt = torch.optim.AdamW(params, **hyper)
             for p, st in zip(params, states):
                 opt.state[p] = st  # the parent's shared tensors: updated in place here
-        loop = _ChildLoop(scorers, threads, name, q, out, opt, ppo_cfg, boost)
-        torch.set_num_threads(loop.threads)
-        while True:
-            msgs = [q.get()]
-            while True:
-                try:
-                    msgs.append(q.get_nowait())
-                except queue.Empty:
-                    break
-            if loop._handle(msgs):
-                return
+            trainer = CriticTrainer(opt, ppo_cfg)
+        normal, boosted = threads
+
+        def adapt() -> None:
+            want = boosted if boost.value else normal
+            if torch.get_num_threads() != want:
+                torch.set_num_threads(want)
+
+        loop = ScorerLoop(scorers, name, trainer, adapt)
+        torch.set_num_threads(normal)
+        loop.serve(q.get, q.get_nowait, lambda reply: out.put(("reply", reply)))
     except BaseException as e:  # reported to the controller at its next barrier
         out.put(("error", repr(e)))
 
@@ -413,15 +483,3 @@ def share_adam_state(opt: torch.optim.Optimizer) -> tuple[dict, list[dict[str, t
         states.append(st)
     hyper = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay")}
     return hyper, states
-
-
-def load_optimizer_state_in_place(opt: torch.optim.Optimizer, state_dict: dict) -> None:
-    """``opt.load_state_dict`` that keeps the existing state tensors (shared memory stays shared)."""
-    old = {p: dict(st) for p, st in opt.state.items()}
-    opt.load_state_dict(state_dict)
-    for p, st in opt.state.items():
-        for k, v in st.items():
-            prev = old.get(p, {}).get(k)
-            if torch.is_tensor(v) and torch.is_tensor(prev) and prev.shape == v.shape:
-                prev.copy_(v)
-                st[k] = prev

@@ -344,7 +344,8 @@ class DPLearnerGroup:
     def __init__(self, spec: LearnerSpec, world_size: int, *, num_cpus: float = 1, num_gpus: float = 0,
                  threads: int = 1, backend: str | None = None, strategy: str = "PACK",
                  rollout: torch.nn.Module | None = None, critic_scorer=None, timeout_s: float = 600.0,
-                 tracer=None):
+                 tracer=None, home: tuple[torch.nn.Module, torch.nn.Module | None] | None = None,
+                 defer_sync: bool = False):
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -354,6 +355,7 @@ class DPLearnerGroup:
         if critic_scorer is not None and spec.critic is None:
             raise ValueError("critic_scorer given but the learner has no critic (a critic-free algorithm)")
         self.world, self.rollout, self.critic_scorer, self.tracer = world_size, rollout, critic_scorer, tracer
+        self.home, self.defer_sync = home, defer_sync  # (checkpoints; the caller syncs: see update)
         self._draw = _Draw(spec.ppo, spec.seed)
         bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})}
         self.pg = placement_group([bundle] * world_size, strategy=strategy)
@@ -372,12 +374,14 @@ class DPLearnerGroup:
         if critic_scorer is not None:
             critic_scorer.set_critic_weights(self.ranks[0].critic_weights.remote())
 
-    def update(self, exp: Experience, step: int, critic: bool = True, sync: bool = True) -> dict[str, float]:
-        """Stage 6 on the group, then (``sync``) the weight sync; returns the learner's stats plus
-        ``time/weight_sync`` (seconds: rank 0's actor weights into ``rollout``). With in-flight
-        updates the update runs in a thread of its own and the caller syncs (:meth:`sync`) between
-        two decode steps."""
+    def update(self, exp: Experience, step: int, critic: bool = True, sync: bool | None = None) -> dict[str, float]:
+        """Stage 6 on the group, then (``sync``; default: unless built with ``defer_sync``) the
+        weight sync; returns the learner's stats plus ``time/weight_sync`` (seconds: rank 0's actor
+        weights into ``rollout``). The trainer defers it: its weight sync (``setup.WeightSync``)
+        calls :meth:`sync` after the update, between two decode steps with in-flight updates."""
         import ray
+
+        sync = not self.defer_sync if sync is None else sync
 
         ref = ray.put(portable(exp))  # once, read by every rank
         per_rank = self._gather([r.update.remote(ref, step, critic) for r in self.ranks])
@@ -433,6 +437,27 @@ class DPLearnerGroup:
     def state_dict(self) -> dict:
         """Rank 0's ``{"actor", "critic", "actor_opt", "critic_opt"}``: the single learner's format."""
         return self._gather([self.ranks[0].state_dict.remote()], ranks=[0])[0]
+
+    def checkpoint_state(self) -> dict:
+        """The optimizer states a checkpoint saves (``Learner.checkpoint_state``'s format); rank 0's
+        trained weights are brought into the ``home`` modules, which the checkpoint saves."""
+        st = self.state_dict()
+        policy, critic = self.home
+        policy.load_state_dict(st["actor"])
+        out = {"actor": st["actor_opt"]}
+        if critic is not None:
+            critic.load_state_dict(st["critic"])
+            out["critic"] = st["critic_opt"]
+        return out
+
+    def load_checkpoint_state(self, optim: dict) -> None:
+        """Every rank loads the ``home`` modules' weights (a checkpoint's, loaded there first) and
+        ``optim``. A checkpoint of any placement loads into any other."""
+        policy, critic = self.home
+        st = {"actor": policy.state_dict(), "actor_opt": optim["actor"]}
+        if critic is not None:
+            st.update(critic=critic.state_dict(), critic_opt=optim["critic"])
+        self.load_state_dict(st)
 
     def load_state_dict(self, state: dict) -> None:
         """Every rank loads ``state`` (from this group, a group of another size, or a single learner)."""

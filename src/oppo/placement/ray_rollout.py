@@ -1,16 +1,18 @@
-"""Rollout workers on Ray: N replicas of the policy, each with its own engine, that stream their
-chunks straight to the scorer actors (``placement.rollout_workers``).
+"""Rollout workers on Ray: N replicas of the policy, each with its own engine, that decode on
+their own and stream their chunks straight to the scorer actors (``placement.rollout_workers``).
 
-:class:`RayRolloutGroup` is a drop-in for :class:`oppo.rollout.RolloutEngine` in the trainer's
-loops: ``admit`` spreads new sequences over the workers (the least loaded first, so B + Delta
-is shared), ``step`` runs one decode step on every worker at once and returns the rows that
-ended anywhere (the scheduler closes the step on the first B finished across all workers),
-``set_version`` / ``recompute`` / ``abort`` go to every worker. The controller never relays a
-token: each :class:`RolloutHost` admits its sequences to the scorer actors and feeds them its
-chunks itself (``take_chunks`` returns nothing here), and before the controller's barrier on the
-scorers the group's ``flush`` waits until every chunk sent has reached them (Ray orders the
-calls of one caller to one actor, not those of two callers: this is what makes the barrier
-cover the workers' chunks).
+:class:`RayRolloutGroup` is a ``RolloutBackend`` (``roles/protocols.py``): ``admit`` spreads new
+sequences over the workers (the least loaded first, so B + Delta is shared); ``advance`` lets
+every busy worker decode on its own until one of its rows ends, or for ``chunk_size`` steps
+(one Ray round trip per stretch, not per token), and returns the rows that ended anywhere (the
+scheduler closes the step on the first B finished across all workers); ``set_version`` /
+``recompute`` / ``abort`` go to every worker. The controller never relays a token: each
+:class:`RolloutHost` admits its sequences to the scorer actors and feeds them its chunks itself
+(``advance`` reports no chunks), and before the controller's barrier on the scorers the group's
+``flush`` waits until every chunk sent has reached them (Ray orders the calls of one caller to
+one actor, not those of two callers: this is what makes the barrier cover the workers' chunks).
+With one worker, a step closes exactly where the local engine's would: between two finishes the
+controller decides nothing.
 
 Weights: after an update every worker loads learner rank 0's arrays straight from Ray's object
 store (``weight_sync.pack``; the controller does not pull them; ``time/weight_sync`` includes
@@ -31,6 +33,7 @@ import torch
 
 from ..rollout import Rollout, RolloutEngine
 from ..trace import Tracer
+from ..types import Event, SequenceFinished
 from .ray_scorer import _short, get_named
 from .specs import ModelSpec
 from .weight_sync import Packed, pack, unpack_into
@@ -76,23 +79,29 @@ class RolloutHost:
         with self.tracer.span(self.name, "prefill_prompt", step):
             self.engine.admit(rollouts)
 
-    def step(self, chunk: int, step: int) -> list[Rollout]:
-        """One decode step; the chunks it completes (``chunk`` tokens, or a row's end) go to the
-        scorers. Returns the rows that ended (whole: tokens, log-probs, versions)."""
-        if self._span is None:
-            self._span = (time.perf_counter(), step)
-        done = self.engine.step()
-        if self.scorers:
-            chunks = self.engine.take_chunks(chunk)
-            if chunks:
-                self._close_span()  # one decode span per stretch between two sends, as the controller's
-                self.sent += [a.feed.remote(chunks, step) for a in self.scorers]
-                self.chunks_sent += len(chunks)
-        else:
-            self.engine.finished.clear()
-        if done and not self.engine.active:
-            self._close_span()
-        return done
+    def advance(self, chunk: int | None, step: int) -> list[Rollout]:
+        """Decode on its own until a row ends, or for ``chunk`` steps (None: until a row ends);
+        the chunks of ``chunk`` tokens (and each row's end) go to the scorers as they complete.
+        Returns the rows that ended (whole: tokens, log-probs, versions)."""
+        steps = 0
+        while self.engine.active:
+            if self._span is None:
+                self._span = (time.perf_counter(), step)
+            done = self.engine.step()
+            steps += 1
+            if self.scorers:
+                chunks = self.engine.take_chunks(chunk or 1 << 30)
+                if chunks:
+                    self._close_span()  # one decode span per stretch between two sends, as the controller's
+                    self.sent += [a.feed.remote(chunks, step) for a in self.scorers]
+                    self.chunks_sent += len(chunks)
+            else:
+                self.engine.finished.clear()
+            if done and not self.engine.active:
+                self._close_span()
+            if done or (chunk is not None and steps >= chunk):
+                return done
+        return []
 
     def _close_span(self) -> None:
         if self._span is not None:
@@ -128,8 +137,9 @@ class RolloutHost:
     def abort(self, uids: set[int]) -> None:
         self.engine.abort(set(uids) & set(self.engine.uids()))
 
-    def load_weights(self, weights: Packed) -> None:
+    def load_weights(self, weights: Packed, version: int) -> None:
         unpack_into(self.model, weights, partial=True)
+        self.engine.set_version(version)
 
     def rng_state(self) -> torch.Tensor:
         return self.engine.generator.get_state()
@@ -138,27 +148,8 @@ class RolloutHost:
         self.engine.generator.set_state(state)
 
 
-class _Generators:
-    """``engine.generator`` for a checkpoint: the state of every worker's generator."""
-
-    def __init__(self, group: "RayRolloutGroup"):
-        self.group = group
-
-    def get_state(self) -> list[torch.Tensor]:
-        return self.group._gather([w.rng_state.remote() for w in self.group.workers])
-
-    def set_state(self, state) -> None:
-        """A list from a group of the same size restores each worker's; anything else (another
-        count, a local engine's single state) restores worker 0's where it can and leaves the
-        others at their seeds: the resume is then not bitwise the uninterrupted run."""
-        states = state if isinstance(state, list) else [state]
-        if len(states) != len(self.group.workers):
-            states = states[:1]
-        self.group._gather([w.set_rng_state.remote(s) for w, s in zip(self.group.workers, states)])
-
-
 class RayRolloutGroup:
-    """N rollout workers behind the engine interface the trainer uses (module docstring).
+    """N rollout workers behind the ``RolloutBackend`` Protocol (module docstring).
     ``scorer``: the :class:`~.ray_scorer.RayScorerWorker` to stream to (None: no streaming). Call
     :func:`.cluster.init_ray` first."""
 
@@ -180,10 +171,7 @@ class RayRolloutGroup:
         self.owned: dict[int, Rollout] = {}  # uid -> the controller's Rollout
         self.admitted = [0] * n  # sequences admitted to each worker so far
         self.chunks_sent = 0  # chunks the workers streamed to the scorers so far
-        self.chunk = 1 << 30  # tokens per streamed chunk: the trainer's current size (take_chunks)
-        self.finished: list[Rollout] = []  # (the engine interface; chunks never pass here)
         self.peak_cache_bytes = 0
-        self.generator = _Generators(self)
         self._gather([w.set_version.remote(0) for w in self.workers])  # up, and named if it failed to load
 
     @property
@@ -206,18 +194,13 @@ class RayRolloutGroup:
             self.rows[r.uid], self.owned[r.uid] = w, r
         self._gather([self.workers[i].admit.remote(rs, self.version) for i, rs in enumerate(share) if rs])
 
-    def step(self) -> list[Rollout]:
-        """One decode step on every worker with rows (streaming chunks of ``self.chunk`` tokens);
-        the rows that ended, in worker order."""
+    def advance(self, chunk_size: int | None) -> list[Event]:
+        """Every worker with rows decodes on its own (streaming chunks of ``chunk_size`` tokens to
+        the scorers) until one of its rows ends or for ``chunk_size`` steps; the rows that ended,
+        in worker order. No chunk events: the workers sent them."""
         busy = sorted(set(self.rows.values()))
-        done = self._gather([self.workers[i].step.remote(self.chunk, self.version) for i in busy], ranks=busy)
-        return [self._take(r) for rows in done for r in rows]
-
-    def take_chunks(self, chunk_size: int) -> list:
-        """Nothing: the workers send their chunks to the scorers themselves; ``chunk_size`` is the
-        size they stream from the next ``step`` on (the trainer calls this after every step)."""
-        self.chunk = chunk_size
-        return []
+        done = self._gather([self.workers[i].advance.remote(chunk_size, self.version) for i in busy], ranks=busy)
+        return [SequenceFinished(self._take(r)) for rows in done for r in rows]
 
     def generate_all(self) -> list[Rollout]:
         busy = sorted(set(self.rows.values()))
@@ -246,14 +229,29 @@ class RayRolloutGroup:
             self.rows.pop(u, None)
             self.owned.pop(u, None)
 
-    def load_weights(self, weights) -> None:
-        """New policy weights into every worker: a module (packed here), or a Ray ref to
-        ``weight_sync.pack``'s arrays (from learner rank 0, not through the controller). One copy
-        in the object store either way."""
+    def load_weights(self, weights, version: int) -> None:
+        """New policy weights into every worker, which then sample as ``version``: a module
+        (packed here), or a Ray ref to ``weight_sync.pack``'s arrays (from learner rank 0, not
+        through the controller). One copy in the object store either way."""
         import ray
 
         ref = weights if isinstance(weights, ray.ObjectRef) else ray.put(pack(weights, trainable_only=True))
-        self._gather([w.load_weights.remote(ref) for w in self.workers])
+        self._gather([w.load_weights.remote(ref, version) for w in self.workers])
+        self.version = version
+
+    def state_dict(self) -> dict:
+        """Every worker's generator state (a list, in rank order)."""
+        return {"generator": self._gather([w.rng_state.remote() for w in self.workers])}
+
+    def load_state_dict(self, state: dict) -> None:
+        """A list from a group of the same size restores each worker's; anything else (another
+        count, a local engine's single state) restores worker 0's where it can and leaves the
+        others at their seeds: the resume is then not bitwise the uninterrupted run."""
+        gen = state["generator"]
+        states = gen if isinstance(gen, list) else [gen]
+        if len(states) != len(self.workers):
+            states = states[:1]
+        self._gather([w.set_rng_state.remote(s) for w, s in zip(self.workers, states)])
 
     def close(self) -> None:
         import ray

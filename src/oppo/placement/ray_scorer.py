@@ -46,21 +46,11 @@ from ..rollout import Chunk
 from ..scoring import ScoredOutputs, StreamingScorer, score_full
 from ..trace import Tracer
 from ..weights import copy_weights, master_dtype, serving_copy
-from ..workers import ScorerWorker, load_optimizer_state_in_place
+from ..workers import BarrierReply, CriticTrainer, ScorerWorker, load_optimizer_state_in_place
 from .specs import ModelSpec
 from .weight_sync import is_packed, pack, unpack_into
 
 SCORER_ROLES = ("reward", "reference", "critic")
-
-
-@dataclass(frozen=True)
-class BarrierReply:
-    """What a barrier brings back from one actor."""
-
-    results: dict[str, dict[int, ScoredOutputs]]
-    spans: list
-    peaks: dict[str, int]
-    train_stats: dict[str, float]
 
 
 class ScorerHost:
@@ -94,11 +84,9 @@ class ScorerHost:
                                             temperature if role == "reference" else 1.0)
         self.scorers, self.temperature = scorers, temperature
         self.tracer = Tracer(enabled=True)
-        self.worker = ScorerWorker(scorers, threads, self.tracer, name,
-                                   critic_trainer=(self.critic_opt, critic_trainer) if self.critic_opt else None)
-        if self.critic_master is not None:
-            self.worker.critic_master = self.critic_master
-            self.worker.compute_dtype = specs["critic"].dtype
+        trainer = (CriticTrainer(self.critic_opt, critic_trainer, self.critic_master, specs["critic"].dtype)
+                   if self.critic_opt is not None else None)
+        self.worker = ScorerWorker(scorers, threads, self.tracer, name, trainer=trainer)
 
     # calls from the controller: the first four only enqueue (ScorerWorker's message loop)
     def admit(self, uids: list[int], prompts: list[list[int]], step: int) -> None:
@@ -120,8 +108,7 @@ class ScorerHost:
             res.clear()
         spans = self.tracer.spans
         self.tracer.clear()
-        return BarrierReply(results, spans, {r: s.peak_cache_bytes for r, s in self.scorers.items()},
-                            self.worker.take_train_stats())
+        return BarrierReply(0, results, spans, dict(self.worker.peak_cache_bytes), self.worker.take_train_stats())
 
     def set_critic_weights(self, weights: dict, step: int = -1) -> None:
         """Load trained critic weights (from a learner: a state dict, or ``weight_sync.pack``'s
@@ -164,13 +151,6 @@ class ScorerHost:
         self.worker.close()
 
 
-class _PeakProxy:
-    """What the trainer reads of a remote scorer: its peak KV-cache size (refreshed at barriers)."""
-
-    def __init__(self, kind: str):
-        self.kind, self.peak_cache_bytes = kind, 0
-
-
 class RayScorerWorker:
     """Drop-in for :class:`oppo.workers.ScorerWorker` with the scorers in Ray actors.
 
@@ -191,7 +171,8 @@ class RayScorerWorker:
         if sorted(r for g in groups for r in g) != sorted(specs):
             raise ValueError(f"scorer groups {groups} must place each of {sorted(specs)} exactly once")
         self.tracer, self.name = tracer, name
-        self.scorers = {r: _PeakProxy(r) for r in roles}
+        self.roles = tuple(roles)
+        self.peak_cache_bytes = {r: 0 for r in roles}  # refreshed at barriers
         self.results: dict[str, dict[int, ScoredOutputs]] = {r: {} for r in roles}
         self.train_stats: dict[str, float] = {}
         self.critic_trains_here = critic_trainer is not None
@@ -212,21 +193,22 @@ class RayScorerWorker:
     # ------------------------------------------------------------------ the ScorerWorker methods
 
     def admit(self, uids: list[int], prompts: list[list[int]], step: int) -> None:
-        self._broadcast("admit", list(uids), [list(p) for p in prompts], step)
+        self._broadcast(lambda a, *args: a.admit.remote(*args), list(uids), [list(p) for p in prompts], step)
 
     def feed(self, chunks: list[Chunk], step: int) -> None:
         if chunks:
-            self._broadcast("feed", list(chunks), step)
+            self._broadcast(lambda a, *args: a.feed.remote(*args), list(chunks), step)
 
     def forget(self, uids: set[int]) -> None:
-        self._broadcast("forget", set(uids))
+        self._broadcast(lambda a, *args: a.forget.remote(*args), set(uids))
 
     def train_critic(self, batch: CriticBatch, minibatches: list[torch.Tensor], step: int) -> None:
         """Start the critic's PPO update on its actor; stats from ``take_train_stats`` after the
         next barrier. The batch goes as CPU tensors (the actor moves it to its device)."""
         if not self.critic_trains_here:
             raise RuntimeError("internal error: this scorer worker was built without critic_trainer")
-        self._call(self._critic, "train_critic", batch.to("cpu"), [mb.cpu() for mb in minibatches], step)
+        self._call(self._critic, lambda a: a.train_critic.remote(batch.to("cpu"), [mb.cpu() for mb in minibatches],
+                                                                   step))
 
     def take_train_stats(self) -> dict[str, float]:
         stats, self.train_stats = self.train_stats, {}
@@ -252,8 +234,7 @@ class RayScorerWorker:
                 self.results[role].update(res)
             for sp in reply.spans:
                 self.tracer.add(sp.worker, sp.stage, sp.step, sp.start, sp.end, **sp.args)
-            for role, peak in reply.peaks.items():
-                self.scorers[role].peak_cache_bytes = peak
+            self.peak_cache_bytes.update(reply.peaks)
             self.train_stats.update(reply.train_stats)
 
     def take(self, uids: list[int]) -> dict[str, list[ScoredOutputs]]:
@@ -284,38 +265,40 @@ class RayScorerWorker:
             state_dict = pack(state_dict)
         if not isinstance(state_dict, ray.ObjectRef):
             state_dict = ray.put(state_dict)
-        self._call(self._critic, "set_critic_weights", state_dict, step)
+        self._call(self._critic, lambda a: a.set_critic_weights.remote(state_dict, step))
 
     def critic_state(self) -> dict[str, Any]:
         """``{"model": critic state_dict, "optim": AdamW state_dict}`` from the actor that trains it."""
-        self._call(self._critic, "critic_state")
+        self._call(self._critic, lambda a: a.critic_state.remote())
         return self._wait(self._critic)[-1]
 
     def load_critic_state(self, model: dict[str, torch.Tensor], optim: dict | None = None) -> None:
-        self._call(self._critic, "load_critic_state", model, optim)
+        self._call(self._critic, lambda a: a.load_critic_state.remote(model, optim))
         self._wait(self._critic)
 
     def score_full(self, role: str, prompts: list[list[int]], responses: list[list[int]]) -> list[ScoredOutputs]:
         """One-shot scoring on the actor holding ``role`` (e.g. the values of carried prefixes with
         the critic it trained, or the sequential mode's stage 3)."""
         i = next(i for i, label in enumerate(self.labels) if role in label.split("+"))
-        self._call(i, "score_full", role, [list(p) for p in prompts], [list(r) for r in responses])
+        self._call(i, lambda a: a.score_full.remote(role, [list(p) for p in prompts], [list(r) for r in responses]))
         return self._wait(i)[-1]
 
     # ------------------------------------------------------------------ plumbing
 
-    def _broadcast(self, method: str, *args) -> None:
-        if len(self.actors) > 1:  # serialise once, not once per actor
+    def _broadcast(self, send, *args) -> None:
+        """``send(actor, *args)`` to every actor (the arguments serialised once, not once per actor)."""
+        if len(self.actors) > 1:
             import ray
 
             args = tuple(ray.put(a) for a in args)
         for i in range(len(self.actors)):
-            self._call(i, method, *args)
+            self._call(i, lambda a: send(a, *args))
 
-    def _call(self, i: int | None, method: str, *args) -> None:
+    def _call(self, i: int | None, send) -> None:
+        """``send(actor i)``: one remote call, its ref kept for the next wait."""
         if i is None:
             raise RuntimeError("internal error: no scorer actor holds the critic")
-        self._pending[i].append(getattr(self.actors[i], method).remote(*args))
+        self._pending[i].append(send(self.actors[i]))
 
     def _wait(self, i: int) -> list:
         """Results of actor ``i``'s pending calls, in order; the first failure raised by role and rank."""

@@ -19,34 +19,14 @@ Implementations:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterable, Protocol, Union, runtime_checkable
+from typing import Iterable, Protocol, runtime_checkable
 
 import torch
 
-from ..rollout import Chunk, Rollout
 from ..scoring import ScoredOutputs
+from ..types import Chunk, ChunkReady, Event, Rollout, SequenceFinished
 
-
-# ---------------------------------------------------------------- rollout events
-
-
-@dataclass(frozen=True)
-class SequenceFinished:
-    """A sequence ended (EOS or its token budget). ``rollout`` holds all its tokens, behaviour
-    log-probs and per-token versions."""
-
-    rollout: Rollout
-
-
-@dataclass(frozen=True)
-class ChunkReady:
-    """New tokens of one sequence for the streaming scorers (``chunk.final``: its last ones)."""
-
-    chunk: Chunk
-
-
-Event = Union[SequenceFinished, ChunkReady]
+__all__ = ["ChunkReady", "Event", "Learner", "RolloutBackend", "Scorer", "SequenceFinished"]
 
 
 # ---------------------------------------------------------------- rollout backend

@@ -1,0 +1,57 @@
+"""A step's metrics: what the trained batch says (reward, KL, lengths, the learner's stats), the
+time each stage took, memory, and the task's own measures."""
+
+from __future__ import annotations
+
+import resource
+
+import torch
+
+from .. import ppo_math as pm
+from .stages import Run, StepResult, _mean
+
+
+def step_metrics(run: Run, result: StepResult, times: dict[str, float], dt: float, wallclock: float
+                 ) -> dict[str, float]:
+    exp, roles = result.exp, run.roles
+    lengths = exp.mask.sum(1)
+    kl_seq = (exp.kl * exp.mask).sum(1)
+    m = {
+        "reward/mean": exp.scores.mean().item(), "reward/std": exp.scores.std().item() if len(exp.scores) > 1 else 0.0,
+        "kl/mean": kl_seq.mean().item(),
+        "response_length/mean": lengths.mean().item(), "response_length/max": lengths.max().item(),
+        "response_length/eos_frac": _mean([float(r.ended_with_eos) for r in exp.rollouts]),
+        "time/step": dt, "time/wallclock": wallclock,
+        "perf/tokens_per_s": lengths.sum().item() / dt,
+        "data/prompts_truncated": roles.prompt_set.truncated, "data/prompts_skipped": roles.prompt_set.skipped,
+        **times,
+    }
+    if exp.values is not None and exp.returns is not None:
+        m["value/explained_var"] = pm.explained_variance(exp.values, exp.returns, exp.mask).item()
+    m.update({k: v for k, v in result.stats.items() if not k.startswith("_")})
+    m.update(memory(run))
+    prompts, responses = [p for p, _ in result.texts], [r for _, r in result.texts]
+    if roles.judge_fn is not None:
+        m["judge/mean"] = _mean(roles.judge_fn(prompts, responses))
+    if roles.accuracy_fn is not None:
+        m["task/accuracy"] = _mean(roles.accuracy_fn(prompts, responses))
+    return m
+
+
+def memory(run: Run) -> dict[str, float]:
+    """Memory of this step (MiB): the actor's KV-cache peak, the streaming scorers' (peak so
+    far), on GPU each device's peak allocation during the step (reset after reading), and the
+    process's peak resident memory (all roles of this process; the scorer process apart)."""
+    mb = 1024 * 1024
+    rollout = run.roles.rollout
+    out = {"memory/actor_kv_peak_mb": rollout.peak_cache_bytes / mb}
+    rollout.peak_cache_bytes = 0  # per step
+    if run.policy.streams:
+        for role, peak in run.roles.scorer.peak_cache_bytes.items():
+            out[f"memory/{role}_kv_peak_mb"] = peak / mb
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            out[f"memory/cuda{i}_peak_mb"] = torch.cuda.max_memory_allocated(i) / mb
+            torch.cuda.reset_peak_memory_stats(i)
+    out["memory/host_rss_peak_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    return out

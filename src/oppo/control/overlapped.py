@@ -1,0 +1,80 @@
+"""One overlapped loop for every mode but ``sequential``, driven by an :class:`OverlapPolicy`:
+
+- ``intra`` (streams): chunks stream from the rollout backend to the scorers while decoding;
+- ``inter`` (carries): B + Delta sequences in flight, the step closes when B have finished, the
+  rest are carried (scored one-shot after the step closes);
+- ``oppo``: both;
+- ``pipeline`` (both, in flight; PipelineRL): once the batch is closed and scored, the update
+  runs in the learner thread while this thread admits the next step's prompts and goes on
+  decoding with the weights it has, tagging each token with that version. When the update is
+  done, the new weights load between two decode steps; the sequences in flight keep their KV
+  cache (``stale_kv=keep``: their later tokens count as the older version) or have it
+  recomputed. A token is at most ``max_lag + 1`` versions old when trained. Not bitwise
+  reproducible: how far decoding gets during an update depends on timing. No next step starts
+  before a checkpoint (``run.save_every``) or after the run's last step: a checkpoint would
+  drop it.
+
+With Delta = 0 and max_lag = 0 every mode trains exactly the batches of ``sequential``.
+"""
+
+from __future__ import annotations
+
+import time
+
+from . import stages as s
+
+
+def overlapped_step(run: s.Run, step: int) -> tuple[s.StepResult, dict[str, float]]:
+    """The stages of ``sequential_step``, overlapped as ``run.policy`` says (module docstring)."""
+    pol, sched, rollout, tracer = run.policy, run.scheduler, run.roles.rollout, run.tracer
+    times: dict[str, float] = {}
+    t_gen = time.perf_counter()
+    run.threads.use(run.threads.decode)  # the actor decodes on its own core(s); the scorers have theirs
+    if rollout.version != step:  # a run's or a resume's first step (otherwise loaded at the last one's end)
+        s.new_weights(run, step)
+    chunk = run.tuner.current() if pol.streams else None
+    if not run.next_begun:
+        s.admit(run, sched.begin_step().seqs, step)
+    run.next_begun = False
+    # 1-2. admit and decode until the scheduler closes the step
+    close = s.decode_until_close(run, step, chunk)
+    times["time/generate"] = time.perf_counter() - t_gen
+    run.threads.use(run.threads.full)
+    # 3. the closed batch's scores (the last chunks, or one-shot)
+    t = time.perf_counter()
+    batch, texts, exp, scores = s.close_batch(run, close, step)
+    times["time/score"] = time.perf_counter() - t
+    t = time.perf_counter()
+    stats = s.overlap_stats(run, close, exp, chunk)  # before the next step is admitted
+    # 4-6. the update: here, or in the learner thread while the next step decodes
+    if pol.in_flight:
+        update = run.learner_thread.submit(s.update, run, exp, texts, scores, step)
+        sched.end_step(sum(scores.scores) / len(scores.scores))
+        stats.update(_decode_while_training(run, step, chunk, update))
+        times["time/inflight_decode"] = time.perf_counter() - t
+        with tracer.span("controller", "wait_learner", step):
+            result = update.result()
+        stats["pipeline/rows_at_load"] = rollout.active
+    else:
+        result = s.update(run, exp, texts, scores, step)
+    s.sync_weights(run, result.stats, step)
+    times["time/train"] = time.perf_counter() - t
+    result.stats.update(stats)
+    s.finish(run, close.uids)
+    return result, times
+
+
+def _decode_while_training(run: s.Run, step: int, chunk: int | None, update) -> dict[str, float]:
+    """Pipeline: admit the next step's sequences (sampled by this step's weights) and decode them
+    until the update is done."""
+    nxt, decoded, rollout = step + 1, 0, run.roles.rollout
+    save_every = run.cfg.run.save_every
+    if nxt < run.cfg.run.steps and not (save_every and nxt % save_every == 0):
+        s.admit(run, run.scheduler.begin_step().seqs, step)
+        run.next_begun = True
+        t_span = time.perf_counter()
+        while not update.done() and rollout.active:
+            decoded += rollout.active
+            t_span = s.decode_once(run, step, chunk, t_span, stage="decode_inflight")
+        run.tracer.add("actor", "decode_inflight", step, t_span, time.perf_counter())
+    return {"pipeline/inflight_tokens": decoded}

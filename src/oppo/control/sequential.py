@@ -1,0 +1,39 @@
+"""The reference loop (``overlap.mode=sequential``): the numbered stages of ``shared/DESIGN.md``
+section 2, one after another. Every other mode must match it: with no deferral the overlapped
+loop trains exactly these batches (tested step for step)."""
+
+from __future__ import annotations
+
+import time
+
+from . import stages as s
+
+
+def sequential_step(run: s.Run, step: int) -> tuple[s.StepResult, dict[str, float]]:
+    """One PPO step, stage after stage."""
+    rollout, tracer = run.roles.rollout, run.tracer
+    times: dict[str, float] = {}
+    # 1. take B prompts
+    batch = s.start(run, run.scheduler.begin_step().seqs)
+    # 2. generate: sample responses from pi_k with their behaviour log-probs and version
+    t = time.perf_counter()
+    rollout.set_version(step)
+    with tracer.span("actor", "generate", step):
+        rollout.admit(batch)
+        rollout.generate_all()
+    times["time/generate"] = time.perf_counter() - t
+    for r in batch:
+        run.scheduler.on_finished(r.uid)
+    close = run.scheduler.try_close()
+    # 3. score: reward at the last token, reference log-probs, critic values
+    t = time.perf_counter()
+    texts = s.texts(run, batch)
+    scores = s.score(run, batch, texts, step)
+    times["time/score"] = time.perf_counter() - t
+    # 4-6. rewards, advantages, PPO epochs; then the weight sync
+    t = time.perf_counter()
+    result = s.update(run, s.experience(run, batch, step), texts, scores, step)
+    s.sync_weights(run, result.stats, step)
+    times["time/train"] = time.perf_counter() - t
+    s.finish(run, close.uids)
+    return result, times

@@ -1,0 +1,300 @@
+"""The stages of one PPO step (``shared/DESIGN.md`` section 2) as functions of a :class:`Run`.
+
+``sequential.py`` calls them in their numbered order; ``overlapped.py`` calls the same ones in
+another order (streaming chunks while decoding, carrying unfinished sequences, training while
+decoding). Each stage returns a new record: the sampled :class:`~oppo.types.Rollout` batch, its
+:class:`~oppo.types.Scores`, the :class:`~oppo.learner.Experience` the learner consumes, and the
+:class:`StepResult`.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from ..config import Config
+from ..learner import Experience, attach_scores, build_experience, compute_advantages
+from ..scheduler import ChunkSizeTuner, DeltaController, Scheduler
+from ..setup import Roles
+from ..types import ChunkReady, Rollout, Scores, SequenceFinished
+
+
+@dataclass(frozen=True)
+class OverlapPolicy:
+    """What the overlapped loop does, from ``overlap.mode`` (and two stale-state settings):
+    ``streams`` chunks to the scorers while decoding (intra, oppo, pipeline); ``carries``
+    unfinished sequences into the next step (inter, oppo, pipeline); trains ``in_flight`` while
+    the engine decodes the next step (pipeline)."""
+
+    streams: bool
+    carries: bool
+    in_flight: bool
+    recompute_kv: bool  # overlap.stale_kv=recompute
+    recompute_values: bool  # overlap.stale_values=recompute
+
+    @classmethod
+    def of(cls, cfg: Config) -> "OverlapPolicy":
+        return cls(cfg.streams, cfg.carries, cfg.in_flight, cfg.overlap.stale_kv == "recompute",
+                   cfg.overlap.stale_values == "recompute")
+
+
+@dataclass
+class StepResult:
+    """What a step hands to metrics: the trained batch and its stats."""
+
+    exp: Experience
+    stats: dict[str, float]
+    texts: list[tuple[str, str]]
+
+
+class Run:
+    """The controller's state over the roles: the scheduler, the chunk-size tuner, the sequences
+    admitted and not yet trained, and (pipeline) the learner thread."""
+
+    def __init__(self, roles: Roles):
+        cfg = roles.cfg
+        self.roles, self.cfg, self.policy = roles, cfg, OverlapPolicy.of(cfg)
+        self.threads, self.tracer = roles.placement.threads, roles.tracer
+        o, carries, B, G = cfg.overlap, cfg.carries, cfg.ppo.batch_size, cfg.group_size
+        dmax = min(o.delta_max, B // G)  # derived once: the adaptive bounds never exceed B (groups: B / G)
+        dmin = min(o.delta_min, dmax)
+        delta = (DeltaController(min(max(o.delta_init, dmin), dmax), dmin, dmax, o.delta_window, o.delta_proportional)
+                 if carries and o.delta < 0 else (o.delta if carries else 0))
+        self.scheduler = Scheduler(B, o.max_lag if carries else 0, delta, refill=o.refill and carries, group_size=G,
+                                   partial_groups=o.partial_groups)
+        self.tuner = ChunkSizeTuner(tuple(o.chunk_candidates), o.chunk_trial_steps, o.chunk_retune_every,
+                                    fixed=o.chunk_size or None)
+        self.rollouts: dict[int, Rollout] = {}  # admitted, not yet trained
+        self.length_sampler = None  # benchmarks: (prompt_index, member of its group) -> forced response length
+        self.learner_thread = (ThreadPoolExecutor(1, thread_name_prefix="oppo-learner") if self.policy.in_flight
+                               else None)
+        self.next_begun = False  # pipeline: the next step's prompts were admitted while the learner trained
+
+    def between_steps(self) -> None:
+        """Bring the run to a state a checkpoint saves: a pipeline run's next step, begun while
+        the learner trained, is un-begun (its sequences stay admitted, for the drain)."""
+        if self.next_begun:
+            self.scheduler.suspend()
+            self.next_begun = False
+
+    def drain(self) -> int:
+        """Abort every sequence in flight and requeue its prompt (before a checkpoint); returns how many."""
+        self.between_steps()
+        drained = self.scheduler.drain_for_checkpoint()
+        if drained:
+            uids = {t.uid for t in drained}
+            self.roles.rollout.abort(uids)
+            self.roles.scorer.forget(uids)
+            self.roles.scorer.barrier()
+            for u in uids:
+                self.rollouts.pop(u, None)
+        return len(drained)
+
+    def close(self) -> None:
+        if self.learner_thread is not None:
+            self.learner_thread.shutdown(wait=True)
+
+
+# ====================================================================== stage 1: take prompts
+
+
+def start(run: Run, tickets) -> list[Rollout]:
+    """Stage 1: turn admitted tickets into rollouts (prompt text and ids from the data stream)."""
+    new = []
+    for t in tickets:
+        text, ids = run.roles.prompt_set.at(t.prompt_index)
+        r = Rollout(t.uid, t.prompt_index, text, list(ids), t.start_version, group=t.group)
+        if run.length_sampler is not None:
+            r.target_length = run.length_sampler(t.prompt_index, t.uid - t.group)  # (its place in its group)
+        run.rollouts[t.uid] = r
+        new.append(r)
+    return new
+
+
+def admit(run: Run, tickets, step: int) -> None:
+    """Stage 1 for sequences that start while others decode: into the rollout backend and, when
+    chunks stream, the scorers."""
+    new = start(run, tickets)
+    if not new:
+        return
+    rollout = run.roles.rollout
+    for r in new:
+        r.scored_version = rollout.version
+    with run.tracer.span("actor", "prefill_prompt", step):
+        rollout.admit(new)
+    if run.policy.streams:
+        run.roles.scorer.admit([r.uid for r in new], [r.prompt_ids for r in new], step)
+
+
+def finish(run: Run, uids) -> None:
+    for u in uids:
+        run.rollouts.pop(u, None)
+
+
+# ====================================================================== stage 2: generate
+
+
+def decode_until_close(run: Run, step: int, chunk: int | None):
+    """Decode (streaming chunks to the scorers) until the scheduler closes the step."""
+    close, t_span = None, time.perf_counter()
+    while close is None:
+        if run.roles.rollout.active == 0:  # (pipeline: the batch may have finished while the learner trained)
+            close = run.scheduler.try_close()
+            if close is None:
+                raise RuntimeError("internal error: the step cannot close but nothing is decoding")
+            break
+        t_span = decode_once(run, step, chunk, t_span)
+        close = run.scheduler.try_close()
+    run.tracer.add("actor", "decode", step, t_span, time.perf_counter())
+    return close
+
+
+def decode_once(run: Run, step: int, chunk: int | None, t_span: float, stage: str = "decode") -> float:
+    """Advance the rollout backend: finished sequences go to the scheduler (refills are admitted),
+    chunks to the scorers. Returns the start of the open trace span."""
+    chunks = []
+    for e in run.roles.rollout.advance(chunk):
+        if isinstance(e, SequenceFinished):
+            refill = run.scheduler.on_finished(e.rollout.uid)
+            if refill is not None:
+                admit(run, refill.seqs, step)
+        elif isinstance(e, ChunkReady):
+            chunks.append(e.chunk)
+    if chunks:
+        now = time.perf_counter()
+        run.tracer.add("actor", stage, step, t_span, now)
+        run.roles.scorer.feed(chunks, step)
+        t_span = now
+    return t_span
+
+
+def texts(run: Run, batch: list[Rollout]) -> list[str]:
+    """Each response decoded once per step (reward function, judge and samples share it)."""
+    return run.roles.tokenizer.batch_decode([r.response_ids for r in batch], skip_special_tokens=True)
+
+
+def experience(run: Run, batch: list[Rollout], step: int) -> Experience:
+    """The batch as tensors, with the off-policy correction of carried tokens (needs no scores)."""
+    with run.tracer.span("learner", "experience", step):
+        exp = build_experience(batch, run.roles.pad_id, run.roles.device)
+        run.roles.learner.old_logprobs(exp, step)
+    return exp
+
+
+# ====================================================================== stage 3: score
+
+
+def score(run: Run, batch: list[Rollout], txt: list[str], step: int) -> Scores:
+    """Stage 3, one-shot: reward score, reference log-probs, critic values of whole sequences."""
+    roles, tracer = run.roles, run.tracer
+    prompts, responses = [r.prompt_ids for r in batch], [r.response_ids for r in batch]
+    with tracer.span("scorer", "score_reward", step):
+        scores = reward_scores(run, batch, txt) if roles.reward_fn else [
+            o.score for o in roles.scorer.score_full("reward", prompts, responses)]
+    with tracer.span("scorer", "score_reference", step):
+        ref = roles.scorer.score_full("reference", prompts, responses)
+    values = None
+    if roles.critic is not None:
+        with tracer.span("scorer", "score_critic", step):
+            values = roles.scorer.score_full("critic", prompts, responses)
+    return Scores(scores, ref, values)
+
+
+def reward_scores(run: Run, batch: list[Rollout], txt: list[str]) -> list[float]:
+    return run.roles.reward_fn([r.prompt for r in batch], txt)
+
+
+def close_batch(run: Run, close, step: int) -> tuple[list[Rollout], list[str], Experience, Scores]:
+    """The closed step's batch, its texts, experience and scores. Streamed: the scorers finish
+    the last chunks while this thread does the batch's own work."""
+    roles, scorer = run.roles, run.roles.scorer
+    uids = sorted(close.uids)  # admission order, as the sequential loop trains them
+    batch = [run.rollouts[u] for u in uids]
+    if not run.policy.streams:
+        txt = texts(run, batch)
+        return batch, txt, experience(run, batch, step), score(run, batch, txt, step)
+    # While the scorers finish the last chunks, this process does the batch's own work on its
+    # core: texts, the off-policy correction, and the values of carried prefixes (reading the
+    # critic alongside the scorer is safe: nothing writes it until the update).
+    run.threads.use(run.threads.decode)
+    txt = texts(run, batch)
+    exp = experience(run, batch, step)
+    # the critic changed since their prefix was scored
+    stale = [i for i, r in enumerate(batch) if r.scored_version is not None and r.scored_version < step]
+    fresh = []
+    if stale and roles.critic is not None and run.policy.recompute_values:
+        with run.tracer.span("learner", "recompute_values", step):
+            fresh = scorer.score_full("critic", [batch[i].prompt_ids for i in stale],
+                                      [batch[i].response_ids for i in stale])
+    run.threads.use(run.threads.full)
+    with run.tracer.span("controller", "wait_scorers", step):  # waiting: not actor work
+        scorer.barrier()  # also: no scorer work may touch the critic while it trains
+    out = scorer.take(uids)
+    scores = reward_scores(run, batch, txt) if roles.reward_fn else [o.score for o in out["reward"]]
+    values = out.get("critic")
+    for i, v in zip(stale, fresh):
+        values[i] = v
+    return batch, txt, exp, Scores(scores, out["reference"], values)
+
+
+# ====================================================================== stages 4-6: learn
+
+
+def update(run: Run, exp: Experience, txt: list[str], scores: Scores, step: int) -> StepResult:
+    """Stages 4-6: KL-shaped rewards, advantages, PPO epochs. Changes the trained weights only
+    (the pipeline's learner thread runs it while the engine decodes with the weights it has)."""
+    batch = exp.rollouts
+    with run.tracer.span("learner", "advantages", step):
+        exp = compute_advantages(attach_scores(exp, scores), run.cfg.ppo, run.roles.algorithm)
+    with run.tracer.span("learner", "train", step):
+        stats = run.roles.learner.update(exp, step)
+    stats.update(exp.stats or {})
+    return StepResult(exp, stats, [(r.prompt, t) for r, t in zip(batch, txt)])
+
+
+def sync_weights(run: Run, stats: dict[str, float], step: int) -> None:
+    """The weight sync after step ``step``'s update: the rollout backend samples as version
+    ``step + 1`` from here on, the critic's scorer reads the new critic; adds the seconds to
+    ``time/weight_sync``. With ``stale_kv=recompute`` the carried rows' KV is rebuilt."""
+    with run.tracer.span("learner", "weight_sync", step):
+        dt = run.roles.sync(step + 1)
+    stats["time/weight_sync"] = stats.get("time/weight_sync", 0.0) + dt
+    refresh_kv(run, step + 1)
+
+
+def new_weights(run: Run, version: int) -> None:
+    """The rollout backend samples as ``version`` (a run's or a resume's first step)."""
+    run.roles.rollout.set_version(version)
+    refresh_kv(run, version)
+
+
+def refresh_kv(run: Run, version: int) -> None:
+    if run.policy.carries and run.policy.recompute_kv and run.roles.rollout.active:
+        with run.tracer.span("actor", "recompute_kv", version):
+            run.roles.rollout.recompute()
+
+
+def overlap_stats(run: Run, close, exp: Experience, chunk: int | None) -> dict[str, float]:
+    lags = close.lags
+    trained = set(close.uids)
+    mask = exp.mask > 0
+    off = (exp.versions < close.step) & mask
+    w = exp.is_weights[off]
+    return {
+        "overlap/delta": run.scheduler.delta, "overlap/carried": len(run.scheduler.in_flight),
+        "overlap/waiting_members": run.scheduler.waiting_members,
+        "overlap/lag_max": max(lags), "overlap/lag_mean": sum(lags) / len(lags),
+        "overlap/offpolicy_token_frac": off.sum().item() / max(1, mask.sum().item()),
+        "overlap/is_weight_mean": w.mean().item() if w.numel() else 1.0,
+        "overlap/is_weight_max": w.max().item() if w.numel() else 1.0,
+        "overlap/chunk_size": chunk or 0,
+        **{f"overlap/lag_{lag}": n for lag, n in close.lag_histogram().items()},
+        "overlap/in_flight_length_mean": _mean([len(r.response_ids) for u, r in run.rollouts.items()
+                                                if u not in trained] or [0]),
+    }
+
+
+def _mean(xs) -> float:
+    xs = list(xs)
+    return sum(xs) / len(xs) if xs else float("nan")

@@ -1,0 +1,514 @@
+"""Setup and placement: ``build_roles(cfg)`` loads the models and builds every role once.
+
+Where each role runs is decided here and nowhere else, as a :class:`Placement` value: the scorer
+on a thread, in a child process or in Ray actors; the critic trained by the learner or beside its
+scoring; the learner local or data-parallel on Ray; the rollout engine local or N Ray workers
+that stream to the scorers themselves; the torch thread budgets. The controller
+(``oppo.control``) receives the roles behind their Protocols (``roles/protocols.py``) and never
+asks where one runs.
+
+Order of work, so that bad input fails before anything expensive: paths and prompts, every role's
+config and tokenizer, the reward model or function, then the big models.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .config import Config
+from .data import PromptSet, build_prompt_set, read_prompts
+from .learner import Learner
+from .models import (apply_lora, base_view, check_model_path, check_roles, enable_gradient_checkpointing,
+                     load_causal_lm, load_critic, load_function, load_reward_model, load_tokenizer, resolve_device,
+                     resolve_dtype, stop_token_ids)
+from .roles.protocols import RolloutBackend, Scorer
+from .rollout import RolloutEngine
+from .scoring import RewardFunction, StreamingScorer
+from .trace import Tracer
+from .weights import copy_weights, master_dtype, serving_copy
+from .workers import CriticTrainer, ScorerWorker
+
+DEFAULT_MAX_NEW_TOKENS = 256
+
+
+@dataclass
+class ResolvedPaths:
+    policy: str
+    reward: str | None
+    reward_function: str | None
+    critic: str | None
+    reference: str | None
+    prompts: str
+    judge: str | None
+    max_new_tokens: int
+    accuracy: str | None = None
+    """The built-in task's right-answer function (``task/accuracy``), if it has one."""
+
+
+def resolve_paths(cfg: Config, progress: bool = True) -> ResolvedPaths:
+    """Fill in the built-in task's models and prompts where the config names none.
+
+    Checks user paths before anything expensive; prepares the built-in task if needed.
+    """
+    max_new = cfg.generation.max_new_tokens
+    if cfg.uses_builtin_task:
+        from .task import get_task, prepare
+
+        task = get_task(cfg.data.task)
+        prepared = prepare(task=cfg.data.task, progress=progress)
+        reward_fn = cfg.reward.function or task.reward_function
+        reward_path = cfg.reward.path or (None if reward_fn else str(prepared.reward_path))
+        return ResolvedPaths(
+            policy=str(prepared.policy_path), reward=reward_path, reward_function=reward_fn,
+            critic=cfg.critic.path or reward_path or str(prepared.policy_path),
+            reference=cfg.reference.path, prompts=cfg.data.prompts or str(prepared.prompts_path),
+            judge=cfg.reward.judge or task.judge_function, max_new_tokens=max_new or task.max_new_tokens,
+            accuracy=None if cfg.data.prompts else task.accuracy_function)  # it knows only the task's prompts
+    if cfg.data.prompts is None:
+        raise ValueError("policy.path is set but data.prompts is not: give a prompt set (data.prompts=path.jsonl).")
+    for role, path in (("policy", cfg.policy.path), ("reward", cfg.reward.path), ("critic", cfg.critic.path),
+                       ("reference", cfg.reference.path)):
+        if path:
+            check_model_path(path, role)
+    return ResolvedPaths(
+        policy=cfg.policy.path, reward=cfg.reward.path, reward_function=cfg.reward.function,
+        critic=cfg.critic.path or cfg.reward.path or cfg.policy.path, reference=cfg.reference.path,
+        prompts=cfg.data.prompts, judge=cfg.reward.judge, max_new_tokens=max_new or DEFAULT_MAX_NEW_TOKENS)
+
+
+def build_algorithm(cfg: Config):
+    """The configured ``algo.Algorithm`` (its settings are derived once, in the config)."""
+    from .algo import get_algorithm
+
+    settings = dict(group_size=cfg.group_size, kl_coef=cfg.ppo.kl_coef, kl_estimator=cfg.kl_estimator,
+                    kl_placement=cfg.kl_placement)
+    if cfg.algo.name == "ppo":
+        settings.update(gamma=cfg.ppo.gamma, lam=cfg.ppo.lam, whiten=cfg.ppo.whiten_advantages)
+    elif cfg.algo.name == "reinforce_pp":
+        settings.update(gamma=cfg.ppo.gamma)
+    elif cfg.algo.name == "grpo":
+        settings.update(std_normalize=cfg.algo.std_normalize)
+    return get_algorithm(cfg.algo.name, **settings)
+
+
+# ====================================================================== placement
+
+
+@dataclass(frozen=True)
+class ThreadBudget:
+    """torch thread counts of this process, by phase (decided once; torch's count is per process).
+
+    ``decode``: while the actor decodes (its own core(s) when a scorer worker runs beside it);
+    ``full``: every core this process may use (scoring one-shot, training alone);
+    ``beside_critic``: training the actor while the scorer worker trains the critic.
+    """
+
+    full: int
+    decode: int
+    beside_critic: int
+
+    def use(self, n: int) -> None:
+        torch.set_num_threads(n)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where every role runs, decided once from the config (module docstring)."""
+
+    scorer: str  # "inline": in the controller's thread; "thread"; "process"; "ray"
+    critic_trains_on: str  # "learner", "scorer" (overlap.critic_on_worker) or "none" (critic-free)
+    learner: str  # "local" or "ray" (data-parallel ranks)
+    rollout: str  # "local" or "ray" (rollout workers)
+    rollout_streams_itself: bool  # Ray rollout workers feed the scorer actors directly
+    threads: ThreadBudget
+
+
+def decide_placement(cfg: Config, needs_critic: bool, devices_on_cpu: bool, critic_is_master: bool) -> Placement:
+    """``devices_on_cpu``: every scorer's model is on the CPU (a child process shares them);
+    ``critic_is_master``: the critic the scorer reads is the trained one (fp32)."""
+    o, pl = cfg.overlap, cfg.placement
+    ray = pl.backend == "ray"
+    critic_on_scorer = bool(cfg.streams and o.critic_on_worker and needs_critic and not ray)
+    if ray:
+        scorer = "ray"
+    elif not cfg.streams:
+        scorer = "inline"
+    else:
+        # the child process shares the scorers' weights in place; when the critic trains in the
+        # child, it trains the copy it scores with, so that must be the fp32 master: a bf16 run
+        # then uses the thread worker
+        process = o.scorer_process and devices_on_cpu and (critic_is_master or not critic_on_scorer)
+        scorer = "process" if process else "thread"
+    full = cfg.run.threads or torch.get_num_threads()
+    decode = o.actor_threads if cfg.streams or ray else full
+    return Placement(scorer=scorer,
+                     critic_trains_on="none" if not needs_critic else "scorer" if critic_on_scorer else "learner",
+                     learner="ray" if ray else "local", rollout="ray" if ray and pl.rollout_workers else "local",
+                     rollout_streams_itself=bool(ray and pl.rollout_workers and cfg.overlap.mode != "sequential"),
+                     threads=ThreadBudget(full, decode, o.actor_threads))
+
+
+# ====================================================================== roles
+
+
+class InlineScorer:
+    """The scorers in the controller's own thread: one-shot scoring (the sequential loop, and
+    the modes that do not stream), and the same streaming messages processed at once."""
+
+    def __init__(self, scorers: dict[str, StreamingScorer]):
+        self.scorers = scorers
+        self.roles = tuple(scorers)
+        self.results = {role: {} for role in scorers}
+        self.peak_cache_bytes = {role: 0 for role in scorers}
+
+    def admit(self, uids, prompts, step: int) -> None:
+        for s in self.scorers.values():
+            s.admit(list(uids), [list(p) for p in prompts])
+
+    def feed(self, chunks, step: int) -> None:
+        if not chunks:
+            return
+        pending: dict[int, tuple[tuple[int, ...], bool]] = {}
+        for c in chunks:
+            prev = pending.get(c.uid, ((), False))
+            pending[c.uid] = (prev[0] + c.tokens, c.final)
+        for role, s in self.scorers.items():
+            s.feed(pending)
+            self.results[role].update(s.take_done())
+            self.peak_cache_bytes[role] = s.peak_cache_bytes
+
+    def forget(self, uids) -> None:
+        for s in self.scorers.values():
+            s.forget(set(uids))
+
+    def barrier(self) -> None:
+        pass
+
+    def take(self, uids):
+        return {role: [res.pop(u) for u in uids] for role, res in self.results.items()}
+
+    def score_full(self, role, prompts, responses):
+        from .scoring import score_full
+
+        s = self.scorers[role]
+        return score_full(role, s.model, prompts, responses, s.pad_id, s.temperature)
+
+    def close(self) -> None:
+        pass
+
+
+class FedByRollout:
+    """The scorer as the controller sees it when the Ray rollout workers admit and feed the scorer
+    actors themselves: the controller sends nothing, and a barrier first flushes the workers."""
+
+    def __init__(self, scorer):
+        self.inner = scorer
+        self.roles = scorer.roles
+
+    @property
+    def peak_cache_bytes(self) -> dict[str, int]:
+        return self.inner.peak_cache_bytes
+
+    def admit(self, uids, prompts, step: int) -> None:
+        pass  # (sent by the rollout workers, before their first chunk)
+
+    def feed(self, chunks, step: int) -> None:
+        if chunks:
+            raise RuntimeError("internal error: rollout workers that stream themselves reported chunks")
+
+    def forget(self, uids) -> None:
+        self.inner.forget(uids)
+
+    def barrier(self) -> None:
+        self.inner.barrier()  # (flushes the rollout workers first: they are its feeders)
+
+    def take(self, uids):
+        return self.inner.take(uids)
+
+    def score_full(self, role, prompts, responses):
+        return self.inner.score_full(role, prompts, responses)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class CriticBesideScorer:
+    """The learner when the critic trains on the scorer worker (``overlap.critic_on_worker``): the
+    critic's update goes to the worker (its own core or stream) while the actor trains here, on
+    the same minibatches; the two updates share nothing else, so the weights are those of one
+    learner doing both (``Learner.update``)."""
+
+    def __init__(self, learner: Learner, scorer: ScorerWorker, tracer: Tracer, threads: ThreadBudget,
+                 in_flight: bool):
+        self.inner, self.scorer, self.tracer, self.threads, self.in_flight = learner, scorer, tracer, threads, in_flight
+
+    def old_logprobs(self, exp, version: int) -> None:
+        self.inner.old_logprobs(exp, version)
+
+    def minibatches(self, B: int, step: int):
+        return self.inner.minibatches(B, step)
+
+    def update(self, exp, step: int) -> dict[str, float]:
+        from .learner import CriticBatch
+
+        self.scorer.train_critic(CriticBatch.of(exp), self.inner.minibatches(exp.mask.shape[0], step), step)
+        if not self.in_flight:  # (in-flight, the decoding owns the process's thread count)
+            self.threads.use(self.threads.beside_critic)
+        with self.tracer.span("learner", "train", step):
+            stats = self.inner.update(exp, step, critic=False)
+        if not self.in_flight:
+            self.threads.use(self.threads.full)
+        with self.tracer.span("controller", "wait_critic", step):
+            self.scorer.barrier()
+        stats.update(self.scorer.take_train_stats())
+        return stats
+
+    def actor_weights(self):
+        return self.inner.actor_weights()
+
+    def checkpoint_state(self) -> dict:
+        return self.inner.checkpoint_state()
+
+    def load_checkpoint_state(self, optim: dict) -> None:
+        self.inner.load_checkpoint_state(optim)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+@dataclass
+class WeightSync:
+    """After an update, the serving side gets the trained weights: the rollout backend (a new
+    version) and the critic the scorer reads. Composed once by :func:`build_roles` from the
+    placement: ``steps`` run in order."""
+
+    steps: list[Callable[[int], None]]
+
+    def __call__(self, version: int) -> float:
+        """Load the weights trained up to ``version``; returns the seconds it took."""
+        t = time.perf_counter()
+        for s in self.steps:
+            s(version)
+        return time.perf_counter() - t
+
+
+@dataclass
+class Roles:
+    """Everything a run needs, built once (:func:`build_roles`)."""
+
+    cfg: Config
+    paths: ResolvedPaths
+    placement: Placement
+    tokenizer: object
+    prompt_set: PromptSet
+    algorithm: object
+    device: torch.device
+    compute_dtype: torch.dtype
+    max_new_tokens: int
+    pad_id: int
+    stop_ids: tuple[int, ...]  # the ids that end a response (models.stop_token_ids)
+    policy: torch.nn.Module  # the trained weights (what checkpoints save)
+    critic: torch.nn.Module | None
+    reference: torch.nn.Module
+    rollout_policy: torch.nn.Module  # what a local engine samples with (the policy, or its bf16 copy)
+    scoring_critic: torch.nn.Module | None
+    reward_model: torch.nn.Module | None
+    reward_fn: RewardFunction | None
+    judge_fn: Callable | None
+    accuracy_fn: Callable | None
+    rollout: RolloutBackend
+    scorer: Scorer
+    learner: object  # roles.protocols.Learner
+    sync: WeightSync
+    tracer: Tracer
+    closers: list = field(default_factory=list)
+
+    def close(self) -> None:
+        for c in self.closers:
+            c()
+
+
+def build_roles(cfg: Config, progress: bool = True) -> Roles:
+    """Load every model and build every role (module docstring)."""
+    paths = resolve_paths(cfg, progress=progress)
+    tok = load_tokenizer(paths.policy)
+    pad_id = tok.pad_token_id
+    dev = resolve_device(cfg.policy.device)
+    # compute dtype (rollout, scoring, the training forward) and the trained weights' dtype:
+    # fp32 masters under bf16 (weights.py)
+    dtype = resolve_dtype(cfg.policy.dtype, dev)
+    master = master_dtype(dtype)
+    prompt_set = build_prompt_set(read_prompts(paths.prompts, cfg.data.field, cfg.data.split), tok, cfg.data,
+                                  cfg.run.seed)
+    # every role's config and tokenizer, before any weights load (fast; names the fix)
+    algorithm = build_algorithm(cfg)
+    if not algorithm.needs_critic:
+        paths.critic = None  # critic-free: no critic is loaded, scored, trained or checkpointed
+    check_roles(tok, reward=paths.reward, critic=paths.critic, reference=paths.reference)
+    # Reward first: an invalid reward model or function fails before the big models load.
+    reward_fn = reward_model = None
+    if paths.reward_function:
+        reward_fn = RewardFunction(load_function(paths.reward_function), paths.reward_function)
+    else:
+        reward_model = load_reward_model(paths.reward, resolve_device(cfg.reward.device, str(dev)), dtype, pad_id)
+    judge_fn = load_function(paths.judge, "reward.judge") if paths.judge else None
+    accuracy_fn = load_function(paths.accuracy, "task accuracy") if paths.accuracy else None
+    # policy / critic: the trained weights; rollout_policy / scoring_critic: what the engine and
+    # scorers run, the same objects in fp32, bf16 copies refreshed after each update under mixed precision
+    lora = cfg.lora
+    # LoRA: the frozen base stays in the compute dtype (only the fp32 adapters train)
+    policy = load_causal_lm(paths.policy, "policy", dev, dtype if lora.r else master, cfg.policy.trust_remote_code)
+    if lora.r:
+        policy = apply_lora(policy, lora.r, lora.alpha, lora.dropout, lora.target_modules)
+    inflight = cfg.in_flight  # the learner trains the masters while the copies serve
+    rollout_policy = serving_copy(policy, dtype, separate=inflight)
+    ref_dev = resolve_device(cfg.reference.device, str(dev))
+    if paths.reference:
+        reference = load_causal_lm(paths.reference, "reference", ref_dev, dtype)
+    elif lora.r:  # the base model without adapters: the policy's own frozen weights, no copy
+        reference = base_view(policy)
+    else:  # a frozen copy of the initial policy
+        reference = copy.deepcopy(rollout_policy).to(ref_dev)
+    reference.eval().requires_grad_(False)
+    critic = scoring_critic = None
+    wants_critic_on_scorer = bool(cfg.streams and cfg.overlap.critic_on_worker and paths.critic
+                                  and cfg.placement.backend != "ray")
+    if paths.critic:
+        critic = load_critic(paths.critic, resolve_device(cfg.critic.device, str(dev)), master, pad_id).eval()
+        scoring_critic = serving_copy(critic, dtype, separate=inflight and not wants_critic_on_scorer)
+    if cfg.policy.gradient_checkpointing:  # the trained models; recomputation only while training
+        for m in (policy, critic):
+            if m is not None:
+                enable_gradient_checkpointing(m)
+    policy.eval()  # no dropout anywhere: rollout and training see the same function
+    g = cfg.generation
+    max_new = paths.max_new_tokens
+    stop_ids = stop_token_ids(tok, policy)
+    recompute = {"recompute": True, "sampler": False}.get(
+        cfg.ppo.old_logprobs, dtype != torch.float32 or g.top_k > 0 or g.top_p < 1.0)  # auto: when they can differ
+    learner = Learner(policy, critic, cfg.ppo, g.temperature, cfg.run.seed, compute_dtype=dtype,
+                      recompute_old=recompute, algorithm=algorithm)
+    scorers = {"reference": StreamingScorer("reference", reference, pad_id, g.temperature)}
+    if critic is not None:
+        scorers["critic"] = StreamingScorer("critic", scoring_critic, pad_id)
+    if reward_model is not None:
+        scorers = {"reward": StreamingScorer("reward", reward_model, pad_id), **scorers}
+    placement = decide_placement(cfg, critic is not None, all(s.device.type == "cpu" for s in scorers.values()),
+                                 scoring_critic is critic)
+    placement.threads.use(placement.threads.full)
+    tracer = Tracer(enabled=cfg.log.trace)
+    roles = Roles(cfg=cfg, paths=paths, placement=placement, tokenizer=tok, prompt_set=prompt_set,
+                  algorithm=algorithm, device=dev, compute_dtype=dtype, max_new_tokens=max_new, pad_id=pad_id,
+                  stop_ids=tuple(stop_ids), policy=policy, critic=critic, reference=reference, rollout_policy=rollout_policy,
+                  scoring_critic=scoring_critic, reward_model=reward_model, reward_fn=reward_fn, judge_fn=judge_fn,
+                  accuracy_fn=accuracy_fn, rollout=None, scorer=None, learner=learner, sync=WeightSync([]),
+                  tracer=tracer)
+    if placement.learner == "ray":
+        _place_on_ray(roles, stop_ids, recompute)
+        return roles
+    roles.rollout = build_engine(cfg, rollout_policy, stop_ids, pad_id, max_new, dev)
+    trains_here = placement.critic_trains_on == "scorer"
+    if placement.scorer == "inline":
+        roles.scorer = InlineScorer(scorers)
+    else:
+        trainer = (CriticTrainer(learner.critic_opt, cfg.ppo, None if placement.scorer == "process" else critic,
+                                 dtype) if trains_here else None)
+        roles.scorer = ScorerWorker(scorers, cfg.overlap.scorer_threads, tracer, trainer=trainer,
+                                    transport=placement.scorer)
+    roles.closers.append(roles.scorer.close)
+    if trains_here:
+        roles.learner = CriticBesideScorer(learner, roles.scorer, tracer, placement.threads, inflight)
+    if critic is not None and not trains_here and scoring_critic is not critic:
+        def critic_copy(version: int) -> None:
+            roles.scorer.barrier()  # no chunk is being scored with the critic copy while it changes
+            copy_weights(critic, scoring_critic)
+        roles.sync.steps.append(critic_copy)
+    roles.sync.steps.append(lambda version: roles.rollout.load_weights(policy, version))
+    return roles
+
+
+def build_engine(cfg: Config, model: torch.nn.Module, stop_ids, pad_id: int, max_new_tokens: int,
+                 device: torch.device) -> RolloutBackend:
+    """The one place a local rollout engine is built (``generation.engine``)."""
+    g = cfg.generation
+    if g.engine == "static":
+        from .fastdecode import StaticRolloutEngine
+
+        B = cfg.ppo.batch_size
+        engine = StaticRolloutEngine(model, stop_ids, pad_id, max_new_tokens, g.temperature, g.top_k, g.top_p,
+                                     seed=cfg.run.seed, max_rows=2 * B if cfg.carries else B,  # B + Delta, refill: <= 2B
+                                     max_len=cfg.data.max_prompt_tokens + max_new_tokens,
+                                     capture="cuda_graph" if device.type == "cuda" else "none")
+    else:
+        engine = RolloutEngine(model, stop_ids, pad_id, max_new_tokens, g.temperature, g.top_k, g.top_p,
+                               seed=cfg.run.seed)
+    if g.kv_budget_mb:
+        engine.kv_budget_mb = g.kv_budget_mb
+    return engine
+
+
+def _place_on_ray(roles: Roles, stop_ids, recompute_old: bool) -> None:
+    """``placement.backend=ray``: the scorers become Ray actors (all stage-3 scoring goes to them,
+    streamed or one-shot) and the learner a data-parallel group of Ray ranks that trains actor and
+    critic; after each update rank 0's actor weights go to the rollout backend (the local engine's
+    model, or every rollout worker straight from the object store) and its critic to the scorer
+    actor (``time/weight_sync``)."""
+    from .placement.cluster import init_ray
+    from .placement.dp import DPLearnerGroup, learner_spec
+    from .placement.ray_scorer import RayScorerWorker
+    from .placement.specs import scorer_specs
+
+    cfg, pl, o = roles.cfg, roles.cfg.placement, roles.cfg.overlap
+    dtype, pad_id = roles.compute_dtype, roles.pad_id
+    init_ray(pl.address)
+    specs = scorer_specs(roles.paths, pad_id, dtype, reward_model=roles.reward_model is not None,
+                         critic=roles.critic is not None)
+    scorer = RayScorerWorker(specs, roles.tracer, temperature=cfg.generation.temperature, threads=o.scorer_threads,
+                             num_cpus=pl.scorer_cpus, num_gpus=pl.scorer_gpus, seed=cfg.run.seed)
+    roles.closers.append(scorer.close)
+    spec = learner_spec(cfg, roles.paths, pad_id, dtype, roles.algorithm, recompute_old)
+    learner = DPLearnerGroup(spec, pl.learner_workers, num_cpus=pl.learner_cpus, num_gpus=pl.learner_gpus,
+                             threads=o.actor_threads, strategy="STRICT_SPREAD" if pl.spread else "PACK",
+                             critic_scorer=scorer if roles.critic is not None else None, tracer=roles.tracer,
+                             home=(roles.policy, roles.critic), defer_sync=True)
+    roles.learner = learner
+    roles.closers.insert(0, learner.close)
+    learner.sync_actor(roles.policy)  # fresh heads/adapters are initialised per process: rank 0's rule
+    copy_weights(roles.policy, roles.rollout_policy)
+    roles.sync.steps.append(lambda version: learner.sync(version))  # rank 0's critic -> the scorer actor
+    if roles.placement.rollout == "ray":
+        from .placement.ray_rollout import EngineSettings, RayRolloutGroup
+        from .placement.specs import ModelSpec
+
+        g = cfg.generation
+        settings = EngineSettings(tuple(stop_ids), pad_id, roles.max_new_tokens, g.temperature, g.top_k, g.top_p,
+                                  g.kv_budget_mb or None)
+        mspec = ModelSpec("policy", roles.paths.policy, dtype, pad_id=pad_id,
+                          trust_remote_code=cfg.policy.trust_remote_code)
+        stream = roles.placement.rollout_streams_itself  # (the scorer actors serve every other mode)
+        group = RayRolloutGroup(mspec, settings, pl.rollout_workers, seed=cfg.run.seed, tracer=roles.tracer,
+                                scorer=scorer if stream else None, num_cpus=pl.rollout_cpus,
+                                num_gpus=pl.rollout_gpus, threads=o.actor_threads)
+        roles.closers.insert(0, group.close)
+        group.load_weights(roles.policy, 0)
+        roles.rollout = group
+        roles.scorer = FedByRollout(scorer) if stream else scorer
+        # rollout workers load rank 0's weights straight from the object store
+        roles.sync.steps.append(lambda version: group.load_weights(learner.actor_weights(), version))
+    else:
+        roles.rollout = build_engine(cfg, roles.rollout_policy, stop_ids, pad_id, roles.max_new_tokens, roles.device)
+        roles.scorer = scorer
+
+        def actor_home(version: int) -> None:  # rank 0's actor -> the engine's model (the policy is
+            learner.sync_actor(roles.rollout_policy)  # brought home only for checkpoints)
+            roles.rollout.set_version(version)
+        roles.sync.steps.append(actor_home)
+
+
+__all__ = ["Placement", "ResolvedPaths", "Roles", "ThreadBudget", "WeightSync", "build_engine", "build_roles",
+           "decide_placement", "resolve_paths"]

@@ -1,0 +1,81 @@
+"""What crosses a role boundary: the records of a sequence and the events of a rollout backend.
+
+- :class:`Rollout`: one sequence, in flight or finished, every token with its behaviour log-prob
+  and the policy version that sampled it.
+- :class:`Chunk`: new tokens of one sequence for the streaming scorers.
+- :class:`SequenceFinished`, :class:`ChunkReady`: what a rollout backend reports from
+  ``advance`` (``roles/protocols.py``).
+- :class:`Scores`: what the scorers add to a batch (stage 3).
+
+The batch the learner consumes is ``learner.Experience``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Union
+
+
+@dataclass
+class Rollout:
+    """One sequence, in flight or finished.
+
+    ``response_ids[t]`` was sampled by policy version ``versions[t]`` with behaviour log-prob
+    ``logprobs[t]``. ``emitted`` counts the tokens already streamed to the scorers.
+    """
+
+    uid: int
+    prompt_index: int
+    prompt: str
+    prompt_ids: list[int]
+    start_version: int
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finished: bool = False
+    ended_with_eos: bool = False
+    emitted: int = 0
+    target_length: int | None = None  # benchmark workloads only: force EOS at exactly this length
+    group: int | None = None  # GRPO/RLOO: the uid of its group's first member (None: its own uid)
+    scored_version: int | None = None  # weights version the scorers held when it was admitted (stale values)
+
+    def __post_init__(self) -> None:
+        if self.group is None:
+            self.group = self.uid
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """New tokens of one sequence for the streaming scorers; ``final`` marks the sequence's end."""
+
+    uid: int
+    tokens: tuple[int, ...]
+    final: bool
+
+
+@dataclass(frozen=True)
+class SequenceFinished:
+    """A sequence ended (EOS or its token budget): ``rollout`` holds all its tokens, behaviour
+    log-probs and per-token versions."""
+
+    rollout: Rollout
+
+
+@dataclass(frozen=True)
+class ChunkReady:
+    """New tokens of one sequence for the streaming scorers (``chunk.final``: its last ones)."""
+
+    chunk: Chunk
+
+
+Event = Union[SequenceFinished, ChunkReady]
+
+
+@dataclass(frozen=True)
+class Scores:
+    """Stage 3's results for a batch, in its order: reward scores [B]; the reference's per-token
+    log-probs and (PPO) the critic's per-token values, one ``scoring.ScoredOutputs`` each."""
+
+    scores: list[float]
+    reference: list
+    values: list | None
