@@ -69,10 +69,10 @@ def saved_by_actor_forward(t, micro: int) -> float:
     from oppo.learner import _micro_slices
     from oppo.models import checkpointing
 
-    actor = t.learner.actor
+    actor = t.roles.learner.actor
     ids, valid, P, _ = _micro_slices(t.last_result.exp, torch.arange(micro))
     with saved_for_backward(actor) as seen, checkpointing(actor):
-        logits = t.learner._actor_logits(ids, valid, P)
+        logits = t.roles.learner._actor_logits(ids, valid, P)
     del logits
     return sum(seen.values()) / 2**20
 
@@ -102,12 +102,12 @@ def child(args) -> dict:
     m = t.run_step()
     dt = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    trained = sum(p.numel() for p in t.policy.parameters() if p.requires_grad)
+    trained = sum(p.numel() for p in t.roles.policy.parameters() if p.requires_grad)
     saved = saved_by_actor_forward(t, args.micro)
     t.close()
     return {"loaded_mb": loaded, "peak_mb": peak, "growth_mb": peak - loaded, "step_s": dt,
             "saved_forward_mb": saved,
-            "policy_trained_params": trained, "policy_params": sum(p.numel() for p in t.policy.parameters()),
+            "policy_trained_params": trained, "policy_params": sum(p.numel() for p in t.roles.policy.parameters()),
             "response_length": m["response_length/mean"]}
 
 

@@ -25,10 +25,10 @@ def test_critic_free_algorithms_train(tiny_models, tiny_prompts, tmp_path, algo,
     t = Trainer(_cfg(tiny_models, tiny_prompts, tmp_path, f"algo.name={algo}", f"overlap.mode={mode}", *extra),
                 progress=False)
     try:
-        assert t.critic is None and t.learner.critic_opt is None, "no critic loaded"
-        if t.worker is not None:
-            assert "critic" not in t.worker.scorers, "no critic scored"
-        w0 = t.policy.lm_head.weight.detach().clone()
+        assert t.roles.critic is None and t.roles.learner.critic_opt is None, "no critic loaded"
+        if t.roles.scorer is not None:
+            assert "critic" not in t.roles.scorer.scorers, "no critic scored"
+        w0 = t.roles.policy.lm_head.weight.detach().clone()
         G = t.cfg.group_size
         assert G == (4 if algo in ("grpo", "rloo") else 1)
         for _ in range(3):
@@ -49,7 +49,7 @@ def test_critic_free_algorithms_train(tiny_models, tiny_prompts, tmp_path, algo,
             assert len({r.group for r in rows}) == 8 // G
         if algo == "grpo":
             assert "loss/kl" in m, "GRPO puts the KL in the loss"
-        assert not torch.equal(t.policy.lm_head.weight, w0), "the actor trained"
+        assert not torch.equal(t.roles.policy.lm_head.weight, w0), "the actor trained"
     finally:
         t.close()
 

@@ -193,7 +193,7 @@ def test_long_prompt_counted_by_trainer(tiny_models, tmp_path, mode, truncated, 
     cfg = make_cfg(tiny_models, p, tmp_path, **{"data.max_prompt_tokens": 6, "data.on_long_prompt": mode})
     trainer = Trainer(cfg, progress=False)
     try:
-        ps = trainer.prompt_set
+        ps = trainer.roles.prompt_set
         assert (ps.truncated, ps.skipped, len(ps)) == (truncated, skipped, kept)
         assert all(len(ids) <= 6 for ids in ps.ids)
     finally:
@@ -252,7 +252,7 @@ def test_nan_reward_end_to_end(tiny_models, tiny_prompts, tmp_path, monkeypatch)
     trainer = Trainer(make_cfg(tiny_models, tiny_prompts, tmp_path, **{"reward.function": f"{mod}:bad"}),
                       progress=False)
     try:
-        assert trainer.reward_model is None
+        assert trainer.roles.reward_model is None
         with pytest.raises(ValueError) as info:
             trainer.run_step()
     finally:

@@ -228,7 +228,7 @@ def test_adaptive_delta_bounds_are_capped_at_the_batch(tiny_models, tiny_prompts
                              "ppo.micro_batch_size=4", "overlap.mode=inter", "overlap.delta_min=6",
                              "overlap.delta_init=9", "overlap.delta_max=20", f"run.out_dir={tmp_path}"])
     t = Trainer(cfg, progress=False)
-    c = t.scheduler.controller
+    c = t.run.scheduler.controller
     assert (c.delta_min, c.delta, c.delta_max) == (4, 4, 4)
     t.close()
 

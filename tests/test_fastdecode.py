@@ -277,8 +277,8 @@ def test_trainer_with_the_static_engine_trains_the_same_batches(tiny_models, tin
         t = Trainer(cfg, progress=False)
         t.length_sampler = lambda i, member: 2 + (i * 7) % 9  # rows end at different times: some are carried
         if static:
-            e = t.engine
-            t.engine = StaticRolloutEngine(t.rollout_policy, t.stop_ids, t.pad_id, t.max_new_tokens,
+            e = t.roles.rollout
+            t.roles.rollout = StaticRolloutEngine(t.roles.rollout_policy, t.stop_ids, t.roles.pad_id, t.max_new_tokens,
                                            cfg.generation.temperature, cfg.generation.top_k, cfg.generation.top_p,
                                            seed=cfg.run.seed, max_rows=cfg.ppo.batch_size + 2,
                                            max_len=cfg.data.max_prompt_tokens + t.max_new_tokens)
@@ -384,7 +384,7 @@ def test_generation_engine_static_is_wired(tiny_models, tiny_prompts, tmp_path):
             f"generation.engine={engine}", f"run.out_dir={tmp_path / engine}", "log.progress=false"])
         t = Trainer(cfg, progress=False)
         try:
-            assert isinstance(t.engine, StaticRolloutEngine) == (engine == "static")
+            assert isinstance(t.roles.rollout, StaticRolloutEngine) == (engine == "static")
             out[engine] = [(t.run_step()["loss/policy"], t.last_result.exp.ids.clone()) for _ in range(2)]
         finally:
             t.close()

@@ -24,7 +24,7 @@ def test_bf16_mixed_precision_on_cuda(tiny_models, tiny_prompts, tmp_path, mode)
         "overlap.max_lag=1", f"run.out_dir={tmp_path}", "log.progress=false"])
     t = Trainer(cfg, progress=False)
     try:
-        assert next(t.rollout_policy.parameters()).is_cuda
+        assert next(t.roles.rollout_policy.parameters()).is_cuda
         m = check_mixed_precision_steps(t)
         assert m["memory/cuda0_peak_mb"] > 0
     finally:

@@ -24,12 +24,12 @@ def test_gradient_checkpointing_recomputes_and_changes_nothing(tiny_models, tiny
                     progress=False)
         try:
             calls = []
-            mlp = t.policy.model.layers[0].mlp  # inside the checkpointed layer: runs again in backward
+            mlp = t.roles.policy.model.layers[0].mlp  # inside the checkpointed layer: runs again in backward
             h = mlp.register_forward_pre_hook(lambda m, a: calls.append(torch.is_grad_enabled()))
             t.run_step()
             h.remove()
             forwards[gc] = sum(calls)  # forwards with grad on: training, and the recomputation in backward
-            weights[gc] = {n: p.detach().clone() for n, p in t.policy.named_parameters()}
+            weights[gc] = {n: p.detach().clone() for n, p in t.roles.policy.named_parameters()}
         finally:
             t.close()
     assert forwards[True] > forwards[False] > 0, forwards
@@ -40,15 +40,15 @@ def test_gradient_checkpointing_recomputes_and_changes_nothing(tiny_models, tiny
 def test_lora_trains_adapters_and_shares_the_base_with_the_reference(tiny_models, tiny_prompts, tmp_path):
     t = Trainer(_cfg(tiny_models, tiny_prompts, tmp_path, "lora.r=4", "lora.alpha=8"), progress=False)
     try:
-        inner = t.policy.get_base_model()
+        inner = t.roles.policy.get_base_model()
         base = {n: p for n, p in inner.named_parameters() if "lora_" not in n}
         adapters = {n: p for n, p in inner.named_parameters() if "lora_" in n}
         assert adapters and all(p.requires_grad for p in adapters.values())
         assert not any(p.requires_grad for p in base.values())
-        opt_params = {id(p) for g in t.learner.actor_opt.param_groups for p in g["params"]}
+        opt_params = {id(p) for g in t.roles.learner.actor_opt.param_groups for p in g["params"]}
         assert opt_params == {id(p) for p in adapters.values()}, "only the adapters train"
         # the reference is the base model: the same tensors, no copy
-        ref = dict(t.reference.named_parameters())
+        ref = dict(t.roles.reference.named_parameters())
         for n, p in base.items():
             assert ref[n.replace(".base_layer.", ".")].data_ptr() == p.data_ptr(), n
         b0 = {n: p.detach().clone() for n, p in base.items()}
@@ -79,9 +79,9 @@ def test_lora_checkpoint_is_an_adapter_and_resumes(tiny_models, tiny_prompts, tm
         from oppo.checkpoint import load_checkpoint
 
         x = torch.tensor([[3, 4, 5, 6, 7]])
-        before = t.policy(x).logits
+        before = t.roles.policy(x).logits
         load_checkpoint(t, ckpt)
-        after = t.policy(x).logits
+        after = t.roles.policy(x).logits
         with torch.no_grad():
             want = loaded(x).logits
         assert (before - want).abs().max() > 1e-4, "the checkpoint's adapter differs from a fresh one"

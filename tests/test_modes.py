@@ -89,8 +89,8 @@ def test_micro_batch_split_does_not_change_the_update(tiny_models, tiny_prompts,
                        f"ppo.micro_batch_size={micro}")
         t = Trainer(cfg, progress=False)
         t.run_step()
-        weights.append({k: v.clone() for k, v in t.policy.state_dict().items()})
-        weights.append({k: v.clone() for k, v in t.critic.state_dict().items()})
+        weights.append({k: v.clone() for k, v in t.roles.policy.state_dict().items()})
+        weights.append({k: v.clone() for k, v in t.roles.critic.state_dict().items()})
         t.close()
     for a, b in ((weights[0], weights[2]), (weights[1], weights[3])):
         for k in a:
@@ -104,15 +104,15 @@ def test_critic_trained_on_worker_is_the_learners_critic(tiny_models, tiny_promp
                    "overlap.critic_on_worker=true")
     t = Trainer(cfg, progress=False)
     try:
-        before = {k: v.clone() for k, v in t.critic.state_dict().items()}
+        before = {k: v.clone() for k, v in t.roles.critic.state_dict().items()}
         m = t.run_step()
         m = t.run_step()
         assert "loss/value" in m and "grad_norm/critic" in m
-        steps = {float(st["step"]) for st in t.learner.critic_opt.state.values()}
+        steps = {float(st["step"]) for st in t.roles.learner.critic_opt.state.values()}
         assert steps == {4.0}, "2 steps x 2 minibatches, seen from the parent"
-        moved = [k for k, v in t.critic.state_dict().items() if not torch.equal(v, before[k])]
+        moved = [k for k, v in t.roles.critic.state_dict().items() if not torch.equal(v, before[k])]
         assert moved, "the parent's critic weights changed"
-        assert all(float(st["exp_avg_sq"].abs().sum()) > 0 for st in t.learner.critic_opt.state.values()
+        assert all(float(st["exp_avg_sq"].abs().sum()) > 0 for st in t.roles.learner.critic_opt.state.values()
                    if st["exp_avg_sq"].numel() > 1)
     finally:
         t.close()
@@ -127,8 +127,8 @@ def test_critic_on_worker_gives_the_sequential_weights(tiny_models, tiny_prompts
         try:
             for _ in range(2):
                 t.run_step()
-            weights[mode] = ({k: v.clone() for k, v in t.policy.state_dict().items()},
-                             {k: v.clone() for k, v in t.critic.state_dict().items()})
+            weights[mode] = ({k: v.clone() for k, v in t.roles.policy.state_dict().items()},
+                             {k: v.clone() for k, v in t.roles.critic.state_dict().items()})
         finally:
             t.close()
     for a, b in zip(weights["sequential"], weights["intra"]):

@@ -126,12 +126,12 @@ def test_stale_values(tiny_models, tiny_prompts, tmp_path, stale_values):
     try:
         carried_seen = 0
         for _ in range(4):
-            critic_now = copy.deepcopy(t.scoring_critic)  # the critic of this step (updated after scoring)
+            critic_now = copy.deepcopy(t.roles.scoring_critic)  # the critic of this step (updated after scoring)
             t.run_step()
             exp = t.last_result.exp
             rs = exp.rollouts
             want = score_full("critic", critic_now, [r.prompt_ids for r in rs], [r.response_ids for r in rs],
-                              t.pad_id)
+                              t.roles.pad_id)
             for i, (r, w) in enumerate(zip(rs, want)):
                 n = len(r.response_ids)
                 got = exp.values[i, :n]

@@ -43,24 +43,24 @@ def test_pipeline_tokens_carry_the_version_that_sampled_them(tiny_models, tiny_p
     t = Trainer(_cfg(tiny_models, tiny_prompts, tmp_path, "overlap.stale_kv=recompute", f"overlap.max_lag={max_lag}",
                      f"overlap.critic_on_worker={critic_on_worker}"), progress=False)
     try:
-        assert t.rollout_policy is not t.policy, "the learner trains the master while the engine samples a copy"
-        assert (t.scoring_critic is t.critic) == critic_on_worker
-        critic0 = copy.deepcopy(t.critic.state_dict())
-        snapshots = {0: copy.deepcopy(t.policy.state_dict())}
+        assert t.roles.rollout_policy is not t.roles.policy, "the learner trains the master while the engine samples a copy"
+        assert (t.roles.scoring_critic is t.roles.critic) == critic_on_worker
+        critic0 = copy.deepcopy(t.roles.critic.state_dict())
+        snapshots = {0: copy.deepcopy(t.roles.policy.state_dict())}
         trained, metrics = [], []
         for _ in range(steps):
             metrics.append(t.run_step())
-            snapshots[t.step] = copy.deepcopy(t.policy.state_dict())
+            snapshots[t.step] = copy.deepcopy(t.roles.policy.state_dict())
             trained += [(t.step - 1, r) for r in t.last_result.exp.rollouts]
             # the weights are loaded at the end of every step: the serving copy equals the master
-            for a, b in zip(t.policy.parameters(), t.rollout_policy.parameters()):
+            for a, b in zip(t.roles.policy.parameters(), t.roles.rollout_policy.parameters()):
                 assert torch.equal(a, b)
-            for a, b in zip(t.critic.parameters(), t.scoring_critic.parameters()):
+            for a, b in zip(t.roles.critic.parameters(), t.roles.scoring_critic.parameters()):
                 assert torch.equal(a, b)
-        assert any(not torch.equal(v, t.critic.state_dict()[k]) for k, v in critic0.items()), "the critic trained"
+        assert any(not torch.equal(v, t.roles.critic.state_dict()[k]) for k, v in critic0.items()), "the critic trained"
     finally:
         t.close()
-    model = copy.deepcopy(t.policy)
+    model = copy.deepcopy(t.roles.policy)
     checked = set()
     for v in sorted({v for _, r in trained for v in r.versions}):
         model.load_state_dict(snapshots[v])
@@ -107,9 +107,9 @@ def test_pipeline_checkpoint_between_steps_requeues_the_begun_step_and_resumes(t
         for _ in range(2):
             t.run_step()
             positions += [r.prompt_index for r in t.last_result.exp.rollouts]
-        assert t._next_begun, "step 2 was begun while step 1's update trained"
+        assert t.run.next_begun, "step 2 was begun while step 1's update trained"
         ckpt = save_checkpoint(t, tmp_path / "out")
-        assert not t._next_begun
+        assert not t.run.next_begun
     finally:
         t.close()
     r = Trainer(cfg, progress=False)
@@ -118,12 +118,12 @@ def test_pipeline_checkpoint_between_steps_requeues_the_begun_step_and_resumes(t
         while r.step < 4:
             r.run_step()
             positions += [x.prompt_index for x in r.last_result.exp.rollouts]
-        assert not r._next_begun, "no step begins after the run's last"
-        in_flight = set(r.scheduler.in_flight) | set(r.scheduler.finished_pool)
+        assert not r.run.next_begun, "no step begins after the run's last"
+        in_flight = set(r.run.scheduler.in_flight) | set(r.run.scheduler.finished_pool)
     finally:
         r.close()
     assert len(positions) == len(set(positions)) == 16, "no prompt position trained twice"
-    untrained = {r.rollouts[u].prompt_index for u in in_flight}
+    untrained = {r.run.rollouts[u].prompt_index for u in in_flight}
     assert set(range(max(positions) + 1)) <= set(positions) | untrained, "no prompt position lost"
 
 

@@ -37,31 +37,31 @@ def test_adamw_on_bf16_weights_loses_small_updates():
 def check_mixed_precision_steps(t: Trainer, steps: int = 2) -> dict:
     """Run ``steps`` steps of a bf16 Trainer and check what mixed precision promises; return the
     last metrics. Shared with the GPU test."""
-    assert t.compute_dtype == torch.bfloat16
-    assert next(t.policy.parameters()).dtype == torch.float32, "actor master weights in fp32"
-    assert next(t.critic.parameters()).dtype == torch.float32, "critic master weights in fp32"
-    assert next(t.rollout_policy.parameters()).dtype == torch.bfloat16, "the engine decodes in bf16"
-    assert next(t.scoring_critic.parameters()).dtype == torch.bfloat16
-    assert next(t.reference.parameters()).dtype == torch.bfloat16
-    assert t.learner.recompute_old, "auto: bf16 sampler log-probs are recomputed"
-    w0 = {n: p.detach().clone() for n, p in t.policy.named_parameters()}
-    c0 = {n: p.detach().clone() for n, p in t.critic.named_parameters()}
+    assert t.roles.compute_dtype == torch.bfloat16
+    assert next(t.roles.policy.parameters()).dtype == torch.float32, "actor master weights in fp32"
+    assert next(t.roles.critic.parameters()).dtype == torch.float32, "critic master weights in fp32"
+    assert next(t.roles.rollout_policy.parameters()).dtype == torch.bfloat16, "the engine decodes in bf16"
+    assert next(t.roles.scoring_critic.parameters()).dtype == torch.bfloat16
+    assert next(t.roles.reference.parameters()).dtype == torch.bfloat16
+    assert t.roles.learner.recompute_old, "auto: bf16 sampler log-probs are recomputed"
+    w0 = {n: p.detach().clone() for n, p in t.roles.policy.named_parameters()}
+    c0 = {n: p.detach().clone() for n, p in t.roles.critic.named_parameters()}
     m = {}
     for _ in range(steps):
         m = t.run_step()
-    for st in t.learner.actor_opt.state.values():  # optimizer state is fp32 too
+    for st in t.roles.learner.actor_opt.state.values():  # optimizer state is fp32 too
         assert st["exp_avg"].dtype == torch.float32 and st["exp_avg_sq"].dtype == torch.float32
     # nearly every weight moved at lr 1e-5 (in bf16 most would round away)
-    name = next(n for n, p in t.policy.named_parameters() if p.dim() == 2 and "embed" not in n)
-    moved = (t.policy.get_parameter(name) != w0[name].to(t.policy.get_parameter(name).device)).float().mean().item()
+    name = next(n for n, p in t.roles.policy.named_parameters() if p.dim() == 2 and "embed" not in n)
+    moved = (t.roles.policy.get_parameter(name) != w0[name].to(t.roles.policy.get_parameter(name).device)).float().mean().item()
     assert moved > 0.9, (name, moved)
-    cname = next(n for n, p in t.critic.named_parameters() if p.dim() == 2 and "embed" not in n)
-    p = t.critic.get_parameter(cname)
+    cname = next(n for n, p in t.roles.critic.named_parameters() if p.dim() == 2 and "embed" not in n)
+    p = t.roles.critic.get_parameter(cname)
     assert (p != c0[cname].to(p.device)).float().mean().item() > 0.9
     # the serving copies hold the masters' current weights, cast
-    for (n, p), q in zip(t.policy.named_parameters(), t.rollout_policy.parameters()):
+    for (n, p), q in zip(t.roles.policy.named_parameters(), t.roles.rollout_policy.parameters()):
         assert torch.equal(p.detach().to(torch.bfloat16), q), n
-    for (n, p), q in zip(t.critic.named_parameters(), t.scoring_critic.parameters()):
+    for (n, p), q in zip(t.roles.critic.named_parameters(), t.roles.scoring_critic.parameters()):
         assert torch.equal(p.detach().to(torch.bfloat16), q), n
     assert "ppo/sampler_logprob_gap" in m and 0 <= m["ppo/sampler_logprob_gap"] < 0.5
     assert all(v == v for k, v in m.items() if k.startswith(("loss/", "reward/")))  # no NaN
@@ -82,8 +82,8 @@ def test_bf16_trains_fp32_masters(tiny_models, tiny_prompts, tmp_path, mode):
 def test_float32_has_one_model_per_role(tiny_models, tiny_prompts, tmp_path):
     t = Trainer(_cfg(tiny_models, tiny_prompts, tmp_path, "overlap.mode=sequential"), progress=False)
     try:
-        assert t.rollout_policy is t.policy and t.scoring_critic is t.critic
-        assert not t.learner.recompute_old, "auto: fp32 sampler log-probs equal the training forward's"
+        assert t.roles.rollout_policy is t.roles.policy and t.roles.scoring_critic is t.roles.critic
+        assert not t.roles.learner.recompute_old, "auto: fp32 sampler log-probs equal the training forward's"
     finally:
         t.close()
 

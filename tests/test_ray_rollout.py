@@ -33,7 +33,7 @@ def test_one_rollout_worker_trains_the_local_run(ray_local, tiny_models, tiny_pr
             want.append((t.last_result.exp.ids.clone(), m))
     with Trainer(_cfg(tiny_models, tiny_prompts, tmp_path / "r", "overlap.mode=oppo", "overlap.delta=2",
                       "placement.rollout_workers=1", *RAY), progress=False) as t:
-        assert type(t.engine).__name__ == "RayRolloutGroup" and t.streams_direct
+        assert type(t.roles.rollout).__name__ == "RayRolloutGroup" and t.roles.placement.rollout_streams_itself
         for ids, m_local in want:
             m = t.run_step()
             assert torch.equal(t.last_result.exp.ids, ids), "the same responses"
@@ -56,27 +56,27 @@ def test_two_rollout_workers_share_the_batch_and_stream_to_the_scorers(ray_local
             responses = [r.response_ids for r in exp.rollouts]
             # streamed from two rollout actors through the scorer actor = one-shot scoring here
             # (the frozen models; the critic trains on the learner rank, so only at step 0)
-            one_shot = score_full("reward", t.reward_model, prompts, responses, t.pad_id)
+            one_shot = score_full("reward", t.roles.reward_model, prompts, responses, t.roles.pad_id)
             torch.testing.assert_close(exp.scores, torch.tensor([o.score for o in one_shot]), atol=1e-4, rtol=1e-4)
-            ref = score_full("reference", t.reference, prompts, responses, t.pad_id, t.cfg.generation.temperature)
+            ref = score_full("reference", t.roles.reference, prompts, responses, t.roles.pad_id, t.cfg.generation.temperature)
             for i, o in enumerate(ref):
                 n = len(responses[i])
                 torch.testing.assert_close(exp.ref_logprobs[i, :n], torch.tensor(o.logprobs), atol=1e-4, rtol=1e-4)
             if step == 0:
-                vals = score_full("critic", t.scoring_critic, prompts, responses, t.pad_id)
+                vals = score_full("critic", t.roles.scoring_critic, prompts, responses, t.roles.pad_id)
                 for i, o in enumerate(vals):
                     n = len(responses[i])
                     torch.testing.assert_close(exp.values[i, :n], torch.tensor(o.values), atol=1e-4, rtol=1e-4)
             for r in exp.rollouts:
                 assert all(step - 1 <= v <= step for v in r.versions)
-        assert min(t.engine.admitted) >= 4, f"both workers decoded a share: {t.engine.admitted}"
+        assert min(t.roles.rollout.admitted) >= 4, f"both workers decoded a share: {t.roles.rollout.admitted}"
         # chunks of 4 tokens (overlap.chunk_size) while decoding, not only each sequence at its end
-        assert t.engine.chunk == 4 and t.engine.chunks_sent > sum(t.engine.admitted), t.engine.chunks_sent
+        assert t.roles.rollout.chunk == 4 and t.roles.rollout.chunks_sent > sum(t.roles.rollout.admitted), t.roles.rollout.chunks_sent
         assert {"rollout0", "rollout1"} <= {s.worker for s in t.tracer.spans}
         ckpt = save_checkpoint(t, tmp_path / "r2")
-        states = t.engine.generator.get_state()
+        states = t.roles.rollout.generator.get_state()
         assert len(states) == 2 and not torch.equal(states[0], states[1]), "each worker samples with its own stream"
-        ray.kill(t.engine.workers[1])
+        ray.kill(t.roles.rollout.workers[1])
         with pytest.raises(RuntimeError, match=r"rollout worker \(role=rollout, rank=1\) died"):
             for _ in range(3):
                 t.run_step()

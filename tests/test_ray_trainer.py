@@ -45,7 +45,7 @@ def test_ray_backend_equals_sequential_and_resumes_on_another_worker_count(ray_l
                      "placement.learner_workers=2", "placement.learner_cpus=0.5", "placement.scorer_cpus=0.5"),
                 progress=False)
     try:
-        assert type(t.learner).__name__ == "DPLearnerGroup" and type(t.worker).__name__ == "RayScorerWorker"
+        assert type(t.roles.learner).__name__ == "DPLearnerGroup" and type(t.roles.scorer).__name__ == "RayScorerWorker"
         got = []
         for _ in range(steps):
             m = t.run_step()
@@ -94,8 +94,8 @@ def test_ray_pipeline_loads_weights_in_flight(ray_local, tiny_models, tiny_promp
             for r in t.last_result.exp.rollouts:
                 assert all(step - 2 <= v <= step for v in r.versions), (step, r.versions)
                 early += any(v < r.start_version for v in r.versions)
-        rank0 = t.learner.actor_state()
-        for name, p in t.rollout_policy.named_parameters():
+        rank0 = t.roles.learner.actor_state()
+        for name, p in t.roles.rollout_policy.named_parameters():
             assert torch.equal(p, rank0[name]), name
         assert {"learner0", "scorer", "actor"} <= {s.worker for s in t.tracer.spans}
     finally:

@@ -53,8 +53,8 @@ def test_trainer_ramps_actor_and_critic(tiny_models, tiny_prompts, tmp_path):
     t = Trainer(cfg, progress=False)
     try:
         t.run_step()  # two minibatches: two optimizer steps each
-        assert t.learner.actor_opt.param_groups[0]["lr"] == pytest.approx(3e-4 * 2 / 6)
-        assert t.learner.critic_opt.param_groups[0]["lr"] == pytest.approx(6e-4 * 2 / 6)
+        assert t.roles.learner.actor_opt.param_groups[0]["lr"] == pytest.approx(3e-4 * 2 / 6)
+        assert t.roles.learner.critic_opt.param_groups[0]["lr"] == pytest.approx(6e-4 * 2 / 6)
     finally:
         t.close()
     with pytest.raises(ConfigError, match="lr_warmup_steps"):

@@ -246,6 +246,10 @@ class CriticBesideScorer:
     def __init__(self, learner: Learner, scorer: ScorerWorker, tracer: Tracer, threads: ThreadBudget,
                  in_flight: bool):
         self.inner, self.scorer, self.tracer, self.threads, self.in_flight = learner, scorer, tracer, threads, in_flight
+        # the trained state, as the local learner's (the scorer process shares the critic's AdamW state)
+        self.actor, self.critic, self.actor_opt, self.critic_opt = (learner.actor, learner.critic, learner.actor_opt,
+                                                                    learner.critic_opt)
+        self.recompute_old = learner.recompute_old
 
     def old_logprobs(self, exp, version: int) -> None:
         self.inner.old_logprobs(exp, version)
