@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from . import ppo_math as pm
-from .algo import get_algorithm
+from .algo import build_algorithm as _build_algorithm
 from .config import Config
 from .data import PromptSet, build_prompt_set, read_prompts
 from .learner import CriticBatch, Experience, Learner, attach_scores, build_experience, compute_advantages
@@ -102,16 +102,8 @@ class StepResult:
 
 
 def build_algorithm(cfg: Config):
-    """The configured ``algo.Algorithm`` (its settings are derived once, in the config)."""
-    settings = dict(group_size=cfg.group_size, kl_coef=cfg.ppo.kl_coef, kl_estimator=cfg.kl_estimator,
-                    kl_placement=cfg.kl_placement)
-    if cfg.algo.name == "ppo":
-        settings.update(gamma=cfg.ppo.gamma, lam=cfg.ppo.lam, whiten=cfg.ppo.whiten_advantages)
-    elif cfg.algo.name == "reinforce_pp":
-        settings.update(gamma=cfg.ppo.gamma)
-    elif cfg.algo.name == "grpo":
-        settings.update(std_normalize=cfg.algo.std_normalize)
-    return get_algorithm(cfg.algo.name, **settings)
+    """The configured ``algo.Algorithm``: ``oppo.algo.build_algorithm``."""
+    return _build_algorithm(cfg)
 
 
 class Trainer:
