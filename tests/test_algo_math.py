@@ -12,16 +12,10 @@ import torch
 
 from oppo import ppo_math as pm
 from oppo.algo import advantages as av
-from oppo.algo.algorithms import (
-    ALGORITHMS,
-    GAE,
-    Algorithm,
-    GroupNormalized,
-    KLPenalty,
-    algorithm_settings,
-    consecutive_group_ids,
-    get_algorithm,
-)
+from oppo.algo import ALGORITHMS, Algorithm, KLPenalty, algorithm_settings, get_algorithm
+from oppo.algo.core import consecutive_group_ids
+from oppo.algo.grpo import GroupNormalized
+from oppo.algo.ppo import GAE
 
 DT = torch.float64
 

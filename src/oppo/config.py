@@ -21,6 +21,9 @@ from typing import Any
 
 import yaml
 
+from .algo.algorithms import SPECS, get_spec
+from .algo.core import AlgorithmSpec
+
 
 class ConfigError(ValueError):
     """A configuration value is invalid. The message says which and how to fix it."""
@@ -34,6 +37,21 @@ def opt(default: Any, help: str, choices: tuple | None = None) -> Any:
     if isinstance(default, (list, dict, tuple)):
         return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
     return field(default=default, metadata=meta)
+
+
+def _by_algorithm(value: Any) -> str:
+    """``value(spec)`` for each algorithm, algorithms with the same value named together
+    (for help texts: "4 for grpo, rloo; 1 for ppo, reinforce_pp")."""
+    names: dict[str, list[str]] = {}
+    for spec in SPECS.values():
+        names.setdefault(str(value(spec)), []).append(spec.name)
+    if len(names) == 1:
+        return next(iter(names))
+    return "; ".join(f"{v} for {', '.join(n)}" for v, n in names.items())
+
+
+def _kl_estimators(spec: AlgorithmSpec) -> str:
+    return f"{spec.reward_kl_estimator} in the reward, {spec.loss_kl_estimator} in the loss"
 
 
 MODES = ("sequential", "intra", "inter", "oppo", "pipeline")
@@ -137,7 +155,7 @@ class PPOConfig:
                                   "continues the ramp.")
     kl_coef: float = opt(0.05, "beta: weight of the per-token KL(pi || ref) penalty (in the reward, or in the "
                                "loss: algo.kl_placement).")
-    kl_estimator: str = opt("auto", "Per-token KL estimator. auto: k1 in the reward, k3 in the loss (GRPO's).",
+    kl_estimator: str = opt("auto", f"Per-token KL estimator. auto: {_by_algorithm(_kl_estimators)}.",
                             ("auto", "k1", "k2", "k3", "abs"))
     clip_eps: float = opt(0.2, "PPO ratio clip range (lower, and upper unless clip_eps_high is set).")
     clip_eps_high: float | None = opt(None, "Upper ratio clip (decoupled clipping). Empty: clip_eps.")
@@ -209,21 +227,24 @@ class LoraConfig:
                                     "the output head (peft's all-linear).")
 
 
-ALGORITHMS = ("ppo", "grpo", "rloo", "reinforce_pp")
-GROUPED = ("grpo", "rloo")  # compare the G responses to one prompt
+def _algo_name_help() -> str:
+    critic = [s for s in SPECS.values() if s.needs_critic]
+    free = [s for s in SPECS.values() if not s.needs_critic]
+    text = " ".join(f"{s.name}: {s.summary}." for s in critic)
+    if free:
+        text += (" Critic-free (no critic is loaded, scored, trained or checkpointed): "
+                 + ", ".join(f"{s.name} ({s.summary})" for s in free) + ".")
+    return text.strip()
 
 
 @dataclass
 class AlgoConfig:
-    name: str = opt("ppo", "ppo: clipped PPO with a critic and GAE. Critic-free (no critic is loaded, scored, "
-                           "trained or checkpointed): grpo (group-normalised outcome advantages), rloo "
-                           "(leave-one-out baseline), reinforce_pp (REINFORCE++: batch-whitened return-to-go).",
-                    ALGORITHMS)
+    name: str = opt("ppo", _algo_name_help(), tuple(SPECS))
     group_size: int = opt(0, "G: responses sampled per prompt, admitted, scored and trained together. "
-                             "0: 4 for grpo and rloo, 1 otherwise.")
-    kl_placement: str = opt("auto", "Where the KL(pi || ref) penalty goes: reward (per token, PPO/RLOO/REINFORCE++ "
-                                    "style) or loss (a k3 term of the actor loss, GRPO style). auto: loss for grpo, "
-                                    "reward otherwise.", ("auto", "reward", "loss"))
+                             f"0: the algorithm's default ({_by_algorithm(lambda s: s.group_size)}).")
+    kl_placement: str = opt("auto", "Where the KL(pi || ref) penalty goes: reward (per token, subtracted from the "
+                                    "rewards) or loss (a term of the actor loss). auto: the algorithm's "
+                                    f"({_by_algorithm(lambda s: s.kl_placement)}).", ("auto", "reward", "loss"))
     std_normalize: bool = opt(True, "grpo: divide by the group's reward std (false: Dr. GRPO).")
 
 
@@ -299,24 +320,29 @@ class Config:
         return self.overlap.mode in ("intra", "oppo", "pipeline")
 
     @property
+    def algo_spec(self) -> AlgorithmSpec:
+        """The spec of ``algo.name`` (``oppo.algo``): its defaults, and what it needs."""
+        return get_spec(self.algo.name)
+
+    @property
     def group_size(self) -> int:
-        return self.algo.group_size or (4 if self.algo.name in GROUPED else 1)
+        return self.algo.group_size or self.algo_spec.group_size
 
     @property
     def kl_placement(self) -> str:
         if self.algo.kl_placement != "auto":
             return self.algo.kl_placement
-        return "loss" if self.algo.name == "grpo" else "reward"
+        return self.algo_spec.kl_placement
 
     @property
     def kl_estimator(self) -> str:
         if self.ppo.kl_estimator != "auto":
             return self.ppo.kl_estimator
-        return "k3" if self.kl_placement == "loss" else "k1"
+        return self.algo_spec.kl_estimator_for(self.kl_placement)
 
     @property
     def needs_critic(self) -> bool:
-        return self.algo.name == "ppo"
+        return self.algo_spec.needs_critic
 
     @property
     def carries(self) -> bool:
@@ -536,8 +562,9 @@ def validate(cfg: Config) -> None:
            "leave reference.device=auto or set reference.path to a separate reference model.")
     a, G = cfg.algo, cfg.group_size
     _check(a.group_size >= 0, f"algo.group_size must be >= 0 (0: the algorithm's default), got {a.group_size}.")
-    _check(a.name not in GROUPED or G >= 2,
-           f"algo.name={a.name} compares the responses to one prompt and needs algo.group_size >= 2, got {G}.")
+    need = cfg.algo_spec.min_group_size
+    _check(G >= need, f"algo.name={a.name} compares the responses to one prompt and needs algo.group_size >= {need}, "
+                      f"got {G}.")
     _check(p.batch_size % G == 0, f"ppo.batch_size={p.batch_size} must be a multiple of the group size {G} "
                                   f"(algo.group_size): a step trains whole groups.")
     _check(not (cfg.kl_placement == "loss" and cfg.kl_estimator in ("k1", "abs")),

@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from .algo import build_algorithm
 from .config import Config
 from .data import PromptSet, build_prompt_set, read_prompts
 from .learner import Learner
@@ -79,21 +80,6 @@ def resolve_paths(cfg: Config, progress: bool = True) -> ResolvedPaths:
         policy=cfg.policy.path, reward=cfg.reward.path, reward_function=cfg.reward.function,
         critic=cfg.critic.path or cfg.reward.path or cfg.policy.path, reference=cfg.reference.path,
         prompts=cfg.data.prompts, judge=cfg.reward.judge, max_new_tokens=max_new or DEFAULT_MAX_NEW_TOKENS)
-
-
-def build_algorithm(cfg: Config):
-    """The configured ``algo.Algorithm`` (its settings are derived once, in the config)."""
-    from .algo import get_algorithm
-
-    settings = dict(group_size=cfg.group_size, kl_coef=cfg.ppo.kl_coef, kl_estimator=cfg.kl_estimator,
-                    kl_placement=cfg.kl_placement)
-    if cfg.algo.name == "ppo":
-        settings.update(gamma=cfg.ppo.gamma, lam=cfg.ppo.lam, whiten=cfg.ppo.whiten_advantages)
-    elif cfg.algo.name == "reinforce_pp":
-        settings.update(gamma=cfg.ppo.gamma)
-    elif cfg.algo.name == "grpo":
-        settings.update(std_normalize=cfg.algo.std_normalize)
-    return get_algorithm(cfg.algo.name, **settings)
 
 
 # ====================================================================== placement

@@ -1,0 +1,57 @@
+"""GRPO (DeepSeekMath, Shao et al. 2024) and Dr. GRPO (Liu et al. 2025): each response's
+sequence reward against its group's mean, divided by the group's std (GRPO) or not (Dr. GRPO).
+
+Everything oppo knows about GRPO is here: the advantage estimator (:class:`GroupNormalized`,
+over ``advantages.grpo_advantages``), the defaults (G = 4 responses per prompt, the KL in the
+loss as k3 with beta 0.04, as DeepSeekMath) and the setting a Config gives it
+(``algo.std_normalize``), in :data:`SPEC`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Dict, Optional, Tuple
+
+from .core import AlgorithmSpec
+
+if TYPE_CHECKING:
+    from .core import Stats, Tensor
+
+
+@dataclass(frozen=True)
+class GroupNormalized:
+    """GRPO: sequence reward against its group's mean, divided by the group's std
+    (``std_normalize``; off = Dr. GRPO). See ``advantages.grpo_advantages``."""
+
+    std_normalize: bool = True
+    eps: float = 1e-6
+    needs_critic: ClassVar[bool] = False
+    min_group_size: ClassVar[int] = 2  # with G = 1 every advantage is 0: nothing to learn
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.eps, (int, float)) and self.eps >= 0):
+            raise ValueError(f"eps must be >= 0, got {self.eps!r}")
+
+    def __call__(self, rewards: Tensor, mask: Tensor, values: Optional[Tensor], group_ids: Tensor
+                 ) -> Tuple[Tensor, Optional[Tensor], Stats]:
+        from .. import ppo_math as pm
+        from . import advantages as adv
+
+        seq = pm.masked_sum(rewards, mask, dim=1)  # [B]
+        a, stats = adv.grpo_advantages(seq, group_ids, self.std_normalize, self.eps)  # [B]
+        return adv.broadcast_to_tokens(a, mask), None, stats
+
+
+def _from_config(cfg: Any) -> Dict[str, Any]:
+    return dict(std_normalize=cfg.algo.std_normalize)
+
+
+SPEC = AlgorithmSpec(
+    name="grpo",
+    summary="group-normalised outcome advantages",
+    estimator=GroupNormalized,
+    group_size=4,
+    kl_placement="loss",
+    kl_coef=0.04,  # DeepSeekMath's beta; a Config sets ppo.kl_coef (0.05) for every algorithm
+    from_config=_from_config,
+)
