@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-import oppo.trainer
+import oppo.setup
 from conftest import WORDS
 from oppo import cli
 from oppo.checkpoint import checkpoint_dirs, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -43,7 +43,7 @@ def nothing_loads(monkeypatch):
 
     for name in ("load_tokenizer", "read_prompts", "load_reward_model", "load_causal_lm", "load_critic",
                  "load_function"):
-        monkeypatch.setattr(oppo.trainer, name, boom)
+        monkeypatch.setattr(oppo.setup, name, boom)
 
 
 def _write_tokenizer(d: Path, **special) -> None:
@@ -129,7 +129,7 @@ def test_reward_model_with_two_labels(tiny_models, tiny_prompts, tmp_path, monke
     def boom(*a, **k):
         raise AssertionError("the policy loaded before the reward model was checked")
 
-    monkeypatch.setattr(oppo.trainer, "load_causal_lm", boom)
+    monkeypatch.setattr(oppo.setup, "load_causal_lm", boom)
     with pytest.raises(ModelLoadError) as info:
         Trainer(make_cfg(tiny_models, tiny_prompts, tmp_path, **{"reward.path": d}), progress=False)
     msg = str(info.value)
@@ -155,7 +155,7 @@ def test_tokenizer_without_pad_falls_back_to_eos(tiny_models, tiny_prompts, tmp_
     with pytest.warns(UserWarning, match="no pad token"):
         trainer = Trainer(make_cfg(tiny_models, tiny_prompts, tmp_path, **{"policy.path": d}), progress=False)
     try:
-        assert trainer.pad_id == trainer.eos_id == tok.eos_token_id
+        assert trainer.roles.pad_id == trainer.roles.tokenizer.eos_token_id == tok.eos_token_id
     finally:
         trainer.close()
 
@@ -207,7 +207,7 @@ def test_empty_prompt_set(tiny_models, tmp_path, monkeypatch, capsys):
     def boom(*a, **k):
         raise AssertionError("the policy loaded before the prompt set was checked")
 
-    monkeypatch.setattr(oppo.trainer, "load_causal_lm", boom)
+    monkeypatch.setattr(oppo.setup, "load_causal_lm", boom)
     with pytest.raises(DataError, match="empty"):
         Trainer(make_cfg(tiny_models, p, tmp_path), progress=False)
     code = cli.main(["train", *TINY, f"policy.path={tiny_models['policy']}", f"reward.path={tiny_models['reward']}",
@@ -291,7 +291,7 @@ def test_unimportable_reward_module(tiny_models, tiny_prompts, tmp_path, monkeyp
     def boom(*a, **k):
         raise AssertionError("the policy loaded before the reward function was imported")
 
-    monkeypatch.setattr(oppo.trainer, "load_causal_lm", boom)
+    monkeypatch.setattr(oppo.setup, "load_causal_lm", boom)
     cfg = make_cfg(tiny_models, tiny_prompts, tmp_path, **{"reward.function": "no_such_module_xyz:score"})
     with pytest.raises(ModelLoadError) as info:
         Trainer(cfg, progress=False)

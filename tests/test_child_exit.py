@@ -58,13 +58,13 @@ WORKER_SCRIPT = textwrap.dedent("""
     from transformers import AutoModelForSequenceClassification
     from oppo.scoring import StreamingScorer
     from oppo.trace import Tracer
-    from oppo.workers import ProcessScorerWorker
+    from oppo.workers import ScorerWorker
 
     def main():
         model = AutoModelForSequenceClassification.from_pretrained(sys.argv[1]).eval().requires_grad_(False)
         box = []
-        start = lambda: box.append(ProcessScorerWorker({"reward": StreamingScorer("reward", model, 0)}, 1,
-                                                       Tracer()))
+        start = lambda: box.append(ScorerWorker({"reward": StreamingScorer("reward", model, 0)}, 1, Tracer(),
+                                                transport="process"))
         if sys.argv[2] == "thread":  # started from a thread that has ended: only the watchdog guards
             t = threading.Thread(target=start)
             t.start()

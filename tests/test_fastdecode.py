@@ -278,7 +278,7 @@ def test_trainer_with_the_static_engine_trains_the_same_batches(tiny_models, tin
         t.length_sampler = lambda i, member: 2 + (i * 7) % 9  # rows end at different times: some are carried
         if static:
             e = t.roles.rollout
-            t.roles.rollout = StaticRolloutEngine(t.roles.rollout_policy, t.stop_ids, t.roles.pad_id, t.max_new_tokens,
+            t.roles.rollout = StaticRolloutEngine(t.roles.rollout_policy, t.roles.stop_ids, t.roles.pad_id, t.max_new_tokens,
                                            cfg.generation.temperature, cfg.generation.top_k, cfg.generation.top_p,
                                            seed=cfg.run.seed, max_rows=cfg.ppo.batch_size + 2,
                                            max_len=cfg.data.max_prompt_tokens + t.max_new_tokens)

@@ -123,19 +123,21 @@ def test_a_killed_ray_actor_stops_the_run_by_role_and_the_resume_is_exact(ray_lo
 
     cfg = _cfg(tiny_models, tiny_prompts, tmp_path / "killed", *common, "placement.backend=ray",
                "placement.learner_cpus=0.5", "placement.scorer_cpus=0.5")
-    score = Trainer._score
+    from oppo.control import stages
 
-    def dying_score(self, batch, texts, step):
+    score = stages.score
+
+    def dying_score(run, batch, texts, step):
         if step == 3:
-            ray.kill(self.worker.actors[0])
-        return score(self, batch, texts, step)
+            ray.kill(run.roles.scorer.actors[0])
+        return score(run, batch, texts, step)
 
-    monkeypatch.setattr(Trainer, "_score", dying_score)
+    monkeypatch.setattr(stages, "score", dying_score)
     with pytest.raises(RuntimeError, match=r"scorer actor \(role=reward\+reference\+critic, rank=0\) died"):
         train(cfg, progress=False)
     run_dir = tmp_path / "killed"
     assert latest_checkpoint(run_dir).name == "step_000002", "the last checkpoint is intact and nothing newer"
-    monkeypatch.setattr(Trainer, "_score", score)
+    monkeypatch.setattr(stages, "score", score)
     train(cfg, resume="auto", progress=False)
     want, got = read_metrics(oracle), read_metrics(run_dir)
     assert [m["step"] for m in got] == [0, 1, 2, 3]

@@ -219,10 +219,17 @@ class _ThreadTransport:
                         msgs.append(self.q.get_nowait())
                     except queue.Empty:
                         break
+                if self.error is not None:  # a failed loop's state is unknown: every later barrier fails too
+                    for m in msgs:
+                        if isinstance(m, BarrierMsg):
+                            self.replies.put(self.error)
+                        elif isinstance(m, StopMsg):
+                            return
+                    continue
                 try:
                     if self.loop.handle(msgs, self.replies.put):
                         return
-                except BaseException as e:  # surfaced at the barriers of this batch of messages
+                except BaseException as e:  # surfaced at the barriers of this batch of messages, and later ones
                     self.error = e
                     for m in msgs:
                         if isinstance(m, BarrierMsg):

@@ -235,7 +235,7 @@ class RayRolloutGroup:
         through the controller). One copy in the object store either way."""
         import ray
 
-        ref = weights if isinstance(weights, ray.ObjectRef) else ray.put(pack(weights, trainable_only=True))
+        ref = weights if isinstance(weights, ray.ObjectRef) else ray.put(pack(weights))  # all of them: frozen or not
         self._gather([w.load_weights.remote(ref, version) for w in self.workers])
         self.version = version
 

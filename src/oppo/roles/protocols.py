@@ -144,11 +144,12 @@ class Learner(Protocol):
     def actor_weights(self) -> Iterable | torch.nn.Module:
         """The policy's trained weights, for the rollout backend."""
 
-    def state_dict(self) -> dict:
-        """Optimizer states (and, when they live elsewhere, the trained weights)."""
+    def checkpoint_state(self) -> dict:
+        """The optimizer states a checkpoint saves (``{"actor"[, "critic"]}``); trained weights that
+        live elsewhere (Ray ranks) are brought into the controller's modules first."""
 
-    def load_state_dict(self, state: dict) -> None:
-        ...
+    def load_checkpoint_state(self, optim: dict) -> None:
+        """Inverse of :meth:`checkpoint_state`, after the controller's modules hold the weights."""
 
     def close(self) -> None:
         ...

@@ -1,0 +1,319 @@
+"""One conformance suite per role Protocol (``oppo/roles/protocols.py``), run against every
+implementation: what the controller relies on must hold wherever the role runs.
+
+- RolloutBackend: the eager engine, the static engine, Ray rollout workers (one and two);
+- Scorer: in the controller's thread, a thread worker, a child process, Ray actors;
+- Learner: local, the critic trained beside the scorer.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from oppo.learner import Learner, build_experience
+from oppo.roles.protocols import Learner as LearnerProtocol
+from oppo.roles.protocols import RolloutBackend, Scorer
+from oppo.scoring import StreamingScorer, score_full
+from oppo.trace import Tracer
+from oppo.types import ChunkReady, Rollout, SequenceFinished
+
+PAD, EOS = 0, 1
+PROMPTS = [[3, 4, 5], [6, 7], [8, 9, 10, 11], [12]]
+
+
+def _load(tiny_models, name):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    cls = AutoModelForCausalLM if name == "policy" else AutoModelForSequenceClassification
+    return cls.from_pretrained(tiny_models[name]).eval().requires_grad_(False)
+
+
+def _rows(start_uid=0, prompts=PROMPTS):
+    return [Rollout(start_uid + i, i, "", list(p), 0) for i, p in enumerate(prompts)]
+
+
+# ====================================================================== rollout backends
+
+
+def _eager(tiny_models, seed=0):
+    from oppo.rollout import RolloutEngine
+
+    return RolloutEngine(_load(tiny_models, "policy"), (EOS,), PAD, 10, seed=seed)
+
+
+def _static(tiny_models, seed=0):
+    from oppo.fastdecode import StaticRolloutEngine
+
+    return StaticRolloutEngine(_load(tiny_models, "policy"), (EOS,), PAD, 10, seed=seed, max_rows=8, max_len=32)
+
+
+def _ray_group(n):
+    def make(tiny_models, seed=0):
+        from oppo.placement.ray_rollout import EngineSettings, RayRolloutGroup
+        from oppo.placement.specs import ModelSpec
+
+        spec = ModelSpec("policy", str(tiny_models["policy"]), pad_id=PAD, device="cpu")
+        return RayRolloutGroup(spec, EngineSettings((EOS,), PAD, 10), n, seed=seed, tracer=Tracer(), num_cpus=0.25)
+    return make
+
+
+ROLLOUTS = {"eager": _eager, "static": _static, "ray1": _ray_group(1), "ray2": _ray_group(2)}
+RAY = [pytest.mark.ray, pytest.mark.slow]
+
+
+@pytest.fixture(params=[pytest.param(n, marks=RAY if n.startswith("ray") else []) for n in ROLLOUTS])
+def make_rollout(request, tiny_models):
+    make = ROLLOUTS[request.param]
+    if request.param.startswith("ray"):
+        request.getfixturevalue("ray_local")
+    built = []
+
+    def build(seed=0):
+        b = make(tiny_models, seed)
+        built.append(b)
+        return b
+    yield build
+    for b in built:
+        b.close()
+
+
+def _drain(backend, chunk):
+    """Advance until every row has ended; returns (finished rollouts, chunks per uid, the calls'
+    event orders)."""
+    finished, chunks, orders = [], {}, []
+    while backend.active:
+        events = backend.advance(chunk)
+        kinds = [type(e) for e in events]
+        orders.append(kinds)
+        for e in events:
+            if isinstance(e, SequenceFinished):
+                finished.append(e.rollout)
+            else:
+                chunks.setdefault(e.chunk.uid, []).append(e.chunk)
+    return finished, chunks, orders
+
+
+def test_rollout_backend_conforms(make_rollout):
+    b = make_rollout()
+    assert isinstance(b, RolloutBackend)
+    b.set_version(3)
+    rows = _rows()
+    b.admit(rows)
+    assert b.active == len(rows)
+    finished, chunks, orders = _drain(b, chunk=2)
+    assert sorted(r.uid for r in finished) == [r.uid for r in rows], "every admitted row finishes once"
+    for kinds in orders:  # every SequenceFinished before any ChunkReady in one call
+        assert kinds == sorted(kinds, key=lambda k: k is ChunkReady)
+    for r in finished:
+        assert r.finished and 1 <= len(r.response_ids) <= 10
+        assert len(r.logprobs) == len(r.versions) == len(r.response_ids)
+        assert set(r.versions) == {3}, "every token carries the version that sampled it"
+        assert all(lp <= 0 for lp in r.logprobs)
+        if chunks:  # backends that stream through the controller: the chunks are the response, in order
+            got = [t for c in chunks[r.uid] for t in c.tokens]
+            assert got == r.response_ids and chunks[r.uid][-1].final
+            assert not any(c.final for c in chunks[r.uid][:-1])
+
+
+def test_rollout_backend_no_chunks_without_a_chunk_size(make_rollout):
+    b = make_rollout()
+    b.admit(_rows())
+    finished, chunks, _ = _drain(b, chunk=None)
+    assert len(finished) == len(PROMPTS) and not chunks
+
+
+def test_rollout_backend_abort_generate_all_and_versions(make_rollout, tiny_models):
+    b = make_rollout()
+    rows = _rows()
+    b.admit(rows)
+    b.advance(None)
+    b.abort({rows[0].uid})
+    b.load_weights(_load(tiny_models, "policy"), 5)  # the same weights, a new version, rows in flight
+    assert b.version == 5
+    b.recompute()
+    done = b.generate_all()
+    assert b.active == 0
+    assert rows[0].uid not in {r.uid for r in done}
+    for r in done:
+        assert r.versions[-1] == 5 and set(r.versions) <= {0, 5}
+
+
+def test_rollout_backend_state_round_trip(make_rollout):
+    """The sampling state restores: the same rows sample the same tokens again."""
+    b = make_rollout(seed=7)
+    state = b.state_dict()
+    b.admit(_rows())
+    first = b.generate_all()
+    b.load_state_dict(state)
+    b.admit(_rows(start_uid=100))
+    second = b.generate_all()
+    key = lambda r: r.prompt_index  # noqa: E731
+    assert [r.response_ids for r in sorted(first, key=key)] == [r.response_ids for r in sorted(second, key=key)]
+
+
+def test_rollout_backend_samples_the_loaded_weights(make_rollout, tiny_models):
+    """Never sample silently from stale weights: new weights change the behaviour log-probs."""
+    b = make_rollout(seed=1)
+    state = b.state_dict()
+    b.admit(_rows())
+    before = {r.prompt_index: r.logprobs for r in b.generate_all()}
+    changed = _load(tiny_models, "policy")
+    with torch.no_grad():
+        for p in changed.parameters():
+            p.add_(0.5 * torch.randn_like(p))
+    b.load_weights(changed, 1)
+    b.load_state_dict(state)
+    b.admit(_rows(start_uid=100))
+    after = {r.prompt_index: r.logprobs for r in b.generate_all()}
+    assert any(before[i][0] != pytest.approx(after[i][0], abs=1e-4) for i in before)
+
+
+# ====================================================================== scorers
+
+
+def _scorers(tiny_models):
+    policy, reward = _load(tiny_models, "policy"), _load(tiny_models, "reward")
+    return {"reward": StreamingScorer("reward", reward, PAD),
+            "reference": StreamingScorer("reference", policy, PAD, 0.7),
+            "critic": StreamingScorer("critic", copy.deepcopy(reward), PAD)}
+
+
+def _inline(tiny_models):
+    from oppo.setup import InlineScorer
+
+    return InlineScorer(_scorers(tiny_models))
+
+
+def _worker(transport):
+    def make(tiny_models):
+        from oppo.workers import ScorerWorker
+
+        return ScorerWorker(_scorers(tiny_models), 1, Tracer(enabled=True), transport=transport)
+    return make
+
+
+def _ray_scorer(tiny_models):
+    from oppo.placement.ray_scorer import RayScorerWorker
+    from oppo.placement.specs import ModelSpec
+
+    path_p, path_r = str(tiny_models["policy"]), str(tiny_models["reward"])
+    specs = {"reward": ModelSpec("reward", path_r, pad_id=PAD, device="cpu"),
+             "reference": ModelSpec("reference", path_p, pad_id=PAD, device="cpu"),
+             "critic": ModelSpec("critic", path_r, pad_id=PAD, device="cpu")}
+    return RayScorerWorker(specs, Tracer(enabled=True), temperature=0.7, num_cpus=0.25)
+
+
+SCORERS = {"inline": _inline, "thread": _worker("thread"), "process": _worker("process"), "ray": _ray_scorer}
+
+
+@pytest.fixture(params=[pytest.param(n, marks=RAY if n == "ray" else []) for n in SCORERS])
+def scorer(request, tiny_models):
+    make = SCORERS[request.param]
+    if request.param == "ray":
+        request.getfixturevalue("ray_local")
+    s = make(tiny_models)
+    yield s
+    s.close()
+
+
+def test_scorer_conforms_streamed_equals_one_shot(scorer, tiny_models):
+    from oppo.types import Chunk
+
+    assert isinstance(scorer, Scorer)
+    assert set(scorer.roles) == {"reward", "reference", "critic"}
+    responses = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14], [15, 16, 17, 18, 19, 20, 21]]
+    uids = [10, 11, 12, 13]
+    scorer.admit(uids, PROMPTS, 0)
+    for start in range(0, 8, 3):  # chunks of 3; each row's last is final
+        chunks = [Chunk(u, tuple(r[start:start + 3]), start + 3 >= len(r)) for u, r in zip(uids, responses)
+                  if start < len(r)]
+        scorer.feed(chunks, 0)
+    scorer.admit([99], [[3]], 0)
+    scorer.forget({99})  # dropped: never completes, never returned
+    scorer.barrier()
+    out = scorer.take(uids)
+    for role in ("reward", "reference", "critic"):
+        one_shot = scorer.score_full(role, PROMPTS, responses)
+        assert len(out[role]) == len(uids)
+        for got, want in zip(out[role], one_shot):
+            if role == "reward":
+                assert got.score == pytest.approx(want.score, abs=1e-4)
+            else:
+                g, w = (got.logprobs, want.logprobs) if role == "reference" else (got.values, want.values)
+                torch.testing.assert_close(torch.tensor(g), torch.tensor(w), atol=1e-4, rtol=1e-4)
+    with pytest.raises(KeyError):
+        scorer.take([99])
+
+
+def test_one_shot_scores_are_the_models(tiny_models, scorer):
+    reward = _load(tiny_models, "reward")
+    want = score_full("reward", reward, PROMPTS, [[5, 6]] * 4, PAD)
+    got = scorer.score_full("reward", PROMPTS, [[5, 6]] * 4)
+    assert [g.score for g in got] == pytest.approx([w.score for w in want], abs=1e-5)
+
+
+# ====================================================================== learners
+
+
+def _experience(tiny_models):
+    from oppo.rollout import RolloutEngine
+
+    eng = RolloutEngine(_load(tiny_models, "policy"), (EOS,), PAD, 8, seed=0)
+    eng.admit(_rows())
+    rows = sorted(eng.generate_all(), key=lambda r: r.uid)
+    return build_experience(rows, PAD, torch.device("cpu"))
+
+
+def _local_learner(tiny_models, ppo):
+    actor = _load(tiny_models, "policy").requires_grad_(True)
+    critic = _load(tiny_models, "reward").requires_grad_(True)
+    return Learner(actor, critic, ppo, 1.0, 0), None
+
+
+def _beside_scorer(tiny_models, ppo):
+    from oppo.setup import CriticBesideScorer, ThreadBudget
+    from oppo.workers import CriticTrainer, ScorerWorker
+
+    learner, _ = _local_learner(tiny_models, ppo)
+    scorers = {"critic": StreamingScorer("critic", learner.critic, PAD)}
+    worker = ScorerWorker(scorers, 1, Tracer(), trainer=CriticTrainer(learner.critic_opt, ppo))
+    return CriticBesideScorer(learner, worker, Tracer(), ThreadBudget(1, 1, 1), in_flight=False), worker
+
+
+LEARNERS = {"local": _local_learner, "critic_beside_scorer": _beside_scorer}
+
+
+@pytest.mark.parametrize("name", list(LEARNERS))
+def test_learner_conforms_and_round_trips(name, tiny_models):
+    from oppo.config import PPOConfig
+    from oppo.learner import attach_scores, compute_advantages
+    from oppo.scoring import ScoredOutputs
+    from oppo.algo import get_algorithm
+    from oppo.types import Scores
+
+    ppo = PPOConfig(batch_size=4, minibatch_size=2, micro_batch_size=2)
+    learner, closer = LEARNERS[name](tiny_models, ppo)
+    try:
+        assert isinstance(learner, LearnerProtocol)
+        exp = _experience(tiny_models)
+        learner.old_logprobs(exp, 0)
+        T = exp.mask.shape[1]
+        scored = Scores([0.5, -0.5, 1.0, 0.0], [ScoredOutputs(logprobs=[-1.0] * T)] * 4,
+                        [ScoredOutputs(values=[0.1] * T)] * 4)
+        exp = compute_advantages(attach_scores(exp, scored), ppo, get_algorithm("ppo"))
+        state0 = copy.deepcopy(learner.checkpoint_state())
+        weights0 = copy.deepcopy(learner.actor_weights().state_dict())
+        stats = learner.update(exp, 0)
+        assert {"loss/policy", "loss/value"} <= set(stats)
+        after = learner.actor_weights().state_dict()
+        assert any(not torch.equal(after[k], v) for k, v in weights0.items()), "the update changed the policy"
+        state1 = learner.checkpoint_state()
+        assert set(state1) == {"actor", "critic"}
+        learner.load_checkpoint_state(state0)
+        assert learner.checkpoint_state()["actor"]["state"] == {}, "the optimizer state restored (fresh)"
+    finally:
+        if closer is not None:
+            closer.close()
