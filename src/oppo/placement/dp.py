@@ -98,7 +98,7 @@ class LearnerSpec:
 
 def learner_spec(cfg, paths, pad_id: int, compute_dtype: torch.dtype, algorithm, recompute_old: bool,
                  critic: bool = True, device: str = "auto") -> LearnerSpec:
-    """The learner the trainer builds (``Trainer.__init__``), as a spec for the ranks: the policy in
+    """The learner the trainer builds (``setup.build_roles``), as a spec for the ranks: the policy in
     its master dtype (the compute dtype under LoRA: only the fp32 adapters train), the critic in
     its master dtype (``critic`` False: none here, e.g. it trains on its scorer actor, or a
     critic-free algorithm), LoRA and gradient checkpointing as configured. ``cfg``: the Config."""

@@ -15,7 +15,7 @@ steps). A cost model turns a ``Work`` into seconds on one device. Two kinds:
   figures are spec-sheet numbers (dense bf16, no sparsity); the efficiencies are assumptions,
   stated in :class:`Efficiency` and in every output.
 
-Operations (what the runtime does, ``src/oppo/trainer.py``):
+Operations (what the runtime does, ``src/oppo/control/``):
 
 ==========  ================================================================================
 decode      one lock-step decode step of the actor over ``rows`` sequences whose caches

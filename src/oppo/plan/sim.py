@@ -1,7 +1,7 @@
 """A discrete-event simulation of oppo's PPO steps, per mode and placement.
 
-It replays what ``Trainer.sequential_step`` and ``Trainer.overlapped_step`` do
-(``src/oppo/trainer.py``), with every stage's duration taken from a cost model (``costs.py``)
+It replays what ``control.sequential_step`` and ``control.overlapped_step`` do
+(``src/oppo/control/``), with every stage's duration taken from a cost model (``costs.py``)
 instead of a clock:
 
 - **admission and closing** are decided by oppo's own pure scheduler (``oppo.scheduler``):
