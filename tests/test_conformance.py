@@ -64,7 +64,15 @@ ROLLOUTS = {"eager": _eager, "static": _static, "ray1": _ray_group(1), "ray2": _
 RAY = [pytest.mark.ray, pytest.mark.slow]
 
 
-@pytest.fixture(params=[pytest.param(n, marks=RAY if n.startswith("ray") else []) for n in ROLLOUTS])
+def _params(names):
+    return [pytest.param(n, marks=RAY if n.startswith("ray") else []) for n in names]
+
+
+ALL = _params(ROLLOUTS)
+ONE_RAY = _params(("eager", "static", "ray1"))  # (two workers: only the first test; each start costs seconds)
+
+
+@pytest.fixture
 def make_rollout(request, tiny_models):
     make = ROLLOUTS[request.param]
     if request.param.startswith("ray"):
@@ -96,6 +104,7 @@ def _drain(backend, chunk):
     return finished, chunks, orders
 
 
+@pytest.mark.parametrize("make_rollout", ALL, indirect=True)
 def test_rollout_backend_conforms(make_rollout):
     b = make_rollout()
     assert isinstance(b, RolloutBackend)
@@ -118,6 +127,7 @@ def test_rollout_backend_conforms(make_rollout):
             assert not any(c.final for c in chunks[r.uid][:-1])
 
 
+@pytest.mark.parametrize("make_rollout", ONE_RAY, indirect=True)
 def test_rollout_backend_no_chunks_without_a_chunk_size(make_rollout):
     b = make_rollout()
     b.admit(_rows())
@@ -125,6 +135,7 @@ def test_rollout_backend_no_chunks_without_a_chunk_size(make_rollout):
     assert len(finished) == len(PROMPTS) and not chunks
 
 
+@pytest.mark.parametrize("make_rollout", ONE_RAY, indirect=True)
 def test_rollout_backend_abort_generate_all_and_versions(make_rollout, tiny_models):
     b = make_rollout()
     rows = _rows()
@@ -141,6 +152,7 @@ def test_rollout_backend_abort_generate_all_and_versions(make_rollout, tiny_mode
         assert r.versions[-1] == 5 and set(r.versions) <= {0, 5}
 
 
+@pytest.mark.parametrize("make_rollout", ONE_RAY, indirect=True)
 def test_rollout_backend_state_round_trip(make_rollout):
     """The sampling state restores: the same rows sample the same tokens again."""
     b = make_rollout(seed=7)
@@ -154,6 +166,7 @@ def test_rollout_backend_state_round_trip(make_rollout):
     assert [r.response_ids for r in sorted(first, key=key)] == [r.response_ids for r in sorted(second, key=key)]
 
 
+@pytest.mark.parametrize("make_rollout", ONE_RAY, indirect=True)
 def test_rollout_backend_samples_the_loaded_weights(make_rollout, tiny_models):
     """Never sample silently from stale weights: new weights change the behaviour log-probs."""
     b = make_rollout(seed=1)
@@ -209,8 +222,10 @@ def _ray_scorer(tiny_models):
 SCORERS = {"inline": _inline, "thread": _worker("thread"), "process": _worker("process"), "ray": _ray_scorer}
 
 
-@pytest.fixture(params=[pytest.param(n, marks=RAY if n == "ray" else []) for n in SCORERS])
+@pytest.fixture(scope="module", params=[pytest.param(n, marks=RAY if n == "ray" else []) for n in SCORERS])
 def scorer(request, tiny_models):
+    """One per implementation for the module (a process or Ray start costs seconds); each test
+    uses its own uids."""
     make = SCORERS[request.param]
     if request.param == "ray":
         request.getfixturevalue("ray_local")
@@ -226,6 +241,7 @@ def test_scorer_conforms_streamed_equals_one_shot(scorer, tiny_models):
     assert set(scorer.roles) == {"reward", "reference", "critic"}
     responses = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14], [15, 16, 17, 18, 19, 20, 21]]
     uids = [10, 11, 12, 13]
+    scorer.barrier()
     scorer.admit(uids, PROMPTS, 0)
     for start in range(0, 8, 3):  # chunks of 3; each row's last is final
         chunks = [Chunk(u, tuple(r[start:start + 3]), start + 3 >= len(r)) for u, r in zip(uids, responses)
