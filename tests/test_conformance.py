@@ -52,8 +52,9 @@ def _static(tiny_models, seed=0):
 
 def _ray_group(n):
     def make(tiny_models, seed=0):
-        from oppo.placement.ray_rollout import EngineSettings, RayRolloutGroup
+        from oppo.placement.ray_rollout import RayRolloutGroup
         from oppo.placement.specs import ModelSpec
+        from oppo.rollout import EngineSettings
 
         spec = ModelSpec("policy", str(tiny_models["policy"]), pad_id=PAD, device="cpu")
         return RayRolloutGroup(spec, EngineSettings((EOS,), PAD, 10), n, seed=seed, tracer=Tracer(), num_cpus=0.25)

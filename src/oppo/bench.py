@@ -227,14 +227,14 @@ def static_engine(capture: str = "none"):
     carrying: B + Delta and the refill cap are both at most 2B) and columns for the longest
     prompt plus the longest response."""
     def make(t):
-        from .fastdecode import StaticRolloutEngine
+        import dataclasses
 
-        r, g, B = t.roles, t.cfg.generation, t.cfg.ppo.batch_size
-        eng = StaticRolloutEngine(r.rollout_policy, r.stop_ids, r.pad_id, r.max_new_tokens, g.temperature,
-                                  g.top_k, g.top_p, seed=t.cfg.run.seed, max_rows=2 * B if t.cfg.carries else B,
-                                  max_len=t.cfg.data.max_prompt_tokens + r.max_new_tokens, capture=capture)
-        eng.kv_budget_mb = getattr(r.rollout, "kv_budget_mb", None)
-        return eng
+        from .rollout import build_engine
+        from .setup import engine_settings
+
+        r = t.roles
+        settings = engine_settings(t.cfg, r.stop_ids, r.pad_id, r.max_new_tokens, r.device)
+        return build_engine(r.rollout_policy, dataclasses.replace(settings, kind="static", capture=capture))
     return make
 
 

@@ -17,12 +17,14 @@ with its training forward and keeps these as the behaviour policy of the importa
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .kv import KVRows, left_pad
 from .types import Chunk, ChunkReady, Event, Rollout, SequenceFinished
 
-__all__ = ["Chunk", "KVBudgetError", "Rollout", "RolloutEngine", "sample_tokens"]
+__all__ = ["Chunk", "EngineSettings", "KVBudgetError", "Rollout", "RolloutEngine", "build_engine", "sample_tokens"]
 
 
 def sample_tokens(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
@@ -255,3 +257,40 @@ class RolloutEngine:
             done.extend(self.step())
         self.finished = []
         return done
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What a local rollout engine is built with (``generation.*``; ``setup.engine_settings``).
+    ``kind``: eager or static; ``max_rows`` / ``max_len``: the static engine's slots; ``capture``:
+    its decode-step capture (``fastdecode.CAPTURE_MODES``)."""
+
+    stop_ids: tuple[int, ...]
+    pad_id: int
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    kv_budget_mb: float | None = None
+    seed: int = 0
+    kind: str = "eager"
+    max_rows: int = 0
+    max_len: int = 0
+    capture: str = "none"
+
+
+def build_engine(model: torch.nn.Module, s: EngineSettings) -> RolloutEngine:
+    """The one place a local rollout engine is built: by the controller's setup and by every Ray
+    rollout worker."""
+    if s.kind == "static":
+        from .fastdecode import StaticRolloutEngine
+
+        engine = StaticRolloutEngine(model, s.stop_ids, s.pad_id, s.max_new_tokens, s.temperature, s.top_k, s.top_p,
+                                     seed=s.seed, max_rows=s.max_rows, max_len=s.max_len, capture=s.capture)
+    elif s.kind == "eager":
+        engine = RolloutEngine(model, s.stop_ids, s.pad_id, s.max_new_tokens, s.temperature, s.top_k, s.top_p,
+                               seed=s.seed)
+    else:
+        raise ValueError(f"unknown engine {s.kind!r}: eager or static")
+    engine.kv_budget_mb = s.kv_budget_mb or None
+    return engine

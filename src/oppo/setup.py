@@ -28,7 +28,7 @@ from .models import (apply_lora, base_view, check_model_path, check_roles, enabl
                      load_causal_lm, load_critic, load_function, load_reward_model, load_tokenizer, resolve_device,
                      resolve_dtype, stop_token_ids)
 from .roles.protocols import RolloutBackend, Scorer
-from .rollout import RolloutEngine
+from .rollout import EngineSettings, build_engine
 from .scoring import RewardFunction, StreamingScorer
 from .trace import Tracer
 from .weights import copy_weights, master_dtype, serving_copy
@@ -401,7 +401,7 @@ def build_roles(cfg: Config, progress: bool = True) -> Roles:
     if placement.learner == "ray":
         _place_on_ray(roles, stop_ids, recompute)
         return roles
-    roles.rollout = build_engine(cfg, rollout_policy, stop_ids, pad_id, max_new, dev)
+    roles.rollout = build_engine(rollout_policy, engine_settings(cfg, stop_ids, pad_id, max_new, dev))
     trains_here = placement.critic_trains_on == "scorer"
     if placement.scorer == "inline":
         roles.scorer = InlineScorer(scorers)
@@ -422,24 +422,14 @@ def build_roles(cfg: Config, progress: bool = True) -> Roles:
     return roles
 
 
-def build_engine(cfg: Config, model: torch.nn.Module, stop_ids, pad_id: int, max_new_tokens: int,
-                 device: torch.device) -> RolloutBackend:
-    """The one place a local rollout engine is built (``generation.engine``)."""
-    g = cfg.generation
-    if g.engine == "static":
-        from .fastdecode import StaticRolloutEngine
-
-        B = cfg.ppo.batch_size
-        engine = StaticRolloutEngine(model, stop_ids, pad_id, max_new_tokens, g.temperature, g.top_k, g.top_p,
-                                     seed=cfg.run.seed, max_rows=2 * B if cfg.carries else B,  # B + Delta, refill: <= 2B
-                                     max_len=cfg.data.max_prompt_tokens + max_new_tokens,
-                                     capture="cuda_graph" if device.type == "cuda" else "none")
-    else:
-        engine = RolloutEngine(model, stop_ids, pad_id, max_new_tokens, g.temperature, g.top_k, g.top_p,
-                               seed=cfg.run.seed)
-    if g.kv_budget_mb:
-        engine.kv_budget_mb = g.kv_budget_mb
-    return engine
+def engine_settings(cfg: Config, stop_ids, pad_id: int, max_new_tokens: int, device: torch.device) -> EngineSettings:
+    """The rollout engine's settings from the config (``generation.*``)."""
+    g, B = cfg.generation, cfg.ppo.batch_size
+    return EngineSettings(tuple(stop_ids), pad_id, max_new_tokens, g.temperature, g.top_k, g.top_p,
+                          g.kv_budget_mb or None, cfg.run.seed, g.engine,
+                          max_rows=2 * B if cfg.carries else B,  # B + Delta, refill: <= 2B
+                          max_len=cfg.data.max_prompt_tokens + max_new_tokens,
+                          capture="cuda_graph" if device.type == "cuda" else "none")
 
 
 def _place_on_ray(roles: Roles, stop_ids, recompute_old: bool) -> None:
@@ -472,12 +462,10 @@ def _place_on_ray(roles: Roles, stop_ids, recompute_old: bool) -> None:
     copy_weights(roles.policy, roles.rollout_policy)
     roles.sync.steps.append(lambda version: learner.sync(version))  # rank 0's critic -> the scorer actor
     if roles.placement.rollout == "ray":
-        from .placement.ray_rollout import EngineSettings, RayRolloutGroup
+        from .placement.ray_rollout import RayRolloutGroup
         from .placement.specs import ModelSpec
 
-        g = cfg.generation
-        settings = EngineSettings(tuple(stop_ids), pad_id, roles.max_new_tokens, g.temperature, g.top_k, g.top_p,
-                                  g.kv_budget_mb or None)
+        settings = engine_settings(cfg, stop_ids, pad_id, roles.max_new_tokens, torch.device("cpu"))
         mspec = ModelSpec("policy", roles.paths.policy, dtype, pad_id=pad_id,
                           trust_remote_code=cfg.policy.trust_remote_code)
         stream = roles.placement.rollout_streams_itself  # (the scorer actors serve every other mode)
@@ -491,7 +479,8 @@ def _place_on_ray(roles: Roles, stop_ids, recompute_old: bool) -> None:
         # rollout workers load rank 0's weights straight from the object store
         roles.sync.steps.append(lambda version: group.load_weights(learner.actor_weights(), version))
     else:
-        roles.rollout = build_engine(cfg, roles.rollout_policy, stop_ids, pad_id, roles.max_new_tokens, roles.device)
+        roles.rollout = build_engine(roles.rollout_policy, engine_settings(cfg, stop_ids, pad_id, roles.max_new_tokens,
+                                                                           roles.device))
         roles.scorer = scorer
 
         def actor_home(version: int) -> None:  # rank 0's actor -> the engine's model (the policy is
@@ -500,5 +489,5 @@ def _place_on_ray(roles: Roles, stop_ids, recompute_old: bool) -> None:
         roles.sync.steps.append(actor_home)
 
 
-__all__ = ["Placement", "ResolvedPaths", "Roles", "ThreadBudget", "WeightSync", "build_engine", "build_roles",
+__all__ = ["Placement", "ResolvedPaths", "Roles", "ThreadBudget", "WeightSync", "build_roles", "engine_settings",
            "decide_placement", "resolve_paths"]

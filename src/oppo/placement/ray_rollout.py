@@ -26,30 +26,17 @@ A worker that dies is named by role and rank (``rollout worker (role=rollout, ra
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from dataclasses import dataclass
 
 import torch
 
-from ..rollout import Rollout, RolloutEngine
+from ..rollout import EngineSettings, Rollout, build_engine
 from ..trace import Tracer
-from ..types import Event, SequenceFinished
+from ..types import ChunkReady, Event, SequenceFinished
 from .ray_scorer import _short, get_named
 from .specs import ModelSpec
 from .weight_sync import Packed, pack, unpack_into
-
-
-@dataclass
-class EngineSettings:
-    """What each worker's :class:`RolloutEngine` is built with (the trainer's own)."""
-
-    stop_ids: tuple[int, ...]
-    pad_id: int
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    kv_budget_mb: float | None = None
 
 
 class RolloutHost:
@@ -62,10 +49,7 @@ class RolloutHost:
         torch.set_num_threads(threads)
         self.name = name
         self.model = spec.load().requires_grad_(False)
-        s = settings
-        self.engine = RolloutEngine(self.model, s.stop_ids, s.pad_id, s.max_new_tokens, s.temperature, s.top_k,
-                                    s.top_p, seed=seed)
-        self.engine.kv_budget_mb = s.kv_budget_mb
+        self.engine = build_engine(self.model, dataclasses.replace(settings, seed=seed))
         self.scorers = scorers or []
         self.sent: list = []  # refs of the calls made to the scorers since the last flush
         self.chunks_sent = 0  # chunks streamed since the last flush
@@ -87,16 +71,14 @@ class RolloutHost:
         while self.engine.active:
             if self._span is None:
                 self._span = (time.perf_counter(), step)
-            done = self.engine.step()
+            events = self.engine.advance((chunk or 1 << 30) if self.scorers else None)
             steps += 1
-            if self.scorers:
-                chunks = self.engine.take_chunks(chunk or 1 << 30)
-                if chunks:
-                    self._close_span()  # one decode span per stretch between two sends, as the controller's
-                    self.sent += [a.feed.remote(chunks, step) for a in self.scorers]
-                    self.chunks_sent += len(chunks)
-            else:
-                self.engine.finished.clear()
+            done = [e.rollout for e in events if isinstance(e, SequenceFinished)]
+            chunks = [e.chunk for e in events if isinstance(e, ChunkReady)]
+            if chunks:
+                self._close_span()  # one decode span per stretch between two sends, as the controller's
+                self.sent += [a.feed.remote(chunks, step) for a in self.scorers]
+                self.chunks_sent += len(chunks)
             if done and not self.engine.active:
                 self._close_span()
             if done or (chunk is not None and steps >= chunk):
