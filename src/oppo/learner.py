@@ -95,6 +95,41 @@ def compute_advantages(exp: Experience, cfg: PPOConfig, algorithm) -> Experience
                                stats={**(exp.stats or {}), **{k: float(v) for k, v in res.stats.items()}})
 
 
+def old_logprob_targets(exp: Experience, version: int, recompute_all: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(redo, off), both [B, T] bool: the tokens whose old log-probs the training forward recomputes
+    (every response token if ``recompute_all``, else the off-policy ones) and the off-policy tokens
+    (sampled by a version older than ``version``). See ``Learner.old_logprobs``."""
+    mask = exp.mask > 0
+    off = (exp.versions < version) & mask  # [B, T]
+    return (mask if recompute_all else off), off
+
+
+def set_old_logprobs(exp: Experience, rows: torch.Tensor, new: torch.Tensor, redo: torch.Tensor, off: torch.Tensor,
+                     cfg: PPOConfig) -> None:
+    """Set ``exp.old_logprobs`` (``new`` [len(rows), T] where ``redo``), ``exp.is_weights`` and
+    ``exp.stats`` (``Learner.old_logprobs``); wherever ``new`` was computed (one learner, or its
+    share by each sharded rank)."""
+    exp.stats = {}
+    if rows.numel() == 0:
+        return
+    mask = exp.mask > 0
+    old = exp.old_logprobs.clone()
+    old[rows] = torch.where(redo[rows], new.to(old.device), old[rows])
+    exp.old_logprobs = old
+    w = torch.exp(old - exp.behaviour_logprobs)  # [B, T]
+    if cfg.is_truncate is not None:
+        w = w.clamp(max=cfg.is_truncate)
+    exp.is_weights = torch.where(off, w, torch.ones_like(w))
+    on = mask & ~off & redo
+    if on.any():
+        gap = (old - exp.behaviour_logprobs).abs()[on]
+        ratio = torch.exp(exp.behaviour_logprobs - old)[on]  # the first minibatch's ratio had we not recomputed
+        eps_hi = cfg.clip_eps_high if cfg.clip_eps_high is not None else cfg.clip_eps
+        exp.stats = {"ppo/sampler_logprob_gap": gap.mean().item(), "ppo/sampler_logprob_gap_max": gap.max().item(),
+                     "ppo/sampler_ratio_outside_clip": ((ratio < 1 - cfg.clip_eps) | (ratio > 1 + eps_hi))
+                     .float().mean().item()}
+
+
 def _micro_slices(exp: "Experience | CriticBatch", rows: torch.Tensor):
     """Tensors of ``rows`` with columns trimmed to what those rows use."""
     valid = exp.valid[rows]
@@ -147,33 +182,21 @@ class Learner:
           truncation), reported as ``ppo/sampler_logprob_gap`` and
           ``ppo/sampler_ratio_outside_clip``, not a policy change.
         """
-        mask = exp.mask > 0
-        off = (exp.versions < version) & mask  # [B, T]
-        redo = mask if self.recompute_old else off  # [B, T]
+        redo, off = old_logprob_targets(exp, version, self.recompute_old)
         rows = redo.any(1).nonzero().squeeze(1)
-        exp.stats = {}
-        if rows.numel() == 0:
-            return
-        old = exp.old_logprobs.clone()
-        for chunk in rows.split(self.cfg.micro_batch_size):  # the training forward's memory footprint
+        set_old_logprobs(exp, rows, self.recompute_logprobs(exp, rows), redo, off, self.cfg)
+
+    @torch.no_grad()
+    def recompute_logprobs(self, exp: Experience, rows: torch.Tensor) -> torch.Tensor:
+        """[len(rows), T] log-probs of ``rows``' response tokens under the current weights, in
+        micro-batches (the training forward's memory footprint); 0 beyond a micro-batch's width."""
+        out = torch.zeros(len(rows), exp.mask.shape[1], device=exp.mask.device)
+        for i in range(0, len(rows), self.cfg.micro_batch_size):
+            chunk = rows[i: i + self.cfg.micro_batch_size]
             ids, valid, P, T = _micro_slices(exp, chunk)
-            new = pm.logprobs_from_logits(self._actor_logits(ids, valid, P), ids[:, P:], self.temperature)  # [b, T]
-            sub = old[chunk]
-            sub[:, :T] = torch.where(redo[chunk][:, :T], new, sub[:, :T])
-            old[chunk] = sub
-        exp.old_logprobs = old
-        w = torch.exp(old - exp.behaviour_logprobs)  # [B, T]
-        if self.cfg.is_truncate is not None:
-            w = w.clamp(max=self.cfg.is_truncate)
-        exp.is_weights = torch.where(off, w, torch.ones_like(w))
-        on = mask & ~off & redo
-        if on.any():
-            gap = (old - exp.behaviour_logprobs).abs()[on]
-            ratio = torch.exp(exp.behaviour_logprobs - old)[on]  # the first minibatch's ratio had we not recomputed
-            eps_hi = self.cfg.clip_eps_high if self.cfg.clip_eps_high is not None else self.cfg.clip_eps
-            exp.stats = {"ppo/sampler_logprob_gap": gap.mean().item(), "ppo/sampler_logprob_gap_max": gap.max().item(),
-                         "ppo/sampler_ratio_outside_clip": ((ratio < 1 - self.cfg.clip_eps) | (ratio > 1 + eps_hi))
-                         .float().mean().item()}
+            out[i: i + len(chunk), :T] = pm.logprobs_from_logits(self._actor_logits(ids, valid, P), ids[:, P:],
+                                                                 self.temperature)  # [b, T]
+        return out
 
     def minibatches(self, B: int, step: int) -> list[torch.Tensor]:
         """Row indices of each minibatch, every epoch: a fresh permutation seeded by the step only

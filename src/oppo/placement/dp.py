@@ -79,7 +79,9 @@ class LearnerSpec:
     lora: tuple | None = None
     gradient_checkpointing: bool = False
 
-    def build(self) -> Learner:
+    def build(self, prepare: Callable[[torch.nn.Module], None] | None = None) -> Learner:
+        """Load the models and build the Learner. ``prepare(model)``, if given, runs on the actor and
+        the critic before their optimizers are built (the FSDP2 ranks shard them there)."""
         from ..models import apply_lora, enable_gradient_checkpointing
 
         torch.manual_seed(self.seed)
@@ -92,6 +94,10 @@ class LearnerSpec:
                 if m is not None:
                     enable_gradient_checkpointing(m)
         actor.eval()
+        if prepare is not None:
+            for m in (actor, critic):
+                if m is not None:
+                    prepare(m)
         return Learner(actor, critic, self.ppo, self.temperature, self.seed, compute_dtype=self.compute_dtype,
                        recompute_old=self.recompute_old, algorithm=self.algorithm)
 
@@ -122,8 +128,6 @@ def dp_update(learner: Learner, exp: Experience, step: int, rank: int, world: in
               ) -> dict[str, float]:
     """``learner.update(exp, step, critic)`` as rank ``rank`` of ``world`` in the default process
     group (module docstring). Every rank gets the whole batch and returns the same stats."""
-    import torch.distributed as dist
-
     cfg = learner.cfg
     mbs = [mb.to(exp.mask.device) for mb in learner.minibatches(exp.mask.shape[0], step)]
     actor_steps = _Shard(mbs, rank, world, learner.actor,
@@ -137,13 +141,21 @@ def dp_update(learner: Learner, exp: Experience, step: int, rank: int, world: in
                                                                       learner.compute_dtype))
         stats.update(_train(learner.critic, learner.critic_opt, batch.mask, mbs, cfg, "critic", critic_steps))
         critic_steps.check_done()
+    return merge_rank_stats(stats, world)
+
+
+def merge_rank_stats(stats: dict[str, float], world: int) -> dict[str, float]:
+    """One rank's share of the update's stats -> the update's (every rank gets the same): losses and
+    per-token means are already weighted by the global counts, so they add up over the ranks; the
+    gradient norm is computed on the summed gradient, the same on every rank. A collective."""
+    import torch.distributed as dist
+
     if world == 1:
         return stats
     gathered: list[dict[str, float]] = [{} for _ in range(world)]
     dist.all_gather_object(gathered, stats)
     out = {}
     for k in sorted(set().union(*gathered)):
-        # the gradient norm is computed after the all-reduce: the same on every rank
         out[k] = gathered[0][k] if k.startswith("grad_norm/") else sum(g.get(k, 0.0) for g in gathered)
     return out
 
@@ -332,6 +344,9 @@ class LearnerRank:
 class DPLearnerGroup:
     """M learner ranks on Ray; ``update`` = ``Learner.update`` on the same batch (module docstring).
 
+    ``rank_class``: what each rank runs (:class:`LearnerRank`: a replica; ``fsdp.FSDPLearnerRank``:
+    a shard, whose reads of the weights are collectives: :meth:`_rank0_ref` calls every rank).
+
     ``tracer``: where each rank's training span goes (worker ``learner<rank>``; on another node
     its clock differs). ``rollout``: the model the rollout engine samples with (a local module): rank 0's actor
     weights are copied into it after each update (``time/weight_sync``). ``critic_scorer``: a
@@ -340,6 +355,8 @@ class DPLearnerGroup:
     CPUs and ``num_gpus`` GPUs; ``strategy``: Ray placement-group strategy (PACK: as few nodes as
     possible; SPREAD / STRICT_SPREAD: across nodes). Call :func:`.cluster.init_ray` first.
     """
+
+    rank_class = LearnerRank
 
     def __init__(self, spec: LearnerSpec, world_size: int, *, num_cpus: float = 1, num_gpus: float = 0,
                  threads: int = 1, backend: str | None = None, strategy: str = "PACK",
@@ -364,7 +381,7 @@ class DPLearnerGroup:
             ray.util.remove_placement_group(self.pg)
             raise RuntimeError(f"the Ray cluster cannot place {world_size} learner ranks of {bundle} "
                                f"({strategy}) within {timeout_s:.0f} s; it has {ray.cluster_resources()}")
-        cls = ray.remote(LearnerRank)
+        cls = ray.remote(self.rank_class)
         self.ranks = [cls.options(num_cpus=num_cpus, num_gpus=num_gpus, scheduling_strategy=
                                   PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r)
                                   ).remote(spec, r, world_size, threads) for r in range(world_size)]
@@ -372,7 +389,7 @@ class DPLearnerGroup:
         backend = backend or ("nccl" if num_gpus else "gloo")
         self._gather([r.join.remote(host, port, backend, timeout_s) for r in self.ranks])
         if critic_scorer is not None:
-            critic_scorer.set_critic_weights(self.ranks[0].critic_weights.remote())
+            critic_scorer.set_critic_weights(self._rank0_ref(lambda r: r.critic_weights.remote()))
 
     def update(self, exp: Experience, step: int, critic: bool = True, sync: bool | None = None) -> dict[str, float]:
         """Stage 6 on the group, then (``sync``; default: unless built with ``defer_sync``) the
@@ -398,7 +415,7 @@ class DPLearnerGroup:
         """The weight sync after an update: rank 0's critic to the scorer actor (applied before any
         later call to it), its actor into ``rollout``; returns ``time/weight_sync``."""
         if self.critic_scorer is not None and critic:
-            self.critic_scorer.set_critic_weights(self.ranks[0].critic_weights.remote(), step)  # rank 0 -> scorer
+            self.critic_scorer.set_critic_weights(self._rank0_ref(lambda r: r.critic_weights.remote()), step)  # rank 0 -> scorer
         if self.rollout is None:
             return {}
         return {"time/weight_sync": self.sync_actor(self.rollout)}
@@ -410,12 +427,12 @@ class DPLearnerGroup:
 
     def actor_weights(self):
         """A Ray ref to rank 0's actor weights (``weight_sync.pack``), for workers to load directly."""
-        return self.ranks[0].actor_weights.remote()
+        return self._rank0_ref(lambda r: r.actor_weights.remote())
 
     def sync_actor(self, target: torch.nn.Module) -> float:
         """Copy rank 0's actor weights into ``target`` (cast to its dtype); returns the seconds taken."""
         t = time.perf_counter()
-        unpack_into(target, self._gather([self.ranks[0].actor_weights.remote()], ranks=[0])[0], partial=True)
+        unpack_into(target, self._rank0(lambda r: r.actor_weights.remote()), partial=True)
         return time.perf_counter() - t
 
     def old_logprobs(self, exp: Experience, version: int) -> None:
@@ -429,14 +446,14 @@ class DPLearnerGroup:
         return self._gather([r.node_id.remote() for r in self.ranks])
 
     def actor_state(self) -> dict[str, torch.Tensor]:
-        return self._gather([self.ranks[0].actor_state.remote()], ranks=[0])[0]
+        return self._rank0(lambda r: r.actor_state.remote())
 
     def critic_state(self) -> dict[str, torch.Tensor]:
-        return self._gather([self.ranks[0].critic_state.remote()], ranks=[0])[0]
+        return self._rank0(lambda r: r.critic_state.remote())
 
     def state_dict(self) -> dict:
         """Rank 0's ``{"actor", "critic", "actor_opt", "critic_opt"}``: the single learner's format."""
-        return self._gather([self.ranks[0].state_dict.remote()], ranks=[0])[0]
+        return self._rank0(lambda r: r.state_dict.remote())
 
     def checkpoint_state(self) -> dict:
         """The optimizer states a checkpoint saves (``Learner.checkpoint_state``'s format); rank 0's
@@ -466,7 +483,7 @@ class DPLearnerGroup:
         ref = ray.put(state)
         self._gather([r.load_state_dict.remote(ref) for r in self.ranks])
         if self.critic_scorer is not None:
-            self.critic_scorer.set_critic_weights(self.ranks[0].critic_weights.remote())
+            self.critic_scorer.set_critic_weights(self._rank0_ref(lambda r: r.critic_weights.remote()))
 
     def close(self) -> None:
         import ray
@@ -476,6 +493,14 @@ class DPLearnerGroup:
         self._kill()
 
     # ------------------------------------------------------------------ plumbing
+
+    def _rank0_ref(self, call: Callable):
+        """A Ray ref to rank 0's answer to ``call(rank_handle)`` (replicas: only rank 0 is asked)."""
+        return call(self.ranks[0])
+
+    def _rank0(self, call: Callable):
+        """Rank 0's answer to ``call(rank_handle)``, waited for (failures name the rank)."""
+        return self._gather([self._rank0_ref(call)], ranks=[0])[0]
 
     def _gather(self, refs: list, ranks: list[int] | None = None, grace_s: float = 5.0) -> list:
         """Results of one call per rank. On a failure or death, stop the whole group (the other

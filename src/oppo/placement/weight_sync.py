@@ -26,10 +26,15 @@ def pack(module: torch.nn.Module, trainable_only: bool = False) -> Packed:
     """``module``'s state dict as numpy arrays (views of CPU tensors; a device copy on GPU).
     ``trainable_only``: only the parameters that train (what an update changes: with LoRA the
     adapters, not the frozen base), for :func:`unpack_into` with ``partial=True``."""
-    out = {}
     state = module.state_dict()
     if trainable_only:
         state = {k: p for k, p in module.named_parameters() if p.requires_grad}
+    return pack_state(state)
+
+
+def pack_state(state: dict[str, torch.Tensor]) -> Packed:
+    """:func:`pack` of a state dict (e.g. a sharded model's, all-gathered)."""
+    out = {}
     for name, t in state.items():
         t = t.detach().cpu()
         if t.dtype == torch.bfloat16:

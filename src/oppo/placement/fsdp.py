@@ -1,0 +1,352 @@
+"""The learner sharded with FSDP2 (``torch.distributed.fsdp.fully_shard``): M Ray ranks, each holding
+1/M of the actor's and the critic's parameters, gradients and AdamW state.
+
+What each rank runs is :class:`oppo.learner.Learner`'s own code, on sharded modules: the models are
+wrapped by :func:`shard_model` before the Learner builds its optimizers (``LearnerSpec.build``), so
+its parameters are ``DTensor`` shards, its AdamW state is sharded with them, and its forward
+all-gathers each layer's parameters just in time (and frees them after), its backward
+reduce-scatters each layer's gradients. The loss code, the minibatch loop (``learner._train``),
+clipping (``clip_grad_norm_`` on DTensors: a global norm) and the AdamW step are the single
+learner's.
+
+The update (:func:`fsdp_update`) splits rows as the data-parallel replicas do (``dp.py``): every rank
+draws the same minibatches; micro-batch j of a minibatch goes to rank j mod M; every loss is
+divided by the minibatch's *global* token and sequence counts, and the reduce-scatter SUMS the
+ranks' gradients (``set_gradient_divide_factor(1)``; FSDP2 averages by default), so each rank's
+gradient shard is the single learner's. Unlike replicas, a sharded rank cannot pass over a
+micro-batch: the forward and the backward are collectives. So every rank runs the same number of
+micro-steps per minibatch, ceil(micro-batches / M): a rank whose share is short runs *zero-weight*
+micro-steps (a real micro-batch with infinite loss denominators: the loss and every gradient are
+exactly 0, every collective runs). Old log-probs likewise: each rank computes its share of the rows
+(rows i with i mod M == rank), padded to the same number of forwards, and the controller merges
+them (:meth:`FSDPLearnerGroup.old_logprobs`).
+
+gloo on CPU: its reduce-scatter has no ``PREMUL_SUM`` (FSDP2's default reduction op when it
+divides), so the modules also ``set_force_sum_reduction_for_comms(True)``: a plain SUM, which with a
+divide factor of 1 is exactly what we want on every backend.
+
+Tied input/output embeddings (the built-in task's models, Qwen2.5 0.5B): the output head and the
+embedding it shares a weight with are one FSDP group (``fully_shard([head, embedding])``), since
+the learner calls the backbone and the head separately (``models.backbone_and_head``).
+
+Reads of the weights (a weight sync, a checkpoint) are collectives too: every rank all-gathers
+(``get_model_state_dict(full_state_dict=True)``) and rank 0 keeps the result, so the group asks
+every rank (:meth:`FSDPLearnerGroup._rank0_ref`). Not done yet (issue 21): loading straight into
+shards (each rank loads the whole model once, then shards it), a bucketed weight sync that never
+holds the whole model on rank 0, NCCL broadcast to rollout workers.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from datetime import timedelta
+
+import torch
+
+from ..learner import CriticBatch, Experience, Learner, _train, critic_micro_step, old_logprob_targets, \
+    set_old_logprobs
+from .dp import DPLearnerGroup, LearnerRank, LearnerSpec, _to, merge_rank_stats, portable
+from .weight_sync import Packed, pack_state
+
+_ZERO_WEIGHT = float("inf")  # a micro-step's loss denominators for weight 0: every gradient is exactly 0
+
+
+# ====================================================================== sharding a model
+
+def shard_model(model: torch.nn.Module, mesh=None) -> None:
+    """Wrap ``model`` in place with FSDP2: each transformer layer (the model's ``_no_split_modules``),
+    the output head (with the embedding it is tied to, if any), then the backbone (embedding and
+    final norm). Gradients are SUMMED over the ranks (module docstring)."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from ..models import backbone_and_head
+
+    backbone, head = backbone_and_head(model)
+    head = getattr(head, "lm_head", head)  # models.LogitsHead wraps the output projection
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
+    layer_types = set(getattr(base, "_no_split_modules", None) or ())
+    layers = [m for m in backbone.modules() if type(m).__name__ in layer_types]
+    if not layers:
+        raise ValueError(f"{type(base).__name__} names no transformer layer class (_no_split_modules); "
+                         f"placement.learner_sharding=fsdp2 cannot shard it")
+    for layer in layers:
+        fully_shard(layer, mesh=mesh)
+    shared = {id(p) for p in head.parameters()}
+    tied = [m for m in backbone.modules() if any(id(p) in shared for p in m.parameters(recurse=False))]
+    fully_shard([head, *tied] if tied else head, mesh=mesh)
+    fully_shard(backbone, mesh=mesh)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+
+
+def _reshard(model: torch.nn.Module | None) -> None:
+    """Free the all-gathered parameters a no-grad forward left unsharded (FSDP2 keeps a root's)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if model is None:
+        return
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def build_sharded(spec: LearnerSpec, mesh=None) -> Learner:
+    """Rank r's Learner: the spec's models, rank 0's weights (broadcast: a freshly initialised head
+    or adapter differs per process), sharded before the optimizers are built. Call inside the
+    process group."""
+    import torch.distributed as dist
+
+    def prepare(model: torch.nn.Module) -> None:
+        with torch.no_grad():
+            for t in list(model.parameters()) + list(model.buffers()):
+                dist.broadcast(t.data, src=0)
+        shard_model(model, mesh)
+
+    return spec.build(prepare=prepare)
+
+
+# ====================================================================== the math on one rank
+
+def fsdp_update(learner: Learner, exp: Experience, step: int, rank: int, world: int, critic: bool = True
+                ) -> dict[str, float]:
+    """``learner.update(exp, step, critic)`` on rank ``rank`` of ``world`` sharded ranks (module
+    docstring). Every rank gets the whole batch and returns the same stats."""
+    cfg = learner.cfg
+    mbs = [mb.to(exp.mask.device) for mb in learner.minibatches(exp.mask.shape[0], step)]
+    actor_steps = _Rounds(mbs, rank, world, lambda rows, nt, ns: learner._actor_micro_step(exp, rows, nt, ns))
+    stats = _train(learner.actor, learner.actor_opt, exp.mask, mbs, cfg, "actor", actor_steps)
+    actor_steps.check_done()
+    if critic and learner.critic is not None:
+        batch = CriticBatch.of(exp)
+        critic_steps = _Rounds(mbs, rank, world, lambda rows, nt, ns: critic_micro_step(
+            learner.critic, batch, rows, nt, ns, cfg, learner.compute_dtype))
+        stats.update(_train(learner.critic, learner.critic_opt, batch.mask, mbs, cfg, "critic", critic_steps))
+        critic_steps.check_done()
+    return merge_rank_stats(stats, world)
+
+
+class _Rounds:
+    """The micro-step ``learner._train`` calls, for one sharded rank: computes micro-batches j with
+    j mod M == rank, passes over the others, and after a minibatch's last micro-batch runs
+    zero-weight micro-steps until it has run ceil(micro-batches / M), as every rank has: the
+    forwards and backwards are collectives, so no rank may run fewer. The reduce-scatters sum the
+    shards' gradients as they go; ``_train`` then clips and steps (both collective-safe)."""
+
+    def __init__(self, minibatches: list[torch.Tensor], rank: int, world: int, micro_step):
+        self.mbs, self.rank, self.world, self.micro_step = minibatches, rank, world, micro_step
+        self.i = self.pos = self.j = self.ran = 0  # minibatch; its rows seen, micro-batches seen, run here
+        self.first: torch.Tensor | None = None  # the minibatch's first micro-batch (padding runs on it)
+
+    def __call__(self, rows: torch.Tensor, num_tokens: torch.Tensor, num_seqs: int) -> dict[str, float]:
+        mb = self.mbs[self.i]
+        if not torch.equal(rows, mb[self.pos: self.pos + len(rows)]):
+            raise RuntimeError("internal error: the learner's loop no longer visits each minibatch's rows in order; "
+                               "fsdp_update must follow it")
+        if self.first is None:
+            self.first = rows
+        stats = {"_frac": 0.0}
+        if self.j % self.world == self.rank:
+            stats = self.micro_step(rows, num_tokens, num_seqs)
+            self.ran += 1
+        self.pos += len(rows)
+        self.j += 1
+        if self.pos == len(mb):
+            for _ in range(math.ceil(self.j / self.world) - self.ran):
+                self.micro_step(self.first, torch.tensor(_ZERO_WEIGHT), _ZERO_WEIGHT)  # stats: zeros, dropped
+            self.i, self.pos, self.j, self.ran, self.first = self.i + 1, 0, 0, 0, None
+        return stats
+
+    def check_done(self) -> None:
+        if self.i != len(self.mbs):
+            raise RuntimeError("internal error: the learner's loop skipped minibatches; fsdp_update must follow it")
+
+
+@torch.no_grad()
+def fsdp_old_logprobs(learner: Learner, exp: Experience, version: int, rank: int, world: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's share of ``Learner.old_logprobs``: (rows, their recomputed log-probs [rows, T]),
+    rows i of the ones to recompute with i mod M == rank; padded with discarded forwards to as many
+    forwards as the largest share needs (every forward is a collective)."""
+    redo, _ = old_logprob_targets(exp, version, learner.recompute_old)
+    rows = redo.any(1).nonzero().squeeze(1)  # [n], the same on every rank
+    mine = rows[rank::world]
+    per = learner.cfg.micro_batch_size
+    new = learner.recompute_logprobs(exp, mine)
+    for _ in range(math.ceil(math.ceil(len(rows) / world) / per) - math.ceil(len(mine) / per)):
+        learner.recompute_logprobs(exp, rows[:1])
+    _reshard(learner.actor)
+    return mine, new
+
+
+# ====================================================================== weights in and out
+
+def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's state dict on rank 0 (CPU), {} elsewhere. A collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def _trainable_names(model: torch.nn.Module) -> list[str]:
+    """The trained parameters' names, in the order the Learner's AdamW holds them."""
+    return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+def full_optim_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """The whole AdamW state on rank 0 (CPU) in the single learner's format (``opt.state_dict()``:
+    parameters by index), {} elsewhere. A collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    st = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not st:
+        return {}
+    index = {n: i for i, n in enumerate(_trainable_names(model))}
+    return {"state": {index[n]: v for n, v in st["state"].items()},
+            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in st["param_groups"]]}
+
+
+def load_full_state(model: torch.nn.Module, opt: torch.optim.Optimizer, weights: dict, optim: dict) -> None:
+    """Every rank loads its shards of a whole model state dict and a single learner's AdamW state
+    dict (:func:`full_optim_state`'s format)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, \
+        set_optimizer_state_dict
+
+    opts = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, weights, options=opts)
+    names = _trainable_names(model)
+    by_name = {"state": {names[i]: v for i, v in optim["state"].items()},
+               "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in optim["param_groups"]]}
+    set_optimizer_state_dict(model, opt, by_name, options=opts)
+
+
+def local_bytes(learner: Learner) -> dict[str, int]:
+    """Bytes this rank holds of the trained state: parameters, gradients, optimizer state (local
+    shards of DTensors)."""
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    out = {"params": 0, "grads": 0, "optim": 0}
+    for model, opt in ((learner.actor, learner.actor_opt), (learner.critic, learner.critic_opt)):
+        if model is None:
+            continue
+        for p in model.parameters():
+            out["params"] += local(p).numel() * p.element_size()
+            if p.grad is not None:
+                out["grads"] += local(p.grad).numel() * p.grad.element_size()
+        for st in opt.state.values():
+            for v in st.values():
+                if torch.is_tensor(v):
+                    out["optim"] += local(v).numel() * v.element_size()
+    return out
+
+
+# ====================================================================== the rank (a Ray actor)
+
+class FSDPLearnerRank(LearnerRank):
+    """One sharded rank. Plain class; the group wraps it with ``ray.remote``. Its Learner is built
+    in :meth:`join`, inside the process group (sharding needs it)."""
+
+    def __init__(self, spec: LearnerSpec, rank: int, world: int, threads: int = 1):
+        torch.set_num_threads(threads)
+        self.rank, self.world, self.spec = rank, world, spec
+        self.learner: Learner | None = None
+
+    def join(self, host: str, port: int, backend: str, timeout_s: float) -> None:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dev = torch.device(self.spec.actor.device if self.spec.actor.device != "auto" else
+                           ("cuda" if torch.cuda.is_available() else "cpu"))
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank, world_size=self.world,
+                                timeout=timedelta(seconds=timeout_s))
+        self.learner = build_sharded(self.spec, init_device_mesh(dev.type, (self.world,)))
+
+    def update(self, exp: Experience, step: int, critic: bool) -> dict[str, float]:
+        t0 = time.perf_counter()
+        stats = fsdp_update(self.learner, _to(exp, self.learner.device), step, self.rank, self.world, critic)
+        return {**stats, "_t0": t0, "_t1": time.perf_counter()}
+
+    def old_logprobs(self, exp: Experience, version: int):
+        rows, new = fsdp_old_logprobs(self.learner, _to(exp, self.learner.device), version, self.rank, self.world)
+        return rows.cpu(), new.cpu()
+
+    def actor_state(self) -> dict[str, torch.Tensor]:
+        return full_model_state(self.learner.actor)
+
+    def critic_state(self) -> dict[str, torch.Tensor]:
+        return full_model_state(self.learner.critic)
+
+    def actor_weights(self) -> Packed | None:
+        """The trained parameters (``weight_sync.pack``'s format) on rank 0, None elsewhere."""
+        state = full_model_state(self.learner.actor)
+        if self.rank != 0:
+            return None
+        names = set(_trainable_names(self.learner.actor))
+        return pack_state({k: v for k, v in state.items() if k in names})
+
+    def critic_weights(self) -> Packed | None:
+        state = full_model_state(self.learner.critic)
+        return pack_state(state) if self.rank == 0 else None
+
+    def state_dict(self) -> dict:
+        """Rank 0: the single learner's format (``dp.learner_state``); {} elsewhere. A collective."""
+        lr = self.learner
+        state = {"actor": full_model_state(lr.actor), "actor_opt": full_optim_state(lr.actor, lr.actor_opt)}
+        if lr.critic is not None:
+            state.update(critic=full_model_state(lr.critic), critic_opt=full_optim_state(lr.critic, lr.critic_opt))
+        return state if self.rank == 0 else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        lr = self.learner
+        if (lr.critic is None) != ("critic" not in state):
+            raise ValueError("a learner state with a critic loads only into a learner with one (and without into "
+                             "without)")
+        load_full_state(lr.actor, lr.actor_opt, state["actor"], state["actor_opt"])
+        if lr.critic is not None:
+            load_full_state(lr.critic, lr.critic_opt, state["critic"], state["critic_opt"])
+
+    def memory(self) -> dict[str, int]:
+        return local_bytes(self.learner)
+
+
+# ====================================================================== the controller's handle
+
+class FSDPLearnerGroup(DPLearnerGroup):
+    """M sharded learner ranks on Ray: the Learner Protocol, as :class:`~.dp.DPLearnerGroup` (same
+    arguments, same checkpoint format), with every rank in every read of the weights and every
+    rank computing its share of the old log-probs."""
+
+    rank_class = FSDPLearnerRank
+
+    def _rank0_ref(self, call):
+        refs = [call(r) for r in self.ranks]  # every rank takes part in the all-gathers
+        self._gather(refs[1:], ranks=list(range(1, len(refs))))
+        return refs[0]
+
+    def old_logprobs(self, exp: Experience, version: int) -> None:
+        """``Learner.old_logprobs``, each rank computing its share of the rows."""
+        import ray
+
+        ref = ray.put(portable(exp))
+        shares = self._gather([r.old_logprobs.remote(ref, version) for r in self.ranks])
+        rows = torch.cat([s[0] for s in shares]).to(exp.mask.device)
+        new = torch.cat([s[1] for s in shares]).to(exp.mask.device)
+        redo, off = old_logprob_targets(exp, version, self._recompute_old)
+        set_old_logprobs(exp, rows, new, redo, off, self._draw.cfg)
+
+    def memory(self) -> list[dict[str, int]]:
+        """Each rank's bytes of parameters, gradients and optimizer state."""
+        return self._gather([r.memory.remote() for r in self.ranks])
+
+    def __init__(self, spec: LearnerSpec, world_size: int, **kw):
+        self._recompute_old = spec.recompute_old
+        super().__init__(spec, world_size, **kw)
+
+
+__all__ = ["FSDPLearnerGroup", "FSDPLearnerRank", "build_sharded", "fsdp_old_logprobs", "fsdp_update",
+           "full_model_state", "full_optim_state", "load_full_state", "local_bytes", "shard_model"]

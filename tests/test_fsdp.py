@@ -1,0 +1,157 @@
+"""The FSDP2 learner (``placement/fsdp.py``): 2 ranks (gloo, CPU, fp32), spawned with
+``torch.multiprocessing``, train the single learner's weights and AdamW state (within 1e-5) over
+several updates, under every loss aggregation, KL in the loss (PPO's k3 term; GRPO, critic-free),
+entropy, active gradient clipping, tied embeddings, and uneven micro-batch shares (3 + 1 rows, and
+3 micro-batches on 2 ranks: one rank pads with a zero-weight micro-step). Each rank computes its
+share of the old log-probs (one rank has none and pads); merged, they are the single learner's.
+
+One spawn (2 processes) runs every case; each rank also runs the single learner (tiny models).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import socket
+
+import pytest
+import torch
+
+from oppo.algo import get_algorithm
+from oppo.config import PPOConfig
+from oppo.learner import attach_scores, build_experience, compute_advantages, old_logprob_targets, set_old_logprobs
+from oppo.models import load_tokenizer
+from oppo.placement.dp import LearnerSpec, learner_state
+from oppo.placement.specs import ModelSpec
+from oppo.rollout import Rollout
+from oppo.scoring import ScoredOutputs, score_full
+from oppo.types import Scores
+
+BASE = PPOConfig(batch_size=8, minibatch_size=4, micro_batch_size=3, epochs=2, actor_lr=1e-3, critic_lr=1e-3,
+                 weight_decay=0.01, entropy_coef=0.01, max_grad_norm=0.05)  # clipping active (norms ~0.3-1)
+
+# (name, ppo settings, algorithm, tied actor): every loss aggregation; KL in the loss; critic-free
+CASES = [
+    ("token_mean, ppo with k3 KL in the loss, minibatch 4 = micro 3 + 1",
+     dict(loss_agg="token_mean"), ("ppo", dict(kl_placement="loss", kl_estimator="k3", kl_coef=0.1)), False),
+    ("seq_mean_token_mean, 3 micro-batches on 2 ranks (a zero-weight pad)",
+     dict(loss_agg="seq_mean_token_mean", minibatch_size=8, epochs=1), ("ppo", {}), False),
+    ("seq_mean_token_sum, grpo (critic-free, KL in the loss), tied embeddings",
+     dict(loss_agg="seq_mean_token_sum"), ("grpo", dict(group_size=2)), True),
+]
+
+
+def _experience(actor, critic, pad: int, cfg: PPOConfig, algo, seed: int):
+    rng = random.Random(seed)
+    rollouts = []
+    for i in range(cfg.batch_size):
+        resp = [rng.randrange(3, 30) for _ in range(rng.randint(1, 12))]
+        ended = rng.random() < 0.6
+        if ended:
+            resp[-1] = 1
+        rollouts.append(Rollout(i, i // 2, "", [rng.randrange(3, 30) for _ in range(rng.randint(2, 6))], 0,
+                                response_ids=resp, logprobs=[0.0] * len(resp), versions=[0] * len(resp),
+                                finished=True, ended_with_eos=ended, group=2 * (i // 2)))
+    prompts, responses = [r.prompt_ids for r in rollouts], [r.response_ids for r in rollouts]
+    with torch.no_grad():
+        old = score_full("reference", actor, prompts, responses, pad, 0.9)
+        values = score_full("critic", critic, prompts, responses, pad) if critic is not None else None
+    for r, o in zip(rollouts, old):
+        r.logprobs = o.logprobs
+    exp = build_experience(rollouts, pad, torch.device("cpu"))
+    ref = [ScoredOutputs(logprobs=[x - 0.05 * rng.random() for x in o.logprobs]) for o in old]
+    return compute_advantages(attach_scores(exp, Scores([rng.gauss(0, 1) for _ in rollouts], ref, values)), cfg, algo)
+
+
+def _close(got: dict, want: dict, what: str, atol: float):
+    assert got.keys() == want.keys(), what
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, atol=atol, rtol=atol, msg=f"{what}.{k}")
+
+
+def _compare(got: dict, want: dict, before: dict) -> None:
+    for part in ("actor", "critic"):
+        if part not in want:
+            continue
+        _close(got[part], want[part], part, 1e-5)
+        gap = max((want[part][k] - before[part][k]).abs().max().item() for k in want[part])
+        assert gap > 1e-3, f"{part} barely moved ({gap}): the comparison would be vacuous"
+        opt = f"{part}_opt"
+        assert got[opt]["param_groups"] == want[opt]["param_groups"]
+        assert got[opt]["state"].keys() == want[opt]["state"].keys()
+        for i, st in want[opt]["state"].items():
+            _close(got[opt]["state"][i], st, f"{opt}[{i}]", 1e-5)
+
+
+def _rank_main(rank: int, world: int, port: int, paths: dict) -> None:
+    import torch.distributed as dist
+
+    from oppo.placement.fsdp import build_sharded, fsdp_old_logprobs, fsdp_update, full_model_state, \
+        full_optim_state
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    pad = load_tokenizer(paths["policy"]).pad_token_id
+    for name, ppo, (algo_name, algo_kw), tied in CASES:
+        cfg = dataclasses.replace(BASE, **ppo)
+        algo = get_algorithm(algo_name, **algo_kw)
+        critic = None if algo_name == "grpo" else ModelSpec("critic", paths["reward"], pad_id=pad, device="cpu")
+        spec = LearnerSpec(actor=ModelSpec("policy", paths["tied" if tied else "policy"], device="cpu"),
+                           critic=critic, ppo=cfg, temperature=0.9, seed=3, algorithm=algo)
+        single, sharded = spec.build(), build_sharded(spec)
+        before = learner_state(single)
+        # old log-probs: one off-policy row, recomputed by rank 0 alone (rank 1 pads its forward)
+        exp = _experience(single.actor, single.critic, pad, cfg, algo, seed=10)
+        exp.versions[3] -= 1
+        want = dataclasses.replace(exp)
+        single.old_logprobs(want, 0)
+        rows, new = fsdp_old_logprobs(sharded, exp, 0, rank, world)
+        shares: list = [None] * world
+        dist.all_gather_object(shares, (rows, new))
+        redo, off = old_logprob_targets(exp, 0, False)
+        set_old_logprobs(exp, torch.cat([s[0] for s in shares]), torch.cat([s[1] for s in shares]), redo, off, cfg)
+        torch.testing.assert_close(exp.old_logprobs, want.old_logprobs, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(exp.is_weights, want.is_weights, atol=1e-6, rtol=1e-5)
+        # three updates on fresh batches
+        for step in range(3):
+            exp = _experience(single.actor, single.critic, pad, cfg, algo, seed=step)
+            want_stats = single.update(exp, step)
+            stats = fsdp_update(sharded, exp, step, rank, world)
+            assert want_stats["grad_norm/actor"] > cfg.max_grad_norm, "clipping must be active"
+            for k, v in want_stats.items():
+                tol = dict(abs=0.05) if k.endswith("clipfrac") else dict(rel=1e-4, abs=1e-6)
+                assert stats[k] == pytest.approx(v, **tol), f"{name}: {k}"
+        got = {"actor": full_model_state(sharded.actor), "actor_opt": full_optim_state(sharded.actor, sharded.actor_opt)}
+        if sharded.critic is not None:
+            got.update(critic=full_model_state(sharded.critic),
+                       critic_opt=full_optim_state(sharded.critic, sharded.critic_opt))
+        if rank == 0:
+            _compare(got, learner_state(single), before)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def fsdp_models(tiny_models, tmp_path_factory):
+    """The tiny models, plus a policy whose output head is tied to its input embedding."""
+    from transformers import LlamaForCausalLM
+
+    tied = tmp_path_factory.mktemp("tied") / "policy"
+    model = LlamaForCausalLM.from_pretrained(tiny_models["policy"])
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    model.save_pretrained(tied)
+    load_tokenizer(str(tiny_models["policy"])).save_pretrained(tied)
+    return {"policy": str(tiny_models["policy"]), "reward": str(tiny_models["reward"]), "tied": str(tied)}
+
+
+def test_fsdp2_ranks_train_like_one_learner(fsdp_models):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_rank_main, args=(2, _free_port(), fsdp_models), nprocs=2, join=True)
