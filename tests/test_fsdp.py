@@ -128,7 +128,38 @@ def _rank_main(rank: int, world: int, port: int, paths: dict) -> None:
         if rank == 0:
             _compare(got, learner_state(single), before)
         dist.barrier()
+        if critic is not None and ppo.get("loss_agg") == "token_mean":
+            _checkpoints(rank, spec, single, sharded, before, f"{paths['ckpt']}/{ppo['loss_agg']}")
     dist.destroy_process_group()
+
+
+def _models(learner) -> dict:
+    return {"actor": (learner.actor, learner.actor_opt), "critic": (learner.critic, learner.critic_opt)}
+
+
+def _checkpoints(rank: int, spec, single, sharded, before: dict, root: str) -> None:
+    """DCP: 2 ranks' shards resume in one learner (no process group); one learner's DCP checkpoint
+    resumes on 2 sharded ranks (resharded); both equal the trained state."""
+    import torch.distributed as dist
+
+    from oppo.placement.fsdp import build_sharded, full_model_state, full_optim_state
+    from oppo.sharded_checkpoint import load_sharded, save_sharded
+
+    save_sharded(f"{root}/two", _models(sharded))  # each rank writes its shards
+    want = learner_state(single)
+    if rank == 0:
+        local = spec.build()
+        local.load_checkpoint_state({"sharded": f"{root}/two"})  # the local Learner's own resume path
+        _compare(learner_state(local), want, before)
+        save_sharded(f"{root}/one", _models(single), no_dist=True)
+    dist.barrier()
+    fresh = build_sharded(spec)
+    load_sharded(f"{root}/one", _models(fresh))
+    got = {"actor": full_model_state(fresh.actor), "actor_opt": full_optim_state(fresh.actor, fresh.actor_opt),
+           "critic": full_model_state(fresh.critic), "critic_opt": full_optim_state(fresh.critic, fresh.critic_opt)}
+    if rank == 0:
+        _compare(got, want, before)
+    dist.barrier()
 
 
 def _free_port() -> int:
@@ -151,7 +182,24 @@ def fsdp_models(tiny_models, tmp_path_factory):
     return {"policy": str(tiny_models["policy"]), "reward": str(tiny_models["reward"]), "tied": str(tied)}
 
 
-def test_fsdp2_ranks_train_like_one_learner(fsdp_models):
+def test_fsdp2_ranks_train_like_one_learner_and_resume_across_rank_counts(fsdp_models, tmp_path):
     import torch.multiprocessing as mp
 
-    mp.spawn(_rank_main, args=(2, _free_port(), fsdp_models), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(2, _free_port(), {**fsdp_models, "ckpt": str(tmp_path)}), nprocs=2, join=True)
+    for name in ("two", "one"):  # the checkpoint cases ran
+        assert (tmp_path / "token_mean" / name / ".metadata").is_file()
+    assert len(list((tmp_path / "token_mean" / "two").glob("*.distcp"))) == 2, "one file of shards per rank"
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["placement.learner_sharding=fsdp2"], "learner_sharding=fsdp2 shards the learner over Ray ranks"),
+    (["placement.backend=ray", "placement.learner_sharding=fsdp2", "placement.learner_workers=3",
+      "ppo.batch_size=8", "ppo.minibatch_size=4", "ppo.micro_batch_size=2"],
+     r"learner_workers=3 sharded ranks, but a minibatch has only 2 micro-batches"),
+    (["placement.backend=ray", "placement.learner_sharding=fsdp2", "lora.r=4"], "LoRA"),
+])
+def test_fsdp2_bad_settings_are_refused_before_any_model_loads(overrides, expected):
+    from oppo.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=expected):
+        load_config(None, overrides)  # validation: the models are loaded only later, by setup.build_roles

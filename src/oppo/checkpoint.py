@@ -5,7 +5,9 @@ critic in Hugging Face format (``from_pretrained`` loads them; with LoRA the pol
 holds the adapter, which ``PeftModel.from_pretrained(base, path)`` loads; critic-free
 algorithms have no critic), both optimizers, every RNG
 state, the scheduler (data position, Delta, requeued prompts), the chunk-size tuner and the
-step. It is written into a temporary directory beside the target and renamed into place, so an
+step. A sharded learner (``placement.learner_sharding=fsdp2``) writes its weights and AdamW state
+as ``torch.distributed.checkpoint`` shards in ``learner/`` instead of ``optim.pt``'s states
+(``sharded_checkpoint.py``: loadable on any number of ranks, and locally). It is written into a temporary directory beside the target and renamed into place, so an
 interrupted save leaves the previous checkpoint intact and never a half-written one that looks
 valid.
 
@@ -28,6 +30,8 @@ from pathlib import Path
 
 import torch
 import yaml
+
+from .sharded_checkpoint import SHARDED_DIR, ShardedLearnerState
 
 CKPT_DIR = "checkpoints"
 CONFIG_FILE = "config.yaml"
@@ -116,7 +120,10 @@ def save_checkpoint(trainer, run_dir: Path, keep: int = 2) -> Path:
     for name, model in trainer.models().items():  # critic-free algorithms have no critic
         model.save_pretrained(tmp / name)
     state["tokenizer"].save_pretrained(tmp / "policy")
-    torch.save(state["optim"], tmp / "optim.pt")
+    optim = state["optim"]
+    if isinstance(optim, ShardedLearnerState):  # a sharded learner: every rank writes its shards (DCP)
+        optim = optim.save(tmp / SHARDED_DIR)
+    torch.save(optim, tmp / "optim.pt")
     torch.save(state["rng"], tmp / "rng.pt")
     (tmp / CONFIG_FILE).write_text(yaml.safe_dump(state["config"], sort_keys=False))
     (tmp / "state.json").write_text(json.dumps(state["state"], indent=1))  # written last: marks the checkpoint complete
@@ -153,5 +160,8 @@ def load_checkpoint(trainer, ckpt: Path) -> None:
             continue
         saved = classes[sub].from_pretrained(ckpt / sub, dtype=next(model.parameters()).dtype)
         model.load_state_dict(saved.state_dict())
-    trainer.load_state_dict({"state": state, "optim": torch.load(ckpt / "optim.pt", weights_only=False),
+    optim = torch.load(ckpt / "optim.pt", weights_only=False)
+    if "sharded" in optim:  # a sharded learner's (DCP): every learner reads it from here, whole or resharded
+        optim = {"sharded": str(ckpt / optim["sharded"])}
+    trainer.load_state_dict({"state": state, "optim": optim,
                              "rng": torch.load(ckpt / "rng.pt", weights_only=False)})

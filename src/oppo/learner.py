@@ -231,7 +231,11 @@ class Learner:
         return out
 
     def load_checkpoint_state(self, optim: dict) -> None:
-        """Inverse of :meth:`checkpoint_state` (the weights are loaded into the modules first)."""
+        """Inverse of :meth:`checkpoint_state` (the weights are loaded into the modules first). A
+        sharded learner's checkpoint (``{"sharded": path}``) is read whole (``sharded_checkpoint``)."""
+        from .sharded_checkpoint import dense_optim_state
+
+        optim = dense_optim_state(optim, self.actor, self.critic)
         self.actor_opt.load_state_dict(optim["actor"])
         if self.critic is not None:
             # in place: with overlap.critic_on_worker its state tensors are shared with the scorer process

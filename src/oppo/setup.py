@@ -434,12 +434,13 @@ def engine_settings(cfg: Config, stop_ids, pad_id: int, max_new_tokens: int, dev
 
 def _place_on_ray(roles: Roles, stop_ids, recompute_old: bool) -> None:
     """``placement.backend=ray``: the scorers become Ray actors (all stage-3 scoring goes to them,
-    streamed or one-shot) and the learner a data-parallel group of Ray ranks that trains actor and
-    critic; after each update rank 0's actor weights go to the rollout backend (the local engine's
-    model, or every rollout worker straight from the object store) and its critic to the scorer
-    actor (``time/weight_sync``)."""
+    streamed or one-shot) and the learner a group of Ray ranks that trains actor and critic
+    (replicas, or FSDP2 shards: ``placement.learner_sharding``); after each update rank 0's actor
+    weights go to the rollout backend (the local engine's model, or every rollout worker straight
+    from the object store) and its critic to the scorer actor (``time/weight_sync``)."""
     from .placement.cluster import init_ray
     from .placement.dp import DPLearnerGroup, learner_spec
+    from .placement.fsdp import FSDPLearnerGroup
     from .placement.ray_scorer import RayScorerWorker
     from .placement.specs import scorer_specs
 
@@ -452,10 +453,11 @@ def _place_on_ray(roles: Roles, stop_ids, recompute_old: bool) -> None:
                              num_cpus=pl.scorer_cpus, num_gpus=pl.scorer_gpus, seed=cfg.run.seed)
     roles.closers.append(scorer.close)
     spec = learner_spec(cfg, roles.paths, pad_id, dtype, roles.algorithm, recompute_old)
-    learner = DPLearnerGroup(spec, pl.learner_workers, num_cpus=pl.learner_cpus, num_gpus=pl.learner_gpus,
-                             threads=o.actor_threads, strategy="STRICT_SPREAD" if pl.spread else "PACK",
-                             critic_scorer=scorer if roles.critic is not None else None, tracer=roles.tracer,
-                             home=(roles.policy, roles.critic), defer_sync=True)
+    learner_cls = FSDPLearnerGroup if pl.learner_sharding == "fsdp2" else DPLearnerGroup  # same Protocol and arguments
+    learner = learner_cls(spec, pl.learner_workers, num_cpus=pl.learner_cpus, num_gpus=pl.learner_gpus,
+                          threads=o.actor_threads, strategy="STRICT_SPREAD" if pl.spread else "PACK",
+                          critic_scorer=scorer if roles.critic is not None else None, tracer=roles.tracer,
+                          home=(roles.policy, roles.critic), defer_sync=True)
     roles.learner = learner
     roles.closers.insert(0, learner.close)
     learner.sync_actor(roles.policy)  # fresh heads/adapters are initialised per process: rank 0's rule

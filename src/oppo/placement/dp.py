@@ -469,8 +469,12 @@ class DPLearnerGroup:
 
     def load_checkpoint_state(self, optim: dict) -> None:
         """Every rank loads the ``home`` modules' weights (a checkpoint's, loaded there first) and
-        ``optim``. A checkpoint of any placement loads into any other."""
+        ``optim``. A checkpoint of any placement loads into any other (a sharded learner's is read
+        whole here first: ``sharded_checkpoint.dense_optim_state``)."""
+        from ..sharded_checkpoint import dense_optim_state
+
         policy, critic = self.home
+        optim = dense_optim_state(optim, policy, critic)
         st = {"actor": policy.state_dict(), "actor_opt": optim["actor"]}
         if critic is not None:
             st.update(critic=critic.state_dict(), critic_opt=optim["critic"])

@@ -313,6 +313,25 @@ class FSDPLearnerRank(LearnerRank):
     def memory(self) -> dict[str, int]:
         return local_bytes(self.learner)
 
+    def _models(self) -> dict:
+        lr = self.learner
+        out = {"actor": (lr.actor, lr.actor_opt)}
+        if lr.critic is not None:
+            out["critic"] = (lr.critic, lr.critic_opt)
+        return out
+
+    def save_sharded(self, path: str) -> None:
+        """Write this rank's shards (``sharded_checkpoint.save_sharded``; a collective)."""
+        from ..sharded_checkpoint import save_sharded
+
+        save_sharded(path, self._models())
+
+    def load_sharded(self, path: str) -> None:
+        """Load this rank's shards of a sharded checkpoint written by any number of ranks."""
+        from ..sharded_checkpoint import load_sharded
+
+        load_sharded(path, self._models())
+
 
 # ====================================================================== the controller's handle
 
@@ -338,6 +357,27 @@ class FSDPLearnerGroup(DPLearnerGroup):
         new = torch.cat([s[1] for s in shares]).to(exp.mask.device)
         redo, off = old_logprob_targets(exp, version, self._recompute_old)
         set_old_logprobs(exp, rows, new, redo, off, self._draw.cfg)
+
+    def checkpoint_state(self):
+        """A writer of every rank's shards (``sharded_checkpoint.ShardedLearnerState``: the
+        checkpoint calls it inside its temporary directory); the whole weights are gathered into the
+        ``home`` modules for the Hugging Face export."""
+        from ..sharded_checkpoint import ShardedLearnerState
+
+        policy, critic = self.home
+        policy.load_state_dict(self.actor_state())
+        if critic is not None:
+            critic.load_state_dict(self.critic_state())
+        return ShardedLearnerState(lambda path: self._gather([r.save_sharded.remote(path) for r in self.ranks]))
+
+    def load_checkpoint_state(self, optim: dict) -> None:
+        """A sharded checkpoint (``{"sharded": path}``, from any number of ranks): each rank reads its
+        shards; any other (one learner's, replicas'): as the replicas load it."""
+        if "sharded" not in optim:
+            return super().load_checkpoint_state(optim)
+        self._gather([r.load_sharded.remote(optim["sharded"]) for r in self.ranks])
+        if self.critic_scorer is not None:
+            self.critic_scorer.set_critic_weights(self._rank0_ref(lambda r: r.critic_weights.remote()))
 
     def memory(self) -> list[dict[str, int]]:
         """Each rank's bytes of parameters, gradients and optimizer state."""
