@@ -203,3 +203,53 @@ def test_fsdp2_bad_settings_are_refused_before_any_model_loads(overrides, expect
 
     with pytest.raises(ConfigError, match=expected):
         load_config(None, overrides)  # validation: the models are loaded only later, by setup.build_roles
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_trainer_with_fsdp2_on_ray_matches_sequential_and_its_sharded_checkpoint_resumes_locally(
+        ray_local, tiny_models, tiny_prompts, tmp_path):
+    """placement.learner_sharding=fsdp2 with 2 Ray ranks: the Trainer builds the sharded group, trains the
+    local sequential run's steps, writes a DCP checkpoint (atomically, with the HF export), and a
+    local Trainer resumes from it and trains the next step as the uninterrupted run."""
+    pytest.importorskip("ray")
+    from oppo.checkpoint import load_checkpoint, save_checkpoint
+    from oppo.config import load_config
+    from oppo.trainer import Trainer
+
+    def cfg(out, *extra):
+        return load_config(None, [
+            f"policy.path={tiny_models['policy']}", f"reward.path={tiny_models['reward']}",
+            f"data.prompts={tiny_prompts}", "run.threads=1", "ppo.batch_size=4", "ppo.minibatch_size=2",
+            "ppo.micro_batch_size=1", "generation.max_new_tokens=12", "overlap.mode=sequential",
+            f"run.out_dir={out}", "log.progress=false", *extra])
+
+    steps = 2
+    seq = Trainer(cfg(tmp_path / "s"), progress=False)
+    try:
+        want = [seq.run_step() for _ in range(steps + 1)]
+    finally:
+        seq.close()
+    t = Trainer(cfg(tmp_path / "r", "placement.backend=ray", "placement.learner_sharding=fsdp2",
+                    "placement.learner_workers=2", "placement.learner_cpus=0.5", "placement.scorer_cpus=0.5"),
+                progress=False)
+    try:
+        assert type(t.roles.learner).__name__ == "FSDPLearnerGroup"
+        got = [t.run_step() for _ in range(steps)]
+        mem = t.roles.learner.memory()
+        ckpt = save_checkpoint(t, tmp_path / "r")
+    finally:
+        t.close()
+    for x, y in zip(want, got):
+        for k in ("reward/mean", "loss/value", "kl/mean", "loss/policy", "grad_norm/actor"):
+            assert y[k] == pytest.approx(x[k], abs=1e-4, rel=1e-3), k
+    assert abs(mem[0]["params"] - mem[1]["params"]) <= 0.1 * mem[0]["params"], "each rank holds half"
+    assert (ckpt / "learner" / ".metadata").is_file() and (ckpt / "policy" / "config.json").is_file()
+    local = Trainer(cfg(tmp_path / "r"), progress=False)
+    try:
+        load_checkpoint(local, ckpt)
+        y = local.run_step()
+    finally:
+        local.close()
+    for k in ("reward/mean", "loss/value", "kl/mean", "loss/policy"):
+        assert y[k] == pytest.approx(want[steps][k], abs=1e-4, rel=1e-3), k
