@@ -14,7 +14,7 @@ Implementations:
 - :class:`Scorer`: ``workers.ScorerWorker`` (a thread), ``workers.ProcessScorerWorker`` (a child
   process), ``placement.ray_scorer.RayScorerWorker`` (Ray actors).
 - :class:`Learner`: ``learner.Learner`` (local), ``placement.dp.DPLearnerGroup`` (data-parallel
-  Ray ranks).
+  Ray ranks), ``placement.fsdp.FSDPLearnerGroup`` (Ray ranks sharding the trained state with FSDP2).
 """
 
 from __future__ import annotations
@@ -146,7 +146,8 @@ class Learner(Protocol):
 
     def checkpoint_state(self) -> dict:
         """The optimizer states a checkpoint saves (``{"actor"[, "critic"]}``); trained weights that
-        live elsewhere (Ray ranks) are brought into the controller's modules first."""
+        live elsewhere (Ray ranks) are brought into the controller's modules first. A sharded learner
+        returns a ``sharded_checkpoint.ShardedLearnerState`` (its ranks write their shards)."""
 
     def load_checkpoint_state(self, optim: dict) -> None:
         """Inverse of :meth:`checkpoint_state`, after the controller's modules hold the weights."""
