@@ -74,6 +74,17 @@ def weight_stats(is_weights: torch.Tensor, mask: torch.Tensor, off: torch.Tensor
             "overlap/is_weight_ess": ess(is_weights[mask > 0])}
 
 
+def staleness_stats(exp, step: int, seq_lags: list[int]) -> dict[str, float]:
+    """What a carrying step reports about the staleness of its batch ``exp`` (an ``Experience``
+    after ``Learner.old_logprobs``), trained at ``step``, whose sequences waited ``seq_lags``:
+    per-token lag, per-sequence lag, the off-policy token share and the importance weights."""
+    mask = exp.mask > 0
+    off = (exp.versions < step) & mask  # [B, T]
+    return {**seq_lag_stats(list(seq_lags)), **token_lag_stats(exp.versions, exp.mask, step),
+            "overlap/offpolicy_token_frac": off.sum().item() / max(1, mask.sum().item()),
+            **weight_stats(exp.is_weights, exp.mask, off)}
+
+
 def optimizer_steps(opt: torch.optim.Optimizer) -> int:
     """Steps ``opt`` has taken (AdamW's per-parameter ``step``; 0 before the first)."""
     return next((int(st["step"]) for st in opt.state.values() if "step" in st), 0)

@@ -37,6 +37,7 @@ from .learner import CriticBatch, Experience, Learner, attach_scores, build_expe
 from .models import (apply_lora, base_view, check_model_path, check_roles, enable_gradient_checkpointing,
                      load_causal_lm, load_critic, load_function, load_reward_model, load_tokenizer, resolve_device,
                      resolve_dtype, stop_token_ids)
+from .offpolicy import staleness_stats
 from .rollout import Rollout, RolloutEngine
 from .scheduler import ChunkSizeTuner, DeltaController, Scheduler
 from .scoring import RewardFunction, ScoredOutputs, StreamingScorer, score_full
@@ -632,20 +633,12 @@ class Trainer:
             self.rollouts.pop(u, None)
 
     def _overlap_stats(self, close, exp: Experience, chunk: int) -> dict[str, float]:
-        lags = close.lags
         trained = set(close.uids)
-        mask = exp.mask > 0
-        off = (exp.versions < close.step) & mask
-        w = exp.is_weights[off]
         return {
             "overlap/delta": self.scheduler.delta, "overlap/carried": len(self.scheduler.in_flight),
             "overlap/waiting_members": self.scheduler.waiting_members,
-            "overlap/lag_max": max(lags), "overlap/lag_mean": sum(lags) / len(lags),
-            "overlap/offpolicy_token_frac": off.sum().item() / max(1, mask.sum().item()),
-            "overlap/is_weight_mean": w.mean().item() if w.numel() else 1.0,
-            "overlap/is_weight_max": w.max().item() if w.numel() else 1.0,
+            **staleness_stats(exp, close.step, close.lags),  # token and sequence lags, IS weights
             "overlap/chunk_size": chunk,
-            **{f"overlap/lag_{lag}": n for lag, n in close.lag_histogram().items()},
             "overlap/in_flight_length_mean": _mean([len(r.response_ids) for u, r in self.rollouts.items()
                                                     if u not in trained] or [0]),
         }
