@@ -143,7 +143,8 @@ class Trainer:
         self.reward_fn = None
         self.reward_model = None
         if paths.reward_function:
-            self.reward_fn = RewardFunction(load_function(paths.reward_function), paths.reward_function)
+            self.reward_fn = RewardFunction(load_function(paths.reward_function), paths.reward_function,
+                                            retries=cfg.reward.retries, backoff_s=cfg.reward.retry_backoff_s)
         else:
             self.reward_model = load_reward_model(paths.reward, resolve_device(cfg.reward.device, str(dev)),
                                                   dtype, self.pad_id)
@@ -367,7 +368,7 @@ class Trainer:
         return scores, ref, values
 
     def _reward_scores(self, batch: list[Rollout], texts: list[str]) -> list[float]:
-        return self.reward_fn([r.prompt for r in batch], texts)
+        return self.reward_fn([r.prompt for r in batch], texts, step=self.step, indices=[r.prompt_index for r in batch])
 
     def _texts(self, batch: list[Rollout]) -> list[str]:
         """Each response decoded once per step (reward function, judge and samples share it)."""
