@@ -239,9 +239,11 @@ class RolloutEngine:
         return done
 
     def _forced(self, logits: torch.Tensor) -> torch.Tensor:
-        """Synthetic-length workloads (``oppo bench --tail``): EOS is banned before a row's
-        target length and forced at it, so the length distribution is set directly while the
-        model still does all the real work."""
+        """Synthetic-length workloads (``oppo bench``'s forced workloads and ``--tail``): EOS is
+        banned before a row's target length and forced at it, so the length distribution is set
+        directly while the model still does all the real work. The tokens are then not samples
+        of the policy, so such runs are timing-only (``bench.timing_only``): the recorded
+        log-prob is the policy's own, and no learning metric of theirs is reported."""
         targets = [r.target_length for r in self.rows]
         if all(t is None for t in targets):
             return logits
