@@ -56,6 +56,12 @@ class Experience:
     stats: dict[str, float] | None = None
     group_ids: torch.Tensor | None = None  # [B] the group of each row (GRPO/RLOO): its first member's uid
 
+    @property
+    def sampler_logprobs(self) -> torch.Tensor:
+        """[B, T] the sampling weights' untruncated log-probs: ``policy_logprobs``, or the behaviour
+        ones where none were recorded (the two are equal without truncation)."""
+        return self.policy_logprobs if self.policy_logprobs is not None else self.behaviour_logprobs
+
 
 def _pad_rows(rows: list[list[float]], T: int, device, dtype=torch.float32) -> torch.Tensor:
     out = torch.zeros(len(rows), T, dtype=dtype)
@@ -172,7 +178,7 @@ class Learner:
         exp.stats = {}
         if rows.numel() == 0:
             return
-        sampler = exp.policy_logprobs if exp.policy_logprobs is not None else exp.behaviour_logprobs  # [B, T]
+        sampler = exp.sampler_logprobs  # [B, T] untruncated
         old = exp.old_logprobs.clone()
         for chunk in rows.split(self.cfg.micro_batch_size):  # the training forward's memory footprint
             ids, valid, P, T = _micro_slices(exp, chunk)
@@ -224,8 +230,7 @@ class Learner:
             logits = self._actor_logits(ids, valid, P)  # [b, T, V]
         logprobs = pm.logprobs_from_logits(logits, ids[:, P:], self.temperature)  # [b, T]
         if probe is not None:  # (the first optimizer step's forward is pi_k's: the sampler-vs-trainer gap)
-            sampler = exp.policy_logprobs if exp.policy_logprobs is not None else exp.behaviour_logprobs
-            probe.observe(logprobs, sampler[rows][:, :T], exp.versions[rows][:, :T], mask)
+            probe.observe(logprobs, exp.sampler_logprobs[rows][:, :T], exp.versions[rows][:, :T], mask)
         pl, pstats = pm.policy_loss(logprobs, exp.old_logprobs[rows][:, :T], exp.advantages[rows][:, :T], mask,
                                     clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high,
                                     is_weights=exp.is_weights[rows][:, :T], loss_agg=cfg.loss_agg,
