@@ -146,5 +146,7 @@ def test_gpu_bench_smoke_on_cpu(tmp_path):
     assert res["workload_lengths"]["p99_over_p50"] >= 4
     md = (out / "bench.md").read_text()
     assert "## Stage profile" in md and "| oppo |" in md
-    for png in ("reward_vs_step.png", "timeline.png", "response_lengths.png"):
+    for png in ("timeline.png", "response_lengths.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # forced lengths: timing only (issue 22 item 3), no reward curve
+    assert "Timing only" in md and not (out / "reward_vs_step.png").exists()

@@ -58,9 +58,9 @@ name                          meaning
 ``overlap/seq_lag_<n>``       number of sequences with lag n (was ``overlap/lag_<n>``)
 ``overlap/offpolicy_token_frac``  fraction of the step's tokens sampled by an older policy
 ``overlap/is_weight_mean``    mean importance weight pi_k / pi_v over off-policy tokens (both
-                              untruncated, before ``ppo.is_truncate``'s cap: see
-                              ``Learner.old_logprobs``)
-``overlap/is_weight_max``     largest such importance weight (after the cap)
+                              untruncated log-probs: ``Learner.old_logprobs``), as applied,
+                              after ``ppo.is_truncate``'s cap
+``overlap/is_weight_max``     largest such importance weight
 ``overlap/is_weight_ess``     normalised effective sample size of the weights the loss applies,
                               over every token (fresh ones weigh 1): (sum w)^2 / (N sum w^2),
                               1 when nothing is reweighted
@@ -77,11 +77,16 @@ name                          meaning
                               estimate of KL(sampler || trainer) (prime-rl's mismatch KL; peers
                               keep it < 0.01)
 ``mismatch/ess``              normalised effective sample size of those w
-``mismatch/tokens``           tokens the mismatch was measured on
+``mismatch/tokens``           tokens the mismatch was measured on (the ``mismatch/*`` metrics are
+                              absent on a step whose first minibatch holds no token sampled by
+                              the trained weights: only carried rows, with ``stale_kv=keep``)
 ``ppo/sampler_ratio_outside_clip``  with old log-probs recomputed: share of the tokens sampled
                               by the current weights whose first-minibatch ratio would have been
                               outside the clip range had the sampler's been kept
 ``overlap/chunk_size``        streaming chunk size (tokens) used for intra-step scoring
+``bench/timing_only``         1 on the steps of an ``oppo bench`` run with forced response
+                              lengths, whose learning metrics (reward, KL, losses, ...) are left
+                              out (``bench.timing_only``)
 ``data/prompts_truncated``    prompts cut to the maximum prompt length so far
 ``data/prompts_skipped``      prompts skipped (empty, or too long to keep) so far
 ============================  ===============================================================
