@@ -53,6 +53,7 @@ import torch
 
 from ..config import PPOConfig
 from ..learner import CriticBatch, Experience, Learner, _train, critic_micro_step
+from ..offpolicy import MismatchProbe
 from .ray_scorer import _short
 from .specs import ModelSpec
 from .weight_sync import Packed, pack, unpack_into
@@ -126,8 +127,9 @@ def dp_update(learner: Learner, exp: Experience, step: int, rank: int, world: in
 
     cfg = learner.cfg
     mbs = [mb.to(exp.mask.device) for mb in learner.minibatches(exp.mask.shape[0], step)]
+    probe = MismatchProbe(learner.actor_opt, step)  # each rank sees its share of the first minibatch
     actor_steps = _Shard(mbs, rank, world, learner.actor,
-                         lambda rows, nt, ns: learner._actor_micro_step(exp, rows, nt, ns))
+                         lambda rows, nt, ns: learner._actor_micro_step(exp, rows, nt, ns, probe))
     stats = _train(learner.actor, learner.actor_opt, exp.mask, mbs, cfg, "actor", actor_steps)
     actor_steps.check_done()
     if critic and learner.critic is not None:
@@ -138,13 +140,14 @@ def dp_update(learner: Learner, exp: Experience, step: int, rank: int, world: in
         stats.update(_train(learner.critic, learner.critic_opt, batch.mask, mbs, cfg, "critic", critic_steps))
         critic_steps.check_done()
     if world == 1:
-        return stats
-    gathered: list[dict[str, float]] = [{} for _ in range(world)]
-    dist.all_gather_object(gathered, stats)
+        return {**stats, **MismatchProbe.stats(probe.partial())}
+    gathered: list[tuple[dict[str, float], list[float]]] = [({}, []) for _ in range(world)]
+    dist.all_gather_object(gathered, (stats, probe.partial()))
     out = {}
-    for k in sorted(set().union(*gathered)):
+    for k in sorted(set().union(*(g for g, _ in gathered))):
         # the gradient norm is computed after the all-reduce: the same on every rank
-        out[k] = gathered[0][k] if k.startswith("grad_norm/") else sum(g.get(k, 0.0) for g in gathered)
+        out[k] = gathered[0][0][k] if k.startswith("grad_norm/") else sum(g.get(k, 0.0) for g, _ in gathered)
+    out.update(MismatchProbe.stats(MismatchProbe.merge([p for _, p in gathered])))
     return out
 
 
