@@ -287,6 +287,67 @@ def test_good_reward_function_end_to_end(tiny_models, tiny_prompts, tmp_path, mo
     assert math.isfinite(m["reward/mean"]) and trainer.step == 1
 
 
+def test_reward_function_that_raises_is_named_with_step_and_batch():
+    """Issue 22 item 5: the error names the function, the step and the batch; the user's own
+    exception is chained, so its traceback is not lost."""
+    def score(prompts, responses):
+        raise ConnectionError("scorer at 10.0.0.7 timed out")
+
+    fn = RewardFunction(score, "my_rewards:score")
+    with pytest.raises(Exception) as info:
+        fn(["p0", "a rather long prompt " * 5], ["x", "y"], step=7, indices=[3, 11])
+    msg = str(info.value)
+    assert "my_rewards:score" in msg and "ConnectionError" in msg and "timed out" in msg
+    assert "at step 7" in msg and "prompts 3, 11" in msg and "'p0'" in msg and "--resume auto" in msg
+    assert isinstance(info.value.__cause__, ConnectionError)
+
+
+def test_reward_function_retries_with_exponential_backoff():
+    calls, slept = [], []
+
+    def flaky(prompts, responses):  # fails twice, then answers
+        calls.append(1)
+        if len(calls) <= 2:
+            raise TimeoutError("busy")
+        return [1.0] * len(prompts)
+
+    fn = RewardFunction(flaky, "mod:flaky", retries=2, backoff_s=0.5, sleep=slept.append)
+    assert fn(["a"], ["b"], step=0) == [1.0]
+    assert len(calls) == 3 and slept == [0.5, 1.0]
+    calls.clear(), slept.clear()
+    fn = RewardFunction(flaky, "mod:flaky", retries=1, backoff_s=0.5, sleep=slept.append)
+    with pytest.raises(Exception, match=r"tried 2 times: reward.retries=1") as info:
+        fn(["a"], ["b"], step=4)
+    assert isinstance(info.value.__cause__, TimeoutError) and slept == [0.5]
+
+
+def test_reward_function_error_keeps_what_the_run_wrote(tiny_models, tiny_prompts, tmp_path, monkeypatch):
+    """A reward function that raises at step 2 stops `oppo train` with that error; the metrics of
+    steps 0-1, their checkpoint and the trace stay, and the run resumes from the checkpoint."""
+    from oppo.run import train
+
+    mod = _reward_module(tmp_path, monkeypatch, "oppo_test_raising_reward",
+                         "calls = []\n"
+                         "def score(prompts, responses):\n"
+                         "    calls.append(1)\n"
+                         "    if len(calls) == 3:\n"
+                         "        raise KeyError('missing field')\n"
+                         "    return [float(len(r)) for r in responses]\n")
+    out = tmp_path / "run"
+    cfg = make_cfg(tiny_models, tiny_prompts, tmp_path, **{"reward.function": f"{mod}:score", "run.steps": 4,
+                                                            "run.save_every": 2, "log.trace": "true",
+                                                            "run.out_dir": out})
+    with pytest.raises(Exception) as info:
+        train(cfg, progress=False)
+    assert f"{mod}:score" in str(info.value) and "at step 2" in str(info.value)
+    assert isinstance(info.value.__cause__, KeyError)
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [0, 1]
+    assert [p.name for p in checkpoint_dirs(out)] == ["step_000002"]
+    assert (out / "trace.json").is_file()
+    train(cfg, resume="auto", progress=False)  # the function answers again: the run completes
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2, 3]
+
+
 def test_unimportable_reward_module(tiny_models, tiny_prompts, tmp_path, monkeypatch):
     def boom(*a, **k):
         raise AssertionError("the policy loaded before the reward function was imported")

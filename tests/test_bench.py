@@ -31,9 +31,11 @@ def test_bench_writes_json_markdown_and_pictures(tiny_models, tiny_prompts, tmp_
     assert res["speedup"]["sequential"] == pytest.approx(1.0)
     assert len(res["tail_sweep"]) == 1 and "oppo" in res["tail_sweep"][0]["speedup"]
     assert "| oppo |" in (out / "bench.md").read_text()
-    for png in ("reward_vs_step.png", "timeline.png", "response_lengths.png"):
+    for png in ("timeline.png", "response_lengths.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    rc = main(["report", str(out / "runs" / "oppo"), "--out", str(tmp_path / "rep")])
+    # the headline runs' lengths were forced: timing only, no reward curve (issue 22 item 3)
+    assert not (out / "reward_vs_step.png").exists() and "Timing only" in (out / "bench.md").read_text()
+    rc = main(["report", str(out / "natural" / "sequential"), "--out", str(tmp_path / "rep")])
     assert rc == 0 and (tmp_path / "rep" / "reward_vs_step.png").is_file()
 
 
@@ -104,6 +106,19 @@ def test_forced_workload_sets_the_main_runs_lengths(tiny_models, tiny_prompts, t
     sampler = w.sampler(cfg.run.seed)
     assert rec["lengths"] == [[sampler(i) for i in range(4)], [sampler(i) for i in range(4, 8)]]
     assert len(set(rec["lengths"][0] + rec["lengths"][1])) > 2
+    # forced lengths are not samples of the policy: the runs are timing-only (issue 22 item 3), no
+    # learning metric reaches the records, metrics.jsonl, bench.json or bench.md
+    from oppo.bench import summarize, to_markdown
+    from oppo.metrics import read_metrics
+
+    for ms in (rec["metrics"], read_metrics(tmp_path / "sequential")):
+        assert not [k for m in ms for k in m if k.startswith(("reward/", "kl/", "loss/", "ppo/", "value/"))]
+        assert all(m["bench/timing_only"] == 1 for m in ms)
+        assert all("time/step" in m and "response_length/mean" in m for m in ms)
+    res = summarize({"sequential": rec})
+    assert res["modes"]["sequential"]["reward_last"] is None and res["target_reward"] is None
+    md = to_markdown({**res, "machine": "m", "command": "c", "workload": "w", "steps": 2, "settings": ""})
+    assert "Timing only" in md and "Target reward" not in md
     # groups: each member of a group draws its own length (member 0 keeps the prompt's)
     grouped = with_overrides(cfg, ["algo.name=grpo", "algo.group_size=2"])
     rec = run_modes(grouped, ["sequential"], 1, tmp_path / "g", progress=lambda s: None, lengths=w)["sequential"]
@@ -131,5 +146,7 @@ def test_gpu_bench_smoke_on_cpu(tmp_path):
     assert res["workload_lengths"]["p99_over_p50"] >= 4
     md = (out / "bench.md").read_text()
     assert "## Stage profile" in md and "| oppo |" in md
-    for png in ("reward_vs_step.png", "timeline.png", "response_lengths.png"):
+    for png in ("timeline.png", "response_lengths.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # forced lengths: timing only (issue 22 item 3), no reward curve
+    assert "Timing only" in md and not (out / "reward_vs_step.png").exists()

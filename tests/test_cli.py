@@ -23,6 +23,17 @@ def test_oppo_train_two_steps(tiny_models, tiny_prompts, tmp_path):
                 "response_length/max", "time/step", "time/generate", "time/score", "time/train",
                 "perf/tokens_per_s"):
         assert key in lines[-1], key
+    # sampler vs trainer (issue 22 item 6): under the thresholds peers gate CI on. Measured on the
+    # first minibatch's tokens sampled by the trained weights: always some at step 0; a later step's
+    # first minibatch can hold only carried rows (nothing to measure then)
+    from oppo.offpolicy import MISMATCH_THRESHOLDS
+
+    assert "mismatch/logprob_abs_diff" in lines[0]
+    for line in lines:
+        if "mismatch/tokens" in line:
+            assert line["mismatch/tokens"] > 0 and 0 < line["mismatch/ess"] <= 1 + 1e-9
+            for key, bound in MISMATCH_THRESHOLDS.items():
+                assert 0 <= line[key] <= bound, (line["step"], key, line[key], bound)
     assert (out / "checkpoints" / "step_000002" / "state.json").is_file()
     assert list(out.glob("events.out.tfevents*")) or list(out.rglob("events.out.tfevents*"))
     assert "samples at step 0" in proc.stderr

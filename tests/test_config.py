@@ -245,6 +245,19 @@ def test_policy_without_reward():
     load_config(None, ["policy.path=some/dir", "reward.function=mod:fn"])
 
 
+def test_lora_dropout_is_refused_with_the_fix():
+    """Issue 22 item 4: every model runs in eval mode, so a LoRA dropout would silently do nothing."""
+    msg = _error(["lora.r=4", "lora.dropout=0.1"])
+    assert "lora.dropout=0.1" in msg and "eval mode" in msg and "Set lora.dropout=0" in msg
+    load_config(None, ["lora.r=4", "lora.dropout=0"])
+
+
+@pytest.mark.parametrize("override", ["reward.retries=-1", "reward.retry_backoff_s=-0.5"])
+def test_reward_retry_settings_are_validated(override):
+    assert override.split("=")[0] in _error([override])
+    load_config(None, ["reward.retries=3", "reward.retry_backoff_s=0.5"])
+
+
 @pytest.mark.parametrize("spec", ["nocolon", ":fn", "mod:"])
 def test_malformed_reward_function(spec):
     msg = _error([f"reward.function={spec}"])

@@ -69,7 +69,7 @@ def test_oppo_carries_and_tags_versions(tiny_models, tiny_prompts, tmp_path):
             m = t.run_step()
             exp = t.last_result.exp
             assert exp.mask.shape[0] == 4
-            assert m["overlap/lag_max"] <= 1
+            assert m["overlap/seq_lag_max"] <= 1 and m["overlap/token_lag_max"] <= 1
             # every token's version is between the sequence's start and the training step
             for r in exp.rollouts:
                 assert all(r.start_version <= v <= t.step - 1 for v in r.versions)

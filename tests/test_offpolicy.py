@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from oppo.config import PPOConfig, load_config
-from oppo.learner import Experience, Learner
+from oppo.learner import Experience, Learner, build_experience
 from oppo.models import load_causal_lm, load_tokenizer
 from oppo.rollout import Rollout, RolloutEngine
 from oppo.scoring import score_full
@@ -64,11 +64,83 @@ def test_recompute_old_centres_every_token_on_the_training_forward():
     # every real token: old := log .5; weights unchanged (only off-policy tokens are reweighted)
     torch.testing.assert_close(exp.old_logprobs, torch.tensor([[L(0.5), L(0.5)], [L(0.5), 0.0]]))
     torch.testing.assert_close(exp.is_weights, torch.tensor([[1.5, 1.0], [1.0, 1.0]]))
-    # the gap on the two on-policy tokens: |log .5 - log .3| = 0.5108 and 0 -> mean 0.2554;
-    # their unrecomputed ratios .3/.5 = 0.6 (outside [0.8, 1.2]) and 1 -> half outside
-    assert exp.stats["ppo/sampler_logprob_gap"] == pytest.approx(L(0.5 / 0.3) / 2, rel=1e-5)
-    assert exp.stats["ppo/sampler_logprob_gap_max"] == pytest.approx(L(0.5 / 0.3), rel=1e-5)
-    assert exp.stats["ppo/sampler_ratio_outside_clip"] == pytest.approx(0.5)
+    # the two on-policy tokens' unrecomputed first-minibatch ratios pi_1 / sampler: .5/.3 = 1.67
+    # (outside [0.8, 1.2]) and .5/.5 = 1 -> half outside. (The sampler-vs-trainer gap itself is
+    # the update's: offpolicy.MismatchProbe, test_mismatch_probe_by_hand.)
+    assert exp.stats == {"ppo/sampler_ratio_outside_clip": pytest.approx(0.5)}
+
+
+def test_staleness_weights_use_the_untruncated_sampler_distribution():
+    """top-k/top-p: the token was drawn from the truncated distribution (behaviour .25 / .5 = its
+    probability among the kept tokens), but its weight compares pi_1 with the sampling version's
+    own untruncated probability (policy_logprobs): .5 / .25 = 2 -> truncated 1.5 here, and an
+    on-policy token's centre is that untruncated log-prob too."""
+    exp = _hand_experience()
+    exp.policy_logprobs = torch.tensor([[L(0.4), L(0.2)], [L(0.5), 0.0]])
+    exp.behaviour_logprobs = torch.tensor([[L(0.8), L(0.4)], [L(1.0), 0.0]])  # truncated, renormalised
+    exp.old_logprobs = exp.policy_logprobs.clone()  # (as build_experience sets it)
+    lrn = _hand_learner(recompute_old=False)
+    lrn.cfg.is_truncate = None
+    lrn.old_logprobs(exp, version=1)
+    # off-policy token: pi_1 / pi_0 = .5 / .4 = 1.25 (against the truncated .8 it would be .625)
+    torch.testing.assert_close(exp.is_weights, torch.tensor([[1.25, 1.0], [1.0, 1.0]]))
+    torch.testing.assert_close(exp.old_logprobs, torch.tensor([[L(0.5), L(0.2)], [L(0.5), 0.0]]))
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 0.9), (5, 1.0), (4, 0.7)])
+@pytest.mark.parametrize("recompute_old", [False, True])
+def test_no_weight_change_means_every_weight_is_1(tiny_models, top_k, top_p, recompute_old):
+    """Issue 22 item 1: sequences carried across a version bump with no weight change are on-policy
+    in all but name, so every token's importance weight is 1, whatever the truncation. (Against
+    the truncated behaviour log-prob they weighed the kept mass: about top_p.)"""
+    tok = load_tokenizer(str(tiny_models["policy"]))
+    model = load_causal_lm(str(tiny_models["policy"]), "policy", torch.device("cpu"), torch.float32).eval()
+    eng = RolloutEngine(model, tok.eos_token_id, tok.pad_token_id, max_new_tokens=10, temperature=0.8,
+                        top_k=top_k, top_p=top_p, seed=1)
+    eng.admit([Rollout(i, i, p, tok(p)["input_ids"], 0) for i, p in enumerate(["the film was", "a day", "we"])])
+    for _ in range(4):
+        eng.step()
+    eng.set_version(1)  # "new" weights: the same ones
+    rollouts = sorted(eng.finished + eng.generate_all(), key=lambda r: r.uid)
+    exp = build_experience(rollouts, tok.pad_token_id, torch.device("cpu"))
+    off = (exp.versions < 1) & (exp.mask > 0)
+    assert off.sum() >= 4, "the fixture must carry tokens"
+    lrn = Learner(model, None, PPOConfig(is_truncate=None, micro_batch_size=2), temperature=0.8, seed=0,
+                  recompute_old=recompute_old)
+    lrn.old_logprobs(exp, version=1)
+    w = exp.is_weights[exp.mask > 0]
+    torch.testing.assert_close(w, torch.ones_like(w), atol=1e-4, rtol=0)
+    assert (exp.behaviour_logprobs - exp.policy_logprobs)[off].abs().max() > 1e-3, "truncation must bite"
+
+
+def test_mismatch_probe_by_hand():
+    """d = trainer - sampler on the tokens sampled by the trained version (the stale one and the
+    masked one are left out): d = [log 2, 0, -log 2] -> mean |d| = 2 log 2 / 3 = 0.4621, max log 2;
+    w = e^d = [2, 1, .5] -> k3 = w - 1 - d = [1 - log 2, 0, log 2 - .5] -> mean (0.5) / 3 = 0.1667;
+    ESS = (3.5)^2 / (3 (4 + 1 + .25)) = 12.25 / 15.75 = 0.7778. Two micro-batches, merged as two
+    data-parallel ranks would be."""
+    from oppo.offpolicy import MismatchProbe
+
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+    probe = MismatchProbe(opt, version=3)
+    trainer = torch.tensor([[L(0.4), L(0.3), 9.0]])
+    sampler = torch.tensor([[L(0.2), L(0.3), 0.0]])
+    probe.observe(trainer, sampler, torch.tensor([[3, 3, 3]]), torch.tensor([[1.0, 1.0, 0.0]]))
+    other = MismatchProbe(opt, version=3)
+    other.observe(torch.tensor([[L(0.1), 5.0]]), torch.tensor([[L(0.2), 0.0]]), torch.tensor([[3, 2]]),
+                  torch.tensor([[1.0, 1.0]]))
+    st = MismatchProbe.stats(MismatchProbe.merge([probe.partial(), other.partial()]))
+    assert st["mismatch/tokens"] == 3
+    assert st["mismatch/logprob_abs_diff"] == pytest.approx(2 * L(2) / 3)
+    assert st["mismatch/logprob_abs_diff_max"] == pytest.approx(L(2))
+    assert st["mismatch/kl"] == pytest.approx(0.5 / 3)
+    assert st["mismatch/ess"] == pytest.approx(12.25 / 15.75)
+    opt.param_groups[0]["params"][0].grad = torch.ones(1)
+    opt.step()  # the weights moved: later forwards are no longer pi_k's
+    before = probe.partial()
+    probe.observe(trainer, sampler, torch.tensor([[3, 3, 3]]), torch.tensor([[1.0, 1.0, 1.0]]))
+    assert probe.partial() == before
+    assert MismatchProbe.stats([0.0] * 6) == {}
 
 
 def test_nothing_off_policy_changes_nothing():

@@ -86,15 +86,26 @@ def test_pipeline_keep_tags_tokens_with_the_oldest_weights_of_their_row(tiny_mod
     tokens count as that (older) version: versions never increase along a row that spans a load."""
     t = Trainer(_cfg(tiny_models, tiny_prompts, tmp_path, "overlap.stale_kv=keep"), progress=False)
     try:
-        rows = []
+        rows, staler = [], 0
         for _ in range(3):
             m = t.run_step()
-            rows += t.last_result.exp.rollouts
+            exp = t.last_result.exp
+            rows += exp.rollouts
             assert 0.0 <= m["overlap/offpolicy_token_frac"] <= 1.0
+            # staleness per token (issue 22 item 2): step - version of every trained token, apart
+            # from the sequences' lag (step - start_version)
+            step = t.step - 1
+            lags = [step - v for r in exp.rollouts for v in r.versions]
+            assert m["overlap/token_lag_mean"] == pytest.approx(sum(lags) / len(lags))
+            assert m["overlap/token_lag_max"] == max(lags)
+            assert sum(m[f"overlap/token_lag_{n}"] for n in range(max(lags) + 1)) == len(lags)
+            assert m["overlap/seq_lag_max"] == max(step - r.start_version for r in exp.rollouts)
+            staler += sum(step - r.versions[0] > step - r.start_version for r in exp.rollouts)
     finally:
         t.close()
     assert all(len(set(r.versions)) == 1 for r in rows), "keep: one version per row (the one that built its KV)"
     assert any(r.versions[0] < r.start_version for r in rows), "some rows were sampled while the learner trained"
+    assert staler > 0, "their tokens are staler than their sequences' lag says"
 
 
 def test_pipeline_checkpoint_between_steps_requeues_the_begun_step_and_resumes(tiny_models, tiny_prompts, tmp_path):

@@ -4,8 +4,8 @@ Every mode gets its own Trainer built from the same config (same data, seed, mod
 steps are interleaved (step 0 of every mode, then step 1 of every mode, ...) so that machine
 noise hits all modes alike. Timings skip the first (warm-up) step. Reported per mode: median
 and spread of step time, speedup over ``sequential``, tokens per second, each worker's busy
-fraction, bubble ratio against the ideal bound (the busiest worker's busy time), mean reward at
-the last step and time to a target reward. ``--tail`` adds a synthetic workload whose response
+fraction, bubble ratio against the ideal bound (the busiest worker's busy time), and, on the
+task's own lengths (below), mean reward at the last step and time to a target reward. ``--tail`` adds a synthetic workload whose response
 lengths are drawn from a log-normal of the given sigma (heavier tail for larger sigma), to
 measure speedup against tail heaviness. No mode is tuned differently from the others; the
 settings table in bench.md says what all of them ran with.
@@ -26,6 +26,18 @@ as a second row, of a short sequential run on the task's own lengths (``--worklo
 makes those the headline), so a reader sees which regime the speedups were measured in: a tiny
 model on a CPU, where training dominates, says little about a GPU run where decoding the longest
 response does. The tail sweep uses the task's own maximum length.
+
+Forced-length runs (the main run's workload unless ``--workload natural``, and the tail sweep)
+are **timing-only**: their learning metrics (reward, judge, accuracy, KL, losses, PPO and value
+statistics, gradient norms: :data:`LEARNING_PREFIXES`) are left out of their ``metrics.jsonl``,
+``bench.json``, ``bench.md`` and pictures, and each step is marked ``bench/timing_only``. A
+forced length bans EOS before the target and forces it there, so the responses are not draws
+from the policy: the k1 KL estimate, whose expectation is >= 0 only under the policy's own
+samples, went negative (-0.25 to -0.57), and no behaviour log-prob makes the update a PPO update
+of the policy (the forced EOS has behaviour probability 1: its importance weight would be the
+policy's own EOS probability, often ~0). The timings, lengths, staleness and sampler-vs-trainer
+mismatch (``mismatch/*``: the same weights in the engine and the trainer, whatever was sampled)
+are kept. ``--workload natural`` compares learning across modes.
 """
 
 from __future__ import annotations
@@ -238,6 +250,16 @@ def static_engine(capture: str = "none"):
     return make
 
 
+LEARNING_PREFIXES = ("reward/", "judge/", "task/", "kl/", "loss/", "ppo/", "value/", "grad_norm/")
+"""Metrics that describe learning, left out of forced-length (timing-only) runs (module docstring)."""
+
+
+def timing_only(metrics: dict) -> dict:
+    """A forced-length step's metrics: the learning ones (:data:`LEARNING_PREFIXES`) left out, and
+    ``bench/timing_only`` = 1 (module docstring)."""
+    return {**{k: v for k, v in metrics.items() if not k.startswith(LEARNING_PREFIXES)}, "bench/timing_only": 1}
+
+
 def run_modes(base, modes: list[str], steps: int, out: Path, tail_sigma: float | None = None,
               progress=print, lengths: LengthWorkload | None = None, make_engine=None,
               deadline: float | None = None) -> dict[str, dict]:
@@ -247,7 +269,8 @@ def run_modes(base, modes: list[str], steps: int, out: Path, tail_sigma: float |
     shorthand for one). ``make_engine(trainer)``, if given, replaces each trainer's rollout engine
     (e.g. a :class:`oppo.fastdecode.StaticRolloutEngine`) before the first step. ``deadline``
     (a ``time.time()``): stop after the round of steps that would end past it, once every mode
-    has at least two steps (one warm-up, one timed).
+    has at least two steps (one warm-up, one timed). Forced lengths make the runs timing-only:
+    their learning metrics are left out of the records and metrics files (:func:`timing_only`).
     """
     from .trainer import Trainer
 
@@ -272,6 +295,8 @@ def run_modes(base, modes: list[str], steps: int, out: Path, tail_sigma: float |
             t_round = time.time()
             for mode in modes:
                 m = trainers[mode].run_step()
+                if trainers[mode].length_sampler is not None:
+                    m = timing_only(m)
                 loggers[mode].log(step, m)
                 records[mode]["metrics"].append(m)
                 exp = trainers[mode].last_result.exp
@@ -295,7 +320,7 @@ def run_modes(base, modes: list[str], steps: int, out: Path, tail_sigma: float |
 def summarize(records: dict[str, dict], warmup: int = 1, target: float | None = None) -> dict:
     """Per-mode figures from raw records (see the module docstring)."""
     seq = records.get("sequential")
-    if target is None and seq is not None:
+    if target is None and seq is not None and all("reward/mean" in m for m in seq["metrics"]):
         last = [m["reward/mean"] for m in seq["metrics"][-3:]]
         target = sum(last) / len(last)
     out = {}
@@ -313,8 +338,9 @@ def summarize(records: dict[str, dict], warmup: int = 1, target: float | None = 
                 busy[w] = busy.get(w, 0.0) + v
             busiest_sum += max(b.values(), default=0.0)
         wall, reached = 0.0, None
-        rewards = [m["reward/mean"] for m in ms]
-        for i, m in enumerate(ms):
+        timing = any(m.get("bench/timing_only") for m in ms)  # forced lengths: no learning metrics
+        rewards = [m["reward/mean"] for m in ms] if not timing else []
+        for i, m in enumerate(ms if not timing else []):
             wall += m["time/step"]
             avg = sum(rewards[max(0, i - 2): i + 1]) / len(rewards[max(0, i - 2): i + 1])
             if reached is None and target is not None and avg >= target:
@@ -326,7 +352,8 @@ def summarize(records: dict[str, dict], warmup: int = 1, target: float | None = 
             "tokens_per_s": statistics.median([m["perf/tokens_per_s"] for m in ms[warmup:]] or [0.0]),
             "busy_fraction": {w: v / total for w, v in sorted(busy.items())} if total else {},
             "bubble_ratio": 1.0 - busiest_sum / total if total else float("nan"),
-            "reward_last": rewards[-1],
+            "timing_only": timing,
+            "reward_last": rewards[-1] if rewards else None,
             "judge_last": ms[-1].get("judge/mean"),
             "time_to_target_s": reached,
             "response_length_mean": statistics.mean(m["response_length/mean"] for m in ms),
@@ -408,17 +435,28 @@ def to_markdown(result: dict) -> str:
             busy += " (ranks " + " / ".join(f"{bf[w]:.2f}" for w in sorted(bf) if w.startswith("learner")
                                             and w != "learner") + ")"
         ttt = f"{v['time_to_target_s']:.1f}" if v["time_to_target_s"] is not None else "not reached"
+        reward = f"{v['reward_last']:.3f}" if v.get("reward_last") is not None else "-"
+        if v.get("timing_only"):
+            ttt = "- (timing only)"
         lines.append(f"| {mode} | {v['step_time_median_s']:.2f} | {v['step_time_p25_s']:.2f}-{v['step_time_p75_s']:.2f} "
                      f"| {result['speedup'].get(mode, float('nan')):.2f}x "
                      + (f"| {local.get(mode, float('nan')):.2f}x " if local else "")
                      + f"| {v['tokens_per_s']:.0f} | {busy} "
                      f"| {result['busiest_busy_ratio'].get(mode, float('nan')):.2f}x | {v['bubble_ratio']:.2f} "
                      f"| {v['cpu_util']:.0%} "
-                     f"| {v['reward_last']:.3f} | {ttt} |")
-    lines += ["", f"Target reward: {result['target_reward']:.3f} (sequential's mean over its last 3 steps unless "
-              f"--target was given); time to target uses a 3-step moving average. CPU use: process CPU time "
-             f"over wall time times cores (how much of the machine the mode kept busy; OpenMP spin-waits count as busy, "
-             f"and a scorer worker in its own process is not counted).", ""]
+                     f"| {reward} | {ttt} |")
+    cpu = ("CPU use: process CPU time over wall time times cores (how much of the machine the mode kept busy; "
+           "OpenMP spin-waits count as busy, and a scorer worker in its own process is not counted).")
+    if any(v.get("timing_only") for v in result["modes"].values()):
+        lines += ["", "Timing only: the response lengths were forced (EOS banned before each target length and "
+                  "forced at it), so the responses are not samples of the policy and no reward, KL or loss of "
+                  "these runs is reported (the k1 KL estimate of such runs went negative). `oppo bench --workload "
+                  "natural` compares learning across modes. " + cpu, ""]
+    else:
+        target = result["target_reward"]
+        lines += ["", (f"Target reward: {target:.3f}" if target is not None else "No target reward")
+                  + " (sequential's mean over its last 3 steps unless --target was given); time to target uses a "
+                  "3-step moving average. " + cpu, ""]
     if result.get("workload_lengths"):
         w = result["workload_lengths"]
         lines += [f"Forced lengths ({w['name']}): {w['description']}; the distribution drawn from has p50 "

@@ -43,6 +43,7 @@ CONFIG_FILE = "config.yaml"
 RESUMABLE_CHANGES = frozenset({
     "run.steps", "run.out_dir", "run.save_every", "run.keep_checkpoints", "run.samples", "run.threads",
     "policy.device", "reference.device", "critic.device", "reward.device",
+    "reward.retries", "reward.retry_backoff_s",  # (a run stopped by a flaky remote scorer resumes with retries)
     "overlap.scorer_process", "overlap.actor_threads", "overlap.scorer_threads",
     # the same math, other machinery: the decode engine, a memory cap, activation recomputation
     "generation.engine", "generation.kv_budget_mb", "policy.gradient_checkpointing",

@@ -106,6 +106,11 @@ class RewardConfig:
     judge: str | None = opt(None, "Optional extra scorer 'module:function', logged as judge/mean, never trained on "
                                   "(the built-in task sets its ground-truth judge).")
     device: str = opt("auto", "Device of the reward model (auto: the policy's).")
+    retries: int = opt(0, "Times a reward function that raises is called again on the same batch before the run "
+                          "stops (for scorers behind a network: a timeout, a rate limit). 0: no retries. The "
+                          "reward model is not retried (it runs in this process).")
+    retry_backoff_s: float = opt(1.0, "Seconds before the first retry of reward.retries; each further one waits "
+                                      "twice as long as the one before (exponential backoff).")
 
 
 @dataclass
@@ -222,7 +227,9 @@ class LoraConfig:
                     "stay frozen in the compute dtype, only the adapters train (fp32), the reference is the base "
                     "model without adapters (shared weights, no second copy) and checkpoints save the adapter.")
     alpha: float = opt(16.0, "LoRA alpha (the adapter's scale is alpha / r).")
-    dropout: float = opt(0.0, "LoRA dropout. Keep 0 for PPO: rollout and training must see the same function.")
+    dropout: float = opt(0.0, "LoRA dropout; must be 0. Every model runs in eval mode (rollout, old log-probs "
+                              "and training must see the same function, or the PPO ratio is noise at pi_k), so "
+                              "a dropout would never apply: it is refused rather than ignored.")
     target_modules: list = opt([], "Module names to adapt, e.g. [q_proj, v_proj]. Empty: every linear layer but "
                                     "the output head (peft's all-linear).")
 
@@ -560,8 +567,11 @@ def validate(cfg: Config) -> None:
     _check(p.actor_lr >= 0 and p.critic_lr >= 0, "ppo.actor_lr and ppo.critic_lr must be >= 0.")
     _check(p.kl_coef >= 0, f"ppo.kl_coef must be >= 0, got {p.kl_coef}.")
     _check(p.lr_warmup_steps >= 0, f"ppo.lr_warmup_steps must be >= 0 (0: no warm-up), got {p.lr_warmup_steps}.")
-    _check(cfg.lora.r >= 0 and cfg.lora.alpha > 0 and 0 <= cfg.lora.dropout < 1,
-           "lora.r must be >= 0, lora.alpha > 0 and lora.dropout in [0, 1).")
+    _check(cfg.lora.r >= 0 and cfg.lora.alpha > 0, "lora.r must be >= 0 and lora.alpha > 0.")
+    _check(cfg.lora.dropout == 0,
+           f"lora.dropout={cfg.lora.dropout} would do nothing: oppo runs every model in eval mode, so that "
+           f"rollout, old log-probs and training compute the same function (dropout in the training forward "
+           f"alone would make the PPO ratio noise at pi_k). Set lora.dropout=0.")
     _check(not (cfg.lora.r and not cfg.reference.path and cfg.reference.device not in ("auto", cfg.policy.device)),
            "With LoRA the reference is the policy's base weights (shared, no copy), on the policy's device: "
            "leave reference.device=auto or set reference.path to a separate reference model.")
@@ -634,6 +644,9 @@ def validate(cfg: Config) -> None:
     _check(cfg.run.keep_checkpoints >= 1, "run.keep_checkpoints must be >= 1.")
     _check(not (cfg.reward.path and cfg.reward.function),
            "Give either reward.path (a reward model) or reward.function (a Python function), not both.")
+    _check(cfg.reward.retries >= 0, f"reward.retries must be >= 0 (0: no retries), got {cfg.reward.retries}.")
+    _check(cfg.reward.retry_backoff_s >= 0,
+           f"reward.retry_backoff_s must be >= 0 seconds, got {cfg.reward.retry_backoff_s}.")
     for key in ("reward.function", "reward.judge"):
         v = getattr(cfg.reward, key.split(".")[1])
         _check(v is None or (":" in v and all(v.split(":", 1))),

@@ -16,6 +16,7 @@ from .config import PPOConfig
 from .types import Rollout, Scores
 from .scoring import ScoredOutputs, full_hidden, response_outputs, sequence_batch
 from .models import backbone_and_head, checkpointing
+from .offpolicy import MismatchProbe
 from .weights import autocast
 
 
@@ -26,11 +27,14 @@ class Experience:
     ids, valid: [B, P+T] left-padded prompts then right-padded responses; ``P`` prompt width.
     mask: [B, T] 1 on response tokens (EOS included). versions: [B, T] policy version per token.
     behaviour_logprobs: [B, T] from the sampler (the distribution actually sampled: its precision,
-    its top-k/top-p truncation). old_logprobs: [B, T] under pi_k by the training forward, the
-    policy the PPO ratio is clipped around (the sampler's, unrecomputed, where the two cannot
-    differ: see ``Learner.old_logprobs``). is_weights: [B, T] pi_k / behaviour for off-policy
-    tokens (truncated), 1 otherwise. ``stats``: the sampler-vs-trainer gap, for the metrics.
-    ref_logprobs, values, rewards, kl, advantages, returns: [B, T]. scores: [B].
+    its top-k/top-p truncation). policy_logprobs: [B, T] from the sampler too, untruncated: the
+    sampling weights' own log-probs (``Rollout.policy_logprobs``; equal to behaviour_logprobs
+    without truncation). old_logprobs: [B, T] under pi_k by the training forward, the policy the
+    PPO ratio is clipped around (the sampler's untruncated ones, unrecomputed, where the two
+    cannot differ: see ``Learner.old_logprobs``). is_weights: [B, T] pi_k / pi_version (both
+    untruncated) for off-policy tokens (truncated at ``ppo.is_truncate``), 1 otherwise.
+    ``stats``: for the metrics. ref_logprobs, values, rewards, kl, advantages, returns: [B, T].
+    scores: [B].
     """
 
     rollouts: list[Rollout]
@@ -42,6 +46,7 @@ class Experience:
     behaviour_logprobs: torch.Tensor
     old_logprobs: torch.Tensor
     is_weights: torch.Tensor
+    policy_logprobs: torch.Tensor | None = None  # None: behaviour_logprobs (built by hand, no truncation)
     ref_logprobs: torch.Tensor | None = None  # set by attach_scores (a new record)
     values: torch.Tensor | None = None
     scores: torch.Tensor | None = None
@@ -51,6 +56,12 @@ class Experience:
     returns: torch.Tensor | None = None
     stats: dict[str, float] | None = None
     group_ids: torch.Tensor | None = None  # [B] the group of each row (GRPO/RLOO): its first member's uid
+
+    @property
+    def sampler_logprobs(self) -> torch.Tensor:
+        """[B, T] the sampling weights' untruncated log-probs: ``policy_logprobs``, or the behaviour
+        ones where none were recorded (the two are equal without truncation)."""
+        return self.policy_logprobs if self.policy_logprobs is not None else self.behaviour_logprobs
 
 
 def _pad_rows(rows: list[list[float]], T: int, device, dtype=torch.float32) -> torch.Tensor:
@@ -66,10 +77,16 @@ def build_experience(rollouts: list[Rollout], pad_id: int, device) -> Experience
                                           pad_id, device)
     T = rmask.shape[1]
     lp = _pad_rows([r.logprobs for r in rollouts], T, device)
+    for r in rollouts:
+        if r.policy_logprobs and len(r.policy_logprobs) != len(r.logprobs):
+            raise RuntimeError(f"internal error: sequence {r.uid} has {len(r.logprobs)} behaviour log-probs but "
+                               f"{len(r.policy_logprobs)} untruncated ones")
+    # an engine that samples without truncation may leave policy_logprobs empty (Rollout)
+    plp = _pad_rows([r.policy_logprobs or r.logprobs for r in rollouts], T, device)
     return Experience(
         rollouts=rollouts, ids=ids, valid=valid, P=P, mask=rmask.float(),
         versions=_pad_rows([r.versions for r in rollouts], T, device, torch.long),
-        behaviour_logprobs=lp, old_logprobs=lp.clone(), is_weights=torch.ones_like(lp),
+        behaviour_logprobs=lp, old_logprobs=plp.clone(), is_weights=torch.ones_like(lp), policy_logprobs=plp,
         group_ids=torch.tensor([r.group for r in rollouts], dtype=torch.long, device=device))
 
 
@@ -113,20 +130,19 @@ def set_old_logprobs(exp: Experience, rows: torch.Tensor, new: torch.Tensor, red
     if rows.numel() == 0:
         return
     mask = exp.mask > 0
+    sampler = exp.sampler_logprobs  # [B, T] untruncated
     old = exp.old_logprobs.clone()
     old[rows] = torch.where(redo[rows], new.to(old.device), old[rows])
     exp.old_logprobs = old
-    w = torch.exp(old - exp.behaviour_logprobs)  # [B, T]
+    w = torch.exp(old - sampler)  # [B, T]
     if cfg.is_truncate is not None:
         w = w.clamp(max=cfg.is_truncate)
     exp.is_weights = torch.where(off, w, torch.ones_like(w))
     on = mask & ~off & redo
     if on.any():
-        gap = (old - exp.behaviour_logprobs).abs()[on]
-        ratio = torch.exp(exp.behaviour_logprobs - old)[on]  # the first minibatch's ratio had we not recomputed
+        ratio = torch.exp(old - sampler)[on]  # the first minibatch's ratio had we not recomputed
         eps_hi = cfg.clip_eps_high if cfg.clip_eps_high is not None else cfg.clip_eps
-        exp.stats = {"ppo/sampler_logprob_gap": gap.mean().item(), "ppo/sampler_logprob_gap_max": gap.max().item(),
-                     "ppo/sampler_ratio_outside_clip": ((ratio < 1 - cfg.clip_eps) | (ratio > 1 + eps_hi))
+        exp.stats = {"ppo/sampler_ratio_outside_clip": ((ratio < 1 - cfg.clip_eps) | (ratio > 1 + eps_hi))
                      .float().mean().item()}
 
 
@@ -173,14 +189,20 @@ class Learner:
         - Off-policy tokens (sampled by a version older than ``version``, or, with
           ``stale_kv=keep``, by new weights over an older KV prefix: ``RolloutEngine``) get
           old_logprobs recomputed under pi_k by the training forward, and an importance weight
-          pi_k / pi_behaviour truncated at ``ppo.is_truncate`` (decoupled PPO, as AReaL does).
-        - On-policy tokens keep the sampler's log-probs unless ``recompute_old``: then the
-          training forward recomputes them too (as OpenRLHF and verl do), because the sampler
-          can differ from it (bf16 KV-cached decode: mean |dlogp| 0.024 measured, enough to
-          push 0.7% of tokens outside the clip range at a ratio that should be exactly 1;
-          top-k/top-p truncation). Their weight stays 1: the gap is numerical (or the
-          truncation), reported as ``ppo/sampler_logprob_gap`` and
-          ``ppo/sampler_ratio_outside_clip``, not a policy change.
+          pi_k / pi_v truncated at ``ppo.is_truncate`` (decoupled PPO, as AReaL does). pi_v is
+          the sampling version's untruncated log-prob (``Experience.policy_logprobs``), not the
+          top-k/top-p-truncated one it was drawn from: a fresh token's weight is 1 (below), so
+          a carried token whose weights did not change must weigh 1 too. Against the truncated
+          one it weighed the kept mass (about top_p) instead, and long (carried) responses lost
+          that share of their gradient.
+        - On-policy tokens keep the sampler's (untruncated) log-probs unless ``recompute_old``:
+          then the training forward recomputes them too (as OpenRLHF and verl do), because the
+          sampler can differ from it (bf16 KV-cached decode: mean |dlogp| 0.024 measured, enough
+          to push 0.7% of tokens outside the clip range at a ratio that should be exactly 1).
+          Their weight stays 1: the gap is numerical, not a policy change; it is reported by
+          the update (``offpolicy.MismatchProbe``: ``mismatch/*``), and here the share of
+          these tokens whose first-minibatch ratio would have been clipped had they not been
+          recomputed (``ppo/sampler_ratio_outside_clip``).
         """
         redo, off = old_logprob_targets(exp, version, self.recompute_old)
         rows = redo.any(1).nonzero().squeeze(1)
@@ -212,8 +234,10 @@ class Learner:
         same weights. ``critic=False`` leaves the critic to the caller.
         """
         mbs = [mb.to(exp.mask.device) for mb in self.minibatches(exp.mask.shape[0], step)]
+        probe = MismatchProbe(self.actor_opt, step)
         stats = _train(self.actor, self.actor_opt, exp.mask, mbs, self.cfg, "actor",
-                       lambda rows, nt, ns: self._actor_micro_step(exp, rows, nt, ns))
+                       lambda rows, nt, ns: self._actor_micro_step(exp, rows, nt, ns, probe))
+        stats.update(MismatchProbe.stats(probe.partial()))
         if critic and self.critic is not None:
             stats.update(critic_update(self.critic, self.critic_opt, CriticBatch.of(exp), mbs, self.cfg,
                                        compute_dtype=self.compute_dtype))
@@ -244,13 +268,16 @@ class Learner:
     def close(self) -> None:
         pass
 
-    def _actor_micro_step(self, exp: Experience, rows: torch.Tensor, num_tokens, num_seqs: int) -> dict[str, float]:
+    def _actor_micro_step(self, exp: Experience, rows: torch.Tensor, num_tokens, num_seqs: int,
+                          probe: MismatchProbe | None = None) -> dict[str, float]:
         cfg = self.cfg
         ids, valid, P, T = _micro_slices(exp, rows)
         mask = exp.mask[rows][:, :T]
         with checkpointing(self.actor):  # recomputes activations in backward if policy.gradient_checkpointing
             logits = self._actor_logits(ids, valid, P)  # [b, T, V]
         logprobs = pm.logprobs_from_logits(logits, ids[:, P:], self.temperature)  # [b, T]
+        if probe is not None:  # (the first optimizer step's forward is pi_k's: the sampler-vs-trainer gap)
+            probe.observe(logprobs, exp.sampler_logprobs[rows][:, :T], exp.versions[rows][:, :T], mask)
         pl, pstats = pm.policy_loss(logprobs, exp.old_logprobs[rows][:, :T], exp.advantages[rows][:, :T], mask,
                                     clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high,
                                     is_weights=exp.is_weights[rows][:, :T], loss_agg=cfg.loss_agg,

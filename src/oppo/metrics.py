@@ -45,13 +45,48 @@ name                          meaning
                               into the next one
 ``overlap/waiting_members``   finished members of carried groups, waiting (scored) for a
                               sibling still decoding (GRPO/RLOO; ``overlap.partial_groups``)
-``overlap/lag_max``           largest policy-version lag (trained version - sampling version)
-                              among the step's tokens
-``overlap/lag_mean``          mean policy-version lag over the step's tokens
+``overlap/token_lag_mean``    mean staleness of the step's tokens: trained version - the version
+                              that sampled the token (``offpolicy.token_lag_stats``)
+``overlap/token_lag_max``     the stalest token's lag
+``overlap/token_lag_<n>``     number of tokens with lag n (n = 0 .. token_lag_max)
+``overlap/seq_lag_mean``      mean lag of the step's sequences: trained version - the version at
+                              which the sequence was admitted (how many updates it was carried).
+                              Called ``overlap/lag_mean`` before issue 22, and documented then as
+                              per token, which it never was: in pipeline mode a sequence admitted
+                              while the learner trained has lag 0 and tokens one version stale
+``overlap/seq_lag_max``       the longest-carried sequence's lag (was ``overlap/lag_max``)
+``overlap/seq_lag_<n>``       number of sequences with lag n (was ``overlap/lag_<n>``)
 ``overlap/offpolicy_token_frac``  fraction of the step's tokens sampled by an older policy
-``overlap/is_weight_mean``    mean importance weight pi_k / pi_behaviour over off-policy tokens
+``overlap/is_weight_mean``    mean importance weight pi_k / pi_v over off-policy tokens (both
+                              untruncated log-probs: ``Learner.old_logprobs``), as applied,
+                              after ``ppo.is_truncate``'s cap
 ``overlap/is_weight_max``     largest such importance weight
+``overlap/is_weight_ess``     normalised effective sample size of the weights the loss applies,
+                              over every token (fresh ones weigh 1): (sum w)^2 / (N sum w^2),
+                              1 when nothing is reweighted
+``mismatch/logprob_abs_diff`` sampler vs trainer on the tokens sampled by the weights being
+                              trained: mean |log p_trainer - log p_sampler|, the same weights in
+                              the training forward and in the rollout engine (first minibatch;
+                              ``offpolicy.MismatchProbe``). Replaces ``ppo/sampler_logprob_gap``
+                              (before issue 22: only when old log-probs were recomputed, and
+                              against the top-k/top-p-truncated log-prob). Peers gate CI at
+                              <= 0.0193 (SkyRL); the smoke test checks it
+``mismatch/logprob_abs_diff_max``  the largest such difference (was
+                              ``ppo/sampler_logprob_gap_max``)
+``mismatch/kl``               mean of w - 1 - log w with w = p_trainer / p_sampler: the k3
+                              estimate of KL(sampler || trainer) (prime-rl's mismatch KL; peers
+                              keep it < 0.01)
+``mismatch/ess``              normalised effective sample size of those w
+``mismatch/tokens``           tokens the mismatch was measured on (the ``mismatch/*`` metrics are
+                              absent on a step whose first minibatch holds no token sampled by
+                              the trained weights: only carried rows, with ``stale_kv=keep``)
+``ppo/sampler_ratio_outside_clip``  with old log-probs recomputed: share of the tokens sampled
+                              by the current weights whose first-minibatch ratio would have been
+                              outside the clip range had the sampler's been kept
 ``overlap/chunk_size``        streaming chunk size (tokens) used for intra-step scoring
+``bench/timing_only``         1 on the steps of an ``oppo bench`` run with forced response
+                              lengths, whose learning metrics (reward, KL, losses, ...) are left
+                              out (``bench.timing_only``)
 ``data/prompts_truncated``    prompts cut to the maximum prompt length so far
 ``data/prompts_skipped``      prompts skipped (empty, or too long to keep) so far
 ============================  ===============================================================

@@ -15,7 +15,9 @@ file                        content (written only when its data exists)
                             on one time axis
 ``response_lengths.png``    histogram of response lengths from ``lengths.jsonl``; without it,
                             ``response_length/mean`` and ``/max`` against step
-``overlap.png``             ``overlap/delta`` and ``overlap/lag_max`` against step
+``overlap.png``             ``overlap/delta``, ``overlap/token_lag_max`` (the stalest token)
+                            and ``overlap/seq_lag_max`` (the longest-carried sequence; runs
+                            before issue 22 logged it as ``overlap/lag_max``) against step
 ==========================  =====================================================================
 
 Runs that share a label (the same mode with several seeds) are drawn as one line, their mean,
@@ -474,12 +476,12 @@ def make_report(
             out_dir / "overlap.png",
             [
                 (key, [(key, "-")])
-                for key in ("overlap/delta", "overlap/lag_max")
+                for key in ("overlap/delta", "overlap/token_lag_max", "overlap/seq_lag_max", "overlap/lag_max")
                 if any(r.get(key) is not None for run in runs for r in run.metrics)
             ]
             or [("overlap/delta", [("overlap/delta", "-")])],
             xlabel="step",
-            title="Inter-step overlap: Delta and the largest policy lag",
+            title="Inter-step overlap: Delta and the largest policy lag (per token, per sequence)",
         )
     )
     return [p for p in written if p is not None]

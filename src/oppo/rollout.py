@@ -8,11 +8,14 @@ policy version that shaped its distribution: the version of the weights that com
 or, with ``overlap.stale_kv=keep``, the older version that computed part of the row's KV cache
 (new weights over an old prefix are a hybrid policy, not pi_k: such tokens are off-policy).
 
-Behaviour log-probs are those of the distribution actually sampled: ``log_softmax(logits /
-temperature)`` after top-k/top-p truncation and renormalisation. With truncation on they differ
-from the policy's own (untruncated) log-probs, so the learner then recomputes ``old_logprobs``
-with its training forward and keeps these as the behaviour policy of the importance weight
-(``Learner.old_logprobs``).
+Each token records two log-probs. ``Rollout.logprobs``: the behaviour log-prob, that of the
+distribution actually sampled (``log_softmax(logits / temperature)`` after top-k/top-p truncation
+and renormalisation). ``Rollout.policy_logprobs``: the same logits' untruncated log-prob,
+``log_softmax(logits / temperature)`` at the token, which is what the learner's forward computes.
+Off-policy (staleness) weights compare the learner's pi_k with ``policy_logprobs``, never with the
+truncated one: a fresh token's weight is 1, so a carried token with no weight change must get 1
+too, whatever top-k/top-p (``Learner.old_logprobs``). Without truncation the two lists hold the
+same floats.
 """
 
 from __future__ import annotations
@@ -178,14 +181,22 @@ class RolloutEngine:
             tokens, logp = logits.argmax(-1), None  # [R]
         else:
             tokens, logp = sample_tokens(logits, self.temperature, self.top_k, self.top_p, self.generator)
+        untruncated = logp
+        if logp is None or logits is not self.next_logits or self.top_k > 0 or self.top_p < 1.0:
+            # the model's own (untruncated) log-prob: what the learner's forward computes
+            untruncated = torch.log_softmax(self.next_logits.float() / self.temperature, -1).gather(
+                1, tokens[:, None])[:, 0]
         if logp is None or logits is not self.next_logits:
-            # behaviour log-prob under the model's own distribution (what the learner recomputes)
-            logp = torch.log_softmax(self.next_logits.float() / self.temperature, -1).gather(1, tokens[:, None])[:, 0]
+            # greedy, or forced lengths (bench: timing only, ``bench.timing_only``): nothing was
+            # drawn from a distribution of the policy's, so the policy's own log-prob stands in
+            logp = untruncated
         tok_list, lp_list = tokens.tolist(), logp.tolist()  # CPU-GPU sync point (one per decode step)
+        plp_list = lp_list if untruncated is logp else untruncated.tolist()
         keep, done = [], []
-        for i, (row, t, lp) in enumerate(zip(self.rows, tok_list, lp_list)):
+        for i, (row, t, lp, plp) in enumerate(zip(self.rows, tok_list, lp_list, plp_list)):
             row.response_ids.append(t)
             row.logprobs.append(lp)
+            row.policy_logprobs.append(plp)
             row.versions.append(min(self.logits_version[i], self.kv_version[i]))
             if t in self.eos_ids or len(row.response_ids) >= self.max_new_tokens:
                 row.finished, row.ended_with_eos = True, t in self.eos_ids
@@ -219,9 +230,11 @@ class RolloutEngine:
         return done
 
     def _forced(self, logits: torch.Tensor) -> torch.Tensor:
-        """Synthetic-length workloads (``oppo bench --tail``): EOS is banned before a row's
-        target length and forced at it, so the length distribution is set directly while the
-        model still does all the real work."""
+        """Synthetic-length workloads (``oppo bench``'s forced workloads and ``--tail``): EOS is
+        banned before a row's target length and forced at it, so the length distribution is set
+        directly while the model still does all the real work. The tokens are then not samples
+        of the policy, so such runs are timing-only (``bench.timing_only``): the recorded
+        log-prob is the policy's own, and no learning metric of theirs is reported."""
         targets = [r.target_length for r in self.rows]
         if all(t is None for t in targets):
             return logits

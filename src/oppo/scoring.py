@@ -189,21 +189,65 @@ class StreamingScorer:
         return done
 
 
+class RewardFunctionError(RuntimeError):
+    """The user's reward function raised. The message names the function, the step and the
+    batch; the function's own exception is chained (``__cause__``), so its traceback prints
+    first."""
+
+
 class RewardFunction:
-    """A plain Python reward: ``fn(prompts, responses) -> list[float]`` on text."""
+    """A plain Python reward: ``fn(prompts, responses) -> list[float]`` on text.
 
-    def __init__(self, fn: Callable, name: str):
-        self.fn, self.name = fn, name
+    ``retries``: times a call that raised is made again, on the same batch, before the run stops
+    (``reward.retries``: scorers behind a network); the n-th retry waits ``backoff_s * 2**(n-1)``
+    seconds. A call that returns a wrong number of scores, or a score that is not a finite
+    number, is not retried: it would return the same.
+    """
 
-    def __call__(self, prompts: list[str], responses: list[str]) -> list[float]:
+    def __init__(self, fn: Callable, name: str, retries: int = 0, backoff_s: float = 1.0,
+                 sleep: Callable[[float], None] | None = None):
+        import time
+
+        self.fn, self.name, self.retries, self.backoff_s = fn, name, retries, backoff_s
+        self.sleep = sleep or time.sleep
+
+    def __call__(self, prompts: list[str], responses: list[str], step: int | None = None,
+                 indices: list[int] | None = None) -> list[float]:
+        """Scores of ``responses`` to ``prompts``; ``step`` and ``indices`` (the prompts' indices in
+        the prompt set) only name the batch in an error."""
         import math
 
-        scores = list(self.fn(list(prompts), list(responses)))
+        where = self._where(prompts, step, indices)
+        for attempt in range(self.retries + 1):
+            try:
+                scores = list(self.fn(list(prompts), list(responses)))
+                break
+            except Exception as e:
+                if attempt == self.retries:
+                    tries = f" (tried {attempt + 1} times: reward.retries={self.retries})" if self.retries else ""
+                    raise RewardFunctionError(
+                        f"Reward function {self.name} raised {type(e).__name__}: {e}{tries} {where}. Its traceback "
+                        f"is above. The metrics, trace and checkpoints written so far are kept: fix the function "
+                        f"(or, for a flaky remote scorer, set reward.retries), then continue from the last "
+                        f"checkpoint with `oppo train --resume auto` and the same settings.") from e
+                self.sleep(self.backoff_s * 2 ** attempt)
         if len(scores) != len(prompts):
             raise ValueError(f"Reward function {self.name} returned {len(scores)} scores for {len(prompts)} "
-                             f"responses; it must return one float per response.")
+                             f"responses {where}; it must return one float per response.")
         for p, s in zip(prompts, scores):
             if not isinstance(s, (int, float)) or not math.isfinite(float(s)):
-                raise ValueError(f"Reward function {self.name} returned {s!r} for the prompt {p!r}; "
+                raise ValueError(f"Reward function {self.name} returned {s!r} for the prompt {p!r} {where}; "
                                  f"rewards must be finite numbers.")
         return [float(s) for s in scores]
+
+    @staticmethod
+    def _where(prompts: list[str], step: int | None, indices: list[int] | None) -> str:
+        """'at step 3, on a batch of 8 responses to prompts 12, 40, ... (the first: '...')'."""
+        at = f"at step {step}, " if step is not None else ""
+        shown = ""
+        if indices:
+            shown = ", ".join(map(str, indices[:8])) + (", ..." if len(indices) > 8 else "")
+            shown = f" to prompts {shown} of the prompt set"
+        first = prompts[0] if prompts else ""
+        first = first if len(first) <= 60 else first[:57] + "..."
+        return f"{at}on a batch of {len(prompts)} responses{shown} (the first prompt: {first!r})"

@@ -343,7 +343,8 @@ def build_roles(cfg: Config, progress: bool = True) -> Roles:
     # Reward first: an invalid reward model or function fails before the big models load.
     reward_fn = reward_model = None
     if paths.reward_function:
-        reward_fn = RewardFunction(load_function(paths.reward_function), paths.reward_function)
+        reward_fn = RewardFunction(load_function(paths.reward_function), paths.reward_function,
+                                   retries=cfg.reward.retries, backoff_s=cfg.reward.retry_backoff_s)
     else:
         reward_model = load_reward_model(paths.reward, resolve_device(cfg.reward.device, str(dev)), dtype, pad_id)
     judge_fn = load_function(paths.judge, "reward.judge") if paths.judge else None

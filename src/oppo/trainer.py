@@ -19,7 +19,7 @@ import torch
 from .config import Config, to_dict
 from .control import Run, StepResult, overlapped_step, sequential_step
 from .control.metrics import step_metrics
-from .setup import Roles, build_roles, resolve_paths  # noqa: F401 (resolve_paths: the old home)
+from .setup import Roles, build_roles
 from .weights import copy_weights
 
 

@@ -21,7 +21,10 @@ class Rollout:
     """One sequence, in flight or finished.
 
     ``response_ids[t]`` was sampled by policy version ``versions[t]`` with behaviour log-prob
-    ``logprobs[t]``. ``emitted`` counts the tokens already streamed to the scorers.
+    ``logprobs[t]`` (the truncated distribution it was drawn from) and untruncated log-prob
+    ``policy_logprobs[t]`` under the weights that sampled it (``rollout.py``'s docstring; an engine
+    that samples without truncation may leave ``policy_logprobs`` empty: ``logprobs`` are then
+    both). ``emitted`` counts the tokens already streamed to the scorers.
     """
 
     uid: int
@@ -31,6 +34,7 @@ class Rollout:
     start_version: int
     response_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    policy_logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finished: bool = False
     ended_with_eos: bool = False

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from ..config import Config
 from ..learner import Experience, attach_scores, build_experience, compute_advantages
+from ..offpolicy import staleness_stats
 from ..scheduler import ChunkSizeTuner, DeltaController, Scheduler
 from ..setup import Roles
 from ..types import ChunkReady, Rollout, Scores, SequenceFinished
@@ -190,7 +191,7 @@ def score(run: Run, batch: list[Rollout], txt: list[str], step: int) -> Scores:
     roles, tracer = run.roles, run.tracer
     prompts, responses = [r.prompt_ids for r in batch], [r.response_ids for r in batch]
     with tracer.span("scorer", "score_reward", step):
-        scores = reward_scores(run, batch, txt) if roles.reward_fn else [
+        scores = reward_scores(run, batch, txt, step) if roles.reward_fn else [
             o.score for o in roles.scorer.score_full("reward", prompts, responses)]
     with tracer.span("scorer", "score_reference", step):
         ref = roles.scorer.score_full("reference", prompts, responses)
@@ -201,8 +202,8 @@ def score(run: Run, batch: list[Rollout], txt: list[str], step: int) -> Scores:
     return Scores(scores, ref, values)
 
 
-def reward_scores(run: Run, batch: list[Rollout], txt: list[str]) -> list[float]:
-    return run.roles.reward_fn([r.prompt for r in batch], txt)
+def reward_scores(run: Run, batch: list[Rollout], txt: list[str], step: int) -> list[float]:
+    return run.roles.reward_fn([r.prompt for r in batch], txt, step=step, indices=[r.prompt_index for r in batch])
 
 
 def close_batch(run: Run, close, step: int) -> tuple[list[Rollout], list[str], Experience, Scores]:
@@ -231,7 +232,7 @@ def close_batch(run: Run, close, step: int) -> tuple[list[Rollout], list[str], E
     with run.tracer.span("controller", "wait_scorers", step):  # waiting: not actor work
         scorer.barrier()  # also: no scorer work may touch the critic while it trains
     out = scorer.take(uids)
-    scores = reward_scores(run, batch, txt) if roles.reward_fn else [o.score for o in out["reward"]]
+    scores = reward_scores(run, batch, txt, step) if roles.reward_fn else [o.score for o in out["reward"]]
     values = out.get("critic")
     for i, v in zip(stale, fresh):
         values[i] = v
@@ -276,20 +277,12 @@ def refresh_kv(run: Run, version: int) -> None:
 
 
 def overlap_stats(run: Run, close, exp: Experience, chunk: int | None) -> dict[str, float]:
-    lags = close.lags
     trained = set(close.uids)
-    mask = exp.mask > 0
-    off = (exp.versions < close.step) & mask
-    w = exp.is_weights[off]
     return {
         "overlap/delta": run.scheduler.delta, "overlap/carried": len(run.scheduler.in_flight),
         "overlap/waiting_members": run.scheduler.waiting_members,
-        "overlap/lag_max": max(lags), "overlap/lag_mean": sum(lags) / len(lags),
-        "overlap/offpolicy_token_frac": off.sum().item() / max(1, mask.sum().item()),
-        "overlap/is_weight_mean": w.mean().item() if w.numel() else 1.0,
-        "overlap/is_weight_max": w.max().item() if w.numel() else 1.0,
+        **staleness_stats(exp, close.step, close.lags),  # token and sequence lags, IS weights
         "overlap/chunk_size": chunk or 0,
-        **{f"overlap/lag_{lag}": n for lag, n in close.lag_histogram().items()},
         "overlap/in_flight_length_mean": _mean([len(r.response_ids) for u, r in run.rollouts.items()
                                                 if u not in trained] or [0]),
     }

@@ -53,6 +53,7 @@ import torch
 
 from ..config import PPOConfig
 from ..learner import CriticBatch, Experience, Learner, _train, critic_micro_step
+from ..offpolicy import MismatchProbe
 from .ray_scorer import _short
 from .specs import ModelSpec
 from .weight_sync import Packed, pack, unpack_into
@@ -130,8 +131,9 @@ def dp_update(learner: Learner, exp: Experience, step: int, rank: int, world: in
     group (module docstring). Every rank gets the whole batch and returns the same stats."""
     cfg = learner.cfg
     mbs = [mb.to(exp.mask.device) for mb in learner.minibatches(exp.mask.shape[0], step)]
+    probe = MismatchProbe(learner.actor_opt, step)  # each rank sees its share of the first minibatch
     actor_steps = _Shard(mbs, rank, world, learner.actor,
-                         lambda rows, nt, ns: learner._actor_micro_step(exp, rows, nt, ns))
+                         lambda rows, nt, ns: learner._actor_micro_step(exp, rows, nt, ns, probe))
     stats = _train(learner.actor, learner.actor_opt, exp.mask, mbs, cfg, "actor", actor_steps)
     actor_steps.check_done()
     if critic and learner.critic is not None:
@@ -141,22 +143,24 @@ def dp_update(learner: Learner, exp: Experience, step: int, rank: int, world: in
                                                                       learner.compute_dtype))
         stats.update(_train(learner.critic, learner.critic_opt, batch.mask, mbs, cfg, "critic", critic_steps))
         critic_steps.check_done()
-    return merge_rank_stats(stats, world)
+    return merge_rank_stats(stats, world, probe)
 
 
-def merge_rank_stats(stats: dict[str, float], world: int) -> dict[str, float]:
+def merge_rank_stats(stats: dict[str, float], world: int, probe: MismatchProbe) -> dict[str, float]:
     """One rank's share of the update's stats -> the update's (every rank gets the same): losses and
     per-token means are already weighted by the global counts, so they add up over the ranks; the
-    gradient norm is computed on the summed gradient, the same on every rank. A collective."""
+    gradient norm is computed on the summed gradient, the same on every rank; the mismatch probes'
+    partial sums are merged. A collective."""
     import torch.distributed as dist
 
     if world == 1:
-        return stats
-    gathered: list[dict[str, float]] = [{} for _ in range(world)]
-    dist.all_gather_object(gathered, stats)
+        return {**stats, **MismatchProbe.stats(probe.partial())}
+    gathered: list[tuple[dict[str, float], list[float]]] = [({}, []) for _ in range(world)]
+    dist.all_gather_object(gathered, (stats, probe.partial()))
     out = {}
-    for k in sorted(set().union(*gathered)):
-        out[k] = gathered[0][k] if k.startswith("grad_norm/") else sum(g.get(k, 0.0) for g in gathered)
+    for k in sorted(set().union(*(g for g, _ in gathered))):
+        out[k] = gathered[0][0][k] if k.startswith("grad_norm/") else sum(g.get(k, 0.0) for g, _ in gathered)
+    out.update(MismatchProbe.stats(MismatchProbe.merge([p for _, p in gathered])))
     return out
 
 

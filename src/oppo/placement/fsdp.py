@@ -46,6 +46,7 @@ import torch
 
 from ..learner import CriticBatch, Experience, Learner, _train, critic_micro_step, old_logprob_targets, \
     set_old_logprobs
+from ..offpolicy import MismatchProbe
 from .dp import DPLearnerGroup, LearnerRank, LearnerSpec, _to, merge_rank_stats, portable
 from .weight_sync import Packed, pack_state
 
@@ -116,7 +117,9 @@ def fsdp_update(learner: Learner, exp: Experience, step: int, rank: int, world: 
     docstring). Every rank gets the whole batch and returns the same stats."""
     cfg = learner.cfg
     mbs = [mb.to(exp.mask.device) for mb in learner.minibatches(exp.mask.shape[0], step)]
-    actor_steps = _Rounds(mbs, rank, world, lambda rows, nt, ns: learner._actor_micro_step(exp, rows, nt, ns))
+    probe = MismatchProbe(learner.actor_opt, step)  # each rank sees its share of the first minibatch
+    actor_steps = _Rounds(mbs, rank, world, lambda rows, nt, ns: learner._actor_micro_step(exp, rows, nt, ns, probe),
+                          pad=lambda rows, nt, ns: learner._actor_micro_step(exp, rows, nt, ns))
     stats = _train(learner.actor, learner.actor_opt, exp.mask, mbs, cfg, "actor", actor_steps)
     actor_steps.check_done()
     if critic and learner.critic is not None:
@@ -125,7 +128,7 @@ def fsdp_update(learner: Learner, exp: Experience, step: int, rank: int, world: 
             learner.critic, batch, rows, nt, ns, cfg, learner.compute_dtype))
         stats.update(_train(learner.critic, learner.critic_opt, batch.mask, mbs, cfg, "critic", critic_steps))
         critic_steps.check_done()
-    return merge_rank_stats(stats, world)
+    return merge_rank_stats(stats, world, probe)
 
 
 class _Rounds:
@@ -135,8 +138,10 @@ class _Rounds:
     forwards and backwards are collectives, so no rank may run fewer. The reduce-scatters sum the
     shards' gradients as they go; ``_train`` then clips and steps (both collective-safe)."""
 
-    def __init__(self, minibatches: list[torch.Tensor], rank: int, world: int, micro_step):
+    def __init__(self, minibatches: list[torch.Tensor], rank: int, world: int, micro_step, pad=None):
+        """``pad``: the micro-step for zero-weight steps, if it must differ (no statistics probe)."""
         self.mbs, self.rank, self.world, self.micro_step = minibatches, rank, world, micro_step
+        self.pad = pad or micro_step
         self.i = self.pos = self.j = self.ran = 0  # minibatch; its rows seen, micro-batches seen, run here
         self.first: torch.Tensor | None = None  # the minibatch's first micro-batch (padding runs on it)
 
@@ -155,7 +160,7 @@ class _Rounds:
         self.j += 1
         if self.pos == len(mb):
             for _ in range(math.ceil(self.j / self.world) - self.ran):
-                self.micro_step(self.first, torch.tensor(_ZERO_WEIGHT), _ZERO_WEIGHT)  # stats: zeros, dropped
+                self.pad(self.first, torch.tensor(_ZERO_WEIGHT), _ZERO_WEIGHT)  # stats: zeros, dropped
             self.i, self.pos, self.j, self.ran, self.first = self.i + 1, 0, 0, 0, None
         return stats
 

@@ -246,7 +246,7 @@ class RayRolloutGroup:
         """The controller's Rollout, given the worker's finished copy of it."""
         mine = self.owned.pop(remote.uid)
         del self.rows[remote.uid]
-        for f in ("response_ids", "logprobs", "versions", "finished", "ended_with_eos", "emitted"):
+        for f in ("response_ids", "logprobs", "policy_logprobs", "versions", "finished", "ended_with_eos", "emitted"):
             setattr(mine, f, getattr(remote, f))
         return mine
 

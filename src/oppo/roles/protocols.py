@@ -38,7 +38,9 @@ class RolloutBackend(Protocol):
     across PPO steps; loads new weights between two steps.
 
     Every sampled token gets its behaviour log-prob and the policy version that sampled it
-    (``Rollout.logprobs`` / ``Rollout.versions``).
+    (``Rollout.logprobs`` / ``Rollout.versions``), and, when the backend truncates (top-k,
+    top-p), the untruncated log-prob of its weights (``Rollout.policy_logprobs``), which the
+    off-policy weights compare against (an untruncating backend may leave it empty).
     """
 
     version: int

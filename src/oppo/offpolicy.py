@@ -1,0 +1,157 @@
+"""How off-policy a trained batch is, and how far the sampler is from the trainer.
+
+Two different things make a token's sampling distribution differ from pi_k, the policy the PPO
+step trains (``shared/DESIGN.md`` section 2):
+
+- **staleness**: the token was sampled by an older policy version (a carried sequence, or a
+  pipeline run's in-flight decoding). Measured per token, ``step - versions[t]``
+  (:func:`token_lag_stats`), and corrected by the importance weights
+  (``Learner.old_logprobs``; their spread: :func:`weight_stats`);
+- **mismatch**: the same weights give different log-probs in the sampler (KV-cached decoding, its
+  precision, its batch shapes) and in the trainer's forward. Measured on the tokens sampled by
+  the weights being trained, at the update's first optimizer step (:class:`MismatchProbe`), and
+  not corrected: it should be small (:data:`MISMATCH_THRESHOLDS`).
+
+Both compare log-probs of the untruncated distribution (``Rollout.policy_logprobs``): top-k/top-p
+truncation is a property of the sampling procedure applied alike to every version, not a policy
+change (``rollout`` module docstring).
+
+Sequence lag (``step - start_version``, one number per sequence: how many updates a carried
+sequence waited) is :func:`seq_lag_stats`; in pipeline mode every token of a sequence can be a
+version stale while its sequence's lag is 0, so the two are reported apart.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+MISMATCH_THRESHOLDS = {"mismatch/logprob_abs_diff": 0.0193, "mismatch/kl": 0.01}
+"""Upper bounds peers gate on (issue 22; ``docs/implementation-details.md``): SkyRL's CI checks the
+mean |log p_trainer - log p_sampler| <= 0.0193, prime-rl's runs check its mismatch KL (the k3
+estimate below) < 0.01. ``tests/test_cli.py``'s smoke run checks oppo's against them."""
+
+
+def ess(w: torch.Tensor) -> float:
+    """Normalised effective sample size of weights ``w`` (any shape, the selected tokens only):
+    (sum w)^2 / (N sum w^2), in (0, 1]; 1 when every weight is equal, 1/N when one dominates
+    (Kong 1992). 1.0 for no tokens."""
+    w = w.double().flatten()
+    if w.numel() == 0:
+        return 1.0
+    return float(w.sum() ** 2 / (w.numel() * (w * w).sum()))
+
+
+def token_lag_stats(versions: torch.Tensor, mask: torch.Tensor, step: int) -> dict[str, float]:
+    """Per-token staleness of a batch trained at ``step``: ``overlap/token_lag_mean``, ``_max`` and
+    the histogram ``overlap/token_lag_<n>`` (tokens with lag n, every n from 0 to the max).
+    versions, mask: [B, T]."""
+    lag = (step - versions)[mask > 0]  # [N]
+    if lag.numel() == 0:
+        return {"overlap/token_lag_mean": 0.0, "overlap/token_lag_max": 0, "overlap/token_lag_0": 0}
+    hi = int(lag.max())
+    counts = torch.bincount(lag.clamp(min=0), minlength=hi + 1).tolist()
+    return {"overlap/token_lag_mean": lag.double().mean().item(), "overlap/token_lag_max": hi,
+            **{f"overlap/token_lag_{n}": int(c) for n, c in enumerate(counts)}}
+
+
+def seq_lag_stats(lags: list[int]) -> dict[str, float]:
+    """Per-sequence lag (``step - start_version`` of each trained sequence): ``overlap/seq_lag_mean``,
+    ``_max`` and the histogram ``overlap/seq_lag_<n>`` (sequences with lag n)."""
+    hist = Counter(lags)
+    return {"overlap/seq_lag_max": max(lags), "overlap/seq_lag_mean": sum(lags) / len(lags),
+            **{f"overlap/seq_lag_{n}": hist.get(n, 0) for n in range(max(lags) + 1)}}
+
+
+def weight_stats(is_weights: torch.Tensor, mask: torch.Tensor, off: torch.Tensor) -> dict[str, float]:
+    """The importance weights the loss applies: mean and max over the off-policy tokens, and the
+    normalised ESS over every token (fresh ones weigh 1): how much of the batch the staleness
+    correction leaves. is_weights, mask, off: [B, T]."""
+    w = is_weights[off]
+    return {"overlap/is_weight_mean": w.mean().item() if w.numel() else 1.0,
+            "overlap/is_weight_max": w.max().item() if w.numel() else 1.0,
+            "overlap/is_weight_ess": ess(is_weights[mask > 0])}
+
+
+def staleness_stats(exp, step: int, seq_lags: list[int]) -> dict[str, float]:
+    """What a carrying step reports about the staleness of its batch ``exp`` (an ``Experience``
+    after ``Learner.old_logprobs``), trained at ``step``, whose sequences waited ``seq_lags``:
+    per-token lag, per-sequence lag, the off-policy token share and the importance weights."""
+    mask = exp.mask > 0
+    off = (exp.versions < step) & mask  # [B, T]
+    return {**seq_lag_stats(list(seq_lags)), **token_lag_stats(exp.versions, exp.mask, step),
+            "overlap/offpolicy_token_frac": off.sum().item() / max(1, mask.sum().item()),
+            **weight_stats(exp.is_weights, exp.mask, off)}
+
+
+def optimizer_steps(opt: torch.optim.Optimizer) -> int:
+    """Steps ``opt`` has taken (AdamW's per-parameter ``step``; 0 before the first)."""
+    return next((int(st["step"]) for st in opt.state.values() if "step" in st), 0)
+
+
+class MismatchProbe:
+    """The sampler-vs-trainer mismatch of one update, on the tokens the weights being trained
+    sampled (``versions == version``), read from the training forward of the update's first
+    optimizer step, whose weights are still pi_k: no extra forward. It covers the first
+    minibatch's rows (a random ``ppo.minibatch_size`` of the batch; all of it when the minibatch
+    is the batch).
+
+    Per token, d = log p_trainer - log p_sampler (untruncated, ``Rollout.policy_logprobs``);
+    w = exp(d) is the weight that would correct the mismatch. Reported (:meth:`stats`):
+
+    - ``mismatch/logprob_abs_diff``: mean |d| (SkyRL's ``logprobs_diff``), and ``_max``;
+    - ``mismatch/kl``: mean of w - 1 - d, the k3 estimate of KL(sampler || trainer), >= 0
+      (prime-rl's ``mismatch_kl``);
+    - ``mismatch/ess``: (sum w)^2 / (N sum w^2);
+    - ``mismatch/tokens``: N.
+
+    ``observe`` accumulates sums (tensors: no sync per micro-batch); data-parallel ranks merge
+    theirs with :meth:`merge` before :meth:`stats`.
+    """
+
+    def __init__(self, opt: torch.optim.Optimizer, version: int):
+        self.opt, self.version = opt, version
+        self.start = optimizer_steps(opt)
+        self._sums: list[torch.Tensor] = []  # per micro-batch: [n, sum|d|, max|d|, sum k3, sum w, sum w^2]
+
+    @torch.no_grad()
+    def observe(self, trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, versions: torch.Tensor,
+                mask: torch.Tensor) -> None:
+        """One micro-batch's training forward: trainer_logprobs, sampler_logprobs, versions, mask
+        [b, T]. Ignored once the update has taken an optimizer step."""
+        if optimizer_steps(self.opt) != self.start:
+            return
+        sel = (mask > 0) & (versions == self.version)  # [b, T]
+        d = (trainer_logprobs.detach().double() - sampler_logprobs.double())[sel]  # [N]
+        w = d.exp()
+        a = d.abs()
+        self._sums.append(torch.stack([torch.tensor(float(d.numel()), dtype=torch.float64, device=d.device),
+                                       a.sum(), a.max() if d.numel() else a.new_zeros(()),
+                                       (w - 1 - d).sum(), w.sum(), (w * w).sum()]))
+
+    def partial(self) -> list[float]:
+        """This process's sums: [n, sum|d|, max|d|, sum k3, sum w, sum w^2]."""
+        if not self._sums:
+            return [0.0] * 6
+        s = torch.stack(self._sums)  # [m, 6]
+        out = s.sum(0)
+        out[2] = s[:, 2].max()
+        return out.tolist()  # CPU-GPU sync point (once per update)
+
+    @staticmethod
+    def merge(parts: list[list[float]]) -> list[float]:
+        """Several ranks' :meth:`partial` sums as one."""
+        out = [sum(p[i] for p in parts) for i in range(6)]
+        out[2] = max(p[2] for p in parts)
+        return out
+
+    @staticmethod
+    def stats(sums: list[float]) -> dict[str, float]:
+        """The metrics of :class:`MismatchProbe` from (merged) sums; none when no token qualified
+        (every token of the first minibatch was stale)."""
+        n, abs_sum, abs_max, k3, w, w2 = sums
+        if n == 0:
+            return {}
+        return {"mismatch/logprob_abs_diff": abs_sum / n, "mismatch/logprob_abs_diff_max": abs_max,
+                "mismatch/kl": k3 / n, "mismatch/ess": w * w / (n * w2), "mismatch/tokens": int(n)}
