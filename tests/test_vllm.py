@@ -214,6 +214,27 @@ def test_weight_load_in_flight_changes_logprobs(engine, vmodels):
         torch.testing.assert_close(torch.tensor(r.logprobs), hf_logprobs(new, r, 1.0), atol=2e-4, rtol=0)
 
 
+def test_lora_policy_is_sent_merged(vmodels):
+    """A peft LoRA policy goes to vLLM as merged weights under the base model's names."""
+    import copy
+
+    from oppo.models import apply_lora
+    from oppo.roles.vllm_rollout import hf_weights
+
+    peft = apply_lora(hf_policy(vmodels["policy"]), 4, 8.0, 0.0, [])
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)  # (peft starts B at 0: the merge would be the base)
+    sent = dict(hf_weights(peft))
+    merged = copy.deepcopy(peft).merge_and_unload()
+    want = dict(merged.named_parameters())
+    assert sent.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(sent[k], want[k], atol=1e-6, rtol=0)
+    assert any(not torch.equal(sent[k], dict(hf_policy(vmodels["policy"]).named_parameters())[k]) for k in want)
+
+
 def test_abort_and_forced_lengths(engine, vmodels):
     model = hf_policy(vmodels["policy"])
     reset(engine, model, max_new=20)
@@ -306,6 +327,14 @@ def test_three_steps_each_mode(shared, vmodels, tiny_prompts, tmp_path, mode):
         # (pipeline: a step may have no on-policy token to compare, all sampled while the learner trained)
         assert m.get("ppo/sampler_logprob_gap", 0.0) < 1e-3
     assert "ppo/sampler_logprob_gap" in steps[0]["m"]
+
+
+def test_lora_in_the_trainer(shared, vmodels, tiny_prompts, tmp_path):
+    """LoRA: the merged policy reaches vLLM after each update (the sampler agrees with the
+    training forward of base + adapters)."""
+    steps = run_steps(trainer_cfg(vmodels, tiny_prompts, tmp_path, "overlap.mode=intra", "lora.r=4",
+                                  "ppo.actor_lr=1e-2"), n=2)
+    assert steps[1]["m"]["ppo/sampler_logprob_gap"] < 1e-4
 
 
 def test_carried_requests_keep_their_versions(shared, vmodels, tiny_prompts, tmp_path):

@@ -98,6 +98,7 @@ def vllm_problems(model_path: str | None = None, device: str = "auto") -> list[s
         return [f"generation.engine=vllm: {', '.join(broken)} cannot be imported beside this torch "
                 f"({torch.__version__}); vLLM's CPU wheel pulls them from PyPI. Remove them: "
                 f"pip uninstall -y torchvision torchaudio torchcodec (`make setup` does)."]
+    _quiet()
     try:
         import vllm  # noqa: F401
     except Exception as e:  # noqa: BLE001
@@ -130,6 +131,12 @@ def vllm_problems(model_path: str | None = None, device: str = "auto") -> list[s
                 f"{model_path} has {head_dim} (hidden_size {config.get('hidden_size')} / {heads} heads). "
                 f"Use a model with a supported head size (on a GPU vLLM supports more), {fix}.")
     return problems
+
+
+def _quiet() -> None:
+    """vLLM logs every INFO line by default, in this process and its workers (which inherit the
+    variable); oppo's progress bar and messages would drown. VLLM_LOGGING_LEVEL set by the user wins."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
 def check_vllm(model_path: str | None = None, device: str = "auto") -> None:
