@@ -316,7 +316,7 @@ def test_learner_conforms_and_round_trips(name, tiny_models):
     try:
         assert isinstance(learner, LearnerProtocol)
         exp = _experience(tiny_models)
-        learner.old_logprobs(exp, 0)
+        exp = learner.old_logprobs(exp, 0)
         T = exp.mask.shape[1]
         scored = Scores([0.5, -0.5, 1.0, 0.0], [ScoredOutputs(logprobs=[-1.0] * T)] * 4,
                         [ScoredOutputs(values=[0.1] * T)] * 4)

@@ -97,8 +97,8 @@ def test_dp_group_trains_like_one_learner_resumes_across_sizes_and_stops_on_a_de
         local_exp, remote_exp = _experience(single, pad, seed=5), _experience(single, pad, seed=5)
         for e in (local_exp, remote_exp):
             e.versions[0] -= 1  # one off-policy row
-        single.old_logprobs(local_exp, 0)
-        group.old_logprobs(remote_exp, 0)
+        local_exp = single.old_logprobs(local_exp, 0)
+        remote_exp = group.old_logprobs(remote_exp, 0)
         torch.testing.assert_close(remote_exp.old_logprobs, local_exp.old_logprobs, atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(remote_exp.is_weights, local_exp.is_weights, atol=1e-6, rtol=1e-5)
 

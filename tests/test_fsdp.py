@@ -104,7 +104,7 @@ def _rank_main(rank: int, world: int, port: int, paths: dict) -> None:
         exp = _experience(single.actor, single.critic, pad, cfg, algo, seed=10)
         exp.versions[3] -= 1
         want = dataclasses.replace(exp)
-        single.old_logprobs(want, 0)
+        want = single.old_logprobs(want, 0)
         rows, new = fsdp_old_logprobs(sharded, exp, 0, rank, world)
         shares: list = [None] * world
         dist.all_gather_object(shares, (rows, new))

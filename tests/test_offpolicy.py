@@ -42,7 +42,7 @@ def _hand_learner(recompute_old: bool) -> Learner:
 
 def test_off_policy_tokens_get_pi_k_and_a_truncated_weight():
     exp = _hand_experience()
-    _hand_learner(recompute_old=False).old_logprobs(exp, version=1)
+    exp = _hand_learner(recompute_old=False).old_logprobs(exp, version=1)
     # row 0 token 0 is off-policy: old := log pi_1 = log .5; weight pi_1/behaviour = .5/.25 = 2 -> truncated 1.5
     # on-policy tokens keep the sampler's log-prob and weight 1
     torch.testing.assert_close(exp.old_logprobs, torch.tensor([[L(0.5), L(0.3)], [L(0.5), 0.0]]))
@@ -54,13 +54,13 @@ def test_untruncated_weight():
     exp = _hand_experience()
     lrn = _hand_learner(recompute_old=False)
     lrn.cfg.is_truncate = None
-    lrn.old_logprobs(exp, version=1)
+    exp = lrn.old_logprobs(exp, version=1)
     assert exp.is_weights[0, 0].item() == pytest.approx(2.0)
 
 
 def test_recompute_old_centres_every_token_on_the_training_forward():
     exp = _hand_experience()
-    _hand_learner(recompute_old=True).old_logprobs(exp, version=1)
+    exp = _hand_learner(recompute_old=True).old_logprobs(exp, version=1)
     # every real token: old := log .5; weights unchanged (only off-policy tokens are reweighted)
     torch.testing.assert_close(exp.old_logprobs, torch.tensor([[L(0.5), L(0.5)], [L(0.5), 0.0]]))
     torch.testing.assert_close(exp.is_weights, torch.tensor([[1.5, 1.0], [1.0, 1.0]]))
@@ -81,7 +81,7 @@ def test_staleness_weights_use_the_untruncated_sampler_distribution():
     exp.old_logprobs = exp.policy_logprobs.clone()  # (as build_experience sets it)
     lrn = _hand_learner(recompute_old=False)
     lrn.cfg.is_truncate = None
-    lrn.old_logprobs(exp, version=1)
+    exp = lrn.old_logprobs(exp, version=1)
     # off-policy token: pi_1 / pi_0 = .5 / .4 = 1.25 (against the truncated .8 it would be .625)
     torch.testing.assert_close(exp.is_weights, torch.tensor([[1.25, 1.0], [1.0, 1.0]]))
     torch.testing.assert_close(exp.old_logprobs, torch.tensor([[L(0.5), L(0.2)], [L(0.5), 0.0]]))
@@ -107,7 +107,7 @@ def test_no_weight_change_means_every_weight_is_1(tiny_models, top_k, top_p, rec
     assert off.sum() >= 4, "the fixture must carry tokens"
     lrn = Learner(model, None, PPOConfig(is_truncate=None, micro_batch_size=2), temperature=0.8, seed=0,
                   recompute_old=recompute_old)
-    lrn.old_logprobs(exp, version=1)
+    exp = lrn.old_logprobs(exp, version=1)
     w = exp.is_weights[exp.mask > 0]
     torch.testing.assert_close(w, torch.ones_like(w), atol=1e-4, rtol=0)
     assert (exp.behaviour_logprobs - exp.policy_logprobs)[off].abs().max() > 1e-3, "truncation must bite"
@@ -147,7 +147,7 @@ def test_nothing_off_policy_changes_nothing():
     exp = _hand_experience()
     exp.versions.fill_(1)
     before = exp.old_logprobs.clone()
-    _hand_learner(recompute_old=False).old_logprobs(exp, version=1)
+    exp = _hand_learner(recompute_old=False).old_logprobs(exp, version=1)
     assert torch.equal(exp.old_logprobs, before) and torch.equal(exp.is_weights, torch.ones_like(before))
 
 

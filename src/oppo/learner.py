@@ -122,28 +122,27 @@ def old_logprob_targets(exp: Experience, version: int, recompute_all: bool) -> t
 
 
 def set_old_logprobs(exp: Experience, rows: torch.Tensor, new: torch.Tensor, redo: torch.Tensor, off: torch.Tensor,
-                     cfg: PPOConfig) -> None:
-    """Set ``exp.old_logprobs`` (``new`` [len(rows), T] where ``redo``), ``exp.is_weights`` and
-    ``exp.stats`` (``Learner.old_logprobs``); wherever ``new`` was computed (one learner, or its
+                     cfg: PPOConfig) -> Experience:
+    """A new record with ``old_logprobs`` (``new`` [len(rows), T] where ``redo``), ``is_weights``
+    and ``stats`` (``Learner.old_logprobs``); wherever ``new`` was computed (one learner, or its
     share by each sharded rank)."""
-    exp.stats = {}
     if rows.numel() == 0:
-        return
+        return dataclasses.replace(exp, stats={})
     mask = exp.mask > 0
     sampler = exp.sampler_logprobs  # [B, T] untruncated
     old = exp.old_logprobs.clone()
     old[rows] = torch.where(redo[rows], new.to(old.device), old[rows])
-    exp.old_logprobs = old
     w = torch.exp(old - sampler)  # [B, T]
     if cfg.is_truncate is not None:
         w = w.clamp(max=cfg.is_truncate)
-    exp.is_weights = torch.where(off, w, torch.ones_like(w))
+    stats = {}
     on = mask & ~off & redo
     if on.any():
         ratio = torch.exp(old - sampler)[on]  # the first minibatch's ratio had we not recomputed
         eps_hi = cfg.clip_eps_high if cfg.clip_eps_high is not None else cfg.clip_eps
-        exp.stats = {"ppo/sampler_ratio_outside_clip": ((ratio < 1 - cfg.clip_eps) | (ratio > 1 + eps_hi))
-                     .float().mean().item()}
+        stats = {"ppo/sampler_ratio_outside_clip": ((ratio < 1 - cfg.clip_eps) | (ratio > 1 + eps_hi))
+                 .float().mean().item()}
+    return dataclasses.replace(exp, old_logprobs=old, is_weights=torch.where(off, w, torch.ones_like(w)), stats=stats)
 
 
 def _micro_slices(exp: "Experience | CriticBatch", rows: torch.Tensor):
@@ -183,8 +182,8 @@ class Learner:
             return head(hidden[:, P - 1:-1]).float()  # [b, T, V] logits predicting each response token
 
     @torch.no_grad()
-    def old_logprobs(self, exp: Experience, version: int) -> None:
-        """Set ``exp.old_logprobs`` (the ratio's centre, pi_k) and ``exp.is_weights``.
+    def old_logprobs(self, exp: Experience, version: int) -> Experience:
+        """A new record with ``old_logprobs`` (the ratio's centre, pi_k) and ``is_weights`` set.
 
         - Off-policy tokens (sampled by a version older than ``version``, or, with
           ``stale_kv=keep``, by new weights over an older KV prefix: ``RolloutEngine``) get
@@ -206,7 +205,7 @@ class Learner:
         """
         redo, off = old_logprob_targets(exp, version, self.recompute_old)
         rows = redo.any(1).nonzero().squeeze(1)
-        set_old_logprobs(exp, rows, self.recompute_logprobs(exp, rows), redo, off, self.cfg)
+        return set_old_logprobs(exp, rows, self.recompute_logprobs(exp, rows), redo, off, self.cfg)
 
     @torch.no_grad()
     def recompute_logprobs(self, exp: Experience, rows: torch.Tensor) -> torch.Tensor:

@@ -237,8 +237,8 @@ class CriticBesideScorer:
                                                                     learner.critic_opt)
         self.recompute_old = learner.recompute_old
 
-    def old_logprobs(self, exp, version: int) -> None:
-        self.inner.old_logprobs(exp, version)
+    def old_logprobs(self, exp, version: int):
+        return self.inner.old_logprobs(exp, version)
 
     def minibatches(self, B: int, step: int):
         return self.inner.minibatches(B, step)

@@ -178,9 +178,7 @@ def texts(run: Run, batch: list[Rollout]) -> list[str]:
 def experience(run: Run, batch: list[Rollout], step: int) -> Experience:
     """The batch as tensors, with the off-policy correction of carried tokens (needs no scores)."""
     with run.tracer.span("learner", "experience", step):
-        exp = build_experience(batch, run.roles.pad_id, run.roles.device)
-        run.roles.learner.old_logprobs(exp, step)
-    return exp
+        return run.roles.learner.old_logprobs(build_experience(batch, run.roles.pad_id, run.roles.device), step)
 
 
 # ====================================================================== stage 3: score

@@ -312,8 +312,7 @@ class LearnerRank:
         return {**stats, "_t0": t0, "_t1": time.perf_counter()}
 
     def old_logprobs(self, exp: Experience, version: int):
-        exp = _to(exp, self.learner.device)
-        self.learner.old_logprobs(exp, version)
+        exp = self.learner.old_logprobs(_to(exp, self.learner.device), version)
         return exp.old_logprobs.cpu(), exp.is_weights.cpu(), exp.stats
 
     def actor_state(self) -> dict[str, torch.Tensor]:
@@ -439,11 +438,12 @@ class DPLearnerGroup:
         unpack_into(target, self._rank0(lambda r: r.actor_weights.remote()), partial=True)
         return time.perf_counter() - t
 
-    def old_logprobs(self, exp: Experience, version: int) -> None:
-        """``Learner.old_logprobs`` on rank 0 (its weights are pi_k): sets ``exp.old_logprobs``,
-        ``exp.is_weights`` and ``exp.stats``."""
+    def old_logprobs(self, exp: Experience, version: int) -> Experience:
+        """``Learner.old_logprobs`` on rank 0 (its weights are pi_k): a new record with
+        ``old_logprobs``, ``is_weights`` and ``stats``."""
         old, w, stats = self._gather([self.ranks[0].old_logprobs.remote(portable(exp), version)], ranks=[0])[0]
-        exp.old_logprobs, exp.is_weights, exp.stats = old.to(exp.mask.device), w.to(exp.mask.device), stats
+        return dataclasses.replace(exp, old_logprobs=old.to(exp.mask.device), is_weights=w.to(exp.mask.device),
+                                   stats=stats)
 
     def nodes(self) -> list[str]:
         """The Ray node id each rank runs on."""

@@ -352,7 +352,7 @@ class FSDPLearnerGroup(DPLearnerGroup):
         self._gather(refs[1:], ranks=list(range(1, len(refs))))
         return refs[0]
 
-    def old_logprobs(self, exp: Experience, version: int) -> None:
+    def old_logprobs(self, exp: Experience, version: int) -> Experience:
         """``Learner.old_logprobs``, each rank computing its share of the rows."""
         import ray
 
@@ -361,7 +361,7 @@ class FSDPLearnerGroup(DPLearnerGroup):
         rows = torch.cat([s[0] for s in shares]).to(exp.mask.device)
         new = torch.cat([s[1] for s in shares]).to(exp.mask.device)
         redo, off = old_logprob_targets(exp, version, self._recompute_old)
-        set_old_logprobs(exp, rows, new, redo, off, self._draw.cfg)
+        return set_old_logprobs(exp, rows, new, redo, off, self._draw.cfg)
 
     def checkpoint_state(self):
         """A writer of every rank's shards (``sharded_checkpoint.ShardedLearnerState``: the

@@ -134,8 +134,8 @@ class Scorer(Protocol):
 class Learner(Protocol):
     """Trains the actor (and the critic, unless the scorer trains it beside its scoring)."""
 
-    def old_logprobs(self, exp, version: int) -> None:
-        """Fill ``exp.old_logprobs`` / ``exp.is_weights`` under the current weights."""
+    def old_logprobs(self, exp, version: int):
+        """A new ``Experience`` with ``old_logprobs`` / ``is_weights`` under the current weights."""
 
     def minibatches(self, B: int, step: int) -> list[torch.Tensor]:
         """The row indices of every optimizer step of one update (seeded per step)."""
