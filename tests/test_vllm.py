@@ -356,7 +356,7 @@ def test_carried_requests_keep_their_versions(shared, vmodels, tiny_prompts, tmp
                 assert all(r.start_version <= v <= k for v in r.versions)
                 mixed += len(set(r.versions)) > 1
         assert mixed > 0, "no sequence spanned a weight load: the test covers nothing"
-        assert m["overlap/lag_max"] <= 1
+        assert m["overlap/seq_lag_max"] <= 1
     finally:
         t.close()
 

@@ -164,7 +164,11 @@ class RolloutEngine:
         return {"generator": self.generator.get_state()}
 
     def load_state_dict(self, state: dict) -> None:
-        gen = state["generator"]
+        """A state from another kind of backend (a vLLM run's: per-request seeds) leaves the
+        generator at its seed: the resume samples validly but not as the uninterrupted run."""
+        gen = state.get("generator")
+        if gen is None:
+            return
         if isinstance(gen, list):  # saved by Ray rollout workers (one state each): rank 0's, as theirs do
             gen = gen[0]
         self.generator.set_state(gen)

@@ -99,7 +99,7 @@ class Trainer:
         import numpy as np
 
         rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
-               "engine": self.roles.rollout.state_dict()["generator"],
+               "rollout": self.roles.rollout.state_dict(),
                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
         return {"optim": self.roles.learner.checkpoint_state(), "rng": rng, "config": to_dict(self.cfg),
                 "tokenizer": self.roles.tokenizer,
@@ -121,7 +121,8 @@ class Trainer:
         import numpy as np
 
         np.random.set_state(rng["numpy"])
-        roles.rollout.load_state_dict({"generator": rng["engine"]})
+        # ("engine": the generator state, as checkpoints before the rollout backends had a state_dict saved it)
+        roles.rollout.load_state_dict(rng["rollout"] if "rollout" in rng else {"generator": rng["engine"]})
         if rng.get("cuda") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
         self.run.scheduler.load_state_dict(st["scheduler"])

@@ -229,7 +229,9 @@ class RayRolloutGroup:
         """A list from a group of the same size restores each worker's; anything else (another
         count, a local engine's single state) restores worker 0's where it can and leaves the
         others at their seeds: the resume is then not bitwise the uninterrupted run."""
-        gen = state["generator"]
+        gen = state.get("generator")
+        if gen is None:  # another kind of backend's state (module docstring of rollout.py's engine)
+            return
         states = gen if isinstance(gen, list) else [gen]
         if len(states) != len(self.workers):
             states = states[:1]
