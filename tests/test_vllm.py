@@ -132,6 +132,9 @@ def test_trainer_refuses_before_loading_models(tiny_models, tiny_prompts, tmp_pa
 def test_logprobs_match_training_forward(engine, vmodels, temperature, top_k, top_p):
     """vLLM's behaviour log-probs (processed: after temperature, top-k, top-p) equal the HF
     training forward's on the same weights, fp32 on CPU, to about 1e-4."""
+    from oppo.roles.protocols import RolloutBackend
+
+    assert isinstance(engine, RolloutBackend)
     model = hf_policy(vmodels["policy"])
     reset(engine, model, temperature=temperature, top_k=top_k, top_p=top_p)
     rows = rollouts(6)

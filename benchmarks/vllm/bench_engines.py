@@ -5,7 +5,8 @@
 Part 1 (``rollout``): tokens/s of each engine alone, B sequences forced to exactly N tokens each
 (``Rollout.target_length``: every engine does the same work), after one warm-up round; the
 median of ``--repeats`` rounds. vLLM twice: its default thread binding (``auto``: its worker
-gets one core, one is left to this process) and both cores for its worker
+gets one core, one is left to this process; eager and static run with --threads, 1 by
+default, so each engine computes on one core) and both cores for its worker
 (``VLLM_CPU_OMP_THREADS_BIND=0-1``).
 
 Part 2 (``steps``): PPO steps through the trainer (``sequential`` and ``oppo``) with the eager and
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+THREADS = 1  # torch threads of this process (--threads)
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
@@ -97,7 +99,7 @@ def bench_rollout(path: Path, B: int, new_tokens: int, repeats: int) -> dict:
     eos = model.generation_config.eos_token_id or 1
     eos = eos if isinstance(eos, int) else eos[0]
     out = {"params_m": sum(p.numel() for p in model.parameters()) / 1e6, "B": B, "new_tokens": new_tokens}
-    torch.set_num_threads(2)
+    torch.set_num_threads(THREADS)
     out["eager"] = rounds(RolloutEngine(model, eos, 0, new_tokens + 1, seed=0), prompts, new_tokens, repeats)
     print("eager", out["eager"]["tokens_per_s"], flush=True)
     static = StaticRolloutEngine(model, eos, 0, new_tokens + 1, seed=0, max_rows=B, max_len=16 + new_tokens + 2)
@@ -118,7 +120,7 @@ def bench_rollout(path: Path, B: int, new_tokens: int, repeats: int) -> dict:
         finally:
             eng.close()
             os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-        torch.set_num_threads(2)
+        torch.set_num_threads(THREADS)
         print(label, out[label]["tokens_per_s"], "startup", startup, flush=True)
     return out
 
@@ -134,7 +136,7 @@ def bench_steps(models: dict, prompts: Path, out_dir: Path, steps: int) -> dict:
             cfg = load_config(None, [
                 f"policy.path={models['policy']}", f"reward.path={models['reward']}", f"data.prompts={prompts}",
                 "ppo.batch_size=16", "ppo.minibatch_size=8", "ppo.micro_batch_size=8",
-                "generation.max_new_tokens=32", f"generation.engine={engine}", f"overlap.mode={mode}",
+                "generation.max_new_tokens=32", f"run.threads={THREADS}", f"generation.engine={engine}", f"overlap.mode={mode}",
                 f"run.out_dir={out_dir / f'{engine}-{mode}'}", "log.progress=false", "run.samples=0"])
             t = Trainer(cfg, progress=False)
             try:
@@ -157,15 +159,24 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--skip-steps", action="store_true")
+    ap.add_argument("--only-steps", action="store_true", help="part 2 only (merged into an existing --out)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads here (2 on the contended 2-core machine made every engine 25-50x slower: "
+                         "OpenMP threads spinning against other jobs)")
     args = ap.parse_args()
+    global THREADS
+    THREADS = args.threads
     from conftest import TINY_PROMPTS, make_models
 
     args.work.mkdir(parents=True, exist_ok=True)
     tiny = make_models(args.work / "tiny", hidden=128)
     results = {"machine": f"{os.cpu_count()} vCPU, CPU only, torch {torch.__version__}", "note":
                "contended: other agents' jobs ran on the same 2 cores during the measurement"}
-    results["rollout/tiny"] = bench_rollout(tiny["policy"], args.B, args.new_tokens, args.repeats)
-    if args.smollm:
+    if args.only_steps and args.out.is_file():
+        results = json.loads(args.out.read_text())
+    if not args.only_steps:
+        results["rollout/tiny"] = bench_rollout(tiny["policy"], args.B, args.new_tokens, args.repeats)
+    if args.smollm and not args.only_steps:
         if args.convert and not (args.smollm / "config.json").is_file():
             convert_smollm(args.smollm)
         results["rollout/smollm2-135m"] = bench_rollout(args.smollm, args.B, args.new_tokens, args.repeats)
