@@ -323,7 +323,7 @@ def test_learner_logprobs(load, arch, dtype):
                         finished=True, ended_with_eos=r[-1] == EOS)
                 for i, (p, r) in enumerate(zip(prompts, responses))]
     exp = build_experience(rollouts, PAD, CPU)
-    Learner(model, model, PPOConfig(), TEMP, seed=0).old_logprobs(exp, version=1)  # every token off-policy
+    exp = Learner(model, model, PPOConfig(), TEMP, seed=0).old_logprobs(exp, version=1)  # every token off-policy
     d2 = _record(arch, "actor", dtype, _cat(row[: len(r)] for row, r in zip(exp.old_logprobs, responses)), want)
     assert max(d1, d2) <= TOL[dtype], (f"{arch} {dtype}: max |oppo - HF| response_outputs {d1:.3g}, "
                                        f"Learner {d2:.3g} > {TOL[dtype]}")
