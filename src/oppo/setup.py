@@ -400,8 +400,8 @@ def build_roles(cfg: Config, progress: bool = True) -> Roles:
     tracer = Tracer(enabled=cfg.log.trace)
     roles = Roles(cfg=cfg, paths=paths, placement=placement, tokenizer=tok, prompt_set=prompt_set,
                   algorithm=algorithm, device=dev, compute_dtype=dtype, max_new_tokens=max_new, pad_id=pad_id,
-                  stop_ids=tuple(stop_ids), policy=policy, critic=critic, reference=reference, rollout_policy=rollout_policy,
-                  scoring_critic=scoring_critic, reward_model=reward_model, reward_fn=reward_fn, judge_fn=judge_fn,
+                  stop_ids=tuple(stop_ids), policy=policy, critic=critic, reference=reference,
+                  rollout_policy=rollout_policy, scoring_critic=scoring_critic, reward_model=reward_model, reward_fn=reward_fn, judge_fn=judge_fn,
                   accuracy_fn=accuracy_fn, rollout=None, scorer=None, learner=learner, sync=WeightSync([]),
                   tracer=tracer)
     if placement.learner == "ray":
