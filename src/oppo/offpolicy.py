@@ -24,8 +24,12 @@ version stale while its sequence's lag is 0, so the two are reported apart.
 from __future__ import annotations
 
 from collections import Counter
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # (learner imports this module)
+    from .learner import Experience
 
 MISMATCH_THRESHOLDS = {"mismatch/logprob_abs_diff": 0.0193, "mismatch/kl": 0.01}
 """Upper bounds peers gate on (issue 22; ``docs/implementation-details.md``): SkyRL's CI checks the
@@ -74,7 +78,7 @@ def weight_stats(is_weights: torch.Tensor, mask: torch.Tensor, off: torch.Tensor
             "overlap/is_weight_ess": ess(is_weights[mask > 0])}
 
 
-def staleness_stats(exp, step: int, seq_lags: list[int]) -> dict[str, float]:
+def staleness_stats(exp: Experience, step: int, seq_lags: list[int]) -> dict[str, float]:
     """What a carrying step reports about the staleness of its batch ``exp`` (an ``Experience``
     after ``Learner.old_logprobs``), trained at ``step``, whose sequences waited ``seq_lags``:
     per-token lag, per-sequence lag, the off-policy token share and the importance weights."""
