@@ -27,7 +27,7 @@ import torch
 from .kv import KVRows, left_pad
 from .types import Chunk, ChunkReady, Event, Rollout, SequenceFinished
 
-__all__ = ["Chunk", "EngineSettings", "KVBudgetError", "Rollout", "RolloutEngine", "build_engine", "sample_tokens"]
+__all__ = ["Chunk", "EngineSettings", "KVBudgetError", "Rollout", "RolloutEngine", "build_engine", "sample_tokens", "take_chunks"]
 
 
 def sample_tokens(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
@@ -254,17 +254,10 @@ class RolloutEngine:
         return logits
 
     def take_chunks(self, chunk_size: int) -> list[Chunk]:
-        """Chunks for the scorers: every row with at least ``chunk_size`` unstreamed tokens, and
-        every row retired since the last call (its final chunk, possibly empty)."""
-        out = []
-        for row in self.finished:
-            out.append(Chunk(row.uid, tuple(row.response_ids[row.emitted:]), True))
-            row.emitted = len(row.response_ids)
+        """Chunks for the scorers (:func:`take_chunks`) of the rows retired since the last call
+        and of the rows decoding."""
+        out = take_chunks(self.finished, self.rows, chunk_size)
         self.finished = []
-        for row in self.rows:
-            if len(row.response_ids) - row.emitted >= chunk_size:
-                out.append(Chunk(row.uid, tuple(row.response_ids[row.emitted:]), False))
-                row.emitted = len(row.response_ids)
         return out
 
     def generate_all(self) -> list[Rollout]:
@@ -274,6 +267,20 @@ class RolloutEngine:
             done.extend(self.step())
         self.finished = []
         return done
+
+
+def take_chunks(finished, active, chunk_size: int) -> list[Chunk]:
+    """Chunks for the streaming scorers: each ``finished`` row's final chunk (possibly empty), and
+    each ``active`` row with at least ``chunk_size`` unstreamed tokens; marks them streamed."""
+    out = []
+    for row in finished:
+        out.append(Chunk(row.uid, tuple(row.response_ids[row.emitted:]), True))
+        row.emitted = len(row.response_ids)
+    for row in active:
+        if len(row.response_ids) - row.emitted >= chunk_size:
+            out.append(Chunk(row.uid, tuple(row.response_ids[row.emitted:]), False))
+            row.emitted = len(row.response_ids)
+    return out
 
 
 @dataclass(frozen=True)

