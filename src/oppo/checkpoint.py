@@ -36,6 +36,7 @@ from .sharded_checkpoint import SHARDED_DIR, ShardedLearnerState
 
 CKPT_DIR = "checkpoints"
 CONFIG_FILE = "config.yaml"
+IN_FLIGHT_FILE = "in_flight.json"
 
 # Settings that may differ between a checkpoint and the run resuming it: how long to run, where
 # and how often to write, what to print, and where the work runs (placement changes neither the
@@ -111,7 +112,7 @@ def save_checkpoint(trainer, run_dir: Path, keep: int = 2) -> Path:
     run_dir = Path(run_dir)
     root = run_dir / CKPT_DIR
     root.mkdir(parents=True, exist_ok=True)
-    state = trainer.state_dict()  # drains the sequences in flight; on Ray, brings the ranks' weights home
+    state = trainer.state_dict()  # with the sequences in flight; on Ray, brings the ranks' weights home
     step = state["state"]["step"]
     for leftover in root.glob(".tmp-step_*"):  # from an interrupted save: never a valid checkpoint
         shutil.rmtree(leftover, ignore_errors=True)
@@ -127,6 +128,8 @@ def save_checkpoint(trainer, run_dir: Path, keep: int = 2) -> Path:
         optim = optim.save(tmp / SHARDED_DIR)
     torch.save(optim, tmp / "optim.pt")
     torch.save(state["rng"], tmp / "rng.pt")
+    if state.get("in_flight"):  # the sequences in flight, with their partial responses (module docstring)
+        (tmp / IN_FLIGHT_FILE).write_text(json.dumps(state["in_flight"]))
     (tmp / CONFIG_FILE).write_text(yaml.safe_dump(state["config"], sort_keys=False))
     (tmp / "state.json").write_text(json.dumps(state["state"], indent=1))  # written last: marks the checkpoint complete
     if final.exists():
@@ -165,5 +168,6 @@ def load_checkpoint(trainer, ckpt: Path) -> None:
     optim = torch.load(ckpt / "optim.pt", weights_only=False)
     if "sharded" in optim:  # a sharded learner's (DCP): every learner reads it from here, whole or resharded
         optim = {"sharded": str(ckpt / optim["sharded"])}
-    trainer.load_state_dict({"state": state, "optim": optim,
+    in_flight = json.loads((ckpt / IN_FLIGHT_FILE).read_text()) if (ckpt / IN_FLIGHT_FILE).is_file() else None
+    trainer.load_state_dict({"state": state, "optim": optim, "in_flight": in_flight,
                              "rng": torch.load(ckpt / "rng.pt", weights_only=False)})

@@ -100,6 +100,10 @@ class RolloutEngine:
     def uids(self) -> list[int]:
         return [r.uid for r in self.rows]
 
+    def in_flight(self) -> list[Rollout]:
+        """The rows decoding (``RolloutBackend.in_flight``): the controller's own Rollouts."""
+        return list(self.rows)
+
     @torch.no_grad()
     def _prefill(self, seqs: list[list[int]]) -> tuple[KVRows, torch.Tensor]:
         kv = KVRows(self.device)

@@ -57,16 +57,17 @@ Data position. Prompts are handed out in the order of a data-stream position, an
 counter that starts at ``start_position``; ``SeqTicket.prompt_index`` is that position and the
 caller maps it to a prompt (e.g. modulo the dataset size, with a per-epoch shuffle).
 
-Checkpoints (the rule). Call ``drain_for_checkpoint()`` between steps (IDLE), abort the
-returned sequences in the engine, then save ``state_dict()``. Draining forgets every
-admitted-but-untrained sequence (running or finished) and puts its prompt position on a
-``requeue`` list; ``begin_step`` (and refill) admit requeued positions first, under new uids
-and the current version, before any new position. Their partial (or even complete)
-generations are discarded and regenerated. Because the live run drains too, the live run and
-a run resumed from the checkpoint take exactly the same path, and neither loses nor repeats a
-prompt. If ``state_dict()`` is taken without draining, ``load_state_dict()`` requeues the
-untrained sequences itself: still nothing lost or trained twice, but the live run keeps their
-partial work while the resumed run regenerates them, so the two runs diverge from there.
+Checkpoints. ``state_dict()`` (IDLE) saves every admitted-but-untrained ticket with its finish
+order. A caller that can save the sequences' partial work too (the trainer, with a rollout backend
+that hands its rows out: ``control.stages.Run.save_in_flight``) restores the tickets as they were
+with ``load_state_dict(state, keep_untrained=True)`` and re-admits the running ones with their
+partial responses: same uids, start versions (so the same lags and due steps) and batch order.
+Otherwise the untrained sequences are requeued: ``drain_for_checkpoint()`` before the save
+forgets every admitted-but-untrained sequence (running or finished) and puts its prompt position
+on a ``requeue`` list, and ``load_state_dict`` without ``keep_untrained`` does the same with the
+tickets it finds; ``begin_step`` (and refill) admit requeued positions first, under new uids and
+the current version, before any new position; their generations are discarded and regenerated.
+Either way no prompt is lost or trained twice (``tests/test_kill_resume.py``).
 
 Groups (``group_size`` G, for GRPO/RLOO). A prompt is answered G times; its G sequences are a
 *group*: admitted together (one data position, one ``start_version``, consecutive uids; the
@@ -658,7 +659,8 @@ class Scheduler:
         return drained
 
     def state_dict(self) -> dict[str, Any]:
-        """JSON-serialisable state (IDLE only). Drain first for an exact resume."""
+        """JSON-serialisable state (IDLE only): the untrained tickets with what is needed to
+        restore them as they are (``load_state_dict(keep_untrained=True)``), or to requeue them."""
         self._require(Phase.IDLE, "state_dict")
         return {
             "format": _STATE_FORMAT,
@@ -667,17 +669,25 @@ class Scheduler:
             "next_uid": self._next_uid,
             "next_position": self._next_position,
             "requeue": list(self._requeue),
-            # Normally empty (drained). Otherwise requeued on load, in admission order.
-            "untrained": [[t.uid, t.prompt_index, t.start_version] for t in self._tickets.values()],
+            # [uid, prompt_index, start_version, group], admission order (empty after a drain)
+            "untrained": [[t.uid, t.prompt_index, t.start_version, t.group] for t in self._tickets.values()],
+            # the finished ones: uid -> finish order; complete groups -> completion order
+            "finished": [[u, order] for u, order in self._pool.items()],
+            "complete": [[g, order] for g, order in self._complete.items()],
+            "finish_counter": self._finish_counter,
             "delta_controller": None if self._controller is None else self._controller.state_dict(),
         }
 
-    def load_state_dict(self, d: dict[str, Any]) -> None:
+    def load_state_dict(self, d: dict[str, Any], keep_untrained: bool = False) -> None:
         """Restore ``state_dict()`` output into a fresh scheduler built with the same settings.
 
         ``start_position`` is taken from the checkpoint. Sequences that were untrained when the
-        state was saved (no drain) are put on the requeue, after the saved requeue, one
-        position per group. A checkpoint without ``group_size`` (older) has group size 1.
+        state was saved (no drain) are restored as they were (running or finished, same uids,
+        start versions and finish order) with ``keep_untrained=True``: the caller then re-admits
+        the running ones with their partial work (``control.stages.Run.restore_in_flight``).
+        Otherwise, or when the state predates finish orders, they are put on the requeue, after
+        the saved requeue, one position per group. A checkpoint without ``group_size`` (older)
+        has group size 1.
         """
         self._require(Phase.IDLE, "load_state_dict")
         if self._tickets or self._step or self._next_uid:
@@ -712,7 +722,30 @@ class Scheduler:
                     f"checkpoint untrained sequences {rows} are not a whole group of {G}; the "
                     "checkpoint is corrupt or was written with another group_size"
                 )
-        self._requeue = [int(p) for p in d["requeue"]] + [int(rows[0][1]) for rows in groups]
+        self._requeue = [int(p) for p in d["requeue"]]
+        if not (keep_untrained and "finished" in d):
+            self._requeue += [int(rows[0][1]) for rows in groups]
+            return
+        finished = {int(u): int(order) for u, order in d["finished"]}
+        complete = {int(g): int(order) for g, order in d["complete"]}
+        for rows in groups:
+            group = int(rows[0][0])
+            members = tuple(int(r[0]) for r in rows)
+            for uid, position, version, *_ in rows:
+                self._tickets[uid] = SeqTicket(uid=int(uid), prompt_index=int(position),
+                                               start_version=int(version), group=group)
+                if uid not in finished:
+                    self._running[uid] = None
+            self._groups[group] = members
+            self._unfinished[group] = sum(u not in finished for u in members)
+            if (self._unfinished[group] == 0) != (group in complete):
+                raise ValueError(f"checkpoint group {group}: its finished members and completion disagree; "
+                                 "the checkpoint is corrupt")
+        if not finished.keys() <= self._tickets.keys():
+            raise ValueError("checkpoint finished sequences are not all untrained; the checkpoint is corrupt")
+        self._pool = dict(sorted(finished.items(), key=lambda kv: kv[1]))
+        self._complete = dict(sorted(complete.items(), key=lambda kv: kv[1]))
+        self._finish_counter = _check_int("finish_counter", d["finish_counter"], 0, "the checkpoint is corrupt")
 
     # ----------------------------------------------------------------- internals
 

@@ -92,24 +92,35 @@ class Trainer:
         return out
 
     def state_dict(self) -> dict:
-        """Everything but the models' weights that a checkpoint saves. Drains the sequences in
-        flight first (their prompts are requeued) and brings trained weights that live elsewhere
-        (Ray learner ranks) into :meth:`models`."""
-        drained = self.run.drain()
+        """Everything but the models' weights that a checkpoint saves, with the sequences in
+        flight (``in_flight``: :meth:`Run.save_in_flight`; drained where the rollout backend cannot
+        hand them out). Brings trained weights that live elsewhere (Ray learner ranks) into
+        :meth:`models`. Then re-admits the saved sequences, as a resume from this state does
+        (:meth:`Run.reload_in_flight`), so that the live run and a resumed one go on alike."""
+        in_flight = self.run.save_in_flight()
+        sched = self.run.scheduler.state_dict()
         import numpy as np
 
         rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
                "rollout": self.roles.rollout.state_dict(),
                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-        return {"optim": self.roles.learner.checkpoint_state(), "rng": rng, "config": to_dict(self.cfg),
-                "tokenizer": self.roles.tokenizer,
-                "state": {"step": self.step, "wallclock": self.wallclock,
-                          "scheduler": self.run.scheduler.state_dict(), "tuner": self.run.tuner.state_dict(),
-                          "drained": drained}}
+        out = {"optim": self.roles.learner.checkpoint_state(), "rng": rng, "config": to_dict(self.cfg),
+               "tokenizer": self.roles.tokenizer, "in_flight": in_flight["sequences"],
+               "state": {"step": self.step, "wallclock": self.wallclock,
+                         "scheduler": sched, "tuner": self.run.tuner.state_dict(),
+                         # how the sequences in flight were checkpointed: "saved" or "drained", and how many
+                         "in_flight": {"how": in_flight["how"], "count": in_flight["count"]},
+                         "drained": in_flight["count"] if in_flight["how"] == "drained" else 0}}
+        if in_flight["how"] == "saved":
+            self.run.reload_in_flight(in_flight, self.step)
+        return out
 
     def load_state_dict(self, state: dict) -> None:
         """Inverse of :meth:`state_dict`, after :meth:`models` hold the checkpoint's weights. A
-        checkpoint of any placement loads into any other."""
+        checkpoint of any placement loads into any other. Saved sequences in flight
+        (``state["in_flight"]``) are re-admitted with their partial responses; where this run's
+        rollout backend cannot take them back, or the checkpoint predates saving them (it drained
+        them), their prompts are requeued."""
         roles, st = self.roles, state["state"]
         if roles.critic is not None:  # the serving copies (bf16, in flight), where there are any
             copy_weights(roles.critic, roles.scoring_critic)
@@ -125,9 +136,18 @@ class Trainer:
         roles.rollout.load_state_dict(rng["rollout"] if "rollout" in rng else {"generator": rng["engine"]})
         if rng.get("cuda") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
-        self.run.scheduler.load_state_dict(st["scheduler"])
+        saved = state.get("in_flight")  # None: a checkpoint that drained (or predates saving)
+        keep = bool(saved) and roles.rollout.in_flight() is not None
+        self.run.scheduler.load_state_dict(st["scheduler"], keep_untrained=keep)
         self.run.tuner.load_state_dict(st["tuner"])
         self.step, self.wallclock = st["step"], st["wallclock"]
+        if keep:
+            sched = self.run.scheduler
+            if ({d["uid"] for d in saved if not d["finished"]} != set(sched.in_flight)
+                    or {d["uid"] for d in saved if d["finished"]} != set(sched.finished_pool)):
+                raise ValueError("the checkpoint's saved sequences in flight do not match its scheduler's "
+                                 "untrained tickets; the checkpoint is corrupt")
+            self.run.restore_in_flight(saved, self.step)
 
     def close(self) -> None:
         self.run.close()

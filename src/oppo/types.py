@@ -12,7 +12,7 @@ The batch the learner consumes is ``learner.Experience``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Union
 
 
@@ -46,6 +46,16 @@ class Rollout:
     def __post_init__(self) -> None:
         if self.group is None:
             self.group = self.uid
+
+    def state_dict(self) -> dict:
+        """Every field, JSON-serialisable (a checkpoint saves the sequences in flight with it)."""
+        return asdict(self)
+
+    @classmethod
+    def from_state_dict(cls, d: dict) -> "Rollout":
+        """Inverse of :meth:`state_dict` (fields this version does not know are ignored)."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: (list(v) if isinstance(v, list) else v) for k, v in d.items() if k in known})
 
 
 @dataclass(frozen=True)

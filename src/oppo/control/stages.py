@@ -18,7 +18,7 @@ from ..learner import Experience, attach_scores, build_experience, compute_advan
 from ..offpolicy import staleness_stats
 from ..scheduler import ChunkSizeTuner, DeltaController, Scheduler
 from ..setup import Roles
-from ..types import ChunkReady, Rollout, Scores, SequenceFinished
+from ..types import Chunk, ChunkReady, Rollout, Scores, SequenceFinished
 
 
 @dataclass(frozen=True)
@@ -79,8 +79,64 @@ class Run:
             self.scheduler.suspend()
             self.next_begun = False
 
+    def save_in_flight(self) -> dict:
+        """What a checkpoint saves of the sequences admitted and not yet trained (carried ones, a
+        finished group member waiting for its siblings, a pipeline run's begun step), between
+        steps. ``{"how": "saved", "sequences": [Rollout.state_dict()...]}``: each one's prompt,
+        tokens so far and every token's version and log-probs, in admission order (the scheduler's
+        tickets are in its own state). Where the rollout backend cannot hand its rows out, they
+        are drained instead (:meth:`drain`): ``{"how": "drained", "count": n, "sequences": []}``."""
+        self.between_steps()
+        if self.roles.rollout.in_flight() is None:  # (also brings a remote backend's rows home)
+            return {"how": "drained", "count": self.drain(), "sequences": []}
+        return {"how": "saved", "count": len(self.rollouts),
+                "sequences": [r.state_dict() for r in self.rollouts.values()]}
+
+    def restore_in_flight(self, sequences: list[dict], step: int) -> None:
+        """Admit saved sequences (:meth:`save_in_flight`) again, their scheduler tickets restored
+        already. The running ones go back into the rollout backend with their partial responses:
+        it prefills prompt + response so far under its current weights (as ``stale_kv=recompute``
+        does, so their next tokens carry the current version) and decodes on where each stopped.
+        Saved tokens keep their versions and behaviour log-probs, so the off-policy correction
+        and the staleness metrics see them as before. Streaming scorers prefill each prompt and
+        get the response so far as the sequence's first chunk (``emitted`` is reset: the engine
+        sends it with its next chunk); a finished one gets it as its final chunk."""
+        rows = [Rollout.from_state_dict(d) for d in sequences]
+        if not rows:
+            return
+        rollout, scorer = self.roles.rollout, self.roles.scorer
+        for r in rows:
+            r.emitted = 0
+            r.scored_version = rollout.version  # the scorers score it afresh, with the weights they hold now
+            self.rollouts[r.uid] = r
+        running = [r for r in rows if not r.finished]
+        with self.tracer.span("actor", "prefill_prompt", step):
+            rollout.admit(running)
+        if self.policy.streams:
+            done = [r for r in rows if r.finished]
+            scorer.admit([r.uid for r in rows], [r.prompt_ids for r in rows], step)
+            scorer.feed([Chunk(r.uid, tuple(r.response_ids), True) for r in done], step)
+            for r in done:
+                r.emitted = len(r.response_ids)
+
+    def reload_in_flight(self, saved: dict, step: int) -> None:
+        """After a checkpoint saved the sequences in flight, the live run continues as a run
+        resumed from it would: every untrained sequence leaves the rollout backend and the
+        scorers and is restored from the saved state (:meth:`restore_in_flight`). Costs one
+        prefill of the carried rows per checkpoint, and makes the live and the resumed run take
+        the same path (``checkpoint.py``)."""
+        uids = set(self.rollouts)
+        if not uids:
+            return
+        self.roles.rollout.abort(uids)
+        self.roles.scorer.forget(uids)
+        self.roles.scorer.barrier()
+        self.rollouts.clear()
+        self.restore_in_flight(saved["sequences"], step)
+
     def drain(self) -> int:
-        """Abort every sequence in flight and requeue its prompt (before a checkpoint); returns how many."""
+        """Abort every sequence in flight and requeue its prompt (before a checkpoint, where the
+        backend cannot hand them out); returns how many."""
         self.between_steps()
         drained = self.scheduler.drain_for_checkpoint()
         if drained:

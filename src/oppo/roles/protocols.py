@@ -51,7 +51,14 @@ class RolloutBackend(Protocol):
         """Sequences admitted and not yet finished or aborted."""
 
     def admit(self, rollouts: list[Rollout]) -> None:
-        """Start sampling these sequences (prompt, plus any response so far)."""
+        """Start sampling these sequences (prompt, plus any response so far: a sequence restored
+        from a checkpoint is prefilled with its partial response and decodes on from there, its
+        earlier tokens, log-probs and versions kept)."""
+
+    def in_flight(self) -> list[Rollout] | None:
+        """The active sequences as they stand (tokens, log-probs and versions so far), in
+        admission order, for a checkpoint to save; None where the backend cannot hand them out
+        (the checkpoint then drains them)."""
 
     def advance(self, chunk_size: int | None) -> list[Event]:
         """Sample at least one token for every active sequence and report what happened, in

@@ -321,6 +321,11 @@ class VLLMRolloutBackend:
     def uids(self) -> list[int]:
         return list(self.rows)
 
+    def in_flight(self) -> list[Rollout]:
+        """The requests decoding (``RolloutBackend.in_flight``). A checkpoint re-adds them with
+        :meth:`admit`: the partial response joins the prompt, as in :meth:`recompute`."""
+        return list(self.rows.values())
+
     def _add(self, r: Rollout) -> None:
         """Add ``r`` as a request whose prompt is its prompt plus its response so far."""
         from vllm import SamplingParams
