@@ -241,7 +241,7 @@ def test_state_dict_without_drain_requeues_on_load():
     s.try_close()
     s.end_step(0.0)
     state = roundtrip(s.state_dict())
-    assert state["untrained"] == [[0, 0, 0]]
+    assert state["untrained"] == [[0, 0, 0, 0]]
     r = Scheduler(batch_size=1, max_lag=1, delta=1)
     r.load_state_dict(state)
     assert r.requeue == (0,) and r.untrained == 0
@@ -292,6 +292,7 @@ class SimConfig:
     checkpoints: frozenset[int]  # checkpoint after end_step of these steps
     drain: bool
     reload: bool
+    keep: bool = False  # reload restores the untrained tickets (their partial work saved) instead of requeueing
 
 
 def make_scheduler(cfg: SimConfig) -> Scheduler:
@@ -434,7 +435,12 @@ def run_sim(cfg: SimConfig) -> SimResult:
                 live.clear()
                 finished.clear()
                 engine.remaining.clear()  # abort the drained rows
-            if cfg.reload:
+            if cfg.reload and cfg.keep:  # a fresh process, the untrained sequences restored as they were
+                state = roundtrip(sched.state_dict())
+                sched = make_scheduler(cfg)
+                sched.load_state_dict(state, keep_untrained=True)
+                assert sched.step == k + 1
+            elif cfg.reload:
                 state = roundtrip(sched.state_dict())
                 pending.extend(live[u].prompt_index for u in sorted(live))  # fresh process
                 live.clear()
@@ -498,6 +504,18 @@ def test_property_no_overlap_is_sequential(cfg):
     B = cfg.batch_size
     for k, (_, positions) in enumerate(res.batches):  # each step trains the next B prompts
         assert sorted(positions) == list(range(start + k * B, start + (k + 1) * B))
+
+
+@settings(max_examples=100, deadline=None)
+@given(sim_configs(), st.data())
+def test_property_kept_resume_equals_no_checkpoint(cfg, data):
+    """Save + load in a new Scheduler with the untrained tickets kept (their partial work restored
+    by the engine, as the fake engine keeps its remaining ticks) takes exactly the path of a run
+    that never checkpointed."""
+    cps = cfg.checkpoints or frozenset({data.draw(st.integers(0, cfg.steps - 1))})
+    plain = run_sim(replace(cfg, checkpoints=frozenset(), drain=False, reload=False))
+    kept = run_sim(replace(cfg, checkpoints=cps, drain=False, reload=True, keep=True))
+    assert kept == plain
 
 
 @settings(max_examples=100, deadline=None)
@@ -754,7 +772,7 @@ def test_group_drain_and_state_dict_requeue_one_position_per_group():
     assert s.try_close().uids == (2, 3)
     s.end_step(0.0)
     state = roundtrip(s.state_dict())  # not drained: group 0 untrained (0 finished, 1 running)
-    assert state["untrained"] == [[0, 100, 0], [1, 100, 0]] and state["config"]["group_size"] == 2
+    assert state["untrained"] == [[0, 100, 0, 0], [1, 100, 0, 0]] and state["config"]["group_size"] == 2
     r = Scheduler(batch_size=2, max_lag=1, delta=1, group_size=2)
     r.load_state_dict(state)
     assert r.requeue == (100,)
@@ -802,6 +820,7 @@ class GroupSimConfig:
     reload: bool
     together: bool  # a group's members all take the same number of ticks
     partial_groups: str = "carry"
+    keep: bool = False  # reload restores the untrained tickets instead of requeueing them
 
     @property
     def batch_size(self) -> int:
@@ -963,7 +982,11 @@ def run_group_sim(cfg: GroupSimConfig) -> list[tuple]:
                 live.clear()
                 finished.clear()
                 engine.remaining.clear()
-            if cfg.reload:
+            if cfg.reload and cfg.keep:
+                state = roundtrip(sched.state_dict())
+                sched = make_group_scheduler(cfg)
+                sched.load_state_dict(state, keep_untrained=True)
+            elif cfg.reload:
                 state = roundtrip(sched.state_dict())
                 pending.extend(ticket[g].prompt_index for g in sorted(live))
                 live.clear()
@@ -1041,6 +1064,15 @@ def test_property_groups_finishing_together_schedule_like_single_sequences(cfg, 
     grouped = run_group_sim(cfg)
     single = run_group_sim(replace(cfg, group_size=1))
     assert grouped == single
+
+
+@settings(max_examples=50, deadline=None)
+@given(group_sim_configs(), st.data())
+def test_property_group_kept_resume_equals_no_checkpoint(cfg, data):
+    cps = cfg.checkpoints or frozenset({data.draw(st.integers(0, cfg.steps - 1))})
+    plain = run_group_sim(replace(cfg, checkpoints=frozenset(), drain=False, reload=False))
+    kept = run_group_sim(replace(cfg, checkpoints=cps, drain=False, reload=True, keep=True))
+    assert kept == plain
 
 
 @settings(max_examples=50, deadline=None)

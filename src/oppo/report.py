@@ -31,7 +31,9 @@ later line is drawn thinner than the one below it.
 
 A run directory holds ``metrics.jsonl`` (see :mod:`oppo.metrics`) and optionally
 ``trace.json`` (:mod:`oppo.trace`) and ``lengths.jsonl``, one line per step:
-``{"step": k, "lengths": [response length in tokens, ...]}``.
+``{"step": k, "lengths": [response length in tokens, ...]}`` (with, per trained sequence, its
+``prompt_index`` (data position), ``uid`` and ``oldest_version``: the oldest policy version among
+its tokens).
 
 Figures are drawn on Agg canvases without pyplot: no display, no global matplotlib state.
 """

@@ -318,8 +318,15 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True) -> Path
                         _print_samples(f"samples at step {step}:", res.texts, res.exp.scores.tolist(),
                                        cfg.run.samples)
                     logger.log(step, metrics)
+                    rows = res.exp.rollouts
+                    # per trained sequence: its data position and uid (a prompt is trained once, across
+                    # resumes too) and the oldest version among its tokens (carried across a checkpoint:
+                    # older than the resume)
                     lengths.write(json.dumps({"step": step, "lengths": res.exp.mask.sum(1).int().tolist(),
-                                              "prompt_index": [r.prompt_index for r in res.exp.rollouts]}) + "\n")
+                                              "prompt_index": [r.prompt_index for r in rows],
+                                              "uid": [r.uid for r in rows],
+                                              "oldest_version": [min(r.versions, default=step) for r in rows]})
+                                  + "\n")
                     lengths.flush()
                     bar.update(step, metrics)
                     if cfg.run.save_every and trainer.step % cfg.run.save_every == 0 and trainer.step < cfg.run.steps:
