@@ -154,6 +154,34 @@ def test_rollout_backend_abort_generate_all_and_versions(make_rollout, tiny_mode
 
 
 @pytest.mark.parametrize("make_rollout", ONE_RAY, indirect=True)
+def test_rollout_backend_hands_out_and_takes_back_partial_rows(make_rollout):
+    """A checkpoint's path: the rows in flight as they stand, then admitted (into another backend)
+    with their partial responses: they decode on from there, their earlier tokens, log-probs and
+    versions kept, the new tokens tagged with the new version, within the token budget."""
+    b = make_rollout(seed=3)
+    b.set_version(2)
+    b.admit(_rows())
+    while b.active and not any(r.response_ids for r in b.in_flight()):
+        b.advance(None)
+    partial = [Rollout.from_state_dict(r.state_dict()) for r in b.in_flight()]
+    assert partial and all(r.response_ids and not r.finished for r in partial), "no partial row to test with"
+    assert [r.uid for r in partial] == sorted(r.uid for r in partial), "in admission order"
+    saved = {r.uid: (list(r.response_ids), list(r.logprobs), list(r.versions)) for r in partial}
+    other = make_rollout(seed=4)
+    other.set_version(5)
+    other.admit(partial)
+    done = other.generate_all()
+    assert sorted(r.uid for r in done) == sorted(saved)
+    for r in done:
+        ids, lps, versions = saved[r.uid]
+        n = len(ids)
+        assert r.response_ids[:n] == ids and r.logprobs[:n] == lps and r.versions[:n] == versions
+        assert set(r.versions[n:]) <= {5} and len(r.response_ids) <= 10
+        assert len(r.logprobs) == len(r.versions) == len(r.response_ids)
+        assert r.finished and (len(r.response_ids) == 10 or r.response_ids[-1] == EOS)
+
+
+@pytest.mark.parametrize("make_rollout", ONE_RAY, indirect=True)
 def test_rollout_backend_state_round_trip(make_rollout):
     """The sampling state restores: the same rows sample the same tokens again."""
     b = make_rollout(seed=7)

@@ -112,10 +112,14 @@ class Run:
         running = [r for r in rows if not r.finished]
         with self.tracer.span("actor", "prefill_prompt", step):
             rollout.admit(running)
-        if self.policy.streams:
-            done = [r for r in rows if r.finished]
-            scorer.admit([r.uid for r in rows], [r.prompt_ids for r in rows], step)
-            scorer.feed([Chunk(r.uid, tuple(r.response_ids), True) for r in done], step)
+        done = [r for r in rows if r.finished]
+        if self.policy.streams and running:
+            scorer.admit([r.uid for r in running], [r.prompt_ids for r in running], step)
+        if self.policy.streams and done:
+            # from here (Ray rollout workers admit their own rows to the scorer actors; these are no worker's)
+            direct = scorer.inner if self.roles.placement.rollout_streams_itself else scorer
+            direct.admit([r.uid for r in done], [r.prompt_ids for r in done], step)
+            direct.feed([Chunk(r.uid, tuple(r.response_ids), True) for r in done], step)
             for r in done:
                 r.emitted = len(r.response_ids)
 

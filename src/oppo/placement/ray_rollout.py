@@ -123,6 +123,9 @@ class RolloutHost:
         unpack_into(self.model, weights, partial=True)
         self.engine.set_version(version)
 
+    def in_flight(self) -> list[Rollout]:
+        return self.engine.in_flight()
+
     def rng_state(self) -> torch.Tensor:
         return self.engine.generator.get_state()
 
@@ -221,6 +224,15 @@ class RayRolloutGroup:
         self._gather([w.load_weights.remote(ref, version) for w in self.workers])
         self.version = version
 
+    def in_flight(self) -> list[Rollout]:
+        """The rows decoding on every worker, their progress copied into the controller's Rollouts
+        (``RolloutBackend.in_flight``), in admission order. ``admit`` takes them back: a worker
+        prefills prompt + response so far and streams the response to the scorers again."""
+        rows = [r for rs in self._gather([w.in_flight.remote() for w in self.workers]) for r in rs]
+        for remote in rows:
+            _copy_progress(remote, self.owned[remote.uid])
+        return sorted((self.owned[r.uid] for r in rows), key=lambda r: r.uid)
+
     def state_dict(self) -> dict:
         """Every worker's generator state (a list, in rank order)."""
         return {"generator": self._gather([w.rng_state.remote() for w in self.workers])}
@@ -248,11 +260,16 @@ class RayRolloutGroup:
         """The controller's Rollout, given the worker's finished copy of it."""
         mine = self.owned.pop(remote.uid)
         del self.rows[remote.uid]
-        for f in ("response_ids", "logprobs", "policy_logprobs", "versions", "finished", "ended_with_eos", "emitted"):
-            setattr(mine, f, getattr(remote, f))
+        _copy_progress(remote, mine)
         return mine
 
     def _gather(self, refs: list, ranks: list[int] | None = None) -> list:
         """``ray.get`` of one call per worker; a failure named by role and rank."""
         ranks = list(range(len(refs))) if ranks is None else ranks
         return [get_named(ref, f"rollout worker (role=rollout, rank={rank})") for rank, ref in zip(ranks, refs)]
+
+
+def _copy_progress(remote: Rollout, mine: Rollout) -> None:
+    """A worker's copy of a row (tokens, log-probs, versions so far) into the controller's."""
+    for f in ("response_ids", "logprobs", "policy_logprobs", "versions", "finished", "ended_with_eos", "emitted"):
+        setattr(mine, f, getattr(remote, f))
