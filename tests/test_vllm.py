@@ -239,6 +239,29 @@ def test_lora_policy_is_sent_merged(vmodels):
     assert any(not torch.equal(sent[k], dict(hf_policy(vmodels["policy"]).named_parameters())[k]) for k in want)
 
 
+def test_partial_requests_are_handed_out_and_taken_back(engine, vmodels):
+    """A checkpoint's path: the requests in flight as they stand, aborted, then re-added with
+    their partial responses after the prompt: they decode on, earlier tokens kept, new ones
+    tagged with the new version, within the token budget."""
+    eng = reset(engine, hf_policy(vmodels["policy"]), stop_ids=())
+    eng.admit(rollouts(4))
+    for _ in range(3):
+        eng.advance(None)
+    partial = [Rollout.from_state_dict(r.state_dict()) for r in eng.in_flight()]
+    assert len(partial) == 4 and all(len(r.response_ids) >= 3 for r in partial)
+    saved = {r.uid: (list(r.response_ids), list(r.logprobs), list(r.versions)) for r in partial}
+    eng.abort(set(saved))
+    eng.set_version(5)
+    eng.admit(partial)
+    done = eng.generate_all()
+    assert sorted(r.uid for r in done) == sorted(saved)
+    for r in done:
+        ids, lps, versions = saved[r.uid]
+        n = len(ids)
+        assert r.response_ids[:n] == ids and r.logprobs[:n] == lps and r.versions[:n] == versions
+        assert len(r.response_ids) == MAX_NEW and set(r.versions[n:]) == {5}
+
+
 def test_abort_and_forced_lengths(engine, vmodels):
     model = hf_policy(vmodels["policy"])
     reset(engine, model, max_new=20)
@@ -365,7 +388,9 @@ def test_carried_requests_keep_their_versions(shared, vmodels, tiny_prompts, tmp
 
 
 def test_resume_equals_uninterrupted(shared, vmodels, tiny_prompts, tmp_path):
-    """A resumed run draws what the uninterrupted one drew (per-request seeds) and trains the same."""
+    """A resumed run draws what the uninterrupted one drew (per-request seeds) and trains the same:
+    the requests in flight at the checkpoint are saved and re-added with their partial responses
+    (seeded by uid and length), in the uninterrupted run as in the resumed one."""
     from oppo.checkpoint import latest_checkpoint
     from oppo.metrics import read_metrics
     from oppo.run import train
@@ -378,6 +403,10 @@ def test_resume_equals_uninterrupted(shared, vmodels, tiny_prompts, tmp_path):
     part = tmp_path / "part"
     train(cfg(part, 2), progress=False)
     assert latest_checkpoint(part).name == "step_000002"
+    import json
+
+    saved = json.loads((latest_checkpoint(part) / "state.json").read_text())["in_flight"]
+    assert saved["how"] == "saved" and saved["count"] > 0, "the checkpoint held no request in flight"
     train(cfg(part, 3), resume="auto", progress=False)
     a, b = read_metrics(full), read_metrics(part)
     assert [m["step"] for m in b] == [0, 1, 2]
