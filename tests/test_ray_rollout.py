@@ -88,3 +88,35 @@ def test_two_rollout_workers_share_the_batch_and_stream_to_the_scorers(ray_local
             assert torch.equal(a, b)
         r.run_step()
         assert r.step == 4
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saves_the_rows_the_workers_decode_and_a_resume_takes_them_back(ray_local, tiny_models,
+                                                                                    tiny_prompts, tmp_path):
+    """oppo mode, one rollout worker: the rows in flight at a checkpoint come home from the worker
+    with their partial responses and are saved; a Trainer resumed from it and the live one (both
+    re-admit them) train the same batches, the carried rows' earlier tokens kept."""
+    cfg = _cfg(tiny_models, tiny_prompts, tmp_path / "r", "overlap.mode=oppo", "overlap.delta=2", "overlap.max_lag=2",
+               "placement.rollout_workers=1", *RAY)
+    with Trainer(cfg, progress=False) as t:
+        for _ in range(6):
+            t.run_step()
+            if any(not r.finished and r.response_ids for r in t.roles.rollout.in_flight()):
+                break
+        partial = {r.uid: list(r.response_ids) for r in t.roles.rollout.in_flight() if r.response_ids}
+        assert partial, "no row in flight with a partial response: the test would prove nothing"
+        ckpt = save_checkpoint(t, tmp_path / "r")
+        with Trainer(cfg, progress=False) as r:
+            load_checkpoint(r, ckpt)
+            assert {u: list(x.response_ids) for u, x in r.run.rollouts.items() if u in partial} == partial
+            carried = 0
+            for _ in range(2):
+                t.run_step()
+                r.run_step()
+                a, b = t.last_result.exp.rollouts, r.last_result.exp.rollouts
+                assert [x.response_ids for x in a] == [x.response_ids for x in b]
+                for x in b:
+                    if x.uid in partial:
+                        carried += 1
+                        assert x.response_ids[:len(partial[x.uid])] == partial[x.uid]
+            assert carried, "no carried row was trained after the resume"
