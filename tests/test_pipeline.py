@@ -9,6 +9,7 @@ older than max_lag + 1 versions, and over a run some tokens were sampled while t
 trained and some sequences span a weight load."""
 
 import copy
+import json
 
 import pytest
 import torch
@@ -108,9 +109,10 @@ def test_pipeline_keep_tags_tokens_with_the_oldest_weights_of_their_row(tiny_mod
     assert staler > 0, "their tokens are staler than their sequences' lag says"
 
 
-def test_pipeline_checkpoint_between_steps_requeues_the_begun_step_and_resumes(tiny_models, tiny_prompts, tmp_path):
+def test_pipeline_checkpoint_between_steps_saves_the_begun_step_and_resumes(tiny_models, tiny_prompts, tmp_path):
     """A checkpoint after a step whose successor was already begun (prompts admitted while the
-    learner trained) drains them like carried sequences: every prompt position is trained once."""
+    learner trained) saves them with the carried sequences, partial responses included; the resume
+    takes them back: every prompt position is trained once."""
     cfg = _cfg(tiny_models, tiny_prompts, tmp_path, "run.steps=4")
     t = Trainer(cfg, progress=False)
     positions = []
@@ -119,13 +121,20 @@ def test_pipeline_checkpoint_between_steps_requeues_the_begun_step_and_resumes(t
             t.run_step()
             positions += [r.prompt_index for r in t.last_result.exp.rollouts]
         assert t.run.next_begun, "step 2 was begun while step 1's update trained"
+        begun = {u for u, r in t.run.rollouts.items() if r.start_version == 2}
         ckpt = save_checkpoint(t, tmp_path / "out")
         assert not t.run.next_begun
+        saved = {d["uid"]: d for d in json.loads((ckpt / "in_flight.json").read_text())}
+        assert begun and begun <= set(saved), "the begun step's sequences are saved"
+        assert {u: r.response_ids for u, r in t.run.rollouts.items()} == \
+            {u: d["response_ids"] for u, d in saved.items()}
     finally:
         t.close()
     r = Trainer(cfg, progress=False)
     try:
         load_checkpoint(r, ckpt)
+        assert {u: x.response_ids for u, x in r.run.rollouts.items()} == \
+            {u: d["response_ids"] for u, d in saved.items()}, "taken back with their partial responses"
         while r.step < 4:
             r.run_step()
             positions += [x.prompt_index for x in r.last_result.exp.rollouts]

@@ -11,8 +11,8 @@
   cache (``stale_kv=keep``: their later tokens count as the older version) or have it
   recomputed. A token is at most ``max_lag + 1`` versions old when trained. Not bitwise
   reproducible: how far decoding gets during an update depends on timing. No next step starts
-  before a checkpoint (``run.save_every``) or after the run's last step: a checkpoint would
-  drop it.
+  after the run's last step. A checkpoint after a step whose successor was begun saves that
+  step's sequences in flight with the carried ones (``Run.save_in_flight``).
 
 With Delta = 0 and max_lag = 0 every mode trains exactly the batches of ``sequential``.
 """
@@ -68,8 +68,7 @@ def _decode_while_training(run: s.Run, step: int, chunk: int | None, update) -> 
     """Pipeline: admit the next step's sequences (sampled by this step's weights) and decode them
     until the update is done."""
     nxt, decoded, rollout = step + 1, 0, run.roles.rollout
-    save_every = run.cfg.run.save_every
-    if nxt < run.cfg.run.steps and not (save_every and nxt % save_every == 0):
+    if nxt < run.cfg.run.steps:
         s.admit(run, run.scheduler.begin_step().seqs, step)
         run.next_begun = True
         t_span = time.perf_counter()
