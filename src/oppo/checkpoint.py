@@ -16,10 +16,35 @@ Each checkpoint also holds the run's settings (``config.yaml``), so that ``--res
 before any model loads, that the run being resumed is configured as the one that was saved
 (:func:`settings_mismatches`).
 
-Sequences in flight at a checkpoint (inter-step overlap) are drained: their prompts are
-requeued and regenerated first after the save (see ``Scheduler.drain_for_checkpoint``), so a
-resumed run loses no prompt and trains none twice. Sequential and intra runs have nothing in
-flight between steps, and their resumed steps equal an uninterrupted run's (tested).
+Sequences in flight at a checkpoint (inter-step overlap: carried ones, finished group members
+waiting for their siblings, a pipeline run's begun step) are saved with it, in ``in_flight.json``:
+each one's prompt, tokens so far, every token's version, behaviour and untruncated log-probs
+(``Rollout.state_dict``); their scheduler tickets (uid, data position, group, start version, finish
+order) are in the scheduler's state. On resume they are admitted again with their partial
+responses (``control.stages.Run.restore_in_flight``): the rollout engine re-prefills prompt +
+response so far under the loaded weights (as ``overlap.stale_kv=recompute`` does) and decodes on
+where each stopped; streaming scorers prefill the prompt and get the response so far as its first
+chunk (a finished one: as its final chunk). Saved tokens keep their versions and log-probs, so the
+off-policy correction and the staleness metrics stay those of the sampling run. ``state.json``'s
+``in_flight`` records ``{"how": "saved" | "drained", "count": n}``: a rollout backend that cannot
+hand its rows out (``RolloutBackend.in_flight`` gives None) has them drained instead, their prompts
+requeued and regenerated first after the save (``Scheduler.drain_for_checkpoint``); so has a resume
+into such a backend. Checkpoints written before sequences were saved (drained, no
+``in_flight.json``) load as they did. Either way a resumed run loses no prompt and trains none
+twice (``tests/test_kill_resume.py`` kills ``oppo train`` with SIGKILL to check it).
+
+What a resume repeats. Sequential and intra runs have nothing in flight between steps: their
+resumed steps equal an uninterrupted run's (tested). In inter and oppo the live run, after
+writing a checkpoint, re-admits its untrained sequences from the saved state exactly as a resumed
+run does (``Run.reload_in_flight``), so the resumed run trains the uninterrupted run's batches step
+for step: same tokens, versions and log-probs (the engine's generator state is saved; vLLM seeds
+each request by uid and length), scores equal up to floating-point rounding (tested, also with
+vLLM and with a Ray rollout worker). Against a run that never checkpoints, a checkpoint changes
+the carried rows' KV (rebuilt under the current weights, so their next tokens carry the current
+version; with ``stale_kv=recompute`` that happened at the update anyway and the two runs train the
+same batches, tested) and the critic values of their prefixes (rescored by the current critic:
+what ``stale_values=recompute``, the default, does at the close anyway). Pipeline runs are not
+reproducible in any case (how far decoding gets during an update depends on timing).
 """
 
 from __future__ import annotations
