@@ -109,18 +109,27 @@ def test_save_load_restores_carried_sequences(tiny_models, tiny_prompts, tmp_pat
 
 def test_fallback_drain_and_old_checkpoints_load(tiny_models, tiny_prompts, tmp_path):
     """A rollout backend that cannot hand its rows out has them drained: their prompts requeued,
-    recorded as such; a checkpoint in the format before sequences were saved loads the same way."""
+    recorded as such; one that cannot take saved rows back requeues them on load; a checkpoint in
+    the format before sequences were saved loads the same way."""
     cfg = load_config(None, _settings(tiny_models, tiny_prompts, tmp_path / "run", steps=10))
     t = Trainer(cfg, progress=False)
     try:
         _carried(t)
         n = len(t.run.rollouts)
         positions = sorted({r.prompt_index for r in t.run.rollouts.values()})
+        saved = save_checkpoint(t, tmp_path / "saved")
         t.roles.rollout.in_flight = lambda: None  # (a backend that cannot save its rows)
         ckpt = save_checkpoint(t, tmp_path / "run")
         assert not t.run.rollouts and t.roles.rollout.active == 0
     finally:
         t.close()
+    r = Trainer(cfg, progress=False)
+    try:
+        r.roles.rollout.in_flight = lambda: None  # (nor take them back)
+        load_checkpoint(r, saved)
+        assert sorted(r.run.scheduler.requeue) == positions and not r.run.rollouts and not r.roles.rollout.active
+    finally:
+        r.close()
     state = json.loads((ckpt / "state.json").read_text())
     assert state["in_flight"] == {"how": "drained", "count": n} and state["drained"] == n
     assert not (ckpt / "in_flight.json").exists() and sorted(state["scheduler"]["requeue"]) == positions
