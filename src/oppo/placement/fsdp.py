@@ -55,11 +55,26 @@ _ZERO_WEIGHT = float("inf")  # a micro-step's loss denominators for weight 0: ev
 
 # ====================================================================== sharding a model
 
-def shard_model(model: torch.nn.Module, mesh=None) -> None:
+def mixed_precision(compute_dtype: torch.dtype):
+    """FSDP2's mixed precision for a learner computing in ``compute_dtype``: bf16 all-gathers and
+    compute over the fp32 shards (the masters, and AdamW's state), gradients reduce-scattered in
+    fp32 (module docstring); None in fp32 (nothing to cast)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from ..weights import LOW_PRECISION
+
+    if compute_dtype not in LOW_PRECISION:
+        return None
+    return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+
+
+def shard_model(model: torch.nn.Module, mesh=None, mp_policy=None) -> None:
     """Wrap ``model`` in place with FSDP2: each transformer layer (the model's ``_no_split_modules``),
     the output head (with the embedding it is tied to, if any), then the backbone (embedding and
-    final norm). Gradients are SUMMED over the ranks (module docstring)."""
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    final norm). Gradients are SUMMED over the ranks (module docstring). A LoRA (peft) model is
+    sharded whole, frozen base and adapters alike, each layer's in one group. ``mp_policy``:
+    :func:`mixed_precision`'s, or None."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     from ..models import backbone_and_head
 
@@ -71,12 +86,13 @@ def shard_model(model: torch.nn.Module, mesh=None) -> None:
     if not layers:
         raise ValueError(f"{type(base).__name__} names no transformer layer class (_no_split_modules); "
                          f"placement.learner_sharding=fsdp2 cannot shard it")
+    mp = mp_policy or MixedPrecisionPolicy()
     for layer in layers:
-        fully_shard(layer, mesh=mesh)
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
     shared = {id(p) for p in head.parameters()}
     tied = [m for m in backbone.modules() if any(id(p) in shared for p in m.parameters(recurse=False))]
-    fully_shard([head, *tied] if tied else head, mesh=mesh)
-    fully_shard(backbone, mesh=mesh)
+    fully_shard([head, *tied] if tied else head, mesh=mesh, mp_policy=mp)
+    fully_shard(backbone, mesh=mesh, mp_policy=mp)
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
@@ -104,7 +120,7 @@ def build_sharded(spec: LearnerSpec, mesh=None) -> Learner:
         with torch.no_grad():
             for t in list(model.parameters()) + list(model.buffers()):
                 dist.broadcast(t.data, src=0)
-        shard_model(model, mesh)
+        shard_model(model, mesh, mixed_precision(spec.compute_dtype))
 
     return spec.build(prepare=prepare)
 
