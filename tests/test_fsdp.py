@@ -15,6 +15,7 @@ One spawn (2 processes) runs every case; each rank also runs the single learner 
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import socket
 
@@ -262,7 +263,6 @@ def test_fsdp2_ranks_train_like_one_learner_and_resume_across_rank_counts(fsdp_m
     (["placement.backend=ray", "placement.learner_sharding=fsdp2", "placement.learner_workers=3",
       "ppo.batch_size=8", "ppo.minibatch_size=4", "ppo.micro_batch_size=2"],
      r"learner_workers=3 sharded ranks, but a minibatch has only 2 micro-batches"),
-    (["placement.backend=ray", "placement.learner_sharding=fsdp2", "lora.r=4"], "LoRA"),
 ])
 def test_fsdp2_bad_settings_are_refused_before_any_model_loads(overrides, expected):
     from oppo.config import ConfigError, load_config
@@ -271,13 +271,24 @@ def test_fsdp2_bad_settings_are_refused_before_any_model_loads(overrides, expect
         load_config(None, overrides)  # validation: the models are loaded only later, by setup.build_roles
 
 
+def test_fsdp2_takes_lora_checkpointing_bf16_critic_free_and_every_overlap_mode():
+    from oppo.config import MODES, load_config
+
+    for mode in MODES:
+        load_config(None, ["placement.backend=ray", "placement.learner_sharding=fsdp2", "placement.learner_workers=2",
+                           "ppo.micro_batch_size=8", "lora.r=4", "policy.gradient_checkpointing=true",
+                           "policy.dtype=bfloat16", "algo.name=rloo", f"overlap.mode={mode}"])
+
+
 @pytest.mark.slow
 @pytest.mark.ray
 def test_trainer_with_fsdp2_on_ray_matches_sequential_and_its_sharded_checkpoint_resumes_locally(
         ray_local, tiny_models, tiny_prompts, tmp_path):
     """placement.learner_sharding=fsdp2 with 2 Ray ranks: the Trainer builds the sharded group, trains the
     local sequential run's steps, writes a DCP checkpoint (atomically, with the HF export), and a
-    local Trainer resumes from it and trains the next step as the uninterrupted run."""
+    local Trainer resumes from it and trains the next step as the uninterrupted run. Then the same in
+    ``overlap.mode=oppo`` with Delta = 0 (the overlapped loop, chunks streamed to the Ray scorer):
+    the sequential run's steps again (DESIGN.md section 3's invariant)."""
     pytest.importorskip("ray")
     from oppo.checkpoint import load_checkpoint, save_checkpoint
     from oppo.config import load_config
@@ -319,3 +330,52 @@ def test_trainer_with_fsdp2_on_ray_matches_sequential_and_its_sharded_checkpoint
         local.close()
     for k in ("reward/mean", "loss/value", "kl/mean", "loss/policy"):
         assert y[k] == pytest.approx(want[steps][k], abs=1e-4, rel=1e-3), k
+    t = Trainer(cfg(tmp_path / "o", "placement.backend=ray", "placement.learner_sharding=fsdp2",
+                    "placement.learner_workers=2", "placement.learner_cpus=0.5", "placement.scorer_cpus=0.5",
+                    "overlap.mode=oppo", "overlap.delta=0", "overlap.chunk_size=4"), progress=False)
+    try:
+        got = [t.run_step() for _ in range(steps)]
+    finally:
+        t.close()
+    for x, y in zip(want, got):
+        for k in ("reward/mean", "loss/value", "kl/mean", "loss/policy", "grad_norm/actor"):
+            assert y[k] == pytest.approx(x[k], abs=1e-4, rel=1e-3), f"oppo: {k}"
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_fsdp2_on_ray_trains_lora_with_checkpointing_critic_free_in_pipeline_mode(ray_local, tiny_models,
+                                                                                   tiny_prompts, tmp_path):
+    """overlap.mode=pipeline with 2 sharded Ray ranks, LoRA adapters, gradient checkpointing and RLOO
+    (no critic anywhere): two steps train while the engine goes on decoding (PipelineRL); rank 0's
+    adapters reach the rollout model at each step's end; no token is older than max_lag + 1
+    versions; each rank holds about half of the trained state."""
+    from oppo.config import load_config
+    from oppo.trainer import Trainer
+
+    t = Trainer(load_config(None, [
+        f"policy.path={tiny_models['policy']}", f"reward.path={tiny_models['reward']}", f"data.prompts={tiny_prompts}",
+        "run.threads=1", "ppo.batch_size=4", "ppo.minibatch_size=4", "ppo.micro_batch_size=2",
+        "generation.max_new_tokens=24", "overlap.chunk_size=4", f"run.out_dir={tmp_path}", "log.progress=false",
+        "overlap.mode=pipeline", "overlap.delta=1", "overlap.refill=true", "overlap.max_lag=1", "run.steps=3",
+        "algo.name=rloo", "algo.group_size=2", "lora.r=4", "lora.alpha=8", "policy.gradient_checkpointing=true",
+        "placement.backend=ray", "placement.learner_sharding=fsdp2", "placement.learner_workers=2",
+        "placement.learner_cpus=0.5", "placement.scorer_cpus=0.5"]), progress=False)
+    try:
+        assert type(t.roles.learner).__name__ == "FSDPLearnerGroup" and t.roles.critic is None
+        inflight = 0
+        for step in range(2):
+            m = t.run_step()
+            assert math.isfinite(m["loss/policy"]) and m["grad_norm/actor"] > 0 and m["time/weight_sync"] > 0
+            inflight += m["pipeline/inflight_tokens"]
+            for r in t.last_result.exp.rollouts:
+                assert all(step - 2 <= v <= step for v in r.versions), (step, r.versions)
+        rank0 = t.roles.learner.actor_state()
+        adapters = {n: p for n, p in t.roles.rollout_policy.named_parameters() if "lora_" in n}
+        assert adapters and all(torch.equal(p, rank0[n]) for n, p in adapters.items()), "rank 0's adapters, synced"
+        assert any(p.abs().max() > 0 for n, p in adapters.items() if "lora_B" in n), "the adapters trained"
+        mem = t.roles.learner.memory()
+    finally:
+        t.close()
+    assert inflight > 0, "decoding went on while the learner trained"
+    assert abs(mem[0]["params"] - mem[1]["params"]) <= 0.1 * mem[0]["params"], "each rank holds half"

@@ -273,7 +273,10 @@ class PlacementConfig:
     learner_sharding: str = opt("replicate", "Ray: how the learner ranks split the trained state. replicate: each "
                                              "rank holds all of actor, critic and AdamW (data parallel). fsdp2: "
                                              "each holds 1/placement.learner_workers of the parameters, gradients "
-                                             "and AdamW state (torch FSDP2, fully_shard); the same update.",
+                                             "and AdamW state (torch FSDP2, fully_shard); the same update. With "
+                                             "LoRA the frozen base and the adapters are sharded alike; under "
+                                             "bfloat16 the ranks compute in bf16 over fp32 masters (FSDP2 mixed "
+                                             "precision, gradients reduced in fp32).",
                                 ("replicate", "fsdp2"))
     learner_cpus: float = opt(1.0, "Ray: CPUs per learner rank.")
     learner_gpus: float = opt(0.0, "Ray: GPUs per learner rank.")
@@ -636,8 +639,6 @@ def validate(cfg: Config) -> None:
                f"placement.learner_workers={pl.learner_workers} sharded ranks, but a minibatch has only {micro} "
                f"micro-batches (ppo.minibatch_size={p.minibatch_size} / ppo.micro_batch_size={p.micro_batch_size}): "
                f"some ranks would only pad. Use at most {micro} ranks, or a smaller ppo.micro_batch_size.")
-        _check(cfg.lora.r == 0, "placement.learner_sharding=fsdp2 with LoRA is not supported yet; set lora.r=0 or "
-                                "placement.learner_sharding=replicate.")
     _check(pl.rollout_workers >= 0, f"placement.rollout_workers must be >= 0, got {pl.rollout_workers}.")
     if pl.rollout_workers:
         _check(pl.backend == "ray", "placement.rollout_workers needs placement.backend=ray (or set it to 0).")
