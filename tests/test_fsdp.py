@@ -59,15 +59,16 @@ CASES = [  # every loss aggregation; KL in the loss; critic-free; LoRA; gradient
          dict(loss_agg="seq_mean_token_mean", minibatch_size=8, epochs=1), ("ppo", {})),
     Case("seq_mean_token_sum, grpo (critic-free, KL in the loss), tied embeddings",
          dict(loss_agg="seq_mean_token_sum"), ("grpo", dict(group_size=2)), tied=True),
-    Case("LoRA and gradient checkpointing (actor and critic), ppo",
-         dict(loss_agg="token_mean"), ("ppo", {}), lora=True, checkpointing=True,
+    Case("LoRA and gradient checkpointing (actor and critic), ppo, 3 micro-batches on 2 ranks (a pad)",
+         dict(loss_agg="token_mean", minibatch_size=8, epochs=1), ("ppo", {}), lora=True, checkpointing=True,
          checkpoints=True),
     Case("rloo (critic-free), gradient checkpointing, tied embeddings",
          dict(loss_agg="token_mean"), ("rloo", dict(group_size=2)), tied=True, checkpointing=True),
     Case("reinforce++ (critic-free), LoRA", dict(loss_agg="token_mean"), ("reinforce_pp", {}), lora=True),
     Case("bf16 compute over fp32 masters, ppo", dict(loss_agg="token_mean"), ("ppo", {}), dtype=torch.bfloat16),
-    Case("bf16, LoRA (bf16 frozen base, fp32 adapters), grpo", dict(loss_agg="token_mean"),
-         ("grpo", dict(group_size=2)), lora=True, dtype=torch.bfloat16),
+    Case("bf16, LoRA (bf16 frozen base, fp32 adapters), grpo, 3 micro-batches on 2 ranks (a pad)",
+         dict(loss_agg="token_mean", minibatch_size=8, epochs=1), ("grpo", dict(group_size=2)), lora=True,
+         dtype=torch.bfloat16),
 ]
 # bf16: FSDP2 mixed precision (bf16 parameters per module) against one learner's autocast (bf16 per
 # op over fp32 weights) round differently. Bounds, and what the bf16 cases below measured (torch
