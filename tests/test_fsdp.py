@@ -350,18 +350,23 @@ def test_fsdp2_on_ray_trains_lora_with_checkpointing_critic_free_in_pipeline_mod
     """overlap.mode=pipeline with 2 sharded Ray ranks, LoRA adapters, gradient checkpointing and RLOO
     (no critic anywhere): two steps train while the engine goes on decoding (PipelineRL); rank 0's
     adapters reach the rollout model at each step's end; no token is older than max_lag + 1
-    versions; each rank holds about half of the trained state."""
+    versions; each rank holds about half of the trained state. Its sharded checkpoint resumes in a
+    local LoRA learner with rank 0's adapters."""
+    from oppo.checkpoint import load_checkpoint, save_checkpoint
     from oppo.config import load_config
     from oppo.trainer import Trainer
 
-    t = Trainer(load_config(None, [
-        f"policy.path={tiny_models['policy']}", f"reward.path={tiny_models['reward']}", f"data.prompts={tiny_prompts}",
-        "run.threads=1", "ppo.batch_size=4", "ppo.minibatch_size=4", "ppo.micro_batch_size=2",
-        "generation.max_new_tokens=24", "overlap.chunk_size=4", f"run.out_dir={tmp_path}", "log.progress=false",
-        "overlap.mode=pipeline", "overlap.delta=1", "overlap.refill=true", "overlap.max_lag=1", "run.steps=3",
-        "algo.name=rloo", "algo.group_size=2", "lora.r=4", "lora.alpha=8", "policy.gradient_checkpointing=true",
-        "placement.backend=ray", "placement.learner_sharding=fsdp2", "placement.learner_workers=2",
-        "placement.learner_cpus=0.5", "placement.scorer_cpus=0.5"]), progress=False)
+    def cfg(*extra):
+        return load_config(None, [
+            f"policy.path={tiny_models['policy']}", f"reward.path={tiny_models['reward']}",
+            f"data.prompts={tiny_prompts}", "run.threads=1", "ppo.batch_size=4", "ppo.minibatch_size=4",
+            "ppo.micro_batch_size=2", "generation.max_new_tokens=24", "overlap.chunk_size=4", f"run.out_dir={tmp_path}",
+            "log.progress=false", "run.steps=2", "algo.name=rloo", "algo.group_size=2", "lora.r=4", "lora.alpha=8",
+            "policy.gradient_checkpointing=true", *extra])
+
+    pipeline = ("overlap.mode=pipeline", "overlap.delta=1", "overlap.refill=true", "overlap.max_lag=1")
+    t = Trainer(cfg(*pipeline, "placement.backend=ray", "placement.learner_sharding=fsdp2", "placement.learner_workers=2",
+                    "placement.learner_cpus=0.5", "placement.scorer_cpus=0.5"), progress=False)
     try:
         assert type(t.roles.learner).__name__ == "FSDPLearnerGroup" and t.roles.critic is None
         inflight = 0
@@ -376,7 +381,15 @@ def test_fsdp2_on_ray_trains_lora_with_checkpointing_critic_free_in_pipeline_mod
         assert adapters and all(torch.equal(p, rank0[n]) for n, p in adapters.items()), "rank 0's adapters, synced"
         assert any(p.abs().max() > 0 for n, p in adapters.items() if "lora_B" in n), "the adapters trained"
         mem = t.roles.learner.memory()
+        ckpt = save_checkpoint(t, tmp_path)  # (run.steps=2: no third step was begun)
     finally:
         t.close()
     assert inflight > 0, "decoding went on while the learner trained"
     assert abs(mem[0]["params"] - mem[1]["params"]) <= 0.1 * mem[0]["params"], "each rank holds half"
+    local = Trainer(cfg(*pipeline), progress=False)  # (a checkpoint resumes under its scheduler's settings)
+    try:
+        load_checkpoint(local, ckpt)
+        mine = dict(local.roles.policy.named_parameters())
+        assert all(torch.equal(mine[n], rank0[n]) for n in adapters), "the checkpoint's adapters are rank 0's"
+    finally:
+        local.close()
