@@ -36,7 +36,6 @@ BASE = PPOConfig(batch_size=8, minibatch_size=4, micro_batch_size=3, epochs=2, a
                  weight_decay=0.01, entropy_coef=0.01, max_grad_norm=0.05)  # clipping active (norms ~0.3-1)
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Case:
     """One learner setting the sharded ranks must train as one learner does."""
@@ -124,7 +123,6 @@ def _compare(got: dict, want: dict, before: dict, bf16: bool = False) -> None:
             assert got[part].keys() == want[part].keys()
             err = sum(((got[part][k] - want[part][k]).float() ** 2).sum() for k in want[part]) ** 0.5
             size = sum(((want[part][k] - before[part][k]).float() ** 2).sum() for k in want[part]) ** 0.5
-            print(f"bf16 {part}: update differs by {float(err / size):.4f} of its size")
             assert err <= BF16_UPDATE_RTOL * size, f"{part}: update differs by {float(err / size):.4f} of its size"
             continue
         _close(got[part], want[part], part, 1e-5)
@@ -187,7 +185,8 @@ def _rank_main(rank: int, world: int, port: int, paths: dict) -> None:
         assert len(seen["layer"]) == (2 if case.checkpointing else 1) * len(seen["head"]) > 0, case.name
         # bf16: the layers compute in bf16 (FSDP2's MixedPrecisionPolicy casts their parameters and inputs)
         assert set(seen["layer"]) == {case.dtype}, case.name
-        got = {"actor": full_model_state(sharded.actor), "actor_opt": full_optim_state(sharded.actor, sharded.actor_opt)}
+        got = {"actor": full_model_state(sharded.actor),
+               "actor_opt": full_optim_state(sharded.actor, sharded.actor_opt)}
         if sharded.critic is not None:
             got.update(critic=full_model_state(sharded.critic),
                        critic_opt=full_optim_state(sharded.critic, sharded.critic_opt))
@@ -365,8 +364,9 @@ def test_fsdp2_on_ray_trains_lora_with_checkpointing_critic_free_in_pipeline_mod
             "policy.gradient_checkpointing=true", *extra])
 
     pipeline = ("overlap.mode=pipeline", "overlap.delta=1", "overlap.refill=true", "overlap.max_lag=1")
-    t = Trainer(cfg(*pipeline, "placement.backend=ray", "placement.learner_sharding=fsdp2", "placement.learner_workers=2",
-                    "placement.learner_cpus=0.5", "placement.scorer_cpus=0.5"), progress=False)
+    t = Trainer(cfg(*pipeline, "placement.backend=ray", "placement.learner_sharding=fsdp2",
+                    "placement.learner_workers=2", "placement.learner_cpus=0.5", "placement.scorer_cpus=0.5"),
+                progress=False)
     try:
         assert type(t.roles.learner).__name__ == "FSDPLearnerGroup" and t.roles.critic is None
         inflight = 0
