@@ -52,11 +52,11 @@ What else the ranks train with, each tested against one learner (``tests/test_fs
   all-gathered in bf16 (half the bytes of an fp32 gather) and computes in bf16, and gradients are
   reduce-scattered and accumulated in fp32. The Learner's bf16 autocast stays on around it
   (matmuls are bf16 either way; the ops autocast keeps in fp32 still are, and the loss math is
-  fp32 as in one learner). One
-  learner autocasts op by op over fp32 weights instead, so the two round differently (e.g. a
-  norm's weight multiplies in fp32 there, in bf16 here): the update agrees with one learner's
-  within 5% of its size (measured 2%), not 1e-5. Pure bf16 masters (AdamW stepping bf16 weights)
-  are not offered anywhere in oppo: they lose most small updates (``weights.py``).
+  fp32 as in one learner). One learner autocasts op by op over fp32 weights instead, so the two
+  round differently (e.g. a norm's weight multiplies in fp32 there, in bf16 here): the update
+  agrees with one learner's within 5% of its size (measured 2%), not 1e-5. Pure bf16 masters
+  (AdamW stepping bf16 weights) are not offered anywhere in oppo: they lose most small updates
+  (``weights.py``).
 - **The critic-free algorithms** (GRPO, RLOO, REINFORCE++): no critic is built, sharded or synced;
   the actor's loss (with the KL term when it goes in the loss) is the Learner's. Equal within 1e-5.
 - **Every overlap mode**: the controller calls the group as it calls one learner (old log-probs,
