@@ -145,6 +145,7 @@ class StepResult:
     carried: int
     device_busy: dict[str, float]
     worker_busy: dict[str, float]
+    full: float = 0.0  # when B sequences were first finished (before the close: waiting for due ones)
 
     @property
     def time(self) -> float:
@@ -298,6 +299,7 @@ class _Sim:
         for r in self.rows.values():
             r.prior = r.done  # tokens sampled by older policy versions, if trained at this step
         self.log_start = len(self.stage_log)
+        self.full_at: float | None = None
         queues: list[list[tuple[float, int, int, int, bool]]] = [[] for _ in self.scorers]
         if not self.next_begun:
             self._admit(k, self.sched.begin_step().seqs, t0, queues, first=True)
@@ -329,7 +331,8 @@ class _Sim:
         self.clock = end
         dev_busy, work_busy = self._busy(t0, end)
         return StepResult(k, t0, end, close_t, lengths, list(close.lags), off_tokens, sum(lengths),
-                          sum(1 for r in self.rows.values() if not r.finished), dev_busy, work_busy)
+                          sum(1 for r in self.rows.values() if not r.finished), dev_busy, work_busy,
+                          self.full_at if self.full_at is not None else close_t)
 
     def _admit(self, k: int, tickets, t: float, queues, first: bool = False) -> list[_Row]:
         """Stage 1: new rows go to the least-loaded actor device, which prefills their prompts at
@@ -406,6 +409,7 @@ class _Sim:
                 now = max(d.free for d in self.actors)
                 if deadline is not None:
                     return now
+                self.full_at = now if self.full_at is None else self.full_at
                 close = self.sched.try_close()
                 if close is None:
                     raise RuntimeError("internal error: the step cannot close but nothing is decoding")
@@ -424,6 +428,8 @@ class _Sim:
                         events.append((float(ends[left - 1]), i, r.uid))
             events.sort()
             pool = sum(1 for r in self.rows.values() if r.finished)  # finished, untrained (carried)
+            if deadline is None and pool >= self.wl.batch and self.full_at is None:
+                self.full_at = max(d.free for d in self.actors)
             j = 0
             rebuilt = False
             while j < len(events):
@@ -435,6 +441,8 @@ class _Sim:
                         admitted.extend(adm.seqs)
                     pool += 1
                     j += 1
+                if deadline is None and pool >= self.wl.batch and self.full_at is None:
+                    self.full_at = t
                 close = None
                 # try_close cannot succeed before B are finished (it costs O(B) per call at scale)
                 if deadline is None and pool >= self.wl.batch:
