@@ -255,3 +255,32 @@ def test_lognormal_lengths_replay_the_bench_sampler_for_group_members():
     bench = _synthetic_sampler(1.0, 128, 3)
     mine = LogNormalLengths(128 // 12, 1.0, 128, seed=3)
     assert [mine(i, m) for i in range(50) for m in range(4)] == [bench(i, m) for i in range(50) for m in range(4)]
+
+
+@pytest.mark.skipif(not (BENCH / "tail").is_dir(), reason="needs the committed benchmarks/latest tail sweep")
+def test_inter_breakdown_accounts_for_the_whole_difference():
+    from oppo.plan.calibrate import load_tail_sweep
+    from oppo.plan.inter import breakdown
+
+    runs = load_tail_sweep(BENCH)
+    seq = next(r for r in runs if r.sigma == 1.5 and r.mode == "sequential")
+    inter = next(r for r in runs if r.sigma == 1.5 and r.mode == "inter")
+    bd = breakdown(seq, inter)
+    assert sum(bd["parts"].values()) == pytest.approx(bd["step_difference"])
+    s, i = bd["sequential"], bd["inter"]
+    # the sequential loop decodes until its batch's longest response; it never waits for due rows
+    assert s["decode_steps"] == pytest.approx(s["batch_max_length"]) and s["due_wait_steps"] == 0
+    # inter keeps B + Delta in flight and closes on B finished: fewer decode steps, more rows in each
+    assert i["decode_steps"] < s["decode_steps"] and i["rows_per_decode_step"] > s["rows_per_decode_step"]
+    assert 0 < i["due_wait_steps"] < i["decode_steps"]
+
+
+def test_gpu_like_decode_keeps_the_step_cost_at_b_and_prices_extra_rows_low():
+    from oppo.plan.inter import gpu_like
+
+    c = LinearCosts({"decode.calls": 2e-3, "decode.rows": 1e-4, "decode.attn": 0.0, "train.actor.tokens": 1e-4})
+    g = gpu_like(c, 32, rows_share=0.02, other_scale=0.5)
+    at_b = 2e-3 + 32 * 1e-4  # 5.2 ms for 32 rows on the CPU costs
+    assert g.decode_steps(np.array([32]), np.array([0]))[0] == pytest.approx(at_b)
+    assert g.decode_steps(np.array([33]), np.array([0]))[0] == pytest.approx(at_b * (1 + 0.02 / 32))
+    assert g.coef["train.actor.tokens"] == pytest.approx(0.5e-4)

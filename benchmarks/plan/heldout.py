@@ -165,6 +165,10 @@ def _machine() -> str:
     return f"{machine()}; load average {load:.1f} when the run ended"
 
 
+class RunFailed(RuntimeError):
+    pass
+
+
 def ensure_run(spec: Spec, rep: int, steps: int, cache: Path, say) -> Path:
     """The run's directory, measured now unless a finished one is cached."""
     d = cache / f"{spec.name}-r{rep}"
@@ -175,8 +179,13 @@ def ensure_run(spec: Spec, rep: int, steps: int, cache: Path, say) -> Path:
     say(f"  run {d.name} ({steps} steps)")
     t0 = time.time()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    subprocess.run([sys.executable, str(Path(__file__).resolve()), "--run-one", json.dumps(asdict(spec)),
-                    "--steps", str(steps), "--run-dir", str(tmp)], check=True, env=env)
+    tmp.mkdir(parents=True)
+    with open(tmp / "log.txt", "w") as log:  # the child's output, kept with the run (and when it fails)
+        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--run-one", json.dumps(asdict(spec)),
+                               "--steps", str(steps), "--run-dir", str(tmp)], env=env, stdout=log,
+                              stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        raise RunFailed(f"{d.name} failed (exit {proc.returncode}); its output: {tmp / 'log.txt'}")
     tmp.rename(d)
     say(f"  run {d.name} done in {time.time() - t0:.0f} s")
     return d
@@ -269,7 +278,7 @@ def main(argv: list[str]) -> int:
 
     # 3. MEASURE
     only = {x.strip() for x in a.only.split(",") if x.strip()}
-    rows = []
+    rows, failed = [], []
     for s in all_specs:
         reps = 1 if s.role == "fit" else repeats
         dirs = []
@@ -277,7 +286,11 @@ def main(argv: list[str]) -> int:
             d = cache / f"{s.name}-r{r}"
             if only and s.name not in only and not (d / "meta.json").is_file():
                 continue
-            dirs.append(ensure_run(s, r, steps, cache, say))
+            try:
+                dirs.append(ensure_run(s, r, steps, cache, say))
+            except RunFailed as e:  # reported, not fatal: the other runs still count
+                say(f"  {e}")
+                failed.append(str(e))
         if not dirs:
             continue
         per_rep = [_timed(d) for d in dirs]
@@ -312,7 +325,8 @@ def main(argv: list[str]) -> int:
     result = {"command": "python benchmarks/plan/heldout.py " + " ".join(argv), "quick": a.quick,
               "timed_steps_per_run": timed, "repeats": repeats, "fit_runs": [str(d) for d in fit_dirs],
               "costs": {g: c.to_dict() for g, c in costs.items()}, "overhead_s": overhead,
-              "predictions_made_at": predictions["made_at"], "rows": rows, "seconds": time.time() - started}
+              "predictions_made_at": predictions["made_at"], "rows": rows, "failed": failed,
+              "seconds": time.time() - started}
     out.parent.mkdir(parents=True, exist_ok=True)
     Path(f"{out}.json").write_text(json.dumps(result, indent=1))
     Path(f"{out}.md").write_text(to_markdown(result))
@@ -361,6 +375,8 @@ def to_markdown(res: dict) -> str:
                   + (f"; of the speed ratio {statistics.median(rat):.0%} (max {max(rat):.0%})" if rat else "")
                   + (f"; median run-to-run spread {statistics.median(spreads):.0%} (max {max(spreads):.0%})"
                      if spreads else "") + "."]
+    if res.get("failed"):
+        lines += ["", "Runs that failed (not in the table): " + "; ".join(res["failed"]) + "."]
     lines += ["", "Not modelled: the Ray placement is simulated as the local split placement (Ray's per-call "
                   "overhead and its learner rank are not in the model); pipeline's update is simulated on a device "
                   "of its own, while on a 2-core CPU the learner thread shares the cores with decoding.", ""]

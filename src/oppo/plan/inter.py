@@ -153,9 +153,11 @@ def gpu_like(costs: LinearCosts, batch: int, rows_share: float = 0.02, other_sca
                           f"other stages x{other_scale:g}")
 
 
-def regime(profile: CpuProfile, sigmas=(0.5, 1.0, 1.5, 2.0), batch: int = 32, delta: int = 8, max_lag: int = 1,
-           steps: int = 40, cap: int = 128, median: float = 10.0) -> list[dict]:
-    """Inter's speedup over sequential (mean step time) per tail sigma under three cost regimes."""
+def regime(profile: CpuProfile, sigmas=(0.5, 0.75, 1.0, 1.5, 2.0), batch: int = 32, delta: int = 8,
+           max_lag: int = 1, steps: int = 40, cap: int = 128, median: float = 10.0) -> list[dict]:
+    """Inter's speedup over sequential (mean step time) per tail sigma under three cost regimes
+    (log-normal lengths of ``median`` capped at ``cap``: the tail sweep's, and at sigma 0.75 the
+    representative workload's shape as ``oppo bench --quick`` scales it)."""
     base = profile.costs["together"]
     regimes = [("CPU, fitted costs", base),
                ("GPU-like decode (batch size nearly free)", gpu_like(base, batch)),
