@@ -284,3 +284,13 @@ def test_gpu_like_decode_keeps_the_step_cost_at_b_and_prices_extra_rows_low():
     assert g.decode_steps(np.array([32]), np.array([0]))[0] == pytest.approx(at_b)
     assert g.decode_steps(np.array([33]), np.array([0]))[0] == pytest.approx(at_b * (1 + 0.02 / 32))
     assert g.coef["train.actor.tokens"] == pytest.approx(0.5e-4)
+
+
+def test_read_lengths_gives_group_members_their_place(tmp_path):
+    from oppo.plan.calibrate import read_lengths
+
+    p = tmp_path / "lengths.jsonl"
+    # oppo train's format (no member field): a group's members are adjacent entries of one prompt
+    p.write_text('{"step": 0, "lengths": [3, 5, 7, 2], "prompt_index": [4, 4, 9, 9]}\n'
+                 '{"step": 1, "lengths": [6], "prompt_index": [1], "member": [0]}\n')
+    assert read_lengths(p) == {(4, 0): 3, (4, 1): 5, (9, 0): 7, (9, 1): 2, (1, 0): 6}

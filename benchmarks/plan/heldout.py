@@ -307,7 +307,8 @@ def main(argv: list[str]) -> int:
                      "predicted_lengths": predictions["runs"][s.name]["lengths"],
                      "replayed_s": statistics.mean(replayed),
                      "measured_s": statistics.median(pooled), "repeat_medians_s": [statistics.median(x) for x in per_rep],
-                     "timed_steps": [len(x) for x in per_rep], "machine": meta["machine"]})
+                     "timed_steps": [len(x) for x in per_rep], "machine": meta["machine"],
+                     "measured_at": min(json.loads((d / "meta.json").read_text())["finished_at"] for d in dirs)})
     # 4. REPORT
     for r in rows:
         reps = r["repeat_medians_s"]
@@ -350,7 +351,9 @@ def to_markdown(res: dict) -> str:
              f"(predictions made {res['predictions_made_at']}). {res['timed_steps_per_run']} timed steps per run after "
              f"one warm-up step; held-out runs measured {res['repeats']} time(s), each in its own process. "
              f"Untraced controller time per step, fitted on the fit runs: "
-             + ", ".join(f"{g} {v * 1e3:.0f} ms" for g, v in res["overhead_s"].items()) + ".", "",
+             + ", ".join(f"{g} {v * 1e3:.0f} ms" for g, v in res["overhead_s"].items()) + ". Fitted costs: "
+             + "; ".join(f"{g}: " + ", ".join(f"{k}={v:.3g}" for k, v in c["coef"].items() if v)
+                         for g, c in res["costs"].items()) + ".", "",
              "Columns: *predicted* from the settings (natural lengths drawn from the fit runs' lengths; forced "
              "lengths exactly); *measured* the median of the pooled timed steps of the repeats, then each repeat's "
              "median and their spread ((max - min) / mean); *error* = predicted / measured - 1; *given lengths*: the "
@@ -375,6 +378,10 @@ def to_markdown(res: dict) -> str:
                   + (f"; of the speed ratio {statistics.median(rat):.0%} (max {max(rat):.0%})" if rat else "")
                   + (f"; median run-to-run spread {statistics.median(spreads):.0%} (max {max(spreads):.0%})"
                      if spreads else "") + "."]
+    late = [r["name"] for r in held if r["measured_at"] < res["predictions_made_at"]]
+    if late:  # (the timestamps are UTC strings of one format: they sort as times)
+        lines += ["", f"**Not blind:** the predictions were (re)made after {len(late)} held-out run(s) had been measured "
+                      f"({', '.join(late)}): their spec or the planner changed after the measurement."]
     if res.get("failed"):
         lines += ["", "Runs that failed (not in the table): " + "; ".join(res["failed"]) + "."]
     lines += ["", "Not modelled: the Ray placement is simulated as the local split placement (Ray's per-call "

@@ -40,6 +40,60 @@ def _machine_of(path: Path) -> str:
     return "unknown"
 
 
+def findings(out: dict) -> list[str]:
+    """The summary at the top of inter.md, from the figures below it."""
+    lines = ["## Findings", ""]
+    for p in out["pairs"]:
+        s, i = p["sequential"], p["inter"]
+        lines.append(
+            f"- {p['label']}: inter {p['speedup']:.2f}x. Decoding is {s['decode'] / s['step']:.0%} of the sequential "
+            f"step (training {s['train'] / s['step']:.0%}, scoring {s['score'] / s['step']:.0%}), so even free "
+            f"decoding would give at most {1 / (1 - s['decode'] / s['step']):.2f}x. Inter runs "
+            f"{1 - i['decode_steps'] / s['decode_steps']:.0%} fewer decode steps, but "
+            f"{i['due_wait_steps'] / max(1e-9, i['decode_steps']):.0%} of its decode steps wait for a carried sequence "
+            f"that max_lag 1 makes due, each decode step costs {i['s_per_decode_step'] / s['s_per_decode_step'] - 1:+.0%} "
+            f"({i['rows_per_decode_step']:.0f} rows instead of {s['rows_per_decode_step']:.0f}), and the old "
+            f"log-probs of carried rows add {(i['experience'] - s['experience']) * 1e3:.0f} ms per step.")
+    rows = out["regime"]["rows"]
+    names = [k for k in rows[0] if k != "sigma"]
+    rng = lambda n, k: (min(r[n][k] for r in rows), max(r[n][k] for r in rows))  # noqa: E731
+    lines += ["",
+              f"- The planner, same workload: with the CPU's fitted costs inter alone gives "
+              f"{rng(names[0], 'inter')[0]:.2f}-{rng(names[0], 'inter')[1]:.2f}x over sigma 0.5-2; with a GPU-like "
+              f"decode (an extra row nearly free) {rng(names[1], 'inter')[0]:.2f}-{rng(names[1], 'inter')[1]:.2f}x; "
+              f"with decoding also the dominant stage {rng(names[2], 'inter')[0]:.2f}-{rng(names[2], 'inter')[1]:.2f}x, "
+              f"and {rng(names[2], 'inter_lag2')[0]:.2f}-{rng(names[2], 'inter_lag2')[1]:.2f}x when a carried sequence "
+              "may wait two steps (max_lag 2, Delta 16). The paper's 1.6-2.06x for inter alone is reached only "
+              "there: long-tailed lengths, decoding most of the step, a batch size that costs nearly nothing per "
+              "extra row, and carried sequences not forced due at the very next step.",
+              "- What is fixable in oppo and what is not: the CPU regime (decoding a third of the step, a decode "
+              "step's cost growing with its rows) is the machine's; the due waits are the max_lag 1 default "
+              "(a setting, measured here at 2 in the planner only); the off-policy recompute of carried rows is "
+              "the price of correct importance weights and is small (tens of ms)."]
+    return lines
+
+
+def readme_snippet(out: dict) -> list[str]:
+    """A table for the README's speed section: measured inter on the CPU, and the planner's regimes."""
+    rows = out["regime"]["rows"]
+    names = [k for k in rows[0] if k != "sigma"]
+    measured = {round(float(p["label"].split("sigma ")[1].split(" ")[0]), 2): p["speedup"]
+                for p in out["pairs"] if "tail sweep, sigma" in p["label"]}
+    lines = ["## For the README's speed section", "",
+             "Inter-step overlap alone (B = 32, Delta 8; lengths log-normal, median 10, capped at 128). Measured: "
+             "`benchmarks/latest` tail sweep, 2 vCPUs, 3 timed steps (indicative). Planned: the simulator with the "
+             "costs fitted on that sweep (so the CPU column is in-sample), then a GPU-like decode, then decoding "
+             "dominant (see above).", "",
+             "| tail sigma | measured, CPU | planned, CPU | planned, GPU-like decode | planned, GPU-like decode and "
+             "decoding dominant | same, max_lag 2 and Delta 16 |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        m = measured.get(round(r["sigma"], 2))
+        lines.append(f"| {r['sigma']:g} | {f'{m:.2f}x' if m else '-'} | {r[names[0]]['inter']:.2f}x | "
+                     f"{r[names[1]]['inter']:.2f}x | {r[names[2]]['inter']:.2f}x | {r[names[2]]['inter_lag2']:.2f}x |")
+    lines.append("")
+    return lines
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pair", nargs=2, action="append", default=[], metavar=("SEQ_RUN", "INTER_RUN"),
@@ -104,6 +158,8 @@ def main(argv: list[str]) -> int:
            "| sigma | inter speedup | decode share of the sequential step |", "|---|---|---|"]
     md += [f"| {r['sigma']:g} | {r['inter']:.2f}x | {r['decode_share']:.0%} |" for r in proj]
     md.append("")
+    md += readme_snippet(out)
+    md[2:2] = findings(out) + [""]
     out["seconds"] = time.time() - started
     Path(f"{a.out}.json").write_text(json.dumps(out, indent=1, default=str))
     Path(f"{a.out}.md").write_text("\n".join(md))

@@ -18,7 +18,18 @@ instead of a clock:
   scorer role over the batch;
 - **training**: the actor's PPO update on the actor devices and the critic's on the scorer
   devices beside it (``overlap.critic_on_worker``), after it, or nowhere (a value head on the
-  actor); micro-batches padded as the learner pads them.
+  actor); micro-batches padded as the learner pads them; then the **weight sync** (``sync``);
+- **pipeline** (in-flight updates, ``overlapped.py``): once the batch is scored the update runs on
+  learner devices of its own (oppo's learner thread; PipelineRL's trainer GPUs), assumed not to
+  slow decoding, while the actor admits the next step's prompts (sampled by the old weights)
+  and decodes until the update is done, stopping at the first decode-step boundary after it;
+  the weights load there, and the next step starts with those rows part-decoded. Step time =
+  what is left of decoding + close + max(update, that step's in-flight decoding) + sync;
+- **groups** (``group_size`` G > 1, GRPO/RLOO): each member draws its own length; the
+  scheduler closes on B / G complete groups and carries partly finished ones whole (or waits for
+  them, ``partial_groups="wait"``); Delta counts groups;
+- **refill** (``refill``): a finish admits a replacement at once (prefilled at that moment,
+  streamed to the scorers as a queued message); the decode timeline is rebuilt from there.
 
 A :class:`Placement` says which devices do what. Data parallelism: the actor devices split the
 rows (each decodes its own rows in lock-step), forwards and updates split the batch evenly.
@@ -26,6 +37,10 @@ rows (each decodes its own rows in lock-step), forwards and updates split the ba
 Output per step: step time, each device's and each worker's busy seconds, the spans (the same
 ``oppo.trace.Span`` records the runtime writes, so a simulated step can be opened in Perfetto),
 and the trained batch's lengths and lags.
+
+Not modelled: contention between workers sharing cores (on a 2-core CPU the pipeline's learner
+thread and the decoding thread share them), a Ray placement's per-call overhead (it is simulated
+as the local placement with the same devices), memory limits, checkpoint drains.
 """
 
 from __future__ import annotations
