@@ -272,7 +272,8 @@ def main(argv: list[str]) -> int:
             wl, needs_critic = workload_of(s, steps, mnt, fit_lengths)
             res = profile.simulate(s.mode, wl, steps, warmup=1, needs_critic=needs_critic)
             predictions["runs"][s.name] = {"spec": asdict(s), "step_s": res.step_time_median,
-                                           "lengths": wl.lengths.describe()}
+                                           "lengths": wl.lengths.describe(),
+                                           "made_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     pred_path.write_text(json.dumps(predictions, indent=1))
     say(f"predictions written to {pred_path}")
 
@@ -305,6 +306,7 @@ def main(argv: list[str]) -> int:
         rows.append({"name": s.name, "workload": s.workload, "mode": s.mode, "role": s.role, "note": s.note,
                      "predicted_s": predictions["runs"][s.name]["step_s"],
                      "predicted_lengths": predictions["runs"][s.name]["lengths"],
+                     "predicted_at": predictions["runs"][s.name].get("made_at", predictions["made_at"]),
                      "replayed_s": statistics.mean(replayed),
                      "measured_s": statistics.median(pooled), "repeat_medians_s": [statistics.median(x) for x in per_rep],
                      "timed_steps": [len(x) for x in per_rep], "machine": meta["machine"],
@@ -378,7 +380,7 @@ def to_markdown(res: dict) -> str:
                   + (f"; of the speed ratio {statistics.median(rat):.0%} (max {max(rat):.0%})" if rat else "")
                   + (f"; median run-to-run spread {statistics.median(spreads):.0%} (max {max(spreads):.0%})"
                      if spreads else "") + "."]
-    late = [r["name"] for r in held if r["measured_at"] < res["predictions_made_at"]]
+    late = [r["name"] for r in held if r["measured_at"] < r["predicted_at"]]
     if late:  # (the timestamps are UTC strings of one format: they sort as times)
         lines += ["", f"**Not blind:** the predictions were (re)made after {len(late)} held-out run(s) had been measured "
                       f"({', '.join(late)}): their spec or the planner changed after the measurement."]
