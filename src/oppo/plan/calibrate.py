@@ -41,8 +41,9 @@ from .costs import LinearCosts, Work, nnls
 from .lengths import LogNormalLengths, TableLengths
 from .sim import MODES, STREAMING, Placement, Workload, simulate
 
-__all__ = ["MeasuredRun", "load_run", "load_run_dir", "read_lengths", "fit_overhead", "load_tail_sweep", "replay_workload", "fit", "cpu_placement", "CpuProfile",
-           "Comparison", "validate", "check_bench", "validation", "BUILTIN_LENGTHS"]
+__all__ = ["MeasuredRun", "load_run", "load_run_dir", "read_lengths", "fit_overhead", "load_tail_sweep",
+           "replay_workload", "fit", "cpu_placement", "CpuProfile", "Comparison", "validate", "check_bench",
+           "validation", "BUILTIN_LENGTHS"]
 
 
 @dataclass
