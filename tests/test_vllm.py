@@ -148,6 +148,37 @@ def test_logprobs_match_training_forward(engine, vmodels, temperature, top_k, to
         assert 1 not in r.response_ids[:-1], "stops at its first EOS"
         ref = hf_logprobs(model, r, temperature, top_k, top_p)
         torch.testing.assert_close(torch.tensor(r.logprobs), ref, atol=2e-4, rtol=0)
+        # the untruncated ones (temperature only): what the staleness weights divide by
+        torch.testing.assert_close(torch.tensor(r.policy_logprobs), hf_logprobs(model, r, temperature), atol=2e-4,
+                                   rtol=0)
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 0.8), (6, 1.0)])
+def test_no_weight_change_means_every_weight_is_1(engine, vmodels, top_k, top_p):
+    """Issue 22 item 1 with vLLM: tokens carried across a version bump with no weight change
+    weigh 1 whatever the truncation, because vLLM's untruncated log-probs (policy_logprobs)
+    are what the weights divide by; against the truncated behaviour ones they weighed the kept
+    mass (tests/test_offpolicy.py has the eager engine's case)."""
+    from oppo.config import PPOConfig
+    from oppo.learner import Learner, build_experience
+
+    model = hf_policy(vmodels["policy"])
+    reset(engine, model, temperature=0.8, top_k=top_k, top_p=top_p, stop_ids=())
+    rows = rollouts(4)
+    engine.admit(rows)
+    for _ in range(4):
+        engine.advance(None)
+    engine.set_version(1)  # "new" weights: the same ones
+    engine.generate_all()
+    exp = build_experience(rows, 0, torch.device("cpu"))
+    off = (exp.versions < 1) & (exp.mask > 0)
+    assert int(off.sum()) == 48, "every token is off-policy (the later ones over a KV prefix of version 0)"
+    lrn = Learner(model, None, PPOConfig(is_truncate=None, micro_batch_size=2), temperature=0.8, seed=0,
+                  recompute_old=True)
+    exp = lrn.old_logprobs(exp, version=1)
+    w = exp.is_weights[exp.mask > 0]
+    torch.testing.assert_close(w, torch.ones_like(w), atol=1e-3, rtol=0)
+    assert (exp.behaviour_logprobs - exp.policy_logprobs)[off].abs().min() > 1e-3, "truncation must bite"
 
 
 def test_samples_do_not_depend_on_batch_or_chunking(engine, vmodels):
