@@ -417,6 +417,51 @@ def test_resume_equals_uninterrupted(shared, vmodels, tiny_prompts, tmp_path):
             assert x[k] == pytest.approx(y[k], rel=1e-4, abs=1e-5), (x["step"], k)
 
 
+@pytest.mark.ray
+def test_ray_rollout_worker_hosts_vllm(ray_local, vmodels, tiny_prompts, tmp_path):
+    """placement.rollout_workers=1 with vLLM, oppo mode: the worker's vLLM engine (built in the
+    actor, its model in a process it spawns) streams to the scorer actors, its rows come back
+    with their versions, and each update's weights reach it: the tokens tagged with version k
+    have the log-probs of pi_k (rank 0's weights when step k starts), not those of the initial
+    policy."""
+    import copy
+
+    from oppo.trainer import Trainer
+
+    cfg = trainer_cfg(vmodels, tiny_prompts, tmp_path, "overlap.mode=oppo", "overlap.delta=2", "overlap.max_lag=1",
+                      "generation.top_p=0.9", "ppo.actor_lr=1e-2", "placement.backend=ray",
+                      "placement.rollout_workers=1", "placement.learner_cpus=0.25", "placement.scorer_cpus=0.25",
+                      "placement.rollout_cpus=0.25")
+    initial = hf_policy(vmodels["policy"])
+    pi_k = copy.deepcopy(initial)
+    with Trainer(cfg, progress=False) as t:
+        group = t.roles.rollout
+        assert type(group).__name__ == "RayRolloutGroup" and t.roles.placement.rollout_streams_itself
+        carried = 0
+        for k in range(3):
+            t.roles.learner.sync_actor(pi_k)  # the weights step k samples with
+            m = t.run_step()
+            exp = t.last_result.exp
+            assert len(exp.rollouts) == 4 and torch.isfinite(torch.tensor(m["loss/policy"]))
+            fresh = []  # (untruncated log-prob from the worker, pi_k's, the initial policy's) of version-k tokens
+            for r in exp.rollouts:
+                assert r.versions == sorted(r.versions) and all(max(0, k - 2) <= v <= k for v in r.versions)
+                assert len(r.policy_logprobs) == len(r.logprobs) == len(r.response_ids)
+                carried += r.start_version < k
+                idx = [i for i, v in enumerate(r.versions) if v == k]
+                if idx:
+                    want, before = hf_logprobs(pi_k, r, 1.0), hf_logprobs(initial, r, 1.0)
+                    fresh += [(r.policy_logprobs[i], float(want[i]), float(before[i])) for i in idx]
+            got, want, before = torch.tensor(fresh).T
+            torch.testing.assert_close(got, want, atol=2e-4, rtol=0)  # sampled by pi_k: the weights arrived
+            if k >= 1:
+                assert (got - before).abs().mean() > 0.02, "pi_k differs from the initial policy"
+        assert carried > 0, "no sequence was carried across a step close: the test covers less than it says"
+        assert "rollout0" in {sp.worker for sp in t.tracer.spans}
+        assert group.state_dict() == {"workers": [{"seed": 0}]}
+        assert m["time/weight_sync"] > 0
+
+
 def test_real_build_path(vmodels, tiny_prompts, tmp_path):
     """The trainer builds its own engine (build_vllm_backend, not the shared one), reports the
     mismatch, closes it; and the process keeps its torch thread count."""

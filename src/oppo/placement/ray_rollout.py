@@ -29,8 +29,8 @@ the model in a process vLLM spawns), and no Hugging Face copy of the policy: the
 straight from the object store into vLLM's in-place reload. vLLM would bind its model process's
 OpenMP threads to every core of the machine but one, the same cores for every worker of a node,
 whatever CPUs Ray granted: the worker builds it with ``VLLM_CPU_OMP_THREADS_BIND=nobind`` and
-``OMP_NUM_THREADS`` = its thread share (``overlap.actor_threads``) instead, unpinned (the user's own
-settings of either win). ``check_vllm`` runs in the controller before any actor starts
+``OMP_NUM_THREADS`` = its thread share (``overlap.actor_threads``) instead, unpinned (a
+``VLLM_CPU_OMP_THREADS_BIND`` the user set wins). ``check_vllm`` runs in the controller before any actor starts
 (``setup.build_roles``). Sampling seeds are per request (seed ``run.seed + rank``), so a worker's
 checkpoint state is the engine's ``state_dict`` (no generator).
 """

