@@ -426,8 +426,11 @@ class VLLMRolloutBackend:
             seed=_request_seed(self.seed, r.uid, done), output_kind=RequestOutputKind.DELTA, detokenize=False,
             skip_special_tokens=False)
         if r.target_length is not None:  # forced length (benchmarks): EOS banned before it, taken at it
+            # the sampled token's log-prob, then EOS's: vLLM wants as many log-probs as listed ids, and
+            # the untruncated one takes the first place after the sampled token's, so EOS is listed twice
+            eos = [self.eos_id] * (1 + self.untruncated)
             params.update(max_tokens=max(1, r.target_length - done), min_tokens=max(0, r.target_length - 1 - done),
-                          logprobs=1 + self.untruncated, logprob_token_ids=[self.eos_id])  # (the sampled token, EOS)
+                          logprobs=len(eos), logprob_token_ids=eos)
         self._adds += 1
         rid = f"{r.uid}.{self._adds}"
         prompt = {"prompt_token_ids": list(r.prompt_ids) + list(r.response_ids), "cache_salt": f"w{self.weight_loads}"}
