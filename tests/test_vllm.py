@@ -109,18 +109,22 @@ def test_check_vllm_refuses_unservable_model_and_missing_install(tiny_models, mo
         check_vllm(str(tiny_models["policy"]))
 
 
-def test_trainer_refuses_before_loading_models(tiny_models, tiny_prompts, tmp_path, monkeypatch):
+@pytest.mark.parametrize("placement", [(), ("placement.backend=ray", "placement.rollout_workers=1")])
+def test_trainer_refuses_before_loading_models(tiny_models, tiny_prompts, tmp_path, monkeypatch, placement):
+    """Locally, and with Ray rollout workers: refused before any model loads or Ray actor starts."""
     from oppo import setup as setup_mod
     from oppo import trainer as trainer_mod
+    from oppo.placement import cluster
     from oppo.roles.vllm_rollout import VLLMUnavailable
 
     def no_loading(*a, **k):
-        raise AssertionError("a model was loaded before the vLLM check")
+        raise AssertionError("a model was loaded (or Ray started) before the vLLM check")
 
     monkeypatch.setattr(setup_mod, "load_reward_model", no_loading)
     monkeypatch.setattr(setup_mod, "load_causal_lm", no_loading)
+    monkeypatch.setattr(cluster, "init_ray", no_loading)
     cfg = trainer_cfg({"policy": tiny_models["policy"], "reward": tiny_models["reward"]}, tiny_prompts, tmp_path,
-                      "overlap.mode=sequential")
+                      "overlap.mode=sequential", *placement)
     with pytest.raises(VLLMUnavailable, match="head sizes"):
         trainer_mod.Trainer(cfg, progress=False)
 
