@@ -284,9 +284,11 @@ class PlacementConfig:
     scorer_gpus: float = opt(0.0, "Ray: GPUs of the scorer actor.")
     spread: bool = opt(False, "Ray: place the learner ranks on different nodes (STRICT_SPREAD) instead of as few "
                               "as possible (PACK).")
-    rollout_workers: int = opt(0, "Ray: rollout workers, each a copy of the policy with its own engine, sharing the "
-                                  "B + Delta sequences and streaming their chunks straight to the scorer actors. "
-                                  "0: the engine runs in the controller process.")
+    rollout_workers: int = opt(0, "Ray: rollout workers, each a copy of the policy with its own engine (eager or "
+                                  "vllm: generation.engine), sharing the B + Delta sequences and streaming their "
+                                  "chunks straight to the scorer actors. With vllm each worker's model process runs "
+                                  "overlap.actor_threads unpinned OpenMP threads. 0: the engine runs in the "
+                                  "controller process.")
     rollout_cpus: float = opt(1.0, "Ray: CPUs per rollout worker.")
     rollout_gpus: float = opt(0.0, "Ray: GPUs per rollout worker.")
 
@@ -642,9 +644,9 @@ def validate(cfg: Config) -> None:
     _check(pl.rollout_workers >= 0, f"placement.rollout_workers must be >= 0, got {pl.rollout_workers}.")
     if pl.rollout_workers:
         _check(pl.backend == "ray", "placement.rollout_workers needs placement.backend=ray (or set it to 0).")
-        _check(g.engine == "eager", "placement.rollout_workers runs the eager engine in each worker; "
-                                    "set generation.engine=eager (the static and vllm engines are not built for "
-                                    "workers yet).")
+        _check(g.engine in ("eager", "vllm"), "placement.rollout_workers runs the eager or the vllm engine in "
+                                              "each worker; set generation.engine=eager or vllm (the static "
+                                              "engine is not built for workers yet).")
         _check(cfg.lora.r == 0, "placement.rollout_workers does not carry LoRA adapters yet; set lora.r=0 or "
                                 "placement.rollout_workers=0.")
     _check(cfg.run.save_every >= 0, "run.save_every must be >= 0.")
