@@ -493,6 +493,21 @@ def test_ray_rollout_worker_hosts_vllm(ray_local, vmodels, tiny_prompts, tmp_pat
         assert "rollout0" in {sp.worker for sp in t.tracer.spans}
         assert group.state_dict() == {"workers": [{"seed": 0}]}
         assert m["time/weight_sync"] > 0
+        # a checkpoint brings home the rows the worker's engine decodes, saves them and re-adds them
+        # there with their partial responses (the worker's vLLM re-prefills them): they decode on
+        import json
+
+        from oppo.checkpoint import save_checkpoint
+
+        partial = {r.uid: list(r.response_ids) for r in group.in_flight()}
+        ckpt = save_checkpoint(t, tmp_path / "ckpt")
+        assert json.loads((ckpt / "state.json").read_text())["in_flight"]["how"] == "saved"
+        assert {u: list(r.response_ids) for u, r in t.run.rollouts.items() if u in partial} == partial
+        for _ in range(2):
+            t.run_step()
+            for r in t.last_result.exp.rollouts:
+                if r.uid in partial:
+                    assert r.response_ids[:len(partial[r.uid])] == partial[r.uid]
 
 
 def test_real_build_path(vmodels, tiny_prompts, tmp_path):
