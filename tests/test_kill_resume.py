@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -184,21 +185,39 @@ def _checkpoint_with_carried(run: Path) -> Path | None:
     return None
 
 
+def _builtin_home() -> str | None:
+    """OPPO_HOME with the built-in task prepared (``oppo prepare``), or None."""
+    home = os.environ.get("OPPO_HOME")
+    return home if home and (Path(home) / "positive" / "prepare.json").is_file() else None
+
+
 @pytest.mark.slow
-def test_kill_9_then_resume_loses_no_prompt_and_restores_carried(tiny_models, tiny_prompts, tmp_path):
+@pytest.mark.parametrize("task", ["tiny", "builtin"])
+def test_kill_9_then_resume_loses_no_prompt_and_restores_carried(tiny_models, tiny_prompts, tmp_path, task):
+    """``task``: the conftest's tiny models, or the built-in task prepared in ``$OPPO_HOME``
+    (skipped when it is not: preparing it takes CPU-minutes)."""
     out = tmp_path / "run"
-    steps = 14
-    base = [sys.executable, "-m", "oppo.cli", "train", *_settings(tiny_models, tiny_prompts, out, steps=steps),
-            "run.save_every=1", "run.keep_checkpoints=100"]
-    proc = subprocess.Popen(base, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env())
+    env = _env()
+    if task == "builtin":
+        if _builtin_home() is None:
+            pytest.skip("the built-in task is not prepared in $OPPO_HOME (oppo prepare)")
+        settings = [s for s in _settings(tiny_models, tiny_prompts, out)
+                    if not s.startswith(("policy.path", "reward.path", "data.prompts"))]
+        settings.append("generation.max_new_tokens=24")
+    else:
+        settings = _settings(tiny_models, tiny_prompts, out)
+    settings = [s for s in settings if not s.startswith("run.steps=")]
+    base = [sys.executable, "-m", "oppo.cli", "train", *settings, "run.save_every=1", "run.keep_checkpoints=1000"]
+    # the first run would go on for ever: it ends by the kill, never on its own
+    proc = subprocess.Popen([*base, "run.steps=100000"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env=env)
     try:
         deadline = time.monotonic() + 600
         found = None
         while found is None and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
             found = _checkpoint_with_carried(out)
-        assert proc.poll() is None, f"oppo train ended before a checkpoint held a carried sequence: " \
-                                    f"{proc.stderr.read()[-2000:]}"
+        assert proc.poll() is None, f"oppo train ended early: {proc.stderr.read()[-2000:]}"
         assert found is not None, "no checkpoint with a carried sequence in time"
         proc.send_signal(signal.SIGKILL)
         proc.wait()
@@ -208,14 +227,18 @@ def test_kill_9_then_resume_loses_no_prompt_and_restores_carried(tiny_models, ti
             proc.wait()
     ckpt = _checkpoint_with_carried(out)  # (the run may have written a newer one before it died)
     resume_step = json.loads((ckpt / "state.json").read_text())["step"]
-    assert resume_step < steps, "the run was killed after its end: nothing to resume"
+    # the one under test is the last checkpoint: newer ones the killed run wrote go
+    for d in (out / "checkpoints").glob("step_*"):
+        if int(d.name.split("_")[1]) > resume_step:
+            shutil.rmtree(d)
     saved = {s["uid"]: s for s in json.loads((ckpt / "in_flight.json").read_text())}
-    state = json.loads((ckpt / "state.json").read_text())
-    assert state["in_flight"]["how"] == "saved"
-    # resume from that checkpoint (the one under test, even if the run wrote a newer one before it died)
-    done = subprocess.run([*base, "--resume", str(ckpt)], capture_output=True, text=True, env=_env(), timeout=900)
+    assert json.loads((ckpt / "state.json").read_text())["in_flight"]["how"] == "saved"
+    steps = resume_step + 6
+    done = subprocess.run([*base, f"run.steps={steps}", "--resume", "auto"], capture_output=True, text=True, env=env,
+                          timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"resumed from {ckpt}" in done.stderr
+    assert latest_checkpoint(out).name == f"step_{steps:06d}"
 
     rows = _lines(out / "lengths.jsonl")
     assert [r["step"] for r in rows] == list(range(steps)), "one record per step, before and after the kill"
