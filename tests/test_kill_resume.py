@@ -145,7 +145,8 @@ def test_fallback_drain_and_old_checkpoints_load(tiny_models, tiny_prompts, tmp_
         load_checkpoint(r, ckpt)
         assert sorted(r.run.scheduler.requeue) == positions and not r.run.rollouts
         r.run_step()
-        admitted = {x.prompt_index for x in r.last_result.exp.rollouts} | {x.prompt_index for x in r.run.rollouts.values()}
+        admitted = ({x.prompt_index for x in r.last_result.exp.rollouts}
+                    | {x.prompt_index for x in r.run.rollouts.values()})
         assert set(positions) <= admitted, "the requeued prompts were admitted first"
     finally:
         r.close()
@@ -273,7 +274,8 @@ def test_with_stale_kv_recompute_a_checkpoint_changes_nothing(tiny_models, tiny_
     anyway, which is what re-admitting them at a checkpoint does: a run that checkpoints trains
     the batches of one that does not (the scorers' sums of the re-fed prefixes round differently,
     so scores agree to floating-point tolerance)."""
-    cfg = load_config(None, _settings(tiny_models, tiny_prompts, tmp_path / "a", steps=10) + ["overlap.stale_kv=recompute"])
+    cfg = load_config(None, _settings(tiny_models, tiny_prompts, tmp_path / "a", steps=10)
+                      + ["overlap.stale_kv=recompute"])
     runs = []
     for save in (False, True):
         t = Trainer(cfg, progress=False)
