@@ -286,6 +286,18 @@ class PlacementConfig:
                                   "0: the engine runs in the controller process.")
     rollout_cpus: float = opt(1.0, "Ray: CPUs per rollout worker.")
     rollout_gpus: float = opt(0.0, "Ray: GPUs per rollout worker.")
+    weight_sync: str = opt("auto", "Ray: how the actor's trained weights reach the rollout engine after each "
+                                   "update. collective: learner rank 0 and the rollout workers (or the controller, "
+                                   "when the engine runs there) form a torch.distributed group of their own and the "
+                                   "weights stream in buckets of placement.weight_sync_bucket_mb (NCCL when every "
+                                   "member has a GPU of its own, else gloo), cast to the serving dtype, with the "
+                                   "version checked; an FSDP2 learner gathers one parameter at a time, never the "
+                                   "whole model on one rank. object_store: rank 0's whole actor through Ray's object "
+                                   "store. auto: collective, or the object store (with a warning saying why) if the "
+                                   "group cannot form.", ("auto", "collective", "object_store"))
+    weight_sync_bucket_mb: float = opt(256.0, "Ray, collective weight sync: bucket size in MiB. A sync holds two "
+                                              "buckets beside the models (one is filled while the other is in "
+                                              "flight); a tensor larger than a bucket spans several.")
 
 
 @dataclass
@@ -639,6 +651,11 @@ def validate(cfg: Config) -> None:
         _check(cfg.lora.r == 0, "placement.learner_sharding=fsdp2 with LoRA is not supported yet; set lora.r=0 or "
                                 "placement.learner_sharding=replicate.")
     _check(pl.rollout_workers >= 0, f"placement.rollout_workers must be >= 0, got {pl.rollout_workers}.")
+    _check(pl.weight_sync_bucket_mb > 0,
+           f"placement.weight_sync_bucket_mb must be > 0 (MiB), got {pl.weight_sync_bucket_mb}.")
+    _check(not (pl.weight_sync == "collective" and pl.backend != "ray"),
+           "placement.weight_sync=collective streams weights from Ray learner ranks: set placement.backend=ray, or "
+           "leave placement.weight_sync=auto (a local run shares the weights in memory).")
     if pl.rollout_workers:
         _check(pl.backend == "ray", "placement.rollout_workers needs placement.backend=ray (or set it to 0).")
         _check(g.engine == "eager", "placement.rollout_workers runs the eager engine in each worker; "

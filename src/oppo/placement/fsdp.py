@@ -29,11 +29,15 @@ Tied input/output embeddings (the built-in task's models, Qwen2.5 0.5B): the out
 embedding it shares a weight with are one FSDP group (``fully_shard([head, embedding])``), since
 the learner calls the backbone and the head separately (``models.backbone_and_head``).
 
-Reads of the weights (a weight sync, a checkpoint) are collectives too: every rank all-gathers
-(``get_model_state_dict(full_state_dict=True)``) and rank 0 keeps the result, so the group asks
-every rank (:meth:`FSDPLearnerGroup._rank0_ref`). Not done yet (issue 21): loading straight into
-shards (each rank loads the whole model once, then shards it), a bucketed weight sync that never
-holds the whole model on rank 0, NCCL broadcast to rollout workers.
+Reads of the weights (a checkpoint, the object-store weight sync) are collectives too: every rank
+all-gathers (``get_model_state_dict(full_state_dict=True)``) and rank 0 keeps the result, so the
+group asks every rank (:meth:`FSDPLearnerGroup._rank0_ref`). The collective weight sync
+(``placement.weight_sync``, ``weight_sync.py``) does not hold the whole model on rank 0: every rank
+all-gathers one parameter at a time (``DTensor.full_tensor``), rank 0 streams it in buckets to the
+rollout side (NCCL between GPUs, gloo otherwise) and the gathered copy is dropped
+(``LearnerRank.send_weights``, called on every rank: :meth:`FSDPLearnerGroup.weight_sync_ranks`).
+Not done yet (issue 21): loading straight into shards (each rank loads the whole model once, then
+shards it); the critic's sync to its scorer actor still goes through the object store.
 """
 
 from __future__ import annotations
@@ -383,6 +387,10 @@ class FSDPLearnerGroup(DPLearnerGroup):
         self._gather([r.load_sharded.remote(optim["sharded"]) for r in self.ranks])
         if self.critic_scorer is not None:
             self.critic_scorer.set_critic_weights(self._rank0_ref(lambda r: r.critic_weights.remote()))
+
+    def weight_sync_ranks(self) -> list[int]:
+        """Every rank: each all-gathers the parameters rank 0 streams (``weight_sync.CollectiveSync``)."""
+        return list(range(self.world))
 
     def memory(self) -> list[dict[str, int]]:
         """Each rank's bytes of parameters, gradients and optimizer state."""

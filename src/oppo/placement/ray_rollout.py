@@ -16,8 +16,9 @@ controller decides nothing.
 
 Weights: after an update every worker loads learner rank 0's arrays straight from Ray's object
 store (``weight_sync.pack``; the controller does not pull them; ``time/weight_sync`` includes
-it). Each worker samples with its own generator, seeded
-``run.seed + rank``: with one worker the samples are those of the local engine (tested); a
+it), or, with the collective sync (``placement.weight_sync``), receives them in buckets over a
+process group of its own with the learner (``join_weight_sync`` / ``receive_weights``). Each
+worker samples with its own generator, seeded ``run.seed + rank``: with one worker the samples are those of the local engine (tested); a
 checkpoint saves every worker's generator state.
 
 A worker that dies is named by role and rank (``rollout worker (role=rollout, rank=1) died:
@@ -36,7 +37,7 @@ from ..trace import Tracer
 from ..types import ChunkReady, Event, SequenceFinished
 from .ray_scorer import _short, get_named
 from .specs import ModelSpec
-from .weight_sync import Packed, pack, unpack_into
+from .weight_sync import Packed, SyncGroup, WeightReceiver, WeightSyncError, pack, unpack_into
 
 
 class RolloutHost:
@@ -121,6 +122,24 @@ class RolloutHost:
 
     def load_weights(self, weights: Packed, version: int) -> None:
         unpack_into(self.model, weights, partial=True)
+        self.engine.set_version(version)
+
+    def join_weight_sync(self, host: str, port: int, rank: int, world: int, timeout_s: float) -> str:
+        """Join the collective weight sync (``weight_sync.CollectiveSync``) as receiver ``rank``.
+        Returns "" or why the group could not form; a manifest this model cannot take raises."""
+        try:
+            group = SyncGroup(host, port, rank, world, next(self.model.parameters()).device, timeout_s=timeout_s)
+            self.weight_receiver = WeightReceiver.connect(group, self.model, partial=True)
+        except WeightSyncError:
+            raise
+        except Exception as e:  # noqa: BLE001 (reported: placement.weight_sync=auto falls back)
+            return f"{type(e).__name__}: {e}"
+        return ""
+
+    def receive_weights(self, version: int) -> None:
+        """One collective sync into the model (the learner must send ``version``); then sample as
+        ``version``."""
+        self.weight_receiver.receive(version)
         self.engine.set_version(version)
 
     def rng_state(self) -> torch.Tensor:
