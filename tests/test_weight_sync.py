@@ -304,3 +304,15 @@ def test_trainer_fsdp2_ranks_sync_a_rollout_worker_collectively(ray_local, tiny_
     assert version == steps
     for k, v in trained.items():
         assert torch.equal(got[k], v), k
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["placement.weight_sync=collective"], "placement.weight_sync=collective streams weights from Ray learner"),
+    (["placement.backend=ray", "placement.weight_sync_bucket_mb=0"], "weight_sync_bucket_mb must be > 0"),
+    (["placement.backend=ray", "placement.weight_sync=nccl"], "collective"),  # the allowed values are named
+])
+def test_bad_weight_sync_settings_are_refused_before_any_model_loads(overrides, expected):
+    from oppo.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=expected):
+        load_config(None, overrides)
