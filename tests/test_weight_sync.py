@@ -308,7 +308,7 @@ def test_trainer_fsdp2_ranks_sync_a_rollout_worker_collectively(ray_local, tiny_
 
 @pytest.mark.parametrize("overrides, expected", [
     (["placement.weight_sync=collective"], "placement.weight_sync=collective streams weights from Ray learner"),
-    (["placement.backend=ray", "placement.weight_sync_bucket_mb=0"], "weight_sync_bucket_mb must be > 0"),
+    (["placement.backend=ray", "placement.weight_sync_bucket_mb=-1"], "weight_sync_bucket_mb must be >= 0"),
     (["placement.backend=ray", "placement.weight_sync=nccl"], "collective"),  # the allowed values are named
 ])
 def test_bad_weight_sync_settings_are_refused_before_any_model_loads(overrides, expected):

@@ -117,7 +117,8 @@ def _collective_member(rank: int, port: int, size: str, dtype_name: str, device:
     if rank == 1:
         first = next(model.parameters())
         assert first.float().min().item() == 1.0, "the receiver holds the sent weights"
-        Path(out_path).write_text(json.dumps({"backend": group.backend, "times": times[1:]}))
+        Path(out_path).write_text(json.dumps({"backend": group.backend, "times": times[1:],
+                                              "bucket_mb": member.bucket_bytes / 2**20}))
     group.close()
 
 
@@ -133,7 +134,7 @@ def collective(size: str, dtype: str, device: str, bucket_mb: float, repeats: in
         out = f"{d}/r.json"
         mp.spawn(_collective_member, args=(port, size, dtype, device, bucket_mb, repeats, out), nprocs=2, join=True)
         r = json.loads(Path(out).read_text())
-    return {"path": "collective", "backend": r["backend"], "bucket_mb": bucket_mb, "times_s": r["times"],
+    return {"path": "collective", "backend": r["backend"], "bucket_mb": r["bucket_mb"], "times_s": r["times"],
             "s_per_sync": statistics.median(r["times"])}
 
 
@@ -186,11 +187,12 @@ def main() -> None:
     ap.add_argument("--sizes", default="10M,50M,125M,250M,500M", help=f"of {', '.join(SIZES)}")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--paths", default="collective,object_store")
-    ap.add_argument("--bucket-mb", type=float, default=None, help="default: 256 on GPU, 64 on CPU")
+    ap.add_argument("--bucket-mb", type=float, default=0.0,
+                    help="0: the sync's own default for the backend (256 MiB over NCCL, 4 MiB over gloo)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    bucket = a.bucket_mb or (256.0 if a.device == "cuda" else 64.0)
+    bucket = a.bucket_mb
     paths = a.paths.split(",")
     if a.device == "cuda" and "object_store" in paths:
         paths.remove("object_store")  # (module docstring)
@@ -205,7 +207,8 @@ def main() -> None:
                if torch.cuda.is_available() else [], "load_avg": os.getloadavg()}
     rows = []
     print(f"machine: {machine}")
-    print(f"{'size':>6} {'params':>8} {'dtype':>9} {'MiB':>7} {'path':>12} {'backend':>7} {'s/sync':>8} {'GB/s':>6}")
+    print(f"{'size':>6} {'params':>8} {'dtype':>9} {'MiB':>7} {'path':>12} {'backend':>7} {'bucket':>6} {'s/sync':>8} "
+          f"{'GB/s':>6}")
     for size in a.sizes.split(","):
         for dtype in a.dtypes.split(","):
             n = params(size)
@@ -215,8 +218,9 @@ def main() -> None:
                      else object_store(size, dtype, a.repeats))
                 r.update(size=size, params=n, dtype=dtype, bytes=nbytes, device=a.device)
                 rows.append(r)
+                bucket_col = f"{r['bucket_mb']:g}M" if "bucket_mb" in r else "-"
                 print(f"{size:>6} {n / 1e6:>7.1f}M {dtype:>9} {nbytes / 2**20:>7.0f} {path:>12} {r['backend']:>7} "
-                      f"{r['s_per_sync']:>8.3f} {nbytes / r['s_per_sync'] / 1e9:>6.2f}", flush=True)
+                      f"{bucket_col:>6} {r['s_per_sync']:>8.3f} {nbytes / r['s_per_sync'] / 1e9:>6.2f}", flush=True)
     out = Path(a.out or Path(__file__).with_name(f"results-{a.device}.json"))
     out.write_text(json.dumps({"machine": machine, "args": vars(a), "rows": rows}, indent=1))
     print(f"wrote {out}")

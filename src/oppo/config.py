@@ -293,11 +293,15 @@ class PlacementConfig:
                                    "member has a GPU of its own, else gloo), cast to the serving dtype, with the "
                                    "version checked; an FSDP2 learner gathers one parameter at a time, never the "
                                    "whole model on one rank. object_store: rank 0's whole actor through Ray's object "
-                                   "store. auto: collective, or the object store (with a warning saying why) if the "
-                                   "group cannot form.", ("auto", "collective", "object_store"))
-    weight_sync_bucket_mb: float = opt(256.0, "Ray, collective weight sync: bucket size in MiB. A sync holds two "
-                                              "buckets beside the models (one is filled while the other is in "
-                                              "flight); a tensor larger than a bucket spans several.")
+                                   "store (shared memory within a node). auto: collective when the learner ranks and "
+                                   "the rollout engine have GPUs (placement.learner_gpus, rollout_gpus or the local "
+                                   "engine's device), else the object store, which beats gloo on one CPU node "
+                                   "(benchmarks/weight_sync); the object store also if the group cannot form (a "
+                                   "warning says why).", ("auto", "collective", "object_store"))
+    weight_sync_bucket_mb: float = opt(0.0, "Ray, collective weight sync: bucket size in MiB (0: 256 over NCCL, 4 "
+                                            "over gloo). A sync holds two buckets beside the models (one is filled "
+                                            "while the other is in flight); a tensor larger than a bucket spans "
+                                            "several.")
 
 
 @dataclass
@@ -651,8 +655,8 @@ def validate(cfg: Config) -> None:
         _check(cfg.lora.r == 0, "placement.learner_sharding=fsdp2 with LoRA is not supported yet; set lora.r=0 or "
                                 "placement.learner_sharding=replicate.")
     _check(pl.rollout_workers >= 0, f"placement.rollout_workers must be >= 0, got {pl.rollout_workers}.")
-    _check(pl.weight_sync_bucket_mb > 0,
-           f"placement.weight_sync_bucket_mb must be > 0 (MiB), got {pl.weight_sync_bucket_mb}.")
+    _check(pl.weight_sync_bucket_mb >= 0,
+           f"placement.weight_sync_bucket_mb must be >= 0 (MiB; 0: by backend), got {pl.weight_sync_bucket_mb}.")
     _check(not (pl.weight_sync == "collective" and pl.backend != "ray"),
            "placement.weight_sync=collective streams weights from Ray learner ranks: set placement.backend=ray, or "
            "leave placement.weight_sync=auto (a local run shares the weights in memory).")

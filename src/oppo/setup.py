@@ -519,7 +519,8 @@ def _place_on_ray(roles: Roles, stop_ids, recompute_old: bool) -> None:
 def _collective_sync(roles: Roles, learner, rollout=None, local: torch.nn.Module | None = None):
     """``placement.weight_sync``: the collective, bucketed sync from the learner to the ``rollout``
     workers or the ``local`` engine's model (``placement.weight_sync.CollectiveSync``), or None for
-    the object store: asked for, or ``auto`` when the group cannot form (a warning says why)."""
+    the object store: asked for, or ``auto`` without GPUs on both sides or when the group cannot
+    form (a warning says why)."""
     import warnings
 
     from .placement.weight_sync import CollectiveSync, WeightSyncUnavailable
@@ -527,6 +528,10 @@ def _collective_sync(roles: Roles, learner, rollout=None, local: torch.nn.Module
     pl = roles.cfg.placement
     if pl.weight_sync == "object_store":
         return None
+    if pl.weight_sync == "auto":  # collective where NCCL can carry it: every member on a GPU
+        serving_on_gpu = pl.rollout_gpus > 0 if rollout is not None else next(local.parameters()).is_cuda
+        if not (pl.learner_gpus > 0 and serving_on_gpu):
+            return None  # on CPU the object store (shared memory on a node) beats gloo: benchmarks/weight_sync
     wire = {n: t.dtype for n, t in roles.rollout_policy.state_dict().items()}  # the serving side's dtypes
     try:
         link = CollectiveSync(learner, rollout, local, bucket_bytes=int(pl.weight_sync_bucket_mb * 2**20),
