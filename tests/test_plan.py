@@ -4,6 +4,7 @@ calibration against the committed CPU benches. All fast (no models, no torch wor
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -180,3 +181,116 @@ def test_projection_shows_the_long_tail_gain():
     assert s["sequential"]["speedup"] == pytest.approx(1.0)
     assert s["oppo"]["speedup"] > s["inter"]["speedup"] > 1.1
     assert math.isclose(s["intra"]["offpolicy_token_frac"], 0.0)
+
+
+# ------------------------------------------------------------------ pipeline, groups, refill
+
+
+def test_pipeline_step_is_max_of_decode_and_train_plus_sync_by_hand():
+    # B = 2 rows of 4 tokens, Delta 0, decode 1 s per step, the update 3 s, the weight sync 0.5 s,
+    # no scorer work. The update runs beside decoding (the learner thread).
+    # step 0: decode 0-4, close at 4; update 4-7; meanwhile step 1's two rows are admitted at 4
+    #   and decode steps begun before 7 run: 4-5, 5-6, 6-7 (3 tokens each); sync 7-7.5 -> 7.5 s
+    # step 1: 1 token left: 7.5-8.5; update 8.5-11.5 while step 2's rows decode 3 tokens; sync -> 12
+    #   -> 4.5 s = max(decode 4, train 3) + sync 0.5
+    # last step (no next one is begun): 1 + 3 + 0.5 = 4.5 s
+    pl = Placement(1, 1, scorer_roles=(), critic="value_head")
+    coef = {**UNIT, "train.actor.calls": 3.0, "sync.calls": 0.5}
+    wl = Workload(2, FixedLengths(4), minibatch=2, micro=2, delta=0, max_lag=1)
+    assert step_times("pipeline", wl, coef, pl, 4) == [7.5, 4.5, 4.5, 4.5]
+    # sequential: decode 4 + train 3 + sync 0.5
+    assert step_times("sequential", wl, coef, pl, 2) == [7.5, 7.5]
+    res = simulate("pipeline", wl, LinearCosts(coef), pl, steps=3, warmup=0)
+    s1 = res.steps[1]
+    assert s1.lags == [0, 0] and s1.offpolicy_tokens == 6  # 3 tokens each sampled by pi_0, trained at step 1
+    inflight = [(s.start, s.end) for s in res.spans if s.stage == "decode_inflight" and s.step == 0]
+    assert inflight == [(4.0, 7.0)]
+    # an update longer than decoding: all 4 tokens decode during the update (4-8 < 4-10), the
+    # next step closes at once -> step = train 6 + sync 0.5
+    coef6 = {**coef, "train.actor.calls": 6.0}
+    assert step_times("pipeline", wl, coef6, pl, 4) == [10.5, 6.5, 6.5, 6.5]
+
+
+def test_groups_close_on_whole_groups_carry_or_wait_by_hand():
+    # B = 4 in groups of G = 2, Delta 1 group, max_lag 1, decode 1 s per step, nothing else costs.
+    # Lengths by (prompt, member): prompt 0 -> (1, 5), prompt 1 -> (1, 1), prompt 2 -> (2, 2); others 1.
+    # sequential: groups of prompts 0 and 1, waits for the 5-token member -> 5 s; then prompts
+    #   2 and 3 -> 2 s.
+    # carry: admits 3 groups; at 1 s group 1 is complete, at 2 s group 2: close with 2 groups,
+    #   group 0 carried whole (member 0 finished, member 1 with 2 of 5 tokens). Step 1: group 0 is
+    #   due; the new groups finish at 1 s, group 0's member at 3 s -> 3 s.
+    # wait: at 2 s group 0 is partly finished and still running -> the step waits for it: 5 s.
+    lens = {(0, 0): 1, (0, 1): 5, (1, 0): 1, (1, 1): 1, (2, 0): 2, (2, 1): 2}
+    lengths = lambda i, m=0: lens.get((i, m), 1)  # noqa: E731
+    pl = Placement(1, 0, scorer_roles=(), critic="value_head")
+    wl = Workload(4, lengths, minibatch=4, micro=4, delta=1, max_lag=1, group_size=2)
+    assert step_times("sequential", wl, UNIT, pl, 2) == [5.0, 2.0]
+    assert step_times("inter", wl, UNIT, pl, 2) == [2.0, 3.0]
+    assert step_times("inter", replace(wl, partial_groups="wait"), UNIT, pl, 1) == [5.0]
+    res = simulate("inter", wl, LinearCosts(UNIT), pl, steps=2, warmup=0)
+    assert res.steps[0].lengths == [1, 1, 2, 2]  # groups 1 and 2, members adjacent
+    assert sorted(res.steps[1].lengths) == [1, 1, 1, 5] and sorted(res.steps[1].lags) == [0, 0, 1, 1]
+
+
+def test_refill_admits_at_each_finish_by_hand():
+    # B = 2, Delta 0, max_lag 1, decode 1 s per step. Lengths: prompt 0 -> 3, every other 1.
+    # inter without refill: prompts 0 and 1 admitted; waits for 2 finished -> 3 s.
+    # with refill: prompt 1 finishes at 1 s, prompt 2 is admitted in its slot and finishes at 2 s:
+    #   close at 2 s (prompt 3 admitted at that finish, carried); step 1: prompt 0 (1 token left)
+    #   and prompt 3 finish after 1 s, both due (admitted in step 0) -> 1 s.
+    pl = Placement(1, 0, scorer_roles=(), critic="value_head")
+    wl = Workload(2, Table({0: 3}), minibatch=2, micro=2, delta=0, max_lag=1)
+    assert step_times("inter", wl, UNIT, pl, 1) == [3.0]
+    wr = replace(wl, refill=True)
+    assert step_times("inter", wr, UNIT, pl, 2) == [2.0, 1.0]
+    res = simulate("inter", wr, LinearCosts(UNIT), pl, steps=2, warmup=0)
+    assert res.steps[1].lags == [1, 1] and res.steps[1].offpolicy_tokens == 2
+    # refill is an inter-step setting: sequential ignores it
+    assert step_times("sequential", wr, UNIT, pl, 1) == [3.0]
+
+
+def test_lognormal_lengths_replay_the_bench_sampler_for_group_members():
+    from oppo.bench import _synthetic_sampler
+
+    bench = _synthetic_sampler(1.0, 128, 3)
+    mine = LogNormalLengths(128 // 12, 1.0, 128, seed=3)
+    assert [mine(i, m) for i in range(50) for m in range(4)] == [bench(i, m) for i in range(50) for m in range(4)]
+
+
+@pytest.mark.skipif(not (BENCH / "tail").is_dir(), reason="needs the committed benchmarks/latest tail sweep")
+def test_inter_breakdown_accounts_for_the_whole_difference():
+    from oppo.plan.calibrate import load_tail_sweep
+    from oppo.plan.inter import breakdown
+
+    runs = load_tail_sweep(BENCH)
+    seq = next(r for r in runs if r.sigma == 1.5 and r.mode == "sequential")
+    inter = next(r for r in runs if r.sigma == 1.5 and r.mode == "inter")
+    bd = breakdown(seq, inter)
+    assert sum(bd["parts"].values()) == pytest.approx(bd["step_difference"])
+    s, i = bd["sequential"], bd["inter"]
+    # the sequential loop decodes until its batch's longest response; it never waits for due rows
+    assert s["decode_steps"] == pytest.approx(s["batch_max_length"]) and s["due_wait_steps"] == 0
+    # inter keeps B + Delta in flight and closes on B finished: fewer decode steps, more rows in each
+    assert i["decode_steps"] < s["decode_steps"] and i["rows_per_decode_step"] > s["rows_per_decode_step"]
+    assert 0 < i["due_wait_steps"] < i["decode_steps"]
+
+
+def test_gpu_like_decode_keeps_the_step_cost_at_b_and_prices_extra_rows_low():
+    from oppo.plan.inter import gpu_like
+
+    c = LinearCosts({"decode.calls": 2e-3, "decode.rows": 1e-4, "decode.attn": 0.0, "train.actor.tokens": 1e-4})
+    g = gpu_like(c, 32, rows_share=0.02, other_scale=0.5)
+    at_b = 2e-3 + 32 * 1e-4  # 5.2 ms for 32 rows on the CPU costs
+    assert g.decode_steps(np.array([32]), np.array([0]))[0] == pytest.approx(at_b)
+    assert g.decode_steps(np.array([33]), np.array([0]))[0] == pytest.approx(at_b * (1 + 0.02 / 32))
+    assert g.coef["train.actor.tokens"] == pytest.approx(0.5e-4)
+
+
+def test_read_lengths_gives_group_members_their_place(tmp_path):
+    from oppo.plan.calibrate import read_lengths
+
+    p = tmp_path / "lengths.jsonl"
+    # oppo train's format (no member field): a group's members are adjacent entries of one prompt
+    p.write_text('{"step": 0, "lengths": [3, 5, 7, 2], "prompt_index": [4, 4, 9, 9]}\n'
+                 '{"step": 1, "lengths": [6], "prompt_index": [1], "member": [0]}\n')
+    assert read_lengths(p) == {(4, 0): 3, (4, 1): 5, (9, 0): 7, (9, 1): 2, (1, 0): 6}

@@ -109,18 +109,22 @@ def test_check_vllm_refuses_unservable_model_and_missing_install(tiny_models, mo
         check_vllm(str(tiny_models["policy"]))
 
 
-def test_trainer_refuses_before_loading_models(tiny_models, tiny_prompts, tmp_path, monkeypatch):
+@pytest.mark.parametrize("placement", [(), ("placement.backend=ray", "placement.rollout_workers=1")])
+def test_trainer_refuses_before_loading_models(tiny_models, tiny_prompts, tmp_path, monkeypatch, placement):
+    """Locally, and with Ray rollout workers: refused before any model loads or Ray actor starts."""
     from oppo import setup as setup_mod
     from oppo import trainer as trainer_mod
+    from oppo.placement import cluster
     from oppo.roles.vllm_rollout import VLLMUnavailable
 
     def no_loading(*a, **k):
-        raise AssertionError("a model was loaded before the vLLM check")
+        raise AssertionError("a model was loaded (or Ray started) before the vLLM check")
 
     monkeypatch.setattr(setup_mod, "load_reward_model", no_loading)
     monkeypatch.setattr(setup_mod, "load_causal_lm", no_loading)
+    monkeypatch.setattr(cluster, "init_ray", no_loading)
     cfg = trainer_cfg({"policy": tiny_models["policy"], "reward": tiny_models["reward"]}, tiny_prompts, tmp_path,
-                      "overlap.mode=sequential")
+                      "overlap.mode=sequential", *placement)
     with pytest.raises(VLLMUnavailable, match="head sizes"):
         trainer_mod.Trainer(cfg, progress=False)
 
@@ -148,6 +152,37 @@ def test_logprobs_match_training_forward(engine, vmodels, temperature, top_k, to
         assert 1 not in r.response_ids[:-1], "stops at its first EOS"
         ref = hf_logprobs(model, r, temperature, top_k, top_p)
         torch.testing.assert_close(torch.tensor(r.logprobs), ref, atol=2e-4, rtol=0)
+        # the untruncated ones (temperature only): what the staleness weights divide by
+        torch.testing.assert_close(torch.tensor(r.policy_logprobs), hf_logprobs(model, r, temperature), atol=2e-4,
+                                   rtol=0)
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 0.8), (6, 1.0)])
+def test_no_weight_change_means_every_weight_is_1(engine, vmodels, top_k, top_p):
+    """Issue 22 item 1 with vLLM: tokens carried across a version bump with no weight change
+    weigh 1 whatever the truncation, because vLLM's untruncated log-probs (policy_logprobs)
+    are what the weights divide by; against the truncated behaviour ones they weighed the kept
+    mass (tests/test_offpolicy.py has the eager engine's case)."""
+    from oppo.config import PPOConfig
+    from oppo.learner import Learner, build_experience
+
+    model = hf_policy(vmodels["policy"])
+    reset(engine, model, temperature=0.8, top_k=top_k, top_p=top_p, stop_ids=())
+    rows = rollouts(4)
+    engine.admit(rows)
+    for _ in range(4):
+        engine.advance(None)
+    engine.set_version(1)  # "new" weights: the same ones
+    engine.generate_all()
+    exp = build_experience(rows, 0, torch.device("cpu"))
+    off = (exp.versions < 1) & (exp.mask > 0)
+    assert int(off.sum()) == 48, "every token is off-policy (the later ones over a KV prefix of version 0)"
+    lrn = Learner(model, None, PPOConfig(is_truncate=None, micro_batch_size=2), temperature=0.8, seed=0,
+                  recompute_old=True)
+    exp = lrn.old_logprobs(exp, version=1)
+    w = exp.is_weights[exp.mask > 0]
+    torch.testing.assert_close(w, torch.ones_like(w), atol=1e-3, rtol=0)
+    assert (exp.behaviour_logprobs - exp.policy_logprobs)[off].abs().min() > 1e-3, "truncation must bite"
 
 
 def test_samples_do_not_depend_on_batch_or_chunking(engine, vmodels):
@@ -384,6 +419,51 @@ def test_resume_equals_uninterrupted(shared, vmodels, tiny_prompts, tmp_path):
     for x, y in zip(a, b):
         for k in ("reward/mean", "loss/value", "kl/mean", "response_length/mean"):
             assert x[k] == pytest.approx(y[k], rel=1e-4, abs=1e-5), (x["step"], k)
+
+
+@pytest.mark.ray
+def test_ray_rollout_worker_hosts_vllm(ray_local, vmodels, tiny_prompts, tmp_path):
+    """placement.rollout_workers=1 with vLLM, oppo mode: the worker's vLLM engine (built in the
+    actor, its model in a process it spawns) streams to the scorer actors, its rows come back
+    with their versions, and each update's weights reach it: the tokens tagged with version k
+    have the log-probs of pi_k (rank 0's weights when step k starts), not those of the initial
+    policy."""
+    import copy
+
+    from oppo.trainer import Trainer
+
+    cfg = trainer_cfg(vmodels, tiny_prompts, tmp_path, "overlap.mode=oppo", "overlap.delta=2", "overlap.max_lag=1",
+                      "generation.top_p=0.9", "ppo.actor_lr=1e-2", "placement.backend=ray",
+                      "placement.rollout_workers=1", "placement.learner_cpus=0.25", "placement.scorer_cpus=0.25",
+                      "placement.rollout_cpus=0.25")
+    initial = hf_policy(vmodels["policy"])
+    pi_k = copy.deepcopy(initial)
+    with Trainer(cfg, progress=False) as t:
+        group = t.roles.rollout
+        assert type(group).__name__ == "RayRolloutGroup" and t.roles.placement.rollout_streams_itself
+        carried = 0
+        for k in range(3):
+            t.roles.learner.sync_actor(pi_k)  # the weights step k samples with
+            m = t.run_step()
+            exp = t.last_result.exp
+            assert len(exp.rollouts) == 4 and torch.isfinite(torch.tensor(m["loss/policy"]))
+            fresh = []  # (untruncated log-prob from the worker, pi_k's, the initial policy's) of version-k tokens
+            for r in exp.rollouts:
+                assert r.versions == sorted(r.versions) and all(max(0, k - 2) <= v <= k for v in r.versions)
+                assert len(r.policy_logprobs) == len(r.logprobs) == len(r.response_ids)
+                carried += r.start_version < k
+                idx = [i for i, v in enumerate(r.versions) if v == k]
+                if idx:
+                    want, before = hf_logprobs(pi_k, r, 1.0), hf_logprobs(initial, r, 1.0)
+                    fresh += [(r.policy_logprobs[i], float(want[i]), float(before[i])) for i in idx]
+            got, want, before = torch.tensor(fresh).T
+            torch.testing.assert_close(got, want, atol=2e-4, rtol=0)  # sampled by pi_k: the weights arrived
+            if k >= 1:
+                assert (got - before).abs().mean() > 0.02, "pi_k differs from the initial policy"
+        assert carried > 0, "no sequence was carried across a step close: the test covers less than it says"
+        assert "rollout0" in {sp.worker for sp in t.tracer.spans}
+        assert group.state_dict() == {"workers": [{"seed": 0}]}
+        assert m["time/weight_sync"] > 0
 
 
 def test_real_build_path(vmodels, tiny_prompts, tmp_path):

@@ -2,9 +2,9 @@
 
 - the bucket plan: every byte of every tensor exactly once, in order; a tensor larger than a
   bucket spans several;
-- one sender and two receivers (``torch.multiprocessing``): weights arrive exactly, cast to the
-  wire dtype (bf16) and into a bf16 model (bytes copied straight in) and an fp32 one (staged and
-  cast); a wrong version or a changed manifest makes every member raise before any weights move,
+- one sender and three receivers (``torch.multiprocessing``): weights arrive exactly, cast to the
+  wire dtype (bf16) and into a bf16 model (bytes copied straight in), an fp32 one (staged and
+  cast) and a sink that takes whole tensors (vLLM's reload); a wrong version or a changed manifest makes every member raise before any weights move,
   and the group still works after; a receiver whose model does not match the manifest (a wrong
   shape, a missing name) makes every member raise, naming the tensors;
 - FSDP2: 2 learner ranks (``FSDPLearnerRank``, as Ray runs it, without Ray) gather one parameter at
@@ -93,22 +93,26 @@ def _expect_refusal(fn, *words: str) -> str:
 
 def _members_main(rank: int, port: int) -> None:
     """Rank 0 sends an fp32 model as bf16 in buckets of 100 bytes (the embedding, 1600 bytes on the
-    wire, spans 16 of them); rank 1 receives into a bf16 model, rank 2 into an fp32 one."""
+    wire, spans 16 of them); rank 1 receives into a bf16 model, rank 2 into an fp32 one, rank 3
+    hands whole tensors to a sink (as a vLLM worker's reload takes them)."""
     import torch.distributed as dist
 
     from oppo.placement.weight_sync import SyncGroup, WeightReceiver, WeightSender
 
     torch.set_num_threads(1)
-    world = 3
+    world = 4
     store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, wait_for_workers=False)
     group = SyncGroup("127.0.0.1", port, rank, world, "cpu", timeout_s=MP_TIMEOUT_S, store=store)
     assert group.backend == "gloo"
     src = _model(0)
     named = [(n, p) for n, p in src.named_parameters()]
     manifest = Manifest.of(named, torch.bfloat16)
+    sunk: list = []
     if rank == 0:
         member = WeightSender.connect(group, manifest, bucket_bytes=100)
         assert len(member.plan) > 16
+    elif rank == 3:
+        member = WeightReceiver.connect(group, None, sink=lambda pairs, version: sunk.append((dict(pairs), version)))
     else:
         dst = _model(rank, torch.bfloat16 if rank == 1 else torch.float32)
         member = WeightReceiver.connect(group, dst)
@@ -122,6 +126,12 @@ def _members_main(rank: int, port: int) -> None:
     def check():
         if rank == 0:
             return
+        if rank == 3:
+            got, version = sunk[-1]
+            assert version == member.version and got.keys() == src.state_dict().keys()
+            for name, t in got.items():
+                assert torch.equal(t, src.state_dict()[name].to(torch.bfloat16)), name
+            return
         for name, p in dst.state_dict().items():
             want = src.state_dict()[name].to(torch.bfloat16).to(p.dtype)  # cast once, on the wire
             assert torch.equal(p, want), name
@@ -134,15 +144,20 @@ def _members_main(rank: int, port: int) -> None:
             for p in src.parameters():
                 p.add_(torch.randn(p.shape, generator=g))
     # a sync sent as the wrong version: every member refuses before any weights move
-    before = {k: v.clone() for k, v in (dst.state_dict() if rank else src.state_dict()).items()}
+    before = {k: v.clone() for k, v in (dst.state_dict() if rank in (1, 2) else src.state_dict()).items()}
     _expect_refusal(lambda: sync(4, sent=3), "sends weights version 3", "expects version 4")
-    if rank:
+    assert len(sunk) == (2 if rank == 3 else 0), "the sink got nothing"
+    if rank in (1, 2):
         assert all(torch.equal(v, before[k]) for k, v in dst.state_dict().items()), "nothing moved"
     # the sender's tensors no longer those agreed on (here: sent as fp32)
-    _expect_refusal(lambda: sync(4, manifest=Manifest.of(named)), "differ from those receivers [1, 2]")
+    _expect_refusal(lambda: sync(4, manifest=Manifest.of(named)), "differ from those receivers [1, 2, 3]")
     sync(4)  # the group is still usable
     check()
     assert rank == 0 or member.version == 4
+    if rank == 3:
+        group.close()
+        return
+    world = 3
 
     # a second group on the same store: receivers whose models do not fit the manifest
     group2 = SyncGroup("127.0.0.1", port, rank, world, "cpu", timeout_s=MP_TIMEOUT_S, store=store, name="second")
@@ -159,10 +174,10 @@ def _members_main(rank: int, port: int) -> None:
         g.close()
 
 
-def test_sender_and_two_receivers_exact_versions_checked_and_bad_models_refused():
+def test_sender_and_three_receivers_exact_versions_checked_and_bad_models_refused():
     import torch.multiprocessing as mp
 
-    mp.spawn(_members_main, args=(_free_port(),), nprocs=3, join=True)
+    mp.spawn(_members_main, args=(_free_port(),), nprocs=4, join=True)
 
 
 # ====================================================================== FSDP2 ranks -> a rollout worker

@@ -2,10 +2,13 @@
 rank, and the time of one PPO update, for 1, 2 and 4 ranks.
 
     PYTHONPATH=src python benchmarks/fsdp/measure.py [--hidden 256 --layers 4 --ranks 1 2 4]
+        [--lora R] [--dtype bfloat16]
 
 Each rank trains an actor (Llama, causal LM) and a critic (Llama, sequence classification) of the
 given size with oppo's Learner on a synthetic PPO batch (the update of tests/test_fsdp.py); the
 bytes are counted on the rank's local tensors (DTensor shards under FSDP2) after the update.
+``--lora R``: the actor trains rank-R adapters over its frozen base (held in the compute dtype);
+``--dtype bfloat16``: bf16 compute over fp32 masters (FSDP2: its MixedPrecisionPolicy).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
 
 
-def _rank(rank, world, port, mode, paths, out, reps):
+def _rank(rank, world, port, mode, paths, out, reps, lora, dtype):
     import torch.distributed as dist
 
     from oppo.algo import get_algorithm
@@ -40,9 +43,11 @@ def _rank(rank, world, port, mode, paths, out, reps):
     pad = load_tokenizer(paths["policy"]).pad_token_id
     cfg = PPOConfig(batch_size=16, minibatch_size=8, micro_batch_size=2, epochs=1, actor_lr=1e-4, critic_lr=1e-4)
     algo = get_algorithm("ppo")
-    spec = LearnerSpec(actor=ModelSpec("policy", paths["policy"], device="cpu"),
+    dtype = getattr(torch, dtype)
+    spec = LearnerSpec(actor=ModelSpec("policy", paths["policy"], dtype if lora else torch.float32, device="cpu"),
                        critic=ModelSpec("critic", paths["reward"], pad_id=pad, device="cpu"),
-                       ppo=cfg, temperature=1.0, seed=0, algorithm=algo)
+                       ppo=cfg, temperature=1.0, seed=0, algorithm=algo, compute_dtype=dtype,
+                       lora=(lora, 2.0 * lora, 0.0, []) if lora else None)
     if mode == "fsdp2":
         learner, update = build_sharded(spec), fsdp_update
     else:
@@ -78,6 +83,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--lora", type=int, default=0, help="LoRA rank of the actor's adapters (0: none)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp())
     paths = {k: str(v) for k, v in make_models(tmp, hidden=args.hidden, layers=args.layers).items()}
@@ -89,7 +96,8 @@ def main() -> None:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
             out = tmp / f"{mode}{world}.json"
-            mp.spawn(_rank, args=(world, port, mode, paths, str(out), args.reps), nprocs=world, join=True)
+            mp.spawn(_rank, args=(world, port, mode, paths, str(out), args.reps, args.lora, args.dtype),
+                     nprocs=world, join=True)
             rows.append(json.loads(out.read_text()))
     print(f"actor parameters: {n:,}")
     print(f"{'mode':>10} {'ranks':>5} {'params MiB':>10} {'grads MiB':>9} {'adamw MiB':>9} {'total MiB':>9} "

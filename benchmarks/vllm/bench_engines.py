@@ -9,9 +9,12 @@ gets one core, one is left to this process; eager and static run with --threads,
 default, so each engine computes on one core) and both cores for its worker
 (``VLLM_CPU_OMP_THREADS_BIND=0-1``).
 
-Part 2 (``steps``): PPO steps through the trainer (``sequential`` and ``oppo``) with the eager and
-vLLM engines on the tiny model: step time and its stage profile (generate, score, train,
-weight sync), the mean over the steps after the first.
+Part 2 (``steps``): PPO steps through the trainer: step time and its stage profile (generate,
+score, train, weight sync) and the sampler-vs-trainer mismatch, the mean over the steps after the
+first. On the tiny model: the eager and vLLM engines, ``sequential`` and ``oppo``. With
+``--smollm``: the eager, static and vLLM engines (``--engines``), in ``sequential``, ``intra`` and
+``oppo`` (``--modes``), SmolLM2 as the policy, the reference and the critic's initialisation,
+scored by a Python reward function (``rewards.py``), B=16, ``--new-tokens`` new tokens at most.
 
 Models: a tiny Llama (hidden 128, 4 heads of 32, 2 layers; tests/conftest.make_models) and,
 with ``--smollm DIR``, SmolLM2-135M-Instruct (134.5M parameters, Llama architecture), which the
@@ -125,27 +128,58 @@ def bench_rollout(path: Path, B: int, new_tokens: int, repeats: int) -> dict:
     return out
 
 
-def bench_steps(models: dict, prompts: Path, out_dir: Path, steps: int) -> dict:
+SMOL_TOPICS = ("the sea", "a library", "winter", "bread", "a bicycle", "the moon", "tea", "a garden",
+               "trains", "music", "rain", "a map", "chess", "bees", "a lighthouse", "paper")
+SMOL_ASKS = ("Describe {} in two sentences.", "Write a short note about {}.", "What is good about {}?",
+             "Give one fact about {}.")
+
+
+def smol_prompts(path: Path) -> Path:
+    """64 short instructions for the chat model (``data.chat_template=true``)."""
+    path.write_text("".join(json.dumps({"prompt": a.format(t)}) + "\n" for a in SMOL_ASKS for t in SMOL_TOPICS))
+    return path
+
+
+def bench_steps(overrides: list[str], out_dir: Path, steps: int, engines=("eager", "vllm"),
+                modes=("sequential", "oppo")) -> dict:
+    """PPO steps through the trainer: per engine and mode, the mean of each stage's time over the
+    steps after the first (a warm-up), and the rollout tokens/s."""
     from oppo.config import load_config
     from oppo.trainer import Trainer
 
     res = {}
-    keys = ("time/step", "time/generate", "time/score", "time/train", "time/weight_sync", "perf/tokens_per_s")
-    for engine in ("eager", "vllm"):
-        for mode in ("sequential", "oppo"):
-            cfg = load_config(None, [
-                f"policy.path={models['policy']}", f"reward.path={models['reward']}", f"data.prompts={prompts}",
-                "ppo.batch_size=16", "ppo.minibatch_size=8", "ppo.micro_batch_size=8",
-                "generation.max_new_tokens=32", f"run.threads={THREADS}", f"generation.engine={engine}", f"overlap.mode={mode}",
-                f"run.out_dir={out_dir / f'{engine}-{mode}'}", "log.progress=false", "run.samples=0"])
+    keys = ("time/step", "time/generate", "time/score", "time/train", "time/weight_sync", "perf/tokens_per_s",
+            "mismatch/logprob_abs_diff", "mismatch/kl")
+    for engine in engines:
+        for mode in modes:
+            cfg = load_config(None, [*overrides, f"run.threads={THREADS}", f"generation.engine={engine}",
+                                     f"overlap.mode={mode}", f"run.out_dir={out_dir / f'{engine}-{mode}'}",
+                                     "log.progress=false", "run.samples=0"])
+            t0 = time.perf_counter()
             t = Trainer(cfg, progress=False)
+            load = time.perf_counter() - t0
             try:
                 ms = [t.run_step() for _ in range(steps)]
             finally:
                 t.close()
-            res[f"{engine}/{mode}"] = {k: statistics.mean(m.get(k, 0.0) for m in ms[1:]) for k in keys}
-            print(engine, mode, res[f"{engine}/{mode}"], flush=True)
+            row = {k: statistics.mean(m[k] for m in ms[1:]) for k in keys if all(k in m for m in ms[1:])}
+            row["step_s_each"] = [m["time/step"] for m in ms]
+            row["load_s"] = load
+            res[f"{engine}/{mode}"] = row
+            print(engine, mode, row, flush=True)
     return res
+
+
+def tiny_overrides(models: dict, prompts: Path) -> list[str]:
+    return [f"policy.path={models['policy']}", f"reward.path={models['reward']}", f"data.prompts={prompts}",
+            "ppo.batch_size=16", "ppo.minibatch_size=8", "ppo.micro_batch_size=8", "generation.max_new_tokens=32"]
+
+
+def smol_overrides(path: Path, prompts: Path, new_tokens: int) -> list[str]:
+    """SmolLM2-135M as policy, reference and critic initialisation, scored by a Python reward function."""
+    return [f"policy.path={path}", "reward.function=rewards:concise", f"data.prompts={prompts}",
+            "data.chat_template=true", "ppo.batch_size=16", "ppo.minibatch_size=8", "ppo.micro_batch_size=4",
+            f"generation.max_new_tokens={new_tokens}"]
 
 
 def main() -> None:
@@ -160,6 +194,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--skip-steps", action="store_true")
     ap.add_argument("--only-steps", action="store_true", help="part 2 only (merged into an existing --out)")
+    ap.add_argument("--engines", nargs="+", default=["eager", "static", "vllm"], help="part 2 on --smollm")
+    ap.add_argument("--modes", nargs="+", default=["sequential", "intra", "oppo"], help="part 2 on --smollm")
+    ap.add_argument("--smol-steps-only", action="store_true",
+                    help="part 2 on --smollm only (merged into an existing --out with --only-steps)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads here (2 on the contended 2-core machine made every engine 25-50x slower: "
                          "OpenMP threads spinning against other jobs)")
@@ -180,10 +218,16 @@ def main() -> None:
         if args.convert and not (args.smollm / "config.json").is_file():
             convert_smollm(args.smollm)
         results["rollout/smollm2-135m"] = bench_rollout(args.smollm, args.B, args.new_tokens, args.repeats)
-    if not args.skip_steps:
+    if not args.skip_steps and not args.smol_steps_only:
         p = args.work / "prompts.jsonl"
         p.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in TINY_PROMPTS * 4))
-        results["steps/tiny"] = bench_steps(tiny, p, args.work / "runs", args.steps)
+        results["steps/tiny"] = bench_steps(tiny_overrides(tiny, p), args.work / "runs", args.steps)
+    if args.smollm and not args.skip_steps:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))  # rewards.py
+        p = smol_prompts(args.work / "smol_prompts.jsonl")
+        results["steps/smollm2-135m"] = bench_steps(
+            smol_overrides(args.smollm, p, args.new_tokens), args.work / "smol_runs", args.steps,
+            engines=args.engines, modes=args.modes)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))
     print(json.dumps(results, indent=1))

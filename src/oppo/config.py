@@ -273,7 +273,10 @@ class PlacementConfig:
     learner_sharding: str = opt("replicate", "Ray: how the learner ranks split the trained state. replicate: each "
                                              "rank holds all of actor, critic and AdamW (data parallel). fsdp2: "
                                              "each holds 1/placement.learner_workers of the parameters, gradients "
-                                             "and AdamW state (torch FSDP2, fully_shard); the same update.",
+                                             "and AdamW state (torch FSDP2, fully_shard); the same update. With "
+                                             "LoRA the frozen base and the adapters are sharded alike; under "
+                                             "bfloat16 the ranks compute in bf16 over fp32 masters (FSDP2 mixed "
+                                             "precision, gradients reduced in fp32).",
                                 ("replicate", "fsdp2"))
     learner_cpus: float = opt(1.0, "Ray: CPUs per learner rank.")
     learner_gpus: float = opt(0.0, "Ray: GPUs per learner rank.")
@@ -281,9 +284,11 @@ class PlacementConfig:
     scorer_gpus: float = opt(0.0, "Ray: GPUs of the scorer actor.")
     spread: bool = opt(False, "Ray: place the learner ranks on different nodes (STRICT_SPREAD) instead of as few "
                               "as possible (PACK).")
-    rollout_workers: int = opt(0, "Ray: rollout workers, each a copy of the policy with its own engine, sharing the "
-                                  "B + Delta sequences and streaming their chunks straight to the scorer actors. "
-                                  "0: the engine runs in the controller process.")
+    rollout_workers: int = opt(0, "Ray: rollout workers, each a copy of the policy with its own engine (eager or "
+                                  "vllm: generation.engine), sharing the B + Delta sequences and streaming their "
+                                  "chunks straight to the scorer actors. With vllm each worker's model process runs "
+                                  "overlap.actor_threads unpinned OpenMP threads. 0: the engine runs in the "
+                                  "controller process.")
     rollout_cpus: float = opt(1.0, "Ray: CPUs per rollout worker.")
     rollout_gpus: float = opt(0.0, "Ray: GPUs per rollout worker.")
     weight_sync: str = opt("auto", "Ray: how the actor's trained weights reach the rollout engine after each "
@@ -652,8 +657,6 @@ def validate(cfg: Config) -> None:
                f"placement.learner_workers={pl.learner_workers} sharded ranks, but a minibatch has only {micro} "
                f"micro-batches (ppo.minibatch_size={p.minibatch_size} / ppo.micro_batch_size={p.micro_batch_size}): "
                f"some ranks would only pad. Use at most {micro} ranks, or a smaller ppo.micro_batch_size.")
-        _check(cfg.lora.r == 0, "placement.learner_sharding=fsdp2 with LoRA is not supported yet; set lora.r=0 or "
-                                "placement.learner_sharding=replicate.")
     _check(pl.rollout_workers >= 0, f"placement.rollout_workers must be >= 0, got {pl.rollout_workers}.")
     _check(pl.weight_sync_bucket_mb >= 0,
            f"placement.weight_sync_bucket_mb must be >= 0 (MiB; 0: by backend), got {pl.weight_sync_bucket_mb}.")
@@ -662,9 +665,9 @@ def validate(cfg: Config) -> None:
            "leave placement.weight_sync=auto (a local run shares the weights in memory).")
     if pl.rollout_workers:
         _check(pl.backend == "ray", "placement.rollout_workers needs placement.backend=ray (or set it to 0).")
-        _check(g.engine == "eager", "placement.rollout_workers runs the eager engine in each worker; "
-                                    "set generation.engine=eager (the static and vllm engines are not built for "
-                                    "workers yet).")
+        _check(g.engine in ("eager", "vllm"), "placement.rollout_workers runs the eager or the vllm engine in "
+                                              "each worker; set generation.engine=eager or vllm (the static "
+                                              "engine is not built for workers yet).")
         _check(cfg.lora.r == 0, "placement.rollout_workers does not carry LoRA adapters yet; set lora.r=0 or "
                                 "placement.rollout_workers=0.")
     _check(cfg.run.save_every >= 0, "run.save_every must be >= 0.")

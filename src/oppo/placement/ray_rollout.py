@@ -23,6 +23,17 @@ checkpoint saves every worker's generator state.
 
 A worker that dies is named by role and rank (``rollout worker (role=rollout, rank=1) died:
 ...``), like the scorer and learner actors.
+
+**vLLM** (``generation.engine=vllm``): each worker hosts a vLLM engine built by the same code as
+the controller's (``roles.vllm_rollout.vllm_backend``; the engine core in the actor's process,
+the model in a process vLLM spawns), and no Hugging Face copy of the policy: the weights go
+straight from the object store into vLLM's in-place reload. vLLM would bind its model process's
+OpenMP threads to every core of the machine but one, the same cores for every worker of a node,
+whatever CPUs Ray granted: the worker builds it with ``VLLM_CPU_OMP_THREADS_BIND=nobind`` and
+``OMP_NUM_THREADS`` = its thread share (``overlap.actor_threads``) instead, unpinned (a
+``VLLM_CPU_OMP_THREADS_BIND`` the user set wins). ``check_vllm`` runs in the controller before any actor starts
+(``setup.build_roles``). Sampling seeds are per request (seed ``run.seed + rank``), so a worker's
+checkpoint state is the engine's ``state_dict`` (no generator).
 """
 
 from __future__ import annotations
@@ -49,8 +60,17 @@ class RolloutHost:
                  scorers: list | None = None):
         torch.set_num_threads(threads)
         self.name = name
-        self.model = spec.load().requires_grad_(False)
-        self.engine = build_engine(self.model, dataclasses.replace(settings, seed=seed))
+        settings = dataclasses.replace(settings, seed=seed)
+        if settings.kind == "vllm":  # vLLM loads the checkpoint itself; no HF copy here (module docstring)
+            from ..models import resolve_device
+            from ..roles.vllm_rollout import vllm_backend
+
+            self.model = None
+            self.engine = vllm_backend(spec.path, settings, spec.dtype, resolve_device(spec.device).type,
+                                       role=name, threads=threads)
+        else:
+            self.model = spec.load().requires_grad_(False)
+            self.engine = build_engine(self.model, settings)
         self.scorers = scorers or []
         self.sent: list = []  # refs of the calls made to the scorers since the last flush
         self.chunks_sent = 0  # chunks streamed since the last flush
@@ -121,13 +141,22 @@ class RolloutHost:
         self.engine.abort(set(uids) & set(self.engine.uids()))
 
     def load_weights(self, weights: Packed, version: int) -> None:
+        if self.model is None:  # vLLM: its in-place reload, from the object store's arrays
+            self.engine.load_weights(_tensors(weights), version)
+            return
         unpack_into(self.model, weights, partial=True)
         self.engine.set_version(version)
 
     def join_weight_sync(self, host: str, port: int, rank: int, world: int, timeout_s: float) -> str:
-        """Join the collective weight sync (``weight_sync.CollectiveSync``) as receiver ``rank``.
-        Returns "" or why the group could not form; a manifest this model cannot take raises."""
+        """Join the collective weight sync (``weight_sync.CollectiveSync``) as receiver ``rank``:
+        into the model's tensors, or (vLLM: no model here) whole tensors handed to the engine's
+        in-place reload after each sync. Returns "" or why the group could not form; a manifest this
+        model cannot take raises."""
         try:
+            if self.model is None:  # vLLM: its reload takes CPU tensors here, so this member is on CPU
+                group = SyncGroup(host, port, rank, world, "cpu", timeout_s=timeout_s)
+                self.weight_receiver = WeightReceiver.connect(group, None, sink=self.engine.load_weights)
+                return ""
             group = SyncGroup(host, port, rank, world, next(self.model.parameters()).device, timeout_s=timeout_s)
             self.weight_receiver = WeightReceiver.connect(group, self.model, partial=True)
         except WeightSyncError:
@@ -139,14 +168,31 @@ class RolloutHost:
     def receive_weights(self, version: int) -> None:
         """One collective sync into the model (the learner must send ``version``); then sample as
         ``version``."""
-        self.weight_receiver.receive(version)
+        self.weight_receiver.receive(version)  # (vLLM's reload sets the version itself)
         self.engine.set_version(version)
 
-    def rng_state(self) -> torch.Tensor:
-        return self.engine.generator.get_state()
+    def state_dict(self) -> dict:
+        return self.engine.state_dict()
 
-    def set_rng_state(self, state: torch.Tensor) -> None:
-        self.engine.generator.set_state(state)
+    def load_state_dict(self, state: dict) -> None:
+        self.engine.load_state_dict(state)
+
+    def close(self) -> None:
+        """End the engine's own processes (vLLM's model worker) before the actor is killed."""
+        self.engine.close()
+
+
+def _tensors(packed: Packed) -> list[tuple[str, torch.Tensor]]:
+    """``weight_sync.pack``'s arrays as (name, tensor) pairs, without a copy (read-only views)."""
+    import warnings
+
+    out = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only arrays: vLLM only reads them
+        for name, (arr, dtype) in packed.items():
+            t = torch.from_numpy(arr)
+            out.append((name, t.view(torch.bfloat16) if dtype == "bfloat16" else t))
+    return out
 
 
 class RayRolloutGroup:
@@ -241,24 +287,33 @@ class RayRolloutGroup:
         self.version = version
 
     def state_dict(self) -> dict:
-        """Every worker's generator state (a list, in rank order)."""
-        return {"generator": self._gather([w.rng_state.remote() for w in self.workers])}
+        """Eager engines: every worker's generator state (``{"generator": [...]}``, in rank
+        order); vLLM: every worker's engine state (``{"workers": [...]}``)."""
+        states = self._gather([w.state_dict.remote() for w in self.workers])
+        if all("generator" in st for st in states):
+            return {"generator": [st["generator"] for st in states]}
+        return {"workers": states}
 
     def load_state_dict(self, state: dict) -> None:
         """A list from a group of the same size restores each worker's; anything else (another
         count, a local engine's single state) restores worker 0's where it can and leaves the
         others at their seeds: the resume is then not bitwise the uninterrupted run."""
-        gen = state.get("generator")
-        if gen is None:  # another kind of backend's state (module docstring of rollout.py's engine)
-            return
-        states = gen if isinstance(gen, list) else [gen]
+        if "workers" in state:
+            states = state["workers"]
+        else:
+            gen = state.get("generator")
+            if gen is None:  # another kind of backend's state (module docstring of rollout.py's engine)
+                return
+            states = [{"generator": g} for g in (gen if isinstance(gen, list) else [gen])]
         if len(states) != len(self.workers):
             states = states[:1]
-        self._gather([w.set_rng_state.remote(s) for w, s in zip(self.workers, states)])
+        self._gather([w.load_state_dict.remote(st) for w, st in zip(self.workers, states)])
 
     def close(self) -> None:
         import ray
 
+        # the engines' own processes first (vLLM's model workers); a dead actor has none left
+        ray.wait([w.close.remote() for w in self.workers], num_returns=len(self.workers), timeout=30)
         for w in self.workers:
             ray.kill(w)
         self.workers = []

@@ -358,26 +358,33 @@ class WeightSender:
 
 class WeightReceiver:
     """A receiving member of a :class:`SyncGroup`: copies every sync's bytes straight into
-    ``module``'s tensors (or, where the dtype differs, through a staging buffer and a cast)."""
+    ``module``'s tensors (or, where the dtype differs, through a staging buffer and a cast). With no
+    module, ``sink(pairs, version)`` gets every tensor whole, as (name, tensor) pairs, at the end of
+    each sync (an engine that loads weights itself: vLLM's in-place reload)."""
 
-    def __init__(self, group: SyncGroup, module: torch.nn.Module, manifest: Manifest, bucket_bytes: int):
-        self.group, self.manifest, self.bucket_bytes = group, manifest, bucket_bytes
+    def __init__(self, group: SyncGroup, module: torch.nn.Module | None, manifest: Manifest, bucket_bytes: int,
+                 sink=None):
+        self.group, self.manifest, self.bucket_bytes, self.sink = group, manifest, bucket_bytes, sink
         self.plan = manifest.plan(bucket_bytes)
-        targets = module.state_dict(keep_vars=True)
-        self.targets = [targets[m.name].data for m in manifest.tensors]
+        targets = module.state_dict(keep_vars=True) if module is not None else {}
+        self.targets = [targets[m.name].data if module is not None else None for m in manifest.tensors]
         self.digest = manifest.digest()
         self.version: int | None = None
 
     @classmethod
-    def connect(cls, group: SyncGroup, module: torch.nn.Module, partial: bool = False) -> WeightReceiver:
+    def connect(cls, group: SyncGroup, module: torch.nn.Module | None, partial: bool = False,
+                sink=None) -> WeightReceiver:
         """Read the sender's manifest and check it against ``module`` (every name it sends must be
         one of the module's, of the same shape; unless ``partial``, every one of the module's must
-        be sent); every member raises if any receiver refuses (naming the tensors)."""
+        be sent); every member raises if any receiver refuses (naming the tensors). With ``sink``
+        instead of a module, the engine behind it checks the names when it loads them."""
+        if (module is None) == (sink is None):
+            raise ValueError("internal error: a weight receiver writes into a module or hands tensors to a sink")
         manifest, bucket_bytes = pickle.loads(group.store.get("manifest"))
-        problem = _mismatch(manifest, module, partial)
+        problem = _mismatch(manifest, module, partial) if module is not None else ""
         group.store.set(f"verdict/{group.rank}", problem)
         _agree(group, not problem)
-        return cls(group, module, manifest, bucket_bytes)
+        return cls(group, module, manifest, bucket_bytes, sink)
 
     @torch.no_grad()
     def receive(self, version: int) -> None:
@@ -392,7 +399,8 @@ class WeightReceiver:
             p = self.plan[k][-1]
             return self.group.broadcast(bufs[k % len(bufs)][: p[3] + p[2] - p[1]])
 
-        stage: dict[int, torch.Tensor] = {}  # tensors that need a cast (or are not contiguous)
+        stage: dict[int, torch.Tensor] = {}  # tensors that need a cast (or are not contiguous), or for the sink
+        whole: list[tuple[str, torch.Tensor]] = []  # for the sink
         work = post(0) if self.plan else None
         for k, pieces in enumerate(self.plan):
             nxt = post(k + 1) if k + 1 < len(self.plan) else None  # into the other buffer, meanwhile
@@ -401,15 +409,23 @@ class WeightReceiver:
             for i, a, b, off in pieces:
                 meta, target = metas[i], self.targets[i]
                 wire = getattr(torch, meta.dtype)
-                if target.dtype == wire and target.is_contiguous():
+                if target is not None and target.dtype == wire and target.is_contiguous():
                     target.reshape(-1).view(torch.uint8)[a:b].copy_(buf[off: off + b - a])
                     continue
                 if i not in stage:
                     stage[i] = torch.empty(meta.nbytes, dtype=torch.uint8, device=dev)
                 stage[i][a:b].copy_(buf[off: off + b - a])
                 if b == meta.nbytes:
-                    target.copy_(stage.pop(i).view(wire).view(meta.shape))
+                    t = stage.pop(i).view(wire).view(meta.shape)
+                    if target is None:
+                        whole.append((meta.name, t))
+                    else:
+                        target.copy_(t)
             work = nxt
+        if self.sink is not None:
+            whole += [(m.name, torch.empty(m.shape, dtype=getattr(torch, m.dtype), device=dev))
+                      for m in metas if m.nbytes == 0]  # (no bytes: never in a bucket)
+            self.sink(whole, version)
         if dev.type == "cuda":
             torch.cuda.current_stream(dev).synchronize()  # the engine may read the weights from any stream
         self.version = version

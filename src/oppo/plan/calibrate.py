@@ -1,15 +1,24 @@
 """Fit the stage costs from oppo's own traces, and check the planner against measured speedups.
 
+:func:`validation` (``oppo plan --calibrate``) fits and compares on the same runs: an in-sample
+check (its "held out" column leaves one sigma's runs out of the fit, on the same machine
+session, and compares speed ratios only). The held-out validation, fitted on some runs and
+predicting others measured afterwards, with absolute times and run-to-run spread, is
+``benchmarks/plan/heldout.py`` (it uses :func:`load_run_dir`, :func:`fit` and
+:func:`fit_overhead` from here).
+
 A measured run directory (``trace.json`` + ``metrics.jsonl``, as ``oppo bench`` writes them)
 is replayed: the planner simulates the same workload (same batch, the same response lengths,
 the same Delta and chunk size per step), which gives every measured span the sizes of the
 work it did (decode steps and rows, tokens scored, padded tokens trained...). Least squares
 with non-negative coefficients then gives seconds per unit of each size (``LinearCosts``).
 
-Response lengths are known exactly only for synthetic-length runs (``oppo bench --tail``):
-``LogNormalLengths(median, sigma, cap, seed)`` reproduces the bench's sampler. The calibration
-therefore uses the tail sweep's runs; ``replay_workload`` checks that the replayed batches have
-the measured mean and maximum response length at every step and refuses a run where they differ.
+Response lengths are known exactly for synthetic-length runs (``oppo bench --tail``:
+``LogNormalLengths(median, sigma, cap, seed)`` reproduces the bench's sampler) and for run
+directories that record every trained sequence's length (``lengths.jsonl`` of ``oppo train`` or
+``benchmarks/plan/heldout.py``: :func:`load_run_dir`; sequences never trained get the length cap,
+which gives the same schedule). ``replay_workload`` checks that the replayed batches have the
+measured mean and maximum response length at every step and refuses a run where they differ.
 
 On the CPU the modes do not run on the same "devices": ``sequential`` and ``inter`` run every
 stage in the controller on all cores, ``intra`` and ``oppo`` run the actor on one core and the
@@ -29,11 +38,12 @@ import numpy as np
 
 from ..trace import Span, load_trace
 from .costs import LinearCosts, Work, nnls
-from .lengths import LogNormalLengths
+from .lengths import LogNormalLengths, TableLengths
 from .sim import MODES, STREAMING, Placement, Workload, simulate
 
-__all__ = ["MeasuredRun", "load_run", "load_tail_sweep", "replay_workload", "fit", "cpu_placement", "CpuProfile",
-           "Comparison", "validate", "check_bench", "validation", "BUILTIN_LENGTHS"]
+__all__ = ["MeasuredRun", "load_run", "load_run_dir", "read_lengths", "fit_overhead", "load_tail_sweep",
+           "replay_workload", "fit", "cpu_placement", "CpuProfile", "Comparison", "validate", "check_bench",
+           "validation", "BUILTIN_LENGTHS"]
 
 
 @dataclass
@@ -46,6 +56,10 @@ class MeasuredRun:
     spans: list[Span]
     settings: dict
     sigma: float | None = None
+    table: dict | None = None  # measured lengths, (prompt_index, member) -> tokens (a run directory's lengths.jsonl)
+    max_new_tokens: int | None = None
+    group_size: int = 1
+    needs_critic: bool = True
 
     @property
     def step_times(self) -> list[float]:
@@ -57,6 +71,43 @@ def load_run(path: str | Path, mode: str | None = None, settings: dict | None = 
     path = Path(path)
     metrics = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return MeasuredRun(path, mode or path.name, metrics, load_trace(path / "trace.json"), settings or {}, sigma)
+
+
+def read_lengths(path: str | Path) -> dict[tuple[int, int], int]:
+    """``lengths.jsonl`` (``oppo train`` or ``benchmarks/plan/heldout.py``) as ``{(prompt_index,
+    member): tokens}``; without a ``member`` field, a group's members are the adjacent entries of
+    one prompt index (a step trains whole groups, members adjacent)."""
+    table: dict[tuple[int, int], int] = {}
+    for line in Path(path).read_text().splitlines():
+        if not line.strip():
+            continue
+        d = json.loads(line)
+        members = d.get("member")
+        if members is None:
+            members, prev, m = [], None, 0
+            for i in d["prompt_index"]:
+                m = m + 1 if i == prev else 0
+                members.append(m)
+                prev = i
+        for i, m, n in zip(d["prompt_index"], members, d["lengths"]):
+            table[(int(i), int(m))] = int(n)
+    return table
+
+
+def load_run_dir(path: str | Path) -> MeasuredRun:
+    """A run directory (``config.yaml``, ``metrics.jsonl``, ``trace.json``, ``lengths.jsonl``, and
+    ``meta.json`` from ``benchmarks/plan/heldout.py``): replayable with its measured lengths."""
+    import yaml
+
+    path = Path(path)
+    settings = yaml.safe_load((path / "config.yaml").read_text())
+    meta = json.loads((path / "meta.json").read_text()) if (path / "meta.json").is_file() else {}
+    run = load_run(path, settings["overlap"]["mode"], settings, meta.get("sigma"))
+    run.table = read_lengths(path / "lengths.jsonl")
+    run.max_new_tokens = meta.get("max_new_tokens")
+    run.group_size = int(meta.get("group_size") or settings.get("algo", {}).get("group_size") or 1)
+    run.needs_critic = bool(meta.get("needs_critic", True))
+    return run
 
 
 def _bench_settings(bench_dir: Path) -> dict:
@@ -85,19 +136,27 @@ PROMPT_TOKENS, PROMPT_PAD = 11, 15  # the built-in task's prompts: 11.3 tokens o
 
 
 def replay_workload(run: MeasuredRun, max_new_tokens: int = 128, check: bool = True) -> Workload:
-    """The workload a tail-sweep run trained: its lengths, batch sizes, Delta and chunk per step."""
-    if run.sigma is None:
-        raise ValueError(f"{run.path}: only synthetic-length runs (oppo bench --tail) can be replayed exactly")
+    """The workload a run trained: its lengths (measured ones from a run directory, else the tail
+    sweep's synthetic ones), batch sizes, Delta and chunk per step, groups and refill.
+
+    ``check``: the replayed batches must have the measured mean and maximum length at every step
+    (not for ``pipeline``, whose schedule depends on timing)."""
     ppo, ov = run.settings["ppo"], run.settings["overlap"]
-    mnt = run.settings.get("generation", {}).get("max_new_tokens") or max_new_tokens
-    lengths = LogNormalLengths(max(2, mnt // 12), run.sigma, mnt, run.settings["run"]["seed"])
+    mnt = run.max_new_tokens or run.settings.get("generation", {}).get("max_new_tokens") or max_new_tokens
+    if run.table is not None:
+        lengths = TableLengths(run.table, mnt)
+    elif run.sigma is not None:
+        lengths = LogNormalLengths(max(2, mnt // 12), run.sigma, mnt, run.settings["run"]["seed"])
+    else:
+        raise ValueError(f"{run.path}: no lengths to replay (a run directory's lengths.jsonl, or an oppo bench --tail run)")
     wl = Workload(
         batch=ppo["batch_size"], lengths=lengths, prompt_tokens=PROMPT_TOKENS, prompt_pad=PROMPT_PAD,
         delta=[int(m.get("overlap/delta", 0)) for m in run.metrics] or 0, max_lag=ov["max_lag"],
         chunk=[int(m.get("overlap/chunk_size", 0)) or 16 for m in run.metrics], minibatch=ppo["minibatch_size"],
-        micro=ppo["micro_batch_size"], epochs=ppo["epochs"])
-    if check:
-        sim = simulate(run.mode, wl, _UNIT, cpu_placement(run.mode, ov.get("critic_on_worker", True)),
+        micro=ppo["micro_batch_size"], epochs=ppo["epochs"], group_size=run.group_size,
+        refill=bool(ov.get("refill", False)), partial_groups=ov.get("partial_groups", "carry"))
+    if check and run.mode != "pipeline":
+        sim = simulate(run.mode, wl, _UNIT, cpu_placement(run.mode, ov.get("critic_on_worker", True), run.needs_critic),
                        steps=len(run.metrics), warmup=0)
         for m, s in zip(run.metrics, sim.steps):
             if (abs(statistics.mean(s.lengths) - m["response_length/mean"]) > 1e-3
@@ -113,8 +172,11 @@ def replay_workload(run: MeasuredRun, max_new_tokens: int = 128, check: bool = T
 _UNIT = LinearCosts({"decode.calls": 1e-3, "decode.rows": 1e-5}, "unit")
 
 
-def cpu_placement(mode: str, critic_on_worker: bool = True) -> Placement:
-    """Where oppo runs each stage on a CPU machine in ``mode`` (see the module docstring)."""
+def cpu_placement(mode: str, critic_on_worker: bool = True, needs_critic: bool = True) -> Placement:
+    """Where oppo runs each stage on a CPU machine in ``mode`` (see the module docstring).
+    ``needs_critic=False`` (GRPO, RLOO, REINFORCE++): no critic to score or train."""
+    if not needs_critic:
+        return Placement(1, 1 if mode in STREAMING else 0, scorer_roles=("reward", "reference"), critic="value_head")
     if mode in STREAMING:
         return Placement(1, 1, critic="scorer" if critic_on_worker else "actor")
     return Placement(1, 0, critic="actor")
@@ -127,7 +189,8 @@ def _group(mode: str) -> str:
 def _samples(run: MeasuredRun, warmup: int = 1) -> list[tuple[dict[str, float], float, str]]:
     """(features, measured seconds, label) for every measured span the replay can size."""
     wl = replay_workload(run)
-    sim = simulate(run.mode, wl, _UNIT, cpu_placement(run.mode, run.settings["overlap"].get("critic_on_worker", True)),
+    sim = simulate(run.mode, wl, _UNIT, cpu_placement(run.mode, run.settings["overlap"].get("critic_on_worker", True),
+                                                      run.needs_critic),
                    steps=len(run.metrics), warmup=0, fine=True)
     simulated: dict[tuple[str, str, int], list[tuple[Work, ...]]] = {}
     for _dev, worker, stage, step, _s, _e, works in sim_log(sim):
@@ -212,6 +275,7 @@ class CpuProfile:
     costs: dict[str, LinearCosts]
     critic_on_worker: bool = True
     overhead_s: float = 0.001  # untraced controller time per step (measured: about 1 ms)
+    overhead_by_group: dict[str, float] = field(default_factory=dict)  # fitted (fit_overhead), else overhead_s
 
     def costs_for(self, mode: str) -> LinearCosts:
         c = self.costs[_group(mode)]
@@ -222,12 +286,30 @@ class CpuProfile:
             c = LinearCosts(coef, c.label + " + together's training")
         return c
 
-    def placement_for(self, mode: str) -> Placement:
-        return cpu_placement(mode, self.critic_on_worker)
+    def placement_for(self, mode: str, needs_critic: bool = True) -> Placement:
+        return cpu_placement(mode, self.critic_on_worker, needs_critic)
 
-    def simulate(self, mode: str, wl: Workload, steps: int, warmup: int = 1):
-        return simulate(mode, wl, self.costs_for(mode), self.placement_for(mode), steps, warmup,
-                        overhead_s=self.overhead_s)
+    def overhead_for(self, mode: str) -> float:
+        return self.overhead_by_group.get(_group(mode), self.overhead_s)
+
+    def simulate(self, mode: str, wl: Workload, steps: int, warmup: int = 1, needs_critic: bool = True):
+        return simulate(mode, wl, self.costs_for(mode), self.placement_for(mode, needs_critic), steps, warmup,
+                        overhead_s=self.overhead_for(mode))
+
+
+def fit_overhead(profile: CpuProfile, runs: list[MeasuredRun], warmup: int = 1) -> dict[str, float]:
+    """Per cost group, the median of (measured - simulated) step time over the runs' timed steps:
+    the controller's untraced time (Python between stages, metrics, threads handing over). Sets
+    ``profile.overhead_by_group`` and returns it; never below 0."""
+    resid: dict[str, list[float]] = {}
+    for run in runs:
+        wl = replay_workload(run, check=False)
+        res = simulate(run.mode, wl, profile.costs_for(run.mode), profile.placement_for(run.mode, run.needs_critic),
+                       len(run.metrics), warmup=0)
+        for m, s in list(zip(run.metrics, res.steps))[warmup:]:
+            resid.setdefault(_group(run.mode), []).append(m["time/step"] - s.time)
+    profile.overhead_by_group = {g: max(0.0, statistics.median(v)) for g, v in resid.items()}
+    return profile.overhead_by_group
 
 
 @dataclass

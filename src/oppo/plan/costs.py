@@ -28,6 +28,7 @@ oneshot     a one-shot forward over whole sequences (``tokens`` padded): sequent
 train       a PPO update of one model (``calls`` micro-batches, ``tokens`` padded,
             ``opt_steps`` optimizer steps, ``dp`` data-parallel devices)
 book        the controller's own per-step work (experience tensors, advantages)
+sync        the weight sync after an update (the rollout engine takes the new weights)
 ==========  ================================================================================
 """
 
@@ -42,7 +43,7 @@ import numpy as np
 __all__ = ["Work", "CostModel", "LinearCosts", "FEATURES", "nnls", "GPU", "GPUS", "ModelShape", "MODELS",
            "model_shape", "Efficiency", "Roofline"]
 
-OPS = ("decode", "prefill", "stream", "oneshot", "train", "book")
+OPS = ("decode", "prefill", "stream", "oneshot", "train", "book", "sync")
 
 
 @dataclass(frozen=True)
@@ -84,11 +85,12 @@ FEATURES = {  # the sizes each operation's cost is linear in (the CPU fit; more 
     "oneshot": ("calls", "tokens"),
     "train": ("calls", "tokens"),
     "book": ("calls", "rows"),
+    "sync": ("calls",),
 }
 
 
 def _prefix(work: Work) -> str:
-    return work.op if work.op in ("decode", "prefill", "book") else f"{work.op}.{work.role}"
+    return work.op if work.op in ("decode", "prefill", "book", "sync") else f"{work.op}.{work.role}"
 
 
 @dataclass
@@ -294,6 +296,8 @@ class Roofline:
             return self._forward_s(self._model(w.role or "policy"), w.calls, w.tokens, w.attn, e.forward)
         if w.op == "train":
             return self._train_s(w)
+        if w.op == "sync":  # colocated: the engine reads the learner's weights (no copy); see sim.py for pipeline
+            return 0.0
         return 0.001 * w.calls  # book: the controller's tensors, negligible next to a GPU step
 
     def describe(self) -> str:

@@ -16,7 +16,7 @@ import math
 import random
 from dataclasses import dataclass
 
-__all__ = ["LogNormalLengths", "FixedLengths"]
+__all__ = ["LogNormalLengths", "FixedLengths", "TableLengths", "EmpiricalLengths"]
 
 
 @dataclass(frozen=True)
@@ -32,8 +32,9 @@ class LogNormalLengths:
         if self.median <= 0 or self.sigma < 0 or self.cap < 1:
             raise ValueError(f"LogNormalLengths needs median > 0, sigma >= 0 and cap >= 1; got {self}")
 
-    def __call__(self, index: int) -> int:
-        rng = random.Random(self.seed * 1_000_003 + index)
+    def __call__(self, index: int, member: int = 0) -> int:
+        # member: a sequence's place in its group (GRPO/RLOO), keyed as the bench's sampler keys it
+        rng = random.Random(self.seed * 1_000_003 + index if member == 0 else f"{self.seed}/{index}/{member}")
         return max(1, min(self.cap, int(round(self.median * math.exp(rng.gauss(0.0, self.sigma))))))
 
     def sample(self, n: int, start: int = 0) -> list[int]:
@@ -49,7 +50,7 @@ class FixedLengths:
 
     length: int
 
-    def __call__(self, index: int) -> int:
+    def __call__(self, index: int, member: int = 0) -> int:
         return self.length
 
     def sample(self, n: int, start: int = 0) -> list[int]:
@@ -57,3 +58,37 @@ class FixedLengths:
 
     def describe(self) -> str:
         return f"every response {self.length} tokens"
+
+
+@dataclass(frozen=True)
+class TableLengths:
+    """Measured lengths: ``table[(prompt_index, member)]``, ``default`` for a sequence the run
+    never trained (in flight at its end: any length past what it reached gives the same schedule)."""
+
+    table: dict
+    default: int
+
+    def __call__(self, index: int, member: int = 0) -> int:
+        return int(self.table.get((index, member), self.default))
+
+    def describe(self) -> str:
+        return f"{len(self.table)} measured lengths (others {self.default})"
+
+
+@dataclass(frozen=True)
+class EmpiricalLengths:
+    """Lengths drawn from a measured sample (e.g. the fit runs' natural lengths): prompt ``i``'s
+    member ``m`` gets ``sample[u]`` for a ``u`` drawn from ``Random((seed, i, m))``, so the same
+    sequence always gets the same length. A prediction of a run whose lengths are not forced."""
+
+    sample: tuple[int, ...]
+    seed: int = 0
+
+    def __call__(self, index: int, member: int = 0) -> int:
+        rng = random.Random(f"empirical/{self.seed}/{index}/{member}")
+        return int(self.sample[rng.randrange(len(self.sample))])
+
+    def describe(self) -> str:
+        s = sorted(self.sample)
+        return (f"the fit runs' {len(s)} measured lengths, resampled (median {s[len(s) // 2]}, "
+                f"p99 {s[min(len(s) - 1, int(0.99 * len(s)))]}, max {s[-1]})")

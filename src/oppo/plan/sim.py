@@ -18,7 +18,18 @@ instead of a clock:
   scorer role over the batch;
 - **training**: the actor's PPO update on the actor devices and the critic's on the scorer
   devices beside it (``overlap.critic_on_worker``), after it, or nowhere (a value head on the
-  actor); micro-batches padded as the learner pads them.
+  actor); micro-batches padded as the learner pads them; then the **weight sync** (``sync``);
+- **pipeline** (in-flight updates, ``overlapped.py``): once the batch is scored the update runs on
+  learner devices of its own (oppo's learner thread; PipelineRL's trainer GPUs), assumed not to
+  slow decoding, while the actor admits the next step's prompts (sampled by the old weights)
+  and decodes until the update is done, stopping at the first decode-step boundary after it;
+  the weights load there, and the next step starts with those rows part-decoded. Step time =
+  what is left of decoding + close + max(update, that step's in-flight decoding) + sync;
+- **groups** (``group_size`` G > 1, GRPO/RLOO): each member draws its own length; the
+  scheduler closes on B / G complete groups and carries partly finished ones whole (or waits for
+  them, ``partial_groups="wait"``); Delta counts groups;
+- **refill** (``refill``): a finish admits a replacement at once (prefilled at that moment,
+  streamed to the scorers as a queued message); the decode timeline is rebuilt from there.
 
 A :class:`Placement` says which devices do what. Data parallelism: the actor devices split the
 rows (each decodes its own rows in lock-step), forwards and updates split the batch evenly.
@@ -26,6 +37,10 @@ rows (each decodes its own rows in lock-step), forwards and updates split the ba
 Output per step: step time, each device's and each worker's busy seconds, the spans (the same
 ``oppo.trace.Span`` records the runtime writes, so a simulated step can be opened in Perfetto),
 and the trained batch's lengths and lags.
+
+Not modelled: contention between workers sharing cores (on a 2-core CPU the pipeline's learner
+thread and the decoding thread share them), a Ray placement's per-call overhead (it is simulated
+as the local placement with the same devices), memory limits, checkpoint drains.
 """
 
 from __future__ import annotations
@@ -43,17 +58,21 @@ from ..trace import Span
 from .costs import CostModel, Work
 
 MODES = ("sequential", "intra", "inter", "oppo")
-STREAMING = ("intra", "oppo")
-CARRYING = ("inter", "oppo")
+"""The modes compared by default (projections, calibration): the OPPO paper's four."""
+ALL_MODES = MODES + ("pipeline",)
+STREAMING = ("intra", "oppo", "pipeline")
+CARRYING = ("inter", "oppo", "pipeline")
+IN_FLIGHT = ("pipeline",)
 
 
 @dataclass(frozen=True)
 class Workload:
     """What is trained: batch size, lengths, and the overlap and PPO settings that set the schedule.
 
-    ``lengths(prompt_index)`` gives a response's length in tokens (EOS included). ``chunk`` and
-    ``delta`` may be one value or one per step (the last repeats), e.g. a measured run's
-    ``overlap/chunk_size`` per step.
+    ``lengths(prompt_index)`` gives a response's length in tokens (EOS included); with groups
+    (``group_size`` G > 1) ``lengths(prompt_index, member)`` gives each of the G answers' own.
+    ``chunk`` and ``delta`` may be one value or one per step (the last repeats), e.g. a measured
+    run's ``overlap/chunk_size`` per step. ``delta`` counts groups, as ``overlap.delta`` does.
     """
 
     batch: int
@@ -67,6 +86,9 @@ class Workload:
     micro: int = 8
     epochs: int = 1
     seed: int = 0
+    group_size: int = 1  # G (GRPO/RLOO): lengths(prompt_index, member) then gives each member's length
+    refill: bool = False  # overlap.refill: admit a replacement as soon as a sequence finishes
+    partial_groups: str = "carry"  # overlap.partial_groups: "carry" or "wait" (see oppo.scheduler)
 
     def chunk_at(self, step: int) -> int:
         return _at(self.chunk, step)
@@ -138,6 +160,7 @@ class StepResult:
     carried: int
     device_busy: dict[str, float]
     worker_busy: dict[str, float]
+    full: float = 0.0  # when B sequences were first finished (before the close: waiting for due ones)
 
     @property
     def time(self) -> float:
@@ -246,22 +269,29 @@ def _split(n: int, parts: int) -> list[int]:
 
 
 class _Sim:
-    def __init__(self, mode: str, wl: Workload, costs: CostModel, pl: Placement, fine: bool):
-        if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r}; one of {', '.join(MODES)}")
-        self.mode, self.wl, self.costs, self.pl, self.fine = mode, wl, costs, pl, fine
+    def __init__(self, mode: str, wl: Workload, costs: CostModel, pl: Placement, fine: bool, steps: int):
+        if mode not in ALL_MODES:
+            raise ValueError(f"unknown mode {mode!r}; one of {', '.join(ALL_MODES)}")
+        self.mode, self.wl, self.costs, self.pl, self.fine, self.steps = mode, wl, costs, pl, fine, steps
         self.streams = mode in STREAMING
         self.carries = mode in CARRYING
+        self.in_flight = mode in IN_FLIGHT
         lag = wl.max_lag if self.carries else 0
         if self.carries and lag < 1:
             raise ValueError(f"{mode} carries sequences: max_lag must be >= 1 (got {lag})")
         delta = (wl.delta if isinstance(wl.delta, (int, np.integer)) else _DeltaSchedule(wl.delta)) if self.carries else 0
-        self.sched = Scheduler(wl.batch, lag, delta)
+        self.sched = Scheduler(wl.batch, lag, int(delta) if isinstance(delta, (int, np.integer)) else delta,
+                               refill=wl.refill and self.carries, group_size=wl.group_size,
+                               partial_groups=wl.partial_groups)
         self.actors = [_Device(f"actor{i}") for i in range(pl.actor_devices)]
         self.scorers = self.actors if pl.shared else [_Device(f"scorer{i}") for i in range(pl.scorer_devices)]
+        # pipeline: the update runs beside decoding (oppo's learner thread; PipelineRL's trainer
+        # GPUs), modelled as devices of its own that do not slow the actor's decoding
+        self.learners = [_Device(f"learner{i}") for i in range(pl.actor_devices)] if self.in_flight else self.actors
         self.rows: dict[int, _Row] = {}
         self.clock = 0.0
         self.log_start = 0
+        self.next_begun = False  # pipeline: the next step's prompts were admitted while the learner trained
         self.stage_log: list[tuple[str, str, str, int, float, float, tuple[Work, ...]]] = []
 
     def record(self, dev: _Device, worker: str, stage: str, step: int, start: float, end: float,
@@ -269,31 +299,76 @@ class _Sim:
         if end > start or works:
             self.stage_log.append((dev.name, worker, stage, step, start, end, tuple(works)))
 
+    def _length(self, t) -> int:
+        if self.wl.group_size > 1:  # each member of a group draws its own length, as oppo bench forces them
+            return max(1, int(self.wl.lengths(t.prompt_index, t.uid - t.group)))
+        return max(1, int(self.wl.lengths(t.prompt_index)))
+
     # ---------------------------------------------------------------- one step
 
     def step(self, k: int) -> StepResult:
-        wl, pl, costs = self.wl, self.pl, self.costs
         t0 = self.clock
-        for d in self.actors + self.scorers:
-            d.free = t0
-        chunk = wl.chunk_at(k)
+        for d in self.actors + self.scorers + self.learners:
+            d.free = max(d.free, t0)  # (pipeline: a scorer may still drain chunks of the in-flight decode)
+        chunk = self.wl.chunk_at(k)
         for r in self.rows.values():
             r.prior = r.done  # tokens sampled by older policy versions, if trained at this step
-        new = []
-        load = [0] * len(self.actors)  # running rows per actor device: a new row goes to the least loaded
+        self.log_start = len(self.stage_log)
+        self.full_at: float | None = None
+        queues: list[list[tuple[float, int, int, int, bool]]] = [[] for _ in self.scorers]
+        if not self.next_begun:
+            self._admit(k, self.sched.begin_step().seqs, t0, queues, first=True)
+        self.next_begun = False
+        # 2. decode until the scheduler closes the step
+        close_t, close = self._decode(k, chunk, queues)
+        batch = [self.rows[u] for u in sorted(close.uids)]
+        # 3. score
+        t_scored = self._close(k, close_t, batch, queues)
+        lengths = [r.length for r in batch]
+        off_tokens = sum(r.prior for r in batch)  # sampled before this step: by an older version
+        for u in close.uids:
+            del self.rows[u]
+        self.sched.end_step(0.0)
+        # 4-6. learn; pipeline: meanwhile admit the next step and decode until the update is done
+        learned = self._learn(k, t_scored, lengths, self.learners)
+        ready = learned
+        if self.in_flight and k + 1 < self.steps:  # (the runtime begins no step beyond the run's last)
+            q_next: list[list[tuple[float, int, int, int, bool]]] = [[] for _ in self.scorers]
+            self._admit(k, self.sched.begin_step().seqs, t_scored, q_next)
+            self.next_begun = True
+            stopped = self._decode(k, chunk, q_next, deadline=learned)
+            for j, q in enumerate(q_next):  # the scorers take those chunks as they come, after their own update
+                self._score_queue(k, j, q)
+            ready = max(learned, stopped)
+        # the weight sync: the engine samples with the new weights from here on
+        sync = Work("sync", "policy", 1)
+        end = _group_run(self, self.actors, ready, self.costs.time(sync), "learner", "weight_sync", k, [sync])
+        self.clock = end
+        dev_busy, work_busy = self._busy(t0, end)
+        return StepResult(k, t0, end, close_t, lengths, list(close.lags), off_tokens, sum(lengths),
+                          sum(1 for r in self.rows.values() if not r.finished), dev_busy, work_busy,
+                          self.full_at if self.full_at is not None else close_t)
+
+    def _admit(self, k: int, tickets, t: float, queues, first: bool = False) -> list[_Row]:
+        """Stage 1: new rows go to the least-loaded actor device, which prefills their prompts at
+        ``t``; streaming scorers prefill them too (at a step's start as their own span, mid-step as
+        a queued message, like ``scorer.admit`` between chunks)."""
+        wl, costs, pl = self.wl, self.costs, self.pl
+        if not tickets:
+            return []
+        load = [0] * len(self.actors)  # running rows per actor device
         for r in self.rows.values():
             if not r.finished:
                 load[r.device] += 1
         heap = [(n, i) for i, n in enumerate(load)]
         heapq.heapify(heap)
-        for t in self.sched.begin_step().seqs:
+        new = []
+        for tk in tickets:
             n, dev = heapq.heappop(heap)
             heapq.heappush(heap, (n + 1, dev))
-            row = _Row(t.uid, t.prompt_index, max(1, int(wl.lengths(t.prompt_index))), t.start_version, dev)
+            row = _Row(tk.uid, tk.prompt_index, self._length(tk), tk.start_version, dev)
             self.rows[row.uid] = row
             new.append(row)
-        self.log_start = len(self.stage_log)
-        # 1. the actor prefills the admitted prompts (each device its own)
         per_actor = [0] * len(self.actors)
         per_scorer = [0] * len(self.scorers)
         for r in new:
@@ -302,73 +377,113 @@ class _Sim:
         for dev, n in zip(self.actors, per_actor):
             if n:
                 w = Work("prefill", "policy", 1, n, n * wl.pad, n * wl.prompt_tokens ** 2 / 2)
-                dev.run(self, t0, costs.time(w), "actor", "prefill_prompt", k, [w])
-        # ... and the streaming scorers prefill them too (their first queued message)
-        queues: list[list[tuple[float, int, int, int, bool]]] = [[] for _ in self.scorers]
-        if self.streams and new:
-            for dev, n in zip(self.scorers, per_scorer):
-                if n:
-                    works = [Work("stream", role, 1, n, n * wl.prompt_tokens, n * wl.prompt_tokens ** 2 / 2)
-                             for role in pl.scorer_roles]
-                    dev.run(self, t0, sum(costs.time(w) for w in works), "scorer", "prefill_prompt", k, works)
-        # 2. decode until the scheduler closes the step
-        close_t, close = self._decode(k, chunk, queues)
-        batch = [self.rows[u] for u in sorted(close.uids)]
-        # 3. score, 4-6. learn
-        end = self._close_and_learn(k, close_t, batch, queues)
-        lengths = [r.length for r in batch]
-        off_tokens = sum(r.prior for r in batch if r.version < k)
-        for u in close.uids:
-            del self.rows[u]
-        self.sched.end_step(0.0)
-        self.clock = end
-        dev_busy, work_busy = self._busy(t0, end)
-        return StepResult(k, t0, end, close_t, lengths, list(close.lags), off_tokens, sum(lengths),
-                          sum(1 for r in self.rows.values() if not r.finished), dev_busy, work_busy)
+                dev.run(self, t, costs.time(w), "actor", "prefill_prompt", k, [w])
+        if self.streams:
+            if first:
+                for dev, n in zip(self.scorers, per_scorer):
+                    if n:
+                        works = [Work("stream", role, 1, n, n * wl.prompt_tokens, n * wl.prompt_tokens ** 2 / 2)
+                                 for role in pl.scorer_roles]
+                        dev.run(self, t, sum(costs.time(w) for w in works), "scorer", "prefill_prompt", k, works)
+            else:
+                for r in new:
+                    queues[r.uid % len(self.scorers)].append((t, r.uid, wl.prompt_tokens, 0, False))
+        return new
 
-    def _decode(self, k: int, chunk: int, queues) -> tuple[float, object]:
-        """Decode every running row per actor device; feed finishes to the scheduler in time order."""
-        wl, costs = self.wl, self.costs
-        per_dev: dict[int, list[_Row]] = {}
-        for r in self.rows.values():
-            if not r.finished:
-                per_dev.setdefault(r.device, []).append(r)
-        timelines: dict[int, tuple[float, np.ndarray, np.ndarray, np.ndarray]] = {}
-        events: list[tuple[float, int, int]] = []  # (finish time, device, uid)
-        for i, rows in per_dev.items():
-            start = self.actors[i].free
-            rem = np.array([r.length - r.done for r in rows])
-            base = np.array([wl.prompt_tokens + r.done for r in rows], float)
-            order = np.argsort(rem, kind="stable")
-            rem_s, base_s = rem[order], base[order]
-            S = int(rem_s[-1])
-            s = np.arange(1, S + 1)
-            first = np.searchsorted(rem_s, s, side="left")  # rows with rem >= s are still running
-            active = len(rem_s) - first
-            suffix = np.concatenate([np.cumsum(base_s[::-1])[::-1], [0.0]])
-            attn = suffix[first] + active * (s - 1)  # context each running row holds at step s
-            ends = start + np.cumsum(costs.decode_steps(active, attn))
-            timelines[i] = (start, ends, active, attn)
-            for r, left in zip(rows, rem):
-                events.append((float(ends[left - 1]), i, r.uid))
-        events.sort()
-        pool = sum(1 for r in self.rows.values() if r.finished)  # finished, untrained (carried)
-        close, close_t, j = None, None, 0
-        while close is None:
-            if j >= len(events):
-                raise RuntimeError("internal error: the step cannot close but nothing is decoding")
-            t = events[j][0]
-            while j < len(events) and events[j][0] == t:
-                self.sched.on_finished(events[j][2])
-                pool += 1
-                j += 1
-            if pool >= self.wl.batch:  # try_close cannot succeed before (it costs O(B) per call at scale)
+    def _timeline(self, rows: list[_Row], start: float):
+        """The lock-step decode of ``rows`` on one device from ``start``, if nothing joins: the end
+        of every decode step, the rows running in it and the context they hold."""
+        rem = np.array([r.length - r.done for r in rows])
+        base = np.array([self.wl.prompt_tokens + r.done for r in rows], float)
+        order = np.argsort(rem, kind="stable")
+        rem_s, base_s = rem[order], base[order]
+        S = int(rem_s[-1])
+        s = np.arange(1, S + 1)
+        first = np.searchsorted(rem_s, s, side="left")  # rows with rem >= s are still running
+        active = len(rem_s) - first
+        suffix = np.concatenate([np.cumsum(base_s[::-1])[::-1], [0.0]])
+        attn = suffix[first] + active * (s - 1)  # context each running row holds at step s
+        ends = start + np.cumsum(self.costs.decode_steps(active, attn))
+        return ends, active, attn, rem
+
+    def _decode(self, k: int, chunk: int, queues, deadline: float | None = None):
+        """Decode every running row per actor device; feed finishes to the scheduler in time order.
+
+        Until the scheduler closes the step (returns ``(close time, CloseStep)``), or with a
+        ``deadline`` (pipeline: the update's end) until the first decode-step boundary at or past
+        it on each device, as the runtime checks ``update.done()`` between decode steps (returns
+        when decoding stopped). A refill admits new rows at the finish that freed their slots:
+        the timelines are rebuilt from there.
+        """
+        while True:
+            per_dev: dict[int, list[_Row]] = {}
+            for r in self.rows.values():
+                if not r.finished:
+                    per_dev.setdefault(r.device, []).append(r)
+            if not per_dev:  # (pipeline: the batch may have finished while the learner trained)
+                now = max(d.free for d in self.actors)
+                if deadline is not None:
+                    return now
+                self.full_at = now if self.full_at is None else self.full_at
                 close = self.sched.try_close()
-            close_t = t
-        # advance every running row to the close; stream its chunks; record the decode spans
+                if close is None:
+                    raise RuntimeError("internal error: the step cannot close but nothing is decoding")
+                return now, close
+            timelines: dict[int, tuple] = {}
+            events: list[tuple[float, int, int]] = []  # (finish time, device, uid)
+            for i, rows in per_dev.items():
+                start = self.actors[i].free
+                ends, active, attn, rem = self._timeline(rows, start)
+                n = len(ends)
+                if deadline is not None:  # steps begun before the deadline run to their end
+                    n = 0 if start >= deadline else min(n, 1 + int(np.searchsorted(ends, deadline, side="left")))
+                timelines[i] = (start, ends, active, attn, n)
+                for r, left in zip(rows, rem):
+                    if left <= n:
+                        events.append((float(ends[left - 1]), i, r.uid))
+            events.sort()
+            pool = sum(1 for r in self.rows.values() if r.finished)  # finished, untrained (carried)
+            if deadline is None and pool >= self.wl.batch and self.full_at is None:
+                self.full_at = max(d.free for d in self.actors)
+            j = 0
+            rebuilt = False
+            while j < len(events):
+                t = events[j][0]
+                admitted = []
+                while j < len(events) and events[j][0] == t:
+                    adm = self.sched.on_finished(events[j][2])
+                    if adm is not None:
+                        admitted.extend(adm.seqs)
+                    pool += 1
+                    j += 1
+                if deadline is None and pool >= self.wl.batch and self.full_at is None:
+                    self.full_at = t
+                close = None
+                # try_close cannot succeed before B are finished (it costs O(B) per call at scale)
+                if deadline is None and pool >= self.wl.batch:
+                    close = self.sched.try_close()
+                if close is not None or admitted:
+                    self._advance(k, chunk, queues, per_dev, timelines, t)
+                    self._admit(k, admitted, t, queues)
+                    if close is not None:
+                        return t, close
+                    rebuilt = True
+                    break
+            if rebuilt:
+                continue
+            if deadline is None:
+                raise RuntimeError("internal error: the step cannot close but nothing is decoding")
+            self._advance(k, chunk, queues, per_dev, timelines, None)
+            return max(self.actors[i].free for i in per_dev)
+
+    def _advance(self, k: int, chunk: int, queues, per_dev, timelines, t: float | None) -> None:
+        """Advance every running row to time ``t`` (None: to its device's deadline horizon);
+        stream its chunks; record the decode spans."""
+        wl = self.wl
+        stage = "decode_inflight" if self.next_begun else "decode"
         for i, rows in per_dev.items():
-            start, ends, active, attn = timelines[i]
-            n = int(np.searchsorted(ends, close_t + 1e-12, side="right"))  # decode steps done by the close
+            start, ends, active, attn, horizon = timelines[i]
+            n = horizon if t is None else min(horizon, int(np.searchsorted(ends, t + 1e-12, side="right")))
             if n == 0:
                 continue
             cuts = {n}
@@ -384,7 +499,7 @@ class _Sim:
                             r.emitted = r.done + s
                             cuts.add(s)
                         s += chunk
-                    if r.length - r.done <= n:  # finished in this step: its final chunk
+                    if r.length - r.done <= n:  # finished in this stretch: its final chunk
                         s = r.length - r.done
                         q.append((float(ends[s - 1]), r.uid, r.length - r.emitted, wl.prompt_tokens + r.emitted, True))
                         r.emitted = r.length
@@ -403,9 +518,8 @@ class _Sim:
                 w = Work("decode", "policy", c - prev, float(active[prev:c].sum()), 0.0, float(attn[prev:c].sum()))
                 t_start = start if prev == 0 else float(ends[prev - 1])
                 dev.free = t_start
-                dev.run(self, t_start, float(ends[c - 1]) - t_start, "actor", "decode", k, [w])
+                dev.run(self, t_start, float(ends[c - 1]) - t_start, "actor", stage, k, [w])
                 prev = c
-        return close_t, close
 
     def _score_queue(self, k: int, j: int, items: list) -> float:
         """A streaming scorer device drains its queue: each round, everything on hand in one forward per role."""
@@ -431,12 +545,12 @@ class _Sim:
                 start = dev.free
         return dev.free
 
-    def _close_and_learn(self, k: int, t_close: float, batch: list[_Row], queues) -> float:
+    def _close(self, k: int, t_close: float, batch: list[_Row], queues) -> float:
+        """Stage 3: the closed batch's own work and its scores; returns when the batch is scored."""
         wl, pl, costs = self.wl, self.pl, self.costs
         B = len(batch)
         A = len(self.actors)
-        lens = [r.length for r in batch]
-        stale = [r for r in batch if r.version < k]
+        stale = [r for r in batch if r.version < k or r.prior]  # sampled in part by older weights
         for d in self.actors:
             d.free = max(d.free, t_close)
 
@@ -460,30 +574,34 @@ class _Sim:
             if stale and "critic" in pl.scorer_roles and pl.critic != "value_head":
                 t = oneshot("critic", stale, self.actors, "learner", "recompute_values", t)  # stale_values=recompute
             done = [self._score_queue(k, j, q) for j, q in enumerate(queues)]
-            t_scored = max([t] + done)  # the barrier: the scorers finish what was sent
-        else:
-            t_s = t
-            for role in pl.scorer_roles:
-                t_s = oneshot(role, batch, self.scorers, "scorer", f"score_{role}", t_s if pl.shared else t_close)
-            t_scored = max(t, t_s)
-        book = Work("book", "", 1, B / A)
-        t = _group_run(self, self.actors, t_scored, costs.time(book), "learner", "advantages", k, [book])
-        # 4-6. PPO epochs: the actor's update, and the critic's beside it, after it, or not at all
-        works = [self._train_work("actor", lens, A)]
+            return max([t] + done)  # the barrier: the scorers finish what was sent
+        t_s = t
+        for role in pl.scorer_roles:
+            t_s = oneshot(role, batch, self.scorers, "scorer", f"score_{role}", t_s if pl.shared else t_close)
+        return max(t, t_s)
+
+    def _learn(self, k: int, t: float, lens: list[int], devs: list[_Device]) -> float:
+        """Stages 4-6 on ``devs``: advantages, then the actor's PPO update, and the critic's beside
+        it (on the scorer devices), after it, or not at all (a value head). Returns its end."""
+        pl, costs = self.pl, self.costs
+        A = len(devs)
+        book = Work("book", "", 1, len(lens) / A)
+        t = _group_run(self, devs, t, costs.time(book), "learner", "advantages", k, [book])
+        works = [self._train_work("actor", lens, A, k)]
         if pl.critic == "scorer" and not pl.shared:
-            cw = self._train_work("critic", lens, len(self.scorers))
+            cw = self._train_work("critic", lens, len(self.scorers), k)
             end_c = _group_run(self, self.scorers, t, costs.time(cw), "scorer", "train_critic", k, [cw])
         else:
             end_c = t
             if pl.critic != "value_head":  # after the actor's, in the same span (as learner.update records it)
-                works.append(self._train_work("critic", lens, A))
-        end_a = _group_run(self, self.actors, t, sum(costs.time(w) for w in works), "learner", "train", k, works)
+                works.append(self._train_work("critic", lens, A, k))
+        end_a = _group_run(self, devs, t, sum(costs.time(w) for w in works), "learner", "train", k, works)
         return max(end_a, end_c)
 
-    def _train_work(self, role: str, lens: list[int], dp: int) -> Work:
+    def _train_work(self, role: str, lens: list[int], dp: int, k: int) -> Work:
         """One PPO update over the batch: random minibatches, micro-batches padded to their longest row."""
         wl = self.wl
-        rng = np.random.default_rng(wl.seed * 7919 + self.sched.step)
+        rng = np.random.default_rng(wl.seed * 7919 + k)
         calls, tokens, attn, opt = 0, 0.0, 0.0, 0
         lens_a = np.array(lens)
         for _ in range(wl.epochs):
@@ -537,7 +655,7 @@ def simulate(mode: str, workload: Workload, costs: CostModel, placement: Placeme
     (for calibration). ``overhead_s`` is added to every step (the controller's untraced time).
     ``keep_spans=False`` skips building the spans (large clusters: the summaries need none).
     """
-    sim = _Sim(mode, workload, costs, placement, fine)
+    sim = _Sim(mode, workload, costs, placement, fine, steps)
     out = []
     for k in range(steps):
         r = sim.step(k)

