@@ -4,15 +4,17 @@
   bucket spans several;
 - one sender and three receivers (``torch.multiprocessing``): weights arrive exactly, cast to the
   wire dtype (bf16) and into a bf16 model (bytes copied straight in), an fp32 one (staged and
-  cast) and a sink that takes whole tensors (vLLM's reload); a wrong version or a changed manifest makes every member raise before any weights move,
-  and the group still works after; a receiver whose model does not match the manifest (a wrong
+  cast) and a sink that takes whole tensors (vLLM's reload); a wrong version or a changed
+  manifest makes every member raise before any weights move, and the group still works after; a receiver whose model does not match the manifest (a wrong
   shape, a missing name) makes every member raise, naming the tensors;
 - FSDP2: 2 learner ranks (``FSDPLearnerRank``, as Ray runs it, without Ray) gather one parameter at
   a time and rank 0 streams it to a rollout worker (``RolloutHost``), whose engine then samples
   exactly as a local engine given the learner's weights; a refused version fails on every rank
   (no rank left waiting in a gather);
 - on Ray, the Trainer with FSDP2 ranks and a rollout worker synced collectively trains as the
-  local sequential run.
+  local sequential run; a vLLM rollout worker synced collectively samples from each update's
+  weights;
+- bad settings are refused before any model loads.
 """
 
 from __future__ import annotations

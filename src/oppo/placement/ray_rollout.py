@@ -18,8 +18,8 @@ Weights: after an update every worker loads learner rank 0's arrays straight fro
 store (``weight_sync.pack``; the controller does not pull them; ``time/weight_sync`` includes
 it), or, with the collective sync (``placement.weight_sync``), receives them in buckets over a
 process group of its own with the learner (``join_weight_sync`` / ``receive_weights``). Each
-worker samples with its own generator, seeded ``run.seed + rank``: with one worker the samples are those of the local engine (tested); a
-checkpoint saves every worker's generator state.
+worker samples with its own generator, seeded ``run.seed + rank``: with one worker the samples are
+those of the local engine (tested); a checkpoint saves every worker's generator state.
 
 A worker that dies is named by role and rank (``rollout worker (role=rollout, rank=1) died:
 ...``), like the scorer and learner actors.

@@ -24,16 +24,23 @@ the trained parameters, cast to the serving dtype on the sender, e.g. fp32 maste
 wire) concatenated in order and cut into buckets of ``bucket_bytes``; a tensor may span buckets (one
 larger than a bucket spans several), so the memory a sync needs beside the models is two buckets
 (double buffering: the next bucket is packed, or the next broadcast posted, while the previous one
-is in flight), whatever the model's size. A sharded (FSDP2) learner never holds the whole model on
-one rank: every rank all-gathers one parameter at a time (``DTensor.full_tensor``, a collective of
-the learner's own group), rank 0 copies it into the bucket, and the gathered copy is freed.
+is in flight), plus one tensor where a receiver's dtype differs from the wire's (staged, then
+cast), whatever the model's size. A sharded (FSDP2) learner never holds the whole model on one
+rank: every rank all-gathers one parameter at a time (``DTensor.full_tensor``, a collective of the
+learner's own group), rank 0 copies it into the bucket, and the gathered copy is freed. A receiver
+without a module of its own (a vLLM rollout worker: the model lives in vLLM's process) stages
+whole tensors and hands them all to the engine's in-place reload at the end of the sync.
 
 Versions and names are checked, so that a rollout engine never samples silently from weights other
 than the ones it was told: when the group forms, every receiver checks the sender's manifest
 against its model (an unknown name, a wrong shape, or, unless ``partial``, a missing name: every
 member raises, naming them); every sync starts with an all-gather of (version, manifest digest)
 from every member, and any disagreement (a skipped or repeated sync, a changed model) makes every
-member raise before a byte of weights moves, so nobody is left waiting in a broadcast.
+member raise before a byte of weights moves, so nobody is left waiting in a broadcast. (A member
+that dies mid-sync leaves the others in a collective until the group's timeout, ``timeout_s``.)
+
+The NCCL branch is written against ``torch.distributed`` like the gloo one (same code, the
+backend chosen by device) but has not run yet: no GPU has been lent to this work.
 
 Figures (seconds per sync against model size, both paths): ``benchmarks/weight_sync/``. On one
 CPU node the object store (shared memory: a copy in, a copy out) and gloo over loopback TCP are
@@ -218,6 +225,8 @@ class SyncGroup:
         import torch.distributed as dist
 
         device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         self.rank, self.world, self.timeout = rank, world, timedelta(seconds=timeout_s)
         if store is None:
             store = dist.TCPStore(host, port, is_master=False, timeout=self.timeout)
