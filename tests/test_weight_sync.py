@@ -231,7 +231,26 @@ def _fsdp_main(rank: int, ports: tuple[int, int], paths: dict) -> None:
             assert max(v.numel() * 2 for v in full.values()) > 1000, "a tensor spans buckets"
             torch.save({k: v.to(wire) for k, v in full.items()}, want_path)
         dist.barrier()
+        # one parameter at a time: count the gathered tensors still alive at each gather
+        import weakref
+
+        import oppo.placement.dp as dp_module
+
+        gathered, most_alive = [], 0
+
+        def counting(named):
+            nonlocal most_alive
+            for name, t in full_tensors(named):
+                gathered.append(weakref.ref(t))
+                most_alive = max(most_alive, sum(r() is not None for r in gathered))
+                yield name, t
+                del t
+
+        dp_module.full_tensors, real = counting, dp_module.full_tensors
         me.send_weights(7)
+        dp_module.full_tensors = real
+        n = len(list(me.learner.actor.parameters()))
+        assert len(gathered) == n and most_alive <= 2, (len(gathered), n, most_alive)  # this one and the last
         _expect_refusal(lambda: me.send_weights(8), "version 8" if rank == 0 else "rank 0's weight sync was refused")
         me.send_weights(9)
         me.close()
