@@ -303,11 +303,15 @@ def test_fsdp2_ranks_stream_to_a_rollout_worker_one_parameter_at_a_time(tiny_mod
 
 @pytest.mark.slow
 @pytest.mark.ray
-def test_trainer_fsdp2_ranks_sync_a_rollout_worker_collectively(ray_local, tiny_models, tiny_prompts, tmp_path):
-    """FSDP2 learner ranks stream each update to a rollout worker (placement.weight_sync=collective,
-    buckets of ~1 KB): the run samples and trains as the local sequential run, step for step (its
-    step-2 samples come from the synced weights), and the worker ends holding the learner's weights
-    exactly, as the last version."""
+@pytest.mark.parametrize("placement", [
+    ("placement.learner_sharding=fsdp2", "placement.rollout_workers=1"),  # FSDP2 ranks -> a rollout worker
+    ("placement.learner_sharding=replicate",),  # replica rank 0 -> the controller's engine
+], ids=["fsdp2-to-worker", "replicas-to-controller"])
+def test_trainer_syncs_collectively(ray_local, tiny_models, tiny_prompts, tmp_path, placement):
+    """2 learner ranks stream each update to the rollout engine (placement.weight_sync=collective,
+    buckets of ~1 KB): a Ray rollout worker, or the engine in the controller. The run samples and
+    trains as the local sequential run, step for step (its step-2 samples come from the synced
+    weights), and the engine ends holding the learner's weights exactly, as the last version."""
     pytest.importorskip("ray")
     import ray
 
@@ -322,20 +326,24 @@ def test_trainer_fsdp2_ranks_sync_a_rollout_worker_collectively(ray_local, tiny_
             m = t.run_step()
             want.append((t.last_result.exp.ids.clone(), m))
     with Trainer(_cfg(tiny_models, tiny_prompts, tmp_path / "r", "overlap.mode=sequential", "placement.backend=ray",
-                      "placement.learner_sharding=fsdp2", "placement.learner_workers=2", "placement.rollout_workers=1",
-                      "placement.weight_sync=collective", "placement.weight_sync_bucket_mb=0.001",
-                      "placement.learner_cpus=0.25", "placement.scorer_cpus=0.25", "placement.rollout_cpus=0.25"),
-                 progress=False) as t:
-        assert any(isinstance(s, CollectiveSync) for s in t.roles.sync.steps)
+                      "placement.learner_workers=2", *placement, "placement.weight_sync=collective",
+                      "placement.weight_sync_bucket_mb=0.001", "placement.learner_cpus=0.25",
+                      "placement.scorer_cpus=0.25", "placement.rollout_cpus=0.25"), progress=False) as t:
+        links = [c.__self__ for c in t.roles.closers if isinstance(getattr(c, "__self__", None), CollectiveSync)]
+        assert len(links) == 1, "the collective sync was formed"
         for ids, m_local in want:
             m = t.run_step()
             assert torch.equal(t.last_result.exp.ids, ids), "the same responses"
             for k in ("reward/mean", "kl/mean", "loss/policy", "loss/value"):
                 assert m[k] == pytest.approx(m_local[k], abs=1e-4, rel=1e-3), k
             assert m["time/weight_sync"] > 0
-        worker = t.roles.rollout.workers[0]
-        got, version = ray.get(worker.__ray_call__.remote(lambda self: (self.model.state_dict(),
-                                                                         self.engine.version)))
+        if "placement.rollout_workers=1" in placement:
+            worker = t.roles.rollout.workers[0]
+            got, version = ray.get(worker.__ray_call__.remote(lambda self: (self.model.state_dict(),
+                                                                             self.engine.version)))
+        else:
+            got, version = t.roles.rollout_policy.state_dict(), t.roles.rollout.version
+            assert links[0].receiver.version == steps, "the controller received every sync"
         trained = t.roles.learner.actor_state()
     assert version == steps
     for k, v in trained.items():
