@@ -376,8 +376,8 @@ class LearnerRank:
             raise refused
         tensors = full_tensors(named)
         if self.weight_sender is None:
-            for _ in tensors:  # the gathers rank 0 needs
-                pass
+            for gathered in tensors:  # the gathers rank 0 needs
+                del gathered  # (not held while the next one is gathered)
             return
         self.weight_sender.stream(tensors)
 

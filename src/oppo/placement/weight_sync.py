@@ -337,12 +337,14 @@ class WeightSender:
             nonlocal cur, cur_i
             while cur_i < to:
                 cur_i += 1
+                cur = None  # the last tensor is dropped before the next is gathered: one alive at a time
                 name, t = next(it)
                 meta = metas[cur_i]
                 if name != meta.name or tuple(t.shape) != meta.shape:
                     raise RuntimeError(f"internal error: weight sync streams {name} {tuple(t.shape)} where its "
                                        f"manifest has {meta.name} {meta.shape}")
                 cur = _as_bytes(t, getattr(torch, meta.dtype))
+                del t  # (cur keeps what is needed)
             return cur
 
         size = min(self.bucket_bytes, self.manifest.total_bytes)
