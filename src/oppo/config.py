@@ -291,6 +291,22 @@ class PlacementConfig:
                                   "controller process.")
     rollout_cpus: float = opt(1.0, "Ray: CPUs per rollout worker.")
     rollout_gpus: float = opt(0.0, "Ray: GPUs per rollout worker.")
+    weight_sync: str = opt("auto", "Ray: how the actor's trained weights reach the rollout engine after each "
+                                   "update. collective: learner rank 0 and the rollout workers (or the controller, "
+                                   "when the engine runs there) form a torch.distributed group of their own and the "
+                                   "weights stream in buckets of placement.weight_sync_bucket_mb (NCCL when every "
+                                   "member has a GPU of its own, else gloo), cast to the serving dtype, with the "
+                                   "version checked; an FSDP2 learner gathers one parameter at a time, never the "
+                                   "whole model on one rank. object_store: rank 0's whole actor through Ray's object "
+                                   "store (shared memory within a node). auto: collective when the learner ranks and "
+                                   "the rollout engine have GPUs (placement.learner_gpus, rollout_gpus or the local "
+                                   "engine's device), else the object store, which beats gloo on one CPU node "
+                                   "(benchmarks/weight_sync); the object store also if the group cannot form (a "
+                                   "warning says why).", ("auto", "collective", "object_store"))
+    weight_sync_bucket_mb: float = opt(0.0, "Ray, collective weight sync: bucket size in MiB (0: 256 over NCCL, 4 "
+                                            "over gloo). A sync holds two buckets beside the models (one is filled "
+                                            "while the other is in flight); a tensor larger than a bucket spans "
+                                            "several.")
 
 
 @dataclass
@@ -642,6 +658,11 @@ def validate(cfg: Config) -> None:
                f"micro-batches (ppo.minibatch_size={p.minibatch_size} / ppo.micro_batch_size={p.micro_batch_size}): "
                f"some ranks would only pad. Use at most {micro} ranks, or a smaller ppo.micro_batch_size.")
     _check(pl.rollout_workers >= 0, f"placement.rollout_workers must be >= 0, got {pl.rollout_workers}.")
+    _check(pl.weight_sync_bucket_mb >= 0,
+           f"placement.weight_sync_bucket_mb must be >= 0 (MiB; 0: by backend), got {pl.weight_sync_bucket_mb}.")
+    _check(not (pl.weight_sync == "collective" and pl.backend != "ray"),
+           "placement.weight_sync=collective streams weights from Ray learner ranks: set placement.backend=ray, or "
+           "leave placement.weight_sync=auto (a local run shares the weights in memory).")
     if pl.rollout_workers:
         _check(pl.backend == "ray", "placement.rollout_workers needs placement.backend=ray (or set it to 0).")
         _check(g.engine in ("eager", "vllm"), "placement.rollout_workers runs the eager or the vllm engine in "

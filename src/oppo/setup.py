@@ -454,8 +454,9 @@ def _place_on_ray(roles: Roles, stop_ids, recompute_old: bool) -> None:
     """``placement.backend=ray``: the scorers become Ray actors (all stage-3 scoring goes to them,
     streamed or one-shot) and the learner a group of Ray ranks that trains actor and critic
     (replicas, or FSDP2 shards: ``placement.learner_sharding``); after each update rank 0's actor
-    weights go to the rollout backend (the local engine's model, or every rollout worker straight
-    from the object store) and its critic to the scorer actor (``time/weight_sync``)."""
+    weights go to the rollout backend (the local engine's model, or every rollout worker), streamed
+    in buckets over a process group of their own or through the object store
+    (``placement.weight_sync``), and its critic to the scorer actor (``time/weight_sync``)."""
     from .placement.cluster import init_ray
     from .placement.dp import DPLearnerGroup, learner_spec
     from .placement.fsdp import FSDPLearnerGroup
@@ -496,16 +497,52 @@ def _place_on_ray(roles: Roles, stop_ids, recompute_old: bool) -> None:
         group.load_weights(roles.policy, 0)
         roles.rollout = group
         roles.scorer = FedByRollout(scorer) if stream else scorer
-        # rollout workers load rank 0's weights straight from the object store
-        roles.sync.steps.append(lambda version: group.load_weights(learner.actor_weights(), version))
+        link = _collective_sync(roles, learner, rollout=group)
+        if link is not None:  # rank 0 streams to the workers over a group of their own
+            roles.sync.steps.append(link)
+        else:  # rollout workers load rank 0's weights straight from the object store
+            roles.sync.steps.append(lambda version: group.load_weights(learner.actor_weights(), version))
     else:
         roles.rollout = local_rollout(roles, stop_ids)
         roles.scorer = scorer
+        link = _collective_sync(roles, learner, local=roles.rollout_policy)
 
         def actor_home(version: int) -> None:  # rank 0's actor -> the engine's model (the policy is
-            learner.sync_actor(roles.rollout_policy)  # brought home only for checkpoints)
+            if link is not None:  # brought home only for checkpoints)
+                link(version)
+            else:
+                learner.sync_actor(roles.rollout_policy)
             roles.rollout.set_version(version)
         roles.sync.steps.append(actor_home)
+
+
+def _collective_sync(roles: Roles, learner, rollout=None, local: torch.nn.Module | None = None):
+    """``placement.weight_sync``: the collective, bucketed sync from the learner to the ``rollout``
+    workers or the ``local`` engine's model (``placement.weight_sync.CollectiveSync``), or None for
+    the object store: asked for, or ``auto`` without GPUs on both sides or when the group cannot
+    form (a warning says why)."""
+    import warnings
+
+    from .placement.weight_sync import CollectiveSync, WeightSyncUnavailable
+
+    pl = roles.cfg.placement
+    if pl.weight_sync == "object_store":
+        return None
+    if pl.weight_sync == "auto":  # collective where NCCL can carry it: every member on a GPU
+        serving_on_gpu = pl.rollout_gpus > 0 if rollout is not None else next(local.parameters()).is_cuda
+        if not (pl.learner_gpus > 0 and serving_on_gpu):
+            return None  # on CPU the object store (shared memory on a node) beats gloo: benchmarks/weight_sync
+    wire = {n: t.dtype for n, t in roles.rollout_policy.state_dict().items()}  # the serving side's dtypes
+    try:
+        link = CollectiveSync(learner, rollout, local, bucket_bytes=int(pl.weight_sync_bucket_mb * 2**20),
+                              wire_dtype=wire)
+    except WeightSyncUnavailable as e:
+        if pl.weight_sync == "collective":
+            raise RuntimeError(f"placement.weight_sync=collective: {e}") from e
+        warnings.warn(f"{e}; the weights go through Ray's object store instead (placement.weight_sync=auto)")
+        return None
+    roles.closers.append(link.close)
+    return link
 
 
 __all__ = ["Placement", "ResolvedPaths", "Roles", "ThreadBudget", "WeightSync", "build_roles", "engine_settings",

@@ -9,7 +9,8 @@
   CPU, NCCL on GPU) whose update equals one learner's, and the weight sync to the rollout side;
 - :mod:`.ray_rollout`: rollout workers, N policy engines in Ray actors behind the engine's
   interface, streaming their chunks straight to the scorer actors;
-- :mod:`.weight_sync`: weights through Ray's object store as numpy views, not pickled tensors.
+- :mod:`.weight_sync`: weights to the rollout side, through Ray's object store as numpy views, or
+  streamed in buckets over a ``torch.distributed`` group of their own (gloo or NCCL), versioned.
 
 Nothing here imports Ray at import time: ``ray`` is an optional dependency (the ``ray`` extra).
 """

@@ -34,8 +34,11 @@ Checkpoints: :meth:`DPLearnerGroup.state_dict` is rank 0's state in the single l
 ``checkpoint.py`` saves from ``Learner``), so a checkpoint resumes on any number of ranks.
 
 Weight sync: after each update, rank 0's actor weights go to the rollout model (timed:
-``time/weight_sync``), and, if the critic trains here, its weights go to the Ray scorer actor that
-scores with it, rank 0 to scorer, without passing through the controller.
+``time/weight_sync``): through the object store (:meth:`DPLearnerGroup.sync_actor`,
+``actor_weights``), or streamed in buckets over a process group of its own
+(:meth:`LearnerRank.send_weights`, ``weight_sync.CollectiveSync``: ``placement.weight_sync``). If the
+critic trains here, its weights go to the Ray scorer actor that scores with it, rank 0 to scorer
+through the object store, without passing through the controller.
 
 Faults: a rank that raises or dies is named (``learner actor (role=learner, rank=1) died: ...``)
 and the whole group is stopped: the other ranks would otherwise wait in a collective.
@@ -56,7 +59,8 @@ from ..learner import CriticBatch, Experience, Learner, _train, critic_micro_ste
 from ..offpolicy import MismatchProbe
 from .ray_scorer import _short
 from .specs import ModelSpec
-from .weight_sync import Packed, pack, unpack_into
+from .weight_sync import Manifest, Packed, SyncGroup, WeightSender, WeightSyncError, full_tensors, pack, \
+    trained_parameters, unpack_into
 
 
 @dataclass(frozen=True)
@@ -329,6 +333,54 @@ class LearnerRank:
     def critic_weights(self) -> Packed:
         return pack(self.learner.critic)
 
+    def open_weight_sync(self, host: str, port: int, world: int, bucket_bytes: int, wire_dtype, timeout_s: float,
+                         every_rank_gathers: bool) -> str:
+        """Join the collective weight sync (``weight_sync.SyncGroup`` at the store ``host:port``) as
+        its sender (rank 0; ``wire_dtype``: the serving side's dtype, one or per name). With
+        ``every_rank_gathers`` (a sharded learner) every rank is called, and the others only take
+        part in the gathers of each sync. Returns "" or why the group could not form (the caller may
+        fall back to the object store); a refused manifest raises."""
+        self.weight_sender, self._wire_dtype, self._every_rank_gathers = None, wire_dtype, every_rank_gathers
+        if self.rank != 0:
+            return ""
+        try:
+            group = SyncGroup(host, port, 0, world, self.learner.device, timeout_s=timeout_s)
+            manifest = Manifest.of(trained_parameters(self.learner.actor), wire_dtype)
+            self.weight_sender = WeightSender.connect(group, manifest, bucket_bytes)
+        except WeightSyncError:
+            raise
+        except Exception as e:  # noqa: BLE001 (any reason the group cannot form: reported, not raised)
+            return f"{type(e).__name__}: {e}"
+        return ""
+
+    @torch.no_grad()
+    def send_weights(self, version: int) -> None:
+        """One collective sync of the trained actor parameters as ``version`` (``open_weight_sync``
+        first): rank 0 streams them in buckets; a sharded learner's ranks all-gather one parameter at
+        a time (``weight_sync.full_tensors``), so no rank holds the whole model."""
+        import torch.distributed as dist
+
+        named = trained_parameters(self.learner.actor)
+        refused = None
+        if self.weight_sender is not None:
+            try:
+                self.weight_sender.header(version, Manifest.of(named, self._wire_dtype))
+            except WeightSyncError as e:
+                refused = e
+        if self._every_rank_gathers and self.world > 1:  # no rank may wait in a gather rank 0 skips
+            flag = torch.tensor([float(refused is not None)], device=self.learner.device)
+            dist.broadcast(flag, src=0)
+            if flag.item() and refused is None:
+                raise WeightSyncError("learner rank 0's weight sync was refused (its error names why)")
+        if refused is not None:
+            raise refused
+        tensors = full_tensors(named)
+        if self.weight_sender is None:
+            for gathered in tensors:  # the gathers rank 0 needs
+                del gathered  # (not held while the next one is gathered)
+            return
+        self.weight_sender.stream(tensors)
+
     def state_dict(self) -> dict:
         return learner_state(self.learner)
 
@@ -431,6 +483,11 @@ class DPLearnerGroup:
     def actor_weights(self):
         """A Ray ref to rank 0's actor weights (``weight_sync.pack``), for workers to load directly."""
         return self._rank0_ref(lambda r: r.actor_weights.remote())
+
+    def weight_sync_ranks(self) -> list[int]:
+        """The ranks a collective weight sync calls (``weight_sync.CollectiveSync``): rank 0 alone,
+        the replicas' sender."""
+        return [0]
 
     def sync_actor(self, target: torch.nn.Module) -> float:
         """Copy rank 0's actor weights into ``target`` (cast to its dtype); returns the seconds taken."""

@@ -66,12 +66,16 @@ What else the ranks train with, each tested against one learner (``tests/test_fs
   ``sequential`` and ``oppo`` (Delta = 0) equal the local sequential run; ``pipeline`` trains with
   LoRA, checkpointing and RLOO while decoding goes on.
 
-Reads of the weights (a weight sync, a checkpoint) are collectives too: every rank all-gathers
-(``get_model_state_dict(full_state_dict=True)``) and rank 0 keeps the result, so the group asks
-every rank (:meth:`FSDPLearnerGroup._rank0_ref`); with LoRA that gathers the frozen base too, and
-keeps the adapters. Not done yet (issue 21): loading straight into shards (each rank loads the
-whole model once, then shards it), a bucketed weight sync that never holds the whole model on rank
-0, NCCL broadcast to rollout workers.
+Reads of the weights (a checkpoint, the object-store weight sync) are collectives too: every rank
+all-gathers (``get_model_state_dict(full_state_dict=True)``) and rank 0 keeps the result, so the
+group asks every rank (:meth:`FSDPLearnerGroup._rank0_ref`); with LoRA that gathers the frozen base
+too, and keeps the adapters. The collective weight sync (``placement.weight_sync``,
+``weight_sync.py``) does not hold the whole model on rank 0: every rank all-gathers one trained
+parameter at a time (``DTensor.full_tensor``; with LoRA only the adapters), rank 0 streams it in
+buckets to the rollout side (NCCL between GPUs, gloo otherwise) and the gathered copy is dropped
+(``LearnerRank.send_weights``, called on every rank: :meth:`FSDPLearnerGroup.weight_sync_ranks`).
+Not done yet (issue 21): loading straight into shards (each rank loads the whole model once, then
+shards it); the critic's sync to its scorer actor still goes through the object store.
 """
 
 from __future__ import annotations
@@ -437,6 +441,10 @@ class FSDPLearnerGroup(DPLearnerGroup):
         self._gather([r.load_sharded.remote(optim["sharded"]) for r in self.ranks])
         if self.critic_scorer is not None:
             self.critic_scorer.set_critic_weights(self._rank0_ref(lambda r: r.critic_weights.remote()))
+
+    def weight_sync_ranks(self) -> list[int]:
+        """Every rank: each all-gathers the parameters rank 0 streams (``weight_sync.CollectiveSync``)."""
+        return list(range(self.world))
 
     def memory(self) -> list[dict[str, int]]:
         """Each rank's bytes of parameters, gradients and optimizer state."""

@@ -16,9 +16,10 @@ controller decides nothing.
 
 Weights: after an update every worker loads learner rank 0's arrays straight from Ray's object
 store (``weight_sync.pack``; the controller does not pull them; ``time/weight_sync`` includes
-it). Each worker samples with its own generator, seeded
-``run.seed + rank``: with one worker the samples are those of the local engine (tested); a
-checkpoint saves every worker's generator state.
+it), or, with the collective sync (``placement.weight_sync``), receives them in buckets over a
+process group of its own with the learner (``join_weight_sync`` / ``receive_weights``). Each
+worker samples with its own generator, seeded ``run.seed + rank``: with one worker the samples are
+those of the local engine (tested); a checkpoint saves every worker's generator state.
 
 A worker that dies is named by role and rank (``rollout worker (role=rollout, rank=1) died:
 ...``), like the scorer and learner actors.
@@ -47,7 +48,7 @@ from ..trace import Tracer
 from ..types import ChunkReady, Event, SequenceFinished
 from .ray_scorer import _short, get_named
 from .specs import ModelSpec
-from .weight_sync import Packed, pack, unpack_into
+from .weight_sync import Packed, SyncGroup, WeightReceiver, WeightSyncError, pack, unpack_into
 
 
 class RolloutHost:
@@ -148,6 +149,30 @@ class RolloutHost:
 
     def in_flight(self) -> list[Rollout]:
         return self.engine.in_flight()
+
+    def join_weight_sync(self, host: str, port: int, rank: int, world: int, timeout_s: float) -> str:
+        """Join the collective weight sync (``weight_sync.CollectiveSync``) as receiver ``rank``:
+        into the model's tensors, or (vLLM: no model here) whole tensors handed to the engine's
+        in-place reload after each sync. Returns "" or why the group could not form; a manifest this
+        model cannot take raises."""
+        try:
+            if self.model is None:  # vLLM: its reload takes CPU tensors here, so this member is on CPU
+                group = SyncGroup(host, port, rank, world, "cpu", timeout_s=timeout_s)
+                self.weight_receiver = WeightReceiver.connect(group, None, sink=self.engine.load_weights)
+                return ""
+            group = SyncGroup(host, port, rank, world, next(self.model.parameters()).device, timeout_s=timeout_s)
+            self.weight_receiver = WeightReceiver.connect(group, self.model, partial=True)
+        except WeightSyncError:
+            raise
+        except Exception as e:  # noqa: BLE001 (reported: placement.weight_sync=auto falls back)
+            return f"{type(e).__name__}: {e}"
+        return ""
+
+    def receive_weights(self, version: int) -> None:
+        """One collective sync into the model (the learner must send ``version``); then sample as
+        ``version``."""
+        self.weight_receiver.receive(version)  # (vLLM's reload sets the version itself)
+        self.engine.set_version(version)
 
     def state_dict(self) -> dict:
         return self.engine.state_dict()
