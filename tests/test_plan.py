@@ -294,3 +294,52 @@ def test_read_lengths_gives_group_members_their_place(tmp_path):
     p.write_text('{"step": 0, "lengths": [3, 5, 7, 2], "prompt_index": [4, 4, 9, 9]}\n'
                  '{"step": 1, "lengths": [6], "prompt_index": [1], "member": [0]}\n')
     assert read_lengths(p) == {(4, 0): 3, (4, 1): 5, (9, 0): 7, (9, 1): 2, (1, 0): 6}
+
+
+def _measured_from_sim(mode, coef, lengths, steps=4, batch=8, needs_critic=True):
+    """A MeasuredRun whose spans and metrics are a simulation with known costs ``coef``, as the
+    runtime would record them (streamed scorer spans carry their token count)."""
+    from oppo.plan.calibrate import MeasuredRun, cpu_placement
+    from oppo.plan.lengths import TableLengths
+    from oppo.trace import Span
+
+    wl = Workload(batch, TableLengths(lengths, 64), prompt_tokens=11, prompt_pad=15,  # as replay_workload
+                  delta=2, chunk=4, minibatch=4, micro=4)
+    res = simulate(mode, wl, LinearCosts(coef), cpu_placement(mode, True, needs_critic), steps=steps, warmup=0,
+                   fine=True)
+    spans = [Span(s.worker, s.stage, s.step, s.start, s.end,
+                  {"tokens": s.args["works"][0]["tokens"]} if s.stage.startswith("score_") else {})
+             for s in res.spans]
+    metrics = [{"time/step": s.time, "response_length/mean": float(np.mean(s.lengths)),
+                "response_length/max": float(max(s.lengths)), "overlap/delta": 2, "overlap/chunk_size": 4}
+               for s in res.steps]
+    settings = {"ppo": {"batch_size": batch, "minibatch_size": 4, "micro_batch_size": 4, "epochs": 1},
+                "overlap": {"max_lag": 1, "critic_on_worker": True}, "run": {"seed": 0}}
+    return MeasuredRun(Path(mode), mode, metrics, spans, settings, table=lengths, max_new_tokens=64,
+                       needs_critic=needs_critic)
+
+
+SPLIT_TRUE = {"decode.calls": 0.01, "decode.rows": 0.001, "prefill.calls": 0.02, "book.calls": 0.002,
+              "oneshot.policy.tokens": 1e-4, "oneshot.critic.tokens": 1e-4, "stream.reward.calls": 0.005,
+              "stream.reference.calls": 0.005, "stream.critic.calls": 0.005, "stream.reward.tokens": 5e-5,
+              "stream.reference.tokens": 5e-5, "stream.critic.tokens": 5e-5, "train.actor.tokens": 2e-4,
+              "train.critic.tokens": 1.5e-4}
+FIT_LENGTHS = {(i, 0): 3 + (i * 7) % 19 for i in range(200)}
+
+
+def test_fit_counts_a_nested_span_of_one_stage_once():
+    # With the critic trained beside the actor the runtime records the actor's update as a
+    # learner/train span inside stages.update's learner/train span (setup.CriticBesideScorer).
+    # Summing both fitted the split placement's train.actor.tokens at 2x the real cost.
+    from oppo.plan.calibrate import fit
+    from oppo.trace import Span
+
+    run = _measured_from_sim("oppo", SPLIT_TRUE, FIT_LENGTHS)
+    outer = [Span(s.worker, s.stage, s.step, s.start - 1e-3, s.end + 1e-3)
+             for s in run.spans if (s.worker, s.stage) == ("learner", "train")]
+    assert outer
+    for spans in (run.spans, run.spans + outer):
+        run.spans = spans
+        c = fit([run])["split"].coef
+        assert c["train.actor.tokens"] == pytest.approx(2e-4, rel=0.02)
+        assert c["train.critic.tokens"] == pytest.approx(1.5e-4, rel=0.02)

@@ -198,6 +198,7 @@ def _samples(run: MeasuredRun, warmup: int = 1) -> list[tuple[dict[str, float], 
     measured: dict[tuple[str, str, int], list[Span]] = {}
     for s in run.spans:
         measured.setdefault((s.worker, s.stage, s.step), []).append(s)
+    measured = {k: _innermost(v) for k, v in measured.items()}
     out = []
 
     def add(works, seconds, label):
@@ -234,6 +235,24 @@ def _samples(run: MeasuredRun, warmup: int = 1) -> list[tuple[dict[str, float], 
         else:
             add([w for ws in sim_spans for w in ws], sum(s.duration for s in spans), stage)
     return out
+
+
+def _innermost(spans: list[Span]) -> list[Span]:
+    """The spans of one (worker, stage, step) less every span that encloses another of them.
+
+    The runtime records some work twice, nested: with the critic trained beside the actor
+    (``setup.CriticBesideScorer``, every intra/oppo/pipeline run with a critic) the actor's
+    update is a ``learner/train`` span inside ``stages.update``'s ``learner/train`` span, which
+    also holds handing the critic its batch and waiting for it (``controller/wait_critic``).
+    Summed, the two counted the actor's update twice (the fitted ``train.actor.tokens`` of the
+    split placement came out 2x the real one). The inner span is the work the simulator sizes.
+    """
+    if len(spans) < 2:
+        return spans
+    eps = 1e-9
+    return [s for s in spans
+            if not any(o is not s and s.start - eps <= o.start and o.end <= s.end + eps
+                       and (o.start, o.end) != (s.start, s.end) for o in spans)]
 
 
 def sim_log(result) -> list:
