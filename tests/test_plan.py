@@ -343,3 +343,23 @@ def test_fit_counts_a_nested_span_of_one_stage_once():
         c = fit([run])["split"].coef
         assert c["train.actor.tokens"] == pytest.approx(2e-4, rel=0.02)
         assert c["train.critic.tokens"] == pytest.approx(1.5e-4, rel=0.02)
+
+
+def test_fit_splits_a_tied_actor_and_critic_update_as_measured_apart():
+    # sequential trains actor and critic in one span with the same sizes: the fit can price their
+    # sum only, and put all of it on the actor, so a critic-free run (GRPO) paid for a critic.
+    # The split placement measures them apart (here 2 : 1.5), which apportions the sum.
+    from oppo.plan.calibrate import CpuProfile, fit
+
+    together = {"decode.calls": 0.01, "decode.rows": 0.001, "book.calls": 0.002, "oneshot.reward.tokens": 3e-5,
+                "oneshot.reference.tokens": 3e-5, "oneshot.critic.tokens": 3e-5, "train.actor.tokens": 1e-4,
+                "train.critic.tokens": 0.75e-4}
+    costs = fit([_measured_from_sim("sequential", together, FIT_LENGTHS),
+                 _measured_from_sim("oppo", SPLIT_TRUE, FIT_LENGTHS)])
+    c = costs["together"].coef
+    assert c["train.actor.tokens"] == pytest.approx(1e-4, rel=0.02)
+    assert c["train.critic.tokens"] == pytest.approx(0.75e-4, rel=0.02)
+    # without a critic the split placement's actor trains alone on all cores: together's cost
+    prof = CpuProfile(costs)
+    assert prof.costs_for("oppo", needs_critic=False).coef["train.actor.tokens"] == pytest.approx(1e-4, rel=0.02)
+    assert prof.costs_for("oppo").coef["train.actor.tokens"] == pytest.approx(2e-4, rel=0.02)

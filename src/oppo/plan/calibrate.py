@@ -284,7 +284,43 @@ def fit(runs: list[MeasuredRun], warmup: int = 1) -> dict[str, LinearCosts]:
                     "predicted_s": float(sum(p for p, (_, _, l) in zip(pred, samples) if l == label))}
             for label in sorted({l for _, _, l in samples})}
         out[group] = costs
+    _apportion_updates(out, by_group)
     return out
+
+
+def _tied_updates(samples) -> bool:
+    """Whether every span that trains the actor trains the critic too, with the same sizes (the
+    ``together`` placement: ``learner.update`` trains both in one span): the fit can then price
+    their sum only."""
+    tr = [f for f, _, _ in samples if any(k.startswith("train.actor.") for k in f)]
+    return bool(tr) and all(f.get(k.replace("train.actor.", "train.critic."), None) == v
+                            for f in tr for k, v in f.items() if k.startswith("train.actor."))
+
+
+def _apportion_updates(costs: dict[str, LinearCosts], by_group: dict[str, list]) -> None:
+    """Split a cost group's tied actor + critic update cost (:func:`_tied_updates`) between the two
+    in the ratio another group measured apart (``split``: the actor's update in the controller,
+    the critic's in the scorer process, one core each).
+
+    Without this the least squares, given two identical columns, put the pair's whole cost on one
+    of them (``train.actor.tokens``, critic 0), and a critic-free run (GRPO, RLOO) was priced
+    with the critic's update in its actor's: about 2x. Assumed: the two updates' cost ratio is
+    the same on all cores as on one. Without a group that measured them apart nothing changes."""
+    for group, samples in by_group.items():
+        if not _tied_updates(samples):
+            continue
+        ref = next((costs[g].coef for g, ss in by_group.items() if g != group and not _tied_updates(ss)
+                    and costs[g].coef.get("train.actor.tokens", 0.0) > 0
+                    and costs[g].coef.get("train.critic.tokens", 0.0) > 0), None)
+        if ref is None:
+            continue
+        share = ref["train.actor.tokens"] / (ref["train.actor.tokens"] + ref["train.critic.tokens"])
+        coef = costs[group].coef
+        for k in [k for k in coef if k.startswith("train.actor.")]:
+            kc = k.replace("train.actor.", "train.critic.")
+            both = coef[k] + coef.get(kc, 0.0)
+            coef[k], coef[kc] = share * both, (1.0 - share) * both
+        costs[group].label += f" (actor + critic update split {share:.2f} : {1 - share:.2f} as measured apart)"
 
 
 @dataclass
@@ -296,10 +332,12 @@ class CpuProfile:
     overhead_s: float = 0.001  # untraced controller time per step (measured: about 1 ms)
     overhead_by_group: dict[str, float] = field(default_factory=dict)  # fitted (fit_overhead), else overhead_s
 
-    def costs_for(self, mode: str) -> LinearCosts:
+    def costs_for(self, mode: str, needs_critic: bool = True) -> LinearCosts:
         c = self.costs[_group(mode)]
-        if mode in STREAMING and not self.critic_on_worker:
-            # the controller trains actor and critic on all cores after the barrier (together's update costs)
+        if mode in STREAMING and (not self.critic_on_worker or not needs_critic) and "together" in self.costs:
+            # the controller trains actor and critic on all cores after the barrier (together's update
+            # costs); without a critic the actor trains alone on all cores (setup.CriticBesideScorer,
+            # which gives the actor one core while the critic trains beside it, is not used)
             coef = {k: v for k, v in c.coef.items() if not k.startswith("train.")}
             coef.update({k: v for k, v in self.costs["together"].coef.items() if k.startswith("train.")})
             c = LinearCosts(coef, c.label + " + together's training")
@@ -312,8 +350,8 @@ class CpuProfile:
         return self.overhead_by_group.get(_group(mode), self.overhead_s)
 
     def simulate(self, mode: str, wl: Workload, steps: int, warmup: int = 1, needs_critic: bool = True):
-        return simulate(mode, wl, self.costs_for(mode), self.placement_for(mode, needs_critic), steps, warmup,
-                        overhead_s=self.overhead_for(mode))
+        return simulate(mode, wl, self.costs_for(mode, needs_critic), self.placement_for(mode, needs_critic), steps,
+                        warmup, overhead_s=self.overhead_for(mode))
 
 
 def fit_overhead(profile: CpuProfile, runs: list[MeasuredRun], warmup: int = 1) -> dict[str, float]:
@@ -323,7 +361,8 @@ def fit_overhead(profile: CpuProfile, runs: list[MeasuredRun], warmup: int = 1) 
     resid: dict[str, list[float]] = {}
     for run in runs:
         wl = replay_workload(run, check=False)
-        res = simulate(run.mode, wl, profile.costs_for(run.mode), profile.placement_for(run.mode, run.needs_critic),
+        res = simulate(run.mode, wl, profile.costs_for(run.mode, run.needs_critic),
+                       profile.placement_for(run.mode, run.needs_critic),
                        len(run.metrics), warmup=0)
         for m, s in list(zip(run.metrics, res.steps))[warmup:]:
             resid.setdefault(_group(run.mode), []).append(m["time/step"] - s.time)
