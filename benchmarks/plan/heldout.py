@@ -23,6 +23,12 @@ per-call overhead and its learner rank are not modelled. ``pipeline`` is simulat
 beside decoding on a device of its own; on a 2-core CPU the learner thread and the decoding thread
 share the cores, which the planner does not model.
 
+Blind and recomputed predictions: ``predictions.json`` keeps the predictions as first made (before
+the measurements; a changed spec is predicted anew); they are never remade when the planner
+changes. Every invocation also predicts every run again with the current planner ("predicted
+now"): after a fix to the planner those are made after the measurements, not blind, and the
+report says so and shows both.
+
 Resumable: every run writes into ``<cache>/<name>.tmp`` and renames it to ``<cache>/<name>`` when
 done; a finished run is never redone (delete its directory to redo it). Each run is its own
 process (``--run-one``), so a killed script loses at most the run in progress.
@@ -268,7 +274,9 @@ def main(argv: list[str]) -> int:
         predictions = {"fit_runs": fit_key, "steps": steps, "made_at": time.strftime("%Y-%m-%d %H:%M:%S UTC",
                                                                                      time.gmtime()), "runs": {}}
     for s in all_specs:
-        if predictions["runs"].get(s.name, {}).get("spec") != asdict(s):  # (a changed spec is predicted anew)
+        # (a changed spec is predicted anew; compared as JSON reads it back: lists, not tuples, else
+        # every invocation re-predicted every run and overwrote the blind predictions)
+        if predictions["runs"].get(s.name, {}).get("spec") != json.loads(json.dumps(asdict(s))):
             wl, needs_critic = workload_of(s, steps, mnt, fit_lengths)
             res = profile.simulate(s.mode, wl, steps, warmup=1, needs_critic=needs_critic)
             predictions["runs"][s.name] = {"spec": asdict(s), "step_s": res.step_time_median,
@@ -276,6 +284,11 @@ def main(argv: list[str]) -> int:
                                            "made_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     pred_path.write_text(json.dumps(predictions, indent=1))
     say(f"predictions written to {pred_path}")
+    # the same predictions by the planner as it is now (equal to the blind ones unless it changed since)
+    now = {}
+    for s in all_specs:
+        wl, needs_critic = workload_of(s, steps, mnt, fit_lengths)
+        now[s.name] = profile.simulate(s.mode, wl, steps, warmup=1, needs_critic=needs_critic).step_time_median
 
     # 3. MEASURE
     only = {x.strip() for x in a.only.split(",") if x.strip()}
@@ -307,6 +320,7 @@ def main(argv: list[str]) -> int:
                      "predicted_s": predictions["runs"][s.name]["step_s"],
                      "predicted_lengths": predictions["runs"][s.name]["lengths"],
                      "predicted_at": predictions["runs"][s.name].get("made_at", predictions["made_at"]),
+                     "predicted_now_s": now[s.name],
                      "replayed_s": statistics.mean(replayed),
                      "measured_s": statistics.median(pooled), "repeat_medians_s": [statistics.median(x) for x in per_rep],
                      "timed_steps": [len(x) for x in per_rep], "machine": meta["machine"],
@@ -316,19 +330,24 @@ def main(argv: list[str]) -> int:
         reps = r["repeat_medians_s"]
         r["spread"] = (max(reps) - min(reps)) / statistics.mean(reps) if len(reps) > 1 else None
         r["error"] = r["predicted_s"] / r["measured_s"] - 1
+        r["error_now"] = r["predicted_now_s"] / r["measured_s"] - 1
         r["replayed_error"] = r["replayed_s"] / r["measured_s"] - 1
+        # (the fit runs' ratios against the fit sequential run; held-out ones against a held-out one)
         base = next((b for b in rows if b["workload"] == r["workload"] and b["mode"] == "sequential"
-                     and b["role"] == "heldout"), None) or next(
+                     and b["role"] == r["role"]), None) or next(
             (b for b in rows if b["workload"] == r["workload"] and b["mode"] == "sequential"), None)
         if base is not None and r["mode"] != "sequential":
-            r["ratio_predicted"] = base["predicted_s"] / r["predicted_s"]
             r["ratio_measured"] = base["measured_s"] / r["measured_s"]
-            r["ratio_error"] = r["ratio_predicted"] / r["ratio_measured"] - 1
+            for key, col in (("", "predicted_s"), ("_now", "predicted_now_s"), ("_replayed", "replayed_s")):
+                r[f"ratio_predicted{key}"] = base[col] / r[col]
+                r[f"ratio_error{key}"] = r[f"ratio_predicted{key}"] / r["ratio_measured"] - 1
             r["baseline"] = base["name"]
+    planner_changed = any(abs(r["predicted_now_s"] / r["predicted_s"] - 1) > 1e-6 for r in rows)
     result = {"command": "python benchmarks/plan/heldout.py " + " ".join(argv), "quick": a.quick,
               "timed_steps_per_run": timed, "repeats": repeats, "fit_runs": [str(d) for d in fit_dirs],
               "costs": {g: c.to_dict() for g, c in costs.items()}, "overhead_s": overhead,
-              "predictions_made_at": predictions["made_at"], "rows": rows, "failed": failed,
+              "predictions_made_at": predictions["made_at"], "planner_changed_since": planner_changed,
+              "predicted_now_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "rows": rows, "failed": failed,
               "seconds": time.time() - started}
     out.parent.mkdir(parents=True, exist_ok=True)
     Path(f"{out}.json").write_text(json.dumps(result, indent=1))
@@ -341,45 +360,88 @@ def _pct(x) -> str:
     return "-" if x is None else f"{x * 100:+.0f}%"
 
 
+def _summary(rows: list[dict], key: str) -> str:
+    """Median and max |error| of the step time and of the speed ratio of prediction ``key`` ("", "_now",
+    "_replayed")."""
+    ek = "replayed_error" if key == "_replayed" else f"error{key}"
+    e = [abs(r[ek]) for r in rows if ek in r]
+    q = [abs(r[f"ratio_error{key}"]) for r in rows if f"ratio_error{key}" in r]
+    out = f"step time {statistics.median(e):.0%} (max {max(e):.0%})" if e else "step time -"
+    return out + (f"; speed ratio {statistics.median(q):.0%} (max {max(q):.0%})" if q else "")
+
+
 def to_markdown(res: dict) -> str:
     rows = res["rows"]
     held = [r for r in rows if r["role"] == "heldout"]
+    fitted = [r for r in rows if r["role"] == "fit"]
+    changed = res.get("planner_changed_since", False)
     machines = sorted({r["machine"] for r in rows})
     lines = ["# The planner, validated held out" + (" (--quick smoke run: not figures to quote)" if res["quick"] else ""),
              "", f"Command: `{res['command']}`", "",
              f"Machine(s): {'; '.join(machines)}.", "",
              f"Costs fitted on {len(res['fit_runs'])} runs only (the rows marked *fit*: natural lengths, sequential "
              f"and oppo); every other row was predicted from its settings before it was measured "
-             f"(predictions made {res['predictions_made_at']}). {res['timed_steps_per_run']} timed steps per run after "
-             f"one warm-up step; held-out runs measured {res['repeats']} time(s), each in its own process. "
+             f"(*blind* predictions, made {res['predictions_made_at']}). {res['timed_steps_per_run']} timed steps per "
+             f"run after one warm-up step; held-out runs measured {res['repeats']} time(s), each in its own process. "
              f"Untraced controller time per step, fitted on the fit runs: "
              + ", ".join(f"{g} {v * 1e3:.0f} ms" for g, v in res["overhead_s"].items()) + ". Fitted costs: "
              + "; ".join(f"{g}: " + ", ".join(f"{k}={v:.3g}" for k, v in c["coef"].items() if v)
-                         for g, c in res["costs"].items()) + ".", "",
-             "Columns: *predicted* from the settings (natural lengths drawn from the fit runs' lengths; forced "
-             "lengths exactly); *measured* the median of the pooled timed steps of the repeats, then each repeat's "
-             "median and their spread ((max - min) / mean); *error* = predicted / measured - 1; *given lengths*: the "
-             "planner replaying the run's own measured lengths (cost model and schedule alone); *speed ratio* = the "
-             "same workload's sequential step time / this run's, predicted vs measured.", "",
-             "| run | role | predicted (s) | measured (s) | repeats (s) | spread | error | given lengths (s) | error "
-             "| speed ratio: predicted / measured | ratio error |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+                         for g, c in res["costs"].items()) + ".", ""]
+    if changed:
+        lines += [f"**The planner changed after the measurements.** The *blind* columns are the predictions made "
+                  f"before them, by the planner as it was then, kept as they were; the *now* columns are the same "
+                  f"predictions by the planner as it is now (made {res['predicted_now_at']}, after the measurements "
+                  f"and after looking at them: **not blind**), and *given lengths* too is the planner of now.", ""]
+    lines += ["Columns: *measured* the median of the pooled timed steps of the repeats, then each repeat's median and "
+              "their spread ((max - min) / mean); *predicted* from the settings (natural lengths drawn from the fit "
+              "runs' lengths; forced lengths exactly); *error* = predicted / measured - 1; *given lengths*: the "
+              "planner replaying the run's own measured lengths (cost model and schedule alone); *speed ratio* = the "
+              "same workload's sequential step time / this run's (a fit run's against the fit sequential run, a "
+              "held-out run's against the held-out sequential run), measured, then predicted, with the error of the "
+              "prediction.", ""]
+    if changed:
+        lines += ["| run | role | measured (s) | repeats (s) | spread | blind predicted (s) | error "
+                  "| now predicted (s) | error | given lengths (s) | error | speed ratio measured | blind | error "
+                  "| now | error | given lengths | error |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    else:
+        lines += ["| run | role | measured (s) | repeats (s) | spread | predicted (s) | error | given lengths (s) "
+                  "| error | speed ratio measured | predicted | error | given lengths | error |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def ratio(r, key):
+        if "ratio_measured" not in r:
+            return ["-", "-"]
+        return [f"{r[f'ratio_predicted{key}']:.2f}x", _pct(r[f"ratio_error{key}"])]
+
     for r in rows:
-        reps = " / ".join(f"{x:.2f}" for x in r["repeat_medians_s"])
-        ratio = (f"{r['ratio_predicted']:.2f}x / {r['ratio_measured']:.2f}x" if "ratio_predicted" in r else "-")
         label = r["name"] + (f" ({r['note']})" if r["note"] else "")
-        lines.append(f"| {label} | {'fit' if r['role'] == 'fit' else 'held out'} | {r['predicted_s']:.2f} | "
-                     f"{r['measured_s']:.2f} | {reps} | {_pct(r['spread'])} | {_pct(r['error'])} | "
-                     f"{r['replayed_s']:.2f} | {_pct(r['replayed_error'])} | {ratio} | {_pct(r.get('ratio_error'))} |")
-    if held:
-        abs_err = [abs(r["error"]) for r in held]
-        rat = [abs(r["ratio_error"]) for r in held if "ratio_error" in r]
-        spreads = [r["spread"] for r in held if r["spread"] is not None]
-        lines += ["", f"Held out ({len(held)} runs): median |error| of the step time {statistics.median(abs_err):.0%} "
-                      f"(max {max(abs_err):.0%})"
-                  + (f"; of the speed ratio {statistics.median(rat):.0%} (max {max(rat):.0%})" if rat else "")
-                  + (f"; median run-to-run spread {statistics.median(spreads):.0%} (max {max(spreads):.0%})"
-                     if spreads else "") + "."]
+        cells = [label, "fit" if r["role"] == "fit" else "held out", f"{r['measured_s']:.2f}",
+                 " / ".join(f"{x:.2f}" for x in r["repeat_medians_s"]), _pct(r["spread"]),
+                 f"{r['predicted_s']:.2f}", _pct(r["error"])]
+        if changed:
+            cells += [f"{r['predicted_now_s']:.2f}", _pct(r["error_now"])]
+        cells += [f"{r['replayed_s']:.2f}", _pct(r["replayed_error"]),
+                  f"{r['ratio_measured']:.2f}x" if "ratio_measured" in r else "-", *ratio(r, "")]
+        if changed:
+            cells += ratio(r, "_now")
+        cells += ratio(r, "_replayed")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Median |error| (max):", ""]
+    modelled = [r for r in held if r["mode"] != "pipeline" and "ray" not in r["name"]]
+    for label, sel in ((f"held out ({len(held)} runs)", held),
+                       (f"held out, without the {len(held) - len(modelled)} runs of what is not modelled (below: "
+                        f"pipeline, Ray)", modelled if len(modelled) < len(held) else []),
+                       (f"in sample (the {len(fitted)} fit runs)", fitted)):
+        if not sel:
+            continue
+        lines.append(f"- {label}: " + ("blind prediction: " if changed else "prediction: ") + _summary(sel, "")
+                     + (f"; now (not blind): {_summary(sel, '_now')}" if changed else "")
+                     + f"; given lengths: {_summary(sel, '_replayed')}.")
+    spreads = [r["spread"] for r in held if r["spread"] is not None]
+    if spreads:
+        lines.append(f"- run-to-run spread of the held-out runs: median {statistics.median(spreads):.0%} "
+                     f"(max {max(spreads):.0%}).")
     late = [r["name"] for r in held if r["measured_at"] < r["predicted_at"]]
     if late:  # (the timestamps are UTC strings of one format: they sort as times)
         lines += ["", f"**Not blind:** the predictions were (re)made after {len(late)} held-out run(s) had been measured "
