@@ -334,7 +334,8 @@ class CpuProfile:
 
     def costs_for(self, mode: str, needs_critic: bool = True) -> LinearCosts:
         c = self.costs[_group(mode)]
-        if mode in STREAMING and (not self.critic_on_worker or not needs_critic) and "together" in self.costs:
+        alone = not needs_critic and "together" in self.costs  # (no together fit: split's, 1 core: an overestimate)
+        if mode in STREAMING and (not self.critic_on_worker or alone):
             # the controller trains actor and critic on all cores after the barrier (together's update
             # costs); without a critic the actor trains alone on all cores (setup.CriticBesideScorer,
             # which gives the actor one core while the critic trains beside it, is not used)
