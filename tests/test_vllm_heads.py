@@ -1,0 +1,88 @@
+"""Padded attention heads (``oppo.roles.vllm_heads``): the padded model is the same function.
+
+Checked with Hugging Face's own Llama and Qwen2 (no vLLM needed): a model with heads of 48 and its
+padded copy (heads of 64, rotary base and query scale rewritten) give the same logits. The vLLM
+engine serving a padded model is tested in ``test_vllm.py``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from oppo.roles.vllm_heads import HeadPadding, ServedCheckpoint
+
+SUPPORTED = [32, 64, 80, 96, 112, 128]  # vLLM 0.32's CPU attention (a subset)
+
+
+def _model(kind: str, path):
+    torch.manual_seed(0)
+    common = dict(vocab_size=64, hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                  max_position_embeddings=64)
+    if kind == "llama":
+        m = LlamaForCausalLM(LlamaConfig(**common, num_key_value_heads=2, tie_word_embeddings=True))
+    else:  # grouped-query attention and q/k/v biases
+        m = Qwen2ForCausalLM(Qwen2Config(**common, num_key_value_heads=1))
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.05)  # biases nonzero too
+    m.save_pretrained(path)
+    return m.eval()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_padded_heads_compute_the_same_logits(tmp_path, kind):
+    model = _model(kind, tmp_path / "src")
+    config = json.loads((tmp_path / "src" / "config.json").read_text())
+    pad = HeadPadding.plan(config, SUPPORTED)
+    assert pad is not None and (pad.old, pad.new) == (48, 64)
+    ServedCheckpoint(pad).write(tmp_path / "src", tmp_path / "padded")
+    padded = AutoModelForCausalLM.from_pretrained(tmp_path / "padded", dtype=torch.float32).eval()
+    assert padded.config.head_dim == 64
+    ids = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, got = model(ids).logits, padded(ids).logits
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    # and the weights a weight load sends are padded the same way as the checkpoint
+    loaded = dict(pad.weights(model.named_parameters()))
+    for name, w in padded.named_parameters():
+        torch.testing.assert_close(loaded[name], w, atol=0, rtol=0)
+
+
+def test_only_exact_paddings_are_planned():
+    base = dict(model_type="llama", hidden_size=96, num_attention_heads=2)
+    assert HeadPadding.plan(dict(base, hidden_size=128), SUPPORTED) is None  # 64: supported already
+    assert HeadPadding.plan(dict(base, model_type="gemma2"), SUPPORTED) is None  # not a padded architecture
+    assert HeadPadding.plan(dict(base, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}), SUPPORTED) is None
+    assert HeadPadding.plan(dict(base, partial_rotary_factor=0.5), SUPPORTED) is None
+    assert HeadPadding.plan(dict(base, hidden_size=1026), SUPPORTED) is None  # 513: odd, and no larger size
+    plan = HeadPadding.plan(dict(base, rope_parameters={"rope_type": "default", "rope_theta": 1e4}), SUPPORTED)
+    assert plan.config(dict(base, rope_parameters={"rope_type": "default", "rope_theta": 1e4}))[
+        "rope_parameters"]["rope_theta"] == pytest.approx(1e4 ** (64 / 48))
+
+
+def test_a_tied_head_is_served_untied_and_sent_at_every_load(tmp_path):
+    """Tied embeddings (vLLM's CPU backend would keep a reloaded tied head stale): the engine's
+    copy has a head of its own, equal to the embedding, and every weight load sends it."""
+    model = _model("llama", tmp_path / "src")
+    assert model.config.tie_word_embeddings
+    config = json.loads((tmp_path / "src" / "config.json").read_text())
+    served = ServedCheckpoint.plan(config, SUPPORTED)
+    assert served.untie and served.padding is not None
+    served.write(tmp_path / "src", tmp_path / "served")
+    untied = AutoModelForCausalLM.from_pretrained(tmp_path / "served", dtype=torch.float32).eval()
+    assert not untied.config.tie_word_embeddings
+    assert untied.lm_head.weight.data_ptr() != untied.model.embed_tokens.weight.data_ptr()
+    ids = torch.randint(0, 64, (1, 30), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(1.5)  # an update of the tied weight
+        sent = dict(served.weights(model.named_parameters()))  # (a tied module names its weight once)
+        assert torch.equal(sent["lm_head.weight"], model.model.embed_tokens.weight)
+        for name, w in untied.named_parameters():
+            w.copy_(sent[name])
+        torch.testing.assert_close(untied(ids).logits, model(ids).logits, atol=2e-5, rtol=1e-4)
+    untouched = dict(served.weights([("model.norm.weight", model.model.norm.weight)]))
+    assert list(untouched) == ["model.norm.weight"], "a partial load without the embedding leaves the head"
+    assert ServedCheckpoint.plan(dict(config, tie_word_embeddings=False, head_dim=64), SUPPORTED) is None
