@@ -375,7 +375,10 @@ def to_markdown(res: dict) -> str:
     held = [r for r in rows if r["role"] == "heldout"]
     fitted = [r for r in rows if r["role"] == "fit"]
     changed = res.get("planner_changed_since", False)
-    machines = sorted({r["machine"] for r in rows})
+    kinds = sorted({r["machine"].split("; load average")[0] for r in rows})
+    loads = [float(r["machine"].split("load average ")[1].split()[0]) for r in rows if "load average " in r["machine"]]
+    machines = [k + (f"; load average {min(loads):.1f}-{max(loads):.1f} at the ends of the runs" if loads else "")
+                for k in kinds]
     lines = ["# The planner, validated held out" + (" (--quick smoke run: not figures to quote)" if res["quick"] else ""),
              "", f"Command: `{res['command']}`", "",
              f"Machine(s): {'; '.join(machines)}.", "",
