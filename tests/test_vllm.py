@@ -483,6 +483,18 @@ def test_resume_equals_uninterrupted(shared, vmodels, tiny_prompts, tmp_path):
 
 
 @pytest.mark.ray
+def test_ray_learner_reloads_the_local_vllm_engine(ray_local, shared, vmodels, tiny_prompts, tmp_path):
+    """Ray learner ranks with vLLM in the controller (``placement.rollout_workers=0``): after each
+    update the engine reloads rank 0's weights. (It used to only take the new version number and
+    sample on from the initial weights: a mismatch of the sampler against the trainer's pi_k.)"""
+    steps = run_steps(trainer_cfg(vmodels, tiny_prompts, tmp_path, "overlap.mode=sequential",
+                                  "placement.backend=ray", "ppo.actor_lr=1e-2"))
+    assert shared.weight_loads >= 3  # the reset, then one per update
+    for s in steps:
+        assert s["m"]["mismatch/logprob_abs_diff"] < 1e-4, s["m"]["mismatch/logprob_abs_diff"]
+
+
+@pytest.mark.ray
 def test_ray_rollout_worker_hosts_vllm(ray_local, vmodels, tiny_prompts, tmp_path):
     """placement.rollout_workers=1 with vLLM, oppo mode: the worker's vLLM engine (built in the
     actor, its model in a process it spawns) streams to the scorer actors, its rows come back

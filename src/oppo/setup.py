@@ -512,7 +512,8 @@ def _place_on_ray(roles: Roles, stop_ids, recompute_old: bool) -> None:
                 link(version)
             else:
                 learner.sync_actor(roles.rollout_policy)
-            roles.rollout.set_version(version)
+            # (the eager and static engines sample with that model: no copy; vLLM reloads from it)
+            roles.rollout.load_weights(roles.rollout_policy, version)
         roles.sync.steps.append(actor_home)
 
 
