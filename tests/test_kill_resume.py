@@ -56,8 +56,8 @@ def _carried(trainer, finished: bool = False):
                 "prove nothing")
 
 
-@pytest.mark.parametrize("mode,extra", [("oppo", ()), ("inter", ()), ("oppo", ("algo.name=grpo", "algo.group_size=2"))],
-                         ids=["oppo", "inter", "oppo-grpo"])
+@pytest.mark.parametrize("mode,extra", [("oppo", ()), ("oppo", ("algo.name=grpo", "algo.group_size=2"))],
+                         ids=["oppo", "oppo-grpo"])
 def test_save_load_restores_carried_sequences(tiny_models, tiny_prompts, tmp_path, mode, extra):
     """(GRPO: a finished member of a carried group waits, scored, for its sibling: it is saved
     finished and scored again from its saved response on resume.)"""
