@@ -73,3 +73,13 @@ def ray_local(request):
 
     if not ray.is_initialized():
         request.config.add_cleanup(start_local_cluster(nodes=2, cpus_per_node=1))
+
+
+def assert_continued(done, saved: dict) -> None:
+    """Rows re-admitted with partial responses (``saved``: uid -> (response ids, log-probs, versions)
+    before) came back, each with its saved prefix kept as it was."""
+    assert sorted(r.uid for r in done) == sorted(saved)
+    for r in done:
+        ids, lps, versions = saved[r.uid]
+        n = len(ids)
+        assert r.response_ids[:n] == ids and r.logprobs[:n] == lps and r.versions[:n] == versions

@@ -46,7 +46,7 @@ def test_padded_heads_compute_the_same_logits(tmp_path, kind):
         want, got = model(ids).logits, padded(ids).logits
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
     # and the weights a weight load sends are padded the same way as the checkpoint
-    loaded = dict(pad.weights(model.named_parameters()))
+    loaded = dict(ServedCheckpoint(pad).weights(model.named_parameters()))
     for name, w in padded.named_parameters():
         torch.testing.assert_close(loaded[name], w, atol=0, rtol=0)
 

@@ -110,9 +110,6 @@ class HeadPadding:
         out[self._index(n)] = w * math.sqrt(self.new / self.old) if proj == "q_proj" else w
         return out
 
-    def weights(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, w in pairs:
-            yield name, self.weight(name, w)
 
 
 EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight")

@@ -336,10 +336,10 @@ class VLLMRolloutBackend:
 
         config = json.loads((Path(model_path).expanduser() / "config.json").read_text())
         self._served = _served_checkpoint(config, device)  # padded heads, untied head (vllm_heads.py)
-        self._padded_dir = None
+        self._served_dir = None
         if self._served is not None:
-            self._padded_dir = tempfile.mkdtemp(prefix="oppo-vllm-served-")
-            model_path = str(self._served.write(model_path, self._padded_dir))
+            self._served_dir = tempfile.mkdtemp(prefix="oppo-vllm-served-")
+            model_path = str(self._served.write(model_path, self._served_dir))
             config = self._served.config(config)
         longest = config.get("max_position_embeddings")
         if max_model_len is None or (longest and max_model_len > longest):
@@ -591,9 +591,9 @@ class VLLMRolloutBackend:
         if llm is not None:
             with contextlib.suppress(Exception):
                 llm.engine_core.shutdown()
-        if getattr(self, "_padded_dir", None):
-            shutil.rmtree(self._padded_dir, ignore_errors=True)
-            self._padded_dir = None
+        if getattr(self, "_served_dir", None):
+            shutil.rmtree(self._served_dir, ignore_errors=True)
+            self._served_dir = None
 
 
 def _request_seed(seed: int, uid: int, done: int) -> int:
