@@ -120,3 +120,17 @@ def test_oppo_mode_at_lr0_keeps_weights_with_the_kernel(tiny_models, tiny_prompt
                 assert torch.equal(p.detach(), before[n]), f"{n} changed at learning rate 0"
     finally:
         t.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("width", [64, 192, 200])
+def test_training_backward_is_finite_on_cuda(tiny_models, width):
+    """On the GPU with its default attention kernel (cuDNN SDPA on H100/H200 with torch 2.11-2.13):
+    left-padded rows whose widths are 64 mod 128 (the bug's condition) and one that is not, bf16."""
+    model = _load(tiny_models["policy"], "policy", "sdpa", torch.bfloat16).cuda()
+    prompts = [[3] * (width - 8), [4] * 5]  # the second row: width - 13 left pads
+    ids, valid, P, rmask = sequence_batch(prompts, [[5] * 8, [6] * 8], 0, torch.device("cuda"))
+    assert ids.shape[1] == width
+    _actor_loss(model, ids, valid, P, rmask).backward()
+    assert not _nonfinite_grads(model)
