@@ -1,0 +1,27 @@
+"""Model FLOPs and the measured peak (``oppo.perf``), against hand-computed counts."""
+
+from __future__ import annotations
+
+import torch
+
+from oppo.perf import forward_flops, matmul_params, peak_flops
+
+
+def test_forward_flops_of_a_tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(cfg)
+    # per layer: q 32x32, k and v 32x16 each (2 kv heads of 8), o 32x32, mlp 3 x 32x64; head 50x32
+    per_layer = 32 * 32 + 2 * 32 * 16 + 32 * 32 + 3 * 32 * 64
+    n = 2 * per_layer + 50 * 32
+    assert matmul_params(model) == n
+    # two sequences of 3 and 1 tokens: 4 tokens; contexts 1+2+3 and 1; attention width 4 heads x 8
+    assert forward_flops(model, [3, 1]) == 2 * n * 4 + 4 * 2 * 32 * (6 + 1)
+
+
+def test_peak_flops_is_measured_and_cached():
+    p = peak_flops("cpu", torch.float32)
+    assert 1e8 < p < 1e14  # a CPU core does between 0.1 GFLOP/s and 100 TFLOP/s
+    assert peak_flops("cpu", torch.float32) == p  # cached: measured once per process
