@@ -104,6 +104,20 @@ def test_serving_copy_and_sync():
     assert torch.equal(c[0].weight, m[0].weight.to(torch.bfloat16))
 
 
+def test_serving_copy_keeps_rotary_frequencies_fp32(tiny_models):
+    """A bf16 serving copy (engine, reference, critic scorer) keeps its buffers (rotary ``inv_freq``)
+    in fp32, as ``from_pretrained(dtype=bfloat16)`` does, across syncs: rounded frequencies put
+    sampler, reference and trainer at other positions, more so the longer the sequence."""
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(tiny_models["policy"])
+    c = serving_copy(m, torch.bfloat16)
+    copy_weights(m, c)
+    bufs = dict(c.named_buffers())
+    assert bufs and all(b.dtype == torch.float32 for b in bufs.values())
+    assert all(torch.equal(b, bufs[n]) for n, b in m.named_buffers())
+
+
 def test_float16_is_refused_with_the_fix():
     from oppo.config import ConfigError
 
