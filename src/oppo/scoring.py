@@ -31,6 +31,7 @@ import torch
 
 from .kv import KVRows, left_pad, right_pad
 from .models import backbone_and_head, uses_sliding_window
+from .token_logprobs import head_logprobs
 
 Kind = Literal["reward", "reference", "critic"]
 
@@ -47,9 +48,8 @@ class ScoredOutputs:
 def _per_token(kind: Kind, head: torch.nn.Module, pre: torch.Tensor, tokens: torch.Tensor,
                temperature: float) -> torch.Tensor:
     """Head outputs for hidden states ``pre`` [R, C, H] that predict ``tokens`` [R, C] -> [R, C]."""
-    if kind == "reference":
-        logits = head(pre).float() / temperature  # [R, C, V]
-        return torch.log_softmax(logits, -1).gather(-1, tokens[..., None]).squeeze(-1)
+    if kind == "reference":  # in chunks of tokens: never the [R, C, V] logits at once
+        return head_logprobs(head, pre, tokens, temperature)[0]  # [R, C]
     return head(pre).float().squeeze(-1)  # critic: [R, C]
 
 
