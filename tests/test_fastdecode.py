@@ -390,3 +390,117 @@ def test_generation_engine_static_is_wired(tiny_models, tiny_prompts, tmp_path):
             t.close()
     for (la, ia), (lb, ib) in zip(out["eager"], out["static"]):
         assert torch.equal(ia, ib) and abs(la - lb) < 1e-4
+
+
+def test_auto_engine_is_static_with_graphs_on_cuda_for_supported_policies_else_eager():
+    """generation.engine=auto (the default): static with CUDA graphs on a CUDA device when the
+    policy suits the static engine, eager otherwise (on CPU without asking the model, so CPU runs
+    and the golden metrics are unchanged); explicit values are kept. ``torch.device("cuda")``
+    stands for the device: nothing runs there."""
+    from oppo.config import Config, ConfigError, help_text, load_config
+    from oppo.rollout import resolve_engine
+    from oppo.setup import engine_settings
+
+    def never():
+        raise AssertionError("auto asked the model where it did not need to")
+
+    cuda = torch.device("cuda")
+    assert resolve_engine("auto", torch.device("cpu"), never)[0] == "eager"
+    assert resolve_engine("auto", cuda, lambda: None)[0] == "static"
+    kind, why = resolve_engine("auto", torch.device("cuda:1"), lambda: "attention 'flex' takes no 4-D mask")
+    assert kind == "eager" and "flex" in why
+    for asked in ("eager", "static", "vllm"):
+        assert resolve_engine(asked, cuda, never)[0] == asked
+    # the settings a trainer builds its engine with: the policy is checked (config + a 2-token probe)
+    cfg, model = Config(), _model()
+    assert cfg.generation.engine == "auto"
+    s = engine_settings(cfg, (EOS,), PAD, 8, cuda, model=model)
+    assert (s.kind, s.capture) == ("static", "cuda_graph") and "CUDA graphs" in s.reason
+    s = engine_settings(cfg, (EOS,), PAD, 8, torch.device("cpu"), model=model)
+    assert (s.kind, s.capture) == ("eager", "none")
+    model.config._attn_implementation = "flash_attention_2"
+    try:
+        s = engine_settings(cfg, (EOS,), PAD, 8, cuda, model=model)
+        assert s.kind == "eager" and "sdpa" in s.reason
+    finally:
+        model.config._attn_implementation = "sdpa"
+    from transformers import Lfm2Config, Lfm2ForCausalLM  # convolution + attention: no plain KV everywhere
+
+    hybrid = Lfm2ForCausalLM(Lfm2Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2,
+                                        layer_types=["conv", "full_attention"]))
+    s = engine_settings(cfg, (EOS,), PAD, 8, cuda, model=hybrid)
+    assert s.kind == "eager" and "conv" in s.reason
+    # Ray rollout workers run eager under auto (settings for cpu); static is refused there
+    ray = ["placement.backend=ray", "placement.rollout_workers=2"]
+    load_config(None, ray)
+    with pytest.raises(ConfigError, match="generation.engine=auto"):
+        load_config(None, [*ray, "generation.engine=static"])
+    shown = help_text().split("generation.engine = ")[1].split("generation.kv_budget_mb")[0]
+    assert "[auto|eager|static|vllm]" in shown and "fallback" in shown and "CUDA graphs" in shown
+
+
+def test_capture_is_thread_local_on_one_side_stream_after_warmups(monkeypatch):
+    """What makes a capture survive other threads' CUDA work (module docstring): each bucket is
+    warmed up and then captured in thread-local mode on the engine's one side stream, ordered
+    after the decoding thread's stream, into one pool. The CUDA calls are recorded by fakes; the
+    decode step is the real one, on the CPU."""
+    import inspect
+
+    real = inspect.signature(torch.cuda.graph).parameters
+    assert {"pool", "stream", "capture_error_mode"} <= set(real), "the fakes take what torch.cuda.graph takes"
+    eng = StaticRolloutEngine(_model(), EOS, PAD, 8, greedy=True, max_rows=2, max_len=32)
+    eng.admit(_rows(PROMPTS[:2]))
+    log, on = [], []
+
+    class Stream:
+        def __init__(self, device=None):
+            log.append(("new stream", self))
+
+        def wait_stream(self, other):
+            log.append(("wait", self, other))
+
+    class StreamCtx:
+        def __init__(self, s):
+            self.s = s
+
+        def __enter__(self):
+            on.append(self.s)
+
+        def __exit__(self, *exc):
+            on.pop()
+
+    class Graph:
+        def __init__(self, g, pool=None, stream=None, capture_error_mode="global"):
+            log.append(("capture", stream, pool, capture_error_mode))
+            self.ctx = StreamCtx(stream)
+
+        def __enter__(self):
+            self.ctx.__enter__()
+
+        def __exit__(self, *exc):
+            self.ctx.__exit__()
+            log.append("captured")
+
+    decoding = Stream()  # the decoding thread's stream
+    on.append(decoding)
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", StreamCtx)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: on[-1])
+    monkeypatch.setattr(torch.cuda, "graph", Graph)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
+    step = eng._decode_step
+    monkeypatch.setattr(eng, "_decode_step", lambda rb, lb: (log.append(("step", on[-1])), step(rb, lb))[1])
+    log.clear()
+    outs = [eng._capture(2, 16)[1], eng._capture(2, 24)[1]]
+    assert log[0][0] == "new stream" and log[0][1] is not decoding
+    side, pool = log[0][1], eng._pool
+    name = {id(side): "side", id(decoding): "decoding", id(pool): "pool"}
+    shown = [e if isinstance(e, str) else tuple(name.get(id(x), x) for x in e) for e in log[1:]]
+    one = [("wait", "side", "decoding"), ("step", "side"), ("step", "side"), ("wait", "decoding", "side"),
+           ("capture", "side", "pool", "thread_local"), ("step", "side"), "captured"]
+    # one side stream and one pool for every bucket; warm-ups on the side stream after it waited for
+    # the decoding stream, which waits for them before any replay; then the thread-local capture
+    assert shown == one + one
+    assert outs[0].shape == (2, 50) and torch.isfinite(outs[0]).all()

@@ -26,6 +26,35 @@ how the KV cache lives:
   CUDA, which also uses CUDA graphs). ``capture="none"`` runs it eagerly (CPU, and the oracle).
   Weight updates copy into the same parameter tensors (``weights.copy_weights``), so captured
   graphs read the new weights.
+- **Capture while other threads work.** In every overlapped mode the scorer worker and the
+  learner thread launch CUDA work (GEMMs, allocations, ``.item()`` syncs of their own streams)
+  while this engine captures a bucket it meets for the first time. In CUDA's default *global*
+  capture mode a potentially unsafe call (``cudaMalloc``, an event query) from *any* thread fails
+  and invalidates the capture (issue 26: ``CUBLAS_STATUS_EXECUTION_FAILED`` in another thread, then
+  ``cudaErrorStreamCaptureInvalidated``). So :meth:`StaticRolloutEngine._capture`
+
+  - captures in ``capture_error_mode="thread_local"`` (what ``torch.compile``'s CUDA-graph trees
+    use): only the capturing thread's unsafe calls are refused; other threads' work runs on their
+    own streams, outside the graph;
+  - warms the step up and captures it on one side stream of its own, in the capturing thread:
+    PyTorch keeps a cuBLAS workspace per (handle, stream) and a handle per thread, so the
+    warm-ups create the workspace the capture then uses instead of allocating it inside the
+    capture; the caching allocator sends only the allocations of streams in *this* capture to the
+    graph's private pool (one pool for every bucket), so other threads allocate and free as usual;
+    the side stream is a PyTorch pool stream, created non-blocking, so other threads' work on the
+    legacy default stream does not join the capture.
+
+  What would still invalidate a capture: another thread synchronizing the whole device
+  (``torch.cuda.synchronize()``, ``torch.cuda.empty_cache()``; CUDA refuses to synchronize a device
+  while one of its streams captures), or launching onto the side stream. oppo's workers
+  synchronize only their own streams, and the side stream is taken once per engine (PyTorch hands
+  its 32 pool streams per priority out round-robin: the scorer worker's stream, taken next to it,
+  is another). Replays are ordinary launches on the decoding thread's stream.
+
+  Buckets are captured when first met, not all before the workers start: at 2B = 128 slots and
+  640 columns there are about 14 x 12 (Rb, Lb) buckets, each capture with its warm-ups and its own
+  logits buffer in the pool, most of them never used by a run; with thread-local capture the lazy
+  way is as safe and captures only what a run meets.
 
 Prefill stays eager: the new rows' prompts go through one right-padded forward with a temporary
 ``DynamicCache``, whose columns are copied into the rows' slots (prefill is compute-bound; its
@@ -144,27 +173,20 @@ class StaticRolloutEngine(RolloutEngine):
             raise ValueError("capture='cuda_graph' needs the model on a CUDA device; use capture='none' on CPU.")
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}.")
-        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        impl = getattr(cfg, "_attn_implementation", None) or "eager"
-        if impl not in ("sdpa", "eager"):
-            raise UnsupportedForStaticDecode(
-                f"The static decode engine passes a 4-D attention mask, which attention implementation {impl!r} "
-                f"does not take; load the policy with attn_implementation='sdpa' or use the eager engine.")
+        cfg = _text_config(model)
         max_pos = getattr(cfg, "max_position_embeddings", None)
         if max_len is None:
             max_len = max_new_tokens + 512
             if max_pos:
                 max_len = min(max_len, max_pos)
+        problem = static_decode_problem(model, max_len)
+        if problem is not None:
+            raise UnsupportedForStaticDecode(problem)
         if max_len <= max_new_tokens:
             raise ValueError(f"max_len={max_len} leaves no room for a prompt before {max_new_tokens} new tokens.")
         self.max_rows, self.max_len, self.capture = max_rows, max_len, capture
-        self.window = self._window(model, cfg, max_len)
+        self.window = _window(model, max_len)
         self._masks_as_dict = self.window is not None and _forward_takes_mask_dict(self.backbone)
-        if self.window is not None and not self._masks_as_dict and getattr(cfg, "layer_types", None) is not None \
-                and len(set(cfg.layer_types)) > 1:
-            raise UnsupportedForStaticDecode(
-                f"{type(model).__name__} mixes windowed and full attention layers but its forward takes no "
-                f"per-type masks; use the eager engine (generation.engine=eager).")
         self.cache = None  # _SlotCache, allocated at the first admit
         self.slot_of: list[int] = []  # the slot of each row, parallel to self.rows
         self._free: list[int] = list(range(max_rows))  # a heap: lowest slot first keeps Rb small
@@ -172,20 +194,11 @@ class StaticRolloutEngine(RolloutEngine):
         self._tok = torch.full((max_rows, 1), pad_id, dtype=torch.long, device=self.device)  # static input
         self._pos = torch.zeros(max_rows, dtype=torch.long, device=self.device)  # static input: _len on device
         self._graphs: dict[tuple[int, int], tuple[object, torch.Tensor]] = {}  # (Rb, Lb) -> (graph, logits)
+        self._side_stream = self._pool = None  # cuda_graph: the capture stream and the graphs' pool (_capture)
         self._compiled = None
         self.captures = 0  # graphs captured (or compiled variants traced) so far
 
     # ------------------------------------------------------------------ setup
-
-    @staticmethod
-    def _window(model, cfg, max_len: int) -> int | None:
-        """The attention window in cache columns when it can bite within ``max_len``, else None."""
-        from .models import uses_sliding_window
-
-        w = getattr(cfg, "sliding_window", None)
-        if not uses_sliding_window(model) or w is None or w >= max_len:
-            return None
-        return int(w)
 
     @property
     def peak_cache_bytes(self) -> int:
@@ -198,14 +211,11 @@ class StaticRolloutEngine(RolloutEngine):
         pass
 
     def _allocate(self, prefill_cache) -> None:
-        from transformers.cache_utils import DynamicLayer
-
+        problem = _plain_kv_problem(prefill_cache)
+        if problem is not None:
+            raise UnsupportedForStaticDecode(problem)
         shapes = []
-        for i, layer in enumerate(prefill_cache.layers):
-            if type(layer) is not DynamicLayer or layer.keys is None:
-                raise UnsupportedForStaticDecode(
-                    f"layer {i} keeps a {type(layer).__name__} cache (not plain keys/values): the static decode "
-                    f"engine supports attention-only decoders; use the eager engine.")
+        for layer in prefill_cache.layers:
             k, v = layer.keys, layer.values  # [n, H, P, D]
             shapes.append(((self.max_rows, k.shape[1], self.max_len, k.shape[3]),
                            (self.max_rows, v.shape[1], self.max_len, v.shape[3])))
@@ -365,18 +375,22 @@ class StaticRolloutEngine(RolloutEngine):
         return out
 
     def _capture(self, rb: int, lb: int):
-        """Record the decode step for (rb, lb) into a CUDA graph. The warm-up runs compute the
-        same step the replay then computes (same inputs), so their cache writes are harmless."""
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
+        """Record the decode step for (rb, lb) into a CUDA graph, safely while other threads run
+        CUDA work (module docstring, "Capture while other threads work"): warm-ups, then a
+        thread-local capture, on this engine's one side stream, into its one pool. The warm-up runs
+        compute the same step the replay then computes (same inputs), so their cache writes are
+        harmless."""
+        if self._side_stream is None:  # taken once: every warm-up and capture of this engine runs on it
+            self._side_stream = torch.cuda.Stream(self.device)
+            self._pool = torch.cuda.graph_pool_handle()
+        stream, here = self._side_stream, torch.cuda.current_stream(self.device)
+        stream.wait_stream(here)  # the warm-ups read _tok/_pos and the slots written on this stream
         with torch.cuda.stream(stream):
             for _ in range(2):
                 self._decode_step(rb, lb)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        if not hasattr(self, "_pool"):
-            self._pool = torch.cuda.graph_pool_handle()
+        here.wait_stream(stream)  # replays (on this stream) come after the warm-ups' cache writes
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
             out = self._decode_step(rb, lb)
         self.captures += 1
         return graph, out
@@ -398,6 +412,76 @@ class StaticRolloutEngine(RolloutEngine):
         out = self.backbone(input_ids=self._tok[:rb], attention_mask=mask, position_ids=pos[:, None],
                             past_key_values=cache, use_cache=True)
         return self.head(out.last_hidden_state[:, -1]).float()  # [Rb, V]
+
+
+def _text_config(model):
+    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+
+
+def _window(model, max_len: int | None) -> int | None:
+    """The attention window in cache columns when it can bite within ``max_len`` (None: any
+    window), else None."""
+    from .models import uses_sliding_window
+
+    w = getattr(_text_config(model), "sliding_window", None)
+    if not uses_sliding_window(model) or w is None or (max_len is not None and w >= max_len):
+        return None
+    return int(w)
+
+
+def _plain_kv_problem(cache) -> str | None:
+    """Why a prefill's ``DynamicCache`` cannot move into slots (a layer keeping no plain
+    keys/values: state-space, convolution or linear-attention layers), or None."""
+    from transformers.cache_utils import DynamicLayer
+
+    for i, layer in enumerate(cache.layers):
+        if type(layer) is not DynamicLayer or layer.keys is None:
+            return (f"layer {i} keeps a {type(layer).__name__} cache (not plain keys/values): the static decode "
+                    f"engine supports attention-only decoders; use the eager engine (generation.engine=eager).")
+    return None if cache.layers else "the model's forward filled no KV cache; use the eager engine."
+
+
+def static_decode_problem(model, max_len: int | None = None, probe: bool = False) -> str | None:
+    """Why :class:`StaticRolloutEngine` cannot decode ``model``, as a sentence naming the fix, or
+    None when it can. From the config: an attention implementation that takes no 4-D mask, layers
+    other than full or sliding-window attention, or windowed and full layers under a forward that
+    takes no per-type masks (``max_len``: the slots' columns, a window at least that wide never
+    bites; None: any window counts). With ``probe``, also what the first admission would find, by
+    one forward of two tokens: a layer that keeps no plain keys/values, or a forward that takes no
+    ``DynamicCache``. The constructor refuses on the config's reasons
+    (``UnsupportedForStaticDecode``); ``generation.engine=auto`` asks with ``probe`` before
+    choosing this engine (:func:`oppo.rollout.resolve_engine`), so such a policy runs eager."""
+    from .models import backbone_and_head
+
+    cfg = _text_config(model)
+    impl = getattr(cfg, "_attn_implementation", None) or "eager"
+    if impl not in ("sdpa", "eager"):
+        return (f"The static decode engine passes a 4-D attention mask, which attention implementation {impl!r} "
+                f"does not take; load the policy with attn_implementation='sdpa' or use the eager engine "
+                f"(generation.engine=eager).")
+    other = sorted(set(getattr(cfg, "layer_types", None) or ()) - {"full_attention", "sliding_attention"})
+    if other:  # state-space, convolution, linear or chunked attention: not plain keys/values under our masks
+        return (f"{type(model).__name__} has {', '.join(other)} layers; the static decode engine runs full and "
+                f"sliding-window attention only; use the eager engine (generation.engine=eager).")
+    backbone = backbone_and_head(model)[0]
+    if _window(model, max_len) is not None and not _forward_takes_mask_dict(backbone) \
+            and len(set(getattr(cfg, "layer_types", None) or ())) > 1:
+        return (f"{type(model).__name__} mixes windowed and full attention layers but its forward takes no "
+                f"per-type masks; use the eager engine (generation.engine=eager).")
+    if not probe:
+        return None
+    from transformers import DynamicCache
+
+    dev = next(model.parameters()).device
+    ids = torch.zeros((1, 2), dtype=torch.long, device=dev)
+    cache = DynamicCache()
+    try:
+        with torch.no_grad():
+            backbone(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=torch.arange(2, device=dev)[None],
+                     past_key_values=cache, use_cache=True)
+    except Exception as e:  # a forward the slots cannot host; the eager engine names its own errors
+        return f"a trial prefill into a DynamicCache failed ({type(e).__name__}: {e}); use the eager engine."
+    return _plain_kv_problem(cache)
 
 
 def _forward_takes_mask_dict(backbone) -> bool:

@@ -27,7 +27,8 @@ import torch
 from .kv import KVRows, left_pad
 from .types import Chunk, ChunkReady, Event, Rollout, SequenceFinished
 
-__all__ = ["Chunk", "EngineSettings", "KVBudgetError", "Rollout", "RolloutEngine", "build_engine", "sample_tokens", "take_chunks"]
+__all__ = ["Chunk", "EngineSettings", "KVBudgetError", "Rollout", "RolloutEngine", "build_engine", "resolve_engine",
+           "sample_tokens", "take_chunks"]
 
 
 def sample_tokens(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
@@ -290,8 +291,9 @@ def take_chunks(finished, active, chunk_size: int) -> list[Chunk]:
 @dataclass(frozen=True)
 class EngineSettings:
     """What a local rollout engine is built with (``generation.*``; ``setup.engine_settings``).
-    ``kind``: eager or static; ``max_rows`` / ``max_len``: the static engine's slots; ``capture``:
-    its decode-step capture (``fastdecode.CAPTURE_MODES``)."""
+    ``kind``: eager or static (``generation.engine=auto`` resolved: :func:`resolve_engine`);
+    ``max_rows`` / ``max_len``: the static engine's slots; ``capture``: its decode-step capture
+    (``fastdecode.CAPTURE_MODES``); ``reason``: which engine and why, for the run's log."""
 
     stop_ids: tuple[int, ...]
     pad_id: int
@@ -305,6 +307,26 @@ class EngineSettings:
     max_rows: int = 0
     max_len: int = 0
     capture: str = "none"
+    reason: str = ""
+
+
+def resolve_engine(requested: str, device: torch.device, static_problem) -> tuple[str, str]:
+    """The engine ``generation.engine`` names, and a sentence saying which runs and why.
+
+    ``auto``: ``static`` (CUDA graphs) on a CUDA device unless ``static_problem()`` (a callable,
+    asked only then: ``fastdecode.static_decode_problem``, which may run a two-token forward) names
+    something the static engine refuses; else ``eager``. On CPU the eager engine runs: CPU runs and
+    their golden metrics stay as they were (without graphs the static engine is no faster there).
+    Any other value is returned as asked.
+    """
+    if requested != "auto":
+        return requested, f"{requested} (generation.engine={requested})"
+    if device.type != "cuda":
+        return "eager", f"eager (generation.engine=auto: no CUDA graphs on {device.type})"
+    problem = static_problem()
+    if problem:
+        return "eager", f"eager (generation.engine=auto: the static engine cannot decode this policy: {problem})"
+    return "static", "static with CUDA graphs (generation.engine=auto; generation.engine=eager is the fallback)"
 
 
 def build_engine(model: torch.nn.Module, s: EngineSettings) -> RolloutEngine:

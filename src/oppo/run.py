@@ -295,11 +295,15 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True) -> Path
         if lock is None:  # another run took the directory since the check
             raise PreflightError([f"another oppo train is writing {run_dir} (started since the checks); "
                                   f"give a fresh run.out_dir."])
+        engine = trainer.roles.engine  # generation.engine=auto resolved: which engine runs, and why
         if progress:
             linked = f" ({plan.link} points to it)" if plan.link is not None else ""
             print(f"run directory: {run_dir}{linked}", file=sys.stderr)
+            if engine:
+                print(f"rollout engine: {engine}", file=sys.stderr)
         first = trainer.step
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        (run_dir / "config.yaml").write_text((f"# rollout engine: {engine}\n" if engine else "")
+                                             + yaml.safe_dump(to_dict(cfg), sort_keys=False))
         logger = MetricsLogger(run_dir, tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb,
                                wandb_project=cfg.log.wandb_project, config=to_dict(cfg), resume=ckpt is not None)
         if ckpt is not None:

@@ -28,7 +28,7 @@ from .models import (apply_lora, base_view, check_model_path, check_roles, enabl
                      load_causal_lm, load_critic, load_function, load_reward_model, load_tokenizer, resolve_device,
                      resolve_dtype, stop_token_ids)
 from .roles.protocols import RolloutBackend, Scorer
-from .rollout import EngineSettings, build_engine
+from .rollout import EngineSettings, build_engine, resolve_engine
 from .scoring import RewardFunction, StreamingScorer
 from .trace import Tracer
 from .weights import copy_weights, master_dtype, serving_copy
@@ -314,6 +314,7 @@ class Roles:
     sync: WeightSync
     tracer: Tracer
     closers: list = field(default_factory=list)
+    engine: str = ""  # which rollout engine runs, and why (generation.engine=auto resolved), for the run's log
 
     def close(self) -> None:
         for c in self.closers:
@@ -435,19 +436,32 @@ def local_rollout(roles: Roles, stop_ids) -> RolloutBackend:
         backend = build_vllm_backend(cfg, roles.paths.policy, stop_ids, roles.pad_id, roles.max_new_tokens,
                                      weights=roles.rollout_policy)
         roles.closers.insert(0, backend.close)
+        roles.engine = "vllm (generation.engine=vllm)"
         return backend
-    return build_engine(roles.rollout_policy, engine_settings(cfg, stop_ids, roles.pad_id, roles.max_new_tokens,
-                                                              roles.device))
+    settings = engine_settings(cfg, stop_ids, roles.pad_id, roles.max_new_tokens, roles.device,
+                               model=roles.rollout_policy)
+    roles.engine = settings.reason
+    return build_engine(roles.rollout_policy, settings)
 
 
-def engine_settings(cfg: Config, stop_ids, pad_id: int, max_new_tokens: int, device: torch.device) -> EngineSettings:
-    """The rollout engine's settings from the config (``generation.*``)."""
+def engine_settings(cfg: Config, stop_ids, pad_id: int, max_new_tokens: int, device: torch.device,
+                    model: torch.nn.Module | None = None) -> EngineSettings:
+    """The rollout engine's settings from the config (``generation.*``), for an engine on
+    ``device``; ``generation.engine=auto`` resolved there (``rollout.resolve_engine``: static with
+    CUDA graphs on CUDA when ``model``, the policy it will decode, suits the static engine; else
+    eager). Ray rollout workers get settings for ``cpu``, so ``auto`` runs the eager engine in them."""
+    from .fastdecode import static_decode_problem
+
     g, B = cfg.generation, cfg.ppo.batch_size
+    max_len = cfg.data.max_prompt_tokens + max_new_tokens
+    kind, reason = resolve_engine(
+        g.engine, device, lambda: "the policy was not given to check" if model is None
+        else static_decode_problem(model, max_len, probe=True))
     return EngineSettings(tuple(stop_ids), pad_id, max_new_tokens, g.temperature, g.top_k, g.top_p,
-                          g.kv_budget_mb or None, cfg.run.seed, g.engine,
+                          g.kv_budget_mb or None, cfg.run.seed, kind,
                           max_rows=2 * B if cfg.carries else B,  # B + Delta, refill: <= 2B
-                          max_len=cfg.data.max_prompt_tokens + max_new_tokens,
-                          capture="cuda_graph" if device.type == "cuda" else "none")
+                          max_len=max_len, capture="cuda_graph" if device.type == "cuda" else "none",
+                          reason=reason)
 
 
 def _place_on_ray(roles: Roles, stop_ids, recompute_old: bool) -> None:
@@ -494,6 +508,7 @@ def _place_on_ray(roles: Roles, stop_ids, recompute_old: bool) -> None:
                                 scorer=scorer if stream else None, num_cpus=pl.rollout_cpus,
                                 num_gpus=pl.rollout_gpus, threads=o.actor_threads)
         roles.closers.insert(0, group.close)
+        roles.engine = f"{settings.kind} in {pl.rollout_workers} Ray rollout workers (generation.engine={cfg.generation.engine})"
         group.load_weights(roles.policy, 0)
         roles.rollout = group
         roles.scorer = FedByRollout(scorer) if stream else scorer

@@ -223,8 +223,9 @@ class Efficiency:
     """Fractions of the spec-sheet peaks a real run reaches, and fixed overheads (assumptions).
 
     Defaults describe an eager PyTorch / Hugging Face stack like the paper's TRL baseline and
-    oppo's own engine: no CUDA graphs, no paged attention. A serving engine such as vLLM
-    decodes with about a third of ``decode_step_s``.
+    oppo's eager engine (``generation.engine=eager``): no CUDA graphs, no paged attention. oppo's
+    static engine (the default on CUDA: CUDA graphs) and a serving engine such as vLLM decode with
+    about a third of ``decode_step_s`` (1B on an H100: 5.1 ms against 18.4 ms per step).
     """
 
     decode_bw: float = 0.6  # of HBM bandwidth, decode (reads the weights and the KV cache every step)
