@@ -126,10 +126,7 @@ def test_forced_workload_sets_the_main_runs_lengths(tiny_models, tiny_prompts, t
     assert sampler(0, 0) == sampler(0) and any(sampler(p) != sampler(p, 1) for p in range(4))
 
 
-@pytest.mark.slow
-def test_gpu_bench_smoke_on_cpu(tmp_path):
-    """benchmarks/gpu_bench.py --device cpu --tiny: models from config, all four modes, the files
-    the GPU run writes, the stage profile's two rows."""
+def _gpu_bench():
     import importlib.util
     from pathlib import Path
 
@@ -137,11 +134,24 @@ def test_gpu_bench_smoke_on_cpu(tmp_path):
     spec = importlib.util.spec_from_file_location("gpu_bench", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.slow
+def test_gpu_bench_smoke_on_cpu(tmp_path):
+    """benchmarks/gpu_bench.py --device cpu --tiny: models from config, all four modes, the files
+    the GPU run writes, the stage profile's two rows."""
+    import importlib.util
+    from pathlib import Path
+
+    mod = _gpu_bench()
     out = tmp_path / "gpu"
-    assert mod.main(["--device", "cpu", "--tiny", "--out", str(out)]) == 0
+    # one mode at a time: the schedule the GPU run takes (oppo bench covers the interleaved one)
+    assert mod.main(["--device", "cpu", "--tiny", "--schedule", "one-at-a-time", "--out", str(out)]) == 0
     res = json.loads((out / "bench.json").read_text())
     assert set(res["modes"]) == {"sequential", "intra", "inter", "oppo", "pipeline"}
-    assert res["machine"] and res["steps"] == 2
+    assert res["machine"] and res["steps"] == 2 and res["schedule"] == "one mode at a time"
+    assert all(v["engine"].startswith("eager (generation.engine=auto") for v in res["modes"].values())
     assert [r["workload"].split()[0] for r in res["stage_profile"]] == ["representative", "short"]
     assert res["workload_lengths"]["p99_over_p50"] >= 4
     md = (out / "bench.md").read_text()
@@ -150,3 +160,61 @@ def test_gpu_bench_smoke_on_cpu(tmp_path):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # forced lengths: timing only (issue 22 item 3), no reward curve
     assert "Timing only" in md and not (out / "reward_vs_step.png").exists()
+
+
+def test_gpu_bench_check_names_engine_mode_step_and_metric(tmp_path, monkeypatch, capsys):
+    """gpu_bench --check: a child per engine and mode; a non-finite metric or weight, an exception,
+    or a child that dies without a result fails its row (engine, mode, step, metric named), the
+    other combinations still run, and the exit code is 1. The children and their trainers are
+    fakes here (a real CPU --check of every mode takes about 80 s)."""
+    import math
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import torch
+
+    mod = _gpu_bench()
+    policy, critic = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)
+    trainer = SimpleNamespace(models=lambda: {"policy": policy, "critic": critic},
+                              roles=SimpleNamespace(rollout_policy=policy, engine="static with CUDA graphs"))
+    assert mod.non_finite({"loss/policy": 0.5, "grad_norm/actor": math.nan, "kl/mean": -math.inf, "n": 3}) == \
+        ["grad_norm/actor", "kl/mean"]
+    assert mod.non_finite_weights(trainer) == []
+    with torch.no_grad():
+        critic.bias[0] = math.inf
+    assert mod.non_finite_weights(trainer) == ["critic.bias"]
+
+    def fake_run_modes(cfg, modes, steps, out, on_step, **kw):  # what check_one drives: its guard sees each step
+        for step in range(steps):
+            on_step(modes[0], step, {"loss/policy": 0.1, "grad_norm/critic": math.nan if step == 1 else 1.0}, trainer)
+
+    monkeypatch.setattr(mod, "run_modes", fake_run_modes)
+    monkeypatch.setattr(mod, "load_config", lambda path, settings: None)
+    with torch.no_grad():
+        critic.bias[0] = 0.0
+    assert mod.check_one("static:oppo", [], 3, None, tmp_path / "one", print) == 1
+    row = json.loads((tmp_path / "one" / "check.json").read_text())
+    assert (row["ok"], row["steps"], row["ran"]) == (False, 1, "static with CUDA graphs")
+    assert "step 1" in row["error"] and "grad_norm/critic=nan" in row["error"]
+
+    def child(cmd):  # eager/inter: passes; static/oppo: a non-finite metric; static/inter: dies with no result
+        engine, mode = cmd[cmd.index("--check-one") + 1].split(":", 1)
+        where = Path(cmd[cmd.index("--out", cmd.index("--check-one")) + 1])
+        assert "--check" not in cmd and cmd[cmd.index("--models") + 1] == str(tmp_path / "models")
+        if (engine, mode) != ("static", "inter"):
+            where.mkdir(parents=True, exist_ok=True)
+            ok = (engine, mode) != ("static", "oppo")
+            where.joinpath("check.json").write_text(json.dumps(
+                {"engine": engine, "mode": mode, "steps": 3 if ok else 2, "ok": ok, "ran": engine,
+                 "error": None if ok else "NonFinite: step 2: non-finite loss/value=nan"}))
+        return SimpleNamespace(returncode=0 if (engine, mode) == ("eager", "inter") else 1)
+
+    code = mod.check_all(["--device", "cpu", "--check"], ["inter", "oppo"], tmp_path / "all", tmp_path / "models",
+                         lambda s: None, run=child)
+    assert code == 1
+    table = capsys.readouterr().out
+    assert "| eager | inter | pass | 3 |" in table and "| eager | oppo | pass |" in table
+    assert "| static | oppo | FAIL | 2 | static | NonFinite: step 2: non-finite loss/value=nan |" in table
+    assert "| static | inter | FAIL | 0 |" in table and "exited with code 1 and no result" in table
+    assert "FAILED: 2 of 4: static / inter; static / oppo" in table
+    assert json.loads((tmp_path / "all" / "check.json").read_text())["rows"][0]["ok"]

@@ -262,20 +262,38 @@ def timing_only(metrics: dict) -> dict:
 
 def run_modes(base, modes: list[str], steps: int, out: Path, tail_sigma: float | None = None,
               progress=print, lengths: LengthWorkload | None = None, make_engine=None,
-              deadline: float | None = None) -> dict[str, dict]:
-    """Run every mode for ``steps`` steps, interleaved; return per-mode raw records.
+              deadline: float | None = None, one_at_a_time: bool = False, on_step=None) -> dict[str, dict]:
+    """Run every mode for ``steps`` steps; return per-mode raw records.
+
+    By default the modes are interleaved (step 0 of every mode, then step 1, ...) with every
+    mode's Trainer resident, so that machine noise hits them alike. ``one_at_a_time``: each mode
+    is built, stepped, closed and freed (``gc.collect``, ``torch.cuda.empty_cache``) before the
+    next is built, so one mode's models are resident at a time: what a large model on one GPU
+    needs (five 1B trainers do not fit 80 GB). Each mode then runs its steps back to back, as a
+    real run does; machine noise is no longer shared, which on a dedicated GPU costs less than on
+    a shared CPU (rebuilding every trainer for each round of interleaving would cost a model load
+    per mode and step). On CUDA each record then holds ``peak_cuda_mib``: the peak memory
+    allocated on each device from the trainer's build to its close (``torch.cuda.max_memory_allocated``,
+    reset before the build).
 
     ``lengths`` forces response lengths (a :class:`LengthWorkload`; ``tail_sigma`` is the sweep's
     shorthand for one). ``make_engine(trainer)``, if given, replaces each trainer's rollout engine
     (e.g. a :class:`oppo.fastdecode.StaticRolloutEngine`) before the first step. ``deadline``
     (a ``time.time()``): stop after the round of steps that would end past it, once every mode
-    has at least two steps (one warm-up, one timed). Forced lengths make the runs timing-only:
+    has at least two steps (one warm-up, one timed); one mode at a time, each mode gets an equal
+    share of the time left when it starts. ``on_step(mode, step, metrics, trainer)``, if given,
+    sees each step's metrics as the trainer returned them (before :func:`timing_only`); what it
+    raises stops the run (the trainers are closed). Forced lengths make the runs timing-only:
     their learning metrics are left out of the records and metrics files (:func:`timing_only`).
     """
+    import gc
+
     from .trainer import Trainer
 
     trainers, loggers, records = {}, {}, {}
-    for mode in modes:  # a mode, or a mode with settings of its own (split_mode)
+    cuda = torch.cuda.is_available()
+
+    def build(mode: str):
         # run.steps: a pipeline run begins no step beyond the bench's; no checkpoints in a bench
         cfg = with_overrides(base, [*mode_overrides(mode), f"run.out_dir={out / _slug(mode)}",
                                     f"run.steps={steps}", "run.save_every=0"])
@@ -289,31 +307,79 @@ def run_modes(base, modes: list[str], steps: int, out: Path, tail_sigma: float |
         if make_engine is not None:
             t.roles.rollout = make_engine(t)
         loggers[mode] = MetricsLogger(cfg.run.out_dir)
-        records[mode] = {"metrics": [], "sampler": t.length_sampler, "lengths": []}
+        engine = t.roles.engine if make_engine is None else f"{type(t.roles.rollout).__name__} (make_engine)"
+        records[mode] = {"metrics": [], "sampler": t.length_sampler, "lengths": [], "engine": engine}
+
+    def run_step(mode: str, step: int) -> None:
+        t = trainers[mode]
+        m = t.run_step()
+        if on_step is not None:
+            on_step(mode, step, m, t)
+        if t.length_sampler is not None:
+            m = timing_only(m)
+        loggers[mode].log(step, m)
+        records[mode]["metrics"].append(m)
+        records[mode]["lengths"].append([int(n) for n in t.last_result.exp.mask.sum(1).tolist()])
+
+    def finish(mode: str) -> None:
+        t = trainers[mode]
+        t.tracer.save(Path(t.cfg.run.out_dir) / "trace.json")
+        records[mode]["windows"] = dict(t.step_windows)
+        records[mode]["spans"] = t.tracer.spans
+
+    def close(mode: str) -> None:
+        t = trainers.pop(mode, None)
+        if t is not None:
+            t.close()
+        if mode in loggers:
+            loggers.pop(mode).close()
+
+    if one_at_a_time:
+        for i, mode in enumerate(modes):
+            if cuda:
+                for d in range(torch.cuda.device_count()):
+                    torch.cuda.reset_peak_memory_stats(d)
+            share = None if deadline is None else time.time() + (deadline - time.time()) / (len(modes) - i)
+            try:
+                build(mode)
+                for step in range(steps):
+                    t_step = time.time()
+                    run_step(mode, step)
+                    progress(f"  {mode} step {step + 1}/{steps}: {records[mode]['metrics'][-1]['time/step']:.2f}s")
+                    if share is not None and step >= 1 and time.time() + (time.time() - t_step) > share:
+                        progress(f"  {mode}: stopping after {step + 1} steps: the next would end past its share "
+                                 f"of the time budget")
+                        break
+                finish(mode)
+            finally:
+                close(mode)
+                gc.collect()  # the trainer's models, optimizer state, KV slots and CUDA graphs
+                if cuda:
+                    metrics = records.get(mode, {}).get("metrics", [])
+                    if mode in records:
+                        records[mode]["peak_cuda_mib"] = {
+                            f"cuda:{d}": max([torch.cuda.max_memory_allocated(d) / 2**20]
+                                             + [m.get(f"memory/cuda{d}_peak_mb", 0.0) for m in metrics])
+                            for d in range(torch.cuda.device_count())}  # (the trainer resets the peak each step)
+                    torch.cuda.empty_cache()
+        return records
     try:
+        for mode in modes:  # a mode, or a mode with settings of its own (split_mode)
+            build(mode)
         for step in range(steps):
             t_round = time.time()
             for mode in modes:
-                m = trainers[mode].run_step()
-                if trainers[mode].length_sampler is not None:
-                    m = timing_only(m)
-                loggers[mode].log(step, m)
-                records[mode]["metrics"].append(m)
-                exp = trainers[mode].last_result.exp
-                records[mode]["lengths"].append([int(n) for n in exp.mask.sum(1).tolist()])
+                run_step(mode, step)
             progress(f"  step {step + 1}/{steps}: " + "  ".join(
                 f"{mode} {records[mode]['metrics'][-1]['time/step']:.2f}s" for mode in modes))
             if deadline is not None and step >= 1 and time.time() + (time.time() - t_round) > deadline:
                 progress(f"  stopping after {step + 1} steps: the next round would end past the time budget")
                 break
-        for mode, t in trainers.items():
-            t.tracer.save(Path(t.cfg.run.out_dir) / "trace.json")
-            records[mode]["windows"] = dict(t.step_windows)
-            records[mode]["spans"] = t.tracer.spans
+        for mode in modes:
+            finish(mode)
     finally:
         for mode in modes:
-            trainers[mode].close()
-            loggers[mode].close()
+            close(mode)
     return records
 
 
@@ -358,6 +424,8 @@ def summarize(records: dict[str, dict], warmup: int = 1, target: float | None = 
             "time_to_target_s": reached,
             "response_length_mean": statistics.mean(m["response_length/mean"] for m in ms),
             "cpu_util": statistics.median([m["perf/cpu_util"] for m in ms[warmup:]] or [0.0]),
+            "engine": rec.get("engine"),  # which rollout engine ran (generation.engine=auto resolved)
+            **({"peak_cuda_mib": rec["peak_cuda_mib"]} if "peak_cuda_mib" in rec else {}),  # (one mode at a time)
         }
     if "sequential" in out:
         base = out["sequential"]["step_time_median_s"]
@@ -419,8 +487,8 @@ def stage_profile_markdown(rows: list[dict]) -> list[str]:
 def to_markdown(result: dict) -> str:
     lines = ["# oppo bench", "", f"Machine: {result['machine']}", "",
              f"Command: `{result['command']}`", "",
-             f"Workload: {result['workload']}; {result['steps']} steps per mode, interleaved; "
-             f"timings skip the first step.", "",
+             f"Workload: {result['workload']}; {result['steps']} steps per mode, "
+             f"{result.get('schedule', 'interleaved')}; timings skip the first step.", "",
              "| mode | step time median (s) | p25-p75 (s) | speedup | tokens/s | busy fraction (actor / scorer / learner) "
              "| busiest vs sequential | bubble ratio | CPU use | reward (last) | time to target (s) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -457,6 +525,12 @@ def to_markdown(result: dict) -> str:
         lines += ["", (f"Target reward: {target:.3f}" if target is not None else "No target reward")
                   + " (sequential's mean over its last 3 steps unless --target was given); time to target uses a "
                   "3-step moving average. " + cpu, ""]
+    peaks = {mode: v["peak_cuda_mib"] for mode, v in result["modes"].items() if v.get("peak_cuda_mib")}
+    if peaks:
+        lines += ["Peak GPU memory allocated per mode, from the trainer's build to its close "
+                  "(`torch.cuda.max_memory_allocated`, reset between modes): " + "; ".join(
+                      f"{mode} " + ", ".join(f"{mib / 1024:.1f} GiB" + (f" ({d})" if len(p) > 1 else "")
+                                             for d, mib in p.items()) for mode, p in peaks.items()) + ".", ""]
     if result.get("workload_lengths"):
         w = result["workload_lengths"]
         lines += [f"Forced lengths ({w['name']}): {w['description']}; the distribution drawn from has p50 "
