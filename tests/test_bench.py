@@ -2,6 +2,7 @@
 the figures the issue asks for."""
 
 import json
+import math
 
 import pytest
 
@@ -107,12 +108,16 @@ def test_forced_workload_sets_the_main_runs_lengths(tiny_models, tiny_prompts, t
     assert rec["lengths"] == [[sampler(i) for i in range(4)], [sampler(i) for i in range(4, 8)]]
     assert len(set(rec["lengths"][0] + rec["lengths"][1])) > 2
     # forced lengths are not samples of the policy: the runs are timing-only (issue 22 item 3), no
-    # learning metric reaches the records, metrics.jsonl, bench.json or bench.md
+    # learning metric reaches the records, metrics.jsonl, bench.json or bench.md; but the losses and
+    # gradient norms do, finite (issue 26: the guard's numbers)
     from oppo.bench import summarize, to_markdown
     from oppo.metrics import read_metrics
 
     for ms in (rec["metrics"], read_metrics(tmp_path / "sequential")):
-        assert not [k for m in ms for k in m if k.startswith(("reward/", "kl/", "loss/", "ppo/", "value/"))]
+        assert not [k for m in ms for k in m if k.startswith(("reward/", "kl/", "ppo/", "value/"))
+                    or k.startswith("loss/") and k not in ("loss/policy", "loss/value")]
+        assert all(math.isfinite(m[k]) for m in ms for k in ("loss/policy", "loss/value", "grad_norm/actor",
+                                                              "grad_norm/critic"))
         assert all(m["bench/timing_only"] == 1 for m in ms)
         assert all("time/step" in m and "response_length/mean" in m for m in ms)
     res = summarize({"sequential": rec})

@@ -28,8 +28,8 @@ model on a CPU, where training dominates, says little about a GPU run where deco
 response does. The tail sweep uses the task's own maximum length.
 
 Forced-length runs (the main run's workload unless ``--workload natural``, and the tail sweep)
-are **timing-only**: their learning metrics (reward, judge, accuracy, KL, losses, PPO and value
-statistics, gradient norms: :data:`LEARNING_PREFIXES`) are left out of their ``metrics.jsonl``,
+are **timing-only**: their learning metrics (reward, judge, accuracy, KL, PPO and value
+statistics: :data:`LEARNING_PREFIXES`) are left out of their ``metrics.jsonl``,
 ``bench.json``, ``bench.md`` and pictures, and each step is marked ``bench/timing_only``. A
 forced length bans EOS before the target and forces it there, so the responses are not draws
 from the policy: the k1 KL estimate, whose expectation is >= 0 only under the policy's own
@@ -37,7 +37,9 @@ samples, went negative (-0.25 to -0.57), and no behaviour log-prob makes the upd
 of the policy (the forced EOS has behaviour probability 1: its importance weight would be the
 policy's own EOS probability, often ~0). The timings, lengths, staleness and sampler-vs-trainer
 mismatch (``mismatch/*``: the same weights in the engine and the trainer, whatever was sampled)
-are kept. ``--workload natural`` compares learning across modes.
+are kept, and so are the losses and gradient norms (:data:`CHECKED`: a check that the numbers stay
+finite, not a measure of learning; the non-finite guard runs in these runs too). ``--workload
+natural`` compares learning across modes.
 """
 
 from __future__ import annotations
@@ -253,11 +255,17 @@ def static_engine(capture: str = "none"):
 LEARNING_PREFIXES = ("reward/", "judge/", "task/", "kl/", "loss/", "ppo/", "value/", "grad_norm/")
 """Metrics that describe learning, left out of forced-length (timing-only) runs (module docstring)."""
 
+CHECKED = ("loss/policy", "loss/value", "grad_norm/")
+"""Kept in timing-only runs all the same: not measures of learning there, but the numbers that show a
+run stayed finite (the guard, ``guard.py``, runs in these runs too; issue 26: a GPU bench whose
+gradient norms were NaN for steps reported nothing)."""
+
 
 def timing_only(metrics: dict) -> dict:
-    """A forced-length step's metrics: the learning ones (:data:`LEARNING_PREFIXES`) left out, and
-    ``bench/timing_only`` = 1 (module docstring)."""
-    return {**{k: v for k, v in metrics.items() if not k.startswith(LEARNING_PREFIXES)}, "bench/timing_only": 1}
+    """A forced-length step's metrics: the learning ones (:data:`LEARNING_PREFIXES`) left out but
+    for the losses and gradient norms (:data:`CHECKED`), and ``bench/timing_only`` = 1 (module docstring)."""
+    return {**{k: v for k, v in metrics.items() if k.startswith(CHECKED) or not k.startswith(LEARNING_PREFIXES)},
+            "bench/timing_only": 1}
 
 
 def run_modes(base, modes: list[str], steps: int, out: Path, tail_sigma: float | None = None,
@@ -517,8 +525,9 @@ def to_markdown(result: dict) -> str:
            "OpenMP spin-waits count as busy, and a scorer worker in its own process is not counted).")
     if any(v.get("timing_only") for v in result["modes"].values()):
         lines += ["", "Timing only: the response lengths were forced (EOS banned before each target length and "
-                  "forced at it), so the responses are not samples of the policy and no reward, KL or loss of "
-                  "these runs is reported (the k1 KL estimate of such runs went negative). `oppo bench --workload "
+                  "forced at it), so the responses are not samples of the policy and no reward or KL of these "
+                  "runs is reported (the k1 KL estimate of such runs went negative; their losses and gradient "
+                  "norms stay in metrics.jsonl, as a check that the numbers stayed finite). `oppo bench --workload "
                   "natural` compares learning across modes. " + cpu, ""]
     else:
         target = result["target_reward"]

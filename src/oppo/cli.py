@@ -131,6 +131,30 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"oppo: error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:
+        found = non_finite(e)
+        if found is None:
+            raise
+        print(f"oppo: error: {found}", file=sys.stderr)
+        return 1
+
+
+def non_finite(e: BaseException):
+    """The guard's ``NonFiniteError`` behind ``e`` (itself, or the cause of a worker's, a Ray
+    actor's or a learner rank's failure), or None: the CLI prints its message, not a traceback."""
+    from .guard import NonFiniteError
+
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        inner = getattr(e, "cause", None)  # a Ray task error's own exception (its str is a traceback)
+        if isinstance(inner, BaseException):
+            e = inner
+        elif isinstance(e, NonFiniteError):
+            return e
+        else:
+            e = e.__cause__ or e.__context__
+    return None
 
 
 if __name__ == "__main__":

@@ -167,6 +167,13 @@ class PPOConfig:
     lr_warmup_steps: int = opt(0, "Optimizer steps over which each learning rate ramps linearly up to ppo.actor_lr / "
                                   "ppo.critic_lr (0: none). Counted by the optimizer itself, so a resumed run "
                                   "continues the ramp.")
+    nonfinite: str = opt("error", "A non-finite loss, gradient norm or advantage (docs/implementation-details.md, "
+                                  "the non-finite guard). error: stop the run with a message naming the step, the "
+                                  "stage, the tensor and the first rows or parameters, before any optimizer step, "
+                                  "weight sync or checkpoint. skip: skip that optimizer step (a minibatch's, actor "
+                                  "and critic alike; the whole update for non-finite advantages), warn, and count "
+                                  "it in guard/skipped_updates. A non-finite updated weight stops the run in either.",
+                         ("error", "skip"))
     kl_coef: float = opt(0.05, "beta: weight of the per-token KL(pi || ref) penalty (in the reward, or in the "
                                "loss: algo.kl_placement).")
     kl_estimator: str = opt("auto", f"Per-token KL estimator. auto: {_by_algorithm(_kl_estimators)}.",

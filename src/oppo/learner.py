@@ -7,10 +7,12 @@ Stages 4-6 of the PPO step (``shared/DESIGN.md`` section 2) live here as plain f
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
 
+from . import guard
 from . import ppo_math as pm
 from .config import PPOConfig
 from .types import Rollout, Scores
@@ -56,6 +58,7 @@ class Experience:
     returns: torch.Tensor | None = None
     stats: dict[str, float] | None = None
     group_ids: torch.Tensor | None = None  # [B] the group of each row (GRPO/RLOO): its first member's uid
+    trainable: bool = True  # False: non-finite advantages under ppo.nonfinite=skip (compute_advantages)
 
     @property
     def sampler_logprobs(self) -> torch.Tensor:
@@ -101,15 +104,30 @@ def attach_scores(exp: Experience, scored: Scores) -> Experience:
 
 
 @torch.no_grad()
-def compute_advantages(exp: Experience, cfg: PPOConfig, algorithm) -> Experience:
+def compute_advantages(exp: Experience, cfg: PPOConfig, algorithm, step: int = -1) -> Experience:
     """Stages 4 and 5 (a new record): per-token rewards (KL-shaped when the KL goes in the reward), then the
     algorithm's advantages (``algo.Algorithm``: GAE with the critic's values for PPO; group,
-    leave-one-out or batch baselines for the critic-free ones) and, for PPO, returns."""
+    leave-one-out or batch baselines for the critic-free ones) and, for PPO, returns.
+
+    The guard (``guard.py``): every input and output must be finite at response tokens, else
+    ``NonFiniteError`` names the first such tensor (inputs first: the cause, not its spread
+    through whitening) and its rows; under ``ppo.nonfinite=skip`` a warning, and the record comes
+    back ``trainable=False`` (the step's update is skipped: ``control.stages.update``)."""
     ended = torch.tensor([r.ended_with_eos for r in exp.rollouts], device=exp.scores.device)
     scores = pm.missing_eos_penalty(exp.scores, ended, cfg.missing_eos_penalty)
     res = algorithm.advantages(scores, exp.mask, exp.old_logprobs, exp.ref_logprobs, exp.values, exp.group_ids)
+    bad = guard.nonfinite_rows({"scores": scores, "values": exp.values, "reference log-probs": exp.ref_logprobs,
+                                "old log-probs": exp.old_logprobs, "importance weights": exp.is_weights,
+                                "rewards": res.rewards, "advantages": res.advantages, "returns": res.returns},
+                               exp.mask)
+    if bad is not None:
+        name, rows = bad
+        guard.report(f"non-finite {name} at {guard.at_step(step)}, advantages: rows {guard.first(rows)} of "
+                     f"{exp.mask.shape[0]} (sequences {guard.first([exp.rollouts[i].uid for i in rows])})",
+                     skip=cfg.nonfinite == "skip")
     return dataclasses.replace(exp, rewards=res.rewards, kl=res.kl, advantages=res.advantages, returns=res.returns,
-                               stats={**(exp.stats or {}), **{k: float(v) for k, v in res.stats.items()}})
+                               stats={**(exp.stats or {}), **{k: float(v) for k, v in res.stats.items()}},
+                               trainable=bad is None)
 
 
 def old_logprob_targets(exp: Experience, version: int, recompute_all: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -235,11 +253,11 @@ class Learner:
         mbs = [mb.to(exp.mask.device) for mb in self.minibatches(exp.mask.shape[0], step)]
         probe = MismatchProbe(self.actor_opt, step)
         stats = _train(self.actor, self.actor_opt, exp.mask, mbs, self.cfg, "actor",
-                       lambda rows, nt, ns: self._actor_micro_step(exp, rows, nt, ns, probe))
+                       lambda rows, nt, ns: self._actor_micro_step(exp, rows, nt, ns, probe), step)
         stats.update(MismatchProbe.stats(probe.partial()))
         if critic and self.critic is not None:
             stats.update(critic_update(self.critic, self.critic_opt, CriticBatch.of(exp), mbs, self.cfg,
-                                       compute_dtype=self.compute_dtype))
+                                       compute_dtype=self.compute_dtype, step=step))
         return stats
 
     def actor_weights(self) -> torch.nn.Module:
@@ -326,7 +344,8 @@ class CriticBatch:
 
 
 def critic_update(critic, opt: torch.optim.Optimizer, batch: CriticBatch, minibatches: list[torch.Tensor],
-                  cfg: PPOConfig, before_micro=None, compute_dtype: torch.dtype = torch.float32) -> dict[str, float]:
+                  cfg: PPOConfig, before_micro=None, compute_dtype: torch.dtype = torch.float32,
+                  step: int = -1) -> dict[str, float]:
     """Stage 6 for the critic: clipped value loss over the given minibatches.
 
     A plain function of its arguments, so the scorer worker that holds the critic can run it
@@ -342,7 +361,7 @@ def critic_update(critic, opt: torch.optim.Optimizer, batch: CriticBatch, miniba
             before_micro()
         return critic_micro_step(critic, batch, rows, num_tokens, num_seqs, cfg, compute_dtype)
 
-    return _train(critic, opt, batch.mask, [mb.to(dev) for mb in minibatches], cfg, "critic", micro)
+    return _train(critic, opt, batch.mask, [mb.to(dev) for mb in minibatches], cfg, "critic", micro, step)
 
 
 def critic_micro_step(critic, batch: CriticBatch, rows: torch.Tensor, num_tokens, num_seqs: int, cfg: PPOConfig,
@@ -361,28 +380,61 @@ def critic_micro_step(critic, batch: CriticBatch, rows: torch.Tensor, num_tokens
 
 
 def _train(model, opt, mask: torch.Tensor, minibatches: list[torch.Tensor], cfg: PPOConfig, name: str,
-           micro_step) -> dict[str, float]:
+           micro_step, step: int = -1, agree=None) -> dict[str, float]:
     """Optimizer steps over ``minibatches``; each is split into micro-batches that accumulate gradients.
 
     The loss of a minibatch is aggregated with the minibatch's global token (and sequence) count,
     so splitting it into micro-batches changes nothing but memory. Returns means over optimizer
     steps: losses add up across micro-batches (they are already scaled by the minibatch
     denominator), per-token statistics are weighted by each micro-batch's token share.
+
+    The guard (``guard.py``): before each optimizer step the minibatch's losses and its total
+    gradient norm must be finite, else ``ppo.nonfinite`` raises ``NonFiniteError`` (no step taken)
+    or skips that step (zeroed gradients; its statistics are left out of the means) and counts it
+    (``guard/skipped/<name>``); after the last step the trained weights must be finite. On
+    data-parallel / FSDP2 ranks the norm is already global (all-reduced gradients, DTensor norm)
+    and ``agree(flag) -> flag`` (a collective) makes the loss flag every rank's, so all decide alike.
     """
     sums: dict[str, float] = {}
-    for mb in minibatches:
+    taken = skipped = 0
+    stage = f"{name} update"
+    for i, mb in enumerate(minibatches):
         num_tokens = mask[mb].sum().clamp(min=1)
         opt.zero_grad(set_to_none=True)
+        mb_sums: dict[str, float] = {}
+        bad_rows: list[int] = []
         for rows in mb.split(cfg.micro_batch_size):
             stats = micro_step(rows, num_tokens, len(mb))
             w = stats.pop("_frac")
             for k, v in stats.items():
-                sums[k] = sums.get(k, 0.0) + (v if k.startswith("loss/") else v * w)
-        sums[f"grad_norm/{name}"] = sums.get(f"grad_norm/{name}", 0.0) + _clip(model, cfg.max_grad_norm)
+                mb_sums[k] = mb_sums.get(k, 0.0) + (v if k.startswith("loss/") else v * w)
+            if not all(math.isfinite(v) for k, v in stats.items() if k.startswith("loss/")):  # read on the host already
+                bad_rows += rows.tolist()
+        params = [p for p in model.parameters() if p.grad is not None]
+        norm = _grad_norm(params)
+        norm_f = float(norm) if norm is not None else 0.0  # CPU-GPU sync point (the grad_norm metric)
+        bad_loss = bool(bad_rows) if agree is None else agree(bool(bad_rows))
+        if bad_loss or not math.isfinite(norm_f):
+            guard.report(guard.grad_norm_message(model, norm_f, bad_rows, step, stage, i, len(minibatches)),
+                         skip=cfg.nonfinite == "skip")
+            opt.zero_grad(set_to_none=True)  # skipped: AdamW leaves parameters without gradients alone
+            skipped += 1
+            continue
+        if norm is not None and cfg.max_grad_norm > 0:
+            _clip(params, cfg.max_grad_norm, norm)
+        mb_sums[f"grad_norm/{name}"] = norm_f
+        for k, v in mb_sums.items():
+            sums[k] = sums.get(k, 0.0) + v
+        taken += 1
         if cfg.lr_warmup_steps > 0:
             warm_up(opt, cfg.actor_lr if name == "actor" else cfg.critic_lr, cfg.lr_warmup_steps)
         opt.step()
-    return {k: v / len(minibatches) for k, v in sums.items()}
+    if taken:
+        guard.check_weights(model, step, stage)
+    out = {k: v / taken for k, v in sums.items()}
+    if cfg.nonfinite == "skip":
+        out[f"guard/skipped/{name}"] = skipped
+    return out
 
 
 def warm_up(opt: torch.optim.Optimizer, lr: float, warmup_steps: int) -> None:
@@ -395,12 +447,25 @@ def warm_up(opt: torch.optim.Optimizer, lr: float, warmup_steps: int) -> None:
         group["lr"] = lr * min(1.0, (done + 1) / warmup_steps)
 
 
-def _clip(model, max_norm: float) -> float:
-    params = [p for p in model.parameters() if p.grad is not None]
+def _grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor | None:
+    """The total 2-norm of the gradients of ``params`` (global for DTensor gradients), unclipped, so
+    the guard can still name the parameters whose gradients are not finite; None without any."""
     if not params:
-        return 0.0
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
-    return float(norm)
+        return None
+    grads = [p.grad for p in params]
+    if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6: what clip_grad_norm_ computes
+        return torch.nn.utils.get_total_norm(grads)
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+
+
+def _clip(params: list[torch.nn.Parameter], max_norm: float, norm: torch.Tensor) -> None:
+    """``clip_grad_norm_``'s scaling with the norm already computed (:func:`_grad_norm`)."""
+    if hasattr(torch.nn.utils, "clip_grads_with_norm_"):  # torch >= 2.6
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for p in params:
+        p.grad.mul_(coef.to(p.grad.device))
 
 
 def load_optimizer_state_in_place(opt: torch.optim.Optimizer, state_dict: dict) -> None:

@@ -24,6 +24,13 @@ name                          meaning
                               estimate, the quantity that ``beta`` penalises
 ``loss/policy``               clipped PPO policy loss, averaged over epochs and minibatches
 ``loss/value``                clipped value (critic) loss, same averaging
+``grad_norm/actor``           total gradient norm before clipping, averaged over optimizer steps
+                              (``grad_norm/critic``: the critic's)
+``guard/skipped_updates``     with ``ppo.nonfinite=skip``: optimizer steps skipped at this step for
+                              a non-finite loss, gradient norm or advantages (``guard.py``);
+                              ``guard/skipped/actor`` and ``guard/skipped/critic`` split it, and
+                              ``guard/skipped_updates_total`` sums it since the process started.
+                              The means above leave the skipped steps out
 ``ppo/clipfrac``              fraction of response tokens whose probability ratio was clipped
 ``ppo/approx_kl``             approximate KL between the behaviour policy and the updated
                               policy during the PPO epochs (large means the update moved far)
@@ -85,8 +92,8 @@ name                          meaning
                               outside the clip range had the sampler's been kept
 ``overlap/chunk_size``        streaming chunk size (tokens) used for intra-step scoring
 ``bench/timing_only``         1 on the steps of an ``oppo bench`` run with forced response
-                              lengths, whose learning metrics (reward, KL, losses, ...) are left
-                              out (``bench.timing_only``)
+                              lengths, whose learning metrics (reward, KL, ...) are left out; the
+                              losses and gradient norms are kept (``bench.timing_only``)
 ``data/prompts_truncated``    prompts cut to the maximum prompt length so far
 ``data/prompts_skipped``      prompts skipped (empty, or too long to keep) so far
 ============================  ===============================================================

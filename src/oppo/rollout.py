@@ -20,10 +20,12 @@ same floats.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
+from .guard import NonFiniteError, sampling_message
 from .kv import KVRows, left_pad
 from .types import Chunk, ChunkReady, Event, Rollout, SequenceFinished
 
@@ -47,7 +49,12 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         filtered = torch.full_like(filtered, float("-inf")).scatter(-1, order, sorted_logits)
     logp = torch.log_softmax(filtered, dim=-1)  # [R, V]; -inf outside the kept set
-    tokens = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)  # [R]
+    probs = logp.exp()
+    # A row with NaN or inf logits (a diverged policy) has NaN log-probs: it draws from ones instead,
+    # so multinomial neither raises (CPU) nor asserts on the device (CUDA), and its NaN log-prob
+    # marks it for the engine's check where the host reads the tokens (guard.py: no extra sync).
+    probs = probs.masked_fill(torch.isnan(probs).any(-1, keepdim=True), 1.0)
+    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # [R]
     return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
 
 
@@ -201,6 +208,9 @@ class RolloutEngine:
             logp = untruncated
         tok_list, lp_list = tokens.tolist(), logp.tolist()  # CPU-GPU sync point (one per decode step)
         plp_list = lp_list if untruncated is logp else untruncated.tolist()
+        bad = [i for i, (lp, plp) in enumerate(zip(lp_list, plp_list)) if math.isnan(lp) or math.isnan(plp)]
+        if bad:  # non-finite logits (sample_tokens): the guard's message, not multinomial's
+            raise NonFiniteError(sampling_message(bad, [self.rows[i].uid for i in bad], self.logits_version[bad[0]]))
         keep, done = [], []
         for i, (row, t, lp, plp) in enumerate(zip(self.rows, tok_list, lp_list, plp_list)):
             row.response_ids.append(t)

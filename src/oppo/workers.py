@@ -92,7 +92,8 @@ class CriticTrainer:
 
     def train(self, scored: torch.nn.Module, msg: TrainCriticMsg, adapt: Callable[[], None]) -> dict[str, float]:
         master = self.master if self.master is not None else scored
-        stats = critic_update(master, self.opt, msg.batch, list(msg.minibatches), self.cfg, adapt, self.compute_dtype)
+        stats = critic_update(master, self.opt, msg.batch, list(msg.minibatches), self.cfg, adapt, self.compute_dtype,
+                              msg.step)
         copy_weights(master, scored)  # the bf16 copy it scores with (no-op in fp32)
         return stats
 
@@ -288,7 +289,9 @@ class _ProcessTransport:
                         raise RuntimeError("scorer process died") from None
                     continue
                 if kind == "error":
-                    raise RuntimeError(f"scorer process failed: {payload}")
+                    cause = payload if isinstance(payload, BaseException) else None
+                    raise RuntimeError(f"scorer process failed: {payload!r}" if cause else
+                                       f"scorer process failed: {payload}") from cause
                 return payload
         finally:
             self.boost.value = 0
@@ -463,7 +466,9 @@ def _child_main(spec, threads, name, q, out, opt_spec, boost, parent=None) -> No
         torch.set_num_threads(normal)
         loop.serve(q.get, q.get_nowait, lambda reply: out.put(("reply", reply)))
     except BaseException as e:  # reported to the controller at its next barrier
-        out.put(("error", repr(e)))
+        from .guard import NonFiniteError
+
+        out.put(("error", e if isinstance(e, NonFiniteError) else repr(e)))  # the guard's: whole, for the CLI
 
 
 def share_adam_state(opt: torch.optim.Optimizer) -> tuple[dict, list[dict[str, torch.Tensor]]]:

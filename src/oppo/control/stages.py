@@ -71,6 +71,7 @@ class Run:
         self.learner_thread = (ThreadPoolExecutor(1, thread_name_prefix="oppo-learner") if self.policy.in_flight
                                else None)
         self.next_begun = False  # pipeline: the next step's prompts were admitted while the learner trained
+        self.skipped_updates = 0  # ppo.nonfinite=skip: optimizer steps skipped since this process started
 
     def between_steps(self) -> None:
         """Bring the run to a state a checkpoint saves: a pipeline run's next step, begun while
@@ -302,12 +303,22 @@ def close_batch(run: Run, close, step: int) -> tuple[list[Rollout], list[str], E
 
 def update(run: Run, exp: Experience, txt: list[str], scores: Scores, step: int) -> StepResult:
     """Stages 4-6: KL-shaped rewards, advantages, PPO epochs. Changes the trained weights only
-    (the pipeline's learner thread runs it while the engine decodes with the weights it has)."""
+    (the pipeline's learner thread runs it while the engine decodes with the weights it has).
+    Non-finite numbers stop the run here (``guard.py``), before the weight sync; with
+    ``ppo.nonfinite=skip`` the skipped optimizer steps are counted (``guard/skipped_updates``)."""
     batch = exp.rollouts
     with run.tracer.span("learner", "advantages", step):
-        exp = compute_advantages(attach_scores(exp, scores), run.cfg.ppo, run.roles.algorithm)
-    with run.tracer.span("learner", "train", step):
-        stats = run.roles.learner.update(exp, step)
+        exp = compute_advantages(attach_scores(exp, scores), run.cfg.ppo, run.roles.algorithm, step)
+    if exp.trainable:
+        with run.tracer.span("learner", "train", step):
+            stats = run.roles.learner.update(exp, step)
+    else:  # non-finite advantages under ppo.nonfinite=skip (warned): every optimizer step of the update skipped
+        n = len(run.roles.learner.minibatches(exp.mask.shape[0], step))
+        stats = {"guard/skipped/actor": n, **({"guard/skipped/critic": n} if run.roles.critic is not None else {})}
+    if run.cfg.ppo.nonfinite == "skip":
+        stats["guard/skipped_updates"] = sum(v for k, v in stats.items() if k.startswith("guard/skipped/"))
+        run.skipped_updates += stats["guard/skipped_updates"]
+        stats["guard/skipped_updates_total"] = run.skipped_updates
     stats.update(exp.stats or {})
     return StepResult(exp, stats, [(r.prompt, t) for r, t in zip(batch, txt)])
 

@@ -138,14 +138,16 @@ def dp_update(learner: Learner, exp: Experience, step: int, rank: int, world: in
     probe = MismatchProbe(learner.actor_opt, step)  # each rank sees its share of the first minibatch
     actor_steps = _Shard(mbs, rank, world, learner.actor,
                          lambda rows, nt, ns: learner._actor_micro_step(exp, rows, nt, ns, probe))
-    stats = _train(learner.actor, learner.actor_opt, exp.mask, mbs, cfg, "actor", actor_steps)
+    agree = any_rank(world, learner.device)
+    stats = _train(learner.actor, learner.actor_opt, exp.mask, mbs, cfg, "actor", actor_steps, step, agree)
     actor_steps.check_done()
     if critic and learner.critic is not None:
         batch = CriticBatch.of(exp)
         critic_steps = _Shard(mbs, rank, world, learner.critic,
                               lambda rows, nt, ns: critic_micro_step(learner.critic, batch, rows, nt, ns, cfg,
                                                                       learner.compute_dtype))
-        stats.update(_train(learner.critic, learner.critic_opt, batch.mask, mbs, cfg, "critic", critic_steps))
+        stats.update(_train(learner.critic, learner.critic_opt, batch.mask, mbs, cfg, "critic", critic_steps, step,
+                            agree))
         critic_steps.check_done()
     return merge_rank_stats(stats, world, probe)
 
@@ -154,7 +156,7 @@ def merge_rank_stats(stats: dict[str, float], world: int, probe: MismatchProbe) 
     """One rank's share of the update's stats -> the update's (every rank gets the same): losses and
     per-token means are already weighted by the global counts, so they add up over the ranks; the
     gradient norm is computed on the summed gradient, the same on every rank; the mismatch probes'
-    partial sums are merged. A collective."""
+    partial sums are merged; the guard's counts (``guard/*``) are every rank's (the same). A collective."""
     import torch.distributed as dist
 
     if world == 1:
@@ -163,7 +165,8 @@ def merge_rank_stats(stats: dict[str, float], world: int, probe: MismatchProbe) 
     dist.all_gather_object(gathered, (stats, probe.partial()))
     out = {}
     for k in sorted(set().union(*(g for g, _ in gathered))):
-        out[k] = gathered[0][0][k] if k.startswith("grad_norm/") else sum(g.get(k, 0.0) for g, _ in gathered)
+        same = k.startswith(("grad_norm/", "guard/"))
+        out[k] = gathered[0][0][k] if same else sum(g.get(k, 0.0) for g, _ in gathered)
     out.update(MismatchProbe.stats(MismatchProbe.merge([p for _, p in gathered])))
     return out
 
@@ -195,6 +198,22 @@ class _Shard:
     def check_done(self) -> None:
         if self.i != len(self.mbs):
             raise RuntimeError("internal error: the learner's loop skipped minibatches; dp_update must follow it")
+
+
+def any_rank(world: int, device: torch.device) -> Callable[[bool], bool] | None:
+    """The guard's ``agree`` for ``learner._train`` on ``world`` ranks (None for one): a flag true on
+    any rank (one all-reduce of one number per optimizer step, a collective), so a loss that is not
+    finite on one rank stops or skips the step on every rank and the replicas/shards stay alike."""
+    if world == 1:
+        return None
+    import torch.distributed as dist
+
+    def agree(flag: bool) -> bool:
+        t = torch.tensor([float(flag)], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())  # CPU-GPU sync point (beside the gradient norm's, once per optimizer step)
+
+    return agree
 
 
 def all_reduce_grads(model: torch.nn.Module) -> None:
