@@ -19,6 +19,7 @@ from .types import Rollout, Scores
 from .scoring import ScoredOutputs, full_hidden, response_outputs, sequence_batch
 from .models import backbone_and_head, checkpointing
 from .offpolicy import MismatchProbe
+from .token_logprobs import head_logprobs
 from .weights import autocast
 
 
@@ -172,6 +173,32 @@ def _micro_slices(exp: "Experience | CriticBatch", rows: torch.Tensor):
     return exp.ids[rows][:, cols], valid[:, cols], exp.P - first, T
 
 
+def adamw(params, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW over ``params``: the fused CUDA kernel (one launch per step for every parameter, as
+    torchtitan uses) when every parameter is a plain CUDA tensor; PyTorch's default (foreach)
+    otherwise: on CPU, and for FSDP2's DTensor shards."""
+    params = list(params)
+    fused = bool(params) and all(p.is_cuda and type(p.data) is torch.Tensor for p in params)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True if fused else None)
+
+
+def padding_stats(exp: Experience, minibatches: list[torch.Tensor], micro: int) -> dict[str, float]:
+    """What the actor's update computes: ``perf/train_tokens``, the real (prompt and response) tokens
+    of every micro-batch, and ``perf/train_padded_frac``, the share of the computed positions that
+    are padding (a micro-batch runs its rows x its width: ``_micro_slices``)."""
+    P = exp.P
+    start = exp.valid[:, :P].argmax(1).tolist() if P else [0] * exp.mask.shape[0]  # leftmost real prompt column
+    resp = exp.mask.sum(1).long().tolist()
+    real_len = exp.valid.sum(1).long().tolist()
+    computed = real = 0
+    for mb in minibatches:
+        for rows in mb.split(micro):
+            r = rows.tolist()
+            computed += len(r) * (P - min(start[i] for i in r) + max(resp[i] for i in r))
+            real += sum(real_len[i] for i in r)
+    return {"perf/train_tokens": float(real), "perf/train_padded_frac": 1.0 - real / computed if computed else 0.0}
+
+
 class Learner:
     """Actor and critic with their optimizers; ``update`` runs the PPO epochs on one batch.
 
@@ -188,16 +215,16 @@ class Learner:
         self.compute_dtype, self.recompute_old, self.algorithm = compute_dtype, recompute_old, algorithm
         self.device = next(actor.parameters()).device
         # only what trains: with LoRA, the adapters
-        self.actor_opt = torch.optim.AdamW([p for p in actor.parameters() if p.requires_grad], lr=cfg.actor_lr,
-                                           weight_decay=cfg.weight_decay)
-        self.critic_opt = (torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr, weight_decay=cfg.weight_decay)
-                           if critic is not None else None)
+        self.actor_opt = adamw([p for p in actor.parameters() if p.requires_grad], cfg.actor_lr, cfg.weight_decay)
+        self.critic_opt = adamw(critic.parameters(), cfg.critic_lr, cfg.weight_decay) if critic is not None else None
 
-    def _actor_logits(self, ids, valid, P):
+    def _actor_logprobs(self, ids, valid, P) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probs, entropies) [b, T] of the response tokens ``ids[:, P:]`` under the actor, from
+        the head in chunks of tokens (``token_logprobs``: no [b, T, V] logits tensor)."""
         backbone, head = backbone_and_head(self.actor)
         with autocast(self.device, self.compute_dtype):
             hidden = full_hidden(backbone, ids, valid)  # [b, P+T, H]
-            return head(hidden[:, P - 1:-1]).float()  # [b, T, V] logits predicting each response token
+            return head_logprobs(head, hidden[:, P - 1:-1], ids[:, P:], self.temperature, entropy=True)
 
     @torch.no_grad()
     def old_logprobs(self, exp: Experience, version: int) -> Experience:
@@ -233,15 +260,22 @@ class Learner:
         for i in range(0, len(rows), self.cfg.micro_batch_size):
             chunk = rows[i: i + self.cfg.micro_batch_size]
             ids, valid, P, T = _micro_slices(exp, chunk)
-            out[i: i + len(chunk), :T] = pm.logprobs_from_logits(self._actor_logits(ids, valid, P), ids[:, P:],
-                                                                 self.temperature)  # [b, T]
+            out[i: i + len(chunk), :T] = self._actor_logprobs(ids, valid, P)[0]  # [b, T]
         return out
 
-    def minibatches(self, B: int, step: int) -> list[torch.Tensor]:
+    def minibatches(self, B: int, step: int, lengths: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Row indices of each minibatch, every epoch: a fresh permutation seeded by the step only
-        (so a resumed run draws the same ones)."""
+        (so a resumed run draws the same ones). ``lengths`` [B] (each row's real tokens): each
+        minibatch's rows are put in order of decreasing length, so that its micro-batches (runs
+        of ``ppo.micro_batch_size`` rows, trimmed to their own width) hold rows of similar length
+        and compute little padding (``padding_stats``). Which rows make a minibatch is unchanged,
+        so is its loss: only the summation order of its gradient."""
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        return [mb for _ in range(self.cfg.epochs) for mb in torch.randperm(B, generator=gen).split(self.cfg.minibatch_size)]
+        mbs = [mb for _ in range(self.cfg.epochs) for mb in torch.randperm(B, generator=gen).split(self.cfg.minibatch_size)]
+        if lengths is None:
+            return mbs
+        lengths = lengths.cpu()
+        return [mb[torch.argsort(lengths[mb], descending=True, stable=True)] for mb in mbs]
 
     def update(self, exp: Experience, step: int, critic: bool = True) -> dict[str, float]:
         """Stage 6: PPO epochs over minibatches for the actor, then (``critic``) for the critic.
@@ -250,11 +284,12 @@ class Learner:
         (here) or at the same time (the critic on the scorer worker, ``critic_update``) gives the
         same weights. ``critic=False`` leaves the critic to the caller.
         """
-        mbs = [mb.to(exp.mask.device) for mb in self.minibatches(exp.mask.shape[0], step)]
+        mbs = [mb.to(exp.mask.device) for mb in self.minibatches(exp.mask.shape[0], step, exp.valid.sum(1))]
         probe = MismatchProbe(self.actor_opt, step)
         stats = _train(self.actor, self.actor_opt, exp.mask, mbs, self.cfg, "actor",
                        lambda rows, nt, ns: self._actor_micro_step(exp, rows, nt, ns, probe), step)
         stats.update(MismatchProbe.stats(probe.partial()))
+        stats.update(padding_stats(exp, mbs, self.cfg.micro_batch_size))
         if critic and self.critic is not None:
             stats.update(critic_update(self.critic, self.critic_opt, CriticBatch.of(exp), mbs, self.cfg,
                                        compute_dtype=self.compute_dtype, step=step))
@@ -291,8 +326,7 @@ class Learner:
         ids, valid, P, T = _micro_slices(exp, rows)
         mask = exp.mask[rows][:, :T]
         with checkpointing(self.actor):  # recomputes activations in backward if policy.gradient_checkpointing
-            logits = self._actor_logits(ids, valid, P)  # [b, T, V]
-        logprobs = pm.logprobs_from_logits(logits, ids[:, P:], self.temperature)  # [b, T]
+            logprobs, entropy = self._actor_logprobs(ids, valid, P)  # [b, T] each
         if probe is not None:  # (the first optimizer step's forward is pi_k's: the sampler-vs-trainer gap)
             probe.observe(logprobs, exp.sampler_logprobs[rows][:, :T], exp.versions[rows][:, :T], mask)
         pl, pstats = pm.policy_loss(logprobs, exp.old_logprobs[rows][:, :T], exp.advantages[rows][:, :T], mask,
@@ -307,12 +341,8 @@ class Learner:
                 loss_agg=cfg.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs)
             loss = loss + kl_term
             extra_stats = {"loss/kl": kl_term.item(), **{k: v.item() for k, v in kstats.items()}}
-        if cfg.entropy_coef:  # in the graph only when it is in the loss; otherwise a detached statistic
-            entropy = pm.entropy_from_logits(logits / self.temperature)  # [b, T]
+        if cfg.entropy_coef:  # in the backward only when it is in the loss; otherwise a detached statistic
             loss = loss - cfg.entropy_coef * pm.aggregate(entropy, mask, cfg.loss_agg, num_tokens, num_seqs)
-        else:
-            with torch.no_grad():
-                entropy = pm.entropy_from_logits(logits / self.temperature)  # [b, T]
         loss.backward()
         return {
             "loss/policy": pl.item(), "ppo/clipfrac": pstats["clipfrac"].item(),

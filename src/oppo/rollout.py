@@ -87,6 +87,7 @@ class RolloutEngine:
         self.kv_version: list[int] = []  # oldest policy version in each row's KV cache
         self.finished: list[Rollout] = []  # retired since the last take_chunks()
         self.peak_cache_bytes = 0
+        self.decode_steps = 0  # decode steps taken so far (``perf/decode_step_ms``)
         self.kv_budget_mb: float | None = None  # generation.kv_budget_mb; None: unlimited
 
     def _check_budget(self) -> None:
@@ -192,6 +193,7 @@ class RolloutEngine:
         """Sample one token per row from ``next_logits``, append it to its row with its behaviour
         log-prob and version, and mark the rows that ended. Returns (tokens [R], the indices of
         the rows that go on, the rows that ended). Shared by every engine's ``step``."""
+        self.decode_steps += 1
         logits = self._forced(self.next_logits)
         if self.greedy:
             tokens, logp = logits.argmax(-1), None  # [R]

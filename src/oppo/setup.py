@@ -237,13 +237,13 @@ class CriticBesideScorer:
     def old_logprobs(self, exp, version: int):
         return self.inner.old_logprobs(exp, version)
 
-    def minibatches(self, B: int, step: int):
-        return self.inner.minibatches(B, step)
+    def minibatches(self, B: int, step: int, lengths=None):
+        return self.inner.minibatches(B, step, lengths)
 
     def update(self, exp, step: int) -> dict[str, float]:
         from .learner import CriticBatch
 
-        self.scorer.train_critic(CriticBatch.of(exp), self.inner.minibatches(exp.mask.shape[0], step), step)
+        self.scorer.train_critic(CriticBatch.of(exp), self.inner.minibatches(exp.mask.shape[0], step, exp.valid.sum(1)), step)
         if not self.in_flight:  # (in-flight, the decoding owns the process's thread count)
             self.threads.use(self.threads.beside_critic)
         with self.tracer.span("learner", "train", step):

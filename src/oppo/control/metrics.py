@@ -8,6 +8,7 @@ import resource
 import torch
 
 from .. import ppo_math as pm
+from ..perf import forward_flops, peak_flops
 from .stages import Run, StepResult, _mean
 
 
@@ -29,6 +30,7 @@ def step_metrics(run: Run, result: StepResult, times: dict[str, float], dt: floa
     if exp.values is not None and exp.returns is not None:
         m["value/explained_var"] = pm.explained_variance(exp.values, exp.returns, exp.mask).item()
     m.update({k: v for k, v in result.stats.items() if not k.startswith("_")})
+    m.update(utilisation(run, result, times))
     m.update(memory(run))
     prompts, responses = [p for p, _ in result.texts], [r for _, r in result.texts]
     if roles.judge_fn is not None:
@@ -36,6 +38,40 @@ def step_metrics(run: Run, result: StepResult, times: dict[str, float], dt: floa
     if roles.accuracy_fn is not None:
         m["task/accuracy"] = _mean(roles.accuracy_fn(prompts, responses))
     return m
+
+
+def utilisation(run: Run, result: StepResult, times: dict[str, float]) -> dict[str, float]:
+    """How hard the stages drive the hardware (``oppo.perf``): the device's measured peak
+    (``perf/peak_tflops``, compute dtype, once per process), each stage's model FLOPs utilisation
+    (``perf/generate_mfu``: the actor's forward over the trained sequences' tokens / time/generate;
+    ``perf/train_mfu``: forward and backward of actor and critic, every epoch / time/train), and
+    the decode loop's time per engine step (``perf/decode_step_ms``: time/generate / the decode
+    steps the engine took, where the backend counts them). Exact for ``sequential``; in the
+    overlapped modes a step's stages also hold other steps' work (carried rows, the update beside
+    decoding), so read their figures as rates, not utilisations."""
+    roles, exp = run.roles, result.exp
+    out: dict[str, float] = {}
+    steps = getattr(roles.rollout, "decode_steps", None)  # the eager and static engines count theirs
+    if steps is not None:
+        done, run.decode_steps_seen = steps - run.decode_steps_seen, steps
+        out["perf/decode_steps"] = float(done)
+        if done and times.get("time/generate"):
+            out["perf/decode_step_ms"] = 1e3 * times["time/generate"] / done
+    if roles.policy is None:
+        return out
+    lengths = exp.valid.sum(1).tolist()
+    peak = peak_flops(str(roles.device), roles.compute_dtype, torch.get_num_threads())
+    out["perf/peak_tflops"] = peak / 1e12
+    actor = forward_flops(roles.policy, lengths)
+    train = 3 * roles.cfg.ppo.epochs * actor
+    if roles.critic is not None:
+        train += 3 * roles.cfg.ppo.epochs * forward_flops(roles.critic, lengths)
+    if times.get("time/generate"):
+        out["perf/generate_mfu"] = actor / times["time/generate"] / peak
+    if times.get("time/train"):
+        out["perf/train_tflops"] = train / times["time/train"] / 1e12
+        out["perf/train_mfu"] = train / times["time/train"] / peak
+    return out
 
 
 def memory(run: Run) -> dict[str, float]:

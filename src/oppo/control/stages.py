@@ -72,6 +72,7 @@ class Run:
                                else None)
         self.next_begun = False  # pipeline: the next step's prompts were admitted while the learner trained
         self.skipped_updates = 0  # ppo.nonfinite=skip: optimizer steps skipped since this process started
+        self.decode_steps_seen = 0  # the rollout engine's decode-step count at the last step's metrics
 
     def between_steps(self) -> None:
         """Bring the run to a state a checkpoint saves: a pipeline run's next step, begun while

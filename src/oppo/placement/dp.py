@@ -134,7 +134,7 @@ def dp_update(learner: Learner, exp: Experience, step: int, rank: int, world: in
     """``learner.update(exp, step, critic)`` as rank ``rank`` of ``world`` in the default process
     group (module docstring). Every rank gets the whole batch and returns the same stats."""
     cfg = learner.cfg
-    mbs = [mb.to(exp.mask.device) for mb in learner.minibatches(exp.mask.shape[0], step)]
+    mbs = [mb.to(exp.mask.device) for mb in learner.minibatches(exp.mask.shape[0], step, exp.valid.sum(1))]
     probe = MismatchProbe(learner.actor_opt, step)  # each rank sees its share of the first minibatch
     actor_steps = _Shard(mbs, rank, world, learner.actor,
                          lambda rows, nt, ns: learner._actor_micro_step(exp, rows, nt, ns, probe))
@@ -494,10 +494,10 @@ class DPLearnerGroup:
             return {}
         return {"time/weight_sync": self.sync_actor(self.rollout)}
 
-    def minibatches(self, B: int, step: int) -> list[torch.Tensor]:
+    def minibatches(self, B: int, step: int, lengths: torch.Tensor | None = None) -> list[torch.Tensor]:
         """The rows of each minibatch, as every rank draws them (``Learner.minibatches``: seeded by
         the step only); for a critic trained elsewhere on the same minibatches."""
-        return Learner.minibatches(self._draw, B, step)  # the learner's own draw, on its two settings
+        return Learner.minibatches(self._draw, B, step, lengths)  # the learner's own draw, on its two settings
 
     def actor_weights(self):
         """A Ray ref to rank 0's actor weights (``weight_sync.pack``), for workers to load directly."""

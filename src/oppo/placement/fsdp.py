@@ -174,7 +174,7 @@ def fsdp_update(learner: Learner, exp: Experience, step: int, rank: int, world: 
     """``learner.update(exp, step, critic)`` on rank ``rank`` of ``world`` sharded ranks (module
     docstring). Every rank gets the whole batch and returns the same stats."""
     cfg = learner.cfg
-    mbs = [mb.to(exp.mask.device) for mb in learner.minibatches(exp.mask.shape[0], step)]
+    mbs = [mb.to(exp.mask.device) for mb in learner.minibatches(exp.mask.shape[0], step, exp.valid.sum(1))]
     probe = MismatchProbe(learner.actor_opt, step)  # each rank sees its share of the first minibatch
     actor_steps = _Rounds(mbs, rank, world, lambda rows, nt, ns: learner._actor_micro_step(exp, rows, nt, ns, probe),
                           pad=lambda rows, nt, ns: learner._actor_micro_step(exp, rows, nt, ns))

@@ -144,8 +144,9 @@ class Learner(Protocol):
     def old_logprobs(self, exp, version: int):
         """A new ``Experience`` with ``old_logprobs`` / ``is_weights`` under the current weights."""
 
-    def minibatches(self, B: int, step: int) -> list[torch.Tensor]:
-        """The row indices of every optimizer step of one update (seeded per step)."""
+    def minibatches(self, B: int, step: int, lengths: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """The row indices of every optimizer step of one update (seeded per step); with ``lengths``
+        [B], each minibatch's rows longest first (``Learner.minibatches``)."""
 
     def update(self, exp, step: int, critic: bool = True) -> dict[str, float]:
         """PPO epochs over ``exp``: actor (and critic); returns the stats."""

@@ -1,0 +1,36 @@
+"""How the learner cuts a batch: minibatches ordered by length, and what its micro-batches pad."""
+
+from __future__ import annotations
+
+import torch
+
+from oppo.config import PPOConfig
+from oppo.learner import Experience, Learner, padding_stats
+from oppo.scoring import sequence_batch
+
+
+def _learner(**ppo) -> Learner:
+    return Learner(torch.nn.Linear(2, 2), None, PPOConfig(**ppo), temperature=1.0, seed=3)
+
+
+def test_minibatches_keep_their_rows_and_put_the_longest_first():
+    lr = _learner(batch_size=8, minibatch_size=4, micro_batch_size=2, epochs=2)
+    lengths = torch.tensor([5, 1, 7, 3, 9, 2, 8, 4])
+    plain, ordered = lr.minibatches(8, step=2), lr.minibatches(8, step=2, lengths=lengths)
+    assert len(plain) == len(ordered) == 4  # 2 epochs x 2 minibatches
+    for a, b in zip(plain, ordered):
+        assert sorted(a.tolist()) == sorted(b.tolist())  # the same rows: the same loss
+        assert lengths[b].tolist() == sorted(lengths[b].tolist(), reverse=True)
+
+
+def test_padding_stats_counts_rows_times_width():
+    # prompts of 2, 3 and 1 tokens (P = 3), responses of 4, 1 and 2 tokens (T = 4)
+    ids, valid, P, rmask = sequence_batch([[5, 6], [5, 6, 7], [8]], [[1, 2, 3, 4], [1], [2, 3]], 0,
+                                          torch.device("cpu"))
+    exp = Experience(rollouts=[], ids=ids, valid=valid, P=P, mask=rmask.float(), versions=rmask.long(),
+                     behaviour_logprobs=rmask.float(), old_logprobs=rmask.float(), is_weights=rmask.float())
+    # micro-batch [0, 1]: width = 3 (row 1's prompt starts at column 0) + 4 = 7, rows 2 x 7 = 14, real 6 + 4
+    # micro-batch [2]: width = 1 + 2 = 3, real 3
+    stats = padding_stats(exp, [torch.tensor([0, 1, 2])], micro=2)
+    assert stats["perf/train_tokens"] == 13
+    assert abs(stats["perf/train_padded_frac"] - (1 - 13 / 17)) < 1e-9
