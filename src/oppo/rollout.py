@@ -208,8 +208,12 @@ class RolloutEngine:
             # greedy, or forced lengths (bench: timing only, ``bench.timing_only``): nothing was
             # drawn from a distribution of the policy's, so the policy's own log-prob stands in
             logp = untruncated
-        tok_list, lp_list = tokens.tolist(), logp.tolist()  # CPU-GPU sync point (one per decode step)
-        plp_list = lp_list if untruncated is logp else untruncated.tolist()
+        # one device-to-host copy per decode step (the CPU-GPU sync point): tokens and both log-probs
+        # as float64 (exact for token ids below 2**53 and for float32 log-probs)
+        both = untruncated is logp
+        host = torch.stack([tokens.double(), logp.double()] + ([] if both else [untruncated.double()])).tolist()
+        tok_list, lp_list = [int(t) for t in host[0]], host[1]
+        plp_list = lp_list if both else host[2]
         bad = [i for i, (lp, plp) in enumerate(zip(lp_list, plp_list)) if math.isnan(lp) or math.isnan(plp)]
         if bad:  # non-finite logits (sample_tokens): the guard's message, not multinomial's
             raise NonFiniteError(sampling_message(bad, [self.rows[i].uid for i in bad], self.logits_version[bad[0]]))
@@ -259,16 +263,16 @@ class RolloutEngine:
         targets = [r.target_length for r in self.rows]
         if all(t is None for t in targets):
             return logits
+        # as tensor operations over every row (a few kernels per step, not two per row)
+        force = [t is not None and len(r.response_ids) + 1 >= t for r, t in zip(self.rows, targets)]
+        ban = [t is not None and not f for t, f in zip(targets, force)]
+        flags = torch.tensor([force, ban], dtype=torch.bool).to(logits.device, non_blocking=True)  # [2, R]
+        eos = torch.tensor(sorted(self.eos_ids), dtype=torch.long).to(logits.device, non_blocking=True)
         logits = logits.clone()
-        for i, (row, t) in enumerate(zip(self.rows, targets)):
-            if t is None:
-                continue
-            if len(row.response_ids) + 1 >= t:
-                logits[i] = float("-inf")
-                logits[i, self.eos_id] = 0.0
-            else:
-                logits[i, list(self.eos_ids)] = float("-inf")
-        return logits
+        logits.index_copy_(1, eos, logits.index_select(1, eos).masked_fill(flags[1, :, None], float("-inf")))
+        forced = torch.full_like(logits[:1], float("-inf"))  # [1, V]: EOS and nothing else
+        forced[0, self.eos_id] = 0.0
+        return torch.where(flags[0, :, None], forced, logits)
 
     def take_chunks(self, chunk_size: int) -> list[Chunk]:
         """Chunks for the scorers (:func:`take_chunks`) of the rows retired since the last call
