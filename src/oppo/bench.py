@@ -331,6 +331,10 @@ def run_modes(base, modes: list[str], steps: int, out: Path, tail_sigma: float |
 
     def finish(mode: str) -> None:
         t = trainers[mode]
+        probe = engine_step_probe(t, t.cfg.ppo.batch_size)
+        if probe is not None:
+            records[mode]["engine_step_ms"] = 1e3 * probe
+            records[mode]["engine_probe_rows"] = t.cfg.ppo.batch_size
         t.tracer.save(Path(t.cfg.run.out_dir) / "trace.json")
         records[mode]["windows"] = dict(t.step_windows)
         records[mode]["spans"] = t.tracer.spans
@@ -391,6 +395,94 @@ def run_modes(base, modes: list[str], steps: int, out: Path, tail_sigma: float |
     return records
 
 
+def engine_step_probe(t, rows: int, prompt_len: int = 32, new_tokens: int = 16, repeats: int = 3) -> float | None:
+    """Seconds per decode step of the trainer's rollout engine alone: a fresh engine of the same
+    kind (eager, or static with the same capture) on the same model decodes ``rows`` rows of
+    ``prompt_len`` random tokens for ``new_tokens`` sampled steps (the run's temperature, top-k and
+    top-p) with no EOS; the median of
+    ``repeats`` passes after an untimed one (``benchmarks/decode_speed.py``'s measure). None for a
+    backend oppo does not build here (vLLM, Ray workers). All ``rows`` rows decode every step,
+    where a trained step's rows finish one by one: the probe's step is the costlier, so the decode
+    overhead it gives (``summarize``) errs low."""
+    from .fastdecode import StaticRolloutEngine
+    from .rollout import Rollout, RolloutEngine
+
+    eng = t.roles.rollout
+    if type(eng) is RolloutEngine:
+        probe = RolloutEngine(eng.model, -1, eng.pad_id, new_tokens, eng.temperature, eng.top_k, eng.top_p)
+    elif type(eng) is StaticRolloutEngine:
+        probe = StaticRolloutEngine(eng.model, -1, eng.pad_id, new_tokens, eng.temperature, eng.top_k, eng.top_p,
+                                    max_rows=rows, max_len=prompt_len + new_tokens, capture=eng.capture)
+    else:
+        return None
+    sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)
+    vocab = t.roles.tokenizer.vocab_size if hasattr(t.roles.tokenizer, "vocab_size") else 100
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, max(4, vocab), (prompt_len,), generator=g).tolist() for _ in range(rows)]
+    times = []
+    for rep in range(repeats + 1):
+        probe.admit([Rollout(i, i, "", list(p), 0) for i, p in enumerate(prompts)])
+        sync()
+        t0, steps = time.perf_counter(), 0
+        while probe.active:
+            probe.step()
+            steps += 1
+        sync()
+        probe.finished = []
+        if rep:
+            times.append((time.perf_counter() - t0) / steps)
+    probe.close()
+    return statistics.median(times)
+
+
+HARDWARE = {"generate_mfu": "perf/generate_mfu", "train_mfu": "perf/train_mfu", "train_tflops": "perf/train_tflops",
+            "train_padded_frac": "perf/train_padded_frac", "decode_step_ms": "perf/decode_step_ms",
+            "peak_tflops": "perf/peak_tflops"}
+"""bench.json's per-mode ``hardware`` figures: the median over timed steps of these step metrics."""
+
+
+def _hardware(rec: dict, ms: list[dict]) -> dict:
+    """How hard a mode drove the hardware (``control.metrics.utilisation``), with the decode
+    overhead: the generate stage's time per decode step over the engine's own (probe) step."""
+    out = {}
+    for name, key in HARDWARE.items():
+        vals = [m[key] for m in ms if key in m]
+        if vals:
+            out[name] = statistics.median(vals)
+    if "engine_step_ms" in rec:
+        out["engine_step_ms"] = rec["engine_step_ms"]
+        out["engine_probe_rows"] = rec["engine_probe_rows"]
+        if "decode_step_ms" in out:
+            out["decode_overhead"] = out["decode_step_ms"] / rec["engine_step_ms"]
+    return out
+
+
+def hardware_markdown(modes: dict) -> list[str]:
+    """The hardware-use table of ``bench.md`` (modes with ``hardware`` figures)."""
+    rows = {m: v["hardware"] for m, v in modes.items() if v.get("hardware")}
+    if not rows:
+        return []
+    peak = next((h["peak_tflops"] for h in rows.values() if "peak_tflops" in h), float("nan"))
+
+    def f(h, k, fmt):
+        return format(h[k], fmt) if k in h else "-"
+
+    lines = ["## Hardware use", "",
+             f"Model FLOPs utilisation against this device's measured peak ({peak:.3g} TFLOP/s: a matmul in the "
+             f"compute dtype, same run). Exact for sequential; in overlapped modes a stage also holds other steps' "
+             f"work. Decode overhead: the generate stage's time per decode step over the engine's own step (a probe "
+             f"of the same engine alone, every row decoding: it errs low). Padded: the share of the learner's "
+             f"computed positions that are padding.", "",
+             "| mode | generate MFU | train MFU | train TFLOP/s | padded | decode ms/step | engine ms/step (probe) "
+             "| decode overhead |", "|---|---|---|---|---|---|---|---|"]
+    for m, h in rows.items():
+        lines.append(f"| {m} | {f(h, 'generate_mfu', '.2%')} | {f(h, 'train_mfu', '.2%')} | "
+                     f"{f(h, 'train_tflops', '.3g')} | {f(h, 'train_padded_frac', '.1%')} | "
+                     f"{f(h, 'decode_step_ms', '.2f')} | {f(h, 'engine_step_ms', '.2f')} | "
+                     f"{f(h, 'decode_overhead', '.2f')}{'x' if 'decode_overhead' in h else ''} |")
+    return lines + [""]
+
+
 def summarize(records: dict[str, dict], warmup: int = 1, target: float | None = None) -> dict:
     """Per-mode figures from raw records (see the module docstring)."""
     seq = records.get("sequential")
@@ -433,6 +525,7 @@ def summarize(records: dict[str, dict], warmup: int = 1, target: float | None = 
             "response_length_mean": statistics.mean(m["response_length/mean"] for m in ms),
             "cpu_util": statistics.median([m["perf/cpu_util"] for m in ms[warmup:]] or [0.0]),
             "engine": rec.get("engine"),  # which rollout engine ran (generation.engine=auto resolved)
+            "hardware": _hardware(rec, ms[warmup:] or ms),
             **({"peak_cuda_mib": rec["peak_cuda_mib"]} if "peak_cuda_mib" in rec else {}),  # (one mode at a time)
         }
     if "sequential" in out:
@@ -544,6 +637,7 @@ def to_markdown(result: dict) -> str:
         w = result["workload_lengths"]
         lines += [f"Forced lengths ({w['name']}): {w['description']}; the distribution drawn from has p50 "
                   f"{w['p50']:.0f}, p99 {w['p99']:.0f}, max {w['max']:.0f} (p99/p50 {w['p99_over_p50']:.1f}).", ""]
+    lines += hardware_markdown(result["modes"])
     lines += stage_profile_markdown(result.get("stage_profile", []))
     if result.get("tail_sweep"):
         lines += ["## Speedup against tail heaviness (synthetic lengths, log-normal sigma)", "",

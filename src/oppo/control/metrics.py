@@ -43,20 +43,22 @@ def step_metrics(run: Run, result: StepResult, times: dict[str, float], dt: floa
 def utilisation(run: Run, result: StepResult, times: dict[str, float]) -> dict[str, float]:
     """How hard the stages drive the hardware (``oppo.perf``): the device's measured peak
     (``perf/peak_tflops``, compute dtype, once per process), each stage's model FLOPs utilisation
-    (``perf/generate_mfu``: the actor's forward over the trained sequences' tokens / time/generate;
+    (``perf/generate_mfu``: the actor's forward over the trained sequences' tokens / time/generate,
+    plus time/inflight_decode in pipeline mode;
     ``perf/train_mfu``: forward and backward of actor and critic, every epoch / time/train), and
-    the decode loop's time per engine step (``perf/decode_step_ms``: time/generate / the decode
+    the decode loop's time per engine step (``perf/decode_step_ms``: that generate time / the decode
     steps the engine took, where the backend counts them). Exact for ``sequential``; in the
     overlapped modes a step's stages also hold other steps' work (carried rows, the update beside
     decoding), so read their figures as rates, not utilisations."""
     roles, exp = run.roles, result.exp
     out: dict[str, float] = {}
+    generate = times.get("time/generate", 0.0) + times.get("time/inflight_decode", 0.0)  # (pipeline: both)
     steps = getattr(roles.rollout, "decode_steps", None)  # the eager and static engines count theirs
     if steps is not None:
         done, run.decode_steps_seen = steps - run.decode_steps_seen, steps
         out["perf/decode_steps"] = float(done)
-        if done and times.get("time/generate"):
-            out["perf/decode_step_ms"] = 1e3 * times["time/generate"] / done
+        if done and generate:
+            out["perf/decode_step_ms"] = 1e3 * generate / done
     if roles.policy is None:
         return out
     lengths = exp.valid.sum(1).tolist()
@@ -66,8 +68,8 @@ def utilisation(run: Run, result: StepResult, times: dict[str, float]) -> dict[s
     train = 3 * roles.cfg.ppo.epochs * actor
     if roles.critic is not None:
         train += 3 * roles.cfg.ppo.epochs * forward_flops(roles.critic, lengths)
-    if times.get("time/generate"):
-        out["perf/generate_mfu"] = actor / times["time/generate"] / peak
+    if generate:
+        out["perf/generate_mfu"] = actor / generate / peak
     if times.get("time/train"):
         out["perf/train_tflops"] = train / times["time/train"] / 1e12
         out["perf/train_mfu"] = train / times["time/train"] / peak
