@@ -434,3 +434,19 @@ def test_interrupted_checkpoint_save_keeps_previous(tiny_models, tiny_prompts, t
         assert trainer.step == 0
     finally:
         trainer.close()
+
+
+def test_non_finite_weights_are_refused_at_load(tiny_models, tmp_path):
+    """A checkpoint with NaN weights (saved from a diverged run) is refused with the tensor named,
+    not with the verifier's raw ``atol must be >= 0, got nan``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from oppo.models import ModelLoadError, load_causal_lm
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["policy"])
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight[0, 0] = float("nan")
+    model.save_pretrained(tmp_path / "nan")
+    with pytest.raises(ModelLoadError, match=r"non-finite .*model\.layers\.0\.mlp\.up_proj\.weight"):
+        load_causal_lm(str(tmp_path / "nan"), "policy", torch.device("cpu"), torch.float32)

@@ -292,6 +292,14 @@ def verify_model(model, role: str, pad_token_id: int | None = None) -> None:
       there is no padding).
     Costs one forward of 8 tokens per role. Raises ModelLoadError naming the fix.
     """
+    params = [(n, p) for n, p in model.named_parameters() if p.is_floating_point()]
+    finite = torch.stack([torch.isfinite(p).all() for _, p in params]).tolist() if params else []
+    bad = [n for (n, _), ok in zip(params, finite) if not ok]
+    if bad:
+        raise ModelLoadError(
+            f"The {role} model ({type(model).__name__}) has non-finite (NaN or inf) weights in {len(bad)} of "
+            f"{len(params)} tensors, e.g. {', '.join(bad[:3])}: the checkpoint is corrupt or was saved from a "
+            f"diverged run. Load another checkpoint (an earlier one of the run that wrote it).")
     backbone, head = backbone_and_head(model)
     device = next(model.parameters()).device
     vocab = int(_text_config(model.config).vocab_size)
