@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from oppo.config import PPOConfig
-from oppo.learner import Experience, Learner, padding_stats
+from oppo.learner import Experience, Learner, micro_batches, padding_stats
 from oppo.scoring import sequence_batch
 
 
@@ -31,6 +31,30 @@ def test_padding_stats_counts_rows_times_width():
                      behaviour_logprobs=rmask.float(), old_logprobs=rmask.float(), is_weights=rmask.float())
     # micro-batch [0, 1]: width = 3 (row 1's prompt starts at column 0) + 4 = 7, rows 2 x 7 = 14, real 6 + 4
     # micro-batch [2]: width = 1 + 2 = 3, real 3
-    stats = padding_stats(exp, [torch.tensor([0, 1, 2])], micro=2)
+    stats = padding_stats(exp, [torch.tensor([0, 1, 2])], PPOConfig(micro_batch_size=2))
     assert stats["perf/train_tokens"] == 13
     assert abs(stats["perf/train_padded_frac"] - (1 - 13 / 17)) < 1e-9
+
+
+def _rows(lengths):
+    """An Experience of one-token prompts and responses of ``lengths``, longest first."""
+    ids, valid, P, rmask = sequence_batch([[5]] * len(lengths), [[1] * n for n in lengths], 0, torch.device("cpu"))
+    return Experience(rollouts=[], ids=ids, valid=valid, P=P, mask=rmask.float(), versions=rmask.long(),
+                      behaviour_logprobs=rmask.float(), old_logprobs=rmask.float(), is_weights=rmask.float())
+
+
+def test_token_budget_cuts_long_rows_few_and_short_rows_many():
+    exp = _rows([40, 38, 10, 9, 9, 8, 2, 1])  # widths: 1 prompt column + the longest response
+    mb = torch.arange(8)
+    cfg = PPOConfig(batch_size=8, minibatch_size=8, micro_batch_size=8, micro_batch_tokens=80)
+    cuts = [c.tolist() for c in micro_batches(exp, mb, cfg)]
+    # [0, 1] would be 2 x 41 = 82 > 80: row 0 alone; [1, 2]: 2 x 39 = 78 (a third: 117); [3..7]: 5 x 10 = 50
+    assert cuts == [[0], [1, 2], [3, 4, 5, 6, 7]]
+    assert sum(cuts, []) == mb.tolist()  # every row once, in order
+    # the row cap still holds; a row wider than the budget goes alone
+    small = PPOConfig(batch_size=8, minibatch_size=8, micro_batch_size=2, micro_batch_tokens=30)
+    assert [c.tolist() for c in micro_batches(exp, mb, small)] == [[0], [1], [2, 3], [4, 5], [6, 7]]
+    # padding: less than with rows only
+    rows_only = padding_stats(exp, [mb], PPOConfig(batch_size=8, minibatch_size=8, micro_batch_size=4))
+    budget = padding_stats(exp, [mb], cfg)
+    assert budget["perf/train_padded_frac"] < rows_only["perf/train_padded_frac"]

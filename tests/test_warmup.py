@@ -1,5 +1,7 @@
 """ppo.lr_warmup_steps: a linear learning-rate ramp counted by the optimizer itself."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -24,7 +26,7 @@ def _run(opt, model, cfg, n_minibatches: int) -> list[float]:
         return {"_frac": 1.0}
 
     mask = torch.ones(n_minibatches, 3)
-    _train(model, opt, mask, list(torch.arange(n_minibatches).split(1)), cfg, "actor", micro)
+    _train(model, opt, SimpleNamespace(mask=mask), list(torch.arange(n_minibatches).split(1)), cfg, "actor", micro)
     opt.step = step
     return used
 

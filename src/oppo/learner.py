@@ -182,19 +182,46 @@ def adamw(params, lr: float, weight_decay: float) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True if fused else None)
 
 
-def padding_stats(exp: Experience, minibatches: list[torch.Tensor], micro: int) -> dict[str, float]:
+def _extents(batch: "Experience | CriticBatch") -> tuple[list[int], list[int]]:
+    """Per row, on the host: the leftmost real prompt column and the response length (a
+    micro-batch's width is ``P - min(start) + max(response)``: ``_micro_slices``)."""
+    P = batch.P
+    start = batch.valid[:, :P].argmax(1).tolist() if P else [0] * batch.mask.shape[0]
+    return start, batch.mask.sum(1).long().tolist()
+
+
+def micro_batches(batch: "Experience | CriticBatch", mb: torch.Tensor, cfg: PPOConfig,
+                  extents: tuple[list[int], list[int]] | None = None) -> list[torch.Tensor]:
+    """``mb``'s rows cut, in order, into the micro-batches of one optimizer step: runs of
+    ``ppo.micro_batch_size`` rows, or with ``ppo.micro_batch_tokens`` > 0 runs of at most that
+    many rows whose rows x width stays within the budget (at least one row each). The same for
+    actor and critic, every learner rank and ``padding_stats``."""
+    if not cfg.micro_batch_tokens:
+        return list(mb.split(cfg.micro_batch_size))
+    start, resp = extents or _extents(batch)
+    out, cur, lo, hi = [], [], 0, 0
+    for i in mb.tolist():
+        lo2, hi2 = (min(lo, start[i]), max(hi, resp[i])) if cur else (start[i], resp[i])
+        if cur and (len(cur) == cfg.micro_batch_size or (len(cur) + 1) * (batch.P - lo2 + hi2) > cfg.micro_batch_tokens):
+            out.append(cur)
+            cur, lo2, hi2 = [], start[i], resp[i]
+        cur.append(i)
+        lo, hi = lo2, hi2
+    out.append(cur)
+    return [torch.tensor(c, dtype=mb.dtype, device=mb.device) for c in out]
+
+
+def padding_stats(exp: Experience, minibatches: list[torch.Tensor], cfg: PPOConfig) -> dict[str, float]:
     """What the actor's update computes: ``perf/train_tokens``, the real (prompt and response) tokens
     of every micro-batch, and ``perf/train_padded_frac``, the share of the computed positions that
     are padding (a micro-batch runs its rows x its width: ``_micro_slices``)."""
-    P = exp.P
-    start = exp.valid[:, :P].argmax(1).tolist() if P else [0] * exp.mask.shape[0]  # leftmost real prompt column
-    resp = exp.mask.sum(1).long().tolist()
+    start, resp = extents = _extents(exp)
     real_len = exp.valid.sum(1).long().tolist()
     computed = real = 0
     for mb in minibatches:
-        for rows in mb.split(micro):
+        for rows in micro_batches(exp, mb, cfg, extents):
             r = rows.tolist()
-            computed += len(r) * (P - min(start[i] for i in r) + max(resp[i] for i in r))
+            computed += len(r) * (exp.P - min(start[i] for i in r) + max(resp[i] for i in r))
             real += sum(real_len[i] for i in r)
     return {"perf/train_tokens": float(real), "perf/train_padded_frac": 1.0 - real / computed if computed else 0.0}
 
@@ -286,10 +313,10 @@ class Learner:
         """
         mbs = [mb.to(exp.mask.device) for mb in self.minibatches(exp.mask.shape[0], step, exp.valid.sum(1))]
         probe = MismatchProbe(self.actor_opt, step)
-        stats = _train(self.actor, self.actor_opt, exp.mask, mbs, self.cfg, "actor",
+        stats = _train(self.actor, self.actor_opt, exp, mbs, self.cfg, "actor",
                        lambda rows, nt, ns: self._actor_micro_step(exp, rows, nt, ns, probe), step)
         stats.update(MismatchProbe.stats(probe.partial()))
-        stats.update(padding_stats(exp, mbs, self.cfg.micro_batch_size))
+        stats.update(padding_stats(exp, mbs, self.cfg))
         if critic and self.critic is not None:
             stats.update(critic_update(self.critic, self.critic_opt, CriticBatch.of(exp), mbs, self.cfg,
                                        compute_dtype=self.compute_dtype, step=step))
@@ -391,7 +418,7 @@ def critic_update(critic, opt: torch.optim.Optimizer, batch: CriticBatch, miniba
             before_micro()
         return critic_micro_step(critic, batch, rows, num_tokens, num_seqs, cfg, compute_dtype)
 
-    return _train(critic, opt, batch.mask, [mb.to(dev) for mb in minibatches], cfg, "critic", micro, step)
+    return _train(critic, opt, batch, [mb.to(dev) for mb in minibatches], cfg, "critic", micro, step)
 
 
 def critic_micro_step(critic, batch: CriticBatch, rows: torch.Tensor, num_tokens, num_seqs: int, cfg: PPOConfig,
@@ -409,9 +436,10 @@ def critic_micro_step(critic, batch: CriticBatch, rows: torch.Tensor, num_tokens
             "_frac": (mask.sum() / num_tokens).item()}
 
 
-def _train(model, opt, mask: torch.Tensor, minibatches: list[torch.Tensor], cfg: PPOConfig, name: str,
+def _train(model, opt, batch: "Experience | CriticBatch", minibatches: list[torch.Tensor], cfg: PPOConfig, name: str,
            micro_step, step: int = -1, agree=None) -> dict[str, float]:
-    """Optimizer steps over ``minibatches``; each is split into micro-batches that accumulate gradients.
+    """Optimizer steps over ``minibatches`` of ``batch``'s rows; each is cut into micro-batches
+    (:func:`micro_batches`) that accumulate gradients.
 
     The loss of a minibatch is aggregated with the minibatch's global token (and sequence) count,
     so splitting it into micro-batches changes nothing but memory. Returns means over optimizer
@@ -428,12 +456,14 @@ def _train(model, opt, mask: torch.Tensor, minibatches: list[torch.Tensor], cfg:
     sums: dict[str, float] = {}
     taken = skipped = 0
     stage = f"{name} update"
+    mask = batch.mask
+    extents = _extents(batch) if cfg.micro_batch_tokens else None
     for i, mb in enumerate(minibatches):
         num_tokens = mask[mb].sum().clamp(min=1)
         opt.zero_grad(set_to_none=True)
         mb_sums: dict[str, float] = {}
         bad_rows: list[int] = []
-        for rows in mb.split(cfg.micro_batch_size):
+        for rows in micro_batches(batch, mb, cfg, extents):
             stats = micro_step(rows, num_tokens, len(mb))
             w = stats.pop("_frac")
             for k, v in stats.items():

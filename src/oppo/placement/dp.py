@@ -55,7 +55,7 @@ from typing import Callable
 import torch
 
 from ..config import PPOConfig
-from ..learner import CriticBatch, Experience, Learner, _train, critic_micro_step
+from ..learner import CriticBatch, Experience, Learner, _train, critic_micro_step, padding_stats
 from ..offpolicy import MismatchProbe
 from .ray_scorer import _short
 from .specs import ModelSpec
@@ -139,17 +139,17 @@ def dp_update(learner: Learner, exp: Experience, step: int, rank: int, world: in
     actor_steps = _Shard(mbs, rank, world, learner.actor,
                          lambda rows, nt, ns: learner._actor_micro_step(exp, rows, nt, ns, probe))
     agree = any_rank(world, learner.device)
-    stats = _train(learner.actor, learner.actor_opt, exp.mask, mbs, cfg, "actor", actor_steps, step, agree)
+    stats = _train(learner.actor, learner.actor_opt, exp, mbs, cfg, "actor", actor_steps, step, agree)
     actor_steps.check_done()
     if critic and learner.critic is not None:
         batch = CriticBatch.of(exp)
         critic_steps = _Shard(mbs, rank, world, learner.critic,
                               lambda rows, nt, ns: critic_micro_step(learner.critic, batch, rows, nt, ns, cfg,
                                                                       learner.compute_dtype))
-        stats.update(_train(learner.critic, learner.critic_opt, batch.mask, mbs, cfg, "critic", critic_steps, step,
+        stats.update(_train(learner.critic, learner.critic_opt, batch, mbs, cfg, "critic", critic_steps, step,
                             agree))
         critic_steps.check_done()
-    return merge_rank_stats(stats, world, probe)
+    return {**merge_rank_stats(stats, world, probe), **padding_stats(exp, mbs, cfg)}
 
 
 def merge_rank_stats(stats: dict[str, float], world: int, probe: MismatchProbe) -> dict[str, float]:

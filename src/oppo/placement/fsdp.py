@@ -86,7 +86,7 @@ from datetime import timedelta
 
 import torch
 
-from ..learner import CriticBatch, Experience, Learner, _train, critic_micro_step, old_logprob_targets, \
+from ..learner import CriticBatch, Experience, Learner, _train, critic_micro_step, padding_stats, old_logprob_targets, \
     set_old_logprobs
 from ..offpolicy import MismatchProbe
 from .dp import DPLearnerGroup, LearnerRank, LearnerSpec, _to, any_rank, merge_rank_stats, portable
@@ -179,16 +179,16 @@ def fsdp_update(learner: Learner, exp: Experience, step: int, rank: int, world: 
     actor_steps = _Rounds(mbs, rank, world, lambda rows, nt, ns: learner._actor_micro_step(exp, rows, nt, ns, probe),
                           pad=lambda rows, nt, ns: learner._actor_micro_step(exp, rows, nt, ns))
     agree = any_rank(world, learner.device)
-    stats = _train(learner.actor, learner.actor_opt, exp.mask, mbs, cfg, "actor", actor_steps, step, agree)
+    stats = _train(learner.actor, learner.actor_opt, exp, mbs, cfg, "actor", actor_steps, step, agree)
     actor_steps.check_done()
     if critic and learner.critic is not None:
         batch = CriticBatch.of(exp)
         critic_steps = _Rounds(mbs, rank, world, lambda rows, nt, ns: critic_micro_step(
             learner.critic, batch, rows, nt, ns, cfg, learner.compute_dtype))
-        stats.update(_train(learner.critic, learner.critic_opt, batch.mask, mbs, cfg, "critic", critic_steps, step,
+        stats.update(_train(learner.critic, learner.critic_opt, batch, mbs, cfg, "critic", critic_steps, step,
                             agree))
         critic_steps.check_done()
-    return merge_rank_stats(stats, world, probe)
+    return {**merge_rank_stats(stats, world, probe), **padding_stats(exp, mbs, cfg)}
 
 
 class _Rounds:
