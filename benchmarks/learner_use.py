@@ -6,8 +6,8 @@
 (``oppo.bench.MODEL_SIZES``, random weights) with the representative long-tailed lengths scaled
 to ``--max-new-tokens``. Per timed step (the first is a warm-up) it reads ``time/train`` and
 computes, from the trained batch itself, the padded share of the positions the actor's
-micro-batches computed (each micro-batch runs its rows x its trimmed width, as
-``learner._micro_slices`` trims) and the train stage's MFU (forward and backward of actor and
+micro-batches computed (``learner.padding_stats``; for older code, which has none, the same
+count in its layout) and the train stage's MFU (forward and backward of actor and
 critic: ``oppo.perf``'s accounting, inlined so that older code is measured the same way, against
 a matmul peak measured in the same process). Prints medians; ``--out`` writes JSON.
 """
@@ -48,6 +48,8 @@ def _peak(dtype) -> float:
 
 
 def _padded(exp, mbs, micro) -> float:
+    """Older code's padded share: runs of ``micro`` rows in the [left-padded prompt | response]
+    layout, a micro-batch as wide as its longest prompt plus its longest response."""
     P = exp.P
     start = exp.valid[:, :P].argmax(1).tolist()
     resp = exp.mask.sum(1).long().tolist()
@@ -89,6 +91,10 @@ def main(argv=None) -> None:
     t = Trainer(cfg, progress=False)
     peak = _peak(t.roles.compute_dtype)
     sorts = "lengths" in inspect.signature(t.roles.learner.minibatches).parameters
+    try:  # the learner's own measure, where it has one (packed micro-batches, ppo.micro_batch_tokens)
+        from oppo.learner import padding_stats
+    except ImportError:
+        padding_stats = None
     rows = []
     try:
         t.length_sampler = WORKLOADS["representative"].scaled(a.max_new_tokens).sampler(cfg.run.seed)
@@ -101,7 +107,9 @@ def main(argv=None) -> None:
             flops = 3 * cfg.ppo.epochs * sum(_fwd_flops(mdl, lengths.tolist()) for mdl in (t.roles.policy, t.roles.critic)
                                              if mdl is not None)
             if step:
-                rows.append({"train_s": m["time/train"], "padded": _padded(exp, mbs, a.micro),
+                padded = (padding_stats(exp, mbs, cfg.ppo)["perf/train_padded_frac"] if padding_stats
+                          else _padded(exp, mbs, a.micro))
+                rows.append({"train_s": m["time/train"], "padded": padded,
                              "mfu": flops / m["time/train"] / peak})
     finally:
         t.close()

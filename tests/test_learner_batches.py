@@ -24,16 +24,28 @@ def test_minibatches_keep_their_rows_and_put_the_longest_first():
 
 
 def test_padding_stats_counts_rows_times_width():
-    # prompts of 2, 3 and 1 tokens (P = 3), responses of 4, 1 and 2 tokens (T = 4)
+    # prompts of 2, 3 and 1 tokens, responses of 4, 1 and 2 tokens: rows of 6, 4 and 3 real tokens
     ids, valid, P, rmask = sequence_batch([[5, 6], [5, 6, 7], [8]], [[1, 2, 3, 4], [1], [2, 3]], 0,
                                           torch.device("cpu"))
     exp = Experience(rollouts=[], ids=ids, valid=valid, P=P, mask=rmask.float(), versions=rmask.long(),
                      behaviour_logprobs=rmask.float(), old_logprobs=rmask.float(), is_weights=rmask.float())
-    # micro-batch [0, 1]: width = 3 (row 1's prompt starts at column 0) + 4 = 7, rows 2 x 7 = 14, real 6 + 4
-    # micro-batch [2]: width = 1 + 2 = 3, real 3
+    # packed left, a micro-batch is as wide as its longest row: [0, 1] 2 x 6 = 12 for 10 real; [2] 3 for 3
     stats = padding_stats(exp, [torch.tensor([0, 1, 2])], PPOConfig(micro_batch_size=2))
     assert stats["perf/train_tokens"] == 13
-    assert abs(stats["perf/train_padded_frac"] - (1 - 13 / 17)) < 1e-9
+    assert abs(stats["perf/train_padded_frac"] - (1 - 13 / 15)) < 1e-9
+
+
+def test_micro_slices_pack_rows_left():
+    from oppo.learner import _micro_slices
+
+    ids, valid, P, rmask = sequence_batch([[5, 6], [5, 6, 7], [8]], [[1, 2, 3, 4], [1], [2, 3]], 0,
+                                          torch.device("cpu"))
+    exp = Experience(rollouts=[], ids=ids, valid=valid, P=P, mask=rmask.float(), versions=rmask.long(),
+                     behaviour_logprobs=rmask.float(), old_logprobs=rmask.float(), is_weights=rmask.float())
+    mb = _micro_slices(exp, torch.tensor([1, 2]))
+    assert mb.ids.tolist() == [[5, 6, 7, 1], [8, 2, 3, 0]] and mb.valid.tolist() == [[1, 1, 1, 1], [1, 1, 1, 0]]
+    assert mb.tokens.tolist() == [[1, 0], [2, 3]]  # response tokens (0: padding past row 1's end)
+    assert mb.pre.tolist() == [[2, 3], [0, 1]]  # the column predicting each: prompt length - 1 + t
 
 
 def _rows(lengths):
@@ -44,7 +56,7 @@ def _rows(lengths):
 
 
 def test_token_budget_cuts_long_rows_few_and_short_rows_many():
-    exp = _rows([40, 38, 10, 9, 9, 8, 2, 1])  # widths: 1 prompt column + the longest response
+    exp = _rows([40, 38, 10, 9, 9, 8, 2, 1])  # rows of 1 prompt token + these responses
     mb = torch.arange(8)
     cfg = PPOConfig(batch_size=8, minibatch_size=8, micro_batch_size=8, micro_batch_tokens=80)
     cuts = [c.tolist() for c in micro_batches(exp, mb, cfg)]

@@ -36,8 +36,7 @@ def _hand_learner(recompute_old: bool) -> Learner:
     lrn = Learner(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), cfg, temperature=1.0, seed=0,
                   recompute_old=recompute_old)
     # pi_1 gives every token probability 1/2: equal logits at every position
-    lrn._actor_logprobs = lambda ids, valid, P: (torch.full((ids.shape[0], ids.shape[1] - P), L(0.5)),
-                                                 torch.full((ids.shape[0], ids.shape[1] - P), L(2.0)))
+    lrn._actor_logprobs = lambda mb: (torch.full(mb.tokens.shape, L(0.5)), torch.full(mb.tokens.shape, L(2.0)))
     return lrn
 
 

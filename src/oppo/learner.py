@@ -16,7 +16,7 @@ from . import guard
 from . import ppo_math as pm
 from .config import PPOConfig
 from .types import Rollout, Scores
-from .scoring import ScoredOutputs, full_hidden, response_outputs, sequence_batch
+from .scoring import ScoredOutputs, full_hidden, sequence_batch
 from .models import backbone_and_head, checkpointing
 from .offpolicy import MismatchProbe
 from .token_logprobs import head_logprobs
@@ -164,13 +164,45 @@ def set_old_logprobs(exp: Experience, rows: torch.Tensor, new: torch.Tensor, red
     return dataclasses.replace(exp, old_logprobs=old, is_weights=torch.where(off, w, torch.ones_like(w)), stats=stats)
 
 
-def _micro_slices(exp: "Experience | CriticBatch", rows: torch.Tensor):
-    """Tensors of ``rows`` with columns trimmed to what those rows use."""
-    valid = exp.valid[rows]
-    first = int(valid[:, : exp.P].argmax(1).min()) if exp.P else 0  # leftmost real prompt column
-    T = int(exp.mask[rows].sum(1).max())
-    cols = slice(first, exp.P + T)
-    return exp.ids[rows][:, cols], valid[:, cols], exp.P - first, T
+@dataclass
+class MicroBatch:
+    """Rows of a batch packed left for one training forward (``_micro_slices``).
+
+    ids, valid: [b, W] each row's prompt then response at columns 0..n-1, padding after (W: the
+    longest row's real tokens). pre: [b, T] the column whose hidden state predicts response token
+    t (prompt length - 1 + t; clamped past a row's end). tokens: [b, T] the response tokens."""
+
+    ids: torch.Tensor
+    valid: torch.Tensor
+    pre: torch.Tensor
+    tokens: torch.Tensor
+
+    @property
+    def T(self) -> int:
+        return self.tokens.shape[1]
+
+
+def _micro_slices(exp: "Experience | CriticBatch", rows: torch.Tensor) -> MicroBatch:
+    """``rows`` of ``exp`` packed left (``MicroBatch``): a micro-batch's width is its longest row,
+    not its longest prompt plus its longest response as in ``exp``'s layout. Exact: every forward
+    packs rows left anyway (``scoring.full_hidden``), positions are column indices."""
+    valid = exp.valid[rows]  # [b, P+T]
+    n_prompt = valid[:, : exp.P].sum(1)  # [b]
+    n = valid.sum(1)  # [b]
+    T = int(exp.mask[rows].sum(1).max())  # CPU-GPU sync point (shapes)
+    W = int(n.max())
+    col = torch.arange(W, device=valid.device)
+    src = ((exp.P - n_prompt)[:, None] + col[None]).clamp(max=valid.shape[1] - 1)  # [b, W]
+    inside = col[None] < n[:, None]  # [b, W]
+    ids = exp.ids[rows]
+    pre = (n_prompt[:, None] - 1 + torch.arange(T, device=valid.device)[None]).clamp(max=W - 1)  # [b, T]
+    return MicroBatch(ids.gather(1, src) * inside, inside.to(valid.dtype), pre, ids[:, exp.P: exp.P + T])
+
+
+def _response_hidden(backbone, mb: MicroBatch) -> torch.Tensor:
+    """[b, T, H] the hidden states that predict each response token of ``mb``."""
+    hidden = full_hidden(backbone, mb.ids, mb.valid)  # [b, W, H]
+    return hidden.gather(1, mb.pre[..., None].expand(-1, -1, hidden.shape[-1]))
 
 
 def adamw(params, lr: float, weight_decay: float) -> torch.optim.AdamW:
@@ -182,31 +214,29 @@ def adamw(params, lr: float, weight_decay: float) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True if fused else None)
 
 
-def _extents(batch: "Experience | CriticBatch") -> tuple[list[int], list[int]]:
-    """Per row, on the host: the leftmost real prompt column and the response length (a
-    micro-batch's width is ``P - min(start) + max(response)``: ``_micro_slices``)."""
-    P = batch.P
-    start = batch.valid[:, :P].argmax(1).tolist() if P else [0] * batch.mask.shape[0]
-    return start, batch.mask.sum(1).long().tolist()
+def _lengths(batch: "Experience | CriticBatch") -> list[int]:
+    """Each row's real tokens (prompt and response), on the host: a packed micro-batch's width is
+    its longest row's (``_micro_slices``)."""
+    return batch.valid.sum(1).long().tolist()
 
 
 def micro_batches(batch: "Experience | CriticBatch", mb: torch.Tensor, cfg: PPOConfig,
-                  extents: tuple[list[int], list[int]] | None = None) -> list[torch.Tensor]:
+                  lengths: list[int] | None = None) -> list[torch.Tensor]:
     """``mb``'s rows cut, in order, into the micro-batches of one optimizer step: runs of
     ``ppo.micro_batch_size`` rows, or with ``ppo.micro_batch_tokens`` > 0 runs of at most that
     many rows whose rows x width stays within the budget (at least one row each). The same for
     actor and critic, every learner rank and ``padding_stats``."""
     if not cfg.micro_batch_tokens:
         return list(mb.split(cfg.micro_batch_size))
-    start, resp = extents or _extents(batch)
-    out, cur, lo, hi = [], [], 0, 0
+    lengths = lengths or _lengths(batch)
+    out, cur, width = [], [], 0
     for i in mb.tolist():
-        lo2, hi2 = (min(lo, start[i]), max(hi, resp[i])) if cur else (start[i], resp[i])
-        if cur and (len(cur) == cfg.micro_batch_size or (len(cur) + 1) * (batch.P - lo2 + hi2) > cfg.micro_batch_tokens):
+        w = max(width, lengths[i]) if cur else lengths[i]
+        if cur and (len(cur) == cfg.micro_batch_size or (len(cur) + 1) * w > cfg.micro_batch_tokens):
             out.append(cur)
-            cur, lo2, hi2 = [], start[i], resp[i]
+            cur, w = [], lengths[i]
         cur.append(i)
-        lo, hi = lo2, hi2
+        width = w
     out.append(cur)
     return [torch.tensor(c, dtype=mb.dtype, device=mb.device) for c in out]
 
@@ -214,15 +244,14 @@ def micro_batches(batch: "Experience | CriticBatch", mb: torch.Tensor, cfg: PPOC
 def padding_stats(exp: Experience, minibatches: list[torch.Tensor], cfg: PPOConfig) -> dict[str, float]:
     """What the actor's update computes: ``perf/train_tokens``, the real (prompt and response) tokens
     of every micro-batch, and ``perf/train_padded_frac``, the share of the computed positions that
-    are padding (a micro-batch runs its rows x its width: ``_micro_slices``)."""
-    start, resp = extents = _extents(exp)
-    real_len = exp.valid.sum(1).long().tolist()
+    are padding (a micro-batch runs its rows x its longest row: ``_micro_slices``)."""
+    lengths = _lengths(exp)
     computed = real = 0
     for mb in minibatches:
-        for rows in micro_batches(exp, mb, cfg, extents):
+        for rows in micro_batches(exp, mb, cfg, lengths):
             r = rows.tolist()
-            computed += len(r) * (exp.P - min(start[i] for i in r) + max(resp[i] for i in r))
-            real += sum(real_len[i] for i in r)
+            computed += len(r) * max(lengths[i] for i in r)
+            real += sum(lengths[i] for i in r)
     return {"perf/train_tokens": float(real), "perf/train_padded_frac": 1.0 - real / computed if computed else 0.0}
 
 
@@ -245,13 +274,12 @@ class Learner:
         self.actor_opt = adamw([p for p in actor.parameters() if p.requires_grad], cfg.actor_lr, cfg.weight_decay)
         self.critic_opt = adamw(critic.parameters(), cfg.critic_lr, cfg.weight_decay) if critic is not None else None
 
-    def _actor_logprobs(self, ids, valid, P) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log-probs, entropies) [b, T] of the response tokens ``ids[:, P:]`` under the actor, from
-        the head in chunks of tokens (``token_logprobs``: no [b, T, V] logits tensor)."""
+    def _actor_logprobs(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probs, entropies) [b, T] of ``mb``'s response tokens under the actor, from the head
+        in chunks of tokens (``token_logprobs``: no [b, T, V] logits tensor)."""
         backbone, head = backbone_and_head(self.actor)
         with autocast(self.device, self.compute_dtype):
-            hidden = full_hidden(backbone, ids, valid)  # [b, P+T, H]
-            return head_logprobs(head, hidden[:, P - 1:-1], ids[:, P:], self.temperature, entropy=True)
+            return head_logprobs(head, _response_hidden(backbone, mb), mb.tokens, self.temperature, entropy=True)
 
     @torch.no_grad()
     def old_logprobs(self, exp: Experience, version: int) -> Experience:
@@ -286,8 +314,8 @@ class Learner:
         out = torch.zeros(len(rows), exp.mask.shape[1], device=exp.mask.device)
         for i in range(0, len(rows), self.cfg.micro_batch_size):
             chunk = rows[i: i + self.cfg.micro_batch_size]
-            ids, valid, P, T = _micro_slices(exp, chunk)
-            out[i: i + len(chunk), :T] = self._actor_logprobs(ids, valid, P)[0]  # [b, T]
+            mb = _micro_slices(exp, chunk)
+            out[i: i + len(chunk), :mb.T] = self._actor_logprobs(mb)[0]  # [b, T]
         return out
 
     def minibatches(self, B: int, step: int, lengths: torch.Tensor | None = None) -> list[torch.Tensor]:
@@ -350,10 +378,11 @@ class Learner:
     def _actor_micro_step(self, exp: Experience, rows: torch.Tensor, num_tokens, num_seqs: int,
                           probe: MismatchProbe | None = None) -> dict[str, float]:
         cfg = self.cfg
-        ids, valid, P, T = _micro_slices(exp, rows)
+        mb = _micro_slices(exp, rows)
+        T = mb.T
         mask = exp.mask[rows][:, :T]
         with checkpointing(self.actor):  # recomputes activations in backward if policy.gradient_checkpointing
-            logprobs, entropy = self._actor_logprobs(ids, valid, P)  # [b, T] each
+            logprobs, entropy = self._actor_logprobs(mb)  # [b, T] each
         if probe is not None:  # (the first optimizer step's forward is pi_k's: the sampler-vs-trainer gap)
             probe.observe(logprobs, exp.sampler_logprobs[rows][:, :T], exp.versions[rows][:, :T], mask)
         pl, pstats = pm.policy_loss(logprobs, exp.old_logprobs[rows][:, :T], exp.advantages[rows][:, :T], mask,
@@ -424,10 +453,12 @@ def critic_update(critic, opt: torch.optim.Optimizer, batch: CriticBatch, miniba
 def critic_micro_step(critic, batch: CriticBatch, rows: torch.Tensor, num_tokens, num_seqs: int, cfg: PPOConfig,
                       compute_dtype: torch.dtype = torch.float32) -> dict[str, float]:
     """One micro-batch of the critic's update: clipped value loss, backward (gradients accumulate)."""
-    ids, valid, P, T = _micro_slices(batch, rows)
+    mb = _micro_slices(batch, rows)
+    T = mb.T
     mask = batch.mask[rows][:, :T]
-    with autocast(ids.device, compute_dtype), checkpointing(critic):
-        values = response_outputs("critic", critic, ids, valid, P)  # [b, T]
+    backbone, head = backbone_and_head(critic)
+    with autocast(mb.ids.device, compute_dtype), checkpointing(critic):
+        values = head(_response_hidden(backbone, mb)).float().squeeze(-1)  # [b, T]
     vl, vstats = pm.value_loss(values, batch.values[rows][:, :T], batch.returns[rows][:, :T], mask,
                                clip_eps=cfg.value_clip_eps, loss_agg=cfg.loss_agg,
                                num_tokens=num_tokens, num_seqs=num_seqs)
@@ -457,13 +488,13 @@ def _train(model, opt, batch: "Experience | CriticBatch", minibatches: list[torc
     taken = skipped = 0
     stage = f"{name} update"
     mask = batch.mask
-    extents = _extents(batch) if cfg.micro_batch_tokens else None
+    lengths = _lengths(batch) if cfg.micro_batch_tokens else None
     for i, mb in enumerate(minibatches):
         num_tokens = mask[mb].sum().clamp(min=1)
         opt.zero_grad(set_to_none=True)
         mb_sums: dict[str, float] = {}
         bad_rows: list[int] = []
-        for rows in micro_batches(batch, mb, cfg, extents):
+        for rows in micro_batches(batch, mb, cfg, lengths):
             stats = micro_step(rows, num_tokens, len(mb))
             w = stats.pop("_frac")
             for k, v in stats.items():
