@@ -161,6 +161,12 @@ def test_gpu_bench_smoke_on_cpu(tmp_path):
     assert res["workload_lengths"]["p99_over_p50"] >= 4
     md = (out / "bench.md").read_text()
     assert "## Stage profile" in md and "| oppo |" in md
+    # issue 27: each stage's utilisation, the padded share and the decode overhead, per mode
+    assert "## Hardware use" in md
+    for mode, v in res["modes"].items():
+        hw = v["hardware"]
+        assert hw["peak_tflops"] > 0 and 0 < hw["train_mfu"] and 0 <= hw["train_padded_frac"] < 1, mode
+        assert hw["engine_step_ms"] > 0 and hw["decode_overhead"] > 0, mode
     for png in ("timeline.png", "response_lengths.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # forced lengths: timing only (issue 22 item 3), no reward curve
