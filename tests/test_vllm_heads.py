@@ -58,6 +58,8 @@ def test_only_exact_paddings_are_planned():
     assert HeadPadding.plan(dict(base, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}), SUPPORTED) is None
     assert HeadPadding.plan(dict(base, partial_rotary_factor=0.5), SUPPORTED) is None
     assert HeadPadding.plan(dict(base, hidden_size=1026), SUPPORTED) is None  # 513: odd, and no larger size
+    assert HeadPadding.plan(dict(base, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                        "partial_rotary_factor": 0.5}), SUPPORTED) is None
     plan = HeadPadding.plan(dict(base, rope_parameters={"rope_type": "default", "rope_theta": 1e4}), SUPPORTED)
     assert plan.config(dict(base, rope_parameters={"rope_type": "default", "rope_theta": 1e4}))[
         "rope_parameters"]["rope_theta"] == pytest.approx(1e4 ** (64 / 48))
@@ -86,3 +88,18 @@ def test_a_tied_head_is_served_untied_and_sent_at_every_load(tmp_path):
     untouched = dict(served.weights([("model.norm.weight", model.model.norm.weight)]))
     assert list(untouched) == ["model.norm.weight"], "a partial load without the embedding leaves the head"
     assert ServedCheckpoint.plan(dict(config, tie_word_embeddings=False, head_dim=64), SUPPORTED) is None
+
+
+@pytest.mark.parametrize("top_level", [None, 5e5])
+def test_a_rope_block_without_its_base_gets_the_base_the_model_uses(top_level):
+    """``rope_parameters`` without ``rope_theta``: transformers takes the top-level ``rope_theta``,
+    else 10000; the padded config must carry that base raised to D/d, in the block too (a block
+    left without it would get the unpadded default: wrong frequencies)."""
+    base = dict(model_type="llama", hidden_size=96, num_attention_heads=2, rope_parameters={"rope_type": "default"})
+    if top_level is not None:
+        base["rope_theta"] = top_level
+    plan = HeadPadding.plan(base, SUPPORTED)
+    out = plan.config(base)
+    want = (top_level or 1e4) ** (64 / 48)
+    assert out["rope_parameters"]["rope_theta"] == pytest.approx(want)
+    assert LlamaConfig(**out).rope_parameters["rope_theta"] == pytest.approx(want)

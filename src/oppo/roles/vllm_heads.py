@@ -60,9 +60,11 @@ class HeadPadding:
         old = config.get("head_dim") or (config.get("hidden_size", 0) // heads if heads else 0)
         if not old or old in supported or old % 2 or config.get("model_type") not in PADDABLE:
             return None
-        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
-            return None
+        for rope in (config.get("rope_parameters") or {}, config.get("rope_scaling") or {}):
+            if rope.get("rope_type", rope.get("type", "default")) != "default":
+                return None
+            if rope.get("partial_rotary_factor", 1.0) != 1.0:  # (transformers reads it here too)
+                return None
         if config.get("partial_rotary_factor", 1.0) != 1.0:
             return None
         larger = [s for s in supported if s > old]
@@ -76,14 +78,17 @@ class HeadPadding:
         """``config`` with heads of ``new`` dimensions and the rotary base that keeps every
         frequency."""
         out = dict(config, head_dim=self.new)
-        ratio = self.new / self.old
-        if isinstance(out.get("rope_parameters"), dict) and "rope_theta" in out["rope_parameters"]:
-            out["rope_parameters"] = dict(out["rope_parameters"],
-                                          rope_theta=out["rope_parameters"]["rope_theta"] ** ratio)
-        if "rope_theta" in out:
-            out["rope_theta"] = out["rope_theta"] ** ratio
-        if "rope_parameters" not in out and "rope_theta" not in out:
-            out["rope_theta"] = 10000.0 ** ratio  # (the architectures' default base)
+        # The base the model uses, by transformers' precedence (``convert_rope_params_to_dict``):
+        # the rotary block's own ``rope_theta``, else the top-level one, else the classes'
+        # ``default_theta`` (10000 for all three architectures). The rewritten base goes
+        # everywhere a reader may look, so no block is left with its old (or a default) base.
+        blocks = [k for k in ("rope_scaling", "rope_parameters") if isinstance(out.get(k), dict)]
+        base = next((out[k]["rope_theta"] for k in blocks if "rope_theta" in out[k]),
+                    out.get("rope_theta", 10000.0))
+        theta = base ** (self.new / self.old)
+        for k in blocks:
+            out[k] = dict(out[k], rope_theta=theta)
+        out["rope_theta"] = theta
         return out
 
     # ------------------------------------------------------------------ weights
