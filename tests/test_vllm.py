@@ -429,6 +429,26 @@ def test_abort_and_forced_lengths(engine, vmodels):
     assert len(rows[3].response_ids) == 1 and not rows[3].finished
 
 
+def test_forced_eos_records_its_untruncated_logprob(engine, vmodels):
+    """Forced lengths under top-k: EOS is forced, not drawn, so its log-prob is the policy's own
+    (untruncated), finite even where top-k cuts EOS (the truncated one is -inf there)."""
+    model = hf_policy(vmodels["policy"])
+    reset(engine, model, max_new=20, temperature=0.8, top_k=1)
+    rows = rollouts(3)
+    for r, t in zip(rows, (2, 5, 9)):
+        r.target_length = t
+    engine.admit(rows)
+    engine.generate_all()
+    cut = 0
+    for r in rows:
+        assert r.response_ids[-1] == 1
+        want = hf_logprobs(model, r, 0.8)[-1]
+        cut += hf_logprobs(model, r, 0.8, top_k=1)[-1].item() == float("-inf")
+        assert r.logprobs[-1] == pytest.approx(want.item(), abs=2e-4)
+        assert r.policy_logprobs[-1] == pytest.approx(want.item(), abs=2e-4)
+    assert cut, "top-k=1 keeps EOS out somewhere (else this tests nothing)"
+
+
 # ------------------------------------------------------------------------------ in the trainer
 
 

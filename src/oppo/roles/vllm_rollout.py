@@ -246,6 +246,12 @@ UNTRUNCATED_ID = -1
 (module docstring): no real token has it."""
 
 
+def untruncated_id(token: int) -> int:
+    """The id under which a request's log-probs hold ``token``'s untruncated log-prob, for a
+    token it listed (``logprob_token_ids``: the forced-length EOS): -2, -3, ...; no real token."""
+    return -2 - token
+
+
 class _UntruncatedSampler:
     """Replaces ``forward`` of vLLM's (V1) ``Sampler`` in its worker process: the sampler's own
     output, with one more log-prob column right after the sampled token's: the sampled token's
@@ -270,6 +276,15 @@ class _UntruncatedSampler:
         tokens = out.sampled_token_ids[:, :1].long()  # [R, 1]
         untruncated = scaled.gather(1, tokens) - lse[:, None]  # [R, 1]
         ids, values = lp.logprob_token_ids, lp.logprobs  # [R, 1 + n]: the sampled token first
+        listed = sampling_metadata.logprob_token_ids  # {row: ids} (forced lengths: EOS)
+        if listed and ids.shape[1] > 1:
+            # the listed tokens' log-probs untruncated too, under ids of their own: the forced EOS
+            # is not drawn, and its truncated log-prob is -inf when top-k/top-p cut it
+            rows = torch.tensor(sorted(listed), device=ids.device)
+            cols = ids[rows, 1:].long()  # [L, n]
+            ids, values = ids.clone(), values.clone()
+            ids[rows, 1:] = (-2 - cols).to(ids.dtype)
+            values[rows, 1:] = (scaled[rows].gather(1, cols) - lse[rows, None]).to(values.dtype)
         out.logprobs_tensors = lp._replace(
             logprob_token_ids=torch.cat([ids[:, :1], torch.full_like(ids[:, :1], UNTRUNCATED_ID), ids[:, 1:]], 1),
             logprobs=torch.cat([values[:, :1], untruncated.to(values.dtype), values[:, 1:]], 1))
@@ -531,9 +546,13 @@ class VLLMRolloutBackend:
                 if r.target_length is not None and len(r.response_ids) >= r.target_length:
                     lps = c.logprobs[-1] if c.logprobs else None
                     r.response_ids[-1] = self.eos_id  # forced at its target length, as the eager engine does
-                    if lps is not None and self.eos_id in lps:
-                        r.logprobs[-1] = lps[self.eos_id].logprob
-                        if self.untruncated:  # (timing-only runs: the token was forced, not drawn)
+                    # (timing-only runs: the token was forced, not drawn, so the policy's own,
+                    # untruncated log-prob stands in for both, as in the eager engine; the
+                    # truncated one is -inf when top-k/top-p cut EOS)
+                    key = untruncated_id(self.eos_id) if self.untruncated else self.eos_id
+                    if lps is not None and key in lps:
+                        r.logprobs[-1] = lps[key].logprob
+                        if self.untruncated:
                             r.policy_logprobs[-1] = r.logprobs[-1]
                 r.finished, r.ended_with_eos = True, r.response_ids[-1] in self.eos_ids
                 done.append(r)
