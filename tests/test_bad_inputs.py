@@ -380,7 +380,7 @@ def test_reward_module_broken_at_import(tiny_models, tiny_prompts, tmp_path, mon
 
 
 def test_reward_module_without_the_function(tiny_models, tiny_prompts, tmp_path, monkeypatch):
-    mod = _reward_module(tmp_path, monkeypatch, "oppo_test_no_fn", "x = 1\n")
+    mod = _reward_module(tmp_path, monkeypatch, "oppo_test_no_fn", "y = 1\n")  # (x = 1: test_entry_validation)
     with pytest.raises(ModelLoadError) as info:
         Trainer(make_cfg(tiny_models, tiny_prompts, tmp_path, **{"reward.function": f"{mod}:x"}), progress=False)
     assert mod in str(info.value) and "'x'" in str(info.value)

@@ -423,8 +423,23 @@ def all_keys(cfg: Config | None = None) -> list[str]:
     return [f"{s.name}.{f.name}" for s in _sections(cfg) for f in dataclasses.fields(getattr(cfg, s.name))]
 
 
+# other trainers' names (TRL, OpenRLHF, verl) for oppo's settings, by the last component: spelling
+# alone is a poor guide (difflib puts "learning_rate" nearest to "is_truncate")
+_ALIASES = {"learning_rate": ("actor_lr", "critic_lr"), "lr": ("actor_lr", "critic_lr"),
+            "actor_learning_rate": ("actor_lr",), "policy_lr": ("actor_lr",),
+            "critic_learning_rate": ("critic_lr",), "value_lr": ("critic_lr",), "vf_lr": ("critic_lr",),
+            "mini_batch_size": ("minibatch_size",), "ppo_epochs": ("epochs",), "cliprange": ("clip_eps",),
+            "init_kl_coef": ("kl_coef",)}
+
+
 def _suggest(key: str, known: list[str]) -> str:
     section, _, leaf = key.rpartition(".")
+    aliased = [f"{s}.{a}" for s in [section] + sorted({k.split(".")[0] for k in known})
+               for a in _ALIASES.get(leaf, ()) if f"{s}.{a}" in known]
+    if aliased:
+        first, *rest = list(dict.fromkeys(aliased))
+        also = f" (Or '{rest[0]}'.)" if rest and rest[0].split(".")[0] == first.split(".")[0] else ""
+        return f" Did you mean '{first}'?{also}"
     # a leaf that is a word of known leaves (e.g. "ppo.lr" -> "ppo.actor_lr"), same section first
     words = [k for k in known if leaf in k.split(".")[-1].split("_")]
     close = sorted(words, key=lambda k: k.split(".")[0] != section)[:1]

@@ -16,6 +16,7 @@ Streaming needs the backbone's hidden states with a KV cache, then the head appl
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import sys
 import warnings
@@ -60,6 +61,12 @@ def check_model_path(path: str, role: str) -> None:
         if not (p / "config.json").is_file():
             raise ModelLoadError(f"{role} model directory {path!r} has no config.json; it is not a Hugging Face "
                                  f"model directory (save one with model.save_pretrained).")
+        try:  # a corrupt one would otherwise be reported by whichever loader reads it first (the tokenizer)
+            json.loads((p / "config.json").read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ModelLoadError(f"{role} model directory {path!r}: its config.json is not valid JSON ({e}). Write "
+                                 f"it again with model.save_pretrained(dir), or restore it from the model's "
+                                 f"source.") from None
 
 
 def _from_pretrained(cls, path: str, role: str, **kw):
@@ -379,10 +386,33 @@ def load_function(spec: str, role: str = "reward.function") -> Callable:
                              f"(run from its directory or add it to PYTHONPATH).") from None
     except Exception as e:  # the module itself is broken (SyntaxError, NameError, ... at import)
         raise ModelLoadError(f"{role}: importing module {mod_name!r} failed: {type(e).__name__}: {e}") from e
-    fn = getattr(mod, fn_name, None)
-    if not callable(fn):
+    missing = object()
+    fn = getattr(mod, fn_name, missing)
+    if fn is missing:
         raise ModelLoadError(f"{role}: module {mod_name!r} has no function {fn_name!r}.")
+    if not callable(fn):
+        shown = repr(fn) if len(repr(fn)) <= 60 else repr(fn)[:57] + "..."
+        raise ModelLoadError(f"{role}: module {mod_name!r} has {fn_name!r}, but it is not callable: it is "
+                             f"{shown}, of type {type(fn).__name__}. Point {role} at a function "
+                             f"fn(prompts, responses) -> list[float].")
     return fn
+
+
+def load_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], source) -> None:
+    """``model.load_state_dict(state)``, refusing first, in one line, a tensor of another shape
+    (``source``: where ``state`` comes from, e.g. a checkpoint's ``policy/``): a resume onto a model
+    of another size is otherwise torch's size-mismatch traceback of every parameter."""
+    own = model.state_dict()
+    bad = [(k, tuple(v.shape), tuple(own[k].shape)) for k, v in state.items()
+           if k in own and tuple(v.shape) != tuple(own[k].shape)]
+    if bad:
+        k, saved, now = bad[0]
+        more = f" (and {len(bad) - 1} more parameters)" if len(bad) > 1 else ""
+        raise ModelLoadError(f"{source} holds weights of another shape than this run's model: {k} is "
+                             f"{list(saved)} there and {list(now)} here{more}. Resume with the model the run "
+                             f"started from (the checkpoint's config.json names its sizes), or start a new run "
+                             f"without --resume to train this model.")
+    model.load_state_dict(state)
 
 
 def stop_token_ids(tokenizer, model) -> tuple[int, ...]:

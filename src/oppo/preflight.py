@@ -4,6 +4,8 @@
 reports every problem it finds in one message, so a user fixes them all in one go instead of
 one per attempt, each attempt costing a model load:
 
+- the settings (:func:`oppo.config.validate`, raised at once: a Config made in code is checked as
+  the CLI's is) and ``run.out_dir``: a directory or creatable as one, writable;
 - the prompt set: given when the models are the user's, present, not empty, its first record
   readable with the configured field;
 - model paths: each local one a directory with ``config.json`` (the policy's also with its
@@ -31,7 +33,7 @@ import threading
 from pathlib import Path
 from urllib.parse import urlparse
 
-from .config import Config
+from .config import Config, validate
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model", "vocab.json",
                    "vocab.txt")
@@ -142,20 +144,44 @@ def _model_problems(role: str, key: str, path: str, hub_names: list[tuple[str, s
     if not (p / "config.json").is_file():
         return [f"{key}={path!r} has no config.json: it is not a Hugging Face model directory "
                 f"(write one with model.save_pretrained(dir))."]
+    try:  # every role's: a corrupt one otherwise surfaces as the first loader's error (the tokenizer's)
+        conf = json.loads((p / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return [f"{key}={path!r}: its config.json is not valid JSON ({e}). Write it again with "
+                f"model.save_pretrained(dir), or restore it from the model's source."]
     out = []
     if role == "policy" and not any((p / f).is_file() for f in TOKENIZER_FILES):
         out.append(f"{key}={path!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES[:2])}, ...); "
                    f"save it beside the model with tokenizer.save_pretrained(dir).")
-    if role == "reward":
-        try:
-            conf = json.loads((p / "config.json").read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            return [f"{key}={path!r}: config.json is unreadable ({e})."]
+    if role == "reward" and isinstance(conf, dict):
         labels = len(conf["id2label"]) if isinstance(conf.get("id2label"), dict) else conf.get("num_labels")
         if isinstance(labels, int) and labels != 1:
             out.append(f"{key}={path!r} has {labels} labels; PPO needs a scalar reward "
                        f"(AutoModelForSequenceClassification with num_labels=1).")
     return out
+
+
+def out_dir_problems(out_dir: str | os.PathLike) -> list[str]:
+    """``run.out_dir`` must be a directory, or creatable as one: not a file, not under a file, and
+    writable. (Found here, before the models load, not by the first write after them.)"""
+    key = f"run.out_dir={str(out_dir)!r}"
+    p = Path(out_dir).expanduser()
+    if p.is_symlink() and not p.exists():
+        return []  # a dangling 'latest' link: the run points it at its new directory
+    if p.exists() and not p.is_dir():
+        return [f"{key} is a file, not a directory. Set run.out_dir to a directory (created if missing), or move "
+                f"the file {p} away."]
+    existing = p
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return [f"{key}: {existing} is a file, so no directory can be made under it. Set run.out_dir to a path "
+                f"outside it (e.g. {existing.parent / 'runs'}), or move the file away."]
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "the run directory" if existing == p else f"its nearest existing parent, {existing},"
+        return [f"{key}: {what} is not writable by this user. Set run.out_dir to a writable directory, or fix "
+                f"the permissions."]
+    return []
 
 
 def _prompt_problems(source: str, field: str) -> tuple[list[str], bool]:
@@ -214,7 +240,8 @@ def input_problems(cfg: Config) -> list[str]:
 
     Also switches Hugging Face to offline mode when the hub is unreachable and every hub name is
     cached (so loading goes straight to the cache)."""
-    problems: list[str] = []
+    validate(cfg)  # a Config built or changed in code (oppo.train(cfg)) is checked as the CLI's is
+    problems: list[str] = out_dir_problems(cfg.run.out_dir)
     hub_names: list[tuple[str, str]] = []
     if cfg.uses_builtin_task:
         from .task import TASKS

@@ -249,6 +249,7 @@ class RewardFunction:
         """Scores of ``responses`` to ``prompts``; ``step`` and ``indices`` (the prompts' indices in
         the prompt set) only name the batch in an error."""
         import math
+        import numbers
 
         where = self._where(prompts, step, indices)
         for attempt in range(self.retries + 1):
@@ -268,7 +269,8 @@ class RewardFunction:
             raise ValueError(f"Reward function {self.name} returned {len(scores)} scores for {len(prompts)} "
                              f"responses {where}; it must return one float per response.")
         for p, s in zip(prompts, scores):
-            if not isinstance(s, (int, float)) or not math.isfinite(float(s)):
+            # numbers.Real: int, float, bool and numpy's scalars (np.float32 is no Python float)
+            if not isinstance(s, numbers.Real) or not math.isfinite(float(s)):
                 raise ValueError(f"Reward function {self.name} returned {s!r} for the prompt {p!r} {where}; "
                                  f"rewards must be finite numbers.")
         return [float(s) for s in scores]

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from .config import Config, to_dict
+from .config import Config, to_dict, validate
 from .control import Run, StepResult, overlapped_step, sequential_step
 from .control.metrics import step_metrics
 from .setup import Roles, build_roles
@@ -27,6 +27,8 @@ class Trainer:
     """``Trainer(cfg)`` builds every role; ``run_step()`` trains one step and returns its metrics."""
 
     def __init__(self, cfg: Config, progress: bool = True):
+        # a Config built or changed in code is checked as the CLI's is, before any model loads
+        validate(cfg)
         self.cfg = cfg
         torch.set_num_threads(cfg.run.threads or torch.get_num_threads())
         _seed_everything(cfg.run.seed)
