@@ -173,7 +173,7 @@ def load_checkpoint(trainer, ckpt: Path) -> None:
     """Restore a Trainer built from the same config to the state saved in ``ckpt``."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from .models import is_peft
+    from .models import is_peft, load_weights
 
     ckpt = Path(ckpt)
     if not (ckpt / "state.json").is_file():
@@ -189,7 +189,7 @@ def load_checkpoint(trainer, ckpt: Path) -> None:
             set_peft_model_state_dict(model, load_peft_weights(str(ckpt / sub), device=device))
             continue
         saved = classes[sub].from_pretrained(ckpt / sub, dtype=next(model.parameters()).dtype)
-        model.load_state_dict(saved.state_dict())
+        load_weights(model, saved.state_dict(), ckpt / sub)  # a model of another shape: one clear line
     optim = torch.load(ckpt / "optim.pt", weights_only=False)
     if "sharded" in optim:  # a sharded learner's (DCP): every learner reads it from here, whole or resharded
         optim = {"sharded": str(ckpt / optim["sharded"])}
