@@ -128,8 +128,8 @@ def test_kill_9_of_oppo_train_leaves_nothing_behind(tiny_models, tiny_prompts, t
 
 @pytest.mark.slow
 def test_sigterm_of_oppo_train_stops_cleanly(tiny_models, tiny_prompts, tmp_path):
-    """`kill` (SIGTERM) ends a run like Ctrl-C: the trace so far is saved, children exit, the
-    message says how to resume."""
+    """`kill` (SIGTERM) ends a run like Ctrl-C: the step finishes, a checkpoint and the trace so far
+    are saved, children exit, the message says how to resume (exit 143)."""
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "oppo.cli", "train", f"policy.path={tiny_models['policy']}",
            f"reward.path={tiny_models['reward']}", f"data.prompts={tiny_prompts}", "overlap.mode=intra",
@@ -143,8 +143,9 @@ def test_sigterm_of_oppo_train_stops_cleanly(tiny_models, tiny_prompts, tmp_path
         kids = children(train.pid)
         train.send_signal(signal.SIGTERM)
         _, err = train.communicate(timeout=120)
-        assert train.returncode == 130, err[-2000:]
-        assert "--resume auto" in err and "Traceback" not in err
+        assert train.returncode == 143, err[-2000:]
+        assert f"--resume {out}" in err and "Traceback" not in err
+        assert (out / "checkpoints").is_dir()
         assert (out / "trace.json").is_file()
         wait_until(lambda: not any(alive(k) for k in kids), what=f"children {kids} to exit")
     finally:

@@ -49,6 +49,7 @@ reproducible in any case (how far decoding gets during an update depends on timi
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -62,6 +63,7 @@ from .sharded_checkpoint import SHARDED_DIR, ShardedLearnerState
 CKPT_DIR = "checkpoints"
 CONFIG_FILE = "config.yaml"
 IN_FLIGHT_FILE = "in_flight.json"
+MANIFEST_FILE = "manifest.json"
 
 # Settings that may differ between a checkpoint and the run resuming it: how long to run, where
 # and how often to write, what to print, and where the work runs (placement changes neither the
@@ -130,6 +132,87 @@ def settings_mismatches(saved: dict, now: dict) -> list[tuple[str, object, objec
     return out
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint that could not be written or read; the message names it (and, for a failed
+    save, the disk and its free space)."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _manifest(ckpt: Path) -> dict:
+    """{relative path: {"size", "sha256"}} of every file in ``ckpt`` (but the manifest and state.json)."""
+    return {str(p.relative_to(ckpt)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+            for p in sorted(ckpt.rglob("*")) if p.is_file() and p.name not in (MANIFEST_FILE, "state.json")}
+
+
+def verify_checkpoint(ckpt: Path) -> str | None:
+    """What is wrong with ``ckpt``'s files against its manifest (a truncated, missing or changed
+    file), or None. A checkpoint written before manifests existed is not checked."""
+    ckpt = Path(ckpt)
+    path = ckpt / MANIFEST_FILE
+    if not path.is_file():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        return f"its {MANIFEST_FILE} is unreadable ({e})"
+    for name, want in manifest.items():
+        p = ckpt / name
+        if not p.is_file():
+            return f"{name} is missing"
+        size = p.stat().st_size
+        if size != want["size"]:
+            return f"{name} is {size} bytes, {want['size']} when saved (truncated or changed)"
+        if _sha256(p) != want["sha256"]:
+            return f"{name} differs from what was saved (sha256 mismatch)"
+    return None
+
+
+def _save_failed(root: Path, final: Path, e: Exception) -> str:
+    try:
+        usage = shutil.disk_usage(root)
+        disk = f"{_mb(usage.free)} free of {_mb(usage.total)}"
+    except OSError:
+        disk = "free space unknown"
+    previous = latest_checkpoint(root.parent)
+    kept = (f"the previous checkpoint, {previous}, is intact" if previous is not None
+            else "there is no earlier checkpoint")
+    why = (e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0] if str(e) else type(e).__name__)
+    then = (f"resume with: oppo train --resume {root.parent} (and the same settings)" if previous is not None
+            else "start the run again")
+    return (f"could not write checkpoint {final}: {why} (the disk of {root}: {disk}). The partial "
+            f"checkpoint was removed; {kept}. Free space on that disk (or set run.keep_checkpoints lower, or "
+            f"run.out_dir to another disk), then {then}.")
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**30:.1f} GB" if n >= 2**30 else f"{n / 2**20:.1f} MB"
+
+
+def _write(trainer, state: dict, tmp: Path) -> None:
+    tmp.mkdir()
+    for name, model in trainer.models().items():  # critic-free algorithms have no critic
+        model.save_pretrained(tmp / name)
+    state["tokenizer"].save_pretrained(tmp / "policy")
+    optim = state["optim"]
+    if isinstance(optim, ShardedLearnerState):  # a sharded learner: every rank writes its shards (DCP)
+        optim = optim.save(tmp / SHARDED_DIR)
+    torch.save(optim, tmp / "optim.pt")
+    torch.save(state["rng"], tmp / "rng.pt")
+    if state.get("in_flight"):  # the sequences in flight, with their partial responses (module docstring)
+        (tmp / IN_FLIGHT_FILE).write_text(json.dumps(state["in_flight"]))
+    (tmp / CONFIG_FILE).write_text(yaml.safe_dump(state["config"], sort_keys=False))
+    # sizes and hashes, checked on resume (verify_checkpoint): a truncated file is found before it is loaded
+    (tmp / MANIFEST_FILE).write_text(json.dumps(_manifest(tmp), indent=1))
+    (tmp / "state.json").write_text(json.dumps(state["state"], indent=1))  # written last: marks the checkpoint complete
+
+
 def save_checkpoint(trainer, run_dir: Path, keep: int = 2) -> Path:
     """Write ``trainer``'s state (``Trainer.models`` and ``Trainer.state_dict``) as
     ``checkpoints/step_N/``, atomically: a temporary directory renamed into place, ``state.json``
@@ -144,19 +227,13 @@ def save_checkpoint(trainer, run_dir: Path, keep: int = 2) -> Path:
     final = root / f"step_{step:06d}"
     tmp = root / f".tmp-step_{step:06d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    for name, model in trainer.models().items():  # critic-free algorithms have no critic
-        model.save_pretrained(tmp / name)
-    state["tokenizer"].save_pretrained(tmp / "policy")
-    optim = state["optim"]
-    if isinstance(optim, ShardedLearnerState):  # a sharded learner: every rank writes its shards (DCP)
-        optim = optim.save(tmp / SHARDED_DIR)
-    torch.save(optim, tmp / "optim.pt")
-    torch.save(state["rng"], tmp / "rng.pt")
-    if state.get("in_flight"):  # the sequences in flight, with their partial responses (module docstring)
-        (tmp / IN_FLIGHT_FILE).write_text(json.dumps(state["in_flight"]))
-    (tmp / CONFIG_FILE).write_text(yaml.safe_dump(state["config"], sort_keys=False))
-    (tmp / "state.json").write_text(json.dumps(state["state"], indent=1))  # written last: marks the checkpoint complete
+    try:
+        _write(trainer, state, tmp)
+    except BaseException as e:  # a full disk, or a second signal mid-save: no half-written checkpoint stays
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, Exception):  # (safetensors reports a full disk as its own error, not OSError)
+            raise CheckpointError(_save_failed(root, final, e)) from e
+        raise
     if final.exists():
         old = root / f".old-{final.name}-{os.getpid()}"
         os.replace(final, old)
@@ -170,15 +247,24 @@ def save_checkpoint(trainer, run_dir: Path, keep: int = 2) -> Path:
 
 
 def load_checkpoint(trainer, ckpt: Path) -> None:
-    """Restore a Trainer built from the same config to the state saved in ``ckpt``."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    from .models import is_peft, load_weights
-
+    """Restore a Trainer built from the same config to the state saved in ``ckpt``; any failure is
+    a :class:`CheckpointError` naming ``ckpt``."""
     ckpt = Path(ckpt)
     if not (ckpt / "state.json").is_file():
         raise FileNotFoundError(f"{ckpt} is not a complete checkpoint (no state.json). Give a step_* directory "
                                 f"under {CKPT_DIR}/, or --resume auto.")
+    try:
+        _load(trainer, ckpt)
+    except Exception as e:  # a damaged file (an old checkpoint has no manifest to find it before this)
+        raise CheckpointError(f"could not load checkpoint {ckpt}: {type(e).__name__}: {str(e).strip()[:500]}. "
+                              f"Resume from an earlier checkpoint beside it ({ckpt.parent}) if there is one.") from e
+
+
+def _load(trainer, ckpt: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from .models import is_peft, load_weights
+
     state = json.loads((ckpt / "state.json").read_text())
     classes = {"policy": AutoModelForCausalLM, "critic": AutoModelForSequenceClassification}
     for sub, model in trainer.models().items():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .checkpoint import CheckpointError
 from .config import ConfigError, help_text, load_config
 
 
@@ -91,9 +92,12 @@ def usage() -> str:
 
 
 def _terminate_like_ctrl_c() -> None:
-    """SIGTERM (``kill``, a job scheduler) ends the command as Ctrl-C does: ``finally`` blocks run,
-    so the trace of the steps so far is saved, the scorer worker stops and a half-built cache is
-    removed. (SIGKILL runs nothing; the worker's child exits on its own, see workers.py.)"""
+    """SIGTERM (``kill``, a job scheduler) and Ctrl-C (SIGINT): during training, the step in
+    progress finishes, a checkpoint is written and the command exits 143 / 130
+    (``run.STOP``, ``run.Preempted``); elsewhere, or on a second signal, it is interrupted at
+    once: ``finally`` blocks run, so the trace of the steps so far is saved, the scorer worker stops
+    and a half-built cache or checkpoint is removed. (SIGKILL runs nothing; the worker's child exits
+    on its own, see workers.py.)"""
     import signal
     import threading
 
@@ -101,9 +105,41 @@ def _terminate_like_ctrl_c() -> None:
         return
 
     def handler(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
+        from .run import STOP
+
+        if STOP.request(signum):
+            print(f"\noppo: {signal.Signals(signum).name}: finishing this step, then writing a checkpoint "
+                  f"(a second signal stops at once, without one)", file=sys.stderr)
+            return
+        raise KeyboardInterrupt(signum)
 
     signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def _interrupted(e: KeyboardInterrupt, command: str) -> int:
+    """The message and exit status (128 + the signal) of an interrupted command: what was saved."""
+    import signal
+
+    from .run import STOP, Preempted
+
+    signum = e.args[0] if e.args and isinstance(e.args[0], int) else signal.SIGINT
+    if isinstance(e, Preempted):
+        print(f"\noppo: {e}", file=sys.stderr)
+        return 128 + e.signum
+    said = "oppo: interrupted"
+    if command == "train" and STOP.run_dir is not None:
+        from .checkpoint import checkpoint_step, latest_checkpoint
+
+        ckpt = latest_checkpoint(STOP.run_dir)
+        said += (f"; no checkpoint was written by this stop. The run's last checkpoint is {ckpt} (step "
+                 f"{checkpoint_step(ckpt)}); continue with: oppo train --resume {STOP.run_dir} (and the same "
+                 f"settings)." if ckpt is not None else
+                 f"; no checkpoint was written, and {STOP.run_dir} holds none: a rerun starts from step 0.")
+    elif command == "train":
+        said += " before training began; nothing was trained or saved."
+    print(f"\n{said}", file=sys.stderr)
+    return 128 + signum
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,13 +157,14 @@ def main(argv: list[str] | None = None) -> int:
 
         hf_logging.disable_progress_bar()
         return COMMANDS[argv[0]](argv[1:]) or 0
-    except KeyboardInterrupt:
-        print("\noppo: interrupted. A run continues from its last checkpoint with: oppo train --resume auto "
-              "(and the same settings).", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        return _interrupted(e, argv[0])
     except ConfigError as e:
         print(f"oppo: config error: {e}", file=sys.stderr)
         return 2
+    except CheckpointError as e:
+        print(f"oppo: checkpoint error: {e}", file=sys.stderr)
+        return 1
     except (ValueError, FileNotFoundError) as e:
         print(f"oppo: error: {e}", file=sys.stderr)
         return 2

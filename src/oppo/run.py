@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -30,8 +31,8 @@ from pathlib import Path
 
 import yaml
 
-from .checkpoint import (CKPT_DIR, checkpoint_settings, checkpoint_step, latest_checkpoint, load_checkpoint,
-                         save_checkpoint, settings_mismatches)
+from .checkpoint import (CKPT_DIR, checkpoint_dirs, checkpoint_settings, checkpoint_step, latest_checkpoint,
+                         load_checkpoint, save_checkpoint, settings_mismatches, verify_checkpoint)
 from .config import Config, to_dict
 from .metrics import METRICS_FILE, MetricsLogger, ProgressBar, read_metrics
 from .preflight import PreflightError, input_problems
@@ -39,6 +40,45 @@ from .preflight import PreflightError, input_problems
 LINK_NAME = "latest"
 RUN_FILES = ("config.yaml", METRICS_FILE, "trace.json", "lengths.jsonl", CKPT_DIR)
 LOCK_FILE = ".oppo.lock"  # held (flock) by the process writing the run; the kernel drops it when that dies
+
+
+class Preempted(KeyboardInterrupt):
+    """The run stopped on SIGTERM/SIGINT at a step boundary, its checkpoint written (str: what was
+    saved and the command that continues it). ``oppo train`` exits 128 + ``signum``."""
+
+    def __init__(self, signum: int, run_dir: Path, checkpoint: Path, steps: int):
+        self.signum, self.run_dir, self.checkpoint = signum, run_dir, checkpoint
+        state = json.loads((checkpoint / "state.json").read_text())
+        held = state.get("in_flight") or {}
+        carried = (f", with the {held['count']} sequences in flight {held['how']}" if held.get("count") else "")
+        super().__init__(f"stopped by {signal.Signals(signum).name} after step {state['step']} of {steps}: "
+                         f"checkpoint {checkpoint} holds every step trained{carried}. Continue with: "
+                         f"oppo train --resume {run_dir} (and the same settings).")
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+@dataclass
+class StopRequest:
+    """A stop asked for by a signal (``oppo train`` sets it from its SIGTERM/SIGINT handler,
+    cli.py): the training loop finishes the step it is in, writes a checkpoint and raises
+    :class:`Preempted`. A signal outside the loop, or a second one, interrupts at once
+    (KeyboardInterrupt); saves are atomic, so that corrupts no checkpoint."""
+
+    signum: int | None = None
+    active: bool = False  # a training loop is running and will look at ``signum`` after its step
+    run_dir: Path | None = None  # the run being trained (kept after the loop: the CLI's message names it)
+
+    def request(self, signum: int) -> bool:
+        """True: the loop will stop after its current step; False: interrupt now."""
+        if not self.active or self.signum is not None:
+            return False
+        self.signum = signum
+        return True
+
+
+STOP = StopRequest()  # process-wide, as signal handlers are
 
 
 def _take_lock(run_dir: Path, mark: bool = True):
@@ -142,6 +182,23 @@ def _resume_problems(cfg: Config, ckpt: Path, arg: str) -> tuple[list[str], int]
     return problems, step
 
 
+def _verified(ckpt: Path, arg: str) -> tuple[Path | None, list[str]]:
+    """``ckpt`` if its files match its manifest; else, for ``--resume auto`` or a run directory, the
+    newest earlier checkpoint that does (with a warning naming both); else a problem naming it."""
+    bad = verify_checkpoint(ckpt)
+    if bad is None:
+        return ckpt, []
+    picked = Path(arg).expanduser() if arg != "auto" else None
+    if picked is None or not (picked / "state.json").is_file():  # auto or a run directory: fall back
+        for earlier in reversed(checkpoint_dirs(ckpt.parent.parent)):
+            if checkpoint_step(earlier) < checkpoint_step(ckpt) and verify_checkpoint(earlier) is None:
+                print(f"oppo: warning: the newest checkpoint {ckpt} is damaged ({bad}); resuming from the previous "
+                      f"one, {earlier}, instead (the steps after it are trained again).", file=sys.stderr)
+                return earlier, []
+    return None, [f"--resume {arg}: checkpoint {ckpt} is damaged ({bad}) and no earlier intact checkpoint is beside "
+                  f"it in {ckpt.parent}; start the run again (a fresh run.out_dir)."]
+
+
 def plan_run(cfg: Config, resume: str | None = None) -> RunPlan:
     """Decide the run directory and the checkpoint, and run every check that needs no model.
 
@@ -189,6 +246,9 @@ def plan_run(cfg: Config, resume: str | None = None) -> RunPlan:
                 problems.append(f"--resume {resume}: run.out_dir={cfg.run.out_dir} holds another run "
                                 f"({_describe_run(run_dir)}); continue the checkpoint's run in its own directory "
                                 f"(run.out_dir={own}) or give an empty run.out_dir.")
+    if ckpt is not None:
+        ckpt, found = _verified(ckpt, resume)
+        problems += found
     if ckpt is not None:
         found, step = _resume_problems(cfg, ckpt, resume)
         problems += found
@@ -312,6 +372,7 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True) -> Path
         _keep_lines_before(lengths_path, first)
         earlier = _earlier_spans(run_dir / "trace.json", first) if cfg.log.trace else []
         bar = ProgressBar(cfg.run.steps, initial=first, enabled=cfg.log.progress)
+        STOP.signum, STOP.active, STOP.run_dir = None, True, run_dir
         try:
             with open(lengths_path, "a" if ckpt else "w") as lengths:
                 while trainer.step < cfg.run.steps:
@@ -333,12 +394,20 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True) -> Path
                                   + "\n")
                     lengths.flush()
                     bar.update(step, metrics)
+                    if STOP.signum is not None:  # preempted: the step is whole; save below
+                        break
                     if cfg.run.save_every and trainer.step % cfg.run.save_every == 0 and trainer.step < cfg.run.steps:
                         save_checkpoint(trainer, run_dir, cfg.run.keep_checkpoints)
         finally:
+            STOP.active = False
             bar.close()
             if cfg.log.trace:  # also when interrupted: the trace of the steps run so far
                 trainer.tracer.save(run_dir / "trace.json", previous=earlier)
+        if STOP.signum is not None and trainer.step < cfg.run.steps:
+            # with the sequences in flight (trainer.state_dict), as every checkpoint
+            saved = save_checkpoint(trainer, run_dir, cfg.run.keep_checkpoints)
+            logger.close()
+            raise Preempted(STOP.signum, run_dir, saved, cfg.run.steps)
         if trainer.step > first:
             res = trainer.last_result
             _print_samples(f"samples at step {trainer.step - 1}:", res.texts, res.exp.scores.tolist(), cfg.run.samples)

@@ -1,0 +1,139 @@
+"""No lost work: a stopped run saves, a failed save cleans up, a damaged checkpoint is skipped.
+
+- SIGTERM: ``oppo train`` finishes its step, writes a checkpoint (with the sequences in flight)
+  and exits 143 with the resume command; ``--resume auto`` continues, no step logged twice;
+- a save that fails (a full disk, simulated) removes its temporary directory and says which
+  disk and how much space is left, in one paragraph;
+- a truncated newest checkpoint (caught by its manifest) is skipped for the previous one, with a
+  warning naming both; a load error names the checkpoint; one without a manifest still loads.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from oppo.checkpoint import MANIFEST_FILE, CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from oppo.config import load_config
+from oppo.preflight import PreflightError
+from oppo.run import plan_run
+from oppo.trainer import Trainer
+
+from test_kill_resume import _env, _lines, _settings
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_143_then_resumes(tiny_models, tiny_prompts, tmp_path):
+    out = tmp_path / "run"
+    base = [sys.executable, "-m", "oppo.cli", "train",
+            *[s for s in _settings(tiny_models, tiny_prompts, out) if not s.startswith("run.steps=")]]
+    proc = subprocess.Popen([*base, "run.steps=100000"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env=_env())
+    try:
+        deadline = time.monotonic() + 120
+        while not _lines(out / "lengths.jsonl") and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proc.poll() is None, f"oppo train ended early: {proc.stderr.read()[-2000:]}"
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+        print(f"SIGTERM to exit: {time.monotonic() - t0:.2f} s")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 143, err[-3000:]
+    assert "Traceback" not in err
+    ckpt = latest_checkpoint(out)
+    assert ckpt is not None, "no checkpoint written on SIGTERM"
+    state = json.loads((ckpt / "state.json").read_text())
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"oppo: stopped by SIGTERM after step {state['step']} of 100000: checkpoint {ckpt}")
+    assert f"oppo train --resume {out}" in last
+    assert state["in_flight"]["how"] == "saved"
+    assert [r["step"] for r in _lines(out / "lengths.jsonl")] == list(range(state["step"]))
+
+    steps = state["step"] + 1
+    done = subprocess.run([*base, f"run.steps={steps}", "--resume", "auto"], capture_output=True, text=True,
+                          env=_env(), timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = _lines(out / "lengths.jsonl")
+    assert [r["step"] for r in rows] == list(range(steps)), "every step logged once"
+    trained = [p for r in rows for p in r["prompt_index"]]
+    assert len(trained) == len(set(trained)), "no prompt trained twice"
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tiny_models, tiny_prompts, tmp_path_factory):
+    """A run directory with checkpoints at steps 0 and 1 (the state of step 0 saved twice: enough
+    for what is checked here), and its config."""
+    out = tmp_path_factory.mktemp("ckpts") / "run"
+    cfg = load_config(None, _settings(tiny_models, tiny_prompts, out, steps=4))
+    trainer = Trainer(cfg, progress=False)
+    try:
+        save_checkpoint(trainer, out)
+        trainer.step = 1
+        save_checkpoint(trainer, out)
+    finally:
+        trainer.close()
+    return cfg, out
+
+
+def test_failed_save_removes_its_temporary_directory_and_names_the_disk(tiny_models, tiny_prompts, tmp_path,
+                                                                       monkeypatch, capsys):
+    import oppo.checkpoint
+    from oppo.cli import main
+
+    def full(obj, f, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(oppo.checkpoint.torch, "save", full)
+    out = tmp_path / "run"
+    settings = [s for s in _settings(tiny_models, tiny_prompts, out, mode="sequential") if "run.steps" not in s]
+    assert main(["train", *settings, "run.steps=1"]) == 1
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"oppo: checkpoint error: could not write checkpoint {out / 'checkpoints' / 'step_000001'}: "
+                           f"No space left on device (the disk of {out / 'checkpoints'}: ")
+    assert " free of " in last and "The partial checkpoint was removed" in last
+    assert "Traceback" not in err
+    assert not list((out / "checkpoints").glob(".tmp-step_*")), "the temporary directory stays"
+
+
+def test_truncated_newest_checkpoint_falls_back_to_the_previous(two_checkpoints, tmp_path, capsys):
+    import shutil
+
+    cfg, src = two_checkpoints
+    out = tmp_path / "run"
+    shutil.copytree(src, out)
+    cfg.run.out_dir = str(out)
+    newest, previous = out / "checkpoints" / "step_000001", out / "checkpoints" / "step_000000"
+    weights = newest / "policy" / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+
+    plan = plan_run(cfg, "auto")
+    assert plan.checkpoint == previous
+    err = capsys.readouterr().err
+    assert f"the newest checkpoint {newest} is damaged (policy/model.safetensors is {len(data) // 2} bytes" in err
+    assert f"resuming from the previous one, {previous}" in err
+
+    with pytest.raises(PreflightError, match="step_000001 is damaged"):  # that checkpoint, named: no fallback
+        plan_run(cfg, str(newest))
+
+    trainer = Trainer(cfg, progress=False)
+    try:
+        with pytest.raises(CheckpointError, match=f"could not load checkpoint {newest}"):
+            load_checkpoint(trainer, newest)
+        (previous / MANIFEST_FILE).unlink()  # a checkpoint from before manifests: loads unchecked
+        shutil.rmtree(newest)
+        assert plan_run(cfg, "auto").checkpoint == previous
+        load_checkpoint(trainer, previous)
+        assert trainer.step == 0
+    finally:
+        trainer.close()
