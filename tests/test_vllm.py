@@ -429,6 +429,24 @@ def test_lora_on_a_head_the_engine_keeps_tied_is_refused(engine, vmodels, monkey
     engine.load_weights(hf_policy(vmodels["policy"]), 1)  # (no LoRA: the tied head is sent once, as before)
 
 
+def test_too_small_kv_budget_names_the_setting(vmodels_unpadded, monkeypatch):
+    """vLLM's refusal of a too small KV cache names its gpu_memory_utilization; oppo sets the KV
+    room from generation.kv_budget_mb, and says so. (vLLM's message, as measured with
+    kv_budget_mb=0.01, stands in for the start-up: no engine is started.)"""
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    from oppo.roles.vllm_rollout import VLLMRolloutBackend, VLLMUnavailable
+
+    def refuse(*a, **k):
+        raise ValueError("No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when "
+                         "initializing the engine (this flag also controls CPU memory reservation on the CPU "
+                         "backend, despite its name).")
+
+    monkeypatch.setattr(LLMEngine, "from_engine_args", refuse)
+    with pytest.raises(VLLMUnavailable, match=r"0\.01 MiB \(generation\.kv_budget_mb\).*Raise generation\.kv_budget_mb"):
+        VLLMRolloutBackend(str(vmodels_unpadded["policy"]), (1,), 0, MAX_NEW, kv_cache_mb=0.01, device="cpu")
+
+
 def test_partial_requests_are_handed_out_and_taken_back(engine, vmodels):
     """A checkpoint's path: the requests in flight as they stand, aborted, then re-added with
     their partial responses after the prompt: they decode on, earlier tokens kept, new ones

@@ -426,6 +426,15 @@ class VLLMRolloutBackend:
                 self.llm = LLMEngine.from_engine_args(args)
             except Exception as e:
                 self.close()
+                if isinstance(e, ValueError) and "gpu_memory_utilization" in str(e):
+                    # vLLM's advice names its own knob; oppo sets the KV room in bytes from ours
+                    one = self._default_kv_mb(config, dtype, max_model_len, 1)
+                    raise VLLMUnavailable(
+                        f"the vLLM engine's KV cache budget, {kv_bytes / 2**20:.3g} MiB (generation.kv_budget_mb"
+                        f"{'' if kv_cache_mb else ': 0, oppo default'}), is too small for {model_path} with "
+                        f"max_model_len {max_model_len}: vLLM says {str(e).split('. ')[0]}. Raise "
+                        f"generation.kv_budget_mb ({one:.0f} MiB fits one sequence of full length), "
+                        f"or set it to 0 for oppo's default.") from None
                 raise VLLMEngineDied(f"the vLLM engine of role {role!r} could not start for {model_path}: "
                                      f"{type(e).__name__}: {e}") from e
         torch.set_num_threads(own_threads)  # vLLM sets this process's to 1 "for serving"
