@@ -49,6 +49,7 @@ reproducible in any case (how far decoding gets during an update depends on timi
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -174,16 +175,25 @@ def verify_checkpoint(ckpt: Path) -> str | None:
     return None
 
 
-def _save_failed(root: Path, final: Path, e: Exception) -> str:
+def _save_failed(root: Path, final: Path, tmp: Path, e: Exception) -> str:
+    """Remove ``tmp``, the failed save's directory; the message: what failed, the disk, its space."""
+    written = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file()) if tmp.is_dir() else 0
+    try:
+        full = shutil.disk_usage(root).free < (1 << 20)
+    except OSError:
+        full = False
+    shutil.rmtree(tmp, ignore_errors=True)
     try:
         usage = shutil.disk_usage(root)
-        disk = f"{_mb(usage.free)} free of {_mb(usage.total)}"
+        disk = f"{_mb(usage.free)} free of {_mb(usage.total)} once the partial checkpoint ({_mb(written)}) is removed"
     except OSError:
         disk = "free space unknown"
     previous = latest_checkpoint(root.parent)
     kept = (f"the previous checkpoint, {previous}, is intact" if previous is not None
             else "there is no earlier checkpoint")
     why = (e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0] if str(e) else type(e).__name__)
+    if (full or getattr(e, "errno", None) == errno.ENOSPC) and "space" not in why.lower():
+        why = f"the disk is full ({why})"
     then = (f"resume with: oppo train --resume {root.parent} (and the same settings)" if previous is not None
             else "start the run again")
     return (f"could not write checkpoint {final}: {why} (the disk of {root}: {disk}). The partial "
@@ -230,10 +240,11 @@ def save_checkpoint(trainer, run_dir: Path, keep: int = 2) -> Path:
     try:
         _write(trainer, state, tmp)
     except BaseException as e:  # a full disk, or a second signal mid-save: no half-written checkpoint stays
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, Exception):  # (safetensors reports a full disk as its own error, not OSError)
-            raise CheckpointError(_save_failed(root, final, e)) from e
-        raise
+        if not isinstance(e, Exception):
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        # (torch.save and safetensors report a full disk as their own errors, not always as OSError)
+        raise CheckpointError(_save_failed(root, final, tmp, e)) from e
     if final.exists():
         old = root / f".old-{final.name}-{os.getpid()}"
         os.replace(final, old)
