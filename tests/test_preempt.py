@@ -53,7 +53,8 @@ def test_sigterm_saves_a_checkpoint_and_exits_143_then_resumes(tiny_models, tiny
     assert ckpt is not None, "no checkpoint written on SIGTERM"
     state = json.loads((ckpt / "state.json").read_text())
     last = err.strip().splitlines()[-1]
-    assert last.startswith(f"oppo: stopped by SIGTERM after step {state['step']} of 100000: checkpoint {ckpt}")
+    assert last.startswith(f"oppo: stopped by SIGTERM after {state['step']} of 100000 steps: checkpoint {ckpt} "
+                           f"holds them")
     assert f"oppo train --resume {out}" in last
     assert state["in_flight"]["how"] == "saved"
     assert [r["step"] for r in _lines(out / "lengths.jsonl")] == list(range(state["step"]))

@@ -135,7 +135,8 @@ def _interrupted(e: KeyboardInterrupt, command: str) -> int:
         said += (f"; no checkpoint was written by this stop. The run's last checkpoint is {ckpt} (step "
                  f"{checkpoint_step(ckpt)}); continue with: oppo train --resume {STOP.run_dir} (and the same "
                  f"settings)." if ckpt is not None else
-                 f"; no checkpoint was written, and {STOP.run_dir} holds none: a rerun starts from step 0.")
+                 f"; no checkpoint was written, and {STOP.run_dir} holds none: start the run again without "
+                 f"--resume, in a fresh run.out_dir (or delete {STOP.run_dir} first).")
     elif command == "train":
         said += " before training began; nothing was trained or saved."
     print(f"\n{said}", file=sys.stderr)

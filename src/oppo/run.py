@@ -51,8 +51,8 @@ class Preempted(KeyboardInterrupt):
         state = json.loads((checkpoint / "state.json").read_text())
         held = state.get("in_flight") or {}
         carried = (f", with the {held['count']} sequences in flight {held['how']}" if held.get("count") else "")
-        super().__init__(f"stopped by {signal.Signals(signum).name} after step {state['step']} of {steps}: "
-                         f"checkpoint {checkpoint} holds every step trained{carried}. Continue with: "
+        super().__init__(f"stopped by {signal.Signals(signum).name} after {state['step']} of {steps} steps: "
+                         f"checkpoint {checkpoint} holds them{carried}. Continue with: "
                          f"oppo train --resume {run_dir} (and the same settings).")
 
     def __str__(self) -> str:
