@@ -138,3 +138,16 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous(two_checkpoints,
         assert trainer.step == 0
     finally:
         trainer.close()
+
+
+def test_save_every_minutes_checkpoints_by_time(tiny_models, tiny_prompts, tmp_path):
+    """The default cadence is by time (run.save_every_minutes=30: never due in a test's seconds);
+    a tiny one saves after every step."""
+    from oppo.config import Config
+    from oppo.run import train
+
+    assert Config().run.save_every_minutes == 30 and Config().run.save_every == 0
+    out = tmp_path / "run"
+    settings = [s for s in _settings(tiny_models, tiny_prompts, out, mode="sequential", steps=3)]
+    train(load_config(None, settings + ["run.save_every_minutes=1e-6", "run.keep_checkpoints=10"]), progress=False)
+    assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == [f"step_00000{i}" for i in (1, 2, 3)]

@@ -71,7 +71,7 @@ MANIFEST_FILE = "manifest.json"
 # math nor the saved state). Every other setting changes what is trained or the shape of the saved
 # state, so a resume with another value would not continue the same run.
 RESUMABLE_CHANGES = frozenset({
-    "run.steps", "run.out_dir", "run.save_every", "run.keep_checkpoints", "run.samples", "run.threads",
+    "run.steps", "run.out_dir", "run.save_every", "run.save_every_minutes", "run.keep_checkpoints", "run.samples", "run.threads",
     "policy.device", "reference.device", "critic.device", "reward.device",
     "reward.retries", "reward.retry_backoff_s",  # (a run stopped by a flaky remote scorer resumes with retries)
     "overlap.scorer_process", "overlap.actor_threads", "overlap.scorer_threads",

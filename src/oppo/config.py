@@ -336,6 +336,8 @@ class RunConfig:
                                       "the link points to the newest. Any other directory is the run directory "
                                       "itself; a new run refuses one that already holds a run.")
     save_every: int = opt(0, "Checkpoint every N steps (0: only at the end).")
+    save_every_minutes: float = opt(30.0, "Also checkpoint once this many minutes have passed since the last one "
+                                          "(0: off); SIGTERM and Ctrl-C checkpoint too, so a crash loses at most this.")
     keep_checkpoints: int = opt(2, "Most recent checkpoints kept (older ones are deleted).")
     threads: int = opt(0, "torch CPU threads for sequential work (0: all cores).")
     samples: int = opt(3, "Sample responses printed at the start and at the end.")
@@ -707,6 +709,7 @@ def validate(cfg: Config) -> None:
         _check(cfg.lora.r == 0, "placement.rollout_workers does not carry LoRA adapters yet; set lora.r=0 or "
                                 "placement.rollout_workers=0.")
     _check(cfg.run.save_every >= 0, "run.save_every must be >= 0.")
+    _check(cfg.run.save_every_minutes >= 0, "run.save_every_minutes must be >= 0.")
     _check(cfg.run.keep_checkpoints >= 1, "run.keep_checkpoints must be >= 1.")
     _check(not (cfg.reward.path and cfg.reward.function),
            "Give either reward.path (a reward model) or reward.function (a Python function), not both.")

@@ -373,6 +373,7 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True) -> Path
         earlier = _earlier_spans(run_dir / "trace.json", first) if cfg.log.trace else []
         bar = ProgressBar(cfg.run.steps, initial=first, enabled=cfg.log.progress)
         STOP.signum, STOP.active, STOP.run_dir = None, True, run_dir
+        saved_at = time.monotonic()  # run.save_every_minutes counts from the start (or the resume)
         try:
             with open(lengths_path, "a" if ckpt else "w") as lengths:
                 while trainer.step < cfg.run.steps:
@@ -396,8 +397,11 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True) -> Path
                     bar.update(step, metrics)
                     if STOP.signum is not None:  # preempted: the step is whole; save below
                         break
-                    if cfg.run.save_every and trainer.step % cfg.run.save_every == 0 and trainer.step < cfg.run.steps:
+                    due = (cfg.run.save_every and trainer.step % cfg.run.save_every == 0
+                           or cfg.run.save_every_minutes and time.monotonic() - saved_at >= 60 * cfg.run.save_every_minutes)
+                    if due and trainer.step < cfg.run.steps:
                         save_checkpoint(trainer, run_dir, cfg.run.keep_checkpoints)
+                        saved_at = time.monotonic()
         finally:
             STOP.active = False
             bar.close()
