@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -32,15 +33,17 @@ def test_sigterm_saves_a_checkpoint_and_exits_143_then_resumes(tiny_models, tiny
     out = tmp_path / "run"
     base = [sys.executable, "-m", "oppo.cli", "train",
             *[s for s in _settings(tiny_models, tiny_prompts, out) if not s.startswith("run.steps=")]]
-    proc = subprocess.Popen([*base, "run.steps=100000"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, env=_env())
+    # the scorers in a child process, and the signal to the whole process group (as Ctrl-C in a
+    # terminal, or a scheduler, sends it): the child must not die before the controller's checkpoint
+    proc = subprocess.Popen([*base, "run.steps=100000", "overlap.scorer_process=true"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env=_env(), start_new_session=True)
     try:
         deadline = time.monotonic() + 120
         while not _lines(out / "lengths.jsonl") and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert proc.poll() is None, f"oppo train ended early: {proc.stderr.read()[-2000:]}"
         t0 = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
+        os.killpg(proc.pid, signal.SIGTERM)
         _, err = proc.communicate(timeout=120)
         print(f"SIGTERM to exit: {time.monotonic() - t0:.2f} s")
     finally:

@@ -442,6 +442,12 @@ def _die_with_parent(parent_pid: int, parent_is_main_thread: bool) -> None:
 
 
 def _child_main(spec, threads, name, q, out, opt_spec, boost, parent=None) -> None:
+    import signal
+
+    # Ctrl-C (and a scheduler's SIGTERM) reach the whole process group: the controller finishes its
+    # step and checkpoints (run.STOP), then stops this process; it dies with the controller anyway
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if parent is not None:
         _die_with_parent(*parent)
     try:
