@@ -10,7 +10,11 @@ as ``torch.distributed.checkpoint`` shards in ``learner/`` instead of ``optim.pt
 (``sharded_checkpoint.py``: loadable on any number of ranks, and locally). It is written into a
 temporary directory beside the target and renamed into place, so an
 interrupted save leaves the previous checkpoint intact and never a half-written one that looks
-valid.
+valid; a save that fails (a full disk) removes its temporary directory and raises
+:class:`CheckpointError` naming the checkpoint, the disk and its free space. ``manifest.json``
+holds every file's size and sha256: a resume checks the newest checkpoint against it
+(:func:`verify_checkpoint`; ``run.plan_run`` falls back to the previous one, with a warning, when
+it is damaged). Checkpoints written before manifests load unchecked.
 
 Each checkpoint also holds the run's settings (``config.yaml``), so that ``--resume`` can check,
 before any model loads, that the run being resumed is configured as the one that was saved

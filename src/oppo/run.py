@@ -16,6 +16,12 @@ that change what is trained; see ``checkpoint.RESUMABLE_CHANGES`` for the ones t
 and that ``run.steps`` lies beyond the checkpoint's step; either problem is reported with its
 fix and nothing is touched. Every check that needs no model (:mod:`oppo.preflight`) runs at the
 same time, and all problems are reported in one message.
+
+Stopping. SIGTERM or Ctrl-C (``oppo train``'s handler sets :data:`STOP`) lets the step in
+progress finish, writes a checkpoint with the sequences in flight and raises :class:`Preempted`
+(the CLI exits 143 / 130 with the resume command); a second signal interrupts at once, and the
+atomic save leaves no partial checkpoint. Checkpoints are also written every
+``run.save_every_minutes`` and every ``run.save_every`` steps.
 """
 
 from __future__ import annotations
