@@ -382,7 +382,7 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True) -> Path
         saved_at = time.monotonic()  # run.save_every_minutes counts from the start (or the resume)
         try:
             with open(lengths_path, "a" if ckpt else "w") as lengths:
-                while trainer.step < cfg.run.steps:
+                while trainer.step < cfg.run.steps and STOP.signum is None:  # (a stop asked during a save)
                     step = trainer.step
                     metrics = trainer.run_step()
                     res = trainer.last_result
