@@ -75,7 +75,8 @@ MANIFEST_FILE = "manifest.json"
 # math nor the saved state). Every other setting changes what is trained or the shape of the saved
 # state, so a resume with another value would not continue the same run.
 RESUMABLE_CHANGES = frozenset({
-    "run.steps", "run.out_dir", "run.save_every", "run.save_every_minutes", "run.keep_checkpoints", "run.samples", "run.threads",
+    "run.steps", "run.out_dir", "run.save_every", "run.save_every_minutes", "run.keep_checkpoints", "run.samples",
+    "run.threads",
     "policy.device", "reference.device", "critic.device", "reward.device",
     "reward.retries", "reward.retry_backoff_s",  # (a run stopped by a flaky remote scorer resumes with retries)
     "overlap.scorer_process", "overlap.actor_threads", "overlap.scorer_threads",
@@ -195,7 +196,8 @@ def _save_failed(root: Path, final: Path, tmp: Path, e: Exception) -> str:
     previous = latest_checkpoint(root.parent)
     kept = (f"the previous checkpoint, {previous}, is intact" if previous is not None
             else "there is no earlier checkpoint")
-    why = (e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0] if str(e) else type(e).__name__)
+    why = (e.strerror if isinstance(e, OSError) and e.strerror
+           else str(e).splitlines()[0] if str(e) else type(e).__name__)
     if (full or getattr(e, "errno", None) == errno.ENOSPC) and "space" not in why.lower():
         why = f"the disk is full ({why})"
     then = (f"resume with: oppo train --resume {root.parent} (and the same settings)" if previous is not None

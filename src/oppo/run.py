@@ -403,8 +403,9 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True) -> Path
                     bar.update(step, metrics)
                     if STOP.signum is not None:  # preempted: the step is whole; save below
                         break
+                    minutes = (time.monotonic() - saved_at) / 60
                     due = (cfg.run.save_every and trainer.step % cfg.run.save_every == 0
-                           or cfg.run.save_every_minutes and time.monotonic() - saved_at >= 60 * cfg.run.save_every_minutes)
+                           or cfg.run.save_every_minutes and minutes >= cfg.run.save_every_minutes)
                     if due and trainer.step < cfg.run.steps:
                         save_checkpoint(trainer, run_dir, cfg.run.keep_checkpoints)
                         saved_at = time.monotonic()
