@@ -270,8 +270,12 @@ def load_checkpoint(trainer, ckpt: Path) -> None:
     if not (ckpt / "state.json").is_file():
         raise FileNotFoundError(f"{ckpt} is not a complete checkpoint (no state.json). Give a step_* directory "
                                 f"under {CKPT_DIR}/, or --resume auto.")
+    from .models import ModelLoadError
+
     try:
         _load(trainer, ckpt)
+    except ModelLoadError:  # (weights of another shape: its own message names the checkpoint and the fix)
+        raise
     except Exception as e:  # a damaged file (an old checkpoint has no manifest to find it before this)
         raise CheckpointError(f"could not load checkpoint {ckpt}: {type(e).__name__}: {str(e).strip()[:500]}. "
                               f"Resume from an earlier checkpoint beside it ({ckpt.parent}) if there is one.") from e
