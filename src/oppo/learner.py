@@ -195,7 +195,7 @@ def _micro_slices(exp: "Experience | CriticBatch", rows: torch.Tensor) -> MicroB
     src = ((exp.P - n_prompt)[:, None] + col[None]).clamp(max=valid.shape[1] - 1)  # [b, W]
     inside = col[None] < n[:, None]  # [b, W]
     ids = exp.ids[rows]
-    pre = (n_prompt[:, None] - 1 + torch.arange(T, device=valid.device)[None]).clamp(max=W - 1)  # [b, T]
+    pre = (n_prompt[:, None] - 1 + torch.arange(T, device=valid.device)[None]).clamp(0, W - 1)  # [b, T]
     return MicroBatch(ids.gather(1, src) * inside, inside.to(valid.dtype), pre, ids[:, exp.P: exp.P + T])
 
 
