@@ -75,6 +75,21 @@ def ray_local(request):
         request.config.add_cleanup(start_local_cluster(nodes=2, cpus_per_node=1))
 
 
+@pytest.fixture
+def nothing_loads(monkeypatch):
+    """Every expensive loader fails loudly: the error under test must come first, before anything
+    loads. Returns the failing stand-in, for tests that refuse more (``test_entry_validation``)."""
+    import oppo.setup
+
+    def boom(*a, **k):
+        raise AssertionError("something was loaded before the bad input was reported")
+
+    for name in ("load_tokenizer", "read_prompts", "load_reward_model", "load_causal_lm", "load_critic",
+                 "load_function"):
+        monkeypatch.setattr(oppo.setup, name, boom)
+    return boom
+
+
 def assert_continued(done, saved: dict) -> None:
     """Rows re-admitted with partial responses (``saved``: uid -> (response ids, log-probs, versions)
     before) came back, each with its saved prefix kept as it was."""

@@ -33,6 +33,7 @@ def test_forced_lengths_as_tensor_ops_equal_the_row_loop():
         engine = RolloutEngine.__new__(RolloutEngine)  # only the attributes _forced reads
         engine.eos_ids = frozenset(rng.sample(range(V), rng.randint(1, 3)))
         engine.eos_id = min(engine.eos_ids)
+        engine._eos_index = {}
         engine.rows = [SimpleNamespace(target_length=rng.choice([None, 1, 2, 3, 5]),
                                        response_ids=[0] * rng.randint(0, 4)) for _ in range(R)]
         logits = torch.randn(R, V)

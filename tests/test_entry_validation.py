@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import oppo
-import oppo.setup
 from conftest import make_models
+from test_bad_inputs import TINY, make_cfg
 from oppo import cli
 from oppo.checkpoint import load_checkpoint
 from oppo.config import ConfigError, load_config
@@ -23,28 +23,13 @@ from oppo.preflight import PreflightError, input_problems
 from oppo.scoring import RewardFunction
 from oppo.trainer import Trainer
 
-TINY = ["ppo.batch_size=2", "ppo.minibatch_size=2", "ppo.micro_batch_size=1", "generation.max_new_tokens=4",
-        "overlap.mode=sequential", "run.threads=1", "log.progress=false", "log.trace=false"]
-
-
-def make_cfg(tiny_models, tiny_prompts, tmp_path, **settings):
-    s = {"policy.path": tiny_models["policy"], "reward.path": tiny_models["reward"], "data.prompts": tiny_prompts,
-         "run.out_dir": tmp_path / "run"}
-    s.update(settings)
-    return load_config(None, TINY + [f"{k}={v}" for k, v in s.items() if v is not None])
 
 
 @pytest.fixture
-def nothing_loads(monkeypatch):
-    """Every expensive loader fails loudly: the error under test must come first."""
-    def boom(*a, **k):
-        raise AssertionError("something was loaded before the bad input was reported")
-
-    for name in ("load_tokenizer", "read_prompts", "load_reward_model", "load_causal_lm", "load_critic",
-                 "load_function", "build_roles"):
-        if hasattr(oppo.setup, name):
-            monkeypatch.setattr(oppo.setup, name, boom)
-    monkeypatch.setattr("oppo.trainer.build_roles", boom)
+def nothing_built(nothing_loads, monkeypatch):
+    """``nothing_loads``, and no roles built either: validation must come before ``build_roles``."""
+    monkeypatch.setattr("oppo.setup.build_roles", nothing_loads)
+    monkeypatch.setattr("oppo.trainer.build_roles", nothing_loads)
 
 
 # --------------------------------------------------------------------------- 5: one validation
@@ -54,22 +39,14 @@ SET_IN_CODE = [("ppo", "minibatch_size", 3, "minibatch_size"),
                ("lora", "dropout", 0.1, "lora.dropout")]
 
 
+@pytest.mark.parametrize("entry", ["Trainer", "oppo.train"])
 @pytest.mark.parametrize("section,name,value,named", SET_IN_CODE)
-def test_trainer_validates_settings_made_in_code(tiny_models, tiny_prompts, tmp_path, nothing_loads,
-                                                 section, name, value, named):
+def test_python_entry_points_validate_settings_made_in_code(tiny_models, tiny_prompts, tmp_path, nothing_built,
+                                                            section, name, value, named, entry):
     cfg = make_cfg(tiny_models, tiny_prompts, tmp_path)
     setattr(getattr(cfg, section), name, value)
     with pytest.raises(ConfigError, match=named):
-        Trainer(cfg, progress=False)
-
-
-@pytest.mark.parametrize("section,name,value,named", SET_IN_CODE)
-def test_train_validates_settings_made_in_code(tiny_models, tiny_prompts, tmp_path, nothing_loads,
-                                               section, name, value, named):
-    cfg = make_cfg(tiny_models, tiny_prompts, tmp_path)
-    setattr(getattr(cfg, section), name, value)
-    with pytest.raises(ConfigError, match=named):
-        oppo.train(cfg, progress=False)
+        Trainer(cfg, progress=False) if entry == "Trainer" else oppo.train(cfg, progress=False)
     assert not (tmp_path / "run").exists()  # nothing written (no config.yaml with mode: bogus)
 
 
@@ -82,7 +59,7 @@ def _unusable_out_dirs(tmp_path):
 
 
 @pytest.mark.parametrize("which", ["file", "under_file"])
-def test_unusable_out_dir_is_a_preflight_problem(tiny_models, tiny_prompts, tmp_path, nothing_loads, which):
+def test_unusable_out_dir_is_a_preflight_problem(tiny_models, tiny_prompts, tmp_path, nothing_built, which):
     out = _unusable_out_dirs(tmp_path)[which]
     cfg = make_cfg(tiny_models, tiny_prompts, tmp_path, **{"run.out_dir": out})
     with pytest.raises(PreflightError) as info:
@@ -91,7 +68,7 @@ def test_unusable_out_dir_is_a_preflight_problem(tiny_models, tiny_prompts, tmp_
     assert "run.out_dir" in msg and str(tmp_path / "a_file") in msg and "a file" in msg
 
 
-def test_unusable_out_dir_cli_exit_2(tiny_models, tiny_prompts, tmp_path, nothing_loads, capsys):
+def test_unusable_out_dir_cli_exit_2(tiny_models, tiny_prompts, tmp_path, nothing_built, capsys):
     out = _unusable_out_dirs(tmp_path)["under_file"]
     code = cli.main(["train", *TINY, f"policy.path={tiny_models['policy']}", f"reward.path={tiny_models['reward']}",
                      f"data.prompts={tiny_prompts}", f"run.out_dir={out}"])

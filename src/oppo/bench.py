@@ -235,23 +235,6 @@ def write_synthetic_models(root: Path, policy_size: str, reward_size: str, devic
     return paths
 
 
-def static_engine(capture: str = "none"):
-    """``make_engine`` for :func:`run_modes`: a :class:`oppo.fastdecode.StaticRolloutEngine` in
-    place of the trainer's eager engine, with slots for every row that can be in flight (2B with
-    carrying: B + Delta and the refill cap are both at most 2B) and columns for the longest
-    prompt plus the longest response."""
-    def make(t):
-        import dataclasses
-
-        from .rollout import build_engine
-        from .setup import engine_settings
-
-        r = t.roles
-        settings = engine_settings(t.cfg, r.stop_ids, r.pad_id, r.max_new_tokens, r.device)
-        return build_engine(r.rollout_policy, dataclasses.replace(settings, kind="static", capture=capture))
-    return make
-
-
 LEARNING_PREFIXES = ("reward/", "judge/", "task/", "kl/", "loss/", "ppo/", "value/", "grad_norm/")
 """Metrics that describe learning, left out of forced-length (timing-only) runs (module docstring)."""
 

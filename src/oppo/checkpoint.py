@@ -143,7 +143,9 @@ class CheckpointError(RuntimeError):
     save, the disk and its free space)."""
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """The sha256 hex digest of a file, read in 1 MiB blocks (checkpoint manifests, the built-in
+    task's cache)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -153,7 +155,7 @@ def _sha256(path: Path) -> str:
 
 def _manifest(ckpt: Path) -> dict:
     """{relative path: {"size", "sha256"}} of every file in ``ckpt`` (but the manifest and state.json)."""
-    return {str(p.relative_to(ckpt)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+    return {str(p.relative_to(ckpt)): {"size": p.stat().st_size, "sha256": sha256_file(p)}
             for p in sorted(ckpt.rglob("*")) if p.is_file() and p.name not in (MANIFEST_FILE, "state.json")}
 
 
@@ -175,7 +177,7 @@ def verify_checkpoint(ckpt: Path) -> str | None:
         size = p.stat().st_size
         if size != want["size"]:
             return f"{name} is {size} bytes, {want['size']} when saved (truncated or changed)"
-        if _sha256(p) != want["sha256"]:
+        if sha256_file(p) != want["sha256"]:
             return f"{name} differs from what was saved (sha256 mismatch)"
     return None
 

@@ -88,6 +88,7 @@ class RolloutEngine:
         self.finished: list[Rollout] = []  # retired since the last take_chunks()
         self.peak_cache_bytes = 0
         self.decode_steps = 0  # decode steps taken so far (``perf/decode_step_ms``)
+        self._eos_index: dict[torch.device, torch.Tensor] = {}  # the stop ids as an index (``_forced``)
         self.kv_budget_mb: float | None = None  # generation.kv_budget_mb; None: unlimited
 
     def _check_budget(self) -> None:
@@ -267,7 +268,9 @@ class RolloutEngine:
         force = [t is not None and len(r.response_ids) + 1 >= t for r, t in zip(self.rows, targets)]
         ban = [t is not None and not f for t, f in zip(targets, force)]
         flags = torch.tensor([force, ban], dtype=torch.bool).to(logits.device, non_blocking=True)  # [2, R]
-        eos = torch.tensor(sorted(self.eos_ids), dtype=torch.long).to(logits.device, non_blocking=True)
+        eos = self._eos_index.get(logits.device)
+        if eos is None:  # once per device, not per step
+            eos = self._eos_index[logits.device] = torch.tensor(sorted(self.eos_ids), device=logits.device)
         logits = logits.clone()
         logits.index_copy_(1, eos, logits.index_select(1, eos).masked_fill(flags[1, :, None], float("-inf")))
         forced = torch.full_like(logits[:1], float("-inf"))  # [1, V]: EOS and nothing else

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from oppo.checkpoint import sha256_file
 from oppo.task import models as M
 from oppo.task import positive
 from oppo.task.registry import Task, get_task
@@ -209,7 +210,7 @@ def verify(root: Path, fp: str) -> str | None:
         if not (d / "tokenizer.json").is_file():
             return f"missing {model_dir}/tokenizer.json"
         weights = d / "model.safetensors"
-        if not weights.is_file() or _sha256(weights) != digest:
+        if not weights.is_file() or sha256_file(weights) != digest:
             return f"{model_dir}/model.safetensors missing or changed"
     if "policy" not in info.get("weights_sha256", {}):
         return "no policy in prepare.json"
@@ -314,14 +315,14 @@ def _build(task: Task, out: Path, seed: int, sizes: PrepareSizes, fp: str, log: 
     timings = {"sft": sft_seconds, "sft_eval": time.time() - t}
 
     # 3. Reward model (tasks without a rule reward).
-    hashes = {"policy": _sha256(out / "policy" / "model.safetensors")}
+    hashes = {"policy": sha256_file(out / "policy" / "model.safetensors")}
     if task.uses_reward_model:
         t = time.time()
         rm_info = _build_reward_model(task, policy, tokenizer, ids, out / "reward", seed, sizes,
                                       eval_p, samples, judged, log)
         info.update(rm_info)
         timings["reward_model"] = time.time() - t
-        hashes["reward"] = _sha256(out / "reward" / "model.safetensors")
+        hashes["reward"] = sha256_file(out / "reward" / "model.safetensors")
     info["weights_sha256"] = hashes
     info["timings"] = {k: round(v, 1) for k, v in timings.items()}
     info["threads"] = torch.get_num_threads()
@@ -512,14 +513,6 @@ def _save_model(model, tokenizer, path: Path, progress: bool) -> None:
         if bars:
             hf_logging.enable_progress_bar()
     tokenizer.save_pretrained(str(path))
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _quantile(sorted_values: list[int], q: float) -> int:
