@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 
 from oppo.bench import machine, synthetic_config
-from oppo.fastdecode import StaticRolloutEngine
-from oppo.rollout import Rollout, RolloutEngine
+from oppo.rollout.static import StaticRolloutEngine
+from oppo.rollout.engine import Rollout, RolloutEngine
 
 NOMINAL_HBM = {"H200": 4.8e12, "H100 NVL": 3.9e12, "H100 PCIe": 2.0e12, "H100": 3.35e12, "A100-SXM4-80GB": 2.04e12,
                "A100 80GB PCIe": 1.94e12, "A100": 1.55e12, "L40S": 0.864e12, "A10G": 0.6e12}

@@ -7,7 +7,7 @@ head dim 64 runs one forward and backward of the actor's log-prob loss two ways:
 
 - ``padded``: the old layout, left pads under a padding mask (each left pad is a query row
   that attends to no key);
-- ``packed``: ``oppo.scoring.full_hidden``, rows packed left under the causal mask alone.
+- ``packed``: ``oppo.scoring.streaming.full_hidden``, rows packed left under the causal mask alone.
 
 It prints the count of parameters with non-finite gradients per width, with the SDPA backends
 PyTorch allows by default, then with cuDNN attention disabled. On an H100 with torch 2.11-2.13
@@ -33,7 +33,7 @@ def _model(dtype):
 
 def _bad_grads(model, width: int, packed: bool) -> int:
     from oppo.models import backbone_and_head
-    from oppo.scoring import full_hidden, sequence_batch
+    from oppo.scoring.streaming import full_hidden, sequence_batch
 
     g = torch.Generator().manual_seed(width)
     lens = [width - 16, width // 2, 5, width // 3]  # prompt lengths: the widest row sets the width

@@ -41,8 +41,8 @@ import oppo.models
 from oppo.config import PPOConfig
 from oppo.learner import Learner, build_experience
 from oppo.models import ModelLoadError, load_causal_lm, load_critic, load_reward_model
-from oppo.rollout import Rollout, RolloutEngine
-from oppo.scoring import StreamingScorer, response_outputs, score_full, sequence_batch
+from oppo.rollout.engine import Rollout, RolloutEngine
+from oppo.scoring.streaming import StreamingScorer, response_outputs, score_full, sequence_batch
 
 CPU = torch.device("cpu")
 V, PAD, EOS = 96, 0, 1  # token ids 2..V-1 are ordinary; PAD never occurs inside a sequence

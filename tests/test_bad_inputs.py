@@ -19,7 +19,7 @@ from oppo.checkpoint import checkpoint_dirs, latest_checkpoint, load_checkpoint,
 from oppo.config import load_config
 from oppo.data import DataError, build_prompt_set
 from oppo.models import ModelLoadError, load_tokenizer
-from oppo.scoring import RewardFunction
+from oppo.scoring.streaming import RewardFunction
 from oppo.trainer import Trainer
 
 TINY = ["ppo.batch_size=2", "ppo.minibatch_size=2", "ppo.micro_batch_size=1", "generation.max_new_tokens=4",

@@ -56,9 +56,9 @@ def env() -> dict:
 WORKER_SCRIPT = textwrap.dedent("""
     import sys, threading, time
     from transformers import AutoModelForSequenceClassification
-    from oppo.scoring import StreamingScorer
+    from oppo.scoring.streaming import StreamingScorer
     from oppo.trace import Tracer
-    from oppo.workers import ScorerWorker
+    from oppo.scoring.worker import ScorerWorker
 
     def main():
         model = AutoModelForSequenceClassification.from_pretrained(sys.argv[1]).eval().requires_grad_(False)

@@ -1,4 +1,4 @@
-"""One conformance suite per role Protocol (``oppo/roles/protocols.py``), run against every
+"""One conformance suite per role Protocol (``oppo/api/protocols.py``), run against every
 implementation: what the controller relies on must hold wherever the role runs.
 
 - RolloutBackend: the eager engine, the static engine, Ray rollout workers (one and two);
@@ -15,11 +15,11 @@ from conftest import assert_continued
 import torch
 
 from oppo.learner import Learner, build_experience
-from oppo.roles.protocols import Learner as LearnerProtocol
-from oppo.roles.protocols import RolloutBackend, Scorer
-from oppo.scoring import StreamingScorer, score_full
+from oppo.api.protocols import Learner as LearnerProtocol
+from oppo.api.protocols import RolloutBackend, Scorer
+from oppo.scoring.streaming import StreamingScorer, score_full
 from oppo.trace import Tracer
-from oppo.types import ChunkReady, Rollout, SequenceFinished
+from oppo.api.records import ChunkReady, Rollout, SequenceFinished
 
 PAD, EOS = 0, 1
 PROMPTS = [[3, 4, 5], [6, 7], [8, 9, 10, 11], [12]]
@@ -40,22 +40,22 @@ def _rows(start_uid=0, prompts=PROMPTS):
 
 
 def _eager(tiny_models, seed=0):
-    from oppo.rollout import RolloutEngine
+    from oppo.rollout.engine import RolloutEngine
 
     return RolloutEngine(_load(tiny_models, "policy"), (EOS,), PAD, 10, seed=seed)
 
 
 def _static(tiny_models, seed=0):
-    from oppo.fastdecode import StaticRolloutEngine
+    from oppo.rollout.static import StaticRolloutEngine
 
     return StaticRolloutEngine(_load(tiny_models, "policy"), (EOS,), PAD, 10, seed=seed, max_rows=8, max_len=32)
 
 
 def _ray_group(n):
     def make(tiny_models, seed=0):
-        from oppo.placement.ray_rollout import RayRolloutGroup
+        from oppo.rollout.ray import RayRolloutGroup
         from oppo.placement.specs import ModelSpec
-        from oppo.rollout import EngineSettings
+        from oppo.rollout.engine import EngineSettings
 
         spec = ModelSpec("policy", str(tiny_models["policy"]), pad_id=PAD, device="cpu")
         return RayRolloutGroup(spec, EngineSettings((EOS,), PAD, 10), n, seed=seed, tracer=Tracer(), num_cpus=0.25)
@@ -230,14 +230,14 @@ def _inline(tiny_models):
 
 def _worker(transport):
     def make(tiny_models):
-        from oppo.workers import ScorerWorker
+        from oppo.scoring.worker import ScorerWorker
 
         return ScorerWorker(_scorers(tiny_models), 1, Tracer(enabled=True), transport=transport)
     return make
 
 
 def _ray_scorer(tiny_models):
-    from oppo.placement.ray_scorer import RayScorerWorker
+    from oppo.scoring.ray import RayScorerWorker
     from oppo.placement.specs import ModelSpec
 
     path_p, path_r = str(tiny_models["policy"]), str(tiny_models["reward"])
@@ -263,7 +263,7 @@ def scorer(request, tiny_models):
 
 
 def test_scorer_conforms_streamed_equals_one_shot(scorer, tiny_models):
-    from oppo.types import Chunk
+    from oppo.api.records import Chunk
 
     assert isinstance(scorer, Scorer)
     assert set(scorer.roles) == {"reward", "reference", "critic"}
@@ -303,7 +303,7 @@ def test_one_shot_scores_are_the_models(tiny_models, scorer):
 
 
 def _experience(tiny_models):
-    from oppo.rollout import RolloutEngine
+    from oppo.rollout.engine import RolloutEngine
 
     eng = RolloutEngine(_load(tiny_models, "policy"), (EOS,), PAD, 8, seed=0)
     eng.admit(_rows())
@@ -319,7 +319,7 @@ def _local_learner(tiny_models, ppo):
 
 def _beside_scorer(tiny_models, ppo):
     from oppo.setup import CriticBesideScorer, ThreadBudget
-    from oppo.workers import CriticTrainer, ScorerWorker
+    from oppo.scoring.worker import CriticTrainer, ScorerWorker
 
     learner, _ = _local_learner(tiny_models, ppo)
     scorers = {"critic": StreamingScorer("critic", learner.critic, PAD)}
@@ -334,9 +334,9 @@ LEARNERS = {"local": _local_learner, "critic_beside_scorer": _beside_scorer}
 def test_learner_conforms_and_round_trips(name, tiny_models):
     from oppo.config import PPOConfig
     from oppo.learner import attach_scores, compute_advantages
-    from oppo.scoring import ScoredOutputs
+    from oppo.scoring.streaming import ScoredOutputs
     from oppo.algo import get_algorithm
-    from oppo.types import Scores
+    from oppo.api.records import Scores
 
     ppo = PPOConfig(batch_size=4, minibatch_size=2, micro_batch_size=2)
     learner, closer = LEARNERS[name](tiny_models, ppo)

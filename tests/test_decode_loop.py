@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
-from oppo.rollout import RolloutEngine
+from oppo.rollout.engine import RolloutEngine
 
 
 def _forced_by_rows(engine, logits):

@@ -20,7 +20,7 @@ from oppo.checkpoint import load_checkpoint
 from oppo.config import ConfigError, load_config
 from oppo.models import ModelLoadError, load_tokenizer
 from oppo.preflight import PreflightError, input_problems
-from oppo.scoring import RewardFunction
+from oppo.scoring.streaming import RewardFunction
 from oppo.trainer import Trainer
 
 

@@ -1,4 +1,4 @@
-"""The static-shape rollout engine (oppo.fastdecode) against the eager engine and Hugging Face:
+"""The static-shape rollout engine (oppo.rollout.static) against the eager engine and Hugging Face:
 greedy token-for-token equality under continuous batching (staggered admission, rows ending at
 different times, slots reused), behaviour log-probs against a full forward, sliding windows that
 bite, and the engine bookkeeping the trainer relies on. CUDA-graph capture is opt-in (gpu)."""
@@ -6,8 +6,8 @@ bite, and the engine bookkeeping the trainer relies on. CUDA-graph capture is op
 import pytest
 import torch
 
-from oppo.fastdecode import StaticRolloutEngine, UnsupportedForStaticDecode, _bucket
-from oppo.rollout import Rollout, RolloutEngine
+from oppo.rollout.static import StaticRolloutEngine, UnsupportedForStaticDecode, _bucket
+from oppo.rollout.engine import Rollout, RolloutEngine
 
 EOS, PAD = 1, 0
 
@@ -217,7 +217,7 @@ def test_forced_lengths_stop_ids_versions_recompute_and_abort():
 
 
 def test_peak_cache_bytes_is_the_reservation_and_the_budget_is_checked():
-    from oppo.rollout import KVBudgetError
+    from oppo.rollout.engine import KVBudgetError
 
     model = _model()
     eng = StaticRolloutEngine(model, EOS, PAD, 8, greedy=True, max_rows=4, max_len=32)
@@ -372,7 +372,7 @@ def test_cuda_graph_decode_equals_eager_on_gpu(dtype):
 def test_generation_engine_static_is_wired(tiny_models, tiny_prompts, tmp_path):
     """generation.engine=static builds the static engine and trains the eager engine's run."""
     from oppo.config import load_config
-    from oppo.fastdecode import StaticRolloutEngine
+    from oppo.rollout.static import StaticRolloutEngine
     from oppo.trainer import Trainer
 
     out = {}
@@ -398,7 +398,7 @@ def test_auto_engine_is_static_with_graphs_on_cuda_for_supported_policies_else_e
     and the golden metrics are unchanged); explicit values are kept. ``torch.device("cuda")``
     stands for the device: nothing runs there."""
     from oppo.config import Config, ConfigError, help_text, load_config
-    from oppo.rollout import resolve_engine
+    from oppo.rollout.engine import resolve_engine
     from oppo.setup import engine_settings
 
     def never():

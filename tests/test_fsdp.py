@@ -28,9 +28,9 @@ from oppo.learner import attach_scores, build_experience, compute_advantages, ol
 from oppo.models import backbone_and_head, load_tokenizer
 from oppo.placement.dp import LearnerSpec, learner_state
 from oppo.placement.specs import ModelSpec
-from oppo.rollout import Rollout
-from oppo.scoring import ScoredOutputs, score_full
-from oppo.types import Scores
+from oppo.rollout.engine import Rollout
+from oppo.scoring.streaming import ScoredOutputs, score_full
+from oppo.api.records import Scores
 
 BASE = PPOConfig(batch_size=8, minibatch_size=4, micro_batch_size=3, epochs=2, actor_lr=1e-3, critic_lr=1e-3,
                  weight_decay=0.01, entropy_coef=0.01, max_grad_norm=0.05)  # clipping active (norms ~0.3-1)

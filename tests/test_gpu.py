@@ -40,7 +40,7 @@ def test_static_engine_with_cuda_graphs_in_every_overlapped_mode(tiny_models, ti
     number finite, weights included."""
     import math
 
-    from oppo.fastdecode import StaticRolloutEngine
+    from oppo.rollout.static import StaticRolloutEngine
 
     cfg = load_config(None, [
         f"policy.path={tiny_models['policy']}", f"reward.path={tiny_models['reward']}",

@@ -17,7 +17,7 @@ import torch
 from oppo.config import PPOConfig
 from oppo.guard import NonFiniteError, NonFiniteWarning
 from oppo.learner import _train, build_experience, compute_advantages
-from oppo.types import Rollout
+from oppo.api.records import Rollout
 
 
 def _model_and_opt():
@@ -144,8 +144,8 @@ def test_sampler_names_rows_of_a_diverged_policy(tiny_models, engine):
     CUDA a device-side assert): the rows, their sequences and the likely cause."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from oppo.fastdecode import StaticRolloutEngine
-    from oppo.rollout import RolloutEngine
+    from oppo.rollout.static import StaticRolloutEngine
+    from oppo.rollout.engine import RolloutEngine
 
     tok = AutoTokenizer.from_pretrained(tiny_models["policy"])
     model = AutoModelForCausalLM.from_pretrained(tiny_models["policy"])

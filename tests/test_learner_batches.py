@@ -6,7 +6,7 @@ import torch
 
 from oppo.config import PPOConfig
 from oppo.learner import Experience, Learner, micro_batches, padding_stats
-from oppo.scoring import sequence_batch
+from oppo.scoring.streaming import sequence_batch
 
 
 def _learner(**ppo) -> Learner:

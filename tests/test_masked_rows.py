@@ -15,7 +15,7 @@ import torch
 
 import lse_kernel
 from oppo.models import backbone_and_head
-from oppo.scoring import full_hidden, response_outputs, sequence_batch
+from oppo.scoring.streaming import full_hidden, response_outputs, sequence_batch
 
 PROMPTS = [[3, 4, 5], [6, 7, 8, 9, 10, 11], [12], [13, 14]]
 RESPONSES = [[4, 5, 6, 7], [8], [9, 10], [11, 12, 13, 14, 15, 16]]

@@ -10,8 +10,8 @@ import torch
 from oppo.config import PPOConfig, load_config
 from oppo.learner import Experience, Learner, build_experience
 from oppo.models import load_causal_lm, load_tokenizer
-from oppo.rollout import Rollout, RolloutEngine
-from oppo.scoring import score_full
+from oppo.rollout.engine import Rollout, RolloutEngine
+from oppo.scoring.streaming import score_full
 from oppo.trainer import Trainer
 
 L = math.log

@@ -5,7 +5,7 @@ import torch
 
 from oppo.config import load_config
 from oppo.trainer import Trainer
-from oppo.weights import copy_weights, master_dtype, serving_copy
+from oppo.weights.precision import copy_weights, master_dtype, serving_copy
 
 
 def _cfg(tiny_models, tiny_prompts, tmp_path, *extra):

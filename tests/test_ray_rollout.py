@@ -11,7 +11,7 @@ import torch
 ray = pytest.importorskip("ray")
 
 from oppo.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
-from oppo.scoring import score_full  # noqa: E402
+from oppo.scoring.streaming import score_full  # noqa: E402
 from oppo.trainer import Trainer  # noqa: E402
 from test_ray_trainer import _cfg  # noqa: E402  (the same tiny run as the other Ray trainer tests)
 

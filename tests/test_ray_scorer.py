@@ -18,12 +18,12 @@ ray = pytest.importorskip("ray")
 from oppo.config import PPOConfig  # noqa: E402
 from oppo.learner import CriticBatch, critic_update  # noqa: E402
 from oppo.models import load_critic, load_tokenizer  # noqa: E402
-from oppo.placement.ray_scorer import RayScorerWorker  # noqa: E402
+from oppo.scoring.ray import RayScorerWorker  # noqa: E402
 from oppo.placement.specs import ModelSpec  # noqa: E402
-from oppo.rollout import Chunk  # noqa: E402
-from oppo.scoring import StreamingScorer, score_full  # noqa: E402
+from oppo.rollout.engine import Chunk  # noqa: E402
+from oppo.scoring.streaming import StreamingScorer, score_full  # noqa: E402
 from oppo.trace import Tracer  # noqa: E402
-from oppo.workers import ScorerWorker  # noqa: E402
+from oppo.scoring.worker import ScorerWorker  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -144,7 +144,7 @@ def test_ray_critic_trains_like_locally_and_failures_are_named(ray_worker, specs
     w, _ = ray_worker
     pad = specs["critic"].pad_id
     local = load_critic(specs["critic"].path, torch.device("cpu"), torch.float32, pad).eval()
-    from oppo.scoring import sequence_batch
+    from oppo.scoring.streaming import sequence_batch
 
     cp, cr = _data(7, n=4)
     ids, valid, P, rmask = sequence_batch(cp, cr, pad, torch.device("cpu"))

@@ -6,7 +6,7 @@ import pickle
 import pytest
 import torch
 
-from oppo.placement.weight_sync import is_packed, pack, unpack_into
+from oppo.weights.sync import is_packed, pack, unpack_into
 
 
 def _model(seed: int, dtype=torch.float32):

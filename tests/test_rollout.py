@@ -1,7 +1,7 @@
 import torch
 
 from oppo.models import load_causal_lm, load_tokenizer
-from oppo.rollout import RolloutEngine, Rollout, sample_tokens
+from oppo.rollout.engine import RolloutEngine, Rollout, sample_tokens
 
 PROMPTS = ["the film was", "i liked the book and", "a", "we hated it but the story"]
 

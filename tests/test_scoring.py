@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from oppo.models import load_causal_lm, load_critic, load_reward_model, load_tokenizer
-from oppo.scoring import StreamingScorer, score_full
+from oppo.scoring.streaming import StreamingScorer, score_full
 
 
 @pytest.fixture(scope="module")

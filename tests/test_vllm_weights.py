@@ -1,4 +1,4 @@
-"""The shared weight buffer of the vLLM engine (``oppo.roles.vllm_weights``), without vLLM: its
+"""The shared weight buffer of the vLLM engine (``oppo.rollout.vllm.weights``), without vLLM: its
 layout, its lifetime (no /dev/shm file left behind, even by a killed process) and, on a GPU, the
 CUDA IPC handle a second process opens. The loads into a running vLLM engine are tested in
 ``test_vllm.py``."""
@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from oppo.roles.vllm_weights import Layout, SharedUnavailable, SharedWeights
+from oppo.rollout.vllm.weights import Layout, SharedUnavailable, SharedWeights
 
 PAIRS = [("a.weight", torch.randn(3, 5)), ("b.bias", torch.arange(7)), ("c", torch.randn(2, 2, 2))]
 
@@ -46,7 +46,7 @@ def test_buffer_lifetime():
     shared.close()  # (idempotent)
 
     code = ("import os, signal, torch\n"
-            "from oppo.roles.vllm_weights import Layout, SharedWeights\n"
+            "from oppo.rollout.vllm.weights import Layout, SharedWeights\n"
             "s = SharedWeights(Layout.of([('w', torch.zeros(1000))]))\n"
             "print(s.path, flush=True)\n"
             "os.kill(os.getpid(), signal.SIGKILL)\n")
@@ -63,7 +63,7 @@ def test_buffer_lifetime():
 def test_full_shm_is_refused(monkeypatch):
     """Less room in /dev/shm than the weights need: refused at creation (the engine then loads
     through vLLM's RPC), not a SIGBUS at a later write."""
-    from oppo.roles import vllm_weights
+    from oppo.rollout.vllm import weights as vllm_weights
 
     class Full:
         f_bavail, f_frsize = 10, 4096
@@ -75,7 +75,7 @@ def test_full_shm_is_refused(monkeypatch):
 
 _READER = """
 import pickle, sys, torch
-from oppo.roles.vllm_weights import _open_buffer
+from oppo.rollout.vllm.weights import _open_buffer
 handle, layout = pickle.load(open(sys.argv[1], "rb"))
 views = layout.views(_open_buffer(handle))
 for line in sys.stdin:  # one line per round: print each slot's sum as this process sees it
@@ -109,7 +109,7 @@ def test_cuda_ipc_buffer_is_seen_by_another_process(tmp_path):
             reader.stdin.close()
             reader.wait(timeout=60)
         other = dict(shared.handle(), uuid="GPU-another")
-        from oppo.roles.vllm_weights import _open_buffer
+        from oppo.rollout.vllm.weights import _open_buffer
 
         with pytest.raises(SharedUnavailable, match="vLLM's worker runs on"):
             _open_buffer(other)

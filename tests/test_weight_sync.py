@@ -1,4 +1,4 @@
-"""The collective, bucketed weight sync (``placement/weight_sync.py``), on CPU with gloo.
+"""The collective, bucketed weight sync (``weights/sync.py``), on CPU with gloo.
 
 - the bucket plan: every byte of every tensor exactly once, in order; a tensor larger than a
   bucket spans several;
@@ -25,7 +25,7 @@ import socket
 import pytest
 import torch
 
-from oppo.placement.weight_sync import Manifest, TensorMeta, full_tensors
+from oppo.weights.sync import Manifest, TensorMeta, full_tensors
 
 MP_TIMEOUT_S = 120.0
 
@@ -84,7 +84,7 @@ def _model(seed: int, dtype=torch.float32, hidden: int = 16) -> torch.nn.Module:
 
 
 def _expect_refusal(fn, *words: str) -> str:
-    from oppo.placement.weight_sync import WeightSyncError
+    from oppo.weights.sync import WeightSyncError
 
     with pytest.raises(WeightSyncError) as e:
         fn()
@@ -99,7 +99,7 @@ def _members_main(rank: int, port: int) -> None:
     hands whole tensors to a sink (as a vLLM worker's reload takes them)."""
     import torch.distributed as dist
 
-    from oppo.placement.weight_sync import SyncGroup, WeightReceiver, WeightSender
+    from oppo.weights.sync import SyncGroup, WeightReceiver, WeightSender
 
     torch.set_num_threads(1)
     world = 4
@@ -188,13 +188,13 @@ PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
 
 
 def _rows(start_uid: int = 0):
-    from oppo.rollout import Rollout
+    from oppo.rollout.engine import Rollout
 
     return [Rollout(start_uid + i, i, "", list(p), 0) for i, p in enumerate(PROMPTS)]
 
 
 def _settings(pad: int):
-    from oppo.rollout import EngineSettings
+    from oppo.rollout.engine import EngineSettings
 
     return EngineSettings((1,), pad, 8, 1.0, 0, 1.0, None, 0, "eager", max_rows=4, max_len=16)
 
@@ -207,9 +207,9 @@ def _fsdp_main(rank: int, ports: tuple[int, int], paths: dict) -> None:
     from oppo.config import PPOConfig
     from oppo.placement.dp import LearnerSpec
     from oppo.placement.fsdp import FSDPLearnerRank, full_model_state
-    from oppo.placement.ray_rollout import RolloutHost
+    from oppo.rollout.ray import RolloutHost
     from oppo.placement.specs import ModelSpec
-    from oppo.rollout import build_engine
+    from oppo.rollout.engine import build_engine
 
     torch.set_num_threads(1)
     learn_port, sync_port = ports
@@ -315,7 +315,7 @@ def test_trainer_syncs_collectively(ray_local, tiny_models, tiny_prompts, tmp_pa
     pytest.importorskip("ray")
     import ray
 
-    from oppo.placement.weight_sync import CollectiveSync
+    from oppo.weights.sync import CollectiveSync
     from oppo.trainer import Trainer
     from test_ray_trainer import _cfg
 

@@ -73,7 +73,7 @@ def prompts_for(path: Path, n: int, seed: int = 0) -> list[list[int]]:
 
 
 def rounds(engine, prompts, new_tokens: int, repeats: int) -> dict:
-    from oppo.rollout import Rollout
+    from oppo.rollout.engine import Rollout
 
     def one(base: int) -> float:
         rows = [Rollout(base + i, i, "", list(p), 0, target_length=new_tokens) for i, p in enumerate(prompts)]
@@ -93,9 +93,9 @@ def rounds(engine, prompts, new_tokens: int, repeats: int) -> dict:
 def bench_rollout(path: Path, B: int, new_tokens: int, repeats: int) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from oppo.fastdecode import StaticRolloutEngine
-    from oppo.rollout import RolloutEngine
-    from oppo.roles.vllm_rollout import VLLMRolloutBackend
+    from oppo.rollout.static import StaticRolloutEngine
+    from oppo.rollout.engine import RolloutEngine
+    from oppo.rollout.vllm.backend import VLLMRolloutBackend
 
     prompts = prompts_for(path, B)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().requires_grad_(False)

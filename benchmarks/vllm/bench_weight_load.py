@@ -1,5 +1,5 @@
 """Weight loads into a running vLLM engine: vLLM's RPC (every tensor pickled) against the shared
-buffer (``oppo.roles.vllm_weights``), on one engine, alternating, after a real change of weights.
+buffer (``oppo.rollout.vllm.weights``), on one engine, alternating, after a real change of weights.
 Three ways: ``rpc`` (the path before issue 27: every tensor through ``collective_rpc`` into vLLM's
 ``reload_weights``), ``shared`` (the buffer, then ``LiveLoader``: ``model.load_weights`` and the
 post-load processing of the layers loaded) and ``shared-reload`` (the buffer, then vLLM's
@@ -45,7 +45,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from oppo.roles.vllm_rollout import VLLMRolloutBackend
+    from oppo.rollout.vllm.backend import VLLMRolloutBackend
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     n_params = sum(p.numel() for p in model.parameters())
@@ -117,7 +117,7 @@ def use_live_loader(worker, on: bool) -> None:
 
 def logprob_gap(eng, model) -> float:
     """The largest |log p_vLLM - log p_HF| over a short generation (4 prompts x 8 tokens)."""
-    from oppo.rollout import Rollout
+    from oppo.rollout.engine import Rollout
 
     start = 1000 * eng.weight_loads  # (new uids: new requests)
     rows = [Rollout(start + u, start + u, "", [1 + u, 2 + 3 * u, 100 + u, 7], 0) for u in range(4)]

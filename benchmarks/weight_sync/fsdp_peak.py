@@ -39,7 +39,7 @@ def _member(rank: int, ports: tuple[int, int], size: str, out: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from oppo.placement.fsdp import full_model_state
-    from oppo.placement.weight_sync import Manifest, SyncGroup, WeightReceiver, WeightSender, full_tensors, \
+    from oppo.weights.sync import Manifest, SyncGroup, WeightReceiver, WeightSender, full_tensors, \
         pack_state
 
     torch.set_num_threads(1)

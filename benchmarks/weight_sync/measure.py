@@ -1,5 +1,5 @@
 """Seconds per weight sync against model size: the object-store path against the collective,
-bucketed path (``oppo/placement/weight_sync.py``), on synthetic Llama-shaped states.
+bucketed path (``oppo/weights/sync.py``), on synthetic Llama-shaped states.
 
     PYTHONPATH=src python benchmarks/weight_sync/measure.py                       # CPU, gloo + object store
     PYTHONPATH=src python benchmarks/weight_sync/measure.py --device cuda         # NCCL (2 GPUs), no Ray
@@ -86,7 +86,7 @@ def _collective_member(rank: int, port: int, size: str, dtype_name: str, device:
     import torch.distributed as dist
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
-    from oppo.placement.weight_sync import Manifest, SyncGroup, WeightReceiver, WeightSender, full_tensors
+    from oppo.weights.sync import Manifest, SyncGroup, WeightReceiver, WeightSender, full_tensors
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     dtype = getattr(torch, dtype_name)
@@ -147,12 +147,12 @@ class _Side:
         self.model = build(size, getattr(torch, dtype_name), "cpu", fill)
 
     def pack(self):
-        from oppo.placement.weight_sync import pack
+        from oppo.weights.sync import pack
 
         return pack(self.model)
 
     def load(self, packed) -> float:
-        from oppo.placement.weight_sync import unpack_into
+        from oppo.weights.sync import unpack_into
 
         unpack_into(self.model, packed)
         return next(self.model.parameters()).float().min().item()

@@ -269,7 +269,7 @@ def run_modes(base, modes: list[str], steps: int, out: Path, tail_sigma: float |
 
     ``lengths`` forces response lengths (a :class:`LengthWorkload`; ``tail_sigma`` is the sweep's
     shorthand for one). ``make_engine(trainer)``, if given, replaces each trainer's rollout engine
-    (e.g. a :class:`oppo.fastdecode.StaticRolloutEngine`) before the first step. ``deadline``
+    (e.g. a :class:`oppo.rollout.static.StaticRolloutEngine`) before the first step. ``deadline``
     (a ``time.time()``): stop after the round of steps that would end past it, once every mode
     has at least two steps (one warm-up, one timed); one mode at a time, each mode gets an equal
     share of the time left when it starts. ``on_step(mode, step, metrics, trainer)``, if given,
@@ -387,8 +387,8 @@ def engine_step_probe(t, rows: int, prompt_len: int = 32, new_tokens: int = 16, 
     backend oppo does not build here (vLLM, Ray workers). All ``rows`` rows decode every step,
     where a trained step's rows finish one by one: the probe's step is the costlier, so the decode
     overhead it gives (``summarize``) errs low."""
-    from .fastdecode import StaticRolloutEngine
-    from .rollout import Rollout, RolloutEngine
+    from .rollout.static import StaticRolloutEngine
+    from .rollout.engine import Rollout, RolloutEngine
 
     eng = t.roles.rollout
     if type(eng) is RolloutEngine:

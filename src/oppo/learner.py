@@ -15,12 +15,12 @@ import torch
 from . import guard
 from . import ppo_math as pm
 from .config import PPOConfig
-from .types import Rollout, Scores
-from .scoring import ScoredOutputs, full_hidden, sequence_batch
+from .api.records import Rollout, Scores
+from .scoring.streaming import ScoredOutputs, full_hidden, sequence_batch
 from .models import backbone_and_head, checkpointing
 from .offpolicy import MismatchProbe
 from .token_logprobs import head_logprobs
-from .weights import autocast
+from .weights.precision import autocast
 
 
 @dataclass
@@ -386,7 +386,7 @@ class Learner:
         if probe is not None:  # (the first optimizer step's forward is pi_k's: the sampler-vs-trainer gap)
             probe.observe(logprobs, exp.sampler_logprobs[rows][:, :T], exp.versions[rows][:, :T], mask)
         pl, pstats = pm.policy_loss(logprobs, exp.old_logprobs[rows][:, :T], exp.advantages[rows][:, :T], mask,
-                                    clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high,
+                                    clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high, dual_clip=cfg.dual_clip,
                                     is_weights=exp.is_weights[rows][:, :T], loss_agg=cfg.loss_agg,
                                     num_tokens=num_tokens, num_seqs=num_seqs)
         loss = pl
@@ -397,6 +397,8 @@ class Learner:
                 loss_agg=cfg.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs)
             loss = loss + kl_term
             extra_stats = {"loss/kl": kl_term.item(), **{k: v.item() for k, v in kstats.items()}}
+        if "dual_clipfrac" in pstats:  # ppo.dual_clip set
+            extra_stats["ppo/dual_clipfrac"] = pstats["dual_clipfrac"].item()
         if cfg.entropy_coef:  # in the backward only when it is in the loss; otherwise a detached statistic
             loss = loss - cfg.entropy_coef * pm.aggregate(entropy, mask, cfg.loss_agg, num_tokens, num_seqs)
         loss.backward()

@@ -13,7 +13,7 @@ one per attempt, each attempt costing a model load:
 - ``reward.function`` and ``reward.judge``: importable, and callable;
 - devices: CUDA present when asked for; TensorBoard / W&B installed when asked for;
 - ``generation.engine=vllm``: vLLM installed and importable, and able to serve the policy
-  (its architecture; on CPU its head size): :func:`oppo.roles.vllm_rollout.vllm_problems`.
+  (its architecture; on CPU its head size): :func:`oppo.rollout.vllm.backend.vllm_problems`.
 
 The network: a hub name (``org/model``) that is not in the local Hugging Face cache needs the
 hub. One TCP connection to the hub endpoint, with a short timeout, tells within seconds whether
@@ -273,7 +273,7 @@ def input_problems(cfg: Config) -> list[str]:
             problems.append(f"log.{package}=true but the '{package}' package is not installed: "
                             f"pip install 'oppo[{extra}]', or set log.{package}=false.")
     if cfg.generation.engine == "vllm":  # installed, and able to serve a local policy (its config only)
-        from .roles.vllm_rollout import vllm_problems
+        from .rollout.vllm.backend import vllm_problems
 
         problems += vllm_problems(cfg.policy.path, cfg.policy.device)
     missing = [(k, name) for k, name in hub_names if not _in_hub_cache(name)]

@@ -4,7 +4,7 @@ Where each role runs is decided here and nowhere else, as a :class:`Placement` v
 on a thread, in a child process or in Ray actors; the critic trained by the learner or beside its
 scoring; the learner local or data-parallel on Ray; the rollout engine local or N Ray workers
 that stream to the scorers themselves; the torch thread budgets. The controller
-(``oppo.control``) receives the roles behind their Protocols (``roles/protocols.py``) and never
+(``oppo.control``) receives the roles behind their Protocols (``api/protocols.py``) and never
 asks where one runs.
 
 Order of work, so that bad input fails before anything expensive: paths and prompts, every role's
@@ -27,12 +27,12 @@ from .learner import Learner
 from .models import (apply_lora, base_view, check_model_path, check_roles, enable_gradient_checkpointing,
                      load_causal_lm, load_critic, load_function, load_reward_model, load_tokenizer, resolve_device,
                      resolve_dtype, stop_token_ids)
-from .roles.protocols import RolloutBackend, Scorer
-from .rollout import EngineSettings, build_engine, resolve_engine
-from .scoring import RewardFunction, StreamingScorer
+from .api.protocols import RolloutBackend, Scorer
+from .rollout.engine import EngineSettings, build_engine, resolve_engine
+from .scoring.streaming import RewardFunction, StreamingScorer
 from .trace import Tracer
-from .weights import copy_weights, master_dtype, serving_copy
-from .workers import AdmitMsg, ChunksMsg, CriticTrainer, ForgetMsg, ScorerLoop, ScorerWorker
+from .weights.precision import copy_weights, master_dtype, serving_copy
+from .scoring.worker import AdmitMsg, ChunksMsg, CriticTrainer, ForgetMsg, ScorerLoop, ScorerWorker
 
 DEFAULT_MAX_NEW_TOKENS = 256
 
@@ -145,7 +145,7 @@ def decide_placement(cfg: Config, needs_critic: bool, devices_on_cpu: bool, crit
 class InlineScorer:
     """The scorers in the controller's own thread: one-shot scoring (the sequential loop, and the
     modes that do not stream), and the streaming messages handled at once by the same
-    :class:`~oppo.workers.ScorerLoop` the workers run."""
+    :class:`~oppo.scoring.worker.ScorerLoop` the workers run."""
 
     def __init__(self, scorers: dict[str, StreamingScorer]):
         self.scorers, self.roles = scorers, tuple(scorers)
@@ -172,7 +172,7 @@ class InlineScorer:
         return {role: [res.pop(u) for u in uids] for role, res in self.loop.results.items()}
 
     def score_full(self, role, prompts, responses):
-        from .scoring import score_full
+        from .scoring.streaming import score_full
 
         s = self.scorers[role]
         return score_full(role, s.model, prompts, responses, s.pad_id, s.temperature)
@@ -310,7 +310,7 @@ class Roles:
     accuracy_fn: Callable | None
     rollout: RolloutBackend
     scorer: Scorer
-    learner: object  # roles.protocols.Learner
+    learner: object  # api.protocols.Learner
     sync: WeightSync
     tracer: Tracer
     closers: list = field(default_factory=list)
@@ -325,7 +325,7 @@ def build_roles(cfg: Config, progress: bool = True) -> Roles:
     """Load every model and build every role (module docstring)."""
     paths = resolve_paths(cfg, progress=progress)
     if cfg.generation.engine == "vllm":  # before any model loads: vLLM installed, the policy servable
-        from .roles.vllm_rollout import check_vllm
+        from .rollout.vllm.backend import check_vllm
 
         check_vllm(paths.policy, cfg.policy.device)
     tok = load_tokenizer(paths.policy)
@@ -431,7 +431,7 @@ def local_rollout(roles: Roles, stop_ids) -> RolloutBackend:
     its model in a worker process of its own) or oppo's eager or static engine."""
     cfg = roles.cfg
     if cfg.generation.engine == "vllm":
-        from .roles.vllm_rollout import build_vllm_backend
+        from .rollout.vllm.backend import build_vllm_backend
 
         backend = build_vllm_backend(cfg, roles.paths.policy, stop_ids, roles.pad_id, roles.max_new_tokens,
                                      weights=roles.rollout_policy)
@@ -450,7 +450,7 @@ def engine_settings(cfg: Config, stop_ids, pad_id: int, max_new_tokens: int, dev
     ``device``; ``generation.engine=auto`` resolved there (``rollout.resolve_engine``: static with
     CUDA graphs on CUDA when ``model``, the policy it will decode, suits the static engine; else
     eager). Ray rollout workers get settings for ``cpu``, so ``auto`` runs the eager engine in them."""
-    from .fastdecode import static_decode_problem
+    from .rollout.static import static_decode_problem
 
     g, B = cfg.generation, cfg.ppo.batch_size
     max_len = cfg.data.max_prompt_tokens + max_new_tokens
@@ -474,7 +474,7 @@ def _place_on_ray(roles: Roles, stop_ids, recompute_old: bool) -> None:
     from .placement.cluster import init_ray
     from .placement.dp import DPLearnerGroup, learner_spec
     from .placement.fsdp import FSDPLearnerGroup
-    from .placement.ray_scorer import RayScorerWorker
+    from .scoring.ray import RayScorerWorker
     from .placement.specs import scorer_specs
 
     cfg, pl, o = roles.cfg, roles.cfg.placement, roles.cfg.overlap
@@ -497,7 +497,7 @@ def _place_on_ray(roles: Roles, stop_ids, recompute_old: bool) -> None:
     copy_weights(roles.policy, roles.rollout_policy)
     roles.sync.steps.append(lambda version: learner.sync(version))  # rank 0's critic -> the scorer actor
     if roles.placement.rollout == "ray":
-        from .placement.ray_rollout import RayRolloutGroup
+        from .rollout.ray import RayRolloutGroup
         from .placement.specs import ModelSpec
 
         settings = engine_settings(cfg, stop_ids, pad_id, roles.max_new_tokens, torch.device("cpu"))
@@ -534,12 +534,12 @@ def _place_on_ray(roles: Roles, stop_ids, recompute_old: bool) -> None:
 
 def _collective_sync(roles: Roles, learner, rollout=None, local: torch.nn.Module | None = None):
     """``placement.weight_sync``: the collective, bucketed sync from the learner to the ``rollout``
-    workers or the ``local`` engine's model (``placement.weight_sync.CollectiveSync``), or None for
+    workers or the ``local`` engine's model (``weights.sync.CollectiveSync``), or None for
     the object store: asked for, or ``auto`` without GPUs on both sides or when the group cannot
     form (a warning says why)."""
     import warnings
 
-    from .placement.weight_sync import CollectiveSync, WeightSyncUnavailable
+    from .weights.sync import CollectiveSync, WeightSyncUnavailable
 
     pl = roles.cfg.placement
     if pl.weight_sync == "object_store":

@@ -19,8 +19,9 @@ import torch
 from .config import Config, to_dict, validate
 from .control import Run, StepResult, overlapped_step, sequential_step
 from .control.metrics import step_metrics
+from .fingerprint import run_fingerprints
 from .setup import Roles, build_roles
-from .weights import copy_weights
+from .weights.precision import copy_weights
 
 
 class Trainer:
@@ -33,6 +34,9 @@ class Trainer:
         torch.set_num_threads(cfg.run.threads or torch.get_num_threads())
         _seed_everything(cfg.run.seed)
         self.roles: Roles = build_roles(cfg, progress=progress)
+        # the models the run reads, as loaded (before any step trains the critic): saved with every
+        # checkpoint, compared on resume (checkpoint.check_models)
+        self.fingerprints = run_fingerprints(self.roles)
         self.run = Run(self.roles)
         self.step = 0
         self.wallclock = 0.0
@@ -107,7 +111,7 @@ class Trainer:
                "rollout": self.roles.rollout.state_dict(),
                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
         out = {"optim": self.roles.learner.checkpoint_state(), "rng": rng, "config": to_dict(self.cfg),
-               "tokenizer": self.roles.tokenizer, "in_flight": in_flight["sequences"],
+               "tokenizer": self.roles.tokenizer, "in_flight": in_flight["sequences"], "models": self.fingerprints,
                "state": {"step": self.step, "wallclock": self.wallclock,
                          "scheduler": sched, "tuner": self.run.tuner.state_dict(),
                          # how the sequences in flight were checkpointed: "saved" or "drained", and how many

@@ -2,8 +2,8 @@
 
 ``sequential.py`` calls them in their numbered order; ``overlapped.py`` calls the same ones in
 another order (streaming chunks while decoding, carrying unfinished sequences, training while
-decoding). Each stage returns a new record: the sampled :class:`~oppo.types.Rollout` batch, its
-:class:`~oppo.types.Scores`, the :class:`~oppo.learner.Experience` the learner consumes, and the
+decoding). Each stage returns a new record: the sampled :class:`~oppo.api.records.Rollout` batch, its
+:class:`~oppo.api.records.Scores`, the :class:`~oppo.learner.Experience` the learner consumes, and the
 :class:`StepResult`.
 """
 
@@ -18,7 +18,7 @@ from ..learner import Experience, attach_scores, build_experience, compute_advan
 from ..offpolicy import staleness_stats
 from ..scheduler import ChunkSizeTuner, DeltaController, Scheduler
 from ..setup import Roles
-from ..types import Chunk, ChunkReady, Rollout, Scores, SequenceFinished
+from ..api.records import Chunk, ChunkReady, Rollout, Scores, SequenceFinished
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@
   that models travel as a few strings, never as pickled weights;
 - :mod:`.cluster`: joining a Ray cluster, or starting a local one (or a local multi-node one);
 - :mod:`.ray_scorer`: the streaming scorers (reward, reference, critic) in Ray actors, behind a
-  handle with the methods of :class:`oppo.workers.ScorerWorker`;
+  handle with the methods of :class:`oppo.scoring.worker.ScorerWorker`;
 - :mod:`.dp`: the learner as a data-parallel group of Ray actors (``torch.distributed``: gloo on
   CPU, NCCL on GPU) whose update equals one learner's, and the weight sync to the rollout side;
 - :mod:`.ray_rollout`: rollout workers, N policy engines in Ray actors behind the engine's

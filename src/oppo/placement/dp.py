@@ -57,9 +57,9 @@ import torch
 from ..config import PPOConfig
 from ..learner import CriticBatch, Experience, Learner, _train, critic_micro_step, padding_stats
 from ..offpolicy import MismatchProbe
-from .ray_scorer import _short
+from ..scoring.ray import _short
 from .specs import ModelSpec
-from .weight_sync import Manifest, Packed, SyncGroup, WeightSender, WeightSyncError, full_tensors, pack, \
+from ..weights.sync import Manifest, Packed, SyncGroup, WeightSender, WeightSyncError, full_tensors, pack, \
     trained_parameters, unpack_into
 
 
@@ -113,7 +113,7 @@ def learner_spec(cfg, paths, pad_id: int, compute_dtype: torch.dtype, algorithm,
     its master dtype (the compute dtype under LoRA: only the fp32 adapters train), the critic in
     its master dtype (``critic`` False: none here, e.g. it trains on its scorer actor, or a
     critic-free algorithm), LoRA and gradient checkpointing as configured. ``cfg``: the Config."""
-    from ..weights import master_dtype
+    from ..weights.precision import master_dtype
 
     master = master_dtype(compute_dtype)
     lora = cfg.lora

@@ -90,7 +90,7 @@ from ..learner import CriticBatch, Experience, Learner, _train, critic_micro_ste
     set_old_logprobs
 from ..offpolicy import MismatchProbe
 from .dp import DPLearnerGroup, LearnerRank, LearnerSpec, _to, any_rank, merge_rank_stats, portable
-from .weight_sync import Packed, pack_state
+from ..weights.sync import Packed, pack_state
 
 _ZERO_WEIGHT = float("inf")  # a micro-step's loss denominators for weight 0: every gradient is exactly 0
 
@@ -103,7 +103,7 @@ def mixed_precision(compute_dtype: torch.dtype):
     fp32 (module docstring); None in fp32 (nothing to cast)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from ..weights import LOW_PRECISION
+    from ..weights.precision import LOW_PRECISION
 
     if compute_dtype not in LOW_PRECISION:
         return None

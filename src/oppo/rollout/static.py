@@ -1,6 +1,6 @@
 """A static-shape rollout engine: preallocated KV slots and a decode step that can be captured.
 
-:class:`StaticRolloutEngine` is a drop-in for :class:`oppo.rollout.RolloutEngine` (same
+:class:`StaticRolloutEngine` is a drop-in for :class:`oppo.rollout.engine.RolloutEngine` (same
 constructor arguments, same methods and attributes, same outputs: tokens, behaviour log-probs of
 the distribution actually sampled, versions = min(logits version, KV version)). What differs is
 how the KV cache lives:
@@ -69,8 +69,8 @@ import inspect
 
 import torch
 
-from .kv import right_pad
-from .rollout import KVBudgetError, Rollout, RolloutEngine
+from ..kv import right_pad
+from .engine import KVBudgetError, Rollout, RolloutEngine
 
 CAPTURE_MODES = ("none", "cuda_graph", "compile")
 
@@ -421,7 +421,7 @@ def _text_config(model):
 def _window(model, max_len: int | None) -> int | None:
     """The attention window in cache columns when it can bite within ``max_len`` (None: any
     window), else None."""
-    from .models import uses_sliding_window
+    from ..models import uses_sliding_window
 
     w = getattr(_text_config(model), "sliding_window", None)
     if not uses_sliding_window(model) or w is None or (max_len is not None and w >= max_len):
@@ -450,8 +450,8 @@ def static_decode_problem(model, max_len: int | None = None, probe: bool = False
     one forward of two tokens: a layer that keeps no plain keys/values, or a forward that takes no
     ``DynamicCache``. The constructor refuses on the config's reasons
     (``UnsupportedForStaticDecode``); ``generation.engine=auto`` asks with ``probe`` before
-    choosing this engine (:func:`oppo.rollout.resolve_engine`), so such a policy runs eager."""
-    from .models import backbone_and_head
+    choosing this engine (:func:`oppo.rollout.engine.resolve_engine`), so such a policy runs eager."""
+    from ..models import backbone_and_head
 
     cfg = _text_config(model)
     impl = getattr(cfg, "_attn_implementation", None) or "eager"

@@ -1,4 +1,4 @@
-"""The streaming scorers in Ray actors, behind a drop-in for :class:`oppo.workers.ScorerWorker`.
+"""The streaming scorers in Ray actors, behind a drop-in for :class:`oppo.scoring.worker.ScorerWorker`.
 
 Each actor (:class:`ScorerHost`) loads its roles' models itself from :class:`~.specs.ModelSpec`
 paths and runs the very message loop the local worker runs (a ``ScorerWorker`` on a thread inside
@@ -42,13 +42,13 @@ import torch
 
 from ..config import PPOConfig
 from ..learner import CriticBatch
-from ..rollout import Chunk
-from ..scoring import ScoredOutputs, StreamingScorer, score_full
+from ..rollout.engine import Chunk
+from .streaming import ScoredOutputs, StreamingScorer, score_full
 from ..trace import Tracer
-from ..weights import copy_weights, master_dtype, serving_copy
-from ..workers import BarrierReply, CriticTrainer, ScorerWorker, load_optimizer_state_in_place
-from .specs import ModelSpec
-from .weight_sync import is_packed, pack, unpack_into
+from ..weights.precision import copy_weights, master_dtype, serving_copy
+from .worker import BarrierReply, CriticTrainer, ScorerWorker, load_optimizer_state_in_place
+from ..placement.specs import ModelSpec
+from ..weights.sync import is_packed, pack, unpack_into
 
 SCORER_ROLES = ("reward", "reference", "critic")
 
@@ -152,7 +152,7 @@ class ScorerHost:
 
 
 class RayScorerWorker:
-    """Drop-in for :class:`oppo.workers.ScorerWorker` with the scorers in Ray actors.
+    """Drop-in for :class:`oppo.scoring.worker.ScorerWorker` with the scorers in Ray actors.
 
     ``specs``: role -> ModelSpec for the roles to score (any of reward, reference, critic).
     ``groups``: which roles share an actor; None: all in one. Each actor gets ``num_cpus`` CPUs and

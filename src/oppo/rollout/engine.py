@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .guard import NonFiniteError, sampling_message
-from .kv import KVRows, left_pad
-from .types import Chunk, ChunkReady, Event, Rollout, SequenceFinished
+from ..guard import NonFiniteError, sampling_message
+from ..kv import KVRows, left_pad
+from ..api.records import Chunk, ChunkReady, Event, Rollout, SequenceFinished
 
 __all__ = ["Chunk", "EngineSettings", "KVBudgetError", "Rollout", "RolloutEngine", "build_engine", "resolve_engine",
            "sample_tokens", "take_chunks"]
@@ -68,7 +68,7 @@ class RolloutEngine:
     def __init__(self, model, eos_id: int | tuple[int, ...], pad_id: int, max_new_tokens: int,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0, greedy: bool = False):
         """``eos_id``: the id, or every id, that ends a response (``models.stop_token_ids``)."""
-        from .models import backbone_and_head
+        from ..models import backbone_and_head
 
         self.model = model
         self.backbone, self.head = backbone_and_head(model)
@@ -161,7 +161,7 @@ class RolloutEngine:
         """The trained policy's weights into the model this engine samples with (a no-op when it
         is that model: fp32 without in-flight updates), then sample as ``version``. Rows in
         flight keep their KV cache (``recompute`` rebuilds it)."""
-        from .weights import copy_weights
+        from ..weights.precision import copy_weights
 
         copy_weights(weights, self.model)
         self.set_version(version)
@@ -312,7 +312,7 @@ class EngineSettings:
     """What a local rollout engine is built with (``generation.*``; ``setup.engine_settings``).
     ``kind``: eager or static (``generation.engine=auto`` resolved: :func:`resolve_engine`);
     ``max_rows`` / ``max_len``: the static engine's slots; ``capture``: its decode-step capture
-    (``fastdecode.CAPTURE_MODES``); ``reason``: which engine and why, for the run's log."""
+    (``rollout.static.CAPTURE_MODES``); ``reason``: which engine and why, for the run's log."""
 
     stop_ids: tuple[int, ...]
     pad_id: int
@@ -333,7 +333,7 @@ def resolve_engine(requested: str, device: torch.device, static_problem) -> tupl
     """The engine ``generation.engine`` names, and a sentence saying which runs and why.
 
     ``auto``: ``static`` (CUDA graphs) on a CUDA device unless ``static_problem()`` (a callable,
-    asked only then: ``fastdecode.static_decode_problem``, which may run a two-token forward) names
+    asked only then: ``rollout.static.static_decode_problem``, which may run a two-token forward) names
     something the static engine refuses; else ``eager``. On CPU the eager engine runs: CPU runs and
     their golden metrics stay as they were (without graphs the static engine is no faster there).
     Any other value is returned as asked.
@@ -352,7 +352,7 @@ def build_engine(model: torch.nn.Module, s: EngineSettings) -> RolloutEngine:
     """The one place a local rollout engine is built: by the controller's setup and by every Ray
     rollout worker."""
     if s.kind == "static":
-        from .fastdecode import StaticRolloutEngine
+        from .static import StaticRolloutEngine
 
         engine = StaticRolloutEngine(model, s.stop_ids, s.pad_id, s.max_new_tokens, s.temperature, s.top_k, s.top_p,
                                      seed=s.seed, max_rows=s.max_rows, max_len=s.max_len, capture=s.capture)

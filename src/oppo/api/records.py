@@ -4,7 +4,7 @@
   and the policy version that sampled it.
 - :class:`Chunk`: new tokens of one sequence for the streaming scorers.
 - :class:`SequenceFinished`, :class:`ChunkReady`: what a rollout backend reports from
-  ``advance`` (``roles/protocols.py``).
+  ``advance`` (``api/protocols.py``).
 - :class:`Scores`: what the scorers add to a batch (stage 3).
 
 The batch the learner consumes is ``learner.Experience``.

@@ -19,7 +19,7 @@ and at each weight load), so the trainer keeps the model as it is and the engine
 the same distribution (up to float rounding: tested against the training forward). It costs
 (D / d) x the attention work, nothing elsewhere. Only plain rotary embeddings (``rope_type``
 default, full rotary dimension) of these three architectures are padded; anything else is refused
-as before, by :func:`oppo.roles.vllm_rollout.vllm_problems`.
+as before, by :func:`oppo.rollout.vllm.backend.vllm_problems`.
 
 **Tied input and output embeddings** (the built-in task, SmolLM2, Qwen2.5-0.5B) are served untied
 on the CPU (:class:`ServedCheckpoint`): vLLM's CPU backend repacks the output head when it loads

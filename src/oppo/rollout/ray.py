@@ -1,7 +1,7 @@
 """Rollout workers on Ray: N replicas of the policy, each with its own engine, that decode on
 their own and stream their chunks straight to the scorer actors (``placement.rollout_workers``).
 
-:class:`RayRolloutGroup` is a ``RolloutBackend`` (``roles/protocols.py``): ``admit`` spreads new
+:class:`RayRolloutGroup` is a ``RolloutBackend`` (``api/protocols.py``): ``admit`` spreads new
 sequences over the workers (the least loaded first, so B + Delta is shared); ``advance`` lets
 every busy worker decode on its own until one of its rows ends, or for ``chunk_size`` steps
 (one Ray round trip per stretch, not per token), and returns the rows that ended anywhere (the
@@ -25,7 +25,7 @@ A worker that dies is named by role and rank (``rollout worker (role=rollout, ra
 ...``), like the scorer and learner actors.
 
 **vLLM** (``generation.engine=vllm``): each worker hosts a vLLM engine built by the same code as
-the controller's (``roles.vllm_rollout.vllm_backend``; the engine core in the actor's process,
+the controller's (``rollout.vllm.backend.vllm_backend``; the engine core in the actor's process,
 the model in a process vLLM spawns), and no Hugging Face copy of the policy: the weights go
 straight from the object store into vLLM's in-place reload. vLLM would bind its model process's
 OpenMP threads to every core of the machine but one, the same cores for every worker of a node,
@@ -43,12 +43,12 @@ import time
 
 import torch
 
-from ..rollout import EngineSettings, Rollout, build_engine
+from .engine import EngineSettings, Rollout, build_engine
 from ..trace import Tracer
-from ..types import ChunkReady, Event, SequenceFinished
-from .ray_scorer import _short, get_named
-from .specs import ModelSpec
-from .weight_sync import Packed, SyncGroup, WeightReceiver, WeightSyncError, pack, unpack_into
+from ..api.records import ChunkReady, Event, SequenceFinished
+from ..scoring.ray import _short, get_named
+from ..placement.specs import ModelSpec
+from ..weights.sync import Packed, SyncGroup, WeightReceiver, WeightSyncError, pack, unpack_into
 
 
 class RolloutHost:
@@ -63,7 +63,7 @@ class RolloutHost:
         settings = dataclasses.replace(settings, seed=seed)
         if settings.kind == "vllm":  # vLLM loads the checkpoint itself; no HF copy here (module docstring)
             from ..models import resolve_device
-            from ..roles.vllm_rollout import vllm_backend
+            from .vllm.backend import vllm_backend
 
             self.model = None
             self.engine = vllm_backend(spec.path, settings, spec.dtype, resolve_device(spec.device).type,

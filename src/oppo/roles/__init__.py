@@ -1,1 +1,0 @@
-"""Roles: what each of the four models does, wherever it runs (``protocols`` names the seams)."""
