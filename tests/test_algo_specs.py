@@ -78,7 +78,8 @@ def test_defaults_unchanged():
         cfg = load_config(None, [f"algo.name={name}", *SIZES])
         derived = (cfg.group_size, cfg.kl_placement, cfg.kl_estimator, cfg.needs_critic)
         assert derived == (G, placement, estimator, critic)
-        settings = dict(group_size=G, kl_coef=0.05, kl_estimator=estimator, kl_placement=placement)
+        beta = 0.04 if name == "grpo" else 0.05  # changed on purpose: GRPO's own beta (every one's was 0.05)
+        settings = dict(group_size=G, kl_coef=beta, kl_estimator=estimator, kl_placement=placement)
         own = {"ppo": dict(gamma=1.0, lam=0.95, whiten=True), "reinforce_pp": dict(gamma=1.0),
                "grpo": dict(std_normalize=True), "rloo": {}}[name]
         assert build_algorithm(cfg) == get_algorithm(name, **settings, **own)
@@ -149,8 +150,10 @@ def test_a_new_algorithm_is_its_spec(monkeypatch):
     cfg = Config()
     cfg.algo.name, cfg.ppo.whiten_advantages = "mean_baseline", False
     assert (cfg.group_size, cfg.kl_placement, cfg.kl_estimator, cfg.needs_critic) == (2, "reward", "k1", False)
+    assert build_algorithm(cfg).kl.coef == cfg.kl_coef == 0.1  # ppo.kl_coef empty: the spec's beta
+    cfg.ppo.kl_coef = 0.05
     algo = build_algorithm(cfg)
-    assert algo.estimator == BatchMeanBaseline(whiten=False) and algo.kl.coef == cfg.ppo.kl_coef == 0.05
+    assert algo.estimator == BatchMeanBaseline(whiten=False) and algo.kl.coef == cfg.kl_coef == 0.05
     mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0]], dtype=torch.float64)  # [B, T]
     logp = torch.full((4, 3), -1.0, dtype=torch.float64)  # [B, T]
     ref = logp.clone()

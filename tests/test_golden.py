@@ -33,7 +33,9 @@ CASES = {
     "oppo": (["overlap.mode=oppo", "overlap.delta=2", "overlap.max_lag=1"], 4),
     "oppo_recompute": (["overlap.mode=oppo", "overlap.delta=2", "overlap.max_lag=2", "overlap.stale_kv=recompute",
                         "overlap.stale_values=recompute"], 4),
-    "grpo_oppo": (["algo.name=grpo", "overlap.mode=oppo", "overlap.delta=1", "overlap.max_lag=1"], 3),
+    # recorded when every algorithm's Config got ppo.kl_coef=0.05 (GRPO's own default is 0.04 since)
+    "grpo_oppo": (["algo.name=grpo", "ppo.kl_coef=0.05", "overlap.mode=oppo", "overlap.delta=1", "overlap.max_lag=1"],
+                  3),
     "pipeline": (["overlap.mode=pipeline", "overlap.delta=2", "overlap.max_lag=1"], 1),
 }
 

@@ -127,8 +127,11 @@ def _flat(d: dict, prefix: str = "") -> dict:
 
 def settings_mismatches(saved: dict, now: dict) -> list[tuple[str, object, object]]:
     """(setting, value in the checkpoint, value now) for every setting that must match on resume
-    and does not. Settings the checkpoint does not know (added to oppo since) are not compared."""
-    a, b = _flat(saved), _flat(now)
+    and does not. Settings the checkpoint does not know (added to oppo since) are not compared; an
+    empty ``ppo.kl_coef`` compares as the algorithm's default (``config.resolved_settings``)."""
+    from .config import resolved_settings
+
+    a, b = _flat(resolved_settings(saved)), _flat(resolved_settings(now))
     out = []
     for key in sorted(a.keys() & b.keys()):
         if key in RESUMABLE_CHANGES or key.split(".")[0] in RESUMABLE_SECTIONS:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -181,12 +182,18 @@ class PPOConfig:
                                   "and critic alike; the whole update for non-finite advantages), warn, and count "
                                   "it in guard/skipped_updates. A non-finite updated weight stops the run in either.",
                          ("error", "skip"))
-    kl_coef: float = opt(0.05, "beta: weight of the per-token KL(pi || ref) penalty (in the reward, or in the "
-                               "loss: algo.kl_placement).")
+    kl_coef: float | None = opt(None, "beta: weight of the per-token KL(pi || ref) penalty (in the reward, or in "
+                                      "the loss: algo.kl_placement). Empty: the algorithm's default "
+                                      f"({_by_algorithm(lambda s: s.kl_coef)}); the value in effect is the "
+                                      "kl/coef metric.")
     kl_estimator: str = opt("auto", f"Per-token KL estimator. auto: {_by_algorithm(_kl_estimators)}.",
                             ("auto", "k1", "k2", "k3", "abs"))
     clip_eps: float = opt(0.2, "PPO ratio clip range (lower, and upper unless clip_eps_high is set).")
     clip_eps_high: float | None = opt(None, "Upper ratio clip (decoupled clipping). Empty: clip_eps.")
+    dual_clip: float | None = opt(None, "Dual clip (Ye et al. 2020, 'Mastering Complex Control in MOBA Games'): "
+                                        "the constant c > 1 that caps the clipped loss of tokens with negative "
+                                        "advantage at -c * A, so that a token whose ratio exploded cannot dominate "
+                                        "the update (ppo/dual_clipfrac: the share capped). Empty: off.")
     value_clip_eps: float | None = opt(0.2, "Value clip range around the rollout values. Empty: no value clipping.")
     gamma: float = opt(1.0, "GAE discount.")
     lam: float = opt(0.95, "GAE lambda.")
@@ -399,6 +406,11 @@ class Config:
         return self.algo_spec.kl_estimator_for(self.kl_placement)
 
     @property
+    def kl_coef(self) -> float:
+        """beta in effect: ``ppo.kl_coef``, or the algorithm's default when it is empty."""
+        return self.ppo.kl_coef if self.ppo.kl_coef is not None else self.algo_spec.kl_coef
+
+    @property
     def needs_critic(self) -> bool:
         return self.algo_spec.needs_critic
 
@@ -592,6 +604,16 @@ def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
 
+def resolved_settings(d: dict) -> dict:
+    """A config dict (``to_dict``, or a checkpoint's saved one) with an empty ``ppo.kl_coef``
+    replaced by the algorithm's default: the value in effect, for comparing two runs' settings (an
+    empty one under grpo is 0.04, as a checkpoint that named 0.04 was). ``d`` is unchanged."""
+    ppo, name = d.get("ppo"), (d.get("algo") or {}).get("name", "ppo")
+    if isinstance(ppo, dict) and "kl_coef" in ppo and ppo["kl_coef"] is None and name in SPECS:
+        return {**d, "ppo": {**ppo, "kl_coef": SPECS[name].kl_coef}}
+    return d
+
+
 def from_dict(d: dict) -> Config:
     cfg = Config()
     for key, value in _flatten(d).items():
@@ -628,7 +650,9 @@ def validate(cfg: Config) -> None:
                                       f"{p.micro_batch_tokens}.")
     _check(p.epochs >= 1, f"ppo.epochs must be >= 1, got {p.epochs}.")
     _check(p.actor_lr >= 0 and p.critic_lr >= 0, "ppo.actor_lr and ppo.critic_lr must be >= 0.")
-    _check(p.kl_coef >= 0, f"ppo.kl_coef must be >= 0, got {p.kl_coef}.")
+    _check(p.kl_coef is None or (math.isfinite(p.kl_coef) and p.kl_coef >= 0),
+           f"ppo.kl_coef must be a finite number >= 0 (0: no KL penalty; empty: the algorithm's default), "
+           f"got {p.kl_coef}.")
     _check(p.lr_warmup_steps >= 0, f"ppo.lr_warmup_steps must be >= 0 (0: no warm-up), got {p.lr_warmup_steps}.")
     _check(cfg.lora.r >= 0 and cfg.lora.alpha > 0, "lora.r must be >= 0 and lora.alpha > 0.")
     _check(cfg.lora.dropout == 0,
@@ -649,6 +673,9 @@ def validate(cfg: Config) -> None:
            f"ppo.kl_estimator={cfg.kl_estimator} as a loss term has no useful gradient (k1's is zero in "
            f"expectation); use k3 (GRPO's) or k2, or algo.kl_placement=reward.")
     _check(0 < p.clip_eps < 1, f"ppo.clip_eps must be in (0, 1), got {p.clip_eps}.")
+    _check(p.dual_clip is None or (math.isfinite(p.dual_clip) and p.dual_clip > 1),
+           f"ppo.dual_clip must be a finite number > 1 (the cap -c * A on tokens with negative advantage; 3 is "
+           f"common), or empty for off; got {p.dual_clip}.")
     _check(0 <= p.gamma <= 1 and 0 <= p.lam <= 1, "ppo.gamma and ppo.lam must be in [0, 1].")
     _check(p.is_truncate is None or p.is_truncate >= 1, "ppo.is_truncate must be >= 1 (or empty for none).")
     _check(cfg.policy.dtype != "float16",

@@ -22,6 +22,8 @@ name                          meaning
                               right answer: arith)
 ``kl/mean``                   mean over sequences of the summed per-token KL(pi || ref)
                               estimate, the quantity that ``beta`` penalises
+``kl/coef``                   beta in effect: ``ppo.kl_coef``, or the algorithm's default when
+                              that is empty (0.04 for grpo, 0.05 for the others)
 ``loss/policy``               clipped PPO policy loss, averaged over epochs and minibatches
 ``loss/value``                clipped value (critic) loss, same averaging
 ``grad_norm/actor``           total gradient norm before clipping, averaged over optimizer steps
@@ -32,6 +34,8 @@ name                          meaning
                               ``guard/skipped_updates_total`` sums it since the process started.
                               The means above leave the skipped steps out
 ``ppo/clipfrac``              fraction of response tokens whose probability ratio was clipped
+``ppo/dual_clipfrac``         with ``ppo.dual_clip``: fraction of response tokens whose loss the
+                              dual clip capped (negative advantage, ratio above the constant)
 ``ppo/approx_kl``             approximate KL between the behaviour policy and the updated
                               policy during the PPO epochs (large means the update moved far)
 ``ppo/entropy``               mean per-token entropy of the policy on the response tokens
@@ -66,8 +70,13 @@ name                          meaning
 ``overlap/offpolicy_token_frac``  fraction of the step's tokens sampled by an older policy
 ``overlap/is_weight_mean``    mean importance weight pi_k / pi_v over off-policy tokens (both
                               untruncated log-probs: ``Learner.old_logprobs``), as applied,
-                              after ``ppo.is_truncate``'s cap
-``overlap/is_weight_max``     largest such importance weight
+                              after ``ppo.is_truncate``'s cap (so at most the cap: see ``_raw``)
+``overlap/is_weight_max``     largest such importance weight (as applied: at most the cap)
+``overlap/is_weight_raw_mean``  mean of the same weights before the cap (how stale the batch
+                              really is; ``offpolicy.weight_stats``)
+``overlap/is_weight_raw_max``  largest weight before the cap
+``overlap/is_truncated_frac``  share of the off-policy tokens whose weight the cap cut (0
+                              without off-policy tokens)
 ``overlap/is_weight_ess``     normalised effective sample size of the weights the loss applies,
                               over every token (fresh ones weigh 1): (sum w)^2 / (N sum w^2),
                               1 when nothing is reweighted

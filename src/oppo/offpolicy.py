@@ -6,7 +6,7 @@ step trains (``shared/DESIGN.md`` section 2):
 - **staleness**: the token was sampled by an older policy version (a carried sequence, or a
   pipeline run's in-flight decoding). Measured per token, ``step - versions[t]``
   (:func:`token_lag_stats`), and corrected by the importance weights
-  (``Learner.old_logprobs``; their spread: :func:`weight_stats`);
+  (``Learner.old_logprobs``; their spread, and how many ``ppo.is_truncate`` cut: :func:`weight_stats`);
 - **mismatch**: the same weights give different log-probs in the sampler (KV-cached decoding, its
   precision, its batch shapes) and in the trainer's forward. Measured on the tokens sampled by
   the weights being trained, at the update's first optimizer step (:class:`MismatchProbe`), and
@@ -68,25 +68,44 @@ def seq_lag_stats(lags: list[int]) -> dict[str, float]:
             **{f"overlap/seq_lag_{n}": hist.get(n, 0) for n in range(max(lags) + 1)}}
 
 
-def weight_stats(is_weights: torch.Tensor, mask: torch.Tensor, off: torch.Tensor) -> dict[str, float]:
-    """The importance weights the loss applies: mean and max over the off-policy tokens, and the
-    normalised ESS over every token (fresh ones weigh 1): how much of the batch the staleness
-    correction leaves. is_weights, mask, off: [B, T]."""
+TRUNCATED_RTOL = 1e-6
+"""A weight counts as truncated where the applied one is below the raw one by more than this
+(relative): the raw weight is recomputed here, maybe on another device than the learner's."""
+
+
+def weight_stats(is_weights: torch.Tensor, mask: torch.Tensor, off: torch.Tensor,
+                 raw: torch.Tensor | None = None) -> dict[str, float]:
+    """The importance weights the loss applies (``is_weights``, after ``ppo.is_truncate``'s cap):
+    mean and max over the off-policy tokens, and the normalised ESS over every token (fresh ones
+    weigh 1): how much of the batch the staleness correction leaves. With ``raw`` (the untruncated
+    pi_k / pi_v), also their mean and max over the off-policy tokens (the applied ones saturate at
+    the cap, hiding how stale the batch is) and the share of off-policy tokens whose weight the
+    cap cut (``overlap/is_truncated_frac``; 0 without off-policy tokens).
+    is_weights, mask, off, raw: [B, T]."""
     w = is_weights[off]
-    return {"overlap/is_weight_mean": w.mean().item() if w.numel() else 1.0,
-            "overlap/is_weight_max": w.max().item() if w.numel() else 1.0,
-            "overlap/is_weight_ess": ess(is_weights[mask > 0])}
+    out = {"overlap/is_weight_mean": w.mean().item() if w.numel() else 1.0,
+           "overlap/is_weight_max": w.max().item() if w.numel() else 1.0,
+           "overlap/is_weight_ess": ess(is_weights[mask > 0])}
+    if raw is not None:
+        r = raw[off].to(w.dtype)
+        cut = r > w * (1 + TRUNCATED_RTOL)
+        out.update({"overlap/is_weight_raw_mean": r.double().mean().item() if r.numel() else 1.0,
+                    "overlap/is_weight_raw_max": r.max().item() if r.numel() else 1.0,
+                    "overlap/is_truncated_frac": cut.double().mean().item() if r.numel() else 0.0})
+    return out
 
 
 def staleness_stats(exp: Experience, step: int, seq_lags: list[int]) -> dict[str, float]:
     """What a carrying step reports about the staleness of its batch ``exp`` (an ``Experience``
     after ``Learner.old_logprobs``), trained at ``step``, whose sequences waited ``seq_lags``:
-    per-token lag, per-sequence lag, the off-policy token share and the importance weights."""
+    per-token lag, per-sequence lag, the off-policy token share and the importance weights (as
+    applied, and untruncated: exp(old - sampler), the weight before ``ppo.is_truncate``)."""
     mask = exp.mask > 0
     off = (exp.versions < step) & mask  # [B, T]
+    raw = torch.exp(exp.old_logprobs - exp.sampler_logprobs)  # [B, T] as set_old_logprobs computes it
     return {**seq_lag_stats(list(seq_lags)), **token_lag_stats(exp.versions, exp.mask, step),
             "overlap/offpolicy_token_frac": off.sum().item() / max(1, mask.sum().item()),
-            **weight_stats(exp.is_weights, exp.mask, off)}
+            **weight_stats(exp.is_weights, exp.mask, off, raw)}
 
 
 def optimizer_steps(opt: torch.optim.Optimizer) -> int:

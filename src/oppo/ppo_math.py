@@ -314,8 +314,8 @@ def policy_loss(
     larger), "approx_kl" (mean 0.5*(logprobs-old)^2), "ratio_mean",
     "ratio_max", and "dual_clipfrac" when dual_clip is set.
     """
-    if dual_clip is not None and dual_clip <= 1.0:
-        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+    if dual_clip is not None and not 1.0 < dual_clip < float("inf"):  # (NaN fails too)
+        raise ValueError(f"dual_clip must be a finite number > 1, got {dual_clip}")
     high = clip_eps if clip_eps_high is None else clip_eps_high
 
     log_ratio = _zero_masked(logprobs - old_logprobs, mask)  # [B, T]

@@ -50,8 +50,9 @@ def get_algorithm(name: str, **settings: Any) -> Algorithm:
 
 def build_algorithm(cfg: Any) -> Algorithm:
     """The configured Algorithm (``cfg``: an ``oppo.config.Config``). The shared settings are the
-    ones the Config derives once from the spec (group size, KL placement and estimator) and
-    ``ppo.kl_coef``; the algorithm's own come from its spec's ``from_config``."""
+    ones the Config derives once from the spec (group size, KL placement and estimator, and the KL
+    coefficient: ``ppo.kl_coef``, or the spec's ``kl_coef`` when it is empty); the algorithm's own
+    come from its spec's ``from_config``."""
     spec = get_spec(cfg.algo.name)
-    return spec.build(group_size=cfg.group_size, kl_coef=cfg.ppo.kl_coef, kl_estimator=cfg.kl_estimator,
+    return spec.build(group_size=cfg.group_size, kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator,
                       kl_placement=cfg.kl_placement, **spec.from_config(cfg))

@@ -130,7 +130,7 @@ class KLPenalty:
 class AdvantageResult:
     """Stages 4-5 output. advantages, rewards: [B, T]. returns: [B, T] critic targets (None
     without a critic). kl: [B, T] per-token estimate (None without reference log-probs).
-    stats: detached 0-d tensors."""
+    stats: detached 0-d tensors: the estimator's, and ``kl/coef`` (beta, whatever the placement)."""
 
     advantages: Tensor
     returns: Optional[Tensor]
@@ -211,6 +211,8 @@ class Algorithm:
                 scores, logprobs, ref_logprobs, mask, self.kl.reward_coef, self.kl.estimator
             )  # [B, T], [B, T]
         a, returns, stats = self.estimator(rewards, mask, values, group_ids)
+        # beta in effect, reported every step: a Config's empty ppo.kl_coef is the spec's default
+        stats = {**stats, "kl/coef": torch.tensor(float(self.kl.coef), dtype=torch.float64)}
         return AdvantageResult(advantages=a, returns=returns, rewards=rewards, kl=kl, stats=stats)
 
     def actor_loss_extra(
@@ -261,8 +263,8 @@ class AlgorithmSpec:
     means ``kl_estimator_for(placement)``, and ``algo.group_size`` must be at least
     ``min_group_size``. ``needs_critic`` and ``min_group_size`` are the estimator class's.
 
-    ``kl_coef`` is ``get_algorithm``'s default only: a Config always sets the coefficient from
-    ``ppo.kl_coef`` (0.05 for every algorithm).
+    ``kl_coef`` is beta when ``get_algorithm`` is given none and when a Config leaves
+    ``ppo.kl_coef`` empty (``Config.kl_coef``).
     """
 
     name: str
@@ -276,7 +278,7 @@ class AlgorithmSpec:
     kl_placement: str
     """Where the KL goes when ``algo.kl_placement=auto``: "reward" or "loss"."""
     kl_coef: float
-    """beta when ``get_algorithm`` is not given one."""
+    """beta when ``get_algorithm`` is not given one, and under an empty ``ppo.kl_coef``."""
     reward_kl_estimator: str = "k1"
     """The KL estimator in the reward when none is named: k1, whose expectation is the KL."""
     loss_kl_estimator: str = "k3"

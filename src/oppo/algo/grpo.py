@@ -52,6 +52,6 @@ SPEC = AlgorithmSpec(
     estimator=GroupNormalized,
     group_size=4,
     kl_placement="loss",
-    kl_coef=0.04,  # DeepSeekMath's beta; a Config sets ppo.kl_coef (0.05) for every algorithm
+    kl_coef=0.04,  # DeepSeekMath's beta; a Config's when ppo.kl_coef is empty (its default)
     from_config=_from_config,
 )
