@@ -18,7 +18,10 @@ it is damaged). Checkpoints written before manifests load unchecked.
 
 Each checkpoint also holds the run's settings (``config.yaml``), so that ``--resume`` can check,
 before any model loads, that the run being resumed is configured as the one that was saved
-(:func:`settings_mismatches`).
+(:func:`settings_mismatches`), and ``models.json``: fingerprints of the models the run reads but
+does not train (the reference, the reward model, the critic's initialisation, the tokenizer;
+``fingerprint.py``), so that a resume refuses one re-exported with other weights at the same path
+(:func:`check_models`; ``run.allow_changed_models`` lets it through with a warning).
 
 Sequences in flight at a checkpoint (inter-step overlap: carried ones, finished group members
 waiting for their siblings, a pipeline run's begun step) are saved with it, in ``in_flight.json``:
@@ -69,6 +72,7 @@ CKPT_DIR = "checkpoints"
 CONFIG_FILE = "config.yaml"
 IN_FLIGHT_FILE = "in_flight.json"
 MANIFEST_FILE = "manifest.json"
+MODELS_FILE = "models.json"
 
 # Settings that may differ between a checkpoint and the run resuming it: how long to run, where
 # and how often to write, what to print, and where the work runs (placement changes neither the
@@ -77,6 +81,7 @@ MANIFEST_FILE = "manifest.json"
 RESUMABLE_CHANGES = frozenset({
     "run.steps", "run.out_dir", "run.save_every", "run.save_every_minutes", "run.keep_checkpoints", "run.samples",
     "run.threads",
+    "run.allow_changed_models",  # (the override itself: resuming with it is its purpose)
     "policy.device", "reference.device", "critic.device", "reward.device",
     "reward.retries", "reward.retry_backoff_s",  # (a run stopped by a flaky remote scorer resumes with retries)
     "overlap.scorer_process", "overlap.actor_threads", "overlap.scorer_threads",
@@ -229,6 +234,8 @@ def _write(trainer, state: dict, tmp: Path) -> None:
     if state.get("in_flight"):  # the sequences in flight, with their partial responses (module docstring)
         (tmp / IN_FLIGHT_FILE).write_text(json.dumps(state["in_flight"]))
     (tmp / CONFIG_FILE).write_text(yaml.safe_dump(state["config"], sort_keys=False))
+    if state.get("models"):  # fingerprints of the models the run reads (fingerprint.py), checked on resume
+        (tmp / MODELS_FILE).write_text(json.dumps(state["models"], indent=1))
     # sizes and hashes, checked on resume (verify_checkpoint): a truncated file is found before it is loaded
     (tmp / MANIFEST_FILE).write_text(json.dumps(_manifest(tmp), indent=1))
     (tmp / "state.json").write_text(json.dumps(state["state"], indent=1))  # written last: marks the checkpoint complete
@@ -289,7 +296,7 @@ def load_checkpoint(trainer, ckpt: Path) -> None:
 def _load(trainer, ckpt: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from .models import is_peft, load_weights
+    from .models import check_adapter_shapes, is_peft, load_weights
 
     state = json.loads((ckpt / "state.json").read_text())
     classes = {"policy": AutoModelForCausalLM, "critic": AutoModelForSequenceClassification}
@@ -298,13 +305,51 @@ def _load(trainer, ckpt: Path) -> None:
             from peft import load_peft_weights, set_peft_model_state_dict
 
             device = str(next(model.parameters()).device)
-            set_peft_model_state_dict(model, load_peft_weights(str(ckpt / sub), device=device))
+            adapter = load_peft_weights(str(ckpt / sub), device=device)
+            check_adapter_shapes(model, adapter, ckpt / sub)  # a base of another shape: one clear line
+            set_peft_model_state_dict(model, adapter)
             continue
         saved = classes[sub].from_pretrained(ckpt / sub, dtype=next(model.parameters()).dtype)
         load_weights(model, saved.state_dict(), ckpt / sub)  # a model of another shape: one clear line
+    # after the weights (a base of another shape has its own, clearer message), before any state is restored
+    check_models(trainer, ckpt)
     optim = torch.load(ckpt / "optim.pt", weights_only=False)
     if "sharded" in optim:  # a sharded learner's (DCP): every learner reads it from here, whole or resharded
         optim = {"sharded": str(ckpt / optim["sharded"])}
     in_flight = json.loads((ckpt / IN_FLIGHT_FILE).read_text()) if (ckpt / IN_FLIGHT_FILE).is_file() else None
     trainer.load_state_dict({"state": state, "optim": optim, "in_flight": in_flight,
                              "rng": torch.load(ckpt / "rng.pt", weights_only=False)})
+
+
+def check_models(trainer, ckpt: Path) -> None:
+    """Refuse, with a :class:`~oppo.models.ModelLoadError` naming each one, its path and the fix, a
+    resume whose reference model, reward model, critic initialisation or tokenizer differs from
+    the one the checkpoint's run started with (``models.json``; ``fingerprint.py``); with
+    ``run.allow_changed_models`` warn and go on. Checkpoints written before fingerprints resume
+    unchecked."""
+    import warnings
+
+    from .fingerprint import changed_models
+    from .models import ModelLoadError
+
+    path = Path(ckpt) / MODELS_FILE
+    now = getattr(trainer, "fingerprints", None)
+    if not path.is_file() or not now:
+        return
+    changed = changed_models(json.loads(path.read_text()), now)
+    if not changed:
+        return
+    what = {"reference": "the reference model", "reward": "the reward model",
+            "critic": "the critic's initialisation", "tokenizer": "the policy's tokenizer"}
+    names = "; ".join(f"{what.get(role, role)} at {path}" + (f" (was {then} when saved)" if then != path else "")
+                      for role, then, path in changed)
+    if trainer.cfg.run.allow_changed_models:
+        warnings.warn(f"resuming from {ckpt} although these hold other weights than when it was saved "
+                      f"(run.allow_changed_models=true): {names}.", stacklevel=2)
+        return
+    raise ModelLoadError(
+        f"cannot resume from {ckpt}: {names} {'holds' if len(changed) == 1 else 'hold'} other weights than when "
+        f"the checkpoint's run started (their fingerprints in {MODELS_FILE} differ), so the resumed run would "
+        f"train against other models (its KL, rewards and values would jump). Restore the original files at "
+        f"{'that path' if len(changed) == 1 else 'those paths'}, or, if the change is deliberate, resume with "
+        f"run.allow_changed_models=true. Nothing in the run directory was changed.")

@@ -348,6 +348,10 @@ class RunConfig:
     keep_checkpoints: int = opt(2, "Most recent checkpoints kept (older ones are deleted).")
     threads: int = opt(0, "torch CPU threads for sequential work (0: all cores).")
     samples: int = opt(3, "Sample responses printed at the start and at the end.")
+    allow_changed_models: bool = opt(False, "On resume, continue although the reference model, reward model, critic "
+                                            "initialisation or tokenizer holds other weights than when the checkpoint "
+                                            "was saved (a re-export at the same path): a warning names them. Without "
+                                            "it such a resume is refused.")
 
 
 @dataclass

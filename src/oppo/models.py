@@ -415,6 +415,24 @@ def load_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], source)
     model.load_state_dict(state)
 
 
+def check_adapter_shapes(model, adapter: dict[str, torch.Tensor], source) -> None:
+    """Refuse, in one line, a saved LoRA adapter (``source``: a checkpoint's ``policy/``; ``adapter``:
+    its tensors, as ``peft.load_peft_weights`` gives them) whose tensors do not fit ``model``'s: a
+    resume onto a base model of another shape is otherwise torch's size-mismatch traceback."""
+    # (the saved names lack the adapter's name: peft's "....lora_A.default.weight" is saved as "....lora_A.weight")
+    name = getattr(model, "active_adapter", "default")
+    own = {k.replace(f".{name}.", ".").replace(f".{name}", ""): v for k, v in model.state_dict().items()}
+    bad = [(k, tuple(v.shape), tuple(own[k].shape)) for k, v in adapter.items()
+           if k in own and tuple(v.shape) != tuple(own[k].shape)]
+    if bad:
+        k, saved, now = bad[0]
+        more = f" (and {len(bad) - 1} more parameters)" if len(bad) > 1 else ""
+        raise ModelLoadError(f"the LoRA adapter in {source} does not fit this run's base model: {k} is "
+                             f"{list(saved)} there and {list(now)} here{more}, so the base model at policy.path has "
+                             f"another shape than the one the adapter was trained on. Resume with the base model "
+                             f"the run started from, or start a new run without --resume to train this one.")
+
+
 def stop_token_ids(tokenizer, model) -> tuple[int, ...]:
     """Every id that ends a response: the tokenizer's EOS and each EOS of the model's
     ``generation_config`` (an int or a list: Llama 3 instruct stops on <|eot_id|> and

@@ -1,0 +1,173 @@
+"""A resume refuses models re-exported with other weights at the same path (the reference, the
+reward model, the critic's initialisation, the tokenizer: ``fingerprint.py``), unless
+``run.allow_changed_models``; a LoRA adapter on a base of another shape is refused in one line."""
+
+import json
+import re
+import shutil
+
+import pytest
+import torch
+
+from conftest import WORDS, make_models
+from oppo.checkpoint import MANIFEST_FILE, MODELS_FILE, latest_checkpoint, verify_checkpoint
+from oppo.cli import main
+from oppo.config import load_config
+from oppo.fingerprint import tokenizer_fingerprint, weights_fingerprint
+from oppo.models import ModelLoadError
+from oppo.run import train
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, tiny_prompts):
+    """Own copies of the tiny models (the tests overwrite them; :func:`case` restores them), the
+    reference in a directory of its own, and a run of one step on them (trained once: each test
+    resumes a copy)."""
+    root = tmp_path_factory.mktemp("resume_models")
+    models = make_models(root / "models")
+    models["reference"] = root / "models" / "reference"
+    shutil.copytree(models["policy"], models["reference"])
+    shutil.copytree(root / "models", root / "pristine")
+    run(models, tiny_prompts, root / "run", 1)
+    return models, root
+
+
+@pytest.fixture
+def case(trained, tmp_path, capsys):
+    """(the models, a copy of the trained run's directory); the models are restored afterwards."""
+    models, root = trained
+    out = tmp_path / "run"
+    shutil.copytree(root / "run", out)  # (run.out_dir may change on resume)
+    capsys.readouterr()
+    yield models, out
+    shutil.rmtree(root / "models")
+    shutil.copytree(root / "pristine", root / "models")
+
+
+def settings(models, prompts, out, steps, *extra):
+    return [f"policy.path={models['policy']}", f"reward.path={models['reward']}",
+            f"reference.path={models['reference']}", f"data.prompts={prompts}", "run.threads=1",
+            "overlap.mode=sequential", "ppo.batch_size=2", "ppo.minibatch_size=2", "ppo.micro_batch_size=2",
+            "generation.max_new_tokens=4", f"run.steps={steps}", f"run.out_dir={out}", "log.progress=false",
+            "run.samples=0", *extra]
+
+
+def run(models, prompts, out, steps, *extra, resume=None):
+    return train(load_config(None, settings(models, prompts, out, steps, *extra)), resume=resume, progress=False)
+
+
+def snapshot(d):
+    return {str(p.relative_to(d)): (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def overwrite_with_other_weights(model_dir, tmp_path, **shape):
+    """Re-export ``model_dir`` (a policy-like directory) with the weights of another initialisation."""
+    other = make_models(tmp_path / "other", seed=1, **shape)
+    for f in model_dir.iterdir():
+        if f.suffix in (".safetensors", ".json") and "token" not in f.name:
+            f.unlink()
+    for f in other["policy"].iterdir():
+        if f.suffix in (".safetensors", ".json") and "token" not in f.name:
+            shutil.copy(f, model_dir / f.name)
+
+
+def test_fingerprints_are_recorded_and_an_unchanged_resume_passes(case, tiny_prompts):
+    models, out = case
+    ckpt = latest_checkpoint(out)
+    saved = json.loads((ckpt / MODELS_FILE).read_text())
+    assert set(saved) == {"reference", "reward", "critic", "tokenizer"}
+    assert saved["reference"]["path"] == str(models["reference"])
+    assert MODELS_FILE in json.loads((ckpt / MANIFEST_FILE).read_text())  # written before the manifest
+    run(models, tiny_prompts, out, 2, resume="auto")
+    assert latest_checkpoint(out).name == "step_000002"
+
+
+def test_changed_reference_is_refused_with_one_paragraph_and_nothing_changes(case, tiny_prompts, tmp_path, capsys):
+    models, out = case
+    before = snapshot(out)
+    overwrite_with_other_weights(models["reference"], tmp_path)
+    assert main(["train", "--resume", "auto", *settings(models, tiny_prompts, out, 2)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("oppo: error: cannot resume from") and "\n" not in err and "Traceback" not in err
+    assert f"the reference model at {models['reference']}" in err
+    assert "reward model" not in err and "tokenizer" not in err
+    assert "Restore the original files" in err and "run.allow_changed_models=true" in err
+    assert snapshot(out) == before, "the refused resume changed the run directory"
+
+
+def test_changed_reference_resumes_with_the_override(case, tiny_prompts, tmp_path):
+    models, out = case
+    overwrite_with_other_weights(models["reference"], tmp_path)
+    with pytest.warns(UserWarning, match=f"the reference model at {models['reference']}"):
+        run(models, tiny_prompts, out, 2, "run.allow_changed_models=true", resume="auto")
+    ckpt = latest_checkpoint(out)
+    assert ckpt.name == "step_000002"
+    # the continued run records the models it now reads: resuming it again needs no override
+    run(models, tiny_prompts, out, 3, resume="auto")
+
+
+def test_changed_tokenizer_is_refused(case, tiny_prompts):
+    from tokenizers import Tokenizer, models as tk_models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    models, out = case
+    words = list(WORDS)
+    words[0], words[1] = words[1], words[0]  # the same size, two ids swapped: the model still loads
+    tk = Tokenizer(tk_models.WordLevel(vocab={t: i for i, t in enumerate(["<pad>", "<eos>", "<unk>"] + words)},
+                                       unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    for role in ("policy", "reward", "reference"):  # all alike (a mismatch between roles has its own error)
+        tok.save_pretrained(models[role])
+    with pytest.raises(ModelLoadError, match=f"the policy's tokenizer at {models['policy']}") as e:
+        run(models, tiny_prompts, out, 2, resume="auto")
+    assert "reference model" not in str(e.value)
+
+
+def test_checkpoint_without_fingerprints_resumes_unchecked(case, tiny_prompts, tmp_path):
+    models, out = case
+    ckpt = latest_checkpoint(out)
+    (ckpt / MODELS_FILE).unlink()  # as a checkpoint written before fingerprints
+    manifest = json.loads((ckpt / MANIFEST_FILE).read_text())
+    del manifest[MODELS_FILE]
+    (ckpt / MANIFEST_FILE).write_text(json.dumps(manifest))
+    assert verify_checkpoint(ckpt) is None
+    overwrite_with_other_weights(models["reference"], tmp_path)
+    run(models, tiny_prompts, out, 2, resume="auto")
+    assert latest_checkpoint(out).name == "step_000002"
+
+
+def test_lora_adapter_on_a_base_of_another_shape_is_one_line(tiny_prompts, tmp_path, capsys):
+    models = make_models(tmp_path / "models")
+    models["reference"] = models["policy"]  # (LoRA: the reference is the policy's base)
+    out = tmp_path / "run"
+    lora = ("lora.r=2", "lora.alpha=4")
+    run(models, tiny_prompts, out, 1, *lora)
+    capsys.readouterr()
+    overwrite_with_other_weights(models["policy"], tmp_path, hidden=64)
+    assert main(["train", "--resume", "auto", *settings(models, tiny_prompts, out, 2, *lora)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err
+    assert err.startswith(f"oppo: error: the LoRA adapter in {latest_checkpoint(out) / 'policy'}")
+    # (the first of them: down_proj's input is the MLP's width, 64 then and 128 now)
+    assert re.search(r"layers\.0\.mlp\.down_proj\.lora_A\.weight is \[2, 64\] there and \[2, 128\] here "
+                     r"\(and \d+ more parameters\)", err), err
+    assert "Resume with the base model the run started from" in err
+
+
+def test_fingerprints_see_one_changed_value_and_not_the_device(tiny_models):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["policy"])
+    before = weights_fingerprint(model)
+    assert weights_fingerprint(AutoModelForCausalLM.from_pretrained(tiny_models["policy"])) == before
+    if torch.cuda.is_available():  # exact on any device: the sum is of integers
+        assert weights_fingerprint(model.cuda()) == before
+        model.cpu()
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[3, 5] += 1e-3  # one value, likely not in the sample
+    assert weights_fingerprint(model) != before
+    tok = AutoTokenizer.from_pretrained(tiny_models["policy"])
+    fp = tokenizer_fingerprint(tok)
+    tok(["the film", "a"], padding=True)  # encoding with padding sets the backend's padding state
+    assert tokenizer_fingerprint(tok) == fp
