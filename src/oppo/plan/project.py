@@ -148,7 +148,7 @@ def sensitivity(base: dict, sigma: float, steps: int = 60) -> list[dict]:
         ("max_lag 2", {"max_lag": 2}),
         ("max_lag 2, Delta 28", {"max_lag": 2, "delta": 28}),
         ("4 PPO epochs (TRL's default)", {"epochs": 4}),
-        ("a faster decoder (5 ms per step, not 20: CUDA graphs, as vLLM)", {"eff": replace(eff, decode_step_s=0.005)}),
+        ("a faster decoder (5 ms per step, not 20: CUDA graphs, as serving engines do)", {"eff": replace(eff, decode_step_s=0.005)}),
         ("chunk 64 tokens", {"chunk": 64}),
         ("responses capped at 2048 (median 256)", {"max_new_tokens": 2048}),
         ("3B actor, 7B reward model", {"actor_b": 3.0}),

@@ -29,7 +29,7 @@ from ..guard import NonFiniteError, sampling_message
 from ..kv import KVRows, left_pad
 from ..api.records import Chunk, ChunkReady, Event, Rollout, SequenceFinished
 
-__all__ = ["Chunk", "EngineSettings", "KVBudgetError", "Rollout", "RolloutEngine", "build_engine", "resolve_engine",
+__all__ = ["Chunk", "EngineSettings", "KVBudgetError", "Rollout", "RolloutEngine", "resolve_engine",
            "sample_tokens", "take_chunks"]
 
 
@@ -178,7 +178,7 @@ class RolloutEngine:
         return {"generator": self.generator.get_state()}
 
     def load_state_dict(self, state: dict) -> None:
-        """A state from another kind of backend (a vLLM run's: per-request seeds) leaves the
+        """A state from another kind of backend (one that seeds per request) leaves the
         generator at its seed: the resume samples validly but not as the uninterrupted run."""
         gen = state.get("generator")
         if gen is None:
@@ -309,8 +309,9 @@ def take_chunks(finished, active, chunk_size: int) -> list[Chunk]:
 
 @dataclass(frozen=True)
 class EngineSettings:
-    """What a local rollout engine is built with (``generation.*``; ``setup.engine_settings``).
-    ``kind``: eager or static (``generation.engine=auto`` resolved: :func:`resolve_engine`);
+    """What a rollout backend is built with (``generation.*``; ``setup.engine_settings``).
+    ``kind``: the backend's name in ``rollout.registry`` (``generation.engine=auto`` resolved:
+    :func:`resolve_engine`);
     ``max_rows`` / ``max_len``: the static engine's slots; ``capture``: its decode-step capture
     (``rollout.static.CAPTURE_MODES``); ``reason``: which engine and why, for the run's log."""
 
@@ -346,20 +347,3 @@ def resolve_engine(requested: str, device: torch.device, static_problem) -> tupl
     if problem:
         return "eager", f"eager (generation.engine=auto: the static engine cannot decode this policy: {problem})"
     return "static", "static with CUDA graphs (generation.engine=auto; generation.engine=eager is the fallback)"
-
-
-def build_engine(model: torch.nn.Module, s: EngineSettings) -> RolloutEngine:
-    """The one place a local rollout engine is built: by the controller's setup and by every Ray
-    rollout worker."""
-    if s.kind == "static":
-        from .static import StaticRolloutEngine
-
-        engine = StaticRolloutEngine(model, s.stop_ids, s.pad_id, s.max_new_tokens, s.temperature, s.top_k, s.top_p,
-                                     seed=s.seed, max_rows=s.max_rows, max_len=s.max_len, capture=s.capture)
-    elif s.kind == "eager":
-        engine = RolloutEngine(model, s.stop_ids, s.pad_id, s.max_new_tokens, s.temperature, s.top_k, s.top_p,
-                               seed=s.seed)
-    else:
-        raise ValueError(f"unknown engine {s.kind!r}: eager or static")
-    engine.kv_budget_mb = s.kv_budget_mb or None
-    return engine

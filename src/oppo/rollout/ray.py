@@ -24,16 +24,13 @@ those of the local engine (tested); a checkpoint saves every worker's generator 
 A worker that dies is named by role and rank (``rollout worker (role=rollout, rank=1) died:
 ...``), like the scorer and learner actors.
 
-**vLLM** (``generation.engine=vllm``): each worker hosts a vLLM engine built by the same code as
-the controller's (``rollout.vllm.backend.vllm_backend``; the engine core in the actor's process,
-the model in a process vLLM spawns), and no Hugging Face copy of the policy: the weights go
-straight from the object store into vLLM's in-place reload. vLLM would bind its model process's
-OpenMP threads to every core of the machine but one, the same cores for every worker of a node,
-whatever CPUs Ray granted: the worker builds it with ``VLLM_CPU_OMP_THREADS_BIND=nobind`` and
-``OMP_NUM_THREADS`` = its thread share (``overlap.actor_threads``) instead, unpinned (a
-``VLLM_CPU_OMP_THREADS_BIND`` the user set wins). ``check_vllm`` runs in the controller before any actor starts
-(``setup.build_roles``). Sampling seeds are per request (seed ``run.seed + rank``), so a worker's
-checkpoint state is the engine's ``state_dict`` (no generator).
+**Any registered backend** (``generation.engine``; ``rollout.registry``): each worker builds it
+with the registry's ``build``, as the controller does, with the CPU threads it was granted. A
+backend that loads the policy itself (``Backend.loads_own_weights``) gets no Hugging Face copy in
+the worker: the weights go from the object store (or the collective group, received on the CPU)
+straight to its ``load_weights`` as ``(name, tensor)`` pairs. Its checks (``Backend.problems``)
+run in the controller before any actor starts (``setup.build_roles``). A worker's checkpoint state
+is its engine's ``state_dict``.
 """
 
 from __future__ import annotations
@@ -43,7 +40,10 @@ import time
 
 import torch
 
-from .engine import EngineSettings, Rollout, build_engine
+from ..models import resolve_device
+from . import registry
+from .engine import EngineSettings, Rollout
+from .registry import BuildRequest
 from ..trace import Tracer
 from ..api.records import ChunkReady, Event, SequenceFinished
 from ..scoring.ray import _short, get_named
@@ -61,16 +61,11 @@ class RolloutHost:
         torch.set_num_threads(threads)
         self.name = name
         settings = dataclasses.replace(settings, seed=seed)
-        if settings.kind == "vllm":  # vLLM loads the checkpoint itself; no HF copy here (module docstring)
-            from ..models import resolve_device
-            from .vllm.backend import vllm_backend
-
-            self.model = None
-            self.engine = vllm_backend(spec.path, settings, spec.dtype, resolve_device(spec.device).type,
-                                       role=name, threads=threads)
-        else:
-            self.model = spec.load().requires_grad_(False)
-            self.engine = build_engine(self.model, settings)
+        backend = registry.get(settings.kind)
+        # a backend that loads the checkpoint itself gets no Hugging Face copy here (module docstring)
+        self.model = None if backend.loads_own_weights else spec.load().requires_grad_(False)
+        self.engine = backend.build(BuildRequest(settings, self.model, spec.path, spec.dtype,
+                                                 resolve_device(spec.device).type, role=name, threads=threads))
         self.scorers = scorers or []
         self.sent: list = []  # refs of the calls made to the scorers since the last flush
         self.chunks_sent = 0  # chunks streamed since the last flush
@@ -141,7 +136,7 @@ class RolloutHost:
         self.engine.abort(set(uids) & set(self.engine.uids()))
 
     def load_weights(self, weights: Packed, version: int) -> None:
-        if self.model is None:  # vLLM: its in-place reload, from the object store's arrays
+        if self.model is None:  # a backend with weights of its own: its reload, from the object store's arrays
             self.engine.load_weights(_tensors(weights), version)
             return
         unpack_into(self.model, weights, partial=True)
@@ -152,11 +147,11 @@ class RolloutHost:
 
     def join_weight_sync(self, host: str, port: int, rank: int, world: int, timeout_s: float) -> str:
         """Join the collective weight sync (``weight_sync.CollectiveSync``) as receiver ``rank``:
-        into the model's tensors, or (vLLM: no model here) whole tensors handed to the engine's
+        into the model's tensors, or (a backend with weights of its own: no model here) whole tensors handed to the engine's
         in-place reload after each sync. Returns "" or why the group could not form; a manifest this
         model cannot take raises."""
         try:
-            if self.model is None:  # vLLM: its reload takes CPU tensors here, so this member is on CPU
+            if self.model is None:  # its reload takes CPU tensors here, so this member is on CPU
                 group = SyncGroup(host, port, rank, world, "cpu", timeout_s=timeout_s)
                 self.weight_receiver = WeightReceiver.connect(group, None, sink=self.engine.load_weights)
                 return ""
@@ -171,7 +166,7 @@ class RolloutHost:
     def receive_weights(self, version: int) -> None:
         """One collective sync into the model (the learner must send ``version``); then sample as
         ``version``."""
-        self.weight_receiver.receive(version)  # (vLLM's reload sets the version itself)
+        self.weight_receiver.receive(version)  # (a backend's own reload sets the version itself)
         self.engine.set_version(version)
 
     def state_dict(self) -> dict:
@@ -181,7 +176,7 @@ class RolloutHost:
         self.engine.load_state_dict(state)
 
     def close(self) -> None:
-        """End the engine's own processes (vLLM's model worker) before the actor is killed."""
+        """End the engine's own processes (a backend's model worker) before the actor is killed."""
         self.engine.close()
 
 
@@ -191,7 +186,7 @@ def _tensors(packed: Packed) -> list[tuple[str, torch.Tensor]]:
 
     out = []
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # read-only arrays: vLLM only reads them
+        warnings.simplefilter("ignore", UserWarning)  # read-only arrays: the backend only reads them
         for name, (arr, dtype) in packed.items():
             t = torch.from_numpy(arr)
             out.append((name, t.view(torch.bfloat16) if dtype == "bfloat16" else t))
@@ -300,7 +295,7 @@ class RayRolloutGroup:
 
     def state_dict(self) -> dict:
         """Eager engines: every worker's generator state (``{"generator": [...]}``, in rank
-        order); vLLM: every worker's engine state (``{"workers": [...]}``)."""
+        order); a backend without a generator: every worker's engine state (``{"workers": [...]}``)."""
         states = self._gather([w.state_dict.remote() for w in self.workers])
         if all("generator" in st for st in states):
             return {"generator": [st["generator"] for st in states]}
@@ -324,7 +319,7 @@ class RayRolloutGroup:
     def close(self) -> None:
         import ray
 
-        # the engines' own processes first (vLLM's model workers); a dead actor has none left
+        # the engines' own processes first (a backend's model workers); a dead actor has none left
         ray.wait([w.close.remote() for w in self.workers], num_returns=len(self.workers), timeout=30)
         for w in self.workers:
             ray.kill(w)

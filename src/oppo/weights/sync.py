@@ -28,7 +28,7 @@ is in flight), plus one tensor where a receiver's dtype differs from the wire's 
 cast), whatever the model's size. A sharded (FSDP2) learner never holds the whole model on one
 rank: every rank all-gathers one parameter at a time (``DTensor.full_tensor``, a collective of the
 learner's own group), rank 0 copies it into the bucket, and the gathered copy is freed. A receiver
-without a module of its own (a vLLM rollout worker: the model lives in vLLM's process) stages
+without a module of its own (a rollout worker whose backend holds the weights in its own process) stages
 whole tensors and hands them all to the engine's in-place reload at the end of the sync.
 
 Versions and names are checked, so that a rollout engine never samples silently from weights other
@@ -371,7 +371,7 @@ class WeightReceiver:
     """A receiving member of a :class:`SyncGroup`: copies every sync's bytes straight into
     ``module``'s tensors (or, where the dtype differs, through a staging buffer and a cast). With no
     module, ``sink(pairs, version)`` gets every tensor whole, as (name, tensor) pairs, at the end of
-    each sync (an engine that loads weights itself: vLLM's in-place reload)."""
+    each sync (an engine that loads weights itself, in place)."""
 
     def __init__(self, group: SyncGroup, module: torch.nn.Module | None, manifest: Manifest, bucket_bytes: int,
                  sink=None):

@@ -89,7 +89,8 @@ from typing import Iterable, Iterator
 
 import torch
 
-from ..engine import Chunk, EngineSettings, Rollout, take_chunks
+from ..engine import Chunk, Rollout, take_chunks
+from ..registry import BackendUnavailable, BuildRequest
 from ...api.protocols import ChunkReady, Event, SequenceFinished
 from .heads import HEAD, PADDABLE, HeadPadding, ServedCheckpoint
 from .weights import Layout, SharedWeights, load_in_worker, map_in_worker, unmap_in_worker
@@ -104,7 +105,7 @@ INSTALL_HINT = ("install it with the project's extras: on a CPU machine pip inst
                 "machine pip install -e '.[vllm]'")
 
 
-class VLLMUnavailable(ValueError):
+class VLLMUnavailable(BackendUnavailable):
     """vLLM cannot serve this run; the message says why and what to do."""
 
 
@@ -778,27 +779,14 @@ def _request_seed(seed: int, uid: int, done: int) -> int:
     return (seed * 1_000_003 + uid * 7_919 + done * 104_729) % (2**31 - 1)
 
 
-def build_vllm_backend(cfg, policy_path: str, stop_ids, pad_id: int, max_new_tokens: int,
-                       weights: torch.nn.Module | None = None, role: str = "policy") -> VLLMRolloutBackend:
-    """The trainer's vLLM engine for ``cfg`` (``generation.engine=vllm``): the policy at
-    ``policy_path``, then ``weights`` (the trainer's serving policy) loaded into it."""
-    from ...models import resolve_device, resolve_dtype
-    from ...setup import engine_settings
-
-    dev = resolve_device(cfg.policy.device)
-    return vllm_backend(policy_path, engine_settings(cfg, stop_ids, pad_id, max_new_tokens, dev),
-                        resolve_dtype(cfg.policy.dtype, dev), dev.type, weights=weights, role=role)
-
-
-def vllm_backend(policy_path: str, s: EngineSettings, dtype: torch.dtype, device: str = "auto", *,
-                 weights: torch.nn.Module | None = None, role: str = "policy",
-                 threads: int | None = None) -> VLLMRolloutBackend:
-    """The one place a vLLM engine is built from the rollout engine's settings ``s``
-    (``rollout.EngineSettings``: ``setup.engine_settings``): by the controller's setup
-    (:func:`build_vllm_backend`) and by every Ray rollout worker (``rollout.ray``, with
-    ``threads``: module docstring). ``s.max_rows`` (B + Delta and refills: at most 2B in flight)
-    bounds vLLM's batch, ``s.max_len`` its context."""
+def build(request: BuildRequest) -> VLLMRolloutBackend:
+    """The one place a vLLM engine is built (the registry's entry, ``rollout/vllm/__init__.py``): by
+    the controller's setup, with ``request.model`` the trainer's serving policy loaded into it, and by
+    every Ray rollout worker (no model; ``request.threads``: module docstring). ``max_rows`` (B +
+    Delta and refills: at most 2B in flight) bounds vLLM's batch, ``max_len`` its context."""
+    s = request.settings
     return VLLMRolloutBackend(
-        policy_path, s.stop_ids, s.pad_id, s.max_new_tokens, s.temperature, s.top_k, s.top_p, seed=s.seed,
-        dtype=dtype, max_model_len=s.max_len or None, max_num_seqs=s.max_rows or 256,
-        kv_cache_mb=s.kv_budget_mb or None, role=role, device=device, weights=weights, threads=threads)
+        request.policy_path, s.stop_ids, s.pad_id, s.max_new_tokens, s.temperature, s.top_k, s.top_p, seed=s.seed,
+        dtype=request.dtype, max_model_len=s.max_len or None, max_num_seqs=s.max_rows or 256,
+        kv_cache_mb=s.kv_budget_mb or None, role=request.role, device=request.device, weights=request.model,
+        threads=request.threads)
