@@ -92,7 +92,7 @@ def main(argv=None) -> None:
     peak = _peak(t.roles.compute_dtype)
     sorts = "lengths" in inspect.signature(t.roles.learner.minibatches).parameters
     try:  # the learner's own measure, where it has one (packed micro-batches, ppo.micro_batch_tokens)
-        from oppo.learner import padding_stats
+        from oppo.learner.batch import padding_stats
     except ImportError:
         padding_stats = None
     rows = []

@@ -66,7 +66,7 @@ def saved_by_actor_forward(t, micro: int) -> float:
     with freed memory the allocator keeps."""
     import torch
 
-    from oppo.learner import _micro_slices
+    from oppo.learner.batch import _micro_slices
     from oppo.models import checkpointing
 
     actor = t.roles.learner.actor

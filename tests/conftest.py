@@ -69,7 +69,7 @@ def ray_local(request):
     test that asks (a start costs ~25 s on 2 busy cores) and shut down at its end. Skips without
     Ray."""
     ray = pytest.importorskip("ray")
-    from oppo.placement.cluster import start_local_cluster
+    from oppo.cluster import start_local_cluster
 
     if not ray.is_initialized():
         request.config.add_cleanup(start_local_cluster(nodes=2, cpus_per_node=1))
@@ -79,14 +79,14 @@ def ray_local(request):
 def nothing_loads(monkeypatch):
     """Every expensive loader fails loudly: the error under test must come first, before anything
     loads. Returns the failing stand-in, for tests that refuse more (``test_entry_validation``)."""
-    import oppo.setup
+    import oppo.setup.roles
 
     def boom(*a, **k):
         raise AssertionError("something was loaded before the bad input was reported")
 
     for name in ("load_tokenizer", "read_prompts", "load_reward_model", "load_causal_lm", "load_critic",
                  "load_function"):
-        monkeypatch.setattr(oppo.setup, name, boom)
+        monkeypatch.setattr(oppo.setup.roles, name, boom)
     return boom
 
 

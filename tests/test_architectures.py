@@ -39,7 +39,8 @@ import torch
 
 import oppo.models
 from oppo.config import PPOConfig
-from oppo.learner import Learner, build_experience
+from oppo.learner.batch import build_experience
+from oppo.learner.local import Learner
 from oppo.models import ModelLoadError, load_causal_lm, load_critic, load_reward_model
 from oppo.rollout.engine import Rollout, RolloutEngine
 from oppo.scoring.streaming import StreamingScorer, response_outputs, score_full, sequence_batch

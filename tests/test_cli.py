@@ -26,7 +26,7 @@ def test_oppo_train_two_steps(tiny_models, tiny_prompts, tmp_path):
     # sampler vs trainer (issue 22 item 6): under the thresholds peers gate CI on. Measured on the
     # first minibatch's tokens sampled by the trained weights: always some at step 0; a later step's
     # first minibatch can hold only carried rows (nothing to measure then)
-    from oppo.offpolicy import MISMATCH_THRESHOLDS
+    from oppo.learner.offpolicy import MISMATCH_THRESHOLDS
 
     assert "mismatch/logprob_abs_diff" in lines[0]
     for line in lines:

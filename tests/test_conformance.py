@@ -14,7 +14,8 @@ import pytest
 from conftest import assert_continued
 import torch
 
-from oppo.learner import Learner, build_experience
+from oppo.learner.batch import build_experience
+from oppo.learner.local import Learner
 from oppo.api.protocols import Learner as LearnerProtocol
 from oppo.api.protocols import RolloutBackend, Scorer
 from oppo.scoring.streaming import StreamingScorer, score_full
@@ -54,7 +55,7 @@ def _static(tiny_models, seed=0):
 def _ray_group(n):
     def make(tiny_models, seed=0):
         from oppo.rollout.ray import RayRolloutGroup
-        from oppo.placement.specs import ModelSpec
+        from oppo.api.specs import ModelSpec
         from oppo.rollout.engine import EngineSettings
 
         spec = ModelSpec("policy", str(tiny_models["policy"]), pad_id=PAD, device="cpu")
@@ -223,7 +224,7 @@ def _scorers(tiny_models):
 
 
 def _inline(tiny_models):
-    from oppo.setup import InlineScorer
+    from oppo.scoring.inline import InlineScorer
 
     return InlineScorer(_scorers(tiny_models))
 
@@ -238,7 +239,7 @@ def _worker(transport):
 
 def _ray_scorer(tiny_models):
     from oppo.scoring.ray import RayScorerWorker
-    from oppo.placement.specs import ModelSpec
+    from oppo.api.specs import ModelSpec
 
     path_p, path_r = str(tiny_models["policy"]), str(tiny_models["reward"])
     specs = {"reward": ModelSpec("reward", path_r, pad_id=PAD, device="cpu"),
@@ -318,7 +319,8 @@ def _local_learner(tiny_models, ppo):
 
 
 def _beside_scorer(tiny_models, ppo):
-    from oppo.setup import CriticBesideScorer, ThreadBudget
+    from oppo.api.plan import ThreadBudget
+    from oppo.learner.critic import CriticBesideScorer
     from oppo.scoring.worker import CriticTrainer, ScorerWorker
 
     learner, _ = _local_learner(tiny_models, ppo)
@@ -333,7 +335,7 @@ LEARNERS = {"local": _local_learner, "critic_beside_scorer": _beside_scorer}
 @pytest.mark.parametrize("name", list(LEARNERS))
 def test_learner_conforms_and_round_trips(name, tiny_models):
     from oppo.config import PPOConfig
-    from oppo.learner import attach_scores, compute_advantages
+    from oppo.learner.batch import attach_scores, compute_advantages
     from oppo.scoring.streaming import ScoredOutputs
     from oppo.algo import get_algorithm
     from oppo.api.records import Scores

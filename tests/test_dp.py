@@ -14,11 +14,11 @@ ray = pytest.importorskip("ray")
 
 from oppo.algo import get_algorithm  # noqa: E402
 from oppo.config import PPOConfig  # noqa: E402
-from oppo.learner import Experience, attach_scores, build_experience, compute_advantages  # noqa: E402
+from oppo.learner.batch import Experience, attach_scores, build_experience, compute_advantages  # noqa: E402
 from oppo.api.records import Scores  # noqa: E402
 from oppo.models import load_tokenizer  # noqa: E402
-from oppo.placement.dp import DPLearnerGroup, LearnerSpec, learner_state, load_learner_state  # noqa: E402
-from oppo.placement.specs import ModelSpec  # noqa: E402
+from oppo.learner.dp import DPLearnerGroup, LearnerSpec, learner_state, load_learner_state  # noqa: E402
+from oppo.api.specs import ModelSpec  # noqa: E402
 from oppo.rollout.engine import Rollout  # noqa: E402
 from oppo.scoring.streaming import ScoredOutputs, score_full  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""The FSDP2 learner (``placement/fsdp.py``): 2 ranks (gloo, CPU, fp32), spawned with
+"""The FSDP2 learner (``learner/fsdp.py``): 2 ranks (gloo, CPU, fp32), spawned with
 ``torch.multiprocessing``, train the single learner's weights and AdamW state (within 1e-5) over
 several updates, under every loss aggregation, KL in the loss (PPO's k3 term; GRPO, critic-free),
 entropy, active gradient clipping, tied embeddings, and uneven micro-batch shares (3 + 1 rows, and
@@ -24,10 +24,10 @@ import torch
 
 from oppo.algo import get_algorithm
 from oppo.config import PPOConfig
-from oppo.learner import attach_scores, build_experience, compute_advantages, old_logprob_targets, set_old_logprobs
+from oppo.learner.batch import attach_scores, build_experience, compute_advantages, old_logprob_targets, set_old_logprobs
 from oppo.models import backbone_and_head, load_tokenizer
-from oppo.placement.dp import LearnerSpec, learner_state
-from oppo.placement.specs import ModelSpec
+from oppo.learner.dp import LearnerSpec, learner_state
+from oppo.api.specs import ModelSpec
 from oppo.rollout.engine import Rollout
 from oppo.scoring.streaming import ScoredOutputs, score_full
 from oppo.api.records import Scores
@@ -133,7 +133,7 @@ def _compare(got: dict, want: dict, before: dict, bf16: bool = False) -> None:
 def _rank_main(rank: int, world: int, port: int, paths: dict) -> None:
     import torch.distributed as dist
 
-    from oppo.placement.fsdp import build_sharded, fsdp_old_logprobs, fsdp_update, full_model_state, \
+    from oppo.learner.fsdp import build_sharded, fsdp_old_logprobs, fsdp_update, full_model_state, \
         full_optim_state
 
     torch.set_num_threads(1)
@@ -207,8 +207,8 @@ def _checkpoints(rank: int, spec, single, sharded, before: dict, root: str) -> N
     resumes on 2 sharded ranks (resharded); both equal the trained state."""
     import torch.distributed as dist
 
-    from oppo.placement.fsdp import build_sharded, full_model_state, full_optim_state
-    from oppo.sharded_checkpoint import load_sharded, save_sharded
+    from oppo.learner.fsdp import build_sharded, full_model_state, full_optim_state
+    from oppo.learner.sharded import load_sharded, save_sharded
 
     save_sharded(f"{root}/two", _models(sharded))  # each rank writes its shards
     want = learner_state(single)

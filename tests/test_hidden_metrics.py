@@ -16,8 +16,9 @@ import torch
 from oppo.algo import build_algorithm
 from oppo.checkpoint import settings_mismatches
 from oppo.config import Config, ConfigError, PPOConfig, load_config, to_dict
-from oppo.learner import Experience, Learner, old_logprob_targets, set_old_logprobs
-from oppo.offpolicy import staleness_stats
+from oppo.learner.batch import Experience, old_logprob_targets, set_old_logprobs
+from oppo.learner.local import Learner
+from oppo.learner.offpolicy import staleness_stats
 
 L = math.log
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from oppo.config import PPOConfig
-from oppo.learner import Experience, Learner, micro_batches, padding_stats
+from oppo.learner.batch import Experience, micro_batches, padding_stats
+from oppo.learner.local import Learner
 from oppo.scoring.streaming import sequence_batch
 
 
@@ -36,7 +37,7 @@ def test_padding_stats_counts_rows_times_width():
 
 
 def test_micro_slices_pack_rows_left():
-    from oppo.learner import _micro_slices
+    from oppo.learner.batch import _micro_slices
 
     ids, valid, P, rmask = sequence_batch([[5, 6], [5, 6, 7], [8]], [[1, 2, 3, 4], [1], [2, 3]], 0,
                                           torch.device("cpu"))

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from oppo.config import PPOConfig, load_config
-from oppo.learner import Experience, Learner, build_experience
+from oppo.learner.batch import Experience, build_experience
+from oppo.learner.local import Learner
 from oppo.models import load_causal_lm, load_tokenizer
 from oppo.rollout.engine import Rollout, RolloutEngine
 from oppo.scoring.streaming import score_full
@@ -119,7 +120,7 @@ def test_mismatch_probe_by_hand():
     w = e^d = [2, 1, .5] -> k3 = w - 1 - d = [1 - log 2, 0, log 2 - .5] -> mean (0.5) / 3 = 0.1667;
     ESS = (3.5)^2 / (3 (4 + 1 + .25)) = 12.25 / 15.75 = 0.7778. Two micro-batches, merged as two
     data-parallel ranks would be."""
-    from oppo.offpolicy import MismatchProbe
+    from oppo.learner.offpolicy import MismatchProbe
 
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
     probe = MismatchProbe(opt, version=3)

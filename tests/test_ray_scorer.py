@@ -16,10 +16,11 @@ import torch
 ray = pytest.importorskip("ray")
 
 from oppo.config import PPOConfig  # noqa: E402
-from oppo.learner import CriticBatch, critic_update  # noqa: E402
+from oppo.learner.batch import CriticBatch  # noqa: E402
+from oppo.learner.local import critic_update
 from oppo.models import load_critic, load_tokenizer  # noqa: E402
 from oppo.scoring.ray import RayScorerWorker  # noqa: E402
-from oppo.placement.specs import ModelSpec  # noqa: E402
+from oppo.api.specs import ModelSpec  # noqa: E402
 from oppo.rollout.engine import Chunk  # noqa: E402
 from oppo.scoring.streaming import StreamingScorer, score_full  # noqa: E402
 from oppo.trace import Tracer  # noqa: E402
@@ -198,7 +199,7 @@ def _check_values(got, want):
 def test_init_ray_joins_the_running_cluster(ray_local):
     """``init_ray()`` (address "auto") in another process joins the cluster named by RAY_ADDRESS."""
     env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
-    code = ("import ray; from oppo.placement.cluster import init_ray; r = init_ray(); "
+    code = ("import ray; from oppo.cluster import init_ray; r = init_ray(); "
             "print(len(ray.nodes()), r['CPU'])")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

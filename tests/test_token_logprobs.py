@@ -7,7 +7,7 @@ import torch
 
 from oppo.models import LogitsHead
 from oppo.ppo_math import entropy_from_logits, logprobs_from_logits
-from oppo.token_logprobs import head_logprobs
+from oppo.learner.logprobs import head_logprobs
 
 B, T, H, V = 3, 5, 16, 40
 

@@ -141,9 +141,9 @@ def _scaled_rope(policy: Path, tmp_path: Path) -> Path:
 @pytest.mark.parametrize("placement", [(), ("placement.backend=ray", "placement.rollout_workers=1")])
 def test_trainer_refuses_before_loading_models(tiny_models, tiny_prompts, tmp_path, monkeypatch, placement):
     """Locally, and with Ray rollout workers: refused before any model loads or Ray actor starts."""
-    import oppo.setup as setup_mod
+    import oppo.setup.roles as setup_mod
     from oppo import trainer as trainer_mod
-    from oppo.placement import cluster
+    import oppo.cluster as cluster
     from oppo.rollout.registry import BackendUnavailable
 
     def no_loading(*a, **k):
@@ -193,7 +193,8 @@ def test_no_weight_change_means_every_weight_is_1(engine, vmodels, top_k, top_p)
     are what the weights divide by; against the truncated behaviour ones they weighed the kept
     mass (tests/test_offpolicy.py has the eager engine's case)."""
     from oppo.config import PPOConfig
-    from oppo.learner import Learner, build_experience
+    from oppo.learner.batch import build_experience
+    from oppo.learner.local import Learner
 
     model = hf_policy(vmodels["policy"])
     reset(engine, model, temperature=0.8, top_k=top_k, top_p=top_p, stop_ids=())

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from oppo.config import ConfigError, PPOConfig, load_config
-from oppo.learner import _train
+from oppo.learner.local import _train
 from oppo.trainer import Trainer
 
 

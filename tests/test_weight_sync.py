@@ -205,10 +205,10 @@ def _fsdp_main(rank: int, ports: tuple[int, int], paths: dict) -> None:
     import torch.distributed as dist
 
     from oppo.config import PPOConfig
-    from oppo.placement.dp import LearnerSpec
-    from oppo.placement.fsdp import FSDPLearnerRank, full_model_state
+    from oppo.learner.dp import LearnerSpec
+    from oppo.learner.fsdp import FSDPLearnerRank, full_model_state
     from oppo.rollout.ray import RolloutHost
-    from oppo.placement.specs import ModelSpec
+    from oppo.api.specs import ModelSpec
     from oppo.rollout.registry import build_engine
 
     torch.set_num_threads(1)
@@ -234,7 +234,7 @@ def _fsdp_main(rank: int, ports: tuple[int, int], paths: dict) -> None:
         # one parameter at a time: count the gathered tensors still alive at each gather
         import weakref
 
-        import oppo.placement.dp as dp_module
+        import oppo.learner.dp as dp_module
 
         gathered, most_alive = [], 0
 

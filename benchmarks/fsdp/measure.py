@@ -33,9 +33,9 @@ def _rank(rank, world, port, mode, paths, out, reps, lora, dtype):
     from oppo.algo import get_algorithm
     from oppo.config import PPOConfig
     from oppo.models import load_tokenizer
-    from oppo.placement.dp import LearnerSpec, dp_update
-    from oppo.placement.fsdp import build_sharded, fsdp_update, local_bytes
-    from oppo.placement.specs import ModelSpec
+    from oppo.learner.dp import LearnerSpec, dp_update
+    from oppo.learner.fsdp import build_sharded, fsdp_update, local_bytes
+    from oppo.api.specs import ModelSpec
     from test_fsdp import _experience
 
     torch.set_num_threads(1)

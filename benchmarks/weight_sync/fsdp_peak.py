@@ -38,7 +38,7 @@ def _member(rank: int, ports: tuple[int, int], size: str, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from oppo.placement.fsdp import full_model_state
+    from oppo.learner.fsdp import full_model_state
     from oppo.weights.sync import Manifest, SyncGroup, WeightReceiver, WeightSender, full_tensors, \
         pack_state
 

@@ -7,7 +7,7 @@ algorithms have no critic), both optimizers, every RNG
 state, the scheduler (data position, Delta, requeued prompts), the chunk-size tuner and the
 step. A sharded learner (``placement.learner_sharding=fsdp2``) writes its weights and AdamW state
 as ``torch.distributed.checkpoint`` shards in ``learner/`` instead of ``optim.pt``'s states
-(``sharded_checkpoint.py``: loadable on any number of ranks, and locally). It is written into a
+(``learner/sharded.py``: loadable on any number of ranks, and locally). It is written into a
 temporary directory beside the target and renamed into place, so an
 interrupted save leaves the previous checkpoint intact and never a half-written one that looks
 valid; a save that fails (a full disk) removes its temporary directory and raises
@@ -66,7 +66,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from .sharded_checkpoint import SHARDED_DIR, ShardedLearnerState
+from .learner.sharded import SHARDED_DIR, ShardedLearnerState
 
 CKPT_DIR = "checkpoints"
 CONFIG_FILE = "config.yaml"

@@ -1,11 +1,11 @@
-"""The trainer: a thin façade over the roles (``setup.build_roles``) and the controller
+"""The trainer: a thin façade over the roles (``setup.roles.build_roles``) and the controller
 (``oppo.control``).
 
 ``run_step`` runs one PPO step in the configured mode: ``control.sequential_step`` (the
 reference loop, ``overlap.mode=sequential``) or ``control.overlapped_step`` (intra, inter, oppo
 and pipeline, one loop driven by a policy value). ``state_dict`` / ``load_state_dict`` are what a
 checkpoint saves and restores (``checkpoint.py`` writes them to disk); ``close`` stops every
-worker. Where a role runs is decided once, in ``setup.py``; nothing here asks.
+worker. Where a role runs is decided once, in ``setup/roles.py``; nothing here asks.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from .config import Config, to_dict, validate
 from .control import Run, StepResult, overlapped_step, sequential_step
 from .control.metrics import step_metrics
 from .fingerprint import run_fingerprints
-from .setup import Roles, build_roles
+from .setup.roles import Roles, build_roles
 from .weights.precision import copy_weights
 
 

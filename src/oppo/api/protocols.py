@@ -2,7 +2,7 @@
 ``typing.Protocol`` classes, and the typed events a rollout backend reports.
 
 The controller (``oppo.control``) only calls these methods. Where a role runs (this thread, a
-child process, a Ray actor, another serving engine) is decided once, by ``oppo.setup.build_roles``; every
+child process, a Ray actor, another serving engine) is decided once, by ``oppo.setup.roles.build_roles``; every
 implementation of one Protocol passes the same conformance suite (``tests/test_conformance.py``).
 
 Implementations:
@@ -13,8 +13,8 @@ Implementations:
   themselves).
 - :class:`Scorer`: ``workers.ScorerWorker`` (a thread), ``workers.ProcessScorerWorker`` (a child
   process), ``scoring.ray.RayScorerWorker`` (Ray actors).
-- :class:`Learner`: ``learner.Learner`` (local), ``placement.dp.DPLearnerGroup`` (data-parallel
-  Ray ranks), ``placement.fsdp.FSDPLearnerGroup`` (Ray ranks sharding the trained state with FSDP2).
+- :class:`Learner`: ``learner.Learner`` (local), ``learner.dp.DPLearnerGroup`` (data-parallel
+  Ray ranks), ``learner.fsdp.FSDPLearnerGroup`` (Ray ranks sharding the trained state with FSDP2).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 ``sequential.py`` calls them in their numbered order; ``overlapped.py`` calls the same ones in
 another order (streaming chunks while decoding, carrying unfinished sequences, training while
 decoding). Each stage returns a new record: the sampled :class:`~oppo.api.records.Rollout` batch, its
-:class:`~oppo.api.records.Scores`, the :class:`~oppo.learner.Experience` the learner consumes, and the
+:class:`~oppo.api.records.Scores`, the :class:`~oppo.learner.batch.Experience` the learner consumes, and the
 :class:`StepResult`.
 """
 
@@ -14,10 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ..config import Config
-from ..learner import Experience, attach_scores, build_experience, compute_advantages
-from ..offpolicy import staleness_stats
+from ..learner.batch import Experience, attach_scores, build_experience, compute_advantages
+from ..learner.offpolicy import staleness_stats
 from ..scheduler import ChunkSizeTuner, DeltaController, Scheduler
-from ..setup import Roles
+from ..setup.roles import Roles
 from ..api.records import Chunk, ChunkReady, Rollout, Scores, SequenceFinished
 
 

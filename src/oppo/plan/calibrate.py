@@ -241,7 +241,7 @@ def _innermost(spans: list[Span]) -> list[Span]:
     """The spans of one (worker, stage, step) less every span that encloses another of them.
 
     The runtime records some work twice, nested: with the critic trained beside the actor
-    (``setup.CriticBesideScorer``, every intra/oppo/pipeline run with a critic) the actor's
+    (``learner.critic.CriticBesideScorer``, every intra/oppo/pipeline run with a critic) the actor's
     update is a ``learner/train`` span inside ``stages.update``'s ``learner/train`` span, which
     also holds handing the critic its batch and waiting for it (``controller/wait_critic``).
     Summed, the two counted the actor's update twice (the fitted ``train.actor.tokens`` of the

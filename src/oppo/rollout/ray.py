@@ -29,7 +29,7 @@ with the registry's ``build``, as the controller does, with the CPU threads it w
 backend that loads the policy itself (``Backend.loads_own_weights``) gets no Hugging Face copy in
 the worker: the weights go from the object store (or the collective group, received on the CPU)
 straight to its ``load_weights`` as ``(name, tensor)`` pairs. Its checks (``Backend.problems``)
-run in the controller before any actor starts (``setup.build_roles``). A worker's checkpoint state
+run in the controller before any actor starts (``setup.roles.build_roles``). A worker's checkpoint state
 is its engine's ``state_dict``.
 """
 
@@ -46,8 +46,8 @@ from .engine import EngineSettings, Rollout
 from .registry import BuildRequest
 from ..trace import Tracer
 from ..api.records import ChunkReady, Event, SequenceFinished
-from ..scoring.ray import _short, get_named
-from ..placement.specs import ModelSpec
+from ..cluster import get_named, one_line
+from ..api.specs import ModelSpec
 from ..weights.sync import Packed, SyncGroup, WeightReceiver, WeightSyncError, pack, unpack_into
 
 
@@ -120,7 +120,7 @@ class RolloutHost:
         try:
             ray.get(sent)
         except ray.exceptions.RayActorError as e:
-            raise RuntimeError(f"a scorer actor that {self.name} streams to died: {_short(e)}") from None
+            raise RuntimeError(f"a scorer actor that {self.name} streams to died: {one_line(e)}") from None
         spans, peak, sent_chunks = self.tracer.spans, self.engine.peak_cache_bytes, self.chunks_sent
         self.tracer.clear()
         self.engine.peak_cache_bytes, self.chunks_sent = 0, 0

@@ -37,7 +37,7 @@ class BackendUnavailable(ValueError):
 class BuildRequest:
     """What a backend is built from, wherever it runs.
 
-    ``settings``: the sampling and capacity settings (``setup.engine_settings``; ``kind`` is this
+    ``settings``: the sampling and capacity settings (``setup.plan.engine_settings``; ``kind`` is this
     backend's name). ``model``: the policy module to sample with, or None where the backend loads
     the policy itself (:attr:`Backend.loads_own_weights`: then only ``policy_path`` and ``dtype``
     matter, and ``model``, when given, holds the weights to start from). ``device``: a device type

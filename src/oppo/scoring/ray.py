@@ -35,19 +35,20 @@ controller's on the same machine; on another node they are on that node's clock.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
 from ..config import PPOConfig
-from ..learner import CriticBatch
+from ..learner.batch import CriticBatch
 from ..rollout.engine import Chunk
 from .streaming import ScoredOutputs, StreamingScorer, score_full
 from ..trace import Tracer
 from ..weights.precision import copy_weights, master_dtype, serving_copy
-from .worker import BarrierReply, CriticTrainer, ScorerWorker, load_optimizer_state_in_place
-from ..placement.specs import ModelSpec
+from ..learner.local import load_optimizer_state_in_place
+from .worker import BarrierReply, CriticTrainer, ScorerWorker
+from ..cluster import get_named
+from ..api.specs import ModelSpec
 from ..weights.sync import is_packed, pack, unpack_into
 
 SCORER_ROLES = ("reward", "reference", "critic")
@@ -306,24 +307,36 @@ class RayScorerWorker:
         return get_named(refs, f"scorer actor (role={self.labels[i]}, rank=0)")
 
 
-def get_named(refs, who: str):
-    """``ray.get(refs)``; an actor that died or raised is reported as a RuntimeError naming ``who``
-    (its role and rank) and what happened."""
-    import ray
+class FedByRollout:
+    """The scorer as the controller sees it when the Ray rollout workers admit and feed the scorer
+    actors themselves: the controller sends nothing, and a barrier first flushes the workers."""
 
-    try:
-        return ray.get(refs)
-    except ray.exceptions.RayActorError as e:
-        raise RuntimeError(f"{who} died: {_short(e)}") from e
-    except ray.exceptions.RayTaskError as e:
-        cause = getattr(e, "cause", None) or e
-        raise RuntimeError(f"{who} failed: {cause!r}") from cause
+    def __init__(self, scorer):
+        self.inner = scorer
+        self.roles = scorer.roles
 
+    @property
+    def peak_cache_bytes(self) -> dict[str, int]:
+        return self.inner.peak_cache_bytes
 
-def _short(e: BaseException) -> str:
-    """A Ray actor error in one line: its first line (what happened) and its last (why: "killed by
-    ray.kill", out of memory, or, when the actor's ``__init__`` raised, that exception)."""
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    if not lines:
-        return type(e).__name__
-    return lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
+    def admit(self, uids, prompts, step: int) -> None:
+        pass  # (sent by the rollout workers, before their first chunk)
+
+    def feed(self, chunks, step: int) -> None:
+        if chunks:
+            raise RuntimeError("internal error: rollout workers that stream themselves reported chunks")
+
+    def forget(self, uids) -> None:
+        self.inner.forget(uids)
+
+    def barrier(self) -> None:
+        self.inner.barrier()  # (flushes the rollout workers first: they are its feeders)
+
+    def take(self, uids):
+        return self.inner.take(uids)
+
+    def score_full(self, role, prompts, responses):
+        return self.inner.score_full(role, prompts, responses)
+
+    def close(self) -> None:
+        self.inner.close()

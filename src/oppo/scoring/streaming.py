@@ -31,7 +31,7 @@ import torch
 
 from ..kv import KVRows, left_pad, right_pad
 from ..models import backbone_and_head, uses_sliding_window
-from ..token_logprobs import head_logprobs
+from ..learner.logprobs import head_logprobs
 
 Kind = Literal["reward", "reference", "critic"]
 

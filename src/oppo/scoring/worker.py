@@ -25,7 +25,8 @@ from typing import Callable
 import torch
 
 from ..config import PPOConfig
-from ..learner import CriticBatch, critic_update, load_optimizer_state_in_place  # noqa: F401 (re-exported)
+from ..learner.batch import CriticBatch
+from ..learner.local import critic_update
 from ..rollout.engine import Chunk
 from .streaming import ScoredOutputs, StreamingScorer, score_full
 from ..trace import Tracer

@@ -476,7 +476,7 @@ class CollectiveSync:
                  wire_dtype=None, timeout_s: float = 600.0):
         import ray
 
-        from ..scoring.ray import get_named
+        from ..cluster import get_named
 
         if (rollout is None) == (local is None):
             raise ValueError("internal error: a collective weight sync goes to rollout workers or to a local module")
@@ -515,7 +515,7 @@ class CollectiveSync:
         """One sync: the learner sends the trained actor as ``version``; every receiver loads it (the
         rollout workers' engines then sample as ``version``; a local engine's version is the
         caller's to set)."""
-        from ..scoring.ray import get_named
+        from ..cluster import get_named
 
         senders = [self.learner.ranks[r].send_weights.remote(version) for r in self.ranks]
         workers = self.rollout.workers if self.rollout is not None else []

@@ -1,208 +1,23 @@
-"""Experience (the typed PPO batch) and the learner (PPO epochs for actor and critic).
-
-Stages 4-6 of the PPO step (``shared/DESIGN.md`` section 2) live here as plain functions of an
-:class:`Experience`; the trainer calls them in the same order in every mode.
-"""
+"""The local learner: PPO epochs for actor and critic on one :class:`~.batch.Experience` (stage 6
+of ``shared/DESIGN.md`` section 2), and the micro-step, clipping and optimizer helpers the
+data-parallel and FSDP2 learners share (``dp.py``, ``fsdp.py``)."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass
 
 import torch
 
-from . import guard
-from . import ppo_math as pm
-from .config import PPOConfig
-from .api.records import Rollout, Scores
-from .scoring.streaming import ScoredOutputs, full_hidden, sequence_batch
-from .models import backbone_and_head, checkpointing
+from .. import guard
+from .. import ppo_math as pm
+from ..config import PPOConfig
+from ..scoring.streaming import full_hidden
+from .batch import (CriticBatch, Experience, MicroBatch, _lengths, _micro_slices, micro_batches, old_logprob_targets,
+                    padding_stats, set_old_logprobs)
+from ..models import backbone_and_head, checkpointing
 from .offpolicy import MismatchProbe
-from .token_logprobs import head_logprobs
-from .weights.precision import autocast
-
-
-@dataclass
-class Experience:
-    """B finished sequences as response-aligned tensors (alignment: ``ppo_math`` docstring).
-
-    ids, valid: [B, P+T] left-padded prompts then right-padded responses; ``P`` prompt width.
-    mask: [B, T] 1 on response tokens (EOS included). versions: [B, T] policy version per token.
-    behaviour_logprobs: [B, T] from the sampler (the distribution actually sampled: its precision,
-    its top-k/top-p truncation). policy_logprobs: [B, T] from the sampler too, untruncated: the
-    sampling weights' own log-probs (``Rollout.policy_logprobs``; equal to behaviour_logprobs
-    without truncation). old_logprobs: [B, T] under pi_k by the training forward, the policy the
-    PPO ratio is clipped around (the sampler's untruncated ones, unrecomputed, where the two
-    cannot differ: see ``Learner.old_logprobs``). is_weights: [B, T] pi_k / pi_version (both
-    untruncated) for off-policy tokens (truncated at ``ppo.is_truncate``), 1 otherwise.
-    ``stats``: for the metrics. ref_logprobs, values, rewards, kl, advantages, returns: [B, T].
-    scores: [B].
-    """
-
-    rollouts: list[Rollout]
-    ids: torch.Tensor
-    valid: torch.Tensor
-    P: int
-    mask: torch.Tensor
-    versions: torch.Tensor
-    behaviour_logprobs: torch.Tensor
-    old_logprobs: torch.Tensor
-    is_weights: torch.Tensor
-    policy_logprobs: torch.Tensor | None = None  # None: behaviour_logprobs (built by hand, no truncation)
-    ref_logprobs: torch.Tensor | None = None  # set by attach_scores (a new record)
-    values: torch.Tensor | None = None
-    scores: torch.Tensor | None = None
-    rewards: torch.Tensor | None = None
-    kl: torch.Tensor | None = None
-    advantages: torch.Tensor | None = None
-    returns: torch.Tensor | None = None
-    stats: dict[str, float] | None = None
-    group_ids: torch.Tensor | None = None  # [B] the group of each row (GRPO/RLOO): its first member's uid
-    trainable: bool = True  # False: non-finite advantages under ppo.nonfinite=skip (compute_advantages)
-
-    @property
-    def sampler_logprobs(self) -> torch.Tensor:
-        """[B, T] the sampling weights' untruncated log-probs: ``policy_logprobs``, or the behaviour
-        ones where none were recorded (the two are equal without truncation)."""
-        return self.policy_logprobs if self.policy_logprobs is not None else self.behaviour_logprobs
-
-
-def _pad_rows(rows: list[list[float]], T: int, device, dtype=torch.float32) -> torch.Tensor:
-    out = torch.zeros(len(rows), T, dtype=dtype)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.tensor(r, dtype=dtype)
-    return out.to(device)
-
-
-def build_experience(rollouts: list[Rollout], pad_id: int, device) -> Experience:
-    """Stack the rollouts' tokens, versions and behaviour log-probs into tensors (no scores yet)."""
-    ids, valid, P, rmask = sequence_batch([r.prompt_ids for r in rollouts], [r.response_ids for r in rollouts],
-                                          pad_id, device)
-    T = rmask.shape[1]
-    lp = _pad_rows([r.logprobs for r in rollouts], T, device)
-    for r in rollouts:
-        if r.policy_logprobs and len(r.policy_logprobs) != len(r.logprobs):
-            raise RuntimeError(f"internal error: sequence {r.uid} has {len(r.logprobs)} behaviour log-probs but "
-                               f"{len(r.policy_logprobs)} untruncated ones")
-    # an engine that samples without truncation may leave policy_logprobs empty (Rollout)
-    plp = _pad_rows([r.policy_logprobs or r.logprobs for r in rollouts], T, device)
-    return Experience(
-        rollouts=rollouts, ids=ids, valid=valid, P=P, mask=rmask.float(),
-        versions=_pad_rows([r.versions for r in rollouts], T, device, torch.long),
-        behaviour_logprobs=lp, old_logprobs=plp.clone(), is_weights=torch.ones_like(lp), policy_logprobs=plp,
-        group_ids=torch.tensor([r.group for r in rollouts], dtype=torch.long, device=device))
-
-
-def attach_scores(exp: Experience, scored: Scores) -> Experience:
-    """A new record with stage 3's results, per sequence, as [B, T] tensors aligned with the
-    responses (``scored.values`` None: a critic-free algorithm)."""
-    T, device = exp.mask.shape[1], exp.mask.device
-    return dataclasses.replace(
-        exp, ref_logprobs=_pad_rows([o.logprobs for o in scored.reference], T, device),
-        values=_pad_rows([o.values for o in scored.values], T, device) if scored.values is not None else None,
-        scores=torch.tensor(scored.scores, dtype=torch.float32, device=device))
-
-
-@torch.no_grad()
-def compute_advantages(exp: Experience, cfg: PPOConfig, algorithm, step: int = -1) -> Experience:
-    """Stages 4 and 5 (a new record): per-token rewards (KL-shaped when the KL goes in the reward), then the
-    algorithm's advantages (``algo.Algorithm``: GAE with the critic's values for PPO; group,
-    leave-one-out or batch baselines for the critic-free ones) and, for PPO, returns.
-
-    The guard (``guard.py``): every input and output must be finite at response tokens, else
-    ``NonFiniteError`` names the first such tensor (inputs first: the cause, not its spread
-    through whitening) and its rows; under ``ppo.nonfinite=skip`` a warning, and the record comes
-    back ``trainable=False`` (the step's update is skipped: ``control.stages.update``)."""
-    ended = torch.tensor([r.ended_with_eos for r in exp.rollouts], device=exp.scores.device)
-    scores = pm.missing_eos_penalty(exp.scores, ended, cfg.missing_eos_penalty)
-    res = algorithm.advantages(scores, exp.mask, exp.old_logprobs, exp.ref_logprobs, exp.values, exp.group_ids)
-    bad = guard.nonfinite_rows({"scores": scores, "values": exp.values, "reference log-probs": exp.ref_logprobs,
-                                "old log-probs": exp.old_logprobs, "importance weights": exp.is_weights,
-                                "rewards": res.rewards, "advantages": res.advantages, "returns": res.returns},
-                               exp.mask)
-    if bad is not None:
-        name, rows = bad
-        guard.report(f"non-finite {name} at {guard.at_step(step)}, advantages: rows {guard.first(rows)} of "
-                     f"{exp.mask.shape[0]} (sequences {guard.first([exp.rollouts[i].uid for i in rows])})",
-                     skip=cfg.nonfinite == "skip")
-    return dataclasses.replace(exp, rewards=res.rewards, kl=res.kl, advantages=res.advantages, returns=res.returns,
-                               stats={**(exp.stats or {}), **{k: float(v) for k, v in res.stats.items()}},
-                               trainable=bad is None)
-
-
-def old_logprob_targets(exp: Experience, version: int, recompute_all: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(redo, off), both [B, T] bool: the tokens whose old log-probs the training forward recomputes
-    (every response token if ``recompute_all``, else the off-policy ones) and the off-policy tokens
-    (sampled by a version older than ``version``). See ``Learner.old_logprobs``."""
-    mask = exp.mask > 0
-    off = (exp.versions < version) & mask  # [B, T]
-    return (mask if recompute_all else off), off
-
-
-def set_old_logprobs(exp: Experience, rows: torch.Tensor, new: torch.Tensor, redo: torch.Tensor, off: torch.Tensor,
-                     cfg: PPOConfig) -> Experience:
-    """A new record with ``old_logprobs`` (``new`` [len(rows), T] where ``redo``), ``is_weights``
-    and ``stats`` (``Learner.old_logprobs``); wherever ``new`` was computed (one learner, or its
-    share by each sharded rank)."""
-    if rows.numel() == 0:
-        return dataclasses.replace(exp, stats={})
-    mask = exp.mask > 0
-    sampler = exp.sampler_logprobs  # [B, T] untruncated
-    old = exp.old_logprobs.clone()
-    old[rows] = torch.where(redo[rows], new.to(old.device), old[rows])
-    w = torch.exp(old - sampler)  # [B, T]
-    if cfg.is_truncate is not None:
-        w = w.clamp(max=cfg.is_truncate)
-    stats = {}
-    on = mask & ~off & redo
-    if on.any():
-        ratio = torch.exp(old - sampler)[on]  # the first minibatch's ratio had we not recomputed
-        eps_hi = cfg.clip_eps_high if cfg.clip_eps_high is not None else cfg.clip_eps
-        stats = {"ppo/sampler_ratio_outside_clip": ((ratio < 1 - cfg.clip_eps) | (ratio > 1 + eps_hi))
-                 .float().mean().item()}
-    return dataclasses.replace(exp, old_logprobs=old, is_weights=torch.where(off, w, torch.ones_like(w)), stats=stats)
-
-
-@dataclass
-class MicroBatch:
-    """Rows of a batch packed left for one training forward (``_micro_slices``).
-
-    ids, valid: [b, W] each row's prompt then response at columns 0..n-1, padding after (W: the
-    longest row's real tokens). pre: [b, T] the column whose hidden state predicts response token
-    t (prompt length - 1 + t; clamped past a row's end). tokens: [b, T] the response tokens."""
-
-    ids: torch.Tensor
-    valid: torch.Tensor
-    pre: torch.Tensor
-    tokens: torch.Tensor
-
-    @property
-    def T(self) -> int:
-        return self.tokens.shape[1]
-
-
-def _micro_slices(exp: "Experience | CriticBatch", rows: torch.Tensor) -> MicroBatch:
-    """``rows`` of ``exp`` packed left (``MicroBatch``): a micro-batch's width is its longest row,
-    not its longest prompt plus its longest response as in ``exp``'s layout. Exact: every forward
-    packs rows left anyway (``scoring.full_hidden``), positions are column indices."""
-    valid = exp.valid[rows]  # [b, P+T]
-    n_prompt = valid[:, : exp.P].sum(1)  # [b]
-    n = valid.sum(1)  # [b]
-    T = int(exp.mask[rows].sum(1).max())  # CPU-GPU sync point (shapes)
-    W = int(n.max())
-    col = torch.arange(W, device=valid.device)
-    src = ((exp.P - n_prompt)[:, None] + col[None]).clamp(max=valid.shape[1] - 1)  # [b, W]
-    inside = col[None] < n[:, None]  # [b, W]
-    ids = exp.ids[rows]
-    pre = (n_prompt[:, None] - 1 + torch.arange(T, device=valid.device)[None]).clamp(0, W - 1)  # [b, T]
-    return MicroBatch(ids.gather(1, src) * inside, inside.to(valid.dtype), pre, ids[:, exp.P: exp.P + T])
-
-
-def _response_hidden(backbone, mb: MicroBatch) -> torch.Tensor:
-    """[b, T, H] the hidden states that predict each response token of ``mb``."""
-    hidden = full_hidden(backbone, mb.ids, mb.valid)  # [b, W, H]
-    return hidden.gather(1, mb.pre[..., None].expand(-1, -1, hidden.shape[-1]))
+from .logprobs import head_logprobs
+from ..weights.precision import autocast
 
 
 def adamw(params, lr: float, weight_decay: float) -> torch.optim.AdamW:
@@ -214,45 +29,10 @@ def adamw(params, lr: float, weight_decay: float) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True if fused else None)
 
 
-def _lengths(batch: "Experience | CriticBatch") -> list[int]:
-    """Each row's real tokens (prompt and response), on the host: a packed micro-batch's width is
-    its longest row's (``_micro_slices``)."""
-    return batch.valid.sum(1).long().tolist()
-
-
-def micro_batches(batch: "Experience | CriticBatch", mb: torch.Tensor, cfg: PPOConfig,
-                  lengths: list[int] | None = None) -> list[torch.Tensor]:
-    """``mb``'s rows cut, in order, into the micro-batches of one optimizer step: runs of
-    ``ppo.micro_batch_size`` rows, or with ``ppo.micro_batch_tokens`` > 0 runs of at most that
-    many rows whose rows x width stays within the budget (at least one row each). The same for
-    actor and critic, every learner rank and ``padding_stats``."""
-    if not cfg.micro_batch_tokens:
-        return list(mb.split(cfg.micro_batch_size))
-    lengths = lengths or _lengths(batch)
-    out, cur, width = [], [], 0
-    for i in mb.tolist():
-        w = max(width, lengths[i]) if cur else lengths[i]
-        if cur and (len(cur) == cfg.micro_batch_size or (len(cur) + 1) * w > cfg.micro_batch_tokens):
-            out.append(cur)
-            cur, w = [], lengths[i]
-        cur.append(i)
-        width = w
-    out.append(cur)
-    return [torch.tensor(c, dtype=mb.dtype, device=mb.device) for c in out]
-
-
-def padding_stats(exp: Experience, minibatches: list[torch.Tensor], cfg: PPOConfig) -> dict[str, float]:
-    """What the actor's update computes: ``perf/train_tokens``, the real (prompt and response) tokens
-    of every micro-batch, and ``perf/train_padded_frac``, the share of the computed positions that
-    are padding (a micro-batch runs its rows x its longest row: ``_micro_slices``)."""
-    lengths = _lengths(exp)
-    computed = real = 0
-    for mb in minibatches:
-        for rows in micro_batches(exp, mb, cfg, lengths):
-            r = rows.tolist()
-            computed += len(r) * max(lengths[i] for i in r)
-            real += sum(lengths[i] for i in r)
-    return {"perf/train_tokens": float(real), "perf/train_padded_frac": 1.0 - real / computed if computed else 0.0}
+def _response_hidden(backbone, mb: MicroBatch) -> torch.Tensor:
+    """[b, T, H] the hidden states that predict each response token of ``mb``."""
+    hidden = full_hidden(backbone, mb.ids, mb.valid)  # [b, W, H]
+    return hidden.gather(1, mb.pre[..., None].expand(-1, -1, hidden.shape[-1]))
 
 
 class Learner:
@@ -364,7 +144,7 @@ class Learner:
     def load_checkpoint_state(self, optim: dict) -> None:
         """Inverse of :meth:`checkpoint_state` (the weights are loaded into the modules first). A
         sharded learner's checkpoint (``{"sharded": path}``) is read whole (``sharded_checkpoint``)."""
-        from .sharded_checkpoint import dense_optim_state
+        from .sharded import dense_optim_state
 
         optim = dense_optim_state(optim, self.actor, self.critic)
         self.actor_opt.load_state_dict(optim["actor"])
@@ -409,26 +189,6 @@ class Learner:
             "_frac": (mask.sum() / num_tokens).item(),  # weight of this micro-batch's stats in the minibatch
             **extra_stats,
         }
-
-
-@dataclass
-class CriticBatch:
-    """What the critic's update needs from an Experience (small enough to send to a worker)."""
-
-    ids: torch.Tensor
-    valid: torch.Tensor
-    P: int
-    mask: torch.Tensor
-    values: torch.Tensor
-    returns: torch.Tensor
-
-    @classmethod
-    def of(cls, exp: Experience) -> "CriticBatch":
-        return cls(exp.ids, exp.valid, exp.P, exp.mask, exp.values, exp.returns)
-
-    def to(self, device) -> "CriticBatch":
-        return CriticBatch(self.ids.to(device), self.valid.to(device), self.P, self.mask.to(device),
-                           self.values.to(device), self.returns.to(device))
 
 
 def critic_update(critic, opt: torch.optim.Optimizer, batch: CriticBatch, minibatches: list[torch.Tensor],

@@ -88,7 +88,7 @@ def _logits(h: Tensor, w: Tensor, b: Tensor | None, dtype: torch.dtype, mult: fl
 
 def fused_head(head) -> tuple[Tensor, Tensor | None, float] | None:
     """(weight, bias, scale) of a head the fused path can take, or None (see the module docstring)."""
-    from .models import LogitsHead
+    from ..models import LogitsHead
 
     scale = 1.0
     if isinstance(head, LogitsHead):
@@ -115,7 +115,7 @@ def head_logprobs(head, hidden: Tensor, tokens: Tensor, temperature: float = 1.0
     b, T = tokens.shape
     parts = fused_head(head)
     if parts is None:  # the plain path
-        from .ppo_math import entropy_from_logits, logprobs_from_logits
+        from ..ppo_math import entropy_from_logits, logprobs_from_logits
 
         logits = head(hidden).float()  # [b, T, V]
         lp = logprobs_from_logits(logits, tokens, temperature)

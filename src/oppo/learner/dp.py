@@ -1,7 +1,7 @@
 """The learner as a data-parallel group of Ray actors, and the weight sync to the rollout side.
 
 Each of the M ranks (:class:`LearnerRank`, one Ray actor each, gang-scheduled in a placement
-group) holds a replica of actor and critic with their AdamW: a plain :class:`oppo.learner.Learner`
+group) holds a replica of actor and critic with their AdamW: a plain :class:`oppo.learner.local.Learner`
 built from the same :class:`~.specs.ModelSpec` paths. They join one ``torch.distributed`` process
 group (gloo on CPU, NCCL on GPU) at the address of rank 0, and rank 0's weights are broadcast at
 start, so the replicas are identical even where loading is not (a freshly initialised head).
@@ -55,10 +55,11 @@ from typing import Callable
 import torch
 
 from ..config import PPOConfig
-from ..learner import CriticBatch, Experience, Learner, _train, critic_micro_step, padding_stats
-from ..offpolicy import MismatchProbe
-from ..scoring.ray import _short
-from .specs import ModelSpec
+from .batch import CriticBatch, Experience, padding_stats
+from .local import Learner, _train, critic_micro_step
+from .offpolicy import MismatchProbe
+from ..cluster import one_line
+from ..api.specs import ModelSpec
 from ..weights.sync import Manifest, Packed, SyncGroup, WeightSender, WeightSyncError, full_tensors, pack, \
     trained_parameters, unpack_into
 
@@ -109,7 +110,7 @@ class LearnerSpec:
 
 def learner_spec(cfg, paths, pad_id: int, compute_dtype: torch.dtype, algorithm, recompute_old: bool,
                  critic: bool = True, device: str = "auto") -> LearnerSpec:
-    """The learner the trainer builds (``setup.build_roles``), as a spec for the ranks: the policy in
+    """The learner the trainer builds (``setup.roles.build_roles``), as a spec for the ranks: the policy in
     its master dtype (the compute dtype under LoRA: only the fp32 adapters train), the critic in
     its master dtype (``critic`` False: none here, e.g. it trains on its scorer actor, or a
     critic-free algorithm), LoRA and gradient checkpointing as configured. ``cfg``: the Config."""
@@ -468,7 +469,7 @@ class DPLearnerGroup:
     def update(self, exp: Experience, step: int, critic: bool = True, sync: bool | None = None) -> dict[str, float]:
         """Stage 6 on the group, then (``sync``; default: unless built with ``defer_sync``) the
         weight sync; returns the learner's stats plus ``time/weight_sync`` (seconds: rank 0's actor
-        weights into ``rollout``). The trainer defers it: its weight sync (``setup.WeightSync``)
+        weights into ``rollout``). The trainer defers it: its weight sync (``weights.plan.WeightSync``)
         calls :meth:`sync` after the update, between two decode steps with in-flight updates."""
         import ray
 
@@ -551,7 +552,7 @@ class DPLearnerGroup:
         """Every rank loads the ``home`` modules' weights (a checkpoint's, loaded there first) and
         ``optim``. A checkpoint of any placement loads into any other (a sharded learner's is read
         whole here first: ``sharded_checkpoint.dense_optim_state``)."""
-        from ..sharded_checkpoint import dense_optim_state
+        from .sharded import dense_optim_state
 
         policy, critic = self.home
         optim = dense_optim_state(optim, policy, critic)
@@ -613,7 +614,7 @@ class DPLearnerGroup:
                 except ray.exceptions.RayTaskError as e:
                     failed.append((which[ref], e))
             self._kill()
-            msgs = [f"learner actor (role=learner, rank={r}) died: {_short(e)}" for r, e in sorted(dead, key=_rank)]
+            msgs = [f"learner actor (role=learner, rank={r}) died: {one_line(e)}" for r, e in sorted(dead, key=_rank)]
             msgs += [f"learner actor (role=learner, rank={r}) failed: {getattr(e, 'cause', None) or e!r}"
                      for r, e in sorted(failed, key=_rank)]
             first = (dead or failed)[0][1]

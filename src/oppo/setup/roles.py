@@ -1,9 +1,10 @@
-"""Setup and placement: ``build_roles(cfg)`` loads the models and builds every role once.
+"""``build_roles(cfg)`` loads the models and builds every role once, as the plan says.
 
-Where each role runs is decided here and nowhere else, as a :class:`Placement` value: the scorer
-on a thread, in a child process or in Ray actors; the critic trained by the learner or beside its
-scoring; the learner local or data-parallel on Ray; the rollout engine local or N Ray workers
-that stream to the scorers themselves; the torch thread budgets. The controller
+Where each role runs is decided once, before any model loads, as a :class:`~oppo.api.plan.Placement`
+(``setup.plan.decide_placement``): the scorer inline, on a thread, in a child process or in Ray
+actors; the critic trained by the learner or beside its scoring; the learner local or
+data-parallel on Ray; the rollout backend local or N Ray workers that stream to the scorers
+themselves; the torch thread budgets. This module builds what the plan names; the controller
 (``oppo.control``) receives the roles behind their Protocols (``api/protocols.py``) and never
 asks where one runs.
 
@@ -14,275 +15,30 @@ config and tokenizer, the reward model or function, then the big models.
 from __future__ import annotations
 
 import copy
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from .algo import build_algorithm
-from .config import Config
-from .data import PromptSet, build_prompt_set, read_prompts
-from .learner import Learner
-from .models import (apply_lora, base_view, check_model_path, check_roles, enable_gradient_checkpointing,
+from ..algo import build_algorithm
+from ..config import Config
+from ..data import PromptSet, build_prompt_set, read_prompts
+from ..learner.local import Learner
+from ..api.specs import ModelSpec
+from ..models import (apply_lora, base_view, check_roles, enable_gradient_checkpointing,
                      load_causal_lm, load_critic, load_function, load_reward_model, load_tokenizer, resolve_device,
                      resolve_dtype, stop_token_ids)
-from .api.protocols import RolloutBackend, Scorer
-from .rollout import registry
-from .rollout.engine import EngineSettings, resolve_engine
-from .scoring.streaming import RewardFunction, StreamingScorer
-from .trace import Tracer
-from .weights.precision import copy_weights, master_dtype, serving_copy
-from .scoring.worker import AdmitMsg, ChunksMsg, CriticTrainer, ForgetMsg, ScorerLoop, ScorerWorker
-
-DEFAULT_MAX_NEW_TOKENS = 256
-
-
-@dataclass
-class ResolvedPaths:
-    policy: str
-    reward: str | None
-    reward_function: str | None
-    critic: str | None
-    reference: str | None
-    prompts: str
-    judge: str | None
-    max_new_tokens: int
-    accuracy: str | None = None
-    """The built-in task's right-answer function (``task/accuracy``), if it has one."""
-
-
-def resolve_paths(cfg: Config, progress: bool = True) -> ResolvedPaths:
-    """Fill in the built-in task's models and prompts where the config names none.
-
-    Checks user paths before anything expensive; prepares the built-in task if needed.
-    """
-    max_new = cfg.generation.max_new_tokens
-    if cfg.uses_builtin_task:
-        from .task import get_task, prepare
-
-        task = get_task(cfg.data.task)
-        prepared = prepare(task=cfg.data.task, progress=progress)
-        reward_fn = cfg.reward.function or task.reward_function
-        reward_path = cfg.reward.path or (None if reward_fn else str(prepared.reward_path))
-        return ResolvedPaths(
-            policy=str(prepared.policy_path), reward=reward_path, reward_function=reward_fn,
-            critic=cfg.critic.path or reward_path or str(prepared.policy_path),
-            reference=cfg.reference.path, prompts=cfg.data.prompts or str(prepared.prompts_path),
-            judge=cfg.reward.judge or task.judge_function, max_new_tokens=max_new or task.max_new_tokens,
-            accuracy=None if cfg.data.prompts else task.accuracy_function)  # it knows only the task's prompts
-    if cfg.data.prompts is None:
-        raise ValueError("policy.path is set but data.prompts is not: give a prompt set (data.prompts=path.jsonl).")
-    for role, path in (("policy", cfg.policy.path), ("reward", cfg.reward.path), ("critic", cfg.critic.path),
-                       ("reference", cfg.reference.path)):
-        if path:
-            check_model_path(path, role)
-    return ResolvedPaths(
-        policy=cfg.policy.path, reward=cfg.reward.path, reward_function=cfg.reward.function,
-        critic=cfg.critic.path or cfg.reward.path or cfg.policy.path, reference=cfg.reference.path,
-        prompts=cfg.data.prompts, judge=cfg.reward.judge, max_new_tokens=max_new or DEFAULT_MAX_NEW_TOKENS)
-
-
-# ====================================================================== placement
-
-
-@dataclass(frozen=True)
-class ThreadBudget:
-    """torch thread counts of this process, by phase (decided once; torch's count is per process).
-
-    ``decode``: while the actor decodes (its own core(s) when a scorer worker runs beside it);
-    ``full``: every core this process may use (scoring one-shot, training alone);
-    ``beside_critic``: training the actor while the scorer worker trains the critic.
-    """
-
-    full: int
-    decode: int
-    beside_critic: int
-
-    def use(self, n: int) -> None:
-        torch.set_num_threads(n)
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where every role runs, decided once from the config (module docstring)."""
-
-    scorer: str  # "inline": in the controller's thread; "thread"; "process"; "ray"
-    critic_trains_on: str  # "learner", "scorer" (overlap.critic_on_worker) or "none" (critic-free)
-    learner: str  # "local" or "ray" (data-parallel ranks)
-    rollout: str  # "local" or "ray" (rollout workers)
-    rollout_streams_itself: bool  # Ray rollout workers feed the scorer actors directly
-    threads: ThreadBudget
-
-
-def decide_placement(cfg: Config, needs_critic: bool, devices_on_cpu: bool, critic_is_master: bool) -> Placement:
-    """``devices_on_cpu``: every scorer's model is on the CPU (a child process shares them);
-    ``critic_is_master``: the critic the scorer reads is the trained one (fp32)."""
-    o, pl = cfg.overlap, cfg.placement
-    ray = pl.backend == "ray"
-    critic_on_scorer = bool(cfg.streams and o.critic_on_worker and needs_critic and not ray)
-    if ray:
-        scorer = "ray"
-    elif not cfg.streams:
-        scorer = "inline"
-    else:
-        # the child process shares the scorers' weights in place; when the critic trains in the
-        # child, it trains the copy it scores with, so that must be the fp32 master: a bf16 run
-        # then uses the thread worker
-        process = o.scorer_process and devices_on_cpu and (critic_is_master or not critic_on_scorer)
-        scorer = "process" if process else "thread"
-    full = cfg.run.threads or torch.get_num_threads()
-    decode = o.actor_threads if cfg.streams or ray else full
-    return Placement(scorer=scorer,
-                     critic_trains_on="none" if not needs_critic else "scorer" if critic_on_scorer else "learner",
-                     learner="ray" if ray else "local", rollout="ray" if ray and pl.rollout_workers else "local",
-                     rollout_streams_itself=bool(ray and pl.rollout_workers and cfg.overlap.mode != "sequential"),
-                     threads=ThreadBudget(full, decode, o.actor_threads))
-
-
-# ====================================================================== roles
-
-
-class InlineScorer:
-    """The scorers in the controller's own thread: one-shot scoring (the sequential loop, and the
-    modes that do not stream), and the streaming messages handled at once by the same
-    :class:`~oppo.scoring.worker.ScorerLoop` the workers run."""
-
-    def __init__(self, scorers: dict[str, StreamingScorer]):
-        self.scorers, self.roles = scorers, tuple(scorers)
-        self.loop = ScorerLoop(scorers, tracer=Tracer(enabled=False))
-
-    @property
-    def peak_cache_bytes(self) -> dict[str, int]:
-        return {role: s.peak_cache_bytes for role, s in self.scorers.items()}
-
-    def admit(self, uids, prompts, step: int) -> None:
-        self.loop.handle([AdmitMsg(tuple(uids), tuple(tuple(p) for p in prompts), step)], _no_reply)
-
-    def feed(self, chunks, step: int) -> None:
-        if chunks:
-            self.loop.handle([ChunksMsg(tuple(chunks), step)], _no_reply)
-
-    def forget(self, uids) -> None:
-        self.loop.handle([ForgetMsg(frozenset(uids))], _no_reply)
-
-    def barrier(self) -> None:
-        pass  # every message was handled when it was sent
-
-    def take(self, uids):
-        return {role: [res.pop(u) for u in uids] for role, res in self.loop.results.items()}
-
-    def score_full(self, role, prompts, responses):
-        from .scoring.streaming import score_full
-
-        s = self.scorers[role]
-        return score_full(role, s.model, prompts, responses, s.pad_id, s.temperature)
-
-    def close(self) -> None:
-        pass
-
-
-def _no_reply(reply) -> None:
-    raise RuntimeError("internal error: a barrier message reached the inline scorer")
-
-
-class FedByRollout:
-    """The scorer as the controller sees it when the Ray rollout workers admit and feed the scorer
-    actors themselves: the controller sends nothing, and a barrier first flushes the workers."""
-
-    def __init__(self, scorer):
-        self.inner = scorer
-        self.roles = scorer.roles
-
-    @property
-    def peak_cache_bytes(self) -> dict[str, int]:
-        return self.inner.peak_cache_bytes
-
-    def admit(self, uids, prompts, step: int) -> None:
-        pass  # (sent by the rollout workers, before their first chunk)
-
-    def feed(self, chunks, step: int) -> None:
-        if chunks:
-            raise RuntimeError("internal error: rollout workers that stream themselves reported chunks")
-
-    def forget(self, uids) -> None:
-        self.inner.forget(uids)
-
-    def barrier(self) -> None:
-        self.inner.barrier()  # (flushes the rollout workers first: they are its feeders)
-
-    def take(self, uids):
-        return self.inner.take(uids)
-
-    def score_full(self, role, prompts, responses):
-        return self.inner.score_full(role, prompts, responses)
-
-    def close(self) -> None:
-        self.inner.close()
-
-
-class CriticBesideScorer:
-    """The learner when the critic trains on the scorer worker (``overlap.critic_on_worker``): the
-    critic's update goes to the worker (its own core or stream) while the actor trains here, on
-    the same minibatches; the two updates share nothing else, so the weights are those of one
-    learner doing both (``Learner.update``)."""
-
-    def __init__(self, learner: Learner, scorer: ScorerWorker, tracer: Tracer, threads: ThreadBudget,
-                 in_flight: bool):
-        self.inner, self.scorer, self.tracer, self.threads, self.in_flight = learner, scorer, tracer, threads, in_flight
-        # the trained state, as the local learner's (the scorer process shares the critic's AdamW state)
-        self.actor, self.critic, self.actor_opt, self.critic_opt = (learner.actor, learner.critic, learner.actor_opt,
-                                                                    learner.critic_opt)
-        self.recompute_old = learner.recompute_old
-
-    def old_logprobs(self, exp, version: int):
-        return self.inner.old_logprobs(exp, version)
-
-    def minibatches(self, B: int, step: int, lengths=None):
-        return self.inner.minibatches(B, step, lengths)
-
-    def update(self, exp, step: int) -> dict[str, float]:
-        from .learner import CriticBatch
-
-        self.scorer.train_critic(CriticBatch.of(exp), self.inner.minibatches(exp.mask.shape[0], step, exp.valid.sum(1)), step)
-        if not self.in_flight:  # (in-flight, the decoding owns the process's thread count)
-            self.threads.use(self.threads.beside_critic)
-        with self.tracer.span("learner", "train", step):
-            stats = self.inner.update(exp, step, critic=False)
-        if not self.in_flight:
-            self.threads.use(self.threads.full)
-        with self.tracer.span("controller", "wait_critic", step):
-            self.scorer.barrier()
-        stats.update(self.scorer.take_train_stats())
-        return stats
-
-    def actor_weights(self):
-        return self.inner.actor_weights()
-
-    def checkpoint_state(self) -> dict:
-        return self.inner.checkpoint_state()
-
-    def load_checkpoint_state(self, optim: dict) -> None:
-        self.inner.load_checkpoint_state(optim)
-
-    def close(self) -> None:
-        self.inner.close()
-
-
-@dataclass
-class WeightSync:
-    """After an update, the serving side gets the trained weights: the rollout backend (a new
-    version) and the critic the scorer reads. Composed once by :func:`build_roles` from the
-    placement: ``steps`` run in order."""
-
-    steps: list[Callable[[int], None]]
-
-    def __call__(self, version: int) -> float:
-        """Load the weights trained up to ``version``; returns the seconds it took."""
-        t = time.perf_counter()
-        for s in self.steps:
-            s(version)
-        return time.perf_counter() - t
+from ..api.protocols import RolloutBackend, Scorer
+from ..rollout import registry
+from ..scoring.streaming import RewardFunction, StreamingScorer
+from ..trace import Tracer
+from ..weights.precision import copy_weights, master_dtype, serving_copy
+from ..scoring.inline import InlineScorer
+from ..scoring.worker import CriticTrainer, ScorerWorker
+from ..learner.critic import CriticBesideScorer
+from ..api.plan import Placement
+from ..weights.plan import WeightSync
+from .plan import ResolvedPaths, decide_placement, engine_settings, resolve_paths
 
 
 @dataclass
@@ -320,7 +76,6 @@ class Roles:
     def close(self) -> None:
         for c in self.closers:
             c()
-
 
 def build_roles(cfg: Config, progress: bool = True) -> Roles:
     """Load every model and build every role (module docstring)."""
@@ -423,7 +178,6 @@ def build_roles(cfg: Config, progress: bool = True) -> Roles:
     roles.sync.steps.append(lambda version: roles.rollout.load_weights(policy, version))
     return roles
 
-
 def check_backend(engine: str, policy_path: str | None, device: str) -> None:
     """Raise :class:`~oppo.rollout.registry.BackendUnavailable` naming every reason the rollout
     backend ``engine`` cannot serve the policy here (``Backend.problems``: not installed, an
@@ -434,7 +188,6 @@ def check_backend(engine: str, policy_path: str | None, device: str) -> None:
     problems = backend.problems(policy_path, device) if backend.problems else []
     if problems:
         raise registry.BackendUnavailable("\n".join(problems))
-
 
 def local_rollout(roles: Roles, stop_ids) -> RolloutBackend:
     """The rollout backend in this process (``generation.engine``, from ``rollout.registry``),
@@ -449,27 +202,6 @@ def local_rollout(roles: Roles, stop_ids) -> RolloutBackend:
     roles.engine = settings.reason
     return backend
 
-
-def engine_settings(cfg: Config, stop_ids, pad_id: int, max_new_tokens: int, device: torch.device,
-                    model: torch.nn.Module | None = None) -> EngineSettings:
-    """The rollout engine's settings from the config (``generation.*``), for an engine on
-    ``device``; ``generation.engine=auto`` resolved there (``rollout.resolve_engine``: static with
-    CUDA graphs on CUDA when ``model``, the policy it will decode, suits the static engine; else
-    eager). Ray rollout workers get settings for ``cpu``, so ``auto`` runs the eager engine in them."""
-    from .rollout.static import static_decode_problem
-
-    g, B = cfg.generation, cfg.ppo.batch_size
-    max_len = cfg.data.max_prompt_tokens + max_new_tokens
-    kind, reason = resolve_engine(
-        g.engine, device, lambda: "the policy was not given to check" if model is None
-        else static_decode_problem(model, max_len, probe=True))
-    return EngineSettings(tuple(stop_ids), pad_id, max_new_tokens, g.temperature, g.top_k, g.top_p,
-                          g.kv_budget_mb or None, cfg.run.seed, kind,
-                          max_rows=2 * B if cfg.carries else B,  # B + Delta, refill: <= 2B
-                          max_len=max_len, capture="cuda_graph" if device.type == "cuda" else "none",
-                          reason=reason)
-
-
 def _place_on_ray(roles: Roles, stop_ids, recompute_old: bool) -> None:
     """``placement.backend=ray``: the scorers become Ray actors (all stage-3 scoring goes to them,
     streamed or one-shot) and the learner a group of Ray ranks that trains actor and critic
@@ -477,16 +209,15 @@ def _place_on_ray(roles: Roles, stop_ids, recompute_old: bool) -> None:
     weights go to the rollout backend (the local engine's model, or every rollout worker), streamed
     in buckets over a process group of their own or through the object store
     (``placement.weight_sync``), and its critic to the scorer actor (``time/weight_sync``)."""
-    from .placement.cluster import init_ray
-    from .placement.dp import DPLearnerGroup, learner_spec
-    from .placement.fsdp import FSDPLearnerGroup
-    from .scoring.ray import RayScorerWorker
-    from .placement.specs import scorer_specs
+    from ..cluster import init_ray
+    from ..learner.dp import DPLearnerGroup, learner_spec
+    from ..learner.fsdp import FSDPLearnerGroup
+    from ..scoring.ray import FedByRollout, RayScorerWorker
 
     cfg, pl, o = roles.cfg, roles.cfg.placement, roles.cfg.overlap
     dtype, pad_id = roles.compute_dtype, roles.pad_id
     init_ray(pl.address)
-    specs = scorer_specs(roles.paths, pad_id, dtype, reward_model=roles.reward_model is not None,
+    specs = _scorer_specs(roles.paths, pad_id, dtype, reward_model=roles.reward_model is not None,
                          critic=roles.critic is not None)
     scorer = RayScorerWorker(specs, roles.tracer, temperature=cfg.generation.temperature, threads=o.scorer_threads,
                              num_cpus=pl.scorer_cpus, num_gpus=pl.scorer_gpus, seed=cfg.run.seed)
@@ -503,8 +234,7 @@ def _place_on_ray(roles: Roles, stop_ids, recompute_old: bool) -> None:
     copy_weights(roles.policy, roles.rollout_policy)
     roles.sync.steps.append(lambda version: learner.sync(version))  # rank 0's critic -> the scorer actor
     if roles.placement.rollout == "ray":
-        from .rollout.ray import RayRolloutGroup
-        from .placement.specs import ModelSpec
+        from ..rollout.ray import RayRolloutGroup
 
         settings = engine_settings(cfg, stop_ids, pad_id, roles.max_new_tokens, torch.device("cpu"))
         mspec = ModelSpec("policy", roles.paths.policy, dtype, pad_id=pad_id,
@@ -537,6 +267,19 @@ def _place_on_ray(roles: Roles, stop_ids, recompute_old: bool) -> None:
             roles.rollout.load_weights(roles.rollout_policy, version)
         roles.sync.steps.append(actor_home)
 
+def _scorer_specs(paths, pad_id: int, dtype: torch.dtype, *, reward_model: bool, critic: bool,
+                 device: str = "auto") -> dict[str, ModelSpec]:
+    """The streaming scorers' models as the trainer builds them, from its ``ResolvedPaths``: the
+    reward model (unless a reward function scores), the reference (its own path, else the initial
+    policy: also the LoRA base without adapters) and the critic (unless critic-free), all in the
+    compute dtype."""
+    specs = {}
+    if reward_model:
+        specs["reward"] = ModelSpec("reward", paths.reward, dtype, device, pad_id)
+    specs["reference"] = ModelSpec("reference", paths.reference or paths.policy, dtype, device, pad_id)
+    if critic:
+        specs["critic"] = ModelSpec("critic", paths.critic, dtype, device, pad_id)
+    return specs
 
 def _collective_sync(roles: Roles, learner, rollout=None, local: torch.nn.Module | None = None):
     """``placement.weight_sync``: the collective, bucketed sync from the learner to the ``rollout``
@@ -545,7 +288,7 @@ def _collective_sync(roles: Roles, learner, rollout=None, local: torch.nn.Module
     form (a warning says why)."""
     import warnings
 
-    from .weights.sync import CollectiveSync, WeightSyncUnavailable
+    from ..weights.sync import CollectiveSync, WeightSyncUnavailable
 
     pl = roles.cfg.placement
     if pl.weight_sync == "object_store":
@@ -566,6 +309,4 @@ def _collective_sync(roles: Roles, learner, rollout=None, local: torch.nn.Module
     roles.closers.append(link.close)
     return link
 
-
-__all__ = ["Placement", "ResolvedPaths", "Roles", "ThreadBudget", "WeightSync", "build_roles", "engine_settings",
-           "decide_placement", "resolve_paths"]
+__all__ = ["Roles", "build_roles", "check_backend", "local_rollout"]

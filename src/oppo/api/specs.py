@@ -55,19 +55,3 @@ class ModelSpec:
         if self.role == "reward":
             return load_reward_model(self.path, dev, self.dtype, self.pad_id)
         return load_critic(self.path, dev, self.dtype, self.pad_id).eval()
-
-
-def scorer_specs(paths, pad_id: int, dtype: torch.dtype, *, reward_model: bool, critic: bool,
-                 device: str = "auto") -> dict[str, ModelSpec]:
-    """The streaming scorers' models as the trainer builds them, from its ``ResolvedPaths``: the
-    reward model (unless a reward function scores), the reference (its own path, else the initial
-    policy: also the LoRA base without adapters) and the critic (unless critic-free), all in the
-    compute dtype."""
-    specs = {}
-    if reward_model:
-        specs["reward"] = ModelSpec("reward", paths.reward, dtype, device, pad_id)
-    specs["reference"] = ModelSpec("reference", paths.reference or paths.policy, dtype, device, pad_id)
-    if critic:
-        specs["critic"] = ModelSpec("critic", paths.critic, dtype, device, pad_id)
-    return specs
-

@@ -1,4 +1,5 @@
-"""Joining a Ray cluster, or starting a local one."""
+"""Ray: joining a cluster (or starting a local one), and reading an actor's results with its
+failure named."""
 
 from __future__ import annotations
 
@@ -50,3 +51,26 @@ def start_local_cluster(nodes: int = 2, cpus_per_node: float = 1, gpus_per_node:
         cluster.shutdown()
 
     return shutdown
+
+
+def get_named(refs, who: str):
+    """``ray.get(refs)``; an actor that died or raised is reported as a RuntimeError naming ``who``
+    (its role and rank) and what happened."""
+    import ray
+
+    try:
+        return ray.get(refs)
+    except ray.exceptions.RayActorError as e:
+        raise RuntimeError(f"{who} died: {one_line(e)}") from e
+    except ray.exceptions.RayTaskError as e:
+        cause = getattr(e, "cause", None) or e
+        raise RuntimeError(f"{who} failed: {cause!r}") from cause
+
+
+def one_line(e: BaseException) -> str:
+    """A Ray actor error in one line: its first line (what happened) and its last (why: "killed by
+    ray.kill", out of memory, or, when the actor's ``__init__`` raised, that exception)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    if not lines:
+        return type(e).__name__
+    return lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"

@@ -1,7 +1,7 @@
 """The learner sharded with FSDP2 (``torch.distributed.fsdp.fully_shard``): M Ray ranks, each holding
 1/M of the actor's and the critic's parameters, gradients and AdamW state.
 
-What each rank runs is :class:`oppo.learner.Learner`'s own code, on sharded modules: the models are
+What each rank runs is :class:`oppo.learner.local.Learner`'s own code, on sharded modules: the models are
 wrapped by :func:`shard_model` before the Learner builds its optimizers (``LearnerSpec.build``), so
 its parameters are ``DTensor`` shards, its AdamW state is sharded with them, and its forward
 all-gathers each layer's parameters just in time (and frees them after), its backward
@@ -86,9 +86,9 @@ from datetime import timedelta
 
 import torch
 
-from ..learner import CriticBatch, Experience, Learner, _train, critic_micro_step, padding_stats, old_logprob_targets, \
-    set_old_logprobs
-from ..offpolicy import MismatchProbe
+from .batch import CriticBatch, Experience, old_logprob_targets, padding_stats, set_old_logprobs
+from .local import Learner, _train, critic_micro_step
+from .offpolicy import MismatchProbe
 from .dp import DPLearnerGroup, LearnerRank, LearnerSpec, _to, any_rank, merge_rank_stats, portable
 from ..weights.sync import Packed, pack_state
 
@@ -387,13 +387,13 @@ class FSDPLearnerRank(LearnerRank):
 
     def save_sharded(self, path: str) -> None:
         """Write this rank's shards (``sharded_checkpoint.save_sharded``; a collective)."""
-        from ..sharded_checkpoint import save_sharded
+        from .sharded import save_sharded
 
         save_sharded(path, self._models())
 
     def load_sharded(self, path: str) -> None:
         """Load this rank's shards of a sharded checkpoint written by any number of ranks."""
-        from ..sharded_checkpoint import load_sharded
+        from .sharded import load_sharded
 
         load_sharded(path, self._models())
 
@@ -427,7 +427,7 @@ class FSDPLearnerGroup(DPLearnerGroup):
         """A writer of every rank's shards (``sharded_checkpoint.ShardedLearnerState``: the
         checkpoint calls it inside its temporary directory); the whole weights are gathered into the
         ``home`` modules for the Hugging Face export."""
-        from ..sharded_checkpoint import ShardedLearnerState
+        from .sharded import ShardedLearnerState
 
         policy, critic = self.home
         policy.load_state_dict(self.actor_state())

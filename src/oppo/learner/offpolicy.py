@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:  # (learner imports this module)
-    from .learner import Experience
+if TYPE_CHECKING:
+    from .batch import Experience
 
 MISMATCH_THRESHOLDS = {"mismatch/logprob_abs_diff": 0.0193, "mismatch/kl": 0.01}
 """Upper bounds peers gate on (issue 22; ``docs/implementation-details.md``): SkyRL's CI checks the

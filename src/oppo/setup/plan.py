@@ -1,0 +1,103 @@
+"""What a run is built from, decided from the config before any model loads: the models' paths
+(the built-in task's where the config names none), the placement of every role, and the rollout
+engine's settings (``generation.engine=auto`` resolved)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..api.plan import Placement, ThreadBudget
+from ..config import Config
+from ..models import check_model_path
+from ..rollout.engine import EngineSettings, resolve_engine
+
+
+DEFAULT_MAX_NEW_TOKENS = 256
+
+@dataclass
+class ResolvedPaths:
+    policy: str
+    reward: str | None
+    reward_function: str | None
+    critic: str | None
+    reference: str | None
+    prompts: str
+    judge: str | None
+    max_new_tokens: int
+    accuracy: str | None = None
+    """The built-in task's right-answer function (``task/accuracy``), if it has one."""
+
+def resolve_paths(cfg: Config, progress: bool = True) -> ResolvedPaths:
+    """Fill in the built-in task's models and prompts where the config names none.
+
+    Checks user paths before anything expensive; prepares the built-in task if needed.
+    """
+    max_new = cfg.generation.max_new_tokens
+    if cfg.uses_builtin_task:
+        from ..task import get_task, prepare
+
+        task = get_task(cfg.data.task)
+        prepared = prepare(task=cfg.data.task, progress=progress)
+        reward_fn = cfg.reward.function or task.reward_function
+        reward_path = cfg.reward.path or (None if reward_fn else str(prepared.reward_path))
+        return ResolvedPaths(
+            policy=str(prepared.policy_path), reward=reward_path, reward_function=reward_fn,
+            critic=cfg.critic.path or reward_path or str(prepared.policy_path),
+            reference=cfg.reference.path, prompts=cfg.data.prompts or str(prepared.prompts_path),
+            judge=cfg.reward.judge or task.judge_function, max_new_tokens=max_new or task.max_new_tokens,
+            accuracy=None if cfg.data.prompts else task.accuracy_function)  # it knows only the task's prompts
+    if cfg.data.prompts is None:
+        raise ValueError("policy.path is set but data.prompts is not: give a prompt set (data.prompts=path.jsonl).")
+    for role, path in (("policy", cfg.policy.path), ("reward", cfg.reward.path), ("critic", cfg.critic.path),
+                       ("reference", cfg.reference.path)):
+        if path:
+            check_model_path(path, role)
+    return ResolvedPaths(
+        policy=cfg.policy.path, reward=cfg.reward.path, reward_function=cfg.reward.function,
+        critic=cfg.critic.path or cfg.reward.path or cfg.policy.path, reference=cfg.reference.path,
+        prompts=cfg.data.prompts, judge=cfg.reward.judge, max_new_tokens=max_new or DEFAULT_MAX_NEW_TOKENS)
+
+def decide_placement(cfg: Config, needs_critic: bool, devices_on_cpu: bool, critic_is_master: bool) -> Placement:
+    """``devices_on_cpu``: every scorer's model is on the CPU (a child process shares them);
+    ``critic_is_master``: the critic the scorer reads is the trained one (fp32)."""
+    o, pl = cfg.overlap, cfg.placement
+    ray = pl.backend == "ray"
+    critic_on_scorer = bool(cfg.streams and o.critic_on_worker and needs_critic and not ray)
+    if ray:
+        scorer = "ray"
+    elif not cfg.streams:
+        scorer = "inline"
+    else:
+        # the child process shares the scorers' weights in place; when the critic trains in the
+        # child, it trains the copy it scores with, so that must be the fp32 master: a bf16 run
+        # then uses the thread worker
+        process = o.scorer_process and devices_on_cpu and (critic_is_master or not critic_on_scorer)
+        scorer = "process" if process else "thread"
+    full = cfg.run.threads or torch.get_num_threads()
+    decode = o.actor_threads if cfg.streams or ray else full
+    return Placement(scorer=scorer,
+                     critic_trains_on="none" if not needs_critic else "scorer" if critic_on_scorer else "learner",
+                     learner="ray" if ray else "local", rollout="ray" if ray and pl.rollout_workers else "local",
+                     rollout_streams_itself=bool(ray and pl.rollout_workers and cfg.overlap.mode != "sequential"),
+                     threads=ThreadBudget(full, decode, o.actor_threads))
+
+def engine_settings(cfg: Config, stop_ids, pad_id: int, max_new_tokens: int, device: torch.device,
+                    model: torch.nn.Module | None = None) -> EngineSettings:
+    """The rollout engine's settings from the config (``generation.*``), for an engine on
+    ``device``; ``generation.engine=auto`` resolved there (``rollout.resolve_engine``: static with
+    CUDA graphs on CUDA when ``model``, the policy it will decode, suits the static engine; else
+    eager). Ray rollout workers get settings for ``cpu``, so ``auto`` runs the eager engine in them."""
+    from ..rollout.static import static_decode_problem
+
+    g, B = cfg.generation, cfg.ppo.batch_size
+    max_len = cfg.data.max_prompt_tokens + max_new_tokens
+    kind, reason = resolve_engine(
+        g.engine, device, lambda: "the policy was not given to check" if model is None
+        else static_decode_problem(model, max_len, probe=True))
+    return EngineSettings(tuple(stop_ids), pad_id, max_new_tokens, g.temperature, g.top_k, g.top_p,
+                          g.kv_budget_mb or None, cfg.run.seed, kind,
+                          max_rows=2 * B if cfg.carries else B,  # B + Delta, refill: <= 2B
+                          max_len=max_len, capture="cuda_graph" if device.type == "cuda" else "none",
+                          reason=reason)
