@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import yaml
 
+from . import modes
 from .algo.algorithms import SPECS, get_spec
 from .algo.core import AlgorithmSpec
 
@@ -85,7 +86,7 @@ def _kl_estimators(spec: AlgorithmSpec) -> str:
     return f"{spec.reward_kl_estimator} in the reward, {spec.loss_kl_estimator} in the loss"
 
 
-MODES = ("sequential", "intra", "inter", "oppo", "pipeline")
+MODES = modes.NAMES  # (the one table: oppo.modes)
 
 # Settings that the built-in tasks' tiny models (about 2M parameters) need to learn visibly in a
 # few CPU minutes. They apply only when no policy is named and the user has not set the key;
@@ -237,10 +238,7 @@ class PPOConfig:
 
 @dataclass
 class OverlapConfig:
-    mode: str = opt("oppo", "sequential: stage after stage; intra: stream chunks to the scorers while decoding; "
-                            "inter: overcommit and carry long generations; oppo: both; pipeline: oppo plus "
-                            "in-flight weight updates (PipelineRL: decoding goes on while the learner trains, new "
-                            "weights load between decode steps; not bitwise reproducible).", MODES)
+    mode: str = opt("oppo", modes.help_text(), MODES)
     chunk_size: int = opt(0, "Tokens per streamed chunk. 0: chosen online among chunk_candidates.")
     chunk_candidates: list = opt([8, 16, 32], "Chunk sizes tried by the online tuner.")
     chunk_trial_steps: int = opt(2, "Steps each candidate chunk size is tried for.")
@@ -408,7 +406,7 @@ class Config:
     @property
     def streams(self) -> bool:
         """Intra-step overlap: chunks stream to the scorers while the actor decodes."""
-        return self.overlap.mode in ("intra", "oppo", "pipeline")
+        return modes.get(self.overlap.mode).streams
 
     @property
     def algo_spec(self) -> AlgorithmSpec:
@@ -443,13 +441,13 @@ class Config:
     @property
     def carries(self) -> bool:
         """Inter-step overlap: overcommit and carry unfinished sequences across steps."""
-        return self.overlap.mode in ("inter", "oppo", "pipeline")
+        return modes.get(self.overlap.mode).carries
 
     @property
     def in_flight(self) -> bool:
         """In-flight weight updates (PipelineRL): the learner trains in the background while the
         engine decodes; new weights load between decode steps."""
-        return self.overlap.mode == "pipeline"
+        return modes.get(self.overlap.mode).in_flight
 
 
 # --------------------------------------------------------------------------- building

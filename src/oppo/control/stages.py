@@ -13,6 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from .. import modes
 from ..config import Config
 from ..learner.batch import Experience, attach_scores, build_experience, compute_advantages
 from ..learner.offpolicy import staleness_stats
@@ -23,10 +24,10 @@ from ..api.records import Chunk, ChunkReady, Rollout, Scores, SequenceFinished
 
 @dataclass(frozen=True)
 class OverlapPolicy:
-    """What the overlapped loop does, from ``overlap.mode`` (and two stale-state settings):
-    ``streams`` chunks to the scorers while decoding (intra, oppo, pipeline); ``carries``
-    unfinished sequences into the next step (inter, oppo, pipeline); trains ``in_flight`` while
-    the engine decodes the next step (pipeline)."""
+    """What the overlapped loop does, from ``overlap.mode``'s row of the mode table
+    (:data:`oppo.modes.TABLE`) and two stale-state settings: ``streams`` chunks to the scorers
+    while decoding; ``carries`` unfinished sequences into the next step; trains ``in_flight``
+    while the engine decodes the next step."""
 
     streams: bool
     carries: bool
@@ -36,7 +37,8 @@ class OverlapPolicy:
 
     @classmethod
     def of(cls, cfg: Config) -> "OverlapPolicy":
-        return cls(cfg.streams, cfg.carries, cfg.in_flight, cfg.overlap.stale_kv == "recompute",
+        mode = modes.get(cfg.overlap.mode)
+        return cls(mode.streams, mode.carries, mode.in_flight, cfg.overlap.stale_kv == "recompute",
                    cfg.overlap.stale_values == "recompute")
 
 
