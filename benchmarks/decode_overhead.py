@@ -5,7 +5,8 @@
 A synthetic policy of ``--size`` (``oppo.bench.MODEL_SIZES``, random weights) and a tiny reward
 model (also the critic) train for ``--steps`` steps per mode on forced long-tailed lengths (the
 representative workload scaled to ``--max-new-tokens``). The rollout engine's ``admit`` and
-``step`` are timed inside the run (wrapped, so the script measures older code the same way), and
+one decode step (``decode``; ``step`` in engines before it, whose ``step`` also read every row's
+tokens) are timed inside the run (wrapped, so the script measures older code the same way), and
 per step the report gives:
 
 - ``gen_ms_per_step``: time/generate / the decode steps taken;
@@ -29,9 +30,10 @@ import torch
 
 
 def _timed(engine, sync):
-    """Wrap the engine's ``step`` and ``admit`` to count decode steps and accumulate their time."""
-    acc = {"steps": 0, "s": 0.0}
-    for name in ("step", "admit"):
+    """Wrap the engine's decode step and ``admit`` to count decode steps and accumulate their time."""
+    acc = {"steps": 0, "s": 0.0, "reads": 0}
+    step = "decode" if hasattr(engine, "decode") else "step"
+    for name in (step, "admit"):
         inner = getattr(engine, name)
 
         def wrapped(*a, _inner=inner, _name=name, **k):
@@ -42,7 +44,7 @@ def _timed(engine, sync):
             finally:
                 sync()
                 acc["s"] += time.perf_counter() - t
-                if _name == "step":
+                if _name == step:
                     acc["steps"] += 1
 
         setattr(engine, name, wrapped)
@@ -77,12 +79,15 @@ def run(args) -> list[dict]:
                 n = acc["steps"] - before["steps"]
                 if i and n:
                     per_step.append((1e3 * m["time/generate"] / n, 1e3 * (acc["s"] - before["s"]) / n, n))
+            reads = getattr(t.roles.rollout, "host_reads", None)  # the engine's own, whole run (newer engines)
+            total = acc["steps"]
         finally:
             t.close()
         gen = statistics.median(p[0] for p in per_step)
         eng = statistics.median(p[1] for p in per_step)
         rows.append({"mode": mode, "gen_ms_per_step": gen, "engine_ms_per_step": eng, "overhead": gen / eng,
-                     "decode_steps": [p[2] for p in per_step]})
+                     "decode_steps": [p[2] for p in per_step],
+                     "host_reads_per_step": None if reads is None else reads / max(1, total)})
     return rows
 
 
@@ -101,11 +106,13 @@ def main(argv=None) -> None:
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
     rows = run(args)
-    print(f"| mode | generate ms / decode step | engine ms / decode step | overhead |  ({args.size}, B={args.batch}, "
-          f"{args.device}, {args.threads} thread(s))")
-    print("|---|---|---|---|")
+    print(f"| mode | generate ms / decode step | engine ms / decode step | overhead | engine reads / decode step |  "
+          f"({args.size}, B={args.batch}, {args.device}, {args.threads} thread(s))")
+    print("|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['mode']} | {r['gen_ms_per_step']:.2f} | {r['engine_ms_per_step']:.2f} | {r['overhead']:.2f}x |")
+        reads = "-" if r["host_reads_per_step"] is None else f"{r['host_reads_per_step']:.2f}"
+        print(f"| {r['mode']} | {r['gen_ms_per_step']:.2f} | {r['engine_ms_per_step']:.2f} | {r['overhead']:.2f}x | "
+              f"{reads} |")
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
 

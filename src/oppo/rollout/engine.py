@@ -1,7 +1,7 @@
 """The rollout engine: batched KV-cache sampling with slots.
 
 Rows join (``admit``: prefill the prompt, merge into the running batch), decode in lock-step
-(``step``: sample one token per row, retire the rows that ended, feed the others), emit chunks of
+(``decode``: sample one token per row, retire the rows that ended, feed the others), emit chunks of
 new tokens (``take_chunks``), and may stay in the engine across PPO steps (inter-step overlap),
 continuing under new weights. Each sampled token records its behaviour log-prob and the oldest
 policy version that shaped its distribution: the version of the weights that computed its logits,
@@ -16,10 +16,22 @@ Off-policy (staleness) weights compare the learner's pi_k with ``policy_logprobs
 truncated one: a fresh token's weight is 1, so a carried token with no weight change must get 1
 too, whatever top-k/top-p (``Learner.old_logprobs``). Without truncation the two lists hold the
 same floats.
+
+**Records stay on the device.** Each row has a slot in preallocated device buffers ``[slots,
+max_new_tokens]`` of its tokens, both log-probs and versions, with its length, forced length and
+versions ``[slots]``: a decode step writes them with tensor operations (EOS, the token budget,
+forced lengths included), and the host copies a row's new tokens into its :class:`Rollout` in one
+read of every row's, only at a step where a row ends or a chunk is due (``take_chunks``), and on
+``in_flight``/``recompute``/``step``. What the host still needs per step: whether a row ended.
+With forced lengths on every row (``oppo bench``) the host knows it from the step count, so such a
+step reads nothing; otherwise it reads one flag per row (the step's one CPU-GPU sync point: a row
+may end at any step, and the next step's batch and random draws depend on it). ``host_reads``
+counts the engine's reads.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 
@@ -83,13 +95,33 @@ class RolloutEngine:
         self.rows: list[Rollout] = []
         self.kv = KVRows(self.device)
         self.next_logits = torch.zeros(0, 0, device=self.device)  # [R, V]
-        self.logits_version: list[int] = []  # which policy version computed each row's next_logits
-        self.kv_version: list[int] = []  # oldest policy version in each row's KV cache
         self.finished: list[Rollout] = []  # retired since the last take_chunks()
         self.peak_cache_bytes = 0
         self.decode_steps = 0  # decode steps taken so far (``perf/decode_step_ms``)
+        self.host_reads = 0  # device-to-host reads by the engine itself (``tests/test_host_reads.py``)
         self._eos_index: dict[torch.device, torch.Tensor] = {}  # the stop ids as an index (``_forced``)
         self.kv_budget_mb: float | None = None  # generation.kv_budget_mb; None: unlimited
+        # Device records, one slot per row (the static engine: its KV slot), grown by _grow. [S]:
+        # response tokens so far, forced length (0: none), the policy version of the row's next-token
+        # logits and the oldest in its KV cache. [4, S, N]: per response position, the token, its
+        # behaviour and untruncated log-probs and its version, as float64 (exact for token ids below
+        # 2**53 and for float32 log-probs): one gather reads them all.
+        self.slot_of: list[int] = []  # each row's slot, parallel to self.rows
+        self._free: list[int] = []  # free slots, a heap: lowest first
+        self._slots = torch.zeros(0, dtype=torch.long, device=self.device)  # [R] slot_of on the device
+        self._length, self._target, self._lv, self._kvv = (
+            torch.zeros(0, dtype=torch.long, device=self.device) for _ in range(4))
+        self._records = torch.zeros(4, 0, max_new_tokens, dtype=torch.float64, device=self.device)
+        # Host facts derived once per admission or retirement, not per token: a row's length is
+        # _clock - _born[i]; _end[i] is the step it ends at by its length alone (token budget or
+        # forced length); _deadline the first of those; _due the step a chunk is first due.
+        self._clock = 0  # decode steps, for the row lengths (decode_steps is the metrics')
+        self._born: list[int] = []
+        self._end: list[int] = []
+        self._deadline = math.inf
+        self._eos_possible = False  # a row without a forced length: it may end by EOS at any step
+        self._any_target = False
+        self._due: tuple[int, float] | None = None  # (chunk size, step) cache of take_chunks
 
     def _check_budget(self) -> None:
         """Raise before the cache outgrows its budget, rather than dying of an out-of-memory
@@ -111,8 +143,107 @@ class RolloutEngine:
         return [r.uid for r in self.rows]
 
     def in_flight(self) -> list[Rollout]:
-        """The rows decoding (``RolloutBackend.in_flight``): the controller's own Rollouts."""
+        """The rows decoding (``RolloutBackend.in_flight``): the controller's own Rollouts, their
+        records brought up to date."""
+        self._pull()
         return list(self.rows)
+
+    @property
+    def logits_version(self) -> list[int]:
+        """Which policy version computed each row's next_logits (a device read: for tests)."""
+        return self._lv[self._slots].tolist()
+
+    @property
+    def kv_version(self) -> list[int]:
+        """The oldest policy version in each row's KV cache (a device read: for tests)."""
+        return self._kvv[self._slots].tolist()
+
+    # ------------------------------------------------------------------ slots and records
+
+    def _grow(self, slots: int, width: int = 0) -> None:
+        """Records for at least ``slots`` slots of at least ``width`` positions (copying the old ones)."""
+        old, n = self._records, self._length.numel()
+        width = max(width, old.shape[2])
+        if slots <= n and width == old.shape[2]:
+            return
+        slots = max(slots, n)
+        self._records = old.new_zeros(4, slots, width)
+        self._records[:, :n, :old.shape[2]] = old
+        self._length, self._target, self._lv, self._kvv = (
+            torch.cat([t, t.new_zeros(slots - n)]) for t in (self._length, self._target, self._lv, self._kvv))
+        for s in range(n, slots):
+            heapq.heappush(self._free, s)
+
+    def _take_slots(self, n: int) -> list[int]:
+        if len(self._free) < n:
+            self._grow(max(2 * self._length.numel(), self._length.numel() + n - len(self._free), 8))
+        return [heapq.heappop(self._free) for _ in range(n)]
+
+    def _add_rows(self, rollouts: list[Rollout], slots: list[int]) -> None:
+        """Append ``rollouts`` (prefilled into ``slots``) to the batch: their device state set in one copy."""
+        self._grow(0, max(len(r.response_ids) for r in rollouts) + 1)
+        state = torch.tensor([[len(r.response_ids) for r in rollouts], [r.target_length or 0 for r in rollouts],
+                              [self.version] * len(rollouts), [self.version] * len(rollouts)])  # [4, n]
+        idx = torch.tensor(slots, dtype=torch.long, device=self.device)
+        state = state.to(self.device)
+        for t, v in zip((self._length, self._target, self._lv, self._kvv), state):
+            t.index_copy_(0, idx, v)
+        for r in rollouts:
+            limit = min(r.target_length or self.max_new_tokens, self.max_new_tokens)
+            self._born.append(self._clock - len(r.response_ids))
+            self._end.append(max(self._born[-1] + limit, self._clock + 1))
+        self.rows.extend(rollouts)
+        self.slot_of.extend(slots)
+        self._rows_changed()
+
+    def _retire(self, keep: list[int]) -> None:
+        """Keep only rows ``keep`` (indices, in order); free the others' slots."""
+        kept = set(keep)
+        for i, s in enumerate(self.slot_of):
+            if i not in kept:
+                heapq.heappush(self._free, s)
+        self.rows = [self.rows[i] for i in keep]
+        self.slot_of = [self.slot_of[i] for i in keep]
+        self._born = [self._born[i] for i in keep]
+        self._end = [self._end[i] for i in keep]
+        self._rows_changed()
+
+    def _rows_changed(self) -> None:
+        """Rederive the host facts that change only when rows join or leave."""
+        self._slots = torch.tensor(self.slot_of, dtype=torch.long, device=self.device)
+        self._deadline = min(self._end, default=math.inf)
+        self._eos_possible = any(r.target_length is None for r in self.rows)
+        self._any_target = any(r.target_length is not None for r in self.rows)
+        self._due = None
+
+    def _pull(self) -> None:
+        """Copy every row's tokens, log-probs and versions sampled since the last pull from the
+        device records into its Rollout: one read (a CPU-GPU sync point) for all of them."""
+        have = [len(r.response_ids) for r in self.rows]
+        now = [self._clock - b for b in self._born]
+        k = max((n - h for h, n in zip(have, now)), default=0)
+        if k <= 0:
+            return
+        cols = torch.tensor(have, dtype=torch.long, device=self.device)[:, None] + torch.arange(k, device=self.device)
+        cols = cols.clamp_(max=self._records.shape[2] - 1)  # [R, k] (past a row's length: unused)
+        host = self._records[:, self._slots[:, None], cols].tolist()  # [4, R, k]
+        self.host_reads += 1
+        bad = []
+        for i, (row, h, n) in enumerate(zip(self.rows, have, now)):
+            m = n - h
+            lp, plp = host[1][i][:m], host[2][i][:m]
+            if math.isnan(sum(lp) + sum(plp)):  # (log-probs are <= 0: a sum is NaN only with a NaN in it)
+                bad.append(i)
+            row.response_ids.extend(map(int, host[0][i][:m]))
+            row.logprobs.extend(lp)
+            row.policy_logprobs.extend(plp)
+            row.versions.extend(map(int, host[3][i][:m]))
+        if bad:  # (forced lengths only: other steps check their flags at once)
+            row = self.rows[bad[0]]
+            at = next(t for t, (a, b) in enumerate(zip(row.logprobs, row.policy_logprobs)) if a != a or b != b)
+            raise NonFiniteError(sampling_message(bad, [self.rows[i].uid for i in bad], row.versions[at]))
+
+    # ------------------------------------------------------------------ admission
 
     @torch.no_grad()
     def _prefill(self, seqs: list[list[int]]) -> tuple[KVRows, torch.Tensor]:
@@ -128,18 +259,18 @@ class RolloutEngine:
             return
         kv, logits = self._prefill([r.prompt_ids + r.response_ids for r in rollouts])
         self.kv.merge(kv)
-        self.rows.extend(rollouts)
+        self._add_rows(rollouts, self._take_slots(len(rollouts)))
         self.next_logits = logits if self.next_logits.numel() == 0 else torch.cat([self.next_logits, logits])
-        self.logits_version.extend([self.version] * len(rollouts))
-        self.kv_version.extend([self.version] * len(rollouts))
         self._check_budget()
 
     @torch.no_grad()
     def recompute(self) -> None:
         """Rebuild every row's KV cache and next-token logits under the current weights
         (``overlap.stale_kv=recompute``)."""
+        self._pull()
         rows = self.rows
-        self.rows, self.kv, self.logits_version, self.kv_version = [], KVRows(self.device), [], []
+        self._retire([])
+        self.kv = KVRows(self.device)
         self.next_logits = torch.zeros(0, 0, device=self.device)
         self.admit(rows)
 
@@ -148,9 +279,7 @@ class RolloutEngine:
         keep = [i for i, r in enumerate(self.rows) if r.uid not in uids]
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
         self.kv.select(idx)
-        self.rows = [self.rows[i] for i in keep]
-        self.logits_version = [self.logits_version[i] for i in keep]
-        self.kv_version = [self.kv_version[i] for i in keep]
+        self._retire(keep)
         self.next_logits = self.next_logits.index_select(0, idx) if keep else torch.zeros(0, 0, device=self.device)
         self.finished = [r for r in self.finished if r.uid not in uids]
 
@@ -168,7 +297,7 @@ class RolloutEngine:
 
     def advance(self, chunk_size: int | None) -> list[Event]:
         """One decode step (``RolloutBackend.advance``): the rows that ended, then the chunks due."""
-        events: list[Event] = [SequenceFinished(r) for r in self.step()]
+        events: list[Event] = [SequenceFinished(r) for r in self.decode()]
         if chunk_size is None:
             self.finished.clear()  # no scorer streams: no final chunks to send
             return events
@@ -190,12 +319,16 @@ class RolloutEngine:
     def close(self) -> None:
         pass
 
-    def _sample_and_record(self) -> tuple[torch.Tensor, list[int], list[Rollout]]:
-        """Sample one token per row from ``next_logits``, append it to its row with its behaviour
-        log-prob and version, and mark the rows that ended. Returns (tokens [R], the indices of
-        the rows that go on, the rows that ended). Shared by every engine's ``step``."""
+    def _sample_and_record(self) -> tuple[torch.Tensor, list[int] | None, list[Rollout]]:
+        """Sample one token per row from ``next_logits`` and write it, its behaviour and untruncated
+        log-probs and its version into the rows' device records. Returns (tokens [R], the indices of
+        the rows that go on or None when none ended, the rows that ended: their records pulled,
+        marked finished). Shared by every engine's ``decode``."""
         self.decode_steps += 1
-        logits = self._forced(self.next_logits)
+        self._clock += 1
+        slots = self._slots  # [R]
+        length = self._length[slots]  # [R] response tokens so far = the column this token takes
+        logits = self._forced(self.next_logits, length, self._target[slots]) if self._any_target else self.next_logits
         if self.greedy:
             tokens, logp = logits.argmax(-1), None  # [R]
         else:
@@ -209,31 +342,37 @@ class RolloutEngine:
             # greedy, or forced lengths (bench: timing only, ``bench.timing_only``): nothing was
             # drawn from a distribution of the policy's, so the policy's own log-prob stands in
             logp = untruncated
-        # one device-to-host copy per decode step (the CPU-GPU sync point): tokens and both log-probs
-        # as float64 (exact for token ids below 2**53 and for float32 log-probs)
-        both = untruncated is logp
-        host = torch.stack([tokens.double(), logp.double()] + ([] if both else [untruncated.double()])).tolist()
-        tok_list, lp_list = [int(t) for t in host[0]], host[1]
-        plp_list = lp_list if both else host[2]
-        bad = [i for i, (lp, plp) in enumerate(zip(lp_list, plp_list)) if math.isnan(lp) or math.isnan(plp)]
-        if bad:  # non-finite logits (sample_tokens): the guard's message, not multinomial's
-            raise NonFiniteError(sampling_message(bad, [self.rows[i].uid for i in bad], self.logits_version[bad[0]]))
-        keep, done = [], []
-        for i, (row, t, lp, plp) in enumerate(zip(self.rows, tok_list, lp_list, plp_list)):
-            row.response_ids.append(t)
-            row.logprobs.append(lp)
-            row.policy_logprobs.append(plp)
-            row.versions.append(min(self.logits_version[i], self.kv_version[i]))
-            if t in self.eos_ids or len(row.response_ids) >= self.max_new_tokens:
-                row.finished, row.ended_with_eos = True, t in self.eos_ids
-                done.append(row)
-            else:
-                keep.append(i)
-        return tokens, keep, done
+        version = torch.minimum(self._lv[slots], self._kvv[slots])  # [R]
+        self._records[:, slots, length] = torch.stack([tokens.double(), logp.double(), untruncated.double(),
+                                                       version.double()])  # [4, R]
+        self._length[slots] = length + 1
+        if self._eos_possible:
+            ended = torch.isin(tokens, self._eos(tokens.device)) | (length + 1 >= self.max_new_tokens)  # [R]
+            nonfinite = torch.isnan(logp) | torch.isnan(untruncated)  # non-finite logits (sample_tokens)
+            flags = (ended.to(torch.uint8) + 2 * nonfinite.to(torch.uint8)).tolist()  # CPU-GPU sync point
+            self.host_reads += 1
+            if not any(flags):
+                return tokens, None, []
+            bad = [i for i, f in enumerate(flags) if f >= 2]
+            if bad:  # the guard's message, not multinomial's
+                version = self._lv[slots][bad[0]].item()
+                raise NonFiniteError(sampling_message(bad, [self.rows[i].uid for i in bad], version))
+            ended = [i for i, f in enumerate(flags) if f]
+        elif self._clock >= self._deadline:  # forced lengths only: the host knows who ends
+            ended = [i for i, e in enumerate(self._end) if e <= self._clock]
+        else:
+            return tokens, None, []
+        self._pull()  # every row's new tokens (the scheduler and the metrics read the rows at a finish)
+        done = [self.rows[i] for i in ended]
+        for row in done:
+            row.finished, row.ended_with_eos = True, row.response_ids[-1] in self.eos_ids
+        gone = set(ended)
+        return tokens, [i for i in range(len(self.rows)) if i not in gone], done
 
     @torch.no_grad()
-    def step(self) -> list[Rollout]:
-        """Sample one token for every row; retire rows that ended; return them."""
+    def decode(self) -> list[Rollout]:
+        """One decode step: sample a token for every row; retire the rows that ended and return
+        them (their records pulled); the other rows' records stay on the device."""
         if not self.rows:
             return []
         tokens, keep, done = self._sample_and_record()
@@ -241,46 +380,67 @@ class RolloutEngine:
             self.peak_cache_bytes = max(self.peak_cache_bytes, self.kv.nbytes())
             idx = torch.tensor(keep, dtype=torch.long, device=self.device)
             self.kv.select(idx)
-            self.rows = [self.rows[i] for i in keep]
-            self.logits_version = [self.logits_version[i] for i in keep]
-            self.kv_version = [self.kv_version[i] for i in keep]
+            self._retire(keep)
             tokens = tokens.index_select(0, idx)
             self.finished.extend(done)
         if self.rows:
             hidden = self.kv.forward(self.backbone, tokens[:, None], torch.ones_like(tokens)[:, None])  # [R, 1, H]
             self._check_budget()
             self.next_logits = self.head(hidden[:, -1]).float()  # [R, V]
-            self.logits_version = [self.version] * len(self.rows)
+            self._lv.index_fill_(0, self._slots, self.version)
         else:
             self.next_logits = torch.zeros(0, 0, device=self.device)
         return done
 
-    def _forced(self, logits: torch.Tensor) -> torch.Tensor:
+    def step(self) -> list[Rollout]:
+        """``decode``, then every row's records brought up to date (one read per step: for callers
+        that read the rows after every token; the trainer's loop calls ``advance``)."""
+        done = self.decode()
+        self._pull()
+        return done
+
+    def _eos(self, device: torch.device) -> torch.Tensor:
+        eos = self._eos_index.get(device)
+        if eos is None:  # once per device, not per step
+            eos = self._eos_index[device] = torch.tensor(sorted(self.eos_ids), device=device)
+        return eos
+
+    def _forced(self, logits: torch.Tensor, length: torch.Tensor | None = None,
+                target: torch.Tensor | None = None) -> torch.Tensor:
         """Synthetic-length workloads (``oppo bench``'s forced workloads and ``--tail``): EOS is
         banned before a row's target length and forced at it, so the length distribution is set
         directly while the model still does all the real work. The tokens are then not samples
         of the policy, so such runs are timing-only (``bench.timing_only``): the recorded
-        log-prob is the policy's own, and no learning metric of theirs is reported."""
-        targets = [r.target_length for r in self.rows]
-        if all(t is None for t in targets):
-            return logits
+        log-prob is the policy's own, and no learning metric of theirs is reported.
+
+        ``length`` [R]: each row's response tokens so far, ``target`` [R]: its target length (0:
+        none), on the device (the engine's records); by default from ``self.rows``."""
+        if length is None:
+            if all(r.target_length is None for r in self.rows):
+                return logits
+            length = torch.tensor([len(r.response_ids) for r in self.rows], device=logits.device)
+            target = torch.tensor([r.target_length or 0 for r in self.rows], device=logits.device)
         # as tensor operations over every row (a few kernels per step, not two per row)
-        force = [t is not None and len(r.response_ids) + 1 >= t for r, t in zip(self.rows, targets)]
-        ban = [t is not None and not f for t, f in zip(targets, force)]
-        flags = torch.tensor([force, ban], dtype=torch.bool).to(logits.device, non_blocking=True)  # [2, R]
-        eos = self._eos_index.get(logits.device)
-        if eos is None:  # once per device, not per step
-            eos = self._eos_index[logits.device] = torch.tensor(sorted(self.eos_ids), device=logits.device)
+        force = (target > 0) & (length + 1 >= target)  # [R]
+        ban = (target > 0) & ~force  # [R]
+        eos = self._eos(logits.device)
         logits = logits.clone()
-        logits.index_copy_(1, eos, logits.index_select(1, eos).masked_fill(flags[1, :, None], float("-inf")))
+        logits.index_copy_(1, eos, logits.index_select(1, eos).masked_fill(ban[:, None], float("-inf")))
         forced = torch.full_like(logits[:1], float("-inf"))  # [1, V]: EOS and nothing else
         forced[0, self.eos_id] = 0.0
-        return torch.where(flags[0, :, None], forced, logits)
+        return torch.where(force[:, None], forced, logits)
 
     def take_chunks(self, chunk_size: int) -> list[Chunk]:
         """Chunks for the scorers (:func:`take_chunks`) of the rows retired since the last call
-        and of the rows decoding."""
-        out = take_chunks(self.finished, self.rows, chunk_size)
+        and of the rows decoding. The rows' records are pulled only at a step where one is due."""
+        if self._due is None or self._due[0] != chunk_size:  # row i is due at step born + emitted + chunk
+            self._due = (chunk_size, min((b + r.emitted + chunk_size for r, b in zip(self.rows, self._born)),
+                                         default=math.inf))
+        active = []
+        if self._clock >= self._due[1]:
+            self._pull()
+            active, self._due = self.rows, None
+        out = take_chunks(self.finished, active, chunk_size)
         self.finished = []
         return out
 
@@ -288,7 +448,7 @@ class RolloutEngine:
         """Decode until every row has ended (the sequential rollout, with early exit)."""
         done = []
         while self.rows:
-            done.extend(self.step())
+            done.extend(self.decode())
         self.finished = []
         return done
 

@@ -151,8 +151,11 @@ def _bucket(n: int, cap: int, smallest: int = 16) -> int:
 
 class StaticRolloutEngine(RolloutEngine):
     """:class:`RolloutEngine` over preallocated KV slots with a capturable decode step (module
-    docstring). It subclasses the eager engine to share what does not touch the cache (forced
-    lengths, chunks, versions, ``generate_all``); everything that does is overridden here.
+    docstring). It subclasses the eager engine to share what does not touch the cache (the device
+    records of tokens, log-probs and versions, whose slots are its KV slots; forced lengths,
+    chunks, ``generate_all``); everything that does is overridden here. The slots' lengths live
+    on the device too (``_pos``, advanced in place after each forward); the host derives Rb and Lb
+    from the step count when rows join or leave, not per token.
 
     ``max_rows``: slots, the most rows ever in flight (B without carrying; 2B with it: B + Delta
     and the scheduler's refill cap are both at most 2B). Admitting more raises.
@@ -188,11 +191,11 @@ class StaticRolloutEngine(RolloutEngine):
         self.window = _window(model, max_len)
         self._masks_as_dict = self.window is not None and _forward_takes_mask_dict(self.backbone)
         self.cache = None  # _SlotCache, allocated at the first admit
-        self.slot_of: list[int] = []  # the slot of each row, parallel to self.rows
-        self._free: list[int] = list(range(max_rows))  # a heap: lowest slot first keeps Rb small
-        self._len = [0] * max_rows  # tokens in each slot's cache (= the column the next fed token takes)
+        self._grow(max_rows)  # the records' slots are the KV slots: lowest free first keeps Rb small
         self._tok = torch.full((max_rows, 1), pad_id, dtype=torch.long, device=self.device)  # static input
-        self._pos = torch.zeros(max_rows, dtype=torch.long, device=self.device)  # static input: _len on device
+        # static input: tokens in each slot's cache (= the column the next fed token takes; 0 when free)
+        self._pos = torch.zeros(max_rows, dtype=torch.long, device=self.device)
+        self._rb, self._lb = 0, 0  # Rb (highest used slot + 1); Lb = _lb + the step count (_rows_changed)
         self._graphs: dict[tuple[int, int], tuple[object, torch.Tensor]] = {}  # (Rb, Lb) -> (graph, logits)
         self._side_stream = self._pool = None  # cuda_graph: the capture stream and the graphs' pool (_capture)
         self._compiled = None
@@ -267,8 +270,7 @@ class StaticRolloutEngine(RolloutEngine):
             # columns beyond a row's length hold padding's keys: masked until decode overwrites them
             mine.keys[:, :, :P].index_copy_(0, idx, theirs.keys.to(mine.keys.dtype))
             mine.values[:, :, :P].index_copy_(0, idx, theirs.values.to(mine.values.dtype))
-        for s, n in zip(slots, lens):
-            self._len[s] = n
+        self._pos.index_copy_(0, idx, torch.tensor(lens, dtype=torch.long, device=self.device))
         return logits
 
     @torch.no_grad()
@@ -281,18 +283,15 @@ class StaticRolloutEngine(RolloutEngine):
                 f"The static engine has {len(self._free)} free slots of max_rows={self.max_rows} for {len(rollouts)} "
                 f"new rows; raise max_rows to the most rows in flight (ppo.batch_size + overlap.delta_max, in "
                 f"groups times algo.group_size).")
-        slots = [heapq.heappop(self._free) for _ in rollouts]
+        slots = self._take_slots(len(rollouts))
         try:
             logits = self._prefill_into(rollouts, slots)
         except Exception:
             for s in slots:
                 heapq.heappush(self._free, s)
             raise
-        self.rows.extend(rollouts)
-        self.slot_of.extend(slots)
+        self._add_rows(rollouts, slots)
         self.next_logits = logits if self.next_logits.numel() == 0 else torch.cat([self.next_logits, logits])
-        self.logits_version.extend([self.version] * len(rollouts))
-        self.kv_version.extend([self.version] * len(rollouts))
 
     @torch.no_grad()
     def recompute(self) -> None:
@@ -300,19 +299,23 @@ class StaticRolloutEngine(RolloutEngine):
         same slots (``overlap.stale_kv=recompute``)."""
         if not self.rows:
             return
+        self._pull()
         self.next_logits = self._prefill_into(self.rows, self.slot_of)
-        self.logits_version = [self.version] * len(self.rows)
-        self.kv_version = [self.version] * len(self.rows)
+        self._lv.index_fill_(0, self._slots, self.version)
+        self._kvv.index_fill_(0, self._slots, self.version)
 
     def _retire(self, keep: list[int]) -> None:
-        gone = set(range(len(self.rows))) - set(keep)
-        for i in gone:
-            heapq.heappush(self._free, self.slot_of[i])
-            self._len[self.slot_of[i]] = 0
-        self.rows = [self.rows[i] for i in keep]
-        self.slot_of = [self.slot_of[i] for i in keep]
-        self.logits_version = [self.logits_version[i] for i in keep]
-        self.kv_version = [self.kv_version[i] for i in keep]
+        kept = set(keep)
+        gone = [s for i, s in enumerate(self.slot_of) if i not in kept]
+        if gone:  # a free slot decodes into its column 0 (module docstring)
+            self._pos.index_fill_(0, torch.tensor(gone, dtype=torch.long, device=self.device), 0)
+        super()._retire(keep)
+
+    def _rows_changed(self) -> None:
+        super()._rows_changed()
+        self._rb = max(self.slot_of, default=-1) + 1
+        # a slot holds prompt + response: len(prompt) + _clock - born tokens after this step's
+        self._lb = max((len(r.prompt_ids) - b for r, b in zip(self.rows, self._born)), default=0)
 
     def abort(self, uids: set[int]) -> None:
         """Drop in-flight rows (a checkpoint drain requeues their prompts); free their slots."""
@@ -325,7 +328,7 @@ class StaticRolloutEngine(RolloutEngine):
     # ------------------------------------------------------------------ decode
 
     @torch.no_grad()
-    def step(self) -> list[Rollout]:
+    def decode(self) -> list[Rollout]:
         """Sample one token for every row; retire rows that ended; return them (as the eager engine)."""
         if not self.rows:
             return []
@@ -335,15 +338,13 @@ class StaticRolloutEngine(RolloutEngine):
             tokens = tokens.index_select(0, torch.tensor(keep, dtype=torch.long, device=self.device))
             self.finished.extend(done)
         if self.rows:
-            slots = torch.tensor(self.slot_of, dtype=torch.long, device=self.device)
+            slots = self._slots  # [R]
             self._tok.index_copy_(0, slots, tokens[:, None])
-            # the fed token takes column _len[s] (= its position id); free slots write their column 0
-            self._pos.copy_(torch.tensor(self._len, dtype=torch.long))
-            for s in self.slot_of:
-                self._len[s] += 1
-            out = self._decode(max(self.slot_of) + 1, max(self._len[s] for s in self.slot_of))  # [Rb, V]
+            # the fed token takes column _pos[s] (= its position id); free slots write their column 0
+            out = self._decode(self._rb, self._lb + self._clock)  # [Rb, V]
+            self._pos.index_add_(0, slots, torch.ones_like(slots))
             self.next_logits = out.index_select(0, slots).float()  # [R, V] (a copy: graph outputs are reused)
-            self.logits_version = [self.version] * len(self.rows)
+            self._lv.index_fill_(0, slots, self.version)
         else:
             self.next_logits = torch.zeros(0, 0, device=self.device)
         return done

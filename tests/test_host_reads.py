@@ -1,0 +1,160 @@
+"""The decode loop's reads from the device (issue: decode overhead on the GPU).
+
+A row's tokens, log-probs and versions stay in the engine's device records between steps: the
+host reads them once, at a step where a row ends or a chunk is due, and its ``Rollout`` lists do
+not grow token by token. Otherwise a step reads one flag per row when a row may end by EOS, and
+nothing when every row has a forced length. Reads are counted as calls of the tensor methods that
+copy to the host (``tolist``, ``item``, ``cpu``, ``numpy``, ``bool``/``int``/``float``) outside
+the model's own forward; on a CPU they cost nothing, so they are counted, not timed. The old loop
+(one ``tolist`` and an append per row at every step) fails both tests.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oppo.api.records import ChunkReady, Rollout, SequenceFinished
+from oppo.rollout.engine import RolloutEngine
+from oppo.rollout.static import StaticRolloutEngine
+
+EOS, PAD = 1, 0
+PROMPTS = [[5, 6, 7, 8, 9], [3, 4], [12, 13, 14, 15, 16, 17, 18, 19], [20], [21, 22, 23], [30, 31, 32, 33]]
+READS = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _model(eos_bias: float):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                         num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=256,
+                                         eos_token_id=EOS, pad_token_id=PAD, bos_token_id=None,
+                                         initializer_range=0.2)).eval()
+    with torch.no_grad():
+        w = model.get_output_embeddings().weight
+        w[EOS] += eos_bias * w.std()
+    return model
+
+
+def _engine(kind: str, model):
+    if kind == "eager":
+        return RolloutEngine(model, EOS, PAD, 16, seed=3)
+    return StaticRolloutEngine(model, EOS, PAD, 16, seed=3, max_rows=8, max_len=40)
+
+
+def _rows(targets):
+    return [Rollout(i, i, "", list(p), 0, target_length=t) for i, (p, t) in enumerate(zip(PROMPTS, targets))]
+
+
+def _count_reads(monkeypatch, engine) -> list[int]:
+    """Count the host reads of tensors outside the model's forward (its own are the model step's)."""
+    count, inside = [0], [False]
+    for name in READS:
+        real = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _real=real, **k):
+            if not inside[0]:
+                count[0] += 1
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    for part in ("backbone", "head"):
+        module = getattr(engine, part)
+
+        def model(*a, _module=module, **k):
+            inside[0] = True
+            try:
+                return _module(*a, **k)
+            finally:
+                inside[0] = False
+
+        setattr(engine, part, model)
+    return count
+
+
+def _drain(engine, rows, chunk, count):
+    """advance(chunk) until every row ended; per call: (reads, events, the rows' list lengths
+    before, after)."""
+    engine.admit(rows)
+    calls, chunks = [], {r.uid: [] for r in rows}
+    while engine.active:
+        before, n = [len(r.response_ids) for r in rows], count[0]
+        events = engine.advance(chunk)
+        calls.append((count[0] - n, events, before, [len(r.response_ids) for r in rows]))
+        for e in events:
+            if isinstance(e, ChunkReady):
+                chunks[e.chunk.uid].append(e.chunk.tokens)
+    return calls, chunks
+
+
+def _per_token_reference(kind, model, targets, chunk):
+    """The same rows through ``step`` (records pulled every step) and ``take_chunks``: the old
+    loop's outputs."""
+    eng, rows = _engine(kind, model), _rows(targets)
+    eng.admit(rows)
+    chunks = {r.uid: [] for r in rows}
+    while eng.active:
+        eng.step()
+        for c in eng.take_chunks(chunk):
+            chunks[c.uid].append(c.tokens)
+    return rows, chunks
+
+
+@pytest.mark.parametrize("kind", ["eager", "static"])
+def test_forced_lengths_read_nothing_between_chunks_and_finishes(kind, monkeypatch):
+    """Every row has a forced length, so the host knows which step ends which row: a step with
+    no event reads nothing and touches no Rollout; a step where rows end or chunks are due reads
+    the records once (plus, eager, the KV cache's compaction on retire: ``kv.KVRows.select``).
+    Tokens, log-probs, versions and chunks are those of the per-token loop."""
+    model = _model(eos_bias=0.0)
+    targets = [5, 11, 16, 16, 13, 16]
+    ref_rows, ref_chunks = _per_token_reference(kind, model, targets, 8)
+    eng = _engine(kind, model)
+    rows = _rows(targets)
+    count = _count_reads(monkeypatch, eng)
+    calls, chunks = _drain(eng, rows, 8, count)
+    monkeypatch.undo()
+    quiet = [c for c in calls if not c[1]]
+    assert len(quiet) > len(calls) // 2, "fixture: most steps have no event"
+    assert all(reads == 0 and before == after for reads, _, before, after in quiet)
+    for reads, events, _, _ in calls:
+        ends = any(isinstance(e, SequenceFinished) for e in events)
+        assert reads <= (3 if ends and kind == "eager" else 1)  # (eager: KVRows.select's two on retire)
+    assert [len(r.response_ids) for r in rows] == targets
+    for r, want in zip(rows, ref_rows):
+        assert (r.response_ids, r.logprobs, r.policy_logprobs, r.versions, r.ended_with_eos) == \
+            (want.response_ids, want.logprobs, want.policy_logprobs, want.versions, want.ended_with_eos)
+    assert chunks == ref_chunks
+
+
+@pytest.mark.parametrize("kind", ["eager", "static"])
+def test_eos_reads_one_flag_per_step_and_records_once(kind, monkeypatch):
+    """Rows may end by EOS at any step: one read per step (a flag per row) and the records once
+    more at a step where a row ends or a chunk is due; the Rollouts grow only then. The outputs
+    are the per-token loop's, chunk for chunk."""
+    model = _model(eos_bias=1.5)
+    targets = [None] * len(PROMPTS)
+    ref_rows, ref_chunks = _per_token_reference(kind, model, targets, 5)
+    eng = _engine(kind, model)
+    rows = _rows(targets)
+    count = _count_reads(monkeypatch, eng)
+    calls, chunks = _drain(eng, rows, 5, count)
+    monkeypatch.undo()
+    ends = [len(r.response_ids) for r in rows]
+    assert len(set(ends)) > 2 and any(r.ended_with_eos for r in rows), "fixture: rows end at different steps"
+    quiet = [c for c in calls if not c[1]]
+    assert quiet and all(reads == 1 and before == after for reads, _, before, after in quiet)
+    assert all(reads <= 2 for reads, events, _, _ in calls if not any(isinstance(e, SequenceFinished) for e in events))
+    for r, want in zip(rows, ref_rows):
+        assert (r.response_ids, r.logprobs, r.policy_logprobs, r.versions) == \
+            (want.response_ids, want.logprobs, want.policy_logprobs, want.versions)
+    assert chunks == ref_chunks
