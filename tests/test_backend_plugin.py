@@ -1,0 +1,207 @@
+"""A rollout backend defined outside oppo (here, in this file) and registered at run time
+(``rollout.registry.register``): the :class:`~oppo.api.protocols.RolloutBackend` Protocol is all a
+backend needs to be.
+
+:class:`Delegating` subclasses nothing and exposes the Protocol's members only (no ``__getattr__``):
+it samples with a private eager ``RolloutEngine``. The RolloutBackend conformance suite runs against
+it (``tests/test_conformance.py``: ``ROLLOUTS["plugin"]`` builds it through the registry), and here
+the Trainer runs each overlap mode with ``generation.engine=testplug``; in ``sequential`` and ``oppo``
+its metrics and tokens equal ``generation.engine=eager``'s (``tests/test_golden.py``'s configurations).
+One member beyond the Protocol is still read by the trainer (``peak_cache_bytes``): :class:`Reporting`
+adds it, and ``test_trainer_needs_nothing_beyond_the_protocol`` fails (strict xfail) until it is not.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from oppo.api.protocols import RolloutBackend
+from oppo.api.records import Event, Rollout
+from oppo.rollout import registry
+
+NAME = "testplug"
+
+
+class Delegating:
+    """A RolloutBackend in name only: every Protocol member passes to an eager engine it owns."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    @property
+    def version(self) -> int:
+        return self._inner.version
+
+    @version.setter
+    def version(self, v: int) -> None:
+        self._inner.version = v
+
+    @property
+    def active(self) -> int:
+        return self._inner.active
+
+    def admit(self, rollouts: list[Rollout]) -> None:
+        self._inner.admit(rollouts)
+
+    def in_flight(self) -> list[Rollout] | None:
+        return self._inner.in_flight()
+
+    def advance(self, chunk_size: int | None) -> list[Event]:
+        return self._inner.advance(chunk_size)
+
+    def generate_all(self) -> list[Rollout]:
+        return self._inner.generate_all()
+
+    def set_version(self, version: int) -> None:
+        self._inner.set_version(version)
+
+    def load_weights(self, weights: torch.nn.Module, version: int) -> None:
+        self._inner.load_weights(weights, version)
+
+    def recompute(self) -> None:
+        self._inner.recompute()
+
+    def abort(self, uids: set[int]) -> None:
+        self._inner.abort(uids)
+
+    def state_dict(self) -> dict:
+        return self._inner.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self._inner.load_state_dict(state)
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+class Reporting(Delegating):
+    """:class:`Delegating` plus the one member the trainer reads beyond the Protocol: the KV-cache
+    peak of the step (``control.metrics.memory`` reads and resets ``peak_cache_bytes``)."""
+
+    @property
+    def peak_cache_bytes(self) -> int:
+        return self._inner.peak_cache_bytes
+
+    @peak_cache_bytes.setter
+    def peak_cache_bytes(self, v: int) -> None:
+        self._inner.peak_cache_bytes = v
+
+
+@dataclass
+class Builds:
+    """The plugin's ``build``: what it was asked for, in order; ``cls``: what it builds."""
+
+    cls: type = Reporting
+    requests: list = field(default_factory=list)
+
+    def __call__(self, req: registry.BuildRequest) -> Delegating:
+        from oppo.rollout.engine import RolloutEngine
+
+        self.requests.append(req)
+        s = req.settings
+        assert s.kind == NAME and req.model is not None
+        return self.cls(RolloutEngine(req.model, s.stop_ids, s.pad_id, s.max_new_tokens, s.temperature, s.top_k,
+                                      s.top_p, seed=s.seed))
+
+
+@pytest.fixture
+def testplug():
+    """The plugin registered for one test (then gone); yields its ``build`` (its record of builds)."""
+    builds = Builds()
+    registry.register(registry.Backend(NAME, "a test's backend: oppo's eager engine behind the Protocol", builds,
+                                       in_workers=False))
+    try:
+        yield builds
+    finally:
+        registry.unregister(NAME)
+
+
+def test_registered_plugin_is_a_choice_then_gone(testplug, tiny_models):
+    from oppo.config import load_config
+    from oppo.rollout.engine import EngineSettings
+    from transformers import AutoModelForCausalLM
+
+    assert NAME in registry.choices()
+    load_config(None, [f"generation.engine={NAME}"])  # validation takes any registered name
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register(registry.Backend(NAME, "another", testplug))
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["policy"]).eval()
+    b = registry.build(registry.BuildRequest(EngineSettings((1,), 0, 4, kind=NAME), model))
+    assert isinstance(b, RolloutBackend) and isinstance(b, Delegating) and len(testplug.requests) == 1
+    b.close()
+    registry.unregister(NAME)
+    with pytest.raises(KeyError, match=NAME):
+        registry.get(NAME)
+    from oppo.config import ConfigError
+
+    with pytest.raises(ConfigError):
+        load_config(None, [f"generation.engine={NAME}"])
+
+
+# ---------------------------------------------------------------- in the trainer, every mode
+
+MODES = {"sequential": 2, "intra": 2, "inter": 3, "oppo": 3, "pipeline": 1}
+"""Steps per mode: inter and oppo carry sequences from their second step on."""
+
+
+def _run(models, prompts, out, engine: str, mode: str, steps: int):
+    from oppo.config import load_config
+    from oppo.trainer import Trainer
+
+    from test_golden import BASE, CASES, KEYS
+
+    cfg = load_config(None, [f"policy.path={models['policy']}", f"reward.path={models['reward']}",
+                             f"data.prompts={prompts}", f"run.out_dir={out}", *BASE, *CASES[mode][0],
+                             f"generation.engine={engine}"])
+    rows = []
+    with Trainer(cfg, progress=False) as t:
+        if engine == NAME:
+            assert isinstance(t.roles.rollout, Delegating), "the trainer samples with the plugin"
+        for _ in range(steps):
+            m = t.run_step()
+            rows.append({"ids": t.last_result.exp.ids.tolist(), "metrics": {k: m[k] for k in KEYS if k in m},
+                         "all": m})
+    return rows
+
+
+EXACT = ("sequential", "oppo")
+"""Modes also run with ``generation.engine=eager``: the plugin must change nothing the trainer computes."""
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_trainer_runs_every_mode_on_the_plugin(testplug, tiny_models, tiny_prompts, tmp_path, mode):
+    got = _run(tiny_models, tiny_prompts, tmp_path / "plug", NAME, mode, MODES[mode])
+    assert len(testplug.requests) == 1, "the trainer built its backend through the registry, once"
+    req = testplug.requests[0]
+    assert req.settings.kind == NAME and req.settings.max_new_tokens == 16
+    for step, r in enumerate(got):
+        m = r["all"]
+        for k in ("loss/policy", "loss/value", "reward/mean", "kl/mean"):
+            assert math.isfinite(m[k]), (mode, step, k, m[k])
+        assert len(r["ids"]) == 4
+    if mode in ("inter", "oppo"):
+        assert any(r["metrics"]["overlap/carried"] > 0 for r in got), "no sequence carried: the mode's path untested"
+    if mode not in EXACT:
+        return
+    # same seed, the same engine underneath: the same tokens and metrics as the eager backend
+    want = _run(tiny_models, tiny_prompts, tmp_path / "eager", "eager", mode, MODES[mode])
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert g["ids"] == w["ids"], f"{mode} step {step}: other tokens"
+        assert set(g["metrics"]) == set(w["metrics"])
+        for k, v in w["metrics"].items():
+            assert g["metrics"][k] == pytest.approx(v, abs=1e-6, rel=1e-6), f"{mode} step {step}: {k}"
+
+
+@pytest.mark.xfail(strict=True, raises=AttributeError,
+                   reason="src problem: control/metrics.py memory() reads and resets rollout.peak_cache_bytes, "
+                          "which the RolloutBackend Protocol does not declare (add it to the Protocol, or read it "
+                          "with getattr and a default)")
+def test_trainer_needs_nothing_beyond_the_protocol(testplug, tiny_models, tiny_prompts, tmp_path):
+    """The backend with the Protocol's members only trains a step."""
+    testplug.cls = Delegating
+    rows = _run(tiny_models, tiny_prompts, tmp_path, NAME, "sequential", 1)
+    assert math.isfinite(rows[0]["all"]["loss/policy"])
