@@ -64,7 +64,7 @@ def run(args) -> list[dict]:
     for mode in args.modes.split(","):
         cfg = load_config(None, [
             f"policy.path={paths['policy']}", f"reward.path={paths['reward']}", f"data.prompts={paths['prompts']}",
-            f"run.out_dir={root / 'runs' / mode}", f"run.threads={args.threads}", "log.progress=false",
+            f"run.out_dir={root / 'runs' / mode}", f"placement.threads={args.threads}", "log.progress=false",
             f"policy.device={args.device}", f"ppo.batch_size={args.batch}", f"ppo.minibatch_size={args.batch}",
             f"ppo.micro_batch_size={min(args.batch, 8)}", f"generation.max_new_tokens={args.max_new_tokens}",
             f"overlap.mode={mode}", *args.overrides])

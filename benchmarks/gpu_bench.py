@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         f"policy.device={args.device}", "policy.dtype=auto", f"ppo.batch_size={B}", f"ppo.minibatch_size={B // 2}",
         f"ppo.micro_batch_size={mb}", f"generation.max_new_tokens={workload.max_new_tokens}",
         f"data.max_prompt_tokens={32 if tiny else 128}", "log.progress=false", "run.samples=0",
-    ] + (["run.threads=1"] if tiny else []) + list(args.overrides)
+    ] + (["placement.threads=1"] if tiny else []) + list(args.overrides)
     if args.check_one:
         return check_one(args.check_one, settings, steps, workload, out, say)
     if args.check:

@@ -85,7 +85,7 @@ def main(argv=None) -> None:
     paths = write_synthetic_models(root, a.size, a.size)
     cfg = load_config(None, [
         f"policy.path={paths['policy']}", f"reward.path={paths['reward']}", f"data.prompts={paths['prompts']}",
-        f"run.out_dir={root / 'run'}", f"run.threads={a.threads}", "log.progress=false", "overlap.mode=sequential",
+        f"run.out_dir={root / 'run'}", f"placement.threads={a.threads}", "log.progress=false", "overlap.mode=sequential",
         f"ppo.batch_size={a.batch}", f"ppo.minibatch_size={a.minibatch}", f"ppo.micro_batch_size={a.micro}",
         f"generation.max_new_tokens={a.max_new_tokens}", *a.overrides])
     t = Trainer(cfg, progress=False)

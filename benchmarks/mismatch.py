@@ -21,7 +21,7 @@ RUNS = {"fp32": ["overlap.mode=sequential"], "bf16": ["overlap.mode=sequential",
 
 def main(names: list[str], steps: int = 4) -> None:
     for name in names:
-        cfg = load_config(None, ["run.threads=2", "log.progress=false", f"run.out_dir=/tmp/oppo-mismatch-{name}",
+        cfg = load_config(None, ["placement.threads=2", "log.progress=false", f"run.out_dir=/tmp/oppo-mismatch-{name}",
                                  *RUNS[name]])
         t = Trainer(cfg, progress=False)
         try:

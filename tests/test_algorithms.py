@@ -13,7 +13,7 @@ from oppo.trainer import Trainer
 def _cfg(tiny_models, tiny_prompts, tmp_path, *extra):
     return load_config(None, [
         f"policy.path={tiny_models['policy']}", f"reward.path={tiny_models['reward']}",
-        f"data.prompts={tiny_prompts}", "run.threads=1", "ppo.batch_size=8", "ppo.minibatch_size=4",
+        f"data.prompts={tiny_prompts}", "placement.threads=1", "ppo.batch_size=8", "ppo.minibatch_size=4",
         "ppo.micro_batch_size=4", "generation.max_new_tokens=10", "overlap.chunk_size=4",
         f"run.out_dir={tmp_path}", "log.progress=false", "run.samples=0", *extra])
 

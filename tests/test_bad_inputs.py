@@ -23,7 +23,7 @@ from oppo.scoring.streaming import RewardFunction
 from oppo.trainer import Trainer
 
 TINY = ["ppo.batch_size=2", "ppo.minibatch_size=2", "ppo.micro_batch_size=1", "generation.max_new_tokens=4",
-        "overlap.mode=sequential", "run.threads=1", "log.progress=false", "log.trace=false"]
+        "overlap.mode=sequential", "placement.threads=1", "log.progress=false", "log.trace=false"]
 
 
 def make_cfg(tiny_models, tiny_prompts, tmp_path, **settings):

@@ -101,7 +101,7 @@ def test_forced_workload_sets_the_main_runs_lengths(tiny_models, tiny_prompts, t
     w = LengthWorkload("t", sigma=0.75, median=4, max_new_tokens=16, description="test")
     cfg = load_config(None, [f"policy.path={tiny_models['policy']}", f"reward.path={tiny_models['reward']}",
                              f"data.prompts={tiny_prompts}", "ppo.batch_size=4", "ppo.minibatch_size=4",
-                             "ppo.micro_batch_size=4", "generation.max_new_tokens=16", "run.threads=1",
+                             "ppo.micro_batch_size=4", "generation.max_new_tokens=16", "placement.threads=1",
                              "log.progress=false", "run.samples=0"])
     rec = run_modes(cfg, ["sequential"], 2, tmp_path, progress=lambda s: None, lengths=w)["sequential"]
     sampler = w.sampler(cfg.run.seed)

@@ -273,7 +273,7 @@ def test_trainer_with_the_static_engine_trains_the_same_batches(tiny_models, tin
             f"policy.path={tiny_models['policy']}", f"reward.path={tiny_models['reward']}",
             f"data.prompts={tiny_prompts}", "ppo.batch_size=4", "ppo.minibatch_size=4", "ppo.micro_batch_size=4",
             "generation.max_new_tokens=10", "overlap.mode=oppo", "overlap.delta=2", "overlap.max_lag=1",
-            "overlap.scorer_process=false", f"run.out_dir={tmp_path / str(static)}", "log.progress=false"])
+            "placement.scorer_process=false", f"run.out_dir={tmp_path / str(static)}", "log.progress=false"])
         t = Trainer(cfg, progress=False)
         t.length_sampler = lambda i, member: 2 + (i * 7) % 9  # rows end at different times: some are carried
         if static:
@@ -379,7 +379,7 @@ def test_generation_engine_static_is_wired(tiny_models, tiny_prompts, tmp_path):
     for engine in ("eager", "static"):
         cfg = load_config(None, [
             f"policy.path={tiny_models['policy']}", f"reward.path={tiny_models['reward']}",
-            f"data.prompts={tiny_prompts}", "run.threads=1", "ppo.batch_size=4", "ppo.minibatch_size=2",
+            f"data.prompts={tiny_prompts}", "placement.threads=1", "ppo.batch_size=4", "ppo.minibatch_size=2",
             "ppo.micro_batch_size=2", "generation.max_new_tokens=8", "overlap.mode=sequential",
             f"generation.engine={engine}", f"run.out_dir={tmp_path / engine}", "log.progress=false"])
         t = Trainer(cfg, progress=False)

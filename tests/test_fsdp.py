@@ -297,7 +297,7 @@ def test_trainer_with_fsdp2_on_ray_matches_sequential_and_its_sharded_checkpoint
     def cfg(out, *extra):
         return load_config(None, [
             f"policy.path={tiny_models['policy']}", f"reward.path={tiny_models['reward']}",
-            f"data.prompts={tiny_prompts}", "run.threads=1", "ppo.batch_size=4", "ppo.minibatch_size=2",
+            f"data.prompts={tiny_prompts}", "placement.threads=1", "ppo.batch_size=4", "ppo.minibatch_size=2",
             "ppo.micro_batch_size=1", "generation.max_new_tokens=12", "overlap.mode=sequential",
             f"run.out_dir={out}", "log.progress=false", *extra])
 
@@ -358,7 +358,7 @@ def test_fsdp2_on_ray_trains_lora_with_checkpointing_critic_free_in_pipeline_mod
     def cfg(*extra):
         return load_config(None, [
             f"policy.path={tiny_models['policy']}", f"reward.path={tiny_models['reward']}",
-            f"data.prompts={tiny_prompts}", "run.threads=1", "ppo.batch_size=4", "ppo.minibatch_size=4",
+            f"data.prompts={tiny_prompts}", "placement.threads=1", "ppo.batch_size=4", "ppo.minibatch_size=4",
             "ppo.micro_batch_size=2", "generation.max_new_tokens=24", "overlap.chunk_size=4", f"run.out_dir={tmp_path}",
             "log.progress=false", "run.steps=2", "algo.name=rloo", "algo.group_size=2", "lora.r=4", "lora.alpha=8",
             "policy.gradient_checkpointing=true", *extra])

@@ -23,12 +23,12 @@ KEYS = ("reward/mean", "kl/mean", "loss/policy", "loss/value", "ppo/clipfrac", "
         "overlap/carried", "overlap/seq_lag_mean", "overlap/offpolicy_token_frac", "overlap/is_weight_mean")
 RENAMED = {"overlap/lag_mean": "overlap/seq_lag_mean"}
 """Metrics renamed since the recording (old name: new name); issue 22 made lag per token."""
-BASE = ["run.threads=1", "ppo.batch_size=4", "ppo.minibatch_size=2", "ppo.micro_batch_size=1",
+BASE = ["placement.threads=1", "ppo.batch_size=4", "ppo.minibatch_size=2", "ppo.micro_batch_size=1",
         "generation.max_new_tokens=16", "overlap.chunk_size=4", "log.progress=false"]
 CASES = {
     "sequential": (["overlap.mode=sequential"], 3),
     "intra": (["overlap.mode=intra"], 3),
-    "intra_thread": (["overlap.mode=intra", "overlap.scorer_process=false"], 3),
+    "intra_thread": (["overlap.mode=intra", "placement.scorer_process=false"], 3),
     "inter": (["overlap.mode=inter", "overlap.delta=2", "overlap.max_lag=1"], 4),
     "oppo": (["overlap.mode=oppo", "overlap.delta=2", "overlap.max_lag=1"], 4),
     "oppo_recompute": (["overlap.mode=oppo", "overlap.delta=2", "overlap.max_lag=2", "overlap.stale_kv=recompute",

@@ -171,7 +171,7 @@ def test_cli_diverging_run_stops_with_the_guards_message(tiny_models, tiny_promp
 
     args = ["train", f"policy.path={tiny_models['policy']}", f"reward.path={tiny_models['reward']}",
             f"data.prompts={tiny_prompts}", "ppo.batch_size=2", "ppo.minibatch_size=2", "ppo.micro_batch_size=1",
-            "generation.max_new_tokens=4", "overlap.mode=sequential", "run.threads=1", "log.progress=false",
+            "generation.max_new_tokens=4", "overlap.mode=sequential", "placement.threads=1", "log.progress=false",
             "log.trace=false", "run.samples=0", "run.steps=3", "ppo.actor_lr=1e8"]
     assert cli.main(args + [f"run.out_dir={tmp_path / 'a'}"]) == 1
     err = capsys.readouterr().err
@@ -201,7 +201,7 @@ def test_nan_scores_stop_or_skip_the_whole_update(tiny_models, tiny_prompts, tmp
     monkeypatch.setattr(stages, "attach_scores", nan_scores)
     args = ["train", f"policy.path={tiny_models['policy']}", f"reward.path={tiny_models['reward']}",
             f"data.prompts={tiny_prompts}", "ppo.batch_size=2", "ppo.minibatch_size=2", "ppo.micro_batch_size=1",
-            "generation.max_new_tokens=4", "overlap.mode=sequential", "run.threads=1", "log.progress=false",
+            "generation.max_new_tokens=4", "overlap.mode=sequential", "placement.threads=1", "log.progress=false",
             "log.trace=false", "run.samples=0", "run.steps=2"]
     assert cli.main(args + [f"run.out_dir={tmp_path / 'a'}"]) == 1
     err = capsys.readouterr().err

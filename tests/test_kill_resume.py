@@ -34,7 +34,7 @@ FIELDS = ("response_ids", "logprobs", "policy_logprobs", "versions", "finished",
 
 def _settings(tiny_models, tiny_prompts, out, mode="oppo", steps=4):
     return [f"policy.path={tiny_models['policy']}", f"reward.path={tiny_models['reward']}",
-            f"data.prompts={tiny_prompts}", "run.threads=1", "ppo.batch_size=4", "ppo.minibatch_size=2",
+            f"data.prompts={tiny_prompts}", "placement.threads=1", "ppo.batch_size=4", "ppo.minibatch_size=2",
             "ppo.micro_batch_size=2", "generation.max_new_tokens=16", f"run.steps={steps}", f"overlap.mode={mode}",
             "overlap.delta=2", "overlap.max_lag=2", "overlap.chunk_size=4", f"run.out_dir={out}",
             "log.progress=false", "run.samples=0"]

@@ -27,7 +27,7 @@ from oppo.config import load_config
 from oppo.trainer import Trainer
 
 STEPS = 3
-BASE = ["run.threads=1", "ppo.batch_size=4", "ppo.minibatch_size=2", "ppo.micro_batch_size=2",
+BASE = ["placement.threads=1", "ppo.batch_size=4", "ppo.minibatch_size=2", "ppo.micro_batch_size=2",
         "generation.max_new_tokens=16", "overlap.chunk_size=4", "log.progress=false",
         "ppo.actor_lr=0", "ppo.critic_lr=0", "ppo.weight_decay=0.1",  # the decay is lr * wd * w: 0 too
         "overlap.delta=2", "overlap.max_lag=1"]
@@ -179,5 +179,5 @@ def test_lr0_leaves_every_weight_and_serves_it(tiny_models, tiny_prompts, tmp_pa
     in every case."""
     process = "true" if (mode, engine, dtype) in {("oppo", "eager", "float32"), ("pipeline", "eager", "float32")} \
         else "false"
-    metrics = run_lr0(tiny_models, tiny_prompts, tmp_path, mode, engine, dtype, f"overlap.scorer_process={process}")
+    metrics = run_lr0(tiny_models, tiny_prompts, tmp_path, mode, engine, dtype, f"placement.scorer_process={process}")
     assert_not_vacuous(mode, metrics)

@@ -11,7 +11,7 @@ from oppo.trainer import Trainer
 def tiny_cfg(tiny_models, tiny_prompts, tmp_path, *extra):
     return load_config(None, [
         f"policy.path={tiny_models['policy']}", f"reward.path={tiny_models['reward']}",
-        f"data.prompts={tiny_prompts}", "run.threads=1", "ppo.batch_size=4", "ppo.minibatch_size=2",
+        f"data.prompts={tiny_prompts}", "placement.threads=1", "ppo.batch_size=4", "ppo.minibatch_size=2",
         "ppo.micro_batch_size=1", "generation.max_new_tokens=12", "overlap.chunk_size=4",
         f"run.out_dir={tmp_path}", "log.progress=false", *extra])
 
@@ -46,7 +46,7 @@ def test_intra_equals_sequential(tiny_models, tiny_prompts, tmp_path, process):
     """Both scorer workers: a child process (the CPU default) and a thread (the GPU one)."""
     seq = run_steps(tiny_cfg(tiny_models, tiny_prompts, tmp_path / "s", "overlap.mode=sequential"))
     intra = run_steps(tiny_cfg(tiny_models, tiny_prompts, tmp_path / "i", "overlap.mode=intra",
-                               f"overlap.scorer_process={process}"))
+                               f"placement.scorer_process={process}"))
     assert_same_run(seq, intra)
 
 
@@ -100,8 +100,8 @@ def test_micro_batch_split_does_not_change_the_update(tiny_models, tiny_prompts,
 def test_critic_trained_on_worker_is_the_learners_critic(tiny_models, tiny_prompts, tmp_path):
     """With the critic's update on the scorer process, the weights and AdamW moments the parent
     checkpoints are the ones the child updated (shared memory, updated in place)."""
-    cfg = tiny_cfg(tiny_models, tiny_prompts, tmp_path, "overlap.mode=intra", "overlap.scorer_process=true",
-                   "overlap.critic_on_worker=true")
+    cfg = tiny_cfg(tiny_models, tiny_prompts, tmp_path, "overlap.mode=intra", "placement.scorer_process=true",
+                   "placement.critic_on_worker=true")
     t = Trainer(cfg, progress=False)
     try:
         before = {k: v.clone() for k, v in t.roles.critic.state_dict().items()}

@@ -191,7 +191,7 @@ def test_stale_values(tiny_models, tiny_prompts, tmp_path, stale_values):
     the current critic's (the one-shot values of the whole sequence); keep leaves them."""
     cfg = load_config(None, [
         f"policy.path={tiny_models['policy']}", f"reward.path={tiny_models['reward']}",
-        f"data.prompts={tiny_prompts}", "run.threads=1", "ppo.batch_size=4", "ppo.minibatch_size=4",
+        f"data.prompts={tiny_prompts}", "placement.threads=1", "ppo.batch_size=4", "ppo.minibatch_size=4",
         "ppo.micro_batch_size=4", "generation.max_new_tokens=24", "overlap.mode=oppo", "overlap.delta=4",
         "overlap.max_lag=2", "overlap.chunk_size=2", f"overlap.stale_values={stale_values}",
         "ppo.critic_lr=1e-2", f"run.out_dir={tmp_path}", "log.progress=false"])

@@ -22,7 +22,7 @@ from oppo.trainer import Trainer
 def _cfg(tiny_models, tiny_prompts, tmp_path, *extra):
     return load_config(None, [
         f"policy.path={tiny_models['policy']}", f"reward.path={tiny_models['reward']}",
-        f"data.prompts={tiny_prompts}", "run.threads=1", "ppo.batch_size=4", "ppo.minibatch_size=2",
+        f"data.prompts={tiny_prompts}", "placement.threads=1", "ppo.batch_size=4", "ppo.minibatch_size=2",
         "ppo.micro_batch_size=2", "generation.max_new_tokens=40", "overlap.chunk_size=4", "overlap.delta=2",
         "overlap.refill=true", "overlap.mode=pipeline", f"run.out_dir={tmp_path / 'out'}", "log.progress=false",
         "run.steps=100", *extra])
@@ -42,7 +42,7 @@ def test_pipeline_tokens_carry_the_version_that_sampled_them(tiny_models, tiny_p
     in oppo mode; else the learner thread trains it and the scorers get a copy at each load."""
     steps, max_lag = 4, 1
     t = Trainer(_cfg(tiny_models, tiny_prompts, tmp_path, "overlap.stale_kv=recompute", f"overlap.max_lag={max_lag}",
-                     f"overlap.critic_on_worker={critic_on_worker}"), progress=False)
+                     f"placement.critic_on_worker={critic_on_worker}"), progress=False)
     try:
         assert t.roles.rollout_policy is not t.roles.policy, "the learner trains the master while the engine samples a copy"
         assert (t.roles.scoring_critic is t.roles.critic) == critic_on_worker

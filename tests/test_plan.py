@@ -314,7 +314,7 @@ def _measured_from_sim(mode, coef, lengths, steps=4, batch=8, needs_critic=True)
                 "response_length/max": float(max(s.lengths)), "overlap/delta": 2, "overlap/chunk_size": 4}
                for s in res.steps]
     settings = {"ppo": {"batch_size": batch, "minibatch_size": 4, "micro_batch_size": 4, "epochs": 1},
-                "overlap": {"max_lag": 1, "critic_on_worker": True}, "run": {"seed": 0}}
+                "overlap": {"max_lag": 1}, "placement": {"critic_on_worker": True}, "run": {"seed": 0}}
     return MeasuredRun(Path(mode), mode, metrics, spans, settings, table=lengths, max_new_tokens=64,
                        needs_critic=needs_critic)
 

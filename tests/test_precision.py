@@ -11,7 +11,7 @@ from oppo.weights.precision import copy_weights, master_dtype, serving_copy
 def _cfg(tiny_models, tiny_prompts, tmp_path, *extra):
     return load_config(None, [
         f"policy.path={tiny_models['policy']}", f"reward.path={tiny_models['reward']}",
-        f"data.prompts={tiny_prompts}", "run.threads=1", "ppo.batch_size=4", "ppo.minibatch_size=4",
+        f"data.prompts={tiny_prompts}", "placement.threads=1", "ppo.batch_size=4", "ppo.minibatch_size=4",
         "ppo.micro_batch_size=2", "generation.max_new_tokens=8", f"run.out_dir={tmp_path}",
         "log.progress=false", "ppo.actor_lr=1e-5", "ppo.critic_lr=1e-5", *extra])
 

@@ -18,7 +18,7 @@ from oppo.config import load_config, to_dict
 from oppo.preflight import PreflightError, input_problems
 
 TINY = ["ppo.batch_size=2", "ppo.minibatch_size=2", "ppo.micro_batch_size=1", "generation.max_new_tokens=4",
-        "overlap.mode=sequential", "run.threads=1", "log.progress=false"]
+        "overlap.mode=sequential", "placement.threads=1", "log.progress=false"]
 
 
 @pytest.fixture

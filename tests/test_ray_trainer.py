@@ -16,7 +16,7 @@ pytestmark = pytest.mark.ray
 def _cfg(tiny_models, tiny_prompts, out, *extra):
     return load_config(None, [
         f"policy.path={tiny_models['policy']}", f"reward.path={tiny_models['reward']}",
-        f"data.prompts={tiny_prompts}", "run.threads=1", "ppo.batch_size=4", "ppo.minibatch_size=2",
+        f"data.prompts={tiny_prompts}", "placement.threads=1", "ppo.batch_size=4", "ppo.minibatch_size=2",
         "ppo.micro_batch_size=1", "generation.max_new_tokens=12", "overlap.chunk_size=4",
         f"run.out_dir={out}", "log.progress=false", *extra])
 

@@ -15,7 +15,7 @@ from oppo.trace import load_trace
 def cfg_for(tiny_models, tiny_prompts, out, steps, mode="sequential", *extra):
     return load_config(None, [
         f"policy.path={tiny_models['policy']}", f"reward.path={tiny_models['reward']}",
-        f"data.prompts={tiny_prompts}", "run.threads=1", "ppo.batch_size=4", "ppo.minibatch_size=2",
+        f"data.prompts={tiny_prompts}", "placement.threads=1", "ppo.batch_size=4", "ppo.minibatch_size=2",
         "ppo.micro_batch_size=2", "generation.max_new_tokens=10", f"run.steps={steps}", "run.save_every=2",
         f"overlap.mode={mode}", "overlap.chunk_size=4", f"run.out_dir={out}", "log.progress=false",
         "run.samples=0", *extra])

@@ -46,7 +46,7 @@ def case(trained, tmp_path, capsys):
 
 def settings(models, prompts, out, steps, *extra):
     return [f"policy.path={models['policy']}", f"reward.path={models['reward']}",
-            f"reference.path={models['reference']}", f"data.prompts={prompts}", "run.threads=1",
+            f"reference.path={models['reference']}", f"data.prompts={prompts}", "placement.threads=1",
             "overlap.mode=sequential", "ppo.batch_size=2", "ppo.minibatch_size=2", "ppo.micro_batch_size=2",
             "generation.max_new_tokens=4", f"run.steps={steps}", f"run.out_dir={out}", "log.progress=false",
             "run.samples=0", *extra]

@@ -15,7 +15,7 @@ import pytest
 
 from oppo.metrics import read_metrics
 
-TINY = ["run.threads=1", "ppo.batch_size=4", "ppo.minibatch_size=2", "ppo.micro_batch_size=2",
+TINY = ["placement.threads=1", "ppo.batch_size=4", "ppo.minibatch_size=2", "ppo.micro_batch_size=2",
         "generation.max_new_tokens=6", "overlap.mode=sequential", "run.samples=0"]
 
 

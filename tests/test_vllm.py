@@ -513,7 +513,7 @@ def test_forced_eos_records_its_untruncated_logprob(engine, vmodels):
 def trainer_cfg(models, prompts, out, *extra):
     return load_config(None, [
         f"policy.path={models['policy']}", f"reward.path={models['reward']}", f"data.prompts={prompts}",
-        "run.threads=1", "ppo.batch_size=4", "ppo.minibatch_size=2", "ppo.micro_batch_size=2",
+        "placement.threads=1", "ppo.batch_size=4", "ppo.minibatch_size=2", "ppo.micro_batch_size=2",
         f"generation.max_new_tokens={MAX_NEW}", "overlap.chunk_size=4", f"run.out_dir={out}",
         "log.progress=false", "run.samples=0", "generation.engine=vllm", *extra])
 
@@ -724,7 +724,7 @@ def test_real_build_path(vmodels_unpadded, tiny_prompts, tmp_path):
     from oppo.trainer import Trainer
 
     torch.set_num_threads(1)
-    t = Trainer(trainer_cfg(vmodels_unpadded, tiny_prompts, tmp_path, "overlap.mode=intra", "run.threads=2"),
+    t = Trainer(trainer_cfg(vmodels_unpadded, tiny_prompts, tmp_path, "overlap.mode=intra", "placement.threads=2"),
                 progress=False)
     try:
         assert torch.get_num_threads() == 2
@@ -801,7 +801,7 @@ def test_builtin_task_three_steps_each_mode(builtin_engine, monkeypatch, tmp_pat
     _share(builtin_engine, monkeypatch)
     extra = ("overlap.delta=2", "overlap.max_lag=1") if mode in ("inter", "oppo", "pipeline") else ()
     cfg = load_config(None, [
-        "run.threads=1", "ppo.batch_size=8", "ppo.minibatch_size=4", "ppo.micro_batch_size=4",
+        "placement.threads=1", "ppo.batch_size=8", "ppo.minibatch_size=4", "ppo.micro_batch_size=4",
         "generation.max_new_tokens=24", "overlap.chunk_size=8", f"run.out_dir={tmp_path}", "log.progress=false",
         "run.samples=0", "generation.engine=vllm", f"overlap.mode={mode}", *extra])
     steps = run_steps(cfg)

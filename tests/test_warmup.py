@@ -48,7 +48,7 @@ def test_ramp_by_hand_and_resume_continues_it():
 def test_trainer_ramps_actor_and_critic(tiny_models, tiny_prompts, tmp_path):
     cfg = load_config(None, [
         f"policy.path={tiny_models['policy']}", f"reward.path={tiny_models['reward']}",
-        f"data.prompts={tiny_prompts}", "run.threads=1", "ppo.batch_size=8", "ppo.minibatch_size=4",
+        f"data.prompts={tiny_prompts}", "placement.threads=1", "ppo.batch_size=8", "ppo.minibatch_size=4",
         "ppo.micro_batch_size=4", "generation.max_new_tokens=6", "overlap.mode=sequential",
         "ppo.lr_warmup_steps=6", "ppo.actor_lr=3e-4", "ppo.critic_lr=6e-4",
         f"run.out_dir={tmp_path}", "log.progress=false", "run.samples=0"])

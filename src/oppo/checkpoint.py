@@ -80,15 +80,15 @@ MODELS_FILE = "models.json"
 # state, so a resume with another value would not continue the same run.
 RESUMABLE_CHANGES = frozenset({
     "run.steps", "run.out_dir", "run.save_every", "run.save_every_minutes", "run.keep_checkpoints", "run.samples",
-    "run.threads",
     "run.allow_changed_models",  # (the override itself: resuming with it is its purpose)
     "policy.device", "reference.device", "critic.device", "reward.device",
     "reward.retries", "reward.retry_backoff_s",  # (a run stopped by a flaky remote scorer resumes with retries)
-    "overlap.scorer_process", "overlap.actor_threads", "overlap.scorer_threads",
     # the same math, other machinery: the decode engine, a memory cap, activation recomputation
     "generation.engine", "generation.kv_budget_mb", "policy.gradient_checkpointing",
 })
-# placement: a checkpoint of a data-parallel Ray run resumes on another worker count or locally
+# placement: a checkpoint of a data-parallel Ray run resumes on another worker count or locally, a
+# local one with other thread counts, the scorers in a thread or a process, the critic trained beside
+# them or in the learner (the same weights and saved state either way)
 RESUMABLE_SECTIONS = frozenset({"log", "placement"})
 
 
@@ -112,11 +112,14 @@ def checkpoint_step(ckpt: Path) -> int:
 
 def checkpoint_settings(ckpt: Path) -> dict | None:
     """The settings a checkpoint was saved with, as nested dicts; None for checkpoints written
-    before checkpoints held them (then the run directory's ``config.yaml`` is the best guess)."""
+    before checkpoints held them (then the run directory's ``config.yaml`` is the best guess).
+    Settings moved to another section since are under their new names (``config.upgrade_settings``)."""
+    from .config import upgrade_settings
+
     ckpt = Path(ckpt)
     for path in (ckpt / CONFIG_FILE, ckpt.parent.parent / CONFIG_FILE):
         if path.is_file():
-            return yaml.safe_load(path.read_text()) or {}
+            return upgrade_settings(yaml.safe_load(path.read_text()) or {})
     return None
 
 
@@ -134,9 +137,9 @@ def settings_mismatches(saved: dict, now: dict) -> list[tuple[str, object, objec
     """(setting, value in the checkpoint, value now) for every setting that must match on resume
     and does not. Settings the checkpoint does not know (added to oppo since) are not compared; an
     empty ``ppo.kl_coef`` compares as the algorithm's default (``config.resolved_settings``)."""
-    from .config import resolved_settings
+    from .config import resolved_settings, upgrade_settings
 
-    a, b = _flat(resolved_settings(saved)), _flat(resolved_settings(now))
+    a, b = _flat(resolved_settings(upgrade_settings(saved))), _flat(resolved_settings(now))
     out = []
     for key in sorted(a.keys() & b.keys()):
         if key in RESUMABLE_CHANGES or key.split(".")[0] in RESUMABLE_SECTIONS:

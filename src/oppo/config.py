@@ -262,13 +262,6 @@ class OverlapConfig:
                                        "carry them whole into the next step (their finished members wait, "
                                        "scored), or wait for their running members before closing. Groups with no "
                                        "finished member are carried either way.", ("carry", "wait"))
-    scorer_process: bool = opt(True, "CPU: run the scorer worker in its own process (no GIL shared with the "
-                                      "actor) instead of a thread. Ignored on GPU.")
-    critic_on_worker: bool = opt(True, "Overlapped modes: the scorer worker, which holds the critic, runs the critic's "
-                                       "PPO update while the actor trains (same weights as one after the other).")
-    actor_threads: int = opt(1, "CPU: torch threads of the actor (decoding and, with critic_on_worker, training) "
-                                "in overlapped modes.")
-    scorer_threads: int = opt(1, "CPU: torch threads of the scorer worker in overlapped modes.")
 
 
 @dataclass
@@ -307,6 +300,17 @@ class AlgoConfig:
 
 @dataclass
 class PlacementConfig:
+    """Where each role runs and how much hardware it gets; none of it changes the math (a checkpoint
+    resumes under another placement). The overlap mode's behaviour is ``overlap.*``."""
+
+    threads: int = opt(0, "torch CPU threads of this process for sequential work (0: all cores).")
+    actor_threads: int = opt(1, "CPU: torch threads of the actor (decoding and, with placement.critic_on_worker, "
+                                "training) in overlapped modes.")
+    scorer_threads: int = opt(1, "CPU: torch threads of the scorer worker in overlapped modes.")
+    scorer_process: bool = opt(True, "CPU: run the scorer worker in its own process (no GIL shared with the "
+                                      "actor) instead of a thread. Ignored on GPU.")
+    critic_on_worker: bool = opt(True, "Overlapped modes: the scorer worker, which holds the critic, runs the critic's "
+                                       "PPO update while the actor trains (same weights as one after the other).")
     backend: str = opt("local", "local: every role in this process (plus the scorer worker). ray: the scorers "
                                 "(reward, reference, critic) in Ray actors and the learner as a data-parallel group "
                                 "of Ray ranks (torch.distributed: gloo on CPU, NCCL on GPU); the rollout engine stays "
@@ -332,7 +336,7 @@ class PlacementConfig:
     rollout_workers: int = opt(0, "Ray: rollout workers, each a copy of the policy with its own engine "
                                   "(generation.engine: eager under auto, or a backend that runs in workers), "
                                   "sharing the B + Delta sequences and streaming their chunks straight to the scorer "
-                                  "actors; each worker computes with overlap.actor_threads threads. 0: the engine runs in the "
+                                  "actors; each worker computes with placement.actor_threads threads. 0: the engine runs in the "
                                   "controller process.")
     rollout_cpus: float = opt(1.0, "Ray: CPUs per rollout worker.")
     rollout_gpus: float = opt(0.0, "Ray: GPUs per rollout worker.")
@@ -366,7 +370,6 @@ class RunConfig:
     save_every_minutes: float = opt(30.0, "Also checkpoint once this many minutes have passed since the last one "
                                           "(0: off); SIGTERM and Ctrl-C checkpoint too, so a crash loses at most this.")
     keep_checkpoints: int = opt(2, "Most recent checkpoints kept (older ones are deleted).")
-    threads: int = opt(0, "torch CPU threads for sequential work (0: all cores).")
     samples: int = opt(3, "Sample responses printed at the start and at the end.")
     allow_changed_models: bool = opt(False, "On resume, continue although the reference model, reward model, critic "
                                             "initialisation or tokenizer holds other weights than when the checkpoint "
@@ -469,6 +472,25 @@ _ALIASES = {"learning_rate": ("actor_lr", "critic_lr"), "lr": ("actor_lr", "crit
             "mini_batch_size": ("minibatch_size",), "ppo_epochs": ("epochs",), "cliprange": ("clip_eps",),
             "init_kl_coef": ("kl_coef",)}
 
+# settings that moved to another section (old key -> new key): given by hand (a YAML file, an
+# override) the old name is refused with the new one named; a saved config (a checkpoint's, a
+# bench's) is read with the old names moved (upgrade_settings)
+MOVED = {"overlap.scorer_process": "placement.scorer_process", "overlap.critic_on_worker": "placement.critic_on_worker",
+         "overlap.actor_threads": "placement.actor_threads", "overlap.scorer_threads": "placement.scorer_threads",
+         "run.threads": "placement.threads"}
+
+
+def upgrade_settings(d: dict) -> dict:
+    """A saved config dict (nested sections) with the keys of :data:`MOVED` under their new names
+    (a value already under the new name wins). ``d`` is unchanged."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in d.items()}
+    for old, new in MOVED.items():
+        (os_, ok), (ns, nk) = old.split("."), new.split(".")
+        if isinstance(out.get(os_), dict) and ok in out[os_]:
+            value = out[os_].pop(ok)
+            out.setdefault(ns, {}).setdefault(nk, value)
+    return out
+
 
 def _suggest(key: str, known: list[str]) -> str:
     section, _, leaf = key.rpartition(".")
@@ -545,6 +567,9 @@ def _is_int(s: str) -> bool:
 def _set(cfg: Config, key: str, value: Any, source: str) -> None:
     parts = key.split(".")
     known = all_keys(cfg)
+    if key in MOVED:
+        raise ConfigError(f"Unknown setting '{key}' (from {source}): {key} is now {MOVED[key]} (where a role runs and "
+                          f"how much hardware it gets is in the placement section). Rename it to {MOVED[key]}.")
     if len(parts) != 2 or key not in known:
         raise ConfigError(f"Unknown setting '{key}' (from {source}).{_suggest(key, known)} "
                           f"`oppo train --help` lists every setting.")
@@ -639,8 +664,10 @@ def resolved_settings(d: dict) -> dict:
 
 
 def from_dict(d: dict) -> Config:
+    """A Config from a saved config dict (``to_dict``; settings moved since are read under their
+    new names: :func:`upgrade_settings`)."""
     cfg = Config()
-    for key, value in _flatten(d).items():
+    for key, value in _flatten(upgrade_settings(d)).items():
         _set(cfg, key, value, "a saved config")
     validate(cfg)
     return cfg
@@ -730,9 +757,11 @@ def validate(cfg: Config) -> None:
                    f"{p.batch_size // G} (more carried groups than a batch could come due at once); lower it.")
         _check(not (o.max_lag == 0 and (o.delta > 0 or (o.delta < 0 and o.delta_max > 0))),
                "overlap.max_lag=0 forbids carrying, so Delta must be 0: set overlap.delta=0 or overlap.max_lag>=1.")
-    _check(o.actor_threads >= 1 and o.scorer_threads >= 1, "overlap.actor_threads and scorer_threads must be >= 1.")
     _check(cfg.run.steps >= 0, "run.steps must be >= 0.")
     pl = cfg.placement
+    _check(pl.threads >= 0, f"placement.threads must be >= 0 (0: all cores), got {pl.threads}.")
+    _check(pl.actor_threads >= 1 and pl.scorer_threads >= 1,
+           "placement.actor_threads and placement.scorer_threads must be >= 1.")
     _check(pl.learner_workers >= 1, f"placement.learner_workers must be >= 1, got {pl.learner_workers}.")
     _check(min(pl.learner_cpus, pl.learner_gpus, pl.scorer_cpus, pl.scorer_gpus, pl.rollout_cpus,
                pl.rollout_gpus) >= 0, "placement.*_cpus and *_gpus must be >= 0.")

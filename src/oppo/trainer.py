@@ -31,7 +31,7 @@ class Trainer:
         # a Config built or changed in code is checked as the CLI's is, before any model loads
         validate(cfg)
         self.cfg = cfg
-        torch.set_num_threads(cfg.run.threads or torch.get_num_threads())
+        torch.set_num_threads(cfg.placement.threads or torch.get_num_threads())
         _seed_everything(cfg.run.seed)
         self.roles: Roles = build_roles(cfg, progress=progress)
         # the models the run reads, as loaded (before any step trains the critic): saved with every

@@ -1,4 +1,4 @@
-"""The learner when the critic trains beside its scoring (``overlap.critic_on_worker``)."""
+"""The learner when the critic trains beside its scoring (``placement.critic_on_worker``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from .local import Learner
 
 
 class CriticBesideScorer:
-    """The learner when the critic trains on the scorer worker (``overlap.critic_on_worker``): the
+    """The learner when the critic trains on the scorer worker (``placement.critic_on_worker``): the
     critic's update goes to the worker (its own core or stream) while the actor trains here, on
     the same minibatches; the two updates share nothing else, so the weights are those of one
     learner doing both (``Learner.update``)."""

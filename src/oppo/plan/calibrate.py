@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..config import upgrade_settings
 from ..trace import Span, load_trace
 from .costs import LinearCosts, Work, nnls
 from .lengths import LogNormalLengths, TableLengths
@@ -70,7 +71,8 @@ def load_run(path: str | Path, mode: str | None = None, settings: dict | None = 
              sigma: float | None = None) -> MeasuredRun:
     path = Path(path)
     metrics = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return MeasuredRun(path, mode or path.name, metrics, load_trace(path / "trace.json"), settings or {}, sigma)
+    return MeasuredRun(path, mode or path.name, metrics, load_trace(path / "trace.json"),
+                       upgrade_settings(settings or {}), sigma)
 
 
 def read_lengths(path: str | Path) -> dict[tuple[int, int], int]:
@@ -189,8 +191,8 @@ def _group(mode: str) -> str:
 def _samples(run: MeasuredRun, warmup: int = 1) -> list[tuple[dict[str, float], float, str]]:
     """(features, measured seconds, label) for every measured span the replay can size."""
     wl = replay_workload(run)
-    sim = simulate(run.mode, wl, _UNIT, cpu_placement(run.mode, run.settings["overlap"].get("critic_on_worker", True),
-                                                      run.needs_critic),
+    on_worker = run.settings.get("placement", {}).get("critic_on_worker", True)
+    sim = simulate(run.mode, wl, _UNIT, cpu_placement(run.mode, on_worker, run.needs_critic),
                    steps=len(run.metrics), warmup=0, fine=True)
     simulated: dict[tuple[str, str, int], list[tuple[Work, ...]]] = {}
     for _dev, worker, stage, step, _s, _e, works in sim_log(sim):
@@ -429,15 +431,15 @@ def check_bench(profile: CpuProfile, bench_dir: str | Path, lengths: tuple[float
     res = json.loads((bench_dir / "bench.json").read_text())
     import yaml
 
-    st = yaml.safe_load(res["settings"])
-    ppo, ov = st["ppo"], st["overlap"]
+    st = upgrade_settings(yaml.safe_load(res["settings"]))  # (benches saved before placement.* had them in overlap.*)
+    ppo, ov, critic_on_worker = st["ppo"], st["overlap"], st.get("placement", {}).get("critic_on_worker", True)
     chunk = ([c for c in ov["chunk_candidates"] for _ in range(ov["chunk_trial_steps"])] + [16]
              if not ov["chunk_size"] else ov["chunk_size"])  # the tuner's trials, then (assumed) 16
     delta = ov["delta"] if ov["delta"] >= 0 else ov["delta_init"]  # adaptive in the run; its start here
     wl = Workload(batch=ppo["batch_size"], lengths=LogNormalLengths(lengths[0], lengths[1], max_new_tokens, seed),
                   prompt_tokens=PROMPT_TOKENS, prompt_pad=PROMPT_PAD, delta=delta, max_lag=ov["max_lag"], chunk=chunk,
                   minibatch=ppo["minibatch_size"], micro=ppo["micro_batch_size"], epochs=ppo["epochs"])
-    prof = CpuProfile(profile.costs, ov.get("critic_on_worker", True), profile.overhead_s)
+    prof = CpuProfile(profile.costs, critic_on_worker, profile.overhead_s)
     pred_s, meas_s, busy = {}, {}, {}
     for mode, v in res["modes"].items():
         sim = prof.simulate(mode, wl, res["steps"])
@@ -449,7 +451,7 @@ def check_bench(profile: CpuProfile, bench_dir: str | Path, lengths: tuple[float
                      {m: meas_s["sequential"] / v for m, v in meas_s.items()},
                      {m: pred_s["sequential"] / v for m, v in pred_s.items()}, meas_s, pred_s,
                      note=f"lengths assumed log-normal median {lengths[0]:g} sigma {lengths[1]:g}; "
-                          f"Delta fixed at {delta}; critic_on_worker={ov.get('critic_on_worker', True)}")
+                          f"Delta fixed at {delta}; critic_on_worker={critic_on_worker}")
     cmp.busy = busy
     return cmp
 

@@ -70,7 +70,7 @@ def _schedule(run: MeasuredRun, warmup: int) -> dict[str, float]:
     """Mean counts per timed step from the replay: decode steps, rows per decode step, decode
     steps after B were finished (waiting for due carried rows), carried and stale rows."""
     wl = replay_workload(run)
-    pl = cpu_placement(run.mode, run.settings["overlap"].get("critic_on_worker", True), run.needs_critic)
+    pl = cpu_placement(run.mode, run.settings.get("placement", {}).get("critic_on_worker", True), run.needs_critic)
     res = simulate(run.mode, wl, _STEPS, pl, len(run.metrics), warmup=0)
     timed = res.steps[warmup:]
     calls, rows = {}, {}

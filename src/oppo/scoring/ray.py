@@ -22,7 +22,7 @@ is the actor's index among the replicas of its roles; this slice has one replica
 The critic trains where it is served or is sent after each update:
 
 - ``critic_trainer=ppo_cfg``: the actor holding the critic also holds its fp32 master weights and
-  AdamW (as ``overlap.critic_on_worker`` does locally); ``train_critic`` runs the update there,
+  AdamW (as ``placement.critic_on_worker`` does locally); ``train_critic`` runs the update there,
   and checkpoints read and restore it with ``critic_state`` / ``load_critic_state``;
 - otherwise whoever trains it (a learner group) pushes its weights with ``set_critic_weights``
   (a state dict or a Ray ref to one: the weights then go from the trainer to the scorer

@@ -4,12 +4,12 @@ One controller-side handle, :class:`ScorerWorker`, and two transports it is comp
 
 - ``transport="thread"``: the message loop runs on a thread of this process; on GPU its work goes
   on its own CUDA stream (or the scorers sit on their own devices, by their settings);
-- ``transport="process"`` (the CPU default, ``overlap.scorer_process``): the same loop in a child
+- ``transport="process"`` (the CPU default, ``placement.scorer_process``): the same loop in a child
   process, because as a thread it shared the GIL with the actor and slowed its decode 1.6x
   (measured, docs/overlap.md).
 
 Either way the loop (:class:`ScorerLoop`) has its own torch thread count
-(``overlap.scorer_threads``), so on 2 cores the actor and the scorers each own one, and results
+(``placement.scorer_threads``), so on 2 cores the actor and the scorers each own one, and results
 come back the same way: at each barrier, a :class:`BarrierReply` with every output completed
 since the last one, the loop's busy spans, peak cache sizes and critic-training stats. The Ray
 scorer actors (``scoring/ray.py``) run the same handle inside each actor.
@@ -82,7 +82,7 @@ class BarrierReply:
 
 @dataclass
 class CriticTrainer:
-    """The critic's PPO update where it is scored (``overlap.critic_on_worker``): its AdamW, the
+    """The critic's PPO update where it is scored (``placement.critic_on_worker``): its AdamW, the
     PPO settings, and its fp32 master weights when they are not the scored module (bf16,
     weights.py; None: the scorer's critic is the trained one)."""
 

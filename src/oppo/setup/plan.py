@@ -62,9 +62,9 @@ def resolve_paths(cfg: Config, progress: bool = True) -> ResolvedPaths:
 def decide_placement(cfg: Config, needs_critic: bool, devices_on_cpu: bool, critic_is_master: bool) -> Placement:
     """``devices_on_cpu``: every scorer's model is on the CPU (a child process shares them);
     ``critic_is_master``: the critic the scorer reads is the trained one (fp32)."""
-    o, pl = cfg.overlap, cfg.placement
+    pl = cfg.placement
     ray = pl.backend == "ray"
-    critic_on_scorer = bool(cfg.streams and o.critic_on_worker and needs_critic and not ray)
+    critic_on_scorer = bool(cfg.streams and pl.critic_on_worker and needs_critic and not ray)
     if ray:
         scorer = "ray"
     elif not cfg.streams:
@@ -73,15 +73,15 @@ def decide_placement(cfg: Config, needs_critic: bool, devices_on_cpu: bool, crit
         # the child process shares the scorers' weights in place; when the critic trains in the
         # child, it trains the copy it scores with, so that must be the fp32 master: a bf16 run
         # then uses the thread worker
-        process = o.scorer_process and devices_on_cpu and (critic_is_master or not critic_on_scorer)
+        process = pl.scorer_process and devices_on_cpu and (critic_is_master or not critic_on_scorer)
         scorer = "process" if process else "thread"
-    full = cfg.run.threads or torch.get_num_threads()
-    decode = o.actor_threads if cfg.streams or ray else full
+    full = pl.threads or torch.get_num_threads()
+    decode = pl.actor_threads if cfg.streams or ray else full
     return Placement(scorer=scorer,
                      critic_trains_on="none" if not needs_critic else "scorer" if critic_on_scorer else "learner",
                      learner="ray" if ray else "local", rollout="ray" if ray and pl.rollout_workers else "local",
                      rollout_streams_itself=bool(ray and pl.rollout_workers and cfg.overlap.mode != "sequential"),
-                     threads=ThreadBudget(full, decode, o.actor_threads))
+                     threads=ThreadBudget(full, decode, pl.actor_threads))
 
 def engine_settings(cfg: Config, stop_ids, pad_id: int, max_new_tokens: int, device: torch.device,
                     model: torch.nn.Module | None = None) -> EngineSettings:

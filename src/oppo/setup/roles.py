@@ -122,7 +122,7 @@ def build_roles(cfg: Config, progress: bool = True) -> Roles:
         reference = copy.deepcopy(rollout_policy).to(ref_dev)
     reference.eval().requires_grad_(False)
     critic = scoring_critic = None
-    wants_critic_on_scorer = bool(cfg.streams and cfg.overlap.critic_on_worker and paths.critic
+    wants_critic_on_scorer = bool(cfg.streams and cfg.placement.critic_on_worker and paths.critic
                                   and cfg.placement.backend != "ray")
     if paths.critic:
         critic = load_critic(paths.critic, resolve_device(cfg.critic.device, str(dev)), master, pad_id).eval()
@@ -165,7 +165,7 @@ def build_roles(cfg: Config, progress: bool = True) -> Roles:
     else:
         trainer = (CriticTrainer(learner.critic_opt, cfg.ppo, None if placement.scorer == "process" else critic,
                                  dtype) if trains_here else None)
-        roles.scorer = ScorerWorker(scorers, cfg.overlap.scorer_threads, tracer, trainer=trainer,
+        roles.scorer = ScorerWorker(scorers, cfg.placement.scorer_threads, tracer, trainer=trainer,
                                     transport=placement.scorer)
     roles.closers.append(roles.scorer.close)
     if trains_here:
@@ -214,18 +214,18 @@ def _place_on_ray(roles: Roles, stop_ids, recompute_old: bool) -> None:
     from ..learner.fsdp import FSDPLearnerGroup
     from ..scoring.ray import FedByRollout, RayScorerWorker
 
-    cfg, pl, o = roles.cfg, roles.cfg.placement, roles.cfg.overlap
+    cfg, pl = roles.cfg, roles.cfg.placement
     dtype, pad_id = roles.compute_dtype, roles.pad_id
     init_ray(pl.address)
     specs = _scorer_specs(roles.paths, pad_id, dtype, reward_model=roles.reward_model is not None,
                          critic=roles.critic is not None)
-    scorer = RayScorerWorker(specs, roles.tracer, temperature=cfg.generation.temperature, threads=o.scorer_threads,
+    scorer = RayScorerWorker(specs, roles.tracer, temperature=cfg.generation.temperature, threads=pl.scorer_threads,
                              num_cpus=pl.scorer_cpus, num_gpus=pl.scorer_gpus, seed=cfg.run.seed)
     roles.closers.append(scorer.close)
     spec = learner_spec(cfg, roles.paths, pad_id, dtype, roles.algorithm, recompute_old)
     learner_cls = FSDPLearnerGroup if pl.learner_sharding == "fsdp2" else DPLearnerGroup  # same Protocol and arguments
     learner = learner_cls(spec, pl.learner_workers, num_cpus=pl.learner_cpus, num_gpus=pl.learner_gpus,
-                          threads=o.actor_threads, strategy="STRICT_SPREAD" if pl.spread else "PACK",
+                          threads=pl.actor_threads, strategy="STRICT_SPREAD" if pl.spread else "PACK",
                           critic_scorer=scorer if roles.critic is not None else None, tracer=roles.tracer,
                           home=(roles.policy, roles.critic), defer_sync=True)
     roles.learner = learner
@@ -242,7 +242,7 @@ def _place_on_ray(roles: Roles, stop_ids, recompute_old: bool) -> None:
         stream = roles.placement.rollout_streams_itself  # (the scorer actors serve every other mode)
         group = RayRolloutGroup(mspec, settings, pl.rollout_workers, seed=cfg.run.seed, tracer=roles.tracer,
                                 scorer=scorer if stream else None, num_cpus=pl.rollout_cpus,
-                                num_gpus=pl.rollout_gpus, threads=o.actor_threads)
+                                num_gpus=pl.rollout_gpus, threads=pl.actor_threads)
         roles.closers.insert(0, group.close)
         roles.engine = f"{settings.kind} in {pl.rollout_workers} Ray rollout workers ({settings.reason})"
         group.load_weights(roles.policy, 0)

@@ -1,0 +1,98 @@
+"""One mode table drives config, controller and planner; placement settings live in ``placement.*``
+(the old ``overlap.*`` / ``run.threads`` names are refused by hand and read from saved configs)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import yaml
+
+from oppo import modes
+from oppo.checkpoint import CONFIG_FILE, checkpoint_settings, settings_mismatches
+from oppo.config import MOVED, MODES, Config, ConfigError, from_dict, load_config, to_dict, upgrade_settings
+from oppo.control.stages import OverlapPolicy
+from oppo.plan import sim
+
+# --------------------------------------------------------------------------- the mode table
+
+
+@pytest.mark.parametrize("mode", modes.TABLE, ids=lambda m: m.name)
+def test_every_mode_reads_the_table(mode):
+    cfg = load_config(None, [f"overlap.mode={mode.name}"])
+    flags = (mode.streams, mode.carries, mode.in_flight)
+    assert (cfg.streams, cfg.carries, cfg.in_flight) == flags
+    policy = OverlapPolicy.of(cfg)
+    assert (policy.streams, policy.carries, policy.in_flight) == flags
+    assert mode.help in dataclasses.fields(cfg.overlap)[0].metadata["help"]
+
+
+def test_the_planner_and_the_config_share_the_table():
+    assert MODES == modes.NAMES == sim.ALL_MODES
+    assert set(sim.STREAMING) == {m.name for m in modes.TABLE if m.streams}
+    assert set(sim.CARRYING) == {m.name for m in modes.TABLE if m.carries}
+    assert set(sim.IN_FLIGHT) == {m.name for m in modes.TABLE if m.in_flight}
+    # the planner's default comparison leaves the in-flight mode out (the OPPO paper's four)
+    assert sim.MODES == ("sequential", "intra", "inter", "oppo")
+    with pytest.raises(ValueError, match="unknown mode 'fast'; one of sequential, intra"):
+        modes.get("fast")
+
+
+def test_known_modes_keep_their_behaviour():
+    """The table's rows, written out once more (a change to the table must be meant)."""
+    rows = {m.name: (m.streams, m.carries, m.in_flight) for m in modes.TABLE}
+    assert rows == {"sequential": (False, False, False), "intra": (True, False, False),
+                    "inter": (False, True, False), "oppo": (True, True, False), "pipeline": (True, True, True)}
+
+
+# --------------------------------------------------------------------------- placement settings
+
+
+@pytest.mark.parametrize("old,new", sorted(MOVED.items()))
+def test_an_old_name_on_the_command_line_names_the_new_one(old, new):
+    value = "true" if new.endswith(("process", "worker")) else "1"
+    with pytest.raises(ConfigError, match=f"{old} is now {new}"):
+        load_config(None, [f"{old}={value}"])
+    assert str(getattr(load_config(None, [f"{new}={value}"]).placement, new.split(".")[1])).lower() in ("true", "1")
+
+
+def test_an_old_name_in_a_yaml_file_names_the_new_one(tmp_path):
+    p = tmp_path / "run.yaml"
+    p.write_text("overlap:\n  mode: intra\n  scorer_process: false\n")
+    with pytest.raises(ConfigError, match=rf"overlap.scorer_process is now placement.scorer_process.*{p.name}|"
+                                          rf"{p.name}.*overlap.scorer_process is now placement.scorer_process"):
+        load_config(p)
+    p.write_text("run:\n  threads: 2\n")
+    with pytest.raises(ConfigError, match="run.threads is now placement.threads"):
+        load_config(p)
+    p.write_text("placement:\n  scorer_process: false\n  threads: 2\n")
+    cfg = load_config(p)
+    assert cfg.placement.scorer_process is False and cfg.placement.threads == 2
+
+
+def _old_saved(cfg: Config) -> dict:
+    """``to_dict(cfg)`` as an oppo from before the move saved it (placement keys under overlap / run)."""
+    d = to_dict(cfg)
+    for old, new in MOVED.items():
+        (os_, ok), (ns, nk) = old.split("."), new.split(".")
+        d[os_][ok] = d[ns].pop(nk)
+    return d
+
+
+def test_a_saved_config_with_old_names_loads_with_the_new_ones(tmp_path):
+    cfg = load_config(None, ["placement.critic_on_worker=false", "placement.actor_threads=2",
+                             "placement.scorer_threads=3", "placement.scorer_process=false", "placement.threads=4"])
+    old = _old_saved(cfg)
+    assert "critic_on_worker" in old["overlap"] and "critic_on_worker" not in old["placement"]
+    assert from_dict(old) == cfg
+    assert upgrade_settings(old) == to_dict(cfg) and "scorer_process" in old["overlap"]  # (old is unchanged)
+    # a checkpoint written before the move: its settings read under the new names, compared as equal
+    ckpt = tmp_path / "checkpoints" / "step_2"
+    ckpt.mkdir(parents=True)
+    (ckpt / CONFIG_FILE).write_text(yaml.safe_dump(old, sort_keys=False))
+    saved = checkpoint_settings(ckpt)
+    assert saved == to_dict(cfg)
+    assert settings_mismatches(old, to_dict(cfg)) == []
+    # placement may change on resume; what is trained may not
+    other = load_config(None, ["placement.threads=1", "placement.critic_on_worker=true", "ppo.actor_lr=1e-3"])
+    assert [k for k, _, _ in settings_mismatches(old, to_dict(other))] == ["ppo.actor_lr"]
