@@ -362,10 +362,28 @@ def _experience(tiny_models):
     return build_experience(rows, PAD, torch.device("cpu"))
 
 
+def _learner_ppo():
+    from oppo.config import PPOConfig
+
+    # two micro-batches per minibatch: one per rank of the two-rank groups
+    return PPOConfig(batch_size=4, minibatch_size=2, micro_batch_size=1)
+
+
+@dataclass
+class Built:
+    """A learner under test: ``home``, the controller's (policy, critic) modules, where its checkpoint
+    state lands and resumes from (``Learner.checkpoint_state``); ``closers``: what to close after."""
+
+    learner: object
+    home: tuple
+    closers: list
+
+
 def _local_learner(tiny_models, ppo):
     actor = _load(tiny_models, "policy").requires_grad_(True)
     critic = _load(tiny_models, "reward").requires_grad_(True)
-    return Learner(actor, critic, ppo, 1.0, 0), None
+    learner = Learner(actor, critic, ppo, 1.0, 0)
+    return Built(learner, (learner.actor, learner.critic), [])
 
 
 def _beside_scorer(tiny_models, ppo):
@@ -373,43 +391,108 @@ def _beside_scorer(tiny_models, ppo):
     from oppo.learner.critic import CriticBesideScorer
     from oppo.scoring.worker import CriticTrainer, ScorerWorker
 
-    learner, _ = _local_learner(tiny_models, ppo)
-    scorers = {"critic": StreamingScorer("critic", learner.critic, PAD)}
-    worker = ScorerWorker(scorers, 1, Tracer(), trainer=CriticTrainer(learner.critic_opt, ppo))
-    return CriticBesideScorer(learner, worker, Tracer(), ThreadBudget(1, 1, 1), in_flight=False), worker
+    inner = _local_learner(tiny_models, ppo).learner
+    scorers = {"critic": StreamingScorer("critic", inner.critic, PAD)}
+    worker = ScorerWorker(scorers, 1, Tracer(), trainer=CriticTrainer(inner.critic_opt, ppo))
+    learner = CriticBesideScorer(inner, worker, Tracer(), ThreadBudget(1, 1, 1), in_flight=False)
+    return Built(learner, (inner.actor, inner.critic), [worker])
 
 
-LEARNERS = {"local": _local_learner, "critic_beside_scorer": _beside_scorer}
+def _ray_learners(sharded: bool):
+    """Two Ray ranks (gloo): data-parallel replicas, or FSDP2 shards (``tests/test_dp.py``,
+    ``tests/test_fsdp.py`` test them against one learner)."""
+    def make(tiny_models, ppo):
+        from oppo.api.specs import ModelSpec
+        from oppo.learner.dp import DPLearnerGroup, LearnerSpec
+        from oppo.learner.fsdp import FSDPLearnerGroup
+
+        spec = LearnerSpec(actor=ModelSpec("policy", str(tiny_models["policy"]), device="cpu"),
+                           critic=ModelSpec("critic", str(tiny_models["reward"]), pad_id=PAD, device="cpu"),
+                           ppo=ppo, temperature=1.0, seed=0)
+        home = (_load(tiny_models, "policy"), _load(tiny_models, "reward"))
+        group = (FSDPLearnerGroup if sharded else DPLearnerGroup)(spec, 2, num_cpus=0.25, home=home, timeout_s=120)
+        return Built(group, home, [group])
+    return make
 
 
-@pytest.mark.parametrize("name", list(LEARNERS))
-def test_learner_conforms_and_round_trips(name, tiny_models):
-    from oppo.config import PPOConfig
+LEARNERS = {"local": _local_learner, "critic_beside_scorer": _beside_scorer, "dp": _ray_learners(False),
+            "fsdp2": _ray_learners(True)}
+
+
+@pytest.fixture(scope="module", params=[pytest.param(n, marks=RAY if n in ("dp", "fsdp2") else []) for n in LEARNERS])
+def learner(request, tiny_models):
+    """One per implementation for the module (a Ray group's start costs seconds)."""
+    if request.param in ("dp", "fsdp2"):
+        request.getfixturevalue("ray_local")
+    built = LEARNERS[request.param](tiny_models, _learner_ppo())
+    yield built
+    for c in built.closers:
+        c.close()
+
+
+def _actor_weights(learner, tiny_models) -> dict[str, torch.Tensor]:
+    """What ``actor_weights()`` hands the rollout side, as tensors by name: a module, (name, tensor)
+    pairs, or (Ray groups) a Ray ref to rank 0's packed weights (``weights.sync.pack``)."""
+    w = learner.actor_weights()
+    if isinstance(w, torch.nn.Module):
+        return {k: v.detach().clone() for k, v in w.state_dict().items()}
+    if type(w).__name__ == "ObjectRef":
+        import ray
+
+        from oppo.weights.sync import unpack_into
+
+        into = _load(tiny_models, "policy")
+        unpack_into(into, ray.get(w))
+        return into.state_dict()
+    return {k: v.detach().clone() for k, v in w}
+
+
+def _stored(state, where):
+    """``checkpoint_state()``'s answer as a checkpoint stores it and hands it back on resume
+    (``checkpoint._write`` / ``load_checkpoint``): a sharded learner's ranks write their shards."""
+    from oppo.learner.sharded import ShardedLearnerState
+
+    if isinstance(state, ShardedLearnerState):
+        return {"sharded": str(where / state.save(where / "learner")["sharded"])}
+    return copy.deepcopy(state)
+
+
+def test_learner_conforms_and_round_trips(learner, tiny_models, tmp_path):
+    """An update moves the policy the rollout side gets; the checkpoint state taken before it, with the
+    controller's modules back at their weights then, restores the learner: the same update again
+    gives the same stats."""
     from oppo.learner.batch import attach_scores, compute_advantages
+    from oppo.learner.sharded import ShardedLearnerState
     from oppo.scoring.streaming import ScoredOutputs
     from oppo.algo import get_algorithm
     from oppo.api.records import Scores
 
-    ppo = PPOConfig(batch_size=4, minibatch_size=2, micro_batch_size=2)
-    learner, closer = LEARNERS[name](tiny_models, ppo)
-    try:
-        assert isinstance(learner, LearnerProtocol)
-        exp = _experience(tiny_models)
-        exp = learner.old_logprobs(exp, 0)
-        T = exp.mask.shape[1]
-        scored = Scores([0.5, -0.5, 1.0, 0.0], [ScoredOutputs(logprobs=[-1.0] * T)] * 4,
-                        [ScoredOutputs(values=[0.1] * T)] * 4)
-        exp = compute_advantages(attach_scores(exp, scored), ppo, get_algorithm("ppo"))
-        state0 = copy.deepcopy(learner.checkpoint_state())
-        weights0 = copy.deepcopy(learner.actor_weights().state_dict())
-        stats = learner.update(exp, 0)
-        assert {"loss/policy", "loss/value"} <= set(stats)
-        after = learner.actor_weights().state_dict()
-        assert any(not torch.equal(after[k], v) for k, v in weights0.items()), "the update changed the policy"
-        state1 = learner.checkpoint_state()
+    ppo = _learner_ppo()
+    lrn, (policy, critic) = learner.learner, learner.home
+    assert isinstance(lrn, LearnerProtocol)
+    exp = _experience(tiny_models)
+    exp = lrn.old_logprobs(exp, 0)
+    T = exp.mask.shape[1]
+    scored = Scores([0.5, -0.5, 1.0, 0.0], [ScoredOutputs(logprobs=[-1.0] * T)] * 4,
+                    [ScoredOutputs(values=[0.1] * T)] * 4)
+    exp = compute_advantages(attach_scores(exp, scored), ppo, get_algorithm("ppo"))
+    state0 = _stored(lrn.checkpoint_state(), tmp_path / "before")
+    home0 = [copy.deepcopy(m.state_dict()) for m in (policy, critic)]  # (the weights the state goes with)
+    weights0 = _actor_weights(lrn, tiny_models)
+    stats = lrn.update(copy.deepcopy(exp), 0)
+    assert {"loss/policy", "loss/value"} <= set(stats)
+    after = _actor_weights(lrn, tiny_models)
+    assert any(not torch.equal(after[k], v) for k, v in weights0.items()), "the update changed the policy"
+    state1 = lrn.checkpoint_state()
+    if not isinstance(state1, ShardedLearnerState):  # (a sharded learner's ranks write theirs: the Protocol)
         assert set(state1) == {"actor", "critic"}
-        learner.load_checkpoint_state(state0)
-        assert learner.checkpoint_state()["actor"]["state"] == {}, "the optimizer state restored (fresh)"
-    finally:
-        if closer is not None:
-            closer.close()
+    for m, w in zip((policy, critic), home0):
+        m.load_state_dict(w)
+    lrn.load_checkpoint_state(state0)
+    state2 = lrn.checkpoint_state()
+    if not isinstance(state2, ShardedLearnerState):
+        assert state2["actor"]["state"] == {}, "the optimizer state restored (fresh)"
+    again = lrn.update(copy.deepcopy(exp), 0)
+    for k, v in stats.items():
+        if not k.startswith("time/"):
+            assert again[k] == pytest.approx(v, rel=1e-5, abs=1e-6), f"restored, the same update differs: {k}"
