@@ -81,9 +81,10 @@ def _plugin(models, seed=0, builds=None):
                                                 _load(models, "policy")))
 
 
-def _vllm(models, seed=0, engine=None):
-    """The module's vLLM engine, set up as a fresh one with ``seed`` would be (``test_vllm.reset``)."""
-    return reset(engine, hf_policy(models["policy"]), max_new=10, seed=seed, stop_ids=(EOS,))
+def _vllm(models, seed=0, shared=None):
+    """The module's vLLM engine (``shared``), set up as a fresh one with ``seed`` would be
+    (``test_vllm.reset``)."""
+    return reset(shared, hf_policy(models["policy"]), max_new=10, seed=seed, stop_ids=(EOS,))
 
 
 @dataclass(frozen=True)
