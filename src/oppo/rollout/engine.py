@@ -347,9 +347,9 @@ class RolloutEngine:
                                                        version.double()])  # [4, R]
         self._length[slots] = length + 1
         if self._eos_possible:
-            ended = torch.isin(tokens, self._eos(tokens.device)) | (length + 1 >= self.max_new_tokens)  # [R]
+            stop = torch.isin(tokens, self._eos(tokens.device)) | (length + 1 >= self.max_new_tokens)  # [R]
             nonfinite = torch.isnan(logp) | torch.isnan(untruncated)  # non-finite logits (sample_tokens)
-            flags = (ended.to(torch.uint8) + 2 * nonfinite.to(torch.uint8)).tolist()  # CPU-GPU sync point
+            flags = (stop.to(torch.uint8) + 2 * nonfinite.to(torch.uint8)).tolist()  # CPU-GPU sync point
             self.host_reads += 1
             if not any(flags):
                 return tokens, None, []
