@@ -16,17 +16,41 @@ padding never shifts positions.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Protocol, cast
+
 import torch
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
+
+
+class KVLayer(Protocol):
+    """What :class:`KVRows` uses of a ``DynamicCache`` layer: its keys and values
+    ``[R, heads, L, dim]``."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
+def kv_layers(cache: DynamicCache) -> list[KVLayer]:
+    """The layers of ``cache``. Hugging Face types them as any layer kind (linear attention
+    included) with ``keys: Tensor | None``; the policies and scorers here have attention layers
+    only, and their keys/values are read once a forward has set them (``is_initialized``)."""
+    return cast("list[KVLayer]", cache.layers)
 
 
 class KVRows:
     def __init__(self, device: torch.device):
+        self.device = device
+        self._reset()
+
+    def _reset(self) -> None:
+        """No rows: an empty cache."""
         from transformers import DynamicCache
 
-        self.device = device
         self.cache = DynamicCache()
-        self.mask = torch.zeros(0, 0, dtype=torch.long, device=device)  # [R, L]
-        self.next_pos = torch.zeros(0, dtype=torch.long, device=device)  # [R]
+        self.mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)  # [R, L]
+        self.next_pos = torch.zeros(0, dtype=torch.long, device=self.device)  # [R]
 
     @property
     def rows(self) -> int:
@@ -69,12 +93,12 @@ class KVRows:
 
         sub = KVRows(self.device)
         sub.cache = DynamicCache()
-        for i, layer in enumerate(self.cache.layers):
+        for i, layer in enumerate(kv_layers(self.cache)):
             sub.cache.update(layer.keys.index_select(0, rows), layer.values.index_select(0, rows), i)
         sub.mask, sub.next_pos = self.mask.index_select(0, rows), self.next_pos.index_select(0, rows)
         hidden = sub.forward(backbone, tokens, valid)
         C = tokens.shape[1]
-        for mine, theirs in zip(self.cache.layers, sub.cache.layers):
+        for mine, theirs in zip(kv_layers(self.cache), kv_layers(sub.cache)):
             mine.keys = _pad_right(mine.keys, C, 2).index_copy_(0, rows, theirs.keys)
             mine.values = _pad_right(mine.values, C, 2).index_copy_(0, rows, theirs.values)
         self.mask = _pad_right(self.mask, C, 1).index_copy_(0, rows, sub.mask)
@@ -86,9 +110,9 @@ class KVRows:
         if keep.numel() == self.rows and bool((keep == torch.arange(self.rows, device=keep.device)).all()):
             return
         if keep.numel() == 0:
-            self.__init__(self.device)
+            self._reset()
             return
-        for layer in self.cache.layers:
+        for layer in kv_layers(self.cache):
             if getattr(layer, "is_initialized", False):
                 layer.keys = layer.keys.index_select(0, keep)
                 layer.values = layer.values.index_select(0, keep)
@@ -104,7 +128,7 @@ class KVRows:
         start = int(used.to(torch.int8).argmax())  # CPU-GPU sync point (once per retire, not per token)
         if start == 0:
             return
-        for layer in self.cache.layers:
+        for layer in kv_layers(self.cache):
             if getattr(layer, "is_initialized", False):
                 layer.keys = layer.keys[:, :, start:]
                 layer.values = layer.values[:, :, start:]
@@ -125,7 +149,7 @@ class KVRows:
             return False
         # stable sort of the 0/1 mask: each row's holes first, then its real columns in order
         idx = torch.argsort(self.mask, dim=1, stable=True)[:, self.length - keep:]  # [R, keep]
-        for layer in self.cache.layers:
+        for layer in kv_layers(self.cache):
             if getattr(layer, "is_initialized", False):
                 R, H, _, D = layer.keys.shape
                 g = idx[:, None, :, None].expand(R, H, keep, D)
@@ -142,14 +166,14 @@ class KVRows:
             self.cache, self.mask, self.next_pos = other.cache, other.mask, other.next_pos
             return
         L = max(self.length, other.length)
-        for mine, theirs in zip(self.cache.layers, other.cache.layers):
+        for mine, theirs in zip(kv_layers(self.cache), kv_layers(other.cache)):
             mine.keys = torch.cat([_pad_left(mine.keys, L, 2), _pad_left(theirs.keys, L, 2)], 0)
             mine.values = torch.cat([_pad_left(mine.values, L, 2), _pad_left(theirs.values, L, 2)], 0)
         self.mask = torch.cat([_pad_left(self.mask, L, 1), _pad_left(other.mask, L, 1)], 0)
         self.next_pos = torch.cat([self.next_pos, other.next_pos])
 
     def nbytes(self) -> int:
-        return sum(l.keys.numel() * l.keys.element_size() * 2 for l in self.cache.layers
+        return sum(l.keys.numel() * l.keys.element_size() * 2 for l in kv_layers(self.cache)
                    if getattr(l, "is_initialized", False) and l.keys is not None)
 
 

@@ -333,11 +333,12 @@ class RolloutEngine:
             tokens, logp = logits.argmax(-1), None  # [R]
         else:
             tokens, logp = sample_tokens(logits, self.temperature, self.top_k, self.top_p, self.generator)
-        untruncated = logp
         if logp is None or logits is not self.next_logits or self.top_k > 0 or self.top_p < 1.0:
             # the model's own (untruncated) log-prob: what the learner's forward computes
             untruncated = torch.log_softmax(self.next_logits.float() / self.temperature, -1).gather(
                 1, tokens[:, None])[:, 0]
+        else:
+            untruncated = logp
         if logp is None or logits is not self.next_logits:
             # greedy, or forced lengths (bench: timing only, ``bench.timing_only``): nothing was
             # drawn from a distribution of the policy's, so the policy's own log-prob stands in
@@ -355,8 +356,8 @@ class RolloutEngine:
                 return tokens, None, []
             bad = [i for i, f in enumerate(flags) if f >= 2]
             if bad:  # the guard's message, not multinomial's
-                version = self._lv[slots][bad[0]].item()
-                raise NonFiniteError(sampling_message(bad, [self.rows[i].uid for i in bad], version))
+                bad_version = int(self._lv[slots][bad[0]])
+                raise NonFiniteError(sampling_message(bad, [self.rows[i].uid for i in bad], bad_version))
             ended = [i for i, f in enumerate(flags) if f]
         elif self._clock >= self._deadline:  # forced lengths only: the host knows who ends
             ended = [i for i, e in enumerate(self._end) if e <= self._clock]
@@ -377,6 +378,7 @@ class RolloutEngine:
             return []
         tokens, keep, done = self._sample_and_record()
         if done:
+            assert keep is not None  # rows ended: keep lists the others
             self.peak_cache_bytes = max(self.peak_cache_bytes, self.kv.nbytes())
             idx = torch.tensor(keep, dtype=torch.long, device=self.device)
             self.kv.select(idx)
@@ -415,7 +417,7 @@ class RolloutEngine:
 
         ``length`` [R]: each row's response tokens so far, ``target`` [R]: its target length (0:
         none), on the device (the engine's records); by default from ``self.rows``."""
-        if length is None:
+        if length is None or target is None:  # (given together)
             if all(r.target_length is None for r in self.rows):
                 return logits
             length = torch.tensor([len(r.response_ids) for r in self.rows], device=logits.device)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Any
 
 import torch
 
@@ -133,16 +134,18 @@ class RolloutHost:
         self.engine.recompute()
 
     def abort(self, uids: set[int]) -> None:
-        self.engine.abort(set(uids) & set(self.engine.uids()))
+        """Drop these sequences (the group sends each worker only its own)."""
+        self.engine.abort(uids)
 
     def load_weights(self, weights: Packed, version: int) -> None:
         if self.model is None:  # a backend with weights of its own: its reload, from the object store's arrays
-            self.engine.load_weights(_tensors(weights), version)
+            # (RolloutBackend.load_weights names a module only; such a backend takes (name, tensor) pairs)
+            self.engine.load_weights(_tensors(weights), version)  # type: ignore[arg-type]
             return
         unpack_into(self.model, weights, partial=True)
         self.engine.set_version(version)
 
-    def in_flight(self) -> list[Rollout]:
+    def in_flight(self) -> list[Rollout] | None:
         return self.engine.in_flight()
 
     def join_weight_sync(self, host: str, port: int, rank: int, world: int, timeout_s: float) -> str:
@@ -206,7 +209,9 @@ class RayRolloutGroup:
             raise ValueError(f"a rollout group needs at least one worker, got {n}")
         host = ray.remote(RolloutHost)
         handles = list(scorer.actors) if scorer is not None else None
-        self.workers = [host.options(num_cpus=num_cpus, num_gpus=num_gpus).remote(
+        # Ray types a handle as `ActorHandle[RolloutHost] | type[RolloutHost]`: its methods' `.remote`
+        # type-check only on methods decorated with `ray.method` (ray is imported lazily here)
+        self.workers: list[Any] = [host.options(num_cpus=num_cpus, num_gpus=num_gpus).remote(
             spec, settings, seed + i, threads, f"rollout{i}", handles) for i in range(n)]
         self.tracer, self.scorer = tracer, scorer
         if scorer is not None:
@@ -269,7 +274,11 @@ class RayRolloutGroup:
         self._gather([w.recompute.remote() for w in self.workers])
 
     def abort(self, uids: set[int]) -> None:
-        self._gather([w.abort.remote(set(uids)) for w in self.workers])
+        mine: list[set[int]] = [set() for _ in self.workers]  # each worker's rows among uids
+        for u in uids:
+            if u in self.rows:
+                mine[self.rows[u]].add(u)
+        self._gather([w.abort.remote(m) for w, m in zip(self.workers, mine)])
         for u in uids:
             self.rows.pop(u, None)
             self.owned.pop(u, None)
@@ -284,11 +293,15 @@ class RayRolloutGroup:
         self._gather([w.load_weights.remote(ref, version) for w in self.workers])
         self.version = version
 
-    def in_flight(self) -> list[Rollout]:
+    def in_flight(self) -> list[Rollout] | None:
         """The rows decoding on every worker, their progress copied into the controller's Rollouts
-        (``RolloutBackend.in_flight``), in admission order. ``admit`` takes them back: a worker
-        prefills prompt + response so far and streams the response to the scorers again."""
-        rows = [r for rs in self._gather([w.in_flight.remote() for w in self.workers]) for r in rs]
+        (``RolloutBackend.in_flight``), in admission order; None where a worker's backend cannot
+        hand them out. ``admit`` takes them back: a worker prefills prompt + response so far and
+        streams the response to the scorers again."""
+        per_worker = self._gather([w.in_flight.remote() for w in self.workers])
+        if any(rs is None for rs in per_worker):
+            return None
+        rows = [r for rs in per_worker for r in rs]
         for remote in rows:
             _copy_progress(remote, self.owned[remote.uid])
         return sorted((self.owned[r.uid] for r in rows), key=lambda r: r.uid)

@@ -66,11 +66,16 @@ from __future__ import annotations
 
 import heapq
 import inspect
+from typing import TYPE_CHECKING, Any, Callable, Protocol, cast
 
 import torch
 
-from ..kv import right_pad
+from ..kv import kv_layers, right_pad
 from .engine import KVBudgetError, Rollout, RolloutEngine
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
+    from transformers import DynamicCache
 
 CAPTURE_MODES = ("none", "cuda_graph", "compile")
 
@@ -91,7 +96,7 @@ class _SlotLayer:
     is_sliding = False
     is_initialized = True
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, cache: "_SlotCache"):
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, cache: SlotCache):
         self.keys, self.values, self.cache = keys, values, cache
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -113,28 +118,44 @@ class _SlotLayer:
         return self.cache.lb, 0
 
 
-def _slot_cache_class():
+class SlotCache(Protocol):
+    """What the engine and its layers use of the ``_SlotCache`` that :func:`_slot_cache_class`
+    defines (a transformers ``Cache``, defined on first use: importing this module imports no
+    transformers)."""
+
+    rb: int
+    lb: int
+    cols: torch.Tensor
+    slot_layers: list[_SlotLayer]
+    """``layers``, typed: the same list."""
+
+    def nbytes(self) -> int: ...
+
+
+def _slot_cache_class() -> Callable[[list[tuple[tuple[int, ...], tuple[int, ...]]], torch.dtype, torch.device],
+                                    SlotCache]:
     from transformers.cache_utils import Cache
 
     class _SlotCache(Cache):
         """The slots of every layer, passed as ``past_key_values`` to the decode forward.
         ``rb``/``lb``/``cols`` describe the current step (see :class:`_SlotLayer`)."""
 
-        def __init__(self, shapes: list[tuple[tuple[int, ...], tuple[int, ...]]], dtype, device):
-            layers = []
-            super().__init__(layers=layers)
+        def __init__(self, shapes: list[tuple[tuple[int, ...], tuple[int, ...]]], dtype: torch.dtype,
+                     device: torch.device):
+            self.slot_layers: list[_SlotLayer] = []
+            super().__init__(layers=cast("list[Any]", self.slot_layers))  # _SlotLayer duck-types CacheLayerMixin
             self.rb, self.lb = 0, 0
             self.cols = torch.zeros(0, dtype=torch.long, device=device)
             for kshape, vshape in shapes:
-                layers.append(_SlotLayer(torch.zeros(kshape, dtype=dtype, device=device),
-                                         torch.zeros(vshape, dtype=dtype, device=device), self))
+                self.slot_layers.append(_SlotLayer(torch.zeros(kshape, dtype=dtype, device=device),
+                                                   torch.zeros(vshape, dtype=dtype, device=device), self))
 
         def get_seq_length(self, layer_idx: int = 0) -> int:
             return self.lb
 
         def nbytes(self) -> int:
             return sum(l.keys.numel() * l.keys.element_size() + l.values.numel() * l.values.element_size()
-                       for l in self.layers)
+                       for l in self.slot_layers)
 
     return _SlotCache
 
@@ -169,7 +190,7 @@ class StaticRolloutEngine(RolloutEngine):
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0, greedy: bool = False,
                  max_rows: int = 64, max_len: int | None = None, capture: str = "none"):
         super().__init__(model, eos_id, pad_id, max_new_tokens, temperature, top_k, top_p, seed, greedy)
-        self.kv = None  # the eager engine's cache; this engine has slots instead
+        del self.kv  # the eager engine's cache; this engine has slots instead
         if capture not in CAPTURE_MODES:
             raise ValueError(f"capture must be one of {', '.join(CAPTURE_MODES)}, got {capture!r}.")
         if capture == "cuda_graph" and self.device.type != "cuda":
@@ -190,15 +211,19 @@ class StaticRolloutEngine(RolloutEngine):
         self.max_rows, self.max_len, self.capture = max_rows, max_len, capture
         self.window = _window(model, max_len)
         self._masks_as_dict = self.window is not None and _forward_takes_mask_dict(self.backbone)
-        self.cache = None  # _SlotCache, allocated at the first admit
+        self.cache: SlotCache | None = None  # allocated at the first admit
         self._grow(max_rows)  # the records' slots are the KV slots: lowest free first keeps Rb small
         self._tok = torch.full((max_rows, 1), pad_id, dtype=torch.long, device=self.device)  # static input
         # static input: tokens in each slot's cache (= the column the next fed token takes; 0 when free)
         self._pos = torch.zeros(max_rows, dtype=torch.long, device=self.device)
         self._rb, self._lb = 0, 0  # Rb (highest used slot + 1); Lb = _lb + the step count (_rows_changed)
-        self._graphs: dict[tuple[int, int], tuple[object, torch.Tensor]] = {}  # (Rb, Lb) -> (graph, logits)
-        self._side_stream = self._pool = None  # cuda_graph: the capture stream and the graphs' pool (_capture)
-        self._compiled = None
+        # (Rb, Lb) -> (graph, logits)
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._traced: set[tuple[int, int]] = set()  # compile: the (Rb, Lb) buckets traced so far
+        # cuda_graph: the capture stream and the graphs' pool (_capture)
+        self._side_stream: torch.cuda.Stream | None = None
+        self._pool: _POOL_HANDLE | None = None
+        self._compiled: Callable[[int, int], torch.Tensor] | None = None
         self.captures = 0  # graphs captured (or compiled variants traced) so far
 
     # ------------------------------------------------------------------ setup
@@ -213,16 +238,17 @@ class StaticRolloutEngine(RolloutEngine):
     def peak_cache_bytes(self, value: int) -> None:
         pass
 
-    def _allocate(self, prefill_cache) -> None:
+    def _allocate(self, prefill_cache: DynamicCache) -> SlotCache:
         problem = _plain_kv_problem(prefill_cache)
         if problem is not None:
             raise UnsupportedForStaticDecode(problem)
-        shapes = []
-        for layer in prefill_cache.layers:
+        layers = kv_layers(prefill_cache)  # plain keys/values in every layer (_plain_kv_problem)
+        shapes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+        for layer in layers:
             k, v = layer.keys, layer.values  # [n, H, P, D]
             shapes.append(((self.max_rows, k.shape[1], self.max_len, k.shape[3]),
                            (self.max_rows, v.shape[1], self.max_len, v.shape[3])))
-        dtype = prefill_cache.layers[0].keys.dtype
+        dtype = layers[0].keys.dtype
         need = sum(self.max_rows * self.max_len * (ks[1] * ks[3] + vs[1] * vs[3]) for ks, vs in shapes)
         need *= torch.empty(0, dtype=dtype).element_size()
         budget = getattr(self, "kv_budget_mb", None)
@@ -233,8 +259,8 @@ class StaticRolloutEngine(RolloutEngine):
                     f"{self.max_len} columns), over generation.kv_budget_mb={budget:g}. Lower the slots "
                     f"(ppo.batch_size, overlap.delta_max) or the columns (generation.max_new_tokens, "
                     f"data.max_prompt_tokens), or raise generation.kv_budget_mb if the device has room.")
-        self.cache = _slot_cache_class()(shapes, dtype, self.device)
         self._mask_dtype = dtype
+        return _slot_cache_class()(shapes, dtype, self.device)
 
     # ------------------------------------------------------------------ prefill
 
@@ -262,11 +288,11 @@ class StaticRolloutEngine(RolloutEngine):
         hidden = out.last_hidden_state[torch.arange(len(rows), device=self.device), last]  # [n, H]
         logits = self.head(hidden).float()  # [n, V]
         if self.cache is None:
-            self._allocate(dyn)
-        if len(dyn.layers) != len(self.cache.layers):
+            self.cache = self._allocate(dyn)
+        if len(dyn.layers) != len(self.cache.slot_layers):
             raise UnsupportedForStaticDecode("the prefill cache changed its number of layers between calls.")
         idx = torch.tensor(slots, dtype=torch.long, device=self.device)
-        for mine, theirs in zip(self.cache.layers, dyn.layers):
+        for mine, theirs in zip(self.cache.slot_layers, kv_layers(dyn)):
             # columns beyond a row's length hold padding's keys: masked until decode overwrites them
             mine.keys[:, :, :P].index_copy_(0, idx, theirs.keys.to(mine.keys.dtype))
             mine.values[:, :, :P].index_copy_(0, idx, theirs.values.to(mine.values.dtype))
@@ -334,6 +360,7 @@ class StaticRolloutEngine(RolloutEngine):
             return []
         tokens, keep, done = self._sample_and_record()
         if done:
+            assert keep is not None  # rows ended: keep lists the others
             self._retire(keep)
             tokens = tokens.index_select(0, torch.tensor(keep, dtype=torch.long, device=self.device))
             self.finished.extend(done)
@@ -361,21 +388,21 @@ class StaticRolloutEngine(RolloutEngine):
                 torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
                 mode = "reduce-overhead" if self.device.type == "cuda" else None
                 self._compiled = torch.compile(self._decode_step, mode=mode, dynamic=False)
-            if (rb, lb) not in self._graphs:
-                self._graphs[(rb, lb)] = (None, None)
+            if (rb, lb) not in self._traced:
+                self._traced.add((rb, lb))
                 self.captures += 1
             out = self._compiled(rb, lb)
             return out.clone() if self.device.type == "cuda" else out
-        graph, out = self._graphs.get((rb, lb), (None, None))
-        if graph is None:
-            graph, out = self._capture(rb, lb)
-            self._graphs[(rb, lb)] = (graph, out)
+        captured = self._graphs.get((rb, lb))
+        if captured is None:
+            captured = self._graphs[(rb, lb)] = self._capture(rb, lb)
+        graph, out = captured
         graph.replay()
         # graphs share one memory pool: another bucket's replay may overwrite this output, so the
         # caller copies it (index_select) before the next replay
         return out
 
-    def _capture(self, rb: int, lb: int):
+    def _capture(self, rb: int, lb: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Record the decode step for (rb, lb) into a CUDA graph, safely while other threads run
         CUDA work (module docstring, "Capture while other threads work"): warm-ups, then a
         thread-local capture, on this engine's one side stream, into its one pool. The warm-up runs
@@ -400,13 +427,14 @@ class StaticRolloutEngine(RolloutEngine):
         """The captured region: static inputs ``_tok``/``_pos`` in, logits [rb, V] out."""
         pos = self._pos[:rb]  # [Rb] the fed token's column = position id
         cache = self.cache
+        assert cache is not None  # allocated by the first admit, before any row decodes
         cache.rb, cache.lb, cache.cols = rb, lb, pos
         col = torch.arange(lb, device=pos.device)  # [Lb]
         seen = col[None, :] <= pos[:, None]  # [Rb, Lb] causal within the row's own columns
         neg = torch.finfo(self._mask_dtype).min
         zero = torch.zeros((), dtype=self._mask_dtype, device=pos.device)
         full = torch.where(seen, zero, neg)[:, None, None, :]  # [Rb, 1, 1, Lb] additive
-        mask = full
+        mask: torch.Tensor | dict[str, torch.Tensor] = full
         if self.window is not None:
             windowed = torch.where(seen & (col[None, :] > pos[:, None] - self.window), zero, neg)[:, None, None, :]
             mask = {"full_attention": full, "sliding_attention": windowed} if self._masks_as_dict else windowed

@@ -72,10 +72,13 @@ import re
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Protocol, cast
 
 import torch
 import torch.utils._python_dispatch
+
+if TYPE_CHECKING:
+    from multiprocessing.shared_memory import SharedMemory
 
 ALIGN = 64  # bytes: each slot starts on a cache line (and any dtype's alignment)
 SHM_DIR = "/dev/shm"
@@ -187,17 +190,19 @@ class SharedWeights:
         self.layout = layout
         self.kind = "cuda-ipc" if device.type == "cuda" else "shared-memory"
         self.name: str | None = None
-        self._shm = None
-        self._buf: torch.Tensor | None = None
+        self._shm: SharedMemory | None = None
+        self._buf: torch.Tensor | None = None  # None once closed
         if device.type == "cuda":
-            self._buf = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
+            buf = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
         elif device.type == "cpu":
-            self._create_shm(layout.nbytes)
+            buf = self._create_shm(layout.nbytes)
         else:
             raise SharedUnavailable(f"no shared weight buffer for device type {device.type!r}")
-        self._views = layout.views(self._buf)
+        self._buf = buf
+        self._views = layout.views(buf)
 
-    def _create_shm(self, nbytes: int) -> None:
+    def _create_shm(self, nbytes: int) -> torch.Tensor:
+        """A shared-memory file of ``nbytes`` (``self._shm``), as a byte tensor."""
         from multiprocessing import shared_memory
 
         if not os.path.isdir(SHM_DIR):
@@ -221,7 +226,7 @@ class SharedWeights:
         except OSError as e:
             self.close()
             raise SharedUnavailable(f"cannot reserve {nbytes / 2**20:.0f} MiB in {path}: {e}") from e
-        self._buf = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=nbytes)
+        return torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=nbytes)
 
     @property
     def path(self) -> str | None:
@@ -229,6 +234,7 @@ class SharedWeights:
 
     def handle(self) -> dict:
         """What :func:`map_in_worker` needs to map the buffer (picklable, small)."""
+        assert self._buf is not None, "the shared weight buffer is closed"
         if self.kind == "cuda-ipc":
             from torch.multiprocessing.reductions import reduce_tensor
 
@@ -241,6 +247,7 @@ class SharedWeights:
     def write(self, pairs: Iterable[tuple[str, torch.Tensor]], index: list[int]) -> None:
         """Copy each tensor into its slot (``index``: :meth:`Layout.index`); casts and moves across
         devices as ``Tensor.copy_`` does. On a GPU, waits for the copies."""
+        assert self._buf is not None, "the shared weight buffer is closed"
         with torch.no_grad():
             for (_, w), i in zip(pairs, index):
                 self._views[i].copy_(w)
@@ -263,6 +270,12 @@ class SharedWeights:
 
 
 # ------------------------------------------------------------------------------------- worker side
+
+
+class _VLLMModel(Protocol):
+    """What :class:`LiveLoader` calls on vLLM's model besides the ``torch.nn.Module`` methods."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str] | None: ...
 
 
 class LiveLoader:
@@ -310,18 +323,18 @@ class LiveLoader:
         for n, p in self.unpacked.items():
             model.get_submodule(n).weight = p  # the unpacked weight, with vLLM's weight loader
         loaded: set[str] | None = None
-        counter = _CopyCounter() if expected_numel is not None else contextlib.nullcontext()
+        counter = _CopyCounter()  # (entered only where the load is checked)
         try:
-            with torch.no_grad(), counter:
-                loaded = model.load_weights(weights)
+            with torch.no_grad(), counter if expected_numel is not None else contextlib.nullcontext():
+                loaded = cast(_VLLMModel, model).load_weights(weights)
         finally:
             t_load = time.perf_counter()
             layers = _layers_loaded(model, loaded)
-            for n, p in kept.items():  # not loaded this time: back as it was, no reprocessing
+            for n, w in kept.items():  # not loaded this time: back as it was, no reprocessing
                 if n not in layers:
-                    model.get_submodule(n).weight = p
+                    model.get_submodule(n).register_parameter("weight", w)
             for n in layers:
-                layer = model.get_submodule(n)
+                layer: Any = model.get_submodule(n)  # a vLLM layer: quant_method and the hooks are its own
                 if self._lazy(layer):
                     continue
                 layer.quant_method.process_weights_after_loading(layer)  # the CPU repacks here
@@ -351,7 +364,8 @@ class LiveLoader:
             layer.quant_method.process_weights_after_loading(layer)  # sets layer.cpu_linear
             return layer.cpu_linear(x, weight, bias)
 
-        layer.cpu_linear = first_use
+        # (torch's stub types a module attribute as a tensor or a module; any value may be set)
+        layer.cpu_linear = first_use  # type: ignore[assignment]
         return True
 
 
@@ -389,15 +403,15 @@ def _materialize(meta: torch.Tensor, layer: torch.nn.Module) -> torch.nn.Paramet
     from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
 
     with LAYERWISE_INFO[layer].restore_device:
-        p = materialize_meta_tensor(meta)  # (a copy of the record's attributes)
-    p = restore_layer_refs(p, layer)
+        p = materialize_meta_tensor(meta)  # (of the record's class, a Parameter, with a copy of its attributes)
+    p = cast(torch.nn.Parameter, restore_layer_refs(p, layer))
     # after one of vLLM's own in-place reloads the record holds its deferring wrapper of the loader
     # (``online_process_loader``), which outside that reload loads nothing: unwrap it, as vLLM does
     loader = getattr(p, "weight_loader", None)
     if loader is not None:
         while getattr(loader, "__name__", "") == "online_process_loader":
             loader = loader.__wrapped__
-        p.weight_loader = loader
+        p.weight_loader = loader  # type: ignore[attr-defined]  # (vLLM's attribute of its parameters)
     return p
 
 
