@@ -43,7 +43,8 @@ from oppo.learner.batch import build_experience
 from oppo.learner.local import Learner
 from oppo.models import ModelLoadError, load_causal_lm, load_critic, load_reward_model
 from oppo.rollout.engine import Rollout, RolloutEngine
-from oppo.scoring.streaming import StreamingScorer, response_outputs, score_full, sequence_batch
+from oppo.forward import sequence_batch
+from oppo.scoring.streaming import StreamingScorer, response_outputs, score_full
 
 CPU = torch.device("cpu")
 V, PAD, EOS = 96, 0, 1  # token ids 2..V-1 are ordinary; PAD never occurs inside a sequence

@@ -464,7 +464,7 @@ def test_learner_conforms_and_round_trips(learner, tiny_models, tmp_path):
     gives the same stats."""
     from oppo.learner.batch import attach_scores, compute_advantages
     from oppo.learner.sharded import ShardedLearnerState
-    from oppo.scoring.streaming import ScoredOutputs
+    from oppo.api.records import ScoredOutputs
     from oppo.algo import get_algorithm
     from oppo.api.records import Scores
 

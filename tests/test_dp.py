@@ -20,7 +20,8 @@ from oppo.models import load_tokenizer  # noqa: E402
 from oppo.learner.dp import DPLearnerGroup, LearnerSpec, learner_state, load_learner_state  # noqa: E402
 from oppo.api.specs import ModelSpec  # noqa: E402
 from oppo.rollout.engine import Rollout  # noqa: E402
-from oppo.scoring.streaming import ScoredOutputs, score_full  # noqa: E402
+from oppo.api.records import ScoredOutputs
+from oppo.scoring.streaming import score_full  # noqa: E402
 
 pytestmark = pytest.mark.ray
 

@@ -29,7 +29,8 @@ from oppo.models import backbone_and_head, load_tokenizer
 from oppo.learner.dp import LearnerSpec, learner_state
 from oppo.api.specs import ModelSpec
 from oppo.rollout.engine import Rollout
-from oppo.scoring.streaming import ScoredOutputs, score_full
+from oppo.api.records import ScoredOutputs
+from oppo.scoring.streaming import score_full
 from oppo.api.records import Scores
 
 BASE = PPOConfig(batch_size=8, minibatch_size=4, micro_batch_size=3, epochs=2, actor_lr=1e-3, critic_lr=1e-3,

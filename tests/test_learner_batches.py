@@ -7,7 +7,7 @@ import torch
 from oppo.config import PPOConfig
 from oppo.learner.batch import Experience, micro_batches, padding_stats
 from oppo.learner.local import Learner
-from oppo.scoring.streaming import sequence_batch
+from oppo.forward import sequence_batch
 
 
 def _learner(**ppo) -> Learner:

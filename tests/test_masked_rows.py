@@ -3,7 +3,7 @@
 On an H100 a 1B policy's overlapped runs got NaN gradients in actor and critic at a finite loss:
 left-padded prompts under a padding mask gave fully masked query rows (log-sum-exp -inf), and
 the default fused kernel's backward writes NaN into ``grad_q`` on such rows (``lse_kernel``
-stands in for it on CPU). ``scoring.full_hidden`` now runs every row packed to the left under
+stands in for it on CPU). ``forward.full_hidden`` now runs every row packed to the left under
 the causal mask alone. These tests fail with the old forward (the first one shows the stand-in
 catches it).
 """
@@ -15,7 +15,8 @@ import torch
 
 import lse_kernel
 from oppo.models import backbone_and_head
-from oppo.scoring.streaming import full_hidden, response_outputs, sequence_batch
+from oppo.forward import full_hidden, sequence_batch
+from oppo.scoring.streaming import response_outputs
 
 PROMPTS = [[3, 4, 5], [6, 7, 8, 9, 10, 11], [12], [13, 14]]
 RESPONSES = [[4, 5, 6, 7], [8], [9, 10], [11, 12, 13, 14, 15, 16]]

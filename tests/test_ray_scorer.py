@@ -145,7 +145,7 @@ def test_ray_critic_trains_like_locally_and_failures_are_named(ray_worker, specs
     w, _ = ray_worker
     pad = specs["critic"].pad_id
     local = load_critic(specs["critic"].path, torch.device("cpu"), torch.float32, pad).eval()
-    from oppo.scoring.streaming import sequence_batch
+    from oppo.forward import sequence_batch
 
     cp, cr = _data(7, n=4)
     ids, valid, P, rmask = sequence_batch(cp, cr, pad, torch.device("cpu"))

@@ -1,4 +1,4 @@
-"""The chunked head (``token_logprobs.head_logprobs``) against the plain full-logits path."""
+"""The chunked head (``forward.head_logprobs``) against the plain full-logits path."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 from oppo.models import LogitsHead
 from oppo.ppo_math import entropy_from_logits, logprobs_from_logits
-from oppo.learner.logprobs import head_logprobs
+from oppo.forward import head_logprobs
 
 B, T, H, V = 3, 5, 16, 40
 

@@ -60,7 +60,8 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
         by_device: dict = {}
         for i, s in enumerate(sums):
             by_device.setdefault(s.device, []).append(i)
-        host_sums, host_samples = [None] * len(sums), [None] * len(sums)
+        host_sums: list[int] = [0] * len(sums)  # (every entry is set below)
+        host_samples: list[bytes] = [b""] * len(sums)
         for idx in by_device.values():
             stacked = torch.stack([sums[i] for i in idx]).cpu()
             joined = torch.cat([samples[i] for i in idx]).cpu()
@@ -70,9 +71,9 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
                 n = samples[i].numel()
                 host_samples[i] = joined[off:off + n].numpy().tobytes()
                 off += n
-    for (name, _), s, b in zip(items, host_sums, host_samples):
-        h.update(f"{name}:{s};".encode())
-        h.update(b)
+    for (name, _), total, sample in zip(items, host_sums, host_samples):
+        h.update(f"{name}:{total};".encode())
+        h.update(sample)
     return h.hexdigest()
 
 

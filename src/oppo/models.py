@@ -243,9 +243,9 @@ def backbone_and_head(model) -> tuple[torch.nn.Module, torch.nn.Module]:
     if cached is not None:
         return cached
     if is_peft(model):
-        pair = backbone_and_head(model.get_base_model())
-        object.__setattr__(model, "_oppo_backbone_and_head", pair)
-        return pair
+        base_pair = backbone_and_head(model.get_base_model())
+        object.__setattr__(model, "_oppo_backbone_and_head", base_pair)
+        return base_pair
     backbone = model.base_model
     if backbone is model:
         raise ModelLoadError(f"{type(model).__name__} has no separate backbone (base_model); unsupported.")
@@ -456,8 +456,8 @@ def apply_lora(model, r: int, alpha: float, dropout: float, target_modules: list
     from peft import LoraConfig, get_peft_model
 
     targets = list(target_modules) if target_modules else "all-linear"
-    cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, bias="none",
-                     task_type="CAUSAL_LM")
+    cfg = LoraConfig(r=r, lora_dropout=dropout, target_modules=targets, bias="none", task_type="CAUSAL_LM",
+                     lora_alpha=alpha)  # type: ignore[arg-type]  # peft says int; it only divides it (alpha / r)
     try:
         return get_peft_model(model, cfg)
     except ValueError as e:
@@ -493,6 +493,7 @@ def base_view(peft_model) -> torch.nn.Module:
         src = theirs.get(f"{name}.base_layer") or theirs.get(name)
         for key, buf in list(mod._buffers.items()):
             if buf is not None and buf.is_meta:
+                assert src is not None  # (the view has the policy's architecture: every module has its own)
                 mod._buffers[key] = src._buffers[key]
         for key, val in list(vars(mod).items()):
             if torch.is_tensor(val) and val.is_meta:

@@ -20,7 +20,8 @@ from .config import Config, to_dict, validate
 from .control import Run, StepResult, overlapped_step, sequential_step
 from .control.metrics import step_metrics
 from .fingerprint import run_fingerprints
-from .setup.roles import Roles, build_roles
+from .api.roles import Roles
+from .setup.roles import build_roles
 from .weights.precision import copy_weights
 
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, Optional, Protocol, Tuple, Union
 
 if TYPE_CHECKING:
     import torch
@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "KL_PLACEMENTS",
+    "AdvantageEstimator",
     "AdvantageResult",
     "Algorithm",
     "AlgorithmSpec",
@@ -77,6 +78,20 @@ def consecutive_group_ids(batch_size: int, group_size: int, device=None) -> Tens
 # ---------------------------------------------------------------------------
 # parts
 # ---------------------------------------------------------------------------
+
+
+class AdvantageEstimator(Protocol):
+    """What an algorithm's ``estimator`` is (module docstring): a frozen dataclass, its fields the
+    algorithm's own settings, its class saying ``needs_critic`` and ``min_group_size``."""
+
+    needs_critic: ClassVar[bool]
+    min_group_size: ClassVar[int]
+    __dataclass_fields__: ClassVar[Dict[str, Any]]  # (a dataclass: ``AlgorithmSpec.settings`` reads its fields)
+
+    def __call__(self, rewards: Tensor, mask: Tensor, values: Optional[Tensor], group_ids: Tensor
+                 ) -> Tuple[Tensor, Optional[Tensor], Stats]:
+        """(advantages [B, T], returns [B, T] or None without a critic, stats)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -145,7 +160,7 @@ class Algorithm:
     ``group_size`` G of responses sampled per prompt (see the module docstring)."""
 
     name: str
-    estimator: Any  # a frozen dataclass: needs_critic, min_group_size, __call__ (module docstring)
+    estimator: AdvantageEstimator
     kl: KLPenalty = field(default_factory=KLPenalty)
     group_size: int = 1
 
@@ -270,7 +285,7 @@ class AlgorithmSpec:
     name: str
     summary: str
     """A few words for ``algo.name``'s help, e.g. "leave-one-out baseline"."""
-    estimator: type
+    estimator: type[AdvantageEstimator]
     """The advantage estimator class (module docstring); its fields and their defaults are the
     algorithm's own settings."""
     group_size: int

@@ -35,3 +35,17 @@ class Placement:
     rollout: str  # "local" or "ray" (rollout workers)
     rollout_streams_itself: bool  # Ray rollout workers feed the scorer actors directly
     threads: ThreadBudget
+
+
+@dataclass
+class ResolvedPaths:
+    policy: str
+    reward: str | None
+    reward_function: str | None
+    critic: str | None
+    reference: str | None
+    prompts: str
+    judge: str | None
+    max_new_tokens: int
+    accuracy: str | None = None
+    """The built-in task's right-answer function (``task/accuracy``), if it has one."""

@@ -23,8 +23,7 @@ from typing import Iterable, Protocol, runtime_checkable
 
 import torch
 
-from ..scoring.streaming import ScoredOutputs
-from .records import Chunk, ChunkReady, Event, Rollout, SequenceFinished
+from .records import Chunk, ChunkReady, Event, Rollout, RolloutStats, ScoredOutputs, SequenceFinished
 
 __all__ = ["ChunkReady", "Event", "Learner", "RolloutBackend", "Scorer", "SequenceFinished"]
 
@@ -88,6 +87,10 @@ class RolloutBackend(Protocol):
     def abort(self, uids: set[int]) -> None:
         """Drop these sequences."""
 
+    def take_stats(self) -> RolloutStats:
+        """What the backend measured since the last call (KV-cache peak, decode steps); its
+        counters restart."""
+
     def state_dict(self) -> dict:
         """The sampling state a checkpoint saves (random generators)."""
 
@@ -111,11 +114,22 @@ class Scorer(Protocol):
     roles: tuple[str, ...]
     """Which of "reward", "reference", "critic" it scores."""
 
+    @property
+    def peak_cache_bytes(self) -> dict[str, int]:
+        """Per role, the streaming scorer's KV-cache peak so far (as of the last barrier), in bytes:
+        the run's ``memory/<role>_kv_peak_mb``."""
+
     def admit(self, uids: list[int], prompts: list[list[int]], step: int) -> None:
         """Prefill these sequences' prompts."""
 
     def feed(self, chunks: list[Chunk], step: int) -> None:
         """Prefill the chunks; a final chunk completes its sequence."""
+
+    def admit_finished(self, uids: list[int], prompts: list[list[int]], responses: list[list[int]],
+                       step: int) -> None:
+        """Score sequences that finished elsewhere (restored from a checkpoint): prefill each prompt,
+        then its whole response as its final chunk. The controller sends these itself, also where
+        rollout workers feed the scorers (``FedByRollout``)."""
 
     def forget(self, uids: set[int]) -> None:
         """Drop these sequences' state."""

@@ -13,7 +13,7 @@ The batch the learner consumes is ``learner.Experience``.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
-from typing import Union
+from typing import Any, Union
 
 
 @dataclass
@@ -55,7 +55,8 @@ class Rollout:
     def from_state_dict(cls, d: dict) -> "Rollout":
         """Inverse of :meth:`state_dict` (fields this version does not know are ignored)."""
         known = {f.name for f in fields(cls)}
-        return cls(**{k: (list(v) if isinstance(v, list) else v) for k, v in d.items() if k in known})
+        kwargs: dict[str, Any] = {k: (list(v) if isinstance(v, list) else v) for k, v in d.items() if k in known}
+        return cls(**kwargs)
 
 
 @dataclass(frozen=True)
@@ -93,3 +94,23 @@ class Scores:
     scores: list[float]
     reference: list
     values: list | None
+
+
+@dataclass
+class ScoredOutputs:
+    """Per-sequence outputs of one scorer role."""
+
+    score: float | None = None  # reward role
+    logprobs: list[float] = field(default_factory=list)  # reference role, one per response token
+    values: list[float] = field(default_factory=list)  # critic role, one per response token
+
+
+@dataclass(frozen=True)
+class RolloutStats:
+    """What a rollout backend measured since the controller last asked (``RolloutBackend.take_stats``,
+    once per step): its KV cache's peak in bytes (``memory/actor_kv_peak_mb``; a static engine's is
+    its reservation), and the decode steps its engine took (``perf/decode_steps``,
+    ``perf/decode_step_ms``; None where the backend does not count them)."""
+
+    kv_peak_bytes: int = 0
+    decode_steps: int | None = None

@@ -52,6 +52,7 @@ class ModelSpec:
             if self.role == "reference":
                 model.requires_grad_(False)
             return model.eval()
+        assert self.pad_id is not None  # (the reward and the critic have one: __post_init__)
         if self.role == "reward":
             return load_reward_model(self.path, dev, self.dtype, self.pad_id)
         return load_critic(self.path, dev, self.dtype, self.pad_id).eval()

@@ -8,6 +8,7 @@ import resource
 import torch
 
 from .. import ppo_math as pm
+from ..api.records import RolloutStats
 from ..perf import forward_flops, peak_flops
 from .stages import Run, StepResult, _mean
 
@@ -30,8 +31,9 @@ def step_metrics(run: Run, result: StepResult, times: dict[str, float], dt: floa
     if exp.values is not None and exp.returns is not None:
         m["value/explained_var"] = pm.explained_variance(exp.values, exp.returns, exp.mask).item()
     m.update({k: v for k, v in result.stats.items() if not k.startswith("_")})
-    m.update(utilisation(run, result, times))
-    m.update(memory(run))
+    rollout = roles.rollout.take_stats()  # once per step: the backend's counters restart
+    m.update(utilisation(run, result, times, rollout))
+    m.update(memory(run, rollout))
     prompts, responses = [p for p, _ in result.texts], [r for _, r in result.texts]
     if roles.judge_fn is not None:
         m["judge/mean"] = _mean(roles.judge_fn(prompts, responses))
@@ -40,7 +42,7 @@ def step_metrics(run: Run, result: StepResult, times: dict[str, float], dt: floa
     return m
 
 
-def utilisation(run: Run, result: StepResult, times: dict[str, float]) -> dict[str, float]:
+def utilisation(run: Run, result: StepResult, times: dict[str, float], rollout: RolloutStats) -> dict[str, float]:
     """How hard the stages drive the hardware (``oppo.perf``): the device's measured peak
     (``perf/peak_tflops``, compute dtype, once per process), each stage's model FLOPs utilisation
     (``perf/generate_mfu``: the actor's forward over the trained sequences' tokens / time/generate,
@@ -53,9 +55,8 @@ def utilisation(run: Run, result: StepResult, times: dict[str, float]) -> dict[s
     roles, exp = run.roles, result.exp
     out: dict[str, float] = {}
     generate = times.get("time/generate", 0.0) + times.get("time/inflight_decode", 0.0)  # (pipeline: both)
-    steps = getattr(roles.rollout, "decode_steps", None)  # the eager and static engines count theirs
-    if steps is not None:
-        done, run.decode_steps_seen = steps - run.decode_steps_seen, steps
+    done = rollout.decode_steps  # (counted by oppo's engines)
+    if done is not None:
         out["perf/decode_steps"] = float(done)
         if done and generate:
             out["perf/decode_step_ms"] = 1e3 * generate / done
@@ -76,14 +77,12 @@ def utilisation(run: Run, result: StepResult, times: dict[str, float]) -> dict[s
     return out
 
 
-def memory(run: Run) -> dict[str, float]:
+def memory(run: Run, rollout: RolloutStats) -> dict[str, float]:
     """Memory of this step (MiB): the actor's KV-cache peak, the streaming scorers' (peak so
     far), on GPU each device's peak allocation during the step (reset after reading), and the
     process's peak resident memory (all roles of this process; the scorer process apart)."""
     mb = 1024 * 1024
-    rollout = run.roles.rollout
-    out = {"memory/actor_kv_peak_mb": rollout.peak_cache_bytes / mb}
-    rollout.peak_cache_bytes = 0  # per step
+    out = {"memory/actor_kv_peak_mb": rollout.kv_peak_bytes / mb}
     if run.policy.streams:
         for role, peak in run.roles.scorer.peak_cache_bytes.items():
             out[f"memory/{role}_kv_peak_mb"] = peak / mb

@@ -18,8 +18,8 @@ from ..config import Config
 from ..learner.batch import Experience, attach_scores, build_experience, compute_advantages
 from ..learner.offpolicy import staleness_stats
 from ..scheduler import ChunkSizeTuner, DeltaController, Scheduler
-from ..setup.roles import Roles
-from ..api.records import Chunk, ChunkReady, Rollout, Scores, SequenceFinished
+from ..api.roles import Roles
+from ..api.records import ChunkReady, Rollout, Scores, SequenceFinished
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,6 @@ class Run:
                                else None)
         self.next_begun = False  # pipeline: the next step's prompts were admitted while the learner trained
         self.skipped_updates = 0  # ppo.nonfinite=skip: optimizer steps skipped since this process started
-        self.decode_steps_seen = 0  # the rollout engine's decode-step count at the last step's metrics
 
     def between_steps(self) -> None:
         """Bring the run to a state a checkpoint saves: a pipeline run's next step, begun while
@@ -120,10 +119,8 @@ class Run:
         if self.policy.streams and running:
             scorer.admit([r.uid for r in running], [r.prompt_ids for r in running], step)
         if self.policy.streams and done:
-            # from here (Ray rollout workers admit their own rows to the scorer actors; these are no worker's)
-            direct = scorer.inner if self.roles.placement.rollout_streams_itself else scorer
-            direct.admit([r.uid for r in done], [r.prompt_ids for r in done], step)
-            direct.feed([Chunk(r.uid, tuple(r.response_ids), True) for r in done], step)
+            scorer.admit_finished([r.uid for r in done], [r.prompt_ids for r in done], [r.response_ids for r in done],
+                                  step)
             for r in done:
                 r.emitted = len(r.response_ids)
 

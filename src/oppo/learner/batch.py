@@ -6,6 +6,7 @@ stages that fill it (scores, advantages, old log-probs: stages 4-5 of ``shared/D
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +15,7 @@ from .. import guard
 from .. import ppo_math as pm
 from ..api.records import Rollout, Scores
 from ..config import PPOConfig
-from ..scoring.streaming import sequence_batch
+from ..forward import sequence_batch
 
 
 @dataclass
@@ -62,7 +63,7 @@ class Experience:
         return self.policy_logprobs if self.policy_logprobs is not None else self.behaviour_logprobs
 
 
-def _pad_rows(rows: list[list[float]], T: int, device, dtype=torch.float32) -> torch.Tensor:
+def _pad_rows(rows: Sequence[Sequence[float]], T: int, device, dtype=torch.float32) -> torch.Tensor:
     out = torch.zeros(len(rows), T, dtype=dtype)
     for i, r in enumerate(rows):
         out[i, : len(r)] = torch.tensor(r, dtype=dtype)
@@ -108,6 +109,7 @@ def compute_advantages(exp: Experience, cfg: PPOConfig, algorithm, step: int = -
     ``NonFiniteError`` names the first such tensor (inputs first: the cause, not its spread
     through whitening) and its rows; under ``ppo.nonfinite=skip`` a warning, and the record comes
     back ``trainable=False`` (the step's update is skipped: ``control.stages.update``)."""
+    assert exp.scores is not None  # (attach_scores runs first)
     ended = torch.tensor([r.ended_with_eos for r in exp.rollouts], device=exp.scores.device)
     scores = pm.missing_eos_penalty(exp.scores, ended, cfg.missing_eos_penalty)
     res = algorithm.advantages(scores, exp.mask, exp.old_logprobs, exp.ref_logprobs, exp.values, exp.group_ids)
@@ -179,7 +181,7 @@ class MicroBatch:
 def _micro_slices(exp: "Experience | CriticBatch", rows: torch.Tensor) -> MicroBatch:
     """``rows`` of ``exp`` packed left (``MicroBatch``): a micro-batch's width is its longest row,
     not its longest prompt plus its longest response as in ``exp``'s layout. Exact: every forward
-    packs rows left anyway (``scoring.full_hidden``), positions are column indices."""
+    packs rows left anyway (``forward.full_hidden``), positions are column indices."""
     valid = exp.valid[rows]  # [b, P+T]
     n_prompt = valid[:, : exp.P].sum(1)  # [b]
     n = valid.sum(1)  # [b]
@@ -208,7 +210,9 @@ def micro_batches(batch: "Experience | CriticBatch", mb: torch.Tensor, cfg: PPOC
     if not cfg.micro_batch_tokens:
         return list(mb.split(cfg.micro_batch_size))
     lengths = lengths or _lengths(batch)
-    out, cur, width = [], [], 0
+    out: list[list[int]] = []
+    cur: list[int] = []
+    width = 0
     for i in mb.tolist():
         w = max(width, lengths[i]) if cur else lengths[i]
         if cur and (len(cur) == cfg.micro_batch_size or (len(cur) + 1) * w > cfg.micro_batch_tokens):
@@ -247,6 +251,7 @@ class CriticBatch:
 
     @classmethod
     def of(cls, exp: Experience) -> "CriticBatch":
+        assert exp.values is not None and exp.returns is not None  # (compute_advantages with a critic)
         return cls(exp.ids, exp.valid, exp.P, exp.mask, exp.values, exp.returns)
 
     def to(self, device) -> "CriticBatch":

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ..api.plan import ThreadBudget
-from ..scoring.worker import ScorerWorker
 from ..trace import Tracer
 from .batch import CriticBatch
 from .local import Learner
+
+if TYPE_CHECKING:
+    from ..scoring.worker import ScorerWorker  # (the scorer trains the critic: scoring imports the learner)
 
 
 class CriticBesideScorer:
@@ -29,7 +33,12 @@ class CriticBesideScorer:
     def minibatches(self, B: int, step: int, lengths=None):
         return self.inner.minibatches(B, step, lengths)
 
-    def update(self, exp, step: int) -> dict[str, float]:
+    def update(self, exp, step: int, critic: bool = True) -> dict[str, float]:
+        """``Learner.update``: the actor here while the critic trains on the scorer worker (``critic``
+        False: the actor only, as ``Learner.update(critic=False)``)."""
+        if not critic:
+            with self.tracer.span("learner", "train", step):
+                return self.inner.update(exp, step, critic=False)
         self.scorer.train_critic(CriticBatch.of(exp), self.inner.minibatches(exp.mask.shape[0], step, exp.valid.sum(1)), step)
         if not self.in_flight:  # (in-flight, the decoding owns the process's thread count)
             self.threads.use(self.threads.beside_critic)

@@ -50,13 +50,13 @@ import dataclasses
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 from ..config import PPOConfig
 from .batch import CriticBatch, Experience, padding_stats
-from .local import Learner, _train, critic_micro_step
+from .local import Learner, _train, critic_micro_step, draw_minibatches
 from .offpolicy import MismatchProbe
 from ..cluster import one_line
 from ..api.specs import ModelSpec
@@ -240,8 +240,8 @@ def all_reduce_grads(model: torch.nn.Module) -> None:
 def portable(exp: Experience) -> Experience:
     """The Experience as it travels to the ranks: CPU tensors, no Rollout records (the update
     needs only the tensors)."""
-    moved = {f.name: (v.cpu() if torch.is_tensor(v) else v) for f in dataclasses.fields(exp)
-             for v in [getattr(exp, f.name)]}
+    moved: dict[str, Any] = {f.name: (v.cpu() if torch.is_tensor(v) else v) for f in dataclasses.fields(exp)
+                             for v in [getattr(exp, f.name)]}
     moved["rollouts"] = []
     return Experience(**moved)
 
@@ -267,6 +267,7 @@ def load_learner_state(learner: Learner, state: dict) -> None:
     learner.actor.load_state_dict(state["actor"])
     learner.actor_opt.load_state_dict(state["actor_opt"])
     if learner.critic is not None:
+        assert learner.critic_opt is not None  # (built with the critic)
         learner.critic.load_state_dict(state["critic"])
         learner.critic_opt.load_state_dict(state["critic_opt"])
 
@@ -345,12 +346,13 @@ class LearnerRank:
     def critic_state(self) -> dict[str, torch.Tensor]:
         return _cpu_state(self.learner.critic)
 
-    def actor_weights(self) -> Packed:
+    def actor_weights(self) -> Packed | None:
         """What an update changed of the actor, for a weight sync (``weight_sync.pack``: no tensor
-        pickling; the trained parameters only: with LoRA, the adapters)."""
+        pickling; the trained parameters only: with LoRA, the adapters). (None: a sharded rank but
+        rank 0, ``fsdp.FSDPLearnerRank``.)"""
         return pack(self.learner.actor, trainable_only=True)
 
-    def critic_weights(self) -> Packed:
+    def critic_weights(self) -> Packed | None:
         return pack(self.learner.critic)
 
     def open_weight_sync(self, host: str, port: int, world: int, bucket_bytes: int, wire_dtype, timeout_s: float,
@@ -457,9 +459,11 @@ class DPLearnerGroup:
             raise RuntimeError(f"the Ray cluster cannot place {world_size} learner ranks of {bundle} "
                                f"({strategy}) within {timeout_s:.0f} s; it has {ray.cluster_resources()}")
         cls = ray.remote(self.rank_class)
-        self.ranks = [cls.options(num_cpus=num_cpus, num_gpus=num_gpus, scheduling_strategy=
-                                  PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r)
-                                  ).remote(spec, r, world_size, threads) for r in range(world_size)]
+        # Ray actor handles; Any: Ray types an actor's methods as plain functions (no ``.remote``) unless
+        # each is decorated with ray.method
+        self.ranks: list[Any] = [cls.options(num_cpus=num_cpus, num_gpus=num_gpus, scheduling_strategy=
+                                             PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r)
+                                             ).remote(spec, r, world_size, threads) for r in range(world_size)]
         host, port = self._gather([self.ranks[0].address.remote()], ranks=[0])[0]
         backend = backend or ("nccl" if num_gpus else "gloo")
         self._gather([r.join.remote(host, port, backend, timeout_s) for r in self.ranks])
@@ -498,7 +502,7 @@ class DPLearnerGroup:
     def minibatches(self, B: int, step: int, lengths: torch.Tensor | None = None) -> list[torch.Tensor]:
         """The rows of each minibatch, as every rank draws them (``Learner.minibatches``: seeded by
         the step only); for a critic trained elsewhere on the same minibatches."""
-        return Learner.minibatches(self._draw, B, step, lengths)  # the learner's own draw, on its two settings
+        return draw_minibatches(self._draw.cfg, self._draw.seed, B, step, lengths)  # the learner's own draw
 
     def actor_weights(self):
         """A Ray ref to rank 0's actor weights (``weight_sync.pack``), for workers to load directly."""
@@ -540,6 +544,7 @@ class DPLearnerGroup:
         """The optimizer states a checkpoint saves (``Learner.checkpoint_state``'s format); rank 0's
         trained weights are brought into the ``home`` modules, which the checkpoint saves."""
         st = self.state_dict()
+        assert self.home is not None, "a learner group without home modules cannot checkpoint (home=...)"
         policy, critic = self.home
         policy.load_state_dict(st["actor"])
         out = {"actor": st["actor_opt"]}
@@ -554,6 +559,7 @@ class DPLearnerGroup:
         whole here first: ``sharded_checkpoint.dense_optim_state``)."""
         from .sharded import dense_optim_state
 
+        assert self.home is not None, "a learner group without home modules cannot checkpoint (home=...)"
         policy, critic = self.home
         optim = dense_optim_state(optim, policy, critic)
         st = {"actor": policy.state_dict(), "actor_opt": optim["actor"]}
@@ -637,7 +643,8 @@ def _rank(item: tuple[int, BaseException]) -> int:
 
 @dataclass(frozen=True)
 class _Draw:
-    """What ``Learner.minibatches`` reads of a learner (its settings), for the controller's copy."""
+    """What ``Learner.minibatches`` reads of a learner (its settings, ``local.draw_minibatches``), for
+    the controller's copy."""
 
     cfg: PPOConfig
     seed: int

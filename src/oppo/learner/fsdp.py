@@ -83,6 +83,7 @@ from __future__ import annotations
 import math
 import time
 from datetime import timedelta
+from typing import Any, cast
 
 import torch
 
@@ -122,7 +123,8 @@ def shard_model(model: torch.nn.Module, mesh=None, mp_policy=None) -> None:
 
     backbone, head = backbone_and_head(model)
     head = getattr(head, "lm_head", head)  # models.LogitsHead wraps the output projection
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
+    get_base_model = getattr(model, "get_base_model", None)  # peft
+    base = get_base_model() if get_base_model is not None else model
     layer_types = set(getattr(base, "_no_split_modules", None) or ())
     layers = [m for m in backbone.modules() if type(m).__name__ in layer_types]
     if not layers:
@@ -252,7 +254,8 @@ def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The whole model's state dict on rank 0 (CPU), {} elsewhere. A collective."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return cast("dict[str, torch.Tensor]", state)  # (full_state_dict: whole tensors, no DTensors)
 
 
 def _trainable_names(model: torch.nn.Module) -> list[str]:
@@ -265,7 +268,8 @@ def full_optim_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict
     parameters by index), {} elsewhere. A collective."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    st = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    st: dict[str, Any] = get_optimizer_state_dict(model, opt, options=options)  # (Any: its values' types vary)
     if not st:
         return {}
     index = {n: i for i, n in enumerate(_trainable_names(model))}
@@ -282,8 +286,9 @@ def load_full_state(model: torch.nn.Module, opt: torch.optim.Optimizer, weights:
     opts = StateDictOptions(full_state_dict=True)
     set_model_state_dict(model, weights, options=opts)
     names = _trainable_names(model)
-    by_name = {"state": {names[i]: v for i, v in optim["state"].items()},
-               "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in optim["param_groups"]]}
+    by_name: dict[str, Any] = {"state": {names[i]: v for i, v in optim["state"].items()},
+                               "param_groups": [{**g, "params": [names[i] for i in g["params"]]}
+                                                for g in optim["param_groups"]]}
     set_optimizer_state_dict(model, opt, by_name, options=opts)
 
 
@@ -297,6 +302,7 @@ def local_bytes(learner: Learner) -> dict[str, int]:
     for model, opt in ((learner.actor, learner.actor_opt), (learner.critic, learner.critic_opt)):
         if model is None:
             continue
+        assert opt is not None  # (built with its model)
         for p in model.parameters():
             out["params"] += local(p).numel() * p.element_size()
             if p.grad is not None:
@@ -316,8 +322,7 @@ class FSDPLearnerRank(LearnerRank):
 
     def __init__(self, spec: LearnerSpec, rank: int, world: int, threads: int = 1):
         torch.set_num_threads(threads)
-        self.rank, self.world, self.spec = rank, world, spec
-        self.learner: Learner | None = None
+        self.rank, self.world, self.spec = rank, world, spec  # (self.learner: built in join)
 
     def join(self, host: str, port: int, backend: str, timeout_s: float) -> None:
         import torch.distributed as dist
@@ -363,6 +368,7 @@ class FSDPLearnerRank(LearnerRank):
         lr = self.learner
         state = {"actor": full_model_state(lr.actor), "actor_opt": full_optim_state(lr.actor, lr.actor_opt)}
         if lr.critic is not None:
+            assert lr.critic_opt is not None  # (built with the critic)
             state.update(critic=full_model_state(lr.critic), critic_opt=full_optim_state(lr.critic, lr.critic_opt))
         return state if self.rank == 0 else {}
 
@@ -373,15 +379,17 @@ class FSDPLearnerRank(LearnerRank):
                              "without)")
         load_full_state(lr.actor, lr.actor_opt, state["actor"], state["actor_opt"])
         if lr.critic is not None:
+            assert lr.critic_opt is not None  # (built with the critic)
             load_full_state(lr.critic, lr.critic_opt, state["critic"], state["critic_opt"])
 
     def memory(self) -> dict[str, int]:
         return local_bytes(self.learner)
 
-    def _models(self) -> dict:
+    def _models(self) -> dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]:
         lr = self.learner
-        out = {"actor": (lr.actor, lr.actor_opt)}
+        out: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]] = {"actor": (lr.actor, lr.actor_opt)}
         if lr.critic is not None:
+            assert lr.critic_opt is not None  # (built with the critic)
             out["critic"] = (lr.critic, lr.critic_opt)
         return out
 

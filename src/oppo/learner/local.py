@@ -11,12 +11,11 @@ import torch
 from .. import guard
 from .. import ppo_math as pm
 from ..config import PPOConfig
-from ..scoring.streaming import full_hidden
+from ..forward import full_hidden, head_logprobs
 from .batch import (CriticBatch, Experience, MicroBatch, _lengths, _micro_slices, micro_batches, old_logprob_targets,
                     padding_stats, set_old_logprobs)
 from ..models import backbone_and_head, checkpointing
 from .offpolicy import MismatchProbe
-from .logprobs import head_logprobs
 from ..weights.precision import autocast
 
 
@@ -56,10 +55,13 @@ class Learner:
 
     def _actor_logprobs(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-probs, entropies) [b, T] of ``mb``'s response tokens under the actor, from the head
-        in chunks of tokens (``token_logprobs``: no [b, T, V] logits tensor)."""
+        in chunks of tokens (``forward.head_logprobs``: no [b, T, V] logits tensor)."""
         backbone, head = backbone_and_head(self.actor)
         with autocast(self.device, self.compute_dtype):
-            return head_logprobs(head, _response_hidden(backbone, mb), mb.tokens, self.temperature, entropy=True)
+            logprobs, entropy = head_logprobs(head, _response_hidden(backbone, mb), mb.tokens, self.temperature,
+                                              entropy=True)
+        assert entropy is not None  # (asked for)
+        return logprobs, entropy
 
     @torch.no_grad()
     def old_logprobs(self, exp: Experience, version: int) -> Experience:
@@ -105,12 +107,7 @@ class Learner:
         of ``ppo.micro_batch_size`` rows, trimmed to their own width) hold rows of similar length
         and compute little padding (``padding_stats``). Which rows make a minibatch is unchanged,
         so is its loss: only the summation order of its gradient."""
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        mbs = [mb for _ in range(self.cfg.epochs) for mb in torch.randperm(B, generator=gen).split(self.cfg.minibatch_size)]
-        if lengths is None:
-            return mbs
-        lengths = lengths.cpu()
-        return [mb[torch.argsort(lengths[mb], descending=True, stable=True)] for mb in mbs]
+        return draw_minibatches(self.cfg, self.seed, B, step, lengths)
 
     def update(self, exp: Experience, step: int, critic: bool = True) -> dict[str, float]:
         """Stage 6: PPO epochs over minibatches for the actor, then (``critic``) for the critic.
@@ -126,6 +123,7 @@ class Learner:
         stats.update(MismatchProbe.stats(probe.partial()))
         stats.update(padding_stats(exp, mbs, self.cfg))
         if critic and self.critic is not None:
+            assert self.critic_opt is not None  # (built with the critic)
             stats.update(critic_update(self.critic, self.critic_opt, CriticBatch.of(exp), mbs, self.cfg,
                                        compute_dtype=self.compute_dtype, step=step))
         return stats
@@ -138,6 +136,7 @@ class Learner:
         """The optimizer states a checkpoint saves: ``{"actor"[, "critic"]}``."""
         out = {"actor": self.actor_opt.state_dict()}
         if self.critic is not None:
+            assert self.critic_opt is not None  # (built with the critic)
             out["critic"] = self.critic_opt.state_dict()
         return out
 
@@ -149,6 +148,7 @@ class Learner:
         optim = dense_optim_state(optim, self.actor, self.critic)
         self.actor_opt.load_state_dict(optim["actor"])
         if self.critic is not None:
+            assert self.critic_opt is not None  # (built with the critic)
             # in place: with placement.critic_on_worker its state tensors are shared with the scorer process
             load_optimizer_state_in_place(self.critic_opt, optim["critic"])
 
@@ -158,6 +158,7 @@ class Learner:
     def _actor_micro_step(self, exp: Experience, rows: torch.Tensor, num_tokens, num_seqs: int,
                           probe: MismatchProbe | None = None) -> dict[str, float]:
         cfg = self.cfg
+        assert exp.advantages is not None  # (compute_advantages runs before the update)
         mb = _micro_slices(exp, rows)
         T = mb.T
         mask = exp.mask[rows][:, :T]
@@ -172,6 +173,7 @@ class Learner:
         loss = pl
         extra_stats = {}
         if self.algorithm is not None and self.algorithm.kl_in_loss:  # GRPO-style KL term
+            assert exp.ref_logprobs is not None  # (attach_scores runs before the update)
             kl_term, kstats = self.algorithm.actor_loss_extra(
                 logprobs, exp.ref_logprobs[rows][:, :T], mask, is_weights=exp.is_weights[rows][:, :T],
                 loss_agg=cfg.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs)
@@ -189,6 +191,18 @@ class Learner:
             "_frac": (mask.sum() / num_tokens).item(),  # weight of this micro-batch's stats in the minibatch
             **extra_stats,
         }
+
+
+def draw_minibatches(cfg: PPOConfig, seed: int, B: int, step: int, lengths: torch.Tensor | None = None
+                     ) -> list[torch.Tensor]:
+    """:meth:`Learner.minibatches` of a learner with these settings (``ppo``, ``run.seed``): the
+    data-parallel group's controller draws the ranks' minibatches without a learner of its own."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    mbs = [mb for _ in range(cfg.epochs) for mb in torch.randperm(B, generator=gen).split(cfg.minibatch_size)]
+    if lengths is None:
+        return mbs
+    lengths = lengths.cpu()
+    return [mb[torch.argsort(lengths[mb], descending=True, stable=True)] for mb in mbs]
 
 
 def critic_update(critic, opt: torch.optim.Optimizer, batch: CriticBatch, minibatches: list[torch.Tensor],
@@ -305,7 +319,7 @@ def _grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor | None:
     the guard can still name the parameters whose gradients are not finite; None without any."""
     if not params:
         return None
-    grads = [p.grad for p in params]
+    grads = [p.grad for p in params if p.grad is not None]  # (all of them: _train passes those with gradients)
     if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6: what clip_grad_norm_ computes
         return torch.nn.utils.get_total_norm(grads)
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
@@ -318,7 +332,8 @@ def _clip(params: list[torch.nn.Parameter], max_norm: float, norm: torch.Tensor)
         return
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     for p in params:
-        p.grad.mul_(coef.to(p.grad.device))
+        if p.grad is not None:  # (all of them: _train passes those with gradients)
+            p.grad.mul_(coef.to(p.grad.device))
 
 
 def load_optimizer_state_in_place(opt: torch.optim.Optimizer, state_dict: dict) -> None:

@@ -16,21 +16,21 @@ The ranks must write to a file system they all see (one node, or a shared mount)
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 
 SHARDED_DIR = "learner"
 
 
-def _state(models: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]) -> dict:
+def _state(models: Mapping[str, tuple[torch.nn.Module, torch.optim.Optimizer]]) -> dict:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     return {name: {"model": get_model_state_dict(m), "optim": get_optimizer_state_dict(m, o)}
             for name, (m, o) in models.items()}
 
 
-def save_sharded(path: str | Path, models: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]],
+def save_sharded(path: str | Path, models: Mapping[str, tuple[torch.nn.Module, torch.optim.Optimizer]],
                  no_dist: bool | None = None) -> None:
     """Write ``{"actor": (model, AdamW)[, "critic": ...]}`` (sharded or not) as DCP to ``path``. In a
     process group (unless ``no_dist``): a collective, each rank writes its shards."""
@@ -42,7 +42,7 @@ def save_sharded(path: str | Path, models: dict[str, tuple[torch.nn.Module, torc
     dcp.save(_state(models), checkpoint_id=str(path), no_dist=no_dist)
 
 
-def load_sharded(path: str | Path, models: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]],
+def load_sharded(path: str | Path, models: Mapping[str, tuple[torch.nn.Module, torch.optim.Optimizer]],
                  no_dist: bool | None = None) -> None:
     """Load a :func:`save_sharded` checkpoint into these models and optimizers (weights and AdamW
     state, resharded to however they are sharded now). ``no_dist``: read it whole in this process

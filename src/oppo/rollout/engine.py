@@ -39,7 +39,7 @@ import torch
 
 from ..guard import NonFiniteError, sampling_message
 from ..kv import KVRows, left_pad
-from ..api.records import Chunk, ChunkReady, Event, Rollout, SequenceFinished
+from ..api.records import Chunk, ChunkReady, Event, Rollout, RolloutStats, SequenceFinished
 
 __all__ = ["Chunk", "EngineSettings", "KVBudgetError", "Rollout", "RolloutEngine", "resolve_engine",
            "sample_tokens", "take_chunks"]
@@ -315,6 +315,11 @@ class RolloutEngine:
         if isinstance(gen, list):  # saved by Ray rollout workers (one state each): rank 0's, as theirs do
             gen = gen[0]
         self.generator.set_state(gen)
+
+    def take_stats(self) -> RolloutStats:
+        stats = RolloutStats(self.peak_cache_bytes, self.decode_steps)
+        self.peak_cache_bytes, self.decode_steps = 0, 0
+        return stats
 
     def close(self) -> None:
         pass

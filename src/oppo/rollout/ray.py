@@ -46,7 +46,7 @@ from . import registry
 from .engine import EngineSettings, Rollout
 from .registry import BuildRequest
 from ..trace import Tracer
-from ..api.records import ChunkReady, Event, SequenceFinished
+from ..api.records import ChunkReady, Event, RolloutStats, SequenceFinished
 from ..cluster import get_named, one_line
 from ..api.specs import ModelSpec
 from ..weights.sync import Packed, SyncGroup, WeightReceiver, WeightSyncError, pack, unpack_into
@@ -122,9 +122,9 @@ class RolloutHost:
             ray.get(sent)
         except ray.exceptions.RayActorError as e:
             raise RuntimeError(f"a scorer actor that {self.name} streams to died: {one_line(e)}") from None
-        spans, peak, sent_chunks = self.tracer.spans, self.engine.peak_cache_bytes, self.chunks_sent
+        spans, peak, sent_chunks = self.tracer.spans, self.engine.take_stats().kv_peak_bytes, self.chunks_sent
         self.tracer.clear()
-        self.engine.peak_cache_bytes, self.chunks_sent = 0, 0
+        self.chunks_sent = 0
         return spans, peak, sent_chunks
 
     def set_version(self, version: int) -> None:
@@ -328,6 +328,11 @@ class RayRolloutGroup:
         if len(states) != len(self.workers):
             states = states[:1]
         self._gather([w.load_state_dict.remote(st) for w, st in zip(self.workers, states)])
+
+    def take_stats(self) -> RolloutStats:
+        stats = RolloutStats(self.peak_cache_bytes)  # (the workers' peaks, gathered at each flush)
+        self.peak_cache_bytes = 0
+        return stats
 
     def close(self) -> None:
         import ray

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..api.records import Chunk
 from ..trace import Tracer
 from .streaming import StreamingScorer
 from .worker import AdmitMsg, ChunksMsg, ForgetMsg, ScorerLoop
@@ -26,6 +27,10 @@ class InlineScorer:
     def feed(self, chunks, step: int) -> None:
         if chunks:
             self.loop.handle([ChunksMsg(tuple(chunks), step)], _no_reply)
+
+    def admit_finished(self, uids, prompts, responses, step: int) -> None:
+        self.admit(uids, prompts, step)
+        self.feed([Chunk(u, tuple(r), True) for u, r in zip(uids, responses)], step)
 
     def forget(self, uids) -> None:
         self.loop.handle([ForgetMsg(frozenset(uids))], _no_reply)

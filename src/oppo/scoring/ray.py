@@ -41,8 +41,9 @@ import torch
 
 from ..config import PPOConfig
 from ..learner.batch import CriticBatch
-from ..rollout.engine import Chunk
-from .streaming import ScoredOutputs, StreamingScorer, score_full
+from ..api.records import Chunk
+from ..api.records import ScoredOutputs
+from .streaming import StreamingScorer, score_full
 from ..trace import Tracer
 from ..weights.precision import copy_weights, master_dtype, serving_copy
 from ..learner.local import load_optimizer_state_in_place
@@ -200,6 +201,10 @@ class RayScorerWorker:
         if chunks:
             self._broadcast(lambda a, *args: a.feed.remote(*args), list(chunks), step)
 
+    def admit_finished(self, uids, prompts, responses, step: int) -> None:
+        self.admit(uids, prompts, step)
+        self.feed([Chunk(u, tuple(r), True) for u, r in zip(uids, responses)], step)
+
     def forget(self, uids: set[int]) -> None:
         self._broadcast(lambda a, *args: a.forget.remote(*args), set(uids))
 
@@ -325,6 +330,9 @@ class FedByRollout:
     def feed(self, chunks, step: int) -> None:
         if chunks:
             raise RuntimeError("internal error: rollout workers that stream themselves reported chunks")
+
+    def admit_finished(self, uids, prompts, responses, step: int) -> None:
+        self.inner.admit_finished(uids, prompts, responses, step)  # (no rollout worker holds these)
 
     def forget(self, uids) -> None:
         self.inner.forget(uids)

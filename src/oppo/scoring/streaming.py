@@ -24,25 +24,16 @@ of a gather of the cache per round. Left padding is harmless (it shifts a whole 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Callable, Literal
 
 import torch
 
+from ..api.records import ScoredOutputs
 from ..kv import KVRows, left_pad, right_pad
 from ..models import backbone_and_head, uses_sliding_window
-from ..learner.logprobs import head_logprobs
+from ..forward import full_hidden, head_logprobs, sequence_batch
 
 Kind = Literal["reward", "reference", "critic"]
-
-
-@dataclass
-class ScoredOutputs:
-    """Per-sequence outputs of one scorer role."""
-
-    score: float | None = None  # reward role
-    logprobs: list[float] = field(default_factory=list)  # reference role, one per response token
-    values: list[float] = field(default_factory=list)  # critic role, one per response token
 
 
 def _per_token(kind: Kind, head: torch.nn.Module, pre: torch.Tensor, tokens: torch.Tensor,
@@ -51,52 +42,6 @@ def _per_token(kind: Kind, head: torch.nn.Module, pre: torch.Tensor, tokens: tor
     if kind == "reference":  # in chunks of tokens: never the [R, C, V] logits at once
         return head_logprobs(head, pre, tokens, temperature)[0]  # [R, C]
     return head(pre).float().squeeze(-1)  # critic: [R, C]
-
-
-def sequence_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: int, device: torch.device):
-    """Left-padded prompts + right-padded responses: (ids [R, P+T], valid [R, P+T], P, response_mask [R, T])."""
-    p_ids, p_valid = left_pad(prompts, pad_id, device)
-    r_ids, r_valid = right_pad(responses, pad_id, device)
-    return torch.cat([p_ids, r_ids], 1), torch.cat([p_valid, r_valid], 1), p_ids.shape[1], r_valid
-
-
-def full_hidden(backbone: torch.nn.Module, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """One forward without cache over rows whose real tokens are contiguous (left-padded prompt
-    then right-padded response); hidden states [R, L, H] in the input's layout.
-
-    Every training forward (actor log-probs, critic values) and every one-shot scoring forward
-    runs here, and none of them has a query position that attends to no key. Each row is rolled
-    left by its count of leading pads, so its real tokens sit at columns 0..n-1 and all its
-    padding is on the right; the forward then needs no padding mask at all, only the causal one
-    (a real token attends to earlier columns, all real; a right pad attends to the row's real
-    tokens and to earlier pads: finite numbers that nothing reads). The hidden states are rolled
-    back, so callers keep the [left pad | prompt | response | right pad] layout of
-    ``sequence_batch``.
-
-    Why (issue 26): with the old left-padded forward under a padding mask, every left-pad query
-    row was fully masked: its softmax's log-sum-exp is -inf. The rows are masked out of every
-    loss, but their backward still runs, and the cuDNN SDPA backward that torch 2.11-2.13 picks
-    by default on H100/H200 for a masked attention returns NaN ``grad_q`` for any query row whose
-    log-sum-exp is below -ln(FLT_MAX) = -88.7 when the key length is 64 mod 128 (pytorch#196678,
-    trl#7181; the forward stays finite). One such row makes every gradient NaN through the shared
-    projections: a 1B policy on an H100 got NaN gradient norms in actor and critic with a finite
-    loss, and AdamW (even at learning rate 0) wrote NaN into every weight. A fully masked row is
-    also what makes older kernels return NaN in the forward (pytorch#110213). With no padding mask
-    the fused kernels run in their causal form (``is_causal``), which is also the fastest.
-    Positions are the column indices (0..n-1 on real tokens), as before.
-    """
-    R, L = ids.shape
-    col = torch.arange(L, device=ids.device)  # [L]
-    lead = valid.to(torch.long).argmax(1)  # [R] leading pad columns (0 for an all-pad row)
-    src = (col[None] + lead[:, None]) % L  # [R, L] packed column c reads input column src
-    packed_valid = valid.gather(1, src)  # [R, L]
-    if bool((packed_valid[:, 1:] > packed_valid[:, :-1]).any()):  # CPU-GPU sync point (one per forward)
-        raise ValueError("internal error: full_hidden needs each row's real tokens contiguous "
-                         "(left-padded prompt, then right-padded response)")
-    pos = col[None].expand(R, L)  # [R, L]
-    hidden = backbone(input_ids=ids.gather(1, src), position_ids=pos, use_cache=False).last_hidden_state
-    back = (col[None] - lead[:, None]) % L  # [R, L] input column c is packed column back
-    return hidden.gather(1, back[..., None].expand(R, L, hidden.shape[-1]))  # [R, L, H]
 
 
 def response_outputs(kind: Kind, model, ids: torch.Tensor, valid: torch.Tensor, P: int,

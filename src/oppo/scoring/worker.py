@@ -27,8 +27,9 @@ import torch
 from ..config import PPOConfig
 from ..learner.batch import CriticBatch
 from ..learner.local import critic_update
-from ..rollout.engine import Chunk
-from .streaming import ScoredOutputs, StreamingScorer, score_full
+from ..api.records import Chunk
+from ..api.records import ScoredOutputs
+from .streaming import StreamingScorer, score_full
 from ..trace import Tracer
 from ..weights.precision import copy_weights
 
@@ -348,6 +349,10 @@ class ScorerWorker:
     def feed(self, chunks: list[Chunk], step: int) -> None:
         if chunks:
             self.transport.put(ChunksMsg(tuple(chunks), step))
+
+    def admit_finished(self, uids, prompts, responses, step: int) -> None:
+        self.admit(uids, prompts, step)
+        self.feed([Chunk(u, tuple(r), True) for u, r in zip(uids, responses)], step)
 
     def forget(self, uids: set[int]) -> None:
         self.transport.put(ForgetMsg(frozenset(uids)))

@@ -4,30 +4,16 @@ engine's settings (``generation.engine=auto`` resolved)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 
-from ..api.plan import Placement, ThreadBudget
+from ..api.plan import Placement, ResolvedPaths, ThreadBudget
 from ..config import Config
 from ..models import check_model_path
 from ..rollout.engine import EngineSettings, resolve_engine
 
 
 DEFAULT_MAX_NEW_TOKENS = 256
-
-@dataclass
-class ResolvedPaths:
-    policy: str
-    reward: str | None
-    reward_function: str | None
-    critic: str | None
-    reference: str | None
-    prompts: str
-    judge: str | None
-    max_new_tokens: int
-    accuracy: str | None = None
-    """The built-in task's right-answer function (``task/accuracy``), if it has one."""
 
 def resolve_paths(cfg: Config, progress: bool = True) -> ResolvedPaths:
     """Fill in the built-in task's models and prompts where the config names none.

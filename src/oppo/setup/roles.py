@@ -15,20 +15,18 @@ config and tokenizer, the reward model or function, then the big models.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
 from ..algo import build_algorithm
 from ..config import Config
-from ..data import PromptSet, build_prompt_set, read_prompts
+from ..data import build_prompt_set, read_prompts
 from ..learner.local import Learner
 from ..api.specs import ModelSpec
 from ..models import (apply_lora, base_view, check_roles, enable_gradient_checkpointing,
                      load_causal_lm, load_critic, load_function, load_reward_model, load_tokenizer, resolve_device,
                      resolve_dtype, stop_token_ids)
-from ..api.protocols import RolloutBackend, Scorer
+from ..api.protocols import RolloutBackend
 from ..rollout import registry
 from ..scoring.streaming import RewardFunction, StreamingScorer
 from ..trace import Tracer
@@ -36,46 +34,10 @@ from ..weights.precision import copy_weights, master_dtype, serving_copy
 from ..scoring.inline import InlineScorer
 from ..scoring.worker import CriticTrainer, ScorerWorker
 from ..learner.critic import CriticBesideScorer
-from ..api.plan import Placement
 from ..weights.plan import WeightSync
-from .plan import ResolvedPaths, decide_placement, engine_settings, resolve_paths
+from .plan import decide_placement, engine_settings, resolve_paths
+from ..api.roles import Roles
 
-
-@dataclass
-class Roles:
-    """Everything a run needs, built once (:func:`build_roles`)."""
-
-    cfg: Config
-    paths: ResolvedPaths
-    placement: Placement
-    tokenizer: object
-    prompt_set: PromptSet
-    algorithm: object
-    device: torch.device
-    compute_dtype: torch.dtype
-    max_new_tokens: int
-    pad_id: int
-    stop_ids: tuple[int, ...]  # the ids that end a response (models.stop_token_ids)
-    policy: torch.nn.Module  # the trained weights (what checkpoints save)
-    critic: torch.nn.Module | None
-    reference: torch.nn.Module
-    rollout_policy: torch.nn.Module  # what a local engine samples with (the policy, or its bf16 copy)
-    scoring_critic: torch.nn.Module | None
-    reward_model: torch.nn.Module | None
-    reward_fn: RewardFunction | None
-    judge_fn: Callable | None
-    accuracy_fn: Callable | None
-    rollout: RolloutBackend
-    scorer: Scorer
-    learner: object  # api.protocols.Learner
-    sync: WeightSync
-    tracer: Tracer
-    closers: list = field(default_factory=list)
-    engine: str = ""  # which rollout engine runs, and why (generation.engine=auto resolved), for the run's log
-
-    def close(self) -> None:
-        for c in self.closers:
-            c()
 
 def build_roles(cfg: Config, progress: bool = True) -> Roles:
     """Load every model and build every role (module docstring)."""

@@ -61,7 +61,7 @@ def _question(rng: random.Random) -> tuple[list[str], int]:
 def examples(n: int, seed: int, params: object = None) -> list[tuple[tuple[str, ...], tuple[str, ...]]]:
     """``n`` (prompt tokens, response tokens) pairs with correct answers, deterministic in seed."""
     rng = random.Random(f"oppo-arith-{seed}")
-    out = []
+    out: list[tuple[tuple[str, ...], tuple[str, ...]]] = []
     for _ in range(n):
         q, answer = _question(rng)
         out.append((tuple(q), ("the", "answer", "is", str(answer), ".")))

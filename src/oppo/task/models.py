@@ -157,7 +157,7 @@ def train_sft(model: LlamaForCausalLM, seqs: list[list[int]], *, steps: int, bat
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
     model.train()
     batches: list[list[int]] = []
-    losses: list[float] = []
+    losses: list[tuple[float, int]] = []  # (per-token mean loss, tokens) per step
     bar = _bar(steps, desc, progress)
     for step in range(steps):
         if not batches:

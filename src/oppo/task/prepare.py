@@ -35,6 +35,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -272,7 +273,7 @@ def _build(task: Task, out: Path, seed: int, sizes: PrepareSizes, fp: str, log: 
     eval_ids = [tokenizer(p)["input_ids"] for p in eval_p]
     samples = M.sample(policy, eval_ids, max_new_tokens=task.max_new_tokens,
                        batch_size=sizes.sample_batch_size, seed=_sub(seed, 6))
-    texts = [tokenizer.decode(s.ids, skip_special_tokens=True) for s in samples]
+    texts = [cast(str, tokenizer.decode(s.ids, skip_special_tokens=True)) for s in samples]  # (one sequence: a str)
     judged = task.judge(eval_p, texts)
     lengths = sorted(len(s.ids) + int(s.ended) for s in samples)  # generated tokens, EOS included
     info: dict = {

@@ -49,7 +49,7 @@ def copy_weights(src: torch.nn.Module, dst: torch.nn.Module) -> None:
     """``dst``'s parameters and buffers := ``src``'s (cast to ``dst``'s dtype). No-op when same."""
     if src is dst:
         return
-    theirs = dict(dst.named_parameters())
+    theirs: dict[str, torch.Tensor] = dict(dst.named_parameters())
     theirs.update(dict(dst.named_buffers()))
     for name, t in list(src.named_parameters()) + list(src.named_buffers()):
         target = theirs.get(name)

@@ -59,6 +59,7 @@ import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 
@@ -77,7 +78,7 @@ def pack(module: torch.nn.Module, trainable_only: bool = False) -> Packed:
 
 def pack_state(state: dict[str, torch.Tensor]) -> Packed:
     """:func:`pack` of a state dict (e.g. a sharded model's, all-gathered)."""
-    out = {}
+    out: Packed = {}
     for name, t in state.items():
         t = t.detach().cpu()
         if t.dtype == torch.bfloat16:
@@ -236,6 +237,9 @@ class SyncGroup:
         nccl = all(i.startswith("cuda:") for i in ids) and len(set(ids)) == world
         self.backend = "nccl" if nccl else "gloo"
         self.device = device if nccl else torch.device("cpu")  # where the buckets live
+        # a c10d backend, NCCL or gloo (None once closed); Any: torch's stubs lack its collectives
+        # (broadcast, allgather), which the backends have
+        self.pg: Any
         if nccl:
             torch.cuda.set_device(device)
             opts = dist.ProcessGroupNCCL.Options()
@@ -312,7 +316,8 @@ class WeightSender:
         """Publish the manifest and the bucket size (0: :data:`DEFAULT_BUCKET_BYTES` for the group's
         backend), and wait for every receiver's verdict on it (raises if one refuses)."""
         bucket_bytes = int(bucket_bytes) or DEFAULT_BUCKET_BYTES[group.backend]
-        group.store.set("manifest", pickle.dumps((manifest, bucket_bytes)))
+        # (torch's stub types a store value as str; the store takes bytes as well)
+        group.store.set("manifest", pickle.dumps((manifest, bucket_bytes)))  # type: ignore[arg-type]
         _agree(group, True)
         return cls(group, manifest, bucket_bytes)
 
@@ -333,7 +338,7 @@ class WeightSender:
         it = iter(tensors)
         cur, cur_i = None, -1
 
-        def advance(to: int) -> torch.Tensor | None:
+        def advance(to: int) -> torch.Tensor:
             nonlocal cur, cur_i
             while cur_i < to:
                 cur_i += 1
@@ -345,6 +350,7 @@ class WeightSender:
                                        f"manifest has {meta.name} {meta.shape}")
                 cur = _as_bytes(t, getattr(torch, meta.dtype))
                 del t  # (cur keeps what is needed)
+            assert cur is not None  # (to >= 0: tensor ``to`` has been read)
             return cur
 
         size = min(self.bucket_bytes, self.manifest.total_bytes)
@@ -358,7 +364,8 @@ class WeightSender:
             for i, a, b, off in pieces:
                 buf[off: off + b - a].copy_(advance(i)[a:b])
             works[slot] = self.group.broadcast(buf[: pieces[-1][3] + pieces[-1][2] - pieces[-1][1]])
-        advance(len(metas) - 1)  # trailing empty tensors: every tensor is consumed (FSDP2's gathers)
+        if metas:
+            advance(len(metas) - 1)  # trailing empty tensors: every tensor is consumed (FSDP2's gathers)
         cur = None
         for w in works:
             if w is not None:
@@ -415,6 +422,7 @@ class WeightReceiver:
         work = post(0) if self.plan else None
         for k, pieces in enumerate(self.plan):
             nxt = post(k + 1) if k + 1 < len(self.plan) else None  # into the other buffer, meanwhile
+            assert work is not None  # (bucket k was posted: post(0), then each nxt)
             work.wait()
             buf = bufs[k % len(bufs)]
             for i, a, b, off in pieces:

@@ -96,15 +96,23 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Literal, cast
 
 import torch
 
 from ..engine import Chunk, Rollout, take_chunks
 from ..registry import BackendUnavailable, BuildRequest
 from ...api.protocols import ChunkReady, Event, SequenceFinished
+from ...api.records import RolloutStats
 from .heads import HEAD, PADDABLE, HeadPadding, ServedCheckpoint
 from .weights import Layout, SharedWeights, load_in_worker, map_in_worker, unmap_in_worker
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+
+_VLLM_DTYPE: dict[torch.dtype, Literal["float32", "bfloat16", "float16"]] = {
+    torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+"""vLLM's name of each dtype it serves in (``EngineArgs.dtype``)."""
 
 WEIGHT_RUNS = 4
 """A weight load through the shared buffer is cut into this many runs of layers, pipelined: the
@@ -234,7 +242,7 @@ def hf_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         for name, p in module.named_parameters():
             yield name, p.detach()
         return
-    inner = module.get_base_model()
+    inner = cast("PeftModel", module).get_base_model()  # (is_peft: peft's model)
 
     def adapters(layer) -> list[str]:
         # peft keeps a linear layer's adapters in lora_A/lora_B, an embedding's in lora_embedding_A/B
@@ -328,7 +336,8 @@ def _install_untruncated_sampler(worker) -> bool:
     if not isinstance(sampler, Sampler):
         return False
     if not isinstance(sampler.__dict__.get("forward"), _UntruncatedSampler):
-        sampler.forward = _UntruncatedSampler(sampler.forward)
+        # (an instance attribute over the method: the wrapper is what the sampler's callers run)
+        sampler.forward = _UntruncatedSampler(sampler.forward)  # type: ignore[method-assign]
     return True
 
 
@@ -436,8 +445,7 @@ class VLLMRolloutBackend:
         kv_bytes = int((kv_cache_mb or self._default_kv_mb(config, dtype, max_model_len, max_num_seqs)) * 2**20)
         self._kv_bytes = kv_bytes
         args = EngineArgs(
-            model=str(model_path), dtype={torch.float32: "float32", torch.bfloat16: "bfloat16",
-                                          torch.float16: "float16"}[dtype],
+            model=str(model_path), dtype=_VLLM_DTYPE[dtype],
             seed=seed, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             kv_cache_memory_bytes=kv_bytes, enable_prefix_caching=True,
             logprobs_mode="processed_logprobs",  # after temperature and top-k/top-p: what was sampled
@@ -560,7 +568,7 @@ class VLLMRolloutBackend:
         from vllm.sampling_params import RequestOutputKind
 
         done = len(r.response_ids)
-        params = dict(
+        params: dict[str, Any] = dict(
             max_tokens=self.max_new_tokens - done, temperature=self.temperature, top_k=self.top_k or -1,
             top_p=self.top_p, logprobs=1 if self.untruncated else 0,  # (1: the untruncated one, UNTRUNCATED_ID)
             stop_token_ids=list(self.eos_ids), ignore_eos=True,  # stop on ours only
@@ -688,22 +696,24 @@ class VLLMRolloutBackend:
         and again if the names or shapes change); False where it cannot be used (warned once)."""
         if self._served is not None:
             pairs = list(self._served.weights(pairs, clone=False))  # (copied into the buffer below)
-        index = self._shared.layout.index(pairs) if self._shared is not None else None
-        if index is None:
+        shared = self._shared
+        index = shared.layout.index(pairs) if shared is not None else None
+        if shared is None or index is None:
             self._drop_shared()
-            if not self._map_shared(pairs):
+            shared = self._map_shared(pairs)
+            if shared is None:
                 return False
             index = list(range(len(pairs)))
         # pipelined: the worker loads (and the CPU repacks) one run of layers while this process
         # copies the next into the buffer (vLLM's worker takes RPCs in order; each run's layers whole)
         live = self._shared_path.endswith("/live")
-        runs = self._shared.layout.runs(index, WEIGHT_RUNS if live else 1)
+        runs = shared.layout.runs(index, WEIGHT_RUNS if live else 1)
         t_write, write_s, futures = time.perf_counter(), 0.0, []
         for a, b in runs:
             t_run = time.perf_counter()
-            self._shared.write(pairs[a:b], index[a:b])
+            shared.write(pairs[a:b], index[a:b])
             write_s += time.perf_counter() - t_run
-            futures.append(self._load_rpc(version, index[a:b]))
+            futures.append(self._load_rpc(version, index[a:b], len(shared.layout.slots)))
         outs, failed = [], None
         for f in futures:  # (all of them, in order, even after a failure: vLLM's queue of results)
             try:
@@ -721,10 +731,11 @@ class VLLMRolloutBackend:
                                        "wall_s": time.perf_counter() - t_write, **worker}
         return True
 
-    def _load_rpc(self, version: int, index: list[int]):
-        """Start the worker's load of these slots; returns a callable that waits for its results.
-        Not blocking where vLLM's executor takes ``non_block`` (its multiprocessing one)."""
-        every = index == list(range(len(self._shared.layout.slots)))
+    def _load_rpc(self, version: int, index: list[int], slots: int):
+        """Start the worker's load of these slots (of ``slots`` in the buffer); returns a callable
+        that waits for its results. Not blocking where vLLM's executor takes ``non_block`` (its
+        multiprocessing one)."""
+        every = index == list(range(slots))
         args = (version, None if every else index)
         executor = getattr(self._core(), "model_executor", None)
         if executor is None or "non_block" not in inspect.signature(executor.collective_rpc).parameters:
@@ -733,8 +744,9 @@ class VLLMRolloutBackend:
         return self._call("a weight load", lambda: executor.collective_rpc(load_in_worker, args=args,
                                                                            non_block=True)).result
 
-    def _map_shared(self, pairs: list[tuple[str, torch.Tensor]]) -> bool:
-        """Make the shared buffer for ``pairs``' layout and have the worker map it."""
+    def _map_shared(self, pairs: list[tuple[str, torch.Tensor]]) -> SharedWeights | None:
+        """Make the shared buffer for ``pairs``' layout and have the worker map it; None where it
+        cannot be used."""
         shared = None
         try:
             layout = Layout.of(pairs, self._dtype)
@@ -755,10 +767,10 @@ class VLLMRolloutBackend:
                                       f"worker: {self._shared_refused}") from e
             warnings.warn(f"vLLM ({self.role}): weights go through vLLM's RPC, the whole model pickled at every "
                           f"update, because a shared buffer cannot be used: {self._shared_refused}", stacklevel=3)
-            return False
+            return None
         self._shared = shared
         self._shared_path = f"{shared.kind}/{how[0]}"
-        return True
+        return shared
 
     def _drop_shared(self) -> None:
         shared, self._shared = self._shared, None
@@ -796,16 +808,23 @@ class VLLMRolloutBackend:
         if state.get("seed", self.seed) != self.seed:
             raise ValueError(f"this vLLM rollout state was saved with seed {state['seed']}, not {self.seed}")
 
+    def take_stats(self) -> RolloutStats:
+        stats = RolloutStats(self.peak_cache_bytes)  # (vLLM's KV blocks in use; its steps are not counted)
+        self.peak_cache_bytes = 0
+        return stats
+
     def close(self) -> None:
-        llm, self.llm = getattr(self, "llm", None), None
+        llm = getattr(self, "llm", None)
         if llm is not None:
+            del self.llm  # closed: no engine (getattr(self, "llm", None) is None)
             with contextlib.suppress(Exception):
                 llm.engine_core.shutdown()
         shared, self._shared = getattr(self, "_shared", None), None
         if shared is not None:  # (after the worker is gone: it mapped the buffer)
             shared.close()
-        if getattr(self, "_served_dir", None):
-            shutil.rmtree(self._served_dir, ignore_errors=True)
+        served_dir = getattr(self, "_served_dir", None)
+        if served_dir:
+            shutil.rmtree(served_dir, ignore_errors=True)
             self._served_dir = None
 
 
@@ -822,6 +841,6 @@ def build(request: BuildRequest) -> VLLMRolloutBackend:
     s = request.settings
     return VLLMRolloutBackend(
         request.policy_path, s.stop_ids, s.pad_id, s.max_new_tokens, s.temperature, s.top_k, s.top_p, seed=s.seed,
-        dtype=request.dtype, max_model_len=s.max_len or None, max_num_seqs=s.max_rows or 256,
+        dtype=request.dtype or torch.float32, max_model_len=s.max_len or None, max_num_seqs=s.max_rows or 256,
         kv_cache_mb=s.kv_budget_mb or None, role=request.role, device=request.device, weights=request.model,
         threads=request.threads)

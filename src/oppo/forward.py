@@ -1,4 +1,8 @@
-"""Log-probs and entropy of the sampled tokens straight from hidden states, in chunks of tokens.
+"""Forwards the scorers and the learner share: whole sequences as one batch
+(:func:`sequence_batch`), their hidden states with no fully masked query row (:func:`full_hidden`),
+and the sampled tokens' log-probs and entropy from hidden states, in chunks (:func:`head_logprobs`).
+
+Log-probs and entropy of the sampled tokens straight from hidden states, in chunks of tokens.
 
 The learner needs, per response token, ``log_softmax(lm_head(h) / temperature)`` at the sampled
 token (actor log-probs, old log-probs, reference log-probs) and the entropy of that distribution.
@@ -24,6 +28,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from .kv import left_pad, right_pad
 
 DEFAULT_CHUNK_BYTES = 256 * 2**20  # fp32 logits per chunk
 
@@ -88,7 +94,7 @@ def _logits(h: Tensor, w: Tensor, b: Tensor | None, dtype: torch.dtype, mult: fl
 
 def fused_head(head) -> tuple[Tensor, Tensor | None, float] | None:
     """(weight, bias, scale) of a head the fused path can take, or None (see the module docstring)."""
-    from ..models import LogitsHead
+    from .models import LogitsHead
 
     scale = 1.0
     if isinstance(head, LogitsHead):
@@ -115,7 +121,7 @@ def head_logprobs(head, hidden: Tensor, tokens: Tensor, temperature: float = 1.0
     b, T = tokens.shape
     parts = fused_head(head)
     if parts is None:  # the plain path
-        from ..ppo_math import entropy_from_logits, logprobs_from_logits
+        from .ppo_math import entropy_from_logits, logprobs_from_logits
 
         logits = head(hidden).float()  # [b, T, V]
         lp = logprobs_from_logits(logits, tokens, temperature)
@@ -129,3 +135,49 @@ def head_logprobs(head, hidden: Tensor, tokens: Tensor, temperature: float = 1.0
         lp, ent = _HeadLogprobs.apply(hidden.reshape(b * T, -1), weight, bias, tokens.reshape(-1).long(),
                                       scale / temperature, compute_dtype, rows, entropy)
     return lp.view(b, T), (ent.view(b, T) if entropy else None)
+
+
+def sequence_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: int, device: torch.device):
+    """Left-padded prompts + right-padded responses: (ids [R, P+T], valid [R, P+T], P, response_mask [R, T])."""
+    p_ids, p_valid = left_pad(prompts, pad_id, device)
+    r_ids, r_valid = right_pad(responses, pad_id, device)
+    return torch.cat([p_ids, r_ids], 1), torch.cat([p_valid, r_valid], 1), p_ids.shape[1], r_valid
+
+
+def full_hidden(backbone: torch.nn.Module, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """One forward without cache over rows whose real tokens are contiguous (left-padded prompt
+    then right-padded response); hidden states [R, L, H] in the input's layout.
+
+    Every training forward (actor log-probs, critic values) and every one-shot scoring forward
+    runs here, and none of them has a query position that attends to no key. Each row is rolled
+    left by its count of leading pads, so its real tokens sit at columns 0..n-1 and all its
+    padding is on the right; the forward then needs no padding mask at all, only the causal one
+    (a real token attends to earlier columns, all real; a right pad attends to the row's real
+    tokens and to earlier pads: finite numbers that nothing reads). The hidden states are rolled
+    back, so callers keep the [left pad | prompt | response | right pad] layout of
+    ``sequence_batch``.
+
+    Why (issue 26): with the old left-padded forward under a padding mask, every left-pad query
+    row was fully masked: its softmax's log-sum-exp is -inf. The rows are masked out of every
+    loss, but their backward still runs, and the cuDNN SDPA backward that torch 2.11-2.13 picks
+    by default on H100/H200 for a masked attention returns NaN ``grad_q`` for any query row whose
+    log-sum-exp is below -ln(FLT_MAX) = -88.7 when the key length is 64 mod 128 (pytorch#196678,
+    trl#7181; the forward stays finite). One such row makes every gradient NaN through the shared
+    projections: a 1B policy on an H100 got NaN gradient norms in actor and critic with a finite
+    loss, and AdamW (even at learning rate 0) wrote NaN into every weight. A fully masked row is
+    also what makes older kernels return NaN in the forward (pytorch#110213). With no padding mask
+    the fused kernels run in their causal form (``is_causal``), which is also the fastest.
+    Positions are the column indices (0..n-1 on real tokens), as before.
+    """
+    R, L = ids.shape
+    col = torch.arange(L, device=ids.device)  # [L]
+    lead = valid.to(torch.long).argmax(1)  # [R] leading pad columns (0 for an all-pad row)
+    src = (col[None] + lead[:, None]) % L  # [R, L] packed column c reads input column src
+    packed_valid = valid.gather(1, src)  # [R, L]
+    if bool((packed_valid[:, 1:] > packed_valid[:, :-1]).any()):  # CPU-GPU sync point (one per forward)
+        raise ValueError("internal error: full_hidden needs each row's real tokens contiguous "
+                         "(left-padded prompt, then right-padded response)")
+    pos = col[None].expand(R, L)  # [R, L]
+    hidden = backbone(input_ids=ids.gather(1, src), position_ids=pos, use_cache=False).last_hidden_state
+    back = (col[None] - lead[:, None]) % L  # [R, L] input column c is packed column back
+    return hidden.gather(1, back[..., None].expand(R, L, hidden.shape[-1]))  # [R, L, H]

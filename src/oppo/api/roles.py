@@ -1,0 +1,56 @@
+"""What the controller is handed: every model and role of a run, built once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from ..weights.plan import WeightSync
+from .plan import Placement, ResolvedPaths
+from .protocols import Learner, RolloutBackend, Scorer
+
+if TYPE_CHECKING:
+    from ..algo.core import Algorithm
+    from ..config import Config
+    from ..data import PromptSet
+    from ..trace import Tracer
+
+
+@dataclass
+class Roles:
+    """Everything a run needs, built once (``setup.roles.build_roles``): the models, and the three
+    roles behind their Protocols (the controller calls nothing else of theirs)."""
+
+    cfg: Config
+    paths: ResolvedPaths
+    placement: Placement
+    tokenizer: Any  # a Hugging Face tokenizer
+    prompt_set: PromptSet
+    algorithm: Algorithm
+    device: torch.device
+    compute_dtype: torch.dtype
+    max_new_tokens: int
+    pad_id: int
+    stop_ids: tuple[int, ...]  # the ids that end a response (models.stop_token_ids)
+    policy: torch.nn.Module  # the trained weights (what checkpoints save)
+    critic: torch.nn.Module | None
+    reference: torch.nn.Module
+    rollout_policy: torch.nn.Module  # what a local engine samples with (the policy, or its bf16 copy)
+    scoring_critic: torch.nn.Module | None
+    reward_model: torch.nn.Module | None
+    reward_fn: Callable | None  # (scoring.streaming.RewardFunction)
+    judge_fn: Callable | None
+    accuracy_fn: Callable | None
+    rollout: RolloutBackend
+    scorer: Scorer
+    learner: Learner
+    sync: WeightSync
+    tracer: Tracer
+    closers: list = field(default_factory=list)
+    engine: str = ""  # which rollout engine runs, and why (generation.engine=auto resolved), for the run's log
+
+    def close(self) -> None:
+        for c in self.closers:
+            c()
