@@ -166,7 +166,11 @@ def test_gpu_bench_smoke_on_cpu(tmp_path):
     for mode, v in res["modes"].items():
         hw = v["hardware"]
         assert hw["peak_tflops"] > 0 and 0 < hw["train_mfu"] and 0 <= hw["train_padded_frac"] < 1, mode
-        assert hw["engine_step_ms"] > 0 and hw["decode_overhead"] > 0, mode
+        assert hw["engine_step_ms"] > 0, mode
+        # pipeline: the timed (last) step may take no decode step of its own (every row finished
+        # while the previous update ran, as it does on a loaded machine); then there is no overhead
+        if mode != "pipeline" or "decode_step_ms" in hw:
+            assert hw["decode_overhead"] > 0, mode
     for png in ("timeline.png", "response_lengths.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # forced lengths: timing only (issue 22 item 3), no reward curve
