@@ -103,6 +103,7 @@ import torch
 from ..engine import Chunk, Rollout, take_chunks
 from ..registry import BackendUnavailable, BuildRequest
 from ...api.protocols import ChunkReady, Event, SequenceFinished
+from ...api.records import RolloutStats
 from .heads import HEAD, PADDABLE, HeadPadding, ServedCheckpoint
 from .weights import Layout, SharedWeights, load_in_worker, map_in_worker, unmap_in_worker
 
@@ -589,7 +590,6 @@ class VLLMRolloutBackend:
     def admit(self, rollouts: list[Rollout]) -> None:
         """Add these sequences; vLLM prefills them in the next step (which also samples)."""
         for r in rollouts:
-            r = r.copy()  # the backend's own record (RolloutBackend.admit)
             self.rows[r.uid] = r
             self._add(r)
 
@@ -807,6 +807,11 @@ class VLLMRolloutBackend:
     def load_state_dict(self, state: dict) -> None:
         if state.get("seed", self.seed) != self.seed:
             raise ValueError(f"this vLLM rollout state was saved with seed {state['seed']}, not {self.seed}")
+
+    def take_stats(self) -> RolloutStats:
+        stats = RolloutStats(self.peak_cache_bytes)  # (vLLM's KV blocks in use; its steps are not counted)
+        self.peak_cache_bytes = 0
+        return stats
 
     def close(self) -> None:
         llm = getattr(self, "llm", None)
