@@ -67,7 +67,7 @@ def opt(default: Any, help: str, choices: tuple | Callable[[], tuple] | None = N
     if choices is not None:
         meta["choices"] = choices
     if isinstance(default, (list, dict, tuple)):
-        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+        return field(default_factory=lambda: type(default)(default), metadata=meta)  # a fresh copy per instance
     return field(default=default, metadata=meta)
 
 

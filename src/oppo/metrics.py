@@ -119,7 +119,10 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
 
 __all__ = ["METRICS_FILE", "MetricsLogger", "ProgressBar", "read_metrics"]
 
@@ -177,7 +180,7 @@ def read_metrics(path: str | Path) -> list[dict]:
     return _parse_lines(path.read_text(encoding="utf-8"), path)
 
 
-def _import_summary_writer():
+def _import_summary_writer() -> type[SummaryWriter]:
     try:
         import tensorboard  # noqa: F401  (torch's writer needs the package itself)
         from torch.utils.tensorboard import SummaryWriter
@@ -236,7 +239,7 @@ class MetricsLogger:
         self._lock = threading.Lock()
         self._resume_pending = resume
         self._fh = open(self.path, "a" if resume else "w", encoding="utf-8")
-        self._tb = None  # opened lazily: on resume it needs purge_step = first logged step
+        self._tb: SummaryWriter | None = None  # opened lazily: on resume it needs purge_step = first logged step
         self._tb_purge_step: int | None = None
         self._wandb_run = None
         if wandb_mod is not None:

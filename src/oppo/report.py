@@ -210,7 +210,8 @@ def _save(fig: Figure, path: Path) -> Path:
 
 def _colors(labels: Sequence[str]) -> dict[str, str]:
     """A mode's colour for labels naming a mode, other colours for the rest."""
-    out, spare = {}, [c for c in (f"C{i}" for i in range(10)) if c not in ("C0", "C1", "C2", "C3")]
+    out: dict[str, str] = {}
+    spare = [c for c in (f"C{i}" for i in range(10)) if c not in ("C0", "C1", "C2", "C3")]
     for label in labels:
         mode = next((m for m in MODE_COLORS if label == m or label.startswith((m + "_", m + "-", m + " ", m + ":"))), None)
         out[label] = MODE_COLORS[mode] if mode else spare[len([x for x in out.values() if x in spare]) % len(spare)]
@@ -300,28 +301,28 @@ def _plot_timeline(runs: list[_Run], path: Path) -> Path | None:
 
 
 def _timeline_figure(runs: list[_Run]) -> Figure | None:
-    runs = [r for r in runs if r.spans]
-    if not runs:
+    traced = [(r, r.spans) for r in runs if r.spans]  # the runs with a trace, and its spans
+    if not traced:
         return None
-    stages = _stages_in_order({s.stage for r in runs for s in r.spans})
+    stages = _stages_in_order({s.stage for _, spans in traced for s in spans})
     stage_colors = {st: stage_color(st) for st in stages}
-    rows = [_workers_in_order(r.spans) for r in runs]
+    rows = [_workers_in_order(spans) for _, spans in traced]
     fig = Figure(figsize=(10, sum(0.45 * len(w) + 1.1 for w in rows) + 0.8), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(
-        len(runs), 1, sharex=True, squeeze=False, height_ratios=[len(w) + 1.5 for w in rows]
+        len(traced), 1, sharex=True, squeeze=False, height_ratios=[len(w) + 1.5 for w in rows]
     )[:, 0]
     other_steps_drawn = False
     longest = 0.0
-    for ax, run, workers in zip(axes, runs, rows):
-        windows = step_windows(s for s in run.spans if s.step >= 0) or step_windows(run.spans)
+    for ax, (run, spans), workers in zip(axes, traced, rows):
+        windows = step_windows(s for s in spans if s.step >= 0) or step_windows(spans)
         steps = list(windows)
         step = steps[len(steps) // 2]  # the median step: past warm-up, not the ragged last one
         w0, w1 = windows[step]
         longest = max(longest, w1 - w0)
         # One broken_barh call per (worker, stage, own step?): chunked stages give many spans.
         bars: dict[tuple[str, str, bool], list[tuple[float, float]]] = {}
-        for s in run.spans:
+        for s in spans:
             if s.end <= w0 or s.start >= w1:
                 continue
             a, b = max(s.start, w0), min(s.end, w1)
@@ -342,7 +343,7 @@ def _timeline_figure(runs: list[_Run]) -> Figure | None:
         ax.set_ylim(len(workers) - 0.5, -0.5)  # first worker on top
         ax.grid(axis="x", alpha=0.3)
         name = run.label if run.label == run.path.name else f"{run.label} ({run.path.name})"
-        bubble = bubble_ratio(run.spans, (w0, w1))
+        bubble = bubble_ratio(spans, (w0, w1))
         ax.set_title(
             f"{name}: step {step}, {w1 - w0:.3g} s, bubble ratio {bubble:.0%}",
             fontsize="medium",
@@ -406,17 +407,15 @@ def make_report(
 
     Raises ``FileNotFoundError`` naming the directory if a run has no ``metrics.jsonl``.
     """
-    if isinstance(run_dirs, (str, Path)):
-        run_dirs = [run_dirs]
-    run_dirs = [Path(d) for d in run_dirs]
-    if not run_dirs:
+    dirs = [Path(run_dirs)] if isinstance(run_dirs, (str, Path)) else [Path(d) for d in run_dirs]
+    if not dirs:
         raise ValueError("make_report needs at least one run directory")
     if labels is None:
-        labels = [d.name for d in run_dirs]
+        labels = [d.name for d in dirs]
     labels = [str(label) for label in labels]
-    if len(labels) != len(run_dirs):
-        raise ValueError(f"got {len(labels)} labels for {len(run_dirs)} run directories")
-    for d in run_dirs:
+    if len(labels) != len(dirs):
+        raise ValueError(f"got {len(labels)} labels for {len(dirs)} run directories")
+    for d in dirs:
         if not d.is_dir():
             raise FileNotFoundError(f"run directory {d} does not exist")
         if not (d / METRICS_FILE).is_file():
@@ -424,7 +423,7 @@ def make_report(
                 f"run directory {d} has no {METRICS_FILE}; is it an oppo run directory?"
             )
 
-    runs = [_load_run(d, label) for d, label in zip(run_dirs, labels)]
+    runs = [_load_run(d, label) for d, label in zip(dirs, labels)]
     groups = _groups(runs)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -167,11 +167,14 @@ class SeqTicket:
     uid: int
     prompt_index: int
     start_version: int
-    group: int | None = None
+    group: int
 
-    def __post_init__(self) -> None:
-        if self.group is None:
-            object.__setattr__(self, "group", self.uid)
+    # Written out (the dataclass keeps it) so that ``group`` may be left out yet is an int.
+    def __init__(self, uid: int, prompt_index: int, start_version: int, group: int | None = None) -> None:
+        object.__setattr__(self, "uid", uid)
+        object.__setattr__(self, "prompt_index", prompt_index)
+        object.__setattr__(self, "start_version", start_version)
+        object.__setattr__(self, "group", uid if group is None else group)
 
 
 @dataclass(frozen=True)
@@ -185,7 +188,7 @@ class Admit:
         """``seqs`` split into their groups, in admission order."""
         out: dict[int, list[SeqTicket]] = {}
         for t in self.seqs:
-            out.setdefault(t.group, []).append(t)  # type: ignore[arg-type]
+            out.setdefault(t.group, []).append(t)
         return tuple(tuple(g) for g in out.values())
 
 

@@ -33,6 +33,7 @@ import json
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
@@ -40,7 +41,7 @@ from ..config import upgrade_settings
 from ..trace import Span, load_trace
 from .costs import LinearCosts, Work, nnls
 from .lengths import LogNormalLengths, TableLengths
-from .sim import MODES, STREAMING, Placement, Workload, simulate
+from .sim import MODES, STREAMING, Lengths, Placement, Workload, simulate
 
 __all__ = ["MeasuredRun", "load_run", "load_run_dir", "read_lengths", "fit_overhead", "load_tail_sweep",
            "replay_workload", "fit", "cpu_placement", "CpuProfile", "Comparison", "validate", "check_bench",
@@ -145,6 +146,7 @@ def replay_workload(run: MeasuredRun, max_new_tokens: int = 128, check: bool = T
     (not for ``pipeline``, whose schedule depends on timing)."""
     ppo, ov = run.settings["ppo"], run.settings["overlap"]
     mnt = run.max_new_tokens or run.settings.get("generation", {}).get("max_new_tokens") or max_new_tokens
+    lengths: Lengths
     if run.table is not None:
         lengths = TableLengths(run.table, mnt)
     elif run.sigma is not None:
@@ -201,9 +203,9 @@ def _samples(run: MeasuredRun, warmup: int = 1) -> list[tuple[dict[str, float], 
     for s in run.spans:
         measured.setdefault((s.worker, s.stage, s.step), []).append(s)
     measured = {k: _innermost(v) for k, v in measured.items()}
-    out = []
+    out: list[tuple[dict[str, float], float, str]] = []  # (features, seconds, kind of span)
 
-    def add(works, seconds, label):
+    def add(works: Sequence[Work], seconds: float, label: str) -> None:
         f: dict[str, float] = {}
         for w in works:
             for k, v in LinearCosts.features(w).items():
@@ -383,6 +385,9 @@ class Comparison:
     note: str = ""
     measured_mean: dict[str, float] = field(default_factory=dict)  # speedup of the mean step time (training time)
     predicted_mean: dict[str, float] = field(default_factory=dict)
+    # set by validation / check_bench; outside to_dict, equality and repr
+    held_out: dict[str, float] | None = field(default=None, compare=False, repr=False)  # mode -> speedup, sigma left out of the fit
+    busy: dict[str, dict[str, dict[str, float]]] | None = field(default=None, compare=False, repr=False)  # mode -> measured/predicted -> worker -> fraction
 
     def error(self, mode: str) -> float:
         return self.predicted[mode] / self.measured[mode] - 1.0
@@ -456,13 +461,13 @@ def check_bench(profile: CpuProfile, bench_dir: str | Path, lengths: tuple[float
     return cmp
 
 
-def validation(tail_dirs: list[str | Path], check_dirs: list[str | Path] = (),
+def validation(tail_dirs: list[str | Path], check_dirs: Sequence[str | Path] = (),
                lengths: tuple[float, float] = BUILTIN_LENGTHS) -> dict:
     """Fit on every tail run; compare per sigma (in-sample and with that sigma held out) and per check bench."""
     runs = [r for d in tail_dirs for r in load_tail_sweep(d)]
     costs = fit(runs)
     profile = CpuProfile(costs)
-    sigmas = sorted({r.sigma for r in runs})
+    sigmas = sorted({r.sigma for r in runs if r.sigma is not None})  # (load_tail_sweep sets every run's)
     comparisons = []
     for sigma in sigmas:
         mine = [r for r in runs if r.sigma == sigma]

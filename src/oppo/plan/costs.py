@@ -104,6 +104,8 @@ class LinearCosts:
 
     coef: dict[str, float] = field(default_factory=dict)
     label: str = "fitted"
+    # set by calibrate.fit: how well the model explains the spans, per kind of span; outside to_dict, equality and repr
+    fit_stats: dict[str, dict[str, float]] | None = field(default=None, compare=False, repr=False)
 
     @staticmethod
     def features(work: Work) -> dict[str, float]:

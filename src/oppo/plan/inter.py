@@ -73,7 +73,8 @@ def _schedule(run: MeasuredRun, warmup: int) -> dict[str, float]:
     pl = cpu_placement(run.mode, run.settings.get("placement", {}).get("critic_on_worker", True), run.needs_critic)
     res = simulate(run.mode, wl, _STEPS, pl, len(run.metrics), warmup=0)
     timed = res.steps[warmup:]
-    calls, rows = {}, {}
+    calls: dict[int, int] = {}  # step -> decode calls
+    rows: dict[int, int] = {}  # step -> rows decoded
     for s in res.spans:
         if s.stage == "decode" and s.step >= warmup:
             for w in s.args.get("works", []):

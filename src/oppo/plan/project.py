@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, replace
+from typing import Any
 
 from .costs import GPUS, Efficiency, Roofline, model_shape
 from .lengths import LogNormalLengths
@@ -141,7 +142,7 @@ def scale_sweep(gpu: str, gpus_list: list[int], sigmas: list[float], per_gpu_bat
 def sensitivity(base: dict, sigma: float, steps: int = 60) -> list[dict]:
     """The paper setting at ``sigma`` with one assumption changed at a time."""
     eff = base.get("eff") or Efficiency()
-    variants = [
+    variants: list[tuple[str, dict[str, Any]]] = [
         ("as assumed above", {}),
         ("Delta 16", {"delta": 16}),
         ("Delta 28 (B/4)", {"delta": 28}),

@@ -88,9 +88,10 @@ def plot_validation(comparisons: list, path: Path) -> Path:
     ax.set_xlabel("measured speedup over sequential (2 vCPUs)")
     ax.set_ylabel("planner's predicted speedup")
     ax.set_title("Planner vs oppo bench on CPU (median step time)", fontsize=10)
+    from matplotlib.artist import Artist
     from matplotlib.lines import Line2D
 
-    handles = [Line2D([], [], marker="o", ls="", color=MODE_COLORS[m], markeredgecolor="black", label=m)
+    handles: list[Artist] = [Line2D([], [], marker="o", ls="", color=MODE_COLORS[m], markeredgecolor="black", label=m)
                for m in ("intra", "inter", "oppo")]
     handles += [Line2D([], [], marker=markers[i % len(markers)], ls="", color="white", markeredgecolor="black",
                        label=c.label) for i, c in enumerate(comparisons)]

@@ -49,12 +49,12 @@ import heapq
 import math
 import statistics
 from dataclasses import dataclass, field, replace
-from typing import Callable, Sequence
+from typing import Protocol, Sequence
 
 import numpy as np
 
 from .. import modes as _modes
-from ..scheduler import DeltaController, Scheduler
+from ..scheduler import DeltaController, Scheduler, SeqTicket
 from ..trace import Span
 from .costs import CostModel, Work
 
@@ -68,6 +68,12 @@ CARRYING = tuple(m.name for m in _modes.TABLE if m.carries)
 IN_FLIGHT = tuple(m.name for m in _modes.TABLE if m.in_flight)
 
 
+class Lengths(Protocol):
+    """A response's length in tokens (EOS included): prompt position, place in its group."""
+
+    def __call__(self, index: int, member: int = 0) -> int: ...
+
+
 @dataclass(frozen=True)
 class Workload:
     """What is trained: batch size, lengths, and the overlap and PPO settings that set the schedule.
@@ -79,7 +85,7 @@ class Workload:
     """
 
     batch: int
-    lengths: Callable[[int], int]
+    lengths: Lengths
     prompt_tokens: int = 11
     prompt_pad: int | None = None  # width of the left-padded prompts in a one-shot batch (default: prompt_tokens)
     delta: int | Sequence[int] = 8
@@ -366,9 +372,9 @@ class _Sim:
         heapq.heapify(heap)
         new = []
         for tk in tickets:
-            n, dev = heapq.heappop(heap)
-            heapq.heappush(heap, (n + 1, dev))
-            row = _Row(tk.uid, tk.prompt_index, self._length(tk), tk.start_version, dev)
+            n, device = heapq.heappop(heap)
+            heapq.heappush(heap, (n + 1, device))
+            row = _Row(tk.uid, tk.prompt_index, self._length(tk), tk.start_version, device)
             self.rows[row.uid] = row
             new.append(row)
         per_actor = [0] * len(self.actors)
@@ -451,7 +457,7 @@ class _Sim:
             rebuilt = False
             while j < len(events):
                 t = events[j][0]
-                admitted = []
+                admitted: list[SeqTicket] = []
                 while j < len(events) and events[j][0] == t:
                     adm = self.sched.on_finished(events[j][2])
                     if adm is not None:

@@ -34,6 +34,7 @@ def resolve_paths(cfg: Config, progress: bool = True) -> ResolvedPaths:
             reference=cfg.reference.path, prompts=cfg.data.prompts or str(prepared.prompts_path),
             judge=cfg.reward.judge or task.judge_function, max_new_tokens=max_new or task.max_new_tokens,
             accuracy=None if cfg.data.prompts else task.accuracy_function)  # it knows only the task's prompts
+    assert cfg.policy.path is not None  # uses_builtin_task is exactly "no policy.path"
     if cfg.data.prompts is None:
         raise ValueError("policy.path is set but data.prompts is not: give a prompt set (data.prompts=path.jsonl).")
     for role, path in (("policy", cfg.policy.path), ("reward", cfg.reward.path), ("critic", cfg.critic.path),
