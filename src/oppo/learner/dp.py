@@ -353,6 +353,7 @@ class LearnerRank:
         return pack(self.learner.actor, trainable_only=True)
 
     def critic_weights(self) -> Packed | None:
+        assert self.learner.critic is not None  # (asked only of a group with a critic: critic_scorer)
         return pack(self.learner.critic)
 
     def open_weight_sync(self, host: str, port: int, world: int, bucket_bytes: int, wire_dtype, timeout_s: float,

@@ -349,6 +349,7 @@ class FSDPLearnerRank(LearnerRank):
         return full_model_state(self.learner.actor)
 
     def critic_state(self) -> dict[str, torch.Tensor]:
+        assert self.learner.critic is not None  # (asked only of a group with a critic)
         return full_model_state(self.learner.critic)
 
     def actor_weights(self) -> Packed | None:
@@ -360,6 +361,7 @@ class FSDPLearnerRank(LearnerRank):
         return pack_state({k: v for k, v in state.items() if k in names})
 
     def critic_weights(self) -> Packed | None:
+        assert self.learner.critic is not None  # (asked only of a group with a critic: critic_scorer)
         state = full_model_state(self.learner.critic)
         return pack_state(state) if self.rank == 0 else None
 

@@ -42,8 +42,8 @@ class Learner:
     recompute every token's ``old_logprobs`` with this training forward (see ``old_logprobs``).
     """
 
-    def __init__(self, actor, critic, cfg: PPOConfig, temperature: float, seed: int,
-                 compute_dtype: torch.dtype = torch.float32, recompute_old: bool = False, algorithm=None):
+    def __init__(self, actor: torch.nn.Module, critic: torch.nn.Module | None, cfg: PPOConfig, temperature: float,
+                 seed: int, compute_dtype: torch.dtype = torch.float32, recompute_old: bool = False, algorithm=None):
         """``critic`` None: a critic-free algorithm. ``algorithm`` (``algo.Algorithm``): adds its
         term to the actor loss (the KL, when it goes in the loss); None: plain PPO."""
         self.actor, self.critic, self.cfg, self.temperature, self.seed = actor, critic, cfg, temperature, seed
