@@ -27,6 +27,7 @@ def sequential_step(run: s.Run, step: int) -> tuple[s.StepResult, dict[str, floa
     close = run.scheduler.try_close()
     # 3. score: reward at the last token, reference log-probs, critic values
     t = time.perf_counter()
+    assert close is not None  # the whole batch has finished
     texts = s.texts(run, batch)
     scores = s.score(run, batch, texts, step)
     times["time/score"] = time.perf_counter() - t

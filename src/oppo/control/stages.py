@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import cast
 
 from .. import modes
 from ..config import Config
@@ -19,7 +20,7 @@ from ..learner.batch import Experience, attach_scores, build_experience, compute
 from ..learner.offpolicy import staleness_stats
 from ..scheduler import ChunkSizeTuner, DeltaController, Scheduler
 from ..api.roles import Roles
-from ..api.records import ChunkReady, Rollout, Scores, SequenceFinished
+from ..api.records import ChunkReady, Rollout, ScoredOutputs, Scores, SequenceFinished
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ class Run:
         self.learner_thread = (ThreadPoolExecutor(1, thread_name_prefix="oppo-learner") if self.policy.in_flight
                                else None)
         self.next_begun = False  # pipeline: the next step's prompts were admitted while the learner trained
-        self.skipped_updates = 0  # ppo.nonfinite=skip: optimizer steps skipped since this process started
+        self.skipped_updates: float = 0  # ppo.nonfinite=skip: optimizer steps skipped since this process started
 
     def between_steps(self) -> None:
         """Bring the run to a state a checkpoint saves: a pipeline run's next step, begun while
@@ -250,8 +251,8 @@ def score(run: Run, batch: list[Rollout], txt: list[str], step: int) -> Scores:
     roles, tracer = run.roles, run.tracer
     prompts, responses = [r.prompt_ids for r in batch], [r.response_ids for r in batch]
     with tracer.span("scorer", "score_reward", step):
-        scores = reward_scores(run, batch, txt, step) if roles.reward_fn else [
-            o.score for o in roles.scorer.score_full("reward", prompts, responses)]
+        scores = reward_scores(run, batch, txt, step) if roles.reward_fn else _scores(
+            roles.scorer.score_full("reward", prompts, responses))
     with tracer.span("scorer", "score_reference", step):
         ref = roles.scorer.score_full("reference", prompts, responses)
     values = None
@@ -262,7 +263,14 @@ def score(run: Run, batch: list[Rollout], txt: list[str], step: int) -> Scores:
 
 
 def reward_scores(run: Run, batch: list[Rollout], txt: list[str], step: int) -> list[float]:
-    return run.roles.reward_fn([r.prompt for r in batch], txt, step=step, indices=[r.prompt_index for r in batch])
+    fn = run.roles.reward_fn
+    assert fn is not None  # called only where the run has a reward function
+    return fn([r.prompt for r in batch], txt, step=step, indices=[r.prompt_index for r in batch])
+
+
+def _scores(outputs: list[ScoredOutputs]) -> list[float]:
+    """The reward role's scores: it sets ``score`` on every output."""
+    return [cast(float, o.score) for o in outputs]
 
 
 def close_batch(run: Run, close, step: int) -> tuple[list[Rollout], list[str], Experience, Scores]:
@@ -291,10 +299,12 @@ def close_batch(run: Run, close, step: int) -> tuple[list[Rollout], list[str], E
     with run.tracer.span("controller", "wait_scorers", step):  # waiting: not actor work
         scorer.barrier()  # also: no scorer work may touch the critic while it trains
     out = scorer.take(uids)
-    scores = reward_scores(run, batch, txt, step) if roles.reward_fn else [o.score for o in out["reward"]]
+    scores = reward_scores(run, batch, txt, step) if roles.reward_fn else _scores(out["reward"])
     values = out.get("critic")
-    for i, v in zip(stale, fresh):
-        values[i] = v
+    if fresh:
+        assert values is not None  # fresh values only with a critic, and then the scorers stream its values
+        for i, v in zip(stale, fresh):
+            values[i] = v
     return batch, txt, exp, Scores(scores, out["reference"], values)
 
 
