@@ -16,6 +16,7 @@ from .stages import Run, StepResult, _mean
 def step_metrics(run: Run, result: StepResult, times: dict[str, float], dt: float, wallclock: float
                  ) -> dict[str, float]:
     exp, roles = result.exp, run.roles
+    assert exp.scores is not None and exp.kl is not None  # a trained batch was scored and shaped
     lengths = exp.mask.sum(1)
     kl_seq = (exp.kl * exp.mask).sum(1)
     m = {

@@ -48,6 +48,7 @@ def overlapped_step(run: s.Run, step: int) -> tuple[s.StepResult, dict[str, floa
     stats = s.overlap_stats(run, close, exp, chunk)  # before the next step is admitted
     # 4-6. the update: here, or in the learner thread while the next step decodes
     if pol.in_flight:
+        assert run.learner_thread is not None  # Run starts it for an in-flight policy
         update = run.learner_thread.submit(s.update, run, exp, texts, scores, step)
         sched.end_step(sum(scores.scores) / len(scores.scores))
         stats.update(_decode_while_training(run, step, chunk, update))

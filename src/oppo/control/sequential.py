@@ -25,9 +25,9 @@ def sequential_step(run: s.Run, step: int) -> tuple[s.StepResult, dict[str, floa
     for r in batch:
         run.scheduler.on_finished(r.uid)
     close = run.scheduler.try_close()
+    assert close is not None  # the whole batch has finished
     # 3. score: reward at the last token, reference log-probs, critic values
     t = time.perf_counter()
-    assert close is not None  # the whole batch has finished
     texts = s.texts(run, batch)
     scores = s.score(run, batch, texts, step)
     times["time/score"] = time.perf_counter() - t
