@@ -43,7 +43,7 @@ from ..config import PPOConfig
 from ..learner.batch import CriticBatch
 from ..api.records import Chunk
 from ..api.records import ScoredOutputs
-from .streaming import StreamingScorer, score_full
+from .streaming import Kind, StreamingScorer, score_full
 from ..trace import Tracer
 from ..weights.precision import copy_weights, master_dtype, serving_copy
 from ..learner.local import load_optimizer_state_in_place
@@ -52,7 +52,7 @@ from ..cluster import get_named
 from ..api.specs import ModelSpec
 from ..weights.sync import is_packed, pack, unpack_into
 
-SCORER_ROLES = ("reward", "reference", "critic")
+SCORER_ROLES: tuple[Kind, ...] = ("reward", "reference", "critic")
 
 
 class ScorerHost:
@@ -68,7 +68,8 @@ class ScorerHost:
         torch.manual_seed(seed)  # a fresh critic head is then at least reproducible (specs.py)
         self.critic_master: torch.nn.Module | None = None
         self.critic_opt: torch.optim.Optimizer | None = None
-        scorers = {}
+        scorers: dict[str, StreamingScorer] = {}
+        trainer: CriticTrainer | None = None
         for role, spec in specs.items():
             if role not in SCORER_ROLES:
                 raise ValueError(f"a scorer hosts {SCORER_ROLES}, not {role!r}")
@@ -80,14 +81,13 @@ class ScorerHost:
                 model = serving_copy(self.critic_master, spec.dtype)
                 self.critic_opt = torch.optim.AdamW(self.critic_master.parameters(), lr=critic_trainer.critic_lr,
                                                     weight_decay=critic_trainer.weight_decay)
+                trainer = CriticTrainer(self.critic_opt, critic_trainer, self.critic_master, spec.dtype)
             else:
                 model = spec.load()
             scorers[role] = StreamingScorer(role, model, spec.pad_id,
                                             temperature if role == "reference" else 1.0)
         self.scorers, self.temperature = scorers, temperature
         self.tracer = Tracer(enabled=True)
-        trainer = (CriticTrainer(self.critic_opt, critic_trainer, self.critic_master, specs["critic"].dtype)
-                   if self.critic_opt is not None else None)
         self.worker = ScorerWorker(scorers, threads, self.tracer, name, trainer=trainer)
 
     # calls from the controller: the first four only enqueue (ScorerWorker's message loop)
@@ -131,6 +131,7 @@ class ScorerHost:
         self.worker.barrier()
         if self.critic_master is None:
             raise RuntimeError("this scorer actor does not train the critic (built without critic_trainer)")
+        assert self.critic_opt is not None  # made with the master
         return {"model": {k: v.detach().cpu() for k, v in self.critic_master.state_dict().items()},
                 "optim": self.critic_opt.state_dict()}
 
@@ -141,13 +142,14 @@ class ScorerHost:
         self.critic_master.load_state_dict(model)
         copy_weights(self.critic_master, self.scorers["critic"].model)
         if optim is not None:
+            assert self.critic_opt is not None  # made with the master
             load_optimizer_state_in_place(self.critic_opt, optim)
 
     def score_full(self, role: str, prompts: list[list[int]], responses: list[list[int]]) -> list[ScoredOutputs]:
         """One-shot scores of whole sequences with this actor's model of ``role`` (after the queued work)."""
         self.worker.barrier()
         s = self.scorers[role]
-        return score_full(role, s.model, prompts, responses, s.pad_id, s.temperature)
+        return score_full(s.kind, s.model, prompts, responses, s.pad_id, s.temperature)  # (its kind: its role)
 
     def close(self) -> None:
         self.worker.close()
@@ -178,7 +180,9 @@ class RayScorerWorker:
         self.results: dict[str, dict[int, ScoredOutputs]] = {r: {} for r in roles}
         self.train_stats: dict[str, float] = {}
         self.critic_trains_here = critic_trainer is not None
-        self.actors, self.labels, self._pending = [], [], []
+        self.actors: list[Any] = []  # Ray actor handles of ScorerHost
+        self.labels: list[str] = []  # each actor's roles, "+"-joined
+        self._pending: list[list[Any]] = []  # per actor: the refs of the calls not waited on yet
         self.feeders: list = []  # others that feed the actors (rollout workers): flushed before a barrier
         host = ray.remote(ScorerHost)
         for g in groups:
@@ -213,8 +217,8 @@ class RayScorerWorker:
         next barrier. The batch goes as CPU tensors (the actor moves it to its device)."""
         if not self.critic_trains_here:
             raise RuntimeError("internal error: this scorer worker was built without critic_trainer")
-        self._call(self._critic, lambda a: a.train_critic.remote(batch.to("cpu"), [mb.cpu() for mb in minibatches],
-                                                                   step))
+        self._call(self._critic_actor(),
+                   lambda a: a.train_critic.remote(batch.to("cpu"), [mb.cpu() for mb in minibatches], step))
 
     def take_train_stats(self) -> dict[str, float]:
         stats, self.train_stats = self.train_stats, {}
@@ -271,16 +275,18 @@ class RayScorerWorker:
             state_dict = pack(state_dict)
         if not isinstance(state_dict, ray.ObjectRef):
             state_dict = ray.put(state_dict)
-        self._call(self._critic, lambda a: a.set_critic_weights.remote(state_dict, step))
+        self._call(self._critic_actor(), lambda a: a.set_critic_weights.remote(state_dict, step))
 
     def critic_state(self) -> dict[str, Any]:
         """``{"model": critic state_dict, "optim": AdamW state_dict}`` from the actor that trains it."""
-        self._call(self._critic, lambda a: a.critic_state.remote())
-        return self._wait(self._critic)[-1]
+        i = self._critic_actor()
+        self._call(i, lambda a: a.critic_state.remote())
+        return self._wait(i)[-1]
 
     def load_critic_state(self, model: dict[str, torch.Tensor], optim: dict | None = None) -> None:
-        self._call(self._critic, lambda a: a.load_critic_state.remote(model, optim))
-        self._wait(self._critic)
+        i = self._critic_actor()
+        self._call(i, lambda a: a.load_critic_state.remote(model, optim))
+        self._wait(i)
 
     def score_full(self, role: str, prompts: list[list[int]], responses: list[list[int]]) -> list[ScoredOutputs]:
         """One-shot scoring on the actor holding ``role`` (e.g. the values of carried prefixes with
@@ -300,10 +306,14 @@ class RayScorerWorker:
         for i in range(len(self.actors)):
             self._call(i, lambda a: send(a, *args))
 
-    def _call(self, i: int | None, send) -> None:
-        """``send(actor i)``: one remote call, its ref kept for the next wait."""
-        if i is None:
+    def _critic_actor(self) -> int:
+        """The index of the actor holding the critic."""
+        if self._critic is None:
             raise RuntimeError("internal error: no scorer actor holds the critic")
+        return self._critic
+
+    def _call(self, i: int, send) -> None:
+        """``send(actor i)``: one remote call, its ref kept for the next wait."""
         self._pending[i].append(send(self.actors[i]))
 
     def _wait(self, i: int) -> list:

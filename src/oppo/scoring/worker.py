@@ -110,7 +110,7 @@ class ScorerLoop:
     name: str = "scorer"
     trainer: CriticTrainer | None = None
     adapt_threads: Callable[[], None] = lambda: None
-    stream: object | None = None  # a CUDA stream, synchronised at each barrier
+    stream: torch.cuda.Stream | None = None  # synchronised at each barrier
     tracer: Tracer = field(default_factory=lambda: Tracer(enabled=True))
 
     def __post_init__(self) -> None:
@@ -270,10 +270,10 @@ class _ProcessTransport:
         # set while the controller blocks at a barrier: the child may then use the controller's cores too
         self.boost = ctx.Value("b", 0, lock=False)
         spec = {role: (s.kind, s.model, s.pad_id, s.temperature) for role, s in scorers.items()}
-        threads = (threads, max(threads, torch.get_num_threads()))  # (normal, while the controller waits)
+        thread_counts = (threads, max(threads, torch.get_num_threads()))  # (normal, while the controller waits)
         # the child exits when this process dies, however it dies (see _die_with_parent)
         parent = (os.getpid(), threading.current_thread() is threading.main_thread())
-        self.proc = ctx.Process(target=_child_main, args=(spec, threads, name, self.q, self.out, opt_spec,
+        self.proc = ctx.Process(target=_child_main, args=(spec, thread_counts, name, self.q, self.out, opt_spec,
                                                           self.boost, parent), daemon=True)
         self.proc.start()
 
@@ -331,6 +331,7 @@ class ScorerWorker:
         self.peak_cache_bytes = {role: 0 for role in scorers}
         self.train_stats: dict[str, float] = {}
         self._next_barrier = 0
+        self.transport: _ProcessTransport | _ThreadTransport
         if transport == "process":
             self.transport = _ProcessTransport(scorers, threads, name, trainer)
         elif transport == "thread":
@@ -392,7 +393,7 @@ class ScorerWorker:
 
     def score_full(self, role: str, prompts: list[list[int]], responses: list[list[int]]) -> list[ScoredOutputs]:
         s = self.scorers[role]
-        return score_full(role, s.model, prompts, responses, s.pad_id, s.temperature)
+        return score_full(s.kind, s.model, prompts, responses, s.pad_id, s.temperature)  # (its kind: its role)
 
     def close(self) -> None:
         self.transport.close()
