@@ -52,7 +52,9 @@ class RolloutBackend(Protocol):
     def admit(self, rollouts: list[Rollout]) -> None:
         """Start sampling these sequences (prompt, plus any response so far: a sequence restored
         from a checkpoint is prefilled with its partial response and decodes on from there, its
-        earlier tokens, log-probs and versions kept)."""
+        earlier tokens, log-probs and versions kept). The backend samples into copies of its own
+        (``Rollout.copy``): the records given are never changed; the backend's come back in
+        :class:`SequenceFinished`, :meth:`generate_all` and :meth:`in_flight`."""
 
     def in_flight(self) -> list[Rollout] | None:
         """The active sequences as they stand (tokens, log-probs and versions so far), in

@@ -12,7 +12,7 @@ The batch the learner consumes is ``learner.Experience``.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Union
 
 
@@ -46,6 +46,13 @@ class Rollout:
     def __post_init__(self) -> None:
         if self.group is None:
             self.group = self.uid
+
+    def copy(self) -> "Rollout":
+        """A copy with lists of its own: what a rollout backend works on, so that it never changes
+        the record it was given (it hands its own back: ``SequenceFinished``, ``in_flight``)."""
+        return replace(self, prompt_ids=list(self.prompt_ids), response_ids=list(self.response_ids),
+                       logprobs=list(self.logprobs), policy_logprobs=list(self.policy_logprobs),
+                       versions=list(self.versions))
 
     def state_dict(self) -> dict:
         """Every field, JSON-serialisable (a checkpoint saves the sequences in flight with it)."""

@@ -20,7 +20,9 @@ def sequential_step(run: s.Run, step: int) -> tuple[s.StepResult, dict[str, floa
     rollout.set_version(step)
     with tracer.span("actor", "generate", step):
         rollout.admit(batch)
-        rollout.generate_all()
+        done = {r.uid: r for r in rollout.generate_all()}  # the backend's records
+    batch = [done[r.uid] for r in batch]
+    run.rollouts.update(done)
     times["time/generate"] = time.perf_counter() - t
     for r in batch:
         run.scheduler.on_finished(r.uid)

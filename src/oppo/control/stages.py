@@ -83,6 +83,12 @@ class Run:
             self.scheduler.suspend()
             self.next_begun = False
 
+    def untrained(self) -> dict[int, Rollout]:
+        """The sequences admitted and not yet trained, by uid, in admission order; a decoding one as
+        the rollout backend holds it now (its progress lives in the backend's record, not in ours)."""
+        decoding = {r.uid: r for r in self.roles.rollout.in_flight() or []}
+        return {u: decoding.get(u, r) for u, r in self.rollouts.items()}
+
     def save_in_flight(self) -> dict:
         """What a checkpoint saves of the sequences admitted and not yet trained (carried ones, a
         finished group member waiting for its siblings, a pipeline run's begun step), between
@@ -91,8 +97,10 @@ class Run:
         tickets are in its own state). Where the rollout backend cannot hand its rows out, they
         are drained instead (:meth:`drain`): ``{"how": "drained", "count": n, "sequences": []}``."""
         self.between_steps()
-        if self.roles.rollout.in_flight() is None:  # (also brings a remote backend's rows home)
+        rows = self.roles.rollout.in_flight()
+        if rows is None:
             return {"how": "drained", "count": self.drain(), "sequences": []}
+        self.rollouts.update((r.uid, r) for r in rows)  # their progress, as the backend holds it
         return {"how": "saved", "count": len(self.rollouts),
                 "sequences": [r.state_dict() for r in self.rollouts.values()]}
 
@@ -219,6 +227,7 @@ def decode_once(run: Run, step: int, chunk: int | None, t_span: float, stage: st
     chunks = []
     for e in run.roles.rollout.advance(chunk):
         if isinstance(e, SequenceFinished):
+            run.rollouts[e.rollout.uid] = e.rollout  # the backend's record (it never changes ours)
             refill = run.scheduler.on_finished(e.rollout.uid)
             if refill is not None:
                 admit(run, refill.seqs, step)
@@ -362,7 +371,7 @@ def overlap_stats(run: Run, close, exp: Experience, chunk: int | None) -> dict[s
         "overlap/waiting_members": run.scheduler.waiting_members,
         **staleness_stats(exp, close.step, close.lags),  # token and sequence lags, IS weights
         "overlap/chunk_size": chunk or 0,
-        "overlap/in_flight_length_mean": _mean([len(r.response_ids) for u, r in run.rollouts.items()
+        "overlap/in_flight_length_mean": _mean([len(r.response_ids) for u, r in run.untrained().items()
                                                 if u not in trained] or [0]),
     }
 

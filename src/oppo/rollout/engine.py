@@ -257,6 +257,7 @@ class RolloutEngine:
         """Prefill the new rows' prompts (and any response so far) and add them to the batch."""
         if not rollouts:
             return
+        rollouts = [r.copy() for r in rollouts]  # the engine's own records (RolloutBackend.admit)
         kv, logits = self._prefill([r.prompt_ids + r.response_ids for r in rollouts])
         self.kv.merge(kv)
         self._add_rows(rollouts, self._take_slots(len(rollouts)))

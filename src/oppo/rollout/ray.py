@@ -218,7 +218,6 @@ class RayRolloutGroup:
             scorer.feeders.append(self)  # its barrier flushes the workers' chunks first
         self.version = 0
         self.rows: dict[int, int] = {}  # uid -> worker of every row decoding
-        self.owned: dict[int, Rollout] = {}  # uid -> the controller's Rollout
         self.admitted = [0] * n  # sequences admitted to each worker so far
         self.chunks_sent = 0  # chunks the workers streamed to the scorers so far
         self.peak_cache_bytes = 0
@@ -241,7 +240,7 @@ class RayRolloutGroup:
             load[w] += 1
             self.admitted[w] += 1
             share[w].append(r)
-            self.rows[r.uid], self.owned[r.uid] = w, r
+            self.rows[r.uid] = w
         self._gather([self.workers[i].admit.remote(rs, self.version) for i, rs in enumerate(share) if rs])
 
     def advance(self, chunk_size: int | None) -> list[Event]:
@@ -281,7 +280,6 @@ class RayRolloutGroup:
         self._gather([w.abort.remote(m) for w, m in zip(self.workers, mine)])
         for u in uids:
             self.rows.pop(u, None)
-            self.owned.pop(u, None)
 
     def load_weights(self, weights, version: int) -> None:
         """New policy weights into every worker, which then sample as ``version``: a module
@@ -294,17 +292,13 @@ class RayRolloutGroup:
         self.version = version
 
     def in_flight(self) -> list[Rollout] | None:
-        """The rows decoding on every worker, their progress copied into the controller's Rollouts
-        (``RolloutBackend.in_flight``), in admission order; None where a worker's backend cannot
-        hand them out. ``admit`` takes them back: a worker prefills prompt + response so far and
+        """The rows decoding on every worker, as the workers hold them (``RolloutBackend.in_flight``),
+        in admission order; None where a worker's backend cannot hand them out. ``admit`` takes them back: a worker prefills prompt + response so far and
         streams the response to the scorers again."""
         per_worker = self._gather([w.in_flight.remote() for w in self.workers])
         if any(rs is None for rs in per_worker):
             return None
-        rows = [r for rs in per_worker for r in rs]
-        for remote in rows:
-            _copy_progress(remote, self.owned[remote.uid])
-        return sorted((self.owned[r.uid] for r in rows), key=lambda r: r.uid)
+        return sorted((r for rs in per_worker for r in rs), key=lambda r: r.uid)
 
     def state_dict(self) -> dict:
         """Eager engines: every worker's generator state (``{"generator": [...]}``, in rank
@@ -344,19 +338,11 @@ class RayRolloutGroup:
         self.workers = []
 
     def _take(self, remote: Rollout) -> Rollout:
-        """The controller's Rollout, given the worker's finished copy of it."""
-        mine = self.owned.pop(remote.uid)
+        """A worker's finished row, no longer decoding anywhere."""
         del self.rows[remote.uid]
-        _copy_progress(remote, mine)
-        return mine
+        return remote
 
     def _gather(self, refs: list, ranks: list[int] | None = None) -> list:
         """``ray.get`` of one call per worker; a failure named by role and rank."""
         ranks = list(range(len(refs))) if ranks is None else ranks
         return [get_named(ref, f"rollout worker (role=rollout, rank={rank})") for rank, ref in zip(ranks, refs)]
-
-
-def _copy_progress(remote: Rollout, mine: Rollout) -> None:
-    """A worker's copy of a row (tokens, log-probs, versions so far) into the controller's."""
-    for f in ("response_ids", "logprobs", "policy_logprobs", "versions", "finished", "ended_with_eos", "emitted"):
-        setattr(mine, f, getattr(remote, f))

@@ -309,6 +309,7 @@ class StaticRolloutEngine(RolloutEngine):
                 f"The static engine has {len(self._free)} free slots of max_rows={self.max_rows} for {len(rollouts)} "
                 f"new rows; raise max_rows to the most rows in flight (ppo.batch_size + overlap.delta_max, in "
                 f"groups times algo.group_size).")
+        rollouts = [r.copy() for r in rollouts]  # the engine's own records (RolloutBackend.admit)
         slots = self._take_slots(len(rollouts))
         try:
             logits = self._prefill_into(rollouts, slots)

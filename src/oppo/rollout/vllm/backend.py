@@ -590,6 +590,7 @@ class VLLMRolloutBackend:
     def admit(self, rollouts: list[Rollout]) -> None:
         """Add these sequences; vLLM prefills them in the next step (which also samples)."""
         for r in rollouts:
+            r = r.copy()  # the backend's own record (RolloutBackend.admit)
             self.rows[r.uid] = r
             self._add(r)
 
