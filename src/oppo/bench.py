@@ -55,6 +55,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypedDict
 
 import torch
 
@@ -161,9 +162,20 @@ WORKLOADS = {
 }
 
 
+class ModelSize(TypedDict):
+    """A Llama-style decoder's shape, as ``LlamaConfig`` keywords."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int
+
+
 # Llama-style decoders built from config (random weights), for benchmarks on machines without
 # internet: sizes count every parameter (embeddings and, for a causal LM, the untied lm_head).
-MODEL_SIZES = {
+MODEL_SIZES: dict[str, ModelSize] = {
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=176, vocab_size=512),  # ~0.2M
     "small": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
@@ -183,7 +195,7 @@ def synthetic_config(size: str, **extra):
 
     if size not in MODEL_SIZES:
         raise ValueError(f"unknown model size {size!r}; choose from {', '.join(MODEL_SIZES)}.")
-    return LlamaConfig(**MODEL_SIZES[size], max_position_embeddings=4096, pad_token_id=0, eos_token_id=1,
+    return LlamaConfig(**MODEL_SIZES[size], max_position_embeddings=4096, pad_token_id=0, eos_token_id=1,  # type: ignore[call-arg]  # num_labels: not in LlamaConfig's signature, taken by PretrainedConfig
                        bos_token_id=None, tie_word_embeddings=False, num_labels=1, **extra)
 
 
@@ -222,7 +234,7 @@ def write_synthetic_models(root: Path, policy_size: str, reward_size: str, devic
     for name, size, cls in (("policy", policy_size, LlamaForCausalLM),
                             ("reward", reward_size, LlamaForSequenceClassification)):
         with torch.device(device):
-            model = cls(synthetic_config(size)).to(dtype)
+            model = cls(synthetic_config(size)).to(dtype)  # type: ignore[arg-type]  # transformers' functools.wraps(Module.to) reads as unbound
         model.save_pretrained(paths[name])
         synthetic_tokenizer(vocab).save_pretrained(paths[name])
         del model
@@ -310,6 +322,7 @@ def run_modes(base, modes: list[str], steps: int, out: Path, tail_sigma: float |
             m = timing_only(m)
         loggers[mode].log(step, m)
         records[mode]["metrics"].append(m)
+        assert t.last_result is not None  # run_step set it
         records[mode]["lengths"].append([int(n) for n in t.last_result.exp.mask.sum(1).tolist()])
 
     def finish(mode: str) -> None:
@@ -666,8 +679,12 @@ def main(argv: list[str]) -> int:
         with_overrides(base, mode_overrides(m))
     if base.placement.backend == "ray" and LOCAL_BASELINE not in modes and "sequential" in modes:
         modes.append(LOCAL_BASELINE)
-    if workload and base.generation.max_new_tokens != workload.max_new_tokens:
-        workload = workload.scaled(base.generation.max_new_tokens)
+    if workload:
+        if base.generation.max_new_tokens is None:  # (an override cleared the preset)
+            raise ValueError(f"--workload {args.workload} scales its lengths to generation.max_new_tokens: give it "
+                             "a number, not an empty value (or use --workload natural)")
+        if base.generation.max_new_tokens != workload.max_new_tokens:
+            workload = workload.scaled(base.generation.max_new_tokens)
     steps = args.steps or (11 if args.quick else 21)  # the first step is a warm-up, not timed
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -183,15 +183,16 @@ def non_finite(e: BaseException):
     from .guard import NonFiniteError
 
     seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        inner = getattr(e, "cause", None)  # a Ray task error's own exception (its str is a traceback)
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        inner = getattr(cur, "cause", None)  # a Ray task error's own exception (its str is a traceback)
         if isinstance(inner, BaseException):
-            e = inner
-        elif isinstance(e, NonFiniteError):
-            return e
+            cur = inner
+        elif isinstance(cur, NonFiniteError):
+            return cur
         else:
-            e = e.__cause__ or e.__context__
+            cur = cur.__cause__ or cur.__context__
     return None
 
 

@@ -239,8 +239,8 @@ def plan_run(cfg: Config, resume: str | None = None) -> RunPlan:
                                 f"or set run.out_dir to the directory of the run to continue.")
     else:
         ckpt = Path(resume).expanduser()
-        if not (ckpt / "state.json").is_file() and latest_checkpoint(ckpt) is not None:
-            ckpt = latest_checkpoint(ckpt)  # a run directory: its latest checkpoint
+        if not (ckpt / "state.json").is_file() and (latest := latest_checkpoint(ckpt)) is not None:
+            ckpt = latest  # a run directory: its latest checkpoint
         if not (ckpt / "state.json").is_file():
             problems.append(f"--resume {resume}: {ckpt} is not a checkpoint (no state.json). Give a "
                             f"{CKPT_DIR}/step_N directory, a run directory, or auto.")
@@ -253,11 +253,12 @@ def plan_run(cfg: Config, resume: str | None = None) -> RunPlan:
                                 f"({_describe_run(run_dir)}); continue the checkpoint's run in its own directory "
                                 f"(run.out_dir={own}) or give an empty run.out_dir.")
     if ckpt is not None:
+        assert resume is not None  # a checkpoint is picked only with --resume
         ckpt, found = _verified(ckpt, resume)
         problems += found
-    if ckpt is not None:
-        found, step = _resume_problems(cfg, ckpt, resume)
-        problems += found
+        if ckpt is not None:
+            found, step = _resume_problems(cfg, ckpt, resume)
+            problems += found
     writer = _writer_of(run_dir) if run_dir.is_dir() else None
     if writer is not None:
         problems.append(f"oppo train ({writer}) is still writing {run_dir}; wait for it to end or stop it, "
@@ -312,7 +313,7 @@ def _keep_lines_before(path: Path, step: int) -> None:
     if not path.is_file():
         return
     kept = [line for line in path.read_text().splitlines(keepends=True)
-            if line.strip() and _step_of(line) is not None and _step_of(line) < step]
+            if line.strip() and (k := _step_of(line)) is not None and k < step]
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text("".join(kept))
     os.replace(tmp, path)
@@ -386,6 +387,7 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True) -> Path
                     step = trainer.step
                     metrics = trainer.run_step()
                     res = trainer.last_result
+                    assert res is not None and res.exp.scores is not None  # run_step's trained, scored batch
                     if step == first:
                         _print_samples(f"samples at step {step}:", res.texts, res.exp.scores.tolist(),
                                        cfg.run.samples)
@@ -421,6 +423,7 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True) -> Path
             raise Preempted(STOP.signum, run_dir, saved, cfg.run.steps)
         if trainer.step > first:
             res = trainer.last_result
+            assert res is not None and res.exp.scores is not None  # the last step's trained, scored batch
             _print_samples(f"samples at step {trainer.step - 1}:", res.texts, res.exp.scores.tolist(), cfg.run.samples)
         save_checkpoint(trainer, run_dir, cfg.run.keep_checkpoints)
         logger.close()

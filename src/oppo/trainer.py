@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import random
 import time
+from typing import Literal
 
 import torch
 
@@ -143,7 +144,7 @@ class Trainer:
         roles.rollout.load_state_dict(rng["rollout"] if "rollout" in rng else {"generator": rng["engine"]})
         if rng.get("cuda") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
-        saved = state.get("in_flight")  # None: a checkpoint that drained (or predates saving)
+        saved: list[dict] = state.get("in_flight") or []  # empty: a checkpoint that drained (or predates saving)
         keep = bool(saved) and roles.rollout.in_flight() is not None
         self.run.scheduler.load_state_dict(st["scheduler"], keep_untrained=keep)
         self.run.tuner.load_state_dict(st["tuner"])
@@ -163,7 +164,7 @@ class Trainer:
     def __enter__(self) -> "Trainer":
         return self
 
-    def __exit__(self, *exc) -> bool:
+    def __exit__(self, *exc) -> Literal[False]:
         self.close()
         return False
 
