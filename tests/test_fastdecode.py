@@ -64,24 +64,36 @@ def _generate(model, prompts, n):
     return out
 
 
+def _returned(rows, done):
+    """The engine's records of ``rows`` (it never changes those it is given), from the finished
+    records it handed back; each row's exactly once."""
+    by_uid = {r.uid: r for r in done}
+    assert len(by_uid) == len(done) and set(by_uid) == {r.uid for r in rows}
+    assert all(by_uid[r.uid] is not r for r in rows)
+    return [by_uid[r.uid] for r in rows]
+
+
 def _continuous(eng, rows, first=2):
     """Admit ``first`` rows, then refill every free slot from the queue after each step, as the
-    overlapped trainer does; return {slot: [uids it hosted]}."""
+    overlapped trainer does; return {slot: [uids it hosted]} and the engine's finished records of
+    ``rows`` (in their order)."""
     queue = list(rows)
     hosted: dict[int, list[int]] = {}
+    done = []
 
     def admit(k):
         new = [queue.pop(0) for _ in range(min(k, len(queue)))]
         eng.admit(new)
         for r in new:
-            i = next(i for i, x in enumerate(eng.rows) if x is r)
+            i = next(i for i, x in enumerate(eng.rows) if x.uid == r.uid)
+            assert eng.rows[i] is not r  # the engine decodes into a record of its own
             hosted.setdefault(eng.slot_of[i], []).append(r.uid)
 
     admit(first)
     while eng.active or queue:
-        eng.step()
+        done.extend(eng.step())
         admit(len(eng._free))
-    return hosted
+    return hosted, _returned(rows, done)
 
 
 def test_greedy_equals_eager_engine_and_generate_with_continuous_batching():
@@ -90,8 +102,7 @@ def test_greedy_equals_eager_engine_and_generate_with_continuous_batching():
     refs = _generate(model, PROMPTS, n)
     assert len({len(r) for r in refs}) > 2 and any(r[-1] == EOS for r in refs), "fixture: varied lengths"
     eng = StaticRolloutEngine(model, EOS, PAD, n, greedy=True, max_rows=3, max_len=64)
-    rows = _rows()
-    hosted = _continuous(eng, rows)
+    hosted, rows = _continuous(eng, _rows())
     assert max(len(u) for u in hosted.values()) > 1, "a retired row's slot was reused"
     assert len(hosted) <= 3
     for r, ref in zip(rows, refs):
@@ -101,7 +112,7 @@ def test_greedy_equals_eager_engine_and_generate_with_continuous_batching():
     eager = RolloutEngine(model, EOS, PAD, n, greedy=True)
     erows = _rows()
     eager.admit(erows)
-    eager.generate_all()
+    erows = _returned(erows, eager.generate_all())
     assert [r.response_ids for r in erows] == refs
     assert eng.captures == 0 and eng.active == 0 and sorted(eng._free) == [0, 1, 2]
 
@@ -114,6 +125,7 @@ def test_next_logits_equal_the_eager_engine_step_by_step():
     ra, rb = _rows(), _rows()
     for eng, rows in ((a, ra), (b, rb)):
         eng.admit(rows[:3])
+    da, db = [], []
     for t in range(40):
         torch.testing.assert_close(b.next_logits, a.next_logits, atol=1e-5, rtol=1e-5)
         assert b.uids() == a.uids()
@@ -122,8 +134,10 @@ def test_next_logits_equal_the_eager_engine_step_by_step():
             b.admit(rb[3:6])
         if not a.active:
             break
-        a.step()
-        b.step()
+        da += a.step()
+        db += b.step()
+    assert not b.active
+    ra, rb = _returned(ra[:6], da), _returned(rb[:6], db)
     assert [r.response_ids for r in ra] == [r.response_ids for r in rb]
 
 
@@ -135,11 +149,9 @@ def test_sampled_logprobs_equal_a_full_forward(top_k):
     model = _model(seed=2)
     temp = 0.7
     eng = StaticRolloutEngine(model, EOS, PAD, 12, temperature=temp, top_k=top_k, seed=3, max_rows=4, max_len=40)
-    rows = _rows()
-    _continuous(eng, rows, first=3)
+    _, rows = _continuous(eng, _rows(), first=3)
     eager = RolloutEngine(model, EOS, PAD, 12, temperature=temp, top_k=top_k, seed=3)
-    erows = _rows()
-    _eager_continuous(eager, erows, first=3, slots=4)
+    erows = _eager_continuous(eager, _rows(), first=3, slots=4)
     assert [r.response_ids for r in rows] == [r.response_ids for r in erows]
     for r in rows:
         ids = torch.tensor([r.prompt_ids + r.response_ids])
@@ -153,12 +165,15 @@ def test_sampled_logprobs_equal_a_full_forward(top_k):
 
 
 def _eager_continuous(eng, rows, first, slots):
+    """As ``_continuous`` for the eager engine (``slots`` rows at most); its finished records."""
     queue = list(rows)
+    done = []
     eng.admit([queue.pop(0) for _ in range(first)])
     while eng.active or queue:
-        eng.step()
+        done.extend(eng.step())
         free = slots - eng.active
         eng.admit([queue.pop(0) for _ in range(min(free, len(queue)))])
+    return _returned(rows, done)
 
 
 @pytest.mark.parametrize("kind", ["mistral", "qwen2"])
@@ -171,8 +186,7 @@ def test_sliding_window_equals_generate(kind):
     refs = _generate(model, prompts, 18)
     eng = StaticRolloutEngine(model, EOS, PAD, 18, greedy=True, max_rows=2, max_len=32)
     assert eng.window == 4 and eng._masks_as_dict == (kind == "qwen2")
-    rows = _rows(prompts)
-    _continuous(eng, rows, first=1)
+    _, rows = _continuous(eng, _rows(prompts), first=1)
     assert [r.response_ids for r in rows] == refs
     # the window changes the outputs: the same weights without it decode differently
     unwindowed = _model(kind, window=None, seed=4)
@@ -187,16 +201,19 @@ def test_forced_lengths_stop_ids_versions_recompute_and_abort():
     for r, t in zip(rows, (3, 7, 12)):
         r.target_length = t
     eng.admit(rows)
+    done = []
     for _ in range(3):
-        eng.step()
+        done += eng.step()
     eng.set_version(1)  # new weights, KV kept: tokens over the old prefix stay version 0
     for _ in range(2):
-        eng.step()
-    assert rows[0].finished and len(rows[0].response_ids) == 3 and rows[0].ended_with_eos
-    assert rows[1].versions == [0] * 5
+        done += eng.step()
+    assert [r.uid for r in done] == [0]
+    assert done[0].finished and len(done[0].response_ids) == 3 and done[0].ended_with_eos
+    assert [r.uid for r in eng.in_flight()] == [1, 2] and eng.in_flight()[0].versions == [0] * 5
     eng.recompute()  # rebuilt under version 1 in the same slots
     while eng.active:
-        eng.step()
+        done += eng.step()
+    rows = _returned(rows, done)
     assert [len(r.response_ids) for r in rows] == [3, 7, 12]
     assert rows[1].versions == [0] * 5 + [1, 1]
     assert rows[2].versions == [0] * 5 + [1] * 7
@@ -206,13 +223,15 @@ def test_forced_lengths_stop_ids_versions_recompute_and_abort():
     # abort frees the slots; rows admitted after decode exactly as alone
     more = _rows(PROMPTS[3:7])
     eng.admit(more[:4])
-    eng.step()
+    done = eng.step()
     eng.abort({more[1].uid, more[2].uid})
     assert eng.uids() == [more[0].uid, more[3].uid] and len(eng._free) == 2
-    eng.admit([Rollout(99, 99, "", list(PROMPTS[7]), 1)])
-    eng.generate_all()
+    extra = Rollout(99, 99, "", list(PROMPTS[7]), 1)
+    eng.admit([extra])
+    done += eng.generate_all()
+    assert not extra.response_ids and not extra.finished  # the engine's own record decoded
     # a stop id other than the tokenizer's EOS ends the row as an EOS
-    for r in more[:1] + more[3:]:
+    for r in _returned(more[:1] + more[3:] + [extra], done):
         assert r.finished and (r.ended_with_eos == (r.response_ids[-1] in (EOS, 9)))
 
 
@@ -330,8 +349,7 @@ def test_captured_step_reads_only_static_buffers():
         return g, g.out
 
     eng._capture = capture
-    rows = _rows()
-    hosted = _continuous(eng, rows)
+    hosted, rows = _continuous(eng, _rows())
     assert max(len(u) for u in hosted.values()) > 1
     assert [r.response_ids for r in rows] == refs
     assert 1 <= eng.captures <= 6 and len(replays) > 3 * eng.captures
@@ -343,8 +361,7 @@ def test_compiled_decode_equals_eager_on_cpu():
     model = _model(eos_bias=2.0)
     refs = _generate(model, PROMPTS[:4], 12)
     eng = StaticRolloutEngine(model, EOS, PAD, 12, greedy=True, max_rows=2, max_len=24, capture="compile")
-    rows = _rows(PROMPTS[:4])
-    _continuous(eng, rows, first=2)
+    _, rows = _continuous(eng, _rows(PROMPTS[:4]), first=2)
     assert [r.response_ids for r in rows] == refs
     assert eng.captures >= 1
 
@@ -359,8 +376,7 @@ def test_cuda_graph_decode_equals_eager_on_gpu(dtype):
     outs = {}
     for capture in ("none", "cuda_graph"):
         eng = StaticRolloutEngine(model, EOS, PAD, 20, greedy=True, max_rows=3, max_len=64, capture=capture)
-        rows = _rows()
-        _continuous(eng, rows)
+        _, rows = _continuous(eng, _rows())
         outs[capture] = [r.response_ids for r in rows]
         if capture == "cuda_graph":
             assert 1 <= eng.captures <= 8

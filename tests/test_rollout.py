@@ -16,6 +16,15 @@ def _rollouts(tok, prompts=PROMPTS):
     return [Rollout(i, i, p, tok(p)["input_ids"], 0) for i, p in enumerate(prompts)]
 
 
+def _returned(rows, done):
+    """The engine's records of ``rows`` (it never changes those it is given), from the finished
+    records it handed back; each row's exactly once."""
+    by_uid = {r.uid: r for r in done}
+    assert len(by_uid) == len(done) and set(by_uid) == {r.uid for r in rows}
+    assert all(by_uid[r.uid] is not r for r in rows)
+    return [by_uid[r.uid] for r in rows]
+
+
 def _eos_biased(model, tok, bias=3.0):
     """Make EOS likely enough that rows end at different times."""
     with torch.no_grad():
@@ -40,7 +49,7 @@ def test_greedy_equals_generate(tiny_models):
     eng = RolloutEngine(model, tok.eos_token_id, tok.pad_token_id, max_new_tokens=16, greedy=True)
     rs = _rollouts(tok)
     eng.admit(rs)
-    eng.generate_all()
+    rs = _returned(rs, eng.generate_all())
     for r, ref in zip(rs, _reference_greedy(model, tok, PROMPTS, 16)):
         assert r.response_ids == ref
 
@@ -55,10 +64,11 @@ def test_greedy_equals_generate_with_staggered_admission_and_eos(tiny_models):
     eng = RolloutEngine(model, tok.eos_token_id, tok.pad_token_id, max_new_tokens=24, greedy=True)
     rs = _rollouts(tok)
     eng.admit(rs[:2])
+    done = []
     for _ in range(3):
-        eng.step()
+        done += eng.step()
     eng.admit(rs[2:])
-    eng.generate_all()
+    rs = _returned(rs, done + eng.generate_all())
     for r, ref in zip(rs, refs):
         assert r.response_ids == ref
         assert r.ended_with_eos == (ref[-1] == tok.eos_token_id)
@@ -69,7 +79,7 @@ def test_behaviour_logprobs_match_a_full_forward(tiny_models):
     eng = RolloutEngine(model, tok.eos_token_id, tok.pad_token_id, max_new_tokens=10, temperature=0.7, seed=3)
     rs = _rollouts(tok)
     eng.admit(rs)
-    eng.generate_all()
+    rs = _returned(rs, eng.generate_all())
     for r in rs:
         ids = torch.tensor([r.prompt_ids + r.response_ids])
         with torch.no_grad():
@@ -86,7 +96,7 @@ def test_sampling_is_seeded_and_stops_at_max_new_tokens(tiny_models):
         eng = RolloutEngine(model, tok.eos_token_id, tok.pad_token_id, max_new_tokens=7, seed=11)
         rs = _rollouts(tok)
         eng.admit(rs)
-        eng.generate_all()
+        rs = _returned(rs, eng.generate_all())
         outs.append([r.response_ids for r in rs])
         assert all(len(r.response_ids) <= 7 for r in rs)
         assert all(r.ended_with_eos or len(r.response_ids) == 7 for r in rs)
@@ -101,8 +111,9 @@ def test_chunks_cover_each_response_once(tiny_models):
     eng.admit(rs)
     got = {r.uid: [] for r in rs}
     finals = set()
+    done = []
     while eng.active:
-        eng.step()
+        done += eng.step()
         for c in eng.take_chunks(3):
             assert c.uid not in finals
             got[c.uid].extend(c.tokens)
@@ -113,7 +124,7 @@ def test_chunks_cover_each_response_once(tiny_models):
         got[c.uid].extend(c.tokens)
         finals.add(c.uid)
     assert finals == {r.uid for r in rs}
-    for r in rs:
+    for r in _returned(rs, done):
         assert got[r.uid] == r.response_ids
 
 
@@ -152,8 +163,7 @@ def test_stops_on_every_generation_config_eos(tiny_models):
     eng = RolloutEngine(model, tok.eos_token_id, tok.pad_token_id, max_new_tokens=16, greedy=True)
     rs = _rollouts(tok)
     eng.admit(rs)
-    eng.generate_all()
-    free = [r.response_ids for r in rs]
+    free = [r.response_ids for r in _returned(rs, eng.generate_all())]
     other = free[0][2]  # a token the first row emits third
     assert other != tok.eos_token_id
     model.generation_config.eos_token_id = [tok.eos_token_id, other]
@@ -162,7 +172,7 @@ def test_stops_on_every_generation_config_eos(tiny_models):
     eng = RolloutEngine(model, ids, tok.pad_token_id, max_new_tokens=16, greedy=True)
     rs = _rollouts(tok)
     eng.admit(rs)
-    eng.generate_all()
+    rs = _returned(rs, eng.generate_all())
     for r, f in zip(rs, free):
         want = f[: f.index(other) + 1] if other in f else f
         assert r.response_ids == want
@@ -182,9 +192,10 @@ def test_stale_kv_keep_tags_tokens_over_an_old_prefix_as_old(tiny_models):
     eng.set_version(1)  # new weights arrive; the cache is kept
     for _ in range(3):
         eng.step()
-    row = eng.rows[0]
+    (row,) = eng.in_flight()  # the engine's record (it never changes the one it was given)
     assert row.versions == [0] * 6, "hybrid tokens are not pi_1's"
     eng.recompute()
     eng.step()
     eng.step()
+    (row,) = eng.in_flight()
     assert row.versions == [0] * 6 + [1, 1]
