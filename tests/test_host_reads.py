@@ -82,18 +82,25 @@ def _count_reads(monkeypatch, engine) -> list[int]:
 
 
 def _drain(engine, rows, chunk, count):
-    """advance(chunk) until every row ended; per call: (reads, events, the rows' list lengths
-    before, after)."""
+    """advance(chunk) until every row ended; per call: (reads, events, the engine's records' list
+    lengths before, after); the engine's finished records of ``rows`` (in their order; it never
+    changes the rows given) and the chunks."""
     engine.admit(rows)
-    calls, chunks = [], {r.uid: [] for r in rows}
+    mine = {r.uid: r for r in engine.rows}  # the engine's own records (read without a pull)
+    assert set(mine) == {r.uid for r in rows} and all(mine[r.uid] is not r for r in rows)
+    calls, chunks, done = [], {r.uid: [] for r in rows}, {}
     while engine.active:
-        before, n = [len(r.response_ids) for r in rows], count[0]
+        before, n = [len(r.response_ids) for r in mine.values()], count[0]
         events = engine.advance(chunk)
-        calls.append((count[0] - n, events, before, [len(r.response_ids) for r in rows]))
+        calls.append((count[0] - n, events, before, [len(r.response_ids) for r in mine.values()]))
         for e in events:
             if isinstance(e, ChunkReady):
                 chunks[e.chunk.uid].append(e.chunk.tokens)
-    return calls, chunks
+            if isinstance(e, SequenceFinished):
+                assert e.rollout is mine[e.rollout.uid] and e.rollout.uid not in done
+                done[e.rollout.uid] = e.rollout
+    assert all(not r.response_ids for r in rows)
+    return calls, [done[r.uid] for r in rows], chunks
 
 
 def _per_token_reference(kind, model, targets, chunk):
@@ -101,12 +108,12 @@ def _per_token_reference(kind, model, targets, chunk):
     loop's outputs."""
     eng, rows = _engine(kind, model), _rows(targets)
     eng.admit(rows)
-    chunks = {r.uid: [] for r in rows}
+    chunks, done = {r.uid: [] for r in rows}, {}
     while eng.active:
-        eng.step()
+        done.update((r.uid, r) for r in eng.step())
         for c in eng.take_chunks(chunk):
             chunks[c.uid].append(c.tokens)
-    return rows, chunks
+    return [done[r.uid] for r in rows], chunks
 
 
 @pytest.mark.parametrize("kind", ["eager", "static"])
@@ -119,9 +126,8 @@ def test_forced_lengths_read_nothing_between_chunks_and_finishes(kind, monkeypat
     targets = [5, 11, 16, 16, 13, 16]
     ref_rows, ref_chunks = _per_token_reference(kind, model, targets, 8)
     eng = _engine(kind, model)
-    rows = _rows(targets)
     count = _count_reads(monkeypatch, eng)
-    calls, chunks = _drain(eng, rows, 8, count)
+    calls, rows, chunks = _drain(eng, _rows(targets), 8, count)
     monkeypatch.undo()
     quiet = [c for c in calls if not c[1]]
     assert len(quiet) > len(calls) // 2, "fixture: most steps have no event"
@@ -145,9 +151,8 @@ def test_eos_reads_one_flag_per_step_and_records_once(kind, monkeypatch):
     targets = [None] * len(PROMPTS)
     ref_rows, ref_chunks = _per_token_reference(kind, model, targets, 5)
     eng = _engine(kind, model)
-    rows = _rows(targets)
     count = _count_reads(monkeypatch, eng)
-    calls, chunks = _drain(eng, rows, 5, count)
+    calls, rows, chunks = _drain(eng, _rows(targets), 5, count)
     monkeypatch.undo()
     ends = [len(r.response_ids) for r in rows]
     assert len(set(ends)) > 2 and any(r.ended_with_eos for r in rows), "fixture: rows end at different steps"
