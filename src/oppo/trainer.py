@@ -23,7 +23,6 @@ from .control.metrics import step_metrics
 from .fingerprint import run_fingerprints
 from .api.roles import Roles
 from .setup.roles import build_roles
-from .weights.precision import copy_weights
 
 
 class Trainer:
@@ -130,10 +129,8 @@ class Trainer:
         rollout backend cannot take them back, or the checkpoint predates saving them (it drained
         them), their prompts are requeued."""
         roles, st = self.roles, state["state"]
-        if roles.critic is not None:  # the serving copies (bf16, in flight), where there are any
-            copy_weights(roles.critic, roles.scoring_critic)
-        roles.rollout.load_weights(roles.policy, st["step"])
-        roles.learner.load_checkpoint_state(state["optim"])
+        roles.learner.load_checkpoint_state(state["optim"])  # the learner takes the checkpoint's weights and states
+        roles.sync(st["step"])  # then every role that serves them, as after an update (weights.plan.WeightSync)
         rng = state["rng"]
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])

@@ -1,4 +1,5 @@
-"""The one order in which trained weights reach the roles that serve them."""
+"""The one plan by which trained weights reach the roles that serve them: after every update, and
+when a checkpoint is restored."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ from typing import Callable
 
 @dataclass
 class WeightSync:
-    """After an update, the serving side gets the trained weights: the rollout backend (a new
-    version) and the critic the scorer reads. Composed once by :func:`build_roles` from the
-    placement: ``steps`` run in order."""
+    """The serving side gets the learner's weights: the rollout backend (a new version) and the
+    critic the scorer reads. Composed once, from the placement, by ``setup.roles.build_roles`` (its
+    one owner: each sink and its source are named there and nowhere else); ``steps`` run in order.
+    The controller calls it after every update (``control.stages.sync_weights``), and a restore
+    calls it once the learner holds the checkpoint's weights (``Trainer.load_state_dict``)."""
 
     steps: list[Callable[[int], None]]
 
