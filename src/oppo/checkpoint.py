@@ -44,9 +44,9 @@ What a resume repeats. Sequential and intra runs have nothing in flight between 
 resumed steps equal an uninterrupted run's (tested). In inter and oppo the live run, after
 writing a checkpoint, re-admits its untrained sequences from the saved state exactly as a resumed
 run does (``Run.reload_in_flight``), so the resumed run trains the uninterrupted run's batches step
-for step: same tokens, versions and log-probs (the engine's generator state is saved; vLLM seeds
-each request by uid and length), scores equal up to floating-point rounding (tested, also with
-vLLM and with a Ray rollout worker). Against a run that never checkpoints, a checkpoint changes
+for step: same tokens, versions and log-probs (the backend's sampling state is saved: oppo's
+engines' generators; a backend that seeds each request by uid and length needs none), scores equal
+up to floating-point rounding (tested, also with another backend and with a Ray rollout worker). Against a run that never checkpoints, a checkpoint changes
 the carried rows' KV (rebuilt under the current weights, so their next tokens carry the current
 version; with ``stale_kv=recompute`` that happened at the update anyway and the two runs train the
 same batches, tested) and the critic values of their prefixes (rescored by the current critic:
