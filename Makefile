@@ -30,7 +30,10 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/oppo train
 
+# the import rules and the type check first (pyproject.toml: [tool.importlinter], [tool.mypy]), then the suite
 test: $(STAMP)
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 	$(PY) -m pytest -q tests
 
 bench: $(STAMP)

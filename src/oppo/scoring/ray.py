@@ -175,8 +175,8 @@ class RayScorerWorker:
         if sorted(r for g in groups for r in g) != sorted(specs):
             raise ValueError(f"scorer groups {groups} must place each of {sorted(specs)} exactly once")
         self.tracer, self.name = tracer, name
-        self.roles = tuple(roles)
-        self.peak_cache_bytes = {r: 0 for r in roles}  # refreshed at barriers
+        self.roles: tuple[str, ...] = tuple(roles)
+        self.peak_cache_bytes: dict[str, int] = {r: 0 for r in roles}  # refreshed at barriers
         self.results: dict[str, dict[int, ScoredOutputs]] = {r: {} for r in roles}
         self.train_stats: dict[str, float] = {}
         self.critic_trains_here = critic_trainer is not None

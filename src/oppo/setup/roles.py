@@ -15,6 +15,7 @@ config and tokenizer, the reward model or function, then the big models.
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 
@@ -37,6 +38,11 @@ from ..learner.critic import CriticBesideScorer
 from ..weights.plan import WeightSync
 from .plan import decide_placement, engine_settings, resolve_paths
 from ..api.roles import Roles
+
+
+# Roles is built in two phases: the models first, then the placement's builders fill in the rollout
+# backend and the scorer (they read the models from it). This stands in until then.
+_BUILT_NEXT: Any = None
 
 
 def build_roles(cfg: Config, progress: bool = True) -> Roles:
@@ -63,6 +69,7 @@ def build_roles(cfg: Config, progress: bool = True) -> Roles:
         reward_fn = RewardFunction(load_function(paths.reward_function), paths.reward_function,
                                    retries=cfg.reward.retries, backoff_s=cfg.reward.retry_backoff_s)
     else:
+        assert paths.reward is not None, "resolve_paths gives a reward model where no function scores"
         reward_model = load_reward_model(paths.reward, resolve_device(cfg.reward.device, str(dev)), dtype, pad_id)
     judge_fn = load_function(paths.judge, "reward.judge") if paths.judge else None
     accuracy_fn = load_function(paths.accuracy, "task accuracy") if paths.accuracy else None
@@ -115,8 +122,8 @@ def build_roles(cfg: Config, progress: bool = True) -> Roles:
                   algorithm=algorithm, device=dev, compute_dtype=dtype, max_new_tokens=max_new, pad_id=pad_id,
                   stop_ids=tuple(stop_ids), policy=policy, critic=critic, reference=reference,
                   rollout_policy=rollout_policy, scoring_critic=scoring_critic, reward_model=reward_model, reward_fn=reward_fn, judge_fn=judge_fn,
-                  accuracy_fn=accuracy_fn, rollout=None, scorer=None, learner=learner, sync=WeightSync([]),
-                  tracer=tracer)
+                  accuracy_fn=accuracy_fn, rollout=_BUILT_NEXT, scorer=_BUILT_NEXT, learner=learner,
+                  sync=WeightSync([]), tracer=tracer)
     if placement.learner == "ray":
         _place_on_ray(roles, stop_ids, recompute)
         return roles
@@ -125,17 +132,23 @@ def build_roles(cfg: Config, progress: bool = True) -> Roles:
     if placement.scorer == "inline":
         roles.scorer = InlineScorer(scorers)
     else:
-        trainer = (CriticTrainer(learner.critic_opt, cfg.ppo, None if placement.scorer == "process" else critic,
-                                 dtype) if trains_here else None)
-        roles.scorer = ScorerWorker(scorers, cfg.placement.scorer_threads, tracer, trainer=trainer,
-                                    transport=placement.scorer)
+        trainer = None
+        if trains_here:  # (a critic, so its optimizer)
+            assert learner.critic_opt is not None
+            trainer = CriticTrainer(learner.critic_opt, cfg.ppo, None if placement.scorer == "process" else critic,
+                                    dtype)
+        worker = ScorerWorker(scorers, cfg.placement.scorer_threads, tracer, trainer=trainer,
+                              transport=placement.scorer)
+        roles.scorer = worker
+        if trains_here:
+            roles.learner = CriticBesideScorer(learner, worker, tracer, placement.threads, inflight)
     roles.closers.append(roles.scorer.close)
-    if trains_here:
-        roles.learner = CriticBesideScorer(learner, roles.scorer, tracer, placement.threads, inflight)
-    if critic is not None and not trains_here and scoring_critic is not critic:
+    if critic is not None and scoring_critic is not None and not trains_here and scoring_critic is not critic:
+        serving = scoring_critic
+
         def critic_copy(version: int) -> None:
             roles.scorer.barrier()  # no chunk is being scored with the critic copy while it changes
-            copy_weights(critic, scoring_critic)
+            copy_weights(critic, serving)
         roles.sync.steps.append(critic_copy)
     roles.sync.steps.append(lambda version: roles.rollout.load_weights(policy, version))
     return roles
@@ -256,7 +269,11 @@ def _collective_sync(roles: Roles, learner, rollout=None, local: torch.nn.Module
     if pl.weight_sync == "object_store":
         return None
     if pl.weight_sync == "auto":  # collective where NCCL can carry it: every member on a GPU
-        serving_on_gpu = pl.rollout_gpus > 0 if rollout is not None else next(local.parameters()).is_cuda
+        if rollout is not None:
+            serving_on_gpu = pl.rollout_gpus > 0
+        else:
+            assert local is not None  # (the sink: the workers, or the local engine's model)
+            serving_on_gpu = next(local.parameters()).is_cuda
         if not (pl.learner_gpus > 0 and serving_on_gpu):
             return None  # on CPU the object store (shared memory on a node) beats gloo: benchmarks/weight_sync
     wire = {n: t.dtype for n, t in roles.rollout_policy.state_dict().items()}  # the serving side's dtypes

@@ -16,7 +16,7 @@ class WeightSync:
     The controller calls it after every update (``control.stages.sync_weights``), and a restore
     calls it once the learner holds the checkpoint's weights (``Trainer.load_state_dict``)."""
 
-    steps: list[Callable[[int], None]]
+    steps: list[Callable[[int], object]]  # (what a step returns is not used)
 
     def __call__(self, version: int) -> float:
         """Load the weights trained up to ``version``; returns the seconds it took."""
