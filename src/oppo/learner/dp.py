@@ -140,7 +140,8 @@ def dp_update(learner: Learner, exp: Experience, step: int, rank: int, world: in
     actor_steps = _Shard(mbs, rank, world, learner.actor,
                          lambda rows, nt, ns: learner._actor_micro_step(exp, rows, nt, ns, probe))
     agree = any_rank(world, learner.device)
-    stats = _train(learner.actor, learner.actor_opt, exp, mbs, cfg, "actor", actor_steps, step, agree)
+    stats = _train(learner.actor, learner.actor_opt, exp, mbs, cfg, "actor", actor_steps, step, agree,
+                   compute_dtype=learner.compute_dtype)
     actor_steps.check_done()
     if critic and learner.critic is not None:
         batch = CriticBatch.of(exp)
@@ -148,7 +149,7 @@ def dp_update(learner: Learner, exp: Experience, step: int, rank: int, world: in
                               lambda rows, nt, ns: critic_micro_step(learner.critic, batch, rows, nt, ns, cfg,
                                                                       learner.compute_dtype))
         stats.update(_train(learner.critic, learner.critic_opt, batch, mbs, cfg, "critic", critic_steps, step,
-                            agree))
+                            agree, compute_dtype=learner.compute_dtype))
         critic_steps.check_done()
     return {**merge_rank_stats(stats, world, probe), **padding_stats(exp, mbs, cfg)}
 

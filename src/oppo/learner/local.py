@@ -16,7 +16,7 @@ from .batch import (CriticBatch, Experience, MicroBatch, _lengths, _micro_slices
                     padding_stats, set_old_logprobs)
 from ..models import backbone_and_head, checkpointing
 from .offpolicy import MismatchProbe
-from ..weights.precision import autocast
+from ..weights.precision import autocast, cast_once
 
 
 def adamw(params, lr: float, weight_decay: float) -> torch.optim.AdamW:
@@ -119,7 +119,8 @@ class Learner:
         mbs = [mb.to(exp.mask.device) for mb in self.minibatches(exp.mask.shape[0], step, exp.valid.sum(1))]
         probe = MismatchProbe(self.actor_opt, step)
         stats = _train(self.actor, self.actor_opt, exp, mbs, self.cfg, "actor",
-                       lambda rows, nt, ns: self._actor_micro_step(exp, rows, nt, ns, probe), step)
+                       lambda rows, nt, ns: self._actor_micro_step(exp, rows, nt, ns, probe), step,
+                       compute_dtype=self.compute_dtype)
         stats.update(MismatchProbe.stats(probe.partial()))
         stats.update(padding_stats(exp, mbs, self.cfg))
         if critic and self.critic is not None:
@@ -223,7 +224,8 @@ def critic_update(critic, opt: torch.optim.Optimizer, batch: CriticBatch, miniba
             before_micro()
         return critic_micro_step(critic, batch, rows, num_tokens, num_seqs, cfg, compute_dtype)
 
-    return _train(critic, opt, batch, [mb.to(dev) for mb in minibatches], cfg, "critic", micro, step)
+    return _train(critic, opt, batch, [mb.to(dev) for mb in minibatches], cfg, "critic", micro, step,
+                  compute_dtype=compute_dtype)
 
 
 def critic_micro_step(critic, batch: CriticBatch, rows: torch.Tensor, num_tokens, num_seqs: int, cfg: PPOConfig,
@@ -244,7 +246,7 @@ def critic_micro_step(critic, batch: CriticBatch, rows: torch.Tensor, num_tokens
 
 
 def _train(model, opt, batch: "Experience | CriticBatch", minibatches: list[torch.Tensor], cfg: PPOConfig, name: str,
-           micro_step, step: int = -1, agree=None) -> dict[str, float]:
+           micro_step, step: int = -1, agree=None, compute_dtype: torch.dtype = torch.float32) -> dict[str, float]:
     """Optimizer steps over ``minibatches`` of ``batch``'s rows; each is cut into micro-batches
     (:func:`micro_batches`) that accumulate gradients.
 
@@ -259,6 +261,9 @@ def _train(model, opt, batch: "Experience | CriticBatch", minibatches: list[torc
     (``guard/skipped/<name>``); after the last step the trained weights must be finite. On
     data-parallel / FSDP2 ranks the norm is already global (all-reduced gradients, DTensor norm)
     and ``agree(flag) -> flag`` (a collective) makes the loss flag every rank's, so all decide alike.
+
+    Under a low-precision ``compute_dtype`` each master weight is cast once per optimizer step
+    (``weights.precision.cast_once``), not once per micro-batch.
     """
     sums: dict[str, float] = {}
     taken = skipped = 0
@@ -270,13 +275,14 @@ def _train(model, opt, batch: "Experience | CriticBatch", minibatches: list[torc
         opt.zero_grad(set_to_none=True)
         mb_sums: dict[str, float] = {}
         bad_rows: list[int] = []
-        for rows in micro_batches(batch, mb, cfg, lengths):
-            stats = micro_step(rows, num_tokens, len(mb))
-            w = stats.pop("_frac")
-            for k, v in stats.items():
-                mb_sums[k] = mb_sums.get(k, 0.0) + (v if k.startswith("loss/") else v * w)
-            if not all(math.isfinite(v) for k, v in stats.items() if k.startswith("loss/")):  # read on the host already
-                bad_rows += rows.tolist()
+        with cast_once(mask.device, compute_dtype):
+            for rows in micro_batches(batch, mb, cfg, lengths):
+                stats = micro_step(rows, num_tokens, len(mb))
+                w = stats.pop("_frac")
+                for k, v in stats.items():
+                    mb_sums[k] = mb_sums.get(k, 0.0) + (v if k.startswith("loss/") else v * w)
+                if not all(math.isfinite(v) for k, v in stats.items() if k.startswith("loss/")):  # read on the host already
+                    bad_rows += rows.tolist()
         params = [p for p in model.parameters() if p.grad is not None]
         norm = _grad_norm(params)
         norm_f = float(norm) if norm is not None else 0.0  # CPU-GPU sync point (the grad_norm metric)

@@ -16,6 +16,7 @@ while the engine and the scorers go on with the copies.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 import copy
 
 import torch
@@ -63,3 +64,20 @@ def autocast(device: torch.device, compute: torch.dtype):
     if compute not in LOW_PRECISION:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=compute)
+
+
+@contextlib.contextmanager
+def cast_once(device: torch.device, compute: torch.dtype) -> Iterator[None]:
+    """One optimizer step's micro-batches, each master weight cast to ``compute`` once, not once
+    per micro-batch forward: a low-precision working copy kept in step with the masters.
+
+    Autocast caches the casts of trainable leaf tensors until the outermost autocast region exits;
+    this opens one (disabled, so the backward passes between the forwards run outside autocast, as
+    recommended) around the micro-batches, and the forwards' own :func:`autocast` regions nest in
+    it and share its cache. Exiting drops the cache, before the optimizer step changes the masters.
+    Nothing for fp32 compute."""
+    if compute not in LOW_PRECISION:
+        yield
+        return
+    with torch.autocast(device_type=device.type, dtype=compute), torch.autocast(device_type=device.type, enabled=False):
+        yield

@@ -1,0 +1,67 @@
+"""Under bf16 the learner casts each fp32 master weight once per optimizer step, not once per
+micro-batch (``weights.precision.cast_once``), and the update is the same as casting every time."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.profiler import profile
+
+import oppo.learner.local as local
+from oppo.config import PPOConfig
+from oppo.weights.precision import autocast
+
+MICRO = 4  # micro-batches per optimizer step
+
+
+def _step(cast_once_on: bool, monkeypatch) -> tuple[int, list[torch.Tensor]]:
+    """One optimizer step of ``MICRO`` micro-batches of a two-layer fp32 model under bf16 autocast
+    (the learner's own loop); the number of dtype casts it ran, and the updated weights."""
+    if not cast_once_on:
+        monkeypatch.setattr(local, "cast_once", lambda device, dtype: local.autocast(device, torch.float32))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randn(MICRO, 16)
+
+    def micro(rows, num_tokens, num_seqs):
+        with autocast(x.device, torch.bfloat16):
+            y = model(x[rows]).float().sum()
+        y.backward()
+        return {"loss/x": y.item(), "_frac": 1.0 / MICRO}
+
+    cfg = PPOConfig(micro_batch_size=1, minibatch_size=MICRO, batch_size=MICRO)
+    with profile() as prof:
+        local._train(model, opt, SimpleNamespace(mask=torch.ones(MICRO, 1)), [torch.arange(MICRO)], cfg, "actor",
+                     micro, compute_dtype=torch.bfloat16)
+    casts = sum(e.count for e in prof.key_averages() if e.key == "aten::_to_copy")
+    return casts, [p.detach().clone() for p in model.parameters()]
+
+
+def test_each_master_is_cast_once_per_optimizer_step(monkeypatch):
+    once, w_once = _step(True, monkeypatch)
+    every, w_every = _step(False, monkeypatch)
+    n_params = 4  # two weights, two biases
+    # the same inputs' casts either way; the parameters' once per step instead of once per micro-batch
+    assert every - once == n_params * (MICRO - 1)
+    for a, b in zip(w_once, w_every):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_fp32_compute_opens_no_autocast_region():
+    from oppo.weights.precision import cast_once
+
+    with cast_once(torch.device("cpu"), torch.float32):
+        assert not torch.is_autocast_enabled("cpu")
+    with cast_once(torch.device("cpu"), torch.bfloat16):
+        assert not torch.is_autocast_enabled("cpu")  # (open for the cache, disabled between the forwards)
+        with autocast(torch.device("cpu"), torch.bfloat16):
+            assert torch.is_autocast_enabled("cpu")
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
