@@ -3,7 +3,6 @@ micro-batch (``weights.precision.cast_once``), and the update is the same as cas
 
 from types import SimpleNamespace
 
-import pytest
 import torch
 from torch.profiler import profile
 
@@ -57,11 +56,3 @@ def test_fp32_compute_opens_no_autocast_region():
         assert not torch.is_autocast_enabled("cpu")  # (open for the cache, disabled between the forwards)
         with autocast(torch.device("cpu"), torch.bfloat16):
             assert torch.is_autocast_enabled("cpu")
-
-
-@pytest.fixture(autouse=True)
-def _threads():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
