@@ -41,7 +41,8 @@ def _settings(tiny_models, tiny_prompts, out, mode="oppo", steps=4):
 
 
 def _snapshot(trainer) -> dict[int, dict]:
-    return {u: {f: getattr(r, f) for f in FIELDS} for u, r in trainer.run.rollouts.items()}
+    """The untrained sequences, a decoding one's progress as the rollout backend holds it."""
+    return {u: {f: getattr(r, f) for f in FIELDS} for u, r in trainer.run.untrained().items()}
 
 
 def _carried(trainer, finished: bool = False):
@@ -49,7 +50,7 @@ def _carried(trainer, finished: bool = False):
     (``finished``: and a finished one waits to be trained)."""
     for _ in range(12):
         trainer.run_step()
-        rows = trainer.run.rollouts.values()
+        rows = trainer.run.untrained().values()  # (a decoding one's progress: the backend's record)
         if any(not r.finished and r.response_ids for r in rows) and (not finished or any(r.finished for r in rows)):
             return
     pytest.fail("no sequence was carried with a partial response (or finished and waiting): the test would "
