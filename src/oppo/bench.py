@@ -264,7 +264,7 @@ def timing_only(metrics: dict) -> dict:
 
 
 def run_modes(base, modes: list[str], steps: int, out: Path, tail_sigma: float | None = None,
-              progress=print, lengths: LengthWorkload | None = None, make_engine=None,
+              progress=print, lengths: LengthWorkload | None = None,
               deadline: float | None = None, one_at_a_time: bool = False, on_step=None) -> dict[str, dict]:
     """Run every mode for ``steps`` steps; return per-mode raw records.
 
@@ -280,8 +280,7 @@ def run_modes(base, modes: list[str], steps: int, out: Path, tail_sigma: float |
     reset before the build).
 
     ``lengths`` forces response lengths (a :class:`LengthWorkload`; ``tail_sigma`` is the sweep's
-    shorthand for one). ``make_engine(trainer)``, if given, replaces each trainer's rollout engine
-    (e.g. a :class:`oppo.rollout.static.StaticRolloutEngine`) before the first step. ``deadline``
+    shorthand for one); the rollout backend is the config's (``generation.engine``). ``deadline``
     (a ``time.time()``): stop after the round of steps that would end past it, once every mode
     has at least two steps (one warm-up, one timed); one mode at a time, each mode gets an equal
     share of the time left when it starts. ``on_step(mode, step, metrics, trainer)``, if given,
@@ -307,11 +306,8 @@ def run_modes(base, modes: list[str], steps: int, out: Path, tail_sigma: float |
             t.length_sampler = _synthetic_sampler(tail_sigma, t.max_new_tokens, cfg.run.seed)
         elif lengths is not None:
             t.length_sampler = lengths.sampler(cfg.run.seed)
-        if make_engine is not None:
-            t.roles.rollout = make_engine(t)
         loggers[mode] = MetricsLogger(cfg.run.out_dir)
-        engine = t.roles.engine if make_engine is None else f"{type(t.roles.rollout).__name__} (make_engine)"
-        records[mode] = {"metrics": [], "sampler": t.length_sampler, "lengths": [], "engine": engine}
+        records[mode] = {"metrics": [], "sampler": t.length_sampler, "lengths": [], "engine": t.roles.engine}
 
     def run_step(mode: str, step: int) -> None:
         t = trainers[mode]
