@@ -180,6 +180,54 @@ def test_rollout_backend_conforms(make_rollout):
             assert not any(c.final for c in chunks[r.uid][:-1])
 
 
+def _prefix(r: Rollout, uid: int, n: int = 1) -> Rollout:
+    """A running row with the first ``n`` tokens of ``r``'s response (as a checkpoint saves one)."""
+    d = r.state_dict()
+    for f in ("response_ids", "logprobs", "policy_logprobs", "versions"):
+        d[f] = d[f][:n]
+    d.update(uid=uid, group=uid, finished=False, ended_with_eos=False, emitted=0)
+    return Rollout.from_state_dict(d)
+
+
+@pytest.mark.parametrize("make_rollout", ALL, indirect=True)
+def test_rollout_backend_never_changes_the_records_it_is_given(make_rollout):
+    """``admit`` samples into records of the backend's own: the rows given keep every field as it
+    was (no token, log-prob, version, ``finished`` or ``emitted`` written into them, no list
+    extended in place), through ``advance``, ``in_flight`` and ``generate_all``; the backend's
+    records come back (``SequenceFinished``, ``in_flight``, ``generate_all``) as other objects
+    with the responses. Fresh rows, and partial rows taken back (a resume's path)."""
+    b = make_rollout(seed=2)
+    b.set_version(1)
+    rows = _rows()
+    given = [r.state_dict() for r in rows]
+    b.admit(rows)
+    events = b.advance(2)
+    live = b.in_flight()
+    if live is not None:  # (a backend that can hand its rows out: its own, not the ones given)
+        assert {r.uid for r in live} <= {r.uid for r in rows}
+        assert not any(x is r for x in live for r in rows)
+    finished, _, _ = _drain(b, chunk=2)
+    finished += [e.rollout for e in events if isinstance(e, SequenceFinished)]
+    assert [r.state_dict() for r in rows] == given, "the admitted rows are as they were given"
+    assert sorted(r.uid for r in finished) == [r.uid for r in rows]
+    assert not any(x is r for x in finished for r in rows), "the finished records are the backend's own"
+    for r in finished:
+        assert r.finished and r.response_ids and len(r.logprobs) == len(r.versions) == len(r.response_ids)
+        assert set(r.versions) == {1}
+    # partial rows (their first token kept) taken back: decoded on in the backend's records
+    partial = [_prefix(r, 10 + r.uid) for r in sorted(finished, key=lambda r: r.uid) if len(r.response_ids) > 1]
+    assert partial, "fixture: a response of more than one token"
+    given = [r.state_dict() for r in partial]
+    b.admit(partial)
+    done = b.generate_all()
+    assert [r.state_dict() for r in partial] == given, "the partial rows' lists were not extended in place"
+    assert sorted(r.uid for r in done) == [r.uid for r in partial]
+    assert not any(x is r or x.response_ids is r.response_ids for x in done for r in partial)
+    saved = {r.uid: (r.response_ids, r.logprobs, r.versions) for r in partial}
+    assert_continued(done, saved)
+    assert all(r.finished and len(r.response_ids) > 1 for r in done)
+
+
 @pytest.mark.parametrize("make_rollout", ONE_RAY, indirect=True)
 def test_rollout_backend_no_chunks_without_a_chunk_size(make_rollout):
     b = make_rollout()
