@@ -349,12 +349,13 @@ def test_behaviour_logprobs(load, arch, dtype):
     eng = RolloutEngine(model, EOS, PAD, max_new_tokens=8, temperature=TEMP, top_k=0, top_p=1.0, seed=11)
     groups = [group([0, 1], [2, 8]), group([2, 3], [6, 1]), group([4, 5], [7, 3])]
     joins = {0: groups[0], 2: groups[1], 5: groups[2]}
+    done = {}  # the engine's records (it never changes the rows it is given)
     for step in range(100):
         eng.admit(joins.get(step, []))
         if not eng.active:
             break
-        eng.step()
-    rows = [r for g in groups for r in g]
+        done.update((r.uid, r) for r in eng.step())
+    rows = [done[r.uid] for g in groups for r in g]
     assert all(r.finished for r in rows)
     _check(arch, "rollout", dtype, _cat(r.logprobs for r in rows),
            _cat(hf_logprobs(model, r.prompt_ids, r.response_ids) for r in rows))
