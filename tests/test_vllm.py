@@ -79,6 +79,20 @@ def rollouts(n, start=0):
     return [Rollout(u, u, "", [3 + u % 7, 4 + u % 5, 9, 10 + u % 3], 0) for u in range(start, start + n)]
 
 
+def finished_of(events) -> list[Rollout]:
+    """The backend's records in ``advance``'s SequenceFinished events."""
+    return [e.rollout for e in events if type(e).__name__ == "SequenceFinished"]
+
+
+def returned(rows, done) -> list[Rollout]:
+    """The engine's records of ``rows`` (it never changes those it is given: admit samples into
+    copies), from the finished records it handed back; each row's exactly once."""
+    by_uid = {r.uid: r for r in done}
+    assert len(by_uid) == len(done) and set(by_uid) == {r.uid for r in rows}
+    assert all(by_uid[r.uid] is not r and not r.response_ids for r in rows)
+    return [by_uid[r.uid] for r in rows]
+
+
 def hf_logprobs(model, r: Rollout, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """The training forward's log-probs of ``r``'s response under the sampled (truncated) distribution."""
     ids = torch.tensor([r.prompt_ids + r.response_ids])
@@ -174,7 +188,7 @@ def test_logprobs_match_training_forward(engine, vmodels, temperature, top_k, to
     engine.admit(rows)
     done = engine.generate_all()
     assert {r.uid for r in done} == {r.uid for r in rows} and engine.active == 0
-    for r in rows:
+    for r in returned(rows, done):
         assert r.finished and 1 <= len(r.response_ids) <= MAX_NEW
         assert r.ended_with_eos == (r.response_ids[-1] == 1)
         assert r.versions == [0] * len(r.response_ids)
@@ -200,10 +214,11 @@ def test_no_weight_change_means_every_weight_is_1(engine, vmodels, top_k, top_p)
     reset(engine, model, temperature=0.8, top_k=top_k, top_p=top_p, stop_ids=())
     rows = rollouts(4)
     engine.admit(rows)
+    done = []
     for _ in range(4):
-        engine.advance(None)
+        done += finished_of(engine.advance(None))
     engine.set_version(1)  # "new" weights: the same ones
-    engine.generate_all()
+    rows = returned(rows, done + engine.generate_all())
     exp = build_experience(rows, 0, torch.device("cpu"))
     off = (exp.versions < 1) & (exp.mask > 0)
     assert int(off.sum()) == 48, "every token is off-policy (the later ones over a KV prefix of version 0)"
@@ -222,7 +237,7 @@ def test_samples_do_not_depend_on_batch_or_chunking(engine, vmodels):
     reset(engine, model)
     alone = rollouts(1, start=3)
     engine.admit(alone)
-    engine.generate_all()
+    alone = returned(alone, engine.generate_all())
     reset(engine, model)
     rows = rollouts(6)
     engine.admit(rows)
@@ -237,6 +252,7 @@ def test_samples_do_not_depend_on_batch_or_chunking(engine, vmodels):
                 streamed[e.chunk.uid] += list(e.chunk.tokens)
                 assert e.chunk.final or len(e.chunk.tokens) >= 4
     assert sum(type(e).__name__ == "SequenceFinished" for e in events) == 6
+    rows = returned(rows, finished_of(events))
     for r in rows:
         assert streamed[r.uid] == r.response_ids, "chunks concatenate to the response"
     assert rows[3].response_ids == alone[0].response_ids
@@ -253,14 +269,14 @@ def test_weight_load_in_flight_changes_logprobs(engine, vmodels):
         reset(engine, old, max_new=40, stop_ids=())  # no stop: every row reaches 40 tokens
         rows = rollouts(4)
         engine.admit(rows)
+        done = []
         for _ in range(5):
-            engine.advance(None)
-        assert all(len(r.response_ids) == 5 for r in rows)
+            done += finished_of(engine.advance(None))
+        assert not done and [len(r.response_ids) for r in engine.in_flight()] == [5] * len(rows)
         engine.load_weights(new, 1)
         if stale_kv == "recompute":
             engine.recompute()
-        engine.generate_all()
-        for r in rows:
+        for r in returned(rows, engine.generate_all()):
             assert len(r.response_ids) == 40 and not r.ended_with_eos
             lp = torch.tensor(r.logprobs)
             ref_old = hf_logprobs(old, r, 1.0)
@@ -277,8 +293,7 @@ def test_weight_load_in_flight_changes_logprobs(engine, vmodels):
     fresh = rollouts(2, start=20)
     engine.set_version(1)
     engine.admit(fresh)
-    engine.generate_all()
-    for r in fresh:
+    for r in returned(fresh, engine.generate_all()):
         assert r.versions == [1] * 40
         torch.testing.assert_close(torch.tensor(r.logprobs), hf_logprobs(new, r, 1.0), atol=2e-4, rtol=0)
 
@@ -288,8 +303,7 @@ def _generate_and_compare(engine, model, start: int, n: int = 3) -> None:
     engine.eos_ids = ()
     rows = rollouts(n, start=start)
     engine.admit(rows)
-    engine.generate_all()
-    for r in rows:
+    for r in returned(rows, engine.generate_all()):
         assert len(r.response_ids) == engine.max_new_tokens
         torch.testing.assert_close(torch.tensor(r.logprobs), hf_logprobs(model, r, 1.0), atol=2e-4, rtol=0)
 
@@ -414,8 +428,7 @@ def test_lora_on_embeddings_and_tied_head_is_served_exactly(engine, vmodels, tar
     reset(engine, peft, temperature=1.0)
     rows = rollouts(4)
     engine.admit(rows)
-    engine.generate_all()
-    for r in rows:
+    for r in returned(rows, engine.generate_all()):
         torch.testing.assert_close(torch.tensor(r.logprobs), hf_logprobs(peft, r, 1.0), atol=2e-4, rtol=0)
 
 
@@ -476,15 +489,16 @@ def test_abort_and_forced_lengths(engine, vmodels):
     for r, t in zip(rows, (3, 7, 12, None)):
         r.target_length = t
     engine.admit(rows)
-    engine.advance(None)
+    done = finished_of(engine.advance(None))
+    live = {r.uid: r for r in engine.in_flight()}
+    assert len(live[rows[3].uid].response_ids) == 1 and not live[rows[3].uid].finished
     engine.abort({rows[3].uid})
-    assert engine.active == 3
-    engine.generate_all()
-    for r, t in zip(rows[:3], (3, 7, 12)):
+    assert engine.active == 3 and [r.uid for r in engine.in_flight()] == [r.uid for r in rows[:3]]
+    for r, t in zip(returned(rows[:3], done + engine.generate_all()), (3, 7, 12)):
         assert len(r.response_ids) == t and r.ended_with_eos and r.response_ids[-1] == 1
         assert 1 not in r.response_ids[:-1]
         assert r.logprobs[-1] <= 0.0
-    assert len(rows[3].response_ids) == 1 and not rows[3].finished
+    assert not rows[3].response_ids and not rows[3].finished, "the aborted row's given record is untouched"
 
 
 def test_forced_eos_records_its_untruncated_logprob(engine, vmodels):
@@ -496,9 +510,8 @@ def test_forced_eos_records_its_untruncated_logprob(engine, vmodels):
     for r, t in zip(rows, (2, 5, 9)):
         r.target_length = t
     engine.admit(rows)
-    engine.generate_all()
     cut = 0
-    for r in rows:
+    for r in returned(rows, engine.generate_all()):
         assert r.response_ids[-1] == 1
         want = hf_logprobs(model, r, 0.8)[-1]
         cut += hf_logprobs(model, r, 0.8, top_k=1)[-1].item() == float("-inf")
@@ -710,7 +723,7 @@ def test_ray_rollout_worker_hosts_vllm(ray_local, vmodels, tiny_prompts, tmp_pat
         partial = {r.uid: list(r.response_ids) for r in group.in_flight()}
         ckpt = save_checkpoint(t, tmp_path / "ckpt")
         assert json.loads((ckpt / "state.json").read_text())["in_flight"]["how"] == "saved"
-        assert {u: list(r.response_ids) for u, r in t.run.rollouts.items() if u in partial} == partial
+        assert {u: list(r.response_ids) for u, r in t.run.untrained().items() if u in partial} == partial
         for _ in range(2):
             t.run_step()
             for r in t.last_result.exp.rollouts:
