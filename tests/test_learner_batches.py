@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from oppo.config import PPOConfig
+import pytest
+
+from oppo.config import ConfigError, PPOConfig, load_config
 from oppo.learner.batch import Experience, micro_batches, padding_stats
 from oppo.learner.local import Learner
 from oppo.forward import sequence_batch
@@ -71,3 +73,23 @@ def test_token_budget_cuts_long_rows_few_and_short_rows_many():
     rows_only = padding_stats(exp, [mb], PPOConfig(batch_size=8, minibatch_size=8, micro_batch_size=4))
     budget = padding_stats(exp, [mb], cfg)
     assert budget["perf/train_padded_frac"] < rows_only["perf/train_padded_frac"]
+
+
+def test_padding_cap_keeps_every_micro_batch_under_it():
+    """ppo.micro_batch_padding: a row that would push its micro-batch past the padded share starts
+    the next one, so the update computes at most that share of padding (the issue's 10%)."""
+    lengths = [120, 64, 60, 33, 31, 30, 12, 11, 11, 10, 3, 2]  # a long tail, longest first
+    exp = _rows(lengths)
+    mb = torch.arange(len(lengths))
+    rows_only = PPOConfig(batch_size=12, minibatch_size=12, micro_batch_size=4)
+    capped = PPOConfig(batch_size=12, minibatch_size=12, micro_batch_size=4, micro_batch_padding=0.1)
+    cuts = [c.tolist() for c in micro_batches(exp, mb, capped)]
+    assert sum(cuts, []) == mb.tolist()  # every row once, in order
+    real = [n + 1 for n in lengths]  # (each row: one prompt token + its response)
+    for c in cuts:
+        assert len(c) <= 4 and 1 - sum(real[i] for i in c) / (len(c) * max(real[i] for i in c)) <= 0.1, c
+    before = padding_stats(exp, [mb], rows_only)["perf/train_padded_frac"]
+    after = padding_stats(exp, [mb], capped)["perf/train_padded_frac"]
+    assert before > 0.1 >= after
+    with pytest.raises(ConfigError, match="micro_batch_padding"):
+        load_config(None, ["ppo.micro_batch_padding=1.5"])

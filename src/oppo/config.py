@@ -190,6 +190,13 @@ class PPOConfig:
                                      "micro_batch_size rows (always at least one row), so long rows go few at a "
                                      "time and short ones many: less padding computed (perf/train_padded_frac) "
                                      "and activation memory bounded by N. The loss is the same either way.")
+    micro_batch_padding: float = opt(0.0, "Most padding a micro-batch may compute, as a share of its positions "
+                                          "(rows x width): a row that would push the micro-batch past it starts "
+                                          "the next one (rows longest first), so the whole update computes at "
+                                          "most that share of padding (perf/train_padded_frac). 0.1 keeps it "
+                                          "under the 10% verl's dynamic batches aim at, with more, smaller "
+                                          "micro-batches where lengths vary a lot. 0: off. The loss is the same "
+                                          "either way.")
     epochs: int = opt(1, "PPO epochs over each batch.")
     actor_lr: float = opt(1e-5, "Actor (policy) learning rate (AdamW).")
     critic_lr: float = opt(5e-5, "Critic learning rate (AdamW).")
@@ -697,6 +704,9 @@ def validate(cfg: Config) -> None:
     _check(p.micro_batch_size >= 1 and p.minibatch_size % p.micro_batch_size == 0,
            f"ppo.minibatch_size={p.minibatch_size} must be a multiple of ppo.micro_batch_size="
            f"{p.micro_batch_size}; set ppo.micro_batch_size to a divisor of {p.minibatch_size}.")
+    _check(0.0 <= p.micro_batch_padding < 1.0 and math.isfinite(p.micro_batch_padding),
+           f"ppo.micro_batch_padding must be a share in [0, 1) (0: off; 0.1: at most 10% padding), got "
+           f"{p.micro_batch_padding}.")
     _check(p.micro_batch_tokens >= 0, f"ppo.micro_batch_tokens must be >= 0 (0: micro-batches by rows only), got "
                                       f"{p.micro_batch_tokens}.")
     _check(p.epochs >= 1, f"ppo.epochs must be >= 1, got {p.epochs}.")

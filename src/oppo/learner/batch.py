@@ -6,6 +6,7 @@ stages that fill it (scores, advantages, old log-probs: stages 4-5 of ``shared/D
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -204,22 +205,25 @@ def _lengths(batch: "Experience | CriticBatch") -> list[int]:
 def micro_batches(batch: "Experience | CriticBatch", mb: torch.Tensor, cfg: PPOConfig,
                   lengths: list[int] | None = None) -> list[torch.Tensor]:
     """``mb``'s rows cut, in order, into the micro-batches of one optimizer step: runs of
-    ``ppo.micro_batch_size`` rows, or with ``ppo.micro_batch_tokens`` > 0 runs of at most that
-    many rows whose rows x width stays within the budget (at least one row each). The same for
-    actor and critic, every learner rank and ``padding_stats``."""
-    if not cfg.micro_batch_tokens:
+    ``ppo.micro_batch_size`` rows; with ``ppo.micro_batch_tokens`` > 0 a run also ends before its
+    rows x width would pass the budget, and with ``ppo.micro_batch_padding`` > 0 before its padded
+    share of rows x width would pass that share (a micro-batch is as wide as its longest row:
+    ``_micro_slices``; at least one row each). The same for actor and critic, every learner rank
+    and ``padding_stats``."""
+    if not cfg.micro_batch_tokens and not cfg.micro_batch_padding:
         return list(mb.split(cfg.micro_batch_size))
     lengths = lengths or _lengths(batch)
+    budget, cap = cfg.micro_batch_tokens or math.inf, cfg.micro_batch_padding or 1.0
     out: list[list[int]] = []
     cur: list[int] = []
-    width = 0
+    width = real = 0
     for i in mb.tolist():
-        w = max(width, lengths[i]) if cur else lengths[i]
-        if cur and (len(cur) == cfg.micro_batch_size or (len(cur) + 1) * w > cfg.micro_batch_tokens):
+        n, w = len(cur) + 1, max(width, lengths[i])
+        if cur and (n > cfg.micro_batch_size or n * w > budget or 1.0 - (real + lengths[i]) / (n * w) > cap):
             out.append(cur)
-            cur, w = [], lengths[i]
+            cur, w, real = [], lengths[i], 0
         cur.append(i)
-        width = w
+        width, real = w, real + lengths[i]
     out.append(cur)
     return [torch.tensor(c, dtype=mb.dtype, device=mb.device) for c in out]
 
