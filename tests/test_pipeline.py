@@ -126,14 +126,14 @@ def test_pipeline_checkpoint_between_steps_saves_the_begun_step_and_resumes(tiny
         assert not t.run.next_begun
         saved = {d["uid"]: d for d in json.loads((ckpt / "in_flight.json").read_text())}
         assert begun and begun <= set(saved), "the begun step's sequences are saved"
-        assert {u: r.response_ids for u, r in t.run.rollouts.items()} == \
+        assert {u: r.response_ids for u, r in t.run.untrained().items()} == \
             {u: d["response_ids"] for u, d in saved.items()}
     finally:
         t.close()
     r = Trainer(cfg, progress=False)
     try:
         load_checkpoint(r, ckpt)
-        assert {u: x.response_ids for u, x in r.run.rollouts.items()} == \
+        assert {u: x.response_ids for u, x in r.run.untrained().items()} == \
             {u: d["response_ids"] for u, d in saved.items()}, "taken back with their partial responses"
         while r.step < 4:
             r.run_step()
