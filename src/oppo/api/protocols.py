@@ -58,8 +58,8 @@ class RolloutBackend(Protocol):
 
     def in_flight(self) -> list[Rollout] | None:
         """The active sequences as they stand (tokens, log-probs and versions so far), in
-        admission order, for a checkpoint to save; None where the backend cannot hand them out
-        (the checkpoint then drains them)."""
+        admission order, as copies (changing them changes nothing in the backend), for a checkpoint
+        to save; None where the backend cannot hand them out (the checkpoint then drains them)."""
 
     def advance(self, chunk_size: int | None) -> list[Event]:
         """Sample at least one token for every active sequence and report what happened, in

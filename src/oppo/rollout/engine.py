@@ -143,10 +143,10 @@ class RolloutEngine:
         return [r.uid for r in self.rows]
 
     def in_flight(self) -> list[Rollout]:
-        """The rows decoding (``RolloutBackend.in_flight``): the controller's own Rollouts, their
-        records brought up to date."""
+        """The rows decoding (``RolloutBackend.in_flight``), as copies of the engine's records
+        brought up to date (a caller that changes them changes nothing here)."""
         self._pull()
-        return list(self.rows)
+        return [r.copy() for r in self.rows]
 
     @property
     def logits_version(self) -> list[int]:

@@ -559,8 +559,9 @@ class VLLMRolloutBackend:
 
     def in_flight(self) -> list[Rollout]:
         """The requests decoding (``RolloutBackend.in_flight``). A checkpoint re-adds them with
-        :meth:`admit`: the partial response joins the prompt, as in :meth:`recompute`."""
-        return list(self.rows.values())
+        :meth:`admit`: the partial response joins the prompt, as in :meth:`recompute`. Copies of the
+        backend's records (a caller that changes them changes nothing here)."""
+        return [r.copy() for r in self.rows.values()]
 
     def _add(self, r: Rollout) -> None:
         """Add ``r`` as a request whose prompt is its prompt plus its response so far."""
