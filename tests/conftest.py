@@ -98,3 +98,12 @@ def assert_continued(done, saved: dict) -> None:
         ids, lps, versions = saved[r.uid]
         n = len(ids)
         assert r.response_ids[:n] == ids and r.logprobs[:n] == lps and r.versions[:n] == versions
+
+
+def returned(rows, done):
+    """The engine's records of ``rows`` (it never changes those it is given), from the finished
+    records it handed back; each row's exactly once."""
+    by_uid = {r.uid: r for r in done}
+    assert len(by_uid) == len(done) and set(by_uid) == {r.uid for r in rows}
+    assert all(by_uid[r.uid] is not r for r in rows)
+    return [by_uid[r.uid] for r in rows]

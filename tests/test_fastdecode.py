@@ -8,6 +8,7 @@ import torch
 
 from oppo.rollout.static import StaticRolloutEngine, UnsupportedForStaticDecode, _bucket
 from oppo.rollout.engine import Rollout, RolloutEngine
+from conftest import returned
 
 EOS, PAD = 1, 0
 
@@ -64,15 +65,6 @@ def _generate(model, prompts, n):
     return out
 
 
-def _returned(rows, done):
-    """The engine's records of ``rows`` (it never changes those it is given), from the finished
-    records it handed back; each row's exactly once."""
-    by_uid = {r.uid: r for r in done}
-    assert len(by_uid) == len(done) and set(by_uid) == {r.uid for r in rows}
-    assert all(by_uid[r.uid] is not r for r in rows)
-    return [by_uid[r.uid] for r in rows]
-
-
 def _continuous(eng, rows, first=2):
     """Admit ``first`` rows, then refill every free slot from the queue after each step, as the
     overlapped trainer does; return {slot: [uids it hosted]} and the engine's finished records of
@@ -93,7 +85,7 @@ def _continuous(eng, rows, first=2):
     while eng.active or queue:
         done.extend(eng.step())
         admit(len(eng._free))
-    return hosted, _returned(rows, done)
+    return hosted, returned(rows, done)
 
 
 def test_greedy_equals_eager_engine_and_generate_with_continuous_batching():
@@ -112,7 +104,7 @@ def test_greedy_equals_eager_engine_and_generate_with_continuous_batching():
     eager = RolloutEngine(model, EOS, PAD, n, greedy=True)
     erows = _rows()
     eager.admit(erows)
-    erows = _returned(erows, eager.generate_all())
+    erows = returned(erows, eager.generate_all())
     assert [r.response_ids for r in erows] == refs
     assert eng.captures == 0 and eng.active == 0 and sorted(eng._free) == [0, 1, 2]
 
@@ -137,7 +129,7 @@ def test_next_logits_equal_the_eager_engine_step_by_step():
         da += a.step()
         db += b.step()
     assert not b.active
-    ra, rb = _returned(ra[:6], da), _returned(rb[:6], db)
+    ra, rb = returned(ra[:6], da), returned(rb[:6], db)
     assert [r.response_ids for r in ra] == [r.response_ids for r in rb]
 
 
@@ -173,7 +165,7 @@ def _eager_continuous(eng, rows, first, slots):
         done.extend(eng.step())
         free = slots - eng.active
         eng.admit([queue.pop(0) for _ in range(min(free, len(queue)))])
-    return _returned(rows, done)
+    return returned(rows, done)
 
 
 @pytest.mark.parametrize("kind", ["mistral", "qwen2"])
@@ -213,7 +205,7 @@ def test_forced_lengths_stop_ids_versions_recompute_and_abort():
     eng.recompute()  # rebuilt under version 1 in the same slots
     while eng.active:
         done += eng.step()
-    rows = _returned(rows, done)
+    rows = returned(rows, done)
     assert [len(r.response_ids) for r in rows] == [3, 7, 12]
     assert rows[1].versions == [0] * 5 + [1, 1]
     assert rows[2].versions == [0] * 5 + [1] * 7
@@ -231,7 +223,7 @@ def test_forced_lengths_stop_ids_versions_recompute_and_abort():
     done += eng.generate_all()
     assert not extra.response_ids and not extra.finished  # the engine's own record decoded
     # a stop id other than the tokenizer's EOS ends the row as an EOS
-    for r in _returned(more[:1] + more[3:] + [extra], done):
+    for r in returned(more[:1] + more[3:] + [extra], done):
         assert r.finished and (r.ended_with_eos == (r.response_ids[-1] in (EOS, 9)))
 
 

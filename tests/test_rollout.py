@@ -2,6 +2,7 @@ import torch
 
 from oppo.models import load_causal_lm, load_tokenizer
 from oppo.rollout.engine import RolloutEngine, Rollout, sample_tokens
+from conftest import returned
 
 PROMPTS = ["the film was", "i liked the book and", "a", "we hated it but the story"]
 
@@ -14,15 +15,6 @@ def _load(tiny_models):
 
 def _rollouts(tok, prompts=PROMPTS):
     return [Rollout(i, i, p, tok(p)["input_ids"], 0) for i, p in enumerate(prompts)]
-
-
-def _returned(rows, done):
-    """The engine's records of ``rows`` (it never changes those it is given), from the finished
-    records it handed back; each row's exactly once."""
-    by_uid = {r.uid: r for r in done}
-    assert len(by_uid) == len(done) and set(by_uid) == {r.uid for r in rows}
-    assert all(by_uid[r.uid] is not r for r in rows)
-    return [by_uid[r.uid] for r in rows]
 
 
 def _eos_biased(model, tok, bias=3.0):
@@ -49,7 +41,7 @@ def test_greedy_equals_generate(tiny_models):
     eng = RolloutEngine(model, tok.eos_token_id, tok.pad_token_id, max_new_tokens=16, greedy=True)
     rs = _rollouts(tok)
     eng.admit(rs)
-    rs = _returned(rs, eng.generate_all())
+    rs = returned(rs, eng.generate_all())
     for r, ref in zip(rs, _reference_greedy(model, tok, PROMPTS, 16)):
         assert r.response_ids == ref
 
@@ -68,7 +60,7 @@ def test_greedy_equals_generate_with_staggered_admission_and_eos(tiny_models):
     for _ in range(3):
         done += eng.step()
     eng.admit(rs[2:])
-    rs = _returned(rs, done + eng.generate_all())
+    rs = returned(rs, done + eng.generate_all())
     for r, ref in zip(rs, refs):
         assert r.response_ids == ref
         assert r.ended_with_eos == (ref[-1] == tok.eos_token_id)
@@ -79,7 +71,7 @@ def test_behaviour_logprobs_match_a_full_forward(tiny_models):
     eng = RolloutEngine(model, tok.eos_token_id, tok.pad_token_id, max_new_tokens=10, temperature=0.7, seed=3)
     rs = _rollouts(tok)
     eng.admit(rs)
-    rs = _returned(rs, eng.generate_all())
+    rs = returned(rs, eng.generate_all())
     for r in rs:
         ids = torch.tensor([r.prompt_ids + r.response_ids])
         with torch.no_grad():
@@ -96,7 +88,7 @@ def test_sampling_is_seeded_and_stops_at_max_new_tokens(tiny_models):
         eng = RolloutEngine(model, tok.eos_token_id, tok.pad_token_id, max_new_tokens=7, seed=11)
         rs = _rollouts(tok)
         eng.admit(rs)
-        rs = _returned(rs, eng.generate_all())
+        rs = returned(rs, eng.generate_all())
         outs.append([r.response_ids for r in rs])
         assert all(len(r.response_ids) <= 7 for r in rs)
         assert all(r.ended_with_eos or len(r.response_ids) == 7 for r in rs)
@@ -124,7 +116,7 @@ def test_chunks_cover_each_response_once(tiny_models):
         got[c.uid].extend(c.tokens)
         finals.add(c.uid)
     assert finals == {r.uid for r in rs}
-    for r in _returned(rs, done):
+    for r in returned(rs, done):
         assert got[r.uid] == r.response_ids
 
 
@@ -163,7 +155,7 @@ def test_stops_on_every_generation_config_eos(tiny_models):
     eng = RolloutEngine(model, tok.eos_token_id, tok.pad_token_id, max_new_tokens=16, greedy=True)
     rs = _rollouts(tok)
     eng.admit(rs)
-    free = [r.response_ids for r in _returned(rs, eng.generate_all())]
+    free = [r.response_ids for r in returned(rs, eng.generate_all())]
     other = free[0][2]  # a token the first row emits third
     assert other != tok.eos_token_id
     model.generation_config.eos_token_id = [tok.eos_token_id, other]
@@ -172,7 +164,7 @@ def test_stops_on_every_generation_config_eos(tiny_models):
     eng = RolloutEngine(model, ids, tok.pad_token_id, max_new_tokens=16, greedy=True)
     rs = _rollouts(tok)
     eng.admit(rs)
-    rs = _returned(rs, eng.generate_all())
+    rs = returned(rs, eng.generate_all())
     for r, f in zip(rs, free):
         want = f[: f.index(other) + 1] if other in f else f
         assert r.response_ids == want
