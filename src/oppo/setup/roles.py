@@ -20,25 +20,24 @@ from typing import Any
 import torch
 
 from ..algo import build_algorithm
+from ..api.protocols import RolloutBackend
+from ..api.roles import Roles
+from ..api.specs import ModelSpec
 from ..config import Config
 from ..data import build_prompt_set, read_prompts
+from ..learner.critic import CriticBesideScorer
 from ..learner.local import Learner
-from ..api.specs import ModelSpec
 from ..models import (apply_lora, base_view, check_roles, enable_gradient_checkpointing,
                      load_causal_lm, load_critic, load_function, load_reward_model, load_tokenizer, resolve_device,
                      resolve_dtype, stop_token_ids)
-from ..api.protocols import RolloutBackend
 from ..rollout import registry
-from ..scoring.streaming import RewardFunction, StreamingScorer
-from ..trace import Tracer
-from ..weights.precision import copy_weights, master_dtype, serving_copy
 from ..scoring.inline import InlineScorer
+from ..scoring.streaming import RewardFunction, StreamingScorer
 from ..scoring.worker import CriticTrainer, ScorerWorker
-from ..learner.critic import CriticBesideScorer
+from ..trace import Tracer
 from ..weights.plan import WeightSync
+from ..weights.precision import copy_weights, master_dtype, serving_copy
 from .plan import decide_placement, engine_settings, resolve_paths
-from ..api.roles import Roles
-
 
 # Roles is built in two phases: the models first, then the placement's builders fill in the rollout
 # backend and the scorer (they read the models from it). This stands in until then.
