@@ -344,8 +344,8 @@ def check_models(trainer, ckpt: Path) -> None:
         return
     what = {"reference": "the reference model", "reward": "the reward model",
             "critic": "the critic's initialisation", "tokenizer": "the policy's tokenizer"}
-    names = "; ".join(f"{what.get(role, role)} at {path}" + (f" (was {then} when saved)" if then != path else "")
-                      for role, then, path in changed)
+    names = "; ".join(f"{what.get(role, role)} at {at}" + (f" (was {then} when saved)" if then != at else "")
+                      for role, then, at in changed)
     if trainer.cfg.run.allow_changed_models:
         warnings.warn(f"resuming from {ckpt} although these hold other weights than when it was saved "
                       f"(run.allow_changed_models=true): {names}.", stacklevel=2)

@@ -366,12 +366,14 @@ def refresh_kv(run: Run, version: int) -> None:
 
 def overlap_stats(run: Run, close, exp: Experience, chunk: int | None) -> dict[str, float]:
     trained = set(close.uids)
+    # the carried rows' progress is the backend's (one read of its records); none carried: no call
+    untrained = run.untrained() if set(run.rollouts) - trained else {}
     return {
         "overlap/delta": run.scheduler.delta, "overlap/carried": len(run.scheduler.in_flight),
         "overlap/waiting_members": run.scheduler.waiting_members,
         **staleness_stats(exp, close.step, close.lags),  # token and sequence lags, IS weights
         "overlap/chunk_size": chunk or 0,
-        "overlap/in_flight_length_mean": _mean([len(r.response_ids) for u, r in run.untrained().items()
+        "overlap/in_flight_length_mean": _mean([len(r.response_ids) for u, r in untrained.items()
                                                 if u not in trained] or [0]),
     }
 

@@ -554,9 +554,6 @@ class VLLMRolloutBackend:
     def active(self) -> int:
         return len(self.rows)
 
-    def uids(self) -> list[int]:
-        return list(self.rows)
-
     def in_flight(self) -> list[Rollout]:
         """The requests decoding (``RolloutBackend.in_flight``). A checkpoint re-adds them with
         :meth:`admit`: the partial response joins the prompt, as in :meth:`recompute`. Copies of the
