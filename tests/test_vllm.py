@@ -601,11 +601,148 @@ def test_three_steps_each_mode(shared, vmodels, tiny_prompts, tmp_path, mode):
 
 
 def test_lora_in_the_trainer(shared, vmodels, tiny_prompts, tmp_path):
-    """LoRA: the merged policy reaches vLLM after each update (the sampler agrees with the
+    """LoRA (lora.sync=auto: merged on the CPU): the merged policy reaches vLLM after each update (the sampler agrees with the
     training forward of base + adapters)."""
     steps = run_steps(trainer_cfg(vmodels, tiny_prompts, tmp_path, "overlap.mode=intra", "lora.r=4",
                                   "ppo.actor_lr=1e-2"), n=2)
     assert steps[1]["m"]["mismatch/logprob_abs_diff"] < 1e-4
+
+
+# ------------------------------------------------------------------------------ LoRA as an adapter
+
+
+def test_lora_sync_choice():
+    """``lora.sync``: auto serves a LoRA policy as base + adapter on a GPU and merged on the CPU
+    (vLLM's CPU LoRA kernels are slower than the load they save); what vLLM cannot serve as an
+    adapter is merged under auto and refused under adapter, naming the fix; a plain policy has
+    nothing to choose. vLLM's rank choices hold the adapter's rank."""
+    from oppo.rollout.vllm import lora
+
+    plain = hf_policy_tiny()
+    peft = _lora_on(plain, [])
+    assert lora.choose("auto", plain, on_cpu=True) == (False, "")
+    assert lora.choose("auto", peft, on_cpu=False) == (True, "")
+    serve, why = lora.choose("auto", peft, on_cpu=True)
+    assert not serve and "2.6x" in why
+    assert lora.choose("adapter", peft, on_cpu=True) == (True, "")
+    assert lora.choose("merged", peft, on_cpu=False) == (False, "lora.sync=merged")
+    emb = _lora_on(hf_policy_tiny(), ["embed_tokens", "q_proj"])
+    assert "embed_tokens" in lora.adapter_problem(emb)
+    assert lora.choose("auto", emb, on_cpu=False)[0] is False
+    with pytest.raises(ValueError, match="lora.sync=merged"):
+        lora.choose("adapter", emb, on_cpu=False)
+    assert "lm_head" in lora.adapter_problem(_lora_on(hf_policy_tiny(), ["lm_head"]))
+    assert lora.max_rank(peft) == 8 and lora.max_rank(_lora_on(hf_policy_tiny(), [], r=16)) == 16
+    with pytest.raises(ValueError, match="lora.sync must be"):
+        lora.choose("both", peft, on_cpu=True)
+
+
+def hf_policy_tiny():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1)).eval()
+
+
+def _lora_on(model, targets, r=4):
+    from oppo.models import apply_lora
+
+    return apply_lora(model, r, 8.0, 0.0, targets)
+
+
+def test_lora_sync_adapter_refused_before_the_engine_starts(vmodels):
+    """An adapter vLLM cannot serve as one, with lora.sync=adapter: refused at once (no start-up)."""
+    from oppo.rollout.vllm.backend import VLLMRolloutBackend, VLLMUnavailable
+
+    t = time.perf_counter()
+    with pytest.raises(VLLMUnavailable, match="lora.sync=merged"):
+        VLLMRolloutBackend(str(vmodels["policy"]), (1,), 0, MAX_NEW, weights=_lora(vmodels["policy"], ["embed_tokens"]),
+                           lora_sync="adapter")
+    assert time.perf_counter() - t < 5, "refused before vLLM started"
+
+
+@pytest.fixture(scope="module")
+def lora_engine(vmodels):
+    """One engine serving a LoRA policy as base + adapter (rank 4 on every linear layer), on the
+    padded, untied model of ``vmodels``."""
+    from oppo.rollout.vllm.backend import VLLMRolloutBackend
+
+    eng = VLLMRolloutBackend(str(vmodels["policy"]), (1,), 0, MAX_NEW, temperature=1.0, seed=0, max_num_seqs=16,
+                             weights=_lora(vmodels["policy"], []), lora_sync="adapter")
+    yield eng
+    eng.close()
+
+
+def _bump_adapter(peft, seed, scale=0.3):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_" in name:
+                p.add_(torch.randn(p.shape, generator=g) * scale)
+
+
+def test_adapter_updates_send_the_adapter_only(lora_engine, vmodels):
+    """lora.sync=adapter: the first load sends the base once and the adapter; later updates send
+    the adapter only (a small share of the model's bytes), and after each the engine samples from
+    base + the new adapter (its log-probs are the trainer's peft forward), heads padded and head
+    untied as the engine serves them. A base weight written in place is seen and sent again."""
+    peft = _lora(vmodels["policy"], [], seed=5)
+    reset(lora_engine, peft)
+    assert lora_engine.weight_path == "adapter" and "base_s" in lora_engine.last_weight_sync_parts
+    _generate_and_compare(lora_engine, peft, 500)
+    model_bytes = sum(p.numel() * 4 for p in peft.get_base_model().parameters())
+    for k in (1, 2):
+        _bump_adapter(peft, seed=10 + k)
+        lora_engine.load_weights(peft, k)
+        parts = lora_engine.last_weight_sync_parts
+        assert lora_engine.weight_path == "adapter" and "base_s" not in parts, "the adapter only"
+        assert parts["adapter_bytes"] < 0.5 * model_bytes
+        _generate_and_compare(lora_engine, peft, 510 + 10 * k)
+    with torch.no_grad():
+        next(p for n, p in peft.named_parameters() if "lora_" not in n).mul_(1.5)
+    lora_engine.load_weights(peft, 3)
+    assert "base_s" in lora_engine.last_weight_sync_parts, "a base weight written in place is sent again"
+    _generate_and_compare(lora_engine, peft, 540)
+
+
+def test_adapter_loads_in_flight(lora_engine, vmodels):
+    """An adapter load between two engine steps, requests in flight (pipeline's in-flight
+    updates): tokens sampled before it are the old policy's; after it and a recompute (the KV
+    cache rebuilt), the new policy's, exactly."""
+    import copy
+
+    peft = _lora(vmodels["policy"], [], seed=6)
+    reset(lora_engine, peft)
+    lora_engine.eos_ids = ()
+    rows = rollouts(3, start=600)
+    lora_engine.admit(rows)
+    for _ in range(4):
+        lora_engine.advance(None)
+    before = {u: len(r.response_ids) for u, r in lora_engine.rows.items()}
+    assert all(0 < n < MAX_NEW for n in before.values())
+    old = copy.deepcopy(peft)
+    _bump_adapter(peft, seed=7)
+    lora_engine.load_weights(peft, 1)
+    lora_engine.recompute()
+    for r in returned(rows, lora_engine.generate_all()):
+        n, lp = before[r.uid], torch.tensor(r.logprobs)
+        torch.testing.assert_close(lp[:n], hf_logprobs(old, r, 1.0)[:n], atol=2e-4, rtol=0)
+        torch.testing.assert_close(lp[n:], hf_logprobs(peft, r, 1.0)[n:], atol=2e-4, rtol=0)
+        assert (lp[n:] - hf_logprobs(old, r, 1.0)[n:]).abs().max() > 1e-2, "the new adapter was used"
+        assert r.versions == [0] * n + [1] * (MAX_NEW - n)
+
+
+def test_lora_adapter_in_the_trainer(lora_engine, vmodels, tiny_prompts, tmp_path, monkeypatch):
+    """lora.sync=adapter through the trainer (pipeline: updates land with requests in flight): each
+    update sends the adapter only, and the sampler agrees with the training forward."""
+    _share(lora_engine, monkeypatch)
+    steps = run_steps(trainer_cfg(vmodels, tiny_prompts, tmp_path, "overlap.mode=pipeline", "lora.r=4",
+                                  "lora.sync=adapter", "ppo.actor_lr=1e-2", "overlap.max_lag=1"), n=3)
+    assert lora_engine.weight_path == "adapter" and "base_s" not in lora_engine.last_weight_sync_parts
+    for s in steps:
+        assert s["m"].get("mismatch/logprob_abs_diff", 0.0) < 1e-4
+    assert any("mismatch/logprob_abs_diff" in s["m"] for s in steps)
 
 
 def test_carried_requests_keep_their_versions(shared, vmodels, tiny_prompts, tmp_path):

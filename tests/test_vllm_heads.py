@@ -103,3 +103,52 @@ def test_a_rope_block_without_its_base_gets_the_base_the_model_uses(top_level):
     want = (top_level or 1e4) ** (64 / 48)
     assert out["rope_parameters"]["rope_theta"] == pytest.approx(want)
     assert LlamaConfig(**out).rope_parameters["rope_theta"] == pytest.approx(want)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_a_padded_adapter_is_the_adapter_of_the_padded_model(tmp_path, kind):
+    """LoRA served as an adapter on padded heads (``lora.sync=adapter``): padding each adapter
+    tensor as :meth:`HeadPadding.adapter_weight` does gives the padded model's adapter, i.e.
+    ``pad(W) + s pad_B(B) pad_A(A) == pad(W + s B A)`` for every adapted projection, and the
+    padded model with the padded adapter computes the same logits as the original with its own."""
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+
+    model = _model(kind, tmp_path / "src")
+    config = json.loads((tmp_path / "src" / "config.json").read_text())
+    pad = HeadPadding.plan(config, SUPPORTED)
+    assert pad is not None
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"]
+    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    adapter = get_peft_model_state_dict(peft)
+    scale = 8 / 4
+    inner = peft.get_base_model()
+    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        a_name = next(k for k in adapter if f"layers.0.self_attn.{proj}.lora_A" in k)
+        b_name = a_name.replace("lora_A", "lora_B")
+        layer = inner.model.layers[0].self_attn.__getattr__(proj)
+        w = layer.base_layer.weight.detach()
+        a, b = pad.adapter_weight(a_name, adapter[a_name]), pad.adapter_weight(b_name, adapter[b_name])
+        merged = w + scale * adapter[b_name] @ adapter[a_name]
+        name = f"model.layers.0.self_attn.{proj}.weight"
+        torch.testing.assert_close(pad.weight(name, w) + scale * b @ a, pad.weight(name, merged), atol=1e-6, rtol=0)
+    # the whole padded model with the padded adapter: the same logits as the original policy
+    ids = torch.randint(0, 64, (2, 12), generator=g)
+    with torch.no_grad():
+        want = peft(ids).logits
+    served = ServedCheckpoint(pad, False)
+    base_state = {k.replace(".base_layer.", "."): v for k, v in inner.state_dict().items() if "lora_" not in k}
+    padded = AutoModelForCausalLM.from_config(type(model.config)(**served.config(config))).eval()
+    padded.load_state_dict(served.state(base_state), strict=False)
+    if kind == "llama":
+        padded.tie_weights()
+    ppeft = get_peft_model(padded, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    from peft import set_peft_model_state_dict
+
+    set_peft_model_state_dict(ppeft, {k: pad.adapter_weight(k, v) for k, v in adapter.items()})
+    with torch.no_grad():
+        torch.testing.assert_close(ppeft(ids).logits, want, atol=1e-4, rtol=1e-4)

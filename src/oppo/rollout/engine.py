@@ -496,6 +496,7 @@ class EngineSettings:
     max_len: int = 0
     capture: str = "none"
     reason: str = ""
+    lora_sync: str = "auto"  # lora.sync: a LoRA policy sent to a backend with its own weights as adapter or merged
 
 
 def resolve_engine(requested: str, device: torch.device, static_problem) -> tuple[str, str]:

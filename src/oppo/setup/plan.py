@@ -87,4 +87,4 @@ def engine_settings(cfg: Config, stop_ids, pad_id: int, max_new_tokens: int, dev
                           g.kv_budget_mb or None, cfg.run.seed, kind,
                           max_rows=2 * B if cfg.carries else B,  # B + Delta, refill: <= 2B
                           max_len=max_len, capture="cuda_graph" if device.type == "cuda" else "none",
-                          reason=reason)
+                          reason=reason, lora_sync=cfg.lora.sync)

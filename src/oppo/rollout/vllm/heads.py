@@ -115,6 +115,16 @@ class HeadPadding:
         out[self._index(n)] = w * math.sqrt(self.new / self.old) if proj == "q_proj" else w
         return out
 
+    def adapter_weight(self, name: str, w: torch.Tensor) -> torch.Tensor:
+        """One LoRA adapter tensor (peft's names: ``...q_proj.lora_A.weight`` [r, in], ``...lora_B.weight``
+        [out, r]) as the padded engine takes it. Padding is linear, so the adapter of a padded
+        projection is padded where the projection's weight is: ``lora_B``'s rows for the query, key
+        and value (the query's scale included), ``lora_A``'s columns for the output projection."""
+        if ".lora_B." in name and any(f".{p}." in name for p in ("q_proj", "k_proj", "v_proj")):
+            return self.weight(name.replace(".lora_B.", "."), w)
+        if ".lora_A." in name and ".o_proj." in name:
+            return self.weight(name.replace(".lora_A.", "."), w)
+        return w
 
 
 EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight")

@@ -60,8 +60,9 @@ writes, the worker before its load returns) and falls back to the RPC path where
 open the handle. ``tests/test_vllm_weights.py`` has a GPU test of the IPC half (another process
 opens the handle and sees each write), skipped without CUDA: not yet run either.
 
-**LoRA**: policies are still sent merged (W + BA per adapted layer, ``vllm_rollout.hf_weights``),
-every weight at every update; adapter-only loads (vLLM's LoRA requests) are not done.
+**LoRA**: a LoRA policy sent merged (``lora.sync=merged``, or ``auto`` on the CPU) comes through this
+buffer, every weight at every update; served as an adapter (``lora.py``), only its base goes
+through it, once.
 """
 
 from __future__ import annotations

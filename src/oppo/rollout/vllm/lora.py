@@ -1,0 +1,201 @@
+"""A LoRA policy served by vLLM as base model + adapter: each update sends the adapter only (issue 27).
+
+With ``lora.sync=adapter`` vLLM starts with LoRA enabled (one adapter slot) and serves the frozen
+base with the policy's adapter on top, every request under one adapter id. After each update the
+trainer writes the adapter's tensors (``peft``'s state dict: a few MB, where the merged model is
+the whole model) to a file in ``/dev/shm`` and asks vLLM to reload that adapter in place
+(``LoRARequest(load_inplace=True)``, vLLM's own API for it): between two engine steps, requests
+in flight; their next tokens are sampled under the new adapter. This is the path verl takes for
+LoRA (OpenRLHF merges instead).
+
+The base weights go to the engine once, at the first adapter load (the trainer's copy: its dtype
+and any rewrite the engine needs, not the files on disk), and again only if one of them changed
+since: each frozen base tensor's storage and version counter are recorded (``Tensor._version``
+counts in-place writes, so a restore that copies into the base is seen; no values are compared).
+
+**Exact where the engine is rewritten**: heads padded for vLLM's CPU attention
+(:class:`~oppo.rollout.vllm.heads.HeadPadding`) pad the adapter as they pad the base: padding is
+linear, so ``pad(W + s B A) = pad(W) + s pad(B) A`` for the query, key and value projections
+(rows: ``lora_B``) and ``W + s B A`` padded in its columns is ``pad(W) + s B pad(A)`` for the output
+projection (``lora_A``).
+
+**When it pays** (measured, ``benchmarks/vllm/README.md``): on the CPU, vLLM's LoRA kernels decode
+SmolLM2-135M (r = 16, every linear layer) about 2.6x slower than the merged model (52 against 135
+tokens/s, 16 x 48 tokens, one core), which costs far more than the merged load saves (0.45 s per
+update against about 0.1 s): ``lora.sync=auto`` sends merged weights there. On a GPU vLLM's LoRA
+kernels add little to a decode step and a merged load of a large model is the larger cost:
+``auto`` serves the adapter. Not measured on a GPU (the project's GPU machine has no vLLM).
+
+Not servable as an adapter (``auto`` then merges; ``adapter`` refuses, naming why): adapters on the
+embedding or the output head, DoRA, adapter biases, ``modules_to_save``, several active adapters,
+ranks above vLLM's largest (512), and layers other than the decoder's linear projections.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+
+from .heads import HeadPadding
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+
+SYNCS = ("auto", "adapter", "merged")
+"""``lora.sync``'s values (``config.LoraConfig``)."""
+
+RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""vLLM's choices of ``max_lora_rank`` (``vllm.config.lora.MaxLoRARanks``)."""
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The decoder's linear layers vLLM adapts in the architectures it serves here (Llama, Mistral,
+Qwen2: it packs q/k/v and gate/up itself)."""
+
+ADAPTER_ID = 1
+ADAPTER_NAME = "oppo-policy"
+FILE = "adapter_model.safetensors"
+CPU_SLOWDOWN = ("on the CPU vLLM's LoRA kernels decode about 2.6x slower than the merged model (SmolLM2-135M, "
+                "r=16: 52 against 135 tokens/s), more than the adapter-only load saves")
+
+
+def _peft_config(module: PeftModel):
+    return module.peft_config[module.active_adapter]
+
+
+def adapter_problem(module: torch.nn.Module) -> str:
+    """Why vLLM cannot serve this peft policy as base + adapter ('' when it can)."""
+    peft = cast("PeftModel", module)
+    active = getattr(peft, "active_adapters", [peft.active_adapter])
+    if len(peft.peft_config) != 1 or len(active) != 1:
+        return f"the policy holds {len(peft.peft_config)} adapters ({', '.join(peft.peft_config)}); one is served"
+    cfg = _peft_config(peft)
+    if getattr(cfg, "use_dora", False):
+        return "DoRA adapters (use_dora) are not served by vLLM"
+    if getattr(cfg, "bias", "none") != "none" or getattr(cfg, "lora_bias", False):
+        return f"adapter biases (bias={cfg.bias!r}) are not served by vLLM"
+    if getattr(cfg, "modules_to_save", None):
+        return f"modules_to_save ({', '.join(cfg.modules_to_save)}) are whole trained layers, not adapters"
+    rank = max([cfg.r, *(getattr(cfg, "rank_pattern", None) or {}).values()])
+    if rank > RANKS[-1]:
+        return f"rank {rank} is above vLLM's largest max_lora_rank, {RANKS[-1]}"
+    inner = peft.get_base_model()
+    for name, layer in inner.named_modules():
+        if getattr(layer, "lora_embedding_A", None):
+            return f"the adapter on {name} (an embedding) is not served as an adapter here"
+        if not getattr(layer, "lora_A", None):
+            continue
+        if name.rsplit(".", 1)[-1] not in PROJECTIONS or not isinstance(layer.get_base_layer(), torch.nn.Linear):
+            return (f"the adapter on {name} ({type(layer.get_base_layer()).__name__}) is not on one of the decoder's "
+                    f"linear projections ({', '.join(PROJECTIONS)})")
+    return ""
+
+
+def max_rank(module: torch.nn.Module) -> int:
+    """The smallest of vLLM's ``max_lora_rank`` choices that holds this policy's adapter."""
+    cfg = _peft_config(cast("PeftModel", module))
+    rank = max([cfg.r, *(getattr(cfg, "rank_pattern", None) or {}).values()])
+    return next(r for r in RANKS if r >= rank)
+
+
+def choose(sync: str, module: torch.nn.Module | None, on_cpu: bool) -> tuple[bool, str]:
+    """(serve ``module`` as base + adapter?, why not, for the run's log). Raises ``ValueError`` naming
+    the fix where ``sync`` is ``adapter`` and the adapter cannot be served so."""
+    from ...models import is_peft
+
+    if sync not in SYNCS:
+        raise ValueError(f"lora.sync must be one of {', '.join(SYNCS)}, not {sync!r}")
+    if module is None or not is_peft(module):
+        return False, ""
+    if sync == "merged":
+        return False, "lora.sync=merged"
+    problem = adapter_problem(module)
+    if sync == "adapter" and problem:
+        raise ValueError(f"lora.sync=adapter, but vLLM cannot serve this policy's adapter: {problem}. Set "
+                         f"lora.sync=merged (or auto) to send the merged weights instead, or change lora.target_modules.")
+    if problem:
+        return False, problem
+    if sync == "auto" and on_cpu:
+        return False, CPU_SLOWDOWN + "; lora.sync=adapter serves the adapter anyway"
+    return True, ""
+
+
+def base_weights(module: torch.nn.Module):
+    """The peft policy's frozen base weights under their Hugging Face names (no adapter merged)."""
+    inner = cast("PeftModel", module).get_base_model()
+    for name, p in inner.named_parameters():
+        if "lora_" not in name:
+            yield name.replace(".base_layer.", "."), p.detach()
+
+
+def _shm_dir() -> str | None:
+    """``/dev/shm`` where this process may write there (files in RAM), else the default temp dir."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
+class AdapterFiles:
+    """The adapter's directory, as vLLM loads it (``adapter_config.json`` and ``FILE``), rewritten
+    at every update; the request every generation carries (:attr:`request`) and the one that
+    reloads it in place (:meth:`reload_request`)."""
+
+    def __init__(self, module: torch.nn.Module, dtype: torch.dtype, padding: HeadPadding | None):
+        self.dtype, self.padding = dtype, padding
+        self.dir = Path(tempfile.mkdtemp(prefix="oppo-vllm-lora-", dir=_shm_dir()))
+        self._config: dict | None = None  # the adapter_config.json written (rank, alpha, targets)
+        self._write_config(module)
+        self._base: dict[str, tuple[int, int]] = {}  # base tensor -> (storage, version) when last sent
+
+    def request(self, load_inplace: bool = False) -> Any:
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(ADAPTER_NAME, ADAPTER_ID, str(self.dir), load_inplace=load_inplace)
+
+    def tensors(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The adapter's tensors under peft's names, in the engine's dtype, padded as the engine's heads."""
+        from peft import get_peft_model_state_dict
+
+        out = {}
+        for name, t in get_peft_model_state_dict(module).items():
+            t = t.detach().to("cpu", self.dtype)
+            if self.padding is not None:
+                t = self.padding.adapter_weight(name, t)
+            out[name] = t.contiguous()
+        return out
+
+    def write(self, module: torch.nn.Module) -> int:
+        """Write the adapter's file (whole, then renamed over the old one); returns its bytes."""
+        from safetensors.torch import save_file
+
+        self._write_config(module)
+        tensors = self.tensors(module)
+        tmp = self.dir / (FILE + ".tmp")
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, self.dir / FILE)
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def _write_config(self, module: torch.nn.Module) -> None:
+        """``adapter_config.json`` (vLLM reads the scale alpha / r and the targets from it), where it
+        differs from the one written."""
+        cfg = _peft_config(cast("PeftModel", module))
+        if cfg.to_dict() != self._config:
+            cfg.save_pretrained(str(self.dir))
+            self._config = cfg.to_dict()
+
+    def base_changed(self, module: torch.nn.Module) -> bool:
+        """Whether a base weight was replaced or written in place since :meth:`base_sent`."""
+        return self._base != self._stamp(module)
+
+    def base_sent(self, module: torch.nn.Module | None) -> None:
+        """The engine now holds ``module``'s base weights (None: some other weights)."""
+        self._base = self._stamp(module) if module is not None else {}
+
+    @staticmethod
+    def _stamp(module: torch.nn.Module) -> dict[str, tuple[int, int]]:
+        return {n: (w.untyped_storage().data_ptr(), w._version) for n, w in base_weights(module)}
+
+    def close(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
