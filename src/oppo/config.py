@@ -286,8 +286,8 @@ class LoraConfig:
                             "(generation.engine=vllm; oppo's own engines share the trainer's model): adapter: the "
                             "engine serves the base with the adapter on top and each update sends the adapter only "
                             "(a few MB); merged: each update sends base + adapter merged, the whole model; auto: "
-                            "adapter on a GPU, merged on the CPU (vLLM's CPU LoRA kernels decode about 2.6x slower "
-                            "than the merged model, more than the smaller load saves: benchmarks/vllm). Adapters on "
+                            "adapter on a GPU, merged on the CPU (vLLM's CPU LoRA kernels decode 1.8-3x slower than "
+                            "the merged model, more than the smaller load saves: benchmarks/vllm). Adapters on "
                             "the embedding or the head, DoRA and modules_to_save are always sent merged (adapter "
                             "refuses them).", ("auto", "adapter", "merged"))
 

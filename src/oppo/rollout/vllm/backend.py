@@ -455,6 +455,9 @@ class VLLMRolloutBackend:
             max_model_len = longest or 2048  # the model's own limit (longer prompts are truncated before)
         kv_bytes = int((kv_cache_mb or self._default_kv_mb(config, dtype, max_model_len, max_num_seqs)) * 2**20)
         self._kv_bytes = kv_bytes
+        lora_args: dict[str, Any] = {}  # one adapter slot of the adapter's rank (lora.py)
+        if serve_adapter and weights is not None:
+            lora_args = dict(enable_lora=True, max_loras=1, max_lora_rank=lora.max_rank(weights))
         args = EngineArgs(
             model=str(model_path), dtype=_VLLM_DTYPE[dtype],
             seed=seed, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -464,9 +467,7 @@ class VLLMRolloutBackend:
             generation_config="vllm",  # sampling settings are oppo's, not the model directory's
             enforce_eager=True,  # no torch.compile warm-up (tens of seconds on 2 cores)
             distributed_executor_backend="mp",  # the model in vLLM's worker process (module docstring)
-            disable_log_stats=True,
-            **(dict(enable_lora=True, max_loras=1, max_lora_rank=lora.max_rank(weights))
-               if serve_adapter and weights is not None else {}))
+            disable_log_stats=True, **lora_args)
         own_threads = torch.get_num_threads()
         t = time.perf_counter()
         # (spawn: a forked worker would inherit the trainer's threads and memory)
@@ -595,7 +596,8 @@ class VLLMRolloutBackend:
                           logprobs=len(eos), logprob_token_ids=eos)
         self._adds += 1
         rid = f"{r.uid}.{self._adds}"
-        prompt = {"prompt_token_ids": list(r.prompt_ids) + list(r.response_ids), "cache_salt": f"w{self.weight_loads}"}
+        prompt = cast(Any, {"prompt_token_ids": list(r.prompt_ids) + list(r.response_ids),
+                            "cache_salt": f"w{self.weight_loads}"})  # (vLLM's TokensPrompt)
         adapter = self._adapter.request() if self._adapter is not None and self._adapter_on else None
         sampling = SamplingParams(**params)
         self._call("admit", lambda: self.llm.add_request(rid, prompt, sampling, lora_request=adapter))

@@ -19,10 +19,11 @@ linear, so ``pad(W + s B A) = pad(W) + s pad(B) A`` for the query, key and value
 (rows: ``lora_B``) and ``W + s B A`` padded in its columns is ``pad(W) + s B pad(A)`` for the output
 projection (``lora_A``).
 
-**When it pays** (measured, ``benchmarks/vllm/README.md``): on the CPU, vLLM's LoRA kernels decode
-SmolLM2-135M (r = 16, every linear layer) about 2.6x slower than the merged model (52 against 135
-tokens/s, 16 x 48 tokens, one core), which costs far more than the merged load saves (0.45 s per
-update against about 0.1 s): ``lora.sync=auto`` sends merged weights there. On a GPU vLLM's LoRA
+**When it pays** (measured, ``benchmarks/vllm/README.md``, "LoRA"): on the CPU, vLLM's LoRA kernels
+decode SmolLM2-135M 1.8-3x slower than the merged model (16 x 48 tokens, one core: 40 against 121
+tokens/s with r = 16 on every linear layer, 64 against 114 with r = 8 on q_proj and v_proj), which
+costs far more than the adapter-only load saves (0.19 s against 0.76 s per update at r = 16, 0.05
+against 0.66 s at r = 8): ``lora.sync=auto`` sends merged weights there. On a GPU vLLM's LoRA
 kernels add little to a decode step and a merged load of a large model is the larger cost:
 ``auto`` serves the adapter. Not measured on a GPU (the project's GPU machine has no vLLM).
 
@@ -59,8 +60,9 @@ Qwen2: it packs q/k/v and gate/up itself)."""
 ADAPTER_ID = 1
 ADAPTER_NAME = "oppo-policy"
 FILE = "adapter_model.safetensors"
-CPU_SLOWDOWN = ("on the CPU vLLM's LoRA kernels decode about 2.6x slower than the merged model (SmolLM2-135M, "
-                "r=16: 52 against 135 tokens/s), more than the adapter-only load saves")
+CPU_SLOWDOWN = ("on the CPU vLLM's LoRA kernels decode 1.8-3x slower than the merged model (SmolLM2-135M: 40 "
+                "against 121 tokens/s at r=16 on every linear layer, 64 against 114 at r=8 on q_proj and v_proj), "
+                "which costs more than the adapter-only load saves (0.2 s against 0.76 s per update)")
 
 
 def _peft_config(module: PeftModel):
@@ -132,6 +134,33 @@ def base_weights(module: torch.nn.Module):
             yield name.replace(".base_layer.", "."), p.detach()
 
 
+PREFIX = "oppo-vllm-lora-"
+
+
+def sweep_stale(root: Path) -> list[Path]:
+    """Remove the adapter directories (``PREFIX<pid>-...``) of processes that no longer run: a
+    trainer killed with SIGKILL cannot remove its own, and in ``/dev/shm`` it would hold memory until
+    the machine restarts. Returns what it removed."""
+    gone = []
+    for d in root.glob(PREFIX + "*"):
+        pid = d.name[len(PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        gone.append(d)
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # (another user's process: alive)
+        return True
+    return True
+
+
 def _shm_dir() -> str | None:
     """``/dev/shm`` where this process may write there (files in RAM), else the default temp dir."""
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
@@ -144,7 +173,9 @@ class AdapterFiles:
 
     def __init__(self, module: torch.nn.Module, dtype: torch.dtype, padding: HeadPadding | None):
         self.dtype, self.padding = dtype, padding
-        self.dir = Path(tempfile.mkdtemp(prefix="oppo-vllm-lora-", dir=_shm_dir()))
+        root = _shm_dir()
+        sweep_stale(Path(root or tempfile.gettempdir()))
+        self.dir = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=root))
         self._config: dict | None = None  # the adapter_config.json written (rank, alpha, targets)
         self._write_config(module)
         self._base: dict[str, tuple[int, int]] = {}  # base tensor -> (storage, version) when last sent
