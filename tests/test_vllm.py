@@ -756,6 +756,31 @@ def test_lora_adapter_in_the_trainer(lora_engine, vmodels, tiny_prompts, tmp_pat
     assert any("mismatch/logprob_abs_diff" in s["m"] for s in steps)
 
 
+
+def test_an_adapter_vllm_refuses(lora_engine, vmodels, monkeypatch):
+    """vLLM refusing the adapter: under lora.sync=adapter (or once it served one) the run stops,
+    naming lora.sync=merged; under auto, before it ever served one, the policy goes merged from
+    then on, with a warning, and the engine samples from the merged weights. (Last of the adapter
+    tests: the engine serves merged weights afterwards.)"""
+    from oppo.rollout.vllm.backend import VLLMUnavailable
+
+    def refuse(request):
+        raise ValueError("this adapter is not supported")
+
+    peft = _lora(vmodels["policy"], [], seed=8)
+    monkeypatch.setattr(lora_engine.llm, "add_lora", refuse)
+    with pytest.raises(VLLMUnavailable, match="lora.sync=merged"):
+        lora_engine.load_weights(peft, 1)
+    monkeypatch.setattr(lora_engine, "_lora_sync", "auto")
+    with pytest.raises(VLLMUnavailable, match="lora.sync=merged"):  # (it served one before)
+        lora_engine.load_weights(peft, 1)
+    monkeypatch.setattr(lora_engine, "_adapter_served", False)
+    with pytest.warns(UserWarning, match="sent merged.*not supported"):
+        reset(lora_engine, peft)
+    assert lora_engine._adapter is None and lora_engine.weight_path != "adapter"
+    assert "not supported" in lora_engine.lora_merged_why
+    _generate_and_compare(lora_engine, peft, 700)
+
 def test_carried_requests_keep_their_versions(shared, vmodels, tiny_prompts, tmp_path):
     """oppo mode with long responses: sequences carried across a step close continue in the
     engine under the next weights; their tokens carry the version that sampled them (with

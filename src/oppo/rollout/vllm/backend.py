@@ -441,10 +441,12 @@ class VLLMRolloutBackend:
         self._served_dir = None
         try:  # before the engine starts: a refused adapter costs no start-up
             serve_adapter, self.lora_merged_why = lora.choose(lora_sync, weights, self._on_cpu)
+            self._lora_sync = lora_sync
         except ValueError as e:
             raise VLLMUnavailable(str(e)) from None
         self._adapter: lora.AdapterFiles | None = None  # the adapter served, when it is (lora.py)
         self._adapter_on = False  # requests carry it: an adapter load has happened since the last full one
+        self._adapter_served = False  # vLLM took the adapter once (a refusal after that is no reason to merge)
         if self._served is not None:
             self._served_dir = tempfile.mkdtemp(prefix="oppo-vllm-served-")
             model_path = str(self._served.write(model_path, self._served_dir))
@@ -733,8 +735,23 @@ class VLLMRolloutBackend:
         t_write = time.perf_counter()
         nbytes = self._adapter.write(module)
         t_load = time.perf_counter()
-        self._call("an adapter load", self.llm.add_lora, self._adapter.request(load_inplace=True))
-        self._adapter_on = True
+        try:
+            self._call("an adapter load", self.llm.add_lora, self._adapter.request(load_inplace=True))
+        except VLLMEngineDied:
+            raise
+        except Exception as e:
+            if self._lora_sync != "auto" or self._adapter_served:
+                raise VLLMUnavailable(f"vLLM refused the policy's LoRA adapter (lora.sync={self._lora_sync}): "
+                                      f"{type(e).__name__}: {e}. Set lora.sync=merged to send merged weights.") from e
+            # auto, and vLLM refuses the adapter before it ever served it: merged weights from now on
+            why = f"vLLM refused the adapter: {type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
+            warnings.warn(f"vLLM ({self.role}): the LoRA policy is sent merged, the whole model at every update, "
+                          f"because {why}", stacklevel=3)
+            self._adapter.close()
+            self._adapter, self.lora_merged_why = None, why
+            self._load_pairs(list(hf_weights(module)), version, t)
+            return
+        self._adapter_on = self._adapter_served = True
         self.weight_path = "adapter"
         self.last_weight_sync_parts = {**parts, "write_s": t_load - t_write, "load_s": time.perf_counter() - t_load,
                                        "adapter_bytes": nbytes}
