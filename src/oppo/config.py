@@ -282,14 +282,14 @@ class LoraConfig:
                               "a dropout would never apply: it is refused rather than ignored.")
     target_modules: list = opt([], "Module names to adapt, e.g. [q_proj, v_proj]. Empty: every linear layer but "
                                     "the output head (peft's all-linear).")
-    sync: str = opt("auto", "How the trained policy reaches a rollout engine that holds its own copy of the weights "
-                            "(generation.engine=vllm; oppo's own engines share the trainer's model): adapter: the "
-                            "engine serves the base with the adapter on top and each update sends the adapter only "
-                            "(a few MB); merged: each update sends base + adapter merged, the whole model; auto: "
-                            "adapter on a GPU, merged on the CPU (vLLM's CPU LoRA kernels decode 1.8-3x slower than "
-                            "the merged model, more than the smaller load saves: benchmarks/vllm). Adapters on "
-                            "the embedding or the head, DoRA and modules_to_save are always sent merged (adapter "
-                            "refuses them).", ("auto", "adapter", "merged"))
+    sync: str = opt("auto", "How the trained policy reaches a rollout backend that loads its own copy of the weights "
+                            "(oppo's own engines share the trainer's model: nothing is sent): adapter: the backend "
+                            "serves the base with the adapter on top and each update sends the adapter only (a few "
+                            "MB); merged: each update sends base + adapter merged, the whole model; auto: the "
+                            "backend's choice, from where it is faster (its line under generation.engine says). An "
+                            "adapter the backend cannot serve as one (on the embedding or the head, DoRA, "
+                            "modules_to_save) goes merged under auto and is refused under adapter.",
+                    ("auto", "adapter", "merged"))
 
 
 def _algo_name_help() -> str:

