@@ -168,8 +168,8 @@ def _shm_dir() -> str | None:
 
 class AdapterFiles:
     """The adapter's directory, as vLLM loads it (``adapter_config.json`` and ``FILE``), rewritten
-    at every update; the request every generation carries (:attr:`request`) and the one that
-    reloads it in place (:meth:`reload_request`)."""
+    at every update; :meth:`request` gives the request every generation carries, and with
+    ``load_inplace`` the one that reloads the adapter in place."""
 
     def __init__(self, module: torch.nn.Module, dtype: torch.dtype, padding: HeadPadding | None):
         self.dtype, self.padding = dtype, padding
