@@ -40,6 +40,7 @@ from typing import cast
 import torch
 
 from oppo.checkpoint import sha256_file
+from oppo.procs import pid_alive
 from oppo.task import models as M
 from oppo.task import positive
 from oppo.task.registry import Task, get_task
@@ -612,18 +613,8 @@ def _remove_stale_tmp(home: Path, name: str) -> None:
             pid = int(d.name.split("-")[1])
         except (IndexError, ValueError):
             continue
-        if pid == os.getpid() or not _pid_alive(pid):
+        if pid == os.getpid() or not pid_alive(pid):
             shutil.rmtree(d, ignore_errors=True)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _swap_into_place(tmp: Path, root: Path) -> None:

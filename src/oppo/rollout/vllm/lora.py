@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from ...procs import pid_alive
 from .heads import HeadPadding
 
 if TYPE_CHECKING:
@@ -144,21 +145,11 @@ def sweep_stale(root: Path) -> list[Path]:
     gone = []
     for d in root.glob(PREFIX + "*"):
         pid = d.name[len(PREFIX):].split("-", 1)[0]
-        if not pid.isdigit() or _alive(int(pid)):
+        if not pid.isdigit() or pid_alive(int(pid)):
             continue
         shutil.rmtree(d, ignore_errors=True)
         gone.append(d)
     return gone
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # (another user's process: alive)
-        return True
-    return True
 
 
 def _shm_dir() -> str | None:
