@@ -70,6 +70,11 @@ def _peft_config(module: PeftModel):
     return module.peft_config[module.active_adapter]
 
 
+def _rank(cfg) -> int:
+    """The adapter's largest rank (peft's ``rank_pattern`` may raise it for some layers)."""
+    return max([cfg.r, *(getattr(cfg, "rank_pattern", None) or {}).values()])
+
+
 def adapter_problem(module: torch.nn.Module) -> str:
     """Why vLLM cannot serve this peft policy as base + adapter ('' when it can)."""
     peft = cast("PeftModel", module)
@@ -83,7 +88,7 @@ def adapter_problem(module: torch.nn.Module) -> str:
         return f"adapter biases (bias={cfg.bias!r}) are not served by vLLM"
     if getattr(cfg, "modules_to_save", None):
         return f"modules_to_save ({', '.join(cfg.modules_to_save)}) are whole trained layers, not adapters"
-    rank = max([cfg.r, *(getattr(cfg, "rank_pattern", None) or {}).values()])
+    rank = _rank(cfg)
     if rank > RANKS[-1]:
         return f"rank {rank} is above vLLM's largest max_lora_rank, {RANKS[-1]}"
     inner = peft.get_base_model()
@@ -100,8 +105,7 @@ def adapter_problem(module: torch.nn.Module) -> str:
 
 def max_rank(module: torch.nn.Module) -> int:
     """The smallest of vLLM's ``max_lora_rank`` choices that holds this policy's adapter."""
-    cfg = _peft_config(cast("PeftModel", module))
-    rank = max([cfg.r, *(getattr(cfg, "rank_pattern", None) or {}).values()])
+    rank = _rank(_peft_config(cast("PeftModel", module)))
     return next(r for r in RANKS if r >= rank)
 
 
@@ -203,9 +207,10 @@ class AdapterFiles:
         """``adapter_config.json`` (vLLM reads the scale alpha / r and the targets from it), where it
         differs from the one written."""
         cfg = _peft_config(cast("PeftModel", module))
-        if cfg.to_dict() != self._config:
+        wanted = cfg.to_dict()
+        if wanted != self._config:
             cfg.save_pretrained(str(self.dir))
-            self._config = cfg.to_dict()
+            self._config = wanted
 
     def base_changed(self, module: torch.nn.Module) -> bool:
         """Whether a base weight was replaced or written in place since :meth:`base_sent`."""
