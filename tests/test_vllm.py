@@ -648,6 +648,34 @@ def test_adapter_files_are_removed_and_a_dead_trainers_are_swept(tmp_path, monke
     files.close()
     assert not files.dir.exists()
 
+
+def test_a_new_policy_is_a_changed_base_even_at_a_freed_one_s_addresses():
+    """The base is sent again for another module (even one whose tensors land where a freed
+    one's were: seen in CI, where an address-based check sent no base) and for a weight written
+    in place or replaced, never for the same weights unchanged."""
+    import gc
+
+    from oppo.rollout.vllm import lora
+
+    a = _lora_on(hf_policy_tiny(), [])
+    files = lora.AdapterFiles(a, torch.float32, None)
+    try:
+        assert files.base_changed(a)  # nothing sent yet
+        files.base_sent(a)
+        assert not files.base_changed(a)
+        with torch.no_grad():
+            next(p for n, p in a.named_parameters() if "lora_" not in n).mul_(2.0)
+        assert files.base_changed(a), "written in place"
+        files.base_sent(a)
+        next(p for n, p in a.named_parameters() if "lora_" not in n).data = torch.zeros(1)
+        assert files.base_changed(a), "replaced"
+        files.base_sent(a)
+        del a
+        gc.collect()
+        assert files.base_changed(_lora_on(hf_policy_tiny(), [])), "another module"
+    finally:
+        files.close()
+
 def hf_policy_tiny():
     from transformers import LlamaConfig, LlamaForCausalLM
 

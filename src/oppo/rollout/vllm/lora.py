@@ -37,6 +37,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -173,7 +174,7 @@ class AdapterFiles:
         self.dir = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=root))
         self._config: dict | None = None  # the adapter_config.json written (rank, alpha, targets)
         self._write_config(module)
-        self._base: dict[str, tuple[int, int]] = {}  # base tensor -> (storage, version) when last sent
+        self._base: list[tuple] = []  # each base parameter when last sent: (name, weakref, storage, version)
 
     def request(self, load_inplace: bool = False) -> Any:
         from vllm.lora.request import LoRARequest
@@ -213,16 +214,25 @@ class AdapterFiles:
             self._config = wanted
 
     def base_changed(self, module: torch.nn.Module) -> bool:
-        """Whether a base weight was replaced or written in place since :meth:`base_sent`."""
-        return self._base != self._stamp(module)
+        """Whether the base weights are other tensors than those last sent (another module: a weak
+        reference, not an address, which a freed module's successor may reuse), or those with
+        their data replaced or written in place (storage, version counter)."""
+        now = self._stamp(module)
+        return len(now) != len(self._base) or any(
+            n != m or ref() is not p or ptr != ptr2 or v != v2
+            for (n, p, ptr, v), (m, ref, ptr2, v2) in zip(now, self._base))
 
     def base_sent(self, module: torch.nn.Module | None) -> None:
         """The engine now holds ``module``'s base weights (None: some other weights)."""
-        self._base = self._stamp(module) if module is not None else {}
+        self._base = ([(n, weakref.ref(p), ptr, v) for n, p, ptr, v in self._stamp(module)]
+                      if module is not None else [])
 
     @staticmethod
-    def _stamp(module: torch.nn.Module) -> dict[str, tuple[int, int]]:
-        return {n: (w.untyped_storage().data_ptr(), w._version) for n, w in base_weights(module)}
+    def _stamp(module: torch.nn.Module) -> list[tuple]:
+        """(name, parameter, storage, version) of each frozen base parameter."""
+        inner = cast("PeftModel", module).get_base_model()
+        return [(n, p, p.untyped_storage().data_ptr(), p._version)
+                for n, p in inner.named_parameters() if "lora_" not in n]
 
     def close(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
