@@ -87,6 +87,8 @@ def parse(argv):
                    help="Run --steps (default 3) steps of every mode with the eager and the static engine, each in "
                         "a child process, and exit 1 naming engine, mode, step and metric if any failed or any "
                         "number was not finite.")
+    p.add_argument("--check-engines", default=",".join(CHECK_ENGINES),
+                   help="--check: the engines to check, comma-separated (default: %(default)s).")
     p.add_argument("--check-one", default=None, metavar="ENGINE:MODE", help=argparse.SUPPRESS)
     p.add_argument("--no-short-row", action="store_true", help="Skip the short-response stage-profile row.")
     p.add_argument("overrides", nargs="*", help="section.key=value settings shared by every mode.")
@@ -99,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     deadline = started + args.budget_min * 60
     say = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    check_engines = tuple(e.strip() for e in args.check_engines.split(",") if e.strip())
+    if args.check and not set(check_engines) <= set(ENGINES):
+        raise SystemExit(f"gpu_bench: --check-engines {args.check_engines!r}: choose from {', '.join(ENGINES)}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("gpu_bench: no CUDA device; use --device cpu --tiny for the CPU smoke run.")
     tiny = args.tiny
@@ -131,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check_one:
         return check_one(args.check_one, settings, steps, workload, out, say)
     if args.check:
-        return check_all(argv, modes, out, paths["policy"].parent, say)
+        return check_all(argv, modes, out, paths["policy"].parent, say, engines=check_engines)
     settings += ENGINES[args.engine]
     base = load_config(None, settings)
     one_at_a_time = args.schedule == "one-at-a-time" or (args.schedule == "auto" and on_cuda)
@@ -224,15 +229,17 @@ def check_one(spec: str, settings: list[str], steps: int, workload, out: Path, s
     return 0 if result["ok"] else 1
 
 
-def check_all(argv: list[str], modes: list[str], out: Path, models: Path, say, run=subprocess.run) -> int:
-    """``--check``: every mode with each of :data:`CHECK_ENGINES`, one child process each (``run``:
-    how a child runs, ``subprocess.run``), on the synthetic models in ``models``; a table of what
-    passed; 1 if anything failed."""
-    parent = [a for a in argv if a != "--check"]
+def check_all(argv: list[str], modes: list[str], out: Path, models: Path, say, run=subprocess.run,
+              engines: tuple[str, ...] = CHECK_ENGINES) -> int:
+    """``--check``: every mode with each of ``engines`` (:data:`CHECK_ENGINES` by default), one child
+    process each (``run``: how a child runs, ``subprocess.run``), on the synthetic models in
+    ``models``; a table of what passed; 1 if anything failed."""
+    parent = [a for i, a in enumerate(argv) if a not in ("--check", "--check-engines")
+              and not a.startswith("--check-engines=") and (i == 0 or argv[i - 1] != "--check-engines")]
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # (the models were built here) the children get the GPU's memory
     rows = []
-    for engine in CHECK_ENGINES:
+    for engine in engines:
         for mode in modes:
             where = out / "check" / f"{engine}-{_slug(mode)}"
             (where / "check.json").unlink(missing_ok=True)

@@ -22,16 +22,17 @@ import argparse
 import torch
 
 
-def _model(dtype):
+def _model(dtype, device):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=512, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
                       num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=4096)
-    return LlamaForCausalLM(cfg).to("cuda", dtype)
+    return LlamaForCausalLM(cfg).to(device, dtype)
 
 
 def _bad_grads(model, width: int, packed: bool) -> int:
+    device = next(model.parameters()).device
     from oppo.models import backbone_and_head
     from oppo.scoring.streaming import full_hidden, sequence_batch
 
@@ -39,7 +40,7 @@ def _bad_grads(model, width: int, packed: bool) -> int:
     lens = [width - 16, width // 2, 5, width // 3]  # prompt lengths: the widest row sets the width
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in lens]
     responses = [torch.randint(3, 500, (16 if i == 0 else 8,), generator=g).tolist() for i in range(len(lens))]
-    ids, valid, P, rmask = sequence_batch(prompts, responses, 0, torch.device("cuda"))
+    ids, valid, P, rmask = sequence_batch(prompts, responses, 0, device)
     model.zero_grad(set_to_none=True)
     backbone, head = backbone_and_head(model)
     if packed:
@@ -56,14 +57,16 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--widths", default="56-336", help="first-last (step 8) or a comma list")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device", default="cuda", help="cuda (the probe) or cpu (checks this script only)")
     a = p.parse_args(argv)
     if "-" in a.widths:
         lo, hi = map(int, a.widths.split("-"))
         widths = list(range(lo, hi + 1, 8))
     else:
         widths = [int(w) for w in a.widths.split(",")]
-    model = _model(getattr(torch, a.dtype))
-    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
+    model = _model(getattr(torch, a.dtype), a.device)
+    name = torch.cuda.get_device_name() if a.device.startswith("cuda") else a.device
+    print(f"# {name}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
     print("| width | width % 128 | padded: bad grads | packed: bad grads | padded, no cuDNN SDPA |")
     print("|---|---|---|---|---|")
     for w in widths:
