@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                                    args.device if on_cuda else "cpu", dtype,
                                    prompt_words=(4, 24) if tiny else (16, 96))
     built = time.time() - started
-    mb = max(1, B // 4) if tiny else 16
+    mb = max(1, B // 4) if tiny else min(16, B // 2)  # a divisor of the minibatch (B / 2)
     settings = [
         f"policy.path={paths['policy']}", f"reward.path={paths['reward']}", f"data.prompts={paths['prompts']}",
         f"policy.device={args.device}", "policy.dtype=auto", f"ppo.batch_size={B}", f"ppo.minibatch_size={B // 2}",

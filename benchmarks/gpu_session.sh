@@ -6,6 +6,7 @@
 # later part that runs out of time loses nothing before it (the device tool returns 8 files).
 #
 #   device run:  bash benchmarks/gpu_session.sh            (timeout_s 600; results under $OUT/gpu_session)
+#   a rerun:     SKIP="nan_probe gpu_tests" bash benchmarks/gpu_session.sh   (parts named in SKIP do not run)
 #   CPU smoke:   SMOKE=1 OUT=/tmp/smoke bash benchmarks/gpu_session.sh   (tiny models, about 2 minutes)
 #
 # 1. nan_probe.py: NaN gradients per batch width, padded vs packed layout (issue 26's root cause);
@@ -37,6 +38,7 @@ fi
 started=$(date +%s)
 part() {  # part NAME SECONDS COMMAND...: run it under a timeout, log it, note rc and seconds
   local name=$1 limit=$2; shift 2
+  case " ${SKIP:-} " in *" $name "*) echo "| $name | skipped (SKIP) | | |" >> "$OUT/summary.md"; return;; esac
   local t0=$(date +%s)
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?

@@ -340,7 +340,7 @@ def run_modes(base, modes: list[str], steps: int, out: Path, tail_sigma: float |
 
     if one_at_a_time:
         for i, mode in enumerate(modes):
-            if cuda:
+            if cuda and torch.cuda.is_initialized():  # (before any CUDA work the peaks are 0, and the reset raises)
                 for d in range(torch.cuda.device_count()):
                     torch.cuda.reset_peak_memory_stats(d)
             share = None if deadline is None else time.time() + (deadline - time.time()) / (len(modes) - i)
