@@ -394,3 +394,48 @@ def test_cli_usage():
     assert cli.main([]) == 2
     assert cli.main(["--help"]) == 0
     assert cli.main(["frobnicate"]) == 2
+
+
+# --------------------------------------------------------------------------- TRL's names, every unknown key
+
+def test_every_unknown_key_is_reported_in_one_run_a_line_each(tmp_path):
+    path = _write(tmp_path / "c.yaml", "ppo:\n  vf_coef: 0.1\n  batch_size: 8\ndata:\n  prompt_field: text\n")
+    msg = _error(["ppo.num_mini_batches=4", "run.seeds=1", "ppo.minibatch_size=4"], path=path)
+    lines = msg.splitlines()
+    assert len(lines) == 4, msg
+    for key, line in zip(("ppo.vf_coef", "data.prompt_field", "ppo.num_mini_batches", "run.seeds"), lines):
+        assert line.startswith(f"Unknown setting '{key}'"), msg
+    assert "c.yaml" in lines[0] and "the command line" in lines[2]
+    assert "--help" in lines[-1] and "docs/from-trl.md" in lines[-1]
+
+
+@pytest.mark.parametrize("key, says", [
+    ("ppo.num_mini_batches=4", "num_mini_batches=4 is ppo.minibatch_size = ppo.batch_size / 4"),
+    ("num_ppo_epochs=4", "num_ppo_epochs=4 is ppo.epochs=4"),
+    ("ppo.vf_coef=0.1", "vf_coef=0.1 has no oppo setting"),
+    ("generation.response_length=53", "response_length=53 is generation.max_new_tokens=53"),
+    ("generation.stop_token=eos", "stop_token=eos has no oppo setting"),
+    ("ppo.gradient_accumulation_steps=2", "is ppo.minibatch_size = ppo.micro_batch_size x 2"),
+    ("ppo.whiten_rewards=true", "ppo.whiten_advantages"),
+    ("ppo.cliprange_value=0.3", "is ppo.value_clip_eps=0.3"),
+    ("total_episodes=1000", "run.steps = 1000 / ppo.batch_size"),
+])
+def test_a_trl_name_gets_its_conversion(key, says):
+    msg = _error([key])
+    assert says in msg and "Did you mean" not in msg
+
+
+@pytest.mark.parametrize("key, wrong", [
+    ("ppo.vf_coef", "ppo.kl_coef"), ("generation.response_length", "generation.engine"),
+    ("generation.stop_token", "generation.top_k"), ("ppo.gradient_accumulation_steps", "ppo.lr_warmup_steps"),
+    ("ppo.num_mini_batches", "Did you mean 'ppo.minibatch_size'"),
+    ("ppo.whiten_rewards", "Did you mean 'ppo.whiten_advantages'"), ("data.prompt_field", "data.prompts"),
+    ("ppo.value_coef", "Did you mean"), ("ppo.whiten_returns", "Did you mean"), ("ppo.clip_eps_low", "Did you mean"),
+])
+def test_no_hint_names_another_operation(key, wrong):
+    assert wrong not in _error([f"{key}=1"])
+
+
+def test_a_field_name_from_other_trainers_names_data_field():
+    assert "Did you mean 'data.field'?" in _error(["data.prompt_field=text"])
+    assert "Did you mean 'data.field'?" in _error(["data.prompt_key=text"])

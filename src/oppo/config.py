@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import yaml
 
-from . import modes
+from . import from_trl, modes
 from .algo.algorithms import SPECS, get_spec
 from .algo.core import AlgorithmSpec
 
@@ -485,7 +485,8 @@ _ALIASES = {"learning_rate": ("actor_lr", "critic_lr"), "lr": ("actor_lr", "crit
             "actor_learning_rate": ("actor_lr",), "policy_lr": ("actor_lr",),
             "critic_learning_rate": ("critic_lr",), "value_lr": ("critic_lr",), "vf_lr": ("critic_lr",),
             "mini_batch_size": ("minibatch_size",), "ppo_epochs": ("epochs",), "cliprange": ("clip_eps",),
-            "init_kl_coef": ("kl_coef",)}
+            "init_kl_coef": ("kl_coef",), "prompt_key": ("field",), "input_key": ("field",),
+            "prompt_field": ("field",)}
 
 # settings that moved to another section (old key -> new key): given by hand (a YAML file, an
 # override) the old name is refused with the new one named; a saved config (a checkpoint's, a
@@ -507,6 +508,22 @@ def upgrade_settings(d: dict) -> dict:
     return out
 
 
+def _words_match(a: str, b: str) -> bool:
+    """Two words one spelling slip apart (lrr/lr, seeds/seed), not two different words (kl/vf)."""
+    return a == b or difflib.SequenceMatcher(None, a, b).ratio() >= 0.8
+
+
+def _same_operation(leaf: str, known_leaf: str) -> bool:
+    """Whether ``known_leaf`` can be what ``leaf`` meant: the same name misspelled (batchsize,
+    actor_lrr), or a part of it (lr -> actor_lr). A name sharing a word or two with another
+    (whiten_rewards, whiten_advantages; vf_coef, kl_coef) is another operation, not a typo."""
+    joined = difflib.SequenceMatcher(None, leaf.replace("_", ""), known_leaf.replace("_", "")).ratio()
+    if joined >= 0.85:
+        return True
+    words, known_words = leaf.split("_"), known_leaf.split("_")
+    return all(any(_words_match(w, k) for k in known_words) for w in words)
+
+
 def _suggest(key: str, known: list[str]) -> str:
     section, _, leaf = key.rpartition(".")
     aliased = [f"{s}.{a}" for s in [section] + sorted({k.split(".")[0] for k in known})
@@ -515,16 +532,37 @@ def _suggest(key: str, known: list[str]) -> str:
         first, *rest = list(dict.fromkeys(aliased))
         also = f" (Or '{rest[0]}'.)" if rest and rest[0].split(".")[0] == first.split(".")[0] else ""
         return f" Did you mean '{first}'?{also}"
-    # a leaf that is a word of known leaves (e.g. "ppo.lr" -> "ppo.actor_lr"), same section first
-    words = [k for k in known if leaf in k.split(".")[-1].split("_")]
-    close = sorted(words, key=lambda k: k.split(".")[0] != section)[:1]
-    close = close or difflib.get_close_matches(key, known, n=1, cutoff=0.5)
-    if not close:  # try matching the last component alone (e.g. "lr" -> "ppo.actor_lr")
-        leaf = key.split(".")[-1]
-        leaves = {k.split(".")[-1]: k for k in known}
-        hit = difflib.get_close_matches(leaf, list(leaves), n=1, cutoff=0.6)
-        close = [leaves[hit[0]]] if hit else []
+    sections = sorted({k.split(".")[0] for k in known})
+    if section and section not in sections:  # a misspelled section (ppoo.batch_size)
+        section = next(iter(difflib.get_close_matches(section, sections, n=1, cutoff=0.6)), section)
+    close = [k for k in known if _same_operation(leaf, k.split(".")[-1])]
+    close.sort(key=lambda k: (k.split(".")[0] != section,
+                              -difflib.SequenceMatcher(None, leaf, k.split(".")[-1]).ratio()))
     return f" Did you mean '{close[0]}'?" if close else ""
+
+
+def _unknown(cfg: Config, key: str, value: Any, source: str) -> str | None:
+    """One line saying why ``key`` is not a setting and what to write instead; None for a setting."""
+    known = all_keys(cfg)
+    if key in MOVED:
+        return (f"Unknown setting '{key}' (from {source}): {key} is now {MOVED[key]} (where a role runs and "
+                f"how much hardware it gets is in the placement section). Rename it to {MOVED[key]}.")
+    if len(key.split(".")) == 2 and key in known:
+        return None
+    trl = from_trl.lookup(key)
+    if trl is not None:
+        return f"Unknown setting '{key}' (from {source}): {trl.says(value)}."
+    return f"Unknown setting '{key}' (from {source}).{_suggest(key, known)}"
+
+
+def _refuse_unknown(cfg: Config, items: list[tuple[str, Any, str]]) -> None:
+    """Raise one ConfigError naming every unknown key of ``items`` ((key, value, source)), a line each."""
+    lines = [line for key, value, source in items if (line := _unknown(cfg, key, value, source))]
+    if not lines:
+        return
+    trl = any(from_trl.lookup(key) for key, _, _ in items if key not in all_keys(cfg))
+    tail = "`oppo train --help` lists every setting" + ("; docs/from-trl.md maps TRL's." if trl else ".")
+    raise ConfigError("\n".join(lines[:-1] + [f"{lines[-1]} {tail}"]))
 
 
 def _coerce(key: str, value: Any, tp: Any) -> Any:
@@ -581,13 +619,7 @@ def _is_int(s: str) -> bool:
 
 def _set(cfg: Config, key: str, value: Any, source: str) -> None:
     parts = key.split(".")
-    known = all_keys(cfg)
-    if key in MOVED:
-        raise ConfigError(f"Unknown setting '{key}' (from {source}): {key} is now {MOVED[key]} (where a role runs and "
-                          f"how much hardware it gets is in the placement section). Rename it to {MOVED[key]}.")
-    if len(parts) != 2 or key not in known:
-        raise ConfigError(f"Unknown setting '{key}' (from {source}).{_suggest(key, known)} "
-                          f"`oppo train --help` lists every setting.")
+    _refuse_unknown(cfg, [(key, value, source)])
     section = getattr(cfg, parts[0])
     hints = typing.get_type_hints(type(section))
     setattr(section, parts[1], _coerce(key, value, hints[parts[1]]))
@@ -608,6 +640,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     """Build a Config from defaults, then a YAML file, then ``key=value`` overrides; then validate."""
     cfg = Config()
     explicit: set[str] = set()
+    items: list[tuple[str, Any, str]] = []  # (key, value, where it came from)
     if path is not None:
         p = Path(path)
         if not p.is_file():
@@ -618,15 +651,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ConfigError(f"Config file {p} is not valid YAML: {e}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"Config file {p} must hold a mapping of sections (policy:, ppo:, ...).")
-        for key, value in _flatten(data).items():
-            _set(cfg, key, value, str(p))
-            explicit.add(key)
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"Override '{item}' must look like section.key=value (e.g. ppo.actor_lr=1e-6).")
-        key, raw = item.split("=", 1)
-        _set(cfg, key.strip(), _parse_override(cfg, key.strip(), raw.strip()), "the command line")
-        explicit.add(key.strip())
+        items += [(key, value, str(p)) for key, value in _flatten(data).items()]
+    pairs = _split_overrides(overrides)
+    _refuse_unknown(cfg, items + [(key, raw or None, "the command line") for key, raw in pairs])  # all at once
+    items += [(key, _parse_override(cfg, key, raw), "the command line") for key, raw in pairs]
+    for key, value, source in items:
+        _set(cfg, key, value, source)
+        explicit.add(key)
     if cfg.uses_builtin_task:
         for key, value in TASK_PRESETS.get(cfg.data.task, {}).items():
             if key not in explicit:
@@ -638,13 +669,23 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 def with_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Config:
     """A copy of ``cfg`` with ``key=value`` overrides applied, validated (``cfg`` is unchanged)."""
     out = copy.deepcopy(cfg)
+    pairs = _split_overrides(overrides)
+    _refuse_unknown(out, [(key, raw or None, "the command line") for key, raw in pairs])
+    for key, raw in pairs:
+        _set(out, key, _parse_override(out, key, raw), "the command line")
+    validate(out)
+    return out
+
+
+def _split_overrides(overrides: list[str] | tuple[str, ...]) -> list[tuple[str, str]]:
+    """(key, raw value) of each ``key=value`` override, stripped."""
+    pairs = []
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"Override '{item}' must look like section.key=value (e.g. ppo.actor_lr=1e-6).")
         key, raw = (x.strip() for x in item.split("=", 1))
-        _set(out, key, _parse_override(out, key, raw), "the command line")
-    validate(out)
-    return out
+        pairs.append((key, raw))
+    return pairs
 
 
 def _parse_override(cfg: Config, key: str, raw: str) -> Any:
