@@ -161,7 +161,7 @@ def test_fingerprints_see_one_changed_value_and_not_the_device(tiny_models):
     model = AutoModelForCausalLM.from_pretrained(tiny_models["policy"])
     before = weights_fingerprint(model)
     assert weights_fingerprint(AutoModelForCausalLM.from_pretrained(tiny_models["policy"])) == before
-    if torch.cuda.is_available():  # exact on any device: the sum is of integers
+    if torch.cuda.is_available():  # the same on any device: the bytes are hashed on the host
         assert weights_fingerprint(model.cuda()) == before
         model.cpu()
     with torch.no_grad():
@@ -171,3 +171,37 @@ def test_fingerprints_see_one_changed_value_and_not_the_device(tiny_models):
     fp = tokenizer_fingerprint(tok)
     tok(["the film", "a"], padding=True)  # encoding with padding sets the backend's padding state
     assert tokenizer_fingerprint(tok) == fp
+
+
+def _module(**tensors) -> torch.nn.Module:
+    m = torch.nn.Module()
+    for name, t in tensors.items():
+        m.register_buffer(name, t)
+    return m
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fingerprints_see_a_value_move(dtype):
+    """Swapping two rows of embed_tokens and lm_head, or +k and -k in one lane of the 8-byte words
+    (equal sums of words), changed nothing under the old sum-and-samples fingerprint."""
+    g = torch.Generator().manual_seed(0)
+    embed, head = (torch.randn(64, 16, generator=g).to(dtype) for _ in range(2))
+    before = weights_fingerprint(_module(embed_tokens=embed, lm_head=head))
+    swap = [1, 0] + list(range(2, 64))
+    assert weights_fingerprint(_module(embed_tokens=embed[swap], lm_head=head[swap])) != before
+    words = torch.arange(1 << 12, dtype=torch.int64)
+    bumped = words.clone()
+    bumped[3] += 1 << 20
+    bumped[3 + 512] -= 1 << 20  # the same lane, the same sum of words
+    assert bumped.sum() == words.sum()
+    assert weights_fingerprint(_module(w=bumped)) != weights_fingerprint(_module(w=words))
+    assert weights_fingerprint(_module(embed_tokens=embed.clone(), lm_head=head.clone())) == before
+
+
+def test_fingerprints_of_the_first_scheme_are_not_compared():
+    from oppo.fingerprint import changed_models
+
+    now = {"reference": {"path": "r", "fingerprint": "w2:ab"}, "tokenizer": {"path": "p", "fingerprint": "cd"}}
+    old = {"reference": {"path": "r", "fingerprint": "9f"}, "tokenizer": {"path": "p", "fingerprint": "ce"}}
+    assert changed_models(old, now) == [("tokenizer", "p", "p")]  # the weights' schemes differ: unchecked
+    assert changed_models({**old, "reference": {"path": "r", "fingerprint": "w2:ac"}}, now)[0][0] == "reference"

@@ -6,13 +6,20 @@ Recorded in every checkpoint (``models.json``, :func:`oppo.checkpoint.save_check
 once per run when the models load (``Trainer.__init__``), compared on resume
 (:func:`changed_models`).
 
-A weights fingerprint hashes, for every tensor of the loaded model's ``state_dict``: its name,
-shape and dtype, the exact bits of a fixed strided sample of up to :data:`SAMPLE` values, and the
-wrapping int64 sum of its bytes read as 8-byte words (exact and independent of summation order, so
-the same weights give the same fingerprint on CPU and GPU; a change to any single value changes
-it). Re-training or a re-export with other weights changes nearly every value, and the sample alone
-catches it; the sum catches sparse edits (a few new embedding rows). Cost: one read of the weights
-(a 1B bf16 model: 0.1 s on 2 CPU cores) and one host sync per model.
+A weights fingerprint is sha256 over, for every tensor of the loaded model's ``state_dict`` in
+name order: its name, shape and dtype, and the CRC-32 of each :data:`CHUNK` bytes of its exact bits
+in memory order. A CRC is position-dependent: it detects every change of one value (any burst of up
+to 32 bits) for certain, and a value that moves (two rows swapped, +k here and -k there) but for a
+2^-32 chance per chunk; a re-export changes nearly every chunk. The same weights give the same
+fingerprint on CPU and GPU (the bytes are hashed on the host). (The first scheme, a wrapping sum of
+8-byte words plus 256 strided samples, missed both swaps and +k/-k in one lane; its fingerprints
+carry no scheme prefix and are not compared with these: :func:`changed_models`.)
+Cost: one read of the weights by zlib's CRC-32 (about 2.5 GB/s a core), chunks on a thread per core
+(zlib releases the GIL); sha256, cryptographic, runs at half that speed here (over a second per 1B
+parameters). Measured: ``weights_fingerprint`` of a module holding 0.98B bf16 parameters (two
+131M-element tensors and 43 of 2048 x 8192), best of 3, on our 2-core CPU machine with the other
+core busy: 0.83 s (sha256 in its place: 1.6 s; the old sum and samples: 0.37 s); with both cores
+free, about half. A GPU model adds its device-to-host copy, one tensor at a time.
 
 The fingerprint is of the tensors *as loaded*: the same files loaded in another dtype give another
 fingerprint. A run resumes with its own dtype settings (``policy.dtype`` must match on resume), so
@@ -28,66 +35,56 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import zlib
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-SAMPLE = 256
-"""Values sampled from each tensor, at a fixed stride."""
+SCHEME = "w2"
+"""Prefix of a weights fingerprint (``"w2:<hex>"``); fingerprints of another scheme are not compared."""
 
-_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+CHUNK = 4 << 20
+"""Bytes checksummed as one piece (small enough that the threads share a layer's matrices)."""
+
+_IN_FLIGHT = 1 << 30  # bytes of host copies waiting to be hashed, at most (a GPU model copies ahead)
 
 
 def weights_fingerprint(model: torch.nn.Module) -> str:
-    """sha256 (hex) of ``model``'s state_dict as loaded (module docstring)."""
+    """``"w2:"`` + sha256 (hex) of ``model``'s state_dict as loaded, its bytes by chunk CRC-32
+    (module docstring)."""
     h = hashlib.sha256()
-    sums, samples = [], []
-    with torch.no_grad():
-        items = sorted(model.state_dict().items())
-        for name, t in items:
-            h.update(f"{name}|{tuple(t.shape)}|{t.dtype};".encode())
-            if t.is_meta or t.numel() == 0:
-                sums.append(torch.zeros((), dtype=torch.int64))  # (on the CPU: a meta tensor has no values)
-                samples.append(torch.zeros(0, dtype=torch.uint8))
+    pending: deque = deque()  # (futures of one tensor's chunks, the bytes they read)
+    in_flight = 0
+    with torch.no_grad(), ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        for name, t in sorted(model.state_dict().items()):
+            header = f"{name}|{tuple(t.shape)}|{t.dtype};".encode()
+            if t.is_meta or t.numel() == 0:  # (a meta tensor has no values)
+                pending.append(([], header, 0))
                 continue
-            flat = t.detach().reshape(-1)
-            if not flat.is_contiguous():
-                flat = flat.contiguous()
-            bits = flat.view(_INT_VIEW[flat.element_size()])  # (the exact bits, any float dtype)
-            sums.append(_words(flat).sum(dtype=torch.int64))  # wraps on overflow: still exact, order-independent
-            stride = max(1, flat.numel() // SAMPLE)
-            samples.append(bits[::stride][:SAMPLE].contiguous().view(torch.uint8))
-        # one host transfer per device (a CPU-GPU sync point), not one per tensor
-        by_device: dict = {}
-        for i, s in enumerate(sums):
-            by_device.setdefault(s.device, []).append(i)
-        host_sums: list[int] = [0] * len(sums)  # (every entry is set below)
-        host_samples: list[bytes] = [b""] * len(sums)
-        for idx in by_device.values():
-            stacked = torch.stack([sums[i] for i in idx]).cpu()
-            joined = torch.cat([samples[i] for i in idx]).cpu()
-            off = 0
-            for j, i in enumerate(idx):
-                host_sums[i] = int(stacked[j])
-                n = samples[i].numel()
-                host_samples[i] = joined[off:off + n].numpy().tobytes()
-                off += n
-    for (name, _), total, sample in zip(items, host_sums, host_samples):
-        h.update(f"{name}:{total};".encode())
-        h.update(sample)
-    return h.hexdigest()
+            raw = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()  # exact bits, any dtype
+            futures = [pool.submit(_crc, raw[i:i + CHUNK]) for i in range(0, raw.size, CHUNK)]
+            pending.append((futures, header, raw.size))
+            in_flight += raw.size
+            while in_flight > _IN_FLIGHT and len(pending) > 1:  # bound the host copies of a GPU model
+                in_flight -= _drain(h, pending.popleft())
+        while pending:
+            _drain(h, pending.popleft())
+    return f"{SCHEME}:{h.hexdigest()}"
 
 
-def _words(flat: torch.Tensor) -> torch.Tensor:
-    """``flat``'s bytes as the widest integers that tile them: summing 8-byte words is ~25x faster
-    on the CPU than summing bf16 values as int16 (1B parameters: 0.08 s against 2 s on 2 cores)."""
-    raw = flat.view(torch.uint8)
-    for word in (torch.int64, torch.int32, torch.int16):
-        if raw.numel() % word.itemsize == 0:
-            try:
-                return raw.view(word)
-            except RuntimeError:  # a tensor whose storage offset is not aligned to the word
-                continue
-    return raw
+def _crc(b) -> bytes:
+    return zlib.crc32(b).to_bytes(4, "little")
+
+
+def _drain(h, item) -> int:
+    """Feed one tensor's header and chunk checksums into ``h``, in order; the bytes they covered."""
+    futures, header, size = item
+    h.update(header)
+    for f in futures:
+        h.update(f.result())
+    return size
 
 
 def tokenizer_fingerprint(tok) -> str:
@@ -124,10 +121,17 @@ def run_fingerprints(roles) -> dict:
 def changed_models(saved: dict, now: dict) -> list[tuple[str, str, str]]:
     """(role, path when saved, path now) for every model whose fingerprint in ``saved`` (a
     checkpoint's ``models.json``) differs from ``now``'s; a role either side lacks is not compared.
-    Both: ``{role: {"path": ..., "fingerprint": ...}}``."""
+    Both: ``{role: {"path": ..., "fingerprint": ...}}``. Fingerprints of two schemes (a checkpoint
+    from before :data:`SCHEME`) are not compared: that role resumes unchecked."""
     return [(role, str(saved[role].get("path")), str(now[role].get("path")))
             for role in sorted(saved.keys() & now.keys())
-            if saved[role].get("fingerprint") != now[role].get("fingerprint")]
+            if _scheme(saved[role].get("fingerprint")) == _scheme(now[role].get("fingerprint"))
+            and saved[role].get("fingerprint") != now[role].get("fingerprint")]
+
+
+def _scheme(fp) -> str:
+    """A fingerprint's scheme: its prefix before ``:`` (none: the first one's, and the tokenizer's)."""
+    return str(fp).split(":", 1)[0] if ":" in str(fp) else ""
 
 
 __all__ = ["changed_models", "run_fingerprints", "tokenizer_fingerprint", "weights_fingerprint"]

@@ -20,9 +20,35 @@ import torch
 
 
 def matmul_params(model: torch.nn.Module) -> int:
-    """Weights a token multiplies through: every ``nn.Linear``'s weight (a tied head counted as a
-    matmul), LoRA adapters included."""
-    return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    """Weights a token multiplies through: every ``nn.Linear``'s and transformers ``Conv1D``'s
+    weight (GPT-2's projections; a tied head counted as a matmul), LoRA adapters included; of a
+    fused mixture-of-experts layer (transformers 5's ``...Experts`` modules: 3-D parameters of
+    ``[experts, out, in]``), the share a token runs, top-k of the experts (``num_experts_per_tok``
+    of ``num_local_experts`` / ``num_experts`` / ``n_routed_experts`` in the model's config), and
+    its router (a 2-D ``weight`` of ``[experts, hidden]`` applied with ``F.linear``)."""
+    top_k, experts = _experts(model)
+    total = 0.0
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear) or (type(m).__name__ == "Conv1D" and m.weight.dim() == 2):
+            total += m.weight.numel()
+        elif experts and not isinstance(m, torch.nn.Embedding):
+            for name, p in m.named_parameters(recurse=False):
+                if p.dim() == 3 and p.shape[0] == experts:  # fused experts: a token runs top_k of them
+                    total += p.numel() * top_k / experts
+                elif p.dim() == 2 and p.shape[0] == experts and name == "weight":  # the router
+                    total += p.numel()
+    return round(total)
+
+
+def _experts(model: torch.nn.Module) -> tuple[int, int]:
+    """(experts a token is routed to, experts per layer) from the model's config; (0, 0) for a dense model."""
+    cfg = getattr(model, "config", None)
+    if cfg is not None and hasattr(cfg, "get_text_config"):
+        cfg = cfg.get_text_config()
+    experts = next((n for a in ("num_local_experts", "num_experts", "n_routed_experts")
+                    if isinstance(n := getattr(cfg, a, None), int) and n > 1), 0)
+    top_k = getattr(cfg, "num_experts_per_tok", None)
+    return (top_k if isinstance(top_k, int) and top_k >= 1 else 1, experts) if experts else (0, 0)
 
 
 def _attention_width(model: torch.nn.Module) -> tuple[int, int]:
