@@ -87,3 +87,38 @@ def test_carried_sequences_are_saved_not_lost(tiny_models, tiny_prompts, tmp_pat
     assert not set(trained) & untrained
     assert set(trained) | untrained | set(final["requeue"]) == set(range(final["next_position"])), \
         "no prompt position lost"
+
+
+def test_final_checkpoint_weights_or_none_and_the_link_moves_after_a_step(tiny_models, tiny_prompts, tmp_path,
+                                                                           monkeypatch):
+    """run.save_final=weights writes the models without optim.pt (a resume refuses it and names the
+    last full checkpoint); none writes no final one; runs/latest moves only once a step has finished."""
+    from transformers import AutoModelForCausalLM
+
+    from oppo.checkpoint import checkpoint_dirs, is_weights_only
+    from oppo.preflight import PreflightError
+    from oppo.run import plan_run
+    from oppo.trainer import Trainer
+
+    latest = tmp_path / "runs" / "latest"
+    run = train(cfg_for(tiny_models, tiny_prompts, latest, 3, "sequential", "run.save_final=weights"), progress=False)
+    assert latest.resolve() == run.resolve()
+    full, final = checkpoint_dirs(run)
+    assert (full / "optim.pt").is_file() and not is_weights_only(full)
+    assert is_weights_only(final) and not (final / "optim.pt").exists() and not (final / "rng.pt").exists()
+    AutoModelForCausalLM.from_pretrained(final / "policy")
+    with pytest.raises(PreflightError, match=f"weights only.*--resume {full}"):
+        plan_run(cfg_for(tiny_models, tiny_prompts, latest, 4, "sequential"), resume="auto")
+
+    def fail(self):
+        raise RuntimeError("the first step fails")
+
+    monkeypatch.setattr(Trainer, "run_step", fail)
+    with pytest.raises(RuntimeError, match="first step fails"):
+        train(cfg_for(tiny_models, tiny_prompts, latest, 3), progress=False)
+    assert latest.resolve() == run.resolve()  # not moved to the run that trained nothing
+    monkeypatch.undo()
+
+    bare = train(cfg_for(tiny_models, tiny_prompts, tmp_path / "none", 1, "sequential", "run.save_final=none"),
+                 progress=False)
+    assert checkpoint_dirs(bare) == [] and read_metrics(bare)

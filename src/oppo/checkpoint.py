@@ -14,7 +14,9 @@ valid; a save that fails (a full disk) removes its temporary directory and raise
 :class:`CheckpointError` naming the checkpoint, the disk and its free space. ``manifest.json``
 holds every file's size and sha256: a resume checks the newest checkpoint against it
 (:func:`verify_checkpoint`; ``run.plan_run`` falls back to the previous one, with a warning, when
-it is damaged). Checkpoints written before manifests load unchecked.
+it is damaged). Checkpoints written before manifests load unchecked. A final checkpoint saved
+with ``run.save_final=weights`` holds the models, tokenizer, settings and fingerprints only
+(``state.json`` says ``weights_only``): it is for use, not for resuming, which refuses it.
 
 Each checkpoint also holds the run's settings (``config.yaml``), so that ``--resume`` can check,
 before any model loads, that the run being resumed is configured as the one that was saved
@@ -73,13 +75,15 @@ CONFIG_FILE = "config.yaml"
 IN_FLIGHT_FILE = "in_flight.json"
 MANIFEST_FILE = "manifest.json"
 MODELS_FILE = "models.json"
+WEIGHTS_ONLY = "weights_only"  # state.json's mark of a checkpoint without optimizer state
 
 # Settings that may differ between a checkpoint and the run resuming it: how long to run, where
 # and how often to write, what to print, and where the work runs (placement changes neither the
 # math nor the saved state). Every other setting changes what is trained or the shape of the saved
 # state, so a resume with another value would not continue the same run.
 RESUMABLE_CHANGES = frozenset({
-    "run.steps", "run.out_dir", "run.save_every", "run.save_every_minutes", "run.keep_checkpoints", "run.samples",
+    "run.steps", "run.out_dir", "run.save_every", "run.save_final", "run.save_every_minutes", "run.keep_checkpoints",
+    "run.samples",
     "run.allow_changed_models",  # (the override itself: resuming with it is its purpose)
     "policy.device", "reference.device", "critic.device", "reward.device",
     "reward.retries", "reward.retry_backoff_s",  # (a run stopped by a flaky remote scorer resumes with retries)
@@ -224,16 +228,19 @@ def _mb(n: int) -> str:
     return f"{n / 2**30:.1f} GB" if n >= 2**30 else f"{n / 2**20:.1f} MB"
 
 
-def _write(trainer, state: dict, tmp: Path) -> None:
+def _write(trainer, state: dict, tmp: Path, weights_only: bool = False) -> None:
     tmp.mkdir()
     for name, model in trainer.models().items():  # critic-free algorithms have no critic
         model.save_pretrained(tmp / name)
     state["tokenizer"].save_pretrained(tmp / "policy")
-    optim = state["optim"]
-    if isinstance(optim, ShardedLearnerState):  # a sharded learner: every rank writes its shards (DCP)
-        optim = optim.save(tmp / SHARDED_DIR)
-    torch.save(optim, tmp / "optim.pt")
-    torch.save(state["rng"], tmp / "rng.pt")
+    if weights_only:  # run.save_final=weights: no optimizer, RNG or sequences in flight; marked in state.json
+        state = {**state, "state": {**state["state"], WEIGHTS_ONLY: True}, "in_flight": None}
+    else:
+        optim = state["optim"]
+        if isinstance(optim, ShardedLearnerState):  # a sharded learner: every rank writes its shards (DCP)
+            optim = optim.save(tmp / SHARDED_DIR)
+        torch.save(optim, tmp / "optim.pt")
+        torch.save(state["rng"], tmp / "rng.pt")
     if state.get("in_flight"):  # the sequences in flight, with their partial responses (module docstring)
         (tmp / IN_FLIGHT_FILE).write_text(json.dumps(state["in_flight"]))
     (tmp / CONFIG_FILE).write_text(yaml.safe_dump(state["config"], sort_keys=False))
@@ -244,10 +251,16 @@ def _write(trainer, state: dict, tmp: Path) -> None:
     (tmp / "state.json").write_text(json.dumps(state["state"], indent=1))  # written last: marks the checkpoint complete
 
 
-def save_checkpoint(trainer, run_dir: Path, keep: int = 2) -> Path:
+def is_weights_only(ckpt: Path) -> bool:
+    """Whether ``ckpt`` holds the models only (``run.save_final=weights``): not resumable."""
+    return bool(json.loads((Path(ckpt) / "state.json").read_text()).get(WEIGHTS_ONLY))
+
+
+def save_checkpoint(trainer, run_dir: Path, keep: int = 2, weights_only: bool = False) -> Path:
     """Write ``trainer``'s state (``Trainer.models`` and ``Trainer.state_dict``) as
     ``checkpoints/step_N/``, atomically: a temporary directory renamed into place, ``state.json``
-    written last. Keeps the newest ``keep``."""
+    written last. Keeps the newest ``keep``. ``weights_only``: the models, tokenizer, settings and
+    fingerprints, without ``optim.pt`` and ``rng.pt`` (``run.save_final=weights``)."""
     run_dir = Path(run_dir)
     root = run_dir / CKPT_DIR
     root.mkdir(parents=True, exist_ok=True)
@@ -259,7 +272,7 @@ def save_checkpoint(trainer, run_dir: Path, keep: int = 2) -> Path:
     tmp = root / f".tmp-step_{step:06d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        _write(trainer, state, tmp)
+        _write(trainer, state, tmp, weights_only)
     except BaseException as e:  # a full disk, or a second signal mid-save: no half-written checkpoint stays
         if not isinstance(e, Exception):
             shutil.rmtree(tmp, ignore_errors=True)
@@ -302,6 +315,9 @@ def _load(trainer, ckpt: Path) -> None:
     from .models import check_adapter_shapes, is_peft, load_weights
 
     state = json.loads((ckpt / "state.json").read_text())
+    if state.get(WEIGHTS_ONLY):
+        raise CheckpointError(f"{ckpt} holds the weights only (run.save_final=weights): no optimizer state to "
+                              f"resume from. Start a new run from them: policy.path={ckpt / 'policy'}.")
     classes = {"policy": AutoModelForCausalLM, "critic": AutoModelForSequenceClassification}
     for sub, model in trainer.models().items():
         if is_peft(model):  # LoRA: the checkpoint holds the adapter (PeftModel.from_pretrained loads it)

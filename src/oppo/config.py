@@ -381,7 +381,13 @@ class RunConfig:
                                       "default runs/latest) is a link: each run gets runs/<date>-<time>-<mode>/ and "
                                       "the link points to the newest. Any other directory is the run directory "
                                       "itself; a new run refuses one that already holds a run.")
-    save_every: int = opt(0, "Checkpoint every N steps (0: only at the end).")
+    save_every: int = opt(0, "Checkpoint every N steps (0: none on a step count; the last one is run.save_final's).")
+    save_final: str = opt("full", "The checkpoint at the end of the run. full: resumable (weights, AdamW state, "
+                                  "RNG, sequences in flight). weights: the policy (and critic) in Hugging Face "
+                                  "format with the tokenizer, no optimizer state (for a full-parameter model "
+                                  "AdamW's state is twice the fp32 weights); a run cannot resume from it. none: "
+                                  "no final checkpoint (those written during the run are kept). A stopped run "
+                                  "(SIGTERM, Ctrl-C) always saves a full one.", ("full", "weights", "none"))
     save_every_minutes: float = opt(30.0, "Also checkpoint once this many minutes have passed since the last one "
                                           "(0: off); SIGTERM and Ctrl-C checkpoint too, so a crash loses at most this.")
     keep_checkpoints: int = opt(2, "Most recent checkpoints kept (older ones are deleted).")

@@ -4,8 +4,9 @@ Run directories. A new run never writes into another run's directory:
 
 - ``run.out_dir`` named ``latest`` (the default, ``runs/latest``) is a link, not a directory:
   each new run gets its own directory beside it, ``runs/<date>-<time>-<mode>/``, and
-  ``runs/latest`` is pointed at the newest (so ``oppo report runs/latest`` and
-  ``oppo train --resume auto`` find it);
+  ``runs/latest`` is pointed at the newest once its first step has finished (so ``oppo report
+  runs/latest`` and ``oppo train --resume auto`` find it; a run that fails before that leaves the
+  link on the last run that trained);
 - any other ``run.out_dir`` is the run directory itself; a new run refuses one that already
   holds a run (its config, metrics, trace or checkpoints), naming ``--resume auto`` and a fresh
   ``run.out_dir`` as the two ways on.
@@ -21,7 +22,8 @@ Stopping. SIGTERM or Ctrl-C (``oppo train``'s handler sets :data:`STOP`) lets th
 progress finish, writes a checkpoint with the sequences in flight and raises :class:`Preempted`
 (the CLI exits 143 / 130 with the resume command); a second signal interrupts at once, and the
 atomic save leaves no partial checkpoint. Checkpoints are also written every
-``run.save_every_minutes`` and every ``run.save_every`` steps.
+``run.save_every_minutes`` and every ``run.save_every`` steps, and at the end as
+``run.save_final`` says (full, weights only, or none).
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ from pathlib import Path
 
 import yaml
 
-from .checkpoint import (CKPT_DIR, checkpoint_dirs, checkpoint_settings, checkpoint_step, latest_checkpoint,
-                         load_checkpoint, save_checkpoint, settings_mismatches, verify_checkpoint)
+from .checkpoint import (CKPT_DIR, checkpoint_dirs, checkpoint_settings, checkpoint_step, is_weights_only,
+                         latest_checkpoint, load_checkpoint, save_checkpoint, settings_mismatches, verify_checkpoint)
 from .config import Config, to_dict
 from .metrics import METRICS_FILE, MetricsLogger, ProgressBar, read_metrics
 from .preflight import PreflightError, input_problems
@@ -170,6 +172,13 @@ def _new_run_dir(parent: Path, mode: str) -> Path:
 def _resume_problems(cfg: Config, ckpt: Path, arg: str) -> tuple[list[str], int]:
     step = checkpoint_step(ckpt)
     problems = []
+    if is_weights_only(ckpt):
+        full = [c for c in checkpoint_dirs(ckpt.parent.parent) if not is_weights_only(c)]
+        earlier = f"resume from {full[-1]} (--resume {full[-1]}), or " if full else ""
+        problems.append(f"--resume {arg}: {ckpt} holds the weights only (saved with run.save_final=weights), no "
+                        f"optimizer state, so the run cannot go on from it exactly; {earlier}start a new run from "
+                        f"its weights (policy.path={ckpt / 'policy'}).")
+        return problems, step
     saved = checkpoint_settings(ckpt)
     if saved is not None:
         diffs = settings_mismatches(saved, to_dict(cfg))
@@ -270,7 +279,9 @@ def plan_run(cfg: Config, resume: str | None = None) -> RunPlan:
 
 
 def _create(plan: RunPlan) -> Path:
-    """Create the run directory (another name if a concurrent run took this one) and point the link."""
+    """Create the run directory (another name if a concurrent run took this one). The link is
+    pointed at it once a step has finished (``train``): a run that fails before leaves the link on
+    the last run that trained."""
     run_dir = plan.run_dir
     if plan.link is not None and plan.checkpoint is None:
         base, n = run_dir, 2
@@ -282,8 +293,6 @@ def _create(plan: RunPlan) -> Path:
                 run_dir, n = base.with_name(f"{base.name}-{n}"), n + 1
     else:
         run_dir.mkdir(parents=True, exist_ok=True)
-    if plan.link is not None:
-        _point_link(plan.link, run_dir)
     return run_dir
 
 
@@ -364,7 +373,7 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True) -> Path
                                   f"give a fresh run.out_dir."])
         engine = trainer.roles.engine  # generation.engine=auto resolved: which engine runs, and why
         if progress:
-            linked = f" ({plan.link} points to it)" if plan.link is not None else ""
+            linked = f" ({plan.link} will point to it once a step has finished)" if plan.link is not None else ""
             print(f"run directory: {run_dir}{linked}", file=sys.stderr)
             if engine:
                 print(f"rollout engine: {engine}", file=sys.stderr)
@@ -392,6 +401,8 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True) -> Path
                         _print_samples(f"samples at step {step}:", res.texts, res.exp.scores.tolist(),
                                        cfg.run.samples)
                     logger.log(step, metrics)
+                    if step == first and plan.link is not None:  # a step has finished: the run is the latest
+                        _point_link(plan.link, run_dir)
                     rows = res.exp.rollouts
                     # per trained sequence: its data position and uid (a prompt is trained once, across
                     # resumes too) and the oldest version among its tokens (carried across a checkpoint:
@@ -425,7 +436,8 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True) -> Path
             res = trainer.last_result
             assert res is not None and res.exp.scores is not None  # the last step's trained, scored batch
             _print_samples(f"samples at step {trainer.step - 1}:", res.texts, res.exp.scores.tolist(), cfg.run.samples)
-        save_checkpoint(trainer, run_dir, cfg.run.keep_checkpoints)
+        if cfg.run.save_final != "none":
+            save_checkpoint(trainer, run_dir, cfg.run.keep_checkpoints, weights_only=cfg.run.save_final == "weights")
         logger.close()
     finally:
         trainer.close()
