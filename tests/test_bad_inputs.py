@@ -127,6 +127,38 @@ def test_reward_model_with_two_labels(tiny_models, tiny_prompts, tmp_path, monke
     assert str(d) in msg and "2 labels" in msg and "num_labels=1" in msg
 
 
+def test_a_causal_lm_as_reward_model_is_named_so(tiny_models, tiny_prompts, tmp_path):
+    """A causal LM's config has two labels by default: "has 2 labels" hid what was wrong."""
+    from oppo.models import check_scorer_config, load_config as model_config
+    from oppo.preflight import input_problems
+
+    cfg = make_cfg(tiny_models, tiny_prompts, tmp_path, **{"reward.path": tiny_models["policy"]})
+    for msg in (" ".join(input_problems(cfg)), _raised(check_scorer_config, model_config(str(tiny_models["policy"]),
+                                                                                          "reward"))):
+        assert "this is not a sequence classifier (a reward model is a one-label" in msg, msg
+        assert "ForCausalLM" in msg and "labels;" not in msg
+
+
+def _raised(check, conf) -> str:
+    with pytest.raises(ModelLoadError) as info:
+        check(conf, "/p", "reward", require_one_label=True)
+    return str(info.value)
+
+
+def test_a_reward_function_returning_a_tensor_names_tolist():
+    import torch
+
+    from oppo.models import reward_function
+
+    fn = RewardFunction(reward_function(lambda ps, rs: torch.ones(len(ps)), "mod:fn"), "mod:fn")
+    with pytest.raises(Exception, match=r"returned a Tensor of shape \[2\].*scores\.tolist\(\)"):
+        fn(["a", "b"], ["x", "y"])
+    listed = RewardFunction(reward_function(lambda ps, rs: [torch.tensor(1.0)] * len(ps), "mod:fn"), "mod:fn")
+    with pytest.raises(Exception, match=r"tolist"):
+        listed(["a"], ["x"])
+    assert RewardFunction(reward_function(lambda ps, rs: [0.5] * len(ps), "mod:fn"), "mod:fn")(["a"], ["x"]) == [0.5]
+
+
 # --------------------------------------------------------------------------- tokenizer
 
 def test_tokenizer_without_eos(tiny_models, tiny_prompts, tmp_path):

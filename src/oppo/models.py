@@ -15,6 +15,7 @@ Streaming needs the backbone's hidden states with a KV cache, then the head appl
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import os
@@ -133,10 +134,42 @@ def check_scorer_config(config, path: str, role: str, require_one_label: bool) -
             + (", or reward.function for a text scorer." if role == "reward" else "."))
     archs = getattr(config, "architectures", None) or []
     is_classifier = any(a.endswith("ForSequenceClassification") for a in archs)
+    if require_one_label and (why := not_a_classifier(archs)):
+        raise ModelLoadError(f"The {role} model at {path!r} {why}")
     n = getattr(config, "num_labels", 1)
     if (require_one_label or is_classifier) and n != 1:
         raise ModelLoadError(f"The {role} model at {path!r} has {n} labels; PPO needs a scalar "
                              f"(AutoModelForSequenceClassification with num_labels=1).")
+
+
+def not_a_classifier(architectures: list[str] | None) -> str:
+    """Why a checkpoint saved as ``architectures`` (its config's) cannot be a reward model, or "":
+    a causal LM (``...ForCausalLM``, ``...LMHeadModel``) scores tokens, not sequences. (Its config's
+    default two labels made the old message say "has 2 labels", which hid that.)"""
+    lm = [a for a in architectures or () if a.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration"))]
+    if not lm or any(a.endswith("ForSequenceClassification") for a in architectures or ()):
+        return ""
+    return (f"is a {lm[0]}: this is not a sequence classifier (a reward model is a one-label "
+            f"...ForSequenceClassification, trained on preference pairs, e.g. with TRL's RewardTrainer). Give "
+            f"reward.path a reward model, or score text with reward.function=module:function.")
+
+
+def reward_function(fn: Callable, name: str) -> Callable:
+    """``fn`` (the user's reward function), refusing a return that is a torch tensor, or a list of
+    them, with the fix named (``.tolist()``): the scorer wants Python numbers, and a tensor's
+    elements are not (numpy arrays and scalars are, and pass)."""
+
+    @functools.wraps(fn)
+    def checked(prompts, responses):
+        out = fn(prompts, responses)
+        if isinstance(out, torch.Tensor) or (isinstance(out, (list, tuple)) and out
+                                             and isinstance(out[0], torch.Tensor)):
+            shape = f" of shape {list(out.shape)}" if isinstance(out, torch.Tensor) else " of tensors"
+            raise TypeError(f"{name} returned a {type(out).__name__}{shape}, not a list of floats; return "
+                            f"scores.tolist() (a tensor's elements are not Python numbers).")
+        return out
+
+    return checked
 
 
 def check_roles(policy_tok, reward: str | None = None, critic: str | None = None,

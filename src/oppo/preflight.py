@@ -133,6 +133,12 @@ def _looks_local(path: str) -> bool:
     return looks_local(path)
 
 
+def _not_a_classifier(architectures) -> str:
+    from .models import not_a_classifier
+
+    return not_a_classifier(architectures if isinstance(architectures, list) else None)
+
+
 def _model_problems(role: str, key: str, path: str, hub_names: list[tuple[str, str]]) -> list[str]:
     if not _looks_local(path):
         hub_names.append((key, path))
@@ -153,7 +159,9 @@ def _model_problems(role: str, key: str, path: str, hub_names: list[tuple[str, s
     if role == "policy" and not any((p / f).is_file() for f in TOKENIZER_FILES):
         out.append(f"{key}={path!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES[:2])}, ...); "
                    f"save it beside the model with tokenizer.save_pretrained(dir).")
-    if role == "reward" and isinstance(conf, dict):
+    if role == "reward" and isinstance(conf, dict) and (why := _not_a_classifier(conf.get("architectures"))):
+        out.append(f"{key}={path!r} {why}")
+    elif role == "reward" and isinstance(conf, dict):
         labels = len(conf["id2label"]) if isinstance(conf.get("id2label"), dict) else conf.get("num_labels")
         if isinstance(labels, int) and labels != 1:
             out.append(f"{key}={path!r} has {labels} labels; PPO needs a scalar reward "

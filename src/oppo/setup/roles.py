@@ -29,7 +29,7 @@ from ..learner.critic import CriticBesideScorer
 from ..learner.local import Learner
 from ..models import (apply_lora, base_view, check_roles, enable_gradient_checkpointing,
                      load_causal_lm, load_critic, load_function, load_reward_model, load_tokenizer, resolve_device,
-                     resolve_dtype, stop_token_ids)
+                     resolve_dtype, reward_function, stop_token_ids)
 from ..rollout import registry
 from ..scoring.inline import InlineScorer
 from ..scoring.streaming import RewardFunction, StreamingScorer
@@ -65,8 +65,9 @@ def build_roles(cfg: Config, progress: bool = True) -> Roles:
     # Reward first: an invalid reward model or function fails before the big models load.
     reward_fn = reward_model = None
     if paths.reward_function:
-        reward_fn = RewardFunction(load_function(paths.reward_function), paths.reward_function,
-                                   retries=cfg.reward.retries, backoff_s=cfg.reward.retry_backoff_s)
+        fn = reward_function(load_function(paths.reward_function), paths.reward_function)  # (a tensor: .tolist())
+        reward_fn = RewardFunction(fn, paths.reward_function, retries=cfg.reward.retries,
+                                   backoff_s=cfg.reward.retry_backoff_s)
     else:
         assert paths.reward is not None, "resolve_paths gives a reward model where no function scores"
         reward_model = load_reward_model(paths.reward, resolve_device(cfg.reward.device, str(dev)), dtype, pad_id)
