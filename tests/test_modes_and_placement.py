@@ -96,3 +96,18 @@ def test_a_saved_config_with_old_names_loads_with_the_new_ones(tmp_path):
     # placement may change on resume; what is trained may not
     other = load_config(None, ["placement.threads=1", "placement.critic_on_worker=true", "ppo.actor_lr=1e-3"])
     assert [k for k, _, _ in settings_mismatches(old, to_dict(other))] == ["ppo.actor_lr"]
+
+
+@pytest.mark.parametrize("overrides, on_policy", [
+    (["overlap.mode=sequential"], True), (["overlap.mode=intra"], True),
+    (["overlap.mode=inter", "overlap.delta=0"], True), (["overlap.mode=oppo", "overlap.delta_max=0"], True),
+    (["overlap.mode=oppo"], False), (["overlap.mode=inter", "overlap.delta=2"], False),
+    (["overlap.mode=pipeline", "overlap.delta=0"], False),
+])
+def test_the_start_line_says_whether_tokens_may_be_off_policy(overrides, on_policy):
+    from oppo.run import policy_line
+
+    line = policy_line(load_config(None, overrides))
+    assert "\n" not in line
+    assert line.startswith("on-policy:" if on_policy else "may train off-policy tokens:"), line
+    assert "overlap.mode=sequential ppo.epochs=4" in line  # how to get TRL's behaviour

@@ -346,6 +346,30 @@ def _earlier_spans(path: Path, before: int):
         return []  # unreadable (a run killed mid-write cannot leave one: saves are atomic)
 
 
+def policy_line(cfg: Config) -> str:
+    """One line for the run's start: whether it trains on-policy tokens only (no sequence outlives
+    the weights that began it) or may train off-policy ones (carried across an update, or sampled
+    while the learner trained), and the settings that give TRL's PPOTrainer behaviour."""
+    o, B = cfg.overlap, cfg.ppo.batch_size
+    trl = (f"for TRL's PPOTrainer (on-policy, its defaults): overlap.mode=sequential ppo.epochs=4 "
+           f"ppo.minibatch_size={B} generation.temperature=0.7 (docs/from-trl.md)")
+    extra = o.delta if o.delta >= 0 else o.delta_max  # adaptive Delta goes up to delta_max
+    if cfg.in_flight:
+        why = (f"overlap.mode={o.mode} loads new weights while sequences decode and carries up to Delta unfinished "
+               f"ones into the next step (overlap.max_lag={o.max_lag})")
+    elif cfg.carries and extra > 0 and o.max_lag > 0:
+        delta = f"overlap.delta={o.delta}" if o.delta >= 0 else f"adaptive Delta up to overlap.delta_max={o.delta_max}"
+        why = (f"overlap.mode={o.mode} keeps extra sequences in flight ({delta}) and carries unfinished ones into "
+               f"the next step (overlap.max_lag={o.max_lag})")
+    else:
+        how = ("stage after stage" if o.mode == "sequential" else "with no extra sequences in flight" if cfg.carries
+               else "scoring while decoding, carrying nothing")
+        return (f"on-policy: overlap.mode={o.mode} ({how}) trains every step on tokens the step's own policy "
+                f"sampled; {trl}")
+    return (f"may train off-policy tokens: {why}, their PPO ratios importance-weighted by the behaviour "
+            f"log-probs (ppo.is_truncate={cfg.ppo.is_truncate}); {trl}")
+
+
 def train(cfg: Config, resume: str | None = None, progress: bool = True) -> Path:
     """Run PPO as configured; return the run directory.
 
@@ -377,6 +401,7 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True) -> Path
             print(f"run directory: {run_dir}{linked}", file=sys.stderr)
             if engine:
                 print(f"rollout engine: {engine}", file=sys.stderr)
+            print(policy_line(cfg), file=sys.stderr)
         first = trainer.step
         (run_dir / "config.yaml").write_text((f"# rollout engine: {engine}\n" if engine else "")
                                              + yaml.safe_dump(to_dict(cfg), sort_keys=False))
