@@ -439,3 +439,28 @@ def test_no_hint_names_another_operation(key, wrong):
 def test_a_field_name_from_other_trainers_names_data_field():
     assert "Did you mean 'data.field'?" in _error(["data.prompt_field=text"])
     assert "Did you mean 'data.field'?" in _error(["data.prompt_key=text"])
+
+
+def test_from_trl_doc_holds_the_code_table_and_every_key_exists():
+    """docs/from-trl.md's tables are generated from oppo.from_trl (python -m oppo.from_trl
+    docs/from-trl.md); each oppo setting the table names is a setting."""
+    from pathlib import Path
+
+    from oppo import from_trl
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "from-trl.md").read_text()
+    assert from_trl.render(doc) == doc, "regenerate: python -m oppo.from_trl docs/from-trl.md"
+    for where in from_trl.SECTIONS:
+        assert from_trl.markdown_table(where) in doc
+    known = set(all_keys())
+    for t in from_trl.TABLE:
+        assert set(t.keys) <= known, t.name
+        assert all(k in t.is_ for k in t.keys), t.name  # the text names the settings it maps to
+    asked = ("num_ppo_epochs num_mini_batches per_device_train_batch_size gradient_accumulation_steps kl_coef "
+             "cliprange vf_coef cliprange_value gamma lam whiten_rewards response_length temperature "
+             "missing_eos_penalty stop_token stop_token_id kl_estimator local_rollout_forward_batch_size "
+             "total_episodes num_sample_generations exp_name reward_model_path sft_model_path").split()
+    trainer = ("args processing_class model ref_model reward_model train_dataset value_model data_collator "
+               "eval_dataset optimizers callbacks peft_config").split()
+    assert sorted(t.name for t in from_trl.TABLE if t.where == "PPOConfig") == sorted(asked)
+    assert sorted(t.name for t in from_trl.TABLE if t.where == "PPOTrainer") == sorted(trainer)
