@@ -29,8 +29,10 @@ def matmul_params(model: torch.nn.Module) -> int:
     top_k, experts = _experts(model)
     total = 0.0
     for m in model.modules():
-        if isinstance(m, torch.nn.Linear) or (type(m).__name__ == "Conv1D" and m.weight.dim() == 2):
-            total += m.weight.numel()
+        weight = getattr(m, "weight", None)
+        if isinstance(weight, torch.Tensor) and (isinstance(m, torch.nn.Linear)
+                                                 or (type(m).__name__ == "Conv1D" and weight.dim() == 2)):
+            total += weight.numel()
         elif experts and not isinstance(m, torch.nn.Embedding):
             for name, p in m.named_parameters(recurse=False):
                 if p.dim() == 3 and p.shape[0] == experts:  # fused experts: a token runs top_k of them
