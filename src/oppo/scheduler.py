@@ -421,15 +421,16 @@ class Scheduler:
                 "step trains whole groups only; change batch_size or group_size"
             )
         n_groups = batch_size // group_size
-        if not isinstance(delta, int) or isinstance(delta, bool):  # a DeltaRule (bool: refused below)
-            self._controller: DeltaRule | None = delta
-            self._fixed_delta = 0
-            delta_bound, delta_name = delta.delta_max, "DeltaController.delta_max"
-        else:
+        self._controller: DeltaRule | None
+        if isinstance(delta, int):  # (a bool is refused here)
             _check_int("delta", delta, 0, "use 0 for no extra sequences in flight")
             self._controller = None
             self._fixed_delta = delta
             delta_bound, delta_name = delta, "delta"
+        else:
+            self._controller = delta
+            self._fixed_delta = 0
+            delta_bound, delta_name = delta.delta_max, f"{type(delta).__name__}.delta_max"
         # Why Delta <= B. At most B + Delta sequences are admitted-but-untrained when a step
         # closes (with refill: at most 2B, the refill cap), and the step trains B of them, so
         # at most Delta <= B (with refill: B) are carried into the next step. Sequences admitted in step k have lag

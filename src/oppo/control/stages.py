@@ -363,7 +363,7 @@ def close_batch(run: Run, close, step: int) -> tuple[list[Rollout], list[str], E
     txt = texts(run, batch)
     exp = experience(run, batch, step)
     # the critic changed since their prefix was scored
-    stale = [i for i in whole if batch[i].scored_version is not None and batch[i].scored_version < step]
+    stale = [i for i in whole if (sv := batch[i].scored_version) is not None and sv < step]
     fresh = []
     if stale and roles.critic is not None and run.policy.recompute_values:
         with run.tracer.span("learner", "recompute_values", step):
