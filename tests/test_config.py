@@ -94,7 +94,7 @@ def test_list_coercion():
 def test_defaults_are_not_shared_between_configs():
     a, b = Config(), Config()
     a.overlap.chunk_candidates.append(64)
-    assert b.overlap.chunk_candidates == [8, 16, 32]
+    assert b.overlap.chunk_candidates == [16, 0, 8, 32]
 
 
 def test_text_settings_keep_their_text():
@@ -226,10 +226,15 @@ def test_adaptive_delta_bounds_are_capped_at_the_batch(tiny_models, tiny_prompts
     cfg = load_config(None, [f"policy.path={tiny_models['policy']}", f"reward.path={tiny_models['reward']}",
                              f"data.prompts={tiny_prompts}", "ppo.batch_size=4", "ppo.minibatch_size=4",
                              "ppo.micro_batch_size=4", "overlap.mode=inter", "overlap.delta_min=6",
-                             "overlap.delta_init=9", "overlap.delta_max=20", f"run.out_dir={tmp_path}"])
+                             "overlap.delta_init=9", "overlap.delta_max=20", f"run.out_dir={tmp_path}",
+                             "overlap.delta_rule=reward_slope"])
     t = Trainer(cfg, progress=False)
     c = t.run.scheduler.controller
     assert (c.delta_min, c.delta, c.delta_max) == (4, 4, 4)
+    t.close()
+    cfg.overlap.delta_rule, cfg.overlap.delta_max = "cost", 3  # the cost rule's levels, within the same caps
+    t = Trainer(cfg, progress=False)
+    assert t.run.tuner.deltas == (3,) and t.run.scheduler.delta == 3
     t.close()
 
 

@@ -21,18 +21,25 @@ def cfg_for(tiny_models, tiny_prompts, out, steps, mode="sequential", *extra):
         "run.samples=0", *extra])
 
 
+# Delta for the carrying modes: the cost rule (the default) decides by measured time, which no two
+# runs share, so these runs fix Delta (oppo) or take the reward-slope rule (inter: its controller's
+# state is checkpointed and must resume exactly). The cost controller's resume: tests/test_tuner.py.
+DELTA = {"inter": ["overlap.delta_rule=reward_slope"], "oppo": ["overlap.delta=2"]}
+
+
 @pytest.mark.parametrize("mode", ["sequential", "intra", "inter", "oppo"])
 def test_resume_equals_uninterrupted(tiny_models, tiny_prompts, tmp_path, mode):
     """Every mode. Both runs checkpoint at step 2 (run.save_every=2): in inter and oppo a checkpoint
     saves the sequences in flight and re-admits them with their partial responses (re-prefilled
     under the current weights), in the uninterrupted run as in the resumed one, which must then
     repeat it exactly."""
-    full = train(cfg_for(tiny_models, tiny_prompts, tmp_path / "full", 4, mode), progress=False)
+    extra = DELTA.get(mode, [])
+    full = train(cfg_for(tiny_models, tiny_prompts, tmp_path / "full", 4, mode, *extra), progress=False)
     part = tmp_path / "part"
-    train(cfg_for(tiny_models, tiny_prompts, part, 2, mode), progress=False)
+    train(cfg_for(tiny_models, tiny_prompts, part, 2, mode, *extra), progress=False)
     ckpt = latest_checkpoint(part)
     assert ckpt is not None and ckpt.name == "step_000002"
-    train(cfg_for(tiny_models, tiny_prompts, part, 4, mode), resume="auto", progress=False)
+    train(cfg_for(tiny_models, tiny_prompts, part, 4, mode, *extra), resume="auto", progress=False)
     a, b = read_metrics(full), read_metrics(part)
     assert [m["step"] for m in b] == [0, 1, 2, 3]
     # loss/policy of an on-policy batch is a mean of whitened advantages: 0 up to rounding (about

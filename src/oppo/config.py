@@ -247,16 +247,32 @@ class PPOConfig:
 class OverlapConfig:
     mode: str = opt("oppo", modes.help_text(), MODES)
     chunk_size: int = opt(0, "Tokens per streamed chunk. 0: chosen online among chunk_candidates.")
-    chunk_candidates: list = opt([8, 16, 32], "Chunk sizes tried by the online tuner.")
-    chunk_trial_steps: int = opt(2, "Steps each candidate chunk size is tried for.")
-    chunk_retune_every: int = opt(50, "Steps between re-tries of the chunk-size candidates.")
-    delta: int = opt(-1, "Delta: extra sequences in flight beyond B. -1: adaptive by the reward-slope rule.")
-    delta_init: int = opt(8, "Adaptive Delta: starting value (kept within the bounds below).")
-    delta_min: int = opt(4, "Adaptive Delta: lower bound (capped at delta_max).")
+    chunk_candidates: list = opt([16, 0, 8, 32], "Chunk sizes the controller tries, the first one first; 0 is no "
+                                                  "streaming (the scorers score the closed batch one-shot, which "
+                                                  "pays where they share the actor's hardware). The reward_slope "
+                                                  "rule's chunk tuner skips 0.")
+    trial_steps: int = opt(2, "Measured steps per trial of a setting (Delta or chunk), after a warm-up step where "
+                              "the change reaches across the step boundary (carried rows, pipeline).")
+    retune_every: int = opt(50, "Steps the chosen setting holds before the controller tries its neighbours again.")
+    delta: int = opt(-1, "Delta: extra sequences (groups) in flight beyond B. -1: adaptive, by overlap.delta_rule.")
+    delta_rule: str = opt("cost", "Adaptive Delta: cost: the overlap controller (oppo.tuner) keeps a Delta, and a "
+                                  "chunk size, only while it lowers the measured seconds per trained token by "
+                                  "tune_margin, within max_stale_share, and falls back to delta_min when carrying "
+                                  "stops paying; each change is logged with its reason. reward_slope: the OPPO "
+                                  "paper's rule, Delta +1 while the mean reward rises over delta_window steps, -1 "
+                                  "otherwise (chunk sizes tried in turn, the fastest kept).", ("cost", "reward_slope"))
+    tune_margin: float = opt(0.05, "cost rule: the relative saving a change must show over a trial to be kept (a "
+                                   "step back to less Delta is kept unless it costs this much more).")
+    max_stale_share: float = opt(0.5, "cost rule: the most that carrying may add to the share of trained tokens "
+                                      "sampled by an older policy (over the share at delta_min); a Delta that "
+                                      "adds more is not kept, however much it saves.")
+    delta_init: int = opt(8, "reward_slope rule: starting Delta (kept within the bounds below). The cost rule "
+                             "starts at delta_min.")
+    delta_min: int = opt(0, "Adaptive Delta: lower bound (capped at delta_max).")
     delta_max: int = opt(16, "Adaptive Delta: upper bound (capped at ppo.batch_size: more carried sequences "
                              "than B could come due at once).")
-    delta_window: int = opt(5, "Adaptive Delta: steps in the reward-slope window.")
-    delta_proportional: bool = opt(False, "Adaptive Delta: step by max(1, Delta // 4) instead of 1.")
+    delta_window: int = opt(5, "reward_slope rule: steps in the reward-slope window.")
+    delta_proportional: bool = opt(False, "reward_slope rule: step by max(1, Delta // 4) instead of 1.")
     max_lag: int = opt(1, "Most steps a sequence may be carried; then the step waits for it. (pipeline: a token "
                           "may be one version older still, sampled while the learner trained.)")
     stale_kv: str = opt("keep", "Policy KV cache of a carried prefix after a weight update: keep or recompute.",
@@ -805,8 +821,18 @@ def validate(cfg: Config) -> None:
     _check(g.kv_budget_mb >= 0, f"generation.kv_budget_mb must be >= 0 (0: no limit), got {g.kv_budget_mb}.")
     _check(cfg.data.max_prompt_tokens >= 1, "data.max_prompt_tokens must be >= 1.")
     _check(o.chunk_size >= 0, f"overlap.chunk_size must be >= 0 (0: online tuning), got {o.chunk_size}.")
-    _check(bool(o.chunk_candidates) and all(isinstance(c, int) and c >= 1 for c in o.chunk_candidates),
-           f"overlap.chunk_candidates must be a non-empty list of positive integers, got {o.chunk_candidates}.")
+    _check(bool(o.chunk_candidates) and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0
+                                            for c in o.chunk_candidates)
+           and len(set(o.chunk_candidates)) == len(o.chunk_candidates),
+           f"overlap.chunk_candidates must be a non-empty list of distinct integers >= 0 (0: one-shot scoring), "
+           f"got {o.chunk_candidates}.")
+    _check(o.delta_rule != "reward_slope" or any(c >= 1 for c in o.chunk_candidates),
+           "overlap.delta_rule=reward_slope tunes chunk sizes only: give overlap.chunk_candidates a size >= 1.")
+    _check(o.trial_steps >= 1 and o.retune_every >= 1,
+           f"overlap.trial_steps and overlap.retune_every must be >= 1, got {o.trial_steps}, {o.retune_every}.")
+    _check(0 <= o.tune_margin < 1, f"overlap.tune_margin must be a share in [0, 1) (0.05: 5%), got {o.tune_margin}.")
+    _check(0 <= o.max_stale_share <= 1,
+           f"overlap.max_stale_share must be a share in [0, 1] (0: never carry), got {o.max_stale_share}.")
     _check(o.max_lag >= 0, f"overlap.max_lag must be >= 0, got {o.max_lag}.")
     _check(o.delta >= -1, f"overlap.delta must be >= 0, or -1 for adaptive, got {o.delta}.")
     _check(min(o.delta_min, o.delta_init, o.delta_max) >= 0,

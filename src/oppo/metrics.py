@@ -451,6 +451,13 @@ class ProgressBar:
             parts.append(f"eta {_fmt_duration(elapsed / ran * (self.total - self.done))}")
         print("[oppo] " + " | ".join(parts), file=self._file, flush=True)
 
+    def note(self, text: str) -> None:
+        """One line of its own (a decision of the run's), above the bar where there is one."""
+        if self._bar is not None:
+            self._bar.write(text, file=self._file)
+        else:
+            print(text, file=self._file, flush=True)
+
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()

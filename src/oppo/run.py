@@ -439,6 +439,8 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True) -> Path
                                   + "\n")
                     lengths.flush()
                     bar.update(step, metrics)
+                    for line in trainer.run.take_decisions():  # the overlap controller's changes, with reasons
+                        bar.note(f"[oppo] {line}")
                     if STOP.signum is not None:  # preempted: the step is whole; save below
                         break
                     minutes = (time.monotonic() - saved_at) / 60

@@ -44,7 +44,8 @@ lets a sequence be carried once, and so on.
 
 Delta. At ``begin_step`` the scheduler admits new prompts until ``B + Delta`` sequences are
 admitted-but-untrained (carried running ones and carried finished ones count). Delta is fixed
-(an ``int``) or adapted after every step by a :class:`DeltaController` (reward-slope rule).
+(an ``int``) or read from a :class:`DeltaRule` before every step: ``tuner.TunedDelta`` (the cost-aware
+controller, the default) or a :class:`DeltaController` (the paper's reward-slope rule).
 
 Refill (continuous batching, ``refill=True``). While a step is OPEN, a finish frees an engine
 slot and the scheduler admits a replacement at once, keeping ``B + Delta`` sequences
@@ -133,13 +134,14 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 __all__ = [
     "Admit",
     "ChunkSizeTuner",
     "CloseStep",
     "DeltaController",
+    "DeltaRule",
     "Phase",
     "Scheduler",
     "SeqTicket",
@@ -266,8 +268,24 @@ def _state_mismatch(what: str, saved: Any, mine: Any) -> ValueError:
 # --------------------------------------------------------------------------- DeltaController
 
 
+class DeltaRule(Protocol):
+    """What the scheduler needs of an adaptive Delta: the value for the next step, its bound, an
+    update with the mean reward of each trained step, and a checkpointable state."""
+
+    delta_max: int
+
+    @property
+    def delta(self) -> int: ...
+
+    def update(self, mean_reward: float) -> int: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, d: dict[str, Any]) -> None: ...
+
+
 class DeltaController:
-    """Adaptive Delta by the reward-slope rule (OPPO).
+    """Adaptive Delta by the reward-slope rule of the OPPO paper (``overlap.delta_rule=reward_slope``).
 
     ``update(R_t)`` is called once per step with the step's mean reward. With the last
     ``window`` differences ``d_i = R_i - R_{i-1}``, the slope is ``s_t = mean(d)``;
@@ -366,8 +384,9 @@ class Scheduler:
     Args:
         batch_size: B, sequences per PPO step (>= 1; a multiple of ``group_size``).
         max_lag: the largest allowed ``train step - start_version`` (>= 0).
-        delta: a fixed Delta (int >= 0) or a :class:`DeltaController` that this scheduler owns
-            and updates at every ``end_step``. Counted in *groups* (= sequences when
+        delta: a fixed Delta (int >= 0) or a :class:`DeltaRule` (a :class:`DeltaController`, or
+            ``tuner.TunedDelta``) that this scheduler reads at every ``begin_step`` and updates at
+            every ``end_step``. Counted in *groups* (= sequences when
             ``group_size`` is 1).
         refill: continuous batching: replace finished sequences while the step is open.
         start_position: first data-stream position handed out (for a fresh run).
@@ -384,7 +403,7 @@ class Scheduler:
         self,
         batch_size: int,
         max_lag: int,
-        delta: int | DeltaController,
+        delta: int | DeltaRule,
         refill: bool = False,
         start_position: int = 0,
         group_size: int = 1,
@@ -402,15 +421,16 @@ class Scheduler:
                 "step trains whole groups only; change batch_size or group_size"
             )
         n_groups = batch_size // group_size
-        if isinstance(delta, DeltaController):
-            self._controller: DeltaController | None = delta
-            self._fixed_delta = 0
-            delta_bound, delta_name = delta.delta_max, "DeltaController.delta_max"
-        else:
+        self._controller: DeltaRule | None
+        if isinstance(delta, int):  # (a bool is refused here)
             _check_int("delta", delta, 0, "use 0 for no extra sequences in flight")
             self._controller = None
             self._fixed_delta = delta
             delta_bound, delta_name = delta, "delta"
+        else:
+            self._controller = delta
+            self._fixed_delta = 0
+            delta_bound, delta_name = delta.delta_max, f"{type(delta).__name__}.delta_max"
         # Why Delta <= B. At most B + Delta sequences are admitted-but-untrained when a step
         # closes (with refill: at most 2B, the refill cap), and the step trains B of them, so
         # at most Delta <= B (with refill: B) are carried into the next step. Sequences admitted in step k have lag
@@ -485,7 +505,7 @@ class Scheduler:
         return self._controller.delta if self._controller is not None else self._fixed_delta
 
     @property
-    def controller(self) -> DeltaController | None:
+    def controller(self) -> DeltaRule | None:
         return self._controller
 
     @property

@@ -78,8 +78,8 @@ class Trainer:
         dt = t1 - t0
         self.step_windows[step] = (t0, t1)
         self.wallclock += dt
-        self.run.tuner.record(dt)
         metrics = step_metrics(self.run, result, times, dt, self.wallclock)
+        self.run.record(dt, float(result.exp.mask.sum()), metrics.get("overlap/offpolicy_token_frac", 0.0))
         # share of the machine's CPU capacity this process used during the step
         metrics["perf/cpu_util"] = (time.process_time() - c0) / (dt * (os.cpu_count() or 1))
         if not self.run.policy.in_flight:

@@ -32,7 +32,8 @@ def overlapped_step(run: s.Run, step: int) -> tuple[s.StepResult, dict[str, floa
     run.threads.use(run.threads.decode)  # the actor decodes on its own core(s); the scorers have theirs
     if rollout.version != step:  # a run's or a resume's first step (otherwise loaded at the last one's end)
         s.new_weights(run, step)
-    chunk = run.tuner.current() if pol.streams else None
+    chunk = run.chunk()  # None: nothing streams this step (the mode, or the controller's one-shot setting)
+    run.streaming = chunk is not None
     if not run.next_begun:
         s.admit(run, sched.begin_step().seqs, step)
     run.next_begun = False

@@ -19,6 +19,7 @@ from ..config import Config
 from ..learner.batch import Experience, attach_scores, build_experience, compute_advantages
 from ..learner.offpolicy import staleness_stats
 from ..scheduler import ChunkSizeTuner, DeltaController, Scheduler
+from ..tuner import OverlapTuner, TunedDelta, delta_ladder
 from ..api.roles import Roles
 from ..api.records import ChunkReady, Rollout, ScoredOutputs, Scores, SequenceFinished
 
@@ -53,8 +54,10 @@ class StepResult:
 
 
 class Run:
-    """The controller's state over the roles: the scheduler, the chunk-size tuner, the sequences
-    admitted and not yet trained, and (pipeline) the learner thread."""
+    """The controller's state over the roles: the scheduler, the overlap controller (Delta and the
+    chunk size: ``tuner.OverlapTuner``, or the reward-slope rule with a ``ChunkSizeTuner``), the
+    sequences admitted and not yet trained, which of them stream to the scorers, and (pipeline) the
+    learner thread."""
 
     def __init__(self, roles: Roles):
         cfg = roles.cfg
@@ -63,18 +66,54 @@ class Run:
         o, carries, B, G = cfg.overlap, cfg.carries, cfg.ppo.batch_size, cfg.group_size
         dmax = min(o.delta_max, B // G)  # derived once: the adaptive bounds never exceed B (groups: B / G)
         dmin = min(o.delta_min, dmax)
-        delta = (DeltaController(min(max(o.delta_init, dmin), dmax), dmin, dmax, o.delta_window, o.delta_proportional)
-                 if carries and o.delta < 0 else (o.delta if carries else 0))
+        adaptive = carries and o.delta < 0
+        self.tuner: OverlapTuner | ChunkSizeTuner
+        delta: int | DeltaController | TunedDelta
+        if adaptive and o.delta_rule == "reward_slope":  # the OPPO paper's rules
+            delta = DeltaController(min(max(o.delta_init, dmin), dmax), dmin, dmax, o.delta_window,
+                                    o.delta_proportional)
+            self.tuner = ChunkSizeTuner(tuple(c for c in o.chunk_candidates if c), o.trial_steps, o.retune_every,
+                                        fixed=o.chunk_size or None)
+        else:
+            deltas = delta_ladder(dmin, dmax) if adaptive else ((o.delta if carries else 0),)
+            chunks = ((o.chunk_size,) if o.chunk_size else tuple(o.chunk_candidates)) if self.policy.streams else (0,)
+            self.tuner = OverlapTuner(deltas, chunks, trial_steps=o.trial_steps, retune_every=o.retune_every,
+                                      margin=o.tune_margin, max_stale_share=o.max_stale_share,
+                                      in_flight=self.policy.in_flight)
+            delta = TunedDelta(self.tuner) if len(deltas) > 1 else deltas[0]
         self.scheduler = Scheduler(B, o.max_lag if carries else 0, delta, refill=o.refill and carries, group_size=G,
                                    partial_groups=o.partial_groups)
-        self.tuner = ChunkSizeTuner(tuple(o.chunk_candidates), o.chunk_trial_steps, o.chunk_retune_every,
-                                    fixed=o.chunk_size or None)
+        self.streaming = False  # this step's chunks stream to the scorers (the controller may score one-shot)
+        self.streamed: set[int] = set()  # uids the scorers hold a prefix of (admitted to them)
+        self.scored_whole: set[int] = set()  # streamed uids whose final chunk the scorers got
         self.rollouts: dict[int, Rollout] = {}  # admitted, not yet trained
         self.length_sampler = None  # benchmarks: (prompt_index, member of its group) -> forced response length
         self.learner_thread = (ThreadPoolExecutor(1, thread_name_prefix="oppo-learner") if self.policy.in_flight
                                else None)
         self.next_begun = False  # pipeline: the next step's prompts were admitted while the learner trained
         self.skipped_updates: float = 0  # ppo.nonfinite=skip: optimizer steps skipped since this process started
+
+    def chunk(self) -> int | None:
+        """Tokens per streamed chunk for the next step; None: nothing streams (one-shot scoring)."""
+        if not self.policy.streams:
+            return None
+        c = self.tuner.current() if isinstance(self.tuner, ChunkSizeTuner) else self.tuner.current().chunk
+        return c or None
+
+    def record(self, seconds: float, tokens: float, stale_share: float) -> None:
+        """A step ran with the controller's setting: its time, trained tokens and off-policy share."""
+        if isinstance(self.tuner, ChunkSizeTuner):
+            self.tuner.record(seconds)
+        else:
+            self.tuner.record(seconds, tokens, stale_share)
+
+    def take_decisions(self) -> list[str]:
+        """The overlap controller's decisions since the last call, one line each with its reason."""
+        return self.tuner.take_decisions() if isinstance(self.tuner, OverlapTuner) else []
+
+    def forget_streams(self, uids) -> None:
+        self.streamed.difference_update(uids)
+        self.scored_whole.difference_update(uids)
 
     def between_steps(self) -> None:
         """Bring the run to a state a checkpoint saves: a pipeline run's next step, begun while
@@ -127,11 +166,14 @@ class Run:
         done = [r for r in rows if r.finished]
         if self.policy.streams and running:
             scorer.admit([r.uid for r in running], [r.prompt_ids for r in running], step)
+            self.streamed.update(r.uid for r in running)
         if self.policy.streams and done:
             scorer.admit_finished([r.uid for r in done], [r.prompt_ids for r in done], [r.response_ids for r in done],
                                   step)
             for r in done:
                 r.emitted = len(r.response_ids)
+            self.streamed.update(r.uid for r in done)
+            self.scored_whole.update(r.uid for r in done)
 
     def reload_in_flight(self, saved: dict, step: int) -> None:
         """After a checkpoint saved the sequences in flight, the live run continues as a run
@@ -146,6 +188,7 @@ class Run:
         self.roles.scorer.forget(uids)
         self.roles.scorer.barrier()
         self.rollouts.clear()
+        self.forget_streams(uids)
         self.restore_in_flight(saved["sequences"], step)
 
     def drain(self) -> int:
@@ -160,6 +203,7 @@ class Run:
             self.roles.scorer.barrier()
             for u in uids:
                 self.rollouts.pop(u, None)
+            self.forget_streams(uids)
         return len(drained)
 
     def close(self) -> None:
@@ -194,13 +238,15 @@ def admit(run: Run, tickets, step: int) -> None:
         r.scored_version = rollout.version
     with run.tracer.span("actor", "prefill_prompt", step):
         rollout.admit(new)
-    if run.policy.streams:
+    if run.streaming:
         run.roles.scorer.admit([r.uid for r in new], [r.prompt_ids for r in new], step)
+        run.streamed.update(r.uid for r in new)
 
 
 def finish(run: Run, uids) -> None:
     for u in uids:
         run.rollouts.pop(u, None)
+    run.forget_streams(uids)
 
 
 # ====================================================================== stage 2: generate
@@ -231,8 +277,10 @@ def decode_once(run: Run, step: int, chunk: int | None, t_span: float, stage: st
             refill = run.scheduler.on_finished(e.rollout.uid)
             if refill is not None:
                 admit(run, refill.seqs, step)
-        elif isinstance(e, ChunkReady):
+        elif isinstance(e, ChunkReady) and e.chunk.uid in run.streamed:  # (admitted while scoring one-shot: not)
             chunks.append(e.chunk)
+            if e.chunk.final:
+                run.scored_whole.add(e.chunk.uid)
     if chunks:
         now = time.perf_counter()
         run.tracer.add("actor", stage, step, t_span, now)
@@ -257,18 +305,27 @@ def experience(run: Run, batch: list[Rollout], step: int) -> Experience:
 
 def score(run: Run, batch: list[Rollout], txt: list[str], step: int) -> Scores:
     """Stage 3, one-shot: reward score, reference log-probs, critic values of whole sequences."""
+    with run.tracer.span("scorer", "score_reward", step):
+        scores = reward_scores(run, batch, txt, step) if run.roles.reward_fn else None
+    out = score_models(run, batch, step)
+    return Scores(scores if scores is not None else _scores(out["reward"]), out["reference"], out.get("critic"))
+
+
+def score_models(run: Run, batch: list[Rollout], step: int) -> dict[str, list[ScoredOutputs]]:
+    """The scoring models' one-shot outputs for whole sequences, by role (the reward model's
+    unless a reward function scores; the critic's where there is one)."""
     roles, tracer = run.roles, run.tracer
     prompts, responses = [r.prompt_ids for r in batch], [r.response_ids for r in batch]
-    with tracer.span("scorer", "score_reward", step):
-        scores = reward_scores(run, batch, txt, step) if roles.reward_fn else _scores(
-            roles.scorer.score_full("reward", prompts, responses))
+    out = {}
+    if not roles.reward_fn:
+        with tracer.span("scorer", "score_reward", step):
+            out["reward"] = roles.scorer.score_full("reward", prompts, responses)
     with tracer.span("scorer", "score_reference", step):
-        ref = roles.scorer.score_full("reference", prompts, responses)
-    values = None
+        out["reference"] = roles.scorer.score_full("reference", prompts, responses)
     if roles.critic is not None:
         with tracer.span("scorer", "score_critic", step):
-            values = roles.scorer.score_full("critic", prompts, responses)
-    return Scores(scores, ref, values)
+            out["critic"] = roles.scorer.score_full("critic", prompts, responses)
+    return out
 
 
 def reward_scores(run: Run, batch: list[Rollout], txt: list[str], step: int) -> list[float]:
@@ -291,6 +348,14 @@ def close_batch(run: Run, close, step: int) -> tuple[list[Rollout], list[str], E
     if not run.policy.streams:
         txt = texts(run, batch)
         return batch, txt, experience(run, batch, step), score(run, batch, txt, step)
+    # Rows the scorers did not get whole (admitted, or finished, while the controller scored
+    # one-shot) are scored one-shot below; a prefix the scorers hold of one is dropped.
+    whole = [i for i, r in enumerate(batch) if r.uid in run.scored_whole]
+    rest = [i for i, r in enumerate(batch) if r.uid not in run.scored_whole]
+    partial = {batch[i].uid for i in rest} & run.streamed
+    if partial:
+        scorer.forget(partial)
+        run.forget_streams(partial)
     # While the scorers finish the last chunks, this process does the batch's own work on its
     # core: texts, the off-policy correction, and the values of carried prefixes (reading the
     # critic alongside the scorer is safe: nothing writes it until the update).
@@ -298,7 +363,7 @@ def close_batch(run: Run, close, step: int) -> tuple[list[Rollout], list[str], E
     txt = texts(run, batch)
     exp = experience(run, batch, step)
     # the critic changed since their prefix was scored
-    stale = [i for i, r in enumerate(batch) if r.scored_version is not None and r.scored_version < step]
+    stale = [i for i in whole if (sv := batch[i].scored_version) is not None and sv < step]
     fresh = []
     if stale and roles.critic is not None and run.policy.recompute_values:
         with run.tracer.span("learner", "recompute_values", step):
@@ -307,7 +372,15 @@ def close_batch(run: Run, close, step: int) -> tuple[list[Rollout], list[str], E
     run.threads.use(run.threads.full)
     with run.tracer.span("controller", "wait_scorers", step):  # waiting: not actor work
         scorer.barrier()  # also: no scorer work may touch the critic while it trains
-    out = scorer.take(uids)
+    streamed = scorer.take([batch[i].uid for i in whole]) if whole else {}
+    one_shot = score_models(run, [batch[i] for i in rest], step) if rest else {}
+    out: dict[str, list] = {}
+    for role in set(streamed) | set(one_shot):  # back into the batch's order
+        merged: list = [None] * len(batch)
+        for idx, got in ((whole, streamed.get(role)), (rest, one_shot.get(role))):
+            for i, o in zip(idx, got or []):
+                merged[i] = o
+        out[role] = merged
     scores = reward_scores(run, batch, txt, step) if roles.reward_fn else _scores(out["reward"])
     values = out.get("critic")
     if fresh:
@@ -372,7 +445,8 @@ def overlap_stats(run: Run, close, exp: Experience, chunk: int | None) -> dict[s
         "overlap/delta": run.scheduler.delta, "overlap/carried": len(run.scheduler.in_flight),
         "overlap/waiting_members": run.scheduler.waiting_members,
         **staleness_stats(exp, close.step, close.lags),  # token and sequence lags, IS weights
-        "overlap/chunk_size": chunk or 0,
+        "overlap/chunk_size": chunk or 0, "overlap/streaming": float(run.streaming),
+        **(run.tuner.metrics() if isinstance(run.tuner, OverlapTuner) and run.tuner.tunes else {}),
         "overlap/in_flight_length_mean": _mean([len(r.response_ids) for u, r in untrained.items()
                                                 if u not in trained] or [0]),
     }

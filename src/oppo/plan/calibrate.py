@@ -438,9 +438,11 @@ def check_bench(profile: CpuProfile, bench_dir: str | Path, lengths: tuple[float
 
     st = upgrade_settings(yaml.safe_load(res["settings"]))  # (benches saved before placement.* had them in overlap.*)
     ppo, ov, critic_on_worker = st["ppo"], st["overlap"], st.get("placement", {}).get("critic_on_worker", True)
-    chunk = ([c for c in ov["chunk_candidates"] for _ in range(ov["chunk_trial_steps"])] + [16]
-             if not ov["chunk_size"] else ov["chunk_size"])  # the tuner's trials, then (assumed) 16
-    delta = ov["delta"] if ov["delta"] >= 0 else ov["delta_init"]  # adaptive in the run; its start here
+    trials = ov.get("trial_steps", ov.get("chunk_trial_steps", 2))  # (named chunk_trial_steps before issue 34)
+    chunk = ([c for c in ov["chunk_candidates"] if c for _ in range(trials)] + [16]
+             if not ov["chunk_size"] else ov["chunk_size"])  # the tuner's streamed trials, then (assumed) 16
+    start = ov["delta_min"] if ov.get("delta_rule", "reward_slope") == "cost" else ov["delta_init"]
+    delta = ov["delta"] if ov["delta"] >= 0 else start  # adaptive in the run; its start here
     wl = Workload(batch=ppo["batch_size"], lengths=LogNormalLengths(lengths[0], lengths[1], max_new_tokens, seed),
                   prompt_tokens=PROMPT_TOKENS, prompt_pad=PROMPT_PAD, delta=delta, max_lag=ov["max_lag"], chunk=chunk,
                   minibatch=ppo["minibatch_size"], micro=ppo["micro_batch_size"], epochs=ppo["epochs"])

@@ -1,0 +1,114 @@
+"""The overlap controller against sequential and against the best fixed setting, per workload (issue 34).
+
+    PYTHONPATH=src python benchmarks/controller_workloads.py --out benchmarks/controller_workloads
+
+For each workload of forced response lengths (the built-in task's models: the long-tailed
+representative lengths, equal lengths at the cap, log-normal tails of sigma 0.5, 1 and 1.5), one
+interleaved run of: ``sequential``; the default ``oppo`` (the cost-aware controller, exploring as
+it goes: its trials are part of its time); and a sweep of fixed ``oppo`` settings (Delta x chunk,
+one-shot scoring among the chunks). It reports each one's throughput (trained response tokens per
+second over the timed steps) as a ratio to sequential, the default against the best fixed
+setting, and the share of trained tokens sampled by an older policy. Writes ``results.json`` and
+``README.md``-ready ``table.md`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from oppo.bench import LengthWorkload, WORKLOADS, machine, run_modes
+from oppo.config import load_config
+
+
+def workloads(max_new: int) -> dict[str, LengthWorkload]:
+    rep = WORKLOADS["representative"].scaled(max_new)
+    out = {"long tail (representative)": rep,
+           "no tail (all at the cap)": LengthWorkload("no tail", 0.0, max_new, max_new, "every response at the cap")}
+    for sigma in (0.5, 1.0, 1.5):
+        out[f"log-normal sigma {sigma}"] = LengthWorkload(f"sigma {sigma}", sigma, rep.median, max_new,
+                                                          f"log-normal, median {rep.median}, sigma {sigma}")
+    return out
+
+
+def specs(batch: int) -> dict[str, str]:
+    """Label -> run_modes spec: sequential, the default, and the fixed sweep."""
+    out = {"sequential": "sequential", "oppo (default: controller)": "oppo"}
+    for d in (0, batch // 4, batch // 2):
+        out[f"Delta {d}, chunk 16"] = f"oppo:overlap.delta={d}:overlap.chunk_size=16"
+        out[f"Delta {d}, one-shot"] = f"oppo:overlap.delta={d}:overlap.chunk_candidates=[0]"
+    return out
+
+
+def figures(rec: dict, warmup: int = 1) -> dict[str, float]:
+    ms = rec["metrics"][warmup:]
+    secs = sum(m["time/step"] for m in ms)
+    tokens = sum(m["perf/tokens_per_s"] * m["time/step"] for m in ms)
+    stale = statistics.mean(m.get("overlap/offpolicy_token_frac", 0.0) for m in ms)
+    return {"tokens_per_s": tokens / secs, "step_s": statistics.median(m["time/step"] for m in ms),
+            "stale_share": stale, "steps": len(ms)}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="benchmarks/controller_workloads")
+    p.add_argument("--steps", type=int, default=16, help="Steps per setting, the first untimed.")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--only", default=None, help="Comma-separated substrings: the workloads to run.")
+    p.add_argument("overrides", nargs="*", help="section.key=value settings for every run.")
+    a = p.parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    B = a.batch
+    base = load_config(None, [f"ppo.batch_size={B}", f"ppo.minibatch_size={B // 2}", f"ppo.micro_batch_size={B // 2}",
+                              f"generation.max_new_tokens={a.max_new_tokens}", "log.progress=false", "run.samples=0",
+                              *a.overrides])
+    labels = specs(B)
+    results = {"machine": machine(), "command": "python benchmarks/controller_workloads.py "
+               + " ".join(argv if argv is not None else __import__("sys").argv[1:]), "workloads": {}}
+    for name, wl in workloads(a.max_new_tokens).items():
+        if a.only and not any(s in name for s in a.only.split(",")):
+            continue
+        t0 = time.time()
+        print(f"== {name}", flush=True)
+        recs = run_modes(base, list(labels.values()), a.steps, out / "runs" / wl.name.replace(" ", "_"),
+                         progress=lambda s: None, lengths=wl)
+        figs = {label: figures(recs[spec]) for label, spec in labels.items()}
+        tuner_lines = [m.get("overlap/delta") for m in recs["oppo"]["metrics"]]
+        results["workloads"][name] = {"figures": figs, "default_delta_by_step": tuner_lines,
+                                      "default_chunk_by_step": [m.get("overlap/chunk_size")
+                                                                for m in recs["oppo"]["metrics"]],
+                                      "seconds": time.time() - t0}
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+        print(table(results), flush=True)
+    (out / "table.md").write_text(table(results))
+
+
+def table(results: dict) -> str:
+    lines = [f"Machine: {results['machine']}", "", f"Command: `{results['command']}`", "",
+             "| workload | default vs sequential | default vs best fixed | best fixed setting | best fixed vs "
+             "sequential | default's stale share | best fixed's stale share | default's Delta by step |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, w in results["workloads"].items():
+        f = w["figures"]
+        seq, dflt = f["sequential"], f["oppo (default: controller)"]
+        fixed = {k: v for k, v in f.items() if k.startswith("Delta")}
+        best = max(fixed, key=lambda k: fixed[k]["tokens_per_s"])
+        lines.append(f"| {name} | {dflt['tokens_per_s'] / seq['tokens_per_s']:.2f}x | "
+                     f"{dflt['tokens_per_s'] / fixed[best]['tokens_per_s']:.2f}x | {best} | "
+                     f"{fixed[best]['tokens_per_s'] / seq['tokens_per_s']:.2f}x | {dflt['stale_share']:.0%} | "
+                     f"{fixed[best]['stale_share']:.0%} | {' '.join(str(d) for d in w['default_delta_by_step'])} |")
+    lines += ["", "Every setting, tokens/s (ratio to sequential, stale share):", ""]
+    for name, w in results["workloads"].items():
+        seq = w["figures"]["sequential"]["tokens_per_s"]
+        lines.append(f"- {name}: " + "; ".join(f"{k} {v['tokens_per_s']:.0f} ({v['tokens_per_s'] / seq:.2f}x, "
+                                               f"{v['stale_share']:.0%})" for k, v in w["figures"].items()))
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
