@@ -358,7 +358,11 @@ def policy_line(cfg: Config) -> str:
         why = (f"overlap.mode={o.mode} loads new weights while sequences decode and carries up to Delta unfinished "
                f"ones into the next step (overlap.max_lag={o.max_lag})")
     elif cfg.carries and extra > 0 and o.max_lag > 0:
-        delta = f"overlap.delta={o.delta}" if o.delta >= 0 else f"adaptive Delta up to overlap.delta_max={o.delta_max}"
+        delta = (f"overlap.delta={o.delta}" if o.delta >= 0 else
+                 f"adaptive Delta up to overlap.delta_max={o.delta_max}, starting at overlap.delta_min={o.delta_min}"
+                 + (f" and kept only where carrying measurably shortens the step, adding at most "
+                    f"overlap.max_stale_share={o.max_stale_share:g} of off-policy tokens" if o.delta_rule == "cost"
+                    else " (overlap.delta_rule=reward_slope)"))
         why = (f"overlap.mode={o.mode} keeps extra sequences in flight ({delta}) and carries unfinished ones into "
                f"the next step (overlap.max_lag={o.max_lag})")
     else:
