@@ -515,13 +515,17 @@ _ALIASES = {"learning_rate": ("actor_lr", "critic_lr"), "lr": ("actor_lr", "crit
 # bench's) is read with the old names moved (upgrade_settings)
 MOVED = {"overlap.scorer_process": "placement.scorer_process", "overlap.critic_on_worker": "placement.critic_on_worker",
          "overlap.actor_threads": "placement.actor_threads", "overlap.scorer_threads": "placement.scorer_threads",
-         "run.threads": "placement.threads"}
+         "run.threads": "placement.threads",
+         # issue 34: the overlap controller's trials cover Delta as well as the chunk
+         "overlap.chunk_trial_steps": "overlap.trial_steps", "overlap.chunk_retune_every": "overlap.retune_every"}
 
 
 def upgrade_settings(d: dict) -> dict:
     """A saved config dict (nested sections) with the keys of :data:`MOVED` under their new names
     (a value already under the new name wins). ``d`` is unchanged."""
     out = {k: dict(v) if isinstance(v, dict) else v for k, v in d.items()}
+    if isinstance(out.get("overlap"), dict) and "delta_rule" not in out["overlap"]:
+        out["overlap"]["delta_rule"] = "reward_slope"  # saved before the cost rule existed: it ran the paper's
     for old, new in MOVED.items():
         (os_, ok), (ns, nk) = old.split("."), new.split(".")
         if isinstance(out.get(os_), dict) and ok in out[os_]:
@@ -567,8 +571,9 @@ def _unknown(cfg: Config, key: str, value: Any, source: str) -> str | None:
     """One line saying why ``key`` is not a setting and what to write instead; None for a setting."""
     known = all_keys(cfg)
     if key in MOVED:
-        return (f"Unknown setting '{key}' (from {source}): {key} is now {MOVED[key]} (where a role runs and "
-                f"how much hardware it gets is in the placement section). Rename it to {MOVED[key]}.")
+        why = (" (where a role runs and how much hardware it gets is in the placement section)"
+               if MOVED[key].startswith("placement.") else "")
+        return f"Unknown setting '{key}' (from {source}): {key} is now {MOVED[key]}{why}. Rename it to {MOVED[key]}."
     if len(key.split(".")) == 2 and key in known:
         return None
     trl = from_trl.lookup(key)
