@@ -29,7 +29,7 @@ def _step(cast_once_on: bool, monkeypatch) -> tuple[int, list[torch.Tensor]]:
         y.backward()
         return {"loss/x": y.item(), "_frac": 1.0 / MICRO}
 
-    cfg = PPOConfig(micro_batch_size=1, minibatch_size=MICRO, batch_size=MICRO)
+    cfg = PPOConfig(micro_batch_size=1, minibatch_size=MICRO, batch_size=MICRO, packing="off")  # (a bare batch: no lengths)
     with profile() as prof:
         local._train(model, opt, SimpleNamespace(mask=torch.ones(MICRO, 1)), [torch.arange(MICRO)], cfg, "actor",
                      micro, compute_dtype=torch.bfloat16)

@@ -40,11 +40,12 @@ DEFAULT_CHUNK_BYTES = 256 * 2**20  # fp32 logits per chunk
 
 class _HeadLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, tokens, mult, compute_dtype, rows, want_entropy):
-        # hidden [N, H], weight [V, H], tokens [N]; mult = scale / temperature
-        N = hidden.shape[0]
-        w = weight.to(compute_dtype)
-        b = bias.to(compute_dtype) if bias is not None else None
+    def forward(ctx, hidden, weight, bias, w, b, tokens, mult, rows, want_entropy):
+        # hidden [N, H], weight [V, H] and bias (the trained ones: their gradients), w, b: them in the
+        # compute dtype, detached (``precision.cast_weight``: cast once per optimizer step);
+        # tokens [N]; mult = scale / temperature
+        ctx.set_materialize_grads(False)  # an unused entropy output gets None, not zeros: its term is skipped
+        N, compute_dtype = hidden.shape[0], w.dtype
         lp = torch.empty(N, dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(lp)
         ent = torch.empty_like(lp) if want_entropy else None
@@ -55,21 +56,20 @@ class _HeadLogprobs(torch.autograd.Function):
             if ent is not None:
                 p = torch.exp(z - lse[s:s + rows, None])  # [n, V]
                 ent[s:s + rows] = lse[s:s + rows] - (p * z).sum(-1)
-        ctx.save_for_backward(hidden, weight, bias, tokens, lse, ent if ent is not None else lse)
-        ctx.mult, ctx.compute_dtype, ctx.rows, ctx.has_ent = mult, compute_dtype, rows, ent is not None
+        ctx.save_for_backward(hidden, w, b, tokens, lse, ent if ent is not None else lse)
+        ctx.mult, ctx.rows, ctx.has_ent = mult, rows, ent is not None
+        ctx.w_dtype, ctx.b_dtype = weight.dtype, bias.dtype if bias is not None else None
         return lp, (ent if ent is not None else torch.zeros_like(lp))
 
     @staticmethod
     def backward(ctx, g_lp, g_ent):
-        hidden, weight, bias, tokens, lse, ent = ctx.saved_tensors
-        dt, mult, rows = ctx.compute_dtype, ctx.mult, ctx.rows
-        w = weight.to(dt)
-        b = bias.to(dt) if bias is not None else None
-        need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
+        hidden, w, b, tokens, lse, ent = ctx.saved_tensors
+        dt, mult, rows = w.dtype, ctx.mult, ctx.rows
+        need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         dh = torch.empty_like(hidden) if need_h else None
-        dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        db = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
-        use_ent = ctx.has_ent and g_ent is not None
+        dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_w else None
+        db = torch.zeros(w.shape[0], dtype=torch.float32, device=w.device) if need_b else None
+        use_ent = ctx.has_ent and g_ent is not None  # None: the entropy is not in the loss
         for s in range(0, hidden.shape[0], rows):
             h = hidden[s:s + rows]
             z = _logits(h, w, b, dt, mult)  # [n, V] fp32, recomputed
@@ -85,10 +85,10 @@ class _HeadLogprobs(torch.autograd.Function):
                 dh[s:s + rows] = (dlogits @ w).to(hidden.dtype)
             if need_w:
                 dw += (dlogits.t() @ h.to(dt)).float()
-            if need_b:
+            if db is not None:
                 db += dlogits.float().sum(0)
-        return (dh, dw.to(weight.dtype) if need_w else None, db.to(bias.dtype) if need_b else None,
-                None, None, None, None, None)
+        return (dh, dw.to(ctx.w_dtype) if need_w else None, db.to(ctx.b_dtype) if db is not None else None,
+                None, None, None, None, None, None)
 
 
 def _logits(h: Tensor, w: Tensor, b: Tensor | None, dtype: torch.dtype, mult: float) -> Tensor:
@@ -114,12 +114,16 @@ def fused_head(head) -> tuple[Tensor, Tensor | None, float] | None:
 
 
 def head_logprobs(head, hidden: Tensor, tokens: Tensor, temperature: float = 1.0, entropy: bool = False,
-                  compute_dtype: torch.dtype | None = None,
-                  chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> tuple[Tensor, Tensor | None]:
+                  compute_dtype: torch.dtype | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                  entropy_grad: bool = True) -> tuple[Tensor, Tensor | None]:
     """Per-token ``log_softmax(head(hidden) / temperature)[tokens]`` and (``entropy``) the entropy of
     that distribution: hidden [b, T, H], tokens [b, T] -> ([b, T], [b, T] or None), fp32,
-    differentiable in ``hidden`` and the head's weights. ``compute_dtype``: the dtype of the head's
-    matmul (default: the autocast dtype when autocast is on, else the weight's)."""
+    differentiable in ``hidden`` and the head's weights (the entropy only with ``entropy_grad``:
+    else a statistic, and no backward term is formed for it). ``compute_dtype``: the dtype of the
+    head's matmul (default: the autocast dtype when autocast is on, else the weight's); the
+    weight is cast by ``weights.precision.cast_weight``, once per optimizer step in the learner."""
+    from .weights.precision import cast_weight
+
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     b, T = tokens.shape
@@ -129,15 +133,21 @@ def head_logprobs(head, hidden: Tensor, tokens: Tensor, temperature: float = 1.0
 
         logits = head(hidden).float()  # [b, T, V]
         lp = logprobs_from_logits(logits, tokens, temperature)
-        return lp, (entropy_from_logits(logits / temperature) if entropy else None)
+        if not entropy:
+            return lp, None
+        return lp, entropy_from_logits((logits if entropy_grad else logits.detach()) / temperature)
     weight, bias, scale = parts
     if compute_dtype is None:
         dev = hidden.device.type
         compute_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
+    w = cast_weight(weight, compute_dtype)
+    bc = cast_weight(bias, compute_dtype) if bias is not None else None
     rows = max(1, chunk_bytes // (4 * weight.shape[0]))
     with torch.autocast(hidden.device.type, enabled=False):
-        lp, ent = _HeadLogprobs.apply(hidden.reshape(b * T, -1), weight, bias, tokens.reshape(-1).long(),
-                                      scale / temperature, compute_dtype, rows, entropy)
+        lp, ent = _HeadLogprobs.apply(hidden.reshape(b * T, -1), weight, bias, w, bc, tokens.reshape(-1).long(),
+                                      scale / temperature, rows, entropy)
+    if entropy and not entropy_grad:
+        ent = ent.detach()
     return lp.view(b, T), (ent.view(b, T) if entropy else None)
 
 
