@@ -158,7 +158,7 @@ def sequence_batch(prompts: list[list[int]], responses: list[list[int]], pad_id:
     return torch.cat([p_ids, r_ids], 1), torch.cat([p_valid, r_valid], 1), p_ids.shape[1], r_valid
 
 
-def full_hidden(backbone: torch.nn.Module, ids: torch.Tensor, valid: torch.Tensor, packing: str = "auto"
+def full_hidden(backbone: torch.nn.Module, ids: torch.Tensor, valid: torch.Tensor, packing: str | None = None
                 ) -> torch.Tensor:
     """One forward without cache over rows whose real tokens are contiguous (left-padded prompt
     then right-padded response); hidden states [R, L, H] in the input's layout (zeros at padding).
@@ -294,9 +294,28 @@ class RowPlan:
         return plan_rows(lengths, self.packed, self.attention_cost, max_positions, max_padding)
 
 
-def row_plan(backbone: torch.nn.Module, mode: str = "auto") -> RowPlan:
-    """The :class:`RowPlan` of ``backbone`` under ``ppo.packing`` = ``mode``, found once per model
-    and mode (cached on the module, as ``models.backbone_and_head`` caches its split).
+def set_packing(model: torch.nn.Module, mode: str) -> None:
+    """Record ``ppo.packing`` on ``model`` (a scorer's: the one-shot scoring forwards read it through
+    :func:`row_plan`, wherever the model goes, as it travels with the module)."""
+    if mode not in PACKING_MODES:
+        raise ValueError(f"ppo.packing must be one of {', '.join(PACKING_MODES)}, got {mode!r}")
+    for m in {id(model): model, id(_backbone_of(model)): _backbone_of(model)}.values():
+        m.__dict__["_oppo_packing"] = mode
+
+
+def _backbone_of(model: torch.nn.Module) -> torch.nn.Module:
+    from .models import backbone_and_head
+
+    try:
+        return backbone_and_head(model)[0]
+    except Exception:  # (a bare backbone)
+        return model
+
+
+def row_plan(backbone: torch.nn.Module, mode: str | None = None) -> RowPlan:
+    """The :class:`RowPlan` of ``backbone`` under ``ppo.packing`` = ``mode`` (None: the mode
+    :func:`set_packing` recorded on it, else auto), found once per model and mode (cached on the
+    module, as ``models.backbone_and_head`` caches its split).
 
     auto and on pack if the model's attention keeps packed sequences apart: checked, not assumed,
     by one forward of two sequences in one row against the second one alone (a model whose mask
@@ -305,6 +324,7 @@ def row_plan(backbone: torch.nn.Module, mode: str = "auto") -> RowPlan:
     raises. The attention cost: 1/(6 d) for sdpa and eager (a pair costs ~4d FLOPs against ~24d^2
     for a position through a layer's projections and MLP), 0 for flash and flex (they skip the
     masked blocks)."""
+    mode = mode if mode is not None else backbone.__dict__.get("_oppo_packing", "auto")
     if mode not in PACKING_MODES:
         raise ValueError(f"ppo.packing must be one of {', '.join(PACKING_MODES)}, got {mode!r}")
     cache = backbone.__dict__.setdefault("_oppo_row_plans", {})

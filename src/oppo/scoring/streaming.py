@@ -45,7 +45,7 @@ def _per_token(kind: Kind, head: torch.nn.Module, pre: torch.Tensor, tokens: tor
 
 
 def response_outputs(kind: Kind, model, ids: torch.Tensor, valid: torch.Tensor, P: int,
-                     temperature: float = 1.0, packing: str = "auto") -> torch.Tensor:
+                     temperature: float = 1.0, packing: str | None = None) -> torch.Tensor:
     """Per-response-token outputs [R, T] of a full forward (log-probs or values); differentiable.
 
     Used by the one-shot scorers and by the learner (actor log-probs use kind="reference").
@@ -57,9 +57,10 @@ def response_outputs(kind: Kind, model, ids: torch.Tensor, valid: torch.Tensor, 
 
 @torch.no_grad()
 def score_full(kind: Kind, model, prompts: list[list[int]], responses: list[list[int]], pad_id: int,
-               temperature: float = 1.0, packing: str = "auto") -> list[ScoredOutputs]:
+               temperature: float = 1.0, packing: str | None = None) -> list[ScoredOutputs]:
     """One-shot scoring of whole sequences (the sequential mode's scorer): one forward over them
-    packed end to end where the model can (``forward.row_plan``; ``packing``: ``ppo.packing``),
+    packed end to end where the model can (``forward.row_plan``; ``packing``: ``ppo.packing``, None:
+    the model's own, ``forward.set_packing``),
     the head run on the response tokens (the reward head on each last token) only."""
     device = next(model.parameters()).device
     backbone, head = backbone_and_head(model)

@@ -25,6 +25,7 @@ from ..api.roles import Roles
 from ..api.specs import ModelSpec
 from ..config import Config
 from ..data import build_prompt_set, read_prompts
+from ..forward import set_packing
 from ..learner.critic import CriticBesideScorer
 from ..learner.local import Learner
 from ..models import (apply_lora, base_view, check_roles, enable_gradient_checkpointing,
@@ -95,6 +96,9 @@ def build_roles(cfg: Config, progress: bool = True) -> Roles:
     if paths.critic:
         critic = load_critic(paths.critic, resolve_device(cfg.critic.device, str(dev)), master, pad_id).eval()
         scoring_critic = serving_copy(critic, dtype, separate=inflight and not wants_critic_on_scorer)
+    for m in (reward_model, reference, scoring_critic):  # their one-shot scoring forwards (score_full)
+        if m is not None:
+            set_packing(m, cfg.ppo.packing)
     if cfg.policy.gradient_checkpointing:  # the trained models; recomputation only while training
         for m in (policy, critic):
             if m is not None:
