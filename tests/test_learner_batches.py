@@ -132,3 +132,36 @@ def test_padding_cap_keeps_every_micro_batch_under_it():
     assert before > 0.1 >= after
     with pytest.raises(ConfigError, match="micro_batch_padding"):
         load_config(None, ["ppo.micro_batch_padding=1.5"])
+
+
+def test_a_model_that_cannot_pack_is_named_once_and_runs_padded(tiny_models):
+    """A backbone whose attention ignores restarting position ids (here: one that drops them)
+    would let a packed sequence see the one before it: the probe forward finds it, auto warns once
+    and runs padded (exact), on stops with the fix, off never probes."""
+    import warnings
+
+    from oppo.forward import RowPlan, full_hidden, row_plan
+    from oppo.models import backbone_and_head, load_causal_lm
+
+    inner = backbone_and_head(load_causal_lm(str(tiny_models["policy"]), "policy", torch.device("cpu"),
+                                             torch.float32))[0]
+
+    class NoPositions(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner, self.config = inner, inner.config
+
+        def forward(self, input_ids, position_ids=None, use_cache=False):
+            return self.inner(input_ids=input_ids, use_cache=use_cache)
+
+    blind = NoPositions()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert row_plan(blind) == row_plan(blind) == RowPlan(False)
+    assert len(caught) == 1 and "cannot run packed rows" in str(caught[0].message)
+    with pytest.raises(ValueError, match="ppo.packing=auto"):
+        row_plan(blind, "on")
+    assert row_plan(blind, "off") == RowPlan(False) and row_plan(inner).packed
+    ids, valid, _, _ = sequence_batch([[5, 6], [7]], [[8, 9, 10], [11]], 0, torch.device("cpu"))
+    with torch.no_grad():  # padded, it is exact: the same hidden states as the model that packs
+        torch.testing.assert_close(full_hidden(blind, ids, valid), full_hidden(inner, ids, valid))
