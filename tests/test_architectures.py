@@ -426,12 +426,12 @@ def test_packed_forward_equals_each_sequence_alone(load, arch):
         backbone, head = backbone_and_head(model)
         plan = row_plan(backbone)
         assert plan.packed, f"{arch} {role}: the model's own attention should keep packed sequences apart"
-        lp_learner = Learner(model, None, PPOConfig(), TEMP, seed=0)
+        lp_learner = Learner(model, None, PPOConfig(entropy_coef=0.01), TEMP, seed=0)  # (entropy in the loss)
 
         def loss(mb, r):
             m = exp.mask[r][:, :mb.T]
             if role == "policy":
-                lp, ent = lp_learner._actor_logprobs(mb, entropy_grad=True)  # [b, T] each
+                lp, ent = lp_learner._actor_logprobs(mb)  # [b, T] each
                 out = torch.cat([lp, ent], 1)
                 return out, ((lp * wl[r][:, :mb.T] + ent * we[r][:, :mb.T]) * m).sum()
             v = mb.spread(head(_response_hidden(backbone, mb)).float().reshape(-1))  # [b, T]

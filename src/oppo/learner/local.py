@@ -56,14 +56,15 @@ class Learner:
         """How the actor's forwards lay out their sequences (``forward.row_plan``, ``ppo.packing``)."""
         return row_plan(backbone_and_head(self.actor)[0], self.cfg.packing)
 
-    def _actor_logprobs(self, mb: MicroBatch, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def _actor_logprobs(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-probs, entropies) [b, T] of ``mb``'s response tokens under the actor, from the head
         in chunks of tokens (``forward.head_logprobs``: no [b, T, V] logits tensor) over the response
-        tokens only. The entropy is differentiable only with ``entropy_grad`` (it is in the loss)."""
+        tokens only. The entropy is differentiable only when it is in the loss (``ppo.entropy_coef``);
+        otherwise a statistic, and the head's backward forms no term for it."""
         backbone, head = backbone_and_head(self.actor)
         with autocast(self.device, self.compute_dtype):
             logprobs, entropy = head_logprobs(head, _response_hidden(backbone, mb), mb.tokens[None], self.temperature,
-                                              entropy=True, entropy_grad=entropy_grad)  # [1, N]
+                                              entropy=True, entropy_grad=bool(self.cfg.entropy_coef))  # [1, N]
         assert entropy is not None  # (asked for)
         return mb.spread(logprobs[0]), mb.spread(entropy[0])
 
@@ -172,7 +173,7 @@ class Learner:
         T = mb.T
         mask = exp.mask[rows][:, :T]
         with checkpointing(self.actor):  # recomputes activations in backward if policy.gradient_checkpointing
-            logprobs, entropy = self._actor_logprobs(mb, entropy_grad=bool(cfg.entropy_coef))  # [b, T] each
+            logprobs, entropy = self._actor_logprobs(mb)  # [b, T] each
         if probe is not None:  # (the first optimizer step's forward is pi_k's: the sampler-vs-trainer gap)
             probe.observe(logprobs, exp.sampler_logprobs[rows][:, :T], exp.versions[rows][:, :T], mask)
         pl, pstats = pm.policy_loss(logprobs, exp.old_logprobs[rows][:, :T], exp.advantages[rows][:, :T], mask,

@@ -32,6 +32,7 @@ from ..api.records import ScoredOutputs
 from ..kv import KVRows, left_pad, right_pad
 from ..models import backbone_and_head, uses_sliding_window
 from ..forward import full_hidden, head_logprobs, packed_hidden, row_plan
+from ..forward import sequence_batch  # noqa: F401  (re-exported: benchmarks/nan_probe.py imports it from here)
 
 Kind = Literal["reward", "reference", "critic"]
 
