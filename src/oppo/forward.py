@@ -1,6 +1,8 @@
 """Forwards the scorers and the learner share: whole sequences as one batch
-(:func:`sequence_batch`), their hidden states with no fully masked query row (:func:`full_hidden`),
-and the sampled tokens' log-probs and entropy from hidden states, in chunks (:func:`head_logprobs`).
+(:func:`sequence_batch`), laid out in packed rows (:func:`plan_rows`, :func:`row_plan`: end to end,
+position ids restarting at 0, the model's own packed mask) and run with no fully masked query row
+(:func:`packed_hidden`, :func:`full_hidden`), and the sampled tokens' log-probs and entropy from
+hidden states, in chunks (:func:`head_logprobs`).
 
 Log-probs and entropy of the sampled tokens straight from hidden states, in chunks of tokens.
 
