@@ -5,9 +5,9 @@
 ``sequential`` mode on a synthetic policy and reward model (also the critic) of ``--size``
 (``oppo.bench.MODEL_SIZES``, random weights) with the representative long-tailed lengths scaled
 to ``--max-new-tokens``. Per timed step (the first is a warm-up) it reads ``time/train`` and
-computes, from the trained batch itself, the padded share of the positions the actor's
-micro-batches computed (``learner.padding_stats``; for older code, which has none, the same
-count in its layout) and the train stage's MFU (forward and backward of actor and
+computes the padded share of the positions the actor's micro-batches computed (the learner's
+own ``perf/train_padded_frac``, in its row layout, packed or not; else, from the trained batch,
+``learner.padding_stats``; for older code, which has none, the same count in its layout) and the train stage's MFU (forward and backward of actor and
 critic: ``oppo.perf``'s accounting, inlined so that older code is measured the same way, against
 a matmul peak measured in the same process). Prints medians; ``--out`` writes JSON.
 """
@@ -107,8 +107,11 @@ def main(argv=None) -> None:
             flops = 3 * cfg.ppo.epochs * sum(_fwd_flops(mdl, lengths.tolist()) for mdl in (t.roles.policy, t.roles.critic)
                                              if mdl is not None)
             if step:
-                padded = (padding_stats(exp, mbs, cfg.ppo)["perf/train_padded_frac"] if padding_stats
-                          else _padded(exp, mbs, a.micro))
+                if "perf/train_padded_frac" in m:  # the learner's own count, in its own row layout
+                    padded = m["perf/train_padded_frac"]
+                else:
+                    padded = (padding_stats(exp, mbs, cfg.ppo)["perf/train_padded_frac"] if padding_stats
+                              else _padded(exp, mbs, a.micro))
                 rows.append({"train_s": m["time/train"], "padded": padded,
                              "mfu": flops / m["time/train"] / peak})
     finally:

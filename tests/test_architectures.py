@@ -394,6 +394,81 @@ def test_critic_streamed(load, arch, dtype):
 
 
 # ---------------------------------------------------------------------------------------------
+# 5. packed training forwards (issue 35): several sequences end to end in a row, position ids
+#    restarting at 0, the model's own packed mask, equal each sequence's own unpadded forward in
+#    log-probs, entropy, values AND gradients. The oracle here is oppo's micro-batch of that one
+#    sequence alone (one row, no padding): its log-probs are HF's by tests 1-2.
+
+
+def _grads(model) -> list[torch.Tensor]:
+    out = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+@each_arch
+def test_packed_forward_equals_each_sequence_alone(load, arch):
+    from oppo.forward import RowPlan, row_plan
+    from oppo.learner.batch import CriticBatch, _micro_slices
+    from oppo.learner.local import _response_hidden
+    from oppo.models import backbone_and_head
+
+    prompts, responses = _data()
+    rollouts = [Rollout(i, i, "", p, 0, response_ids=list(r), logprobs=[0.0] * len(r), versions=[0] * len(r),
+                        finished=True, ended_with_eos=r[-1] == EOS) for i, (p, r) in enumerate(zip(prompts, responses))]
+    exp = build_experience(rollouts, PAD, CPU)
+    rows = torch.arange(len(prompts))
+    gen = torch.Generator().manual_seed(1)
+    wl, we = torch.randn(exp.mask.shape, generator=gen), torch.randn(exp.mask.shape, generator=gen)  # [B, T]
+    roles = ["policy"] + (["critic"] if _class(ARCHS[arch].seqcls) is not None else [])
+    for role in roles:
+        model = copy.deepcopy(load(arch, role, "fp32")).requires_grad_(True)
+        backbone, head = backbone_and_head(model)
+        plan = row_plan(backbone)
+        assert plan.packed, f"{arch} {role}: the model's own attention should keep packed sequences apart"
+        lp_learner = Learner(model, None, PPOConfig(entropy_coef=0.01), TEMP, seed=0)  # (entropy in the loss)
+
+        def loss(mb, r):
+            m = exp.mask[r][:, :mb.T]
+            if role == "policy":
+                lp, ent = lp_learner._actor_logprobs(mb)  # [b, T] each
+                out = torch.cat([lp, ent], 1)
+                return out, ((lp * wl[r][:, :mb.T] + ent * we[r][:, :mb.T]) * m).sum()
+            v = mb.spread(head(_response_hidden(backbone, mb)).float().reshape(-1))  # [b, T]
+            return v, (v * wl[r][:, :mb.T] * m).sum()
+
+        alone_out, alone_loss = [], 0.0
+        for i in rows.tolist():
+            r = torch.tensor([i])
+            out, lo = loss(_micro_slices(exp, r, RowPlan(False)), r)
+            lo.backward()
+            alone_out.append(out[0])
+            alone_loss += lo.item()
+        alone_grads = _grads(model)
+        # the model's own plan (one row here) and a costly attention (several rows, padding at their ends)
+        for packed in (plan, RowPlan(True, attention_cost=0.05)):
+            mb = _micro_slices(exp if role == "policy" else CriticBatch.of(_with_values(exp)), rows, packed)
+            assert packed.attention_cost < 0.05 or mb.layout.rows > 1  # (the several-rows case is one)
+            out, lo = loss(mb, rows)
+            lo.backward()
+            for i, want in enumerate(alone_out):
+                T = len(responses[i])
+                half = want.shape[0] // 2 if role == "policy" else want.shape[0]  # (lp | entropy)
+                got_i = torch.cat([out[i, :T], out[i, mb.T: mb.T + T]]) if role == "policy" else out[i, :T]
+                want_i = torch.cat([want[:T], want[half: half + T]]) if role == "policy" else want[:T]
+                torch.testing.assert_close(got_i, want_i, atol=1e-5, rtol=1e-5, msg=f"{arch} {role} row {i}")
+            assert abs(lo.item() - alone_loss) <= 1e-4 * max(1.0, abs(alone_loss))
+            for g, w in zip(_grads(model), alone_grads):
+                torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4, msg=f"{arch} {role} gradients")
+
+
+def _with_values(exp):
+    import dataclasses
+
+    return dataclasses.replace(exp, values=torch.zeros_like(exp.mask), returns=torch.zeros_like(exp.mask))
+
+
+# ---------------------------------------------------------------------------------------------
 # loaders: what oppo cannot score exactly is refused with a message that names the problem
 
 

@@ -29,7 +29,7 @@ def _step(cast_once_on: bool, monkeypatch) -> tuple[int, list[torch.Tensor]]:
         y.backward()
         return {"loss/x": y.item(), "_frac": 1.0 / MICRO}
 
-    cfg = PPOConfig(micro_batch_size=1, minibatch_size=MICRO, batch_size=MICRO)
+    cfg = PPOConfig(micro_batch_size=1, minibatch_size=MICRO, batch_size=MICRO, packing="off")  # (a bare batch: no lengths)
     with profile() as prof:
         local._train(model, opt, SimpleNamespace(mask=torch.ones(MICRO, 1)), [torch.arange(MICRO)], cfg, "actor",
                      micro, compute_dtype=torch.bfloat16)
@@ -56,3 +56,31 @@ def test_fp32_compute_opens_no_autocast_region():
         assert not torch.is_autocast_enabled("cpu")  # (open for the cache, disabled between the forwards)
         with autocast(torch.device("cpu"), torch.bfloat16):
             assert torch.is_autocast_enabled("cpu")
+
+
+def test_fused_head_weight_is_cast_once_per_optimizer_step():
+    """The fused head casts by hand outside autocast (``forward.head_logprobs``); inside one
+    optimizer step (``cast_once``) its weight is cast once, not in every micro-batch's forward and
+    backward."""
+    import contextlib
+
+    from oppo.forward import head_logprobs
+    from oppo.weights.precision import cast_once
+
+    def casts(region) -> int:
+        torch.manual_seed(0)
+        head = torch.nn.Linear(16, 48, bias=False)
+        h, tok = torch.randn(2, 3, 16, requires_grad=True), torch.randint(0, 48, (2, 3))
+        with profile(record_shapes=True) as prof:
+            with region():
+                for _ in range(MICRO):
+                    with autocast(torch.device("cpu"), torch.bfloat16):
+                        lp, _ = head_logprobs(head, h, tok)
+                    lp.sum().backward()
+        # [48, 16] casts: the weight's to bf16, and each micro-batch's bf16 weight gradient to fp32
+        return sum(e.count for e in prof.key_averages(group_by_input_shape=True)
+                   if e.key == "aten::_to_copy" and e.input_shapes and list(e.input_shapes[0]) == [48, 16])
+
+    once = casts(lambda: cast_once(torch.device("cpu"), torch.bfloat16))
+    every = casts(contextlib.nullcontext)
+    assert every - once == MICRO - 1 and once == 1 + MICRO

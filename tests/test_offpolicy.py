@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from oppo.config import PPOConfig, load_config
+from oppo.forward import RowPlan
 from oppo.learner.batch import Experience, build_experience
 from oppo.learner.local import Learner
 from oppo.models import load_causal_lm, load_tokenizer
@@ -36,8 +37,9 @@ def _hand_learner(recompute_old: bool) -> Learner:
     cfg = PPOConfig(is_truncate=1.5, clip_eps=0.2)
     lrn = Learner(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), cfg, temperature=1.0, seed=0,
                   recompute_old=recompute_old)
-    # pi_1 gives every token probability 1/2: equal logits at every position
-    lrn._actor_logprobs = lambda mb: (torch.full(mb.tokens.shape, L(0.5)), torch.full(mb.tokens.shape, L(2.0)))
+    # pi_1 gives every token probability 1/2: equal logits at every position ([b, T] each)
+    lrn._actor_logprobs = lambda mb: (torch.full((mb.b, mb.T), L(0.5)), torch.full((mb.b, mb.T), L(2.0)))
+    lrn.row_plan = lambda: RowPlan(False)  # (no model to lay the rows out for)
     return lrn
 
 

@@ -79,3 +79,24 @@ def test_softcapped_head_takes_the_plain_path():
     logits = head(h).float()
     torch.testing.assert_close(lp, logprobs_from_logits(logits, tok))
     torch.testing.assert_close(ent, entropy_from_logits(logits))
+
+
+def test_entropy_not_in_the_loss_forms_no_backward_term(monkeypatch):
+    """``entropy_grad=False`` (ppo.entropy_coef=0): the entropy comes back as a statistic, and the
+    fused backward gets no gradient for it (None), so it forms no entropy term; the log-probs'
+    gradients are those of the plain path."""
+    from oppo.forward import _HeadLogprobs
+
+    seen = []
+    backward = _HeadLogprobs.backward
+    monkeypatch.setattr(_HeadLogprobs, "backward",
+                        staticmethod(lambda ctx, g_lp, g_ent: (seen.append(g_ent), backward(ctx, g_lp, g_ent))[1]))
+    torch.manual_seed(0)
+    head = torch.nn.Linear(H, V)
+    h, tok = torch.randn(B, T, H, requires_grad=True), torch.randint(0, V, (B, T))
+    lp, ent = head_logprobs(head, h, tok, 1.3, entropy=True, entropy_grad=False)
+    assert ent is not None and not ent.requires_grad
+    lp.sum().backward()
+    assert seen == [None]
+    want = torch.autograd.grad(logprobs_from_logits(head(h).float(), tok, 1.3).sum(), h)[0]
+    torch.testing.assert_close(h.grad, want, atol=1e-5, rtol=1e-5)

@@ -181,22 +181,35 @@ class GenerationConfig:
 class PPOConfig:
     batch_size: int = opt(32, "B: sequences per PPO step (the rollout batch).")
     minibatch_size: int = opt(16, "Sequences per optimizer step; batch_size must be a multiple of it.")
-    micro_batch_size: int = opt(8, "Sequences per forward/backward pass (gradient accumulation); "
-                                   "minibatch_size must be a multiple of it.")
-    micro_batch_tokens: int = opt(0, "Token budget of a forward/backward pass (verl's dynamic batch size): 0 cuts "
-                                     "each minibatch (rows longest first) into micro-batches of micro_batch_size "
-                                     "rows; N > 0 lets a micro-batch take rows, longest first, while rows x its "
-                                     "width (longest prompt + longest response) stays within N and it has at most "
-                                     "micro_batch_size rows (always at least one row), so long rows go few at a "
-                                     "time and short ones many: less padding computed (perf/train_padded_frac) "
-                                     "and activation memory bounded by N. The loss is the same either way.")
-    micro_batch_padding: float = opt(0.0, "Most padding a micro-batch may compute, as a share of its positions "
-                                          "(rows x width): a row that would push the micro-batch past it starts "
-                                          "the next one (rows longest first), so the whole update computes at "
-                                          "most that share of padding (perf/train_padded_frac). 0.1 keeps it "
-                                          "under the 10% verl's dynamic batches aim at, with more, smaller "
-                                          "micro-batches where lengths vary a lot. 0: off. The loss is the same "
-                                          "either way.")
+    micro_batch_size: int = opt(8, "Sequences per forward/backward pass (gradient accumulation), on average: "
+                                   "minibatch_size must be a multiple of it, and a minibatch makes minibatch_size / "
+                                   "micro_batch_size micro-batches. Packed (ppo.packing), each carries about the same "
+                                   "token count (so some hold more, shorter sequences); unpacked, each holds "
+                                   "micro_batch_size rows, longest first.")
+    micro_batch_tokens: int = opt(0, "Token budget of a forward/backward pass (verl's dynamic batch size); 0: none. "
+                                     "Packed (ppo.packing): a minibatch makes more micro-batches while one of several "
+                                     "sequences would hold more than N real tokens, and a micro-batch's rows x width "
+                                     "(its widest packed row) stay within N where a layout can. Unpacked: a "
+                                     "micro-batch takes rows, longest first, while rows x its width (its longest row: "
+                                     "prompt + response) stays within N and it has at most micro_batch_size rows. "
+                                     "Either way a sequence longer than N goes alone, and activation memory is bounded "
+                                     "by N. The loss is the same either way.")
+    micro_batch_padding: float = opt(0.0, "Most padding a forward may compute, as a share of its positions "
+                                          "(rows x width); 0: off. Unpacked: a row that would push the micro-batch "
+                                          "past it starts the next one (rows longest first), so the whole update "
+                                          "computes at most that share of padding (perf/train_padded_frac); 0.1 "
+                                          "keeps it under the 10% verl's dynamic batches aim at. Packed: a micro-"
+                                          "batch's rows are laid out within it (one row always is: no padding). The "
+                                          "loss is the same either way.")
+    packing: str = opt("auto", "How every forward over many sequences (actor and critic training, old log-probs, "
+                               "one-shot reward, reference and critic scoring) lays them out. auto: whole sequences "
+                               "end to end in rows, position ids restarting at 0 for each, the model's own attention "
+                               "keeping them apart (transformers' packed-sequence masks; checked once per model by a "
+                               "probe forward), micro-batches of balanced token counts; a model that cannot pack is "
+                               "named in a warning and runs padded. on: as auto, but a model that cannot pack stops "
+                               "the run. off: one sequence a row, padded to the micro-batch's longest, rows longest "
+                               "first (the layout before packing). The numbers are each sequence's own forward's "
+                               "either way.", ("auto", "on", "off"))
     epochs: int = opt(1, "PPO epochs over each batch.")
     actor_lr: float = opt(1e-5, "Actor (policy) learning rate (AdamW).")
     critic_lr: float = opt(5e-5, "Critic learning rate (AdamW).")

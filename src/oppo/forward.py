@@ -1,6 +1,8 @@
 """Forwards the scorers and the learner share: whole sequences as one batch
-(:func:`sequence_batch`), their hidden states with no fully masked query row (:func:`full_hidden`),
-and the sampled tokens' log-probs and entropy from hidden states, in chunks (:func:`head_logprobs`).
+(:func:`sequence_batch`), laid out in packed rows (:func:`plan_rows`, :func:`row_plan`: end to end,
+position ids restarting at 0, the model's own packed mask) and run with no fully masked query row
+(:func:`packed_hidden`, :func:`full_hidden`), and the sampled tokens' log-probs and entropy from
+hidden states, in chunks (:func:`head_logprobs`).
 
 Log-probs and entropy of the sampled tokens straight from hidden states, in chunks of tokens.
 
@@ -26,6 +28,10 @@ the same results, with the full logits in memory.
 
 from __future__ import annotations
 
+import heapq
+import warnings
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -36,11 +42,12 @@ DEFAULT_CHUNK_BYTES = 256 * 2**20  # fp32 logits per chunk
 
 class _HeadLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, tokens, mult, compute_dtype, rows, want_entropy):
-        # hidden [N, H], weight [V, H], tokens [N]; mult = scale / temperature
-        N = hidden.shape[0]
-        w = weight.to(compute_dtype)
-        b = bias.to(compute_dtype) if bias is not None else None
+    def forward(ctx, hidden, weight, bias, w, b, tokens, mult, rows, want_entropy):
+        # hidden [N, H], weight [V, H] and bias (the trained ones: their gradients), w, b: them in the
+        # compute dtype, detached (``precision.cast_weight``: cast once per optimizer step);
+        # tokens [N]; mult = scale / temperature
+        ctx.set_materialize_grads(False)  # an unused entropy output gets None, not zeros: its term is skipped
+        N, compute_dtype = hidden.shape[0], w.dtype
         lp = torch.empty(N, dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(lp)
         ent = torch.empty_like(lp) if want_entropy else None
@@ -51,21 +58,20 @@ class _HeadLogprobs(torch.autograd.Function):
             if ent is not None:
                 p = torch.exp(z - lse[s:s + rows, None])  # [n, V]
                 ent[s:s + rows] = lse[s:s + rows] - (p * z).sum(-1)
-        ctx.save_for_backward(hidden, weight, bias, tokens, lse, ent if ent is not None else lse)
-        ctx.mult, ctx.compute_dtype, ctx.rows, ctx.has_ent = mult, compute_dtype, rows, ent is not None
+        ctx.save_for_backward(hidden, w, b, tokens, lse, ent if ent is not None else lse)
+        ctx.mult, ctx.rows, ctx.has_ent = mult, rows, ent is not None
+        ctx.w_dtype, ctx.b_dtype = weight.dtype, bias.dtype if bias is not None else None
         return lp, (ent if ent is not None else torch.zeros_like(lp))
 
     @staticmethod
     def backward(ctx, g_lp, g_ent):
-        hidden, weight, bias, tokens, lse, ent = ctx.saved_tensors
-        dt, mult, rows = ctx.compute_dtype, ctx.mult, ctx.rows
-        w = weight.to(dt)
-        b = bias.to(dt) if bias is not None else None
-        need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
+        hidden, w, b, tokens, lse, ent = ctx.saved_tensors
+        dt, mult, rows = w.dtype, ctx.mult, ctx.rows
+        need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         dh = torch.empty_like(hidden) if need_h else None
-        dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        db = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
-        use_ent = ctx.has_ent and g_ent is not None
+        dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_w else None
+        db = torch.zeros(w.shape[0], dtype=torch.float32, device=w.device) if need_b else None
+        use_ent = ctx.has_ent and g_ent is not None  # None: the entropy is not in the loss
         for s in range(0, hidden.shape[0], rows):
             h = hidden[s:s + rows]
             z = _logits(h, w, b, dt, mult)  # [n, V] fp32, recomputed
@@ -81,10 +87,10 @@ class _HeadLogprobs(torch.autograd.Function):
                 dh[s:s + rows] = (dlogits @ w).to(hidden.dtype)
             if need_w:
                 dw += (dlogits.t() @ h.to(dt)).float()
-            if need_b:
+            if db is not None:
                 db += dlogits.float().sum(0)
-        return (dh, dw.to(weight.dtype) if need_w else None, db.to(bias.dtype) if need_b else None,
-                None, None, None, None, None)
+        return (dh, dw.to(ctx.w_dtype) if need_w else None, db.to(ctx.b_dtype) if db is not None else None,
+                None, None, None, None, None, None)
 
 
 def _logits(h: Tensor, w: Tensor, b: Tensor | None, dtype: torch.dtype, mult: float) -> Tensor:
@@ -110,12 +116,16 @@ def fused_head(head) -> tuple[Tensor, Tensor | None, float] | None:
 
 
 def head_logprobs(head, hidden: Tensor, tokens: Tensor, temperature: float = 1.0, entropy: bool = False,
-                  compute_dtype: torch.dtype | None = None,
-                  chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> tuple[Tensor, Tensor | None]:
+                  compute_dtype: torch.dtype | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                  entropy_grad: bool = True) -> tuple[Tensor, Tensor | None]:
     """Per-token ``log_softmax(head(hidden) / temperature)[tokens]`` and (``entropy``) the entropy of
     that distribution: hidden [b, T, H], tokens [b, T] -> ([b, T], [b, T] or None), fp32,
-    differentiable in ``hidden`` and the head's weights. ``compute_dtype``: the dtype of the head's
-    matmul (default: the autocast dtype when autocast is on, else the weight's)."""
+    differentiable in ``hidden`` and the head's weights (the entropy only with ``entropy_grad``:
+    else a statistic, and no backward term is formed for it). ``compute_dtype``: the dtype of the
+    head's matmul (default: the autocast dtype when autocast is on, else the weight's); the
+    weight is cast by ``weights.precision.cast_weight``, once per optimizer step in the learner."""
+    from .weights.precision import cast_weight
+
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     b, T = tokens.shape
@@ -125,15 +135,21 @@ def head_logprobs(head, hidden: Tensor, tokens: Tensor, temperature: float = 1.0
 
         logits = head(hidden).float()  # [b, T, V]
         lp = logprobs_from_logits(logits, tokens, temperature)
-        return lp, (entropy_from_logits(logits / temperature) if entropy else None)
+        if not entropy:
+            return lp, None
+        return lp, entropy_from_logits((logits if entropy_grad else logits.detach()) / temperature)
     weight, bias, scale = parts
     if compute_dtype is None:
         dev = hidden.device.type
         compute_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
+    w = cast_weight(weight, compute_dtype)
+    bc = cast_weight(bias, compute_dtype) if bias is not None else None
     rows = max(1, chunk_bytes // (4 * weight.shape[0]))
     with torch.autocast(hidden.device.type, enabled=False):
-        lp, ent = _HeadLogprobs.apply(hidden.reshape(b * T, -1), weight, bias, tokens.reshape(-1).long(),
-                                      scale / temperature, compute_dtype, rows, entropy)
+        lp, ent = _HeadLogprobs.apply(hidden.reshape(b * T, -1), weight, bias, w, bc, tokens.reshape(-1).long(),
+                                      scale / temperature, rows, entropy)
+    if entropy and not entropy_grad:
+        ent = ent.detach()
     return lp.view(b, T), (ent.view(b, T) if entropy else None)
 
 
@@ -144,40 +160,224 @@ def sequence_batch(prompts: list[list[int]], responses: list[list[int]], pad_id:
     return torch.cat([p_ids, r_ids], 1), torch.cat([p_valid, r_valid], 1), p_ids.shape[1], r_valid
 
 
-def full_hidden(backbone: torch.nn.Module, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def full_hidden(backbone: torch.nn.Module, ids: torch.Tensor, valid: torch.Tensor, packing: str | None = None
+                ) -> torch.Tensor:
     """One forward without cache over rows whose real tokens are contiguous (left-padded prompt
-    then right-padded response); hidden states [R, L, H] in the input's layout.
+    then right-padded response); hidden states [R, L, H] in the input's layout (zeros at padding).
 
-    Every training forward (actor log-probs, critic values) and every one-shot scoring forward
-    runs here, and none of them has a query position that attends to no key. Each row is rolled
-    left by its count of leading pads, so its real tokens sit at columns 0..n-1 and all its
-    padding is on the right; the forward then needs no padding mask at all, only the causal one
-    (a real token attends to earlier columns, all real; a right pad attends to the row's real
-    tokens and to earlier pads: finite numbers that nothing reads). The hidden states are rolled
-    back, so callers keep the [left pad | prompt | response | right pad] layout of
-    ``sequence_batch``.
+    The rows' real tokens are laid out afresh (:func:`plan_rows`): packed end to end where the
+    model can (``ppo.packing``, :func:`row_plan`), else each row's tokens at columns 0..n-1 with
+    all its padding on the right. Either way the forward takes no padding mask, so no query
+    position attends to no key, and position ids count from 0 along each sequence.
 
-    Why (issue 26): with the old left-padded forward under a padding mask, every left-pad query
-    row was fully masked: its softmax's log-sum-exp is -inf. The rows are masked out of every
-    loss, but their backward still runs, and the cuDNN SDPA backward that torch 2.11-2.13 picks
-    by default on H100/H200 for a masked attention returns NaN ``grad_q`` for any query row whose
+    Why no padding mask (issue 26): under the old left-padded forward every left-pad query row
+    was fully masked: its softmax's log-sum-exp is -inf. The rows are masked out of every loss,
+    but their backward still runs, and the cuDNN SDPA backward that torch 2.11-2.13 picks by
+    default on H100/H200 for a masked attention returns NaN ``grad_q`` for any query row whose
     log-sum-exp is below -ln(FLT_MAX) = -88.7 when the key length is 64 mod 128 (pytorch#196678,
     trl#7181; the forward stays finite). One such row makes every gradient NaN through the shared
     projections: a 1B policy on an H100 got NaN gradient norms in actor and critic with a finite
     loss, and AdamW (even at learning rate 0) wrote NaN into every weight. A fully masked row is
-    also what makes older kernels return NaN in the forward (pytorch#110213). With no padding mask
-    the fused kernels run in their causal form (``is_causal``), which is also the fastest.
-    Positions are the column indices (0..n-1 on real tokens), as before.
+    also what makes older kernels return NaN in the forward (pytorch#110213). Packed rows keep
+    this: padding is a run of its own (``Layout.lay_out``), attending to itself.
     """
     R, L = ids.shape
-    col = torch.arange(L, device=ids.device)  # [L]
     lead = valid.to(torch.long).argmax(1)  # [R] leading pad columns (0 for an all-pad row)
-    src = (col[None] + lead[:, None]) % L  # [R, L] packed column c reads input column src
-    packed_valid = valid.gather(1, src)  # [R, L]
-    if bool((packed_valid[:, 1:] > packed_valid[:, :-1]).any()):  # CPU-GPU sync point (one per forward)
+    n = valid.to(torch.long).sum(1)  # [R]
+    col = torch.arange(L, device=ids.device)
+    inside = (col[None] >= lead[:, None]) & (col[None] < (lead + n)[:, None])  # [R, L]
+    if bool((inside != valid.bool()).any()):  # CPU-GPU sync point (one per forward)
         raise ValueError("internal error: full_hidden needs each row's real tokens contiguous "
                          "(left-padded prompt, then right-padded response)")
-    pos = col[None].expand(R, L)  # [R, L]
-    hidden = backbone(input_ids=ids.gather(1, src), position_ids=pos, use_cache=False).last_hidden_state
-    back = (col[None] - lead[:, None]) % L  # [R, L] input column c is packed column back
-    return hidden.gather(1, back[..., None].expand(R, L, hidden.shape[-1]))  # [R, L, H]
+    layout = row_plan(backbone, packing).layout(n.tolist())
+    hidden = packed_hidden(backbone, layout, ids.reshape(-1), torch.arange(R, device=ids.device) * L + lead)
+    start = torch.tensor(layout.start, device=ids.device)  # [R]
+    src = (start[:, None] + col[None] - lead[:, None]).clamp(0, layout.computed - 1)  # [R, L]
+    out = hidden[src.reshape(-1)].view(R, L, hidden.shape[-1])
+    return out * inside[..., None].to(out.dtype)  # [R, L, H]
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed rows (issue 35): whole sequences end to end in a row, position ids restarting at 0 for
+# each. With no attention mask, transformers (>= 4.54, 5.x) reads the restarts as sequence
+# boundaries and builds a block-diagonal causal mask itself (``masking_utils.
+# find_packed_sequence_indices``, applied by ``create_causal_mask`` and the sliding-window mask for
+# the sdpa, eager and flex implementations; the flash-attention implementations take the same
+# position ids as variable-length sequences, one row only). No hand-made mask: the model's own.
+
+PACKING_MODES = ("auto", "on", "off")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where S sequences sit in ``rows`` rows of ``width`` columns: sequence s's ``lengths[s]``
+    tokens at the flat positions ``start[s] ..`` (flat: row * width + column), in order; every other
+    position is padding, at the end of its row. ``packed``: rows may hold several sequences (their
+    position ids restart at 0); otherwise one sequence a row, position ids the column indices."""
+
+    rows: int
+    width: int
+    start: tuple[int, ...]
+    lengths: tuple[int, ...]
+    packed: bool
+
+    @property
+    def computed(self) -> int:
+        """Positions the forward computes (rows x width), real or padding."""
+        return self.rows * self.width
+
+    def lay_out(self, source: Tensor, first: Tensor, pad_id: int) -> tuple[Tensor, Tensor]:
+        """(ids, position_ids), both [rows, width]: sequence s's tokens read from the flat ``source``
+        at ``first[s]`` [S] onwards. Padding is its own run of positions from 0, so the packed mask
+        never joins it to a real sequence (and no query row is fully masked: pytorch#110213)."""
+        dev, N, W = source.device, self.computed, self.width
+        n = torch.tensor(self.lengths, device=dev)  # [S]
+        seq = torch.repeat_interleave(torch.arange(len(n), device=dev), n)  # [total] owner of each token
+        offset = torch.arange(len(seq), device=dev) - torch.repeat_interleave(n.cumsum(0) - n, n)  # [total]
+        at = torch.tensor(self.start, device=dev)[seq] + offset  # [total] flat position in the layout
+        ids = torch.full((N,), pad_id, dtype=source.dtype, device=dev).index_copy(0, at, source[first[seq] + offset])
+        col = torch.arange(N, device=dev) % W  # [N]
+        if not self.packed:
+            return ids.view(self.rows, W), col.view(self.rows, W)
+        used = torch.zeros(self.rows, dtype=torch.long, device=dev).index_add_(0, at // W, torch.ones_like(at))
+        pos = (col - used[torch.arange(N, device=dev) // W]).index_copy(0, at, offset)  # pads: col - row's real tokens
+        return ids.view(self.rows, W), pos.view(self.rows, W)
+
+
+def plan_rows(lengths: list[int], packed: bool, attention_cost: float = 0.0, max_positions: int = 0,
+              max_padding: float = 0.0) -> Layout:
+    """The rows of one forward over sequences of ``lengths``.
+
+    Unpacked: one sequence a row, as wide as the longest. Packed: the sequences, longest first,
+    each go to the least-filled of r rows (longest-processing-time first), and r is the one that
+    makes the cheapest forward by a FLOP count: every position costs 1 through the linear layers,
+    and every (query, key) pair of a row ``attention_cost`` (an sdpa or eager forward computes a
+    whole row's pairs, masked or not; 0 for kernels that skip other sequences: then one row, no
+    padding). Candidates over ``max_positions`` (rows x width) or ``max_padding`` (padded share)
+    are passed over while one fits; ties go to fewer rows."""
+    S = len(lengths)
+    if not packed or S <= 1:
+        W = max(lengths, default=0)
+        return Layout(S, W, tuple(s * W for s in range(S)), tuple(lengths), False)
+    order = sorted(range(S), key=lambda s: (-lengths[s], s))
+    total, longest = sum(lengths), lengths[order[0]]
+    best: tuple[tuple[bool, float], int, list[list[int]], int] | None = None
+    for r in range(1, min(S, -(-total // longest) + 1) + 1):
+        heap = [(0, k) for k in range(r)]  # (tokens, row)
+        rows: list[list[int]] = [[] for _ in range(r)]
+        for s in order:
+            load, k = heapq.heappop(heap)
+            rows[k].append(s)
+            heapq.heappush(heap, (load + lengths[s], k))
+        W = max(load for load, _ in heap)
+        over = bool(max_positions and r * W > max_positions) or bool(max_padding and 1 - total / (r * W) > max_padding)
+        key = (over, r * W * (1.0 + attention_cost * W))
+        if best is None or key < best[0]:
+            best = (key, r, rows, W)
+    assert best is not None  # (r = 1 is always a candidate)
+    _, r, rows, W = best
+    start = [0] * S
+    for k, row in enumerate(rows):
+        at = k * W
+        for s in row:
+            start[s], at = at, at + lengths[s]
+    return Layout(r, W, tuple(start), tuple(lengths), True)
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """How a model's forwards over many sequences lay them out (:func:`row_plan`): packed or one a
+    row, and the relative cost of an attention pair (:func:`plan_rows`)."""
+
+    packed: bool
+    attention_cost: float = 0.0
+
+    def layout(self, lengths: list[int], max_positions: int = 0, max_padding: float = 0.0) -> Layout:
+        return plan_rows(lengths, self.packed, self.attention_cost, max_positions, max_padding)
+
+
+def set_packing(model: torch.nn.Module, mode: str) -> None:
+    """Record ``ppo.packing`` on ``model`` (a scorer's: the one-shot scoring forwards read it through
+    :func:`row_plan`, wherever the model goes, as it travels with the module)."""
+    if mode not in PACKING_MODES:
+        raise ValueError(f"ppo.packing must be one of {', '.join(PACKING_MODES)}, got {mode!r}")
+    for m in {id(model): model, id(_backbone_of(model)): _backbone_of(model)}.values():
+        m.__dict__["_oppo_packing"] = mode
+
+
+def _backbone_of(model: torch.nn.Module) -> torch.nn.Module:
+    from .models import backbone_and_head
+
+    try:
+        return backbone_and_head(model)[0]
+    except Exception:  # (a bare backbone)
+        return model
+
+
+def row_plan(backbone: torch.nn.Module, mode: str | None = None) -> RowPlan:
+    """The :class:`RowPlan` of ``backbone`` under ``ppo.packing`` = ``mode`` (None: the mode
+    :func:`set_packing` recorded on it, else auto), found once per model and mode (cached on the
+    module, as ``models.backbone_and_head`` caches its split).
+
+    auto and on pack if the model's attention keeps packed sequences apart: checked, not assumed,
+    by one forward of two sequences in one row against the second one alone (a model whose mask
+    ignores restarting position ids, e.g. remote code or an attention implementation without
+    packed masks, would let the second see the first). auto then warns once and runs padded; on
+    raises. The attention cost: 1/(6 d) for sdpa and eager (a pair costs ~4d FLOPs against ~24d^2
+    for a position through a layer's projections and MLP), 0 for flash and flex (they skip the
+    masked blocks)."""
+    mode = mode if mode is not None else backbone.__dict__.get("_oppo_packing", "auto")
+    if mode not in PACKING_MODES:
+        raise ValueError(f"ppo.packing must be one of {', '.join(PACKING_MODES)}, got {mode!r}")
+    cache = backbone.__dict__.setdefault("_oppo_row_plans", {})
+    if mode in cache:
+        return cache[mode]
+    plan = RowPlan(False)
+    if mode != "off":
+        cfg = getattr(backbone, "config", None)
+        impl = str(getattr(cfg, "_attn_implementation", None) or "eager")
+        why = _packing_fails(backbone)
+        if why is None:
+            quadratic = not impl.startswith(("flash", "flex"))
+            plan = RowPlan(True, 1.0 / (6 * getattr(cfg, "hidden_size", 1024)) if quadratic else 0.0)
+        elif mode == "on":
+            raise ValueError(f"ppo.packing=on, but {type(backbone).__name__} (attention: {impl}) cannot run packed "
+                             f"rows: {why}. Set ppo.packing=auto (runs it padded, with a warning) or off.")
+        else:
+            warnings.warn(f"{type(backbone).__name__} (attention: {impl}) cannot run packed rows: {why}; its "
+                          f"forwards run padded (ppo.packing=off silences this).", stacklevel=2)
+    cache[mode] = plan
+    return plan
+
+
+@torch.no_grad()
+def _packing_fails(backbone: torch.nn.Module) -> str | None:
+    """None if a packed row's second sequence gets the hidden states it gets alone (within 5%:
+    bf16 rounding is ~1%, a leak across the boundary changes them wholesale), else why not."""
+    dev = next(backbone.parameters()).device
+    vocab = int(getattr(getattr(backbone, "config", None), "vocab_size", 16) or 16)
+    a, b = [(3 + i) % vocab for i in range(3)], [(7 + 3 * i) % vocab for i in range(4)]
+    modes = [(m, m.training) for m in backbone.modules()]
+    backbone.eval()  # (dropout would differ between the two forwards)
+    try:
+        both = backbone(input_ids=torch.tensor([a + b], device=dev), use_cache=False,
+                        position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3]], device=dev)).last_hidden_state[0, 3:]
+        alone = backbone(input_ids=torch.tensor([b], device=dev), position_ids=torch.arange(4, device=dev)[None],
+                         use_cache=False).last_hidden_state[0]
+    except Exception as e:  # a model that takes no position ids
+        return f"its forward with restarting position ids raised {type(e).__name__}: {e}"
+    finally:
+        for m, training in modes:
+            m.training = training
+    err = float((both.float() - alone.float()).norm() / alone.float().norm().clamp(min=1e-12))
+    return None if err < 0.05 else f"a sequence packed after another differs from itself alone by {err:.0%}"
+
+
+def packed_hidden(backbone: torch.nn.Module, layout: Layout, source: Tensor, first: Tensor, pad_id: int = 0) -> Tensor:
+    """Hidden states [rows * width, H] of one forward over ``layout`` (flat, as ``Layout.start``):
+    sequence s's tokens read from the flat ``source`` from ``first[s]`` on. No attention mask:
+    unpacked rows need only the causal one (their padding is at the end), packed ones get the
+    model's own packed mask from the position ids."""
+    ids, pos = layout.lay_out(source, first, pad_id)  # [rows, width] each
+    hidden = backbone(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
+    return hidden.reshape(layout.computed, hidden.shape[-1])

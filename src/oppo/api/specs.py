@@ -22,7 +22,8 @@ class ModelSpec:
     """One role's model: ``role`` picks the loader (policy/reference: causal LM; reward: one-label
     classifier; critic: value model). ``device``: "auto" resolves where the model is loaded (in a
     Ray actor given a GPU, ``cuda``), or a torch device string. ``pad_id``: the policy
-    tokenizer's pad id (reward and critic need it)."""
+    tokenizer's pad id (reward and critic need it). ``packing``: ``ppo.packing`` for the model's
+    one-shot forwards (``forward.set_packing``)."""
 
     role: str
     path: str
@@ -30,6 +31,7 @@ class ModelSpec:
     device: str = "auto"
     pad_id: int | None = None
     trust_remote_code: bool = False
+    packing: str = "auto"
 
     def __post_init__(self):
         if self.role not in ROLES:
@@ -38,12 +40,13 @@ class ModelSpec:
             raise ValueError(f"ModelSpec for the {self.role} needs pad_id (the policy tokenizer's pad id)")
 
     def with_dtype(self, dtype: torch.dtype) -> "ModelSpec":
-        return ModelSpec(self.role, self.path, dtype, self.device, self.pad_id, self.trust_remote_code)
+        return ModelSpec(self.role, self.path, dtype, self.device, self.pad_id, self.trust_remote_code, self.packing)
 
     def load(self) -> torch.nn.Module:
         """The model, on its device, in its dtype. Frozen roles (reference, reward) come back in
         eval mode without gradients; trained ones (policy, critic) in eval mode (no dropout: rollout
         and training see the same function, as in the trainer)."""
+        from ..forward import set_packing
         from ..models import load_causal_lm, load_critic, load_reward_model, resolve_device
 
         dev = resolve_device(self.device)
@@ -51,8 +54,10 @@ class ModelSpec:
             model = load_causal_lm(self.path, self.role, dev, self.dtype, self.trust_remote_code)
             if self.role == "reference":
                 model.requires_grad_(False)
-            return model.eval()
-        assert self.pad_id is not None  # (the reward and the critic have one: __post_init__)
-        if self.role == "reward":
-            return load_reward_model(self.path, dev, self.dtype, self.pad_id)
-        return load_critic(self.path, dev, self.dtype, self.pad_id).eval()
+            model = model.eval()
+        else:
+            assert self.pad_id is not None  # (the reward and the critic have one: __post_init__)
+            model = (load_reward_model(self.path, dev, self.dtype, self.pad_id) if self.role == "reward"
+                     else load_critic(self.path, dev, self.dtype, self.pad_id).eval())
+        set_packing(model, self.packing)
+        return model

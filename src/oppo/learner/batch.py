@@ -1,11 +1,12 @@
 """The PPO batch: :class:`Experience` (B finished sequences as response-aligned tensors), the
 stages that fill it (scores, advantages, old log-probs: stages 4-5 of ``shared/DESIGN.md`` section
 2, plain functions the trainer calls in the same order in every mode), the critic's share of it
-(:class:`CriticBatch`), and how a minibatch is cut into packed micro-batches."""
+(:class:`CriticBatch`), and how a minibatch is cut into micro-batches and laid out in packed rows."""
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from .. import guard
 from .. import ppo_math as pm
 from ..api.records import Rollout, Scores
 from ..config import PPOConfig
-from ..forward import sequence_batch
+from ..forward import Layout, RowPlan, sequence_batch
 
 
 @dataclass
@@ -163,56 +164,102 @@ def set_old_logprobs(exp: Experience, rows: torch.Tensor, new: torch.Tensor, red
 
 @dataclass
 class MicroBatch:
-    """Rows of a batch packed left for one training forward (``_micro_slices``).
+    """A micro-batch's b sequences laid out for one training forward (``_micro_slices``).
 
-    ids, valid: [b, W] each row's prompt then response at columns 0..n-1, padding after (W: the
-    longest row's real tokens). pre: [b, T] the column whose hidden state predicts response token
-    t (prompt length - 1 + t; clamped past a row's end). tokens: [b, T] the response tokens."""
+    layout: the forward's rows (``forward.Layout``: packed end to end, or one sequence a row);
+    source, first: the flat token ids the sequences are read from and each one's first token
+    [b]. Per response token, N in all: pre [N] the flat position (row * width + column) of the
+    hidden state that predicts it (its prompt length - 1 + t into its sequence), dest [N] its
+    place in the [b, T] response layout (row * T + t), tokens [N] the token. T: the longest
+    response of the micro-batch."""
 
-    ids: torch.Tensor
-    valid: torch.Tensor
+    layout: Layout
+    source: torch.Tensor
+    first: torch.Tensor
     pre: torch.Tensor
+    dest: torch.Tensor
     tokens: torch.Tensor
+    b: int
+    T: int
 
-    @property
-    def T(self) -> int:
-        return self.tokens.shape[1]
+    def spread(self, x: torch.Tensor) -> torch.Tensor:
+        """[N] per response token -> [b, T], 0 past each response's end (differentiable)."""
+        return torch.zeros(self.b * self.T, dtype=x.dtype, device=x.device).index_copy(0, self.dest, x).view(self.b, self.T)
 
 
-def _micro_slices(exp: "Experience | CriticBatch", rows: torch.Tensor) -> MicroBatch:
-    """``rows`` of ``exp`` packed left (``MicroBatch``): a micro-batch's width is its longest row,
-    not its longest prompt plus its longest response as in ``exp``'s layout. Exact: every forward
-    packs rows left anyway (``forward.full_hidden``), positions are column indices."""
+def _micro_slices(exp: "Experience | CriticBatch", rows: torch.Tensor, plan: RowPlan, cfg: PPOConfig | None = None
+                  ) -> MicroBatch:
+    """``rows`` of ``exp`` laid out by ``plan`` (``MicroBatch``): whole sequences, prompt then
+    response, packed end to end where the model can, else one a row as wide as the longest (never
+    ``exp``'s longest prompt plus longest response). ``cfg``: its micro_batch_tokens and
+    micro_batch_padding bound the rows (``forward.plan_rows``). Positions count from 0 along each
+    sequence either way, so the numbers are each sequence's own forward's."""
     valid = exp.valid[rows]  # [b, P+T]
-    n_prompt = valid[:, : exp.P].sum(1)  # [b]
-    n = valid.sum(1)  # [b]
-    T = int(exp.mask[rows].sum(1).max())  # CPU-GPU sync point (shapes)
-    W = int(n.max())
-    col = torch.arange(W, device=valid.device)
-    src = ((exp.P - n_prompt)[:, None] + col[None]).clamp(max=valid.shape[1] - 1)  # [b, W]
-    inside = col[None] < n[:, None]  # [b, W]
-    ids = exp.ids[rows]
-    pre = (n_prompt[:, None] - 1 + torch.arange(T, device=valid.device)[None]).clamp(0, W - 1)  # [b, T]
-    return MicroBatch(ids.gather(1, src) * inside, inside.to(valid.dtype), pre, ids[:, exp.P: exp.P + T])
+    L = valid.shape[1]
+    n_prompt = valid[:, : exp.P].sum(1).long()  # [b]
+    n = valid.sum(1).long()  # [b]
+    resp = exp.mask[rows].sum(1).long()  # [b]
+    n_host, resp_host = n.tolist(), resp.tolist()  # CPU-GPU sync point (shapes)
+    layout = plan.layout(n_host, cfg.micro_batch_tokens if cfg else 0, cfg.micro_batch_padding if cfg else 0.0)
+    b, T, dev = len(n_host), max(resp_host, default=0), valid.device
+    seq = torch.repeat_interleave(torch.arange(b, device=dev), resp)  # [N] the sequence of each response token
+    step = torch.arange(len(seq), device=dev) - torch.repeat_interleave(resp.cumsum(0) - resp, resp)  # [N] its t
+    start = torch.tensor(layout.start, dtype=torch.long, device=dev)  # [b]
+    source = exp.ids.reshape(-1)
+    return MicroBatch(layout, source, rows * L + exp.P - n_prompt, start[seq] + n_prompt[seq] - 1 + step,
+                      seq * T + step, source[rows[seq] * L + exp.P + step], b, T)
 
 
 def _lengths(batch: "Experience | CriticBatch") -> list[int]:
-    """Each row's real tokens (prompt and response), on the host: a packed micro-batch's width is
-    its longest row's (``_micro_slices``)."""
+    """Each row's real tokens (prompt and response), on the host."""
     return batch.valid.sum(1).long().tolist()
 
 
-def micro_batches(batch: "Experience | CriticBatch", mb: torch.Tensor, cfg: PPOConfig,
+def balanced(items: list[int], lengths: list[int], parts: int, budget: float = math.inf) -> list[list[int]]:
+    """``items`` cut into at least ``parts`` groups of similar token counts (``lengths[i]`` each):
+    longest first, each to the least-loaded group (longest-processing-time first: the heaviest group
+    is within the longest item of the mean); more groups while one of several items passes
+    ``budget``. A function of the items as a set (ties by index), in order of decreasing load,
+    each group longest first."""
+    order = sorted(items, key=lambda i: (-lengths[i], i))
+    k = max(1, min(parts, len(order)))
+    while True:
+        heap = [(0, g) for g in range(k)]
+        groups: list[list[int]] = [[] for _ in range(k)]
+        for i in order:
+            load, g = heapq.heappop(heap)
+            groups[g].append(i)
+            heapq.heappush(heap, (load + lengths[i], g))
+        over = any(len(g) > 1 and sum(lengths[i] for i in g) > budget for g in groups)
+        if not over or k >= len(order):
+            break
+        k += 1
+    groups = [g for g in groups if g]
+    return sorted(groups, key=lambda g: (-sum(lengths[i] for i in g), g[0]))
+
+
+def micro_batches(batch: "Experience | CriticBatch | None", mb: torch.Tensor, cfg: PPOConfig,
                   lengths: list[int] | None = None) -> list[torch.Tensor]:
-    """``mb``'s rows cut, in order, into the micro-batches of one optimizer step: runs of
-    ``ppo.micro_batch_size`` rows; with ``ppo.micro_batch_tokens`` > 0 a run also ends before its
-    rows x width would pass the budget, and with ``ppo.micro_batch_padding`` > 0 before its padded
-    share of rows x width would pass that share (a micro-batch is as wide as its longest row:
-    ``_micro_slices``; at least one row each). The same for actor and critic, every learner rank
-    and ``padding_stats``."""
+    """``mb``'s rows cut into the micro-batches of one optimizer step (the same for actor and critic,
+    every learner rank and ``padding_stats``; ``lengths``: every row's real tokens, else ``batch``'s).
+
+    Packed (``ppo.packing`` auto or on): minibatch_size / micro_batch_size micro-batches of similar
+    token counts (:func:`balanced`; a micro-batch holds as many sequences as make its share), more
+    where one would pass ``ppo.micro_batch_tokens``. A function of ``mb``'s rows as a set: the
+    learner's minibatches list their rows micro-batch after micro-batch (``draw_minibatches``), so
+    each is a run of its minibatch.
+
+    Unpacked (off): runs of ``ppo.micro_batch_size`` rows in ``mb``'s order (longest first); with
+    ``ppo.micro_batch_tokens`` > 0 a run also ends before its rows x width would pass the budget,
+    and with ``ppo.micro_batch_padding`` > 0 before its padded share of rows x width would pass that
+    share (a micro-batch is as wide as its longest row; at least one row each)."""
+    if cfg.packing != "off":
+        lengths = lengths if lengths is not None else _lengths(batch)  # type: ignore[arg-type]
+        groups = balanced(mb.tolist(), lengths, -(-len(mb) // cfg.micro_batch_size), cfg.micro_batch_tokens or math.inf)
+        return [torch.tensor(g, dtype=mb.dtype, device=mb.device) for g in groups]
     if not cfg.micro_batch_tokens and not cfg.micro_batch_padding:
         return list(mb.split(cfg.micro_batch_size))
-    lengths = lengths or _lengths(batch)
+    lengths = lengths if lengths is not None else _lengths(batch)  # type: ignore[arg-type]
     budget, cap = cfg.micro_batch_tokens or math.inf, cfg.micro_batch_padding or 1.0
     out: list[list[int]] = []
     cur: list[int] = []
@@ -228,17 +275,29 @@ def micro_batches(batch: "Experience | CriticBatch", mb: torch.Tensor, cfg: PPOC
     return [torch.tensor(c, dtype=mb.dtype, device=mb.device) for c in out]
 
 
-def padding_stats(exp: Experience, minibatches: list[torch.Tensor], cfg: PPOConfig) -> dict[str, float]:
+def rank_of(j: int, world: int) -> int:
+    """The data-parallel rank that computes a minibatch's micro-batch ``j`` of ``world``: round
+    j // world in snake order (0..M-1, then M-1..0), so that micro-batches in order of decreasing
+    tokens (``micro_batches``) give every rank the same total over two rounds, not rank 0 the
+    heaviest of every round."""
+    r = j % world
+    return r if (j // world) % 2 == 0 else world - 1 - r
+
+
+def padding_stats(exp: Experience, minibatches: list[torch.Tensor], cfg: PPOConfig,
+                  plan: RowPlan | None = None) -> dict[str, float]:
     """What the actor's update computes: ``perf/train_tokens``, the real (prompt and response) tokens
-    of every micro-batch, and ``perf/train_padded_frac``, the share of the computed positions that
-    are padding (a micro-batch runs its rows x its longest row: ``_micro_slices``)."""
+    of every micro-batch, and ``perf/train_padded_frac``, the share of the computed positions (each
+    forward's rows x width: ``plan``'s layout, the actor's; None: one sequence a row) that are
+    padding."""
     lengths = _lengths(exp)
+    plan = plan or RowPlan(False)
     computed = real = 0
     for mb in minibatches:
         for rows in micro_batches(exp, mb, cfg, lengths):
-            r = rows.tolist()
-            computed += len(r) * max(lengths[i] for i in r)
-            real += sum(lengths[i] for i in r)
+            n = [lengths[i] for i in rows.tolist()]
+            computed += plan.layout(n, cfg.micro_batch_tokens, cfg.micro_batch_padding).computed
+            real += sum(n)
     return {"perf/train_tokens": float(real), "perf/train_padded_frac": 1.0 - real / computed if computed else 0.0}
 
 

@@ -11,7 +11,7 @@ The update (:func:`dp_update`) is the single learner's, split by rows:
 - every rank draws the same minibatches (``Learner.minibatches`` is seeded by the step only);
 - the learner's own loop (``learner._train``) runs on every rank over every minibatch, with the
   minibatch's *global* token and sequence counts as the loss denominators; each rank computes
-  only its share of the minibatch's micro-batches (micro-batch j goes to rank j mod M) and passes
+  only its share of the minibatch's micro-batches (micro-batch j goes to rank ``batch.rank_of(j, M)``: j mod M, reversed every other round) and passes
   over the others;
 - after a minibatch's last micro-batch the gradients are summed over the ranks (one all-reduce
   of one flat buffer). Each micro-batch's loss is already divided by the global counts, so the
@@ -55,7 +55,7 @@ from typing import Any, Callable
 import torch
 
 from ..config import PPOConfig
-from .batch import CriticBatch, Experience, padding_stats
+from .batch import CriticBatch, Experience, padding_stats, rank_of
 from .local import Learner, _train, critic_micro_step, draw_minibatches
 from .offpolicy import MismatchProbe
 from ..cluster import one_line
@@ -151,7 +151,7 @@ def dp_update(learner: Learner, exp: Experience, step: int, rank: int, world: in
         stats.update(_train(learner.critic, learner.critic_opt, batch, mbs, cfg, "critic", critic_steps, step,
                             agree, compute_dtype=learner.compute_dtype))
         critic_steps.check_done()
-    return {**merge_rank_stats(stats, world, probe), **padding_stats(exp, mbs, cfg)}
+    return {**merge_rank_stats(stats, world, probe), **padding_stats(exp, mbs, cfg, learner.row_plan())}
 
 
 def merge_rank_stats(stats: dict[str, float], world: int, probe: MismatchProbe) -> dict[str, float]:
@@ -188,7 +188,7 @@ class _Shard:
         if not torch.equal(rows, mb[self.pos: self.pos + len(rows)]):
             raise RuntimeError("internal error: the learner's loop no longer visits each minibatch's rows in order; "
                                "dp_update must follow it")
-        stats = self.micro_step(rows, num_tokens, num_seqs) if self.j % self.world == self.rank else {"_frac": 0.0}
+        stats = self.micro_step(rows, num_tokens, num_seqs) if rank_of(self.j, self.world) == self.rank else {"_frac": 0.0}
         self.pos += len(rows)
         self.j += 1
         if self.pos == len(mb):

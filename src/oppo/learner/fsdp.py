@@ -10,9 +10,9 @@ clipping (``clip_grad_norm_`` on DTensors: a global norm) and the AdamW step are
 learner's.
 
 The update (:func:`fsdp_update`) splits rows as the data-parallel replicas do (``dp.py``): every rank
-draws the same minibatches; micro-batch j of a minibatch goes to rank j mod M; every loss is
-divided by the minibatch's *global* token and sequence counts, and the reduce-scatter SUMS the
-ranks' gradients (``set_gradient_divide_factor(1)``; FSDP2 averages by default), so each rank's
+draws the same minibatches; micro-batch j of a minibatch goes to rank ``batch.rank_of(j, M)`` (j mod
+M, reversed every other round); every loss is divided by the minibatch's *global* token and
+sequence counts, and the reduce-scatter SUMS the ranks' gradients (``set_gradient_divide_factor(1)``; FSDP2 averages by default), so each rank's
 gradient shard is the single learner's. Unlike replicas, a sharded rank cannot pass over a
 micro-batch: the forward and the backward are collectives. So every rank runs the same number of
 micro-steps per minibatch, ceil(micro-batches / M): a rank whose share is short runs *zero-weight*
@@ -87,7 +87,7 @@ from typing import Any, cast
 
 import torch
 
-from .batch import CriticBatch, Experience, old_logprob_targets, padding_stats, set_old_logprobs
+from .batch import CriticBatch, Experience, old_logprob_targets, padding_stats, rank_of, set_old_logprobs
 from .local import Learner, _train, critic_micro_step
 from .offpolicy import MismatchProbe
 from .dp import DPLearnerGroup, LearnerRank, LearnerSpec, _to, any_rank, merge_rank_stats, portable
@@ -190,12 +190,12 @@ def fsdp_update(learner: Learner, exp: Experience, step: int, rank: int, world: 
         stats.update(_train(learner.critic, learner.critic_opt, batch, mbs, cfg, "critic", critic_steps, step,
                             agree))
         critic_steps.check_done()
-    return {**merge_rank_stats(stats, world, probe), **padding_stats(exp, mbs, cfg)}
+    return {**merge_rank_stats(stats, world, probe), **padding_stats(exp, mbs, cfg, learner.row_plan())}
 
 
 class _Rounds:
     """The micro-step ``learner._train`` calls, for one sharded rank: computes micro-batches j with
-    j mod M == rank, passes over the others, and after a minibatch's last micro-batch runs
+    ``rank_of(j, M)`` == rank, passes over the others, and after a minibatch's last micro-batch runs
     zero-weight micro-steps until it has run ceil(micro-batches / M), as every rank has: the
     forwards and backwards are collectives, so no rank may run fewer. The reduce-scatters sum the
     shards' gradients as they go; ``_train`` then clips and steps (both collective-safe)."""
@@ -215,7 +215,7 @@ class _Rounds:
         if self.first is None:
             self.first = rows
         stats = {"_frac": 0.0}
-        if self.j % self.world == self.rank:
+        if rank_of(self.j, self.world) == self.rank:
             stats = self.micro_step(rows, num_tokens, num_seqs)
             self.ran += 1
         self.pos += len(rows)

@@ -11,9 +11,9 @@ import torch
 from .. import guard
 from .. import ppo_math as pm
 from ..config import PPOConfig
-from ..forward import full_hidden, head_logprobs
-from .batch import (CriticBatch, Experience, MicroBatch, _lengths, _micro_slices, micro_batches, old_logprob_targets,
-                    padding_stats, set_old_logprobs)
+from ..forward import RowPlan, head_logprobs, packed_hidden, row_plan
+from .batch import (CriticBatch, Experience, MicroBatch, _lengths, _micro_slices, balanced, micro_batches,
+                    old_logprob_targets, padding_stats, set_old_logprobs)
 from ..models import backbone_and_head, checkpointing
 from .offpolicy import MismatchProbe
 from ..weights.precision import autocast, cast_once
@@ -29,9 +29,8 @@ def adamw(params, lr: float, weight_decay: float) -> torch.optim.AdamW:
 
 
 def _response_hidden(backbone, mb: MicroBatch) -> torch.Tensor:
-    """[b, T, H] the hidden states that predict each response token of ``mb``."""
-    hidden = full_hidden(backbone, mb.ids, mb.valid)  # [b, W, H]
-    return hidden.gather(1, mb.pre[..., None].expand(-1, -1, hidden.shape[-1]))
+    """[1, N, H] the hidden states that predict each response token of ``mb`` (``MicroBatch.pre``)."""
+    return packed_hidden(backbone, mb.layout, mb.source, mb.first)[mb.pre][None]
 
 
 class Learner:
@@ -53,15 +52,21 @@ class Learner:
         self.actor_opt = adamw([p for p in actor.parameters() if p.requires_grad], cfg.actor_lr, cfg.weight_decay)
         self.critic_opt = adamw(critic.parameters(), cfg.critic_lr, cfg.weight_decay) if critic is not None else None
 
+    def row_plan(self) -> RowPlan:
+        """How the actor's forwards lay out their sequences (``forward.row_plan``, ``ppo.packing``)."""
+        return row_plan(backbone_and_head(self.actor)[0], self.cfg.packing)
+
     def _actor_logprobs(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-probs, entropies) [b, T] of ``mb``'s response tokens under the actor, from the head
-        in chunks of tokens (``forward.head_logprobs``: no [b, T, V] logits tensor)."""
+        in chunks of tokens (``forward.head_logprobs``: no [b, T, V] logits tensor) over the response
+        tokens only. The entropy is differentiable only when it is in the loss (``ppo.entropy_coef``);
+        otherwise a statistic, and the head's backward forms no term for it."""
         backbone, head = backbone_and_head(self.actor)
         with autocast(self.device, self.compute_dtype):
-            logprobs, entropy = head_logprobs(head, _response_hidden(backbone, mb), mb.tokens, self.temperature,
-                                              entropy=True)
+            logprobs, entropy = head_logprobs(head, _response_hidden(backbone, mb), mb.tokens[None], self.temperature,
+                                              entropy=True, entropy_grad=bool(self.cfg.entropy_coef))  # [1, N]
         assert entropy is not None  # (asked for)
-        return logprobs, entropy
+        return mb.spread(logprobs[0]), mb.spread(entropy[0])
 
     @torch.no_grad()
     def old_logprobs(self, exp: Experience, version: int) -> Experience:
@@ -94,19 +99,23 @@ class Learner:
         """[len(rows), T] log-probs of ``rows``' response tokens under the current weights, in
         micro-batches (the training forward's memory footprint); 0 beyond a micro-batch's width."""
         out = torch.zeros(len(rows), exp.mask.shape[1], device=exp.mask.device)
-        for i in range(0, len(rows), self.cfg.micro_batch_size):
-            chunk = rows[i: i + self.cfg.micro_batch_size]
-            mb = _micro_slices(exp, chunk)
-            out[i: i + len(chunk), :mb.T] = self._actor_logprobs(mb)[0]  # [b, T]
+        if not len(rows):
+            return out
+        plan, lengths = self.row_plan(), exp.valid[rows].sum(1).long().tolist()
+        # ceil(rows / micro_batch_size) forwards (fsdp_old_logprobs counts on it), of balanced token counts
+        for group in balanced(list(range(len(rows))), lengths, -(-len(rows) // self.cfg.micro_batch_size)):
+            at = torch.tensor(group, device=rows.device)
+            mb = _micro_slices(exp, rows[at], plan, self.cfg)
+            out[at, :mb.T] = self._actor_logprobs(mb)[0]  # [b, T]
         return out
 
     def minibatches(self, B: int, step: int, lengths: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Row indices of each minibatch, every epoch: a fresh permutation seeded by the step only
         (so a resumed run draws the same ones). ``lengths`` [B] (each row's real tokens): each
-        minibatch's rows are put in order of decreasing length, so that its micro-batches (runs
-        of ``ppo.micro_batch_size`` rows, trimmed to their own width) hold rows of similar length
-        and compute little padding (``padding_stats``). Which rows make a minibatch is unchanged,
-        so is its loss: only the summation order of its gradient."""
+        minibatch's rows are listed micro-batch after micro-batch (``micro_batches``: packed, of
+        balanced token counts; unpacked, longest first, so that a micro-batch's rows are of similar
+        length and pad little: ``padding_stats``). Which rows make a minibatch is unchanged, so is
+        its loss: only the summation order of its gradient."""
         return draw_minibatches(self.cfg, self.seed, B, step, lengths)
 
     def update(self, exp: Experience, step: int, critic: bool = True) -> dict[str, float]:
@@ -122,7 +131,7 @@ class Learner:
                        lambda rows, nt, ns: self._actor_micro_step(exp, rows, nt, ns, probe), step,
                        compute_dtype=self.compute_dtype)
         stats.update(MismatchProbe.stats(probe.partial()))
-        stats.update(padding_stats(exp, mbs, self.cfg))
+        stats.update(padding_stats(exp, mbs, self.cfg, self.row_plan()))
         if critic and self.critic is not None:
             assert self.critic_opt is not None  # (built with the critic)
             stats.update(critic_update(self.critic, self.critic_opt, CriticBatch.of(exp), mbs, self.cfg,
@@ -160,7 +169,7 @@ class Learner:
                           probe: MismatchProbe | None = None) -> dict[str, float]:
         cfg = self.cfg
         assert exp.advantages is not None  # (compute_advantages runs before the update)
-        mb = _micro_slices(exp, rows)
+        mb = _micro_slices(exp, rows, self.row_plan(), cfg)
         T = mb.T
         mask = exp.mask[rows][:, :T]
         with checkpointing(self.actor):  # recomputes activations in backward if policy.gradient_checkpointing
@@ -203,6 +212,9 @@ def draw_minibatches(cfg: PPOConfig, seed: int, B: int, step: int, lengths: torc
     if lengths is None:
         return mbs
     lengths = lengths.cpu()
+    if cfg.packing != "off":
+        host = lengths.long().tolist()
+        return [torch.cat(micro_batches(None, mb, cfg, host)) for mb in mbs]
     return [mb[torch.argsort(lengths[mb], descending=True, stable=True)] for mb in mbs]
 
 
@@ -231,12 +243,12 @@ def critic_update(critic, opt: torch.optim.Optimizer, batch: CriticBatch, miniba
 def critic_micro_step(critic, batch: CriticBatch, rows: torch.Tensor, num_tokens, num_seqs: int, cfg: PPOConfig,
                       compute_dtype: torch.dtype = torch.float32) -> dict[str, float]:
     """One micro-batch of the critic's update: clipped value loss, backward (gradients accumulate)."""
-    mb = _micro_slices(batch, rows)
+    backbone, head = backbone_and_head(critic)
+    mb = _micro_slices(batch, rows, row_plan(backbone, cfg.packing), cfg)
     T = mb.T
     mask = batch.mask[rows][:, :T]
-    backbone, head = backbone_and_head(critic)
-    with autocast(mb.ids.device, compute_dtype), checkpointing(critic):
-        values = head(_response_hidden(backbone, mb)).float().squeeze(-1)  # [b, T]
+    with autocast(rows.device, compute_dtype), checkpointing(critic):
+        values = mb.spread(head(_response_hidden(backbone, mb)).float().reshape(-1))  # [b, T]
     vl, vstats = pm.value_loss(values, batch.values[rows][:, :T], batch.returns[rows][:, :T], mask,
                                clip_eps=cfg.value_clip_eps, loss_agg=cfg.loss_agg,
                                num_tokens=num_tokens, num_seqs=num_seqs)
@@ -269,7 +281,7 @@ def _train(model, opt, batch: "Experience | CriticBatch", minibatches: list[torc
     taken = skipped = 0
     stage = f"{name} update"
     mask = batch.mask
-    lengths = _lengths(batch) if cfg.micro_batch_tokens else None
+    lengths = _lengths(batch) if cfg.micro_batch_tokens or cfg.packing != "off" else None
     for i, mb in enumerate(minibatches):
         num_tokens = mask[mb].sum().clamp(min=1)
         opt.zero_grad(set_to_none=True)

@@ -8,7 +8,7 @@ sequence,
     values[t]       = value_head(h_{P+t-1})          (the state before a_t is sampled)
     score           = score_head(h_{P+T-1})          (at the last response token: EOS if it ended)
 
-The one-shot path runs one forward over left-padded prompt + right-padded response. The
+The one-shot path runs one forward over whole sequences packed end to end (``forward.row_plan``). The
 streaming path (:class:`StreamingScorer`) keeps a KV cache per sequence: it prefills the prompt
 when the sequence is admitted and each chunk when it arrives, carrying the last hidden state
 ``h`` of the previous chunk so that the first token of a chunk is scored against it. Both give
@@ -31,7 +31,8 @@ import torch
 from ..api.records import ScoredOutputs
 from ..kv import KVRows, left_pad, right_pad
 from ..models import backbone_and_head, uses_sliding_window
-from ..forward import full_hidden, head_logprobs, sequence_batch
+from ..forward import full_hidden, head_logprobs, packed_hidden, row_plan
+from ..forward import sequence_batch  # noqa: F401  (re-exported: benchmarks/nan_probe.py imports it from here)
 
 Kind = Literal["reward", "reference", "critic"]
 
@@ -45,32 +46,47 @@ def _per_token(kind: Kind, head: torch.nn.Module, pre: torch.Tensor, tokens: tor
 
 
 def response_outputs(kind: Kind, model, ids: torch.Tensor, valid: torch.Tensor, P: int,
-                     temperature: float = 1.0) -> torch.Tensor:
+                     temperature: float = 1.0, packing: str | None = None) -> torch.Tensor:
     """Per-response-token outputs [R, T] of a full forward (log-probs or values); differentiable.
 
     Used by the one-shot scorers and by the learner (actor log-probs use kind="reference").
     """
     backbone, head = backbone_and_head(model)
-    hidden = full_hidden(backbone, ids, valid)  # [R, P+T, H]
+    hidden = full_hidden(backbone, ids, valid, packing)  # [R, P+T, H]
     return _per_token(kind, head, hidden[:, P - 1:-1], ids[:, P:], temperature)
 
 
 @torch.no_grad()
 def score_full(kind: Kind, model, prompts: list[list[int]], responses: list[list[int]], pad_id: int,
-               temperature: float = 1.0) -> list[ScoredOutputs]:
-    """One-shot scoring of whole sequences (the sequential mode's scorer)."""
+               temperature: float = 1.0, packing: str | None = None) -> list[ScoredOutputs]:
+    """One-shot scoring of whole sequences (the sequential mode's scorer): one forward over them
+    packed end to end where the model can (``forward.row_plan``; ``packing``: ``ppo.packing``, None:
+    the model's own, ``forward.set_packing``),
+    the head run on the response tokens (the reward head on each last token) only."""
     device = next(model.parameters()).device
-    ids, valid, P, rmask = sequence_batch(prompts, responses, pad_id, device)
+    backbone, head = backbone_and_head(model)
+    seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]
+    n = [len(x) for x in seqs]
+    layout = row_plan(backbone, packing).layout(n)
+    source = torch.tensor([t for x in seqs for t in x], dtype=torch.long, device=device)
+    first = torch.tensor([0] + n[:-1], device=device).cumsum(0)  # [R] each sequence's first token in source
+    hidden = packed_hidden(backbone, layout, source, first, pad_id)  # [rows * width, H]
+    start = torch.tensor(layout.start, device=device)  # [R]
     if kind == "reward":
-        backbone, head = backbone_and_head(model)
-        hidden = full_hidden(backbone, ids, valid)  # [R, P+T, H]
-        last = P + rmask.sum(1) - 1  # [R] column of the last response token
-        scores = head(hidden[torch.arange(len(prompts), device=device), last]).float().squeeze(-1)
-        return [ScoredOutputs(score=s) for s in scores.tolist()]
-    out = response_outputs(kind, model, ids, valid, P, temperature)  # [R, T]
-    res = []
-    for row, n in zip(out.tolist(), rmask.sum(1).tolist()):
-        res.append(ScoredOutputs(logprobs=row[:n]) if kind == "reference" else ScoredOutputs(values=row[:n]))
+        last = start + torch.tensor(n, device=device) - 1  # [R] the last response token
+        return [ScoredOutputs(score=s) for s in head(hidden[last]).float().squeeze(-1).tolist()]
+    T = [len(r) for r in responses]
+    t = torch.tensor(T, device=device)
+    seq = torch.repeat_interleave(torch.arange(len(seqs), device=device), t)  # [N] owner of each response token
+    step = torch.arange(len(seq), device=device) - torch.repeat_interleave(t.cumsum(0) - t, t)  # [N] t
+    P = torch.tensor([len(p) for p in prompts], device=device)
+    pre = start[seq] + P[seq] - 1 + step  # [N] the state before each response token
+    tokens = source[first[seq] + P[seq] + step]  # [N]
+    out = _per_token(kind, head, hidden[pre][None], tokens[None], temperature)[0].tolist()  # [N]
+    res, at = [], 0
+    for k in T:
+        row, at = out[at: at + k], at + k
+        res.append(ScoredOutputs(logprobs=row) if kind == "reference" else ScoredOutputs(values=row))
     return res
 
 

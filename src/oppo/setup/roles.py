@@ -25,6 +25,7 @@ from ..api.roles import Roles
 from ..api.specs import ModelSpec
 from ..config import Config
 from ..data import build_prompt_set, read_prompts
+from ..forward import set_packing
 from ..learner.critic import CriticBesideScorer
 from ..learner.local import Learner
 from ..models import (apply_lora, base_view, check_roles, enable_gradient_checkpointing,
@@ -96,6 +97,9 @@ def build_roles(cfg: Config, progress: bool = True) -> Roles:
     if paths.critic:
         critic = load_critic(paths.critic, resolve_device(cfg.critic.device, str(dev)), master, pad_id).eval()
         scoring_critic = serving_copy(critic, dtype, separate=inflight and not wants_critic_on_scorer)
+    for m in (reward_model, reference, scoring_critic):  # their one-shot scoring forwards (score_full)
+        if m is not None:
+            set_packing(m, cfg.ppo.packing)
     if cfg.policy.gradient_checkpointing:  # the trained models; recomputation only while training
         for m in (policy, critic):
             if m is not None:
@@ -193,7 +197,7 @@ def _place_on_ray(roles: Roles, stop_ids, recompute_old: bool) -> None:
     dtype, pad_id = roles.compute_dtype, roles.pad_id
     init_ray(pl.address)
     specs = _scorer_specs(roles.paths, pad_id, dtype, reward_model=roles.reward_model is not None,
-                         critic=roles.critic is not None)
+                         critic=roles.critic is not None, packing=cfg.ppo.packing)
     scorer = RayScorerWorker(specs, roles.tracer, temperature=cfg.generation.temperature, threads=pl.scorer_threads,
                              num_cpus=pl.scorer_cpus, num_gpus=pl.scorer_gpus, seed=cfg.run.seed)
     roles.closers.append(scorer.close)
@@ -243,17 +247,18 @@ def _place_on_ray(roles: Roles, stop_ids, recompute_old: bool) -> None:
         roles.sync.steps.append(actor_home)
 
 def _scorer_specs(paths, pad_id: int, dtype: torch.dtype, *, reward_model: bool, critic: bool,
-                 device: str = "auto") -> dict[str, ModelSpec]:
+                 device: str = "auto", packing: str = "auto") -> dict[str, ModelSpec]:
     """The streaming scorers' models as the trainer builds them, from its ``ResolvedPaths``: the
     reward model (unless a reward function scores), the reference (its own path, else the initial
     policy: also the LoRA base without adapters) and the critic (unless critic-free), all in the
-    compute dtype."""
+    compute dtype, their one-shot forwards under ``ppo.packing`` = ``packing``."""
     specs = {}
     if reward_model:
-        specs["reward"] = ModelSpec("reward", paths.reward, dtype, device, pad_id)
-    specs["reference"] = ModelSpec("reference", paths.reference or paths.policy, dtype, device, pad_id)
+        specs["reward"] = ModelSpec("reward", paths.reward, dtype, device, pad_id, packing=packing)
+    specs["reference"] = ModelSpec("reference", paths.reference or paths.policy, dtype, device, pad_id,
+                                   packing=packing)
     if critic:
-        specs["critic"] = ModelSpec("critic", paths.critic, dtype, device, pad_id)
+        specs["critic"] = ModelSpec("critic", paths.critic, dtype, device, pad_id, packing=packing)
     return specs
 
 def _collective_sync(roles: Roles, learner, rollout=None, local: torch.nn.Module | None = None):

@@ -16,8 +16,9 @@ while the engine and the scorers go on with the copies.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import contextvars
 import copy
+from collections.abc import Iterator
 
 import torch
 
@@ -74,10 +75,36 @@ def cast_once(device: torch.device, compute: torch.dtype) -> Iterator[None]:
     Autocast caches the casts of trainable leaf tensors until the outermost autocast region exits;
     this opens one (disabled, so the backward passes between the forwards run outside autocast, as
     recommended) around the micro-batches, and the forwards' own :func:`autocast` regions nest in
-    it and share its cache. Exiting drops the cache, before the optimizer step changes the masters.
-    Nothing for fp32 compute."""
+    it and share its cache. Code that casts by hand outside autocast (the fused head,
+    ``forward.head_logprobs``) shares :func:`cast_weight`'s cache, opened here too. Exiting drops
+    both, before the optimizer step changes the masters. Nothing for fp32 compute."""
     if compute not in LOW_PRECISION:
         yield
         return
-    with torch.autocast(device_type=device.type, dtype=compute), torch.autocast(device_type=device.type, enabled=False):
-        yield
+    token = _CASTS.set({})
+    try:
+        with torch.autocast(device_type=device.type, dtype=compute), \
+                torch.autocast(device_type=device.type, enabled=False):
+            yield
+    finally:
+        _CASTS.reset(token)
+
+
+# (weight's id, dtype) -> (weight, its cast), for the open cast_once region of this thread (the
+# critic may train in another thread at the same time: a context variable is per thread)
+_CASTS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("oppo_casts", default=None)
+
+
+def cast_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``weight`` in ``dtype``, detached (the caller forms its gradient itself): cast once per
+    :func:`cast_once` region (one optimizer step), or on every call outside one (a forward
+    without backward: old log-probs, scoring)."""
+    if weight.dtype == dtype:
+        return weight.detach()
+    cache = _CASTS.get()
+    if cache is None:
+        return weight.detach().to(dtype)
+    hit = cache.get((id(weight), dtype))
+    if hit is None or hit[0] is not weight:
+        hit = cache[id(weight), dtype] = (weight, weight.detach().to(dtype))
+    return hit[1]
