@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -69,14 +70,14 @@ def main(argv=None) -> None:
                               *a.overrides])
     labels = specs(B)
     results = {"machine": machine(), "command": "python benchmarks/controller_workloads.py "
-               + " ".join(argv if argv is not None else __import__("sys").argv[1:]), "workloads": {}}
+               + " ".join(argv if argv is not None else sys.argv[1:]), "workloads": {}}
     for name, wl in workloads(a.max_new_tokens).items():
         if a.only and not any(s in name for s in a.only.split(",")):
             continue
         t0 = time.time()
         print(f"== {name}", flush=True)
         recs = run_modes(base, list(labels.values()), a.steps, out / "runs" / wl.name.replace(" ", "_"),
-                         progress=lambda s: None, lengths=wl)
+                         progress=lambda s: print(s, file=sys.stderr, flush=True), lengths=wl)
         figs = {label: figures(recs[spec]) for label, spec in labels.items()}
         tuner_lines = [m.get("overlap/delta") for m in recs["oppo"]["metrics"]]
         results["workloads"][name] = {"figures": figs, "default_delta_by_step": tuner_lines,
