@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "bench.md").write_text(to_markdown(result).replace("# oppo bench", "# oppo GPU bench", 1))
     from oppo.report import make_report
 
-    make_report([out / "runs" / m for m in modes], out, labels=modes)
+    make_report([out / "runs" / _slug(m) for m in modes], out, labels=modes)
     say((out / "bench.md").read_text())
     return 0
 
