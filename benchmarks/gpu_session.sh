@@ -16,7 +16,8 @@
 #    default CUDA engine (static, CUDA graphs), 5 steps each (the 1B NaN appeared after the third
 #    update), every metric and weight finite, B = 16 to fit the time;
 # 4. the figures at 1B (policy) + 125M (reward, critic), B = 64, representative lengths,
-#    sequential against oppo and pipeline (gpu_bench: step time, response tokens/s, decode overhead
+#    sequential (packed, and with ppo.packing=off) against oppo and pipeline (gpu_bench: step time,
+#    response tokens/s, decode overhead
 #    over the engine's own step, train MFU against a matmul peak probed in the same run, padded
 #    share: bench.md), in the time left.
 # Goals (issues 27, 35): every mode finite for 5+ steps at 1B, decode overhead <= 1.2x, train MFU
@@ -59,7 +60,7 @@ part check_1b "${T[2]}" $PY benchmarks/gpu_bench.py "${SIZES[@]}" "${CHECK[@]}" 
   --check-engines static --out "$WORK/check"
 cp "$WORK/check/check.md" "$OUT/check.md" 2>/dev/null
 left=$(( TOTAL - ($(date +%s) - started) ))
-part bench_1b "$left" $PY benchmarks/gpu_bench.py "${SIZES[@]}" "${BENCH[@]}" --modes sequential,oppo,pipeline \
+part bench_1b "$left" $PY benchmarks/gpu_bench.py "${SIZES[@]}" "${BENCH[@]}" --modes sequential,sequential:ppo.packing=off,oppo,pipeline \
   --budget-min $(( (left - 20) / 60 )) --no-short-row --out "$WORK/bench" --models "$WORK/check/models"
 cp "$WORK/bench/bench.md" "$WORK/bench/bench.json" "$OUT/" 2>/dev/null
 echo "in all $(( $(date +%s) - started )) s" >> "$OUT/summary.md"
