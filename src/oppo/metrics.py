@@ -417,21 +417,29 @@ class ProgressBar:
                 file=self._file,
             )
 
-    @staticmethod
-    def _summary(step: int, metrics: Mapping[str, Any]) -> dict[str, str]:
+    # (metric, label, format) of the line, in order, each shown only when the step has it: short
+    # labels keep a step on one line (docs/metrics.md, "The progress line", names them)
+    _SHOWN = (("reward/mean", "reward", ".3f"),
+              ("judge/mean", "judge", ".3f"),  # the independent check on reward hacking, when there is one
+              ("kl/mean", "kl", ".4f"),
+              ("loss/policy", "ploss", ".4f"),
+              ("ppo/clipfrac", "clip", ".3f"),
+              ("loss/value", "vloss", ".4g"),  # absent in critic-free algorithms (grpo, rloo, ...)
+              ("response_length/mean", "len", ".1f"))
+
+    @classmethod
+    def _summary(cls, step: int, metrics: Mapping[str, Any]) -> dict[str, str]:
         out = {"step": str(step)}
-        if "reward/mean" in metrics:
-            out["reward"] = _fmt(metrics["reward/mean"], ".3f")
-        if "judge/mean" in metrics:  # the independent check on reward hacking, when there is one
-            out["judge"] = _fmt(metrics["judge/mean"], ".3f")
-        if "kl/mean" in metrics:
-            out["kl"] = _fmt(metrics["kl/mean"], ".4f")
+        for key, label, spec in cls._SHOWN:
+            if key in metrics:
+                out[label] = _fmt(metrics[key], spec)
         if "time/step" in metrics:
             out["step_time"] = _fmt(metrics["time/step"], ".2f") + "s"
         return out
 
     def update(self, step: int, metrics: Mapping[str, Any]) -> None:
-        """Record one finished step and show its step number, reward, judge (if any), KL and step time."""
+        """Record one finished step and show its number and, where the step has them, reward, judge,
+        KL, policy loss, clip fraction, value loss, mean response length and step time."""
         self.done += 1
         summary = self._summary(step, metrics)
         if self._bar is not None:
