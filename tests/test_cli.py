@@ -124,3 +124,36 @@ def test_prepare_heartbeat_in_long_phases(capsys):
         log.phase("a long one")
         assert beat.wait(30), "no heartbeat line"
     assert "phase 1/2 still running" in capsys.readouterr().err
+
+
+def test_loading_line_names_every_model_before_the_load():
+    from oppo.config import Config
+    from oppo.run import loading_line
+
+    cfg = Config()
+    cfg.policy.path, cfg.reward.path, cfg.data.prompts = "/m/policy", "/m/rm", "p.jsonl"
+    line = loading_line(cfg)
+    assert line.startswith("loading models: policy /m/policy, reward /m/rm, reference a frozen copy")
+    assert "critic from /m/rm" in line  # ppo: the critic starts from the reward model
+    cfg.reward.path, cfg.reward.function, cfg.algo.name = None, "mod:fn", "grpo"
+    line = loading_line(cfg)
+    assert "reward function mod:fn" in line and "critic" not in line  # grpo is critic-free
+
+
+def test_threads_lines_warn_only_on_an_oversubscribed_machine():
+    from oppo.config import Config
+    from oppo.run import threads_lines
+
+    cfg = Config()
+    cfg.overlap.mode = "sequential"
+    calm = threads_lines(cfg, torch_threads=8, cores=16, usable=8, load=3.0)
+    assert calm == ["threads: torch 8 (placement.threads=0: torch's default); 8 usable of 16 cores; "
+                    "load average 3.0"]
+    busy = threads_lines(cfg, torch_threads=8, cores=16, usable=8, load=12.5)
+    assert len(busy) == 2 and "oversubscribed (load average 12.5 over 8 usable cores" in busy[1]
+    assert "placement.threads=1" in busy[1]
+    cfg.placement.threads = 1
+    one = threads_lines(cfg, torch_threads=8, cores=8, usable=None, load=12.5)
+    assert one[0].startswith("threads: torch 1 (placement.threads=1); 8 cores")
+    assert "already uses one thread" in one[1]
+    assert len(threads_lines(cfg, torch_threads=8, cores=8, usable=None, load=None)) == 1  # no load average

@@ -127,6 +127,20 @@ def test_progress_bar_without_tty_prints_compact_lines():
     assert lines[-1].startswith("[oppo] step 39 (40/40)")
 
 
+def test_progress_line_shows_losses_clip_and_length_only_when_present():
+    out = io.StringIO()
+    bar = ProgressBar(total_steps=2, file=out)
+    bar.update(0, {"reward/mean": 0.5, "kl/mean": -0.002, "loss/policy": -0.01234, "ppo/clipfrac": 0.0625,
+                   "loss/value": 0.3456, "response_length/mean": 41.25, "time/step": 2.0})
+    bar.update(1, {"reward/mean": 0.6, "loss/policy": 0.02, "ppo/clipfrac": 0.1})  # critic-free: no loss/value
+    first, second = out.getvalue().splitlines()
+    assert ("reward 0.500 | kl -0.0020 | ploss -0.0123 | clip 0.062 | vloss 0.3456 | len 41.2 | step_time 2.00s"
+            in first)
+    assert "ploss 0.0200 | clip 0.100 | elapsed" in second
+    assert "vloss" not in second and "len" not in second and "kl" not in second
+    assert len(first) < 160  # one short line
+
+
 def test_progress_bar_every_zero_is_silent():
     out = io.StringIO()
     bar = ProgressBar(total_steps=3, enabled=False, every=0, file=out)

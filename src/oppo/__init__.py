@@ -8,7 +8,7 @@ The Python API, without the CLI::
     trainer = oppo.Trainer(cfg)          # loads (or prepares) the models
     try:
         for _ in range(cfg.run.steps):
-            metrics = trainer.run_step()     # one PPO step; a dict of numbers (see oppo.metrics)
+            metrics = trainer.run_step()     # one PPO step; a dict of numbers (names: docs/metrics.md)
             print(trainer.step, metrics["reward/mean"], metrics["kl/mean"])
     finally:
         trainer.close()                  # stops the scorer worker

@@ -8,104 +8,9 @@ A value that is not finite (NaN, +-inf) is written as ``null`` so that every lin
 JSON. Lines are flushed as they are written, so a crashed run leaves at most one torn last line,
 which :func:`read_metrics` ignores.
 
-Metric names written by the trainer (a step is one PPO update, DESIGN.md section 2):
-
-============================  ===============================================================
-name                          meaning
-============================  ===============================================================
-``reward/mean``               mean sequence-level score of the step's responses (reward model
-                              or reward function), before the KL penalty
-``reward/std``                standard deviation of those scores
-``judge/mean``                mean score from an independent judge, when one is configured
-                              (a check on reward hacking: it should rise with ``reward/mean``)
-``task/accuracy``             share of responses with the right answer (built-in tasks with one
-                              right answer: arith)
-``kl/mean``                   mean over sequences of the summed per-token KL(pi || ref)
-                              estimate, the quantity that ``beta`` penalises
-``kl/coef``                   beta in effect: ``ppo.kl_coef``, or the algorithm's default when
-                              that is empty (0.04 for grpo, 0.05 for the others)
-``loss/policy``               clipped PPO policy loss, averaged over epochs and minibatches
-``loss/value``                clipped value (critic) loss, same averaging
-``grad_norm/actor``           total gradient norm before clipping, averaged over optimizer steps
-                              (``grad_norm/critic``: the critic's)
-``guard/skipped_updates``     with ``ppo.nonfinite=skip``: optimizer steps skipped at this step for
-                              a non-finite loss, gradient norm or advantages (``guard.py``);
-                              ``guard/skipped/actor`` and ``guard/skipped/critic`` split it, and
-                              ``guard/skipped_updates_total`` sums it since the process started.
-                              The means above leave the skipped steps out
-``ppo/clipfrac``              fraction of response tokens whose probability ratio was clipped
-``ppo/dual_clipfrac``         with ``ppo.dual_clip``: fraction of response tokens whose loss the
-                              dual clip capped (negative advantage, ratio above the constant)
-``ppo/approx_kl``             approximate KL between the behaviour policy and the updated
-                              policy during the PPO epochs (large means the update moved far)
-``ppo/entropy``               mean per-token entropy of the policy on the response tokens
-``value/explained_var``       1 - Var(returns - values) / Var(returns); 1 is a perfect critic,
-                              0 or below is no better than a constant
-``value/clipfrac``            fraction of tokens whose value prediction was clipped
-``response_length/mean``      mean response length in tokens
-``response_length/max``       longest response in tokens (the long tail that stalls a step)
-``time/step``                 wall-clock seconds of the step
-``time/<stage>``              seconds spent in one stage of the step: ``time/generate``,
-                              ``time/score``, ``time/ref_values``, ``time/advantages``,
-                              ``time/train`` (stages overlap in the overlapped modes, so these
-                              need not add up to ``time/step``)
-``time/wallclock``            seconds since the start of the run (x axis of reward vs time)
-``perf/tokens_per_s``         response tokens trained on per second of step time
-``overlap/delta``             Delta: extra sequences kept in flight beyond the batch size B
-``overlap/carried``           sequences left unfinished at the end of the step and carried
-                              into the next one
-``overlap/waiting_members``   finished members of carried groups, waiting (scored) for a
-                              sibling still decoding (GRPO/RLOO; ``overlap.partial_groups``)
-``overlap/token_lag_mean``    mean staleness of the step's tokens: trained version - the version
-                              that sampled the token (``offpolicy.token_lag_stats``)
-``overlap/token_lag_max``     the stalest token's lag
-``overlap/token_lag_<n>``     number of tokens with lag n (n = 0 .. token_lag_max)
-``overlap/seq_lag_mean``      mean lag of the step's sequences: trained version - the version at
-                              which the sequence was admitted (how many updates it was carried).
-                              Called ``overlap/lag_mean`` before issue 22, and documented then as
-                              per token, which it never was: in pipeline mode a sequence admitted
-                              while the learner trained has lag 0 and tokens one version stale
-``overlap/seq_lag_max``       the longest-carried sequence's lag (was ``overlap/lag_max``)
-``overlap/seq_lag_<n>``       number of sequences with lag n (was ``overlap/lag_<n>``)
-``overlap/offpolicy_token_frac``  fraction of the step's tokens sampled by an older policy
-``overlap/is_weight_mean``    mean importance weight pi_k / pi_v over off-policy tokens (both
-                              untruncated log-probs: ``Learner.old_logprobs``), as applied,
-                              after ``ppo.is_truncate``'s cap (so at most the cap: see ``_raw``)
-``overlap/is_weight_max``     largest such importance weight (as applied: at most the cap)
-``overlap/is_weight_raw_mean``  mean of the same weights before the cap (how stale the batch
-                              really is; ``offpolicy.weight_stats``)
-``overlap/is_weight_raw_max``  largest weight before the cap
-``overlap/is_truncated_frac``  share of the off-policy tokens whose weight the cap cut (0
-                              without off-policy tokens)
-``overlap/is_weight_ess``     normalised effective sample size of the weights the loss applies,
-                              over every token (fresh ones weigh 1): (sum w)^2 / (N sum w^2),
-                              1 when nothing is reweighted
-``mismatch/logprob_abs_diff`` sampler vs trainer on the tokens sampled by the weights being
-                              trained: mean |log p_trainer - log p_sampler|, the same weights in
-                              the training forward and in the rollout engine (first minibatch;
-                              ``offpolicy.MismatchProbe``). Replaces ``ppo/sampler_logprob_gap``
-                              (before issue 22: only when old log-probs were recomputed, and
-                              against the top-k/top-p-truncated log-prob). Peers gate CI at
-                              <= 0.0193 (SkyRL); the smoke test checks it
-``mismatch/logprob_abs_diff_max``  the largest such difference (was
-                              ``ppo/sampler_logprob_gap_max``)
-``mismatch/kl``               mean of w - 1 - log w with w = p_trainer / p_sampler: the k3
-                              estimate of KL(sampler || trainer) (prime-rl's mismatch KL; peers
-                              keep it < 0.01)
-``mismatch/ess``              normalised effective sample size of those w
-``mismatch/tokens``           tokens the mismatch was measured on (the ``mismatch/*`` metrics are
-                              absent on a step whose first minibatch holds no token sampled by
-                              the trained weights: only carried rows, with ``stale_kv=keep``)
-``ppo/sampler_ratio_outside_clip``  with old log-probs recomputed: share of the tokens sampled
-                              by the current weights whose first-minibatch ratio would have been
-                              outside the clip range had the sampler's been kept
-``overlap/chunk_size``        streaming chunk size (tokens) used for intra-step scoring
-``bench/timing_only``         1 on the steps of an ``oppo bench`` run with forced response
-                              lengths, whose learning metrics (reward, KL, ...) are left out; the
-                              losses and gradient norms are kept (``bench.timing_only``)
-``data/prompts_truncated``    prompts cut to the maximum prompt length so far
-``data/prompts_skipped``      prompts skipped (empty, or too long to keep) so far
-============================  ===============================================================
+Metric names: ``docs/metrics.md`` lists every one the trainer writes, grouped, with what it means
+and what a healthy value looks like (``tests/test_metrics_doc.py`` keeps it in step with the source).
+The progress line (:class:`ProgressBar`) shows a few of them.
 """
 
 from __future__ import annotations
@@ -417,21 +322,29 @@ class ProgressBar:
                 file=self._file,
             )
 
-    @staticmethod
-    def _summary(step: int, metrics: Mapping[str, Any]) -> dict[str, str]:
+    # (metric, label, format) of the line, in order, each shown only when the step has it: short
+    # labels keep a step on one line (docs/metrics.md, "The progress line", names them)
+    _SHOWN = (("reward/mean", "reward", ".3f"),
+              ("judge/mean", "judge", ".3f"),  # the independent check on reward hacking, when there is one
+              ("kl/mean", "kl", ".4f"),
+              ("loss/policy", "ploss", ".4f"),
+              ("ppo/clipfrac", "clip", ".3f"),
+              ("loss/value", "vloss", ".4g"),  # absent in critic-free algorithms (grpo, rloo, ...)
+              ("response_length/mean", "len", ".1f"))
+
+    @classmethod
+    def _summary(cls, step: int, metrics: Mapping[str, Any]) -> dict[str, str]:
         out = {"step": str(step)}
-        if "reward/mean" in metrics:
-            out["reward"] = _fmt(metrics["reward/mean"], ".3f")
-        if "judge/mean" in metrics:  # the independent check on reward hacking, when there is one
-            out["judge"] = _fmt(metrics["judge/mean"], ".3f")
-        if "kl/mean" in metrics:
-            out["kl"] = _fmt(metrics["kl/mean"], ".4f")
+        for key, label, spec in cls._SHOWN:
+            if key in metrics:
+                out[label] = _fmt(metrics[key], spec)
         if "time/step" in metrics:
             out["step_time"] = _fmt(metrics["time/step"], ".2f") + "s"
         return out
 
     def update(self, step: int, metrics: Mapping[str, Any]) -> None:
-        """Record one finished step and show its step number, reward, judge (if any), KL and step time."""
+        """Record one finished step and show its number and, where the step has them, reward, judge,
+        KL, policy loss, clip fraction, value loss, mean response length and step time."""
         self.done += 1
         summary = self._summary(step, metrics)
         if self._bar is not None:

@@ -374,6 +374,73 @@ def policy_line(cfg: Config) -> str:
             f"log-probs (ppo.is_truncate={cfg.ppo.is_truncate}); {trl}")
 
 
+def loading_line(cfg: Config) -> str:
+    """One line before the models load (minutes for large ones, with nothing else printed): which
+    models, from where, so that a slow or wrong load is seen before it ends."""
+    if cfg.uses_builtin_task:
+        from .task import get_task
+
+        task = f"the {cfg.data.task} task's"
+        policy = f"{task} SFT policy"
+        builtin_fn = get_task(cfg.data.task).reward_function
+    else:
+        task, policy, builtin_fn = "", str(cfg.policy.path), None
+    fn = cfg.reward.function or (None if cfg.reward.path else builtin_fn)
+    reward = f"function {fn}" if fn else cfg.reward.path or f"{task} reward model"
+    parts = [f"policy {policy}", f"reward {reward}",
+             f"reference {cfg.reference.path or 'a frozen copy of the policy'}"]
+    if cfg.algo_spec.needs_critic:  # initialised as resolve_paths says: the reward model's, else the policy's
+        critic = cfg.critic.path or cfg.reward.path or (f"{task} reward model" if cfg.uses_builtin_task and not fn
+                                                         else policy)
+        parts.append(f"critic from {critic}")
+    if cfg.reward.judge:
+        parts.append(f"judge {cfg.reward.judge}")
+    return "loading models: " + ", ".join(parts) + " ..."
+
+
+def machine_threads() -> tuple[int, int, int | None, float | None]:
+    """This process's torch thread count, the machine's cores, the cores this process may run on
+    (None where the OS does not say) and the 1-minute load average (None where there is none)."""
+    import torch
+
+    try:
+        usable: int | None = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on macOS / Windows
+        usable = None
+    try:
+        load: float | None = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        load = None
+    return torch.get_num_threads(), os.cpu_count() or 1, usable, load
+
+
+def threads_lines(cfg: Config, torch_threads: int, cores: int, usable: int | None,
+                  load: float | None) -> list[str]:
+    """The start-up lines on CPU threads: the count torch uses and where it comes from, and, when
+    the machine is already busier than the cores this run may use, a warning with the fix. A user
+    saw 325-345 s steps on a loaded machine with the default count and 30 s with
+    ``placement.threads=1``, with nothing in the log to say why."""
+    pl = cfg.placement
+    full = pl.threads or torch_threads
+    source = f"placement.threads={pl.threads}" if pl.threads else "placement.threads=0: torch's default"
+    cpus = f"{usable} usable of {cores} cores" if usable is not None and usable != cores else f"{cores} cores"
+    line = f"threads: torch {full} ({source}); {cpus}"
+    if cfg.streams:
+        line += (f"; while decoding, actor {pl.actor_threads} and scorer {pl.scorer_threads} "
+                 f"(placement.actor_threads, placement.scorer_threads)")
+    if load is not None:
+        line += f"; load average {load:.1f}"
+    lines = [line]
+    avail = usable if usable is not None else cores
+    if load is not None and load > avail:
+        fix = ("set placement.threads=1 (or fewer threads than the idle cores)" if full > 1 else
+               "this run already uses one thread: free some cores")
+        lines.append(f"oppo: warning: the machine is oversubscribed (load average {load:.1f} over {avail} usable "
+                     f"cores before this run starts): torch's threads will wait on each other and steps can be many "
+                     f"times slower; {fix}")
+    return lines
+
+
 def train(cfg: Config, resume: str | None = None, progress: bool = True) -> Path:
     """Run PPO as configured; return the run directory.
 
@@ -389,7 +456,14 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True) -> Path
     plan = plan_run(cfg, resume)
     ckpt = plan.checkpoint
     lock = None
+    if progress:
+        for line in threads_lines(cfg, *machine_threads()):
+            print(line, file=sys.stderr)
+        print(loading_line(cfg), file=sys.stderr, flush=True)
+    t_load = time.perf_counter()
     trainer = Trainer(cfg, progress=progress)
+    if progress:
+        print(f"models loaded in {time.perf_counter() - t_load:.1f}s", file=sys.stderr)
     try:
         if ckpt is not None:
             load_checkpoint(trainer, ckpt)
