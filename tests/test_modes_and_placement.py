@@ -53,7 +53,8 @@ def test_an_old_name_on_the_command_line_names_the_new_one(old, new):
     value = "true" if new.endswith(("process", "worker")) else "1"
     with pytest.raises(ConfigError, match=f"{old} is now {new}"):
         load_config(None, [f"{old}={value}"])
-    assert str(getattr(load_config(None, [f"{new}={value}"]).placement, new.split(".")[1])).lower() in ("true", "1")
+    section, leaf = new.split(".")
+    assert str(getattr(getattr(load_config(None, [f"{new}={value}"]), section), leaf)).lower() in ("true", "1")
 
 
 def test_an_old_name_in_a_yaml_file_names_the_new_one(tmp_path):
