@@ -178,3 +178,23 @@ def test_switching_between_streamed_and_one_shot_with_carried_rows(tiny_models, 
     for _, m in rows:
         assert all(math.isfinite(m[k]) for k in ("reward/mean", "kl/mean", "loss/policy", "loss/value"))
     assert tuner.step == 6
+
+
+def test_a_machine_that_slows_down_does_not_buy_stale_tokens():
+    """Flat true cost, but the machine gets 1.5% slower every step (a shared machine filling up):
+    each challenger tried later looks dearer, each incumbent measured earlier cheaper; and when it
+    speeds up instead, a Delta tried later looks cheaper: the confirmation measures the incumbent
+    again, so no Delta is kept."""
+    for rate in (-0.015, 0.015):
+        t = OverlapTuner(delta_ladder(0, 16), (16,), trial_steps=2, retune_every=6)
+        drive(t, lambda s, k: (1 + rate) ** k, 40)
+        assert t.incumbent.delta == 0, (rate, t.take_decisions())
+
+
+def test_an_up_move_is_confirmed_before_it_is_kept():
+    t = OverlapTuner((0, 4), (16,), trial_steps=2, retune_every=None)
+    used = drive(t, lambda s, k: 1.0 if s.delta == 0 else 0.8, 14)
+    assert t.incumbent.delta == 4
+    # measure Delta 0 (warm-up + 2), Delta 4 (warm-up + 2), Delta 0 again (warm-up + 2), then hold at 4
+    assert [s.delta for s in used[:10]] == [0, 0, 0, 4, 4, 4, 0, 0, 0, 4]
+    assert any("before and" in d and "-> Delta 4" in d for d in t.take_decisions())

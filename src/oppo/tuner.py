@@ -15,7 +15,10 @@ median. Moves, each against the *incumbent* (the setting in force):
   if it costs at least ``margin`` less;
 - **Delta up** (the next level of the ladder): kept if it costs at least ``margin`` less, and the
   share of tokens it trains off-policy exceeds that of the lowest Delta by at most
-  ``max_stale_share``. A carried token must buy time; then the next level up is tried;
+  ``max_stale_share``. A carried token must buy time, so a Delta that passes is confirmed: the
+  incumbent is measured again, and the Delta kept only if it still costs ``margin`` less than the
+  mean of the incumbent's two measures (a machine that slowed down or sped up during the trials,
+  as a shared one does, cancels out). Then the next level up is tried;
 - **Delta down**: kept if it costs at most ``margin`` more (fewer stale tokens for the same time),
   so Delta falls back to its floor where carrying stops paying.
 
@@ -91,7 +94,8 @@ class OverlapTuner:
         self.incumbent = Setting(self.deltas[0], self.chunks[0])
         self.cost: float | None = None  # the incumbent's measured cost (s per token)
         self.base_stale: float | None = None  # the off-policy share at the lowest Delta
-        self.phase = "measure"  # measure | chunk | up | down | hold
+        self.phase = "measure"  # measure | chunk | up | confirm | down | hold
+        self._challenger: tuple[Setting, float, float] | None = None  # an up move that passed, to confirm
         self.trial: Setting | None = None  # the challenger being measured
         self._plan: list[tuple[str, Setting]] = []  # the round's moves still to try
         self._warm = 1  # steps still to discard (the run's first step pays one-off costs)
@@ -101,6 +105,7 @@ class OverlapTuner:
         self.rounds = 0
         self.trial_steps_run = 0  # steps run under a challenger (the price of exploring)
         self.decisions: list[str] = []  # lines not yet taken by the caller (take_decisions)
+        self._ran = self.incumbent  # the setting of the last step recorded
         self.step = 0
 
     @property
@@ -117,6 +122,7 @@ class OverlapTuner:
         if not (math.isfinite(seconds) and seconds >= 0 and math.isfinite(tokens) and math.isfinite(stale_share)):
             raise ValueError(f"record needs finite figures, got {seconds}, {tokens}, {stale_share}")
         self.step += 1
+        self._ran = self.current()
         if not self.tunes:
             return
         if self.trial is not None:
@@ -156,7 +162,11 @@ class OverlapTuner:
             self._plan = self._first_round()
             self._next()
             return
-        assert self.trial is not None and self.cost is not None
+        assert self.cost is not None
+        if self.phase == "confirm":
+            self._confirm(cost)
+            return
+        assert self.trial is not None
         kind, new, old = self.phase, self.trial, self.incumbent
         gain = 1 - cost / self.cost  # > 0: the challenger is cheaper
         added = stale - (self.base_stale if self.base_stale is not None else 0.0)
@@ -171,6 +181,11 @@ class OverlapTuner:
         why = f"{1e3 * cost:.3f} against {1e3 * self.cost:.3f} ms per token ({-gain:+.0%})"
         if kind == "up":
             why += f", off-policy tokens {stale:.0%} ({added:+.0%} over Delta {self.deltas[0]})"
+        if keep and kind == "up":  # measure the incumbent again before taking the stale tokens
+            self._challenger = (new, cost, stale)
+            self.phase, self.trial = "confirm", None
+            self._warm = self._warmup(self._ran, old)
+            return
         if keep:
             self.incumbent, self.cost = new, cost
             self._say(f"{old.describe()} -> {new.describe()}: {why}")
@@ -185,6 +200,27 @@ class OverlapTuner:
                             if gain >= self.margin else f"saves less than {self.margin:.0%}"),
                      "chunk": f"saves less than {self.margin:.0%}"}[kind]
             self._say(f"kept {old.describe()}: {new.describe()} {limit} ({why})")
+        self._next()
+
+    def _confirm(self, again: float) -> None:
+        """The incumbent measured again after an up move passed its trial: keep the move only if it
+        beats the mean of the incumbent's two measures by ``margin``."""
+        assert self._challenger is not None and self.cost is not None
+        new, cost, stale = self._challenger
+        old, before = self.incumbent, self.cost
+        self._challenger = None
+        ref = (before + again) / 2
+        gain = 1 - cost / ref
+        why = (f"{1e3 * cost:.3f} ms per token against {1e3 * before:.3f} before and {1e3 * again:.3f} after "
+               f"({-gain:+.0%}), off-policy tokens {stale:.0%}")
+        if gain >= self.margin:
+            self.incumbent, self.cost = new, cost
+            self._say(f"{old.describe()} -> {new.describe()}: {why}")
+            self._plan[:0] = [("up", s) for s in self._neighbour(new, +1)]
+        else:
+            self.cost = again
+            self._say(f"kept {old.describe()}: {new.describe()} saves less than {self.margin:.0%} once the "
+                      f"incumbent is measured again ({why})")
         self._next()
 
     def _first_round(self) -> list[tuple[str, Setting]]:
@@ -208,7 +244,7 @@ class OverlapTuner:
 
     def _next(self) -> None:
         """Start the next move of the round (with the incumbent's current chunk and Delta), or hold."""
-        prev = self.current()
+        prev = self._ran
         while self._plan:
             kind, s = self._plan.pop(0)
             s = Setting(s.delta, self.incumbent.chunk) if kind in ("up", "down") else Setting(self.incumbent.delta,
@@ -263,7 +299,8 @@ class OverlapTuner:
                 "base_stale": self.base_stale, "phase": self.phase, "trial": s(self.trial),
                 "plan": [[k, *s(x)] for k, x in self._plan], "warm": self._warm, "costs": list(self._costs),
                 "stale": list(self._stale), "held": list(self._held), "rounds": self.rounds,
-                "trial_steps_run": self.trial_steps_run, "step": self.step}
+                "challenger": None if self._challenger is None else [*s(self._challenger[0]), *self._challenger[1:]],
+                "trial_steps_run": self.trial_steps_run, "step": self.step, "ran": s(self._ran)}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         if d.get("format") != _FORMAT:
@@ -278,7 +315,10 @@ class OverlapTuner:
         self._plan = [(k, Setting(a, b)) for k, a, b in d["plan"]]
         self._warm, self._costs, self._stale = d["warm"], list(d["costs"]), list(d["stale"])
         self._held, self.rounds = list(d["held"]), d["rounds"]
+        c = d["challenger"]
+        self._challenger = None if c is None else (Setting(c[0], c[1]), c[2], c[3])
         self.trial_steps_run, self.step = d["trial_steps_run"], d["step"]
+        self._ran = Setting(*d["ran"])
 
 
 class TunedDelta:
