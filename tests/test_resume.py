@@ -24,7 +24,7 @@ def cfg_for(tiny_models, tiny_prompts, out, steps, mode="sequential", *extra):
 # Delta for the carrying modes: the cost rule (the default) decides by measured time, which no two
 # runs share, so these runs fix Delta (oppo) or take the reward-slope rule (inter: its controller's
 # state is checkpointed and must resume exactly). The cost controller's resume: tests/test_tuner.py.
-DELTA = {"inter": ["overlap.delta_rule=reward_slope"], "oppo": ["overlap.delta=2"]}
+DELTA = {"inter": ["overlap.delta_rule=reward_slope"], "oppo": ["overlap.delta=4"]}
 
 
 @pytest.mark.parametrize("mode", ["sequential", "intra", "inter", "oppo"])
