@@ -32,7 +32,7 @@ def _run(opt, model, cfg, n_minibatches: int) -> list[float]:
 
 
 def test_ramp_by_hand_and_resume_continues_it():
-    cfg = PPOConfig(actor_lr=0.1, lr_warmup_steps=4, micro_batch_size=1)
+    cfg = PPOConfig(actor_lr=0.1, lr_warmup_steps=4, micro_batch_size=1, packing="off")  # (a stand-in batch: no tokens)
     model = torch.nn.Linear(2, 1)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.actor_lr)
     assert _run(opt, model, cfg, 2) == pytest.approx([0.025, 0.05])
@@ -42,7 +42,7 @@ def test_ramp_by_hand_and_resume_continues_it():
     assert _run(resumed, model, cfg, 4) == pytest.approx([0.075, 0.1, 0.1, 0.1])
     # without warm-up the learner leaves the rate alone
     plain = torch.optim.AdamW(model.parameters(), lr=0.3)
-    assert _run(plain, model, PPOConfig(actor_lr=0.1, micro_batch_size=1), 2) == [0.3, 0.3]
+    assert _run(plain, model, PPOConfig(actor_lr=0.1, micro_batch_size=1, packing="off"), 2) == [0.3, 0.3]
 
 
 def test_trainer_ramps_actor_and_critic(tiny_models, tiny_prompts, tmp_path):
