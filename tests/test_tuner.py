@@ -72,7 +72,7 @@ def test_backs_off_when_carrying_stops_paying():
     drive(t, lambda s, k: cost(s, 50 + k), 60, noise=0.02)
     assert t.incumbent.delta == 0
     assert any("-> Delta 0" in d for d in t.take_decisions())
-    assert used  # (the first half's settings; the check is on the tuner's state)
+    assert sum(s.delta == 8 for s in used[-20:]) >= 10  # the first half ended mostly holding Delta 8
 
 
 def test_noise_does_not_make_it_oscillate():
