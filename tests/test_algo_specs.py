@@ -14,7 +14,8 @@ from typing import ClassVar
 import pytest
 import torch
 
-from oppo import ppo_math as pm
+from oppo.algo import losses as lo
+from oppo.algo import masks as mk
 from oppo.algo import ALGORITHMS, SPECS, AlgorithmSpec, algorithm_settings, build_algorithm, get_algorithm, get_spec
 from oppo.algo.core import KL_PLACEMENTS, SHARED_SETTINGS
 from oppo.config import AlgoConfig, Config, help_text, load_config
@@ -35,7 +36,7 @@ def test_spec_is_complete_and_lives_in_its_own_file(name):
         assert f.default is not dataclasses.MISSING, f"{name}: {f.name} has no default"
     assert spec.group_size >= spec.min_group_size
     assert spec.kl_placement in KL_PLACEMENTS and spec.kl_coef >= 0
-    assert {spec.reward_kl_estimator, spec.loss_kl_estimator} <= set(pm.KL_KINDS)
+    assert {spec.reward_kl_estimator, spec.loss_kl_estimator} <= set(lo.KL_KINDS)
     settings = algorithm_settings(name)
     assert tuple(settings)[:len(SHARED_SETTINGS)] == SHARED_SETTINGS
     # the Config gives only the algorithm's own settings, and names each one once
@@ -127,7 +128,7 @@ class BatchMeanBaseline:
     def __call__(self, rewards, mask, values, group_ids):
         from oppo.algo import advantages as adv
 
-        seq = pm.masked_sum(rewards, mask, dim=1)  # [B]
+        seq = mk.masked_sum(rewards, mask, dim=1)  # [B]
         a = seq - seq.mean()  # [B]
         if self.whiten:
             a = a / (a.std() + 1e-8)

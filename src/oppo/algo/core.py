@@ -28,6 +28,8 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, List, Mapping, Optional, Protocol, Tuple, Union
 
+from .choices import KL_KINDS, KL_PLACEMENTS
+
 if TYPE_CHECKING:
     import torch
 
@@ -36,7 +38,6 @@ if TYPE_CHECKING:
     Number = Union[int, float]
 
 __all__ = [
-    "KL_KINDS",
     "KL_PLACEMENTS",
     "AdvantageEstimator",
     "ClippedTokenLoss",
@@ -49,8 +50,6 @@ __all__ = [
     "consecutive_group_ids",
 ]
 
-KL_KINDS = ("k1", "k2", "k3", "abs")
-KL_PLACEMENTS = ("reward", "loss")
 
 
 def check_unit(name: str, value: float) -> None:

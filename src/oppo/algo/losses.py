@@ -12,10 +12,8 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from .core import KL_KINDS
+from .choices import KL_KINDS, LOSS_AGGS
 from .masks import Number, Stats, Tensor, keep, masked_mean, masked_sum, masked_var, stat, zero_masked
-
-LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 
 __all__ = [
     "KL_KINDS",

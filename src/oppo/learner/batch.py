@@ -284,7 +284,7 @@ class CriticBatch:
 
     @classmethod
     def of(cls, exp: Experience) -> "CriticBatch":
-        assert exp.values is not None and exp.returns is not None  # (compute_advantages with a critic)
+        assert exp.values is not None and exp.returns is not None  # (algo.stage.compute_advantages with a critic)
         return cls(exp.ids, exp.valid, exp.P, exp.mask, exp.values, exp.returns)
 
     def to(self, device) -> "CriticBatch":
