@@ -20,6 +20,8 @@ from oppo.algo import ALGORITHMS, SPECS, AlgorithmSpec, algorithm_settings, buil
 from oppo.algo.core import KL_PLACEMENTS, SHARED_SETTINGS
 from oppo.config import AlgoConfig, Config, help_text, load_config
 
+from algo_conformance import check_algorithm
+
 # ppo.batch_size 8 is a whole number of groups for every default group size
 SIZES = ["ppo.batch_size=8", "ppo.minibatch_size=4", "ppo.micro_batch_size=4"]
 
@@ -43,6 +45,11 @@ def test_spec_is_complete_and_lives_in_its_own_file(name):
     cfg = load_config(None, [f"algo.name={name}", *SIZES])
     own = spec.from_config(cfg)
     assert set(own) <= set(settings) - set(SHARED_SETTINGS)
+
+
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_every_algorithm_passes_the_conformance_checks(name):
+    check_algorithm(get_spec(name))
 
 
 @pytest.mark.parametrize("name", ALGORITHMS)
