@@ -162,12 +162,12 @@ ALLOWED = SPEC.modes or modes.NAMES
 @pytest.mark.parametrize("mode", ["sequential", "oppo"])
 def test_it_trains_through_the_trainer(gspo, tiny_models, tiny_prompts, tmp_path, mode):
     assert mode in ALLOWED
-    _train(tiny_models, tiny_prompts, tmp_path, mode)
+    _train(tiny_models, tiny_prompts, tmp_path, mode, "placement.scorer_process=false")
 
 
 def test_it_trains_in_the_other_modes(gspo, tiny_models, tiny_prompts, tmp_path):
-    """The scorer in a thread here (the oppo case above runs it in its own process): the algorithm
-    lives with the controller and the learner either way, and a process costs seconds to start."""
+    """The scorer runs in a thread in these runs: the algorithm lives with the controller and the
+    learner either way (the scorer never sees it), and a scorer process costs seconds to start."""
     for mode in [m for m in ALLOWED if m not in ("sequential", "oppo")]:
         CALLS.clear()
         _train(tiny_models, tiny_prompts, tmp_path / mode, mode, "placement.scorer_process=false",

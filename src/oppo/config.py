@@ -16,9 +16,9 @@ import difflib
 import math
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Sequence
 from typing import Any, Callable
 
 import yaml

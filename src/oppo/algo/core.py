@@ -95,7 +95,8 @@ class PolicyLoss(Protocol):
     ``clip_eps_high``, ``dual_clip``, ``loss_agg``) come as arguments: a loss may use them or
     clip by its own fields. ``is_weights`` [B, T] weigh off-policy tokens (detached);
     ``num_tokens`` / ``num_seqs`` are the minibatch's denominators (``losses.aggregate``).
-    Returns ``(loss, stats)`` with at least "clipfrac" and "approx_kl" (detached 0-d)."""
+    Returns ``(loss, stats)``, stats detached 0-d with at least "clipfrac", "approx_kl" and
+    "ratio_mean" (tests/algo_conformance.py checks what every loss must do)."""
 
     __dataclass_fields__: ClassVar[Dict[str, Any]]
 
