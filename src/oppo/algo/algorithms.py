@@ -71,7 +71,7 @@ class _Names(Sequence):
     """The registered names, read live (an algorithm registered later is in it): ``algo.name``'s
     choices. Compares equal to a tuple of the same names."""
 
-    def __getitem__(self, i):  # type: ignore[override]
+    def __getitem__(self, i):
         return names()[i]
 
     def __len__(self) -> int:
