@@ -176,3 +176,34 @@ def test_a_new_algorithm_is_its_spec(monkeypatch):
     monkeypatch.undo()
     with pytest.raises(ValueError, match="unknown algorithm 'mean_baseline'"):
         get_algorithm("mean_baseline")
+
+
+def test_the_registry_refuses_a_taken_name_and_reads_entry_points(monkeypatch, tmp_path):
+    from oppo.algo import algorithms, register, unregister
+
+    with pytest.raises(ValueError, match="'ppo' is already registered"):
+        register(dataclasses.replace(SPECS["ppo"]))
+    assert register(SPECS["ppo"]) is SPECS["ppo"]  # the same spec again: a no-op
+
+    class EntryPoint:
+        def __init__(self, name, load):
+            self.name, self.load = name, load
+
+    def broken():
+        raise ImportError("no module named mean_baseline_plugin")
+
+    eps = [EntryPoint("mean_baseline", lambda: MEAN_BASELINE), EntryPoint("broken_algo", broken)]
+    monkeypatch.setattr("importlib.metadata.entry_points", lambda group: eps if group == "oppo.algorithms" else [])
+    monkeypatch.setattr(algorithms, "_plugins_loaded", False)
+    monkeypatch.setattr(algorithms, "_broken", {})
+    try:
+        assert "mean_baseline" in ALGORITHMS and ALGORITHMS[-1] == "mean_baseline"  # read live
+        with pytest.raises(ValueError, match="broken_algo.*its plugin failed to load: ImportError"):
+            get_spec("broken_algo")
+        p = tmp_path / "run.yaml"
+        p.write_text("algo:\n  name: mean_baseline\n  settings:\n    whiten: true\nppo:\n  batch_size: 8\n"
+                     "  minibatch_size: 4\n  micro_batch_size: 4\n")
+        with pytest.raises(ValueError, match="algo.settings.whiten: algo.name=mean_baseline reads it from"):
+            load_config(p)  # its from_config reads whiten from ppo.whiten_advantages
+    finally:
+        unregister("mean_baseline")
