@@ -10,7 +10,6 @@ through ``oppo.Trainer`` in every overlap mode its spec allows.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
