@@ -17,13 +17,18 @@ def _train(argv: list[str]) -> int:
                     "Each run gets its own directory, runs/<date>-<time>-<mode>/, and runs/latest points to the\n"
                     "newest; with run.out_dir=DIR the run directory is DIR, which must not hold another run.",
         epilog=help_text())
+    p.add_argument("--recipe", help="Start from a shipped recipe (a config for a known public setup: models, data, "
+                                    "sizes); --config and section.key=value apply on top. 'list' (or `oppo recipes`) "
+                                    "lists them.")
     p.add_argument("--config", help="YAML file of settings (sections as below).")
     p.add_argument("--resume", help="Continue a run: 'auto' for the latest checkpoint of run.out_dir (with the "
                                     "default, the newest run), or a checkpoint or run directory. The settings must "
                                     "be the checkpoint's, and run.steps beyond its step.")
     p.add_argument("overrides", nargs="*", help="section.key=value settings, applied after --config.")
     args = p.parse_intermixed_args(argv)  # settings may come before and after --resume / --config
-    cfg = load_config(args.config, args.overrides)  # validation happens here, before any model loads
+    if args.recipe == "list":
+        return _recipes([])
+    cfg = load_config(args.config, args.overrides, recipe=args.recipe)  # validation here, before any model loads
     import time
 
     from .run import run_summary, train
@@ -31,6 +36,15 @@ def _train(argv: list[str]) -> int:
     t0 = time.perf_counter()
     run_dir = train(cfg, resume=args.resume)
     print(run_summary(run_dir, time.perf_counter() - t0, link=cfg.run.out_dir))
+    return 0
+
+
+def _recipes(argv: list[str]) -> int:
+    """The shipped recipes (oppo train --recipe NAME), one line each: what each trains."""
+    argparse.ArgumentParser(prog="oppo recipes", description="List the shipped recipes.").parse_args(argv)
+    from . import recipes
+
+    print(recipes.listing())
     return 0
 
 
@@ -78,7 +92,7 @@ def _plan(argv: list[str]) -> int:
     return plan_main(argv)
 
 
-COMMANDS = {"train": _train, "prepare": _prepare, "report": _report, "bench": _bench, "plan": _plan}
+COMMANDS = {"train": _train, "recipes": _recipes, "prepare": _prepare, "report": _report, "bench": _bench, "plan": _plan}
 
 
 def usage() -> str:
