@@ -144,11 +144,14 @@ def _interrupted(e: KeyboardInterrupt, command: str) -> int:
     said = "oppo: interrupted"
     if command == "train" and STOP.run_dir is not None:
         from .checkpoint import checkpoint_step, latest_checkpoint
+        from .run import holds_run
 
         ckpt = latest_checkpoint(STOP.run_dir)
         said += (f"; no checkpoint was written by this stop. The run's last checkpoint is {ckpt} (step "
                  f"{checkpoint_step(ckpt)}); continue with: oppo train --resume {STOP.run_dir} (and the same "
                  f"settings)." if ckpt is not None else
+                 f" before its first step finished; nothing was trained, and what it had written in "
+                 f"{STOP.run_dir} was removed: start the run again." if not holds_run(STOP.run_dir) else
                  f"; no checkpoint was written, and {STOP.run_dir} holds none: start the run again without "
                  f"--resume, in a fresh run.out_dir (or delete {STOP.run_dir} first).")
     elif command == "train":
