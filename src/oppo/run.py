@@ -464,7 +464,7 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True) -> Path
     trainer = Trainer(cfg, progress=progress)
     if progress:
         print(f"models loaded in {time.perf_counter() - t_load:.1f}s", file=sys.stderr)
-    run_dir, found = None, None  # found: the entries of an existing run directory before this run
+    found = None  # the entries of an existing run directory before this run
     try:
         if ckpt is not None:
             load_checkpoint(trainer, ckpt)
@@ -547,7 +547,7 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True) -> Path
             save_checkpoint(trainer, run_dir, cfg.run.keep_checkpoints, weights_only=cfg.run.save_final == "weights")
         logger.close()
     except BaseException:
-        if run_dir is not None and ckpt is None and trainer.step == 0:
+        if lock is not None and ckpt is None and trainer.step == 0:  # a new run of ours, no step done
             _remove_unfinished(run_dir, found)
         raise
     finally:
