@@ -685,22 +685,37 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Build a Config from defaults, then a YAML file, then ``key=value`` overrides; then validate."""
+def _file_items(p: Path, what: str) -> list[tuple[str, Any, str]]:
+    """(key, value, source) of each setting in the YAML config file ``p``."""
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{what} {p} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what} {p} must hold a mapping of sections (policy:, ppo:, ...).")
+    return [(key, value, str(p)) for key, value in _flatten(data).items()]
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                recipe: str | None = None) -> Config:
+    """Build a Config from defaults, then a recipe (``oppo.recipes``), then a YAML file, then
+    ``key=value`` overrides; then validate."""
     cfg = Config()
     explicit: set[str] = set()
     items: list[tuple[str, Any, str]] = []  # (key, value, where it came from)
+    if recipe is not None:
+        from . import recipes
+
+        found = recipes.find(recipe)
+        if found is None:
+            raise ConfigError(f"Unknown recipe {recipe!r}; the recipes are: {', '.join(recipes.names()) or 'none'} "
+                              f"(`oppo recipes` says what each trains).")
+        items += _file_items(found, "Recipe")
     if path is not None:
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"Config file {p} not found. Give an existing YAML file to --config.")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"Config file {p} is not valid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"Config file {p} must hold a mapping of sections (policy:, ppo:, ...).")
-        items += [(key, value, str(p)) for key, value in _flatten(data).items()]
+        items += _file_items(p, "Config file")
     pairs = _split_overrides(overrides)
     _refuse_unknown(cfg, items + [(key, raw or None, "the command line") for key, raw in pairs])  # all at once
     items += [(key, _parse_override(cfg, key, raw), "the command line") for key, raw in pairs]
