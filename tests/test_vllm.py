@@ -589,7 +589,7 @@ def test_three_steps_each_mode(shared, vmodels, tiny_prompts, tmp_path, mode):
 
 
 def test_lora_in_the_trainer(shared, vmodels, tiny_prompts, tmp_path):
-    """LoRA (lora.sync=auto: merged on the CPU): the merged policy reaches vLLM after each update (the sampler agrees with the
+    """LoRA (rollout.vllm.lora_sync=auto: merged on the CPU): the merged policy reaches vLLM after each update (the sampler agrees with the
     training forward of base + adapters)."""
     steps = run_steps(trainer_cfg(vmodels, tiny_prompts, tmp_path, "overlap.mode=intra", "lora.r=4",
                                   "ppo.actor_lr=1e-2"), n=2)
@@ -600,7 +600,7 @@ def test_lora_in_the_trainer(shared, vmodels, tiny_prompts, tmp_path):
 
 
 def test_lora_sync_choice():
-    """``lora.sync``: auto serves a LoRA policy as base + adapter on a GPU and merged on the CPU
+    """``rollout.vllm.lora_sync``: auto serves a LoRA policy as base + adapter on a GPU and merged on the CPU
     (vLLM's CPU LoRA kernels are slower than the load they save); what vLLM cannot serve as an
     adapter is merged under auto and refused under adapter, naming the fix; a plain policy has
     nothing to choose. vLLM's rank choices hold the adapter's rank."""
@@ -611,17 +611,17 @@ def test_lora_sync_choice():
     assert lora.choose("auto", plain, on_cpu=True) == (False, "")
     assert lora.choose("auto", peft, on_cpu=False) == (True, "")
     serve, why = lora.choose("auto", peft, on_cpu=True)
-    assert not serve and "lora.sync=adapter" in why
+    assert not serve and "rollout.vllm.lora_sync=adapter" in why
     assert lora.choose("adapter", peft, on_cpu=True) == (True, "")
-    assert lora.choose("merged", peft, on_cpu=False) == (False, "lora.sync=merged")
+    assert lora.choose("merged", peft, on_cpu=False) == (False, "rollout.vllm.lora_sync=merged")
     emb = _lora_on(hf_policy_tiny(), ["embed_tokens", "q_proj"])
     assert "embed_tokens" in lora.adapter_problem(emb)
     assert lora.choose("auto", emb, on_cpu=False)[0] is False
-    with pytest.raises(ValueError, match="lora.sync=merged"):
+    with pytest.raises(ValueError, match="rollout.vllm.lora_sync=merged"):
         lora.choose("adapter", emb, on_cpu=False)
     assert "lm_head" in lora.adapter_problem(_lora_on(hf_policy_tiny(), ["lm_head"]))
     assert lora.max_rank(peft) == 8 and lora.max_rank(_lora_on(hf_policy_tiny(), [], r=16)) == 16
-    with pytest.raises(ValueError, match="lora.sync must be"):
+    with pytest.raises(ValueError, match="rollout.vllm.lora_sync must be"):
         lora.choose("both", peft, on_cpu=True)
 
 
@@ -691,14 +691,14 @@ def _lora_on(model, targets, r=4):
 
 
 def test_lora_sync_adapter_refused_before_the_engine_starts(vmodels, monkeypatch):
-    """An adapter vLLM cannot serve as one, with lora.sync=adapter: refused before any engine starts."""
+    """An adapter vLLM cannot serve as one, with rollout.vllm.lora_sync=adapter: refused before any engine starts."""
     from vllm.v1.engine.llm_engine import LLMEngine
 
     from oppo.rollout.vllm.backend import VLLMRolloutBackend, VLLMUnavailable
 
     started = []
     monkeypatch.setattr(LLMEngine, "from_engine_args", classmethod(lambda cls, *a, **k: started.append(a)))
-    with pytest.raises(VLLMUnavailable, match="lora.sync=merged"):
+    with pytest.raises(VLLMUnavailable, match="rollout.vllm.lora_sync=merged"):
         VLLMRolloutBackend(str(vmodels["policy"]), (1,), 0, MAX_NEW, weights=_lora(vmodels["policy"], ["embed_tokens"]),
                            lora_sync="adapter")
     assert not started, "refused before vLLM was asked to start"

@@ -389,23 +389,19 @@ def run_modes(base, modes: list[str], steps: int, out: Path, tail_sigma: float |
 
 def engine_step_probe(t, rows: int, prompt_len: int = 32, new_tokens: int = 16, repeats: int = 3) -> float | None:
     """Seconds per decode step of the trainer's rollout engine alone: a fresh engine of the same
-    kind (eager, or static with the same capture) on the same model decodes ``rows`` rows of
+    kind (its backend's ``probe``: eager, or static with the same capture) on the same model decodes ``rows`` rows of
     ``prompt_len`` random tokens for ``new_tokens`` sampled steps (the run's temperature, top-k and
     top-p) with no EOS; the median of
     ``repeats`` passes after an untimed one (``benchmarks/decode_speed.py``'s measure). None for a
     backend oppo does not build here (one that loads its own weights, Ray workers). All ``rows`` rows decode every step,
     where a trained step's rows finish one by one: the probe's step is the costlier, so the decode
     overhead it gives (``summarize``) errs low."""
-    from .rollout.static import StaticRolloutEngine
-    from .rollout.engine import Rollout, RolloutEngine
+    from .rollout import registry
+    from .rollout.engine import Rollout
 
     eng = t.roles.rollout
-    if type(eng) is RolloutEngine:
-        probe = RolloutEngine(eng.model, -1, eng.pad_id, new_tokens, eng.temperature, eng.top_k, eng.top_p)
-    elif type(eng) is StaticRolloutEngine:
-        probe = StaticRolloutEngine(eng.model, -1, eng.pad_id, new_tokens, eng.temperature, eng.top_k, eng.top_p,
-                                    max_rows=rows, max_len=prompt_len + new_tokens, capture=eng.capture)
-    else:
+    probe = registry.probe_engine(eng, rows, prompt_len + new_tokens, new_tokens)
+    if probe is None:
         return None
     sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)
     vocab = t.roles.tokenizer.vocab_size if hasattr(t.roles.tokenizer, "vocab_size") else 100

