@@ -74,10 +74,11 @@ BACKEND = Backend(
 def __getattr__(name: str) -> Any:
     """The engine module's names (``from oppo.rollout.static import StaticRolloutEngine``), imported
     on first use so that reading this spec loads no torch."""
-    if name.startswith("__"):
+    if name.startswith("__") or name == "engine":  # (the submodule itself: imported, never looked up here)
         raise AttributeError(name)
-    from . import engine
+    from importlib import import_module
 
+    engine = import_module(f"{__name__}.engine")
     try:
         return getattr(engine, name)
     except AttributeError:
