@@ -42,6 +42,7 @@ def _build(req: BuildRequest):
     s = req.settings
     own = req.own if req.own is not None else StaticSettings()
     if own.capture == "auto":
+        assert req.model is not None  # (oppo's own engines sample with the trainer's module)
         own = _for_device(own, next(req.model.parameters()).device.type)
     engine = StaticRolloutEngine(req.model, s.stop_ids, s.pad_id, s.max_new_tokens, s.temperature, s.top_k, s.top_p,
                                  seed=s.seed, max_rows=s.max_rows, max_len=s.max_len, capture=own.capture)
