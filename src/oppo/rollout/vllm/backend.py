@@ -67,8 +67,8 @@ class VLLMRolloutBackend:
         """``weights``: a module whose weights replace the checkpoint's at once (the trainer's
         serving policy: fresh LoRA adapters or value heads differ from what is on disk).
         ``threads``: the model worker's OpenMP threads, unbound (a Ray rollout worker's CPU
-        share: module docstring); None: vLLM binds them itself. ``weight_transport``: how
-        :meth:`load_weights` reaches vLLM's worker: "shared" (a buffer both map, ``vllm_weights.py``),
+        share: docs/vllm.md, "Threads"); None: vLLM binds them itself. ``weight_transport``: how
+        :meth:`load_weights` reaches vLLM's worker: "shared" (a buffer both map, ``weights.py``),
         "rpc" (every tensor pickled through ``collective_rpc``), "auto" (shared where it works, else
         rpc, with a warning). ``lora_sync``: how a LoRA policy (``weights`` a peft model) is served:
         "adapter" (base + adapter, each update sends the adapter: ``lora.py``), "merged", "auto"."""
@@ -97,7 +97,7 @@ class VLLMRolloutBackend:
         self.last_weight_sync_s = 0.0
         self.weight_transport = weight_transport
         self.weight_path = ""  # how the last load went: "shared-memory/live", "cuda-ipc/reload: <why>", "rpc"
-        self.last_weight_sync_parts: dict = {}  # its timings (vllm_weights.py; benchmarks/vllm/bench_weight_load.py)
+        self.last_weight_sync_parts: dict = {}  # its timings (weights.py; benchmarks/vllm/bench_weight_load.py)
         self._shared: SharedWeights | None = None
         self._shared_refused = ""  # why the shared buffer cannot be used (then every load goes by rpc)
         self._shared_path = ""
@@ -108,7 +108,7 @@ class VLLMRolloutBackend:
         from vllm.v1.engine.llm_engine import LLMEngine
 
         config = json.loads((Path(model_path).expanduser() / "config.json").read_text())
-        self._served = _served_checkpoint(config, device)  # padded heads, untied head (vllm_heads.py)
+        self._served = _served_checkpoint(config, device)  # padded heads, untied head (heads.py)
         self._served_dir = None
         try:  # before the engine starts: a refused adapter costs no start-up
             serve_adapter, self.lora_merged_why = lora.choose(lora_sync, weights, self._on_cpu)
@@ -139,7 +139,7 @@ class VLLMRolloutBackend:
             skip_tokenizer_init=True,  # token ids in and out: the trainer tokenizes and decodes
             generation_config="vllm",  # sampling settings are oppo's, not the model directory's
             enforce_eager=True,  # no torch.compile warm-up (tens of seconds on 2 cores)
-            distributed_executor_backend="mp",  # the model in vLLM's worker process (module docstring)
+            distributed_executor_backend="mp",  # the model in vLLM's worker process (docs/vllm.md)
             disable_log_stats=True, **lora_args)
         own_threads = torch.get_num_threads()
         t = time.perf_counter()
@@ -166,7 +166,7 @@ class VLLMRolloutBackend:
                                      f"{type(e).__name__}: {e}") from e
         torch.set_num_threads(own_threads)  # vLLM sets this process's to 1 "for serving"
         self.startup_s = time.perf_counter() - t
-        # the worker dies with this process (module docstring); the signal follows the thread that
+        # the worker dies with this process (docs/vllm.md, "Parent death"); the signal follows the thread that
         # started the worker (this one), so only from the main thread, which lives as long as the process
         if threading.current_thread() is threading.main_thread():
             self._call("start-up", self.llm.collective_rpc, _die_with_trainer, None, (os.getpid(),))
@@ -357,7 +357,7 @@ class VLLMRolloutBackend:
     def load_weights(self, weights: torch.nn.Module | Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Reload the engine's weights from ``weights`` (a module, or (name, tensor) pairs in
         Hugging Face names) between two engine steps, requests in flight; then sample as
-        ``version``. Through the shared buffer where it works (``vllm_weights.py``), else through
+        ``version``. Through the shared buffer where it works (``weights.py``), else through
         vLLM's RPC. A LoRA policy served as an adapter (``lora.py``) sends its adapter only. Times
         itself: ``last_weight_sync_s`` (``last_weight_sync_parts``: its parts)."""
         from ...models import is_peft
@@ -429,7 +429,7 @@ def _request_seed(seed: int, uid: int, done: int) -> int:
 def build(request: BuildRequest) -> VLLMRolloutBackend:
     """The one place a vLLM engine is built (the registry's entry, ``rollout/vllm/__init__.py``): by
     the controller's setup, with ``request.model`` the trainer's serving policy loaded into it, and by
-    every Ray rollout worker (no model; ``request.threads``: module docstring). ``max_rows`` (B +
+    every Ray rollout worker (no model; ``request.threads``: docs/vllm.md, "Threads"). ``max_rows`` (B +
     Delta and refills: at most 2B in flight) bounds vLLM's batch, ``max_len`` its context."""
     s = request.settings
     return VLLMRolloutBackend(

@@ -86,13 +86,13 @@ def vllm_problems(model_path: str | None = None, device: str = "auto") -> list[s
                 f"generation.engine=vllm: vLLM's CPU attention supports head sizes {sizes}; the policy "
                 f"{model_path} has {head_dim} (hidden_size {config.get('hidden_size')} / {heads} heads), and "
                 f"oppo pads heads exactly only for {', '.join(PADDABLE)} models with plain rotary "
-                f"embeddings (vllm_heads.py). Use a model with a supported head size (on a GPU vLLM "
+                f"embeddings (rollout/vllm/heads.py). Use a model with a supported head size (on a GPU vLLM "
                 f"supports more), {fix}.")
     return problems
 
 
 def _served_checkpoint(config: dict, device: str) -> ServedCheckpoint | None:
-    """How vLLM's CPU backend must be given ``config``'s checkpoint (``vllm_heads.py``: heads it
+    """How vLLM's CPU backend must be given ``config``'s checkpoint (``heads.py``: heads it
     lacks padded, a tied output head untied); None where it serves it as it is, or on a GPU."""
     if not (device == "cpu" or (device == "auto" and not torch.cuda.is_available())):
         return None

@@ -39,7 +39,7 @@ def hf_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     unless a LoRA adapter sits on one of its layers: then the layers differ as the trainer
     computes them (the embedding looks up W + its delta, the head multiplies by W + its own, or
     by W alone), and each is yielded under its own name, so the engine must serve them untied
-    (it does on the CPU: ``vllm_heads.ServedCheckpoint``; :meth:`VLLMRolloutBackend.load_weights`
+    (it does on the CPU: ``heads.ServedCheckpoint``; :meth:`VLLMRolloutBackend.load_weights`
     refuses a head the engine would ignore)."""
     from ...models import is_peft
 

@@ -1,4 +1,4 @@
-"""A LoRA policy served by vLLM as base model + adapter: each update sends the adapter only (issue 27).
+"""A LoRA policy served by vLLM as base model + adapter: each update sends the adapter only.
 
 With ``rollout.vllm.lora_sync=adapter`` vLLM starts with LoRA enabled (one adapter slot) and serves the frozen
 base with the policy's adapter on top, every request under one adapter id. After each update the
@@ -19,13 +19,10 @@ linear, so ``pad(W + s B A) = pad(W) + s pad(B) A`` for the query, key and value
 (rows: ``lora_B``) and ``W + s B A`` padded in its columns is ``pad(W) + s B pad(A)`` for the output
 projection (``lora_A``).
 
-**When it pays** (measured, ``benchmarks/vllm/README.md``, "LoRA"): on the CPU, vLLM's LoRA kernels
-decode SmolLM2-135M 1.8-3x slower than the merged model (16 x 48 tokens, one core: 40 against 121
-tokens/s with r = 16 on every linear layer, 64 against 114 with r = 8 on q_proj and v_proj), which
-costs far more than the adapter-only load saves (0.19 s against 0.76 s per update at r = 16, 0.05
-against 0.66 s at r = 8): ``rollout.vllm.lora_sync=auto`` sends merged weights there. On a GPU vLLM's LoRA
-kernels add little to a decode step and a merged load of a large model is the larger cost:
-``auto`` serves the adapter. Not measured on a GPU (the project's GPU machine has no vLLM).
+**When it pays**: on the CPU vLLM's LoRA kernels decode slower than the merged model by more than
+the adapter-only load saves, so ``rollout.vllm.lora_sync=auto`` sends merged weights there; on a GPU
+the merged load of a large model is the larger cost and ``auto`` serves the adapter (the figures:
+``docs/benchmarks-notes.md``, "vLLM: LoRA").
 
 Not servable as an adapter (``auto`` then merges; ``adapter`` refuses, naming why): adapters on the
 embedding or the output head, DoRA, adapter biases, ``modules_to_save``, several active adapters,

@@ -21,7 +21,7 @@ def _reload_in_worker(worker, weights: list[tuple[str, torch.Tensor]]) -> int:
 
 UNTRUNCATED_ID = -1
 """The token id under which a request's log-probs hold its sampled token's untruncated log-prob
-(module docstring): no real token has it."""
+(docs/vllm.md, "Untruncated log-probs"): no real token has it."""
 
 
 def untruncated_id(token: int) -> int:
@@ -90,7 +90,7 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 def _die_with_trainer(worker, trainer_pid: int) -> bool:
     """Runs in vLLM's worker process (``collective_rpc``): have the kernel SIGKILL it when the
-    thread that started it exits (module docstring). False where it cannot: not Linux, or the
+    thread that started it exits (docs/vllm.md, "Parent death"). False where it cannot: not Linux, or the
     worker is not ``trainer_pid``'s child."""
     if not sys.platform.startswith("linux") or os.getppid() != trainer_pid:
         return False
