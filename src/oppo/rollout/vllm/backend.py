@@ -371,6 +371,10 @@ class VLLMRolloutBackend:
             self._adapter.base_sent(None)
         loads.load_pairs(self, list(hf_weights(weights) if isinstance(weights, torch.nn.Module) else weights), version, t)
 
+    def _drop_shared(self) -> None:
+        """Unmap and free the shared weight buffer; the next load makes a new one (:mod:`.loads`)."""
+        loads.drop_shared(self)
+
     def recompute(self) -> None:
         """Abort every active request and re-add it with its prefix as the prompt: its KV cache
         is rebuilt by the current weights (prefix caching shares what the same weights computed

@@ -140,7 +140,7 @@ def load_shared(eng: VLLMRolloutBackend, pairs: list[tuple[str, torch.Tensor]], 
     shared = eng._shared
     index = shared.layout.index(pairs) if shared is not None else None
     if shared is None or index is None:
-        _drop_shared(eng)
+        drop_shared(eng)
         shared = _map_shared(eng, pairs)
         if shared is None:
             return False
@@ -213,7 +213,7 @@ def _map_shared(eng: VLLMRolloutBackend, pairs: list[tuple[str, torch.Tensor]]) 
     eng._shared_path = f"{shared.kind}/{how[0]}"
     return shared
 
-def _drop_shared(eng: VLLMRolloutBackend) -> None:
+def drop_shared(eng: VLLMRolloutBackend) -> None:
     shared, eng._shared = eng._shared, None
     if shared is None:
         return
