@@ -764,7 +764,9 @@ def _parse_override(cfg: Config, key: str, raw: str) -> Any:
         return None
     if key not in all_keys(cfg):
         return raw  # _set reports the unknown key
-    section, name = _section(cfg, key) or (None, "")
+    found = _section(cfg, key)
+    assert found is not None  # (a known key)
+    section, name = found
     tp = typing.get_type_hints(type(section))[name]
     if str in (tp, *typing.get_args(tp)) and raw[0] not in "'\"":
         return raw
