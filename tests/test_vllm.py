@@ -725,7 +725,7 @@ def _bump_adapter(peft, seed, scale=0.3):
 
 
 def test_adapter_updates_send_the_adapter_only(lora_engine, vmodels):
-    """lora.sync=adapter: the first load sends the base once and the adapter; later updates send
+    """rollout.vllm.lora_sync=adapter: the first load sends the base once and the adapter; later updates send
     the adapter only (a small share of the model's bytes), and after each the engine samples from
     base + the new adapter (its log-probs are the trainer's peft forward), heads padded and head
     untied as the engine serves them. A base weight written in place is seen and sent again."""
@@ -776,11 +776,11 @@ def test_adapter_loads_in_flight(lora_engine, vmodels):
 
 
 def test_lora_adapter_in_the_trainer(lora_engine, vmodels, tiny_prompts, tmp_path, monkeypatch):
-    """lora.sync=adapter through the trainer (pipeline: updates land with requests in flight): each
+    """rollout.vllm.lora_sync=adapter through the trainer (pipeline: updates land with requests in flight): each
     update sends the adapter only, and the sampler agrees with the training forward."""
     _share(lora_engine, monkeypatch)
     steps = run_steps(trainer_cfg(vmodels, tiny_prompts, tmp_path, "overlap.mode=pipeline", "lora.r=4",
-                                  "lora.sync=adapter", "ppo.actor_lr=1e-2", "overlap.max_lag=1"), n=2)
+                                  "rollout.vllm.lora_sync=adapter", "ppo.actor_lr=1e-2", "overlap.max_lag=1"), n=2)
     assert lora_engine.weight_path == "adapter" and "base_s" not in lora_engine.last_weight_sync_parts
     for s in steps:
         assert s["m"].get("mismatch/logprob_abs_diff", 0.0) < 1e-4
@@ -789,8 +789,8 @@ def test_lora_adapter_in_the_trainer(lora_engine, vmodels, tiny_prompts, tmp_pat
 
 
 def test_an_adapter_vllm_refuses(lora_engine, vmodels, monkeypatch):
-    """vLLM refusing the adapter: under lora.sync=adapter (or once it served one) the run stops,
-    naming lora.sync=merged; under auto, before it ever served one, the policy goes merged from
+    """vLLM refusing the adapter: under rollout.vllm.lora_sync=adapter (or once it served one) the run stops,
+    naming rollout.vllm.lora_sync=merged; under auto, before it ever served one, the policy goes merged from
     then on, with a warning, and the engine samples from the merged weights. (Last of the adapter
     tests: the engine serves merged weights afterwards.)"""
     from oppo.rollout.vllm.backend import VLLMUnavailable
@@ -800,10 +800,10 @@ def test_an_adapter_vllm_refuses(lora_engine, vmodels, monkeypatch):
 
     peft = _lora(vmodels["policy"], [], seed=8)
     monkeypatch.setattr(lora_engine.llm, "add_lora", refuse)
-    with pytest.raises(VLLMUnavailable, match="lora.sync=merged"):
+    with pytest.raises(VLLMUnavailable, match="rollout.vllm.lora_sync=merged"):
         lora_engine.load_weights(peft, 1)
     monkeypatch.setattr(lora_engine, "_lora_sync", "auto")
-    with pytest.raises(VLLMUnavailable, match="lora.sync=merged"):  # (it served one before)
+    with pytest.raises(VLLMUnavailable, match="rollout.vllm.lora_sync=merged"):  # (it served one before)
         lora_engine.load_weights(peft, 1)
     monkeypatch.setattr(lora_engine, "_adapter_served", False)
     with pytest.warns(UserWarning, match="sent merged.*not supported"):
