@@ -2,7 +2,7 @@
 implementation: what the controller relies on must hold wherever the role runs.
 
 - RolloutBackend: the eager engine, the static engine, Ray rollout workers (one and two), a backend
-  registered at run time from a test (``tests/test_backend_plugin.py``: the Protocol's members only,
+  registered at run time from a test (``tests/test_external_backend.py``: the Protocol's members only,
   built through ``rollout.registry``), vLLM (the test session's one engine, ``conftest.vllm_engine``, shared
   with ``tests/test_vllm.py``: a start costs ~25 s; skipped where vLLM is not installed);
 - Scorer: in the controller's thread, a thread worker, a child process, Ray actors;
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import pytest
 from conftest import assert_continued
 import torch
-from test_backend_plugin import NAME as PLUGIN, Delegating, testplug  # noqa: F401 (a fixture)
+from test_external_backend import NAME as PLUGIN, Delegating, PlugSettings, testplug  # noqa: F401 (a fixture)
 from test_vllm import hf_policy, reset
 
 from oppo.learner.batch import build_experience
@@ -77,7 +77,8 @@ def _plugin(models, seed=0, builds=None):
     from oppo.rollout.engine import EngineSettings
 
     builds.cls = Delegating  # the Protocol's members, nothing else
-    return registry.build(registry.BuildRequest(EngineSettings((EOS,), PAD, 10, seed=seed, kind=PLUGIN),
+    return registry.build(registry.BuildRequest(EngineSettings((EOS,), PAD, 10, seed=seed, kind=PLUGIN,
+                                                               backend=PlugSettings()),
                                                 _load(models, "policy")))
 
 

@@ -423,9 +423,9 @@ def test_auto_engine_is_static_with_graphs_on_cuda_for_supported_policies_else_e
     cfg, model = Config(), _model()
     assert cfg.generation.engine == "auto"
     s = engine_settings(cfg, (EOS,), PAD, 8, cuda, model=model)
-    assert (s.kind, s.capture) == ("static", "cuda_graph") and "CUDA graphs" in s.reason
+    assert (s.kind, s.backend.capture) == ("static", "cuda_graph") and "CUDA graphs" in s.reason
     s = engine_settings(cfg, (EOS,), PAD, 8, torch.device("cpu"), model=model)
-    assert (s.kind, s.capture) == ("eager", "none")
+    assert s.kind == "eager" and s.backend is None
     model.config._attn_implementation = "flash_attention_2"
     try:
         s = engine_settings(cfg, (EOS,), PAD, 8, cuda, model=model)

@@ -50,11 +50,20 @@ def test_known_modes_keep_their_behaviour():
 
 @pytest.mark.parametrize("old,new", sorted(MOVED.items()))
 def test_an_old_name_on_the_command_line_names_the_new_one(old, new):
-    value = "true" if new.endswith(("process", "worker")) else "1"
+    value = "true" if new.endswith(("process", "worker")) else "merged" if new.endswith("lora_sync") else "1"
     with pytest.raises(ConfigError, match=f"{old} is now {new}"):
         load_config(None, [f"{old}={value}"])
-    section, leaf = new.split(".")
-    assert str(getattr(getattr(load_config(None, [f"{new}={value}"]), section), leaf)).lower() in ("true", "1")
+    section, leaf = _at(to_dict(load_config(None, [f"{new}={value}"])), new)
+    assert str(section[leaf]).lower() == value
+
+
+def _at(d: dict, key: str) -> tuple[dict, str]:
+    """(the dict holding ``key``'s value, its last part): ``key`` may name a section within a section
+    (``rollout.vllm.lora_sync``)."""
+    *sections, leaf = key.split(".")
+    for name in sections:
+        d = d[name]
+    return d, leaf
 
 
 def test_an_old_name_in_a_yaml_file_names_the_new_one(tmp_path):
@@ -75,8 +84,8 @@ def _old_saved(cfg: Config) -> dict:
     """``to_dict(cfg)`` as an oppo from before the move saved it (placement keys under overlap / run)."""
     d = to_dict(cfg)
     for old, new in MOVED.items():
-        (os_, ok), (ns, nk) = old.split("."), new.split(".")
-        d[os_][ok] = d[ns].pop(nk)
+        (os_, ok), (ns, nk) = old.split("."), _at(d, new)
+        d[os_][ok] = ns.pop(nk)
     return d
 
 

@@ -589,7 +589,7 @@ def test_three_steps_each_mode(shared, vmodels, tiny_prompts, tmp_path, mode):
 
 
 def test_lora_in_the_trainer(shared, vmodels, tiny_prompts, tmp_path):
-    """LoRA (lora.sync=auto: merged on the CPU): the merged policy reaches vLLM after each update (the sampler agrees with the
+    """LoRA (rollout.vllm.lora_sync=auto: merged on the CPU): the merged policy reaches vLLM after each update (the sampler agrees with the
     training forward of base + adapters)."""
     steps = run_steps(trainer_cfg(vmodels, tiny_prompts, tmp_path, "overlap.mode=intra", "lora.r=4",
                                   "ppo.actor_lr=1e-2"), n=2)
@@ -600,7 +600,7 @@ def test_lora_in_the_trainer(shared, vmodels, tiny_prompts, tmp_path):
 
 
 def test_lora_sync_choice():
-    """``lora.sync``: auto serves a LoRA policy as base + adapter on a GPU and merged on the CPU
+    """``rollout.vllm.lora_sync``: auto serves a LoRA policy as base + adapter on a GPU and merged on the CPU
     (vLLM's CPU LoRA kernels are slower than the load they save); what vLLM cannot serve as an
     adapter is merged under auto and refused under adapter, naming the fix; a plain policy has
     nothing to choose. vLLM's rank choices hold the adapter's rank."""
@@ -611,17 +611,17 @@ def test_lora_sync_choice():
     assert lora.choose("auto", plain, on_cpu=True) == (False, "")
     assert lora.choose("auto", peft, on_cpu=False) == (True, "")
     serve, why = lora.choose("auto", peft, on_cpu=True)
-    assert not serve and "lora.sync=adapter" in why
+    assert not serve and "rollout.vllm.lora_sync=adapter" in why
     assert lora.choose("adapter", peft, on_cpu=True) == (True, "")
-    assert lora.choose("merged", peft, on_cpu=False) == (False, "lora.sync=merged")
+    assert lora.choose("merged", peft, on_cpu=False) == (False, "rollout.vllm.lora_sync=merged")
     emb = _lora_on(hf_policy_tiny(), ["embed_tokens", "q_proj"])
     assert "embed_tokens" in lora.adapter_problem(emb)
     assert lora.choose("auto", emb, on_cpu=False)[0] is False
-    with pytest.raises(ValueError, match="lora.sync=merged"):
+    with pytest.raises(ValueError, match="rollout.vllm.lora_sync=merged"):
         lora.choose("adapter", emb, on_cpu=False)
     assert "lm_head" in lora.adapter_problem(_lora_on(hf_policy_tiny(), ["lm_head"]))
     assert lora.max_rank(peft) == 8 and lora.max_rank(_lora_on(hf_policy_tiny(), [], r=16)) == 16
-    with pytest.raises(ValueError, match="lora.sync must be"):
+    with pytest.raises(ValueError, match="rollout.vllm.lora_sync must be"):
         lora.choose("both", peft, on_cpu=True)
 
 
@@ -691,14 +691,14 @@ def _lora_on(model, targets, r=4):
 
 
 def test_lora_sync_adapter_refused_before_the_engine_starts(vmodels, monkeypatch):
-    """An adapter vLLM cannot serve as one, with lora.sync=adapter: refused before any engine starts."""
+    """An adapter vLLM cannot serve as one, with rollout.vllm.lora_sync=adapter: refused before any engine starts."""
     from vllm.v1.engine.llm_engine import LLMEngine
 
     from oppo.rollout.vllm.backend import VLLMRolloutBackend, VLLMUnavailable
 
     started = []
     monkeypatch.setattr(LLMEngine, "from_engine_args", classmethod(lambda cls, *a, **k: started.append(a)))
-    with pytest.raises(VLLMUnavailable, match="lora.sync=merged"):
+    with pytest.raises(VLLMUnavailable, match="rollout.vllm.lora_sync=merged"):
         VLLMRolloutBackend(str(vmodels["policy"]), (1,), 0, MAX_NEW, weights=_lora(vmodels["policy"], ["embed_tokens"]),
                            lora_sync="adapter")
     assert not started, "refused before vLLM was asked to start"
@@ -725,7 +725,7 @@ def _bump_adapter(peft, seed, scale=0.3):
 
 
 def test_adapter_updates_send_the_adapter_only(lora_engine, vmodels):
-    """lora.sync=adapter: the first load sends the base once and the adapter; later updates send
+    """rollout.vllm.lora_sync=adapter: the first load sends the base once and the adapter; later updates send
     the adapter only (a small share of the model's bytes), and after each the engine samples from
     base + the new adapter (its log-probs are the trainer's peft forward), heads padded and head
     untied as the engine serves them. A base weight written in place is seen and sent again."""
@@ -776,11 +776,11 @@ def test_adapter_loads_in_flight(lora_engine, vmodels):
 
 
 def test_lora_adapter_in_the_trainer(lora_engine, vmodels, tiny_prompts, tmp_path, monkeypatch):
-    """lora.sync=adapter through the trainer (pipeline: updates land with requests in flight): each
+    """rollout.vllm.lora_sync=adapter through the trainer (pipeline: updates land with requests in flight): each
     update sends the adapter only, and the sampler agrees with the training forward."""
     _share(lora_engine, monkeypatch)
     steps = run_steps(trainer_cfg(vmodels, tiny_prompts, tmp_path, "overlap.mode=pipeline", "lora.r=4",
-                                  "lora.sync=adapter", "ppo.actor_lr=1e-2", "overlap.max_lag=1"), n=2)
+                                  "rollout.vllm.lora_sync=adapter", "ppo.actor_lr=1e-2", "overlap.max_lag=1"), n=2)
     assert lora_engine.weight_path == "adapter" and "base_s" not in lora_engine.last_weight_sync_parts
     for s in steps:
         assert s["m"].get("mismatch/logprob_abs_diff", 0.0) < 1e-4
@@ -789,8 +789,8 @@ def test_lora_adapter_in_the_trainer(lora_engine, vmodels, tiny_prompts, tmp_pat
 
 
 def test_an_adapter_vllm_refuses(lora_engine, vmodels, monkeypatch):
-    """vLLM refusing the adapter: under lora.sync=adapter (or once it served one) the run stops,
-    naming lora.sync=merged; under auto, before it ever served one, the policy goes merged from
+    """vLLM refusing the adapter: under rollout.vllm.lora_sync=adapter (or once it served one) the run stops,
+    naming rollout.vllm.lora_sync=merged; under auto, before it ever served one, the policy goes merged from
     then on, with a warning, and the engine samples from the merged weights. (Last of the adapter
     tests: the engine serves merged weights afterwards.)"""
     from oppo.rollout.vllm.backend import VLLMUnavailable
@@ -800,10 +800,10 @@ def test_an_adapter_vllm_refuses(lora_engine, vmodels, monkeypatch):
 
     peft = _lora(vmodels["policy"], [], seed=8)
     monkeypatch.setattr(lora_engine.llm, "add_lora", refuse)
-    with pytest.raises(VLLMUnavailable, match="lora.sync=merged"):
+    with pytest.raises(VLLMUnavailable, match="rollout.vllm.lora_sync=merged"):
         lora_engine.load_weights(peft, 1)
     monkeypatch.setattr(lora_engine, "_lora_sync", "auto")
-    with pytest.raises(VLLMUnavailable, match="lora.sync=merged"):  # (it served one before)
+    with pytest.raises(VLLMUnavailable, match="rollout.vllm.lora_sync=merged"):  # (it served one before)
         lora_engine.load_weights(peft, 1)
     monkeypatch.setattr(lora_engine, "_adapter_served", False)
     with pytest.warns(UserWarning, match="sent merged.*not supported"):

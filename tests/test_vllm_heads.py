@@ -107,7 +107,7 @@ def test_a_rope_block_without_its_base_gets_the_base_the_model_uses(top_level):
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_a_padded_adapter_is_the_adapter_of_the_padded_model(tmp_path, kind):
-    """LoRA served as an adapter on padded heads (``lora.sync=adapter``): padding each adapter
+    """LoRA served as an adapter on padded heads (``rollout.vllm.lora_sync=adapter``): padding each adapter
     tensor as :meth:`HeadPadding.adapter_weight` does gives the padded model's adapter, i.e.
     ``pad(W) + s pad_B(B) pad_A(A) == pad(W + s B A)`` for every adapted projection, and the
     padded model with the padded adapter computes the same logits as the original with its own."""

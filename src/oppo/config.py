@@ -49,10 +49,18 @@ def _engine_choices() -> tuple[str, ...]:
 def _engine_help() -> list[str]:
     from .rollout import registry
 
-    return [f"{n}: {registry.get(n).help}." for n in registry.names()]
+    return [f"{n}: {registry.get(n).help}." + (f" Its settings: rollout.{n}.*." if registry.get(n).settings else "")
+            for n in registry.names()]
 
 
-def _choices(f) -> tuple:
+def _rollout_sections() -> dict[str, Any]:
+    """The ``rollout`` section: each registered backend's own settings (``rollout.<backend>.<field>``)."""
+    from .rollout import registry
+
+    return registry.default_settings()
+
+
+def choices_of(f) -> tuple:
     c = f.metadata.get("choices")
     return c() if callable(c) else (c or ())
 
@@ -171,7 +179,8 @@ class GenerationConfig:
     top_k: int = opt(0, "Sample among the k most likely tokens (0: off).")
     engine: str = opt("auto", "Rollout engine: auto (static with CUDA graphs when the policy is on CUDA and its "
                               "architecture suits it, else eager; the run's log says which ran and why), or a "
-                              "rollout backend by name:", _engine_choices, _engine_help)
+                              "rollout backend by name (its own settings are rollout.<name>.*):", _engine_choices,
+                    _engine_help)
     kv_budget_mb: float = opt(0.0, "Most memory the actor's KV cache may take, in MiB; a step that would exceed it "
                                     "stops with an error naming the settings to lower (0: no limit). The per-step "
                                     "peak is reported as memory/actor_kv_peak_mb. A backend with a KV cache "
@@ -312,14 +321,6 @@ class LoraConfig:
                               "a dropout would never apply: it is refused rather than ignored.")
     target_modules: list = opt([], "Module names to adapt, e.g. [q_proj, v_proj]. Empty: every linear layer but "
                                     "the output head (peft's all-linear).")
-    sync: str = opt("auto", "How the trained policy reaches a rollout backend that loads its own copy of the weights "
-                            "(oppo's own engines share the trainer's model: nothing is sent): adapter: the backend "
-                            "serves the base with the adapter on top and each update sends the adapter only (a few "
-                            "MB); merged: each update sends base + adapter merged, the whole model; auto: the "
-                            "backend's choice, from where it is faster (its line under generation.engine says). An "
-                            "adapter the backend cannot serve as one (on the embedding or the head, DoRA, "
-                            "modules_to_save) goes merged under auto and is refused under adapter.",
-                    ("auto", "adapter", "merged"))
 
 
 def _algo_lines() -> list[str]:
@@ -447,6 +448,9 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     data: DataConfig = field(default_factory=DataConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
+    rollout: dict[str, Any] = field(default_factory=_rollout_sections)
+    """The rollout backends' own settings, ``{backend name: its settings dataclass}``
+    (``rollout.<backend>.<field>``; ``oppo.rollout.registry``)."""
     ppo: PPOConfig = field(default_factory=PPOConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -508,13 +512,32 @@ class Config:
 
 # --------------------------------------------------------------------------- building
 
-def _sections(cfg: Any) -> list[dataclasses.Field]:
-    return list(dataclasses.fields(cfg))
+def sections(cfg: Any) -> list[tuple[str, Any]]:
+    """(name, settings object) of every section: ``policy`` ... ``log``, and ``rollout.<backend>`` for
+    each registered backend with settings of its own."""
+    out = []
+    for s in dataclasses.fields(cfg):
+        value = getattr(cfg, s.name)
+        if isinstance(value, dict):
+            out += [(f"{s.name}.{name}", own) for name, own in value.items()]
+        else:
+            out.append((s.name, value))
+    return out
+
+
+def _section(cfg: Config, key: str) -> tuple[Any, str] | None:
+    """(settings object, field name) that ``key`` (``section.field`` or ``rollout.backend.field``)
+    names; None for no setting."""
+    name, _, leaf = key.rpartition(".")
+    section = dict(sections(cfg)).get(name)
+    if section is None or leaf not in {f.name for f in dataclasses.fields(section)}:
+        return None
+    return section, leaf
 
 
 def all_keys(cfg: Config | None = None) -> list[str]:
     cfg = cfg or Config()
-    return [f"{s.name}.{f.name}" for s in _sections(cfg) for f in dataclasses.fields(getattr(cfg, s.name))]
+    return [f"{name}.{f.name}" for name, section in sections(cfg) for f in dataclasses.fields(section)]
 
 
 # other trainers' names (TRL, OpenRLHF, verl) for oppo's settings, by the last component: spelling
@@ -533,7 +556,9 @@ MOVED = {"overlap.scorer_process": "placement.scorer_process", "overlap.critic_o
          "overlap.actor_threads": "placement.actor_threads", "overlap.scorer_threads": "placement.scorer_threads",
          "run.threads": "placement.threads",
          # issue 34: the overlap controller's trials cover Delta as well as the chunk
-         "overlap.chunk_trial_steps": "overlap.trial_steps", "overlap.chunk_retune_every": "overlap.retune_every"}
+         "overlap.chunk_trial_steps": "overlap.trial_steps", "overlap.chunk_retune_every": "overlap.retune_every",
+         # issue 37: a rollout backend's own settings are its section of rollout
+         "lora.sync": "rollout.vllm.lora_sync"}
 
 
 def upgrade_settings(d: dict) -> dict:
@@ -543,10 +568,13 @@ def upgrade_settings(d: dict) -> dict:
     if isinstance(out.get("overlap"), dict) and "delta_rule" not in out["overlap"]:
         out["overlap"]["delta_rule"] = "reward_slope"  # saved before the cost rule existed: it ran the paper's
     for old, new in MOVED.items():
-        (os_, ok), (ns, nk) = old.split("."), new.split(".")
+        (os_, ok), (*ns, nk) = old.split("."), new.split(".")
         if isinstance(out.get(os_), dict) and ok in out[os_]:
             value = out[os_].pop(ok)
-            out.setdefault(ns, {}).setdefault(nk, value)
+            section = out.setdefault(ns[0], {})
+            for part in ns[1:]:  # (rollout.<backend>: a section within a section)
+                section[part] = section = dict(section.get(part) or {})
+            section.setdefault(nk, value)
     return out
 
 
@@ -590,7 +618,7 @@ def _unknown(cfg: Config, key: str, value: Any, source: str) -> str | None:
         why = (" (where a role runs and how much hardware it gets is in the placement section)"
                if MOVED[key].startswith("placement.") else "")
         return f"Unknown setting '{key}' (from {source}): {key} is now {MOVED[key]}{why}. Rename it to {MOVED[key]}."
-    if len(key.split(".")) == 2 and key in known:
+    if key in known:
         return None
     trl = from_trl.lookup(key)
     if trl is not None:
@@ -667,11 +695,12 @@ def _is_int(s: str) -> bool:
 
 
 def _set(cfg: Config, key: str, value: Any, source: str) -> None:
-    parts = key.split(".")
     _refuse_unknown(cfg, [(key, value, source)])
-    section = getattr(cfg, parts[0])
+    found = _section(cfg, key)
+    assert found is not None  # (_refuse_unknown raised otherwise)
+    section, leaf = found
     hints = typing.get_type_hints(type(section))
-    setattr(section, parts[1], _coerce(key, value, hints[parts[1]]))
+    setattr(section, leaf, _coerce(key, value, hints[leaf]))
 
 
 def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
@@ -759,8 +788,10 @@ def _parse_override(cfg: Config, key: str, raw: str) -> Any:
         return None
     if key not in all_keys(cfg):
         return raw  # _set reports the unknown key
-    section, name = key.split(".")
-    tp = typing.get_type_hints(type(getattr(cfg, section)))[name]
+    found = _section(cfg, key)
+    assert found is not None  # (a known key)
+    section, name = found
+    tp = typing.get_type_hints(type(section))[name]
     if str in (tp, *typing.get_args(tp)) and raw[0] not in "'\"":
         return raw
     try:
@@ -802,13 +833,12 @@ def _check(cond: bool, msg: str) -> None:
 
 def validate(cfg: Config) -> None:
     """Raise ConfigError on the first invalid value. Never changes a value."""
-    for s in _sections(cfg):
-        section = getattr(cfg, s.name)
+    for name, section in sections(cfg):
         for f in dataclasses.fields(section):
-            choices = _choices(f)
+            choices = choices_of(f)
             v = getattr(section, f.name)
             if choices and v not in choices:
-                raise ConfigError(f"{s.name}.{f.name}={v!r} is not one of {', '.join(map(str, choices))}.")
+                raise ConfigError(f"{name}.{f.name}={v!r} is not one of {', '.join(map(str, choices))}.")
     p, o, g = cfg.ppo, cfg.overlap, cfg.generation
     _check(p.batch_size >= 1, f"ppo.batch_size must be >= 1, got {p.batch_size}.")
     _check(p.minibatch_size >= 1 and p.batch_size % p.minibatch_size == 0,
@@ -923,6 +953,11 @@ def validate(cfg: Config) -> None:
                f"not support yet; set generation.engine=auto (eager in workers) or one of {', '.join(in_workers)}.")
         _check(cfg.lora.r == 0, "placement.rollout_workers does not carry LoRA adapters yet; set lora.r=0 or "
                                 "placement.rollout_workers=0.")
+    if g.engine != "auto":  # the backend's own checks of its settings against the run's
+        spec = _backend(g.engine)
+        own = cfg.rollout.get(g.engine)
+        problems = spec.checks(own, cfg) if spec.checks and own is not None else []
+        _check(not problems, "\n".join(problems))
     _check(cfg.run.save_every >= 0, "run.save_every must be >= 0.")
     _check(cfg.run.save_every_minutes >= 0, "run.save_every_minutes must be >= 0.")
     _check(cfg.run.keep_checkpoints >= 1, "run.keep_checkpoints must be >= 1.")
@@ -954,14 +989,14 @@ def help_text() -> str:
         lines.append(f"With no models named, the built-in task {task!r} sets, unless you do: {shown}")
     lines.append("")
     cfg = Config()
-    for s in _sections(cfg):
-        section = getattr(cfg, s.name)
-        lines.append(f"{s.name}:")
+    for name, section in sections(cfg):
+        backend = name.partition("rollout.")[2]  # a backend's own settings (its help: generation.engine's)
+        lines.append(f"{name}: (the settings of generation.engine={backend})" if backend else f"{name}:")
         for f in dataclasses.fields(section):
             default = getattr(section, f.name)
             shown = "(empty)" if default is None else repr(default) if isinstance(default, str) else default
-            extra = f" [{'|'.join(map(str, _choices(f)))}]" if f.metadata.get("choices") else ""
-            lines.append(f"  {s.name}.{f.name} = {shown}{extra}")
+            extra = f" [{'|'.join(map(str, choices_of(f)))}]" if f.metadata.get("choices") else ""
+            lines.append(f"  {name}.{f.name} = {shown}{extra}")
             lines.append(f"      {f.metadata.get('help', '')}")
             lines += [f"        {line}" for line in (f.metadata["more"]() if "more" in f.metadata else [])]
         lines.append("")

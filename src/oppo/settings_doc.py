@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .config import TASK_PRESETS, Config, _choices
+from .config import TASK_PRESETS, Config, choices_of, sections
 
 BEGIN = "<!-- settings (generated: python -m oppo.settings_doc docs/settings.md) -->"
 END = "<!-- end settings -->"
@@ -23,18 +23,17 @@ def markdown() -> str:
     lines = ["With no models named, a built-in task runs, and sets these unless you do:", ""]
     lines += [f"- `{task}`: "
              + ", ".join(f"`{k}={v}`" for k, v in preset.items()) for task, preset in TASK_PRESETS.items()]
-    for s in dataclasses.fields(cfg):
-        section = getattr(cfg, s.name)
-        lines += ["", f"## {s.name}", "", "| setting | default | meaning |", "|---|---|---|"]
+    for name, section in sections(cfg):
+        lines += ["", f"## {name}", "", "| setting | default | meaning |", "|---|---|---|"]
         for f in dataclasses.fields(section):
             default = getattr(section, f.name)
             shown = "(empty)" if default is None else f"`{default!r}`" if isinstance(default, str) else f"`{default}`"
             meaning = f.metadata.get("help", "")
             if f.metadata.get("choices"):
-                meaning += " One of: " + ", ".join(f"`{c}`" for c in _choices(f)) + "."
+                meaning += " One of: " + ", ".join(f"`{c}`" for c in choices_of(f)) + "."
             if "more" in f.metadata:
                 meaning += " " + " ".join(f.metadata["more"]())
-            lines.append(f"| `{s.name}.{f.name}` | {_cell(shown)} | {_cell(meaning)} |")
+            lines.append(f"| `{name}.{f.name}` | {_cell(shown)} | {_cell(meaning)} |")
     return "\n".join(lines)
 
 

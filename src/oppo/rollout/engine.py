@@ -33,13 +33,14 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass
 
 import torch
 
 from ..guard import NonFiniteError, sampling_message
 from ..kv import KVRows, left_pad
 from ..api.records import Chunk, ChunkReady, Event, Rollout, RolloutStats, SequenceFinished
+from .chunks import take_chunks
+from .registry import EngineSettings, resolve_engine  # (their old home: imports of them keep working)
 
 __all__ = ["Chunk", "EngineSettings", "KVBudgetError", "Rollout", "RolloutEngine", "resolve_engine",
            "sample_tokens", "take_chunks"]
@@ -459,60 +460,3 @@ class RolloutEngine:
             done.extend(self.decode())
         self.finished = []
         return done
-
-
-def take_chunks(finished, active, chunk_size: int) -> list[Chunk]:
-    """Chunks for the streaming scorers: each ``finished`` row's final chunk (possibly empty), and
-    each ``active`` row with at least ``chunk_size`` unstreamed tokens; marks them streamed."""
-    out = []
-    for row in finished:
-        out.append(Chunk(row.uid, tuple(row.response_ids[row.emitted:]), True))
-        row.emitted = len(row.response_ids)
-    for row in active:
-        if len(row.response_ids) - row.emitted >= chunk_size:
-            out.append(Chunk(row.uid, tuple(row.response_ids[row.emitted:]), False))
-            row.emitted = len(row.response_ids)
-    return out
-
-
-@dataclass(frozen=True)
-class EngineSettings:
-    """What a rollout backend is built with (``generation.*``; ``setup.engine_settings``).
-    ``kind``: the backend's name in ``rollout.registry`` (``generation.engine=auto`` resolved:
-    :func:`resolve_engine`);
-    ``max_rows`` / ``max_len``: the static engine's slots; ``capture``: its decode-step capture
-    (``rollout.static.CAPTURE_MODES``); ``reason``: which engine and why, for the run's log."""
-
-    stop_ids: tuple[int, ...]
-    pad_id: int
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    kv_budget_mb: float | None = None
-    seed: int = 0
-    kind: str = "eager"
-    max_rows: int = 0
-    max_len: int = 0
-    capture: str = "none"
-    reason: str = ""
-    lora_sync: str = "auto"  # lora.sync: a LoRA policy sent to a backend with its own weights as adapter or merged
-
-
-def resolve_engine(requested: str, device: torch.device, static_problem) -> tuple[str, str]:
-    """The engine ``generation.engine`` names, and a sentence saying which runs and why.
-
-    ``auto``: ``static`` (CUDA graphs) on a CUDA device unless ``static_problem()`` (a callable,
-    asked only then: ``rollout.static.static_decode_problem``, which may run a two-token forward) names
-    something the static engine refuses; else ``eager``. On CPU the eager engine runs: CPU runs and
-    their golden metrics stay as they were (without graphs the static engine is no faster there).
-    Any other value is returned as asked.
-    """
-    if requested != "auto":
-        return requested, f"{requested} (generation.engine={requested})"
-    if device.type != "cuda":
-        return "eager", f"eager (generation.engine=auto: no CUDA graphs on {device.type})"
-    problem = static_problem()
-    if problem:
-        return "eager", f"eager (generation.engine=auto: the static engine cannot decode this policy: {problem})"
-    return "static", "static with CUDA graphs (generation.engine=auto; generation.engine=eager is the fallback)"

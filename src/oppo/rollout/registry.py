@@ -1,48 +1,85 @@
 """Rollout backends by name: ``generation.engine`` picks one entry of this registry.
 
-A backend is one :class:`Backend`: its name, a line of help, one ``build`` function (called in the
-controller's process and, unchanged, inside every Ray rollout worker), its checks before any model
-loads, and the few facts the rest of oppo needs to know about it (does it load the policy itself,
-may it run in Ray workers, does it sample with other numerics than the trainer's forward). Nothing
-outside a backend's own folder names it: config, preflight, setup, the Ray group and the bench ask
-this registry.
+A backend is one :class:`Backend` spec that owns its whole vertical: its settings (a dataclass, the
+config's ``rollout.<name>.*`` section), its checks (config validation, then the pre-run checks before
+any model loads), its ``build`` (called in the controller's process and, unchanged, inside every Ray
+rollout worker), its decode-step probe for ``oppo bench``, and the few facts the rest of oppo needs
+(does it load the policy itself, may it run in Ray workers, does it sample with other numerics than
+the trainer's forward). Its weight endpoint is the Protocol's ``load_weights``. Nothing outside a
+backend's own folder names it: config, preflight, setup, the Ray group and the bench ask this registry.
 
-oppo's own engines (``eager``, ``static``) are registered here. Other backends live in folders of
-their own and register through the ``oppo.rollout_backends`` entry point group
-(``pyproject.toml``; the entry's value is its :class:`Backend`), or by calling :func:`register`
-(a plugin imported by the user, a test). This module imports no torch, so the config can list the
-backends without loading one.
+oppo's own engines register from :data:`BUILT_IN` (one line each); other backends live in folders of
+their own and register through the ``oppo.rollout_backends`` entry point group (``pyproject.toml``;
+the entry's value is its :class:`Backend`), or by calling :func:`register` (a plugin imported by the
+user, a test). This module imports no torch, so the config can list the backends without loading one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from importlib import import_module
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     import torch
 
     from ..api.protocols import RolloutBackend
-    from .engine import EngineSettings
 
 ENTRY_POINTS = "oppo.rollout_backends"
-AUTO = "auto"  # not a backend: resolved per run (rollout.engine.resolve_engine)
+AUTO = "auto"  # not a backend: resolved per run (resolve_engine)
+BUILT_IN = ("oppo.rollout.eager:BACKEND", "oppo.rollout.static:BACKEND")
+"""oppo's own backends, registered before any plugin (the module is imported when first asked for)."""
 
 
 class BackendUnavailable(ValueError):
     """A rollout backend cannot serve this run; the message says why and what to do."""
 
 
+def setting(default: Any, help: str, choices: tuple | None = None) -> Any:
+    """A field of a backend's settings dataclass with its help text (and its allowed values), read
+    by the config the way it reads its own fields (``rollout.<backend>.<field>``)."""
+    meta: dict[str, Any] = {"help": help}
+    if choices is not None:
+        meta["choices"] = choices
+    return dataclasses.field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What every rollout backend is built with (``generation.*``; ``setup.plan.engine_settings``).
+
+    ``kind``: the backend's name (``generation.engine=auto`` resolved: :func:`resolve_engine`);
+    ``max_rows``: the most rows in flight (B + Delta and refills: at most 2B); ``max_len``: the
+    longest prompt plus response; ``reason``: which engine and why, for the run's log;
+    ``backend``: the backend's own settings (its :attr:`Backend.settings` dataclass, from
+    ``rollout.<kind>.*``; None when it declares none)."""
+
+    stop_ids: tuple[int, ...]
+    pad_id: int
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    kv_budget_mb: float | None = None
+    seed: int = 0
+    kind: str = "eager"
+    max_rows: int = 0
+    max_len: int = 0
+    reason: str = ""
+    backend: Any = None
+
+
 @dataclass(frozen=True)
 class BuildRequest:
     """What a backend is built from, wherever it runs.
 
-    ``settings``: the sampling and capacity settings (``setup.plan.engine_settings``; ``kind`` is this
-    backend's name). ``model``: the policy module to sample with, or None where the backend loads
-    the policy itself (:attr:`Backend.loads_own_weights`: then only ``policy_path`` and ``dtype``
-    matter, and ``model``, when given, holds the weights to start from). ``device``: a device type
-    (``cpu``, ``cuda``, or ``auto``). ``role``: the name in messages; ``threads``: the CPU threads a
-    worker was granted (None: the process's)."""
+    ``settings``: the common settings and the backend's own (``settings.backend``). ``model``: the
+    policy module to sample with, or None where the backend loads the policy itself
+    (:attr:`Backend.loads_own_weights`: then only ``policy_path`` and ``dtype`` matter, and
+    ``model``, when given, holds the weights to start from). ``device``: a device type (``cpu``,
+    ``cuda``, or ``auto``). ``role``: the name in messages; ``threads``: the CPU threads a worker was
+    granted (None: the process's)."""
 
     settings: EngineSettings
     model: torch.nn.Module | None = None
@@ -52,15 +89,33 @@ class BuildRequest:
     role: str = "policy"
     threads: int | None = None
 
+    @property
+    def own(self) -> Any:
+        """The backend's own settings (``rollout.<kind>.*``)."""
+        return self.settings.backend
+
 
 @dataclass(frozen=True)
 class Backend:
     """One rollout backend.
 
-    - ``build(request)``: the :class:`~oppo.api.protocols.RolloutBackend`.
+    - ``build(request)``: the :class:`~oppo.api.protocols.RolloutBackend`, in the controller's
+      process or in a Ray rollout worker (the same call; ``request.model`` is None there for a
+      backend that ``loads_own_weights``).
+    - ``settings``: the dataclass of its own settings (fields made with :func:`setting`), the
+      config's ``rollout.<name>.*``; None: it has none.
+    - ``checks(own, cfg)``: problems of its settings against the whole config (a list of one-line
+      messages naming the fix); asked by config validation when ``generation.engine`` names it.
+    - ``for_device(own, device_type)``: its settings with ``auto`` values resolved for the device
+      the engine will run on.
     - ``problems(policy_path, device)``: why it cannot serve that policy here (not installed, an
       architecture it lacks), each with its fix; reads config files only, loads no weights. Run by
       the pre-run checks and again before the models load.
+    - ``unfit(model, max_len)``: why it cannot decode ``model`` (asked by ``generation.engine=auto``
+      before choosing it); None: it can.
+    - ``probe(engine, rows, max_len, new_tokens)``: a fresh engine like ``engine`` (one this backend
+      built) for ``rows`` rows, to time its decode step alone (``oppo bench``); None: not one of its
+      engines, or it cannot.
     - ``loads_own_weights``: it loads the policy from its path and takes weight updates as
       ``(name, tensor)`` pairs; a Ray rollout worker then loads no Hugging Face copy for it.
     - ``in_workers``: it can run inside ``placement.rollout_workers``.
@@ -75,10 +130,16 @@ class Backend:
     loads_own_weights: bool = False
     in_workers: bool = True
     other_numerics: bool = False
+    settings: type | None = None
+    checks: Callable[[Any, Any], list[str]] | None = None
+    for_device: Callable[[Any, str], Any] | None = None
+    unfit: Callable[[Any, int], str | None] | None = None
+    probe: Callable[[Any, int, int, int], Any] | None = None
 
 
 _BACKENDS: dict[str, Backend] = {}
 _plugins_loaded = False
+_broken: dict[str, str] = {}
 
 
 def register(backend: Backend, replace: bool = False) -> Backend:
@@ -86,6 +147,8 @@ def register(backend: Backend, replace: bool = False) -> Backend:
     ``replace``. Returns it, so a module can write ``BACKEND = register(Backend(...))``."""
     if backend.name == AUTO:
         raise ValueError(f"{AUTO!r} is not a backend name: generation.engine=auto picks eager or static")
+    if backend.settings is not None and not dataclasses.is_dataclass(backend.settings):
+        raise ValueError(f"rollout backend {backend.name!r}: settings must be a dataclass, got {backend.settings!r}")
     old = _BACKENDS.get(backend.name)
     if old is not None and old is not backend and not replace:
         raise ValueError(f"a rollout backend named {backend.name!r} is already registered; pick another name "
@@ -98,13 +161,20 @@ def unregister(name: str) -> None:
     _BACKENDS.pop(name, None)
 
 
+def _load(ref: str) -> Backend:
+    module, _, attr = ref.partition(":")
+    return getattr(import_module(module), attr)
+
+
 def _load_plugins() -> None:
-    """The backends installed packages declare under :data:`ENTRY_POINTS`, once. A plugin that fails
-    to load is skipped here: asking for it by name then says why."""
+    """oppo's own backends, then those installed packages declare under :data:`ENTRY_POINTS`, once.
+    A plugin that fails to load is skipped here: asking for it by name then says why."""
     global _plugins_loaded
     if _plugins_loaded:
         return
     _plugins_loaded = True
+    for ref in BUILT_IN:
+        register(_load(ref))
     from importlib.metadata import entry_points
 
     for ep in entry_points(group=ENTRY_POINTS):
@@ -116,9 +186,6 @@ def _load_plugins() -> None:
             _broken[ep.name] = f"{type(e).__name__}: {e}"
             continue
         register(backend)
-
-
-_broken: dict[str, str] = {}
 
 
 def names() -> tuple[str, ...]:
@@ -142,6 +209,12 @@ def get(name: str) -> Backend:
     return backend
 
 
+def default_settings() -> dict[str, Any]:
+    """``{name: its settings at their defaults}`` for every registered backend that has settings
+    (the config's ``rollout`` section)."""
+    return {n: b.settings() for n in names() if (b := get(n)).settings is not None}
+
+
 def build(request: BuildRequest) -> RolloutBackend:
     """The backend ``request.settings.kind`` names, built."""
     return get(request.settings.kind).build(request)
@@ -152,30 +225,38 @@ def build_engine(model: torch.nn.Module, settings: EngineSettings) -> RolloutBac
     return build(BuildRequest(settings, model))
 
 
-def _eager(req: BuildRequest) -> RolloutBackend:
-    from .engine import RolloutEngine
-
-    s = req.settings
-    engine = RolloutEngine(req.model, s.stop_ids, s.pad_id, s.max_new_tokens, s.temperature, s.top_k, s.top_p,
-                           seed=s.seed)
-    engine.kv_budget_mb = s.kv_budget_mb or None
-    return engine
-
-
-def _static(req: BuildRequest) -> RolloutBackend:
-    from .static import StaticRolloutEngine
-
-    s = req.settings
-    engine = StaticRolloutEngine(req.model, s.stop_ids, s.pad_id, s.max_new_tokens, s.temperature, s.top_k, s.top_p,
-                                 seed=s.seed, max_rows=s.max_rows, max_len=s.max_len, capture=s.capture)
-    engine.kv_budget_mb = s.kv_budget_mb or None
-    return engine
+def probe_engine(engine: Any, rows: int, max_len: int, new_tokens: int) -> Any:
+    """A fresh engine like ``engine`` for ``rows`` rows from the backend that built it (its
+    :attr:`Backend.probe`), or None when no backend offers one."""
+    for n in names():
+        probe = get(n).probe
+        fresh = probe(engine, rows, max_len, new_tokens) if probe else None
+        if fresh is not None:
+            return fresh
+    return None
 
 
-register(Backend(
-    "eager", "oppo's engine with a growing KV cache per batch (the fallback to set by hand if the static "
-             "engine misbehaves)", _eager))
-register(Backend(
-    "static", "oppo's engine with preallocated KV slots of 2B rows x (max_prompt_tokens + max_new_tokens) "
-              "columns; on CUDA its decode step is captured in CUDA graphs (1B decode step 5.1 ms against 18.4 ms "
-              "eager on an H100); attention-only decoders with sdpa or eager attention", _static, in_workers=False))
+FAST = "static"
+"""What ``generation.engine=auto`` picks on CUDA where it can decode the policy (CUDA graphs)."""
+FALLBACK = "eager"
+
+
+def resolve_engine(requested: str, device: torch.device | str, unfit: Callable[[], str | None]) -> tuple[str, str]:
+    """The engine ``generation.engine`` names, and a sentence saying which runs and why.
+
+    ``auto``: :data:`FAST` on a CUDA device unless ``unfit()`` (asked only then: that backend's
+    :attr:`Backend.unfit` on the policy, which may run a two-token forward) names something it
+    refuses; else :data:`FALLBACK`. On CPU the eager engine runs: CPU runs and their golden metrics
+    stay as they were (without graphs the static engine is no faster there). Any other value is
+    returned as asked.
+    """
+    if requested != AUTO:
+        return requested, f"{requested} (generation.engine={requested})"
+    kind = device if isinstance(device, str) else device.type
+    if kind != "cuda":
+        return FALLBACK, f"{FALLBACK} (generation.engine=auto: no CUDA graphs on {kind})"
+    problem = unfit()
+    if problem:
+        return FALLBACK, (f"{FALLBACK} (generation.engine=auto: the {FAST} engine cannot decode this policy: "
+                          f"{problem})")
+    return FAST, f"{FAST} with CUDA graphs (generation.engine=auto; generation.engine={FALLBACK} is the fallback)"

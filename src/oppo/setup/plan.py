@@ -4,13 +4,15 @@ engine's settings (``generation.engine=auto`` resolved)."""
 
 from __future__ import annotations
 
+import dataclasses
 
 import torch
 
 from ..api.plan import Placement, ResolvedPaths, ThreadBudget
 from ..config import Config
 from ..models import check_model_path
-from ..rollout.engine import EngineSettings, resolve_engine
+from ..rollout import registry
+from ..rollout.registry import EngineSettings, resolve_engine
 
 
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -72,19 +74,24 @@ def decide_placement(cfg: Config, needs_critic: bool, devices_on_cpu: bool, crit
 
 def engine_settings(cfg: Config, stop_ids, pad_id: int, max_new_tokens: int, device: torch.device,
                     model: torch.nn.Module | None = None) -> EngineSettings:
-    """The rollout engine's settings from the config (``generation.*``), for an engine on
-    ``device``; ``generation.engine=auto`` resolved there (``rollout.resolve_engine``: static with
-    CUDA graphs on CUDA when ``model``, the policy it will decode, suits the static engine; else
-    eager). Ray rollout workers get settings for ``cpu``, so ``auto`` runs the eager engine in them."""
-    from ..rollout.static import static_decode_problem
-
+    """The rollout engine's settings from the config (``generation.*``, and the backend's own
+    ``rollout.<kind>.*`` resolved for ``device``), for an engine on ``device``;
+    ``generation.engine=auto`` resolved there (``rollout.registry.resolve_engine``: the fast engine on
+    CUDA when ``model``, the policy it will decode, suits it; else eager). Ray rollout workers get
+    settings for ``cpu``, so ``auto`` runs the eager engine in them."""
     g, B = cfg.generation, cfg.ppo.batch_size
     max_len = cfg.data.max_prompt_tokens + max_new_tokens
-    kind, reason = resolve_engine(
-        g.engine, device, lambda: "the policy was not given to check" if model is None
-        else static_decode_problem(model, max_len, probe=True))
+
+    def unfit() -> str | None:
+        check = registry.get(registry.FAST).unfit
+        if model is None:
+            return "the policy was not given to check"
+        return check(model, max_len) if check else None
+    kind, reason = resolve_engine(g.engine, device, unfit)
+    spec, own = registry.get(kind), cfg.rollout.get(kind)
+    if own is not None:  # a copy: the engine's settings do not change with the config object
+        own = spec.for_device(own, device.type) if spec.for_device else dataclasses.replace(own)
     return EngineSettings(tuple(stop_ids), pad_id, max_new_tokens, g.temperature, g.top_k, g.top_p,
                           g.kv_budget_mb or None, cfg.run.seed, kind,
                           max_rows=2 * B if cfg.carries else B,  # B + Delta, refill: <= 2B
-                          max_len=max_len, capture="cuda_graph" if device.type == "cuda" else "none",
-                          reason=reason, lora_sync=cfg.lora.sync)
+                          max_len=max_len, reason=reason, backend=own)

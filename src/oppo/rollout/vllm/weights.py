@@ -1,8 +1,8 @@
-"""Weight loads into a local vLLM engine that do not serialise the model (issue 27).
+"""Weight loads into a local vLLM engine that do not serialise the model.
 
-vLLM runs its model in a worker process (``vllm_rollout.py``). Sending every tensor through its
-``collective_rpc`` pickles the whole model at every update (SmolLM2-135M in fp32: 538 MB, 1.4-3.8 s
-on 2 CPU cores). Here the trainer and the worker share one buffer instead:
+vLLM runs its model in a worker process (``backend.py``). Sending every tensor through its
+``collective_rpc`` pickles the whole model at every update (figures: ``docs/benchmarks-notes.md``,
+"vLLM: weight loads"). Here the trainer and the worker share one buffer instead:
 
 - **The buffer** holds every served weight in checkpoint format (the names and shapes vLLM's
   ``load_weights`` takes: after ``ServedCheckpoint``'s untying and head padding), each at an offset
@@ -21,7 +21,7 @@ on 2 CPU cores). Here the trainer and the worker share one buffer instead:
   worker loads from its views, and returns before the trainer may write those slots again (a CUDA
   worker synchronises its device first). The backend cuts an update into a few runs of whole
   layers (:meth:`Layout.runs`) and sends each run's RPC without waiting, so the worker loads run i
-  while the trainer copies run i + 1 (``vllm_rollout.WEIGHT_RUNS``); it waits for every run before
+  while the trainer copies run i + 1 (``loads.WEIGHT_RUNS``); it waits for every run before
   the engine steps again.
 
 **How the worker loads** (:class:`LiveLoader`, checked against vLLM 0.32): ``model.load_weights``
@@ -33,10 +33,8 @@ repacks every linear weight for oneDNN and then drops the unpacked parameter, wh
 unpacked parameter made from vLLM's own record of the layer's checkpoint-format parameters (the
 metadata its in-place reload restores from) and swaps it in for the load. This skips what vLLM's
 general in-place reload (``model_runner.reload_weights``) adds on top (every layer rebuilt on the
-meta device, fresh tensors materialised, processed values copied back): on SmolLM2-135M (fp32,
-2 busy cores) the worker's part takes about 0.4 s against 0.5-0.8 s for ``reload_weights`` from
-the same buffer, of which 0.22-0.27 s is the CPU backend's repacking (figures in
-``benchmarks/vllm/README.md``, "Weight loads"). The cost is memory: the worker keeps those
+meta device, fresh tensors materialised, processed values copied back), which is slower
+(``docs/benchmarks-notes.md``, "vLLM: weight loads"). The cost is memory: the worker keeps those
 unpacked weights (the linear layers but the head: about 430 MB on SmolLM2-135M in fp32) besides
 the buffer itself (the served model's size, in ``/dev/shm``). On a GPU
 the processing of unquantized layers does nothing and the parameters stay live: this is the

@@ -1,65 +1,17 @@
 """A static-shape rollout engine: preallocated KV slots and a decode step that can be captured.
 
 :class:`StaticRolloutEngine` is a drop-in for :class:`oppo.rollout.engine.RolloutEngine` (same
-constructor arguments, same methods and attributes, same outputs: tokens, behaviour log-probs of
-the distribution actually sampled, versions = min(logits version, KV version)). What differs is
-how the KV cache lives:
-
-- **Slots.** Each layer's keys and values are one tensor ``[max_rows, kv_heads, max_len, dim]``,
-  allocated once (at the first ``admit``, when the cache shapes are known). A row is admitted into
-  the lowest free slot and retired by freeing it: no tensor is reallocated, concatenated or
-  compacted while decoding (the eager engine's ``DynamicCache`` concatenates every layer's cache
-  at every token and copies it again when rows leave).
-- **Contiguous rows.** A row's tokens occupy columns ``0 .. n-1`` of its slot, and its position
-  ids are its column indices. So a sliding window (which Hugging Face's masks count in cache
-  columns) means exactly what it means in a single-sequence forward.
-- **One decode step** is one forward of shape ``[Rb, 1]`` over slots ``0 .. Rb-1`` attending to
-  columns ``0 .. Lb-1``, with an additive 4-D mask built from each slot's length: a slot's query
-  sees its own columns ``<= n`` (and, for windowed layers, ``> n - window``). Free slots decode
-  garbage into their own column 0; their results are ignored and admission overwrites them.
-  ``Rb``/``Lb`` are the highest used slot and longest row, rounded up to a bucket (exact in eager
-  mode), so a half-empty engine does not pay for its whole preallocation.
-- **Capture.** ``capture="cuda_graph"`` records the decode step once per (Rb, Lb) bucket into a
-  CUDA graph whose inputs are two static buffers (the fed tokens and the slots' lengths) and
-  replays it; admitting and retiring rows only writes those buffers, so nothing is re-captured.
-  ``capture="compile"`` runs the same step through ``torch.compile`` (``reduce-overhead`` on
-  CUDA, which also uses CUDA graphs). ``capture="none"`` runs it eagerly (CPU, and the oracle).
-  Weight updates copy into the same parameter tensors (``weights.copy_weights``), so captured
-  graphs read the new weights.
-- **Capture while other threads work.** In every overlapped mode the scorer worker and the
-  learner thread launch CUDA work (GEMMs, allocations, ``.item()`` syncs of their own streams)
-  while this engine captures a bucket it meets for the first time. In CUDA's default *global*
-  capture mode a potentially unsafe call (``cudaMalloc``, an event query) from *any* thread fails
-  and invalidates the capture (issue 26: ``CUBLAS_STATUS_EXECUTION_FAILED`` in another thread, then
-  ``cudaErrorStreamCaptureInvalidated``). So :meth:`StaticRolloutEngine._capture`
-
-  - captures in ``capture_error_mode="thread_local"`` (what ``torch.compile``'s CUDA-graph trees
-    use): only the capturing thread's unsafe calls are refused; other threads' work runs on their
-    own streams, outside the graph;
-  - warms the step up and captures it on one side stream of its own, in the capturing thread:
-    PyTorch keeps a cuBLAS workspace per (handle, stream) and a handle per thread, so the
-    warm-ups create the workspace the capture then uses instead of allocating it inside the
-    capture; the caching allocator sends only the allocations of streams in *this* capture to the
-    graph's private pool (one pool for every bucket), so other threads allocate and free as usual;
-    the side stream is a PyTorch pool stream, created non-blocking, so other threads' work on the
-    legacy default stream does not join the capture.
-
-  What would still invalidate a capture: another thread synchronizing the whole device
-  (``torch.cuda.synchronize()``, ``torch.cuda.empty_cache()``; CUDA refuses to synchronize a device
-  while one of its streams captures), or launching onto the side stream. oppo's workers
-  synchronize only their own streams, and the side stream is taken once per engine (PyTorch hands
-  its 32 pool streams per priority out round-robin: the scorer worker's stream, taken next to it,
-  is another). Replays are ordinary launches on the decoding thread's stream.
-
-  Buckets are captured when first met, not all before the workers start: at 2B = 128 slots and
-  640 columns there are about 14 x 12 (Rb, Lb) buckets, each capture with its warm-ups and its own
-  logits buffer in the pool, most of them never used by a run; with thread-local capture the lazy
-  way is as safe and captures only what a run meets.
-
-Prefill stays eager: the new rows' prompts go through one right-padded forward with a temporary
-``DynamicCache``, whose columns are copied into the rows' slots (prefill is compute-bound; its
-shapes vary). Only ``sdpa`` and ``eager`` attention take the 4-D mask; other implementations are
-refused at construction.
+constructor arguments, methods, attributes and outputs). Each layer's keys and values are one
+tensor ``[max_rows, kv_heads, max_len, dim]`` allocated once; a row takes the lowest free slot, its
+tokens in columns ``0 .. n-1`` (position ids = column indices, so a sliding window means what it
+means in a single-sequence forward). One decode step is one ``[Rb, 1]`` forward over the used slots
+and columns (rounded up to buckets) with a 4-D mask built from each slot's length; with
+``capture="cuda_graph"`` it is recorded once per bucket into a CUDA graph and replayed (captured
+thread-locally on a side stream of its own, so the scorer and learner threads may work meanwhile),
+with ``"compile"`` run through ``torch.compile``, with ``"none"`` eagerly. Weight updates copy into
+the same parameters, so graphs read the new weights. Prefill stays eager. Only ``sdpa`` and
+``eager`` attention take the 4-D mask; other implementations are refused at construction.
+``docs/static-engine.md`` has the design in full and why capture is safe beside other threads.
 """
 
 from __future__ import annotations
@@ -70,8 +22,8 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol, cast
 
 import torch
 
-from ..kv import kv_layers, right_pad
-from .engine import KVBudgetError, Rollout, RolloutEngine
+from ...kv import kv_layers, right_pad
+from ..engine import KVBudgetError, Rollout, RolloutEngine
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
@@ -334,7 +286,7 @@ class StaticRolloutEngine(RolloutEngine):
     def _retire(self, keep: list[int]) -> None:
         kept = set(keep)
         gone = [s for i, s in enumerate(self.slot_of) if i not in kept]
-        if gone:  # a free slot decodes into its column 0 (module docstring)
+        if gone:  # a free slot decodes into its column 0 (docs/static-engine.md)
             self._pos.index_fill_(0, torch.tensor(gone, dtype=torch.long, device=self.device), 0)
         super()._retire(keep)
 
@@ -405,7 +357,7 @@ class StaticRolloutEngine(RolloutEngine):
 
     def _capture(self, rb: int, lb: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Record the decode step for (rb, lb) into a CUDA graph, safely while other threads run
-        CUDA work (module docstring, "Capture while other threads work"): warm-ups, then a
+        CUDA work (docs/static-engine.md, "Capture while other threads work"): warm-ups, then a
         thread-local capture, on this engine's one side stream, into its one pool. The warm-up runs
         compute the same step the replay then computes (same inputs), so their cache writes are
         harmless."""
@@ -451,7 +403,7 @@ def _text_config(model):
 def _window(model, max_len: int | None) -> int | None:
     """The attention window in cache columns when it can bite within ``max_len`` (None: any
     window), else None."""
-    from ..models import uses_sliding_window
+    from ...models import uses_sliding_window
 
     w = getattr(_text_config(model), "sliding_window", None)
     if not uses_sliding_window(model) or w is None or (max_len is not None and w >= max_len):
@@ -481,7 +433,7 @@ def static_decode_problem(model, max_len: int | None = None, probe: bool = False
     ``DynamicCache``. The constructor refuses on the config's reasons
     (``UnsupportedForStaticDecode``); ``generation.engine=auto`` asks with ``probe`` before
     choosing this engine (:func:`oppo.rollout.engine.resolve_engine`), so such a policy runs eager."""
-    from ..models import backbone_and_head
+    from ...models import backbone_and_head
 
     cfg = _text_config(model)
     impl = getattr(cfg, "_attn_implementation", None) or "eager"

@@ -1,15 +1,18 @@
-"""A rollout backend defined outside oppo (here, in this file) and registered at run time
-(``rollout.registry.register``): the :class:`~oppo.api.protocols.RolloutBackend` Protocol is all a
-backend needs to be.
+"""A rollout backend defined outside oppo (here, in this file alone) and registered at run time
+(``rollout.registry.register``), with a setting of its own: the :class:`~oppo.api.protocols.RolloutBackend`
+Protocol and one :class:`~oppo.rollout.registry.Backend` spec are all a backend needs to be.
 
-:class:`Delegating` subclasses nothing and exposes the Protocol's members only (generated from it; no ``__getattr__``):
-it samples with a private eager ``RolloutEngine``. The RolloutBackend conformance suite runs against
-it (``tests/test_conformance.py``: ``ROLLOUTS["plugin"]`` builds it through the registry), and here
-the Trainer runs each overlap mode with ``generation.engine=testplug``; in ``sequential`` and ``oppo``
-its metrics and tokens equal ``generation.engine=eager``'s (``tests/test_golden.py``'s configurations).
-The trainer has read one member beyond the Protocol (``peak_cache_bytes``, until the Protocol's
-``take_stats`` replaces it): :class:`Reporting` adds it for the mode runs, and
-``test_trainer_needs_nothing_beyond_the_protocol`` trains with the Protocol's members alone.
+:class:`Delegating` subclasses nothing and exposes the Protocol's members only (generated from it; no
+``__getattr__``): it samples with a private eager ``RolloutEngine``. Its spec declares
+:class:`PlugSettings` (``rollout.testplug.note``), a check of it, and its build; the config, ``--help``
+and the trainer find them through the registry alone. The RolloutBackend conformance suite runs against
+it (``tests/test_conformance.py``: ``ROLLOUTS["plugin"]`` builds it through the registry), and here the
+Trainer runs every overlap mode (its spec runs in no Ray worker, so every local one) with
+``generation.engine=testplug``; in ``sequential`` and ``oppo`` its metrics and tokens equal
+``generation.engine=eager``'s (``tests/test_golden.py``'s configurations). The trainer has read one
+member beyond the Protocol (``peak_cache_bytes``, until the Protocol's ``take_stats`` replaces it):
+:class:`Reporting` adds it for the mode runs, and ``test_trainer_needs_nothing_beyond_the_protocol``
+trains with the Protocol's members alone.
 """
 
 from __future__ import annotations
@@ -72,6 +75,17 @@ class Reporting(Delegating):
 
 
 @dataclass
+class PlugSettings:
+    """The plugin's own settings: the config's ``rollout.testplug.*``."""
+
+    note: str = registry.setting("plain", "A word the backend is built with (recorded with each build).")
+
+
+def _checks(own: PlugSettings, cfg) -> list[str]:
+    return [] if own.note.strip() else ["rollout.testplug.note is empty; give it a word, e.g. rollout.testplug.note=plain."]
+
+
+@dataclass
 class Builds:
     """The plugin's ``build``: what it was asked for, in order; ``cls``: what it builds."""
 
@@ -83,7 +97,7 @@ class Builds:
 
         self.requests.append(req)
         s = req.settings
-        assert s.kind == NAME and req.model is not None
+        assert s.kind == NAME and req.model is not None and isinstance(req.own, PlugSettings)
         return self.cls(RolloutEngine(req.model, s.stop_ids, s.pad_id, s.max_new_tokens, s.temperature, s.top_k,
                                       s.top_p, seed=s.seed))
 
@@ -93,34 +107,46 @@ def testplug():
     """The plugin registered for one test (then gone); yields its ``build`` (its record of builds)."""
     builds = Builds()
     registry.register(registry.Backend(NAME, "a test's backend: oppo's eager engine behind the Protocol", builds,
-                                       in_workers=False))
+                                       in_workers=False, settings=PlugSettings, checks=_checks))
     try:
         yield builds
     finally:
         registry.unregister(NAME)
 
 
-def test_registered_plugin_is_a_choice_then_gone(testplug, tiny_models):
-    from oppo.config import load_config
-    from oppo.rollout.engine import EngineSettings
+def test_registered_plugin_is_a_choice_with_its_settings_then_gone(testplug, tiny_models, capsys):
+    from oppo.cli import main
+    from oppo.config import ConfigError, help_text, load_config
+    from oppo.rollout.registry import EngineSettings
     from transformers import AutoModelForCausalLM
 
     assert {n for n in dir(Delegating) if not n.startswith("_")} == protocol_members(RolloutBackend)
     assert NAME in registry.choices()
-    load_config(None, [f"generation.engine={NAME}"])  # validation takes any registered name
+    cfg = load_config(None, [f"generation.engine={NAME}", f"rollout.{NAME}.note=hello"])  # any registered name
+    assert cfg.rollout[NAME] == PlugSettings("hello")
+    with pytest.raises(ConfigError, match=f"rollout.{NAME}.note is empty"):  # its own check, asked by validate
+        load_config(None, [f"generation.engine={NAME}", f"rollout.{NAME}.note=' '"])
+    # listed in `oppo train --help` with its settings, their defaults and help
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    shown = capsys.readouterr().out
+    assert help_text() in shown
+    assert f"{NAME}: a test's backend" in shown and f"rollout.{NAME}:" in shown
+    assert f"rollout.{NAME}.note = 'plain'" in shown and "A word the backend is built with" in shown
     with pytest.raises(ValueError, match="already registered"):
         registry.register(registry.Backend(NAME, "another", testplug))
     model = AutoModelForCausalLM.from_pretrained(tiny_models["policy"]).eval()
-    b = registry.build(registry.BuildRequest(EngineSettings((1,), 0, 4, kind=NAME), model))
+    b = registry.build(registry.BuildRequest(EngineSettings((1,), 0, 4, kind=NAME, backend=PlugSettings()), model))
     assert isinstance(b, RolloutBackend) and isinstance(b, Delegating) and len(testplug.requests) == 1
     b.close()
     registry.unregister(NAME)
     with pytest.raises(KeyError, match=NAME):
         registry.get(NAME)
-    from oppo.config import ConfigError
-
     with pytest.raises(ConfigError):
         load_config(None, [f"generation.engine={NAME}"])
+    with pytest.raises(ConfigError, match=f"Unknown setting 'rollout.{NAME}.note'"):
+        load_config(None, [f"rollout.{NAME}.note=hello"])
+    assert f"rollout.{NAME}" not in help_text()
 
 
 # ---------------------------------------------------------------- in the trainer, every mode
@@ -137,7 +163,7 @@ def _run(models, prompts, out, engine: str, mode: str, steps: int):
 
     cfg = load_config(None, [f"policy.path={models['policy']}", f"reward.path={models['reward']}",
                              f"data.prompts={prompts}", f"run.out_dir={out}", *BASE, *CASES[mode][0],
-                             f"generation.engine={engine}"])
+                             f"generation.engine={engine}", *([f"rollout.{NAME}.note={mode}"] if engine == NAME else [])])
     rows = []
     with Trainer(cfg, progress=False) as t:
         if engine == NAME:
@@ -159,6 +185,7 @@ def test_trainer_runs_every_mode_on_the_plugin(testplug, tiny_models, tiny_promp
     assert len(testplug.requests) == 1, "the trainer built its backend through the registry, once"
     req = testplug.requests[0]
     assert req.settings.kind == NAME and req.settings.max_new_tokens == 16
+    assert req.own == PlugSettings(mode), "the run's rollout.testplug.note reached the backend's build"
     for step, r in enumerate(got):
         m = r["all"]
         for k in ("loss/policy", "loss/value", "reward/mean", "kl/mean"):

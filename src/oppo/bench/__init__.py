@@ -1,0 +1,26 @@
+"""``oppo bench``: the same workload in every mode, side by side, in one invocation.
+
+- :mod:`.cli`: the command line (``main``);
+- :mod:`.runner`: the modes' Trainers, their steps interleaved (``run_modes``);
+- :mod:`.workloads`: forced response lengths and synthetic models;
+- :mod:`.probe`: the rollout engine's decode step alone;
+- :mod:`.summaries`: bench.json's figures and bench.md's tables.
+
+What it measures and why (interleaving, warm-up, timing-only runs, the stage profile): ``docs/bench.md``.
+"""
+
+from __future__ import annotations
+
+from .cli import main
+from .probe import engine_step_probe
+from .runner import (CHECKED, LEARNING_PREFIXES, LOCAL_BASELINE, QUICK, _slug, mode_overrides, run_modes, split_mode,
+                     timing_only)
+from .summaries import (HARDWARE, _jsonable, _settings_yaml, hardware_markdown, machine, stage_profile,
+                        stage_profile_markdown, summarize, to_markdown)
+from .workloads import (MODEL_SIZES, WORKLOADS, LengthWorkload, ModelSize, _length_sampler, _pct, _synthetic_sampler,
+                        synthetic_config, synthetic_tokenizer, write_synthetic_models)
+
+__all__ = ["CHECKED", "HARDWARE", "LEARNING_PREFIXES", "LOCAL_BASELINE", "MODEL_SIZES", "QUICK", "WORKLOADS",
+           "LengthWorkload", "ModelSize", "engine_step_probe", "hardware_markdown", "machine", "main",
+           "mode_overrides", "run_modes", "split_mode", "stage_profile", "stage_profile_markdown", "summarize",
+           "synthetic_config", "synthetic_tokenizer", "timing_only", "to_markdown", "write_synthetic_models"]

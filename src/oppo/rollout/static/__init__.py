@@ -1,0 +1,86 @@
+"""The static engine as a rollout backend (``generation.engine=static``; ``auto`` picks it on CUDA):
+preallocated KV slots and a decode step captured in CUDA graphs (:mod:`.engine`).
+
+This module is its spec: its settings (``rollout.static.*``), checks, build and bench probe. It
+imports no torch; the engine's names (``StaticRolloutEngine``, ``static_decode_problem``, ...) are
+read from :mod:`.engine` when first asked for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ..registry import Backend, BuildRequest, setting
+
+CAPTURES = ("auto", "none", "cuda_graph", "compile")
+
+
+@dataclass
+class StaticSettings:
+    capture: str = setting("auto", "How the decode step runs: cuda_graph (captured once per shape bucket and "
+                                   "replayed; needs CUDA), compile (torch.compile, reduce-overhead on CUDA), none "
+                                   "(eagerly, exact shapes); auto: cuda_graph on CUDA, none elsewhere.", CAPTURES)
+
+
+def _for_device(own: StaticSettings, device_type: str) -> StaticSettings:
+    if own.capture != "auto":
+        return replace(own)
+    return replace(own, capture="cuda_graph" if device_type == "cuda" else "none")
+
+
+def _checks(own: StaticSettings, cfg: Any) -> list[str]:
+    if own.capture == "cuda_graph" and cfg.policy.device == "cpu":
+        return ["rollout.static.capture=cuda_graph needs the policy on CUDA, but policy.device=cpu; set "
+                "rollout.static.capture=auto (none on the CPU) or policy.device=cuda."]
+    return []
+
+
+def _build(req: BuildRequest):
+    from .engine import StaticRolloutEngine
+
+    s = req.settings
+    own = req.own if req.own is not None else StaticSettings()
+    if own.capture == "auto":
+        assert req.model is not None  # (oppo's own engines sample with the trainer's module)
+        own = _for_device(own, next(req.model.parameters()).device.type)
+    engine = StaticRolloutEngine(req.model, s.stop_ids, s.pad_id, s.max_new_tokens, s.temperature, s.top_k, s.top_p,
+                                 seed=s.seed, max_rows=s.max_rows, max_len=s.max_len, capture=own.capture)
+    engine.kv_budget_mb = s.kv_budget_mb or None
+    return engine
+
+
+def _unfit(model: Any, max_len: int) -> str | None:
+    from .engine import static_decode_problem
+
+    return static_decode_problem(model, max_len, probe=True)
+
+
+def _probe(eng: Any, rows: int, max_len: int, new_tokens: int):
+    from .engine import StaticRolloutEngine
+
+    if type(eng) is not StaticRolloutEngine:
+        return None
+    return StaticRolloutEngine(eng.model, -1, eng.pad_id, new_tokens, eng.temperature, eng.top_k, eng.top_p,
+                               max_rows=rows, max_len=max_len, capture=eng.capture)
+
+
+BACKEND = Backend(
+    "static", "oppo's engine with preallocated KV slots of 2B rows x (max_prompt_tokens + max_new_tokens) "
+              "columns; on CUDA its decode step is captured in CUDA graphs (docs/benchmarks-notes.md has "
+              "the measured speed-up); attention-only decoders with sdpa or eager attention", _build,
+    in_workers=False, settings=StaticSettings, checks=_checks, for_device=_for_device, unfit=_unfit, probe=_probe)
+
+
+def __getattr__(name: str) -> Any:
+    """The engine module's names (``from oppo.rollout.static import StaticRolloutEngine``), imported
+    on first use so that reading this spec loads no torch."""
+    if name.startswith("__") or name == "engine":  # (the submodule itself: imported, never looked up here)
+        raise AttributeError(name)
+    from importlib import import_module
+
+    engine = import_module(f"{__name__}.engine")
+    try:
+        return getattr(engine, name)
+    except AttributeError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
