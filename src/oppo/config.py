@@ -702,6 +702,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         for key, value in TASK_PRESETS.get(cfg.data.task, {}).items():
             if key not in explicit:
                 _set(cfg, key, value, f"the built-in task {cfg.data.task!r}'s preset")
+                cfg.__dict__.setdefault("_presets", {})[key] = value  # (a policy object drops them: inputs.py)
     validate(cfg)
     return cfg
 

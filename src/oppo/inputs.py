@@ -132,7 +132,27 @@ def split_inputs(cfg: Config, **given: Any) -> tuple[Config, Inputs]:
         elif obj is not None:
             setattr(inputs, kw, obj)
             setattr(getattr(out, section), name, marker(obj, cfg.data.field))
+    if inputs.policy is not None:
+        _drop_task_presets(out)
     return out, inputs
+
+
+def _drop_task_presets(cfg: Config) -> None:
+    """A Config from ``load_config`` without ``policy.path`` got the built-in task's presets
+    (``config.TASK_PRESETS``: learning rates for its tiny models). They apply only where no policy
+    is named, as on the command line; a policy object names one, so the settings that still hold a
+    preset's value go back to their defaults (those the user set are kept: load_config skips them)."""
+    presets = cfg.__dict__.pop("_presets", None) or {}
+    default = Config()
+    dropped = []
+    for key, value in presets.items():
+        if _get(cfg, key) == value:
+            section, name = key.split(".")
+            setattr(getattr(cfg, section), name, _get(default, key))
+            dropped.append(key)
+    if dropped:
+        print(f"oppo: policy= names the policy, so the built-in task's presets that load_config applied "
+              f"({', '.join(dropped)}) are not used; their defaults are.", file=sys.stderr)
 
 
 def needs_saving(cfg: Config) -> dict[str, str]:

@@ -494,6 +494,7 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True, *, poli
     objects = dict(policy=policy, tokenizer=tokenizer, reference=reference, critic=critic, reward_model=reward_model,
                    reward_fn=reward_fn, judge=judge, prompts=prompts)
     cfg, inputs = split_inputs(cfg, **objects)
+    objects = {kw: getattr(inputs, kw) for kw in objects}  # (with those the settings held: now markers there)
     hf_logging.disable_progress_bar()  # "Loading weights" bars for every role drown the run's own output
     plan = plan_run(cfg, resume, inputs)
     ckpt = plan.checkpoint
