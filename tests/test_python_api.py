@@ -143,7 +143,8 @@ def test_bad_objects_get_the_cli_checks(tiny_models, nothing_loads):
     with pytest.raises(oppo.PreflightError, match="has 5 token embeddings but the policy's tokenizer has"):
         oppo.Trainer(cfg, policy=policy, tokenizer=tok, reference=small, reward_model=rm, prompts=["a day"])
     with pytest.raises(oppo.ConfigError, match=r"policy= was given and policy.path is set too"):
-        oppo.Trainer(oppo.load_config(overrides=[*TINY, f"policy.path={tiny_models['policy']}"]), policy=policy)
+        oppo.Trainer(oppo.load_config(overrides=[*TINY, f"policy.path={tiny_models['policy']}",
+                                                 f"reward.path={tiny_models['reward']}"]), policy=policy)
 
 
 def test_reward_columns_checked_before_models_load(tiny_models, tmp_path, nothing_loads):

@@ -322,6 +322,9 @@ def object_problems(cfg: Config, inputs: Inputs) -> list[str]:
     elif inputs.policy is not None:
         problems.append("policy= was given as an object, so give its tokenizer too (tokenizer=AutoTokenizer."
                         "from_pretrained(...)): oppo tokenises the prompts and decodes the responses with it.")
+    for key, obj in (("reward.function", inputs.reward_fn), ("reward.judge", inputs.judge)):
+        if obj is not None:
+            problems += _function_problems(key, None, obj, _known_columns(cfg, inputs))
     models = [(role, kw, m) for kw, role in (("policy", "policy"), ("reference", "reference"), ("critic", "critic"),
                                               ("reward_model", "reward")) if (m := getattr(inputs, kw)) is not None]
     if models:
@@ -367,11 +370,9 @@ def input_problems(cfg: Config, inputs: Inputs | None = None) -> list[str]:
     elif prompts and not is_marker(prompts):
         found, hub_dataset = _prompt_problems(prompts, cfg.data.field)
         problems += found
-    columns = _known_columns(cfg, inputs)
-    for key, spec, obj in (("reward.function", cfg.reward.function, inputs.reward_fn),
-                           ("reward.judge", cfg.reward.judge, inputs.judge)):
-        if obj is not None or (spec and not is_marker(spec)):
-            problems += _function_problems(key, spec, obj, columns)
+    for key, spec in (("reward.function", cfg.reward.function), ("reward.judge", cfg.reward.judge)):
+        if spec and not is_marker(spec):  # (objects: object_problems)
+            problems += _function_problems(key, spec, None, _known_columns(cfg, inputs))
     for role in ("policy", "reward", "critic", "reference"):
         dev = getattr(cfg, role).device
         if dev.startswith("cuda"):
