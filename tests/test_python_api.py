@@ -162,3 +162,45 @@ def test_reward_columns_checked_before_models_load(tiny_models, tmp_path, nothin
         oppo.train(oppo.load_config(overrides=[*TINY, f"policy.path={tiny_models['policy']}",
                                                f"reward.path={tiny_models['reward']}", "data.prompts=[a day, the book]",
                                                f"run.out_dir={tmp_path / 'run2'}"]))
+
+
+def test_reward_functions_get_what_they_ask_for():
+    from oppo.scoring.reward_fn import call_reward, missing_columns, wants
+
+    ctx = {"answer": [1, 2], "id": ["a", "b"], "raw_prompts": ["p", "q"], "formatted_prompts": ["P", "Q"]}
+    assert call_reward(lambda prompts, responses: [len(prompts)] * 2, ["P", "Q"], ["x", "y"], ctx) == [2, 2]
+    assert call_reward(lambda p, r, answer, *, id=None: list(zip(answer, id)), ["P", "Q"], ["x", "y"], ctx) == [
+        (1, "a"), (2, "b")]
+    assert call_reward(lambda p, r, level=7: [level], ["P"], ["x"], ctx) == [7]  # not a column: its default
+    assert call_reward(lambda p, r, **kw: sorted(kw), ["P"], ["x"], ctx) == sorted(ctx)
+
+    class Judge:  # a callable object
+        def __call__(self, prompts, responses, raw_prompts):
+            return raw_prompts
+
+    assert call_reward(Judge(), ["P", "Q"], ["x", "y"], ctx) == ["p", "q"]
+    assert wants(lambda p, r, answer, level=1: 0).required == ("answer",)
+    assert not wants(lambda texts: 0).positional_ok
+    line = missing_columns("reward.function", lambda p, r, answer: 0, ["prompt", "id"])
+    assert "asks for the column 'answer'" in line and "it has: prompt, id" in line
+
+
+def test_models_for_other_processes_are_saved_once(tiny_models, tmp_path, capsys):
+    """placement.backend=ray: the Ray actors load every model from a directory, so each model
+    object is saved there (the policy with its tokenizer), and said so."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from oppo.inputs import save_for_elsewhere, split_inputs
+
+    policy, tok, rm = _objects(tiny_models)
+    cfg = oppo.load_config(overrides=[*TINY, "placement.backend=ray"])
+    cfg, inputs = split_inputs(cfg, policy=policy, tokenizer=tok, reward_model=rm, save_dir=tmp_path / "inputs")
+    saved = save_for_elsewhere(cfg, inputs)
+    assert saved == {"policy": str(tmp_path / "inputs" / "policy"), "reward": str(tmp_path / "inputs" / "reward")}
+    assert save_for_elsewhere(cfg, inputs) == saved  # once
+    assert "the policy given as an object is saved to" in capsys.readouterr().err
+    assert (tmp_path / "inputs" / "policy" / "tokenizer.json").is_file()
+    assert isinstance(AutoModelForCausalLM.from_pretrained(saved["policy"]), type(policy))
+    assert isinstance(AutoModelForSequenceClassification.from_pretrained(saved["reward"]), type(rm))
+    local = oppo.load_config(overrides=TINY)
+    assert save_for_elsewhere(*split_inputs(local, policy=policy, tokenizer=tok)) == {}  # local roles: nothing saved
