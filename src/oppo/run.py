@@ -64,14 +64,15 @@ class Preempted(KeyboardInterrupt):
     """The run stopped on SIGTERM/SIGINT at a step boundary, its checkpoint written (str: what was
     saved and the command that continues it). ``oppo train`` exits 128 + ``signum``."""
 
-    def __init__(self, signum: int, run_dir: Path, checkpoint: Path, steps: int):
+    def __init__(self, signum: int, run_dir: Path, checkpoint: Path, steps: int, objects: bool = False):
         self.signum, self.run_dir, self.checkpoint = signum, run_dir, checkpoint
         state = json.loads((checkpoint / "state.json").read_text())
         held = state.get("in_flight") or {}
         carried = (f", with the {held['count']} sequences in flight {held['how']}" if held.get("count") else "")
+        how = (f"oppo.train(cfg, resume={str(run_dir)!r}, ...) with the same settings and objects (the policy as it "
+               f"was at the start)" if objects else f"oppo train --resume {run_dir} (and the same settings)")
         super().__init__(f"stopped by {signal.Signals(signum).name} after {state['step']} of {steps} steps: "
-                         f"checkpoint {checkpoint} holds them{carried}. Continue with: "
-                         f"oppo train --resume {run_dir} (and the same settings).")
+                         f"checkpoint {checkpoint} holds them{carried}. Continue with: {how}.")
 
     def __str__(self) -> str:
         return self.args[0]
@@ -581,7 +582,7 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True, *, poli
             # with the sequences in flight (trainer.state_dict), as every checkpoint
             saved = save_checkpoint(trainer, run_dir, cfg.run.keep_checkpoints)
             logger.close()
-            raise Preempted(STOP.signum, run_dir, saved, cfg.run.steps)
+            raise Preempted(STOP.signum, run_dir, saved, cfg.run.steps, objects=bool(inputs))
         if trainer.step > first:
             res = trainer.last_result
             assert res is not None and res.exp.scores is not None  # the last step's trained, scored batch
