@@ -69,7 +69,8 @@ def wants(fn: Callable) -> Wants:
     # (a third positional-only parameter without a default cannot be given by keyword: not callable)
     ok = (len(taken) == 2 or var_pos) and not any(
         p.kind == p.POSITIONAL_ONLY and p.default is p.empty for p in positional[2:])
-    required, optional = [], []
+    required: list[str] = []
+    optional: list[str] = []
     for p in params:
         if p in taken or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD, p.POSITIONAL_ONLY):
             continue
