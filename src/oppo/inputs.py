@@ -132,7 +132,7 @@ def split_inputs(cfg: Config, **given: Any) -> tuple[Config, Inputs]:
         elif obj is not None:
             setattr(inputs, kw, obj)
             setattr(getattr(out, section), name, marker(obj, cfg.data.field))
-    if inputs.policy is not None:
+    if out.policy.path is not None:  # (a policy object's marker, or a path given as policy=)
         _drop_task_presets(out)
     return out, inputs
 
