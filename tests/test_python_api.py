@@ -204,3 +204,17 @@ def test_models_for_other_processes_are_saved_once(tiny_models, tmp_path, capsys
     assert isinstance(AutoModelForSequenceClassification.from_pretrained(saved["reward"]), type(rm))
     local = oppo.load_config(overrides=TINY)
     assert save_for_elsewhere(*split_inputs(local, policy=policy, tokenizer=tok)) == {}  # local roles: nothing saved
+
+
+def test_a_spec_reward_function_asking_for_a_missing_column(tiny_models, tmp_path, monkeypatch, nothing_loads):
+    """reward.function=module:function (the CLI's way) gets the same column check, from the prompt
+    file's first record, before anything loads."""
+    (tmp_path / "colscore.py").write_text("def score(prompts, responses, answer):\n    return [0.0] * len(prompts)\n")
+    monkeypatch.chdir(tmp_path)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "a day", "id": 1}\n')
+    cfg = oppo.load_config(overrides=[*TINY, f"policy.path={tiny_models['policy']}", "reward.function=colscore:score",
+                                      f"data.prompts={prompts}", f"run.out_dir={tmp_path / 'run'}"])
+    with pytest.raises(oppo.PreflightError, match=r"reward.function: colscore.score asks for the column 'answer', "
+                                                  r"which the prompt set does not have \(it has: prompt, id"):
+        oppo.train(cfg)
