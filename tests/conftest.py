@@ -104,7 +104,7 @@ def nothing_loads(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("something was loaded before the bad input was reported")
 
-    for name in ("load_tokenizer", "read_prompts", "load_reward_model", "load_causal_lm", "load_critic",
+    for name in ("load_tokenizer", "read_records", "load_reward_model", "load_causal_lm", "load_critic",
                  "load_function"):
         monkeypatch.setattr(oppo.setup.roles, name, boom)
     return boom

@@ -340,3 +340,60 @@ def test_shuffle_flag_from_config(tok):
     assert _stream(ps, 0, 6) == texts
     ps = build_prompt_set(texts, tok, DataConfig(shuffle=True), seed=9)
     assert sorted(_stream(ps, 0, 6)) == sorted(texts)
+
+
+# --------------------------------------------------------------------------- columns and objects
+
+def test_records_carry_the_columns_asked_for(tmp_path, tok):
+    from oppo.data import ALL_COLUMNS, read_records
+
+    p = _jsonl(tmp_path / "p.jsonl", [{"prompt": "the film was", "answer": 3, "id": "a"},
+                                      {"prompt": "", "answer": 0, "id": "b"},  # empty: skipped
+                                      {"prompt": "a day", "answer": 2}])  # no id: id is not a column of every record
+    rec = read_records(str(p), columns=("answer", "id", "nope"))
+    assert rec.available == ["prompt", "answer"] and rec.columns == {"answer": [3, 0, 2]}
+    assert read_records(str(p), columns=ALL_COLUMNS).columns == {"prompt": ["the film was", "", "a day"],
+                                                                 "answer": [3, 0, 2]}
+    ps = build_prompt_set(rec.texts, tok, DataConfig(shuffle=False), seed=0, columns=rec.columns)
+    assert ps.skipped == 1 and ps.columns == {"answer": [3, 2]}  # aligned with the prompts kept
+    ctx = ps.context([1, 0, 2])  # data positions: past the end is the next epoch
+    assert ctx == {"answer": [2, 3, 3], "raw_prompts": ["a day", "the film was", "the film was"],
+                   "formatted_prompts": ["a day", "the film was", "the film was"]}
+
+
+def test_context_follows_the_shuffled_order_across_epochs(tok):
+    texts = [f"the book {w}" for w in ("was", "is", "and", "but", "not")]
+    ps = build_prompt_set(texts, tok, DataConfig(), seed=3, columns={"n": list(range(5))})
+    positions = list(range(12))  # two and a bit epochs, each its own order
+    ctx = ps.context(positions)
+    assert ctx["formatted_prompts"] == [ps.at(p)[0] for p in positions]
+    assert ctx["n"] == [texts.index(t) for t in ctx["raw_prompts"]]
+    assert ps.context(positions[:3]) == {k: v[:3] for k, v in ctx.items()}  # (an older epoch looked up again)
+
+
+def test_chat_template_raw_and_formatted_prompts(tmp_path):
+    t = make_tokenizer(tmp_path)
+    t.chat_template = "{% for m in messages %}we . {{ m['content'] }} .{% endfor %}"
+    ps = build_prompt_set(["a day"], t, DataConfig(chat_template=True), seed=0)
+    ctx = ps.context([0])
+    assert ctx["raw_prompts"] == ["a day"] and ctx["formatted_prompts"] == ps.texts and ps.texts[0] != "a day"
+
+
+def test_prompt_objects(ds_cache):
+    import datasets
+
+    from oppo.data import object_problems, records_from_object
+
+    assert records_from_object(["a", "b"], "prompt", columns=("prompt",)).columns == {"prompt": ["a", "b"]}
+    rec = records_from_object([{"q": "a", "k": 1}, {"q": "b", "k": 2}], "q", columns=("k",))
+    assert rec.texts == ["a", "b"] and rec.columns == {"k": [1, 2]} and rec.available == ["q", "k"]
+    ds = datasets.Dataset.from_dict({"prompt": ["x", "y"], "answer": [1, 2]})
+    rec = records_from_object(datasets.DatasetDict({"train": ds}), "prompt", columns=("answer",))
+    assert rec.texts == ["x", "y"] and rec.columns == {"answer": [1, 2]}
+    assert "no split 'test'" in object_problems(datasets.DatasetDict({"train": ds}), "prompt", "test")[0]
+    assert "empty list" in object_problems([], "prompt")[0]
+    assert "got str" in object_problems("prompts.jsonl", "prompt")[0]
+    assert "not a mix" in object_problems(["a", {"prompt": "b"}], "prompt")[0]
+    assert "must be a string, got int" in object_problems([{"prompt": 1}], "prompt")[0]
+    with pytest.raises(DataError, match="no column 'text'"):
+        records_from_object(ds, "text")

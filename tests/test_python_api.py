@@ -8,6 +8,7 @@ import sys
 import pytest
 
 import oppo
+from conftest import TINY_PROMPTS
 
 TINY = ["placement.threads=1", "ppo.batch_size=4", "ppo.minibatch_size=2", "ppo.micro_batch_size=2",
         "generation.max_new_tokens=6", "overlap.mode=sequential", "log.progress=false", "run.samples=0"]
@@ -45,3 +46,175 @@ def test_build_step_read_metrics(tiny_models, tiny_prompts, tmp_path):
     assert "run directory" in oppo.run_summary(run_dir)
     with pytest.raises(oppo.PreflightError, match="already holds a run"):
         oppo.train(cfg)  # the same directory again: refused, before loading anything
+
+
+# --------------------------------------------------------------------------- objects in place of paths
+
+ANSWERS = {t: len(t.split()) for t in TINY_PROMPTS}  # a column: each prompt's word count
+
+
+def _objects(tiny_models):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    return (AutoModelForCausalLM.from_pretrained(tiny_models["policy"]),
+            AutoTokenizer.from_pretrained(tiny_models["policy"]),
+            AutoModelForSequenceClassification.from_pretrained(tiny_models["reward"]))
+
+
+def test_model_objects_and_a_dataset_train_a_step(tiny_models):
+    datasets = pytest.importorskip("datasets")
+    policy, tok, rm = _objects(tiny_models)
+    ds = datasets.Dataset.from_dict({"prompt": list(TINY_PROMPTS)})
+    cfg = oppo.load_config(overrides=TINY)  # no policy.path: the built-in task's presets, dropped for policy=
+    assert cfg.ppo.actor_lr == 1e-4
+    with oppo.Trainer(cfg, policy=policy, tokenizer=tok, reward_model=rm, prompts=ds, progress=False) as trainer:
+        metrics = trainer.run_step()
+        assert trainer.roles.policy is policy and trainer.roles.reward_model is rm  # trained / scored in place
+        assert trainer.roles.critic is not None and trainer.roles.critic is not rm  # (from the reward model: a copy)
+    assert "reward/mean" in metrics and trainer.step == 1
+    assert trainer.cfg.ppo.actor_lr == oppo.Config().ppo.actor_lr  # as on the CLI with policy.path set
+    assert trainer.cfg.policy.path == "<object: LlamaForCausalLM>"
+    assert trainer.cfg.reward.path == "<object: LlamaForSequenceClassification>"
+    assert trainer.cfg.data.prompts.startswith("<object: Dataset of 8 rows")
+    assert cfg.policy.path is None and cfg.ppo.actor_lr == 1e-4  # the caller's Config is unchanged
+
+
+def test_reward_fn_in_config_with_columns_carried_and_resumed(tiny_models, tmp_path):
+    """cfg.reward.function = a callable asking for a column, list-of-dict prompts, oppo.train in
+    inter mode with sequences carried across steps and a checkpoint: every call gets each row's own
+    record; a resume goes on with the same objects and refuses without them."""
+    policy, tok, _ = _objects(tiny_models)
+    calls = []
+
+    def score(prompts, responses, answer, raw_prompts):
+        assert answer == [ANSWERS[p] for p in raw_prompts] and raw_prompts == prompts  # (no chat template)
+        calls.append(len(answer))
+        return [float(a) for a in answer]
+
+    data = [{"prompt": t, "answer": n} for t, n in ANSWERS.items()]
+    cfg = oppo.load_config(overrides=[*TINY, "overlap.mode=inter", "overlap.delta=4", "generation.max_new_tokens=12",
+                                      "run.steps=2", "run.save_every=1", f"run.out_dir={tmp_path / 'run'}"])
+    cfg.reward.function, cfg.data.prompts = score, data
+    run_dir = oppo.train(cfg, progress=False, policy=policy, tokenizer=tok)
+    assert calls and any(m["overlap/carried"] > 0 for m in oppo.read_metrics(run_dir)), "nothing was carried"
+    text = (run_dir / "config.yaml").read_text()
+    assert "function: <object: test_python_api.score>" in text or "<object: " in text.split("function:")[1]
+    assert "# reward.function: given from Python as an object" in text
+    cfg.run.steps = 3
+    with pytest.raises(oppo.PreflightError, match=r"reward.function was given as an object.*reward_fn=") as info:
+        oppo.train(oppo.load_config(overrides=[*TINY, f"policy.path={tiny_models['policy']}",
+                                               f"reward.path={tiny_models['reward']}", f"data.prompts={tiny_prompts_path(tmp_path)}",
+                                               "overlap.mode=inter", "overlap.delta=4", "generation.max_new_tokens=12",
+                                               "run.steps=3", f"run.out_dir={run_dir}"]), resume="auto")
+    assert "data.prompts was given as an object" in str(info.value)
+    with pytest.raises(ValueError,  # (oppo.models.ModelLoadError)
+                       match="a policy object is trained in place: load it again"):
+        oppo.train(cfg, resume="auto", progress=False, policy=policy, tokenizer=tok)  # trained: not the initial one
+    calls.clear()
+    policy, tok, _ = _objects(tiny_models)  # the objects as they were at the start: goes on
+    oppo.train(cfg, resume="auto", progress=False, policy=policy, tokenizer=tok)
+    assert calls and [m["step"] for m in oppo.read_metrics(run_dir)] == [0, 1, 2]
+
+
+def tiny_prompts_path(tmp_path):
+    p = tmp_path / "p.jsonl"
+    p.write_text("".join(f'{{"prompt": "{t}"}}\n' for t in TINY_PROMPTS))
+    return p
+
+
+def test_bad_objects_get_the_cli_checks(tiny_models, nothing_loads):
+    datasets = pytest.importorskip("datasets")
+    policy, tok, rm = _objects(tiny_models)
+    cfg = oppo.load_config(overrides=TINY)
+    # the reward model must be a one-label sequence classifier (the words of the reward.path check)
+    with pytest.raises(oppo.PreflightError, match=r"reward_model=.*is a LlamaForCausalLM: this is not a sequence "
+                                                  r"classifier"):
+        oppo.Trainer(cfg, policy=policy, tokenizer=tok, reward_model=policy, prompts=["a day"])
+    with pytest.raises(oppo.PreflightError, match="give its tokenizer too"):
+        oppo.Trainer(cfg, policy=policy, reward_model=rm, prompts=["a day"])
+    with pytest.raises(oppo.PreflightError, match=r"no column 'prompt' \(it has text\); set data.field"):
+        oppo.Trainer(cfg, policy=policy, tokenizer=tok, reward_model=rm,
+                     prompts=datasets.Dataset.from_dict({"text": ["a day"]}))
+    with pytest.raises(oppo.PreflightError, match=r"prompts\[1\] has no key 'prompt'"):
+        oppo.Trainer(cfg, policy=policy, tokenizer=tok, reward_model=rm, prompts=[{"prompt": "a"}, {"q": "b"}])
+    with pytest.raises(oppo.PreflightError, match="cannot be called as fn\\(prompts, responses\\)"):
+        oppo.Trainer(cfg, policy=policy, tokenizer=tok, reward_fn=lambda texts: [0.0], prompts=["a day"])
+    small = type(policy)(type(policy.config)(**{**policy.config.to_dict(), "vocab_size": 5}))
+    with pytest.raises(oppo.PreflightError, match="has 5 token embeddings but the policy's tokenizer has"):
+        oppo.Trainer(cfg, policy=policy, tokenizer=tok, reference=small, reward_model=rm, prompts=["a day"])
+    with pytest.raises(oppo.ConfigError, match=r"policy= was given and policy.path is set too"):
+        oppo.Trainer(oppo.load_config(overrides=[*TINY, f"policy.path={tiny_models['policy']}",
+                                                 f"reward.path={tiny_models['reward']}"]), policy=policy)
+
+
+def test_reward_columns_checked_before_models_load(tiny_models, tmp_path, nothing_loads):
+    cfg = oppo.load_config(overrides=[*TINY, f"run.out_dir={tmp_path / 'run'}"])
+
+    def score(prompts, responses, answer, *, level=0):
+        return [0.0] * len(prompts)
+
+    data = [{"prompt": "a day", "id": 1}]
+    with pytest.raises(oppo.PreflightError) as info:
+        oppo.train(cfg, reward_fn=score, prompts=data)
+    assert "asks for the column 'answer', which the prompt set does not have (it has: prompt, id" in str(info.value)
+    # a list given as an override is not a hub name
+    with pytest.raises(oppo.PreflightError, match="looks like a list of prompts"):
+        oppo.train(oppo.load_config(overrides=[*TINY, f"policy.path={tiny_models['policy']}",
+                                               f"reward.path={tiny_models['reward']}", "data.prompts=[a day, the book]",
+                                               f"run.out_dir={tmp_path / 'run2'}"]))
+
+
+def test_reward_functions_get_what_they_ask_for():
+    from oppo.scoring.reward_fn import call_reward, missing_columns, wants
+
+    ctx = {"answer": [1, 2], "id": ["a", "b"], "raw_prompts": ["p", "q"], "formatted_prompts": ["P", "Q"]}
+    assert call_reward(lambda prompts, responses: [len(prompts)] * 2, ["P", "Q"], ["x", "y"], ctx) == [2, 2]
+    assert call_reward(lambda p, r, answer, *, id=None: list(zip(answer, id)), ["P", "Q"], ["x", "y"], ctx) == [
+        (1, "a"), (2, "b")]
+    assert call_reward(lambda p, r, level=7: [level], ["P"], ["x"], ctx) == [7]  # not a column: its default
+    assert call_reward(lambda p, r, **kw: sorted(kw), ["P"], ["x"], ctx) == sorted(ctx)
+
+    class Judge:  # a callable object
+        def __call__(self, prompts, responses, raw_prompts):
+            return raw_prompts
+
+    assert call_reward(Judge(), ["P", "Q"], ["x", "y"], ctx) == ["p", "q"]
+    assert wants(lambda p, r, answer, level=1: 0).required == ("answer",)
+    assert not wants(lambda texts: 0).positional_ok
+    line = missing_columns("reward.function", lambda p, r, answer: 0, ["prompt", "id"])
+    assert "asks for the column 'answer'" in line and "it has: prompt, id" in line
+
+
+def test_models_for_other_processes_are_saved_once(tiny_models, tmp_path, capsys):
+    """placement.backend=ray: the Ray actors load every model from a directory, so each model
+    object is saved there (the policy with its tokenizer), and said so."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from oppo.inputs import save_for_elsewhere, split_inputs
+
+    policy, tok, rm = _objects(tiny_models)
+    cfg = oppo.load_config(overrides=[*TINY, "placement.backend=ray"])
+    cfg, inputs = split_inputs(cfg, policy=policy, tokenizer=tok, reward_model=rm, save_dir=tmp_path / "inputs")
+    saved = save_for_elsewhere(cfg, inputs)
+    assert saved == {"policy": str(tmp_path / "inputs" / "policy"), "reward": str(tmp_path / "inputs" / "reward")}
+    assert save_for_elsewhere(cfg, inputs) == saved  # once
+    assert "the policy given as an object is saved to" in capsys.readouterr().err
+    assert (tmp_path / "inputs" / "policy" / "tokenizer.json").is_file()
+    assert isinstance(AutoModelForCausalLM.from_pretrained(saved["policy"]), type(policy))
+    assert isinstance(AutoModelForSequenceClassification.from_pretrained(saved["reward"]), type(rm))
+    local = oppo.load_config(overrides=TINY)
+    assert save_for_elsewhere(*split_inputs(local, policy=policy, tokenizer=tok)) == {}  # local roles: nothing saved
+
+
+def test_a_spec_reward_function_asking_for_a_missing_column(tiny_models, tmp_path, monkeypatch, nothing_loads):
+    """reward.function=module:function (the CLI's way) gets the same column check, from the prompt
+    file's first record, before anything loads."""
+    (tmp_path / "colscore.py").write_text("def score(prompts, responses, answer):\n    return [0.0] * len(prompts)\n")
+    monkeypatch.chdir(tmp_path)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "a day", "id": 1}\n')
+    cfg = oppo.load_config(overrides=[*TINY, f"policy.path={tiny_models['policy']}", "reward.function=colscore:score",
+                                      f"data.prompts={prompts}", f"run.out_dir={tmp_path / 'run'}"])
+    with pytest.raises(oppo.PreflightError, match=r"reward.function: colscore.score asks for the column 'answer', "
+                                                  r"which the prompt set does not have \(it has: prompt, id"):
+        oppo.train(cfg)

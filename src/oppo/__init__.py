@@ -17,6 +17,14 @@ The Python API, without the CLI::
     print(oppo.run_summary(run_dir))
     oppo.make_report([run_dir], run_dir / "report")
 
+Your own objects in place of paths (docs/python-api.md)::
+
+    def score(prompts, responses, answer):   # further parameters: columns of the data set, by name
+        return [float(str(a) in r) for r, a in zip(responses, answer)]
+
+    trainer = oppo.Trainer(cfg, policy=model, tokenizer=tok, reward_fn=score, prompts=dataset)
+    run_dir = oppo.train(cfg, policy=model, tokenizer=tok, reward_model=rm, prompts=["...", "..."])
+
 Names are imported on first use, so ``import oppo`` loads neither torch nor transformers.
 """
 

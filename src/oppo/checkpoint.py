@@ -366,9 +366,12 @@ def check_models(trainer, ckpt: Path) -> None:
         warnings.warn(f"resuming from {ckpt} although these hold other weights than when it was saved "
                       f"(run.allow_changed_models=true): {names}.", stacklevel=2)
         return
+    objects = any(at.startswith("<object") for _, _, at in changed)  # given from Python (inputs.py)
+    restore = ("Pass the models as they were when the run started (a policy object is trained in place: load it "
+               "again, e.g. with from_pretrained; the reference and the critic start from its initial weights)"
+               if objects else f"Restore the original files at {'that path' if len(changed) == 1 else 'those paths'}")
     raise ModelLoadError(
         f"cannot resume from {ckpt}: {names} {'holds' if len(changed) == 1 else 'hold'} other weights than when "
         f"the checkpoint's run started (their fingerprints in {MODELS_FILE} differ), so the resumed run would "
-        f"train against other models (its KL, rewards and values would jump). Restore the original files at "
-        f"{'that path' if len(changed) == 1 else 'those paths'}, or, if the change is deliberate, resume with "
-        f"run.allow_changed_models=true. Nothing in the run directory was changed.")
+        f"train against other models (its KL, rewards and values would jump). {restore}, or, if the change is "
+        f"deliberate, resume with run.allow_changed_models=true. Nothing in the run directory was changed.")

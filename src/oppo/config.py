@@ -143,7 +143,9 @@ class RewardConfig:
     path: str | None = opt(None, "Reward model (AutoModelForSequenceClassification with one label). "
                                  "Empty with no function: the built-in task's reward model.")
     function: str | None = opt(None, "A Python reward function 'module:function' taking (prompts, responses) as "
-                                     "lists of str and returning one float each; replaces the reward model.")
+                                     "lists of str and returning one float each; replaces the reward model. Further "
+                                     "parameters by name get the data set's columns (e.g. answer), raw_prompts and "
+                                     "formatted_prompts. From Python also the function itself (docs/python-api.md).")
     judge: str | None = opt(None, "Optional extra scorer 'module:function', logged as judge/mean, never trained on "
                                   "(the built-in task sets its ground-truth judge).")
     device: str = opt("auto", "Device of the reward model (auto: the policy's).")
@@ -158,7 +160,8 @@ class RewardConfig:
 class DataConfig:
     task: str = opt("positive", "Built-in task used when no models are named (see `oppo prepare`).")
     prompts: str | None = opt(None, "Prompt set: a .jsonl file, a local file or directory that `datasets` loads, "
-                                    "or a hub dataset name. Empty: the built-in task's prompts.")
+                                    "or a hub dataset name. Empty: the built-in task's prompts. From Python also a "
+                                    "datasets.Dataset, a list of str or a list of dicts (docs/python-api.md).")
     field: str = opt("prompt", "Name of the prompt field in each record.")
     split: str = opt("train", "Dataset split to read when the prompt set has splits.")
     chat_template: bool = opt(False, "Wrap each prompt as a user message with the tokenizer's chat template "
@@ -755,6 +758,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         for key, value in TASK_PRESETS.get(cfg.data.task, {}).items():
             if key not in explicit:
                 _set(cfg, key, value, f"the built-in task {cfg.data.task!r}'s preset")
+                cfg.__dict__.setdefault("_presets", {})[key] = value  # (a policy object drops them: inputs.py)
     validate(cfg)
     return cfg
 

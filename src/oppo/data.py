@@ -1,15 +1,19 @@
-"""Prompt sets: JSONL or anything ``datasets`` loads; tokenised once; an endless seeded stream.
+"""Prompt sets: JSONL, anything ``datasets`` loads, or (from Python) a ``datasets.Dataset`` or a
+list of str or dicts; tokenised once; an endless seeded stream.
 
 Position ``i`` of the stream is prompt ``order(epoch)[i % N]`` with ``epoch = i // N`` and a
 per-epoch permutation seeded by ``(seed, epoch)``, so the data position alone (an int saved in
-checkpoints) says which prompt comes next.
+checkpoints) says which prompt comes next, and which record a sequence came from: the record's
+other columns, which a reward function may ask for (``scoring.reward_fn``), are looked up by it
+(:meth:`PromptSet.context`), never copied into checkpoints.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field as dc_field
 from pathlib import Path
+from typing import Any, Sequence
 
 import torch
 
@@ -20,8 +24,33 @@ class DataError(ValueError):
     """The prompt set cannot be used; the message names the file, line or field."""
 
 
+RAW_PROMPTS, FORMATTED_PROMPTS = "raw_prompts", "formatted_prompts"
+"""The inputs every record gives a reward function besides its columns (``PromptSet.context``)."""
+ALL_COLUMNS = ("*",)
+"""``columns=ALL_COLUMNS``: carry every column (a reward function with ``**kwargs``)."""
+
+
+@dataclass
+class Records:
+    """A prompt set as read, before tokenising: each record's prompt and the other columns asked
+    for (name -> one value per record); ``available``: every column every record has."""
+
+    texts: list[str]
+    columns: dict[str, list] = dc_field(default_factory=dict)
+    available: list[str] = dc_field(default_factory=list)
+
+
+def _wanted(available: Sequence[str], columns: Sequence[str]) -> list[str]:
+    return list(available) if tuple(columns) == ALL_COLUMNS else [c for c in columns if c in available]
+
+
 def read_jsonl(path: Path, field: str) -> list[str]:
-    out = []
+    return read_jsonl_records(path, field).texts
+
+
+def read_jsonl_records(path: Path, field: str, columns: Sequence[str] = ()) -> Records:
+    """The records of a JSONL file; ``columns``: the other fields to carry (where every record has them)."""
+    out, recs = [], []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -38,21 +67,111 @@ def read_jsonl(path: Path, field: str) -> list[str]:
                 raise DataError(f"{path}:{lineno}: field {field!r} must be a string, got "
                                 f"{type(rec[field]).__name__}.")
             out.append(rec[field])
-    return out
+            if columns:
+                recs.append(rec)
+    return _from_dicts(out, recs, columns)
+
+
+def _from_dicts(texts: list[str], recs: list[dict], columns: Sequence[str]) -> Records:
+    """``Records`` of ``texts`` with the ``columns`` every one of ``recs`` (dicts) has."""
+    if not recs:
+        return Records(texts)
+    available = [k for k in recs[0] if all(k in r for r in recs)]
+    return Records(texts, {c: [r[c] for r in recs] for c in _wanted(available, columns)}, available)
+
+
+def records_from_object(obj: Any, field: str, split: str = "train", columns: Sequence[str] = ()) -> Records:
+    """A prompt set given from Python: a ``datasets.Dataset`` (or ``DatasetDict``: its ``split``),
+    a list of str, or a list of dicts with the prompt under ``field``. Raises DataError naming
+    what is wrong (:func:`object_problems` finds the same before anything loads)."""
+    problems = object_problems(obj, field, split)
+    if problems:
+        raise DataError(problems[0])
+    available = object_columns(obj, field, split)
+    if _is_dataset(obj):
+        ds = obj[split] if _is_dataset_dict(obj) else obj
+        return Records([str(x) for x in ds[field]], {c: list(ds[c]) for c in _wanted(available, columns)}, available)
+    items = list(obj)
+    if isinstance(items[0], str):
+        return Records(items, {c: list(items) for c in _wanted(available, columns)}, available)
+    return Records([r[field] for r in items], {c: [r[c] for r in items] for c in _wanted(available, columns)},
+                   available)
+
+
+def object_columns(obj: Any, field: str, split: str = "train") -> list[str]:
+    """The columns every record of a prompt set given as an object has (one without problems:
+    :func:`object_problems`), without reading its values."""
+    if _is_dataset(obj):
+        return list((obj[split] if _is_dataset_dict(obj) else obj).column_names)
+    items = list(obj)
+    if isinstance(items[0], str):
+        return [field]
+    return [k for k in items[0] if all(k in r for r in items)]
+
+
+def _is_dataset(obj: Any) -> bool:
+    return type(obj).__module__.startswith("datasets.")
+
+
+def _is_dataset_dict(obj: Any) -> bool:
+    return _is_dataset(obj) and isinstance(obj, dict)
+
+
+def object_problems(obj: Any, field: str, split: str = "train") -> list[str]:
+    """What is wrong with a prompt set given as an object (``prompts=``), in the words of the
+    file checks: its type, emptiness, the prompt field ``data.field``."""
+    key = "prompts"
+    if _is_dataset(obj):
+        if _is_dataset_dict(obj):
+            if split not in obj:
+                return [f"{key}: the DatasetDict has no split {split!r} (it has {', '.join(obj)}); set data.split."]
+            obj = obj[split]
+        if not hasattr(obj, "column_names") or not hasattr(obj, "__len__"):
+            return [f"{key}: a {type(obj).__name__} cannot be read as a whole (a streaming dataset); give a "
+                    f"datasets.Dataset (load_dataset(..., streaming=False)) or a list."]
+        if field not in obj.column_names:
+            return [f"{key}: the Dataset has no column {field!r} (it has {', '.join(obj.column_names)}); set "
+                    f"data.field."]
+        if len(obj) == 0:
+            return [f"{key}: the Dataset is empty. Give at least one prompt."]
+        bad = next((i for i, x in enumerate(obj[field]) if x is None), None)
+        return [] if bad is None else [f"{key}: record {bad} has no value in column {field!r}."]
+    if isinstance(obj, (str, bytes)) or not isinstance(obj, (list, tuple)):
+        return [f"{key} must be a datasets.Dataset, a list of str or a list of dicts (with the prompt under "
+                f"data.field={field!r}), got {type(obj).__name__}. (A path is given as data.prompts.)"]
+    if not obj:
+        return [f"{key} is an empty list. Give at least one prompt."]
+    if all(isinstance(x, str) for x in obj):
+        return []
+    for i, x in enumerate(obj):
+        if not isinstance(x, dict):
+            return [f"{key}[{i}] is a {type(x).__name__}: give a list of str, or a list of dicts each with the "
+                    f"prompt under data.field={field!r}, not a mix."]
+        if field not in x:
+            return [f"{key}[{i}] has no key {field!r} (it has {', '.join(map(repr, x)) or 'none'}); set "
+                    f"data.field to the name of the prompt field."]
+        if not isinstance(x[field], str):
+            return [f"{key}[{i}][{field!r}] must be a string, got {type(x[field]).__name__}."]
+    return []
 
 
 def read_prompts(source: str, field: str = "prompt", split: str = "train") -> list[str]:
     """Prompts from a .jsonl file, or a local file/directory or hub name that ``datasets`` loads."""
+    return read_records(source, field, split).texts
+
+
+def read_records(source: str, field: str = "prompt", split: str = "train", columns: Sequence[str] = ()) -> Records:
+    """:func:`read_prompts` with the other ``columns`` each record has (``ALL_COLUMNS``: all)."""
     p = Path(source).expanduser()
     if p.suffix == ".jsonl" or (p.is_file() and p.suffix == ".json" and _is_jsonl(p)):
         if not p.is_file():
             raise DataError(f"Prompt file {source} not found. Set data.prompts to an existing file.")
-        prompts = read_jsonl(p, field)
+        records = read_jsonl_records(p, field, columns)
     else:
-        prompts = _read_with_datasets(source, p, field, split)
-    if not prompts:
+        records = _read_with_datasets(source, p, field, split, columns)
+    if not records.texts:
         raise DataError(f"The prompt set {source} is empty. Give a file with at least one prompt.")
-    return prompts
+    return records
 
 
 def _is_jsonl(p: Path) -> bool:
@@ -60,7 +179,7 @@ def _is_jsonl(p: Path) -> bool:
     return first == "{"
 
 
-def _read_with_datasets(source: str, p: Path, field: str, split: str) -> list[str]:
+def _read_with_datasets(source: str, p: Path, field: str, split: str, columns: Sequence[str] = ()) -> Records:
     import datasets
 
     datasets.disable_progress_bars()
@@ -94,12 +213,17 @@ def _read_with_datasets(source: str, p: Path, field: str, split: str) -> list[st
     for i, x in enumerate(values):
         if x is None:
             raise DataError(f"Prompt set {source}: record {i} has no value in column {field!r}.")
-    return [str(x) for x in values]
+    cols = _wanted(ds.column_names, columns)
+    return Records([str(x) for x in values], {c: list(ds[c]) for c in cols}, list(ds.column_names))
 
 
 @dataclass
 class PromptSet:
-    """Tokenised prompts plus counts of those truncated or skipped (reported in the metrics)."""
+    """Tokenised prompts plus counts of those truncated or skipped (reported in the metrics).
+
+    ``texts``: each prompt as the policy sees it (chat template applied, truncated); ``raw``: as
+    the data set holds it; ``columns``: the other columns carried for the reward function and
+    the judge (name -> one value per prompt), all aligned with ``ids``."""
 
     texts: list[str]
     ids: list[list[int]]
@@ -107,6 +231,8 @@ class PromptSet:
     skipped: int
     seed: int
     shuffle: bool
+    raw: list[str] = dc_field(default_factory=list)
+    columns: dict[str, list] = dc_field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -117,12 +243,29 @@ class PromptSet:
         g = torch.Generator().manual_seed(self.seed * 7919 + epoch)
         return torch.randperm(len(self), generator=g).tolist()
 
-    def at(self, position: int) -> tuple[str, list[int]]:
+    def record(self, position: int) -> int:
+        """The index (into ``texts``, ``ids``, ...) of the prompt at data position ``position``."""
         epoch, i = divmod(position, len(self))
-        if getattr(self, "_epoch", None) != epoch:
-            self._epoch, self._order = epoch, self.order(epoch)
-        j = self._order[i]
+        orders = self.__dict__.setdefault("_orders", {})
+        if epoch not in orders:
+            if len(orders) >= 2:  # this epoch's and the one before (carried sequences): no more
+                orders.pop(min(orders))
+            orders[epoch] = self.order(epoch)
+        return orders[epoch][i]
+
+    def at(self, position: int) -> tuple[str, list[int]]:
+        j = self.record(position)
         return self.texts[j], self.ids[j]
+
+    def context(self, positions: Sequence[int]) -> dict[str, list]:
+        """The inputs a reward function may ask for by keyword (``scoring.reward_fn``), for the
+        prompts at data positions ``positions``: ``raw_prompts``, ``formatted_prompts`` and each
+        carried column, one value per position."""
+        idx = [self.record(p) for p in positions]
+        out = {name: [values[j] for j in idx] for name, values in self.columns.items()}
+        out[RAW_PROMPTS] = [(self.raw or self.texts)[j] for j in idx]
+        out[FORMATTED_PROMPTS] = [self.texts[j] for j in idx]
+        return out
 
 
 def _frame(tokenizer, chat_template: bool) -> list[int]:
@@ -150,12 +293,15 @@ def _truncate(tok: list[int], frame: list[int], budget: int) -> list[int] | None
     return tok[:head] + tok[head: len(tok) - tail][-body:] + tok[len(tok) - tail:]
 
 
-def build_prompt_set(texts: list[str], tokenizer, cfg: DataConfig, seed: int) -> PromptSet:
+def build_prompt_set(texts: list[str], tokenizer, cfg: DataConfig, seed: int,
+                     columns: dict[str, list] | None = None) -> PromptSet:
     """Tokenise the prompts (through the chat template when asked). A prompt longer than
     ``data.max_prompt_tokens`` is skipped, or truncated: its frame (BOS, the template's header
     and assistant turn) stays and the start of the user's text is cut, keeping its end, nearest
     to where the response begins. The prompt text the reward function sees is then the decoded
-    truncated prompt, what the policy actually saw."""
+    truncated prompt, what the policy actually saw. ``columns``: the records' other columns (one
+    value per text), kept for the prompts kept."""
+    raw = list(texts)
     if cfg.chat_template:
         if not getattr(tokenizer, "chat_template", None):
             raise DataError("data.chat_template=true but the policy's tokenizer has no chat template; "
@@ -163,8 +309,8 @@ def build_prompt_set(texts: list[str], tokenizer, cfg: DataConfig, seed: int) ->
         texts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
                                                add_generation_prompt=True) for t in texts]
     frame = None
-    keep_texts, ids, truncated, skipped = [], [], 0, 0
-    for t in texts:
+    keep_texts, ids, kept, truncated, skipped = [], [], [], 0, 0
+    for j, t in enumerate(texts):
         tok = tokenizer(t, add_special_tokens=not cfg.chat_template)["input_ids"]
         if not tok:
             skipped += 1
@@ -184,7 +330,9 @@ def build_prompt_set(texts: list[str], tokenizer, cfg: DataConfig, seed: int) ->
             truncated += 1
         keep_texts.append(t)
         ids.append(tok)
+        kept.append(j)
     if not ids:
         raise DataError(f"No usable prompt: all {len(texts)} were empty or longer than data.max_prompt_tokens="
                         f"{cfg.max_prompt_tokens} with data.on_long_prompt=skip.")
-    return PromptSet(keep_texts, ids, truncated, skipped, seed, cfg.shuffle)
+    return PromptSet(keep_texts, ids, truncated, skipped, seed, cfg.shuffle, raw=[raw[j] for j in kept],
+                     columns={name: [values[j] for j in kept] for name, values in (columns or {}).items()})

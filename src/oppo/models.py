@@ -26,6 +26,8 @@ from typing import Callable
 
 import torch
 
+from .inputs import is_marker
+
 
 class ModelLoadError(ValueError):
     """A model, tokenizer or function could not be loaded; the message names the fix."""
@@ -52,8 +54,15 @@ def _looks_local(path: str) -> bool:
     return path.startswith(("/", "./", "../", "~")) or os.path.exists(path) or path.count("/") > 1
 
 
+def _at(path: str) -> str:
+    """'at '<path>'' in messages, or 'given as an object' (``inputs.marker``)."""
+    return "given as an object" if is_marker(path) else f"at {path!r}"
+
+
 def check_model_path(path: str, role: str) -> None:
     """Fail early, before anything expensive, on a local path that does not exist."""
+    if is_marker(path):
+        return  # an object given from Python (inputs.py): checked by model_problems
     if _looks_local(path):
         p = Path(path).expanduser()
         if not p.is_dir():
@@ -121,24 +130,26 @@ def load_config(path: str, role: str, trust_remote_code: bool = False):
         raise ModelLoadError(f"Could not read the {role} model's config at {path!r}: {e}") from None
 
 
-def check_scorer_config(config, path: str, role: str, require_one_label: bool) -> None:
+def check_scorer_config(config, path: str, role: str, require_one_label: bool,
+                        architectures: list[str] | None = None) -> None:
     """Before loading weights: a reward/critic model must be a causal (decoder-only) backbone with
     a one-label head. ``require_one_label``: the reward model must already have it; a critic
-    may start from a causal-LM checkpoint (a fresh one-label head is created)."""
+    may start from a causal-LM checkpoint (a fresh one-label head is created). ``architectures``:
+    the model's class names where its config does not say (an object not loaded from a directory)."""
     if not is_causal_architecture(config):
         raise ModelLoadError(
-            f"The {role} model at {path!r} is a {getattr(config, 'model_type', '?')} model, not a decoder-only "
+            f"The {role} model {_at(path)} is a {getattr(config, 'model_type', '?')} model, not a decoder-only "
             f"(causal) one. oppo reads the {role} at the last token (reward) or every token (critic) of a causal "
             f"backbone with a KV cache; an encoder's pooled classifier cannot be read that way. Use a causal-LM-based "
             f"{role} model (e.g. a Llama/Qwen/Mistral/GPT-2 ...ForSequenceClassification with num_labels=1)"
             + (", or reward.function for a text scorer." if role == "reward" else "."))
-    archs = getattr(config, "architectures", None) or []
+    archs = architectures or getattr(config, "architectures", None) or []
     is_classifier = any(a.endswith("ForSequenceClassification") for a in archs)
     if require_one_label and (why := not_a_classifier(archs)):
-        raise ModelLoadError(f"The {role} model at {path!r} {why}")
+        raise ModelLoadError(f"The {role} model {_at(path)} {why}")
     n = getattr(config, "num_labels", 1)
     if (require_one_label or is_classifier) and n != 1:
-        raise ModelLoadError(f"The {role} model at {path!r} has {n} labels; PPO needs a scalar "
+        raise ModelLoadError(f"The {role} model {_at(path)} has {n} labels; PPO needs a scalar "
                              f"(AutoModelForSequenceClassification with num_labels=1).")
 
 
@@ -159,9 +170,9 @@ def reward_function(fn: Callable, name: str) -> Callable:
     them, with the fix named (``.tolist()``): the scorer wants Python numbers, and a tensor's
     elements are not (numpy arrays and scalars are, and pass)."""
 
-    @functools.wraps(fn)
-    def checked(prompts, responses):
-        out = fn(prompts, responses)
+    @functools.wraps(fn)  # (its signature is fn's: scoring.reward_fn reads which inputs fn asks for)
+    def checked(prompts, responses, **inputs):
+        out = fn(prompts, responses, **inputs)
         if isinstance(out, torch.Tensor) or (isinstance(out, (list, tuple)) and out
                                              and isinstance(out[0], torch.Tensor)):
             shape = f" of shape {list(out.shape)}" if isinstance(out, torch.Tensor) else " of tensors"
@@ -173,13 +184,21 @@ def reward_function(fn: Callable, name: str) -> Callable:
 
 
 def check_roles(policy_tok, reward: str | None = None, critic: str | None = None,
-                reference: str | None = None) -> None:
+                reference: str | None = None, objects: dict | None = None, policy=None) -> None:
     """Every check of the scorer roles that needs no weights, all problems at once: each is a
-    causal backbone (reward: with one label) reading the policy's token ids."""
-    problems = []
+    causal backbone (reward: with one label) reading the policy's token ids. ``objects``: role ->
+    a model given as an object (``inputs.Inputs``), checked in place of its path; ``policy``: the
+    policy given as an object (a causal LM with an embedding row for every token)."""
+    problems = object_problems(policy_tok, "policy", policy) if policy is not None else []
+    objects = objects or {}
     for role, path in (("reward", reward), ("critic", critic), ("reference", reference)):
-        if not path:
+        model = objects.get(role)
+        if not path and model is None:
             continue
+        if model is not None:
+            problems += object_problems(policy_tok, role, model)
+            continue
+        assert path is not None
         try:
             cfg = load_config(path, role)
             if role == "reference":
@@ -194,6 +213,107 @@ def check_roles(policy_tok, reward: str | None = None, critic: str | None = None
     if problems:
         raise ModelLoadError(problems[0] if len(problems) == 1 else
                              f"{len(problems)} problems with the scorer models:\n- " + "\n- ".join(problems))
+
+
+def _embedding_rows(model) -> int | None:
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    rows = getattr(emb, "num_embeddings", None)
+    return int(rows) if rows is not None else getattr(_text_config(model.config), "vocab_size", None)
+
+
+def object_problems(policy_tok, role: str, model, key: str | None = None) -> list[str]:
+    """:func:`model_problems`, then whether the model reads the policy tokenizer's ids (one
+    embedding row for each: what :func:`check_tokenizer_match` checks of a path)."""
+    key = key or {"reward": "reward_model"}.get(role, role)
+    problems = model_problems(role, key, model)
+    if problems:
+        return problems
+    try:
+        check_tokenizer_match(policy_tok, "<object>", role, _embedding_rows(model))
+    except ModelLoadError as e:
+        return [f"{key}=: {e}"]
+    return []
+
+
+def model_problems(role: str, key: str, model) -> list[str]:
+    """Why ``model``, given as an object for ``role`` (``key``: the keyword it came as), cannot be
+    used: the checks a path's config gets (:func:`check_scorer_config`), from the object's class
+    and config. Loads nothing, runs no forward."""
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        peft = " (a peft model: give its base model and set lora.r)" if is_peft(model) else ""
+        return [f"{key}= must be a Hugging Face model (a transformers PreTrainedModel, e.g. from "
+                f"AutoModelFor{'SequenceClassification' if role in ('reward', 'critic') else 'CausalLM'}"
+                f".from_pretrained), got {type(model).__name__}{peft}."]
+    name = type(model).__name__
+    try:
+        if role in ("policy", "reference"):
+            if not is_causal_architecture(model.config) or not hasattr(model, "get_output_embeddings") \
+                    or name.endswith("ForSequenceClassification"):
+                return [f"{key}= is a {name}, not a causal LM: the {role} generates text, so it is an "
+                        f"AutoModelForCausalLM (a ...ForCausalLM)."]
+        else:
+            check_scorer_config(model.config, "<object>", role, require_one_label=role == "reward",
+                                architectures=[name])
+    except ModelLoadError as e:
+        return [f"{key}=: {e}"]
+    return []
+
+
+def prepare_model(model, role: str, device: torch.device, dtype: torch.dtype, pad_token_id: int | None = None):
+    """A model given as an object, made ready as its loader would make a loaded one: on
+    ``device`` in ``dtype`` (in place: the object is the one trained, or scored with), frozen when
+    the role is (reference, reward), checked by :func:`verify_model`."""
+    model = model.to(device=device, dtype=dtype)
+    if role in ("reward", "critic") and model.config.pad_token_id is None:
+        model.config.pad_token_id = pad_token_id
+    if role in ("reward", "reference"):
+        model.eval().requires_grad_(False)
+    verify_model(model, role, pad_token_id if role in ("reward", "critic") else None)
+    return model
+
+
+def critic_from_object(model, device: torch.device, dtype: torch.dtype, pad_token_id: int, copy_it: bool):
+    """A critic initialised from ``model`` as :func:`load_critic` initialises one from a path: a
+    one-label sequence classifier is the critic (a copy when ``copy_it``: the reward model stays
+    frozen); a causal LM gives its backbone, under a new one-label value head."""
+    import copy
+
+    from transformers import AutoModelForSequenceClassification
+
+    if type(model).__name__.endswith("ForSequenceClassification"):
+        critic = copy.deepcopy(model) if copy_it else model
+    else:
+        config = copy.deepcopy(model.config)
+        config.num_labels = 1
+        config.architectures = None
+        critic = AutoModelForSequenceClassification.from_config(config)
+        critic.base_model.load_state_dict(model.base_model.state_dict())
+    critic = critic.to(device=device, dtype=dtype).requires_grad_(True)
+    critic.config.pad_token_id = pad_token_id
+    verify_model(critic, "critic", pad_token_id)
+    return critic
+
+
+def tokenizer_from_object(tok):
+    """The policy's tokenizer given as an object, ready as :func:`load_tokenizer` makes one (a
+    copy: left padding, EOS as pad where it has none, without changing the user's)."""
+    import copy
+
+    if not hasattr(tok, "get_vocab") or not callable(tok):
+        raise ModelLoadError(f"tokenizer= must be a Hugging Face tokenizer (AutoTokenizer.from_pretrained), got "
+                             f"{type(tok).__name__}.")
+    tok = copy.deepcopy(tok)
+    if tok.eos_token_id is None:
+        raise ModelLoadError("The tokenizer given as an object has no EOS token; PPO needs one to end responses. "
+                             "Set tokenizer.eos_token.")
+    if tok.pad_token_id is None:
+        warnings.warn(f"The tokenizer given as an object has no pad token; using EOS ({tok.eos_token!r}) as pad.",
+                      stacklevel=2)
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    return tok
 
 
 def load_reward_model(path: str, device: torch.device, dtype: torch.dtype, pad_token_id: int):
@@ -385,11 +505,11 @@ def check_tokenizer_match(policy_tok, path: str, role: str, vocab_size: int | No
     n = len(policy_tok)
     if vocab_size is not None and vocab_size < n:
         raise ModelLoadError(
-            f"The {role} model at {path!r} has {vocab_size} token embeddings but the policy's tokenizer has {n} "
+            f"The {role} model {_at(path)} has {vocab_size} token embeddings but the policy's tokenizer has {n} "
             f"tokens: it was not trained with the policy's tokenizer. Use a {role} model that shares the policy's "
             f"vocabulary, or (reward) a reward.function that scores the decoded text.")
     p = Path(path).expanduser()
-    if not _looks_local(path) or not any((p / f).is_file() for f in
+    if is_marker(path) or not _looks_local(path) or not any((p / f).is_file() for f in
                                          ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")):
         return  # no tokenizer saved beside the model: the embedding size check above is all we can do
     try:

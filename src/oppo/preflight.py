@@ -10,7 +10,11 @@ one per attempt, each attempt costing a model load:
   readable with the configured field;
 - model paths: each local one a directory with ``config.json`` (the policy's also with its
   tokenizer; a reward model with one label); each hub name cached locally or the hub reachable;
-- ``reward.function`` and ``reward.judge``: importable, and callable;
+- ``reward.function`` and ``reward.judge``: importable, and callable as ``fn(prompts, responses)``;
+  a column they ask for by keyword (``scoring.reward_fn``) present in the prompt set, where its
+  columns can be known without reading it (objects, a JSONL file's first record, a CSV header);
+- objects given from Python in place of paths (``inputs.Inputs``: :func:`object_problems`): the
+  same rules, read from the objects (a model's class and config, a data set's columns);
 - devices: CUDA present when asked for; TensorBoard / W&B installed when asked for;
 - ``generation.engine``: the rollout backend installed and able to serve the policy (its
   ``Backend.problems`` in ``rollout.registry``: e.g. an architecture or head size it lacks).
@@ -33,7 +37,10 @@ import threading
 from pathlib import Path
 from urllib.parse import urlparse
 
+from typing import Any
+
 from .config import Config, validate
+from .inputs import Inputs, is_marker, keyword_of
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model", "vocab.json",
                    "vocab.txt")
@@ -233,23 +240,112 @@ def _prompt_problems(source: str, field: str) -> tuple[list[str], bool]:
     return [], False
 
 
-def _function_problems(key: str, spec: str) -> list[str]:
+def _function_problems(key: str, spec: str | None, obj: Any, columns: list[str] | None) -> list[str]:
+    """``spec`` importable (or ``obj`` callable) as a reward function, asking for no column the
+    prompt set lacks (``columns``: its columns, None where not known yet)."""
     from .models import ModelLoadError, load_function
+    from .scoring.reward_fn import signature_problems
 
+    if obj is None:
+        assert spec is not None
+        try:
+            obj = load_function(spec, key)
+        except ModelLoadError as e:
+            return [str(e)]
+    elif not callable(obj):
+        return [f"{keyword_of(key)}= must be a function fn(prompts, responses) -> list[float], got "
+                f"{type(obj).__name__}."]
+    return signature_problems(key, obj, columns)
+
+
+def _known_columns(cfg: Config, inputs: Inputs) -> list[str] | None:
+    """The prompt set's columns where they are known without reading it: an object's, a JSONL
+    file's first record's keys, a CSV file's header, the built-in task's prompts; else None."""
+    from .data import object_columns
+    from .data import object_problems as data_problems
+
+    d = cfg.data
+    if inputs.prompts is not None:
+        return None if data_problems(inputs.prompts, d.field, d.split) else object_columns(inputs.prompts, d.field,
+                                                                                           d.split)
+    if d.prompts is None:
+        return [d.field] if cfg.uses_builtin_task else None
+    p = Path(d.prompts).expanduser()
+    if not p.is_file() or p.suffix not in (".jsonl", ".json", ".csv"):
+        return None
     try:
-        load_function(spec, key)
-    except ModelLoadError as e:
-        return [str(e)]
-    return []
+        with open(p, encoding="utf-8", errors="replace") as f:
+            first = next((line for line in f if line.strip()), "")
+        if p.suffix == ".csv":
+            import csv
+
+            return next(csv.reader([first]), [])
+        rec = json.loads(first)
+    except (OSError, ValueError):
+        return None
+    return list(rec) if isinstance(rec, dict) else None
 
 
-def input_problems(cfg: Config) -> list[str]:
+def object_problems(cfg: Config, inputs: Inputs) -> list[str]:
+    """What is wrong with the objects given from Python (``oppo.Trainer(cfg, policy=...)``), by the
+    rules a path or spec is checked with: each model of its role's kind (the policy a causal LM,
+    the reward model a one-label sequence classifier, ...) reading the tokenizer's ids, the
+    tokenizer given with a policy object, the prompts a data set or list with the prompt field.
+    Also a marker (``config.yaml``'s ``<object: ...>``) with no object given for it."""
+    from .inputs import SETTINGS
+
+    problems = []
+    for kw, key in SETTINGS.items():
+        section, name = key.split(".")
+        if is_marker(getattr(getattr(cfg, section), name)) and getattr(inputs, kw) is None:
+            problems.append(f"{key}={getattr(getattr(cfg, section), name)!r} stands for an object that the run was "
+                            f"given from Python ({kw}=...), and none is given now: pass the same object again "
+                            f"(oppo.train(cfg, {kw}=...)), or set {key} to a path"
+                            + (" or 'module:function'" if section == "reward" and name != "path" else "") + ".")
+    if inputs.prompts is not None:
+        from .data import object_problems as data_problems
+
+        problems += data_problems(inputs.prompts, cfg.data.field, cfg.data.split)
+    tok = inputs.tokenizer
+    if tok is not None:
+        from .models import ModelLoadError, tokenizer_from_object
+
+        try:
+            import warnings
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # (the pad-token warning comes when the run builds it)
+                tok = tokenizer_from_object(tok)
+        except ModelLoadError as e:
+            problems.append(str(e))
+            tok = None
+    elif inputs.policy is not None:
+        problems.append("policy= was given as an object, so give its tokenizer too (tokenizer=AutoTokenizer."
+                        "from_pretrained(...)): oppo tokenises the prompts and decodes the responses with it.")
+    for key, obj in (("reward.function", inputs.reward_fn), ("reward.judge", inputs.judge)):
+        if obj is not None:
+            problems += _function_problems(key, None, obj, _known_columns(cfg, inputs))
+    models = [(role, kw, m) for kw, role in (("policy", "policy"), ("reference", "reference"), ("critic", "critic"),
+                                              ("reward_model", "reward")) if (m := getattr(inputs, kw)) is not None]
+    if models:
+        from .models import model_problems
+        from .models import object_problems as model_object_problems
+
+        for role, kw, m in models:
+            problems += model_object_problems(tok, role, m, kw) if tok is not None else model_problems(role, kw, m)
+    return problems
+
+
+def input_problems(cfg: Config, inputs: Inputs | None = None) -> list[str]:
     """Everything wrong with the run's inputs that can be found without loading a model.
+    ``inputs``: the objects given from Python in place of paths (their settings hold markers).
 
     Also switches Hugging Face to offline mode when the hub is unreachable and every hub name is
     cached (so loading goes straight to the cache)."""
     validate(cfg)  # a Config built or changed in code (oppo.train(cfg)) is checked as the CLI's is
+    inputs = inputs or Inputs()
     problems: list[str] = out_dir_problems(cfg.run.out_dir)
+    problems += object_problems(cfg, inputs)
     hub_names: list[tuple[str, str]] = []
     if cfg.uses_builtin_task:
         from .task import TASKS
@@ -260,15 +356,23 @@ def input_problems(cfg: Config) -> list[str]:
         problems.append("policy.path is set but data.prompts is not: give a prompt set (data.prompts=path.jsonl).")
     for role in ("policy", "reward", "critic", "reference"):
         path = getattr(cfg, role).path
-        if path:
-            problems += _model_problems(role, f"{role}.path", path, hub_names)
+        if path and not is_marker(path):
+            found = _model_problems(role, f"{role}.path", path, hub_names)
+            if role == "policy" and inputs.tokenizer is not None:  # (the tokenizer given as an object is used)
+                found = [p for p in found if "holds no tokenizer" not in p]
+            problems += found
     hub_dataset = False
-    if cfg.data.prompts:
-        found, hub_dataset = _prompt_problems(cfg.data.prompts, cfg.data.field)
+    prompts = cfg.data.prompts
+    if prompts and not is_marker(prompts) and prompts.lstrip().startswith("["):
+        problems.append(f"data.prompts={prompts!r} looks like a list of prompts, but data.prompts names a file or "
+                        f"data set. Write the prompts to a JSONL file (one {{\"{cfg.data.field}\": ...}} per line), "
+                        f"or, from Python, pass the list: oppo.train(cfg, prompts=[...]).")
+    elif prompts and not is_marker(prompts):
+        found, hub_dataset = _prompt_problems(prompts, cfg.data.field)
         problems += found
     for key, spec in (("reward.function", cfg.reward.function), ("reward.judge", cfg.reward.judge)):
-        if spec:
-            problems += _function_problems(key, spec)
+        if spec and not is_marker(spec):  # (objects: object_problems)
+            problems += _function_problems(key, spec, None, _known_columns(cfg, inputs))
     for role in ("policy", "reward", "critic", "reference"):
         dev = getattr(cfg, role).device
         if dev.startswith("cuda"):
@@ -284,7 +388,8 @@ def input_problems(cfg: Config) -> list[str]:
         from .rollout import registry
 
         backend = registry.get(cfg.generation.engine)
-        problems += backend.problems(cfg.policy.path, cfg.policy.device) if backend.problems else []
+        policy = None if is_marker(cfg.policy.path) else cfg.policy.path  # (an object: checked once saved)
+        problems += backend.problems(policy, cfg.policy.device) if backend.problems else []
     missing = [(k, name) for k, name in hub_names if not _in_hub_cache(name)]
     if (missing or hub_dataset) and not hub_reachable():
         why = ("offline mode is on (HF_HUB_OFFLINE)" if _offline_env()

@@ -24,6 +24,13 @@ progress finish, writes a checkpoint with the sequences in flight and raises :cl
 atomic save leaves no partial checkpoint. Checkpoints are also written every
 ``run.save_every_minutes`` and every ``run.save_every`` steps, and at the end as
 ``run.save_final`` says (full, weights only, or none).
+
+Objects from Python (``oppo.train(cfg, policy=model, reward_fn=score, prompts=ds, ...)``,
+``inputs.py``): ``config.yaml`` and the checkpoints record each as its marker (``<object:
+LlamaForCausalLM>``), with a comment naming where a model was saved for roles that load it
+elsewhere (``inputs/`` in the run directory). A resume compares the markers as any setting: it
+goes on with the same objects passed again, and names the keyword to pass when one is missing
+(the CLI cannot resume such a run: it has no objects to pass).
 """
 
 from __future__ import annotations
@@ -36,17 +43,20 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import yaml
 
 from .checkpoint import (CKPT_DIR, checkpoint_dirs, checkpoint_settings, checkpoint_step, is_weights_only,
                          latest_checkpoint, load_checkpoint, save_checkpoint, settings_mismatches, verify_checkpoint)
 from .config import Config, to_dict
+from .inputs import Inputs, is_marker, keyword_of, split_inputs
 from .metrics import METRICS_FILE, MetricsLogger, ProgressBar, read_metrics
 from .preflight import PreflightError, input_problems
 
 LINK_NAME = "latest"
 RUN_FILES = ("config.yaml", METRICS_FILE, "trace.json", "lengths.jsonl", CKPT_DIR)
+INPUTS_DIR = "inputs"  # models given as objects, saved for the roles that load them elsewhere (inputs.py)
 LOCK_FILE = ".oppo.lock"  # held (flock) by the process writing the run; the kernel drops it when that dies
 
 
@@ -54,14 +64,15 @@ class Preempted(KeyboardInterrupt):
     """The run stopped on SIGTERM/SIGINT at a step boundary, its checkpoint written (str: what was
     saved and the command that continues it). ``oppo train`` exits 128 + ``signum``."""
 
-    def __init__(self, signum: int, run_dir: Path, checkpoint: Path, steps: int):
+    def __init__(self, signum: int, run_dir: Path, checkpoint: Path, steps: int, objects: bool = False):
         self.signum, self.run_dir, self.checkpoint = signum, run_dir, checkpoint
         state = json.loads((checkpoint / "state.json").read_text())
         held = state.get("in_flight") or {}
         carried = (f", with the {held['count']} sequences in flight {held['how']}" if held.get("count") else "")
+        how = (f"oppo.train(cfg, resume={str(run_dir)!r}, ...) with the same settings and objects (the policy as it "
+               f"was at the start)" if objects else f"oppo train --resume {run_dir} (and the same settings)")
         super().__init__(f"stopped by {signal.Signals(signum).name} after {state['step']} of {steps} steps: "
-                         f"checkpoint {checkpoint} holds them{carried}. Continue with: "
-                         f"oppo train --resume {run_dir} (and the same settings).")
+                         f"checkpoint {checkpoint} holds them{carried}. Continue with: {how}.")
 
     def __str__(self) -> str:
         return self.args[0]
@@ -182,6 +193,13 @@ def _resume_problems(cfg: Config, ckpt: Path, arg: str) -> tuple[list[str], int]
     saved = checkpoint_settings(ckpt)
     if saved is not None:
         diffs = settings_mismatches(saved, to_dict(cfg))
+        objects = [(k, a) for k, a, _ in diffs if is_marker(a)]  # given from Python to the run that saved it
+        for k, a in objects:
+            kw = keyword_of(k)
+            problems.append(f"--resume {arg}: {k} was given as an object to the run that saved {ckpt} ({a}); pass "
+                            f"the same object again to continue it, from Python: oppo.train(cfg, resume=..., "
+                            f"{kw}=...).")
+        diffs = [d for d in diffs if not is_marker(d[1])]
         if diffs:
             said = "; ".join(f"{k} is {_fmt(a)} in the checkpoint, {_fmt(b)} now" for k, a, b in diffs)
             fix = " ".join(f"{k}={'' if a is None else shlex.quote(str(a))}" for k, a, _ in diffs)
@@ -214,8 +232,9 @@ def _verified(ckpt: Path, arg: str) -> tuple[Path | None, list[str]]:
                   f"it in {ckpt.parent}; start the run again (a fresh run.out_dir)."]
 
 
-def plan_run(cfg: Config, resume: str | None = None) -> RunPlan:
+def plan_run(cfg: Config, resume: str | None = None, inputs: Inputs | None = None) -> RunPlan:
     """Decide the run directory and the checkpoint, and run every check that needs no model.
+    ``inputs``: the objects given in place of paths (``cfg`` holds their markers: ``inputs.split_inputs``).
 
     Writes nothing. Raises :class:`~oppo.preflight.PreflightError` listing every problem found:
     the run directory's, the checkpoint's and the inputs' (:func:`oppo.preflight.input_problems`).
@@ -272,18 +291,18 @@ def plan_run(cfg: Config, resume: str | None = None) -> RunPlan:
     if writer is not None:
         problems.append(f"oppo train ({writer}) is still writing {run_dir}; wait for it to end or stop it, "
                         f"then resume with --resume auto.")
-    problems += input_problems(cfg)
+    problems += input_problems(cfg, inputs)
     if problems:
         raise PreflightError(problems)
     return RunPlan(run_dir, link, ckpt, step)
 
 
-def _create(plan: RunPlan) -> Path:
+def _create(plan: RunPlan, made: bool = False) -> Path:
     """Create the run directory (another name if a concurrent run took this one). The link is
     pointed at it once a step has finished (``train``): a run that fails before leaves the link on
-    the last run that trained."""
+    the last run that trained. ``made``: this run made it already (to save objects in it)."""
     run_dir = plan.run_dir
-    if plan.link is not None and plan.checkpoint is None:
+    if plan.link is not None and plan.checkpoint is None and not made:
         base, n = run_dir, 2
         while True:
             try:
@@ -294,6 +313,23 @@ def _create(plan: RunPlan) -> Path:
     else:
         run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir
+
+
+def _objects_comment(cfg: Config, inputs: Inputs) -> str:
+    """``config.yaml``'s comment lines on the settings given as objects (``<object: ...>``)."""
+    from .inputs import SETTINGS
+
+    lines = []
+    for kw, key in SETTINGS.items():
+        section, name = key.split(".")
+        if is_marker(getattr(getattr(cfg, section), name)):
+            role = {"reward_model": "reward"}.get(kw, kw)
+            where = f"; saved to {inputs.saved[role]}" if role in inputs.saved else ""
+            lines.append(f"# {key}: given from Python as an object ({kw}=){where}\n")
+    if inputs.tokenizer is not None:
+        lines.append("# the policy's tokenizer: given from Python as an object (tokenizer=); saved with every "
+                     "checkpoint's policy\n")
+    return "".join(lines)
 
 
 def _point_link(link: Path, target: Path) -> None:
@@ -441,19 +477,27 @@ def threads_lines(cfg: Config, torch_threads: int, cores: int, usable: int | Non
     return lines
 
 
-def train(cfg: Config, resume: str | None = None, progress: bool = True) -> Path:
+def train(cfg: Config, resume: str | None = None, progress: bool = True, *, policy: Any = None,
+          tokenizer: Any = None, reference: Any = None, critic: Any = None, reward_model: Any = None,
+          reward_fn: Callable | str | None = None, judge: Callable | str | None = None, prompts: Any = None) -> Path:
     """Run PPO as configured; return the run directory.
 
     ``resume``: None for a new run, ``"auto"`` for the latest checkpoint of ``run.out_dir``, or a
     checkpoint (or run) directory. Raises :class:`~oppo.preflight.PreflightError` before loading
-    anything when the run directory, the checkpoint or the inputs are wrong.
+    anything when the run directory, the checkpoint or the inputs are wrong. The keywords after
+    ``progress`` give objects in place of settings, as :class:`~oppo.trainer.Trainer` takes them;
+    models that a role loads elsewhere are saved under the run directory's ``inputs/``.
     """
     from transformers.utils import logging as hf_logging
 
     from .trainer import Trainer
 
+    objects = dict(policy=policy, tokenizer=tokenizer, reference=reference, critic=critic, reward_model=reward_model,
+                   reward_fn=reward_fn, judge=judge, prompts=prompts)
+    cfg, inputs = split_inputs(cfg, **objects)
+    objects = {kw: getattr(inputs, kw) for kw in objects}  # (with those the settings held: now markers there)
     hf_logging.disable_progress_bar()  # "Loading weights" bars for every role drown the run's own output
-    plan = plan_run(cfg, resume)
+    plan = plan_run(cfg, resume, inputs)
     ckpt = plan.checkpoint
     lock = None
     if progress:
@@ -461,16 +505,18 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True) -> Path
             print(line, file=sys.stderr)
         print(loading_line(cfg), file=sys.stderr, flush=True)
     t_load = time.perf_counter()
-    trainer = Trainer(cfg, progress=progress)
+    # the entries of an existing run directory before this run (None: this run makes it), so that a
+    # run failing before its first step removes only what it wrote
+    found = set(plan.run_dir.iterdir()) if plan.run_dir.is_dir() else None
+    trainer = Trainer(cfg, progress=progress, save_dir=plan.run_dir / INPUTS_DIR, **objects)
     if progress:
         print(f"models loaded in {time.perf_counter() - t_load:.1f}s", file=sys.stderr)
-    found = None  # the entries of an existing run directory before this run
     try:
         if ckpt is not None:
             load_checkpoint(trainer, ckpt)
             print(f"resumed from {ckpt} at step {trainer.step}", file=sys.stderr)
-        found = set(plan.run_dir.iterdir()) if plan.run_dir.is_dir() else None
-        run_dir = _create(plan)
+        saved = trainer.inputs.saved  # (models given as objects, saved in the run directory for other processes)
+        run_dir = _create(plan, made=bool(saved))
         lock = _take_lock(run_dir)
         if lock is None:  # another run took the directory since the check
             raise PreflightError([f"another oppo train is writing {run_dir} (started since the checks); "
@@ -484,6 +530,7 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True) -> Path
             print(policy_line(cfg), file=sys.stderr)
         first = trainer.step
         (run_dir / "config.yaml").write_text((f"# rollout engine: {engine}\n" if engine else "")
+                                             + _objects_comment(cfg, trainer.inputs)
                                              + yaml.safe_dump(_used_settings(cfg), sort_keys=False))
         logger = MetricsLogger(run_dir, tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb,
                                wandb_project=cfg.log.wandb_project, config=to_dict(cfg), resume=ckpt is not None)
@@ -538,7 +585,7 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True) -> Path
             # with the sequences in flight (trainer.state_dict), as every checkpoint
             saved = save_checkpoint(trainer, run_dir, cfg.run.keep_checkpoints)
             logger.close()
-            raise Preempted(STOP.signum, run_dir, saved, cfg.run.steps)
+            raise Preempted(STOP.signum, run_dir, saved, cfg.run.steps, objects=bool(inputs))
         if trainer.step > first:
             res = trainer.last_result
             assert res is not None and res.exp.scores is not None  # the last step's trained, scored batch

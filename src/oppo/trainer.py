@@ -6,14 +6,20 @@ reference loop, ``overlap.mode=sequential``) or ``control.overlapped_step`` (int
 and pipeline, one loop driven by a policy value). ``state_dict`` / ``load_state_dict`` are what a
 checkpoint saves and restores (``checkpoint.py`` writes them to disk); ``close`` stops every
 worker. Where a role runs is decided once, in ``setup/roles.py``; nothing here asks.
+
+Objects in place of paths (``inputs.py``): ``Trainer(cfg, policy=model, tokenizer=tok,
+reward_model=rm, reward_fn=score, prompts=ds)``; ``self.cfg`` is then the settings with each object's
+marker (what checkpoints record), ``self.inputs`` the objects.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import shutil
 import time
-from typing import Literal
+from pathlib import Path
+from typing import Any, Callable, Literal
 
 import torch
 
@@ -21,20 +27,41 @@ from .config import Config, to_dict, validate
 from .control import Run, StepResult, overlapped_step, sequential_step
 from .control.metrics import step_metrics
 from .fingerprint import run_fingerprints
+from .inputs import Inputs, split_inputs
+from .preflight import object_problems, raise_if
 from .api.roles import Roles
 from .setup.roles import build_roles
 
 
 class Trainer:
-    """``Trainer(cfg)`` builds every role; ``run_step()`` trains one step and returns its metrics."""
+    """``Trainer(cfg)`` builds every role; ``run_step()`` trains one step and returns its metrics.
 
-    def __init__(self, cfg: Config, progress: bool = True):
+    Objects may stand in for the settings that name paths or functions (docs/python-api.md):
+    ``policy`` (a causal LM, trained in place) with its ``tokenizer``, ``reference``, ``critic``
+    (its initialisation), ``reward_model`` (a one-label sequence classifier), ``reward_fn`` and
+    ``judge`` (callables), ``prompts`` (a ``datasets.Dataset``, a list of str or of dicts); a str
+    given for one of them is its setting's value. They are checked by the rules the CLI checks
+    paths with, before any model loads. ``save_dir``: where models that a role loads in another
+    process (Ray, vLLM) are saved (default: a temporary directory, removed by :meth:`close`)."""
+
+    def __init__(self, cfg: Config, progress: bool = True, *, policy: Any = None, tokenizer: Any = None,
+                 reference: Any = None, critic: Any = None, reward_model: Any = None,
+                 reward_fn: Callable | str | None = None, judge: Callable | str | None = None, prompts: Any = None,
+                 save_dir: str | os.PathLike | None = None):
+        cfg, self.inputs = split_inputs(cfg, policy=policy, tokenizer=tokenizer, reference=reference, critic=critic,
+                                        reward_model=reward_model, reward_fn=reward_fn, judge=judge, prompts=prompts,
+                                        save_dir=Path(save_dir) if save_dir is not None else None)
         # a Config built or changed in code is checked as the CLI's is, before any model loads
         validate(cfg)
+        raise_if(object_problems(cfg, self.inputs))  # objects: by the same rules, before any model loads
         self.cfg = cfg
         torch.set_num_threads(cfg.placement.threads or torch.get_num_threads())
         _seed_everything(cfg.run.seed)
-        self.roles: Roles = build_roles(cfg, progress=progress)
+        try:
+            self.roles: Roles = build_roles(cfg, progress=progress, inputs=self.inputs)
+        except BaseException:
+            self._remove_saved()
+            raise
         # the models the run reads, as loaded (before any step trains the critic): saved with every
         # checkpoint, compared on resume (checkpoint.check_models)
         self.fingerprints = run_fingerprints(self.roles)
@@ -157,6 +184,13 @@ class Trainer:
     def close(self) -> None:
         self.run.close()
         self.roles.close()
+        self._remove_saved()
+
+    def _remove_saved(self) -> None:
+        """Remove the temporary directory that objects were saved to for other processes (if any)."""
+        inputs: Inputs = self.inputs
+        if inputs.temporary and inputs.save_dir is not None:
+            shutil.rmtree(inputs.save_dir, ignore_errors=True)
 
     def __enter__(self) -> "Trainer":
         return self

@@ -36,10 +36,11 @@ def step_metrics(run: Run, result: StepResult, times: dict[str, float], dt: floa
     m.update(utilisation(run, result, times, rollout))
     m.update(memory(run, rollout))
     prompts, responses = [p for p, _ in result.texts], [r for _, r in result.texts]
+    context = roles.prompt_set.context([r.prompt_index for r in exp.rollouts])  # (the records' columns)
     if roles.judge_fn is not None:
-        m["judge/mean"] = _mean(roles.judge_fn(prompts, responses))
+        m["judge/mean"] = _mean(roles.judge_fn(prompts, responses, context=context))
     if roles.accuracy_fn is not None:
-        m["task/accuracy"] = _mean(roles.accuracy_fn(prompts, responses))
+        m["task/accuracy"] = _mean(roles.accuracy_fn(prompts, responses, context=context))
     return m
 
 

@@ -332,7 +332,8 @@ def score_models(run: Run, batch: list[Rollout], step: int) -> dict[str, list[Sc
 def reward_scores(run: Run, batch: list[Rollout], txt: list[str], step: int) -> list[float]:
     fn = run.roles.reward_fn
     assert fn is not None  # called only where the run has a reward function
-    return fn([r.prompt for r in batch], txt, step=step, indices=[r.prompt_index for r in batch])
+    indices = [r.prompt_index for r in batch]  # data positions: the records' other inputs (columns) by position
+    return fn([r.prompt for r in batch], txt, step=step, indices=indices, context=run.roles.prompt_set.context(indices))
 
 
 def _scores(outputs: list[ScoredOutputs]) -> list[float]:

@@ -24,7 +24,7 @@ of a gather of the cache per round. Left padding is harmless (it shifts a whole 
 
 from __future__ import annotations
 
-from typing import Callable, Literal
+from typing import Callable, Literal, Mapping
 
 import torch
 
@@ -190,7 +190,8 @@ class RewardFunctionError(RuntimeError):
 
 
 class RewardFunction:
-    """A plain Python reward: ``fn(prompts, responses) -> list[float]`` on text.
+    """A plain Python reward: ``fn(prompts, responses) -> list[float]`` on text (and, by keyword,
+    what it asks for of the batch's records: ``scoring.reward_fn``).
 
     ``retries``: times a call that raised is made again, on the same batch, before the run stops
     (``reward.retries``: scorers behind a network); the n-th retry waits ``backoff_s * 2**(n-1)``
@@ -206,16 +207,19 @@ class RewardFunction:
         self.sleep = sleep or time.sleep
 
     def __call__(self, prompts: list[str], responses: list[str], step: int | None = None,
-                 indices: list[int] | None = None) -> list[float]:
+                 indices: list[int] | None = None, context: Mapping[str, list] | None = None) -> list[float]:
         """Scores of ``responses`` to ``prompts``; ``step`` and ``indices`` (the prompts' indices in
-        the prompt set) only name the batch in an error."""
+        the prompt set) only name the batch in an error; ``context``: the records' other inputs
+        (``data.PromptSet.context``), passed as the function asks (``reward_fn.call_reward``)."""
         import math
         import numbers
+
+        from .reward_fn import call_reward
 
         where = self._where(prompts, step, indices)
         for attempt in range(self.retries + 1):
             try:
-                scores = list(self.fn(list(prompts), list(responses)))
+                scores = list(call_reward(self.fn, prompts, responses, context))
                 break
             except Exception as e:
                 if attempt == self.retries:

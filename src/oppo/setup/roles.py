@@ -8,14 +8,19 @@ themselves; the torch thread budgets. This module builds what the plan names; th
 (``oppo.control``) receives the roles behind their Protocols (``api/protocols.py``) and never
 asks where one runs.
 
-Order of work, so that bad input fails before anything expensive: paths and prompts, every role's
-config and tokenizer, the reward model or function, then the big models.
+Order of work, so that bad input fails before anything expensive: paths, the reward and judge
+functions, prompts, every role's config and tokenizer, the reward model, then the big models.
+
+Objects given from Python (``inputs.Inputs``: models, a tokenizer, callables, prompts) stand in
+for the paths and specs their settings name by a marker (``inputs.marker``); they get the checks a
+loaded model gets, and are moved to the role's device and dtype in place. A role that loads its
+model in another process reads the copy :func:`~oppo.inputs.save_for_elsewhere` saved.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -24,15 +29,17 @@ from ..api.protocols import RolloutBackend
 from ..api.roles import Roles
 from ..api.specs import ModelSpec
 from ..config import Config
-from ..data import build_prompt_set, read_prompts
+from ..data import ALL_COLUMNS, DataError, build_prompt_set, read_records, records_from_object
 from ..forward import set_packing
+from ..inputs import Inputs, is_marker, save_for_elsewhere
 from ..learner.critic import CriticBesideScorer
 from ..learner.local import Learner
-from ..models import (apply_lora, base_view, check_roles, enable_gradient_checkpointing,
-                     load_causal_lm, load_critic, load_function, load_reward_model, load_tokenizer, resolve_device,
-                     resolve_dtype, reward_function, stop_token_ids)
+from ..models import (apply_lora, base_view, check_roles, critic_from_object, enable_gradient_checkpointing,
+                     load_causal_lm, load_critic, load_function, load_reward_model, load_tokenizer, prepare_model,
+                     resolve_device, resolve_dtype, reward_function, stop_token_ids, tokenizer_from_object)
 from ..rollout import registry
 from ..scoring.inline import InlineScorer
+from ..scoring.reward_fn import KeywordCall, describe, missing_columns, wants
 from ..scoring.streaming import RewardFunction, StreamingScorer
 from ..scoring.worker import CriticTrainer, ScorerWorker
 from ..trace import Tracer
@@ -45,46 +52,82 @@ from .plan import decide_placement, engine_settings, resolve_paths
 _BUILT_NEXT: Any = None
 
 
-def build_roles(cfg: Config, progress: bool = True) -> Roles:
-    """Load every model and build every role (module docstring)."""
+def build_roles(cfg: Config, progress: bool = True, inputs: Inputs | None = None) -> Roles:
+    """Load every model and build every role (module docstring). ``inputs``: the objects given
+    from Python in place of paths (their settings hold markers: ``inputs.split_inputs``)."""
+    inputs = inputs or Inputs()
     paths = resolve_paths(cfg, progress=progress)
+    saved = save_for_elsewhere(cfg, inputs, log=progress)  # objects a role loads in another process
+    # the critic starts from critic.path, else the reward model's, else the policy's (resolve_paths)
+    critic_source = "critic" if cfg.critic.path else "reward" if cfg.reward.path else "policy"
+    for role in ("policy", "reward", "reference"):
+        if role in saved:
+            setattr(paths, role, saved[role])
+    if paths.critic is not None and is_marker(paths.critic) and critic_source in saved:
+        paths.critic = saved[critic_source]
     check_backend(cfg.generation.engine, paths.policy, cfg.policy.device)  # before any model loads
-    tok = load_tokenizer(paths.policy)
+    tok = tokenizer_from_object(inputs.tokenizer) if inputs.tokenizer is not None else load_tokenizer(paths.policy)
     pad_id = tok.pad_token_id
     dev = resolve_device(cfg.policy.device)
     # compute dtype (rollout, scoring, the training forward) and the trained weights' dtype:
     # fp32 masters under bf16 (weights.py)
     dtype = resolve_dtype(cfg.policy.dtype, dev)
     master = master_dtype(dtype)
-    prompt_set = build_prompt_set(read_prompts(paths.prompts, cfg.data.field, cfg.data.split), tok, cfg.data,
-                                  cfg.run.seed)
+    # the reward and judge functions (imported: fast), then the prompts with the columns they ask for
+    reward_fn = reward_model = None
+    score_fn = _function(inputs.reward_fn, paths.reward_function, "reward.function")
+    judge = _function(inputs.judge, paths.judge, "reward.judge")
+    accuracy = _function(None, paths.accuracy, "task accuracy")
+    prompt_set = _prompt_set(cfg, inputs, paths.prompts, tok,
+                             {k: f for k, f in (("reward.function", score_fn), ("reward.judge", judge),
+                                                ("task accuracy", accuracy)) if f is not None})
     # every role's config and tokenizer, before any weights load (fast; names the fix)
     algorithm = build_algorithm(cfg)
     if not algorithm.needs_critic:
         paths.critic = None  # critic-free: no critic is loaded, scored, trained or checkpointed
-    check_roles(tok, reward=paths.reward, critic=paths.critic, reference=paths.reference)
+    objects = {role: m for role in ("reward", "reference") if (m := inputs.model(role)) is not None}
+    critic_object = inputs.model(critic_source) if paths.critic is not None else None
+    if critic_object is not None and critic_source == "critic":  # (a reward model or policy: checked as such)
+        objects["critic"] = critic_object
+    critic_path = None if critic_object is not None and critic_source != "critic" else paths.critic
+    check_roles(tok, reward=paths.reward, critic=critic_path, reference=paths.reference, objects=objects)
+    if inputs.policy is not None:
+        check_roles(tok, policy=inputs.policy)
+    # a critic started from an object: made now, before the reward model it may copy is frozen and the
+    # policy whose backbone it may take is changed (dtype, LoRA)
+    critic_dev = resolve_device(cfg.critic.device, str(dev))
+    critic_init = (critic_from_object(critic_object, critic_dev, master, pad_id, copy_it=critic_source != "critic")
+                   if critic_object is not None else None)
     # Reward first: an invalid reward model or function fails before the big models load.
-    reward_fn = reward_model = None
-    if paths.reward_function:
-        fn = reward_function(load_function(paths.reward_function), paths.reward_function)  # (a tensor: .tolist())
-        reward_fn = RewardFunction(fn, paths.reward_function, retries=cfg.reward.retries,
-                                   backoff_s=cfg.reward.retry_backoff_s)
+    if score_fn is not None:
+        assert paths.reward_function is not None  # (a function given as an object has its marker there)
+        name = describe(score_fn) if is_marker(paths.reward_function) else paths.reward_function
+        fn = reward_function(score_fn, name)  # (a tensor: .tolist())
+        reward_fn = RewardFunction(fn, name, retries=cfg.reward.retries, backoff_s=cfg.reward.retry_backoff_s)
     else:
         assert paths.reward is not None, "resolve_paths gives a reward model where no function scores"
-        reward_model = load_reward_model(paths.reward, resolve_device(cfg.reward.device, str(dev)), dtype, pad_id)
-    judge_fn = load_function(paths.judge, "reward.judge") if paths.judge else None
-    accuracy_fn = load_function(paths.accuracy, "task accuracy") if paths.accuracy else None
+        reward_dev = resolve_device(cfg.reward.device, str(dev))
+        reward_model = (prepare_model(inputs.reward_model, "reward", reward_dev, dtype, pad_id)
+                        if inputs.reward_model is not None else load_reward_model(paths.reward, reward_dev, dtype, pad_id))
+    judge_fn = KeywordCall(judge) if judge is not None else None
+    accuracy_fn = KeywordCall(accuracy) if accuracy is not None else None
     # policy / critic: the trained weights; rollout_policy / scoring_critic: what the engine and
     # scorers run, the same objects in fp32, bf16 copies refreshed after each update under mixed precision
     lora = cfg.lora
     # LoRA: the frozen base stays in the compute dtype (only the fp32 adapters train)
-    policy = load_causal_lm(paths.policy, "policy", dev, dtype if lora.r else master, cfg.policy.trust_remote_code)
+    if inputs.policy is not None:
+        policy = prepare_model(inputs.policy, "policy", dev, dtype if lora.r else master)
+    else:
+        policy = load_causal_lm(paths.policy, "policy", dev, dtype if lora.r else master,
+                                cfg.policy.trust_remote_code)
     if lora.r:
         policy = apply_lora(policy, lora.r, lora.alpha, lora.dropout, lora.target_modules)
     inflight = cfg.in_flight  # the learner trains the masters while the copies serve
     rollout_policy = serving_copy(policy, dtype, separate=inflight)
     ref_dev = resolve_device(cfg.reference.device, str(dev))
-    if paths.reference:
+    if inputs.reference is not None:
+        reference = prepare_model(inputs.reference, "reference", ref_dev, dtype)
+    elif paths.reference:
         reference = load_causal_lm(paths.reference, "reference", ref_dev, dtype)
     elif lora.r:  # the base model without adapters: the policy's own frozen weights, no copy
         reference = base_view(policy)
@@ -95,7 +138,8 @@ def build_roles(cfg: Config, progress: bool = True) -> Roles:
     wants_critic_on_scorer = bool(cfg.streams and cfg.placement.critic_on_worker and paths.critic
                                   and cfg.placement.backend != "ray")
     if paths.critic:
-        critic = load_critic(paths.critic, resolve_device(cfg.critic.device, str(dev)), master, pad_id).eval()
+        critic = (critic_init if critic_init is not None else load_critic(paths.critic, critic_dev, master, pad_id)
+                  ).eval()
         scoring_critic = serving_copy(critic, dtype, separate=inflight and not wants_critic_on_scorer)
     for m in (reward_model, reference, scoring_critic):  # their one-shot scoring forwards (score_full)
         if m is not None:
@@ -156,6 +200,29 @@ def build_roles(cfg: Config, progress: bool = True) -> Roles:
         roles.sync.steps.append(critic_copy)
     roles.sync.steps.append(lambda version: roles.rollout.load_weights(policy, version))
     return roles
+
+def _function(obj: Callable | None, spec: str | None, key: str) -> Callable | None:
+    """The reward function (judge, ...) given as an object, else imported from its spec."""
+    if obj is not None:
+        return obj
+    return load_function(spec, key) if spec else None
+
+
+def _prompt_set(cfg: Config, inputs: Inputs, source: str, tok, fns: dict[str, Callable]):
+    """The prompts, tokenised, with the columns the functions ``fns`` (setting -> function) ask
+    for; a column one of them needs that the prompt set lacks is refused here, before any model
+    loads (preflight refuses it earlier where the columns can be known without reading the data)."""
+    asked = [wants(f) for f in fns.values()]
+    columns = ALL_COLUMNS if any(w.everything for w in asked) else tuple(dict.fromkeys(
+        c for w in asked for c in w.columns))
+    d = cfg.data
+    records = (records_from_object(inputs.prompts, d.field, d.split, columns) if inputs.prompts is not None
+               else read_records(source, d.field, d.split, columns))
+    lacking = [line for key, f in fns.items() if (line := missing_columns(key, f, records.available))]
+    if lacking:
+        raise DataError("\n".join(lacking))
+    return build_prompt_set(records.texts, tok, d, cfg.run.seed, columns=records.columns)
+
 
 def check_backend(engine: str, policy_path: str | None, device: str) -> None:
     """Raise :class:`~oppo.rollout.registry.BackendUnavailable` naming every reason the rollout

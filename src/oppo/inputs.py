@@ -1,0 +1,200 @@
+"""What a run is given from Python in place of paths: models, a tokenizer, reward callables, prompts.
+
+``oppo.Trainer(cfg, policy=model, tokenizer=tok, reward_model=rm, reward_fn=score, prompts=ds)``
+and ``oppo.train(cfg, ...)`` take them as keywords, or in the setting they stand for
+(``cfg.reward.function = score``, ``cfg.data.prompts = ds``). :func:`split_inputs` separates them
+from the settings: the run's Config holds, in each setting given an object, a marker that names
+it (``<object: LlamaForCausalLM>``, ``<object: my_rewards.score>``, ``<object: Dataset of 800
+rows, ...>``). So every setting means what it means on the command line (``policy.path`` set:
+the user's own models, validated by ``config.validate`` as is), ``config.yaml`` and checkpoints
+record what the run was given, and a resume compares the markers like any setting: it works with
+the same objects passed again and names the keyword otherwise (``run.plan_run``).
+
+A role that loads its model in another process (Ray actors, a rollout backend that loads the
+policy itself, such as vLLM) gets a copy saved once with ``save_pretrained``
+(:func:`save_for_elsewhere`): in the run directory's ``inputs/`` under ``oppo.train``, else a
+temporary directory removed when the Trainer closes.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .config import Config, ConfigError
+
+MARKER = "<object"
+
+# keyword -> the setting it stands for (tokenizer: none; it comes from policy.path otherwise)
+SETTINGS = {"policy": "policy.path", "reference": "reference.path", "critic": "critic.path",
+            "reward_model": "reward.path", "reward_fn": "reward.function", "judge": "reward.judge",
+            "prompts": "data.prompts"}
+MODEL_ROLES = {"policy": "policy", "reference": "reference", "critic": "critic", "reward_model": "reward"}
+"""Model keywords -> the role (as ``ResolvedPaths`` and the loaders name it)."""
+
+
+@dataclass
+class Inputs:
+    """The objects a run was given (None: the setting's path or spec is used)."""
+
+    policy: Any = None
+    """A causal LM (``transformers.PreTrainedModel``): trained in place."""
+    tokenizer: Any = None
+    """The policy's tokenizer (needed with a policy object; else overrides the one at policy.path)."""
+    reference: Any = None
+    """A causal LM for the KL penalty (frozen)."""
+    critic: Any = None
+    """The critic's initialisation: a one-label sequence classifier (trained in place) or a causal LM
+    (its backbone, with a new value head)."""
+    reward_model: Any = None
+    """A one-label ``...ForSequenceClassification`` (frozen)."""
+    reward_fn: Any = None
+    """``fn(prompts, responses, **asked) -> list[float]`` (``scoring.reward_fn``)."""
+    judge: Any = None
+    """Like ``reward_fn``; logged as judge/mean, never trained on."""
+    prompts: Any = None
+    """A ``datasets.Dataset`` (or ``DatasetDict``), a list of str or a list of dicts."""
+    save_dir: Path | None = None
+    """Where :func:`save_for_elsewhere` writes (None: a temporary directory)."""
+    saved: dict[str, str] = field(default_factory=dict)
+    """Role -> the directory its object was saved to."""
+    temporary: bool = False
+    """``save_dir`` was made by :func:`save_for_elsewhere` (the Trainer removes it when it closes)."""
+
+    def __bool__(self) -> bool:
+        return any(getattr(self, k) is not None for k in (*SETTINGS, "tokenizer"))
+
+    def model(self, role: str) -> Any:
+        """The model object of ``role`` (policy, reference, critic, reward), or None."""
+        return getattr(self, {v: k for k, v in MODEL_ROLES.items()}[role])
+
+
+def is_marker(value: Any) -> bool:
+    """Whether a setting's value names an object (:func:`marker`) instead of a path or spec."""
+    return isinstance(value, str) and value.startswith(MARKER)
+
+
+def marker(obj: Any, data_field: str = "prompt") -> str:
+    """What ``config.yaml`` records for an object: its kind and, where cheap, what tells two apart
+    on resume (a data set's size and content fingerprint)."""
+    import torch
+
+    if isinstance(obj, torch.nn.Module):
+        return f"{MARKER}: {type(obj).__name__}>"
+    if callable(obj) and not isinstance(obj, (list, tuple)):
+        from .scoring.reward_fn import describe
+
+        return f"{MARKER}: {describe(obj)}>"
+    if type(obj).__module__.startswith("datasets."):
+        n = sum(len(v) for v in obj.values()) if isinstance(obj, dict) else len(obj)
+        fp = getattr(obj, "_fingerprint", None)
+        return f"{MARKER}: {type(obj).__name__} of {n} rows" + (f", fingerprint {fp}" if fp else "") + ">"
+    if isinstance(obj, (list, tuple)):
+        digest = hashlib.sha256(json.dumps(list(obj), sort_keys=True, default=str).encode()).hexdigest()[:12]
+        return f"{MARKER}: list of {len(obj)} prompts, sha256 {digest}>"
+    return f"{MARKER}: {type(obj).__name__}>"
+
+
+def _get(cfg: Config, key: str) -> Any:
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def split_inputs(cfg: Config, **given: Any) -> tuple[Config, Inputs]:
+    """``cfg`` with each object (given by keyword, or set in its setting) replaced by its marker,
+    and the objects. A string given by keyword is that setting's value (``policy="org/model"`` is
+    ``policy.path``). ``cfg`` is not changed. Raises ConfigError on an unknown keyword or an input
+    given both ways."""
+    unknown = sorted(set(given) - set(SETTINGS) - {"tokenizer", "save_dir"})
+    if unknown:
+        raise ConfigError(f"unknown input{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}: oppo.Trainer and "
+                          f"oppo.train take {', '.join([*SETTINGS, 'tokenizer'])} (docs/python-api.md).")
+    in_cfg = {kw: v for kw, key in SETTINGS.items() if (v := _get(cfg, key)) is not None and not isinstance(v, str)}
+    if not in_cfg and all(given.get(kw) is None for kw in (*SETTINGS, "tokenizer")):
+        return cfg, Inputs(save_dir=given.get("save_dir"))  # nothing to take out: the Config itself, as before
+    # a deep copy that keeps the objects themselves (a data set or a model is not copied)
+    out = copy.deepcopy(cfg, {id(v): v for v in in_cfg.values()})
+    inputs = Inputs(tokenizer=given.get("tokenizer"), save_dir=given.get("save_dir"))
+    for kw, key in SETTINGS.items():
+        section, name = key.split(".")
+        obj, setting = given.get(kw), _get(cfg, key)
+        if obj is not None and setting is not None and not is_marker(setting):
+            shown = repr(setting) if isinstance(setting, str) else f"an object ({type(setting).__name__})"
+            raise ConfigError(f"{kw}= was given and {key} is set too ({shown}); give one of them.")
+        obj = setting if obj is None and kw in in_cfg else obj
+        if isinstance(obj, (str, Path)):  # a path or spec, by keyword: the setting
+            setattr(getattr(out, section), name, str(obj))
+        elif obj is not None:
+            setattr(inputs, kw, obj)
+            setattr(getattr(out, section), name, marker(obj, cfg.data.field))
+    if out.policy.path is not None:  # (a policy object's marker, or a path given as policy=)
+        _drop_task_presets(out)
+    return out, inputs
+
+
+def _drop_task_presets(cfg: Config) -> None:
+    """A Config from ``load_config`` without ``policy.path`` got the built-in task's presets
+    (``config.TASK_PRESETS``: learning rates for its tiny models). They apply only where no policy
+    is named, as on the command line; a policy object names one, so the settings that still hold a
+    preset's value go back to their defaults (those the user set are kept: load_config skips them)."""
+    presets = cfg.__dict__.pop("_presets", None) or {}
+    default = Config()
+    dropped = []
+    for key, value in presets.items():
+        if _get(cfg, key) == value:
+            section, name = key.split(".")
+            setattr(getattr(cfg, section), name, _get(default, key))
+            dropped.append(key)
+    if dropped:
+        print(f"oppo: policy= names the policy, so the built-in task's presets that load_config applied "
+              f"({', '.join(dropped)}) are not used; their defaults are.", file=sys.stderr)
+
+
+def needs_saving(cfg: Config) -> dict[str, str]:
+    """Role -> why, for the model objects a role loads elsewhere (from a path)."""
+    from .rollout import registry
+
+    why: dict[str, str] = {}
+    if cfg.placement.backend == "ray":
+        for role in ("policy", "reference", "critic", "reward"):
+            why[role] = "the Ray actors (placement.backend=ray), which load their models from a directory"
+    engine = cfg.generation.engine
+    if engine != registry.AUTO and registry.get(engine).loads_own_weights:
+        why.setdefault("policy", f"generation.engine={engine}, which loads the policy from a directory")
+    return why
+
+
+def save_for_elsewhere(cfg: Config, inputs: Inputs, log: bool = True) -> dict[str, str]:
+    """Save each model object that a role loads elsewhere (:func:`needs_saving`), once, with
+    ``save_pretrained`` (the policy with its tokenizer) under ``inputs.save_dir`` (a temporary
+    directory when None: recorded in ``inputs.save_dir``; the caller removes it). Returns (and
+    records in ``inputs.saved``) role -> directory, and says so on stderr."""
+    import tempfile
+
+    for role, why in needs_saving(cfg).items():
+        model = inputs.model(role)
+        if model is None or role in inputs.saved:
+            continue
+        if inputs.save_dir is None:
+            inputs.save_dir, inputs.temporary = Path(tempfile.mkdtemp(prefix="oppo-inputs-")), True
+        d = Path(inputs.save_dir) / role
+        model.save_pretrained(d)
+        if role == "policy" and inputs.tokenizer is not None:
+            inputs.tokenizer.save_pretrained(d)
+        inputs.saved[role] = str(d)
+        if log:
+            print(f"oppo: the {role} given as an object is saved to {d} for {why}", file=sys.stderr, flush=True)
+    return inputs.saved
+
+
+def keyword_of(setting: str) -> str | None:
+    """The keyword an object for ``setting`` (e.g. ``reward.function``) is passed as."""
+    return next((kw for kw, key in SETTINGS.items() if key == setting), None)
+
+
+__all__ = ["Inputs", "is_marker", "keyword_of", "marker", "needs_saving", "save_for_elsewhere", "split_inputs"]
