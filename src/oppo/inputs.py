@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from .config import Config, ConfigError
+from .marker import MARKER, is_marker
 
-MARKER = "<object"
 
 # keyword -> the setting it stands for (tokenizer: none; it comes from policy.path otherwise)
 SETTINGS = {"policy": "policy.path", "reference": "reference.path", "critic": "critic.path",
@@ -72,11 +72,6 @@ class Inputs:
     def model(self, role: str) -> Any:
         """The model object of ``role`` (policy, reference, critic, reward), or None."""
         return getattr(self, {v: k for k, v in MODEL_ROLES.items()}[role])
-
-
-def is_marker(value: Any) -> bool:
-    """Whether a setting's value names an object (:func:`marker`) instead of a path or spec."""
-    return isinstance(value, str) and value.startswith(MARKER)
 
 
 def marker(obj: Any, data_field: str = "prompt") -> str:

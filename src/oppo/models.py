@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from .inputs import is_marker
+from .marker import is_marker
 
 
 class ModelLoadError(ValueError):

@@ -40,7 +40,8 @@ from urllib.parse import urlparse
 from typing import Any
 
 from .config import Config, validate
-from .inputs import Inputs, is_marker, keyword_of
+from .inputs import Inputs, keyword_of
+from .marker import is_marker
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model", "vocab.json",
                    "vocab.txt")

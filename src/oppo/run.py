@@ -50,7 +50,8 @@ import yaml
 from .checkpoint import (CKPT_DIR, checkpoint_dirs, checkpoint_settings, checkpoint_step, is_weights_only,
                          latest_checkpoint, load_checkpoint, save_checkpoint, settings_mismatches, verify_checkpoint)
 from .config import Config, to_dict
-from .inputs import Inputs, is_marker, keyword_of, split_inputs
+from .inputs import Inputs, keyword_of, split_inputs
+from .marker import is_marker
 from .metrics import METRICS_FILE, MetricsLogger, ProgressBar, read_metrics
 from .preflight import PreflightError, input_problems
 

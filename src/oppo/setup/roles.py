@@ -31,7 +31,8 @@ from ..api.specs import ModelSpec
 from ..config import Config
 from ..data import ALL_COLUMNS, DataError, build_prompt_set, read_records, records_from_object
 from ..forward import set_packing
-from ..inputs import Inputs, is_marker, save_for_elsewhere
+from ..inputs import Inputs, save_for_elsewhere
+from ..marker import is_marker
 from ..learner.critic import CriticBesideScorer
 from ..learner.local import Learner
 from ..models import (apply_lora, base_view, check_roles, critic_from_object, enable_gradient_checkpointing,
