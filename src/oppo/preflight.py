@@ -34,6 +34,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from .config import Config, validate
+from .rewards import function_spec, parse_terms
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model", "vocab.json",
                    "vocab.txt")
@@ -268,7 +269,12 @@ def input_problems(cfg: Config) -> list[str]:
         problems += found
     for key, spec in (("reward.function", cfg.reward.function), ("reward.judge", cfg.reward.judge)):
         if spec:
-            problems += _function_problems(key, spec)
+            problems += _function_problems(key, function_spec(spec) if key == "reward.function" else spec)
+    for i, term in enumerate(parse_terms(cfg.reward.terms) if cfg.reward.terms else []):  # (validated above)
+        if term.path:
+            problems += _model_problems("reward", f"reward.terms[{i}].path", term.path, hub_names)
+        elif term.function:
+            problems += _function_problems(f"reward.terms[{i}].function", term.function)
     for role in ("policy", "reward", "critic", "reference"):
         dev = getattr(cfg, role).device
         if dev.startswith("cuda"):

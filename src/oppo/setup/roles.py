@@ -32,6 +32,7 @@ from ..models import (apply_lora, base_view, check_roles, enable_gradient_checkp
                      load_causal_lm, load_critic, load_function, load_reward_model, load_tokenizer, resolve_device,
                      resolve_dtype, reward_function, stop_token_ids)
 from ..rollout import registry
+from ..scoring.composite import CompositeReward, check_model_terms, composite_functions, load_model_terms
 from ..scoring.inline import InlineScorer
 from ..scoring.streaming import RewardFunction, StreamingScorer
 from ..scoring.worker import CriticTrainer, ScorerWorker
@@ -64,8 +65,15 @@ def build_roles(cfg: Config, progress: bool = True) -> Roles:
         paths.critic = None  # critic-free: no critic is loaded, scored, trained or checkpointed
     check_roles(tok, reward=paths.reward, critic=paths.critic, reference=paths.reference)
     # Reward first: an invalid reward model or function fails before the big models load.
-    reward_fn = reward_model = None
-    if paths.reward_function:
+    reward_fn = reward_model = composite = None
+    extra_rms: dict[str, torch.nn.Module] = {}  # composite: the reward models after the first, by scorer role
+    if cfg.reward.terms:
+        terms, functions = composite_functions(cfg.reward)
+        check_model_terms(terms, tok)
+        rms = load_model_terms(terms, resolve_device(cfg.reward.device, str(dev)), dtype, pad_id)
+        reward_model = rms.pop("reward", None)
+        extra_rms, composite = rms, CompositeReward(terms, functions)
+    elif paths.reward_function:
         fn = reward_function(load_function(paths.reward_function), paths.reward_function)  # (a tensor: .tolist())
         reward_fn = RewardFunction(fn, paths.reward_function, retries=cfg.reward.retries,
                                    backoff_s=cfg.reward.retry_backoff_s)
@@ -97,7 +105,7 @@ def build_roles(cfg: Config, progress: bool = True) -> Roles:
     if paths.critic:
         critic = load_critic(paths.critic, resolve_device(cfg.critic.device, str(dev)), master, pad_id).eval()
         scoring_critic = serving_copy(critic, dtype, separate=inflight and not wants_critic_on_scorer)
-    for m in (reward_model, reference, scoring_critic):  # their one-shot scoring forwards (score_full)
+    for m in (reward_model, *extra_rms.values(), reference, scoring_critic):  # their one-shot forwards (score_full)
         if m is not None:
             set_packing(m, cfg.ppo.packing)
     if cfg.policy.gradient_checkpointing:  # the trained models; recomputation only while training
@@ -117,7 +125,8 @@ def build_roles(cfg: Config, progress: bool = True) -> Roles:
     if critic is not None:
         scorers["critic"] = StreamingScorer("critic", scoring_critic, pad_id)
     if reward_model is not None:
-        scorers = {"reward": StreamingScorer("reward", reward_model, pad_id), **scorers}
+        scorers = {"reward": StreamingScorer("reward", reward_model, pad_id),
+                   **{role: StreamingScorer("reward", m, pad_id) for role, m in extra_rms.items()}, **scorers}
     placement = decide_placement(cfg, critic is not None, all(s.device.type == "cpu" for s in scorers.values()),
                                  scoring_critic is critic)
     placement.threads.use(placement.threads.full)
@@ -126,7 +135,7 @@ def build_roles(cfg: Config, progress: bool = True) -> Roles:
                   algorithm=algorithm, device=dev, compute_dtype=dtype, max_new_tokens=max_new, pad_id=pad_id,
                   stop_ids=tuple(stop_ids), policy=policy, critic=critic, reference=reference,
                   rollout_policy=rollout_policy, scoring_critic=scoring_critic, reward_model=reward_model, reward_fn=reward_fn, judge_fn=judge_fn,
-                  accuracy_fn=accuracy_fn, rollout=_BUILT_NEXT, scorer=_BUILT_NEXT, learner=learner,
+                  accuracy_fn=accuracy_fn, composite=composite, extra_reward_models=extra_rms, rollout=_BUILT_NEXT, scorer=_BUILT_NEXT, learner=learner,
                   sync=WeightSync([]), tracer=tracer)
     if placement.learner == "ray":
         _place_on_ray(roles, stop_ids, recompute)
