@@ -58,8 +58,15 @@ def is_correct(response: str, gold: Any) -> bool:
     want = _parse_gold(gold_answer(gold), timeout)
     if not want:
         return False
-    got = mv.parse(response, parsing_timeout=timeout)
+    got = _parse_response(response, timeout)
     return bool(got) and bool(mv.verify(want, got, timeout_seconds=timeout))
+
+
+@lru_cache(maxsize=8192)
+def _parse_response(response: str, timeout: int | None):
+    """math-verify's parse of a response, cached: samples of a batch repeat each other (a parse is
+    milliseconds of sympy)."""
+    return _math_verify().parse(response, parsing_timeout=timeout)
 
 
 def math_accuracy(prompts: Sequence[str], responses: Sequence[str], answer: Sequence[Any], **_: Any) -> list[float]:
