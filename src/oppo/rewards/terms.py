@@ -20,7 +20,7 @@ import math
 import numbers
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 BUILTINS = ("math_accuracy", "format_reward", "boxed_format", "gsm8k_format", "think_format", "length_penalty")
 """The reward functions of :mod:`oppo.rewards`; a term (or ``reward.function``) may name them bare."""
@@ -149,7 +149,7 @@ class CompositeReward:
     it checks each score is a finite number). The model terms' scores are handed in, by role.
     """
 
-    def __init__(self, terms: Sequence[RewardTerm], functions: dict[str, Callable]):
+    def __init__(self, terms: Sequence[RewardTerm], functions: Mapping[str, Callable]):
         self.terms, self.functions = tuple(terms), functions
         self.model_roles = tuple(t.role for t in terms if t.path is not None)
 
