@@ -26,6 +26,7 @@ import yaml
 from . import from_trl, modes
 from .algo.algorithms import ALGORITHMS, SPECS, get_spec
 from .algo.core import AlgorithmSpec
+from .rewards.terms import BUILTINS as BUILTIN_REWARDS, parse_terms
 
 
 class ConfigError(ValueError):
@@ -146,6 +147,11 @@ class RewardConfig:
                                      "lists of str and returning one float each; replaces the reward model. Further "
                                      "parameters by name get the data set's columns (e.g. answer), raw_prompts and "
                                      "formatted_prompts. From Python also the function itself (docs/python-api.md).")
+    terms: list[dict] = opt([], "The trained reward as a weighted sum of reward models and functions, each a "
+                                "mapping {path: <reward model>} or {function: <module:function or a built-in of "
+                                "oppo.rewards>, kwargs: {...}}, with weight (default 1.0) and name (default: the "
+                                "function's or the model directory's; metric reward/<name>/mean). Replaces "
+                                "reward.path and reward.function (their one-term case). docs/rewards.md.")
     judge: str | None = opt(None, "Optional extra scorer 'module:function', logged as judge/mean, never trained on "
                                   "(the built-in task sets its ground-truth judge).")
     device: str = opt("auto", "Device of the reward model (auto: the policy's).")
@@ -972,12 +978,24 @@ def validate(cfg: Config) -> None:
            f"reward.retry_backoff_s must be >= 0 seconds, got {cfg.reward.retry_backoff_s}.")
     for key in ("reward.function", "reward.judge"):
         v = getattr(cfg.reward, key.split(".")[1])
-        _check(v is None or (":" in v and all(v.split(":", 1))),
-               f"{key}={v!r} must look like 'package.module:function'.")
+        _check(v is None or (":" in v and all(v.split(":", 1))) or (key == "reward.function" and v in BUILTIN_REWARDS),
+               f"{key}={v!r} must look like 'package.module:function'"
+               + (f" or be a built-in reward ({', '.join(BUILTIN_REWARDS)})." if key == "reward.function" else "."))
+    if cfg.reward.terms:
+        _check(cfg.reward.path is None and cfg.reward.function is None,
+               "Give either reward.terms or reward.path / reward.function, not both (a one-term list is "
+               "reward.terms=[{path: ...}]).")
+        try:
+            terms = parse_terms(cfg.reward.terms)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        _check(cfg.placement.backend != "ray" or sum(t.path is not None for t in terms) <= 1,
+               "placement.backend=ray hosts one reward model in its scorer actors; reward.terms names "
+               f"{sum(t.path is not None for t in terms)}: keep one reward model term, or run locally.")
     if cfg.policy.path is not None:
-        _check(cfg.reward.path is not None or cfg.reward.function is not None,
-               "policy.path is set but no reward: set reward.path (a reward model) or reward.function "
-               "('module:function').")
+        _check(cfg.reward.path is not None or cfg.reward.function is not None or bool(cfg.reward.terms),
+               "policy.path is set but no reward: set reward.path (a reward model), reward.function "
+               "('module:function') or reward.terms.")
     for key in ("policy.device", "reference.device", "critic.device", "reward.device"):
         d = getattr(getattr(cfg, key.split(".")[0]), "device")
         _check(d in ("auto", "cpu", "cuda") or d.startswith("cuda:"),

@@ -105,7 +105,7 @@ def tokenizer_fingerprint(tok) -> str:
 def run_fingerprints(roles) -> dict:
     """``{role: {"path", "fingerprint"}}`` of the models a run reads (a :class:`~oppo.setup.roles.Roles`,
     just built): the reference (without ``reference.path`` the initial policy, or with LoRA its
-    base: the policy's path), the reward model (not a reward function), the critic as initialised
+    base: the policy's path), the reward models (not a reward function), the critic as initialised
     (critic-free algorithms have none) and the policy's tokenizer."""
     paths = roles.paths
     out = {"reference": {"path": paths.reference or paths.policy,
@@ -113,6 +113,10 @@ def run_fingerprints(roles) -> dict:
            "tokenizer": {"path": paths.policy, "fingerprint": tokenizer_fingerprint(roles.tokenizer)}}
     if roles.reward_model is not None:
         out["reward"] = {"path": paths.reward, "fingerprint": weights_fingerprint(roles.reward_model)}
+    if roles.extra_reward_models:  # reward.terms' further reward models, by scorer role
+        term_paths = {t.role: t.path for t in roles.composite.terms}
+        for role, model in roles.extra_reward_models.items():
+            out[role] = {"path": term_paths[role], "fingerprint": weights_fingerprint(model)}
     if roles.critic is not None:
         out["critic"] = {"path": paths.critic, "fingerprint": weights_fingerprint(roles.critic)}
     return out

@@ -42,6 +42,7 @@ from typing import Any
 from .config import Config, validate
 from .inputs import Inputs, keyword_of
 from .marker import is_marker
+from .rewards import function_spec, parse_terms
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model", "vocab.json",
                    "vocab.txt")
@@ -241,9 +242,11 @@ def _prompt_problems(source: str, field: str) -> tuple[list[str], bool]:
     return [], False
 
 
-def _function_problems(key: str, spec: str | None, obj: Any, columns: list[str] | None) -> list[str]:
+def _function_problems(key: str, spec: str | None, obj: Any, columns: list[str] | None,
+                       bound: dict | None = None) -> list[str]:
     """``spec`` importable (or ``obj`` callable) as a reward function, asking for no column the
-    prompt set lacks (``columns``: its columns, None where not known yet)."""
+    prompt set lacks (``columns``: its columns, None where not known yet; ``bound``: a reward
+    term's settings, given to the function, not asked of the data)."""
     from .models import ModelLoadError, load_function
     from .scoring.reward_fn import signature_problems
 
@@ -256,6 +259,10 @@ def _function_problems(key: str, spec: str | None, obj: Any, columns: list[str] 
     elif not callable(obj):
         return [f"{keyword_of(key)}= must be a function fn(prompts, responses) -> list[float], got "
                 f"{type(obj).__name__}."]
+    if bound:
+        import functools
+
+        obj = functools.partial(obj, **bound)
     return signature_problems(key, obj, columns)
 
 
@@ -373,7 +380,14 @@ def input_problems(cfg: Config, inputs: Inputs | None = None) -> list[str]:
         problems += found
     for key, spec in (("reward.function", cfg.reward.function), ("reward.judge", cfg.reward.judge)):
         if spec and not is_marker(spec):  # (objects: object_problems)
-            problems += _function_problems(key, spec, None, _known_columns(cfg, inputs))
+            problems += _function_problems(key, function_spec(spec) if key == "reward.function" else spec, None,
+                                           _known_columns(cfg, inputs))
+    for i, term in enumerate(parse_terms(cfg.reward.terms) if cfg.reward.terms else []):  # (validated above)
+        if term.path:
+            problems += _model_problems("reward", f"reward.terms[{i}].path", term.path, hub_names)
+        elif term.function:
+            problems += _function_problems(f"reward.terms[{i}].function", term.function, None,
+                                           _known_columns(cfg, inputs), bound=term.kwargs)
     for role in ("policy", "reward", "critic", "reference"):
         dev = getattr(cfg, role).device
         if dev.startswith("cuda"):

@@ -424,11 +424,18 @@ def loading_line(cfg: Config) -> str:
         task, policy, builtin_fn = "", str(cfg.policy.path), None
     fn = cfg.reward.function or (None if cfg.reward.path else builtin_fn)
     reward = f"function {fn}" if fn else cfg.reward.path or f"{task} reward model"
+    first_rm = cfg.reward.path
+    if cfg.reward.terms:  # (validated) the weighted sum, each term by what it reads
+        from .rewards import parse_terms
+
+        terms = parse_terms(cfg.reward.terms)
+        reward = " + ".join(f"{t.weight:g} x {t.path or t.function}" for t in terms)
+        fn, first_rm = None, next((t.path for t in terms if t.path), None)
     parts = [f"policy {policy}", f"reward {reward}",
              f"reference {cfg.reference.path or 'a frozen copy of the policy'}"]
     if cfg.algo_spec.needs_critic:  # initialised as resolve_paths says: the reward model's, else the policy's
-        critic = cfg.critic.path or cfg.reward.path or (f"{task} reward model" if cfg.uses_builtin_task and not fn
-                                                         else policy)
+        critic = cfg.critic.path or first_rm or (f"{task} reward model" if cfg.uses_builtin_task and not fn
+                                                 and not cfg.reward.terms else policy)
         parts.append(f"critic from {critic}")
     if cfg.reward.judge:
         parts.append(f"judge {cfg.reward.judge}")

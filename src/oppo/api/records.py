@@ -101,6 +101,7 @@ class Scores:
     scores: list[float]
     reference: list
     values: list | None
+    terms: dict[str, float] = field(default_factory=dict)  # reward.terms: reward/<name>/mean of each term
 
 
 @dataclass

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from ..algo.core import Algorithm
     from ..config import Config
     from ..data import PromptSet
+    from ..rewards.terms import CompositeReward
     from ..trace import Tracer
 
 
@@ -43,6 +44,8 @@ class Roles:
     reward_fn: Callable | None  # (scoring.streaming.RewardFunction)
     judge_fn: Callable | None
     accuracy_fn: Callable | None
+    composite: CompositeReward | None  # reward.terms: the trained reward is their weighted sum (else reward_fn or model)
+    extra_reward_models: dict[str, torch.nn.Module]  # composite: reward models after the first, by scorer role
     rollout: RolloutBackend
     scorer: Scorer
     learner: Learner

@@ -309,6 +309,8 @@ def score(run: Run, batch: list[Rollout], txt: list[str], step: int) -> Scores:
     with run.tracer.span("scorer", "score_reward", step):
         scores = reward_scores(run, batch, txt, step) if run.roles.reward_fn else None
     out = score_models(run, batch, step)
+    if run.roles.composite is not None:
+        return composite_scores(run, batch, txt, out, step)
     return Scores(scores if scores is not None else _scores(out["reward"]), out["reference"], out.get("critic"))
 
 
@@ -318,9 +320,9 @@ def score_models(run: Run, batch: list[Rollout], step: int) -> dict[str, list[Sc
     roles, tracer = run.roles, run.tracer
     prompts, responses = [r.prompt_ids for r in batch], [r.response_ids for r in batch]
     out = {}
-    if not roles.reward_fn:
+    for role in reward_roles(roles):
         with tracer.span("scorer", "score_reward", step):
-            out["reward"] = roles.scorer.score_full("reward", prompts, responses)
+            out[role] = roles.scorer.score_full(role, prompts, responses)
     with tracer.span("scorer", "score_reference", step):
         out["reference"] = roles.scorer.score_full("reference", prompts, responses)
     if roles.critic is not None:
@@ -334,6 +336,26 @@ def reward_scores(run: Run, batch: list[Rollout], txt: list[str], step: int) -> 
     assert fn is not None  # called only where the run has a reward function
     indices = [r.prompt_index for r in batch]  # data positions: the records' other inputs (columns) by position
     return fn([r.prompt for r in batch], txt, step=step, indices=indices, context=run.roles.prompt_set.context(indices))
+
+
+def reward_roles(roles: Roles) -> tuple[str, ...]:
+    """The scorer roles of the reward models the trained reward reads: ``reward``, none under a
+    reward function, every reward model term's under ``reward.terms``."""
+    if roles.composite is not None:
+        return roles.composite.model_roles
+    return () if roles.reward_fn else ("reward",)
+
+
+def composite_scores(run: Run, batch: list[Rollout], txt: list[str], out: dict[str, list[ScoredOutputs]],
+                     step: int, values: list | None = None) -> Scores:
+    """Stage 3's record under ``reward.terms``: their weighted sum, each term's mean in ``terms``."""
+    comp = run.roles.composite
+    assert comp is not None  # called only where the run has reward.terms
+    with run.tracer.span("scorer", "score_reward", step):
+        indices = [r.prompt_index for r in batch]
+        scores, terms = comp([r.prompt for r in batch], txt, {role: _scores(out[role]) for role in comp.model_roles},
+                             step=step, indices=indices, context=run.roles.prompt_set.context(indices))
+    return Scores(scores, out["reference"], values if values is not None else out.get("critic"), terms)
 
 
 def _scores(outputs: list[ScoredOutputs]) -> list[float]:
@@ -383,12 +405,14 @@ def close_batch(run: Run, close, step: int) -> tuple[list[Rollout], list[str], E
             for i, o in zip(idx, got or []):
                 merged[i] = o
         out[role] = merged
-    scores = reward_scores(run, batch, txt, step) if roles.reward_fn else _scores(out["reward"])
     values = out.get("critic")
     if fresh:
         assert values is not None  # fresh values only with a critic, and then the scorers stream its values
         for i, v in zip(stale, fresh):
             values[i] = v
+    if roles.composite is not None:
+        return batch, txt, exp, composite_scores(run, batch, txt, out, step, values)
+    scores = reward_scores(run, batch, txt, step) if roles.reward_fn else _scores(out["reward"])
     return batch, txt, exp, Scores(scores, out["reference"], values)
 
 
@@ -414,6 +438,7 @@ def update(run: Run, exp: Experience, txt: list[str], scores: Scores, step: int)
         run.skipped_updates += stats["guard/skipped_updates"]
         stats["guard/skipped_updates_total"] = run.skipped_updates
     stats.update(exp.stats or {})
+    stats.update(scores.terms)  # reward.terms: each term's mean
     return StepResult(exp, stats, [(r.prompt, t) for r, t in zip(batch, txt)])
 
 

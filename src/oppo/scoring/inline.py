@@ -45,7 +45,7 @@ class InlineScorer:
         from ..scoring.streaming import score_full
 
         s = self.scorers[role]
-        return score_full(role, s.model, prompts, responses, s.pad_id, s.temperature)
+        return score_full(s.kind, s.model, prompts, responses, s.pad_id, s.temperature)  # (reward_<name>: kind reward)
 
     def close(self) -> None:
         pass

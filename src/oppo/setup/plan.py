@@ -11,6 +11,7 @@ import torch
 from ..api.plan import Placement, ResolvedPaths, ThreadBudget
 from ..config import Config
 from ..models import check_model_path
+from ..rewards import function_spec, parse_terms
 from ..rollout import registry
 from ..rollout.registry import EngineSettings, resolve_engine
 
@@ -30,8 +31,11 @@ def resolve_paths(cfg: Config, progress: bool = True) -> ResolvedPaths:
         prepared = prepare(task=cfg.data.task, progress=progress)
         reward_fn = cfg.reward.function or task.reward_function
         reward_path = cfg.reward.path or (None if reward_fn else str(prepared.reward_path))
+        if cfg.reward.terms:  # composite: the first reward model term is the reward role (critic init too)
+            reward_fn, reward_path = None, _first_model_term(cfg)
         return ResolvedPaths(
-            policy=str(prepared.policy_path), reward=reward_path, reward_function=reward_fn,
+            policy=str(prepared.policy_path), reward=reward_path,
+            reward_function=function_spec(reward_fn) if reward_fn else None,
             critic=cfg.critic.path or reward_path or str(prepared.policy_path),
             reference=cfg.reference.path, prompts=cfg.data.prompts or str(prepared.prompts_path),
             judge=cfg.reward.judge or task.judge_function, max_new_tokens=max_new or task.max_new_tokens,
@@ -39,14 +43,21 @@ def resolve_paths(cfg: Config, progress: bool = True) -> ResolvedPaths:
     assert cfg.policy.path is not None  # uses_builtin_task is exactly "no policy.path"
     if cfg.data.prompts is None:
         raise ValueError("policy.path is set but data.prompts is not: give a prompt set (data.prompts=path.jsonl).")
+    reward_path = _first_model_term(cfg) if cfg.reward.terms else cfg.reward.path
+    term_paths = [t.path for t in parse_terms(cfg.reward.terms) if t.path] if cfg.reward.terms else []
     for role, path in (("policy", cfg.policy.path), ("reward", cfg.reward.path), ("critic", cfg.critic.path),
-                       ("reference", cfg.reference.path)):
+                       ("reference", cfg.reference.path), *(("reward", p) for p in term_paths)):
         if path:
             check_model_path(path, role)
     return ResolvedPaths(
-        policy=cfg.policy.path, reward=cfg.reward.path, reward_function=cfg.reward.function,
-        critic=cfg.critic.path or cfg.reward.path or cfg.policy.path, reference=cfg.reference.path,
+        policy=cfg.policy.path, reward=reward_path,
+        reward_function=function_spec(cfg.reward.function) if cfg.reward.function else None,
+        critic=cfg.critic.path or reward_path or cfg.policy.path, reference=cfg.reference.path,
         prompts=cfg.data.prompts, judge=cfg.reward.judge, max_new_tokens=max_new or DEFAULT_MAX_NEW_TOKENS)
+
+def _first_model_term(cfg: Config) -> str | None:
+    """The path of ``reward.terms``' first reward model (the ``reward`` scorer), None if it has none."""
+    return next((t.path for t in parse_terms(cfg.reward.terms) if t.path is not None), None)
 
 def decide_placement(cfg: Config, needs_critic: bool, devices_on_cpu: bool, critic_is_master: bool) -> Placement:
     """``devices_on_cpu``: every scorer's model is on the CPU (a child process shares them);

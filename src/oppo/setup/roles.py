@@ -39,6 +39,7 @@ from ..models import (apply_lora, base_view, check_roles, critic_from_object, en
                      load_causal_lm, load_critic, load_function, load_reward_model, load_tokenizer, prepare_model,
                      resolve_device, resolve_dtype, reward_function, stop_token_ids, tokenizer_from_object)
 from ..rollout import registry
+from ..scoring.composite import CompositeReward, check_model_terms, composite_functions, load_model_terms
 from ..scoring.inline import InlineScorer
 from ..scoring.reward_fn import KeywordCall, describe, missing_columns, wants
 from ..scoring.streaming import RewardFunction, StreamingScorer
@@ -79,9 +80,11 @@ def build_roles(cfg: Config, progress: bool = True, inputs: Inputs | None = None
     score_fn = _function(inputs.reward_fn, paths.reward_function, "reward.function")
     judge = _function(inputs.judge, paths.judge, "reward.judge")
     accuracy = _function(None, paths.accuracy, "task accuracy")
-    prompt_set = _prompt_set(cfg, inputs, paths.prompts, tok,
-                             {k: f for k, f in (("reward.function", score_fn), ("reward.judge", judge),
-                                                ("task accuracy", accuracy)) if f is not None})
+    terms, term_fns = composite_functions(cfg.reward) if cfg.reward.terms else (None, {})
+    asking = {k: f for k, f in (("reward.function", score_fn), ("reward.judge", judge),
+                                ("task accuracy", accuracy)) if f is not None}
+    asking.update({f"reward.terms term {name!r}": f.fn for name, f in term_fns.items()})
+    prompt_set = _prompt_set(cfg, inputs, paths.prompts, tok, asking)
     # every role's config and tokenizer, before any weights load (fast; names the fix)
     algorithm = build_algorithm(cfg)
     if not algorithm.needs_critic:
@@ -100,7 +103,14 @@ def build_roles(cfg: Config, progress: bool = True, inputs: Inputs | None = None
     critic_init = (critic_from_object(critic_object, critic_dev, master, pad_id, copy_it=critic_source != "critic")
                    if critic_object is not None else None)
     # Reward first: an invalid reward model or function fails before the big models load.
-    if score_fn is not None:
+    composite = None
+    extra_rms: dict[str, torch.nn.Module] = {}  # composite: the reward models after the first, by scorer role
+    if terms is not None:
+        check_model_terms(terms, tok)
+        rms = load_model_terms(terms, resolve_device(cfg.reward.device, str(dev)), dtype, pad_id)
+        reward_model = rms.pop("reward", None)
+        extra_rms, composite = rms, CompositeReward(terms, term_fns)
+    elif score_fn is not None:
         assert paths.reward_function is not None  # (a function given as an object has its marker there)
         name = describe(score_fn) if is_marker(paths.reward_function) else paths.reward_function
         fn = reward_function(score_fn, name)  # (a tensor: .tolist())
@@ -142,7 +152,7 @@ def build_roles(cfg: Config, progress: bool = True, inputs: Inputs | None = None
         critic = (critic_init if critic_init is not None else load_critic(paths.critic, critic_dev, master, pad_id)
                   ).eval()
         scoring_critic = serving_copy(critic, dtype, separate=inflight and not wants_critic_on_scorer)
-    for m in (reward_model, reference, scoring_critic):  # their one-shot scoring forwards (score_full)
+    for m in (reward_model, *extra_rms.values(), reference, scoring_critic):  # their one-shot forwards (score_full)
         if m is not None:
             set_packing(m, cfg.ppo.packing)
     if cfg.policy.gradient_checkpointing:  # the trained models; recomputation only while training
@@ -162,7 +172,8 @@ def build_roles(cfg: Config, progress: bool = True, inputs: Inputs | None = None
     if critic is not None:
         scorers["critic"] = StreamingScorer("critic", scoring_critic, pad_id)
     if reward_model is not None:
-        scorers = {"reward": StreamingScorer("reward", reward_model, pad_id), **scorers}
+        scorers = {"reward": StreamingScorer("reward", reward_model, pad_id),
+                   **{role: StreamingScorer("reward", m, pad_id) for role, m in extra_rms.items()}, **scorers}
     placement = decide_placement(cfg, critic is not None, all(s.device.type == "cpu" for s in scorers.values()),
                                  scoring_critic is critic)
     placement.threads.use(placement.threads.full)
@@ -171,7 +182,7 @@ def build_roles(cfg: Config, progress: bool = True, inputs: Inputs | None = None
                   algorithm=algorithm, device=dev, compute_dtype=dtype, max_new_tokens=max_new, pad_id=pad_id,
                   stop_ids=tuple(stop_ids), policy=policy, critic=critic, reference=reference,
                   rollout_policy=rollout_policy, scoring_critic=scoring_critic, reward_model=reward_model, reward_fn=reward_fn, judge_fn=judge_fn,
-                  accuracy_fn=accuracy_fn, rollout=_BUILT_NEXT, scorer=_BUILT_NEXT, learner=learner,
+                  accuracy_fn=accuracy_fn, composite=composite, extra_reward_models=extra_rms, rollout=_BUILT_NEXT, scorer=_BUILT_NEXT, learner=learner,
                   sync=WeightSync([]), tracer=tracer)
     if placement.learner == "ray":
         _place_on_ray(roles, stop_ids, recompute)
