@@ -716,7 +716,8 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
-        if isinstance(v, dict) and not prefix:  # a section; a mapping under a setting is its value
+        # a section (or rollout's section of one backend); a mapping under a setting is its value
+        if isinstance(v, dict) and (not prefix or prefix == "rollout."):
             out.update(_flatten(v, key + "."))
         else:
             out[key] = v
