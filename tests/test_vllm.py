@@ -989,38 +989,28 @@ def test_dead_worker_is_reported_with_its_role(lora_engine, vmodels):
 
 # ------------------------------------------------------------------ the built-in task
 
-def _builtin_home() -> str | None:
-    """OPPO_HOME with the built-in task prepared (``oppo prepare``), or None."""
-    home = os.environ.get("OPPO_HOME")
-    return home if home and (Path(home) / "positive" / "prepare.json").is_file() else None
-
-
 @pytest.fixture(scope="module")
-def builtin_engine():
-    """One vLLM engine on the built-in task's policy (heads of 48, served padded to 64), when the
-    task is prepared in $OPPO_HOME (preparing it takes CPU-minutes: skipped otherwise)."""
-    home = _builtin_home()
-    if home is None:
-        pytest.skip("the built-in task is not prepared in $OPPO_HOME (oppo prepare)")
+def builtin_engine(builtin_home):
+    """One vLLM engine on the built-in task's policy (heads of 48, served padded to 64)."""
     from oppo.rollout.vllm.backend import VLLMRolloutBackend
 
-    eng = VLLMRolloutBackend(str(Path(home) / "positive" / "policy"), (2,), 0, 24, temperature=1.0, seed=0,
+    eng = VLLMRolloutBackend(str(builtin_home.prepared.policy_path), (2,), 0, 24, temperature=1.0, seed=0,
                              max_num_seqs=16)
     assert eng._served.untie and (eng._served.padding.old, eng._served.padding.new) == (48, 64)
     yield eng
     eng.close()
 
 
-@pytest.mark.parametrize("mode", ["sequential", "intra", "inter", "oppo", "pipeline"])
-def test_builtin_task_three_steps_each_mode(builtin_engine, monkeypatch, tmp_path, mode):
+def test_builtin_task_trains_in_oppo_mode(builtin_engine, builtin_task, monkeypatch, tmp_path):
     """`oppo train`'s own task with vLLM: its policy's heads are served padded, its sampler agrees
-    with the training forward, and each mode trains 3 steps."""
+    with the training forward, and oppo mode (streamed, carried, weights loaded between steps)
+    trains 3 steps. Every mode on vLLM: ``test_three_steps_each_mode``."""
     _share(builtin_engine, monkeypatch)
-    extra = ("overlap.delta=2", "overlap.max_lag=1") if mode in ("inter", "oppo", "pipeline") else ()
     cfg = load_config(None, [
         "placement.threads=1", "ppo.batch_size=8", "ppo.minibatch_size=4", "ppo.micro_batch_size=4",
         "generation.max_new_tokens=24", "overlap.chunk_size=8", f"run.out_dir={tmp_path}", "log.progress=false",
-        "run.samples=0", "generation.engine=vllm", f"overlap.mode={mode}", *extra])
+        "run.samples=0", "generation.engine=vllm", "overlap.mode=oppo", "overlap.delta=2", "overlap.max_lag=1"])
+    assert cfg.uses_builtin_task
     steps = run_steps(cfg)
     for k, s in enumerate(steps):
         m = s["m"]
