@@ -3,7 +3,9 @@ through the same code a user's models go through; the built-in task prepared at 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import os
 import sys
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -99,8 +101,25 @@ def builtin_home(tmp_path_factory) -> Builtin:
 
     home = tmp_path_factory.mktemp("oppo_home")
     t = time.perf_counter()
-    prepared = prepare("positive", home=home, seed=0, progress=False, sizes=PrepareSizes.tiny())
+    with one_core():
+        prepared = prepare("positive", home=home, seed=0, progress=False, sizes=PrepareSizes.tiny())
     return Builtin(home, prepared, time.perf_counter() - t)
+
+
+@contextlib.contextmanager
+def one_core():
+    """This thread on one core: ``prepare`` gives torch as many threads as the process has cores,
+    and a tiny model runs fastest on one (two spin against each other on a busy 2-core machine:
+    minutes instead of seconds for ``PrepareSizes.tiny()``)."""
+    if not hasattr(os, "sched_setaffinity"):  # (not Linux)
+        yield
+        return
+    cores = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(cores)})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, cores)
 
 
 @pytest.fixture

@@ -16,6 +16,8 @@ prepare_mod = importlib.import_module("oppo.task.prepare")  # the name `prepare`
 from oppo.task.text import detokenize, join_prompt_response, split
 from oppo.task.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, build_tokenizer
 
+from conftest import one_core
+
 # --- registry -----------------------------------------------------------------------------------
 
 
@@ -195,6 +197,12 @@ def test_tokenizer_round_trip_and_special_tokens(tmp_path):
 # --- prepare (miniature) ------------------------------------------------------------------------
 
 TINY = PrepareSizes.tiny()  # (the tiny build itself: conftest.builtin_home, shared with other modules)
+
+
+@pytest.fixture(autouse=True)
+def _one_core():
+    with one_core():
+        yield
 
 
 def test_fingerprint_tracks_what_was_asked_for():
