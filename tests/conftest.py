@@ -1,7 +1,14 @@
 """Shared fixtures: tiny models created from a config in a temporary directory and loaded back
-through the same code a user's models go through."""
+through the same code a user's models go through; the built-in task prepared at its tiny sizes."""
 
 from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import sys
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -71,6 +78,69 @@ def vllm_engine(vmodels):
     eng = VLLMRolloutBackend(str(vmodels["policy"]), (1,), 0, 12, temperature=1.0, seed=0, max_num_seqs=16)
     yield eng
     eng.close()
+
+
+class Builtin(NamedTuple):
+    """The built-in task prepared for tests: its ``$OPPO_HOME``, what ``prepare`` returned, and how
+    long the build took."""
+
+    home: Path
+    prepared: Any
+    seconds: float
+
+
+@pytest.fixture(scope="session")
+def builtin_home(tmp_path_factory) -> Builtin:
+    """An ``$OPPO_HOME`` holding the built-in task ("positive") prepared at ``PrepareSizes.tiny()``
+    (seconds; the default sizes take CPU-minutes), for ``oppo train``'s own task with no model
+    named. A run on it must ask for those sizes, or ``prepare`` would rebuild at the default ones:
+    ``builtin_task`` in this process, ``builtin_cli`` in a child."""
+    import time
+
+    from oppo.task import PrepareSizes, prepare
+
+    home = tmp_path_factory.mktemp("oppo_home")
+    t = time.perf_counter()
+    with one_core():
+        prepared = prepare("positive", home=home, seed=0, progress=False, sizes=PrepareSizes.tiny())
+    return Builtin(home, prepared, time.perf_counter() - t)
+
+
+@contextlib.contextmanager
+def one_core():
+    """This thread on one core: ``prepare`` gives torch as many threads as the process has cores,
+    and a tiny model runs fastest on one (two spin against each other on a busy 2-core machine:
+    minutes instead of seconds for ``PrepareSizes.tiny()``)."""
+    if not hasattr(os, "sched_setaffinity"):  # (not Linux)
+        yield
+        return
+    cores = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(cores)})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, cores)
+
+
+@pytest.fixture
+def builtin_task(builtin_home, monkeypatch) -> Builtin:
+    """Runs in this process train on ``builtin_home``'s task: ``$OPPO_HOME`` points there and the
+    built-in task's sizes are the tiny ones."""
+    prep = importlib.import_module("oppo.task.prepare")  # (oppo.task.prepare is also the function)
+    monkeypatch.setenv("OPPO_HOME", str(builtin_home.home))
+    monkeypatch.setattr(prep, "default_sizes", lambda task: prep.PrepareSizes.tiny())
+    return builtin_home
+
+
+_BUILTIN_CLI = ("import importlib, sys; prep = importlib.import_module('oppo.task.prepare'); "
+                "prep.default_sizes = lambda task: prep.PrepareSizes.tiny(); "
+                "from oppo.cli import main; sys.exit(main())")
+
+
+def builtin_cli(builtin: Builtin, env: dict) -> tuple[list[str], dict]:
+    """``oppo`` in a child process on ``builtin``'s task (as ``builtin_task`` in this one): the
+    command line to put its arguments after (``train ...``), and ``env`` with ``$OPPO_HOME``."""
+    return [sys.executable, "-c", _BUILTIN_CLI], {**env, "OPPO_HOME": str(builtin.home)}
 
 
 @pytest.fixture(scope="session")

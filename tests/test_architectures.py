@@ -145,9 +145,6 @@ def load(tmp_path_factory):
     def build(arch: str, role: str) -> torch.nn.Module:
         a = ARCHS[arch]
         cls = _class(a.causal if role == "policy" else a.seqcls)
-        if cls is None:
-            pytest.skip(f"transformers {_version()} has no {a.seqcls}: AutoModelForSequenceClassification "
-                        f"cannot build a {arch} reward model or critic, so there is nothing to compare")
         cfg = _class(a.config)(vocab_size=V, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=2,
                                initializer_range=0.2, num_labels=1, **a.kwargs)
         torch.manual_seed(zlib.crc32(f"{arch}-{role}".encode()))  # the same weights whatever runs first
@@ -281,8 +278,19 @@ def _check_streamed(arch: str, dtype: str, kind: str, model, path: str) -> None:
     _check(arch, path, dtype, got, oracle(kind, model, arch, dtype).repeat(2))
 
 
+# The reward model and critic of an architecture whose transformers has no XxxForSequenceClassification
+# cannot be built (AutoModelForSequenceClassification has none to pick): nothing to compare, so no
+# test of theirs ('-' in the table). transformers 5.19 has none for Cohere and Granite.
+SCORING_ARCHS = [a for a in ARCHS if _class(ARCHS[a].seqcls) is not None]
 each_arch = pytest.mark.parametrize("arch", list(ARCHS))
+each_scoring_arch = pytest.mark.parametrize("arch", SCORING_ARCHS)
 each_dtype = pytest.mark.parametrize("dtype", list(DTYPES))
+
+
+def test_only_known_architectures_lack_a_reward_model_class():
+    """Leaving an architecture's reward and critic tests out is meant only where transformers lacks
+    the class; any other missing one is a lost test."""
+    assert set(ARCHS) - set(SCORING_ARCHS) <= {"cohere", "granite"}, _version()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -365,7 +373,7 @@ def test_behaviour_logprobs(load, arch, dtype):
 # 4. reward scores and critic values (XxxForSequenceClassification, one label)
 
 
-@each_arch
+@each_scoring_arch
 @each_dtype
 def test_reward_one_shot(load, arch, dtype):
     model = load(arch, "reward", dtype)
@@ -373,13 +381,13 @@ def test_reward_one_shot(load, arch, dtype):
     _check(arch, "reward_full", dtype, _outputs("reward", got), oracle("reward", model, arch, dtype))
 
 
-@each_arch
+@each_scoring_arch
 @each_dtype
 def test_reward_streamed(load, arch, dtype):
     _check_streamed(arch, dtype, "reward", load(arch, "reward", dtype), "reward_stream")
 
 
-@each_arch
+@each_scoring_arch
 @each_dtype
 def test_critic_one_shot(load, arch, dtype):
     model = load(arch, "critic", dtype)
@@ -387,7 +395,7 @@ def test_critic_one_shot(load, arch, dtype):
     _check(arch, "critic_full", dtype, _outputs("critic", got), oracle("critic", model, arch, dtype))
 
 
-@each_arch
+@each_scoring_arch
 @each_dtype
 def test_critic_streamed(load, arch, dtype):
     _check_streamed(arch, dtype, "critic", load(arch, "critic", dtype), "critic_stream")
@@ -526,7 +534,7 @@ def _print_table(request):
     if not MEASURED:
         return
     rows = [f"max |oppo - HF| per architecture x path (tolerance fp32 {TOL['fp32']}, bf16 {TOL['bf16']}; "
-            f"'-' not run or skipped)"]
+            f"'-' not run: no such class in this transformers)"]
     head = f"{'arch':<9} {'dtype':<5} " + " ".join(f"{p:>13}" for p in PATHS)
     rows.append(head)
     for arch in ARCHS:

@@ -1,5 +1,6 @@
 """A killed controller leaves no process behind: the scorer child exits when its parent dies, on
-any signal (here SIGKILL, which runs no cleanup at all)."""
+any signal (here SIGKILL, which runs no cleanup at all). ``oppo train`` itself, killed:
+``test_kill_resume`` (kill -9), ``test_preempt`` (SIGTERM)."""
 
 from __future__ import annotations
 
@@ -65,12 +66,9 @@ WORKER_SCRIPT = textwrap.dedent("""
         box = []
         start = lambda: box.append(ScorerWorker({"reward": StreamingScorer("reward", model, 0)}, 1, Tracer(),
                                                 transport="process"))
-        if sys.argv[2] == "thread":  # started from a thread that has ended: only the watchdog guards
-            t = threading.Thread(target=start)
-            t.start()
-            t.join()
-        else:
-            start()
+        t = threading.Thread(target=start)
+        t.start()
+        t.join()
         box[0].barrier()  # the child is up and serving
         print(box[0].proc.pid, flush=True)
         time.sleep(600)
@@ -80,11 +78,12 @@ WORKER_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("started_from", ["main", "thread"])
-def test_scorer_child_exits_when_parent_is_killed(tiny_models, tmp_path, started_from):
+def test_scorer_child_of_a_thread_that_ended_exits_when_parent_is_killed(tiny_models, tmp_path):
+    """The worker started from a thread that has ended: only the watchdog guards (one started from
+    the main thread, as ``oppo train`` starts its own: ``test_kill_resume``'s kill -9)."""
     script = tmp_path / "parent.py"
     script.write_text(WORKER_SCRIPT)
-    parent = subprocess.Popen([sys.executable, str(script), str(tiny_models["reward"]), started_from],
+    parent = subprocess.Popen([sys.executable, str(script), str(tiny_models["reward"])],
                               stdout=subprocess.PIPE, text=True, env=env())
     try:
         line = parent.stdout.readline()
@@ -98,57 +97,3 @@ def test_scorer_child_exits_when_parent_is_killed(tiny_models, tmp_path, started
         if parent.poll() is None:
             parent.kill()
             parent.wait()
-
-
-@pytest.mark.slow
-def test_kill_9_of_oppo_train_leaves_nothing_behind(tiny_models, tiny_prompts, tmp_path):
-    """The issue's case: `kill -9` of `oppo train` in mode oppo (the scorer child process)."""
-    out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "oppo.cli", "train", f"policy.path={tiny_models['policy']}",
-           f"reward.path={tiny_models['reward']}", f"data.prompts={tiny_prompts}", "overlap.mode=oppo",
-           "run.steps=100000", "ppo.batch_size=4", "ppo.minibatch_size=2", "ppo.micro_batch_size=2",
-           "generation.max_new_tokens=6", f"run.out_dir={out}", "log.progress=false", "run.samples=0"]
-    train = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env())
-    try:
-        # training is under way once a step's metrics are written: the scorer child serves by then
-        wait_until(lambda: (out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").stat().st_size > 0
-                   or train.poll() is not None, limit=300, what="the first step")
-        assert train.poll() is None, "oppo train ended early"
-        kids = children(train.pid)
-        cmdlines = [Path(f"/proc/{k}/cmdline").read_bytes() for k in kids]
-        assert any(b"multiprocessing" in c for c in cmdlines), "no scorer child found: the test would prove nothing"
-        train.send_signal(signal.SIGKILL)
-        train.wait()
-        wait_until(lambda: not any(alive(k) for k in kids), what=f"children {kids} to exit")
-    finally:
-        if train.poll() is None:
-            train.kill()
-            train.wait()
-
-
-@pytest.mark.slow
-def test_sigterm_of_oppo_train_stops_cleanly(tiny_models, tiny_prompts, tmp_path):
-    """`kill` (SIGTERM) ends a run like Ctrl-C: the step finishes, a checkpoint and the trace so far
-    are saved, children exit, the message says how to resume (exit 143)."""
-    out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "oppo.cli", "train", f"policy.path={tiny_models['policy']}",
-           f"reward.path={tiny_models['reward']}", f"data.prompts={tiny_prompts}", "overlap.mode=intra",
-           "run.steps=100000", "ppo.batch_size=4", "ppo.minibatch_size=2", "ppo.micro_batch_size=2",
-           "generation.max_new_tokens=6", f"run.out_dir={out}", "log.progress=false", "run.samples=0"]
-    train = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env())
-    try:
-        wait_until(lambda: (out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").stat().st_size > 0
-                   or train.poll() is not None, limit=300, what="the first step")
-        assert train.poll() is None, "oppo train ended early"
-        kids = children(train.pid)
-        train.send_signal(signal.SIGTERM)
-        _, err = train.communicate(timeout=120)
-        assert train.returncode == 143, err[-2000:]
-        assert f"--resume {out}" in err and "Traceback" not in err
-        assert (out / "checkpoints").is_dir()
-        assert (out / "trace.json").is_file()
-        wait_until(lambda: not any(alive(k) for k in kids), what=f"children {kids} to exit")
-    finally:
-        if train.poll() is None:
-            train.kill()
-            train.wait()

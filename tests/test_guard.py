@@ -222,8 +222,8 @@ def test_critic_on_the_scorer_process_stops_alike(tiny_models, tiny_prompts, tmp
 
     args = ["train", f"policy.path={tiny_models['policy']}", f"reward.path={tiny_models['reward']}",
             f"data.prompts={tiny_prompts}", "ppo.batch_size=2", "ppo.minibatch_size=2", "ppo.micro_batch_size=1",
-            "generation.max_new_tokens=4", "overlap.mode=oppo", "log.progress=false", "log.trace=false",
-            "run.samples=0", "run.steps=3", "ppo.critic_lr=1e8", f"run.out_dir={tmp_path / 'a'}"]
+            "generation.max_new_tokens=4", "overlap.mode=oppo", "placement.threads=1", "log.progress=false",
+            "log.trace=false", "run.samples=0", "run.steps=3", "ppo.critic_lr=1e8", f"run.out_dir={tmp_path / 'a'}"]
     assert cli.main(args) == 1
     err = capsys.readouterr().err
     assert "oppo: error: non-finite gradient norm (nan) at step 1, critic update" in err and "Traceback" not in err

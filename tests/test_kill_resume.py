@@ -5,10 +5,10 @@
   resumed one then train the same batches;
 - the fallback: a rollout backend that cannot hand its rows out has them drained (requeued), and
   a checkpoint written before sequences were saved (drained, no ``in_flight.json``) still loads;
-- ``kill -9``: ``oppo train`` in mode oppo, killed after a checkpoint that holds sequences in
-  flight, resumed with ``--resume auto`` and run to its end: no prompt lost, none trained twice,
-  and the carried sequences were restored (their uids trained after the resume, with tokens older
-  than it), not regenerated.
+- ``kill -9``: ``oppo train`` on its built-in task in mode oppo, killed after a checkpoint that
+  holds sequences in flight (its scorer child exits with it), resumed with ``--resume auto`` and
+  run to its end: no prompt lost, none trained twice, and the carried sequences were restored
+  (their uids trained after the resume, with tokens older than it), not regenerated.
 """
 
 from __future__ import annotations
@@ -28,15 +28,23 @@ from oppo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from oppo.config import load_config
 from oppo.trainer import Trainer
 
+from conftest import builtin_cli
+from test_child_exit import alive, children, wait_until
+
 FIELDS = ("response_ids", "logprobs", "policy_logprobs", "versions", "finished", "ended_with_eos", "prompt_index",
           "start_version", "group", "prompt_ids")
 
 
 def _settings(tiny_models, tiny_prompts, out, mode="oppo", steps=4):
     return [f"policy.path={tiny_models['policy']}", f"reward.path={tiny_models['reward']}",
-            f"data.prompts={tiny_prompts}", "placement.threads=1", "ppo.batch_size=4", "ppo.minibatch_size=2",
-            "ppo.micro_batch_size=2", "generation.max_new_tokens=16", f"run.steps={steps}", f"overlap.mode={mode}",
-            "overlap.delta=2", "overlap.max_lag=2", "overlap.chunk_size=4", f"run.out_dir={out}",
+            f"data.prompts={tiny_prompts}", "generation.max_new_tokens=16", f"run.steps={steps}",
+            *_run_settings(out, mode)]
+
+
+def _run_settings(out, mode="oppo"):
+    """What a run is asked beside its models, prompts, length and steps."""
+    return ["placement.threads=1", "ppo.batch_size=4", "ppo.minibatch_size=2", "ppo.micro_batch_size=2",
+            f"overlap.mode={mode}", "overlap.delta=2", "overlap.max_lag=2", "overlap.chunk_size=4", f"run.out_dir={out}",
             "log.progress=false", "run.samples=0"]
 
 
@@ -187,29 +195,15 @@ def _checkpoint_with_carried(run: Path) -> Path | None:
     return None
 
 
-def _builtin_home() -> str | None:
-    """OPPO_HOME with the built-in task prepared (``oppo prepare``), or None."""
-    home = os.environ.get("OPPO_HOME")
-    return home if home and (Path(home) / "positive" / "prepare.json").is_file() else None
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("task", ["tiny", "builtin"])
-def test_kill_9_then_resume_loses_no_prompt_and_restores_carried(tiny_models, tiny_prompts, tmp_path, task):
-    """``task``: the conftest's tiny models, or the built-in task prepared in ``$OPPO_HOME``
-    (skipped when it is not: preparing it takes CPU-minutes)."""
+def test_kill_9_then_resume_loses_no_prompt_and_restores_carried(builtin_home, tmp_path):
+    """On ``oppo train``'s own task (``conftest.builtin_home``: its tokenizer adds BOS, its reward
+    model is the task's). The kill also ends the scorer's child process (``test_child_exit``: the
+    watchdog of a worker started from a thread)."""
     out = tmp_path / "run"
-    env = _env()
-    if task == "builtin":
-        if _builtin_home() is None:
-            pytest.skip("the built-in task is not prepared in $OPPO_HOME (oppo prepare)")
-        settings = [s for s in _settings(tiny_models, tiny_prompts, out)
-                    if not s.startswith(("policy.path", "reward.path", "data.prompts"))]
-        settings.append("generation.max_new_tokens=24")
-    else:
-        settings = _settings(tiny_models, tiny_prompts, out)
-    settings = [s for s in settings if not s.startswith("run.steps=")]
-    base = [sys.executable, "-m", "oppo.cli", "train", *settings, "run.save_every=1", "run.keep_checkpoints=1000"]
+    cli, env = builtin_cli(builtin_home, _env())
+    base = [*cli, "train", *_run_settings(out), "generation.max_new_tokens=24", "run.save_every=1",
+            "run.keep_checkpoints=1000"]
     # the first run would go on for ever: it ends by the kill, never on its own
     proc = subprocess.Popen([*base, "run.steps=100000"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True, env=env)
@@ -221,8 +215,12 @@ def test_kill_9_then_resume_loses_no_prompt_and_restores_carried(tiny_models, ti
             found = _checkpoint_with_carried(out)
         assert proc.poll() is None, f"oppo train ended early: {proc.stderr.read()[-2000:]}"
         assert found is not None, "no checkpoint with a carried sequence in time"
+        kids = children(proc.pid)
+        assert any(b"multiprocessing" in Path(f"/proc/{k}/cmdline").read_bytes() for k in kids), \
+            "no scorer child process: the kill would leave nothing to check"
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+        wait_until(lambda: not any(alive(k) for k in kids), what=f"children {kids} to exit after the kill")
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -16,18 +16,41 @@ def tiny_cfg(tiny_models, tiny_prompts, tmp_path, *extra):
         f"run.out_dir={tmp_path}", "log.progress=false", *extra])
 
 
-def run_steps(cfg, n=3):
+def run_steps(cfg, n=3, weights=None):
+    """``n`` steps' experience and metrics; ``weights``: a dict that receives the critic's weights
+    before the first step, the policy's and the critic's after the last, and the critic's AdamW
+    state as the parent holds it."""
     t = Trainer(cfg, progress=False)
     try:
+        if weights is not None:
+            weights["critic_before"] = {k: v.clone() for k, v in t.roles.critic.state_dict().items()}
         out = []
         for _ in range(n):
             m = t.run_step()
             exp = t.last_result.exp
             out.append({"m": m, "ids": exp.ids.clone(), "scores": exp.scores.clone(),
                         "ref": exp.ref_logprobs.clone(), "values": exp.values.clone()})
+        if weights is not None:
+            weights["policy"] = {k: v.clone() for k, v in t.roles.policy.state_dict().items()}
+            weights["critic"] = {k: v.clone() for k, v in t.roles.critic.state_dict().items()}
+            weights["critic_opt"] = [{k: v.clone() for k, v in st.items()}
+                                     for st in t.roles.learner.critic_opt.state.values()]
         return out
     finally:
         t.close()
+
+
+@pytest.fixture(scope="module")
+def reference_runs(tiny_models, tiny_prompts, tmp_path_factory):
+    """Three steps of ``sequential`` and of ``intra`` as on CPU by default (scorers and the
+    critic's update in a child process), once for the module: the runs the others must equal."""
+    out, runs, weights = tmp_path_factory.mktemp("modes"), {}, {}
+    for mode in ("sequential", "intra"):
+        weights[mode] = {}
+        runs[mode] = run_steps(tiny_cfg(tiny_models, tiny_prompts, out / mode, f"overlap.mode={mode}",
+                                        "placement.scorer_process=true", "placement.critic_on_worker=true"),
+                               weights=weights[mode])
+    return runs, weights
 
 
 def assert_same_run(a, b):
@@ -42,21 +65,20 @@ def assert_same_run(a, b):
 
 
 @pytest.mark.parametrize("process", ["true", "false"])
-def test_intra_equals_sequential(tiny_models, tiny_prompts, tmp_path, process):
+def test_intra_equals_sequential(reference_runs, tiny_models, tiny_prompts, tmp_path, process):
     """Both scorer workers: a child process (the CPU default) and a thread (the GPU one)."""
-    seq = run_steps(tiny_cfg(tiny_models, tiny_prompts, tmp_path / "s", "overlap.mode=sequential"))
-    intra = run_steps(tiny_cfg(tiny_models, tiny_prompts, tmp_path / "i", "overlap.mode=intra",
-                               f"placement.scorer_process={process}"))
-    assert_same_run(seq, intra)
+    runs, _ = reference_runs
+    intra = runs["intra"] if process == "true" else run_steps(
+        tiny_cfg(tiny_models, tiny_prompts, tmp_path / "i", "overlap.mode=intra", "placement.scorer_process=false"))
+    assert_same_run(runs["sequential"], intra)
 
 
 @pytest.mark.parametrize("mode", ["oppo", "inter"])
-def test_no_deferral_equals_intra(tiny_models, tiny_prompts, tmp_path, mode):
+def test_no_deferral_equals_intra(reference_runs, tiny_models, tiny_prompts, tmp_path, mode):
     """With Delta = 0 and max_lag = 0, `oppo` (and `inter`) equal `intra` step for step."""
-    intra = run_steps(tiny_cfg(tiny_models, tiny_prompts, tmp_path / "i", "overlap.mode=intra"))
     other = run_steps(tiny_cfg(tiny_models, tiny_prompts, tmp_path / "o", f"overlap.mode={mode}",
                                "overlap.delta=0", "overlap.max_lag=0"))
-    assert_same_run(intra, other)
+    assert_same_run(reference_runs[0]["intra"], other)
 
 
 def test_oppo_carries_and_tags_versions(tiny_models, tiny_prompts, tmp_path):
@@ -97,40 +119,24 @@ def test_micro_batch_split_does_not_change_the_update(tiny_models, tiny_prompts,
             torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-5)
 
 
-def test_critic_trained_on_worker_is_the_learners_critic(tiny_models, tiny_prompts, tmp_path):
+def test_critic_trained_on_worker_is_the_learners_critic(reference_runs):
     """With the critic's update on the scorer process, the weights and AdamW moments the parent
     checkpoints are the ones the child updated (shared memory, updated in place)."""
-    cfg = tiny_cfg(tiny_models, tiny_prompts, tmp_path, "overlap.mode=intra", "placement.scorer_process=true",
-                   "placement.critic_on_worker=true")
-    t = Trainer(cfg, progress=False)
-    try:
-        before = {k: v.clone() for k, v in t.roles.critic.state_dict().items()}
-        m = t.run_step()
-        m = t.run_step()
-        assert "loss/value" in m and "grad_norm/critic" in m
-        steps = {float(st["step"]) for st in t.roles.learner.critic_opt.state.values()}
-        assert steps == {4.0}, "2 steps x 2 minibatches, seen from the parent"
-        moved = [k for k, v in t.roles.critic.state_dict().items() if not torch.equal(v, before[k])]
-        assert moved, "the parent's critic weights changed"
-        assert all(float(st["exp_avg_sq"].abs().sum()) > 0 for st in t.roles.learner.critic_opt.state.values()
-                   if st["exp_avg_sq"].numel() > 1)
-    finally:
-        t.close()
+    runs, weights = reference_runs
+    m, intra = runs["intra"][-1]["m"], weights["intra"]
+    assert "loss/value" in m and "grad_norm/critic" in m
+    assert {float(st["step"]) for st in intra["critic_opt"]} == {6.0}, "3 steps x 2 minibatches, seen from the parent"
+    moved = [k for k, v in intra["critic"].items() if not torch.equal(v, intra["critic_before"][k])]
+    assert moved, "the parent's critic weights changed"
+    assert all(float(st["exp_avg_sq"].abs().sum()) > 0 for st in intra["critic_opt"] if st["exp_avg_sq"].numel() > 1)
 
 
-def test_critic_on_worker_gives_the_sequential_weights(tiny_models, tiny_prompts, tmp_path):
+def test_critic_on_worker_gives_the_sequential_weights(reference_runs):
     """Actor and critic updated at the same time (critic on the scorer process) end with the
     weights of the sequential loop, which updates one after the other."""
-    weights = {}
-    for mode in ("sequential", "intra"):
-        t = Trainer(tiny_cfg(tiny_models, tiny_prompts, tmp_path / mode, f"overlap.mode={mode}"), progress=False)
-        try:
-            for _ in range(2):
-                t.run_step()
-            weights[mode] = ({k: v.clone() for k, v in t.roles.policy.state_dict().items()},
-                             {k: v.clone() for k, v in t.roles.critic.state_dict().items()})
-        finally:
-            t.close()
-    for a, b in zip(weights["sequential"], weights["intra"]):
+    _, weights = reference_runs
+    for role in ("policy", "critic"):
+        a, b = weights["sequential"][role], weights["intra"][role]
+        assert a.keys() == b.keys()
         for k in a:
             torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-4)

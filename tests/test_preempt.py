@@ -1,7 +1,8 @@
 """No lost work: a stopped run saves, a failed save cleans up, a damaged checkpoint is skipped.
 
 - SIGTERM: ``oppo train`` finishes its step, writes a checkpoint (with the sequences in flight)
-  and exits 143 with the resume command; ``--resume auto`` continues, no step logged twice;
+  and the trace so far, ends its scorer child and exits 143 with the resume command;
+  ``--resume auto`` continues, no step logged twice;
 - a save that fails (a full disk, simulated) removes its temporary directory and says which
   disk and how much space is left, in one paragraph;
 - a truncated newest checkpoint (caught by its manifest) is skipped for the previous one, with a
@@ -26,6 +27,7 @@ from oppo.preflight import PreflightError
 from oppo.run import plan_run
 from oppo.trainer import Trainer
 
+from test_child_exit import alive, children, wait_until
 from test_kill_resume import _env, _lines, _settings
 
 
@@ -42,10 +44,13 @@ def test_sigterm_saves_a_checkpoint_and_exits_143_then_resumes(tiny_models, tiny
         while not _lines(out / "lengths.jsonl") and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert proc.poll() is None, f"oppo train ended early: {proc.stderr.read()[-2000:]}"
+        kids = children(proc.pid)
+        assert kids, "no scorer child process: the test would not cover one"
         t0 = time.monotonic()
         os.killpg(proc.pid, signal.SIGTERM)
         _, err = proc.communicate(timeout=120)
         print(f"SIGTERM to exit: {time.monotonic() - t0:.2f} s")
+        wait_until(lambda: not any(alive(k) for k in kids), what=f"children {kids} to exit")
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -54,6 +59,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_143_then_resumes(tiny_models, tiny
     assert "Traceback" not in err
     ckpt = latest_checkpoint(out)
     assert ckpt is not None, "no checkpoint written on SIGTERM"
+    assert (out / "trace.json").is_file(), "the trace so far is saved"
     state = json.loads((ckpt / "state.json").read_text())
     last = err.strip().splitlines()[-1]
     assert last.startswith(f"oppo: stopped by SIGTERM after {state['step']} of 100000 steps: checkpoint {ckpt} "

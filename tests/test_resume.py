@@ -32,7 +32,7 @@ def test_resume_equals_uninterrupted(tiny_models, tiny_prompts, tmp_path, mode):
     """Every mode. Both runs checkpoint at step 2 (run.save_every=2): in inter and oppo a checkpoint
     saves the sequences in flight and re-admits them with their partial responses (re-prefilled
     under the current weights), in the uninterrupted run as in the resumed one, which must then
-    repeat it exactly."""
+    repeat it exactly, losing no prompt and training none twice."""
     extra = DELTA.get(mode, [])
     full = train(cfg_for(tiny_models, tiny_prompts, tmp_path / "full", 4, mode, *extra), progress=False)
     part = tmp_path / "part"
@@ -54,10 +54,29 @@ def test_resume_equals_uninterrupted(tiny_models, tiny_prompts, tmp_path, mode):
     assert [l["step"] for l in lengths] == [0, 1, 2, 3]
     if mode in ("inter", "oppo"):  # the case worth testing: sequences were carried across steps
         assert any(m["overlap/carried"] > 0 for m in a), "nothing was carried: the test would not cover carrying"
-        saved = json.loads((part / "checkpoints" / "step_000002" / "state.json").read_text())["in_flight"]
-        assert saved["how"] == "saved" and saved["count"] > 0, "the checkpoint held no sequence in flight"
+        _assert_carried_saved_and_none_lost(part)
     steps = {s.step for s in load_trace(part / "trace.json")}
     assert {0, 1, 2, 3} <= steps, "the resumed run's trace keeps the steps before the checkpoint"
+
+
+def _assert_carried_saved_and_none_lost(part) -> None:
+    """The checkpoint at step 2 saved the sequences in flight (their tickets in the scheduler's
+    state, their partial work in in_flight.json), none drained or requeued; across the interruption
+    each prompt position was trained exactly once and none was lost."""
+    ckpt = part / "checkpoints" / "step_000002"
+    state = json.loads((ckpt / "state.json").read_text())
+    saved = json.loads((ckpt / "in_flight.json").read_text())
+    assert saved, "the checkpoint held no sequence in flight"
+    assert state["in_flight"] == {"how": "saved", "count": len(saved)} and state["drained"] == 0
+    assert sorted(d["uid"] for d in saved) == [row[0] for row in state["scheduler"]["untrained"]]
+    assert not state["scheduler"]["requeue"], "nothing requeued: the sequences were saved"
+    trained = [i for l in (part / "lengths.jsonl").read_text().splitlines() for i in json.loads(l)["prompt_index"]]
+    assert len(trained) == 16 and len(set(trained)) == 16, "no prompt position trained twice"
+    final = json.loads((latest_checkpoint(part) / "state.json").read_text())["scheduler"]
+    untrained = {row[1] for row in final["untrained"]}
+    assert not set(trained) & untrained
+    assert set(trained) | untrained | set(final["requeue"]) == set(range(final["next_position"])), \
+        "no prompt position lost"
 
 
 def test_checkpoint_is_hugging_face_format(tiny_models, tiny_prompts, tmp_path):
@@ -70,30 +89,6 @@ def test_checkpoint_is_hugging_face_format(tiny_models, tiny_prompts, tmp_path):
     critic = AutoModelForSequenceClassification.from_pretrained(ckpt / "critic")
     assert critic.config.num_labels == 1
     assert (run / "trace.json").is_file() and (run / "config.yaml").is_file()
-
-
-def test_carried_sequences_are_saved_not_lost(tiny_models, tiny_prompts, tmp_path):
-    """oppo mode: a checkpoint saves the in-flight sequences (their tickets in the scheduler's
-    state, their partial work in in_flight.json); the resumed run trains each prompt position
-    exactly once across the interruption."""
-    extra = ("overlap.delta=2", "overlap.max_lag=1", "generation.max_new_tokens=16")
-    part = tmp_path / "p"
-    train(cfg_for(tiny_models, tiny_prompts, part, 2, "oppo", *extra), progress=False)
-    ckpt = latest_checkpoint(part)
-    state = json.loads((ckpt / "state.json").read_text())
-    saved = json.loads((ckpt / "in_flight.json").read_text())
-    assert state["in_flight"] == {"how": "saved", "count": len(saved)} and state["drained"] == 0
-    assert sorted(d["uid"] for d in saved) == [row[0] for row in state["scheduler"]["untrained"]]
-    assert not state["scheduler"]["requeue"], "nothing requeued: the sequences were saved"
-    train(cfg_for(tiny_models, tiny_prompts, part, 4, "oppo", *extra), resume="auto", progress=False)
-    assert [m["step"] for m in read_metrics(part)] == [0, 1, 2, 3]
-    trained = [i for l in (part / "lengths.jsonl").read_text().splitlines() for i in json.loads(l)["prompt_index"]]
-    assert len(trained) == 16 and len(set(trained)) == 16, "no prompt position trained twice"
-    final = json.loads((latest_checkpoint(part) / "state.json").read_text())["scheduler"]
-    untrained = {row[1] for row in final["untrained"]}
-    assert not set(trained) & untrained
-    assert set(trained) | untrained | set(final["requeue"]) == set(range(final["next_position"])), \
-        "no prompt position lost"
 
 
 def test_final_checkpoint_weights_or_none_and_the_link_moves_after_a_step(tiny_models, tiny_prompts, tmp_path,

@@ -16,6 +16,8 @@ prepare_mod = importlib.import_module("oppo.task.prepare")  # the name `prepare`
 from oppo.task.text import detokenize, join_prompt_response, split
 from oppo.task.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, build_tokenizer
 
+from conftest import one_core
+
 # --- registry -----------------------------------------------------------------------------------
 
 
@@ -194,15 +196,13 @@ def test_tokenizer_round_trip_and_special_tokens(tmp_path):
 
 # --- prepare (miniature) ------------------------------------------------------------------------
 
-TINY = PrepareSizes.tiny()
+TINY = PrepareSizes.tiny()  # (the tiny build itself: conftest.builtin_home, shared with other modules)
 
 
-@pytest.fixture(scope="module")
-def tiny_cache(tmp_path_factory):
-    home = tmp_path_factory.mktemp("oppo_home")
-    t = time.perf_counter()
-    prep = prepare("positive", home=home, seed=0, progress=False, sizes=TINY)
-    return home, prep, time.perf_counter() - t
+@pytest.fixture(autouse=True)
+def _one_core():
+    with one_core():
+        yield
 
 
 def test_fingerprint_tracks_what_was_asked_for():
@@ -216,11 +216,11 @@ def test_fingerprint_tracks_what_was_asked_for():
     assert fp(get_task("arith"), 0, TINY) != base
 
 
-def test_prepare_writes_a_complete_cache(tiny_cache):
+def test_prepare_writes_a_complete_cache(builtin_home):
     from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification,
                               AutoTokenizer)
 
-    home, prep, _ = tiny_cache
+    home, prep, _ = builtin_home
     root = home / "positive"
     assert prep.root == root and not prep.reused
     for name in ("prepare.json", "prompts.jsonl", "eval_prompts.jsonl", "tokenizer/tokenizer.json",
@@ -251,8 +251,8 @@ def test_prepare_writes_a_complete_cache(tiny_cache):
     assert out.shape[0] == 2
 
 
-def test_prepare_reuses_a_valid_cache(tiny_cache):
-    home, first, build_seconds = tiny_cache
+def test_prepare_reuses_a_valid_cache(builtin_home):
+    home, first, build_seconds = builtin_home
     weights = home / "positive" / "policy" / "model.safetensors"
     mtime = weights.stat().st_mtime_ns
     t = time.perf_counter()

@@ -568,16 +568,20 @@ def test_streamed_scores_equal_one_shot(shared, vmodels, tiny_prompts, tmp_path)
         for k in ("reward/mean", "loss/value", "kl/mean"):
             assert x["m"][k] == pytest.approx(y["m"][k], abs=1e-4, rel=1e-3), k
     for run in (seq, intra):
-        for s in run:
+        for k, s in enumerate(run):
+            assert s["ids"].shape[0] == 4 and torch.isfinite(torch.tensor(s["m"]["loss/policy"]))
+            assert (s["versions"][s["mask"] > 0] == k).all(), "on-policy: every token sampled by pi_k"
             # vLLM vs the training forward, fp32 on CPU: reported every step, and small
             assert s["m"]["mismatch/logprob_abs_diff"] < 1e-4 and s["m"]["mismatch/kl"] < 1e-6
             assert s["m"]["time/weight_sync"] > 0
 
 
-@pytest.mark.parametrize("mode", ["sequential", "intra", "inter", "oppo", "pipeline"])
-def test_three_steps_each_mode(shared, vmodels, tiny_prompts, tmp_path, mode):
-    extra = ("overlap.delta=2", "overlap.max_lag=1") if mode in ("inter", "oppo", "pipeline") else ()
-    steps = run_steps(trainer_cfg(vmodels, tiny_prompts, tmp_path, f"overlap.mode={mode}", *extra))
+@pytest.mark.parametrize("mode", ["inter", "pipeline"])
+def test_three_steps_in_the_carrying_modes(shared, vmodels, tiny_prompts, tmp_path, mode):
+    """The modes that carry rows (oppo: ``test_builtin_task_trains_in_oppo_mode``; sequential and
+    intra: ``test_streamed_scores_equal_one_shot``)."""
+    steps = run_steps(trainer_cfg(vmodels, tiny_prompts, tmp_path, f"overlap.mode={mode}", "overlap.delta=2",
+                                  "overlap.max_lag=1"))
     for k, s in enumerate(steps):
         m = s["m"]
         assert s["ids"].shape[0] == 4 and torch.isfinite(torch.tensor(m["loss/policy"]))
@@ -989,38 +993,29 @@ def test_dead_worker_is_reported_with_its_role(lora_engine, vmodels):
 
 # ------------------------------------------------------------------ the built-in task
 
-def _builtin_home() -> str | None:
-    """OPPO_HOME with the built-in task prepared (``oppo prepare``), or None."""
-    home = os.environ.get("OPPO_HOME")
-    return home if home and (Path(home) / "positive" / "prepare.json").is_file() else None
-
-
 @pytest.fixture(scope="module")
-def builtin_engine():
-    """One vLLM engine on the built-in task's policy (heads of 48, served padded to 64), when the
-    task is prepared in $OPPO_HOME (preparing it takes CPU-minutes: skipped otherwise)."""
-    home = _builtin_home()
-    if home is None:
-        pytest.skip("the built-in task is not prepared in $OPPO_HOME (oppo prepare)")
+def builtin_engine(builtin_home):
+    """One vLLM engine on the built-in task's policy (heads of 48, served padded to 64)."""
     from oppo.rollout.vllm.backend import VLLMRolloutBackend
 
-    eng = VLLMRolloutBackend(str(Path(home) / "positive" / "policy"), (2,), 0, 24, temperature=1.0, seed=0,
+    eng = VLLMRolloutBackend(str(builtin_home.prepared.policy_path), (2,), 0, 24, temperature=1.0, seed=0,
                              max_num_seqs=16)
     assert eng._served.untie and (eng._served.padding.old, eng._served.padding.new) == (48, 64)
     yield eng
     eng.close()
 
 
-@pytest.mark.parametrize("mode", ["sequential", "intra", "inter", "oppo", "pipeline"])
-def test_builtin_task_three_steps_each_mode(builtin_engine, monkeypatch, tmp_path, mode):
+def test_builtin_task_trains_in_oppo_mode(builtin_engine, builtin_task, monkeypatch, tmp_path):
     """`oppo train`'s own task with vLLM: its policy's heads are served padded, its sampler agrees
-    with the training forward, and each mode trains 3 steps."""
+    with the training forward, and oppo mode (streamed, carried, weights loaded between steps)
+    trains 3 steps. The other modes on vLLM: ``test_three_steps_in_the_carrying_modes``,
+    ``test_streamed_scores_equal_one_shot``."""
     _share(builtin_engine, monkeypatch)
-    extra = ("overlap.delta=2", "overlap.max_lag=1") if mode in ("inter", "oppo", "pipeline") else ()
     cfg = load_config(None, [
         "placement.threads=1", "ppo.batch_size=8", "ppo.minibatch_size=4", "ppo.micro_batch_size=4",
         "generation.max_new_tokens=24", "overlap.chunk_size=8", f"run.out_dir={tmp_path}", "log.progress=false",
-        "run.samples=0", "generation.engine=vllm", f"overlap.mode={mode}", *extra])
+        "run.samples=0", "generation.engine=vllm", "overlap.mode=oppo", "overlap.delta=2", "overlap.max_lag=1"])
+    assert cfg.uses_builtin_task
     steps = run_steps(cfg)
     for k, s in enumerate(steps):
         m = s["m"]
