@@ -48,7 +48,7 @@ from ..trace import Tracer
 from ..weights.precision import copy_weights, master_dtype, serving_copy
 from ..learner.local import load_optimizer_state_in_place
 from .worker import BarrierReply, CriticTrainer, ScorerWorker
-from ..cluster import get_named
+from ..cluster import ActorGroup
 from ..api.specs import ModelSpec
 from ..weights.sync import is_packed, pack, unpack_into
 
@@ -168,8 +168,6 @@ class RayScorerWorker:
     def __init__(self, specs: dict[str, ModelSpec], tracer: Tracer, *, temperature: float = 1.0, threads: int = 1,
                  num_cpus: float = 1, num_gpus: float = 0, groups: Sequence[Sequence[str]] | None = None,
                  critic_trainer: PPOConfig | None = None, name: str = "scorer", seed: int = 0):
-        import ray
-
         roles = [r for r in SCORER_ROLES if r in specs]
         groups = [tuple(roles)] if groups is None else [tuple(g) for g in groups]
         if sorted(r for g in groups for r in g) != sorted(specs):
@@ -180,20 +178,20 @@ class RayScorerWorker:
         self.results: dict[str, dict[int, ScoredOutputs]] = {r: {} for r in roles}
         self.train_stats: dict[str, float] = {}
         self.critic_trains_here = critic_trainer is not None
-        self.actors: list[Any] = []  # Ray actor handles of ScorerHost
-        self.labels: list[str] = []  # each actor's roles, "+"-joined
-        self._pending: list[list[Any]] = []  # per actor: the refs of the calls not waited on yet
+        self.labels: list[str] = ["+".join(g) for g in groups]  # each actor's roles, "+"-joined
+        self._pending: list[list[Any]] = [[] for _ in groups]  # per actor: the refs of the calls not waited on yet
         self.feeders: list = []  # others that feed the actors (rollout workers): flushed before a barrier
-        host = ray.remote(ScorerHost)
-        for g in groups:
-            label = "+".join(g)
-            worker_name = name if len(groups) == 1 else f"{name}/{label}"
-            actor = host.options(num_cpus=num_cpus, num_gpus=num_gpus).remote(
-                {r: specs[r] for r in g}, temperature, threads, worker_name,
-                critic_trainer if "critic" in g else None, seed)
-            self.actors.append(actor)
-            self.labels.append(label)
-            self._pending.append([])
+
+        def args(i: int) -> tuple:
+            g = groups[i]
+            worker_name = name if len(groups) == 1 else f"{name}/{self.labels[i]}"
+            return ({r: specs[r] for r in g}, temperature, threads, worker_name,
+                    critic_trainer if "critic" in g else None, seed)
+
+        # one actor per group of roles, each its group's rank 0 (one replica per group)
+        self.group = ActorGroup(ScorerHost, len(groups), args, role="scorer actor", num_cpus=num_cpus,
+                                num_gpus=num_gpus, labels=self.labels, numbers=[0] * len(groups))
+        self.actors: list[Any] = self.group.actors  # Ray actor handles of ScorerHost
         self._critic = next((i for i, g in enumerate(groups) if "critic" in g), None)
 
     # ------------------------------------------------------------------ the ScorerWorker methods
@@ -253,15 +251,8 @@ class RayScorerWorker:
 
     def close(self) -> None:
         """Stop the actors (a clean stop if they answer within 10 s, then killed either way)."""
-        import ray
-
-        refs = [a.close.remote() for a in self.actors]
-        try:
-            ray.wait(refs, num_returns=len(refs), timeout=10)
-        finally:
-            for a in self.actors:
-                ray.kill(a)
-            self.actors = []
+        self.group.shutdown("close", timeout_s=10)
+        self.actors = []
 
     # ------------------------------------------------------------------ the critic's weights
 
@@ -319,7 +310,7 @@ class RayScorerWorker:
     def _wait(self, i: int) -> list:
         """Results of actor ``i``'s pending calls, in order; the first failure raised by role and rank."""
         refs, self._pending[i] = self._pending[i], []
-        return get_named(refs, f"scorer actor (role={self.labels[i]}, rank=0)")
+        return self.group.gather(refs, [i] * len(refs))
 
 
 class FedByRollout:
