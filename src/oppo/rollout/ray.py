@@ -50,7 +50,9 @@ from ..api.decode import decode_and_stream
 from ..api.records import Event, RolloutStats, SequenceFinished
 from ..cluster import ActorGroup, one_line
 from ..api.specs import ModelSpec
-from ..weights.sync import Packed, SyncGroup, WeightReceiver, WeightSyncError, pack, unpack_into
+from ..api.protocols import Wait, WeightSource
+from ..weights.sync import (Packed, RemoteWeights, SyncGroup, WeightReceiver, WeightSyncError, pack, pack_state,
+                            unpack_into, unpacked_tensors)
 
 
 class RolloutHost:
@@ -143,8 +145,7 @@ class RolloutHost:
 
     def load_weights(self, weights: Packed, version: int) -> None:
         if self.model is None:  # a backend with weights of its own: its reload, from the object store's arrays
-            # (RolloutBackend.load_weights names a module only; such a backend takes (name, tensor) pairs)
-            self.engine.load_weights(_tensors(weights), version)  # type: ignore[arg-type]
+            self.engine.load_weights(unpacked_tensors(weights), version)
             return
         unpack_into(self.model, weights, partial=True)
         self.engine.set_version(version)
@@ -185,19 +186,6 @@ class RolloutHost:
     def close(self) -> None:
         """End the engine's own processes (a backend's model worker) before the actor is killed."""
         self.engine.close()
-
-
-def _tensors(packed: Packed) -> list[tuple[str, torch.Tensor]]:
-    """``weight_sync.pack``'s arrays as (name, tensor) pairs, without a copy (read-only views)."""
-    import warnings
-
-    out = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # read-only arrays: the backend only reads them
-        for name, (arr, dtype) in packed.items():
-            t = torch.from_numpy(arr)
-            out.append((name, t.view(torch.bfloat16) if dtype == "bfloat16" else t))
-    return out
 
 
 class RayRolloutGroup:
@@ -280,15 +268,37 @@ class RayRolloutGroup:
         for u in uids:
             self.rows.pop(u, None)
 
-    def load_weights(self, weights, version: int) -> None:
-        """New policy weights into every worker, which then sample as ``version``: a module
-        (packed here), or a Ray ref to ``weight_sync.pack``'s arrays (from learner rank 0, not
-        through the controller). One copy in the object store either way."""
+    def load_weights(self, source: WeightSource, version: int) -> None:
+        """New policy weights into every worker, which then sample as ``version``: a learner's
+        ``RemoteWeights`` (loaded straight from the object store: not through the controller), or a
+        module or ``(name, tensor)`` pairs (put there once here)."""
         import ray
 
-        ref = weights if isinstance(weights, ray.ObjectRef) else ray.put(pack(weights))  # all of them: frozen or not
+        if isinstance(source, RemoteWeights):
+            ref = source.ref
+        elif isinstance(source, torch.nn.Module):
+            ref = ray.put(pack(source))  # all of them: frozen or not
+        else:
+            ref = ray.put(pack_state(dict(source)))
         self.group.call("load_weights", ref, version)
         self.version = version
+
+    # the collective weight sync's receiving end (api.protocols.WeightLinkReceiver)
+    @property
+    def link_members(self) -> int:
+        return len(self.workers)
+
+    def open_weight_link(self, host: str, port: int, first: int, world: int, timeout_s: float) -> Wait:
+        refs = [w.join_weight_sync.remote(host, port, first + k, world, timeout_s) for k, w in enumerate(self.workers)]
+        return lambda: [f"rollout worker {k}: {w}" if w else "" for k, w in enumerate(self.group.gather(refs))]
+
+    def receive_weights(self, version: int) -> Wait:
+        refs = self.group.submit("receive_weights", version)
+
+        def wait() -> None:
+            self.group.gather(refs)
+            self.version = version
+        return wait
 
     def in_flight(self) -> list[Rollout] | None:
         """The rows decoding on every worker, as the workers hold them (``RolloutBackend.in_flight``),

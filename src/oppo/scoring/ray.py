@@ -45,9 +45,9 @@ from ..api.records import Chunk
 from ..api.records import ScoredOutputs
 from .streaming import Kind, StreamingScorer, score_full
 from ..trace import Tracer
-from ..weights.precision import copy_weights, master_dtype, serving_copy
-from ..learner.local import load_optimizer_state_in_place
-from .worker import BarrierReply, CriticTrainer, ScorerWorker
+from ..weights.precision import copy_weights
+from ..learner.critic import CriticTrainer
+from .worker import BarrierReply, ScorerWorker
 from ..cluster import ActorGroup
 from ..api.specs import ModelSpec
 from ..weights.sync import is_packed, pack, unpack_into
@@ -66,8 +66,6 @@ class ScorerHost:
                  critic_trainer: PPOConfig | None = None, seed: int = 0):
         torch.set_num_threads(threads)
         torch.manual_seed(seed)  # a fresh critic head is then at least reproducible (specs.py)
-        self.critic_master: torch.nn.Module | None = None
-        self.critic_opt: torch.optim.Optimizer | None = None
         scorers: dict[str, StreamingScorer] = {}
         trainer: CriticTrainer | None = None
         for role, spec in specs.items():
@@ -77,17 +75,14 @@ class ScorerHost:
                 raise ValueError(f"the {role} scorer's ModelSpec needs pad_id (it pads chunks with it)")
             if role == "critic" and critic_trainer is not None:
                 # trained here: fp32 masters and AdamW; the scorer reads a serving copy (weights.py)
-                self.critic_master = spec.with_dtype(master_dtype(spec.dtype)).load()
-                model = serving_copy(self.critic_master, spec.dtype)
-                self.critic_opt = torch.optim.AdamW(self.critic_master.parameters(), lr=critic_trainer.critic_lr,
-                                                    weight_decay=critic_trainer.weight_decay)
-                trainer = CriticTrainer(self.critic_opt, critic_trainer, self.critic_master, spec.dtype)
+                trainer, model = CriticTrainer.load(spec, critic_trainer)
             else:
                 model = spec.load()
             scorers[role] = StreamingScorer(role, model, spec.pad_id,
                                             temperature if role == "reference" else 1.0)
         self.scorers, self.temperature = scorers, temperature
         self.tracer = Tracer(enabled=True)
+        self.trainer = trainer
         self.worker = ScorerWorker(scorers, threads, self.tracer, name, trainer=trainer)
 
     # calls from the controller: the first four only enqueue (ScorerWorker's message loop)
@@ -117,33 +112,28 @@ class ScorerHost:
         arrays) into the critic this actor scores with."""
         self.worker.barrier()  # nothing may be reading the critic while it changes
         t = time.perf_counter()
-        target = self.critic_master if self.critic_master is not None else self.scorers["critic"].model
+        trainer, scored = self.trainer, self.scorers["critic"].model
+        target = trainer.master if trainer is not None and trainer.master is not None else scored
         if is_packed(weights):
             unpack_into(target, weights)
         else:
             target.load_state_dict(weights)
-        copy_weights(target, self.scorers["critic"].model)
+        copy_weights(target, scored)
         self.tracer.add(self.worker.name, "load_critic", step, t, time.perf_counter())
 
     def critic_state(self) -> dict[str, Any]:
-        """The trained critic's weights and AdamW state (the formats of ``Learner.critic`` and
-        ``Learner.critic_opt``), for checkpoints."""
+        """The trained critic's weights and AdamW state (``CriticTrainer.state``), for checkpoints."""
         self.worker.barrier()
-        if self.critic_master is None:
-            raise RuntimeError("this scorer actor does not train the critic (built without critic_trainer)")
-        assert self.critic_opt is not None  # made with the master
-        return {"model": {k: v.detach().cpu() for k, v in self.critic_master.state_dict().items()},
-                "optim": self.critic_opt.state_dict()}
+        return self._trainer().state(self.scorers["critic"].model)
 
     def load_critic_state(self, model: dict[str, torch.Tensor], optim: dict | None = None) -> None:
         self.worker.barrier()
-        if self.critic_master is None:
+        self._trainer().load_state(self.scorers["critic"].model, model, optim)
+
+    def _trainer(self) -> CriticTrainer:
+        if self.trainer is None:
             raise RuntimeError("this scorer actor does not train the critic (built without critic_trainer)")
-        self.critic_master.load_state_dict(model)
-        copy_weights(self.critic_master, self.scorers["critic"].model)
-        if optim is not None:
-            assert self.critic_opt is not None  # made with the master
-            load_optimizer_state_in_place(self.critic_opt, optim)
+        return self.trainer
 
     def score_full(self, role: str, prompts: list[list[int]], responses: list[list[int]]) -> list[ScoredOutputs]:
         """One-shot scores of whole sequences with this actor's model of ``role`` (after the queued work)."""

@@ -26,7 +26,8 @@ from ..api.specs import ModelSpec
 from ..config import Config
 from ..data import build_prompt_set, read_prompts
 from ..forward import set_packing
-from ..learner.critic import CriticBesideScorer
+from ..learner import registry as learners
+from ..learner.critic import CriticBesideScorer, CriticTrainer
 from ..learner.local import Learner
 from ..models import (apply_lora, base_view, check_roles, enable_gradient_checkpointing,
                      load_causal_lm, load_critic, load_function, load_reward_model, load_tokenizer, resolve_device,
@@ -34,10 +35,11 @@ from ..models import (apply_lora, base_view, check_roles, enable_gradient_checkp
 from ..rollout import registry
 from ..scoring.inline import InlineScorer
 from ..scoring.streaming import RewardFunction, StreamingScorer
-from ..scoring.worker import CriticTrainer, ScorerWorker
+from ..scoring.worker import ScorerWorker
 from ..trace import Tracer
 from ..weights.plan import WeightSync
 from ..weights.precision import copy_weights, master_dtype, serving_copy
+from ..weights.sync import load_source
 from .plan import decide_placement, engine_settings, resolve_paths
 
 # Roles is built in two phases: the models first, then the placement's builders fill in the rollout
@@ -113,6 +115,7 @@ def build_roles(cfg: Config, progress: bool = True) -> Roles:
         or (g.engine != registry.AUTO and registry.get(g.engine).other_numerics))
     learner = Learner(policy, critic, cfg.ppo, g.temperature, cfg.run.seed, compute_dtype=dtype,
                       recompute_old=recompute, algorithm=algorithm)
+    engine = learners.get(cfg.placement.learner_sharding)  # (config.validate checked where it runs)
     scorers = {"reference": StreamingScorer("reference", reference, pad_id, g.temperature)}
     if critic is not None:
         scorers["critic"] = StreamingScorer("critic", scoring_critic, pad_id)
@@ -126,11 +129,13 @@ def build_roles(cfg: Config, progress: bool = True) -> Roles:
                   algorithm=algorithm, device=dev, compute_dtype=dtype, max_new_tokens=max_new, pad_id=pad_id,
                   stop_ids=tuple(stop_ids), policy=policy, critic=critic, reference=reference,
                   rollout_policy=rollout_policy, scoring_critic=scoring_critic, reward_model=reward_model, reward_fn=reward_fn, judge_fn=judge_fn,
-                  accuracy_fn=accuracy_fn, rollout=_BUILT_NEXT, scorer=_BUILT_NEXT, learner=learner,
+                  accuracy_fn=accuracy_fn, rollout=_BUILT_NEXT, scorer=_BUILT_NEXT, learner=_BUILT_NEXT,
                   sync=WeightSync([]), tracer=tracer)
     if placement.learner == "ray":
-        _place_on_ray(roles, stop_ids, recompute)
+        _place_on_ray(roles, stop_ids, recompute, engine)
         return roles
+    assert engine.build_local is not None  # (config.validate: it runs in this process)
+    roles.learner = engine.build_local(learners.LocalRequest(learner, cfg))
     roles.rollout = local_rollout(roles, stop_ids)
     trains_here = placement.critic_trains_on == "scorer"
     if placement.scorer == "inline":
@@ -145,7 +150,7 @@ def build_roles(cfg: Config, progress: bool = True) -> Roles:
                               transport=placement.scorer)
         roles.scorer = worker
         if trains_here:
-            roles.learner = CriticBesideScorer(learner, worker, tracer, placement.threads, inflight)
+            roles.learner = CriticBesideScorer(learner, worker, tracer, placement.threads, inflight, roles.learner)
     roles.closers.append(roles.scorer.close)
     if critic is not None and scoring_critic is not None and not trains_here and scoring_critic is not critic:
         serving = scoring_critic
@@ -181,7 +186,7 @@ def local_rollout(roles: Roles, stop_ids) -> RolloutBackend:
     roles.engine = settings.reason
     return backend
 
-def _place_on_ray(roles: Roles, stop_ids, recompute_old: bool) -> None:
+def _place_on_ray(roles: Roles, stop_ids, recompute_old: bool, engine: learners.Engine) -> None:
     """``placement.backend=ray``: the scorers become Ray actors (all stage-3 scoring goes to them,
     streamed or one-shot) and the learner a group of Ray ranks that trains actor and critic
     (replicas, or FSDP2 shards: ``placement.learner_sharding``); after each update rank 0's actor
@@ -189,8 +194,7 @@ def _place_on_ray(roles: Roles, stop_ids, recompute_old: bool) -> None:
     in buckets over a process group of their own or through the object store
     (``placement.weight_sync``), and its critic to the scorer actor (``time/weight_sync``)."""
     from ..cluster import init_ray
-    from ..learner.dp import DPLearnerGroup, learner_spec
-    from ..learner.fsdp import FSDPLearnerGroup
+    from ..learner.group import learner_spec
     from ..scoring.ray import FedByRollout, RayScorerWorker
 
     cfg, pl = roles.cfg, roles.cfg.placement
@@ -202,16 +206,18 @@ def _place_on_ray(roles: Roles, stop_ids, recompute_old: bool) -> None:
                              num_cpus=pl.scorer_cpus, num_gpus=pl.scorer_gpus, seed=cfg.run.seed)
     roles.closers.append(scorer.close)
     spec = learner_spec(cfg, roles.paths, pad_id, dtype, roles.algorithm, recompute_old)
-    learner_cls = FSDPLearnerGroup if pl.learner_sharding == "fsdp2" else DPLearnerGroup  # same Protocol and arguments
-    learner = learner_cls(spec, pl.learner_workers, num_cpus=pl.learner_cpus, num_gpus=pl.learner_gpus,
-                          threads=pl.actor_threads, strategy="STRICT_SPREAD" if pl.spread else "PACK",
-                          critic_scorer=scorer if roles.critic is not None else None, tracer=roles.tracer,
-                          home=(roles.policy, roles.critic), defer_sync=True)
+    assert engine.build_remote is not None  # (config.validate: it runs on Ray)
+    learner = engine.build_remote(learners.RemoteRequest(
+        spec, pl.learner_workers, pl.learner_cpus, pl.learner_gpus, pl.actor_threads,
+        "STRICT_SPREAD" if pl.spread else "PACK", scorer if roles.critic is not None else None, roles.tracer,
+        (roles.policy, roles.critic)))
     roles.learner = learner
     roles.closers.insert(0, learner.close)
-    learner.sync_actor(roles.policy)  # fresh heads/adapters are initialised per process: rank 0's rule
+    load_source(roles.policy, learner.weights_out())  # fresh heads/adapters are initialised per process: rank 0's rule
     copy_weights(roles.policy, roles.rollout_policy)
-    roles.sync.steps.append(lambda version: learner.sync(version))  # rank 0's critic -> the scorer actor
+    push_critic = getattr(learner, "push_critic", None)  # (an engine that trains the critic a scorer actor serves)
+    if push_critic is not None:
+        roles.sync.steps.append(push_critic)  # rank 0's critic -> the scorer actor
     if roles.placement.rollout == "ray":
         from ..rollout.ray import RayRolloutGroup
 
@@ -231,7 +237,7 @@ def _place_on_ray(roles: Roles, stop_ids, recompute_old: bool) -> None:
         if link is not None:  # rank 0 streams to the workers over a group of their own
             roles.sync.steps.append(link)
         else:  # rollout workers load rank 0's weights straight from the object store
-            roles.sync.steps.append(lambda version: group.load_weights(learner.actor_weights(), version))
+            roles.sync.steps.append(lambda version: group.load_weights(learner.weights_out(), version))
     else:
         roles.rollout = local_rollout(roles, stop_ids)
         roles.scorer = scorer
@@ -241,7 +247,7 @@ def _place_on_ray(roles: Roles, stop_ids, recompute_old: bool) -> None:
             if link is not None:  # brought home only for checkpoints)
                 link(version)
             else:
-                learner.sync_actor(roles.rollout_policy)
+                load_source(roles.rollout_policy, learner.weights_out())
             # (oppo's engines sample with that model: no copy; a backend with weights of its own reloads from it)
             roles.rollout.load_weights(roles.rollout_policy, version)
         roles.sync.steps.append(actor_home)
@@ -270,9 +276,11 @@ def _collective_sync(roles: Roles, learner, rollout=None, local: torch.nn.Module
 
     from ..weights.sync import CollectiveSync, WeightSyncUnavailable
 
+    from ..api.protocols import WeightLinkSender
+
     pl = roles.cfg.placement
-    if pl.weight_sync == "object_store":
-        return None
+    if pl.weight_sync == "object_store" or not isinstance(learner, WeightLinkSender):
+        return None  # (a learner engine without a collective link: the object store)
     if pl.weight_sync == "auto":  # collective where NCCL can carry it: every member on a GPU
         if rollout is not None:
             serving_on_gpu = pl.rollout_gpus > 0

@@ -105,7 +105,8 @@ import torch
 
 from ..engine import Chunk, Rollout, take_chunks
 from ..registry import BackendUnavailable, BuildRequest
-from ...api.protocols import ChunkReady, Event, SequenceFinished
+from ...api.protocols import ChunkReady, Event, SequenceFinished, WeightSource
+from ...weights.sync import as_pairs
 from ...api.records import RolloutStats
 from . import lora
 from .heads import HEAD, PADDABLE, HeadPadding, ServedCheckpoint
@@ -683,9 +684,9 @@ class VLLMRolloutBackend:
     def set_version(self, version: int) -> None:
         self.version = version
 
-    def load_weights(self, weights: torch.nn.Module | Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Reload the engine's weights from ``weights`` (a module, or (name, tensor) pairs in
-        Hugging Face names) between two engine steps, requests in flight; then sample as
+    def load_weights(self, weights: WeightSource, version: int) -> None:
+        """Reload the engine's weights from ``weights`` (a module, (name, tensor) pairs in Hugging
+        Face names, or a learner's ``RemoteWeights``) between two engine steps, requests in flight; then sample as
         ``version``. Through the shared buffer where it works (``vllm_weights.py``), else through
         vLLM's RPC. A LoRA policy served as an adapter (``lora.py``) sends its adapter only. Times
         itself: ``last_weight_sync_s`` (``last_weight_sync_parts``: its parts)."""
@@ -698,7 +699,8 @@ class VLLMRolloutBackend:
         if self._adapter is not None:  # a plain model, served as it is: no adapter on top, its base not ours
             self._adapter_on = False
             self._adapter.base_sent(None)
-        self._load_pairs(list(hf_weights(weights) if isinstance(weights, torch.nn.Module) else weights), version, t)
+        self._load_pairs(list(hf_weights(weights) if isinstance(weights, torch.nn.Module) else as_pairs(weights)),
+                         version, t)
 
     def _load_pairs(self, pairs: list[tuple[str, torch.Tensor]], version: int, t: float) -> None:
         """Load these (Hugging Face name, tensor) pairs, whole weights (:meth:`load_weights`)."""
