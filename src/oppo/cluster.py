@@ -148,9 +148,12 @@ class ActorGroup:
         ranks = list(range(len(refs))) if ranks is None else ranks
         which = {ref: r for ref, r in zip(refs, ranks)}
         out: dict = {}
-        left, dead, failed = list(refs), [], []
+        left = list(refs)
+        dead: list[tuple[int, BaseException]] = []
+        failed: list[tuple[int, BaseException]] = []
 
         def outcome(ref) -> None:
+            bad: BaseException
             try:
                 out[ref] = ray.get(ref)
                 return
