@@ -13,7 +13,7 @@ Implementations:
   themselves).
 - :class:`Scorer`: ``workers.ScorerWorker`` (a thread), ``workers.ProcessScorerWorker`` (a child
   process), ``scoring.ray.RayScorerWorker`` (Ray actors).
-- :class:`LearnerEngine`: ``learner.local.LocalLearner`` (in process), ``learner.group.LearnerGroup``
+- :class:`LearnerEngine`: ``learner.local.Learner`` (in process), ``learner.group.LearnerGroup``
   (Ray ranks: data-parallel replicas, ``learner.dp.Replicated``, or FSDP2 shards,
   ``learner.fsdp.Sharded``), or any engine of ``learner.registry``.
 - :class:`WeightLinkSender` / :class:`WeightLinkReceiver`: the two ends of the collective weight sync
@@ -181,7 +181,7 @@ class LearnerEngine(Protocol):
 
     def minibatches(self, B: int, step: int, lengths: torch.Tensor | None = None) -> list[torch.Tensor]:
         """The row indices of every optimizer step of one update (seeded per step); with ``lengths``
-        [B], each minibatch's rows longest first (``LocalLearner.minibatches``)."""
+        [B], each minibatch's rows longest first (``local.Learner.minibatches``)."""
 
     def update(self, exp, step: int, critic: bool = True) -> dict[str, float]:
         """PPO epochs over ``exp``: actor (and critic); returns the stats."""

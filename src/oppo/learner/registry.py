@@ -16,7 +16,7 @@ one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from ..api.protocols import LearnerEngine
@@ -53,6 +53,15 @@ class RemoteRequest:
     critic_scorer: Any
     tracer: Any
     home: tuple
+
+
+@runtime_checkable
+class PushesCritic(Protocol):
+    """A Ray engine that trains the critic a Ray scorer actor serves (``RemoteRequest.critic_scorer``):
+    the weight sync sends it there after each update."""
+
+    def push_critic(self, version: int) -> None:
+        ...
 
 
 @dataclass(frozen=True)

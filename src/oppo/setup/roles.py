@@ -215,9 +215,8 @@ def _place_on_ray(roles: Roles, stop_ids, recompute_old: bool, engine: learners.
     roles.closers.insert(0, learner.close)
     load_source(roles.policy, learner.weights_out())  # fresh heads/adapters are initialised per process: rank 0's rule
     copy_weights(roles.policy, roles.rollout_policy)
-    push_critic = getattr(learner, "push_critic", None)  # (an engine that trains the critic a scorer actor serves)
-    if push_critic is not None:
-        roles.sync.steps.append(push_critic)  # rank 0's critic -> the scorer actor
+    if isinstance(learner, learners.PushesCritic):
+        roles.sync.steps.append(learner.push_critic)  # rank 0's critic -> the scorer actor
     if roles.placement.rollout == "ray":
         from ..rollout.ray import RayRolloutGroup
 
@@ -279,8 +278,14 @@ def _collective_sync(roles: Roles, learner, rollout=None, local: torch.nn.Module
     from ..api.protocols import WeightLinkSender
 
     pl = roles.cfg.placement
-    if pl.weight_sync == "object_store" or not isinstance(learner, WeightLinkSender):
-        return None  # (a learner engine without a collective link: the object store)
+    if pl.weight_sync == "object_store":
+        return None
+    if not isinstance(learner, WeightLinkSender):
+        if pl.weight_sync == "collective":
+            raise RuntimeError(f"placement.weight_sync=collective: the learner engine "
+                               f"{pl.learner_sharding} has no collective weight link; set "
+                               f"placement.weight_sync=object_store (or auto)")
+        return None
     if pl.weight_sync == "auto":  # collective where NCCL can carry it: every member on a GPU
         if rollout is not None:
             serving_on_gpu = pl.rollout_gpus > 0
