@@ -438,7 +438,8 @@ def _local_learner(tiny_models, ppo):
 def _beside_scorer(tiny_models, ppo):
     from oppo.api.plan import ThreadBudget
     from oppo.learner.critic import CriticBesideScorer
-    from oppo.scoring.worker import CriticTrainer, ScorerWorker
+    from oppo.learner.critic import CriticTrainer
+    from oppo.scoring.worker import ScorerWorker
 
     inner = _local_learner(tiny_models, ppo).learner
     scorers = {"critic": StreamingScorer("critic", inner.critic, PAD)}
