@@ -437,8 +437,7 @@ def _local_learner(tiny_models, ppo):
 
 def _beside_scorer(tiny_models, ppo):
     from oppo.api.plan import ThreadBudget
-    from oppo.learner.critic import CriticBesideScorer
-    from oppo.learner.critic import CriticTrainer
+    from oppo.learner.critic import CriticBesideScorer, CriticTrainer
     from oppo.scoring.worker import ScorerWorker
 
     inner = _local_learner(tiny_models, ppo).learner
