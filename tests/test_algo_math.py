@@ -10,8 +10,9 @@ import statistics
 import pytest
 import torch
 
-from oppo import ppo_math as pm
 from oppo.algo import advantages as av
+from oppo.algo import losses as lo
+from oppo.algo import masks as mk
 from oppo.algo import ALGORITHMS, Algorithm, KLPenalty, algorithm_settings, get_algorithm
 from oppo.algo.core import consecutive_group_ids
 from oppo.algo.grpo import GroupNormalized
@@ -258,7 +259,7 @@ def test_reinforce_pp_by_hand():
     # scores +1 / -1 at the last token, no KL: returns are +1 on every token of row 0 and -1 on
     # row 1 (gamma 1); mean 0, unbiased var over 5 tokens = 5/4 -> advantage = returns / sqrt(1.25)
     m = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=DT)
-    rewards, _ = pm.kl_shaped_rewards(torch.tensor([1.0, -1.0], dtype=DT), torch.zeros(2, 3, dtype=DT),
+    rewards, _ = av.kl_shaped_rewards(torch.tensor([1.0, -1.0], dtype=DT), torch.zeros(2, 3, dtype=DT),
                                       torch.zeros(2, 3, dtype=DT), m, kl_coef=0.1)
     _close(rewards, [[0.0, 0.0, 1.0], [0.0, -1.0, 0.0]])
     a, ret, st = av.reinforce_pp_advantages(rewards, m, gamma=1.0)
@@ -294,24 +295,24 @@ def test_kl_loss_by_hand():
     # k1 = (ln 2 + 0) / 2 = 0.346574 ; k2 = (0.5 ln^2 2) / 2 = 0.120113
     # k3 = (e^-ln2 + ln2 - 1) / 2 = (0.5 + 0.693147 - 1) / 2 = 0.096574
     for kind, want in (("k1", d / 2), ("k2", 0.25 * d * d), ("k3", (0.5 + d - 1) / 2)):
-        loss, st = av.kl_loss(logp, ref, m, kind)
+        loss, st = lo.kl_loss(logp, ref, m, kind)
         _close(loss, want)
         _close(st["kl/loss_mean"], want)
     # max_value clamps per token: k1 token 0 ln2 -> 0.5 ; mean (0.5 + 0) / 2
-    _close(av.kl_loss(logp, ref, m, "k1", max_value=0.5)[0], 0.25)
+    _close(lo.kl_loss(logp, ref, m, "k1", max_value=0.5)[0], 0.25)
     # is_weights multiply per token, stats stay unweighted: k1 * [3, 1] -> 3 ln2 / 2
-    loss, st = av.kl_loss(logp, ref, m, "k1", is_weights=torch.tensor([[3.0, 1.0, 9.0]], dtype=DT))
+    loss, st = lo.kl_loss(logp, ref, m, "k1", is_weights=torch.tensor([[3.0, 1.0, 9.0]], dtype=DT))
     _close(loss, 1.5 * d)
     _close(st["kl/loss_mean"], d / 2)
     # aggregation as the policy loss: seq_mean_token_sum over 2 "sequences" -> ln2 / 2
-    _close(av.kl_loss(logp, ref, m, "k1", loss_agg="seq_mean_token_sum", num_seqs=2)[0], d / 2)
+    _close(lo.kl_loss(logp, ref, m, "k1", loss_agg="seq_mean_token_sum", num_seqs=2)[0], d / 2)
     ref_g = ref.clone().requires_grad_(True)
-    av.kl_loss(logp.clone().requires_grad_(True), ref_g, m, "k3")[0].backward()
+    lo.kl_loss(logp.clone().requires_grad_(True), ref_g, m, "k3")[0].backward()
     assert ref_g.grad is None  # the reference is a constant
     with pytest.raises(ValueError, match="kl kind"):
-        av.kl_loss(logp, ref, m, "k9")
+        lo.kl_loss(logp, ref, m, "k9")
     with pytest.raises(ValueError, match="max_value"):
-        av.kl_loss(logp, ref, m, "k3", max_value=0.0)
+        lo.kl_loss(logp, ref, m, "k3", max_value=0.0)
 
 
 @pytest.mark.parametrize("kind", ["k1", "k2", "k3"])
@@ -324,7 +325,7 @@ def test_kl_loss_expected_gradient_is_exact(kind):
     ref = torch.log_softmax(torch.randn(6, generator=gen, dtype=DT), 0)
     logp = torch.log_softmax(theta, 0)
     p = logp.exp().detach()
-    loss, _ = av.kl_loss(logp[None], ref[None], torch.ones(1, 6, dtype=DT), kind, is_weights=p[None],
+    loss, _ = lo.kl_loss(logp[None], ref[None], torch.ones(1, 6, dtype=DT), kind, is_weights=p[None],
                          loss_agg="seq_mean_token_sum")
     (g,) = torch.autograd.grad(loss, theta)
     theta2 = theta.detach().clone().requires_grad_(True)
@@ -348,7 +349,7 @@ def test_kl_loss_garbage_and_split_invariance():
 
     def run(lp_, ref_, w_, rows, **kw):
         p = lp_.clone().requires_grad_(True)
-        loss, st = av.kl_loss(p[rows], ref_[rows], mask[rows], "k3", is_weights=w_[rows], **kw)
+        loss, st = lo.kl_loss(p[rows], ref_[rows], mask[rows], "k3", is_weights=w_[rows], **kw)
         loss.backward()
         return loss.detach(), st, p.grad
 
@@ -415,10 +416,10 @@ def test_ppo_algorithm_is_the_learner_composition():
     for whiten in (True, False):
         algo = get_algorithm("ppo", kl_coef=0.05, kl_estimator="k1", gamma=1.0, lam=0.95, whiten=whiten)
         res = algo.advantages(scores, mask, d["logp"], d["ref"], d["values"])
-        rewards, kl = pm.kl_shaped_rewards(scores, d["logp"], d["ref"], mask, 0.05, "k1")
-        a, ret = pm.gae(rewards, d["values"], mask, 1.0, 0.95)
+        rewards, kl = av.kl_shaped_rewards(scores, d["logp"], d["ref"], mask, 0.05, "k1")
+        a, ret = av.gae(rewards, d["values"], mask, 1.0, 0.95)
         assert torch.equal(res.rewards, rewards) and torch.equal(res.kl, kl)
-        assert torch.equal(res.advantages, pm.masked_whiten(a, mask) if whiten else a)
+        assert torch.equal(res.advantages, av.masked_whiten(a, mask) if whiten else a)
         assert torch.equal(res.returns, ret)
     with pytest.raises(ValueError, match="critic"):
         algo.advantages(scores, mask, d["logp"], d["ref"])  # no values
@@ -458,7 +459,7 @@ def test_rloo_algorithm_by_hand_kl_in_sequence_reward():
     # k1 sums: row 0: (1 + 2) = 3 -> R0 = 1 - 0.1*3 = 0.7 ; row 1: 0 + 0.5 + 0 -> R1 = 0.95
     # leave-one-out: A0 = 0.7 - 0.95 = -0.25 ; A1 = +0.25, on every response token
     _close(res.advantages, [[-0.25, -0.25, 0.0], [0.25, 0.25, 0.25]])
-    _close(pm.masked_sum(res.rewards, m, dim=1), [0.7, 0.95])
+    _close(mk.masked_sum(res.rewards, m, dim=1), [0.7, 0.95])
     extra, st = algo.actor_loss_extra(logp, ref, m)
     assert extra.item() == 0.0 and st == {}
 
@@ -467,7 +468,7 @@ def test_reinforce_pp_algorithm_is_the_composition():
     _, mask, d, scores = _batch(13)
     algo = get_algorithm("reinforce_pp", kl_coef=0.02, kl_estimator="k2", gamma=0.99)
     res = algo.advantages(scores, mask, d["logp"], d["ref"])
-    rewards, _ = pm.kl_shaped_rewards(scores, d["logp"], d["ref"], mask, 0.02, "k2")
+    rewards, _ = av.kl_shaped_rewards(scores, d["logp"], d["ref"], mask, 0.02, "k2")
     a, _, _ = av.reinforce_pp_advantages(rewards, mask, 0.99)
     assert torch.equal(res.advantages, a) and res.returns is None
     with pytest.raises(ValueError, match="logprobs and ref_logprobs"):

@@ -14,10 +14,13 @@ from typing import ClassVar
 import pytest
 import torch
 
-from oppo import ppo_math as pm
+from oppo.algo import losses as lo
+from oppo.algo import masks as mk
 from oppo.algo import ALGORITHMS, SPECS, AlgorithmSpec, algorithm_settings, build_algorithm, get_algorithm, get_spec
 from oppo.algo.core import KL_PLACEMENTS, SHARED_SETTINGS
 from oppo.config import AlgoConfig, Config, help_text, load_config
+
+from algo_conformance import check_algorithm
 
 # ppo.batch_size 8 is a whole number of groups for every default group size
 SIZES = ["ppo.batch_size=8", "ppo.minibatch_size=4", "ppo.micro_batch_size=4"]
@@ -35,13 +38,18 @@ def test_spec_is_complete_and_lives_in_its_own_file(name):
         assert f.default is not dataclasses.MISSING, f"{name}: {f.name} has no default"
     assert spec.group_size >= spec.min_group_size
     assert spec.kl_placement in KL_PLACEMENTS and spec.kl_coef >= 0
-    assert {spec.reward_kl_estimator, spec.loss_kl_estimator} <= set(pm.KL_KINDS)
+    assert {spec.reward_kl_estimator, spec.loss_kl_estimator} <= set(lo.KL_KINDS)
     settings = algorithm_settings(name)
     assert tuple(settings)[:len(SHARED_SETTINGS)] == SHARED_SETTINGS
     # the Config gives only the algorithm's own settings, and names each one once
     cfg = load_config(None, [f"algo.name={name}", *SIZES])
     own = spec.from_config(cfg)
     assert set(own) <= set(settings) - set(SHARED_SETTINGS)
+
+
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_every_algorithm_passes_the_conformance_checks(name):
+    check_algorithm(get_spec(name))
 
 
 @pytest.mark.parametrize("name", ALGORITHMS)
@@ -127,7 +135,7 @@ class BatchMeanBaseline:
     def __call__(self, rewards, mask, values, group_ids):
         from oppo.algo import advantages as adv
 
-        seq = pm.masked_sum(rewards, mask, dim=1)  # [B]
+        seq = mk.masked_sum(rewards, mask, dim=1)  # [B]
         a = seq - seq.mean()  # [B]
         if self.whiten:
             a = a / (a.std() + 1e-8)
@@ -168,3 +176,34 @@ def test_a_new_algorithm_is_its_spec(monkeypatch):
     monkeypatch.undo()
     with pytest.raises(ValueError, match="unknown algorithm 'mean_baseline'"):
         get_algorithm("mean_baseline")
+
+
+def test_the_registry_refuses_a_taken_name_and_reads_entry_points(monkeypatch, tmp_path):
+    from oppo.algo import algorithms, register, unregister
+
+    with pytest.raises(ValueError, match="'ppo' is already registered"):
+        register(dataclasses.replace(SPECS["ppo"]))
+    assert register(SPECS["ppo"]) is SPECS["ppo"]  # the same spec again: a no-op
+
+    class EntryPoint:
+        def __init__(self, name, load):
+            self.name, self.load = name, load
+
+    def broken():
+        raise ImportError("no module named mean_baseline_plugin")
+
+    eps = [EntryPoint("mean_baseline", lambda: MEAN_BASELINE), EntryPoint("broken_algo", broken)]
+    monkeypatch.setattr("importlib.metadata.entry_points", lambda group: eps if group == "oppo.algorithms" else [])
+    monkeypatch.setattr(algorithms, "_plugins_loaded", False)
+    monkeypatch.setattr(algorithms, "_broken", {})
+    try:
+        assert "mean_baseline" in ALGORITHMS and ALGORITHMS[-1] == "mean_baseline"  # read live
+        with pytest.raises(ValueError, match="broken_algo.*its plugin failed to load: ImportError"):
+            get_spec("broken_algo")
+        p = tmp_path / "run.yaml"
+        p.write_text("algo:\n  name: mean_baseline\n  settings:\n    whiten: true\nppo:\n  batch_size: 8\n"
+                     "  minibatch_size: 4\n  micro_batch_size: 4\n")
+        with pytest.raises(ValueError, match="algo.settings.whiten: algo.name=mean_baseline reads it from"):
+            load_config(p)  # its from_config reads whiten from ppo.whiten_advantages
+    finally:
+        unregister("mean_baseline")

@@ -509,7 +509,8 @@ def test_learner_conforms_and_round_trips(learner, tiny_models, tmp_path):
     """An update moves the policy the rollout side gets; the checkpoint state taken before it, with the
     controller's modules back at their weights then, restores the learner: the same update again
     gives the same stats."""
-    from oppo.learner.batch import attach_scores, compute_advantages
+    from oppo.algo.stage import compute_advantages
+    from oppo.learner.batch import attach_scores
     from oppo.learner.sharded import ShardedLearnerState
     from oppo.api.records import ScoredOutputs
     from oppo.algo import get_algorithm

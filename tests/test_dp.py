@@ -15,7 +15,8 @@ ray = pytest.importorskip("ray")
 
 from oppo.algo import get_algorithm  # noqa: E402
 from oppo.config import PPOConfig  # noqa: E402
-from oppo.learner.batch import Experience, attach_scores, build_experience, compute_advantages  # noqa: E402
+from oppo.algo.stage import compute_advantages  # noqa: E402
+from oppo.learner.batch import Experience, attach_scores, build_experience  # noqa: E402
 from oppo.api.records import Scores  # noqa: E402
 from oppo.models import load_tokenizer  # noqa: E402
 from oppo.learner.dp import Replicated  # noqa: E402

@@ -24,7 +24,8 @@ import torch
 
 from oppo.algo import get_algorithm
 from oppo.config import PPOConfig
-from oppo.learner.batch import attach_scores, build_experience, compute_advantages, old_logprob_targets, set_old_logprobs
+from oppo.algo.stage import compute_advantages
+from oppo.learner.batch import attach_scores, build_experience, old_logprob_targets, set_old_logprobs
 from oppo.models import backbone_and_head, load_tokenizer
 from oppo.learner.group import LearnerSpec, learner_state
 from oppo.api.specs import ModelSpec

@@ -16,7 +16,8 @@ import torch
 
 from oppo.config import PPOConfig
 from oppo.guard import NonFiniteError, NonFiniteWarning
-from oppo.learner.batch import build_experience, compute_advantages
+from oppo.algo.stage import compute_advantages
+from oppo.learner.batch import build_experience
 from oppo.learner.local import _train
 from oppo.api.records import Rollout
 

@@ -3,7 +3,7 @@
 - the off-policy importance weights were reported after ``ppo.is_truncate``'s cap only (so they
   saturated at it) and nothing counted the truncated ones;
 - a Config gave every algorithm ``ppo.kl_coef``'s 0.05, GRPO's own 0.04 never arrived;
-- the dual clip of ``ppo_math.policy_loss`` could not be set from a config.
+- the dual clip of ``algo.losses.policy_loss`` could not be set from a config.
 """
 
 from __future__ import annotations
@@ -139,8 +139,8 @@ def test_a_bad_dual_clip_is_refused_at_validation(value):
 
 
 def test_policy_loss_refuses_a_nan_dual_clip():
-    from oppo import ppo_math as pm
+    from oppo.algo import losses as lo
 
     x = torch.zeros(1, 2)
     with pytest.raises(ValueError, match="dual_clip"):
-        pm.policy_loss(x, x, x, torch.ones(1, 2), dual_clip=float("nan"))
+        lo.policy_loss(x, x, x, torch.ones(1, 2), dual_clip=float("nan"))

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from oppo.metrics import read_metrics
 
@@ -42,6 +43,9 @@ def test_explicit_directory_refused_then_resumed(tiny_models, tiny_prompts, tmp_
     first = oppo_train(tiny_models, tiny_prompts, tmp_path, f"run.out_dir={out}", "run.steps=2")
     assert first.returncode == 0, first.stderr[-3000:]
     assert "oppo report" in first.stdout and str(out) in first.stdout  # the closing summary
+    settings = yaml.safe_load((out / "config.yaml").read_text())
+    assert settings["policy"]["path"] == str(tiny_models["policy"])
+    assert "task" not in settings["data"]  # own models: no built-in task was used
     before = digest(out)
 
     again = oppo_train(tiny_models, tiny_prompts, tmp_path, f"run.out_dir={out}", "run.steps=2")
@@ -95,3 +99,22 @@ def test_default_runs_get_their_own_directories(tiny_models, tiny_prompts, tmp_p
                    if e.get("ph") == "X"}
     assert trace_steps == {0, 1, 2}  # the resumed trace keeps the steps before the checkpoint
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == sorted(["latest", run_a.name, run_b.name])
+
+
+@pytest.mark.slow
+def test_run_that_fails_before_its_first_step_leaves_nothing(tiny_models, tiny_prompts, tmp_path):
+    """A new run whose first step fails removes what it wrote: its own directory (no empty
+    metrics.jsonl left behind), or, in a directory that was there before, only its own files."""
+    (tmp_path / "failing.py").write_text("def score(prompts, responses):\n    raise RuntimeError('scorer down')\n")
+    bad = ["reward.function=failing:score", "reward.path="]
+    a = oppo_train(tiny_models, tiny_prompts, tmp_path, *bad)
+    assert a.returncode != 0 and "scorer down" in a.stderr
+    runs = tmp_path / "runs"
+    assert not (runs / "latest").exists() and not any(runs.iterdir()), list(runs.iterdir())
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("the user's own file")
+    b = oppo_train(tiny_models, tiny_prompts, tmp_path, *bad, f"run.out_dir={mine}")
+    assert b.returncode != 0 and "scorer down" in b.stderr
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from oppo.models import LogitsHead
-from oppo.ppo_math import entropy_from_logits, logprobs_from_logits
+from oppo.algo.losses import entropy_from_logits, logprobs_from_logits
 from oppo.forward import head_logprobs
 
 B, T, H, V = 3, 5, 16, 40

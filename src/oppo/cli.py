@@ -17,13 +17,18 @@ def _train(argv: list[str]) -> int:
                     "Each run gets its own directory, runs/<date>-<time>-<mode>/, and runs/latest points to the\n"
                     "newest; with run.out_dir=DIR the run directory is DIR, which must not hold another run.",
         epilog=help_text())
+    p.add_argument("--recipe", help="Start from a shipped recipe (a config for a known public setup: models, data, "
+                                    "sizes); --config and section.key=value apply on top. 'list' (or `oppo recipes`) "
+                                    "lists them.")
     p.add_argument("--config", help="YAML file of settings (sections as below).")
     p.add_argument("--resume", help="Continue a run: 'auto' for the latest checkpoint of run.out_dir (with the "
                                     "default, the newest run), or a checkpoint or run directory. The settings must "
                                     "be the checkpoint's, and run.steps beyond its step.")
     p.add_argument("overrides", nargs="*", help="section.key=value settings, applied after --config.")
     args = p.parse_intermixed_args(argv)  # settings may come before and after --resume / --config
-    cfg = load_config(args.config, args.overrides)  # validation happens here, before any model loads
+    if args.recipe == "list":
+        return _recipes([])
+    cfg = load_config(args.config, args.overrides, recipe=args.recipe)  # validation here, before any model loads
     import time
 
     from .run import run_summary, train
@@ -31,6 +36,15 @@ def _train(argv: list[str]) -> int:
     t0 = time.perf_counter()
     run_dir = train(cfg, resume=args.resume)
     print(run_summary(run_dir, time.perf_counter() - t0, link=cfg.run.out_dir))
+    return 0
+
+
+def _recipes(argv: list[str]) -> int:
+    """The shipped recipes (oppo train --recipe NAME), one line each: what each trains."""
+    argparse.ArgumentParser(prog="oppo recipes", description="List the shipped recipes.").parse_args(argv)
+    from . import recipes
+
+    print(recipes.listing())
     return 0
 
 
@@ -78,7 +92,7 @@ def _plan(argv: list[str]) -> int:
     return plan_main(argv)
 
 
-COMMANDS = {"train": _train, "prepare": _prepare, "report": _report, "bench": _bench, "plan": _plan}
+COMMANDS = {"train": _train, "recipes": _recipes, "prepare": _prepare, "report": _report, "bench": _bench, "plan": _plan}
 
 
 def usage() -> str:
@@ -130,11 +144,14 @@ def _interrupted(e: KeyboardInterrupt, command: str) -> int:
     said = "oppo: interrupted"
     if command == "train" and STOP.run_dir is not None:
         from .checkpoint import checkpoint_step, latest_checkpoint
+        from .run import holds_run
 
         ckpt = latest_checkpoint(STOP.run_dir)
         said += (f"; no checkpoint was written by this stop. The run's last checkpoint is {ckpt} (step "
                  f"{checkpoint_step(ckpt)}); continue with: oppo train --resume {STOP.run_dir} (and the same "
                  f"settings)." if ckpt is not None else
+                 f" before its first step finished; nothing was trained, and what it had written in "
+                 f"{STOP.run_dir} was removed: start the run again." if not holds_run(STOP.run_dir) else
                  f"; no checkpoint was written, and {STOP.run_dir} holds none: start the run again without "
                  f"--resume, in a fresh run.out_dir (or delete {STOP.run_dir} first).")
     elif command == "train":

@@ -16,6 +16,7 @@ import difflib
 import math
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -23,7 +24,7 @@ from typing import Any, Callable
 import yaml
 
 from . import from_trl, modes
-from .algo.algorithms import SPECS, get_spec
+from .algo.algorithms import ALGORITHMS, SPECS, get_spec
 from .algo.core import AlgorithmSpec
 
 
@@ -69,10 +70,10 @@ def _choices(f) -> tuple:
     return c() if callable(c) else (c or ())
 
 
-def opt(default: Any, help: str, choices: tuple | Callable[[], tuple] | None = None,
+def opt(default: Any, help: str, choices: Sequence | Callable[[], tuple] | None = None,
         more: Callable[[], list[str]] | None = None) -> Any:
-    """A dataclass field with its help text (and the allowed values, when closed: a tuple, or a
-    function giving them, asked when a value is checked or the help printed; ``more``: further help
+    """A dataclass field with its help text (and the allowed values, when closed: a sequence (read
+    when a value is checked or the help printed), or a function giving them; ``more``: further help
     lines, asked when the help is printed)."""
     meta: dict[str, Any] = {"help": help}
     if more is not None:
@@ -334,25 +335,27 @@ class LoraConfig:
                     ("auto", "adapter", "merged"))
 
 
-def _algo_name_help() -> str:
-    critic = [s for s in SPECS.values() if s.needs_critic]
-    free = [s for s in SPECS.values() if not s.needs_critic]
-    text = " ".join(f"{s.name}: {s.summary}." for s in critic)
-    if free:
-        text += (" Critic-free (no critic is loaded, scored, trained or checkpointed): "
-                 + ", ".join(f"{s.name} ({s.summary})" for s in free) + ".")
-    return text.strip()
+def _algo_lines() -> list[str]:
+    """``algo.name``'s help: each registered algorithm (``oppo.algo``) with its own settings."""
+    cfg = Config()
+    return [line for name in ALGORITHMS for line in get_spec(name).help_lines(cfg)]
 
 
 @dataclass
 class AlgoConfig:
-    name: str = opt("ppo", _algo_name_help(), tuple(SPECS))
+    name: str = opt("ppo", "The RL algorithm, one of those registered (oppo.algo.register, or the oppo.algorithms "
+                           "entry point group), each listed below with its needs, defaults and own settings. A "
+                           "critic-free one loads, scores, trains and checkpoints no critic.", ALGORITHMS,
+                    more=_algo_lines)
     group_size: int = opt(0, "G: responses sampled per prompt, admitted, scored and trained together. "
                              f"0: the algorithm's default ({_by_algorithm(lambda s: s.group_size)}).")
     kl_placement: str = opt("auto", "Where the KL(pi || ref) penalty goes: reward (per token, subtracted from the "
                                     "rewards) or loss (a term of the actor loss). auto: the algorithm's "
                                     f"({_by_algorithm(lambda s: s.kl_placement)}).", ("auto", "reward", "loss"))
     std_normalize: bool = opt(True, "grpo: divide by the group's reward std (false: Dr. GRPO).")
+    settings: dict = opt({}, "The algorithm's own settings by name, as a mapping: algo.settings={clip_low: 3e-4} "
+                             "(YAML: settings: under algo:). algo.name's help lists each algorithm's; a name it "
+                             "does not take is refused.")
 
 
 @dataclass
@@ -646,6 +649,12 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         if isinstance(value, (dict, list)):
             raise ConfigError(f"{key}: expected a string, got {value!r}.")
         return str(value)
+    if tp is dict or origin is dict:
+        if isinstance(value, str):
+            value = yaml.safe_load(value) if value.strip() else {}
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ConfigError(f"{key}: expected a mapping such as {{name: value}}, got {value!r}.")
+        return value
     if tp is list or origin is list:
         if isinstance(value, str):
             value = yaml.safe_load(value if value.startswith("[") else f"[{value}]")
@@ -677,29 +686,44 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
-        if isinstance(v, dict):
+        if isinstance(v, dict) and not prefix:  # a section; a mapping under a setting is its value
             out.update(_flatten(v, key + "."))
         else:
             out[key] = v
     return out
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Build a Config from defaults, then a YAML file, then ``key=value`` overrides; then validate."""
+def _file_items(p: Path, what: str) -> list[tuple[str, Any, str]]:
+    """(key, value, source) of each setting in the YAML config file ``p``."""
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{what} {p} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what} {p} must hold a mapping of sections (policy:, ppo:, ...).")
+    return [(key, value, str(p)) for key, value in _flatten(data).items()]
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                recipe: str | None = None) -> Config:
+    """Build a Config from defaults, then a recipe (``oppo.recipes``), then a YAML file, then
+    ``key=value`` overrides; then validate."""
     cfg = Config()
     explicit: set[str] = set()
     items: list[tuple[str, Any, str]] = []  # (key, value, where it came from)
+    if recipe is not None:
+        from . import recipes
+
+        found = recipes.find(recipe)
+        if found is None:
+            raise ConfigError(f"Unknown recipe {recipe!r}; the recipes are: {', '.join(recipes.names()) or 'none'} "
+                              f"(`oppo recipes` says what each trains).")
+        items += _file_items(found, "Recipe")
     if path is not None:
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"Config file {p} not found. Give an existing YAML file to --config.")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"Config file {p} is not valid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"Config file {p} must hold a mapping of sections (policy:, ppo:, ...).")
-        items += [(key, value, str(p)) for key, value in _flatten(data).items()]
+        items += _file_items(p, "Config file")
     pairs = _split_overrides(overrides)
     _refuse_unknown(cfg, items + [(key, raw or None, "the command line") for key, raw in pairs])  # all at once
     items += [(key, _parse_override(cfg, key, raw), "the command line") for key, raw in pairs]
@@ -830,6 +854,8 @@ def validate(cfg: Config) -> None:
     _check(not (cfg.kl_placement == "loss" and cfg.kl_estimator in ("k1", "abs")),
            f"ppo.kl_estimator={cfg.kl_estimator} as a loss term has no useful gradient (k1's is zero in "
            f"expectation); use k3 (GRPO's) or k2, or algo.kl_placement=reward.")
+    for problem in cfg.algo_spec.problems(cfg):  # its own settings and checks
+        raise ConfigError(problem)
     _check(0 < p.clip_eps < 1, f"ppo.clip_eps must be in (0, 1), got {p.clip_eps}.")
     _check(p.dual_clip is None or (math.isfinite(p.dual_clip) and p.dual_clip > 1),
            f"ppo.dual_clip must be a finite number > 1 (the cap -c * A on tokens with negative advantage; 3 is "

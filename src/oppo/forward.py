@@ -131,7 +131,7 @@ def head_logprobs(head, hidden: Tensor, tokens: Tensor, temperature: float = 1.0
     b, T = tokens.shape
     parts = fused_head(head)
     if parts is None:  # the plain path
-        from .ppo_math import entropy_from_logits, logprobs_from_logits
+        from .algo.losses import entropy_from_logits, logprobs_from_logits
 
         logits = head(hidden).float()  # [b, T, V]
         lp = logprobs_from_logits(logits, tokens, temperature)

@@ -3,7 +3,7 @@ advantage, gradient norm or weight before it reaches the optimizer or the rollou
 
 Where each check runs (``docs/implementation-details.md``, "The non-finite guard"):
 
-- advantages: ``learner.compute_advantages`` checks the scores, values, log-probs, rewards,
+- advantages: ``algo.stage.compute_advantages`` checks the scores, values, log-probs, rewards,
   advantages and returns at response tokens (one host sync per step) and names the first rows;
 - losses and the gradient norm: ``learner._train``, before every optimizer step, for the actor and
   the critic, wherever they train (the local learner, the scorer worker's critic, Ray scorer

@@ -464,10 +464,12 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True) -> Path
     trainer = Trainer(cfg, progress=progress)
     if progress:
         print(f"models loaded in {time.perf_counter() - t_load:.1f}s", file=sys.stderr)
+    found = None  # the entries of an existing run directory before this run
     try:
         if ckpt is not None:
             load_checkpoint(trainer, ckpt)
             print(f"resumed from {ckpt} at step {trainer.step}", file=sys.stderr)
+        found = set(plan.run_dir.iterdir()) if plan.run_dir.is_dir() else None
         run_dir = _create(plan)
         lock = _take_lock(run_dir)
         if lock is None:  # another run took the directory since the check
@@ -482,7 +484,7 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True) -> Path
             print(policy_line(cfg), file=sys.stderr)
         first = trainer.step
         (run_dir / "config.yaml").write_text((f"# rollout engine: {engine}\n" if engine else "")
-                                             + yaml.safe_dump(to_dict(cfg), sort_keys=False))
+                                             + yaml.safe_dump(_used_settings(cfg), sort_keys=False))
         logger = MetricsLogger(run_dir, tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb,
                                wandb_project=cfg.log.wandb_project, config=to_dict(cfg), resume=ckpt is not None)
         if ckpt is not None:
@@ -544,11 +546,38 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True) -> Path
         if cfg.run.save_final != "none":
             save_checkpoint(trainer, run_dir, cfg.run.keep_checkpoints, weights_only=cfg.run.save_final == "weights")
         logger.close()
+    except BaseException:
+        if lock is not None and ckpt is None and trainer.step == 0:  # a new run of ours, no step done
+            _remove_unfinished(run_dir, found)
+        raise
     finally:
         trainer.close()
         if lock is not None:
             lock.close()  # releases the flock
     return run_dir
+
+
+def _used_settings(cfg: Config) -> dict:
+    """The run's settings for its ``config.yaml``: ``data.task`` only where the built-in task ran."""
+    d = to_dict(cfg)
+    if not cfg.uses_builtin_task:
+        del d["data"]["task"]
+    return d
+
+
+def _remove_unfinished(run_dir: Path, found: set[Path] | None) -> None:
+    """Remove what a new run that failed before finishing a step wrote: its directory, or, in a
+    directory that existed before it (``found``: its entries then), only the entries it added."""
+    import shutil
+
+    if found is None:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return
+    for p in set(run_dir.iterdir()) - found:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
 
 
 # --------------------------------------------------------------------------- the closing summary

@@ -1,11 +1,20 @@
-"""Algorithms: PPO, GRPO, RLOO and REINFORCE++, one file each (``ppo``, ``grpo``, ``rloo``,
-``reinforce_pp``: the advantage estimator, the defaults, the Config settings it reads); what they
-share (``core``: ``Algorithm``, ``KLPenalty``, ``AdvantageResult``, ``AlgorithmSpec``); the
-registry by name (``algorithms``); and the critic-free advantage math (``advantages``, pure,
-torch only). Importing this package does not import torch; running the math does."""
+"""The RL algorithms and their maths, in one home.
 
-from .algorithms import ALGORITHMS, SPECS, algorithm_settings, build_algorithm, get_algorithm, get_spec
-from .core import AdvantageResult, Algorithm, AlgorithmSpec, KLPenalty
+- ``ppo``, ``grpo``, ``rloo``, ``reinforce_pp``: one file per algorithm, its ``SPEC`` naming its
+  advantage estimator, its policy loss, its defaults and settings;
+- ``algorithms``: the registry (``register``, the ``oppo.algorithms`` entry points);
+- ``core``: what they share (``Algorithm``, ``AlgorithmSpec``, ``KLPenalty``, ``ClippedTokenLoss``);
+- the maths, pure and torch only: ``masks`` (masked reductions), ``losses`` (policy, value and KL
+  losses, entropy), ``advantages`` (rewards, GAE, group baselines, whitening);
+- ``stage``: the advantage stage (stages 4-5) on a batch.
 
-__all__ = ["ALGORITHMS", "SPECS", "AdvantageResult", "Algorithm", "AlgorithmSpec", "KLPenalty", "algorithm_settings",
-           "build_algorithm", "get_algorithm", "get_spec"]
+Importing this package does not import torch; running the maths does.
+"""
+
+from .algorithms import (ALGORITHMS, SPECS, algorithm_settings, build_algorithm, get_algorithm, get_spec, register,
+                         unregister)
+from .core import AdvantageResult, Algorithm, AlgorithmSpec, ClippedTokenLoss, KLPenalty, PolicyLoss
+
+__all__ = ["ALGORITHMS", "SPECS", "AdvantageResult", "Algorithm", "AlgorithmSpec", "ClippedTokenLoss", "KLPenalty",
+           "PolicyLoss", "algorithm_settings", "build_algorithm", "get_algorithm", "get_spec", "register",
+           "unregister"]

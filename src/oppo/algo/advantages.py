@@ -1,73 +1,136 @@
-"""Pure tensor math for the critic-free algorithms: GRPO, RLOO, REINFORCE++, and KL as a loss.
+"""Advantage estimators (pure, torch only): KL-shaped rewards, GAE, whitening, the group
+baselines of GRPO and RLOO, and REINFORCE++'s whitened return-to-go.
 
-Same conventions as :mod:`oppo.ppo_math` (read its docstring for the response alignment):
-per-token tensors are ``[B, T]``, response only, right-padded; masks are bool or 0/1 float;
-whatever lies at masked positions never changes an output, and outputs there are 0. Functions
-return their value and, where useful, a dict of *detached 0-d tensors* (no device sync in here).
-This module imports only torch (and ``ppo_math``, which imports only torch).
+Conventions (alignment, masks, statistics) are in :mod:`oppo.algo.masks`.
 
-Groups
-------
-GRPO and RLOO compare the ``G`` responses sampled for one prompt (a *group*). A batch of
-per-sequence scores is given either
-
-* shaped ``[n_groups, G]`` (``group_ids=None``): row ``i`` is group ``i``; or
-* shaped ``[B]`` with ``group_ids [B]``: any integer labels, any order, groups of any size.
-
-The result has the shape of ``scores``. A group whose scores are all equal (every response
-solved, or none) carries no signal: its advantages are exactly 0, not ``0 / eps`` rounding
-noise. The fraction of such groups is reported as ``group/zero_std_frac``.
-
-Per-sequence advantages become per-token ones with :func:`broadcast_to_tokens` (every response
-token of a sequence gets the sequence's advantage, as in GRPO's outcome supervision).
-
-KL as a loss (GRPO style)
--------------------------
-:func:`kl_loss` aggregates a per-token KL(pi || ref) estimate like the policy loss, to be added
-to it as ``kl_coef * kl_loss`` (instead of subtracting ``kl_coef * KL`` from the reward). The
-estimators differ in *what gradient* they give when differentiated on tokens sampled from pi
-(the sample itself is not differentiated), with ``d = log pi - log ref``:
-
-  k1 = d                 grad = grad log pi            expectation 0: no KL pressure at all
-  k2 = d^2 / 2           grad = d * grad log pi        expectation = grad KL(pi || ref)
-  k3 = e^-d + d - 1      grad = (1 - e^-d) grad log pi expectation = grad KL(ref || pi)
-
-so k3, GRPO's choice (DeepSeekMath, Shao et al. 2024, eq. 4), pulls towards the reference
-through the *forward* KL, and k2 is the one whose gradient is that of the reverse KL
-(Zhang et al. 2025, "On the design of KL-regularized policy gradient algorithms for LLM
-reasoning"). ``tests/test_algo_math.py`` checks all three against exact gradients.
+Groups: GRPO and RLOO compare the ``G`` responses to one prompt. Scores come either shaped
+``[n_groups, G]`` (``group_ids=None``, row = group) or ``[B]`` with ``group_ids [B]`` (any
+integer labels, any order, any group size); the result has the shape of ``scores``. A group
+whose scores are all equal carries no signal: its advantages are exactly 0 (not ``0 / eps``
+noise), and their share is ``group/zero_std_frac``. :func:`broadcast_to_tokens` puts a
+sequence's advantage on each of its tokens (GRPO's outcome supervision).
 """
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple, Union
+from typing import Optional, Tuple
 
 import torch
 
-from .. import ppo_math as pm
-
-Tensor = torch.Tensor
-Stats = Dict[str, Tensor]
-Number = Union[int, float]
+from .losses import kl_estimate
+from .masks import Stats, Tensor, masked_mean, masked_var, zero_masked
 
 __all__ = [
+    "masked_whiten",
+    "kl_shaped_rewards",
+    "missing_eos_penalty",
+    "gae",
     "group_index",
     "grpo_advantages",
     "rloo_advantages",
     "broadcast_to_tokens",
     "discounted_returns",
     "reinforce_pp_advantages",
-    "kl_loss",
 ]
 
 
-def _keep(mask: Tensor) -> Tensor:
-    return mask if mask.dtype == torch.bool else mask != 0
+# ---------------------------------------------------------------------------
+# rewards and whitening
+# ---------------------------------------------------------------------------
 
 
-def _zero_masked(x: Tensor, mask: Tensor) -> Tensor:
-    """x with masked positions exactly 0 (before any nonlinearity: no NaN/inf leaks, no NaN grads)."""
-    return torch.where(_keep(mask), x, torch.zeros((), dtype=x.dtype, device=x.device))
+def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
+    """(x - mean) / sqrt(var + 1e-8) with masked mean/(unbiased) var over all
+    unmasked entries.  If ``shift_mean`` is False the mean is added back (only
+    the scale is normalised).  Masked positions of the output are 0."""
+    mean = masked_mean(x, mask)  # []
+    var = masked_var(x, mask, unbiased=True)  # []
+    xz = zero_masked(x, mask)  # [*]
+    out = (xz - mean) * torch.rsqrt(var + 1e-8)  # [*]
+    if not shift_mean:
+        out = out + mean
+    return zero_masked(out, mask)
+
+
+def kl_shaped_rewards(
+    scores: Tensor,
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    mask: Tensor,
+    kl_coef: float,
+    kl_kind: str = "k1",
+) -> Tuple[Tensor, Tensor]:
+    """Per-token rewards: -kl_coef * kl everywhere in the response, plus the
+    sequence score added at the last unmasked position of each row
+    (index mask.sum(1) - 1; the mask must be right-padded).
+
+    Returns ``(rewards [B, T], kl [B, T])``, both 0 at masked positions.  Rows
+    with an all-zero mask get no score (and are all zeros).  Nothing is
+    detached here; call under ``torch.no_grad()``.
+    """
+    lp = zero_masked(logprobs, mask)  # [B, T]
+    ref = zero_masked(ref_logprobs, mask)  # [B, T]
+    kl = zero_masked(kl_estimate(lp, ref, kl_kind), mask)  # [B, T]
+    rewards = -kl_coef * kl  # [B, T]
+    lengths = mask.to(torch.long).sum(dim=1)  # [B]
+    has_tokens = lengths > 0  # [B]
+    last = (lengths - 1).clamp(min=0)  # [B]
+    s = scores.to(rewards.dtype).reshape(-1)  # [B]
+    s = torch.where(has_tokens, s, torch.zeros_like(s))  # [B]
+    if rewards.shape[1] == 0:
+        return rewards, kl
+    rewards = rewards.scatter_add(1, last.unsqueeze(1), s.unsqueeze(1))  # [B, T]
+    return rewards, kl
+
+
+def missing_eos_penalty(scores: Tensor, ended_with_eos: Tensor, penalty: Optional[float]) -> Tensor:
+    """scores - penalty for rows that did not end with EOS (ended_with_eos bool [B]).
+
+    ``penalty`` None or 0 returns ``scores`` unchanged (the same tensor);
+    otherwise a new tensor is returned (no in-place modification)."""
+    if penalty is None or penalty == 0:
+        return scores
+    missing = (~ended_with_eos.bool()).to(scores.dtype)  # [B]
+    return scores - penalty * missing
+
+
+# ---------------------------------------------------------------------------
+# critic: GAE
+# ---------------------------------------------------------------------------
+
+
+def gae(
+    rewards: Tensor,
+    values: Tensor,
+    mask: Tensor,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+) -> Tuple[Tensor, Tensor]:
+    """Generalised advantage estimation over right-padded rows.
+
+      delta_t = r_t + gamma * V_{t+1} - V_t      (V_{t+1} = 0 past the row end)
+      A_t     = delta_t + gamma * lam * A_{t+1}  (A = 0 past the row end)
+      R_t     = A_t + V_t
+
+    Returns ``(advantages [B, T], returns [B, T])``, 0 at masked positions.
+    Nothing is detached; call under ``torch.no_grad()``.
+    """
+    m = mask.to(rewards.dtype)  # [B, T]
+    r = zero_masked(rewards, mask)  # [B, T]
+    v = zero_masked(values, mask).to(rewards.dtype)  # [B, T]
+    B, T = r.shape
+    next_value = r.new_zeros(B)  # [B]
+    next_adv = r.new_zeros(B)  # [B]
+    next_keep = r.new_zeros(B)  # [B]  mask[t+1]; 0 beyond the end
+    adv_rev = []
+    for t in range(T - 1, -1, -1):
+        delta = r[:, t] + gamma * next_value * next_keep - v[:, t]  # [B]
+        adv_t = (delta + gamma * lam * next_keep * next_adv) * m[:, t]  # [B]
+        adv_rev.append(adv_t)
+        next_value, next_adv, next_keep = v[:, t], adv_t, m[:, t]
+    advantages = torch.stack(adv_rev[::-1], dim=1) if T > 0 else r.clone()  # [B, T]
+    returns = (advantages + v) * m  # [B, T]
+    return advantages, returns
 
 
 # ---------------------------------------------------------------------------
@@ -102,7 +165,7 @@ def group_index(scores: Tensor, group_ids: Optional[Tensor] = None) -> Tuple[Ten
 def _group_moments(s: Tensor, idx: Tensor, n: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Per-group ``(count [n], sum [n], unbiased std [n], all-equal [n] bool)`` of flat s [N].
 
-    std is 0 for groups of one (as ``ppo_math.masked_var`` does), never NaN.
+    std is 0 for groups of one (as ``masks.masked_var`` does), never NaN.
     """
     count = torch.bincount(idx, minlength=n).to(s.dtype)  # [n]
     total = torch.zeros(n, dtype=s.dtype, device=s.device).index_add_(0, idx, s)  # [n]
@@ -175,7 +238,7 @@ def rloo_advantages(scores: Tensor, group_ids: Optional[Tensor] = None) -> Tuple
 def broadcast_to_tokens(seq_values: Tensor, mask: Tensor) -> Tensor:
     """A per-sequence value [B] on every response token: [B] -> [B, T], 0 at masked positions."""
     v = seq_values.reshape(-1, 1).expand(mask.shape)  # [B, T]
-    return _zero_masked(v, mask)
+    return zero_masked(v, mask)
 
 
 # ---------------------------------------------------------------------------
@@ -186,65 +249,22 @@ def broadcast_to_tokens(seq_values: Tensor, mask: Tensor) -> Tensor:
 def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:
     """Return-to-go ``G_t = r_t + gamma * G_{t+1}`` (0 past the row end): [B, T] -> [B, T].
 
-    This is GAE with V = 0 and lambda = 1 (delta_t = r_t), so it reuses ``ppo_math.gae``.
+    This is GAE with V = 0 and lambda = 1 (delta_t = r_t), so it reuses :func:`gae`.
     """
     zeros = torch.zeros_like(rewards)  # [B, T]
-    returns, _ = pm.gae(rewards, zeros, mask, gamma=gamma, lam=1.0)  # [B, T]
+    returns, _ = gae(rewards, zeros, mask, gamma=gamma, lam=1.0)  # [B, T]
     return returns
 
 
 def reinforce_pp_advantages(rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tuple[Tensor, Tensor, Stats]:
     """REINFORCE++ (Hu 2025): return-to-go of the per-token rewards, whitened over the batch.
 
-    ``rewards`` are the KL-shaped per-token rewards (``ppo_math.kl_shaped_rewards``: score at the
+    ``rewards`` are the KL-shaped per-token rewards (:func:`kl_shaped_rewards`: score at the
     last token, ``-kl_coef * KL_t`` everywhere). The global whitening (masked mean and std over
     every response token of the batch) is the baseline; there is no critic and no group.
     Returns ``(advantages [B, T], returns [B, T], stats)``; stats ``returns/mean``.
     """
     returns = discounted_returns(rewards, mask, gamma)  # [B, T]
-    adv = pm.masked_whiten(returns, mask)  # [B, T]
-    stats = {"returns/mean": pm.masked_mean(returns, mask).detach().reshape(())}
+    adv = masked_whiten(returns, mask)  # [B, T]
+    stats = {"returns/mean": masked_mean(returns, mask).detach().reshape(())}
     return adv, returns, stats
-
-
-# ---------------------------------------------------------------------------
-# KL as a loss term
-# ---------------------------------------------------------------------------
-
-
-def kl_loss(
-    logprobs: Tensor,
-    ref_logprobs: Tensor,
-    mask: Tensor,
-    kind: str = "k3",
-    max_value: Optional[float] = None,
-    is_weights: Optional[Tensor] = None,
-    loss_agg: str = "token_mean",
-    num_tokens: Optional[Union[Number, Tensor]] = None,
-    num_seqs: Optional[Union[Number, Tensor]] = None,
-) -> Tuple[Tensor, Stats]:
-    """Per-token KL(pi || ref) estimate aggregated like the policy loss (to minimise).
-
-    ``logprobs`` are the current policy's (with grad), ``ref_logprobs`` the reference's (no grad
-    needed; treated as constants). ``kind`` as ``ppo_math.kl_estimate``; the module docstring
-    says which gradient each gives. ``max_value`` clamps the per-token estimate from above
-    (k3 grows like ``exp(log ref - log pi)`` where pi has all but left the reference; verl
-    clamps at 10); clamped tokens give no gradient. ``is_weights`` (detached, optional) multiply
-    the per-token term as in ``ppo_math.policy_loss`` (off-policy tokens).
-    ``loss_agg``/``num_tokens``/``num_seqs`` as ``ppo_math.aggregate``, so the caller adds this
-    term to the policy loss of the same micro-batch with the same denominators.
-    Stats: ``kl/loss_mean`` (unweighted masked mean of the per-token estimate).
-    """
-    if max_value is not None and not max_value > 0:
-        raise ValueError(f"max_value must be > 0 or None, got {max_value}")
-    lp = _zero_masked(logprobs, mask)  # [B, T]
-    ref = _zero_masked(ref_logprobs.detach(), mask).to(lp.dtype)  # [B, T]
-    per_token = pm.kl_estimate(lp, ref, kind)  # [B, T]
-    if max_value is not None:
-        per_token = per_token.clamp(max=max_value)  # [B, T]
-    with torch.no_grad():
-        stats = {"kl/loss_mean": pm.masked_mean(per_token.detach(), mask).reshape(())}
-    if is_weights is not None:
-        per_token = per_token * _zero_masked(is_weights.detach(), mask).to(per_token.dtype)  # [B, T]
-    loss = pm.aggregate(per_token, mask, loss_agg, num_tokens=num_tokens, num_seqs=num_seqs)
-    return loss, stats

@@ -1,32 +1,24 @@
-"""What every algorithm shares: :class:`Algorithm`, :class:`KLPenalty`, :class:`AdvantageResult`,
-and :class:`AlgorithmSpec`, the record each algorithm's own file fills in.
+"""What every algorithm shares: :class:`Algorithm`, its parts (an advantage estimator, a
+:class:`KLPenalty`, a policy loss), and :class:`AlgorithmSpec`, the record each algorithm's own
+file fills in and registers (``algorithms.register``).
 
-An :class:`Algorithm` is composed of three parts, no base class and no hooks:
+An :class:`Algorithm` is composed, no base class and no hooks:
 
-* ``estimator``: how per-token advantages come from the per-token rewards, a frozen dataclass
-  callable as ``estimator(rewards, mask, values, group_ids)``, defined in the algorithm's file
-  (``ppo.GAE``, ``grpo.GroupNormalized``, ``rloo.LeaveOneOut``,
-  ``reinforce_pp.WhitenedReturnToGo``). Its class says ``needs_critic`` and
-  ``min_group_size``; its fields are the algorithm's own settings.
-* ``kl``: a :class:`KLPenalty`: coefficient, estimator, and where it goes: subtracted from the
-  per-token rewards (``placement="reward"``, PPO/RLOO/REINFORCE++) or added to the actor's loss
-  (``placement="loss"``, GRPO). Any algorithm may use either placement.
-* ``group_size``: G responses sampled per prompt; the scheduler admits and trains them together.
+* ``estimator``: per-token advantages from the per-token rewards, a frozen dataclass called as
+  ``estimator(rewards, mask, values, group_ids)``; its class says ``needs_critic`` and
+  ``min_group_size``, its fields are the algorithm's own settings.
+* ``kl``: coefficient, estimator, and placement: in the per-token rewards or in the actor loss.
+* ``policy_loss``: the actor's loss on one micro-batch (:class:`PolicyLoss`), a frozen dataclass
+  whose fields are own settings too; :class:`ClippedTokenLoss` (PPO's) unless the spec names
+  another, e.g. a sequence-level ratio.
+* ``group_size``: G responses sampled per prompt, admitted and trained together.
 
-The runtime asks the algorithm questions instead of testing its name: ``needs_critic`` (no
-critic is loaded, scored, trained or checkpointed when False), ``needs_reference`` (no
-reference is scored when the KL coefficient is 0), ``group_size``, ``kl_in_reward``,
-``kl_in_loss``. It calls ``advantages(...)`` for stages 4-5 and adds ``actor_loss_extra(...)``
-to the clipped policy loss in stage 6. The policy loss itself (``ppo_math.policy_loss``,
-clipped, importance-weighted for off-policy tokens) is the same for all algorithms.
+The runtime asks the algorithm (``needs_critic``, ``needs_reference``, ``group_size``,
+``kl_in_reward``, ``kl_in_loss``) instead of testing its name, calls ``advantages`` for stages
+4-5, and ``policy_loss`` plus ``actor_loss_extra`` (the KL term) in stage 6.
 
-Sequence-level algorithms (GRPO, RLOO) turn the per-token rewards into one number per response,
-``R_i = sum_t r_t = score_i - beta * sum_t KL_t`` (the score alone when the KL is in the loss),
-compare it within the group, and give every response token the result.
-
-Importing this package does not import torch (the config reads the specs, and ``oppo train
---help`` or a config error should not wait for torch): the tensor math (``ppo_math``,
-``advantages``) is imported inside the functions that run it.
+Importing this module does not import torch (the config reads the specs; ``--help`` and a
+config error should not wait for torch): the maths is imported where it runs.
 """
 
 from __future__ import annotations
@@ -34,7 +26,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, Optional, Protocol, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, List, Mapping, Optional, Protocol, Tuple, Union
+
+from .choices import KL_KINDS, KL_PLACEMENTS
 
 if TYPE_CHECKING:
     import torch
@@ -46,6 +40,8 @@ if TYPE_CHECKING:
 __all__ = [
     "KL_PLACEMENTS",
     "AdvantageEstimator",
+    "ClippedTokenLoss",
+    "PolicyLoss",
     "AdvantageResult",
     "Algorithm",
     "AlgorithmSpec",
@@ -54,7 +50,6 @@ __all__ = [
     "consecutive_group_ids",
 ]
 
-KL_PLACEMENTS = ("reward", "loss")
 
 
 def check_unit(name: str, value: float) -> None:
@@ -94,6 +89,42 @@ class AdvantageEstimator(Protocol):
         ...
 
 
+class PolicyLoss(Protocol):
+    """What an algorithm's ``policy_loss`` is: a frozen dataclass (its fields the algorithm's own
+    settings) called on one micro-batch. The run-wide PPO settings (``ppo.clip_eps``,
+    ``clip_eps_high``, ``dual_clip``, ``loss_agg``) come as arguments: a loss may use them or
+    clip by its own fields. ``is_weights`` [B, T] weigh off-policy tokens (detached);
+    ``num_tokens`` / ``num_seqs`` are the minibatch's denominators (``losses.aggregate``).
+    Returns ``(loss, stats)``, stats detached 0-d with at least "clipfrac", "approx_kl" and
+    "ratio_mean" (tests/algo_conformance.py checks what every loss must do)."""
+
+    __dataclass_fields__: ClassVar[Dict[str, Any]]
+
+    def __call__(self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *,
+                 is_weights: Optional[Tensor], clip_eps: float, clip_eps_high: Optional[float],
+                 dual_clip: Optional[float], loss_agg: str, num_tokens: Optional[Union[Number, Tensor]],
+                 num_seqs: Optional[Union[Number, Tensor]]) -> Tuple[Tensor, Stats]:
+        ...
+
+
+@dataclass(frozen=True)
+class ClippedTokenLoss:
+    """PPO's clipped surrogate per token, clipped at ppo.clip_eps (and clip_eps_high, dual_clip).
+
+    ``losses.policy_loss``: off-policy tokens importance-weighted."""
+
+    def __call__(self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *,
+                 is_weights: Optional[Tensor] = None, clip_eps: float = 0.2, clip_eps_high: Optional[float] = None,
+                 dual_clip: Optional[float] = None, loss_agg: str = "token_mean",
+                 num_tokens: Optional[Union[Number, Tensor]] = None,
+                 num_seqs: Optional[Union[Number, Tensor]] = None) -> Tuple[Tensor, Stats]:
+        from .losses import policy_loss
+
+        return policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps=clip_eps, clip_eps_high=clip_eps_high,
+                           dual_clip=dual_clip, is_weights=is_weights, loss_agg=loss_agg, num_tokens=num_tokens,
+                           num_seqs=num_seqs)
+
+
 @dataclass(frozen=True)
 class KLPenalty:
     """KL(pi || ref) regularisation: ``coef`` (beta), per-token ``estimator`` (k1/k2/k3/abs),
@@ -106,8 +137,6 @@ class KLPenalty:
     max_value: Optional[float] = None
 
     def __post_init__(self) -> None:
-        from ..ppo_math import KL_KINDS
-
         if isinstance(self.coef, bool) or not isinstance(self.coef, (int, float)) or not (
             math.isfinite(self.coef) and self.coef >= 0
         ):
@@ -156,13 +185,14 @@ class AdvantageResult:
 
 @dataclass(frozen=True)
 class Algorithm:
-    """An RL algorithm as data: ``name``, an advantage ``estimator``, a ``kl`` penalty, and the
-    ``group_size`` G of responses sampled per prompt (see the module docstring)."""
+    """An RL algorithm as data: ``name``, an advantage ``estimator``, a ``kl`` penalty, the
+    ``group_size`` G of responses sampled per prompt, and the ``policy_loss`` (module docstring)."""
 
     name: str
     estimator: AdvantageEstimator
     kl: KLPenalty = field(default_factory=KLPenalty)
     group_size: int = 1
+    policy_loss: PolicyLoss = field(default_factory=ClippedTokenLoss)
 
     def __post_init__(self) -> None:
         g = self.group_size
@@ -209,7 +239,7 @@ class Algorithm:
         """
         import torch
 
-        from .. import ppo_math as pm
+        from .advantages import kl_shaped_rewards
 
         B = mask.shape[0]
         if group_ids is None:
@@ -219,10 +249,10 @@ class Algorithm:
                 raise ValueError(f"{self.name} puts the KL in the reward: pass logprobs and ref_logprobs")
             dtype = scores.dtype if scores.is_floating_point() else torch.get_default_dtype()
             zeros = torch.zeros(mask.shape, dtype=dtype, device=mask.device)  # [B, T]
-            rewards, _ = pm.kl_shaped_rewards(scores, zeros, zeros, mask, 0.0)  # [B, T]
+            rewards, _ = kl_shaped_rewards(scores, zeros, zeros, mask, 0.0)  # [B, T]
             kl = None
         else:
-            rewards, kl = pm.kl_shaped_rewards(
+            rewards, kl = kl_shaped_rewards(
                 scores, logprobs, ref_logprobs, mask, self.kl.reward_coef, self.kl.estimator
             )  # [B, T], [B, T]
         a, returns, stats = self.estimator(rewards, mask, values, group_ids)
@@ -247,7 +277,7 @@ class Algorithm:
             return logprobs.new_zeros(()), {}
         if ref_logprobs is None:
             raise ValueError(f"{self.name} puts the KL in the loss: pass ref_logprobs")
-        from .advantages import kl_loss
+        from .losses import kl_loss
 
         loss, stats = kl_loss(
             logprobs, ref_logprobs, mask, self.kl.estimator, self.kl.max_value, is_weights,
@@ -261,33 +291,33 @@ class Algorithm:
 # ---------------------------------------------------------------------------
 
 SHARED_SETTINGS = ("group_size", "kl_coef", "kl_estimator", "kl_placement", "kl_max")
-"""Settings every algorithm takes; the estimator's fields are its own settings."""
+"""Settings every algorithm takes; the estimator's and the loss's fields are its own settings."""
 
 
-def _no_settings(cfg: Any) -> Dict[str, Any]:
-    return {}
+def _no_checks(cfg: Any) -> List[str]:
+    return []
+
+
+def _first_line(obj: Any) -> str:
+    return (obj.__doc__ or "").strip().split("\n")[0].rstrip(".")
 
 
 @dataclass(frozen=True)
 class AlgorithmSpec:
-    """One algorithm: its estimator, its defaults, and how a Config sets it. Each algorithm's file
-    (``ppo.py``, ``grpo.py``, ...) defines one as ``SPEC``; ``algorithms.SPECS`` lists them.
+    """One algorithm: its parts, its defaults, and how a Config sets it. Each algorithm's file
+    (``ppo.py``, ``grpo.py``, ...) defines one as ``SPEC``; ``algorithms.register`` adds it.
 
     The config asks the spec instead of testing names: ``algo.group_size=0`` means
     ``group_size``, ``algo.kl_placement=auto`` means ``kl_placement``, ``ppo.kl_estimator=auto``
-    means ``kl_estimator_for(placement)``, and ``algo.group_size`` must be at least
-    ``min_group_size``. ``needs_critic`` and ``min_group_size`` are the estimator class's.
-
-    ``kl_coef`` is beta when ``get_algorithm`` is given none and when a Config leaves
-    ``ppo.kl_coef`` empty (``Config.kl_coef``).
+    means ``kl_estimator_for(placement)``; ``problems(cfg)`` are its checks before models load.
+    ``kl_coef`` is beta when ``get_algorithm`` is given none and under an empty ``ppo.kl_coef``.
     """
 
     name: str
     summary: str
     """A few words for ``algo.name``'s help, e.g. "leave-one-out baseline"."""
     estimator: type[AdvantageEstimator]
-    """The advantage estimator class (module docstring); its fields and their defaults are the
-    algorithm's own settings."""
+    """The advantage estimator class; its fields (with defaults) are own settings."""
     group_size: int
     """G when ``algo.group_size=0``."""
     kl_placement: str
@@ -298,9 +328,37 @@ class AlgorithmSpec:
     """The KL estimator in the reward when none is named: k1, whose expectation is the KL."""
     loss_kl_estimator: str = "k3"
     """The KL estimator in the loss when none is named: k3 (GRPO's); k1's gradient is 0 in
-    expectation there (``advantages`` module docstring)."""
-    from_config: Callable[[Any], Dict[str, Any]] = _no_settings
-    """The estimator's settings read from a Config (the shared ones the Config derives itself)."""
+    expectation there (docs/implementation-details.md)."""
+    from_config: Callable[[Any], Dict[str, Any]] = None  # type: ignore[assignment]
+    """Own settings read from a Config's fields (the shared ones the Config derives itself).
+    None: those named in ``config_keys``."""
+    policy_loss: type[PolicyLoss] = ClippedTokenLoss
+    """The actor's loss class; its fields (with defaults) are own settings."""
+    config_keys: Mapping[str, str] = field(default_factory=dict)
+    """Own settings a Config gives by another key (``{"gamma": "ppo.gamma"}``); the others come
+    from ``algo.settings`` by name."""
+    checks: Callable[[Any], List[str]] = _no_checks
+    """Problems of a Config for this algorithm beyond its settings' own checks, each a line with
+    its fix (run before any model loads)."""
+    modes: Optional[Tuple[str, ...]] = None
+    """The overlap modes it may run in; None: every mode."""
+
+    def __post_init__(self) -> None:
+        if self.from_config is None:
+            object.__setattr__(self, "from_config", self._from_config_keys)
+        clash = {f.name for f in dataclasses.fields(self.estimator)} & {f.name for f in dataclasses.fields(self.policy_loss)}
+        clash |= ({f.name for f in dataclasses.fields(self.estimator)}
+                  | {f.name for f in dataclasses.fields(self.policy_loss)}) & set(SHARED_SETTINGS)
+        if clash:
+            raise ValueError(f"algorithm {self.name!r}: setting(s) {', '.join(sorted(clash))} named twice (estimator, "
+                             "loss or shared settings); rename one")
+
+    def _from_config_keys(self, cfg: Any) -> Dict[str, Any]:
+        out = {}
+        for setting, key in self.config_keys.items():
+            section, name = key.split(".")
+            out[setting] = getattr(getattr(cfg, section), name)
+        return out
 
     @property
     def needs_critic(self) -> bool:
@@ -320,10 +378,10 @@ class AlgorithmSpec:
         return self.loss_kl_estimator if placement == "loss" else self.reward_kl_estimator
 
     def settings(self) -> Dict[str, Any]:
-        """The settings ``build`` takes, with their defaults (the shared ones first)."""
+        """The settings ``build`` takes, with their defaults: the shared ones, the estimator's, the loss's."""
         shared = dict(group_size=self.group_size, kl_coef=self.kl_coef, kl_estimator=self.kl_estimator,
                       kl_placement=self.kl_placement, kl_max=None)
-        own = {f.name: f.default for f in dataclasses.fields(self.estimator)}
+        own = {f.name: f.default for part in (self.estimator, self.policy_loss) for f in dataclasses.fields(part)}
         return {**shared, **own}
 
     def build(self, **settings: Any) -> Algorithm:
@@ -341,5 +399,68 @@ class AlgorithmSpec:
             s["kl_estimator"] = self.kl_estimator_for(s["kl_placement"])
         kl = KLPenalty(coef=s["kl_coef"], estimator=s["kl_estimator"], placement=s["kl_placement"],
                        max_value=s["kl_max"])
-        estimator = self.estimator(**{k: s[k] for k in valid if k not in SHARED_SETTINGS})
-        return Algorithm(self.name, estimator, kl, s["group_size"])
+        estimator = self.estimator(**{f.name: s[f.name] for f in dataclasses.fields(self.estimator)})
+        loss = self.policy_loss(**{f.name: s[f.name] for f in dataclasses.fields(self.policy_loss)})
+        return Algorithm(self.name, estimator, kl, s["group_size"], loss)
+
+    def config_settings(self, cfg: Any) -> Dict[str, Any]:
+        """Own settings from a Config: ``from_config``'s, then ``algo.settings``. A name there that
+        is no own setting, or one read from another key, raises ``ValueError`` naming the fix."""
+        fixed = self.from_config(cfg)
+        given = dict(getattr(cfg.algo, "settings", None) or {})
+        own = [k for k in self.settings() if k not in SHARED_SETTINGS]
+        free = [k for k in own if k not in fixed]
+        unknown = sorted(set(given) - set(own))
+        if unknown:
+            keys = {"group_size": "algo.group_size", "kl_placement": "algo.kl_placement", "kl_coef": "ppo.kl_coef",
+                    "kl_estimator": "ppo.kl_estimator"}
+            hint = "".join(f" ({k} is {keys[k]})" for k in unknown if k in keys)
+            raise ValueError(f"algo.settings names {', '.join(unknown)}, which algo.name={self.name} does not take"
+                             f"{hint}; its settings there: {', '.join(free) or 'none'}")
+        taken = sorted(set(given) & set(fixed))
+        if taken:
+            where = self.config_keys.get(taken[0], "another setting")
+            raise ValueError(f"algo.settings.{taken[0]}: algo.name={self.name} reads it from {where}; set that instead")
+        return {**fixed, **given}
+
+    def from_cfg(self, cfg: Any) -> Algorithm:
+        """The Algorithm a Config asks for (``cfg``: an ``oppo.config.Config``): the shared settings
+        the Config derives once from the spec, and :meth:`config_settings`."""
+        return self.build(group_size=cfg.group_size, kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator,
+                          kl_placement=cfg.kl_placement, **self.config_settings(cfg))
+
+    def problems(self, cfg: Any) -> List[str]:
+        """Why a Config cannot run this algorithm (a line each, with its fix); [] when it can."""
+        out = []
+        if self.modes is not None and cfg.overlap.mode not in self.modes:
+            out.append(f"algo.name={self.name} runs in overlap.mode {', '.join(self.modes)}, not "
+                       f"{cfg.overlap.mode}; pick one of those.")
+        try:
+            self.config_settings(cfg)
+        except ValueError as e:
+            return out + [str(e)]
+        try:
+            self.from_cfg(cfg)
+        except ValueError as e:  # a value the algorithm's parts refuse
+            out.append(f"algo.name={self.name}: {e}")
+        return out + list(self.checks(cfg))
+
+    def help_lines(self, cfg: Any) -> List[str]:
+        """``algo.name``'s help for this algorithm: what it is, needs and sets by default, and
+        its own settings with where a Config sets each (``cfg``: a default Config)."""
+        kl = f"KL in the {self.kl_placement} ({self.kl_estimator}, beta {self.kl_coef})"
+        lines = [f"{self.name}: {self.summary}. {'Needs a critic' if self.needs_critic else 'No critic'}; G = "
+                 f"{self.group_size}; {kl}; advantages: {_first_line(self.estimator)}; loss: "
+                 f"{_first_line(self.policy_loss)}."]
+        fixed = self.from_config(cfg)
+        own = [(k, v) for k, v in self.settings().items() if k not in SHARED_SETTINGS]
+        if own:
+            def where(k: str, v: Any) -> str:
+                if k in fixed:
+                    return f"{k} (from {self.config_keys.get(k, 'its config field')})"
+                return f"algo.settings.{k}={v!r}"
+
+            lines.append(f"  its settings: {', '.join(where(k, v) for k, v in own)}")
+        if self.modes is not None:
+            lines.append(f"  overlap modes: {', '.join(self.modes)}")
+        return lines

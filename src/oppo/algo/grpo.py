@@ -1,18 +1,18 @@
 """GRPO (DeepSeekMath, Shao et al. 2024) and Dr. GRPO (Liu et al. 2025): each response's
 sequence reward against its group's mean, divided by the group's std (GRPO) or not (Dr. GRPO).
 
-Everything oppo knows about GRPO is here: the advantage estimator (:class:`GroupNormalized`,
-over ``advantages.grpo_advantages``), the defaults (G = 4 responses per prompt, the KL in the
-loss as k3 with beta 0.04, as DeepSeekMath) and the setting a Config gives it
-(``algo.std_normalize``), in :data:`SPEC`.
+Everything oppo knows about GRPO is here, in :data:`SPEC`: the advantage estimator
+(:class:`GroupNormalized`), the loss (the clipped token loss), the defaults (G = 4 responses per
+prompt, the KL in the loss as k3 with beta 0.04, as DeepSeekMath) and the Config key of its
+setting (``algo.std_normalize``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, ClassVar, Optional, Tuple
 
-from .core import AlgorithmSpec
+from .core import AlgorithmSpec, ClippedTokenLoss
 
 if TYPE_CHECKING:
     from .core import Stats, Tensor
@@ -34,24 +34,21 @@ class GroupNormalized:
 
     def __call__(self, rewards: Tensor, mask: Tensor, values: Optional[Tensor], group_ids: Tensor
                  ) -> Tuple[Tensor, Optional[Tensor], Stats]:
-        from .. import ppo_math as pm
-        from . import advantages as adv
+        from .advantages import broadcast_to_tokens, grpo_advantages
+        from .masks import masked_sum
 
-        seq = pm.masked_sum(rewards, mask, dim=1)  # [B]
-        a, stats = adv.grpo_advantages(seq, group_ids, self.std_normalize, self.eps)  # [B]
-        return adv.broadcast_to_tokens(a, mask), None, stats
-
-
-def _from_config(cfg: Any) -> Dict[str, Any]:
-    return dict(std_normalize=cfg.algo.std_normalize)
+        seq = masked_sum(rewards, mask, dim=1)  # [B]
+        a, stats = grpo_advantages(seq, group_ids, self.std_normalize, self.eps)  # [B]
+        return broadcast_to_tokens(a, mask), None, stats
 
 
 SPEC = AlgorithmSpec(
     name="grpo",
     summary="group-normalised outcome advantages",
     estimator=GroupNormalized,
+    policy_loss=ClippedTokenLoss,
     group_size=4,
     kl_placement="loss",
     kl_coef=0.04,  # DeepSeekMath's beta; a Config's when ppo.kl_coef is empty (its default)
-    from_config=_from_config,
+    config_keys={"std_normalize": "algo.std_normalize"},
 )

@@ -1,16 +1,16 @@
 """PPO (Schulman et al. 2017; InstructGPT's RLHF recipe): GAE against a learned critic.
 
-Everything oppo knows about PPO is here: the advantage estimator (:class:`GAE`), the defaults
-(one response per prompt, the KL in the reward as k1, beta 0.05) and the settings a Config
-gives it (``ppo.gamma``, ``ppo.lam``, ``ppo.whiten_advantages``), in :data:`SPEC`.
+Everything oppo knows about PPO is here, in :data:`SPEC`: the advantage estimator (:class:`GAE`),
+the loss (the clipped token loss), the defaults (one response per prompt, the KL in the reward as
+k1, beta 0.05) and the Config keys of its settings.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, ClassVar, Optional, Tuple
 
-from .core import AlgorithmSpec, check_unit
+from .core import AlgorithmSpec, ClippedTokenLoss, check_unit
 
 if TYPE_CHECKING:
     from .core import Stats, Tensor
@@ -32,24 +32,21 @@ class GAE:
 
     def __call__(self, rewards: Tensor, mask: Tensor, values: Optional[Tensor], group_ids: Tensor
                  ) -> Tuple[Tensor, Optional[Tensor], Stats]:
-        from .. import ppo_math as pm
+        from .advantages import gae, masked_whiten
 
         if values is None:
             raise ValueError("GAE needs the critic's values; this algorithm needs a critic")
-        a, returns = pm.gae(rewards, values, mask, self.gamma, self.lam)  # [B, T], [B, T]
-        return (pm.masked_whiten(a, mask) if self.whiten else a), returns, {}
-
-
-def _from_config(cfg: Any) -> Dict[str, Any]:
-    return dict(gamma=cfg.ppo.gamma, lam=cfg.ppo.lam, whiten=cfg.ppo.whiten_advantages)
+        a, returns = gae(rewards, values, mask, self.gamma, self.lam)  # [B, T], [B, T]
+        return (masked_whiten(a, mask) if self.whiten else a), returns, {}
 
 
 SPEC = AlgorithmSpec(
     name="ppo",
     summary="clipped PPO with a critic and GAE",
     estimator=GAE,
+    policy_loss=ClippedTokenLoss,
     group_size=1,
     kl_placement="reward",
     kl_coef=0.05,
-    from_config=_from_config,
+    config_keys={"gamma": "ppo.gamma", "lam": "ppo.lam", "whiten": "ppo.whiten_advantages"},
 )

@@ -1,18 +1,17 @@
 """REINFORCE++ (Hu 2025): the discounted return-to-go of the KL-shaped per-token rewards, whitened
 over every response token of the batch; no critic and no group.
 
-Everything oppo knows about REINFORCE++ is here: the advantage estimator
-(:class:`WhitenedReturnToGo`, over ``advantages.reinforce_pp_advantages``), the defaults (one
-response per prompt, the KL in the reward as k1, beta 0.05) and the setting a Config gives it
-(``ppo.gamma``), in :data:`SPEC`.
+Everything oppo knows about REINFORCE++ is here, in :data:`SPEC`: the advantage estimator
+(:class:`WhitenedReturnToGo`), the loss (the clipped token loss), the defaults (one response per
+prompt, the KL in the reward as k1, beta 0.05) and the Config key of its setting (``ppo.gamma``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, ClassVar, Optional, Tuple
 
-from .core import AlgorithmSpec, check_unit
+from .core import AlgorithmSpec, ClippedTokenLoss, check_unit
 
 if TYPE_CHECKING:
     from .core import Stats, Tensor
@@ -38,16 +37,13 @@ class WhitenedReturnToGo:
         return a, None, stats  # the returns are no critic's target
 
 
-def _from_config(cfg: Any) -> Dict[str, Any]:
-    return dict(gamma=cfg.ppo.gamma)
-
-
 SPEC = AlgorithmSpec(
     name="reinforce_pp",
     summary="REINFORCE++: batch-whitened return-to-go",
     estimator=WhitenedReturnToGo,
+    policy_loss=ClippedTokenLoss,
     group_size=1,
     kl_placement="reward",
     kl_coef=0.05,
-    from_config=_from_config,
+    config_keys={"gamma": "ppo.gamma"},
 )

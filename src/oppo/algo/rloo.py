@@ -1,10 +1,10 @@
 """RLOO (Kool et al. 2019; Ahmadian et al. 2024): each response's sequence reward against the mean
 of the other G-1 responses to its prompt.
 
-Everything oppo knows about RLOO is here: the advantage estimator (:class:`LeaveOneOut`, over
-``advantages.rloo_advantages``) and the defaults (G = 4 responses per prompt, the KL in the
-sequence reward as k1 with beta 0.05, as Ahmadian et al.), in :data:`SPEC`. It has no settings
-of its own.
+Everything oppo knows about RLOO is here, in :data:`SPEC`: the advantage estimator
+(:class:`LeaveOneOut`), the loss (the clipped token loss) and the defaults (G = 4 responses per
+prompt, the KL in the sequence reward as k1 with beta 0.05, as Ahmadian et al.). It has no
+settings of its own.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Optional, Tuple
 
-from .core import AlgorithmSpec
+from .core import AlgorithmSpec, ClippedTokenLoss
 
 if TYPE_CHECKING:
     from .core import Stats, Tensor
@@ -28,18 +28,19 @@ class LeaveOneOut:
 
     def __call__(self, rewards: Tensor, mask: Tensor, values: Optional[Tensor], group_ids: Tensor
                  ) -> Tuple[Tensor, Optional[Tensor], Stats]:
-        from .. import ppo_math as pm
-        from . import advantages as adv
+        from .advantages import broadcast_to_tokens, rloo_advantages
+        from .masks import masked_sum
 
-        seq = pm.masked_sum(rewards, mask, dim=1)  # [B]
-        a, stats = adv.rloo_advantages(seq, group_ids)  # [B]
-        return adv.broadcast_to_tokens(a, mask), None, stats
+        seq = masked_sum(rewards, mask, dim=1)  # [B]
+        a, stats = rloo_advantages(seq, group_ids)  # [B]
+        return broadcast_to_tokens(a, mask), None, stats
 
 
 SPEC = AlgorithmSpec(
     name="rloo",
     summary="leave-one-out baseline",
     estimator=LeaveOneOut,
+    policy_loss=ClippedTokenLoss,
     group_size=4,
     kl_placement="reward",
     kl_coef=0.05,

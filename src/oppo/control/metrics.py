@@ -7,7 +7,7 @@ import resource
 
 import torch
 
-from .. import ppo_math as pm
+from ..algo.losses import explained_variance
 from ..api.records import RolloutStats
 from ..perf import forward_flops, peak_flops
 from .stages import Run, StepResult, _mean
@@ -30,7 +30,7 @@ def step_metrics(run: Run, result: StepResult, times: dict[str, float], dt: floa
         **times,
     }
     if exp.values is not None and exp.returns is not None:
-        m["value/explained_var"] = pm.explained_variance(exp.values, exp.returns, exp.mask).item()
+        m["value/explained_var"] = explained_variance(exp.values, exp.returns, exp.mask).item()
     m.update({k: v for k, v in result.stats.items() if not k.startswith("_")})
     rollout = roles.rollout.take_stats()  # once per step: the backend's counters restart
     m.update(utilisation(run, result, times, rollout))

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from typing import cast
 
 from .. import modes
+from ..algo.stage import compute_advantages
 from ..config import Config
-from ..learner.batch import Experience, attach_scores, build_experience, compute_advantages
+from ..learner.batch import Experience, attach_scores, build_experience
 from ..learner.offpolicy import staleness_stats
 from ..scheduler import ChunkSizeTuner, DeltaController, Scheduler
 from ..tuner import OverlapTuner, TunedDelta, delta_ladder

@@ -1,6 +1,6 @@
 """The PPO batch: :class:`Experience` (B finished sequences as response-aligned tensors), the
-stages that fill it (scores, advantages, old log-probs: stages 4-5 of ``shared/DESIGN.md`` section
-2, plain functions the trainer calls in the same order in every mode), the critic's share of it
+stages that fill it (scores, old log-probs; the advantages: ``algo.stage``; plain functions the
+trainer calls in the same order in every mode), the critic's share of it
 (:class:`CriticBatch`), and how a minibatch is cut into micro-batches and laid out in packed rows."""
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .. import guard
-from .. import ppo_math as pm
 from ..api.records import Rollout, Scores
 from ..forward import Layout, RowPlan, sequence_batch
 
@@ -25,7 +23,7 @@ if TYPE_CHECKING:  # (the config lists the learner engines: no import back at ru
 
 @dataclass
 class Experience:
-    """B finished sequences as response-aligned tensors (alignment: ``ppo_math`` docstring).
+    """B finished sequences as response-aligned tensors (alignment: ``algo.masks`` docstring).
 
     ids, valid: [B, P+T] left-padded prompts then right-padded responses; ``P`` prompt width.
     mask: [B, T] 1 on response tokens (EOS included). versions: [B, T] policy version per token.
@@ -59,7 +57,7 @@ class Experience:
     returns: torch.Tensor | None = None
     stats: dict[str, float] | None = None
     group_ids: torch.Tensor | None = None  # [B] the group of each row (GRPO/RLOO): its first member's uid
-    trainable: bool = True  # False: non-finite advantages under ppo.nonfinite=skip (compute_advantages)
+    trainable: bool = True  # False: non-finite advantages under ppo.nonfinite=skip (algo.stage)
 
     @property
     def sampler_logprobs(self) -> torch.Tensor:
@@ -102,34 +100,6 @@ def attach_scores(exp: Experience, scored: Scores) -> Experience:
         exp, ref_logprobs=_pad_rows([o.logprobs for o in scored.reference], T, device),
         values=_pad_rows([o.values for o in scored.values], T, device) if scored.values is not None else None,
         scores=torch.tensor(scored.scores, dtype=torch.float32, device=device))
-
-
-@torch.no_grad()
-def compute_advantages(exp: Experience, cfg: PPOConfig, algorithm, step: int = -1) -> Experience:
-    """Stages 4 and 5 (a new record): per-token rewards (KL-shaped when the KL goes in the reward), then the
-    algorithm's advantages (``algo.Algorithm``: GAE with the critic's values for PPO; group,
-    leave-one-out or batch baselines for the critic-free ones) and, for PPO, returns.
-
-    The guard (``guard.py``): every input and output must be finite at response tokens, else
-    ``NonFiniteError`` names the first such tensor (inputs first: the cause, not its spread
-    through whitening) and its rows; under ``ppo.nonfinite=skip`` a warning, and the record comes
-    back ``trainable=False`` (the step's update is skipped: ``control.stages.update``)."""
-    assert exp.scores is not None  # (attach_scores runs first)
-    ended = torch.tensor([r.ended_with_eos for r in exp.rollouts], device=exp.scores.device)
-    scores = pm.missing_eos_penalty(exp.scores, ended, cfg.missing_eos_penalty)
-    res = algorithm.advantages(scores, exp.mask, exp.old_logprobs, exp.ref_logprobs, exp.values, exp.group_ids)
-    bad = guard.nonfinite_rows({"scores": scores, "values": exp.values, "reference log-probs": exp.ref_logprobs,
-                                "old log-probs": exp.old_logprobs, "importance weights": exp.is_weights,
-                                "rewards": res.rewards, "advantages": res.advantages, "returns": res.returns},
-                               exp.mask)
-    if bad is not None:
-        name, rows = bad
-        guard.report(f"non-finite {name} at {guard.at_step(step)}, advantages: rows {guard.first(rows)} of "
-                     f"{exp.mask.shape[0]} (sequences {guard.first([exp.rollouts[i].uid for i in rows])})",
-                     skip=cfg.nonfinite == "skip")
-    return dataclasses.replace(exp, rewards=res.rewards, kl=res.kl, advantages=res.advantages, returns=res.returns,
-                               stats={**(exp.stats or {}), **{k: float(v) for k, v in res.stats.items()}},
-                               trainable=bad is None)
 
 
 def old_logprob_targets(exp: Experience, version: int, recompute_all: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -317,7 +287,7 @@ class CriticBatch:
 
     @classmethod
     def of(cls, exp: Experience) -> "CriticBatch":
-        assert exp.values is not None and exp.returns is not None  # (compute_advantages with a critic)
+        assert exp.values is not None and exp.returns is not None  # (algo.stage.compute_advantages with a critic)
         return cls(exp.ids, exp.valid, exp.P, exp.mask, exp.values, exp.returns)
 
     def to(self, device) -> "CriticBatch":

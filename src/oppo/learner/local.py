@@ -10,7 +10,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from .. import guard
-from .. import ppo_math as pm
+from ..algo.core import ClippedTokenLoss
+from ..algo.losses import aggregate, value_loss
+from ..algo.masks import masked_mean
 from ..forward import RowPlan, head_logprobs, packed_hidden, row_plan
 from .batch import (CriticBatch, Experience, MicroBatch, _lengths, _micro_slices, balanced, micro_batches,
                     old_logprob_targets, padding_stats, set_old_logprobs)
@@ -179,10 +181,11 @@ class Learner:
             logprobs, entropy = self._actor_logprobs(mb)  # [b, T] each
         if probe is not None:  # (the first optimizer step's forward is pi_k's: the sampler-vs-trainer gap)
             probe.observe(logprobs, exp.sampler_logprobs[rows][:, :T], exp.versions[rows][:, :T], mask)
-        pl, pstats = pm.policy_loss(logprobs, exp.old_logprobs[rows][:, :T], exp.advantages[rows][:, :T], mask,
-                                    clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high, dual_clip=cfg.dual_clip,
-                                    is_weights=exp.is_weights[rows][:, :T], loss_agg=cfg.loss_agg,
-                                    num_tokens=num_tokens, num_seqs=num_seqs)
+        policy_loss = self.algorithm.policy_loss if self.algorithm is not None else ClippedTokenLoss()
+        pl, pstats = policy_loss(logprobs, exp.old_logprobs[rows][:, :T], exp.advantages[rows][:, :T], mask,
+                                 is_weights=exp.is_weights[rows][:, :T], clip_eps=cfg.clip_eps,
+                                 clip_eps_high=cfg.clip_eps_high, dual_clip=cfg.dual_clip, loss_agg=cfg.loss_agg,
+                                 num_tokens=num_tokens, num_seqs=num_seqs)
         loss = pl
         extra_stats = {}
         if self.algorithm is not None and self.algorithm.kl_in_loss:  # GRPO-style KL term
@@ -195,12 +198,12 @@ class Learner:
         if "dual_clipfrac" in pstats:  # ppo.dual_clip set
             extra_stats["ppo/dual_clipfrac"] = pstats["dual_clipfrac"].item()
         if cfg.entropy_coef:  # in the backward only when it is in the loss; otherwise a detached statistic
-            loss = loss - cfg.entropy_coef * pm.aggregate(entropy, mask, cfg.loss_agg, num_tokens, num_seqs)
+            loss = loss - cfg.entropy_coef * aggregate(entropy, mask, cfg.loss_agg, num_tokens, num_seqs)
         loss.backward()
         return {
             "loss/policy": pl.item(), "ppo/clipfrac": pstats["clipfrac"].item(),
             "ppo/approx_kl": pstats["approx_kl"].item(),
-            "ppo/entropy": pm.masked_mean(entropy.detach(), mask).item(),
+            "ppo/entropy": masked_mean(entropy.detach(), mask).item(),
             "_frac": (mask.sum() / num_tokens).item(),  # weight of this micro-batch's stats in the minibatch
             **extra_stats,
         }
@@ -252,9 +255,8 @@ def critic_micro_step(critic, batch: CriticBatch, rows: torch.Tensor, num_tokens
     mask = batch.mask[rows][:, :T]
     with autocast(rows.device, compute_dtype), checkpointing(critic):
         values = mb.spread(head(_response_hidden(backbone, mb)).float().reshape(-1))  # [b, T]
-    vl, vstats = pm.value_loss(values, batch.values[rows][:, :T], batch.returns[rows][:, :T], mask,
-                               clip_eps=cfg.value_clip_eps, loss_agg=cfg.loss_agg,
-                               num_tokens=num_tokens, num_seqs=num_seqs)
+    vl, vstats = value_loss(values, batch.values[rows][:, :T], batch.returns[rows][:, :T], mask,
+                            clip_eps=cfg.value_clip_eps, loss_agg=cfg.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs)
     vl.backward()
     return {"loss/value": vl.item(), "value/clipfrac": vstats["vf_clipfrac"].item(),
             "_frac": (mask.sum() / num_tokens).item()}

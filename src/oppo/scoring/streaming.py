@@ -1,6 +1,6 @@
 """Scorers: reward score, reference log-probs and critic values, one-shot or streamed.
 
-Alignment (drawn once; ``ppo_math`` uses the same): a sequence is ``prompt p_0..p_{P-1}`` then
+Alignment (drawn once; ``algo.masks`` uses the same): a sequence is ``prompt p_0..p_{P-1}`` then
 ``response a_0..a_{T-1}``. With ``h_j`` the backbone's hidden state after token j of the full
 sequence,
 

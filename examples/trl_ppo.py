@@ -1,0 +1,150 @@
+"""TRL's PPO example script (``examples/scripts/ppo/ppo.py``, TRL 1.x), on oppo's Python API.
+
+It takes TRL's command-line arguments, so a TRL command line runs with ``python`` and this file in
+place of TRL's script::
+
+    python examples/trl_ppo.py \\
+        --dataset_name trl-internal-testing/descriptiveness-sentiment-trl-style \\
+        --dataset_train_split descriptiveness --output_dir runs/pythia-ppo \\
+        --per_device_train_batch_size 64 --gradient_accumulation_steps 1 --total_episodes 10000 \\
+        --model_name_or_path EleutherAI/pythia-1b-deduped --missing_eos_penalty 1.0
+
+Each argument becomes an oppo setting by the table in ``oppo.from_trl`` (``docs/from-trl.md``);
+arguments oppo has no setting for are accepted and named once, with the reason. What differs from
+TRL's script: the tokenizer is the policy's (``--sft_model_path``), every prompt is trained (TRL
+holds the last 100 out for its completions table), an existing ``--output_dir`` is refused, not
+deleted, and the run uses oppo's default overlap mode unless ``--oppo overlap.mode=sequential``
+(TRL's on-policy loop). ``--oppo section.key=value`` sets any other oppo setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import oppo
+from oppo import from_trl
+
+# TRL's defaults (PPOConfig and the TrainingArguments it extends, TRL 1.12)
+TRL_DEFAULTS = {
+    "learning_rate": 3e-6, "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1,
+    "num_mini_batches": 1, "num_ppo_epochs": 4, "kl_coef": 0.05, "kl_estimator": "k1", "cliprange": 0.2,
+    "cliprange_value": 0.2, "vf_coef": 0.1, "gamma": 1.0, "lam": 0.95, "response_length": 53,
+    "temperature": 0.7, "whiten_rewards": False, "local_rollout_forward_batch_size": 64,
+    "num_sample_generations": 10, "num_train_epochs": 3.0, "seed": 42, "save_steps": 500.0,
+    "warmup_steps": 0, "max_grad_norm": 1.0, "weight_decay": 0.0, "sft_model_path": "EleutherAI/pythia-160m",
+    "reward_model_path": "EleutherAI/pythia-160m",
+}
+# accepted, with no oppo setting (from_trl says why when one is given)
+NO_SETTING = ("vf_coef", "whiten_rewards", "local_rollout_forward_batch_size", "num_sample_generations",
+              "stop_token", "stop_token_id")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = p.add_argument
+    # ScriptArguments
+    add("--dataset_name", required=True, help="Prompt set: hub name, local file or directory (field 'prompt').")
+    add("--dataset_config", default=None, help="A hub dataset's configuration (not supported by oppo: refused).")
+    add("--dataset_train_split", default="train")
+    # ModelConfig
+    add("--model_name_or_path", default=None, help="TRL's tokenizer source; oppo uses the policy's tokenizer.")
+    add("--dtype", default=None, choices=[None, "auto", "float32", "bfloat16"])
+    add("--use_peft", action="store_true")
+    add("--lora_r", type=int, default=16)
+    add("--lora_alpha", type=int, default=32)
+    add("--lora_target_modules", nargs="*", default=None)
+    # PPOConfig / TrainingArguments
+    add("--output_dir", required=True)
+    add("--sft_model_path", default=TRL_DEFAULTS["sft_model_path"])
+    add("--reward_model_path", default=TRL_DEFAULTS["reward_model_path"])
+    add("--total_episodes", type=int, default=None)
+    add("--num_train_epochs", type=float, default=TRL_DEFAULTS["num_train_epochs"])
+    for name in ("learning_rate", "kl_coef", "cliprange", "cliprange_value", "vf_coef", "gamma", "lam",
+                 "temperature", "save_steps", "max_grad_norm", "weight_decay"):
+        add(f"--{name}", type=float, default=TRL_DEFAULTS[name])
+    for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
+                 "num_ppo_epochs", "response_length", "local_rollout_forward_batch_size",
+                 "num_sample_generations", "seed", "warmup_steps"):
+        add(f"--{name}", type=int, default=TRL_DEFAULTS[name])
+    add("--kl_estimator", default="k1", choices=["k1", "k3"])
+    add("--missing_eos_penalty", type=float, default=None)
+    add("--whiten_rewards", action="store_true")
+    add("--stop_token", default=None, choices=[None, "eos"])
+    add("--stop_token_id", type=int, default=None)
+    add("--bf16", action="store_true")
+    add("--gradient_checkpointing", action="store_true")
+    add("--report_to", nargs="*", default=[])
+    add("--oppo", action="append", default=[], metavar="SECTION.KEY=VALUE", help="Any other oppo setting.")
+    return p.parse_args(argv)
+
+
+def overrides(a: argparse.Namespace, n_prompts: int | None = None) -> list[str]:
+    """The oppo settings for TRL's arguments ``a`` (``n_prompts``: the prompt count, needed for
+    the run's length when ``--total_episodes`` is not given)."""
+    if a.dataset_config:
+        raise SystemExit(f"--dataset_config {a.dataset_config}: oppo reads a dataset's default configuration only; "
+                         f"save the configuration you want with datasets' save_to_disk and give its directory.")
+    batch = a.per_device_train_batch_size * a.gradient_accumulation_steps * a.num_mini_batches
+    episodes = a.total_episodes
+    if episodes is None:
+        if n_prompts is None:
+            raise SystemExit("give --total_episodes (or the prompt count, to run --num_train_epochs epochs)")
+        episodes = int(a.num_train_epochs * n_prompts)
+    out = [
+        f"policy.path={a.sft_model_path}", f"reward.path={a.reward_model_path}",  # critic: from the reward model
+        f"data.prompts={a.dataset_name}", "data.field=prompt", f"data.split={a.dataset_train_split}",
+        f"ppo.batch_size={batch}", f"ppo.minibatch_size={batch // a.num_mini_batches}",
+        f"ppo.micro_batch_size={a.per_device_train_batch_size}", f"ppo.epochs={a.num_ppo_epochs}",
+        f"ppo.actor_lr={a.learning_rate}", f"ppo.critic_lr={a.learning_rate}", f"ppo.kl_coef={a.kl_coef}",
+        f"ppo.kl_estimator={a.kl_estimator}", f"ppo.clip_eps={a.cliprange}", f"ppo.value_clip_eps={a.cliprange_value}",
+        f"ppo.gamma={a.gamma}", f"ppo.lam={a.lam}", f"ppo.max_grad_norm={a.max_grad_norm}",
+        f"ppo.weight_decay={a.weight_decay}", f"ppo.lr_warmup_steps={a.warmup_steps}",
+        f"generation.max_new_tokens={a.response_length}", f"generation.temperature={a.temperature}",
+        f"run.steps={max(1, math.ceil(episodes / batch))}", f"run.seed={a.seed}", f"run.out_dir={a.output_dir}",
+        f"run.save_every={int(a.save_steps)}",
+    ]
+    if a.missing_eos_penalty is not None:
+        out.append(f"ppo.missing_eos_penalty={a.missing_eos_penalty}")
+    if a.bf16 or a.dtype == "bfloat16":
+        out.append("policy.dtype=bfloat16")
+    elif a.dtype == "float32":
+        out.append("policy.dtype=float32")
+    if a.gradient_checkpointing:
+        out.append("policy.gradient_checkpointing=true")
+    if a.use_peft:
+        out += [f"lora.r={a.lora_r}", f"lora.alpha={a.lora_alpha}"]
+        if a.lora_target_modules:
+            out.append(f"lora.target_modules=[{', '.join(a.lora_target_modules)}]")
+    out += [f"log.{sink}=true" for sink in ("tensorboard", "wandb") if sink in a.report_to]
+    return out + a.oppo
+
+
+def notes(a: argparse.Namespace) -> list[str]:
+    """One line per given argument that oppo has no setting for (from oppo.from_trl's table)."""
+    lines = [from_trl.BY_NAME[n].says(getattr(a, n)) for n in NO_SETTING
+             if getattr(a, n) != TRL_DEFAULTS.get(n) and n in from_trl.BY_NAME]
+    if a.model_name_or_path and a.model_name_or_path != a.sft_model_path:
+        lines.append(f"--model_name_or_path {a.model_name_or_path}: oppo loads the tokenizer with the policy, "
+                     f"from --sft_model_path {a.sft_model_path}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    n_prompts = None
+    if a.total_episodes is None:  # TRL's default: num_train_epochs over the prompts
+        from oppo.data import read_prompts
+
+        n_prompts = len(read_prompts(a.dataset_name, "prompt", a.dataset_train_split))
+    for line in notes(a):
+        print(f"trl_ppo: {line}", file=sys.stderr)
+    cfg = oppo.load_config(overrides=overrides(a, n_prompts))
+    run_dir = oppo.train(cfg)
+    print(oppo.run_summary(run_dir))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
