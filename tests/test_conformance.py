@@ -7,7 +7,7 @@ implementation: what the controller relies on must hold wherever the role runs.
   with ``tests/test_vllm.py``: a start costs ~25 s; skipped where vLLM is not installed);
 - Scorer: in the controller's thread, a thread worker, a child process, Ray actors;
 - Learner: local, the critic trained beside the scorer, Ray data-parallel replicas
-  (``DPLearnerGroup``) and FSDP2 shards (``FSDPLearnerGroup``), two ranks each (gloo on CPU).
+  (``LearnerGroup`` with ``Replicated``) and FSDP2 shards (``Sharded``), two ranks each (gloo on CPU).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from test_vllm import hf_policy, reset
 
 from oppo.learner.batch import build_experience
 from oppo.learner.local import Learner
-from oppo.api.protocols import Learner as LearnerProtocol
+from oppo.api.protocols import LearnerEngine as LearnerProtocol
 from oppo.api.protocols import RolloutBackend, Scorer
 from oppo.scoring.streaming import StreamingScorer, score_full
 from oppo.trace import Tracer
@@ -438,8 +438,8 @@ def _local_learner(tiny_models, ppo):
 
 def _beside_scorer(tiny_models, ppo):
     from oppo.api.plan import ThreadBudget
-    from oppo.learner.critic import CriticBesideScorer
-    from oppo.scoring.worker import CriticTrainer, ScorerWorker
+    from oppo.learner.critic import CriticBesideScorer, CriticTrainer
+    from oppo.scoring.worker import ScorerWorker
 
     inner = _local_learner(tiny_models, ppo).learner
     scorers = {"critic": StreamingScorer("critic", inner.critic, PAD)}
@@ -453,14 +453,15 @@ def _ray_learners(sharded: bool):
     ``tests/test_fsdp.py`` test them against one learner)."""
     def make(tiny_models, ppo):
         from oppo.api.specs import ModelSpec
-        from oppo.learner.dp import DPLearnerGroup, LearnerSpec
-        from oppo.learner.fsdp import FSDPLearnerGroup
+        from oppo.learner.dp import Replicated
+        from oppo.learner.fsdp import Sharded
+        from oppo.learner.group import LearnerGroup, LearnerSpec
 
         spec = LearnerSpec(actor=ModelSpec("policy", str(tiny_models["policy"]), device="cpu"),
                            critic=ModelSpec("critic", str(tiny_models["reward"]), pad_id=PAD, device="cpu"),
                            ppo=ppo, temperature=1.0, seed=0)
         home = (_load(tiny_models, "policy"), _load(tiny_models, "reward"))
-        group = (FSDPLearnerGroup if sharded else DPLearnerGroup)(spec, 2, num_cpus=0.25, home=home, timeout_s=120)
+        group = LearnerGroup(spec, 2, Sharded() if sharded else Replicated(), num_cpus=0.25, home=home, timeout_s=120)
         return Built(group, home, [group])
     return make
 
@@ -481,18 +482,16 @@ def learner(request, tiny_models):
 
 
 def _actor_weights(learner, tiny_models) -> dict[str, torch.Tensor]:
-    """What ``actor_weights()`` hands the rollout side, as tensors by name: a module, (name, tensor)
-    pairs, or (Ray groups) a Ray ref to rank 0's packed weights (``weights.sync.pack``)."""
-    w = learner.actor_weights()
+    """What ``weights_out()`` hands the rollout side, as tensors by name: a module, (name, tensor)
+    pairs, or (Ray groups) ``RemoteWeights``, a Ray ref to rank 0's packed weights (``weights.sync.pack``)."""
+    from oppo.weights.sync import RemoteWeights, load_source
+
+    w = learner.weights_out()
     if isinstance(w, torch.nn.Module):
         return {k: v.detach().clone() for k, v in w.state_dict().items()}
-    if type(w).__name__ == "ObjectRef":
-        import ray
-
-        from oppo.weights.sync import unpack_into
-
+    if isinstance(w, RemoteWeights):
         into = _load(tiny_models, "policy")
-        unpack_into(into, ray.get(w))
+        load_source(into, w)
         return into.state_dict()
     return {k: v.detach().clone() for k, v in w}
 

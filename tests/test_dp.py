@@ -1,6 +1,7 @@
 """The data-parallel learner group: 2 Ray ranks (gloo), on two nodes, train the single learner's weights on the same
 batch; its state is the single learner's format, so it resumes on another number of ranks; rank 0's
-actor weights reach the rollout model after each update; a dead rank is named and stops the group.
+actor weights reach the rollout model the way the trainer's weight sync reads them (``weights_out``);
+a dead rank is named and stops the group.
 
 One local Ray cluster of two nodes (shared with the other Ray test modules) and one group of 2 ranks.
 """
@@ -18,11 +19,13 @@ from oppo.algo.stage import compute_advantages  # noqa: E402
 from oppo.learner.batch import Experience, attach_scores, build_experience  # noqa: E402
 from oppo.api.records import Scores  # noqa: E402
 from oppo.models import load_tokenizer  # noqa: E402
-from oppo.learner.dp import DPLearnerGroup, LearnerSpec, learner_state, load_learner_state  # noqa: E402
+from oppo.learner.dp import Replicated  # noqa: E402
+from oppo.learner.group import LearnerGroup, LearnerSpec, learner_state, load_learner_state  # noqa: E402
 from oppo.api.specs import ModelSpec  # noqa: E402
 from oppo.rollout.engine import Rollout  # noqa: E402
 from oppo.api.records import ScoredOutputs
 from oppo.scoring.streaming import score_full  # noqa: E402
+from oppo.weights.sync import load_source  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -92,7 +95,7 @@ def test_dp_group_trains_like_one_learner_resumes_across_sizes_and_stops_on_a_de
     initial = learner_state(single)
     exp0 = _experience(single, pad, seed=0)
     rollout = spec.actor.load()  # what the rollout engine would sample with
-    group = DPLearnerGroup(spec, 2, num_cpus=1, rollout=rollout, strategy="STRICT_SPREAD", timeout_s=120)
+    group = LearnerGroup(spec, 2, Replicated(), num_cpus=1, placement="STRICT_SPREAD", timeout_s=120)
     try:
         assert len(set(group.nodes())) == 2, "one rank per node: gloo and the weights cross nodes"
         # the off-policy correction on rank 0 equals the local one
@@ -116,8 +119,9 @@ def test_dp_group_trains_like_one_learner_resumes_across_sizes_and_stops_on_a_de
             # either way for a token or two
             tol = dict(abs=0.05) if k.endswith("clipfrac") else dict(rel=1e-4, abs=1e-6)
             assert stats[k] == pytest.approx(v, **tol), k
-        # the weight sync: rank 0's actor is now the rollout model, and the time is reported
-        assert stats["time/weight_sync"] >= 0.0
+        # the weight sync (the trainer's: weights.sync.load_source of weights_out): rank 0's actor is now
+        # the rollout model
+        load_source(rollout, group.weights_out())
         for k, v in after0["actor"].items():
             torch.testing.assert_close(rollout.state_dict()[k], v, atol=1e-5, rtol=1e-5, msg=k)
 
@@ -135,13 +139,14 @@ def test_dp_group_trains_like_one_learner_resumes_across_sizes_and_stops_on_a_de
         _assert_state_close(group.state_dict(), after0)
 
         # a dead rank: named, and the whole group stopped (rank 0 would wait in its all-reduce)
-        ray.kill(group.ranks[1])
+        ranks = list(group.ranks)
+        ray.kill(ranks[1])
         with pytest.raises(ray.exceptions.RayActorError):
-            ray.get(group.ranks[1].actor_state.remote())
+            ray.get(ranks[1].actor_state.remote())
         with pytest.raises(RuntimeError, match=r"learner actor \(role=learner, rank=1\) died: "
                                                r".*killed by `ray.kill`.*group was stopped"):
             group.update(exp1, 1)
         with pytest.raises(ray.exceptions.RayActorError):
-            ray.get(group.ranks[0].actor_state.remote(), timeout=60)
+            ray.get(ranks[0].actor_state.remote(), timeout=60)
     finally:
         group.close()

@@ -27,7 +27,7 @@ from oppo.config import PPOConfig
 from oppo.algo.stage import compute_advantages
 from oppo.learner.batch import attach_scores, build_experience, old_logprob_targets, set_old_logprobs
 from oppo.models import backbone_and_head, load_tokenizer
-from oppo.learner.dp import LearnerSpec, learner_state
+from oppo.learner.group import LearnerSpec, learner_state
 from oppo.api.specs import ModelSpec
 from oppo.rollout.engine import Rollout
 from oppo.api.records import ScoredOutputs
@@ -261,7 +261,8 @@ def test_fsdp2_ranks_train_like_one_learner_and_resume_across_rank_counts(fsdp_m
 
 
 @pytest.mark.parametrize("overrides, expected", [
-    (["placement.learner_sharding=fsdp2"], "learner_sharding=fsdp2 shards the learner over Ray ranks"),
+    (["placement.learner_sharding=fsdp2"], r"learner_sharding=fsdp2 runs with placement.backend=ray, not local: set "
+                                          r"placement.backend=ray"),
     (["placement.backend=ray", "placement.learner_sharding=fsdp2", "placement.learner_workers=3",
       "ppo.batch_size=8", "ppo.minibatch_size=4", "ppo.micro_batch_size=2"],
      r"learner_workers=3 sharded ranks, but a minibatch has only 2 micro-batches"),
@@ -313,7 +314,7 @@ def test_trainer_with_fsdp2_on_ray_matches_sequential_and_its_sharded_checkpoint
                     "placement.learner_workers=2", "placement.learner_cpus=0.5", "placement.scorer_cpus=0.5"),
                 progress=False)
     try:
-        assert type(t.roles.learner).__name__ == "FSDPLearnerGroup"
+        assert type(t.roles.learner).__name__ == "LearnerGroup" and t.roles.learner.strategy.sharded
         got = [t.run_step() for _ in range(steps)]
         mem = t.roles.learner.memory()
         ckpt = save_checkpoint(t, tmp_path / "r")
@@ -370,7 +371,7 @@ def test_fsdp2_on_ray_trains_lora_with_checkpointing_critic_free_in_pipeline_mod
                     "placement.learner_workers=2", "placement.learner_cpus=0.5", "placement.scorer_cpus=0.5"),
                 progress=False)
     try:
-        assert type(t.roles.learner).__name__ == "FSDPLearnerGroup" and t.roles.critic is None
+        assert type(t.roles.learner).__name__ == "LearnerGroup" and t.roles.learner.strategy.sharded and t.roles.critic is None
         inflight = 0
         for step in range(2):
             m = t.run_step()

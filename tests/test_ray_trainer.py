@@ -45,7 +45,7 @@ def test_ray_backend_equals_sequential_and_resumes_on_another_worker_count(ray_l
                      "placement.learner_workers=2", "placement.learner_cpus=0.5", "placement.scorer_cpus=0.5"),
                 progress=False)
     try:
-        assert type(t.roles.learner).__name__ == "DPLearnerGroup" and type(t.roles.scorer).__name__ == "RayScorerWorker"
+        assert type(t.roles.learner).__name__ == "LearnerGroup" and not t.roles.learner.strategy.sharded and type(t.roles.scorer).__name__ == "RayScorerWorker"
         got = []
         for _ in range(steps):
             m = t.run_step()

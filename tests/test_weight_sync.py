@@ -7,7 +7,7 @@
   cast) and a sink that takes whole tensors (vLLM's reload); a wrong version or a changed
   manifest makes every member raise before any weights move, and the group still works after; a receiver whose model does not match the manifest (a wrong
   shape, a missing name) makes every member raise, naming the tensors;
-- FSDP2: 2 learner ranks (``FSDPLearnerRank``, as Ray runs it, without Ray) gather one parameter at
+- FSDP2: 2 learner ranks (``group.LearnerRank`` with the ``fsdp.Sharded`` strategy, as Ray runs it, without Ray) gather one parameter at
   a time and rank 0 streams it to a rollout worker (``RolloutHost``), whose engine then samples
   exactly as a local engine given the learner's weights; a refused version fails on every rank
   (no rank left waiting in a gather);
@@ -205,8 +205,8 @@ def _fsdp_main(rank: int, ports: tuple[int, int], paths: dict) -> None:
     import torch.distributed as dist
 
     from oppo.config import PPOConfig
-    from oppo.learner.dp import LearnerSpec
-    from oppo.learner.fsdp import FSDPLearnerRank, full_model_state
+    from oppo.learner.fsdp import Sharded, full_model_state
+    from oppo.learner.group import LearnerRank, LearnerSpec
     from oppo.rollout.ray import RolloutHost
     from oppo.api.specs import ModelSpec
     from oppo.rollout.registry import build_engine
@@ -218,9 +218,9 @@ def _fsdp_main(rank: int, ports: tuple[int, int], paths: dict) -> None:
     if rank < 2:
         spec = LearnerSpec(actor=ModelSpec("policy", paths["policy"], device="cpu"), critic=None,
                            ppo=PPOConfig(batch_size=4, minibatch_size=2, micro_batch_size=1), temperature=1.0, seed=0)
-        me = FSDPLearnerRank(spec, rank, 2)
+        me = LearnerRank(spec, rank, 2, 1, Sharded())
         me.join("127.0.0.1", learn_port, "gloo", MP_TIMEOUT_S)
-        assert me.open_weight_sync("127.0.0.1", sync_port, 2, 1000, wire, MP_TIMEOUT_S, True) == ""
+        assert me.open_weight_sync("127.0.0.1", sync_port, 2, 1000, wire, MP_TIMEOUT_S) == ""
         with torch.no_grad():  # the learner's weights move (each rank its own shards)
             g = torch.Generator().manual_seed(rank)
             for p in me.learner.actor.parameters():
@@ -234,7 +234,7 @@ def _fsdp_main(rank: int, ports: tuple[int, int], paths: dict) -> None:
         # one parameter at a time: count the gathered tensors still alive at each gather
         import weakref
 
-        import oppo.learner.dp as dp_module
+        import oppo.learner.group as dp_module
 
         gathered, most_alive = [], 0
 

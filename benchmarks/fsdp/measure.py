@@ -33,8 +33,9 @@ def _rank(rank, world, port, mode, paths, out, reps, lora, dtype):
     from oppo.algo import get_algorithm
     from oppo.config import PPOConfig
     from oppo.models import load_tokenizer
-    from oppo.learner.dp import LearnerSpec, dp_update
-    from oppo.learner.fsdp import build_sharded, fsdp_update, local_bytes
+    from oppo.learner.dp import dp_update
+    from oppo.learner.fsdp import build_sharded, fsdp_update
+    from oppo.learner.group import LearnerSpec, local_bytes
     from oppo.api.specs import ModelSpec
     from test_fsdp import _experience
 

@@ -54,6 +54,19 @@ def _engine_help() -> list[str]:
             for n in registry.names()]
 
 
+def _learner_choices() -> tuple[str, ...]:
+    """``placement.learner_sharding``'s values: the registered learner engines."""
+    from .learner import registry
+
+    return registry.names()
+
+
+def _learner_help() -> list[str]:
+    from .learner import registry
+
+    return registry.help_lines()
+
+
 def _rollout_sections() -> dict[str, Any]:
     """The ``rollout`` section: each registered backend's own settings (``rollout.<backend>.<field>``)."""
     from .rollout import registry
@@ -376,14 +389,9 @@ class PlacementConfig:
                                "else a new local one), or host:port / ray://host:port.")
     learner_workers: int = opt(1, "Ray: data-parallel learner ranks (each holds actor, critic and AdamW; gradients "
                                   "summed once per minibatch: the same update as one learner).")
-    learner_sharding: str = opt("replicate", "Ray: how the learner ranks split the trained state. replicate: each "
-                                             "rank holds all of actor, critic and AdamW (data parallel). fsdp2: "
-                                             "each holds 1/placement.learner_workers of the parameters, gradients "
-                                             "and AdamW state (torch FSDP2, fully_shard); the same update. With "
-                                             "LoRA the frozen base and the adapters are sharded alike; under "
-                                             "bfloat16 the ranks compute in bf16 over fp32 masters (FSDP2 mixed "
-                                             "precision, gradients reduced in fp32).",
-                                ("replicate", "fsdp2"))
+    learner_sharding: str = opt("replicate", "The learner engine: how the learner trains and how its ranks split "
+                                             "the trained state (registered engines; oppo.learner.registry):",
+                                _learner_choices, _learner_help)
     learner_cpus: float = opt(1.0, "Ray: CPUs per learner rank.")
     learner_gpus: float = opt(0.0, "Ray: GPUs per learner rank.")
     scorer_cpus: float = opt(1.0, "Ray: CPUs of the scorer actor.")
@@ -941,15 +949,10 @@ def validate(cfg: Config) -> None:
     _check(pl.learner_workers >= 1, f"placement.learner_workers must be >= 1, got {pl.learner_workers}.")
     _check(min(pl.learner_cpus, pl.learner_gpus, pl.scorer_cpus, pl.scorer_gpus, pl.rollout_cpus,
                pl.rollout_gpus) >= 0, "placement.*_cpus and *_gpus must be >= 0.")
-    if pl.learner_sharding == "fsdp2":
-        _check(pl.backend == "ray", "placement.learner_sharding=fsdp2 shards the learner over Ray ranks: set "
-                                    "placement.backend=ray (and placement.learner_workers), or "
-                                    "placement.learner_sharding=replicate.")
-        micro = p.minibatch_size // p.micro_batch_size
-        _check(pl.learner_workers <= micro,
-               f"placement.learner_workers={pl.learner_workers} sharded ranks, but a minibatch has only {micro} "
-               f"micro-batches (ppo.minibatch_size={p.minibatch_size} / ppo.micro_batch_size={p.micro_batch_size}): "
-               f"some ranks would only pad. Use at most {micro} ranks, or a smaller ppo.micro_batch_size.")
+    from .learner import registry as learners
+
+    for problem in learners.problems(cfg):
+        raise ConfigError(problem)
     _check(pl.rollout_workers >= 0, f"placement.rollout_workers must be >= 0, got {pl.rollout_workers}.")
     _check(pl.weight_sync_bucket_mb >= 0,
            f"placement.weight_sync_bucket_mb must be >= 0 (MiB; 0: by backend), got {pl.weight_sync_bucket_mb}.")

@@ -13,19 +13,36 @@ Implementations:
   themselves).
 - :class:`Scorer`: ``workers.ScorerWorker`` (a thread), ``workers.ProcessScorerWorker`` (a child
   process), ``scoring.ray.RayScorerWorker`` (Ray actors).
-- :class:`Learner`: ``learner.Learner`` (local), ``learner.dp.DPLearnerGroup`` (data-parallel
-  Ray ranks), ``learner.fsdp.FSDPLearnerGroup`` (Ray ranks sharding the trained state with FSDP2).
+- :class:`LearnerEngine`: ``learner.local.Learner`` (in process), ``learner.group.LearnerGroup``
+  (Ray ranks: data-parallel replicas, ``learner.dp.Replicated``, or FSDP2 shards,
+  ``learner.fsdp.Sharded``), or any engine of ``learner.registry``.
+- :class:`WeightLinkSender` / :class:`WeightLinkReceiver`: the two ends of the collective weight sync
+  (``weights.sync.CollectiveSync``): a Ray learner group, the Ray rollout workers.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Union, runtime_checkable
 
 import torch
 
 from .records import Chunk, ChunkReady, Event, Rollout, RolloutStats, ScoredOutputs, SequenceFinished
 
-__all__ = ["ChunkReady", "Event", "Learner", "RolloutBackend", "Scorer", "SequenceFinished"]
+if TYPE_CHECKING:
+    from ..weights.sync import RemoteWeights
+
+__all__ = ["ChunkReady", "Event", "LearnerEngine", "RolloutBackend", "Scorer", "SequenceFinished",
+           "WeightLinkReceiver", "WeightLinkSender", "WeightSource"]
+
+
+WeightSource = Union[torch.nn.Module, Iterable[tuple[str, torch.Tensor]], "RemoteWeights"]
+"""What a weight sync carries from the learner to the rollout side: a module (the same process),
+``(name, tensor)`` pairs in Hugging Face names, or ``weights.sync.RemoteWeights`` (held by another
+process)."""
+
+Wait = Callable[[], Any]
+"""A call under way: calling it waits for it and returns its answer (the collective weight sync
+starts every member before it waits for any)."""
 
 
 # ---------------------------------------------------------------- rollout backend
@@ -78,9 +95,10 @@ class RolloutBackend(Protocol):
     def set_version(self, version: int) -> None:
         """Tag every token sampled from now on with ``version`` (its weights are loaded)."""
 
-    def load_weights(self, weights: torch.nn.Module, version: int) -> None:
-        """Load the learner's current policy weights, then sample as ``version``. Sequences in
-        flight stay (their KV cache is kept; see :meth:`recompute`)."""
+    def load_weights(self, source: WeightSource, version: int) -> None:
+        """Load the learner's current policy weights (``LearnerEngine.weights_out``, or a module
+        holding them), then sample as ``version``. Sequences in flight stay (their KV cache is kept;
+        see :meth:`recompute`)."""
 
     def recompute(self) -> None:
         """Rebuild every active sequence's KV cache under the current weights
@@ -154,21 +172,23 @@ class Scorer(Protocol):
 
 
 @runtime_checkable
-class Learner(Protocol):
-    """Trains the actor (and the critic, unless the scorer trains it beside its scoring)."""
+class LearnerEngine(Protocol):
+    """Trains the actor (and the critic, unless the scorer trains it beside its scoring). One
+    registered engine each (``learner.registry``): local, replicated ranks, FSDP2 shards."""
 
     def old_logprobs(self, exp, version: int):
         """A new ``Experience`` with ``old_logprobs`` / ``is_weights`` under the current weights."""
 
     def minibatches(self, B: int, step: int, lengths: torch.Tensor | None = None) -> list[torch.Tensor]:
         """The row indices of every optimizer step of one update (seeded per step); with ``lengths``
-        [B], each minibatch's rows longest first (``Learner.minibatches``)."""
+        [B], each minibatch's rows longest first (``local.Learner.minibatches``)."""
 
     def update(self, exp, step: int, critic: bool = True) -> dict[str, float]:
         """PPO epochs over ``exp``: actor (and critic); returns the stats."""
 
-    def actor_weights(self) -> Iterable | torch.nn.Module:
-        """The policy's trained weights, for the rollout backend."""
+    def weights_out(self) -> WeightSource:
+        """The policy's trained weights as the weight sync reads them (for
+        ``RolloutBackend.load_weights``): the module itself in process, a ref to them elsewhere."""
 
     def checkpoint_state(self) -> dict:
         """The optimizer states a checkpoint saves (``{"actor"[, "critic"]}``); trained weights that
@@ -180,3 +200,34 @@ class Learner(Protocol):
 
     def close(self) -> None:
         ...
+
+
+# ---------------------------------------------------------------- the collective weight sync
+
+
+@runtime_checkable
+class WeightLinkSender(Protocol):
+    """A learner that streams its trained actor over a process group of its own
+    (``weights.sync.CollectiveSync``): it is the group's rank 0."""
+
+    def open_weight_link(self, host: str, port: int, world: int, bucket_bytes: int, wire_dtype,
+                         timeout_s: float) -> Wait:
+        """Start joining the group at the store ``host:port``; the wait returns why it could not
+        form, one line per member ("" where it did)."""
+
+    def send_weights(self, version: int) -> Wait:
+        """Start one sync of the trained actor as ``version``."""
+
+
+class WeightLinkReceiver(Protocol):
+    """Rollout workers that take the weights from that group (ranks ``first .. first + members - 1``)."""
+
+    @property
+    def link_members(self) -> int:
+        """How many ranks of the group it holds."""
+
+    def open_weight_link(self, host: str, port: int, first: int, world: int, timeout_s: float) -> Wait:
+        """Start joining the group; the wait returns why it could not form, one line per member."""
+
+    def receive_weights(self, version: int) -> Wait:
+        """Start receiving one sync; the wait returns once every member has loaded ``version``."""

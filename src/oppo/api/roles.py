@@ -7,11 +7,11 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from ..weights.plan import WeightSync
 from .plan import Placement, ResolvedPaths
-from .protocols import Learner, RolloutBackend, Scorer
+from .protocols import LearnerEngine, RolloutBackend, Scorer
 
 if TYPE_CHECKING:
+    from ..weights.plan import WeightSync  # (the weights import the Protocols: only a type here)
     from ..algo.core import Algorithm
     from ..config import Config
     from ..data import PromptSet
@@ -48,7 +48,7 @@ class Roles:
     extra_reward_models: dict[str, torch.nn.Module]  # composite: reward models after the first, by scorer role
     rollout: RolloutBackend
     scorer: Scorer
-    learner: Learner
+    learner: LearnerEngine
     sync: WeightSync
     tracer: Tracer
     closers: list = field(default_factory=list)

@@ -22,7 +22,8 @@ from ..learner.offpolicy import staleness_stats
 from ..scheduler import ChunkSizeTuner, DeltaController, Scheduler
 from ..tuner import OverlapTuner, TunedDelta, delta_ladder
 from ..api.roles import Roles
-from ..api.records import ChunkReady, Rollout, ScoredOutputs, Scores, SequenceFinished
+from ..api.decode import decode_and_stream
+from ..api.records import Chunk, Rollout, ScoredOutputs, Scores
 
 
 @dataclass(frozen=True)
@@ -269,25 +270,40 @@ def decode_until_close(run: Run, step: int, chunk: int | None):
 
 
 def decode_once(run: Run, step: int, chunk: int | None, t_span: float, stage: str = "decode") -> float:
-    """Advance the rollout backend: finished sequences go to the scheduler (refills are admitted),
-    chunks to the scorers. Returns the start of the open trace span."""
-    chunks = []
-    for e in run.roles.rollout.advance(chunk):
-        if isinstance(e, SequenceFinished):
-            run.rollouts[e.rollout.uid] = e.rollout  # the backend's record (it never changes ours)
-            refill = run.scheduler.on_finished(e.rollout.uid)
-            if refill is not None:
-                admit(run, refill.seqs, step)
-        elif isinstance(e, ChunkReady) and e.chunk.uid in run.streamed:  # (admitted while scoring one-shot: not)
-            chunks.append(e.chunk)
-            if e.chunk.final:
-                run.scored_whole.add(e.chunk.uid)
-    if chunks:
-        now = time.perf_counter()
-        run.tracer.add("actor", stage, step, t_span, now)
-        run.roles.scorer.feed(chunks, step)
-        t_span = now
-    return t_span
+    """Advance the rollout backend once (``api.decode.decode_and_stream``): finished sequences go to
+    the scheduler (refills are admitted), chunks to the scorers. Returns the start of the open trace
+    span."""
+    sink = _ControllerSink(run, step, stage, t_span)
+    decode_and_stream(run.roles.rollout, chunk, sink)
+    return sink.t_span
+
+
+class _ControllerSink:
+    """The controller's :class:`~oppo.api.decode.DecodeSink`: a finished sequence to the scheduler, the
+    chunks of streamed sequences to the scorers (one trace span per stretch between two feeds)."""
+
+    def __init__(self, run: Run, step: int, stage: str, t_span: float):
+        self.run, self.step, self.stage, self.t_span = run, step, stage, t_span
+
+    def advancing(self) -> None:
+        pass
+
+    def finished(self, rollout: Rollout) -> None:
+        run = self.run
+        run.rollouts[rollout.uid] = rollout  # the backend's record (it never changes ours)
+        refill = run.scheduler.on_finished(rollout.uid)
+        if refill is not None:
+            admit(run, refill.seqs, self.step)
+
+    def chunks(self, chunks: list[Chunk]) -> None:
+        run = self.run
+        mine = [c for c in chunks if c.uid in run.streamed]  # (admitted while scoring one-shot: not)
+        run.scored_whole.update(c.uid for c in mine if c.final)
+        if mine:
+            now = time.perf_counter()
+            run.tracer.add("actor", self.stage, self.step, self.t_span, now)
+            run.roles.scorer.feed(mine, self.step)
+            self.t_span = now
 
 
 def texts(run: Run, batch: list[Rollout]) -> list[str]:

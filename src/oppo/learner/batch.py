@@ -10,12 +10,15 @@ import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..api.records import Rollout, Scores
-from ..config import PPOConfig
 from ..forward import Layout, RowPlan, sequence_batch
+
+if TYPE_CHECKING:  # (the config lists the learner engines: no import back at run time)
+    from ..config import PPOConfig
 
 
 @dataclass

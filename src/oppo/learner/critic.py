@@ -1,16 +1,68 @@
-"""The learner when the critic trains beside its scoring (``placement.critic_on_worker``)."""
+"""Critic training where the critic is scored: :class:`CriticTrainer` (its AdamW and its update, run
+by a scorer worker, process or Ray actor between two scoring messages) and
+:class:`CriticBesideScorer` (the learner when it does: ``placement.critic_on_worker``). The scorers
+only host it; the update itself is the learner's (``local.critic_update``)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
 
 from ..api.plan import ThreadBudget
 from ..trace import Tracer
+from ..weights.precision import copy_weights, master_dtype, serving_copy
 from .batch import CriticBatch
-from .local import Learner
+from .local import Learner, critic_update, load_optimizer_state_in_place
 
 if TYPE_CHECKING:
+    from ..api.protocols import LearnerEngine
+    from ..api.specs import ModelSpec
+    from ..config import PPOConfig
     from ..scoring.worker import ScorerWorker  # (the scorer trains the critic: scoring imports the learner)
+
+
+@dataclass
+class CriticTrainer:
+    """The critic's PPO update where it is scored: its AdamW, the PPO settings, and its fp32 master
+    weights when they are not the scored module (bf16, weights.py; None: the scorer's critic is the
+    trained one)."""
+
+    opt: torch.optim.Optimizer
+    cfg: PPOConfig
+    master: torch.nn.Module | None = None
+    compute_dtype: torch.dtype = torch.float32
+
+    @classmethod
+    def load(cls, spec: ModelSpec, cfg: PPOConfig) -> tuple["CriticTrainer", torch.nn.Module]:
+        """Load the critic of ``spec`` as fp32 masters with their AdamW; returns the trainer and the
+        serving copy the scorer reads (``spec``'s dtype: the masters themselves in fp32)."""
+        master = spec.with_dtype(master_dtype(spec.dtype)).load()
+        opt = torch.optim.AdamW(master.parameters(), lr=cfg.critic_lr, weight_decay=cfg.weight_decay)
+        return cls(opt, cfg, master, spec.dtype), serving_copy(master, spec.dtype)
+
+    def train(self, scored: torch.nn.Module, batch: CriticBatch, minibatches, step: int,
+              adapt: Callable[[], None]) -> dict[str, float]:
+        """One update on ``batch``'s ``minibatches``; then the scored copy takes the new weights."""
+        master = self.master if self.master is not None else scored
+        stats = critic_update(master, self.opt, batch, list(minibatches), self.cfg, adapt, self.compute_dtype, step)
+        copy_weights(master, scored)  # the bf16 copy it scores with (no-op in fp32)
+        return stats
+
+    def state(self, scored: torch.nn.Module) -> dict[str, Any]:
+        """``{"model": the trained critic's state dict (CPU), "optim": its AdamW's}``, for checkpoints."""
+        master = self.master if self.master is not None else scored
+        return {"model": {k: v.detach().cpu() for k, v in master.state_dict().items()},
+                "optim": self.opt.state_dict()}
+
+    def load_state(self, scored: torch.nn.Module, model: dict[str, torch.Tensor], optim: dict | None = None) -> None:
+        """Inverse of :meth:`state` (``optim`` None: the weights only)."""
+        master = self.master if self.master is not None else scored
+        master.load_state_dict(model)
+        copy_weights(master, scored)
+        if optim is not None:
+            load_optimizer_state_in_place(self.opt, optim)
 
 
 class CriticBesideScorer:
@@ -20,8 +72,11 @@ class CriticBesideScorer:
     learner doing both (``Learner.update``)."""
 
     def __init__(self, learner: Learner, scorer: ScorerWorker, tracer: Tracer, threads: ThreadBudget,
-                 in_flight: bool):
-        self.inner, self.scorer, self.tracer, self.threads, self.in_flight = learner, scorer, tracer, threads, in_flight
+                 in_flight: bool, engine: LearnerEngine | None = None):
+        """``engine``: what trains the actor (the registered learner engine built over ``learner``;
+        default ``learner`` itself)."""
+        self.inner: LearnerEngine = engine if engine is not None else learner
+        self.scorer, self.tracer, self.threads, self.in_flight = scorer, tracer, threads, in_flight
         # the trained state, as the local learner's (the scorer process shares the critic's AdamW state)
         self.actor, self.critic, self.actor_opt, self.critic_opt = (learner.actor, learner.critic, learner.actor_opt,
                                                                     learner.critic_opt)
@@ -51,8 +106,8 @@ class CriticBesideScorer:
         stats.update(self.scorer.take_train_stats())
         return stats
 
-    def actor_weights(self):
-        return self.inner.actor_weights()
+    def weights_out(self):
+        return self.inner.weights_out()
 
     def checkpoint_state(self) -> dict:
         return self.inner.checkpoint_state()

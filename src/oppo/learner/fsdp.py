@@ -19,7 +19,7 @@ micro-steps per minibatch, ceil(micro-batches / M): a rank whose share is short 
 micro-steps (a real micro-batch with infinite loss denominators: the loss and every gradient are
 exactly 0, every collective runs). Old log-probs likewise: each rank computes its share of the rows
 (rows i with i mod M == rank), padded to the same number of forwards, and the controller merges
-them (:meth:`FSDPLearnerGroup.old_logprobs`).
+them (``group.LearnerGroup.old_logprobs``).
 
 gloo on CPU: its reduce-scatter has no ``PREMUL_SUM`` (FSDP2's default reduction op when it
 divides), so the modules also ``set_force_sum_reduction_for_comms(True)``: a plain SUM, which with a
@@ -68,12 +68,12 @@ What else the ranks train with, each tested against one learner (``tests/test_fs
 
 Reads of the weights (a checkpoint, the object-store weight sync) are collectives too: every rank
 all-gathers (``get_model_state_dict(full_state_dict=True)``) and rank 0 keeps the result, so the
-group asks every rank (:meth:`FSDPLearnerGroup._rank0_ref`); with LoRA that gathers the frozen base
+group asks every rank (``group.LearnerGroup``, ``Sharded.sharded``); with LoRA that gathers the frozen base
 too, and keeps the adapters. The collective weight sync (``placement.weight_sync``,
 ``weight_sync.py``) does not hold the whole model on rank 0: every rank all-gathers one trained
 parameter at a time (``DTensor.full_tensor``; with LoRA only the adapters), rank 0 streams it in
 buckets to the rollout side (NCCL between GPUs, gloo otherwise) and the gathered copy is dropped
-(``LearnerRank.send_weights``, called on every rank: :meth:`FSDPLearnerGroup.weight_sync_ranks`).
+(``group.LearnerRank.send_weights``, called on every rank of a sharded group).
 Not done yet (issue 21): loading straight into shards (each rank loads the whole model once, then
 shards it); the critic's sync to its scorer actor still goes through the object store.
 """
@@ -81,17 +81,15 @@ shards it); the critic's sync to its scorer actor still goes through the object 
 from __future__ import annotations
 
 import math
-import time
-from datetime import timedelta
 from typing import Any, cast
 
 import torch
 
-from .batch import CriticBatch, Experience, old_logprob_targets, padding_stats, rank_of, set_old_logprobs
+from .batch import CriticBatch, Experience, old_logprob_targets, padding_stats, rank_of
 from .local import Learner, _train, critic_micro_step
 from .offpolicy import MismatchProbe
-from .dp import DPLearnerGroup, LearnerRank, LearnerSpec, _to, any_rank, merge_rank_stats, portable
-from ..weights.sync import Packed, pack_state
+from .dp import any_rank, merge_rank_stats
+from .group import LearnerSpec
 
 _ZERO_WEIGHT = float("inf")  # a micro-step's loss denominators for weight 0: every gradient is exactly 0
 
@@ -292,180 +290,38 @@ def load_full_state(model: torch.nn.Module, opt: torch.optim.Optimizer, weights:
     set_optimizer_state_dict(model, opt, by_name, options=opts)
 
 
-def local_bytes(learner: Learner) -> dict[str, int]:
-    """Bytes this rank holds of the trained state: parameters, gradients, optimizer state (local
-    shards of DTensors)."""
-    def local(t):
-        return t.to_local() if hasattr(t, "to_local") else t
+# ====================================================================== the strategy
 
-    out = {"params": 0, "grads": 0, "optim": 0}
-    for model, opt in ((learner.actor, learner.actor_opt), (learner.critic, learner.critic_opt)):
-        if model is None:
-            continue
-        assert opt is not None  # (built with its model)
-        for p in model.parameters():
-            out["params"] += local(p).numel() * p.element_size()
-            if p.grad is not None:
-                out["grads"] += local(p.grad).numel() * p.grad.element_size()
-        for st in opt.state.values():
-            for v in st.values():
-                if torch.is_tensor(v):
-                    out["optim"] += local(v).numel() * v.element_size()
-    return out
+class Sharded:
+    """The FSDP2 update strategy of a ``group.LearnerGroup`` (module docstring): every rank builds
+    its shards inside the process group, computes its share of every update and of the old
+    log-probs, and takes part in every read of the weights (gathers)."""
 
+    name = "fsdp2"
+    sharded = True
 
-# ====================================================================== the rank (a Ray actor)
-
-class FSDPLearnerRank(LearnerRank):
-    """One sharded rank. Plain class; the group wraps it with ``ray.remote``. Its Learner is built
-    in :meth:`join`, inside the process group (sharding needs it)."""
-
-    def __init__(self, spec: LearnerSpec, rank: int, world: int, threads: int = 1):
-        torch.set_num_threads(threads)
-        self.rank, self.world, self.spec = rank, world, spec  # (self.learner: built in join)
-
-    def join(self, host: str, port: int, backend: str, timeout_s: float) -> None:
-        import torch.distributed as dist
+    def build(self, spec: LearnerSpec, world: int, mesh_device: str) -> Learner:
         from torch.distributed.device_mesh import init_device_mesh
 
-        dev = torch.device(self.spec.actor.device if self.spec.actor.device != "auto" else
-                           ("cuda" if torch.cuda.is_available() else "cpu"))
-        if dev.type == "cuda":
-            torch.cuda.set_device(dev)
-        dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank, world_size=self.world,
-                                timeout=timedelta(seconds=timeout_s))
-        self.learner = build_sharded(self.spec, init_device_mesh(dev.type, (self.world,)))
+        return build_sharded(spec, init_device_mesh(mesh_device, (world,)))
 
-    def update(self, exp: Experience, step: int, critic: bool) -> dict[str, float]:
-        t0 = time.perf_counter()
-        stats = fsdp_update(self.learner, _to(exp, self.learner.device), step, self.rank, self.world, critic)
-        return {**stats, "_t0": t0, "_t1": time.perf_counter()}
+    def update(self, learner: Learner, exp: Experience, step: int, rank: int, world: int, critic: bool
+               ) -> dict[str, float]:
+        return fsdp_update(learner, exp, step, rank, world, critic)
 
-    def old_logprobs(self, exp: Experience, version: int):
-        rows, new = fsdp_old_logprobs(self.learner, _to(exp, self.learner.device), version, self.rank, self.world)
-        return rows.cpu(), new.cpu()
+    def old_logprobs(self, learner: Learner, exp: Experience, version: int, rank: int, world: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        return fsdp_old_logprobs(learner, exp, version, rank, world)
 
-    def actor_state(self) -> dict[str, torch.Tensor]:
-        return full_model_state(self.learner.actor)
+    def model_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return full_model_state(model)
 
-    def critic_state(self) -> dict[str, torch.Tensor]:
-        assert self.learner.critic is not None  # (asked only of a group with a critic)
-        return full_model_state(self.learner.critic)
+    def optim_state(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
+        return full_optim_state(model, opt)
 
-    def actor_weights(self) -> Packed | None:
-        """The trained parameters (``weight_sync.pack``'s format) on rank 0, None elsewhere."""
-        state = full_model_state(self.learner.actor)
-        if self.rank != 0:
-            return None
-        names = set(_trainable_names(self.learner.actor))
-        return pack_state({k: v for k, v in state.items() if k in names})
-
-    def critic_weights(self) -> Packed | None:
-        assert self.learner.critic is not None  # (asked only of a group with a critic: critic_scorer)
-        state = full_model_state(self.learner.critic)
-        return pack_state(state) if self.rank == 0 else None
-
-    def state_dict(self) -> dict:
-        """Rank 0: the single learner's format (``dp.learner_state``); {} elsewhere. A collective."""
-        lr = self.learner
-        state = {"actor": full_model_state(lr.actor), "actor_opt": full_optim_state(lr.actor, lr.actor_opt)}
-        if lr.critic is not None:
-            assert lr.critic_opt is not None  # (built with the critic)
-            state.update(critic=full_model_state(lr.critic), critic_opt=full_optim_state(lr.critic, lr.critic_opt))
-        return state if self.rank == 0 else {}
-
-    def load_state_dict(self, state: dict) -> None:
-        lr = self.learner
-        if (lr.critic is None) != ("critic" not in state):
-            raise ValueError("a learner state with a critic loads only into a learner with one (and without into "
-                             "without)")
-        load_full_state(lr.actor, lr.actor_opt, state["actor"], state["actor_opt"])
-        if lr.critic is not None:
-            assert lr.critic_opt is not None  # (built with the critic)
-            load_full_state(lr.critic, lr.critic_opt, state["critic"], state["critic_opt"])
-
-    def memory(self) -> dict[str, int]:
-        return local_bytes(self.learner)
-
-    def _models(self) -> dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]:
-        lr = self.learner
-        out: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]] = {"actor": (lr.actor, lr.actor_opt)}
-        if lr.critic is not None:
-            assert lr.critic_opt is not None  # (built with the critic)
-            out["critic"] = (lr.critic, lr.critic_opt)
-        return out
-
-    def save_sharded(self, path: str) -> None:
-        """Write this rank's shards (``sharded_checkpoint.save_sharded``; a collective)."""
-        from .sharded import save_sharded
-
-        save_sharded(path, self._models())
-
-    def load_sharded(self, path: str) -> None:
-        """Load this rank's shards of a sharded checkpoint written by any number of ranks."""
-        from .sharded import load_sharded
-
-        load_sharded(path, self._models())
+    def load_state(self, model: torch.nn.Module, opt: torch.optim.Optimizer, weights: dict, optim: dict) -> None:
+        load_full_state(model, opt, weights, optim)
 
 
-# ====================================================================== the controller's handle
-
-class FSDPLearnerGroup(DPLearnerGroup):
-    """M sharded learner ranks on Ray: the Learner Protocol, as :class:`~.dp.DPLearnerGroup` (same
-    arguments, same checkpoint format), with every rank in every read of the weights and every
-    rank computing its share of the old log-probs."""
-
-    rank_class = FSDPLearnerRank
-
-    def _rank0_ref(self, call):
-        refs = [call(r) for r in self.ranks]  # every rank takes part in the all-gathers
-        self._gather(refs[1:], ranks=list(range(1, len(refs))))
-        return refs[0]
-
-    def old_logprobs(self, exp: Experience, version: int) -> Experience:
-        """``Learner.old_logprobs``, each rank computing its share of the rows."""
-        import ray
-
-        ref = ray.put(portable(exp))
-        shares = self._gather([r.old_logprobs.remote(ref, version) for r in self.ranks])
-        rows = torch.cat([s[0] for s in shares]).to(exp.mask.device)
-        new = torch.cat([s[1] for s in shares]).to(exp.mask.device)
-        redo, off = old_logprob_targets(exp, version, self._recompute_old)
-        return set_old_logprobs(exp, rows, new, redo, off, self._draw.cfg)
-
-    def checkpoint_state(self):
-        """A writer of every rank's shards (``sharded_checkpoint.ShardedLearnerState``: the
-        checkpoint calls it inside its temporary directory); the whole weights are gathered into the
-        ``home`` modules for the Hugging Face export."""
-        from .sharded import ShardedLearnerState
-
-        policy, critic = self.home
-        policy.load_state_dict(self.actor_state())
-        if critic is not None:
-            critic.load_state_dict(self.critic_state())
-        return ShardedLearnerState(lambda path: self._gather([r.save_sharded.remote(path) for r in self.ranks]))
-
-    def load_checkpoint_state(self, optim: dict) -> None:
-        """A sharded checkpoint (``{"sharded": path}``, from any number of ranks): each rank reads its
-        shards; any other (one learner's, replicas'): as the replicas load it."""
-        if "sharded" not in optim:
-            return super().load_checkpoint_state(optim)
-        self._gather([r.load_sharded.remote(optim["sharded"]) for r in self.ranks])
-        if self.critic_scorer is not None:
-            self.critic_scorer.set_critic_weights(self._rank0_ref(lambda r: r.critic_weights.remote()))
-
-    def weight_sync_ranks(self) -> list[int]:
-        """Every rank: each all-gathers the parameters rank 0 streams (``weight_sync.CollectiveSync``)."""
-        return list(range(self.world))
-
-    def memory(self) -> list[dict[str, int]]:
-        """Each rank's bytes of parameters, gradients and optimizer state."""
-        return self._gather([r.memory.remote() for r in self.ranks])
-
-    def __init__(self, spec: LearnerSpec, world_size: int, **kw):
-        self._recompute_old = spec.recompute_old
-        super().__init__(spec, world_size, **kw)
-
-
-__all__ = ["FSDPLearnerGroup", "FSDPLearnerRank", "build_sharded", "fsdp_old_logprobs", "fsdp_update",
-           "full_model_state", "full_optim_state", "load_full_state", "local_bytes", "shard_model"]
+__all__ = ["Sharded", "build_sharded", "fsdp_old_logprobs", "fsdp_update", "full_model_state", "full_optim_state",
+           "load_full_state", "shard_model"]

@@ -5,6 +5,7 @@ data-parallel and FSDP2 learners share (``dp.py``, ``fsdp.py``)."""
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,13 +13,15 @@ from .. import guard
 from ..algo.core import ClippedTokenLoss
 from ..algo.losses import aggregate, value_loss
 from ..algo.masks import masked_mean
-from ..config import PPOConfig
 from ..forward import RowPlan, head_logprobs, packed_hidden, row_plan
 from .batch import (CriticBatch, Experience, MicroBatch, _lengths, _micro_slices, balanced, micro_batches,
                     old_logprob_targets, padding_stats, set_old_logprobs)
 from ..models import backbone_and_head, checkpointing
 from .offpolicy import MismatchProbe
 from ..weights.precision import autocast, cast_once
+
+if TYPE_CHECKING:  # (the config lists the learner engines: no import back at run time)
+    from ..config import PPOConfig
 
 
 def adamw(params, lr: float, weight_decay: float) -> torch.optim.AdamW:
@@ -140,7 +143,7 @@ class Learner:
                                        compute_dtype=self.compute_dtype, step=step))
         return stats
 
-    def actor_weights(self) -> torch.nn.Module:
+    def weights_out(self) -> torch.nn.Module:
         """The trained policy (the rollout backend copies from it: ``RolloutBackend.load_weights``)."""
         return self.actor
 

@@ -38,6 +38,7 @@ import torch
 
 from ..guard import NonFiniteError, sampling_message
 from ..kv import KVRows, left_pad
+from ..api.protocols import WeightSource
 from ..api.records import Chunk, ChunkReady, Event, Rollout, RolloutStats, SequenceFinished
 from .chunks import take_chunks
 from .registry import EngineSettings, resolve_engine  # (their old home: imports of them keep working)
@@ -288,13 +289,13 @@ class RolloutEngine:
     def set_version(self, version: int) -> None:
         self.version = version
 
-    def load_weights(self, weights: torch.nn.Module, version: int) -> None:
+    def load_weights(self, weights: WeightSource, version: int) -> None:
         """The trained policy's weights into the model this engine samples with (a no-op when it
         is that model: fp32 without in-flight updates), then sample as ``version``. Rows in
         flight keep their KV cache (``recompute`` rebuilds it)."""
-        from ..weights.precision import copy_weights
+        from ..weights.sync import load_source
 
-        copy_weights(weights, self.model)
+        load_source(self.model, weights)
         self.set_version(version)
 
     def advance(self, chunk_size: int | None) -> list[Event]:

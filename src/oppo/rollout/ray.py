@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
 
 import torch
 
@@ -46,10 +45,13 @@ from . import registry
 from .engine import EngineSettings, Rollout
 from .registry import BuildRequest
 from ..trace import Tracer
-from ..api.records import ChunkReady, Event, RolloutStats, SequenceFinished
-from ..cluster import get_named, one_line
+from ..api.decode import decode_and_stream
+from ..api.records import Event, RolloutStats, SequenceFinished
+from ..cluster import ActorGroup, one_line
 from ..api.specs import ModelSpec
-from ..weights.sync import Packed, SyncGroup, WeightReceiver, WeightSyncError, pack, unpack_into
+from ..api.protocols import Wait, WeightSource
+from ..weights.sync import (Packed, RemoteWeights, SyncGroup, WeightReceiver, WeightSyncError, pack, pack_state,
+                            unpack_into, unpacked_tensors)
 
 
 class RolloutHost:
@@ -72,6 +74,7 @@ class RolloutHost:
         self.chunks_sent = 0  # chunks streamed since the last flush
         self.tracer = Tracer(enabled=True)
         self._span: tuple[float, int] | None = None  # (start, step) of the decode span not yet recorded
+        self._step = 0  # the step advance decodes for
 
     def admit(self, rollouts: list[Rollout], step: int) -> None:
         if self.scorers:  # first to the scorers, so that they hold the prompt before any chunk
@@ -82,25 +85,27 @@ class RolloutHost:
 
     def advance(self, chunk: int | None, step: int) -> list[Rollout]:
         """Decode on its own until a row ends, or for ``chunk`` steps (None: until a row ends);
-        the chunks of ``chunk`` tokens (and each row's end) go to the scorers as they complete.
-        Returns the rows that ended (whole: tokens, log-probs, versions)."""
-        steps = 0
-        while self.engine.active:
-            if self._span is None:
-                self._span = (time.perf_counter(), step)
-            events = self.engine.advance((chunk or 1 << 30) if self.scorers else None)
-            steps += 1
-            done = [e.rollout for e in events if isinstance(e, SequenceFinished)]
-            chunks = [e.chunk for e in events if isinstance(e, ChunkReady)]
-            if chunks:
-                self._close_span()  # one decode span per stretch between two sends, as the controller's
-                self.sent += [a.feed.remote(chunks, step) for a in self.scorers]
-                self.chunks_sent += len(chunks)
-            if done and not self.engine.active:
-                self._close_span()
-            if done or (chunk is not None and steps >= chunk):
-                return done
-        return []
+        the chunks of ``chunk`` tokens (and each row's end) go to the scorers as they complete
+        (``api.decode.decode_and_stream``, the controller's loop). Returns the rows that ended
+        (whole: tokens, log-probs, versions)."""
+        self._step = step
+        done = decode_and_stream(self.engine, (chunk or 1 << 30) if self.scorers else None, self, max_steps=chunk)
+        if done and not self.engine.active:
+            self._close_span()
+        return done
+
+    # the DecodeSink of decode_and_stream
+    def advancing(self) -> None:
+        if self._span is None:
+            self._span = (time.perf_counter(), self._step)
+
+    def finished(self, rollout: Rollout) -> None:
+        pass  # (returned by advance)
+
+    def chunks(self, chunks: list) -> None:
+        self._close_span()  # one decode span per stretch between two sends, as the controller's
+        self.sent += [a.feed.remote(chunks, self._step) for a in self.scorers]
+        self.chunks_sent += len(chunks)
 
     def _close_span(self) -> None:
         if self._span is not None:
@@ -139,8 +144,7 @@ class RolloutHost:
 
     def load_weights(self, weights: Packed, version: int) -> None:
         if self.model is None:  # a backend with weights of its own: its reload, from the object store's arrays
-            # (RolloutBackend.load_weights names a module only; such a backend takes (name, tensor) pairs)
-            self.engine.load_weights(_tensors(weights), version)  # type: ignore[arg-type]
+            self.engine.load_weights(unpacked_tensors(weights), version)
             return
         unpack_into(self.model, weights, partial=True)
         self.engine.set_version(version)
@@ -183,19 +187,6 @@ class RolloutHost:
         self.engine.close()
 
 
-def _tensors(packed: Packed) -> list[tuple[str, torch.Tensor]]:
-    """``weight_sync.pack``'s arrays as (name, tensor) pairs, without a copy (read-only views)."""
-    import warnings
-
-    out = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # read-only arrays: the backend only reads them
-        for name, (arr, dtype) in packed.items():
-            t = torch.from_numpy(arr)
-            out.append((name, t.view(torch.bfloat16) if dtype == "bfloat16" else t))
-    return out
-
-
 class RayRolloutGroup:
     """N rollout workers behind the ``RolloutBackend`` Protocol (module docstring).
     ``scorer``: the :class:`~.ray_scorer.RayScorerWorker` to stream to (None: no streaming). Call
@@ -203,16 +194,10 @@ class RayRolloutGroup:
 
     def __init__(self, spec: ModelSpec, settings: EngineSettings, n: int, *, seed: int, tracer: Tracer,
                  scorer=None, num_cpus: float = 1, num_gpus: float = 0, threads: int = 1):
-        import ray
-
-        if n < 1:
-            raise ValueError(f"a rollout group needs at least one worker, got {n}")
-        host = ray.remote(RolloutHost)
         handles = list(scorer.actors) if scorer is not None else None
-        # Ray types a handle as `ActorHandle[RolloutHost] | type[RolloutHost]`: its methods' `.remote`
-        # type-check only on methods decorated with `ray.method` (ray is imported lazily here)
-        self.workers: list[Any] = [host.options(num_cpus=num_cpus, num_gpus=num_gpus).remote(
-            spec, settings, seed + i, threads, f"rollout{i}", handles) for i in range(n)]
+        self.group = ActorGroup(RolloutHost, n, lambda i: (spec, settings, seed + i, threads, f"rollout{i}", handles),
+                                role="rollout worker", num_cpus=num_cpus, num_gpus=num_gpus)
+        self.workers = self.group.actors
         self.tracer, self.scorer = tracer, scorer
         if scorer is not None:
             scorer.feeders.append(self)  # its barrier flushes the workers' chunks first
@@ -221,7 +206,7 @@ class RayRolloutGroup:
         self.admitted = [0] * n  # sequences admitted to each worker so far
         self.chunks_sent = 0  # chunks the workers streamed to the scorers so far
         self.peak_cache_bytes = 0
-        self._gather([w.set_version.remote(0) for w in self.workers])  # up, and named if it failed to load
+        self.group.call("set_version", 0)  # up, and named if it failed to load
 
     @property
     def active(self) -> int:
@@ -241,25 +226,26 @@ class RayRolloutGroup:
             self.admitted[w] += 1
             share[w].append(r)
             self.rows[r.uid] = w
-        self._gather([self.workers[i].admit.remote(rs, self.version) for i, rs in enumerate(share) if rs])
+        self.group.gather([self.workers[i].admit.remote(rs, self.version) for i, rs in enumerate(share) if rs],
+                          [i for i, rs in enumerate(share) if rs])
 
     def advance(self, chunk_size: int | None) -> list[Event]:
         """Every worker with rows decodes on its own (streaming chunks of ``chunk_size`` tokens to
         the scorers) until one of its rows ends or for ``chunk_size`` steps; the rows that ended,
         in worker order. No chunk events: the workers sent them."""
         busy = sorted(set(self.rows.values()))
-        done = self._gather([self.workers[i].advance.remote(chunk_size, self.version) for i in busy], ranks=busy)
+        done = self.group.call("advance", chunk_size, self.version, ranks=busy)
         return [SequenceFinished(self._take(r)) for rows in done for r in rows]
 
     def generate_all(self) -> list[Rollout]:
         busy = sorted(set(self.rows.values()))
-        done = self._gather([self.workers[i].generate_all.remote(self.version) for i in busy], ranks=busy)
+        done = self.group.call("generate_all", self.version, ranks=busy)
         self.flush()  # (the sequential loop has no scorer barrier to bring the workers' spans home)
         return [self._take(r) for rows in done for r in rows]
 
     def flush(self) -> None:
         """Every chunk the workers sent has reached the scorers; their spans join the trace."""
-        for spans, peak, sent in self._gather([w.flush.remote() for w in self.workers]):
+        for spans, peak, sent in self.group.call("flush"):
             for sp in spans:
                 self.tracer.add(sp.worker, sp.stage, sp.step, sp.start, sp.end, **sp.args)
             self.peak_cache_bytes = max(self.peak_cache_bytes, peak)
@@ -267,35 +253,57 @@ class RayRolloutGroup:
 
     def set_version(self, version: int) -> None:
         self.version = version
-        self._gather([w.set_version.remote(version) for w in self.workers])
+        self.group.call("set_version", version)
 
     def recompute(self) -> None:
-        self._gather([w.recompute.remote() for w in self.workers])
+        self.group.call("recompute")
 
     def abort(self, uids: set[int]) -> None:
         mine: list[set[int]] = [set() for _ in self.workers]  # each worker's rows among uids
         for u in uids:
             if u in self.rows:
                 mine[self.rows[u]].add(u)
-        self._gather([w.abort.remote(m) for w, m in zip(self.workers, mine)])
+        self.group.gather([w.abort.remote(m) for w, m in zip(self.workers, mine)])
         for u in uids:
             self.rows.pop(u, None)
 
-    def load_weights(self, weights, version: int) -> None:
-        """New policy weights into every worker, which then sample as ``version``: a module
-        (packed here), or a Ray ref to ``weight_sync.pack``'s arrays (from learner rank 0, not
-        through the controller). One copy in the object store either way."""
+    def load_weights(self, source: WeightSource, version: int) -> None:
+        """New policy weights into every worker, which then sample as ``version``: a learner's
+        ``RemoteWeights`` (loaded straight from the object store: not through the controller), or a
+        module or ``(name, tensor)`` pairs (put there once here)."""
         import ray
 
-        ref = weights if isinstance(weights, ray.ObjectRef) else ray.put(pack(weights))  # all of them: frozen or not
-        self._gather([w.load_weights.remote(ref, version) for w in self.workers])
+        if isinstance(source, RemoteWeights):
+            ref = source.ref
+        elif isinstance(source, torch.nn.Module):
+            ref = ray.put(pack(source))  # all of them: frozen or not
+        else:
+            ref = ray.put(pack_state(dict(source)))
+        self.group.call("load_weights", ref, version)
         self.version = version
+
+    # the collective weight sync's receiving end (api.protocols.WeightLinkReceiver)
+    @property
+    def link_members(self) -> int:
+        return len(self.workers)
+
+    def open_weight_link(self, host: str, port: int, first: int, world: int, timeout_s: float) -> Wait:
+        refs = [w.join_weight_sync.remote(host, port, first + k, world, timeout_s) for k, w in enumerate(self.workers)]
+        return lambda: [f"rollout worker {k}: {w}" if w else "" for k, w in enumerate(self.group.gather(refs))]
+
+    def receive_weights(self, version: int) -> Wait:
+        refs = self.group.submit("receive_weights", version)
+
+        def wait() -> None:
+            self.group.gather(refs)
+            self.version = version
+        return wait
 
     def in_flight(self) -> list[Rollout] | None:
         """The rows decoding on every worker, as the workers hold them (``RolloutBackend.in_flight``),
         in admission order; None where a worker's backend cannot hand them out. ``admit`` takes them back: a worker prefills prompt + response so far and
         streams the response to the scorers again."""
-        per_worker = self._gather([w.in_flight.remote() for w in self.workers])
+        per_worker = self.group.call("in_flight")
         if any(rs is None for rs in per_worker):
             return None
         return sorted((r for rs in per_worker for r in rs), key=lambda r: r.uid)
@@ -303,7 +311,7 @@ class RayRolloutGroup:
     def state_dict(self) -> dict:
         """Eager engines: every worker's generator state (``{"generator": [...]}``, in rank
         order); a backend without a generator: every worker's engine state (``{"workers": [...]}``)."""
-        states = self._gather([w.state_dict.remote() for w in self.workers])
+        states = self.group.call("state_dict")
         if all("generator" in st for st in states):
             return {"generator": [st["generator"] for st in states]}
         return {"workers": states}
@@ -321,7 +329,7 @@ class RayRolloutGroup:
             states = [{"generator": g} for g in (gen if isinstance(gen, list) else [gen])]
         if len(states) != len(self.workers):
             states = states[:1]
-        self._gather([w.load_state_dict.remote(st) for w, st in zip(self.workers, states)])
+        self.group.gather([w.load_state_dict.remote(st) for w, st in zip(self.workers, states)])
 
     def take_stats(self) -> RolloutStats:
         stats = RolloutStats(self.peak_cache_bytes)  # (the workers' peaks, gathered at each flush)
@@ -329,20 +337,11 @@ class RayRolloutGroup:
         return stats
 
     def close(self) -> None:
-        import ray
-
         # the engines' own processes first (a backend's model workers); a dead actor has none left
-        ray.wait([w.close.remote() for w in self.workers], num_returns=len(self.workers), timeout=30)
-        for w in self.workers:
-            ray.kill(w)
+        self.group.shutdown("close", timeout_s=30)
         self.workers = []
 
     def _take(self, remote: Rollout) -> Rollout:
         """A worker's finished row, no longer decoding anywhere."""
         del self.rows[remote.uid]
         return remote
-
-    def _gather(self, refs: list, ranks: list[int] | None = None) -> list:
-        """``ray.get`` of one call per worker; a failure named by role and rank."""
-        ranks = list(range(len(refs))) if ranks is None else ranks
-        return [get_named(ref, f"rollout worker (role=rollout, rank={rank})") for rank, ref in zip(ranks, refs)]

@@ -45,10 +45,10 @@ from ..api.records import Chunk
 from ..api.records import ScoredOutputs
 from .streaming import Kind, StreamingScorer, score_full
 from ..trace import Tracer
-from ..weights.precision import copy_weights, master_dtype, serving_copy
-from ..learner.local import load_optimizer_state_in_place
-from .worker import BarrierReply, CriticTrainer, ScorerWorker
-from ..cluster import get_named
+from ..weights.precision import copy_weights
+from ..learner.critic import CriticTrainer
+from .worker import BarrierReply, ScorerWorker
+from ..cluster import ActorGroup
 from ..api.specs import ModelSpec
 from ..weights.sync import is_packed, pack, unpack_into
 
@@ -66,8 +66,6 @@ class ScorerHost:
                  critic_trainer: PPOConfig | None = None, seed: int = 0):
         torch.set_num_threads(threads)
         torch.manual_seed(seed)  # a fresh critic head is then at least reproducible (specs.py)
-        self.critic_master: torch.nn.Module | None = None
-        self.critic_opt: torch.optim.Optimizer | None = None
         scorers: dict[str, StreamingScorer] = {}
         trainer: CriticTrainer | None = None
         for role, spec in specs.items():
@@ -77,17 +75,14 @@ class ScorerHost:
                 raise ValueError(f"the {role} scorer's ModelSpec needs pad_id (it pads chunks with it)")
             if role == "critic" and critic_trainer is not None:
                 # trained here: fp32 masters and AdamW; the scorer reads a serving copy (weights.py)
-                self.critic_master = spec.with_dtype(master_dtype(spec.dtype)).load()
-                model = serving_copy(self.critic_master, spec.dtype)
-                self.critic_opt = torch.optim.AdamW(self.critic_master.parameters(), lr=critic_trainer.critic_lr,
-                                                    weight_decay=critic_trainer.weight_decay)
-                trainer = CriticTrainer(self.critic_opt, critic_trainer, self.critic_master, spec.dtype)
+                trainer, model = CriticTrainer.load(spec, critic_trainer)
             else:
                 model = spec.load()
             scorers[role] = StreamingScorer(role, model, spec.pad_id,
                                             temperature if role == "reference" else 1.0)
         self.scorers, self.temperature = scorers, temperature
         self.tracer = Tracer(enabled=True)
+        self.trainer = trainer
         self.worker = ScorerWorker(scorers, threads, self.tracer, name, trainer=trainer)
 
     # calls from the controller: the first four only enqueue (ScorerWorker's message loop)
@@ -117,33 +112,28 @@ class ScorerHost:
         arrays) into the critic this actor scores with."""
         self.worker.barrier()  # nothing may be reading the critic while it changes
         t = time.perf_counter()
-        target = self.critic_master if self.critic_master is not None else self.scorers["critic"].model
+        trainer, scored = self.trainer, self.scorers["critic"].model
+        target = trainer.master if trainer is not None and trainer.master is not None else scored
         if is_packed(weights):
             unpack_into(target, weights)
         else:
             target.load_state_dict(weights)
-        copy_weights(target, self.scorers["critic"].model)
+        copy_weights(target, scored)
         self.tracer.add(self.worker.name, "load_critic", step, t, time.perf_counter())
 
     def critic_state(self) -> dict[str, Any]:
-        """The trained critic's weights and AdamW state (the formats of ``Learner.critic`` and
-        ``Learner.critic_opt``), for checkpoints."""
+        """The trained critic's weights and AdamW state (``CriticTrainer.state``), for checkpoints."""
         self.worker.barrier()
-        if self.critic_master is None:
-            raise RuntimeError("this scorer actor does not train the critic (built without critic_trainer)")
-        assert self.critic_opt is not None  # made with the master
-        return {"model": {k: v.detach().cpu() for k, v in self.critic_master.state_dict().items()},
-                "optim": self.critic_opt.state_dict()}
+        return self._trainer().state(self.scorers["critic"].model)
 
     def load_critic_state(self, model: dict[str, torch.Tensor], optim: dict | None = None) -> None:
         self.worker.barrier()
-        if self.critic_master is None:
+        self._trainer().load_state(self.scorers["critic"].model, model, optim)
+
+    def _trainer(self) -> CriticTrainer:
+        if self.trainer is None:
             raise RuntimeError("this scorer actor does not train the critic (built without critic_trainer)")
-        self.critic_master.load_state_dict(model)
-        copy_weights(self.critic_master, self.scorers["critic"].model)
-        if optim is not None:
-            assert self.critic_opt is not None  # made with the master
-            load_optimizer_state_in_place(self.critic_opt, optim)
+        return self.trainer
 
     def score_full(self, role: str, prompts: list[list[int]], responses: list[list[int]]) -> list[ScoredOutputs]:
         """One-shot scores of whole sequences with this actor's model of ``role`` (after the queued work)."""
@@ -168,8 +158,6 @@ class RayScorerWorker:
     def __init__(self, specs: dict[str, ModelSpec], tracer: Tracer, *, temperature: float = 1.0, threads: int = 1,
                  num_cpus: float = 1, num_gpus: float = 0, groups: Sequence[Sequence[str]] | None = None,
                  critic_trainer: PPOConfig | None = None, name: str = "scorer", seed: int = 0):
-        import ray
-
         roles = [r for r in SCORER_ROLES if r in specs]
         groups = [tuple(roles)] if groups is None else [tuple(g) for g in groups]
         if sorted(r for g in groups for r in g) != sorted(specs):
@@ -180,20 +168,20 @@ class RayScorerWorker:
         self.results: dict[str, dict[int, ScoredOutputs]] = {r: {} for r in roles}
         self.train_stats: dict[str, float] = {}
         self.critic_trains_here = critic_trainer is not None
-        self.actors: list[Any] = []  # Ray actor handles of ScorerHost
-        self.labels: list[str] = []  # each actor's roles, "+"-joined
-        self._pending: list[list[Any]] = []  # per actor: the refs of the calls not waited on yet
+        self.labels: list[str] = ["+".join(g) for g in groups]  # each actor's roles, "+"-joined
+        self._pending: list[list[Any]] = [[] for _ in groups]  # per actor: the refs of the calls not waited on yet
         self.feeders: list = []  # others that feed the actors (rollout workers): flushed before a barrier
-        host = ray.remote(ScorerHost)
-        for g in groups:
-            label = "+".join(g)
-            worker_name = name if len(groups) == 1 else f"{name}/{label}"
-            actor = host.options(num_cpus=num_cpus, num_gpus=num_gpus).remote(
-                {r: specs[r] for r in g}, temperature, threads, worker_name,
-                critic_trainer if "critic" in g else None, seed)
-            self.actors.append(actor)
-            self.labels.append(label)
-            self._pending.append([])
+
+        def args(i: int) -> tuple:
+            g = groups[i]
+            worker_name = name if len(groups) == 1 else f"{name}/{self.labels[i]}"
+            return ({r: specs[r] for r in g}, temperature, threads, worker_name,
+                    critic_trainer if "critic" in g else None, seed)
+
+        # one actor per group of roles, each its group's rank 0 (one replica per group)
+        self.group = ActorGroup(ScorerHost, len(groups), args, role="scorer actor", num_cpus=num_cpus,
+                                num_gpus=num_gpus, labels=self.labels, numbers=[0] * len(groups))
+        self.actors: list[Any] = self.group.actors  # Ray actor handles of ScorerHost
         self._critic = next((i for i, g in enumerate(groups) if "critic" in g), None)
 
     # ------------------------------------------------------------------ the ScorerWorker methods
@@ -253,15 +241,8 @@ class RayScorerWorker:
 
     def close(self) -> None:
         """Stop the actors (a clean stop if they answer within 10 s, then killed either way)."""
-        import ray
-
-        refs = [a.close.remote() for a in self.actors]
-        try:
-            ray.wait(refs, num_returns=len(refs), timeout=10)
-        finally:
-            for a in self.actors:
-                ray.kill(a)
-            self.actors = []
+        self.group.shutdown("close", timeout_s=10)
+        self.actors = []
 
     # ------------------------------------------------------------------ the critic's weights
 
@@ -319,7 +300,7 @@ class RayScorerWorker:
     def _wait(self, i: int) -> list:
         """Results of actor ``i``'s pending calls, in order; the first failure raised by role and rank."""
         refs, self._pending[i] = self._pending[i], []
-        return get_named(refs, f"scorer actor (role={self.labels[i]}, rank=0)")
+        return self.group.gather(refs, [i] * len(refs))
 
 
 class FedByRollout:

@@ -24,14 +24,12 @@ from typing import Callable
 
 import torch
 
-from ..config import PPOConfig
 from ..learner.batch import CriticBatch
-from ..learner.local import critic_update
+from ..learner.critic import CriticTrainer
 from ..api.records import Chunk
 from ..api.records import ScoredOutputs
 from .streaming import StreamingScorer, score_full
 from ..trace import Tracer
-from ..weights.precision import copy_weights
 
 
 @dataclass(frozen=True)
@@ -79,25 +77,6 @@ class BarrierReply:
     spans: list
     peaks: dict[str, int]
     train_stats: dict[str, float]
-
-
-@dataclass
-class CriticTrainer:
-    """The critic's PPO update where it is scored (``placement.critic_on_worker``): its AdamW, the
-    PPO settings, and its fp32 master weights when they are not the scored module (bf16,
-    weights.py; None: the scorer's critic is the trained one)."""
-
-    opt: torch.optim.Optimizer
-    cfg: PPOConfig
-    master: torch.nn.Module | None = None
-    compute_dtype: torch.dtype = torch.float32
-
-    def train(self, scored: torch.nn.Module, msg: TrainCriticMsg, adapt: Callable[[], None]) -> dict[str, float]:
-        master = self.master if self.master is not None else scored
-        stats = critic_update(master, self.opt, msg.batch, list(msg.minibatches), self.cfg, adapt, self.compute_dtype,
-                              msg.step)
-        copy_weights(master, scored)  # the bf16 copy it scores with (no-op in fp32)
-        return stats
 
 
 @dataclass
@@ -155,7 +134,8 @@ class ScorerLoop:
                 if self.trainer is None:
                     raise RuntimeError("internal error: this scorer worker was built without a critic trainer")
                 with self.tracer.span(self.name, "train_critic", m.step):
-                    self.train_stats = self.trainer.train(self.scorers["critic"].model, m, self.adapt_threads)
+                    self.train_stats = self.trainer.train(self.scorers["critic"].model, m.batch, m.minibatches,
+                                                          m.step, self.adapt_threads)
             elif isinstance(m, BarrierMsg):
                 if self.stream is not None:
                     self.stream.synchronize()

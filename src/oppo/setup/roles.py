@@ -32,8 +32,9 @@ from ..config import Config
 from ..data import ALL_COLUMNS, DataError, build_prompt_set, read_records, records_from_object
 from ..forward import set_packing
 from ..inputs import Inputs, save_for_elsewhere
+from ..learner import registry as learners
+from ..learner.critic import CriticBesideScorer, CriticTrainer
 from ..marker import is_marker
-from ..learner.critic import CriticBesideScorer
 from ..learner.local import Learner
 from ..models import (apply_lora, base_view, check_roles, critic_from_object, enable_gradient_checkpointing,
                      load_causal_lm, load_critic, load_function, load_reward_model, load_tokenizer, prepare_model,
@@ -43,10 +44,11 @@ from ..scoring.composite import CompositeReward, check_model_terms, composite_fu
 from ..scoring.inline import InlineScorer
 from ..scoring.reward_fn import KeywordCall, describe, missing_columns, wants
 from ..scoring.streaming import RewardFunction, StreamingScorer
-from ..scoring.worker import CriticTrainer, ScorerWorker
+from ..scoring.worker import ScorerWorker
 from ..trace import Tracer
 from ..weights.plan import WeightSync
 from ..weights.precision import copy_weights, master_dtype, serving_copy
+from ..weights.sync import load_source
 from .plan import decide_placement, engine_settings, resolve_paths
 
 # Roles is built in two phases: the models first, then the placement's builders fill in the rollout
@@ -168,6 +170,7 @@ def build_roles(cfg: Config, progress: bool = True, inputs: Inputs | None = None
         or (g.engine != registry.AUTO and registry.get(g.engine).other_numerics))
     learner = Learner(policy, critic, cfg.ppo, g.temperature, cfg.run.seed, compute_dtype=dtype,
                       recompute_old=recompute, algorithm=algorithm)
+    engine = learners.get(cfg.placement.learner_sharding)  # (config.validate checked where it runs)
     scorers = {"reference": StreamingScorer("reference", reference, pad_id, g.temperature)}
     if critic is not None:
         scorers["critic"] = StreamingScorer("critic", scoring_critic, pad_id)
@@ -182,11 +185,14 @@ def build_roles(cfg: Config, progress: bool = True, inputs: Inputs | None = None
                   algorithm=algorithm, device=dev, compute_dtype=dtype, max_new_tokens=max_new, pad_id=pad_id,
                   stop_ids=tuple(stop_ids), policy=policy, critic=critic, reference=reference,
                   rollout_policy=rollout_policy, scoring_critic=scoring_critic, reward_model=reward_model, reward_fn=reward_fn, judge_fn=judge_fn,
-                  accuracy_fn=accuracy_fn, composite=composite, extra_reward_models=extra_rms, rollout=_BUILT_NEXT, scorer=_BUILT_NEXT, learner=learner,
+                  accuracy_fn=accuracy_fn, composite=composite, extra_reward_models=extra_rms, rollout=_BUILT_NEXT,
+                  scorer=_BUILT_NEXT, learner=_BUILT_NEXT,
                   sync=WeightSync([]), tracer=tracer)
     if placement.learner == "ray":
-        _place_on_ray(roles, stop_ids, recompute)
+        _place_on_ray(roles, stop_ids, recompute, engine)
         return roles
+    assert engine.build_local is not None  # (config.validate: it runs in this process)
+    roles.learner = engine.build_local(learners.LocalRequest(learner, cfg))
     roles.rollout = local_rollout(roles, stop_ids)
     trains_here = placement.critic_trains_on == "scorer"
     if placement.scorer == "inline":
@@ -201,7 +207,7 @@ def build_roles(cfg: Config, progress: bool = True, inputs: Inputs | None = None
                               transport=placement.scorer)
         roles.scorer = worker
         if trains_here:
-            roles.learner = CriticBesideScorer(learner, worker, tracer, placement.threads, inflight)
+            roles.learner = CriticBesideScorer(learner, worker, tracer, placement.threads, inflight, roles.learner)
     roles.closers.append(roles.scorer.close)
     if critic is not None and scoring_critic is not None and not trains_here and scoring_critic is not critic:
         serving = scoring_critic
@@ -260,7 +266,7 @@ def local_rollout(roles: Roles, stop_ids) -> RolloutBackend:
     roles.engine = settings.reason
     return backend
 
-def _place_on_ray(roles: Roles, stop_ids, recompute_old: bool) -> None:
+def _place_on_ray(roles: Roles, stop_ids, recompute_old: bool, engine: learners.Engine) -> None:
     """``placement.backend=ray``: the scorers become Ray actors (all stage-3 scoring goes to them,
     streamed or one-shot) and the learner a group of Ray ranks that trains actor and critic
     (replicas, or FSDP2 shards: ``placement.learner_sharding``); after each update rank 0's actor
@@ -268,8 +274,7 @@ def _place_on_ray(roles: Roles, stop_ids, recompute_old: bool) -> None:
     in buckets over a process group of their own or through the object store
     (``placement.weight_sync``), and its critic to the scorer actor (``time/weight_sync``)."""
     from ..cluster import init_ray
-    from ..learner.dp import DPLearnerGroup, learner_spec
-    from ..learner.fsdp import FSDPLearnerGroup
+    from ..learner.group import learner_spec
     from ..scoring.ray import FedByRollout, RayScorerWorker
 
     cfg, pl = roles.cfg, roles.cfg.placement
@@ -281,16 +286,17 @@ def _place_on_ray(roles: Roles, stop_ids, recompute_old: bool) -> None:
                              num_cpus=pl.scorer_cpus, num_gpus=pl.scorer_gpus, seed=cfg.run.seed)
     roles.closers.append(scorer.close)
     spec = learner_spec(cfg, roles.paths, pad_id, dtype, roles.algorithm, recompute_old)
-    learner_cls = FSDPLearnerGroup if pl.learner_sharding == "fsdp2" else DPLearnerGroup  # same Protocol and arguments
-    learner = learner_cls(spec, pl.learner_workers, num_cpus=pl.learner_cpus, num_gpus=pl.learner_gpus,
-                          threads=pl.actor_threads, strategy="STRICT_SPREAD" if pl.spread else "PACK",
-                          critic_scorer=scorer if roles.critic is not None else None, tracer=roles.tracer,
-                          home=(roles.policy, roles.critic), defer_sync=True)
+    assert engine.build_remote is not None  # (config.validate: it runs on Ray)
+    learner = engine.build_remote(learners.RemoteRequest(
+        spec, pl.learner_workers, pl.learner_cpus, pl.learner_gpus, pl.actor_threads,
+        "STRICT_SPREAD" if pl.spread else "PACK", scorer if roles.critic is not None else None, roles.tracer,
+        (roles.policy, roles.critic)))
     roles.learner = learner
     roles.closers.insert(0, learner.close)
-    learner.sync_actor(roles.policy)  # fresh heads/adapters are initialised per process: rank 0's rule
+    load_source(roles.policy, learner.weights_out())  # fresh heads/adapters are initialised per process: rank 0's rule
     copy_weights(roles.policy, roles.rollout_policy)
-    roles.sync.steps.append(lambda version: learner.sync(version))  # rank 0's critic -> the scorer actor
+    if isinstance(learner, learners.PushesCritic):
+        roles.sync.steps.append(learner.push_critic)  # rank 0's critic -> the scorer actor
     if roles.placement.rollout == "ray":
         from ..rollout.ray import RayRolloutGroup
 
@@ -310,7 +316,7 @@ def _place_on_ray(roles: Roles, stop_ids, recompute_old: bool) -> None:
         if link is not None:  # rank 0 streams to the workers over a group of their own
             roles.sync.steps.append(link)
         else:  # rollout workers load rank 0's weights straight from the object store
-            roles.sync.steps.append(lambda version: group.load_weights(learner.actor_weights(), version))
+            roles.sync.steps.append(lambda version: group.load_weights(learner.weights_out(), version))
     else:
         roles.rollout = local_rollout(roles, stop_ids)
         roles.scorer = scorer
@@ -320,7 +326,7 @@ def _place_on_ray(roles: Roles, stop_ids, recompute_old: bool) -> None:
             if link is not None:  # brought home only for checkpoints)
                 link(version)
             else:
-                learner.sync_actor(roles.rollout_policy)
+                load_source(roles.rollout_policy, learner.weights_out())
             # (oppo's engines sample with that model: no copy; a backend with weights of its own reloads from it)
             roles.rollout.load_weights(roles.rollout_policy, version)
         roles.sync.steps.append(actor_home)
@@ -349,8 +355,16 @@ def _collective_sync(roles: Roles, learner, rollout=None, local: torch.nn.Module
 
     from ..weights.sync import CollectiveSync, WeightSyncUnavailable
 
+    from ..api.protocols import WeightLinkSender
+
     pl = roles.cfg.placement
     if pl.weight_sync == "object_store":
+        return None
+    if not isinstance(learner, WeightLinkSender):
+        if pl.weight_sync == "collective":
+            raise RuntimeError(f"placement.weight_sync=collective: the learner engine "
+                               f"{pl.learner_sharding} has no collective weight link; set "
+                               f"placement.weight_sync=object_store (or auto)")
         return None
     if pl.weight_sync == "auto":  # collective where NCCL can carry it: every member on a GPU
         if rollout is not None:

@@ -59,11 +59,22 @@ import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+if TYPE_CHECKING:
+    from ..api.protocols import WeightLinkReceiver, WeightLinkSender, WeightSource
+
 Packed = dict[str, tuple[object, str]]  # name -> (numpy array, torch dtype name)
+
+
+@dataclass(frozen=True)
+class RemoteWeights:
+    """Trained weights held by another process: a Ray object ref to :func:`pack`'s arrays (a learner
+    rank's), loaded straight from Ray's object store by whoever needs them."""
+
+    ref: Any
 
 
 def pack(module: torch.nn.Module, trainable_only: bool = False) -> Packed:
@@ -472,32 +483,30 @@ class CollectiveSync:
     """The controller's handle on the collective path (``placement.weight_sync``): forms the group
     once, then each call is one sync of the actor's trained parameters as a version.
 
-    Members: the learner's sender (``learner``: a ``dp.DPLearnerGroup``; with FSDP2 every rank is
-    called, rank 0 sends), the ``rollout`` group's workers (a ``ray_rollout.RayRolloutGroup``) and,
-    when the engine is local, this process receiving into ``local``. This process hosts the group's
-    ``TCPStore``. ``wire_dtype``: the serving models' dtypes (per name). Raises
-    :class:`WeightSyncUnavailable` if the group cannot form, :class:`WeightSyncError` if a receiver
-    refuses the manifest.
+    Members: the learner (rank 0 of the group: a :class:`~oppo.api.protocols.WeightLinkSender`), the
+    ``rollout`` workers (a :class:`~oppo.api.protocols.WeightLinkReceiver`) and, when the engine is
+    local, this process receiving into ``local``. Only those Protocols' methods are called. This
+    process hosts the group's ``TCPStore``. ``wire_dtype``: the serving models' dtypes (per name).
+    Raises :class:`WeightSyncUnavailable` if the group cannot form, :class:`WeightSyncError` if a
+    receiver refuses the manifest.
     """
 
-    def __init__(self, learner, rollout=None, local: torch.nn.Module | None = None, *, bucket_bytes: int,
-                 wire_dtype=None, timeout_s: float = 600.0):
+    def __init__(self, learner: WeightLinkSender, rollout: WeightLinkReceiver | None = None,
+                 local: torch.nn.Module | None = None, *, bucket_bytes: int, wire_dtype=None,
+                 timeout_s: float = 600.0):
         import ray
-
-        from ..cluster import get_named
 
         if (rollout is None) == (local is None):
             raise ValueError("internal error: a collective weight sync goes to rollout workers or to a local module")
         self.learner, self.rollout, self.local = learner, rollout, local
         self.store = serve_store(timeout_s)
         host, port = ray.util.get_node_ip_address(), self.store.port
-        workers = rollout.workers if rollout is not None else []
-        world = 1 + len(workers) + (local is not None)
-        self.ranks = learner.weight_sync_ranks()
-        senders = [learner.ranks[r].open_weight_sync.remote(host, port, world, bucket_bytes, wire_dtype, timeout_s,
-                                                             len(self.ranks) > 1) for r in self.ranks]
-        receivers = [w.join_weight_sync.remote(host, port, 1 + k, world, timeout_s) for k, w in enumerate(workers)]
-        problems, refused = [], None
+        members = rollout.link_members if rollout is not None else 0
+        world = 1 + members + (local is not None)
+        senders = learner.open_weight_link(host, port, world, bucket_bytes, wire_dtype, timeout_s)
+        receivers = rollout.open_weight_link(host, port, 1, world, timeout_s) if rollout is not None else None
+        problems: list[str] = []
+        refused = None
         self.receiver = None
         if local is not None:
             try:
@@ -508,12 +517,9 @@ class CollectiveSync:
                 refused = e
             except Exception as e:  # noqa: BLE001 (reported: auto falls back)
                 problems.append(f"the controller: {type(e).__name__}: {e}")
-        why = learner._gather(senders, ranks=self.ranks)
-        problems += [f"learner rank {r}: {w}" for r, w in zip(self.ranks, why) if w]
-        for k, ref in enumerate(receivers):
-            w = get_named(ref, f"rollout worker (role=rollout, rank={k})")
-            if w:
-                problems.append(f"rollout worker {k}: {w}")
+        problems += [w for w in senders() if w]
+        if receivers is not None:
+            problems += [w for w in receivers() if w]
         if refused is not None:
             raise refused
         if problems:
@@ -523,27 +529,65 @@ class CollectiveSync:
         """One sync: the learner sends the trained actor as ``version``; every receiver loads it (the
         rollout workers' engines then sample as ``version``; a local engine's version is the
         caller's to set)."""
-        from ..cluster import get_named
-
-        senders = [self.learner.ranks[r].send_weights.remote(version) for r in self.ranks]
-        workers = self.rollout.workers if self.rollout is not None else []
-        receivers = [w.receive_weights.remote(version) for w in workers]
+        sent = self.learner.send_weights(version)
+        received = self.rollout.receive_weights(version) if self.rollout is not None else None
         failed = None
         if self.receiver is not None:
             try:
                 self.receiver.receive(version)
             except Exception as e:  # noqa: BLE001 (the senders' outcome first: they name the cause too)
                 failed = e
-        self.learner._gather(senders, ranks=self.ranks)
-        for k, ref in enumerate(receivers):
-            get_named(ref, f"rollout worker (role=rollout, rank={k})")
+        sent()
+        if received is not None:
+            received()
         if failed is not None:
             raise failed
-        if self.rollout is not None:
-            self.rollout.version = version
 
     def close(self) -> None:
         """Drop this process's member and the store (the remote members go with their actors)."""
         if self.receiver is not None:
             self.receiver.group.close()
         self.receiver = self.store = None
+
+
+def load_source(target: torch.nn.Module, source: WeightSource) -> None:
+    """Copy the weights of ``source`` (``LearnerEngine.weights_out``: a module, ``(name, tensor)``
+    pairs or :class:`~oppo.api.protocols.RemoteWeights`) into ``target``, cast to its dtypes; the
+    pairs and remote weights may name only some of its tensors (the trained ones)."""
+    from .precision import copy_weights
+
+    if isinstance(source, torch.nn.Module):
+        copy_weights(source, target)
+    elif isinstance(source, RemoteWeights):
+        import ray
+
+        unpack_into(target, ray.get(source.ref), partial=True)
+    else:
+        own = target.state_dict()
+        with torch.no_grad():
+            for name, t in source:
+                own[name].copy_(t)
+
+
+def as_pairs(source: WeightSource) -> Iterable[tuple[str, torch.Tensor]]:
+    """``source`` as ``(name, tensor)`` pairs (a backend that loads by name: ``Backend.loads_own_weights``)."""
+    if isinstance(source, torch.nn.Module):
+        return source.state_dict().items()
+    if isinstance(source, RemoteWeights):
+        import ray
+
+        return unpacked_tensors(ray.get(source.ref))
+    return source
+
+
+def unpacked_tensors(packed: Packed) -> list[tuple[str, torch.Tensor]]:
+    """:func:`pack`'s arrays as (name, tensor) pairs, without a copy (read-only views)."""
+    import warnings
+
+    out = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only arrays: the reader only reads them
+        for name, (arr, dtype) in packed.items():
+            t = torch.from_numpy(arr)
+            out.append((name, t.view(torch.bfloat16) if dtype == "bfloat16" else t))
+    return out

@@ -20,13 +20,15 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterable, Literal, cast
+from typing import Any, Literal, cast
 
 import torch
 
 from ..chunks import take_chunks
 from ..registry import BuildRequest
+from ...api.protocols import WeightSource
 from ...api.records import Chunk, ChunkReady, Event, Rollout, RolloutStats, SequenceFinished
+from ...weights.sync import as_pairs
 from . import loads, lora
 from .checks import VLLMEngineDied, VLLMUnavailable, _served_checkpoint, check_vllm
 from .checks import vllm_problems  # noqa: F401 (its old home)
@@ -354,9 +356,9 @@ class VLLMRolloutBackend:
     def set_version(self, version: int) -> None:
         self.version = version
 
-    def load_weights(self, weights: torch.nn.Module | Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Reload the engine's weights from ``weights`` (a module, or (name, tensor) pairs in
-        Hugging Face names) between two engine steps, requests in flight; then sample as
+    def load_weights(self, weights: WeightSource, version: int) -> None:
+        """Reload the engine's weights from ``weights`` (a module, (name, tensor) pairs in
+        Hugging Face names, or a learner's ``RemoteWeights``) between two engine steps, requests in flight; then sample as
         ``version``. Through the shared buffer where it works (``weights.py``), else through
         vLLM's RPC. A LoRA policy served as an adapter (``lora.py``) sends its adapter only. Times
         itself: ``last_weight_sync_s`` (``last_weight_sync_parts``: its parts)."""
@@ -369,7 +371,7 @@ class VLLMRolloutBackend:
         if self._adapter is not None:  # a plain model, served as it is: no adapter on top, its base not ours
             self._adapter_on = False
             self._adapter.base_sent(None)
-        loads.load_pairs(self, list(hf_weights(weights) if isinstance(weights, torch.nn.Module) else weights), version, t)
+        loads.load_pairs(self, list(hf_weights(weights) if isinstance(weights, torch.nn.Module) else as_pairs(weights)), version, t)
 
     def _drop_shared(self) -> None:
         """Unmap and free the shared weight buffer; the next load makes a new one (:mod:`.loads`)."""
