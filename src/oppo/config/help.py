@@ -1,0 +1,29 @@
+"""``oppo train --help``'s settings text: every section's settings with their defaults, allowed
+values and help."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .schema import TASK_PRESETS, Config, choices_of, sections
+
+
+def help_text() -> str:
+    lines = ["Settings (override with section.key=value, or put them in a YAML file for --config):", ""]
+    for task, preset in TASK_PRESETS.items():
+        shown = ", ".join(f"{k}={v}" for k, v in preset.items())
+        lines.append(f"With no models named, the built-in task {task!r} sets, unless you do: {shown}")
+    lines.append("")
+    cfg = Config()
+    for name, section in sections(cfg):
+        backend = name.partition("rollout.")[2]  # a backend's own settings (its help: generation.engine's)
+        lines.append(f"{name}: (the settings of generation.engine={backend})" if backend else f"{name}:")
+        for f in dataclasses.fields(section):
+            default = getattr(section, f.name)
+            shown = "(empty)" if default is None else repr(default) if isinstance(default, str) else default
+            extra = f" [{'|'.join(map(str, choices_of(f)))}]" if f.metadata.get("choices") else ""
+            lines.append(f"  {name}.{f.name} = {shown}{extra}")
+            lines.append(f"      {f.metadata.get('help', '')}")
+            lines += [f"        {line}" for line in (f.metadata["more"]() if "more" in f.metadata else [])]
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,316 @@
+"""Building a Config: defaults, a recipe, a YAML file and ``key=value`` overrides, each value
+coerced to its field's type; an unknown key is refused with the setting it most likely meant (or
+where it moved, :data:`MOVED`); a saved config is read back with :func:`from_dict`."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .. import from_trl
+from ..algo.algorithms import SPECS
+from .schema import TASK_PRESETS, Config, ConfigError, all_keys, sections
+from .validate import validate
+
+
+def _section(cfg: Config, key: str) -> tuple[Any, str] | None:
+    """(settings object, field name) that ``key`` (``section.field`` or ``rollout.backend.field``)
+    names; None for no setting."""
+    name, _, leaf = key.rpartition(".")
+    section = dict(sections(cfg)).get(name)
+    if section is None or leaf not in {f.name for f in dataclasses.fields(section)}:
+        return None
+    return section, leaf
+
+
+# other trainers' names (TRL, OpenRLHF, verl) for oppo's settings, by the last component: spelling
+# alone is a poor guide (difflib puts "learning_rate" nearest to "is_truncate")
+_ALIASES = {"learning_rate": ("actor_lr", "critic_lr"), "lr": ("actor_lr", "critic_lr"),
+            "actor_learning_rate": ("actor_lr",), "policy_lr": ("actor_lr",),
+            "critic_learning_rate": ("critic_lr",), "value_lr": ("critic_lr",), "vf_lr": ("critic_lr",),
+            "mini_batch_size": ("minibatch_size",), "ppo_epochs": ("epochs",), "cliprange": ("clip_eps",),
+            "init_kl_coef": ("kl_coef",), "prompt_key": ("field",), "input_key": ("field",),
+            "prompt_field": ("field",)}
+
+# settings that moved to another section (old key -> new key): given by hand (a YAML file, an
+# override) the old name is refused with the new one named; a saved config (a checkpoint's, a
+# bench's) is read with the old names moved (upgrade_settings)
+MOVED = {"overlap.scorer_process": "placement.scorer_process", "overlap.critic_on_worker": "placement.critic_on_worker",
+         "overlap.actor_threads": "placement.actor_threads", "overlap.scorer_threads": "placement.scorer_threads",
+         "run.threads": "placement.threads",
+         # issue 34: the overlap controller's trials cover Delta as well as the chunk
+         "overlap.chunk_trial_steps": "overlap.trial_steps", "overlap.chunk_retune_every": "overlap.retune_every",
+         # issue 37: a rollout backend's own settings are its section of rollout
+         "lora.sync": "rollout.vllm.lora_sync"}
+
+
+def upgrade_settings(d: dict) -> dict:
+    """A saved config dict (nested sections) with the keys of :data:`MOVED` under their new names
+    (a value already under the new name wins). ``d`` is unchanged."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in d.items()}
+    if isinstance(out.get("overlap"), dict) and "delta_rule" not in out["overlap"]:
+        out["overlap"]["delta_rule"] = "reward_slope"  # saved before the cost rule existed: it ran the paper's
+    for old, new in MOVED.items():
+        (os_, ok), (*ns, nk) = old.split("."), new.split(".")
+        if isinstance(out.get(os_), dict) and ok in out[os_]:
+            value = out[os_].pop(ok)
+            section = out.setdefault(ns[0], {})
+            for part in ns[1:]:  # (rollout.<backend>: a section within a section)
+                section[part] = section = dict(section.get(part) or {})
+            section.setdefault(nk, value)
+    return out
+
+
+def _words_match(a: str, b: str) -> bool:
+    """Two words one spelling slip apart (lrr/lr, seeds/seed), not two different words (kl/vf)."""
+    return a == b or difflib.SequenceMatcher(None, a, b).ratio() >= 0.8
+
+
+def _same_operation(leaf: str, known_leaf: str) -> bool:
+    """Whether ``known_leaf`` can be what ``leaf`` meant: the same name misspelled (batchsize,
+    actor_lrr), or a part of it (lr -> actor_lr). A name sharing a word or two with another
+    (whiten_rewards, whiten_advantages; vf_coef, kl_coef) is another operation, not a typo."""
+    joined = difflib.SequenceMatcher(None, leaf.replace("_", ""), known_leaf.replace("_", "")).ratio()
+    if joined >= 0.85:
+        return True
+    words, known_words = leaf.split("_"), known_leaf.split("_")
+    return all(any(_words_match(w, k) for k in known_words) for w in words)
+
+
+def _suggest(key: str, known: list[str]) -> str:
+    section, _, leaf = key.rpartition(".")
+    aliased = [f"{s}.{a}" for s in [section] + sorted({k.split(".")[0] for k in known})
+               for a in _ALIASES.get(leaf, ()) if f"{s}.{a}" in known]
+    if aliased:
+        first, *rest = list(dict.fromkeys(aliased))
+        also = f" (Or '{rest[0]}'.)" if rest and rest[0].split(".")[0] == first.split(".")[0] else ""
+        return f" Did you mean '{first}'?{also}"
+    sections = sorted({k.split(".")[0] for k in known})
+    if section and section not in sections:  # a misspelled section (ppoo.batch_size)
+        section = next(iter(difflib.get_close_matches(section, sections, n=1, cutoff=0.6)), section)
+    close = [k for k in known if _same_operation(leaf, k.split(".")[-1])]
+    close.sort(key=lambda k: (k.split(".")[0] != section,
+                              -difflib.SequenceMatcher(None, leaf, k.split(".")[-1]).ratio()))
+    return f" Did you mean '{close[0]}'?" if close else ""
+
+
+def _unknown(cfg: Config, key: str, value: Any, source: str) -> str | None:
+    """One line saying why ``key`` is not a setting and what to write instead; None for a setting."""
+    known = all_keys(cfg)
+    if key in MOVED:
+        why = (" (where a role runs and how much hardware it gets is in the placement section)"
+               if MOVED[key].startswith("placement.") else "")
+        return f"Unknown setting '{key}' (from {source}): {key} is now {MOVED[key]}{why}. Rename it to {MOVED[key]}."
+    if key in known:
+        return None
+    trl = from_trl.lookup(key)
+    if trl is not None:
+        return f"Unknown setting '{key}' (from {source}): {trl.says(value)}."
+    return f"Unknown setting '{key}' (from {source}).{_suggest(key, known)}"
+
+
+def _refuse_unknown(cfg: Config, items: list[tuple[str, Any, str]]) -> None:
+    """Raise one ConfigError naming every unknown key of ``items`` ((key, value, source)), a line each."""
+    lines = [line for key, value, source in items if (line := _unknown(cfg, key, value, source))]
+    if not lines:
+        return
+    trl = any(from_trl.lookup(key) for key, _, _ in items if key not in all_keys(cfg))
+    tail = "`oppo train --help` lists every setting" + ("; docs/from-trl.md maps TRL's." if trl else ".")
+    raise ConfigError("\n".join(lines[:-1] + [f"{lines[-1]} {tail}"]))
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Convert a YAML/override value to the field's declared type, or raise ConfigError."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
+            if type(None) in args:
+                return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(key, value, inner[0])
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{key}: expected true or false, got {value!r}.")
+    if tp is int:
+        if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, str) and _is_int(value))):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}.")
+        return int(value)
+    if tp is float:
+        try:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}: expected a number, got {value!r}.") from None
+    if tp is str:
+        if value is None:
+            raise ConfigError(f"{key}: must not be empty.")
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{key}: expected a string, got {value!r}.")
+        return str(value)
+    if tp is dict or origin is dict:
+        if isinstance(value, str):
+            value = yaml.safe_load(value) if value.strip() else {}
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ConfigError(f"{key}: expected a mapping such as {{name: value}}, got {value!r}.")
+        return value
+    if tp is list or origin is list:
+        if isinstance(value, str):
+            value = yaml.safe_load(value if value.startswith("[") else f"[{value}]")
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = [value]
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list such as [8, 16, 32], got {value!r}.")
+        return value
+    return value
+
+
+def _is_int(s: str) -> bool:
+    try:
+        int(s)
+        return True
+    except ValueError:
+        return False
+
+
+def _set(cfg: Config, key: str, value: Any, source: str) -> None:
+    _refuse_unknown(cfg, [(key, value, source)])
+    found = _section(cfg, key)
+    assert found is not None  # (_refuse_unknown raised otherwise)
+    section, leaf = found
+    hints = typing.get_type_hints(type(section))
+    setattr(section, leaf, _coerce(key, value, hints[leaf]))
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        # a section (or rollout's section of one backend); a mapping under a setting is its value
+        if isinstance(v, dict) and (not prefix or prefix == "rollout."):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _file_items(p: Path, what: str) -> list[tuple[str, Any, str]]:
+    """(key, value, source) of each setting in the YAML config file ``p``."""
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{what} {p} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what} {p} must hold a mapping of sections (policy:, ppo:, ...).")
+    return [(key, value, str(p)) for key, value in _flatten(data).items()]
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                recipe: str | None = None) -> Config:
+    """Build a Config from defaults, then a recipe (``oppo.recipes``), then a YAML file, then
+    ``key=value`` overrides; then validate."""
+    cfg = Config()
+    explicit: set[str] = set()
+    items: list[tuple[str, Any, str]] = []  # (key, value, where it came from)
+    if recipe is not None:
+        from .. import recipes
+
+        found = recipes.find(recipe)
+        if found is None:
+            raise ConfigError(f"Unknown recipe {recipe!r}; the recipes are: {', '.join(recipes.names()) or 'none'} "
+                              f"(`oppo recipes` says what each trains).")
+        items += _file_items(found, "Recipe")
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"Config file {p} not found. Give an existing YAML file to --config.")
+        items += _file_items(p, "Config file")
+    pairs = _split_overrides(overrides)
+    _refuse_unknown(cfg, items + [(key, raw or None, "the command line") for key, raw in pairs])  # all at once
+    items += [(key, _parse_override(cfg, key, raw), "the command line") for key, raw in pairs]
+    for key, value, source in items:
+        _set(cfg, key, value, source)
+        explicit.add(key)
+    if cfg.uses_builtin_task:
+        for key, value in TASK_PRESETS.get(cfg.data.task, {}).items():
+            if key not in explicit:
+                _set(cfg, key, value, f"the built-in task {cfg.data.task!r}'s preset")
+                cfg.__dict__.setdefault("_presets", {})[key] = value  # (a policy object drops them: inputs.py)
+    validate(cfg)
+    return cfg
+
+
+def with_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Config:
+    """A copy of ``cfg`` with ``key=value`` overrides applied, validated (``cfg`` is unchanged)."""
+    out = copy.deepcopy(cfg)
+    pairs = _split_overrides(overrides)
+    _refuse_unknown(out, [(key, raw or None, "the command line") for key, raw in pairs])
+    for key, raw in pairs:
+        _set(out, key, _parse_override(out, key, raw), "the command line")
+    validate(out)
+    return out
+
+
+def _split_overrides(overrides: list[str] | tuple[str, ...]) -> list[tuple[str, str]]:
+    """(key, raw value) of each ``key=value`` override, stripped."""
+    pairs = []
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"Override '{item}' must look like section.key=value (e.g. ppo.actor_lr=1e-6).")
+        key, raw = (x.strip() for x in item.split("=", 1))
+        pairs.append((key, raw))
+    return pairs
+
+
+def _parse_override(cfg: Config, key: str, raw: str) -> Any:
+    """An override's value: YAML for numbers, booleans and lists; text settings keep their text
+    (data.split=on is 'on', policy.path=0755 is '0755', not True and 493)."""
+    if not raw:
+        return None
+    if key not in all_keys(cfg):
+        return raw  # _set reports the unknown key
+    found = _section(cfg, key)
+    assert found is not None  # (a known key)
+    section, name = found
+    tp = typing.get_type_hints(type(section))[name]
+    if str in (tp, *typing.get_args(tp)) and raw[0] not in "'\"":
+        return raw
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{key}={raw!r}: cannot parse the value ({getattr(e, 'problem', e)}).") from None
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def resolved_settings(d: dict) -> dict:
+    """A config dict (``to_dict``, or a checkpoint's saved one) with an empty ``ppo.kl_coef``
+    replaced by the algorithm's default: the value in effect, for comparing two runs' settings (an
+    empty one under grpo is 0.04, as a checkpoint that named 0.04 was). ``d`` is unchanged."""
+    ppo, name = d.get("ppo"), (d.get("algo") or {}).get("name", "ppo")
+    if isinstance(ppo, dict) and "kl_coef" in ppo and ppo["kl_coef"] is None and name in SPECS:
+        return {**d, "ppo": {**ppo, "kl_coef": SPECS[name].kl_coef}}
+    return d
+
+
+def from_dict(d: dict) -> Config:
+    """A Config from a saved config dict (``to_dict``; settings moved since are read under their
+    new names: :func:`upgrade_settings`)."""
+    cfg = Config()
+    for key, value in _flatten(upgrade_settings(d)).items():
+        _set(cfg, key, value, "a saved config")
+    validate(cfg)
+    return cfg
