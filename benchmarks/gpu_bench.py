@@ -48,8 +48,8 @@ from pathlib import Path
 
 import torch
 
-from oppo.bench import (WORKLOADS, LengthWorkload, _jsonable, _settings_yaml, _slug, machine, run_modes,
-                        stage_profile, summarize, to_markdown, write_synthetic_models)
+from oppo.bench import (WORKLOADS, LengthWorkload, jsonable, machine, run_modes, settings_yaml, slug, stage_profile,
+                        summarize, to_markdown, write_synthetic_models)
 from oppo.config import MODES, load_config
 
 ENGINES = {"trainer": [], "eager": ["generation.engine=eager"], "static": ["generation.engine=static"]}
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         steps=len(next(iter(records.values()))["metrics"]), schedule=schedule,
         workload=f"synthetic {policy_size} policy and {reward_size} reward/critic (random weights, built from "
                  f"config), {dtype} on {args.device}, B={B}, engine={args.engine}: {ran}, {workload.name} lengths",
-        settings=_settings_yaml(base), stage_profile=[stage_profile(records, label)],
+        settings=settings_yaml(base), stage_profile=[stage_profile(records, label)],
         workload_lengths={"name": workload.name, "description": workload.description, **workload.stats(base.run.seed)},
         model_build_s=built)
     if not args.no_short_row:
@@ -164,11 +164,11 @@ def main(argv: list[str] | None = None) -> int:
                         one_at_a_time=one_at_a_time)
         result["stage_profile"].append(stage_profile(rec, f"{short.name} lengths (same models)"))
     result["seconds"] = time.time() - started
-    (out / "bench.json").write_text(json.dumps(_jsonable(result), indent=1))
+    (out / "bench.json").write_text(json.dumps(jsonable(result), indent=1))
     (out / "bench.md").write_text(to_markdown(result).replace("# oppo bench", "# oppo GPU bench", 1))
     from oppo.report import make_report
 
-    make_report([out / "runs" / _slug(m) for m in modes], out, labels=modes)
+    make_report([out / "runs" / slug(m) for m in modes], out, labels=modes)
     say((out / "bench.md").read_text())
     return 0
 
@@ -241,7 +241,7 @@ def check_all(argv: list[str], modes: list[str], out: Path, models: Path, say, r
     rows = []
     for engine in engines:
         for mode in modes:
-            where = out / "check" / f"{engine}-{_slug(mode)}"
+            where = out / "check" / f"{engine}-{slug(mode)}"
             (where / "check.json").unlink(missing_ok=True)
             say(f"gpu_bench --check: {engine} engine, {mode}")
             proc = run([sys.executable, str(Path(__file__).resolve()), *parent, "--check-one", f"{engine}:{mode}",

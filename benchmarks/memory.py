@@ -66,14 +66,14 @@ def saved_by_actor_forward(t, micro: int) -> float:
     with freed memory the allocator keeps."""
     import torch
 
-    from oppo.learner.batch import _micro_slices
+    from oppo.learner.batch import micro_slices
     from oppo.models import checkpointing
 
-    actor = t.roles.learner.actor
-    ids, valid, P, _ = _micro_slices(t.last_result.exp, torch.arange(micro))
-    with saved_for_backward(actor) as seen, checkpointing(actor):
-        logits = t.roles.learner._actor_logits(ids, valid, P)
-    del logits
+    learner = t.roles.learner
+    mb = micro_slices(t.last_result.exp, torch.arange(micro), learner.row_plan(), learner.cfg)
+    with saved_for_backward(learner.actor) as seen, checkpointing(learner.actor):
+        logprobs, entropy = learner._actor_logprobs(mb)
+    del logprobs, entropy
     return sum(seen.values()) / 2**20
 
 

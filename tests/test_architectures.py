@@ -417,7 +417,7 @@ def _grads(model) -> list[torch.Tensor]:
 @each_arch
 def test_packed_forward_equals_each_sequence_alone(load, arch):
     from oppo.forward import RowPlan, row_plan
-    from oppo.learner.batch import CriticBatch, _micro_slices
+    from oppo.learner.batch import CriticBatch, micro_slices
     from oppo.learner.local import _response_hidden
     from oppo.models import backbone_and_head
 
@@ -448,14 +448,14 @@ def test_packed_forward_equals_each_sequence_alone(load, arch):
         alone_out, alone_loss = [], 0.0
         for i in rows.tolist():
             r = torch.tensor([i])
-            out, lo = loss(_micro_slices(exp, r, RowPlan(False)), r)
+            out, lo = loss(micro_slices(exp, r, RowPlan(False)), r)
             lo.backward()
             alone_out.append(out[0])
             alone_loss += lo.item()
         alone_grads = _grads(model)
         # the model's own plan (one row here) and a costly attention (several rows, padding at their ends)
         for packed in (plan, RowPlan(True, attention_cost=0.05)):
-            mb = _micro_slices(exp if role == "policy" else CriticBatch.of(_with_values(exp)), rows, packed)
+            mb = micro_slices(exp if role == "policy" else CriticBatch.of(_with_values(exp)), rows, packed)
             assert packed.attention_cost < 0.05 or mb.layout.rows > 1  # (the several-rows case is one)
             out, lo = loss(mb, rows)
             lo.backward()

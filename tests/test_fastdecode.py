@@ -6,7 +6,7 @@ bite, and the engine bookkeeping the trainer relies on. CUDA-graph capture is op
 import pytest
 import torch
 
-from oppo.rollout.static import StaticRolloutEngine, UnsupportedForStaticDecode, _bucket
+from oppo.rollout.static import StaticRolloutEngine, UnsupportedForStaticDecode, bucket_size
 from oppo.rollout.engine import Rollout, RolloutEngine
 from conftest import returned
 
@@ -265,12 +265,12 @@ def test_refusals_name_the_fix():
 
 def test_buckets_cover_every_size_with_bounded_waste():
     for smallest in (1, 16):
-        sizes = [_bucket(n, 10_000, smallest) for n in range(1, 5000)]
+        sizes = [bucket_size(n, 10_000, smallest) for n in range(1, 5000)]
         assert all(b >= n for n, b in zip(range(1, 5000), sizes))
         assert all(b <= max(smallest, 1.5 * n) for n, b in zip(range(1, 5000), sizes))
         assert len(set(sizes)) <= 2 * 13 + 1  # two per doubling
-    assert [_bucket(n, 64, 1) for n in (1, 2, 3, 5, 7, 13, 33, 100)] == [1, 2, 3, 6, 8, 16, 48, 64]
-    assert [_bucket(n, 1000) for n in (1, 17, 25, 33, 49, 65, 97)] == [16, 24, 32, 48, 64, 96, 128]
+    assert [bucket_size(n, 64, 1) for n in (1, 2, 3, 5, 7, 13, 33, 100)] == [1, 2, 3, 6, 8, 16, 48, 64]
+    assert [bucket_size(n, 1000) for n in (1, 17, 25, 33, 49, 65, 97)] == [16, 24, 32, 48, 64, 96, 128]
 
 
 def test_trainer_with_the_static_engine_trains_the_same_batches(tiny_models, tiny_prompts, tmp_path):

@@ -71,20 +71,20 @@ def test_padding_stats_counts_rows_times_width():
 
 def test_micro_slices_lay_whole_sequences_out():
     from oppo.forward import RowPlan
-    from oppo.learner.batch import _micro_slices
+    from oppo.learner.batch import micro_slices
 
     ids, valid, P, rmask = sequence_batch([[5, 6], [5, 6, 7], [8]], [[1, 2, 3, 4], [1], [2, 3]], 0,
                                           torch.device("cpu"))
     exp = Experience(rollouts=[], ids=ids, valid=valid, P=P, mask=rmask.float(), versions=rmask.long(),
                      behaviour_logprobs=rmask.float(), old_logprobs=rmask.float(), is_weights=rmask.float())
     rows = torch.tensor([1, 2])
-    padded = _micro_slices(exp, rows, RowPlan(False))  # one a row, its real tokens at columns 0..n-1
+    padded = micro_slices(exp, rows, RowPlan(False))  # one a row, its real tokens at columns 0..n-1
     ids_, pos = padded.layout.lay_out(padded.source, padded.first, 0)
     assert ids_.tolist() == [[5, 6, 7, 1], [8, 2, 3, 0]] and pos.tolist() == [[0, 1, 2, 3], [0, 1, 2, 3]]
     assert padded.tokens.tolist() == [1, 2, 3]  # response tokens, row after row
     assert padded.pre.tolist() == [2, 4, 5]  # the flat position predicting each: prompt length - 1 + t
     assert padded.dest.tolist() == [0, 2, 3] and (padded.b, padded.T) == (2, 2)  # their [b, T] places
-    packed = _micro_slices(exp, rows, RowPlan(True))  # end to end in one row, positions restarting
+    packed = micro_slices(exp, rows, RowPlan(True))  # end to end in one row, positions restarting
     ids_, pos = packed.layout.lay_out(packed.source, packed.first, 0)
     assert ids_.tolist() == [[5, 6, 7, 1, 8, 2, 3]] and pos.tolist() == [[0, 1, 2, 3, 0, 1, 2]]
     assert packed.pre.tolist() == [2, 4, 5] and packed.tokens.tolist() == [1, 2, 3]

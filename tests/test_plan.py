@@ -12,7 +12,7 @@ import pytest
 
 from oppo.plan.costs import GPUS, Efficiency, LinearCosts, Roofline, Work, model_shape, nnls
 from oppo.plan.lengths import FixedLengths, LogNormalLengths
-from oppo.plan.sim import Placement, Workload, simulate
+from oppo.plan.sim import DeviceSplit, Workload, simulate
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "latest"
 
@@ -42,7 +42,7 @@ def test_two_stage_pipeline_by_hand():
     # intra, chunk 1: scorer prefills prompts 0-0.5, then scores each token's chunk as it
     #   arrives at 1, 2, 3, 4 (0.5 s each, so it keeps up); last done at 4.5; train 4.5-5.5 -> 5.5 s
     coef = {**UNIT, "stream.reward.calls": 0.5, "oneshot.reward.calls": 2.0, "train.actor.calls": 1.0}
-    pl = Placement(1, 1, scorer_roles=("reward",), critic="value_head")
+    pl = DeviceSplit(1, 1, scorer_roles=("reward",), critic="value_head")
     for chunk in (1, 2, 4):
         wl = Workload(2, FixedLengths(4), minibatch=2, micro=2, chunk=chunk, delta=0)
         assert step_times("sequential", wl, coef, pl, 2) == [7.0, 7.0]
@@ -54,7 +54,7 @@ def test_scorer_slower_than_decode_queues_and_batches():
     # prompts 0-1.5; chunks arrive at 1, 2, 3, 4 -> forwards 1.5-3 (chunk@1), 3-4.5 (chunks @2, @3
     # batched in one call), 4.5-6 (final chunk @4); train 1 s -> 7.0
     coef = {**UNIT, "stream.reward.calls": 1.5, "train.actor.calls": 1.0}
-    pl = Placement(1, 1, scorer_roles=("reward",), critic="value_head")
+    pl = DeviceSplit(1, 1, scorer_roles=("reward",), critic="value_head")
     wl = Workload(2, FixedLengths(4), minibatch=2, micro=2, chunk=1, delta=0)
     res = simulate("intra", wl, LinearCosts(coef), pl, steps=1, warmup=0)
     assert res.steps[0].time == pytest.approx(7.0)
@@ -65,7 +65,7 @@ def test_scorer_slower_than_decode_queues_and_batches():
 def test_zero_scorer_cost_makes_intra_equal_sequential():
     coef = {"decode.calls": 0.01, "decode.rows": 0.001, "train.actor.tokens": 1e-4, "train.critic.tokens": 1e-4,
             "prefill.tokens": 1e-4}
-    pl = Placement(1, 1, critic="actor")  # same devices, same critic placement in both modes
+    pl = DeviceSplit(1, 1, critic="actor")  # same devices, same critic placement in both modes
     wl = Workload(8, LogNormalLengths(6, 1.0, 64), minibatch=4, micro=2, chunk=3, delta=0)
     assert step_times("intra", wl, coef, pl, 5) == pytest.approx(step_times("sequential", wl, coef, pl, 5))
 
@@ -74,7 +74,7 @@ def test_equal_lengths_give_inter_no_gain():
     # every sequence ends at the same decode step: closing at B finished carries only finished
     # ones, each step decodes B new rows for L steps, exactly as the sequential loop
     coef = {**UNIT, "oneshot.reward.tokens": 1e-3, "train.actor.tokens": 1e-3}
-    pl = Placement(1, 0, scorer_roles=("reward",), critic="value_head")
+    pl = DeviceSplit(1, 0, scorer_roles=("reward",), critic="value_head")
     wl = Workload(4, FixedLengths(5), minibatch=4, micro=4, delta=2, max_lag=1)
     seq = step_times("sequential", wl, coef, pl, 6)
     inter = step_times("inter", wl, coef, pl, 6)
@@ -88,7 +88,7 @@ def test_inter_carries_the_long_sequence_by_hand():
     # inter: step 0 admits {0, 1, 2}; 1 and 2 finish at 1 s -> close, 0 carried with 1 token;
     #   step 1 admits {3}; 0 is due (lag 1), needs 3 more steps -> 3 s; trains {0, 3};
     #   step 2 admits {4, 5} -> 1 s.
-    pl = Placement(1, 0, scorer_roles=(), critic="value_head")
+    pl = DeviceSplit(1, 0, scorer_roles=(), critic="value_head")
     wl = Workload(2, Table({0: 4}), minibatch=2, micro=2, delta=1, max_lag=1)
     assert step_times("sequential", wl, UNIT, pl, 3) == [4.0, 1.0, 1.0]
     assert step_times("inter", wl, UNIT, pl, 3) == [1.0, 3.0, 1.0]
@@ -99,7 +99,7 @@ def test_inter_carries_the_long_sequence_by_hand():
 def test_data_parallel_actors_split_rows_and_wait_for_the_slowest():
     # 4 rows on 2 actor devices (2 each); lengths 1, 1, 1, 6 by prompt index: the device holding
     # the 6-token row decodes 6 s, the other 1 s; the sequential step waits for both.
-    pl = Placement(2, 0, scorer_roles=(), critic="value_head")
+    pl = DeviceSplit(2, 0, scorer_roles=(), critic="value_head")
     wl = Workload(4, Table({3: 6}), minibatch=4, micro=4, delta=0)
     res = simulate("sequential", wl, LinearCosts(UNIT), pl, steps=1, warmup=0)
     assert res.steps[0].time == pytest.approx(6.0)
@@ -108,9 +108,9 @@ def test_data_parallel_actors_split_rows_and_wait_for_the_slowest():
 
 
 def test_lognormal_lengths_replay_the_bench_sampler():
-    from oppo.bench import _synthetic_sampler
+    from oppo.bench import synthetic_sampler
 
-    bench = _synthetic_sampler(1.5, 128, 0)
+    bench = synthetic_sampler(1.5, 128, 0)
     mine = LogNormalLengths(128 // 12, 1.5, 128, seed=0)
     assert [mine(i) for i in range(500)] == [bench(i) for i in range(500)]
     assert LogNormalLengths(10, 0.0, 128).sample(5) == [10] * 5
@@ -146,7 +146,7 @@ def test_bad_inputs_say_what_to_do():
     with pytest.raises(ValueError, match="unknown op"):
         Work("dance")
     with pytest.raises(ValueError, match="critic must be"):
-        Placement(critic="nowhere")
+        DeviceSplit(critic="nowhere")
     from oppo.plan.project import parse_placement
 
     assert parse_placement("7+1", 8) == (7, 1)
@@ -194,7 +194,7 @@ def test_pipeline_step_is_max_of_decode_and_train_plus_sync_by_hand():
     # step 1: 1 token left: 7.5-8.5; update 8.5-11.5 while step 2's rows decode 3 tokens; sync -> 12
     #   -> 4.5 s = max(decode 4, train 3) + sync 0.5
     # last step (no next one is begun): 1 + 3 + 0.5 = 4.5 s
-    pl = Placement(1, 1, scorer_roles=(), critic="value_head")
+    pl = DeviceSplit(1, 1, scorer_roles=(), critic="value_head")
     coef = {**UNIT, "train.actor.calls": 3.0, "sync.calls": 0.5}
     wl = Workload(2, FixedLengths(4), minibatch=2, micro=2, delta=0, max_lag=1)
     assert step_times("pipeline", wl, coef, pl, 4) == [7.5, 4.5, 4.5, 4.5]
@@ -222,7 +222,7 @@ def test_groups_close_on_whole_groups_carry_or_wait_by_hand():
     # wait: at 2 s group 0 is partly finished and still running -> the step waits for it: 5 s.
     lens = {(0, 0): 1, (0, 1): 5, (1, 0): 1, (1, 1): 1, (2, 0): 2, (2, 1): 2}
     lengths = lambda i, m=0: lens.get((i, m), 1)  # noqa: E731
-    pl = Placement(1, 0, scorer_roles=(), critic="value_head")
+    pl = DeviceSplit(1, 0, scorer_roles=(), critic="value_head")
     wl = Workload(4, lengths, minibatch=4, micro=4, delta=1, max_lag=1, group_size=2)
     assert step_times("sequential", wl, UNIT, pl, 2) == [5.0, 2.0]
     assert step_times("inter", wl, UNIT, pl, 2) == [2.0, 3.0]
@@ -238,7 +238,7 @@ def test_refill_admits_at_each_finish_by_hand():
     # with refill: prompt 1 finishes at 1 s, prompt 2 is admitted in its slot and finishes at 2 s:
     #   close at 2 s (prompt 3 admitted at that finish, carried); step 1: prompt 0 (1 token left)
     #   and prompt 3 finish after 1 s, both due (admitted in step 0) -> 1 s.
-    pl = Placement(1, 0, scorer_roles=(), critic="value_head")
+    pl = DeviceSplit(1, 0, scorer_roles=(), critic="value_head")
     wl = Workload(2, Table({0: 3}), minibatch=2, micro=2, delta=0, max_lag=1)
     assert step_times("inter", wl, UNIT, pl, 1) == [3.0]
     wr = replace(wl, refill=True)
@@ -250,9 +250,9 @@ def test_refill_admits_at_each_finish_by_hand():
 
 
 def test_lognormal_lengths_replay_the_bench_sampler_for_group_members():
-    from oppo.bench import _synthetic_sampler
+    from oppo.bench import synthetic_sampler
 
-    bench = _synthetic_sampler(1.0, 128, 3)
+    bench = synthetic_sampler(1.0, 128, 3)
     mine = LogNormalLengths(128 // 12, 1.0, 128, seed=3)
     assert [mine(i, m) for i in range(50) for m in range(4)] == [bench(i, m) for i in range(50) for m in range(4)]
 

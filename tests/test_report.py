@@ -117,9 +117,9 @@ def test_labels_must_match_runs(runs, tmp_path):
 # --------------------------------------------------------------------------- what a user sees
 
 def _timeline(run_dirs, labels=None):
-    from oppo.report import _load_run, _timeline_figure
+    from oppo.report import read_run, timeline_figure
 
-    return _timeline_figure([_load_run(d, label) for d, label in zip(run_dirs, labels or [d.name for d in run_dirs])])
+    return timeline_figure([read_run(d, label) for d, label in zip(run_dirs, labels or [d.name for d in run_dirs])])
 
 
 def test_timeline_shows_every_runs_whole_step(tmp_path):

@@ -75,9 +75,9 @@ def test_full_shm_is_refused(monkeypatch):
 
 _READER = """
 import pickle, sys, torch
-from oppo.rollout.vllm.weights import _open_buffer
+from oppo.rollout.vllm.weights import open_buffer
 handle, layout = pickle.load(open(sys.argv[1], "rb"))
-views = layout.views(_open_buffer(handle))
+views = layout.views(open_buffer(handle))
 for line in sys.stdin:  # one line per round: print each slot's sum as this process sees it
     torch.cuda.synchronize()
     print(" ".join(f"{float(v.double().sum()):.6f}" for v in views), flush=True)
@@ -109,9 +109,9 @@ def test_cuda_ipc_buffer_is_seen_by_another_process(tmp_path):
             reader.stdin.close()
             reader.wait(timeout=60)
         other = dict(shared.handle(), uuid="GPU-another")
-        from oppo.rollout.vllm.weights import _open_buffer
+        from oppo.rollout.vllm.weights import open_buffer
 
         with pytest.raises(SharedUnavailable, match="vLLM's worker runs on"):
-            _open_buffer(other)
+            open_buffer(other)
     finally:
         shared.close()

@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from oppo.config import PPOConfig
 from oppo.forward import RowPlan, row_plan
-from oppo.learner.batch import _micro_slices, build_experience
+from oppo.learner.batch import build_experience, micro_slices
 from oppo.learner.local import Learner
 from oppo.models import backbone_and_head
 from oppo.rollout.engine import Rollout
@@ -42,14 +42,14 @@ for dtype in (torch.float32, torch.bfloat16):
     alone_lp, alone_g = [], None
     for i in range(len(rolls)):
         r = torch.tensor([i], device=dev)
-        lp, lo = loss(_micro_slices(exp, r, RowPlan(False)), r)
+        lp, lo = loss(micro_slices(exp, r, RowPlan(False)), r)
         lo.backward()
         alone_lp.append(lp[0, : len(rolls[i].response_ids)])
     alone_g = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
     rows = torch.arange(len(rolls), device=dev)
     for name, plan in (("own_plan", row_plan(backbone_and_head(model)[0])), ("rows", RowPlan(True, 0.05))):
-        mb = _micro_slices(exp, rows, plan)
+        mb = micro_slices(exp, rows, plan)
         lp, lo = loss(mb, rows)
         lo.backward()
         g = [p.grad.clone() for p in model.parameters()]

@@ -129,7 +129,7 @@ def run_one(spec: Spec, steps: int, out: Path) -> None:
     (with each sequence's place in its group), trace.json, meta.json."""
     import yaml
 
-    from oppo.bench import _synthetic_sampler, timing_only
+    from oppo.bench import synthetic_sampler, timing_only
     from oppo.config import load_config, to_dict
     from oppo.trainer import Trainer
 
@@ -139,7 +139,7 @@ def run_one(spec: Spec, steps: int, out: Path) -> None:
     t = Trainer(cfg, progress=False)
     try:
         if spec.sigma is not None:
-            t.length_sampler = _synthetic_sampler(spec.sigma, t.max_new_tokens, cfg.run.seed)
+            t.length_sampler = synthetic_sampler(spec.sigma, t.max_new_tokens, cfg.run.seed)
         with open(out / "metrics.jsonl", "w") as mf, open(out / "lengths.jsonl", "w") as lf:
             for step in range(steps):
                 m = t.run_step()

@@ -50,7 +50,7 @@ def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[spec]
 
 
-def _looks_local(path: str) -> bool:
+def looks_local(path: str) -> bool:
     return path.startswith(("/", "./", "../", "~")) or os.path.exists(path) or path.count("/") > 1
 
 
@@ -63,7 +63,7 @@ def check_model_path(path: str, role: str) -> None:
     """Fail early, before anything expensive, on a local path that does not exist."""
     if is_marker(path):
         return  # an object given from Python (inputs.py): checked by model_problems
-    if _looks_local(path):
+    if looks_local(path):
         p = Path(path).expanduser()
         if not p.is_dir():
             raise ModelLoadError(f"{role} model path {path!r} does not exist or is not a directory. "
@@ -82,7 +82,7 @@ def check_model_path(path: str, role: str) -> None:
 def _from_pretrained(cls, path: str, role: str, **kw):
     check_model_path(path, role)
     try:
-        return cls.from_pretrained(str(Path(path).expanduser()) if _looks_local(path) else path, **kw)
+        return cls.from_pretrained(str(Path(path).expanduser()) if looks_local(path) else path, **kw)
     except OSError as e:
         raise ModelLoadError(f"Could not load the {role} model from {path!r}: {e}. Check the path or hub name; "
                              f"without internet only local directories work.") from None
@@ -94,7 +94,7 @@ def load_tokenizer(path: str):
 
     check_model_path(path, "policy")
     try:
-        tok = AutoTokenizer.from_pretrained(str(Path(path).expanduser()) if _looks_local(path) else path)
+        tok = AutoTokenizer.from_pretrained(str(Path(path).expanduser()) if looks_local(path) else path)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"Could not load a tokenizer from {path!r}: {e}. The policy directory must "
                              f"hold its tokenizer (tokenizer.save_pretrained).") from None
@@ -124,7 +124,7 @@ def load_config(path: str, role: str, trust_remote_code: bool = False):
 
     check_model_path(path, role)
     try:
-        return AutoConfig.from_pretrained(str(Path(path).expanduser()) if _looks_local(path) else path,
+        return AutoConfig.from_pretrained(str(Path(path).expanduser()) if looks_local(path) else path,
                                           trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"Could not read the {role} model's config at {path!r}: {e}") from None
@@ -509,7 +509,7 @@ def check_tokenizer_match(policy_tok, path: str, role: str, vocab_size: int | No
             f"tokens: it was not trained with the policy's tokenizer. Use a {role} model that shares the policy's "
             f"vocabulary, or (reward) a reward.function that scores the decoded text.")
     p = Path(path).expanduser()
-    if is_marker(path) or not _looks_local(path) or not any((p / f).is_file() for f in
+    if is_marker(path) or not looks_local(path) or not any((p / f).is_file() for f in
                                          ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")):
         return  # no tokenizer saved beside the model: the embedding size check above is all we can do
     try:

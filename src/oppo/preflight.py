@@ -137,7 +137,7 @@ def _in_hub_cache(repo_id: str) -> bool:
 # --------------------------------------------------------------------------- the checks
 
 def _looks_local(path: str) -> bool:
-    from .models import _looks_local as looks_local  # one definition of "a local path"
+    from .models import looks_local  # one definition of "a local path"
 
     return looks_local(path)
 

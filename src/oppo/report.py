@@ -102,7 +102,7 @@ class _Run:
     lengths: list[int] | None  # all response lengths of the run, every step
 
 
-def _load_run(path: Path, label: str) -> _Run:
+def read_run(path: Path, label: str) -> _Run:
     spans = None
     trace_path = path / TRACE_FILE
     if trace_path.exists():
@@ -296,11 +296,11 @@ def _stages_in_order(stages: set[str]) -> list[str]:
 
 
 def _plot_timeline(runs: list[_Run], path: Path) -> Path | None:
-    fig = _timeline_figure(runs)
+    fig = timeline_figure(runs)
     return None if fig is None else _save(fig, path)
 
 
-def _timeline_figure(runs: list[_Run]) -> Figure | None:
+def timeline_figure(runs: list[_Run]) -> Figure | None:
     traced = [(r, r.spans) for r in runs if r.spans]  # the runs with a trace, and its spans
     if not traced:
         return None
@@ -423,7 +423,7 @@ def make_report(
                 f"run directory {d} has no {METRICS_FILE}; is it an oppo run directory?"
             )
 
-    runs = [_load_run(d, label) for d, label in zip(dirs, labels)]
+    runs = [read_run(d, label) for d, label in zip(dirs, labels)]
     groups = _groups(runs)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 from .cli import main
 from .probe import engine_step_probe
-from .runner import (CHECKED, LEARNING_PREFIXES, LOCAL_BASELINE, QUICK, _slug, mode_overrides, run_modes, split_mode,
+from .runner import (CHECKED, LEARNING_PREFIXES, LOCAL_BASELINE, QUICK, mode_overrides, run_modes, slug, split_mode,
                      timing_only)
-from .summaries import (HARDWARE, _jsonable, _settings_yaml, hardware_markdown, machine, stage_profile,
+from .summaries import (HARDWARE, hardware_markdown, jsonable, machine, settings_yaml, stage_profile,
                         stage_profile_markdown, summarize, to_markdown)
-from .workloads import (MODEL_SIZES, WORKLOADS, LengthWorkload, ModelSize, _length_sampler, _pct, _synthetic_sampler,
-                        synthetic_config, synthetic_tokenizer, write_synthetic_models)
+from .workloads import (MODEL_SIZES, WORKLOADS, LengthWorkload, LlamaShape, length_sampler, pct, synthetic_config,
+                        synthetic_sampler, synthetic_tokenizer, write_synthetic_models)
 
 __all__ = ["CHECKED", "HARDWARE", "LEARNING_PREFIXES", "LOCAL_BASELINE", "MODEL_SIZES", "QUICK", "WORKLOADS",
-           "LengthWorkload", "ModelSize", "engine_step_probe", "hardware_markdown", "machine", "main",
+           "LengthWorkload", "LlamaShape", "engine_step_probe", "hardware_markdown", "machine", "main",
            "mode_overrides", "run_modes", "split_mode", "stage_profile", "stage_profile_markdown", "summarize",
            "synthetic_config", "synthetic_tokenizer", "timing_only", "to_markdown", "write_synthetic_models"]

@@ -11,9 +11,9 @@ import time
 from pathlib import Path
 
 from ..config import MODES, load_config, with_overrides
-from .runner import LOCAL_BASELINE, QUICK, _slug, mode_overrides, run_modes, split_mode
-from .summaries import _jsonable, _settings_yaml, machine, stage_profile, summarize, to_markdown
-from .workloads import WORKLOADS, _pct
+from .runner import LOCAL_BASELINE, QUICK, mode_overrides, run_modes, slug, split_mode
+from .summaries import jsonable, machine, settings_yaml, stage_profile, summarize, to_markdown
+from .workloads import WORKLOADS, pct
 
 
 DESCRIPTION = "The same workload in every mode, side by side, in one invocation (docs/bench.md)."
@@ -71,7 +71,7 @@ def main(argv: list[str]) -> int:
         result["workload_lengths"] = {"name": workload.name, "description": workload.description,
                                       **workload.stats(base.run.seed)}
     result.update(machine=machine(), command="oppo bench " + " ".join(argv), steps=steps, workload=label,
-                  settings=_settings_yaml(base), stage_profile=[stage_profile(records, label)])
+                  settings=settings_yaml(base), stage_profile=[stage_profile(records, label)])
     if workload is not None:  # the second row: the task's own lengths, sequential only, a few steps
         say("stage profile, second row: the task's own response lengths (sequential)")
         rec = run_modes(natural, ["sequential"], min(steps, 5), out / "natural", progress=say)
@@ -87,15 +87,15 @@ def main(argv: list[str]) -> int:
             s = summarize(rec)
             sampler = rec[tail_modes[0]]["sampler"]
             sampler_lens = [sampler(i) for i in range(2000)]  # the distribution the runs drew from
-            sweep.append({"sigma": sigma, "speedup": s["speedup"], "length_p50": _pct(sampler_lens, 0.5),
-                          "length_p99": _pct(sampler_lens, 0.99),
+            sweep.append({"sigma": sigma, "speedup": s["speedup"], "length_p50": pct(sampler_lens, 0.5),
+                          "length_p99": pct(sampler_lens, 0.99),
                           "step_time_median_s": {m: v["step_time_median_s"] for m, v in s["modes"].items()}})
         result["tail_sweep"], result["tail_modes"] = sweep, tail_modes
     result["seconds"] = time.time() - started
-    (out / "bench.json").write_text(json.dumps(_jsonable(result), indent=1))
+    (out / "bench.json").write_text(json.dumps(jsonable(result), indent=1))
     (out / "bench.md").write_text(to_markdown(result))
     from ..report import make_report
 
-    make_report([out / "runs" / _slug(m) for m in modes], out, labels=modes)
+    make_report([out / "runs" / slug(m) for m in modes], out, labels=modes)
     say((out / "bench.md").read_text())
     return 0

@@ -12,7 +12,7 @@ import torch
 from ..config import MODES, with_overrides
 from ..metrics import MetricsLogger
 from .probe import engine_step_probe
-from .workloads import LengthWorkload, _synthetic_sampler
+from .workloads import LengthWorkload, synthetic_sampler
 
 
 QUICK = ["ppo.batch_size=32", "ppo.minibatch_size=16", "ppo.micro_batch_size=16"]
@@ -37,7 +37,7 @@ def mode_overrides(spec: str) -> list[str]:
     return [f"overlap.mode={mode}", *local, *over]
 
 
-def _slug(spec: str) -> str:
+def slug(spec: str) -> str:
     return "".join(c if c.isalnum() or c in "._-" else "+" for c in spec.replace(":", "+"))
 
 
@@ -91,13 +91,13 @@ def run_modes(base, modes: list[str], steps: int, out: Path, tail_sigma: float |
 
     def build(mode: str):
         # run.steps: a pipeline run begins no step beyond the bench's; no checkpoints in a bench
-        cfg = with_overrides(base, [*mode_overrides(mode), f"run.out_dir={out / _slug(mode)}",
+        cfg = with_overrides(base, [*mode_overrides(mode), f"run.out_dir={out / slug(mode)}",
                                     f"run.steps={steps}", "run.save_every=0"])
         Path(cfg.run.out_dir).mkdir(parents=True, exist_ok=True)
         t = Trainer(cfg, progress=False)
         trainers[mode] = t
         if tail_sigma is not None:
-            t.length_sampler = _synthetic_sampler(tail_sigma, t.max_new_tokens, cfg.run.seed)
+            t.length_sampler = synthetic_sampler(tail_sigma, t.max_new_tokens, cfg.run.seed)
         elif lengths is not None:
             t.length_sampler = lengths.sampler(cfg.run.seed)
         loggers[mode] = MetricsLogger(cfg.run.out_dir)

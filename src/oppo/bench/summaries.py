@@ -14,7 +14,7 @@ import torch
 from ..config import to_dict
 from ..trace import busy_seconds
 from .runner import LOCAL_BASELINE
-from .workloads import _pct
+from .workloads import pct
 
 
 def machine() -> str:
@@ -111,7 +111,7 @@ def summarize(records: dict[str, dict], warmup: int = 1, target: float | None = 
         out[mode] = {
             "steps": len(ms),
             "step_time_median_s": statistics.median(times),
-            "step_time_p25_s": _pct(times, 0.25), "step_time_p75_s": _pct(times, 0.75),
+            "step_time_p25_s": pct(times, 0.25), "step_time_p75_s": pct(times, 0.75),
             "tokens_per_s": statistics.median([m["perf/tokens_per_s"] for m in ms[warmup:]] or [0.0]),
             "busy_fraction": {w: v / total for w, v in sorted(busy.items())} if total else {},
             "bubble_ratio": 1.0 - busiest_sum / total if total else float("nan"),
@@ -149,8 +149,8 @@ def stage_profile(records: dict[str, dict], workload: str, warmup: int = 1, mode
     ms = ms[warmup:] or ms
     med = {k: statistics.median(m.get(f"time/{k}", 0.0) for m in ms) for k in ("generate", "score", "train", "step")}
     lens = [n for step in records[mode].get("lengths", [])[warmup:] or records[mode].get("lengths", []) for n in step]
-    p50 = _pct(lens, 0.5) if lens else float("nan")
-    p99 = _pct(lens, 0.99) if lens else float("nan")
+    p50 = pct(lens, 0.5) if lens else float("nan")
+    p99 = pct(lens, 0.99) if lens else float("nan")
     shares = {k: med[k] / med["step"] if med["step"] else float("nan") for k in ("generate", "score", "train")}
     return {"workload": workload, "mode": mode, "step_s": med["step"],
             **{f"{k}_s": med[k] for k in ("generate", "score", "train")},
@@ -248,7 +248,7 @@ def to_markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _settings_yaml(cfg) -> str:
+def settings_yaml(cfg) -> str:
     import yaml
 
     d = to_dict(cfg)
@@ -257,11 +257,11 @@ def _settings_yaml(cfg) -> str:
     return yaml.safe_dump(d, sort_keys=False).strip()
 
 
-def _jsonable(x):
+def jsonable(x):
     if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
+        return {str(k): jsonable(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
+        return [jsonable(v) for v in x]
     if isinstance(x, float) and not math.isfinite(x):
         return None
     return x

@@ -14,7 +14,7 @@ from typing import TypedDict
 import torch
 
 
-def _pct(xs: list[float], q: float) -> float:
+def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     if not xs:
         return float("nan")
@@ -23,7 +23,7 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-def _length_sampler(sigma: float, median: float, max_len: int, seed: int):
+def length_sampler(sigma: float, median: float, max_len: int, seed: int):
     def sample(prompt_index: int, member: int = 0) -> int:
         # member: a sequence's place in its group (GRPO/RLOO); the G answers to one prompt get
         # their own lengths, so some of a group finish before the rest, as sampled ones would
@@ -48,7 +48,7 @@ class LengthWorkload:
     def sampler(self, seed: int):
         """(prompt_index, member in its group = 0) -> forced length: the same sequence always gets
         the same length, in every mode."""
-        return _length_sampler(self.sigma, self.median, self.max_new_tokens, seed)
+        return length_sampler(self.sigma, self.median, self.max_new_tokens, seed)
 
     def scaled(self, max_new_tokens: int) -> "LengthWorkload":
         """The same shape at another maximum (smoke runs): median and clip scaled together."""
@@ -59,7 +59,7 @@ class LengthWorkload:
     def stats(self, seed: int = 0, n: int = 2000) -> dict[str, float]:
         """p50, p99, max and p99/p50 of ``n`` draws (what a run's prompts draw from)."""
         lens = [self.sampler(seed)(i) for i in range(n)]
-        p50, p99 = _pct(lens, 0.5), _pct(lens, 0.99)
+        p50, p99 = pct(lens, 0.5), pct(lens, 0.99)
         return {"p50": p50, "p99": p99, "max": max(lens), "p99_over_p50": p99 / p50, "mean": statistics.mean(lens)}
 
 
@@ -72,7 +72,7 @@ WORKLOADS = {
 }
 
 
-class ModelSize(TypedDict):
+class LlamaShape(TypedDict):
     """A Llama-style decoder's shape, as ``LlamaConfig`` keywords."""
 
     hidden_size: int
@@ -85,7 +85,7 @@ class ModelSize(TypedDict):
 
 # Llama-style decoders built from config (random weights), for benchmarks on machines without
 # internet: sizes count every parameter (embeddings and, for a causal LM, the untied lm_head).
-MODEL_SIZES: dict[str, ModelSize] = {
+MODEL_SIZES: dict[str, LlamaShape] = {
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=176, vocab_size=512),  # ~0.2M
     "small": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
@@ -157,6 +157,6 @@ def write_synthetic_models(root: Path, policy_size: str, reward_size: str, devic
     return paths
 
 
-def _synthetic_sampler(sigma: float, max_new_tokens: int, seed: int):
+def synthetic_sampler(sigma: float, max_new_tokens: int, seed: int):
     """Log-normal response lengths with median max_new_tokens / 12, clipped to max_new_tokens."""
-    return _length_sampler(sigma, max(2, max_new_tokens // 12), max_new_tokens, seed)
+    return length_sampler(sigma, max(2, max_new_tokens // 12), max_new_tokens, seed)

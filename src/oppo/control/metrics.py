@@ -10,7 +10,7 @@ import torch
 from ..algo.losses import explained_variance
 from ..api.records import RolloutStats
 from ..perf import forward_flops, peak_flops
-from .stages import Run, StepResult, _mean
+from .stages import Run, StepResult, mean_or_nan
 
 
 def step_metrics(run: Run, result: StepResult, times: dict[str, float], dt: float, wallclock: float
@@ -23,7 +23,7 @@ def step_metrics(run: Run, result: StepResult, times: dict[str, float], dt: floa
         "reward/mean": exp.scores.mean().item(), "reward/std": exp.scores.std().item() if len(exp.scores) > 1 else 0.0,
         "kl/mean": kl_seq.mean().item(),
         "response_length/mean": lengths.mean().item(), "response_length/max": lengths.max().item(),
-        "response_length/eos_frac": _mean([float(r.ended_with_eos) for r in exp.rollouts]),
+        "response_length/eos_frac": mean_or_nan([float(r.ended_with_eos) for r in exp.rollouts]),
         "time/step": dt, "time/wallclock": wallclock,
         "perf/tokens_per_s": lengths.sum().item() / dt,
         "data/prompts_truncated": roles.prompt_set.truncated, "data/prompts_skipped": roles.prompt_set.skipped,
@@ -38,9 +38,9 @@ def step_metrics(run: Run, result: StepResult, times: dict[str, float], dt: floa
     prompts, responses = [p for p, _ in result.texts], [r for _, r in result.texts]
     context = roles.prompt_set.context([r.prompt_index for r in exp.rollouts])  # (the records' columns)
     if roles.judge_fn is not None:
-        m["judge/mean"] = _mean(roles.judge_fn(prompts, responses, context=context))
+        m["judge/mean"] = mean_or_nan(roles.judge_fn(prompts, responses, context=context))
     if roles.accuracy_fn is not None:
-        m["task/accuracy"] = _mean(roles.accuracy_fn(prompts, responses, context=context))
+        m["task/accuracy"] = mean_or_nan(roles.accuracy_fn(prompts, responses, context=context))
     return m
 
 

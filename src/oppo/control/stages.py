@@ -490,11 +490,11 @@ def overlap_stats(run: Run, close, exp: Experience, chunk: int | None) -> dict[s
         **staleness_stats(exp, close.step, close.lags),  # token and sequence lags, IS weights
         "overlap/chunk_size": chunk or 0, "overlap/streaming": float(run.streaming),
         **(run.tuner.metrics() if isinstance(run.tuner, OverlapTuner) and run.tuner.tunes else {}),
-        "overlap/in_flight_length_mean": _mean([len(r.response_ids) for u, r in untrained.items()
+        "overlap/in_flight_length_mean": mean_or_nan([len(r.response_ids) for u, r in untrained.items()
                                                 if u not in trained] or [0]),
     }
 
 
-def _mean(xs) -> float:
+def mean_or_nan(xs) -> float:
     xs = list(xs)
     return sum(xs) / len(xs) if xs else float("nan")

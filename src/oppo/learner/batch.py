@@ -137,7 +137,7 @@ def set_old_logprobs(exp: Experience, rows: torch.Tensor, new: torch.Tensor, red
 
 @dataclass
 class MicroBatch:
-    """A micro-batch's b sequences laid out for one training forward (``_micro_slices``).
+    """A micro-batch's b sequences laid out for one training forward (``micro_slices``).
 
     layout: the forward's rows (``forward.Layout``: packed end to end, or one sequence a row);
     source, first: the flat token ids the sequences are read from and each one's first token
@@ -160,7 +160,7 @@ class MicroBatch:
         return torch.zeros(self.b * self.T, dtype=x.dtype, device=x.device).index_copy(0, self.dest, x).view(self.b, self.T)
 
 
-def _micro_slices(exp: "Experience | CriticBatch", rows: torch.Tensor, plan: RowPlan, cfg: PPOConfig | None = None
+def micro_slices(exp: "Experience | CriticBatch", rows: torch.Tensor, plan: RowPlan, cfg: PPOConfig | None = None
                   ) -> MicroBatch:
     """``rows`` of ``exp`` laid out by ``plan`` (``MicroBatch``): whole sequences, prompt then
     response, packed end to end where the model can, else one a row as wide as the longest (never
@@ -183,7 +183,7 @@ def _micro_slices(exp: "Experience | CriticBatch", rows: torch.Tensor, plan: Row
                       seq * T + step, source[rows[seq] * L + exp.P + step], b, T)
 
 
-def _lengths(batch: "Experience | CriticBatch") -> list[int]:
+def row_lengths(batch: "Experience | CriticBatch") -> list[int]:
     """Each row's real tokens (prompt and response), on the host."""
     return batch.valid.sum(1).long().tolist()
 
@@ -227,12 +227,12 @@ def micro_batches(batch: "Experience | CriticBatch | None", mb: torch.Tensor, cf
     and with ``ppo.micro_batch_padding`` > 0 before its padded share of rows x width would pass that
     share (a micro-batch is as wide as its longest row; at least one row each)."""
     if cfg.packing != "off":
-        lengths = lengths if lengths is not None else _lengths(batch)  # type: ignore[arg-type]
+        lengths = lengths if lengths is not None else row_lengths(batch)  # type: ignore[arg-type]
         groups = balanced(mb.tolist(), lengths, -(-len(mb) // cfg.micro_batch_size), cfg.micro_batch_tokens or math.inf)
         return [torch.tensor(g, dtype=mb.dtype, device=mb.device) for g in groups]
     if not cfg.micro_batch_tokens and not cfg.micro_batch_padding:
         return list(mb.split(cfg.micro_batch_size))
-    lengths = lengths if lengths is not None else _lengths(batch)  # type: ignore[arg-type]
+    lengths = lengths if lengths is not None else row_lengths(batch)  # type: ignore[arg-type]
     budget, cap = cfg.micro_batch_tokens or math.inf, cfg.micro_batch_padding or 1.0
     out: list[list[int]] = []
     cur: list[int] = []
@@ -263,7 +263,7 @@ def padding_stats(exp: Experience, minibatches: list[torch.Tensor], cfg: PPOConf
     of every micro-batch, and ``perf/train_padded_frac``, the share of the computed positions (each
     forward's rows x width: ``plan``'s layout, the actor's; None: one sequence a row) that are
     padding."""
-    lengths = _lengths(exp)
+    lengths = row_lengths(exp)
     plan = plan or RowPlan(False)
     computed = real = 0
     for mb in minibatches:

@@ -14,8 +14,8 @@ from ..algo.core import ClippedTokenLoss
 from ..algo.losses import aggregate, value_loss
 from ..algo.masks import masked_mean
 from ..forward import RowPlan, head_logprobs, packed_hidden, row_plan
-from .batch import (CriticBatch, Experience, MicroBatch, _lengths, _micro_slices, balanced, micro_batches,
-                    old_logprob_targets, padding_stats, set_old_logprobs)
+from .batch import (CriticBatch, Experience, MicroBatch, balanced, micro_batches, micro_slices, old_logprob_targets,
+                    padding_stats, row_lengths, set_old_logprobs)
 from ..models import backbone_and_head, checkpointing
 from .offpolicy import MismatchProbe
 from ..weights.precision import autocast, cast_once
@@ -110,7 +110,7 @@ class Learner:
         # ceil(rows / micro_batch_size) forwards (fsdp_old_logprobs counts on it), of balanced token counts
         for group in balanced(list(range(len(rows))), lengths, -(-len(rows) // self.cfg.micro_batch_size)):
             at = torch.tensor(group, device=rows.device)
-            mb = _micro_slices(exp, rows[at], plan, self.cfg)
+            mb = micro_slices(exp, rows[at], plan, self.cfg)
             out[at, :mb.T] = self._actor_logprobs(mb)[0]  # [b, T]
         return out
 
@@ -174,7 +174,7 @@ class Learner:
                           probe: MismatchProbe | None = None) -> dict[str, float]:
         cfg = self.cfg
         assert exp.advantages is not None  # (compute_advantages runs before the update)
-        mb = _micro_slices(exp, rows, self.row_plan(), cfg)
+        mb = micro_slices(exp, rows, self.row_plan(), cfg)
         T = mb.T
         mask = exp.mask[rows][:, :T]
         with checkpointing(self.actor):  # recomputes activations in backward if policy.gradient_checkpointing
@@ -250,7 +250,7 @@ def critic_micro_step(critic, batch: CriticBatch, rows: torch.Tensor, num_tokens
                       compute_dtype: torch.dtype = torch.float32) -> dict[str, float]:
     """One micro-batch of the critic's update: clipped value loss, backward (gradients accumulate)."""
     backbone, head = backbone_and_head(critic)
-    mb = _micro_slices(batch, rows, row_plan(backbone, cfg.packing), cfg)
+    mb = micro_slices(batch, rows, row_plan(backbone, cfg.packing), cfg)
     T = mb.T
     mask = batch.mask[rows][:, :T]
     with autocast(rows.device, compute_dtype), checkpointing(critic):
@@ -286,7 +286,7 @@ def _train(model, opt, batch: "Experience | CriticBatch", minibatches: list[torc
     taken = skipped = 0
     stage = f"{name} update"
     mask = batch.mask
-    lengths = _lengths(batch) if cfg.micro_batch_tokens or cfg.packing != "off" else None
+    lengths = row_lengths(batch) if cfg.micro_batch_tokens or cfg.packing != "off" else None
     for i, mb in enumerate(minibatches):
         num_tokens = mask[mb].sum().clamp(min=1)
         opt.zero_grad(set_to_none=True)

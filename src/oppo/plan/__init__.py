@@ -13,7 +13,7 @@ Modules (pure Python and numpy; no torch, no models):
   measured lengths replayed; a measured sample redrawn);
 - ``costs``: what one piece of work costs on one device (``LinearCosts`` fitted; ``Roofline``
   from spec-sheet figures and stated efficiencies);
-- ``sim``: the simulator (``Workload``, ``Placement``, ``simulate``); admission and closing are
+- ``sim``: the simulator (``Workload``, ``DeviceSplit``, ``simulate``); admission and closing are
   decided by oppo's own scheduler (``oppo.scheduler``), so the schedule is the runtime's;
 - ``calibrate``: replay measured runs (an ``oppo bench --tail`` sweep, or run directories with
   ``lengths.jsonl``), fit the costs, compare predicted with measured speedups;

@@ -41,7 +41,7 @@ from ..config import upgrade_settings
 from ..trace import Span, load_trace
 from .costs import LinearCosts, Work, nnls
 from .lengths import LogNormalLengths, TableLengths
-from .sim import MODES, STREAMING, Lengths, Placement, Workload, simulate
+from .sim import MODES, STREAMING, DeviceSplit, Lengths, Workload, simulate
 
 __all__ = ["MeasuredRun", "load_run", "load_run_dir", "read_lengths", "fit_overhead", "load_tail_sweep",
            "replay_workload", "fit", "cpu_placement", "CpuProfile", "Comparison", "validate", "check_bench",
@@ -176,14 +176,14 @@ def replay_workload(run: MeasuredRun, max_new_tokens: int = 128, check: bool = T
 _UNIT = LinearCosts({"decode.calls": 1e-3, "decode.rows": 1e-5}, "unit")
 
 
-def cpu_placement(mode: str, critic_on_worker: bool = True, needs_critic: bool = True) -> Placement:
+def cpu_placement(mode: str, critic_on_worker: bool = True, needs_critic: bool = True) -> DeviceSplit:
     """Where oppo runs each stage on a CPU machine in ``mode`` (see the module docstring).
     ``needs_critic=False`` (GRPO, RLOO, REINFORCE++): no critic to score or train."""
     if not needs_critic:
-        return Placement(1, 1 if mode in STREAMING else 0, scorer_roles=("reward", "reference"), critic="value_head")
+        return DeviceSplit(1, 1 if mode in STREAMING else 0, scorer_roles=("reward", "reference"), critic="value_head")
     if mode in STREAMING:
-        return Placement(1, 1, critic="scorer" if critic_on_worker else "actor")
-    return Placement(1, 0, critic="actor")
+        return DeviceSplit(1, 1, critic="scorer" if critic_on_worker else "actor")
+    return DeviceSplit(1, 0, critic="actor")
 
 
 def _group(mode: str) -> str:
@@ -348,7 +348,7 @@ class CpuProfile:
             c = LinearCosts(coef, c.label + " + together's training")
         return c
 
-    def placement_for(self, mode: str, needs_critic: bool = True) -> Placement:
+    def placement_for(self, mode: str, needs_critic: bool = True) -> DeviceSplit:
         return cpu_placement(mode, self.critic_on_worker, needs_critic)
 
     def overhead_for(self, mode: str) -> float:

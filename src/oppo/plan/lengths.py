@@ -3,7 +3,7 @@
 ``LogNormalLengths`` draws one response length per prompt index, deterministically: the length
 of prompt ``i`` is ``round(median * exp(sigma * z_i))`` clipped to ``[1, cap]``, with ``z_i`` a
 standard normal from ``random.Random(seed * 1_000_003 + i)``. That is exactly the synthetic
-sampler of ``oppo bench --tail`` (``oppo.bench._length_sampler``), so with ``seed=0``,
+sampler of ``oppo bench --tail`` (``oppo.bench.length_sampler``), so with ``seed=0``,
 ``median = max_new_tokens // 12`` and ``cap = max_new_tokens`` the planner replays the very
 lengths a measured tail-sweep run generated (a test keeps the two equal). ``sigma`` is the tail
 heaviness: 0 gives equal lengths; at 1.5 about 5% of the responses hit a cap of 12x the median

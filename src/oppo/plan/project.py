@@ -20,7 +20,7 @@ from typing import Any
 
 from .costs import GPUS, Efficiency, Roofline, model_shape
 from .lengths import LogNormalLengths
-from .sim import MODES, Placement, RunResult, Workload, simulate
+from .sim import MODES, DeviceSplit, RunResult, Workload, simulate
 
 __all__ = ["gpu_costs", "paper_setting", "parse_placement", "project", "scale_sweep", "Setting"]
 
@@ -51,7 +51,7 @@ class Setting:
     """A projected setting: workload, placement, costs, and a one-line description."""
 
     workload: Workload
-    placement: Placement
+    placement: DeviceSplit
     costs: Roofline
     label: str
     max_new_tokens: int
@@ -68,10 +68,10 @@ def paper_setting(gpu: str = "h200", sigma: float = 1.0, actor_b: float = 7.0, r
                   prompt_tokens=prompt_tokens, delta=min(delta, batch), max_lag=max_lag, chunk=chunk,
                   minibatch=max(1, batch // minibatches), micro=micro, epochs=epochs)
     if scorer_gpus:
-        pl = Placement(actor_gpus, scorer_gpus, scorer_roles=("reward",), actor_roles=("reference", "policy"),
+        pl = DeviceSplit(actor_gpus, scorer_gpus, scorer_roles=("reward",), actor_roles=("reference", "policy"),
                        critic="value_head")
     else:
-        pl = Placement(actor_gpus, 0, scorer_roles=("reward",), actor_roles=("reference", "policy"),
+        pl = DeviceSplit(actor_gpus, 0, scorer_roles=("reward",), actor_roles=("reference", "policy"),
                        critic="value_head")
     costs = gpu_costs(gpu, actor_b, reward_b, eff)
     label = (f"{actor_b:g}B actor (value head), {reward_b:g}B reward model, {GPUS[gpu].name} x "

@@ -31,7 +31,7 @@ instead of a clock:
 - **refill** (``refill``): a finish admits a replacement at once (prefilled at that moment,
   streamed to the scorers as a queued message); the decode timeline is rebuilt from there.
 
-A :class:`Placement` says which devices do what. Data parallelism: the actor devices split the
+A :class:`DeviceSplit` says which devices do what. Data parallelism: the actor devices split the
 rows (each decodes its own rows in lock-step), forwards and updates split the batch evenly.
 
 Output per step: step time, each device's and each worker's busy seconds, the spans (the same
@@ -118,7 +118,7 @@ def _at(v, step: int) -> int:
 
 
 @dataclass(frozen=True)
-class Placement:
+class DeviceSplit:
     """Which devices run what.
 
     actor_devices: devices that decode (data-parallel, each its own rows) and train the actor.
@@ -157,7 +157,7 @@ class Placement:
 
 
 @dataclass
-class StepResult:
+class SimulatedStep:
     step: int
     start: float
     end: float
@@ -179,13 +179,13 @@ class StepResult:
 @dataclass
 class RunResult:
     mode: str
-    placement: Placement
-    steps: list[StepResult]
+    placement: DeviceSplit
+    steps: list[SimulatedStep]
     spans: list[Span]
     warmup: int = 1
 
     @property
-    def timed(self) -> list[StepResult]:
+    def timed(self) -> list[SimulatedStep]:
         return self.steps[self.warmup:] or self.steps
 
     @property
@@ -278,7 +278,7 @@ def _split(n: int, parts: int) -> list[int]:
 
 
 class _Sim:
-    def __init__(self, mode: str, wl: Workload, costs: CostModel, pl: Placement, fine: bool, steps: int):
+    def __init__(self, mode: str, wl: Workload, costs: CostModel, pl: DeviceSplit, fine: bool, steps: int):
         if mode not in ALL_MODES:
             raise ValueError(f"unknown mode {mode!r}; one of {', '.join(ALL_MODES)}")
         self.mode, self.wl, self.costs, self.pl, self.fine, self.steps = mode, wl, costs, pl, fine, steps
@@ -314,7 +314,7 @@ class _Sim:
 
     # ---------------------------------------------------------------- one step
 
-    def step(self, k: int) -> StepResult:
+    def step(self, k: int) -> SimulatedStep:
         t0 = self.clock
         for d in self.actors + self.scorers + self.learners:
             d.free = max(d.free, t0)  # (pipeline: a scorer may still drain chunks of the in-flight decode)
@@ -353,7 +353,7 @@ class _Sim:
         end = _group_run(self, self.actors, ready, self.costs.time(sync), "learner", "weight_sync", k, [sync])
         self.clock = end
         dev_busy, work_busy = self._busy(t0, end)
-        return StepResult(k, t0, end, close_t, lengths, list(close.lags), off_tokens, sum(lengths),
+        return SimulatedStep(k, t0, end, close_t, lengths, list(close.lags), off_tokens, sum(lengths),
                           sum(1 for r in self.rows.values() if not r.finished), dev_busy, work_busy,
                           self.full_at if self.full_at is not None else close_t)
 
@@ -655,7 +655,7 @@ def _union_len(iv: list[tuple[float, float]]) -> float:
     return total
 
 
-def simulate(mode: str, workload: Workload, costs: CostModel, placement: Placement, steps: int = 8,
+def simulate(mode: str, workload: Workload, costs: CostModel, placement: DeviceSplit, steps: int = 8,
              warmup: int = 1, fine: bool = False, overhead_s: float = 0.0, keep_spans: bool = True) -> RunResult:
     """Simulate ``steps`` PPO steps of ``mode``; the first ``warmup`` are left out of the summaries.
 

@@ -18,8 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from .delta import DeltaController, DeltaRule
-from .records import (_STATE_FORMAT, PARTIAL_GROUPS, Admit, CloseStep, Phase, SeqTicket, _check_int,
-                      _state_mismatch)
+from .records import PARTIAL_GROUPS, STATE_FORMAT, Admit, CloseStep, Phase, SeqTicket, check_int, state_mismatch
 
 
 class Scheduler:
@@ -54,10 +53,10 @@ class Scheduler:
         group_size: int = 1,
         partial_groups: str = "carry",
     ) -> None:
-        _check_int("batch_size", batch_size, 1, "a PPO step needs at least one sequence")
-        _check_int("max_lag", max_lag, 0, "use 0 for fully on-policy training")
-        _check_int("start_position", start_position, 0, "data positions start at 0")
-        _check_int("group_size", group_size, 1, "use 1 for one sequence per prompt")
+        check_int("batch_size", batch_size, 1, "a PPO step needs at least one sequence")
+        check_int("max_lag", max_lag, 0, "use 0 for fully on-policy training")
+        check_int("start_position", start_position, 0, "data positions start at 0")
+        check_int("group_size", group_size, 1, "use 1 for one sequence per prompt")
         if partial_groups not in PARTIAL_GROUPS:
             raise ValueError(f"partial_groups must be one of {', '.join(PARTIAL_GROUPS)}, got {partial_groups!r}")
         if batch_size % group_size:
@@ -68,7 +67,7 @@ class Scheduler:
         n_groups = batch_size // group_size
         self._controller: DeltaRule | None
         if isinstance(delta, int):  # (a bool is refused here)
-            _check_int("delta", delta, 0, "use 0 for no extra sequences in flight")
+            check_int("delta", delta, 0, "use 0 for no extra sequences in flight")
             self._controller = None
             self._fixed_delta = delta
             delta_bound, delta_name = delta, "delta"
@@ -331,7 +330,7 @@ class Scheduler:
         restore them as they are (``load_state_dict(keep_untrained=True)``), or to requeue them."""
         self._require(Phase.IDLE, "state_dict")
         return {
-            "format": _STATE_FORMAT,
+            "format": STATE_FORMAT,
             "config": self._config(),
             "step": self._step,
             "next_uid": self._next_uid,
@@ -360,7 +359,7 @@ class Scheduler:
         self._require(Phase.IDLE, "load_state_dict")
         if self._tickets or self._step or self._next_uid:
             raise RuntimeError("load_state_dict needs a freshly constructed Scheduler")
-        if d.get("format") != _STATE_FORMAT:
+        if d.get("format") != STATE_FORMAT:
             raise ValueError(f"unknown scheduler state format {d.get('format')!r}")
         saved = dict(d["config"])
         saved.setdefault("group_size", 1)  # written before groups existed
@@ -368,15 +367,15 @@ class Scheduler:
         saved_start = saved.pop("start_position")
         mine.pop("start_position")
         if saved != mine:
-            raise _state_mismatch("Scheduler config", saved, mine)
+            raise state_mismatch("Scheduler config", saved, mine)
         if (d["delta_controller"] is None) != (self._controller is None):
-            raise _state_mismatch("delta kind", saved["delta"], mine["delta"])
+            raise state_mismatch("delta kind", saved["delta"], mine["delta"])
         if self._controller is not None:
             self._controller.load_state_dict(d["delta_controller"])
         self.start_position = saved_start
-        self._step = _check_int("step", d["step"], 0, "the checkpoint is corrupt")
-        self._next_uid = _check_int("next_uid", d["next_uid"], 0, "the checkpoint is corrupt")
-        self._next_position = _check_int(
+        self._step = check_int("step", d["step"], 0, "the checkpoint is corrupt")
+        self._next_uid = check_int("next_uid", d["next_uid"], 0, "the checkpoint is corrupt")
+        self._next_position = check_int(
             "next_position", d["next_position"], saved_start, "the checkpoint is corrupt"
         )
         untrained = sorted(d["untrained"], key=lambda row: row[0])
@@ -413,7 +412,7 @@ class Scheduler:
             raise ValueError("checkpoint finished sequences are not all untrained; the checkpoint is corrupt")
         self._pool = dict(sorted(finished.items(), key=lambda kv: kv[1]))
         self._complete = dict(sorted(complete.items(), key=lambda kv: kv[1]))
-        self._finish_counter = _check_int("finish_counter", d["finish_counter"], 0, "the checkpoint is corrupt")
+        self._finish_counter = check_int("finish_counter", d["finish_counter"], 0, "the checkpoint is corrupt")
 
     # ----------------------------------------------------------------- internals
 

@@ -7,7 +7,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from .records import _check_int, _state_mismatch
+from .records import check_int, state_mismatch
 
 
 class ChunkSizeTuner:
@@ -40,14 +40,14 @@ class ChunkSizeTuner:
         if not cands:
             raise ValueError("candidates is empty; give at least one chunk size (or fixed=N)")
         for c in cands:
-            _check_int("chunk size candidate", c, 1, "chunk sizes are positive token counts")
+            check_int("chunk size candidate", c, 1, "chunk sizes are positive token counts")
         if len(set(cands)) != len(cands):
             raise ValueError(f"candidates {cands} contain duplicates; list each size once")
-        _check_int("trial_steps", trial_steps, 1, "each candidate needs at least one step")
+        check_int("trial_steps", trial_steps, 1, "each candidate needs at least one step")
         if retune_every is not None:
-            _check_int("retune_every", retune_every, 1, "or None to tune only once")
+            check_int("retune_every", retune_every, 1, "or None to tune only once")
         if fixed is not None:
-            _check_int("fixed", fixed, 1, "or None to tune online")
+            check_int("fixed", fixed, 1, "or None to tune online")
         self.candidates = cands
         self.trial_steps = trial_steps
         self.retune_every = retune_every
@@ -146,7 +146,7 @@ class ChunkSizeTuner:
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         if d["config"] != self._config():
-            raise _state_mismatch("ChunkSizeTuner config", d["config"], self._config())
+            raise state_mismatch("ChunkSizeTuner config", d["config"], self._config())
         self.history = [(int(c), float(t)) for c, t in d["history"]]
         self._best = None if d["best"] is None else int(d["best"])
         self._tuning = bool(d["tuning"])

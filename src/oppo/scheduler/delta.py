@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from .records import _check_int, _check_reward, _state_mismatch
+from .records import check_int, check_reward, state_mismatch
 
 
 class DeltaRule(Protocol):
@@ -43,10 +43,10 @@ class DeltaController:
         window: int = 5,
         proportional: bool = False,
     ) -> None:
-        _check_int("delta_min", delta_min, 0, "use 0 for 'no extra sequences'")
-        _check_int("delta_max", delta_max, 0, "use a non-negative bound")
-        _check_int("delta_init", delta_init, 0, "use a value in [delta_min, delta_max]")
-        _check_int("window", window, 1, "use a window of at least 1 reward difference")
+        check_int("delta_min", delta_min, 0, "use 0 for 'no extra sequences'")
+        check_int("delta_max", delta_max, 0, "use a non-negative bound")
+        check_int("delta_init", delta_init, 0, "use a value in [delta_min, delta_max]")
+        check_int("window", window, 1, "use a window of at least 1 reward difference")
         if delta_min > delta_max:
             raise ValueError(
                 f"delta_min ({delta_min}) > delta_max ({delta_max}); swap them or lower delta_min"
@@ -76,7 +76,7 @@ class DeltaController:
 
     def update(self, mean_reward: float) -> int:
         """Feed one step's mean reward; return the Delta for the next step."""
-        self._rewards.append(_check_reward(mean_reward, "mean_reward"))
+        self._rewards.append(check_reward(mean_reward, "mean_reward"))
         del self._rewards[: -(self.window + 1)]
         if len(self._rewards) < self.window + 1:
             return self._delta
@@ -106,12 +106,12 @@ class DeltaController:
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         if d["config"] != self._config():
-            raise _state_mismatch("DeltaController config", d["config"], self._config())
-        delta = _check_int("delta", d["delta"], 0, "the checkpoint is corrupt")
+            raise state_mismatch("DeltaController config", d["config"], self._config())
+        delta = check_int("delta", d["delta"], 0, "the checkpoint is corrupt")
         if not self.delta_min <= delta <= self.delta_max:
             raise ValueError(f"checkpoint delta {delta} is outside [delta_min, delta_max]")
         self._delta = delta
-        self._rewards = [_check_reward(r, "checkpoint reward") for r in d["rewards"]]
+        self._rewards = [check_reward(r, "checkpoint reward") for r in d["rewards"]]
         self._slope = None if d["slope"] is None else float(d["slope"])
 
 

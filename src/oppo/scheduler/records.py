@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-_STATE_FORMAT = 1
+STATE_FORMAT = 1
 PARTIAL_GROUPS = ("carry", "wait")
 
 
@@ -96,7 +96,7 @@ class Phase(enum.Enum):
     UPDATING = "updating"  # batch handed out; PPO update running until end_step()
 
 
-def _check_int(name: str, value: Any, minimum: int, fix: str) -> int:
+def check_int(name: str, value: Any, minimum: int, fix: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__}); {fix}")
     if value < minimum:
@@ -104,7 +104,7 @@ def _check_int(name: str, value: Any, minimum: int, fix: str) -> int:
     return value
 
 
-def _check_reward(value: Any, what: str) -> float:
+def check_reward(value: Any, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(
             f"{what} must be a finite number, got {value!r}; check the reward computation "
@@ -113,7 +113,7 @@ def _check_reward(value: Any, what: str) -> float:
     return float(value)
 
 
-def _state_mismatch(what: str, saved: Any, mine: Any) -> ValueError:
+def state_mismatch(what: str, saved: Any, mine: Any) -> ValueError:
     return ValueError(
         f"checkpoint {what} is {saved!r} but this object was built with {mine!r}; construct it "
         "with the same settings as the run that wrote the checkpoint"

@@ -112,7 +112,7 @@ def _slot_cache_class() -> Callable[[list[tuple[tuple[int, ...], tuple[int, ...]
     return _SlotCache
 
 
-def _bucket(n: int, cap: int, smallest: int = 16) -> int:
+def bucket_size(n: int, cap: int, smallest: int = 16) -> int:
     """The smallest of ``smallest`` (a power of two), then 1.5x / 2x alternately (16, 24, 32, 48,
     64, 96, ...; from 1: 1, 2, 3, 4, 6, 8, ...) that is >= n, at most ``cap``: a few captured
     graphs cover every size with at most a third of a step wasted."""
@@ -333,7 +333,7 @@ class StaticRolloutEngine(RolloutEngine):
         """One decode forward over slots [:Rb] and columns [:Lb]; returns logits [Rb, V]."""
         if self.capture == "none":
             return self._decode_step(rows, cols)
-        rb, lb = _bucket(rows, self.max_rows, smallest=1), _bucket(cols, self.max_len)
+        rb, lb = bucket_size(rows, self.max_rows, smallest=1), bucket_size(cols, self.max_len)
         if self.capture == "compile":
             if self._compiled is None:
                 import torch._dynamo

@@ -30,11 +30,11 @@ from ...api.protocols import WeightSource
 from ...api.records import Chunk, ChunkReady, Event, Rollout, RolloutStats, SequenceFinished
 from ...weights.sync import as_pairs
 from . import loads, lora
-from .checks import VLLMEngineDied, VLLMUnavailable, _served_checkpoint, check_vllm
+from .checks import VLLMEngineDied, VLLMUnavailable, check_vllm, served_checkpoint
 from .checks import vllm_problems  # noqa: F401 (its old home)
 from .loads import WEIGHT_RUNS, hf_weights  # noqa: F401 (their old home)
 from .weights import SharedWeights
-from .worker import UNTRUNCATED_ID, _die_with_trainer, _install_untruncated_sampler, untruncated_id
+from .worker import UNTRUNCATED_ID, _die_with_trainer, install_untruncated_sampler, untruncated_id
 
 _VLLM_DTYPE: dict[torch.dtype, Literal["float32", "bfloat16", "float16"]] = {
     torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -110,7 +110,7 @@ class VLLMRolloutBackend:
         from vllm.v1.engine.llm_engine import LLMEngine
 
         config = json.loads((Path(model_path).expanduser() / "config.json").read_text())
-        self._served = _served_checkpoint(config, device)  # padded heads, untied head (heads.py)
+        self._served = served_checkpoint(config, device)  # padded heads, untied head (heads.py)
         self._served_dir = None
         try:  # before the engine starts: a refused adapter costs no start-up
             serve_adapter, self.lora_merged_why = lora.choose(lora_sync, weights, self._on_cpu)
@@ -174,7 +174,7 @@ class VLLMRolloutBackend:
             self._call("start-up", self.llm.collective_rpc, _die_with_trainer, None, (os.getpid(),))
         if serve_adapter and weights is not None:
             self._adapter = lora.AdapterFiles(weights, dtype, self._served.padding if self._served else None)
-        self.untruncated = all(self._call("start-up", self.llm.collective_rpc, _install_untruncated_sampler))
+        self.untruncated = all(self._call("start-up", self.llm.collective_rpc, install_untruncated_sampler))
         if not self.untruncated and (top_k > 0 or top_p < 1.0):
             self.close()
             raise VLLMUnavailable(

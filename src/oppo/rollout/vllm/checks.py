@@ -91,7 +91,7 @@ def vllm_problems(model_path: str | None = None, device: str = "auto") -> list[s
     return problems
 
 
-def _served_checkpoint(config: dict, device: str) -> ServedCheckpoint | None:
+def served_checkpoint(config: dict, device: str) -> ServedCheckpoint | None:
     """How vLLM's CPU backend must be given ``config``'s checkpoint (``heads.py``: heads it
     lacks padded, a tied output head untied); None where it serves it as it is, or on a GPU."""
     if not (device == "cpu" or (device == "auto" and not torch.cuda.is_available())):

@@ -18,7 +18,7 @@ from . import lora
 from .checks import VLLMEngineDied, VLLMUnavailable
 from .heads import HEAD
 from .weights import Layout, SharedWeights, load_in_worker, map_in_worker, unmap_in_worker
-from .worker import _reload_in_worker
+from .worker import reload_in_worker
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -89,7 +89,7 @@ def load_pairs(eng: VLLMRolloutBackend, pairs: list[tuple[str, torch.Tensor]], v
         if eng._served is not None:
             pairs = list(eng._served.weights(pairs))
         t_rpc = time.perf_counter()
-        eng._call("a weight load", eng.llm.collective_rpc, _reload_in_worker, None, (pairs,))
+        eng._call("a weight load", eng.llm.collective_rpc, reload_in_worker, None, (pairs,))
         eng.weight_path = "rpc"
         eng.last_weight_sync_parts = {"prepare_s": t_rpc - t, "rpc_s": time.perf_counter() - t_rpc}
     eng.weight_loads += 1

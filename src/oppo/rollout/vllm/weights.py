@@ -441,7 +441,7 @@ class _Mapped:
     version: int = -1
 
 
-def _open_buffer(handle: dict) -> torch.Tensor:
+def open_buffer(handle: dict) -> torch.Tensor:
     if handle["kind"] == "shared-memory":
         return torch.from_file(handle["path"], shared=True, size=handle["nbytes"], dtype=torch.uint8)
     if handle["kind"] == "cuda-ipc":
@@ -461,7 +461,7 @@ def map_in_worker(worker, handle: dict, layout: Layout) -> str:
     old = getattr(worker, "_oppo_mapped", None)
     worker._oppo_mapped = None
     del old
-    buf = _open_buffer(handle)
+    buf = open_buffer(handle)
     model = worker.model_runner.get_model()
     try:
         loader, why = LiveLoader.build(model)

@@ -12,7 +12,7 @@ import sys
 import torch
 
 
-def _reload_in_worker(worker, weights: list[tuple[str, torch.Tensor]]) -> int:
+def reload_in_worker(worker, weights: list[tuple[str, torch.Tensor]]) -> int:
     """Runs in vLLM's worker process (``collective_rpc``): reload the model in place, in
     checkpoint format, so the CPU backend re-packs its weights as after a load."""
     worker.model_runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
@@ -69,7 +69,7 @@ class _UntruncatedSampler:
         return out
 
 
-def _install_untruncated_sampler(worker) -> bool:
+def install_untruncated_sampler(worker) -> bool:
     """Runs in vLLM's worker process (``collective_rpc``): wrap its sampler (once). False where
     the model runner has no V1 ``Sampler`` to wrap."""
     from vllm.v1.sample.sampler import Sampler
