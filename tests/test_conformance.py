@@ -437,7 +437,7 @@ def _local_learner(tiny_models, ppo):
 
 
 def _beside_scorer(tiny_models, ppo):
-    from oppo.api.plan import ThreadBudget
+    from oppo.api.placement import ThreadBudget
     from oppo.learner.critic import CriticBesideScorer, CriticTrainer
     from oppo.scoring.worker import ScorerWorker
 

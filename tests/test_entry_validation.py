@@ -28,7 +28,7 @@ from oppo.trainer import Trainer
 @pytest.fixture
 def nothing_built(nothing_loads, monkeypatch):
     """``nothing_loads``, and no roles built either: validation must come before ``build_roles``."""
-    monkeypatch.setattr("oppo.setup.roles.build_roles", nothing_loads)
+    monkeypatch.setattr("oppo.setup.build.build_roles", nothing_loads)
     monkeypatch.setattr("oppo.trainer.build_roles", nothing_loads)
 
 

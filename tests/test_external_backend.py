@@ -63,7 +63,7 @@ for _name in protocol_members(RolloutBackend):
 
 class Reporting(Delegating):
     """:class:`Delegating` plus the one member the trainer has read beyond the Protocol: the KV-cache
-    peak of the step (``control.metrics.memory`` read and reset ``peak_cache_bytes``)."""
+    peak of the step (``control.step_metrics.memory`` read and reset ``peak_cache_bytes``)."""
 
     @property
     def peak_cache_bytes(self) -> int:
@@ -205,7 +205,7 @@ def test_trainer_runs_every_mode_on_the_plugin(testplug, tiny_models, tiny_promp
 
 
 @pytest.mark.xfail(not hasattr(RolloutBackend, "take_stats"), raises=AttributeError, strict=True,
-                   reason="src problem: control/metrics.py memory() reads and resets rollout.peak_cache_bytes, "
+                   reason="src problem: control/step_metrics.py memory() reads and resets rollout.peak_cache_bytes, "
                           "which the RolloutBackend Protocol does not declare (the Protocol's take_stats, on its way "
                           "in, replaces it)")
 def test_trainer_needs_nothing_beyond_the_protocol(testplug, tiny_models, tiny_prompts, tmp_path):

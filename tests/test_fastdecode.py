@@ -407,7 +407,7 @@ def test_auto_engine_is_static_with_graphs_on_cuda_for_supported_policies_else_e
     stands for the device: nothing runs there."""
     from oppo.config import Config, ConfigError, help_text, load_config
     from oppo.rollout.engine import resolve_engine
-    from oppo.setup.plan import engine_settings
+    from oppo.setup.decide import engine_settings
 
     def never():
         raise AssertionError("auto asked the model where it did not need to")

@@ -143,7 +143,7 @@ def _scaled_rope(policy: Path, tmp_path: Path) -> Path:
 @pytest.mark.parametrize("placement", [(), ("placement.backend=ray", "placement.rollout_workers=1")])
 def test_trainer_refuses_before_loading_models(tiny_models, tiny_prompts, tmp_path, monkeypatch, placement):
     """Locally, and with Ray rollout workers: refused before any model loads or Ray actor starts."""
-    import oppo.setup.roles as setup_mod
+    import oppo.setup.build as setup_mod
     from oppo import trainer as trainer_mod
     import oppo.cluster as cluster
     from oppo.rollout.registry import BackendUnavailable

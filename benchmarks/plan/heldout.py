@@ -356,7 +356,7 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _pct(x) -> str:
+def pct(x) -> str:
     return "-" if x is None else f"{x * 100:+.0f}%"
 
 
@@ -415,16 +415,16 @@ def to_markdown(res: dict) -> str:
     def ratio(r, key):
         if "ratio_measured" not in r:
             return ["-", "-"]
-        return [f"{r[f'ratio_predicted{key}']:.2f}x", _pct(r[f"ratio_error{key}"])]
+        return [f"{r[f'ratio_predicted{key}']:.2f}x", pct(r[f"ratio_error{key}"])]
 
     for r in rows:
         label = r["name"] + (f" ({r['note']})" if r["note"] else "")
         cells = [label, "fit" if r["role"] == "fit" else "held out", f"{r['measured_s']:.2f}",
-                 " / ".join(f"{x:.2f}" for x in r["repeat_medians_s"]), _pct(r["spread"]),
-                 f"{r['predicted_s']:.2f}", _pct(r["error"])]
+                 " / ".join(f"{x:.2f}" for x in r["repeat_medians_s"]), pct(r["spread"]),
+                 f"{r['predicted_s']:.2f}", pct(r["error"])]
         if changed:
-            cells += [f"{r['predicted_now_s']:.2f}", _pct(r["error_now"])]
-        cells += [f"{r['replayed_s']:.2f}", _pct(r["replayed_error"]),
+            cells += [f"{r['predicted_now_s']:.2f}", pct(r["error_now"])]
+        cells += [f"{r['replayed_s']:.2f}", pct(r["replayed_error"]),
                   f"{r['ratio_measured']:.2f}x" if "ratio_measured" in r else "-", *ratio(r, "")]
         if changed:
             cells += ratio(r, "_now")

@@ -103,7 +103,7 @@ def tokenizer_fingerprint(tok) -> str:
 
 
 def run_fingerprints(roles) -> dict:
-    """``{role: {"path", "fingerprint"}}`` of the models a run reads (a :class:`~oppo.setup.roles.Roles`,
+    """``{role: {"path", "fingerprint"}}`` of the models a run reads (a :class:`~oppo.setup.build.Roles`,
     just built): the reference (without ``reference.path`` the initial policy, or with LoRA its
     base: the policy's path), the reward models (not a reward function), the critic as initialised
     (critic-free algorithms have none) and the policy's tokenizer."""

@@ -1,11 +1,11 @@
-"""The trainer: a thin façade over the roles (``setup.roles.build_roles``) and the controller
+"""The trainer: a thin façade over the roles (``setup.build.build_roles``) and the controller
 (``oppo.control``).
 
 ``run_step`` runs one PPO step in the configured mode: ``control.sequential_step`` (the
 reference loop, ``overlap.mode=sequential``) or ``control.overlapped_step`` (intra, inter, oppo
 and pipeline, one loop driven by a policy value). ``state_dict`` / ``load_state_dict`` are what a
 checkpoint saves and restores (``checkpoint.py`` writes them to disk); ``close`` stops every
-worker. Where a role runs is decided once, in ``setup/roles.py``; nothing here asks.
+worker. Where a role runs is decided once, in ``setup/build.py``; nothing here asks.
 
 Objects in place of paths (``inputs.py``): ``Trainer(cfg, policy=model, tokenizer=tok,
 reward_model=rm, reward_fn=score, prompts=ds)``; ``self.cfg`` is then the settings with each object's
@@ -25,12 +25,12 @@ import torch
 
 from .config import Config, to_dict, validate
 from .control import Run, StepResult, overlapped_step, sequential_step
-from .control.metrics import step_metrics
+from .control.step_metrics import step_metrics
 from .fingerprint import run_fingerprints
 from .inputs import Inputs, split_inputs
 from .preflight import object_problems, raise_if
 from .api.roles import Roles
-from .setup.roles import build_roles
+from .setup.build import build_roles
 
 
 class Trainer:

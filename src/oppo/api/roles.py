@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from .plan import Placement, ResolvedPaths
+from .placement import Placement, ResolvedPaths
 from .protocols import LearnerEngine, RolloutBackend, Scorer
 
 if TYPE_CHECKING:
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class Roles:
-    """Everything a run needs, built once (``setup.roles.build_roles``): the models, and the three
+    """Everything a run needs, built once (``setup.build.build_roles``): the models, and the three
     roles behind their Protocols (the controller calls nothing else of theirs)."""
 
     cfg: Config

@@ -39,7 +39,7 @@ HARDWARE = {"generate_mfu": "perf/generate_mfu", "train_mfu": "perf/train_mfu", 
 
 
 def _hardware(rec: dict, ms: list[dict]) -> dict:
-    """How hard a mode drove the hardware (``control.metrics.utilisation``), with the decode
+    """How hard a mode drove the hardware (``control.step_metrics.utilisation``), with the decode
     overhead: the generate stage's time per decode step over the engine's own (probe) step."""
     out = {}
     for name, key in HARDWARE.items():

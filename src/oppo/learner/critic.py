@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from ..api.plan import ThreadBudget
+from ..api.placement import ThreadBudget
 from ..trace import Tracer
 from ..weights.precision import copy_weights, master_dtype, serving_copy
 from .batch import CriticBatch

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .costs import GPUS, Efficiency
 from .project import paper_setting, parse_placement, project, scale_sweep, sensitivity, summarize
-from . import report
+from . import summary
 
 DEFAULT_SCALE = "8,16,32,64,128,256,512,1024"
 
@@ -99,7 +99,7 @@ def main(argv: list[str]) -> int:
                "left out). Speedup = sequential's median step time / the mode's, as `oppo bench` reports it; "
                "the last columns use the mean of the timed steps instead (the run's wall-clock per step; the "
                "built-in benches' bench.json keeps medians only).", "",
-               report.validation_markdown(comparisons), "", report.step_time_markdown(comparisons), ""]
+               summary.validation_markdown(comparisons), "", summary.step_time_markdown(comparisons), ""]
     actor, scorer = parse_placement(args.placement, args.gpus)
     eff = replace(Efficiency(), decode_step_s=args.decode_step_ms / 1e3, train_mfu=args.mfu)
     base = dict(gpu=args.gpu, actor_b=args.model_b, reward_b=args.reward_b, actor_gpus=actor, scorer_gpus=scorer,
@@ -113,7 +113,7 @@ def main(argv: list[str]) -> int:
         st = paper_setting(sigma=sigma, **base)
         summ = summarize(project(st, steps=args.steps))
         out["projection"].append({"setting": st.label, "sigma": sigma, "modes": summ})
-        md += [f"**{st.label}**", "", report.projection_markdown(summ), ""]
+        md += [f"**{st.label}**", "", summary.projection_markdown(summ), ""]
     costs_desc = paper_setting(**base).costs.describe()
     md += [f"Costs: {costs_desc}.", ""]
     out["costs"] = costs_desc
@@ -139,7 +139,7 @@ def main(argv: list[str]) -> int:
                                  **{k: v for k, v in scale_kw.items() if k != "gpu"})
         out["scale"] = scale_rows
         md += ["## Weak scaling: projected speedup (intra / inter / oppo)", "",
-               report.scale_markdown(scale_rows), ""]
+               summary.scale_markdown(scale_rows), ""]
         grid = [0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75]
         tuned = {**base, "delta": max(1, args.batch // 4), "max_lag": 2}
         for s in grid:
@@ -158,9 +158,9 @@ def main(argv: list[str]) -> int:
         (d / "plan.json").write_text(json.dumps(out, indent=1, default=_json_default))
         (d / "plan.md").write_text(text)
         if comparisons:
-            report.plot_validation(comparisons, d / "validation.png")
+            summary.plot_validation(comparisons, d / "validation.png")
         if scale_rows:
-            report.plot_projection(scale_rows, sigma_rows, d / "projection.png",
+            summary.plot_projection(scale_rows, sigma_rows, d / "projection.png",
                                    f"Projection (roofline, assumptions in plan.md): {args.model_b:g}B actor, "
                                    f"{args.reward_b:g}B reward model, {GPUS[args.gpu].name}")
         say(f"wrote {d}/plan.json, plan.md" + (", validation.png" if comparisons else "")

@@ -47,7 +47,7 @@ def setting(default: Any, help: str, choices: tuple | None = None) -> Any:
 
 @dataclass(frozen=True)
 class EngineSettings:
-    """What every rollout backend is built with (``generation.*``; ``setup.plan.engine_settings``).
+    """What every rollout backend is built with (``generation.*``; ``setup.decide.engine_settings``).
 
     ``kind``: the backend's name (``generation.engine=auto`` resolved: :func:`resolve_engine`);
     ``max_rows``: the most rows in flight (B + Delta and refills: at most 2B); ``max_len``: the

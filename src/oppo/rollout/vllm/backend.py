@@ -34,7 +34,7 @@ from .checks import VLLMEngineDied, VLLMUnavailable, check_vllm, served_checkpoi
 from .checks import vllm_problems  # noqa: F401 (its old home)
 from .loads import WEIGHT_RUNS, hf_weights  # noqa: F401 (their old home)
 from .weights import SharedWeights
-from .worker import UNTRUNCATED_ID, _die_with_trainer, install_untruncated_sampler, untruncated_id
+from .worker import UNTRUNCATED_ID, die_with_trainer, install_untruncated_sampler, untruncated_id
 
 _VLLM_DTYPE: dict[torch.dtype, Literal["float32", "bfloat16", "float16"]] = {
     torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -171,7 +171,7 @@ class VLLMRolloutBackend:
         # the worker dies with this process (docs/vllm.md, "Parent death"); the signal follows the thread that
         # started the worker (this one), so only from the main thread, which lives as long as the process
         if threading.current_thread() is threading.main_thread():
-            self._call("start-up", self.llm.collective_rpc, _die_with_trainer, None, (os.getpid(),))
+            self._call("start-up", self.llm.collective_rpc, die_with_trainer, None, (os.getpid(),))
         if serve_adapter and weights is not None:
             self._adapter = lora.AdapterFiles(weights, dtype, self._served.padding if self._served else None)
         self.untruncated = all(self._call("start-up", self.llm.collective_rpc, install_untruncated_sampler))

@@ -88,7 +88,7 @@ def install_untruncated_sampler(worker) -> bool:
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
-def _die_with_trainer(worker, trainer_pid: int) -> bool:
+def die_with_trainer(worker, trainer_pid: int) -> bool:
     """Runs in vLLM's worker process (``collective_rpc``): have the kernel SIGKILL it when the
     thread that started it exits (docs/vllm.md, "Parent death"). False where it cannot: not Linux, or the
     worker is not ``trainer_pid``'s child."""

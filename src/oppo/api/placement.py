@@ -1,5 +1,5 @@
 """The frozen plan of a run: where every role runs (:class:`Placement`) and the torch thread
-counts by phase (:class:`ThreadBudget`), decided once by ``setup.plan.decide_placement`` and read
+counts by phase (:class:`ThreadBudget`), decided once by ``setup.decide.decide_placement`` and read
 by the controller."""
 
 from __future__ import annotations

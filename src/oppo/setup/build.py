@@ -1,7 +1,7 @@
 """``build_roles(cfg)`` loads the models and builds every role once, as the plan says.
 
-Where each role runs is decided once, before any model loads, as a :class:`~oppo.api.plan.Placement`
-(``setup.plan.decide_placement``): the scorer inline, on a thread, in a child process or in Ray
+Where each role runs is decided once, before any model loads, as a :class:`~oppo.api.placement.Placement`
+(``setup.decide.decide_placement``): the scorer inline, on a thread, in a child process or in Ray
 actors; the critic trained by the learner or beside its scoring; the learner local or
 data-parallel on Ray; the rollout backend local or N Ray workers that stream to the scorers
 themselves; the torch thread budgets. This module builds what the plan names; the controller
@@ -49,7 +49,7 @@ from ..trace import Tracer
 from ..weights.plan import WeightSync
 from ..weights.precision import copy_weights, master_dtype, serving_copy
 from ..weights.sync import load_source
-from .plan import decide_placement, engine_settings, resolve_paths
+from .decide import decide_placement, engine_settings, resolve_paths
 
 # Roles is built in two phases: the models first, then the placement's builders fill in the rollout
 # backend and the scorer (they read the models from it). This stands in until then.

@@ -8,7 +8,7 @@ import dataclasses
 
 import torch
 
-from ..api.plan import Placement, ResolvedPaths, ThreadBudget
+from ..api.placement import Placement, ResolvedPaths, ThreadBudget
 from ..config import Config
 from ..models import check_model_path
 from ..rewards import function_spec, parse_terms
