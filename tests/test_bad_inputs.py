@@ -129,7 +129,7 @@ def test_reward_model_with_two_labels(tiny_models, tiny_prompts, tmp_path, monke
 
 def test_a_causal_lm_as_reward_model_is_named_so(tiny_models, tiny_prompts, tmp_path):
     """A causal LM's config has two labels by default: "has 2 labels" hid what was wrong."""
-    from oppo.models import check_scorer_config, load_config as model_config
+    from oppo.models import check_scorer_config, load_model_config as model_config
     from oppo.preflight import input_problems
 
     cfg = make_cfg(tiny_models, tiny_prompts, tmp_path, **{"reward.path": tiny_models["policy"]})

@@ -118,7 +118,7 @@ def load_causal_lm(path: str, role: str, device: torch.device, dtype: torch.dtyp
     return model
 
 
-def load_config(path: str, role: str, trust_remote_code: bool = False):
+def load_model_config(path: str, role: str, trust_remote_code: bool = False):
     """A model directory's config only (fast): for the checks that run before any weights load."""
     from transformers import AutoConfig
 
@@ -200,7 +200,7 @@ def check_roles(policy_tok, reward: str | None = None, critic: str | None = None
             continue
         assert path is not None
         try:
-            cfg = load_config(path, role)
+            cfg = load_model_config(path, role)
             if role == "reference":
                 if not is_causal_architecture(cfg):
                     raise ModelLoadError(f"The reference model at {path!r} is a {cfg.model_type} model, not a "
@@ -319,7 +319,7 @@ def tokenizer_from_object(tok):
 def load_reward_model(path: str, device: torch.device, dtype: torch.dtype, pad_token_id: int):
     from transformers import AutoModelForSequenceClassification
 
-    check_scorer_config(load_config(path, "reward"), path, "reward", require_one_label=True)
+    check_scorer_config(load_model_config(path, "reward"), path, "reward", require_one_label=True)
     model = _from_pretrained(AutoModelForSequenceClassification, path, "reward", dtype=dtype, num_labels=1)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = pad_token_id
@@ -333,7 +333,7 @@ def load_critic(path: str, device: torch.device, dtype: torch.dtype, pad_token_i
     from transformers import AutoModelForSequenceClassification
     from transformers.utils import logging as hf_logging
 
-    check_scorer_config(load_config(path, "critic"), path, "critic", require_one_label=False)
+    check_scorer_config(load_model_config(path, "critic"), path, "critic", require_one_label=False)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # "newly initialised score head" is expected from a causal-LM checkpoint
     try:

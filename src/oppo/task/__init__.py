@@ -8,8 +8,8 @@
 See ``docs/task.md``.
 """
 
-from oppo.task.prepare import PrepareSizes, Prepared, default_home, prepare, read_prompts
+from oppo.task.prepare import PrepareSizes, Prepared, default_home, prepare, read_task_prompts
 from oppo.task.registry import TASKS, Task, get_task, positive_task
 
 __all__ = ["TASKS", "PrepareSizes", "Prepared", "Task", "default_home", "get_task",
-           "positive_task", "prepare", "read_prompts"]
+           "positive_task", "prepare", "read_task_prompts"]

@@ -300,8 +300,8 @@ def train_reward_model(model: LlamaForSequenceClassification,
 
 
 @torch.no_grad()
-def reward_scores(model: LlamaForSequenceClassification, seqs: list[list[int]],
-                  batch_size: int = 128) -> list[float]:
+def reward_model_scores(model: LlamaForSequenceClassification, seqs: list[list[int]],
+                        batch_size: int = 128) -> list[float]:
     model.eval()
     out = [0.0] * len(seqs)
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))

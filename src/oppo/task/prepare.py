@@ -120,17 +120,17 @@ class Prepared:
     """True when a valid cache was found and nothing was built."""
 
     def prompts(self) -> list[str]:
-        return read_prompts(self.prompts_path)
+        return read_task_prompts(self.prompts_path)
 
     def eval_prompts(self) -> list[str]:
-        return read_prompts(self.eval_prompts_path)
+        return read_task_prompts(self.eval_prompts_path)
 
 
 def default_home() -> Path:
     return Path(os.environ.get("OPPO_HOME") or Path.home() / ".cache" / "oppo")
 
 
-def read_prompts(path: str | Path) -> list[str]:
+def read_task_prompts(path: str | Path) -> list[str]:
     with open(path, encoding="utf-8") as f:
         return [json.loads(line)["prompt"] for line in f if line.strip()]
 
@@ -358,21 +358,21 @@ def _build_reward_model(task: Task, policy, tokenizer, ids, out: Path, seed: int
     # stays; the head has no bias): PPO reward scales then start out like N(mean, 1).
     seqs = [tokenizer(p)["input_ids"] + s.ids + ([tokenizer.eos_token_id] if s.ended else [])
             for p, s in zip(eval_p, eval_samples)]
-    raw_std = _std(M.reward_scores(rm, seqs))
+    raw_std = _std(M.reward_model_scores(rm, seqs))
     with torch.no_grad():
         rm.score.weight.div_(max(raw_std, 1e-6))
     _save_model(rm, tokenizer, out, log.enabled)
 
     # Held-out pairwise accuracy, overall and by kind of pair.
-    chosen = M.reward_scores(rm, [c for c, _ in held_pairs])
-    rejected = M.reward_scores(rm, [r for _, r in held_pairs])
+    chosen = M.reward_model_scores(rm, [c for c, _ in held_pairs])
+    rejected = M.reward_model_scores(rm, [r for _, r in held_pairs])
     right = [c > r for c, r in zip(chosen, rejected)]
     by_kind: dict[str, list[bool]] = {}
     for kind, ok in zip(held_kinds, right):
         by_kind.setdefault(kind, []).append(ok)
 
     # Agreement with the judge on the SFT samples of the eval prompts (never trained on).
-    rm_scores = M.reward_scores(rm, seqs)
+    rm_scores = M.reward_model_scores(rm, seqs)
     info = {
         "reward_parameters": M.n_params(rm),
         "rm_train_pairs": len(train_pairs),
@@ -640,4 +640,4 @@ def _prepared(task: Task, root: Path, info: dict, reused: bool) -> Prepared:
 
 
 __all__ = ["PREPARE_VERSION", "PrepareSizes", "Prepared", "default_home", "default_sizes",
-           "fingerprint", "prepare", "read_prompts", "verify"]
+           "fingerprint", "prepare", "read_task_prompts", "verify"]
