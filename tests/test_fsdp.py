@@ -291,7 +291,7 @@ def test_trainer_with_fsdp2_on_ray_matches_sequential_and_its_sharded_checkpoint
     local sequential run's steps, writes a DCP checkpoint (atomically, with the HF export), and a
     local Trainer resumes from it and trains the next step as the uninterrupted run. Then the same in
     ``overlap.mode=oppo`` with Delta = 0 (the overlapped loop, chunks streamed to the Ray scorer):
-    the sequential run's steps again (DESIGN.md section 3's invariant)."""
+    the sequential run's steps again (the invariant every mode keeps)."""
     pytest.importorskip("ray")
     from oppo.checkpoint import load_checkpoint, save_checkpoint
     from oppo.config import load_config

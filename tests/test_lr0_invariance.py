@@ -1,5 +1,5 @@
 """At learning rate 0 nothing moves, in every mode, with both of oppo's rollout engines, in
-float32 and under bf16 mixed precision (``shared/DESIGN.md`` section 3, "Numbers stay finite";
+float32 and under bf16 mixed precision (docs/implementation-details.md, "Non-finite numbers";
 issue 26).
 
 With ``ppo.actor_lr=0 ppo.critic_lr=0`` an update leaves every weight of the learner's actor and

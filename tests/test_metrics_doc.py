@@ -14,7 +14,7 @@ DOC = ROOT / "docs" / "metrics.md"
 SECTIONS = {"reward", "judge", "task", "kl", "loss", "ppo", "value", "returns", "adv", "group",
             "response_length", "overlap", "pipeline", "time", "perf", "memory", "guard", "data",
             "grad_norm", "mismatch", "bench"}
-# patterns that read, not write: bench.py's f"time/{k}" would otherwise vouch for any time/* name
+# patterns that read, not write: bench/summaries.py's f"time/{k}" would otherwise vouch for any time/* name
 READ_PATTERNS = {"time/*"}
 NAME = re.compile(r"([a-z_]+)/[a-z0-9_*]+(/[a-z0-9_*]+)?")
 

@@ -1,6 +1,6 @@
 """The whole step on Ray: a Trainer whose scorers are Ray actors and whose learner is a data-parallel
 group of 2 Ray ranks, wired as the trainer will wire them, trains the sequential loop's run step
-for step (DESIGN.md: with no inter-step overlap, a run matches ``sequential``)."""
+for step (with no inter-step overlap, a run matches ``sequential``)."""
 
 import pytest
 import torch

@@ -111,7 +111,7 @@ def _terminate_like_ctrl_c() -> None:
     (``run.STOP``, ``run.Preempted``); elsewhere, or on a second signal, it is interrupted at
     once: ``finally`` blocks run, so the trace of the steps so far is saved, the scorer worker stops
     and a half-built cache or checkpoint is removed. (SIGKILL runs nothing; the worker's child exits
-    on its own, see workers.py.)"""
+    on its own, see ``scoring/worker.py``.)"""
     import signal
     import threading
 

@@ -1,4 +1,4 @@
-"""Numbers stay finite (``shared/DESIGN.md`` section 3): the checks that stop a non-finite loss,
+"""Numbers stay finite: the checks that stop a non-finite loss,
 advantage, gradient norm or weight before it reaches the optimizer or the rollout engine.
 
 Where each check runs (``docs/implementation-details.md``, "The non-finite guard"):

@@ -8,7 +8,7 @@ Gantt chart. The format is the "JSON Array/Object Format" of the Trace Event For
 ``{"traceEvents": [...], "displayTimeUnit": "ms"}`` with ``"ph": "X"`` complete events
 (``ts`` and ``dur`` in microseconds) and ``"ph": "M"`` metadata events naming the threads.
 
-The measures (DESIGN.md section 5):
+The measures:
 
 - busy fraction of a worker over a window: length of the union of its spans inside the window
   divided by the window length (a worker's own overlapping spans are counted once);

@@ -1,4 +1,4 @@
-"""The advantage stage (stages 4 and 5 of ``shared/DESIGN.md`` section 2) on a batch: the
+"""The advantage stage (stages 4 and 5 of the PPO step, ``control/sequential.py``) on a batch: the
 algorithm's rewards and advantages, with the non-finite guard, for every mode alike."""
 
 from __future__ import annotations

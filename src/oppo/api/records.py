@@ -7,7 +7,7 @@
   ``advance`` (``api/protocols.py``).
 - :class:`Scores`: what the scorers add to a batch (stage 3).
 
-The batch the learner consumes is ``learner.Experience``.
+The batch the learner consumes is ``learner.batch.Experience``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ class Rollout:
 
     ``response_ids[t]`` was sampled by policy version ``versions[t]`` with behaviour log-prob
     ``logprobs[t]`` (the truncated distribution it was drawn from) and untruncated log-prob
-    ``policy_logprobs[t]`` under the weights that sampled it (``rollout.py``'s docstring; an engine
+    ``policy_logprobs[t]`` under the weights that sampled it (``rollout/engine.py``'s docstring; an engine
     that samples without truncation may leave ``policy_logprobs`` empty: ``logprobs`` are then
     both). ``emitted`` counts the tokens already streamed to the scorers.
     """
@@ -96,7 +96,7 @@ Event = Union[SequenceFinished, ChunkReady]
 @dataclass(frozen=True)
 class Scores:
     """Stage 3's results for a batch, in its order: reward scores [B]; the reference's per-token
-    log-probs and (PPO) the critic's per-token values, one ``scoring.ScoredOutputs`` each."""
+    log-probs and (PPO) the critic's per-token values, one :class:`ScoredOutputs` each."""
 
     scores: list[float]
     reference: list

@@ -1,5 +1,5 @@
-"""The reference loop (``overlap.mode=sequential``): the numbered stages of ``shared/DESIGN.md``
-section 2, one after another. Every other mode must match it: with no deferral the overlapped
+"""The reference loop (``overlap.mode=sequential``): the numbered stages of one PPO step
+(``stages.py``), one after another. Every other mode must match it: with no deferral the overlapped
 loop trains exactly these batches (tested step for step)."""
 
 from __future__ import annotations

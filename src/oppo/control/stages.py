@@ -1,4 +1,4 @@
-"""The stages of one PPO step (``shared/DESIGN.md`` section 2) as functions of a :class:`Run`.
+"""The stages of one PPO step as functions of a :class:`Run`.
 
 ``sequential.py`` calls them in their numbered order; ``overlapped.py`` calls the same ones in
 another order (streaming chunks while decoding, carrying unfinished sequences, training while
