@@ -418,7 +418,7 @@ def _grads(model) -> list[torch.Tensor]:
 def test_packed_forward_equals_each_sequence_alone(load, arch):
     from oppo.forward import RowPlan, row_plan
     from oppo.learner.batch import CriticBatch, micro_slices
-    from oppo.learner.local import _response_hidden
+    from oppo.learner.local import response_hidden
     from oppo.models import backbone_and_head
 
     prompts, responses = _data()
@@ -442,7 +442,7 @@ def test_packed_forward_equals_each_sequence_alone(load, arch):
                 lp, ent = lp_learner._actor_logprobs(mb)  # [b, T] each
                 out = torch.cat([lp, ent], 1)
                 return out, ((lp * wl[r][:, :mb.T] + ent * we[r][:, :mb.T]) * m).sum()
-            v = mb.spread(head(_response_hidden(backbone, mb)).float().reshape(-1))  # [b, T]
+            v = mb.spread(head(response_hidden(backbone, mb)).float().reshape(-1))  # [b, T]
             return v, (v * wl[r][:, :mb.T] * m).sum()
 
         alone_out, alone_loss = [], 0.0

@@ -889,6 +889,7 @@ def test_ray_rollout_worker_hosts_vllm(ray_local, vmodels, tiny_prompts, tmp_pat
     import copy
 
     from oppo.trainer import Trainer
+    from oppo.weights.sync import load_source
 
     cfg = trainer_cfg(vmodels, tiny_prompts, tmp_path, "overlap.mode=oppo", "overlap.delta=2", "overlap.max_lag=1",
                       "generation.top_p=0.9", "ppo.actor_lr=1e-2", "placement.backend=ray",
@@ -901,7 +902,7 @@ def test_ray_rollout_worker_hosts_vllm(ray_local, vmodels, tiny_prompts, tmp_pat
         assert type(group).__name__ == "RayRolloutGroup" and t.roles.placement.rollout_streams_itself
         carried = 0
         for k in range(3):
-            t.roles.learner.sync_actor(pi_k)  # the weights step k samples with
+            load_source(pi_k, t.roles.learner.weights_out())  # the weights step k samples with (rank 0's)
             m = t.run_step()
             exp = t.last_result.exp
             assert len(exp.rollouts) == 4 and torch.isfinite(torch.tensor(m["loss/policy"]))

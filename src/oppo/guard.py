@@ -5,12 +5,12 @@ Where each check runs (``docs/implementation-details.md``, "The non-finite guard
 
 - advantages: ``algo.stage.compute_advantages`` checks the scores, values, log-probs, rewards,
   advantages and returns at response tokens (one host sync per step) and names the first rows;
-- losses and the gradient norm: ``learner._train``, before every optimizer step, for the actor and
+- losses and the gradient norm: ``learner.train_minibatches``, before every optimizer step, for the actor and
   the critic, wherever they train (the local learner, the scorer worker's critic, Ray scorer
   actors, data-parallel and FSDP2 ranks: the norm is already global there, and the loss flag is
   agreed over the ranks, so every rank decides alike). The loss is read on the host already
   (``.item()``) and so is the norm (the ``grad_norm/*`` metric): the check adds no sync;
-- updated weights: ``learner._train`` after the last optimizer step of an update (one
+- updated weights: ``learner.train_minibatches`` after the last optimizer step of an update (one
   ``isfinite`` reduction per trained parameter, stacked, one host sync), so a poisoned weight is
   never synced to the rollout engine nor checkpointed;
 - sampling: ``RolloutEngine._sample_and_record`` (eager and static engines) turns a row whose

@@ -14,3 +14,20 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def kill_with_parent() -> bool:
+    """Have the kernel SIGKILL this process when the thread that started it exits
+    (``prctl(PR_SET_PDEATHSIG)``; the signal follows the starting *thread*, so callers set it only
+    for a child started from a main thread). False where it cannot: not Linux, or no prctl."""
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0) == 0  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return False

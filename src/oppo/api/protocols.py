@@ -2,7 +2,7 @@
 ``typing.Protocol`` classes, and the typed events a rollout backend reports.
 
 The controller (``oppo.control``) only calls these methods. Where a role runs (this thread, a
-child process, a Ray actor, another serving engine) is decided once, by ``oppo.setup.roles.build_roles``; every
+child process, a Ray actor, another serving engine) is decided once, by ``oppo.setup.build.build_roles``; every
 implementation of one Protocol passes the same conformance suite (``tests/test_conformance.py``).
 
 Implementations:

@@ -4,7 +4,7 @@
 The update (:func:`dp_update`) is the single learner's, split by rows:
 
 - every rank draws the same minibatches (``Learner.minibatches`` is seeded by the step only);
-- the learner's own loop (``local._train``) runs on every rank over every minibatch, with the
+- the learner's own loop (``local.train_minibatches``) runs on every rank over every minibatch, with the
   minibatch's *global* token and sequence counts as the loss denominators; each rank computes
   only its share of the minibatch's micro-batches (micro-batch j goes to rank ``batch.rank_of(j, M)``:
   j mod M, reversed every other round) and passes over the others;
@@ -32,8 +32,8 @@ from typing import Callable
 import torch
 
 from .batch import CriticBatch, Experience, old_logprob_targets, padding_stats, rank_of
-from .group import LearnerSpec, _cpu_state
-from .local import Learner, _train, critic_micro_step
+from .group import LearnerSpec, cpu_state
+from .local import Learner, train_minibatches, critic_micro_step
 from .offpolicy import MismatchProbe
 
 
@@ -68,10 +68,10 @@ class Replicated:
         return rows, learner.recompute_logprobs(exp, rows)
 
     def model_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        return _cpu_state(model)
+        return cpu_state(model)
 
     def optim_state(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
-        return _cpu_state(opt)
+        return cpu_state(opt)
 
     def load_state(self, model: torch.nn.Module, opt: torch.optim.Optimizer, weights: dict, optim: dict) -> None:
         model.load_state_dict(weights)
@@ -90,7 +90,7 @@ def dp_update(learner: Learner, exp: Experience, step: int, rank: int, world: in
     actor_steps = _Shard(mbs, rank, world, learner.actor,
                          lambda rows, nt, ns: learner._actor_micro_step(exp, rows, nt, ns, probe))
     agree = any_rank(world, learner.device)
-    stats = _train(learner.actor, learner.actor_opt, exp, mbs, cfg, "actor", actor_steps, step, agree,
+    stats = train_minibatches(learner.actor, learner.actor_opt, exp, mbs, cfg, "actor", actor_steps, step, agree,
                    compute_dtype=learner.compute_dtype)
     actor_steps.check_done()
     if critic and learner.critic is not None:
@@ -98,7 +98,7 @@ def dp_update(learner: Learner, exp: Experience, step: int, rank: int, world: in
         critic_steps = _Shard(mbs, rank, world, learner.critic,
                               lambda rows, nt, ns: critic_micro_step(learner.critic, batch, rows, nt, ns, cfg,
                                                                       learner.compute_dtype))
-        stats.update(_train(learner.critic, learner.critic_opt, batch, mbs, cfg, "critic", critic_steps, step,
+        stats.update(train_minibatches(learner.critic, learner.critic_opt, batch, mbs, cfg, "critic", critic_steps, step,
                             agree, compute_dtype=learner.compute_dtype))
         critic_steps.check_done()
     return {**merge_rank_stats(stats, world, probe), **padding_stats(exp, mbs, cfg, learner.row_plan())}
@@ -124,9 +124,9 @@ def merge_rank_stats(stats: dict[str, float], world: int, probe: MismatchProbe) 
 
 
 class _Shard:
-    """The micro-step ``learner._train`` calls, for one rank: computes its share of each minibatch's
+    """The micro-step ``learner.train_minibatches`` calls, for one rank: computes its share of each minibatch's
     micro-batches, passes over the others, and all-reduces the gradients after each minibatch's
-    last micro-batch (before ``_train`` clips and steps)."""
+    last micro-batch (before ``train_minibatches`` clips and steps)."""
 
     def __init__(self, minibatches: list[torch.Tensor], rank: int, world: int, model: torch.nn.Module,
                  micro_step: Callable):
@@ -153,7 +153,7 @@ class _Shard:
 
 
 def any_rank(world: int, device: torch.device) -> Callable[[bool], bool] | None:
-    """The guard's ``agree`` for ``learner._train`` on ``world`` ranks (None for one): a flag true on
+    """The guard's ``agree`` for ``learner.train_minibatches`` on ``world`` ranks (None for one): a flag true on
     any rank (one all-reduce of one number per optimizer step, a collective), so a loss that is not
     finite on one rank stops or skips the step on every rank and the replicas/shards stay alike."""
     if world == 1:

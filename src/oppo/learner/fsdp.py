@@ -5,7 +5,7 @@ What each rank runs is :class:`oppo.learner.local.Learner`'s own code, on sharde
 wrapped by :func:`shard_model` before the Learner builds its optimizers (``LearnerSpec.build``), so
 its parameters are ``DTensor`` shards, its AdamW state is sharded with them, and its forward
 all-gathers each layer's parameters just in time (and frees them after), its backward
-reduce-scatters each layer's gradients. The loss code, the minibatch loop (``learner._train``),
+reduce-scatters each layer's gradients. The loss code, the minibatch loop (``learner.train_minibatches``),
 clipping (``clip_grad_norm_`` on DTensors: a global norm) and the AdamW step are the single
 learner's.
 
@@ -70,7 +70,7 @@ Reads of the weights (a checkpoint, the object-store weight sync) are collective
 all-gathers (``get_model_state_dict(full_state_dict=True)``) and rank 0 keeps the result, so the
 group asks every rank (``group.LearnerGroup``, ``Sharded.sharded``); with LoRA that gathers the frozen base
 too, and keeps the adapters. The collective weight sync (``placement.weight_sync``,
-``weight_sync.py``) does not hold the whole model on rank 0: every rank all-gathers one trained
+``weights/sync.py``) does not hold the whole model on rank 0: every rank all-gathers one trained
 parameter at a time (``DTensor.full_tensor``; with LoRA only the adapters), rank 0 streams it in
 buckets to the rollout side (NCCL between GPUs, gloo otherwise) and the gathered copy is dropped
 (``group.LearnerRank.send_weights``, called on every rank of a sharded group).
@@ -86,7 +86,7 @@ from typing import Any, cast
 import torch
 
 from .batch import CriticBatch, Experience, old_logprob_targets, padding_stats, rank_of
-from .local import Learner, _train, critic_micro_step
+from .local import Learner, train_minibatches, critic_micro_step
 from .offpolicy import MismatchProbe
 from .dp import any_rank, merge_rank_stats
 from .group import LearnerSpec
@@ -179,24 +179,24 @@ def fsdp_update(learner: Learner, exp: Experience, step: int, rank: int, world: 
     actor_steps = _Rounds(mbs, rank, world, lambda rows, nt, ns: learner._actor_micro_step(exp, rows, nt, ns, probe),
                           pad=lambda rows, nt, ns: learner._actor_micro_step(exp, rows, nt, ns))
     agree = any_rank(world, learner.device)
-    stats = _train(learner.actor, learner.actor_opt, exp, mbs, cfg, "actor", actor_steps, step, agree)
+    stats = train_minibatches(learner.actor, learner.actor_opt, exp, mbs, cfg, "actor", actor_steps, step, agree)
     actor_steps.check_done()
     if critic and learner.critic is not None:
         batch = CriticBatch.of(exp)
         critic_steps = _Rounds(mbs, rank, world, lambda rows, nt, ns: critic_micro_step(
             learner.critic, batch, rows, nt, ns, cfg, learner.compute_dtype))
-        stats.update(_train(learner.critic, learner.critic_opt, batch, mbs, cfg, "critic", critic_steps, step,
+        stats.update(train_minibatches(learner.critic, learner.critic_opt, batch, mbs, cfg, "critic", critic_steps, step,
                             agree))
         critic_steps.check_done()
     return {**merge_rank_stats(stats, world, probe), **padding_stats(exp, mbs, cfg, learner.row_plan())}
 
 
 class _Rounds:
-    """The micro-step ``learner._train`` calls, for one sharded rank: computes micro-batches j with
+    """The micro-step ``learner.train_minibatches`` calls, for one sharded rank: computes micro-batches j with
     ``rank_of(j, M)`` == rank, passes over the others, and after a minibatch's last micro-batch runs
     zero-weight micro-steps until it has run ceil(micro-batches / M), as every rank has: the
     forwards and backwards are collectives, so no rank may run fewer. The reduce-scatters sum the
-    shards' gradients as they go; ``_train`` then clips and steps (both collective-safe)."""
+    shards' gradients as they go; ``train_minibatches`` then clips and steps (both collective-safe)."""
 
     def __init__(self, minibatches: list[torch.Tensor], rank: int, world: int, micro_step, pad=None):
         """``pad``: the micro-step for zero-weight steps, if it must differ (no statistics probe)."""

@@ -94,7 +94,7 @@ class LearnerSpec:
 
 def learner_spec(cfg, paths, pad_id: int, compute_dtype: torch.dtype, algorithm, recompute_old: bool,
                  critic: bool = True, device: str = "auto") -> LearnerSpec:
-    """The learner the trainer builds (``setup.roles.build_roles``), as a spec for the ranks: the policy in
+    """The learner the trainer builds (``setup.build.build_roles``), as a spec for the ranks: the policy in
     its master dtype (the compute dtype under LoRA: only the fp32 adapters train), the critic in
     its master dtype (``critic`` False: none here, e.g. it trains on its scorer actor, or a
     critic-free algorithm), LoRA and gradient checkpointing as configured. ``cfg``: the Config."""
@@ -129,9 +129,9 @@ def _to(exp: Experience, device: torch.device) -> Experience:
 def learner_state(learner: Learner) -> dict:
     """A learner's trained state as checkpoints save it: ``{"actor", "critic"}`` model state dicts
     (CPU tensors) and ``{"actor_opt", "critic_opt"}`` AdamW state dicts."""
-    state = {"actor": _cpu_state(learner.actor), "actor_opt": _cpu_state(learner.actor_opt)}
+    state = {"actor": cpu_state(learner.actor), "actor_opt": cpu_state(learner.actor_opt)}
     if learner.critic is not None:  # critic-free algorithms have none
-        state.update(critic=_cpu_state(learner.critic), critic_opt=_cpu_state(learner.critic_opt))
+        state.update(critic=cpu_state(learner.critic), critic_opt=cpu_state(learner.critic_opt))
     return state
 
 
@@ -147,7 +147,7 @@ def load_learner_state(learner: Learner, state: dict) -> None:
         learner.critic_opt.load_state_dict(state["critic_opt"])
 
 
-def _cpu_state(module_or_opt) -> dict:
+def cpu_state(module_or_opt) -> dict:
     """A snapshot of a module's or optimizer's state dict: CPU copies, never views of live tensors."""
     return _cpu_copy(module_or_opt.state_dict())
 

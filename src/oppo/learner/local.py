@@ -1,5 +1,5 @@
 """The local learner: PPO epochs for actor and critic on one :class:`~.batch.Experience` (stage 6
-of ``shared/DESIGN.md`` section 2), and the micro-step, clipping and optimizer helpers the
+of the PPO step), and the micro-step, clipping and optimizer helpers the
 data-parallel and FSDP2 learners share (``dp.py``, ``fsdp.py``)."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def adamw(params, lr: float, weight_decay: float) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True if fused else None)
 
 
-def _response_hidden(backbone, mb: MicroBatch) -> torch.Tensor:
+def response_hidden(backbone, mb: MicroBatch) -> torch.Tensor:
     """[1, N, H] the hidden states that predict each response token of ``mb`` (``MicroBatch.pre``)."""
     return packed_hidden(backbone, mb.layout, mb.source, mb.first)[mb.pre][None]
 
@@ -68,7 +68,7 @@ class Learner:
         otherwise a statistic, and the head's backward forms no term for it."""
         backbone, head = backbone_and_head(self.actor)
         with autocast(self.device, self.compute_dtype):
-            logprobs, entropy = head_logprobs(head, _response_hidden(backbone, mb), mb.tokens[None], self.temperature,
+            logprobs, entropy = head_logprobs(head, response_hidden(backbone, mb), mb.tokens[None], self.temperature,
                                               entropy=True, entropy_grad=bool(self.cfg.entropy_coef))  # [1, N]
         assert entropy is not None  # (asked for)
         return mb.spread(logprobs[0]), mb.spread(entropy[0])
@@ -132,7 +132,7 @@ class Learner:
         """
         mbs = [mb.to(exp.mask.device) for mb in self.minibatches(exp.mask.shape[0], step, exp.valid.sum(1))]
         probe = MismatchProbe(self.actor_opt, step)
-        stats = _train(self.actor, self.actor_opt, exp, mbs, self.cfg, "actor",
+        stats = train_minibatches(self.actor, self.actor_opt, exp, mbs, self.cfg, "actor",
                        lambda rows, nt, ns: self._actor_micro_step(exp, rows, nt, ns, probe), step,
                        compute_dtype=self.compute_dtype)
         stats.update(MismatchProbe.stats(probe.partial()))
@@ -242,7 +242,7 @@ def critic_update(critic, opt: torch.optim.Optimizer, batch: CriticBatch, miniba
             before_micro()
         return critic_micro_step(critic, batch, rows, num_tokens, num_seqs, cfg, compute_dtype)
 
-    return _train(critic, opt, batch, [mb.to(dev) for mb in minibatches], cfg, "critic", micro, step,
+    return train_minibatches(critic, opt, batch, [mb.to(dev) for mb in minibatches], cfg, "critic", micro, step,
                   compute_dtype=compute_dtype)
 
 
@@ -254,7 +254,7 @@ def critic_micro_step(critic, batch: CriticBatch, rows: torch.Tensor, num_tokens
     T = mb.T
     mask = batch.mask[rows][:, :T]
     with autocast(rows.device, compute_dtype), checkpointing(critic):
-        values = mb.spread(head(_response_hidden(backbone, mb)).float().reshape(-1))  # [b, T]
+        values = mb.spread(head(response_hidden(backbone, mb)).float().reshape(-1))  # [b, T]
     vl, vstats = value_loss(values, batch.values[rows][:, :T], batch.returns[rows][:, :T], mask,
                             clip_eps=cfg.value_clip_eps, loss_agg=cfg.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs)
     vl.backward()
@@ -262,7 +262,7 @@ def critic_micro_step(critic, batch: CriticBatch, rows: torch.Tensor, num_tokens
             "_frac": (mask.sum() / num_tokens).item()}
 
 
-def _train(model, opt, batch: "Experience | CriticBatch", minibatches: list[torch.Tensor], cfg: PPOConfig, name: str,
+def train_minibatches(model, opt, batch: "Experience | CriticBatch", minibatches: list[torch.Tensor], cfg: PPOConfig, name: str,
            micro_step, step: int = -1, agree=None, compute_dtype: torch.dtype = torch.float32) -> dict[str, float]:
     """Optimizer steps over ``minibatches`` of ``batch``'s rows; each is cut into micro-batches
     (:func:`micro_batches`) that accumulate gradients.
@@ -342,7 +342,7 @@ def _grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor | None:
     the guard can still name the parameters whose gradients are not finite; None without any."""
     if not params:
         return None
-    grads = [p.grad for p in params if p.grad is not None]  # (all of them: _train passes those with gradients)
+    grads = [p.grad for p in params if p.grad is not None]  # (all of them: train_minibatches passes those with gradients)
     if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6: what clip_grad_norm_ computes
         return torch.nn.utils.get_total_norm(grads)
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
@@ -355,7 +355,7 @@ def _clip(params: list[torch.nn.Parameter], max_norm: float, norm: torch.Tensor)
         return
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     for p in params:
-        if p.grad is not None:  # (all of them: _train passes those with gradients)
+        if p.grad is not None:  # (all of them: train_minibatches passes those with gradients)
             p.grad.mul_(coef.to(p.grad.device))
 
 

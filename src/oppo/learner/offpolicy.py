@@ -1,7 +1,7 @@
 """How off-policy a trained batch is, and how far the sampler is from the trainer.
 
 Two different things make a token's sampling distribution differ from pi_k, the policy the PPO
-step trains (``shared/DESIGN.md`` section 2):
+step trains (the step's stages: ``docs/design.md``):
 
 - **staleness**: the token was sampled by an older policy version (a carried sequence, or a
   pipeline run's in-flight decoding). Measured per token, ``step - versions[t]``

@@ -29,7 +29,7 @@ with the registry's ``build``, as the controller does, with the CPU threads it w
 backend that loads the policy itself (``Backend.loads_own_weights``) gets no Hugging Face copy in
 the worker: the weights go from the object store (or the collective group, received on the CPU)
 straight to its ``load_weights`` as ``(name, tensor)`` pairs. Its checks (``Backend.problems``)
-run in the controller before any actor starts (``setup.roles.build_roles``). A worker's checkpoint state
+run in the controller before any actor starts (``setup.build.build_roles``). A worker's checkpoint state
 is its engine's ``state_dict``.
 """
 
@@ -324,7 +324,7 @@ class RayRolloutGroup:
             states = state["workers"]
         else:
             gen = state.get("generator")
-            if gen is None:  # another kind of backend's state (module docstring of rollout.py's engine)
+            if gen is None:  # another kind of backend's state (module docstring of rollout/engine.py)
                 return
             states = [{"generator": g} for g in (gen if isinstance(gen, list) else [gen])]
         if len(states) != len(self.workers):

@@ -16,7 +16,7 @@ the actor's spans, peak cache sizes and critic-training stats). The refs are onl
   ``RuntimeError("scorer actor (role=critic, rank=0) died: ...")``.
 
 Roles go to actors by ``groups``: all three in one actor (the default, as the local worker), or
-one actor per role (each with its own CPUs/GPU: the scale-out of DESIGN.md section 4). ``rank``
+one actor per role (each with its own CPUs/GPU). ``rank``
 is the actor's index among the replicas of its roles; this slice has one replica per group.
 
 The critic trains where it is served or is sent after each update:

@@ -404,19 +404,13 @@ def _die_with_parent(parent_pid: int, parent_is_main_thread: bool) -> None:
     The parent can die before either guard is up (the child spends seconds importing torch):
     comparing ``getppid()`` with the pid the parent passed covers that window.
     """
-    import ctypes
     import os
-    import signal
-    import sys
     import time
 
-    if sys.platform.startswith("linux") and parent_is_main_thread:
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            PR_SET_PDEATHSIG = 1
-            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        except (OSError, AttributeError):  # no prctl: the watchdog below still acts
-            pass
+    from ..procs import kill_with_parent
+
+    if parent_is_main_thread:
+        kill_with_parent()  # (where it cannot, the watchdog below still acts)
     if os.getppid() != parent_pid:
         os._exit(1)
 

@@ -11,7 +11,7 @@ from typing import Callable
 @dataclass
 class WeightSync:
     """The serving side gets the learner's weights: the rollout backend (a new version) and the
-    critic the scorer reads. Composed once, from the placement, by ``setup.roles.build_roles`` (its
+    critic the scorer reads. Composed once, from the placement, by ``setup.build.build_roles`` (its
     one owner: each sink and its source are named there and nowhere else); ``steps`` run in order.
     The controller calls it after every update (``control.stages.sync_weights``), and a restore
     calls it once the learner holds the checkpoint's weights (``Trainer.load_state_dict``)."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 
 import torch
 
@@ -85,18 +84,14 @@ def install_untruncated_sampler(worker) -> bool:
 
 # ------------------------------------------------------------------------------------- parent death
 
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
 
 def die_with_trainer(worker, trainer_pid: int) -> bool:
     """Runs in vLLM's worker process (``collective_rpc``): have the kernel SIGKILL it when the
     thread that started it exits (docs/vllm.md, "Parent death"). False where it cannot: not Linux, or the
     worker is not ``trainer_pid``'s child."""
-    if not sys.platform.startswith("linux") or os.getppid() != trainer_pid:
-        return False
-    import ctypes
+    from ...procs import kill_with_parent
 
-    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+    if os.getppid() != trainer_pid or not kill_with_parent():
         return False
     if os.getppid() != trainer_pid:  # the trainer died before the prctl: no signal will come
         os.kill(os.getpid(), signal.SIGKILL)
