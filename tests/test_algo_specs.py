@@ -194,8 +194,8 @@ def test_the_registry_refuses_a_taken_name_and_reads_entry_points(monkeypatch, t
 
     eps = [EntryPoint("mean_baseline", lambda: MEAN_BASELINE), EntryPoint("broken_algo", broken)]
     monkeypatch.setattr("importlib.metadata.entry_points", lambda group: eps if group == "oppo.algorithms" else [])
-    monkeypatch.setattr(algorithms, "_plugins_loaded", False)
-    monkeypatch.setattr(algorithms, "_broken", {})
+    monkeypatch.setattr(algorithms.REGISTRY, "loaded", False)
+    monkeypatch.setattr(algorithms.REGISTRY, "broken", {})
     try:
         assert "mean_baseline" in ALGORITHMS and ALGORITHMS[-1] == "mean_baseline"  # read live
         with pytest.raises(ValueError, match="broken_algo.*its plugin failed to load: ImportError"):

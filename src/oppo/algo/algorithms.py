@@ -13,58 +13,27 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Dict, Iterator
 
+from ..plugins import Registry
 from . import grpo, ppo, reinforce_pp, rloo
 from .core import Algorithm, AlgorithmSpec
 
-__all__ = ["ALGORITHMS", "ENTRY_POINTS", "SPECS", "algorithm_settings", "build_algorithm", "get_algorithm",
+__all__ = ["ALGORITHMS", "ENTRY_POINTS", "REGISTRY", "SPECS", "algorithm_settings", "build_algorithm", "get_algorithm",
            "get_spec", "names", "register", "unregister"]
 
 ENTRY_POINTS = "oppo.algorithms"
 
-SPECS: Dict[str, AlgorithmSpec] = {s.name: s for s in (ppo.SPEC, grpo.SPEC, rloo.SPEC, reinforce_pp.SPEC)}
-"""The registry: name -> spec, built-in first."""
-
-_plugins_loaded = False
-_broken: Dict[str, str] = {}
-
-
-def register(spec: AlgorithmSpec, replace: bool = False) -> AlgorithmSpec:
-    """Add ``spec`` under its name; a name taken by another spec is refused unless ``replace``.
-    Returns it, so a module can write ``SPEC = register(AlgorithmSpec(...))``."""
-    old = SPECS.get(spec.name)
-    if old is not None and old is not spec and not replace:
-        raise ValueError(f"an algorithm named {spec.name!r} is already registered; pick another name or pass "
-                         "replace=True")
-    SPECS[spec.name] = spec
-    return spec
-
-
-def unregister(name: str) -> None:
-    SPECS.pop(name, None)
-
-
-def _load_plugins() -> None:
-    """The specs installed packages declare under :data:`ENTRY_POINTS`, once. One that fails to
-    load is skipped here; asking for it by name says why."""
-    global _plugins_loaded
-    if _plugins_loaded:
-        return
-    _plugins_loaded = True
-    from importlib.metadata import entry_points
-
-    for ep in entry_points(group=ENTRY_POINTS):
-        if ep.name in SPECS:
-            continue
-        try:
-            register(ep.load())
-        except Exception as e:  # noqa: BLE001 (reported when the algorithm is asked for)
-            _broken[ep.name] = f"{type(e).__name__}: {e}"
+REGISTRY: Registry[AlgorithmSpec] = Registry("an algorithm", ENTRY_POINTS)
+for _spec in (ppo.SPEC, grpo.SPEC, rloo.SPEC, reinforce_pp.SPEC):
+    REGISTRY.register(_spec)
+SPECS: Dict[str, AlgorithmSpec] = REGISTRY.items
+"""The registry's items: name -> spec, built-in first."""
+register = REGISTRY.register
+unregister = REGISTRY.unregister
 
 
 def names() -> tuple[str, ...]:
     """The registered algorithms' names, built-in first."""
-    _load_plugins()
-    return tuple(SPECS)
+    return REGISTRY.names()
 
 
 class _Names(Sequence):
@@ -97,12 +66,10 @@ ALGORITHMS: Sequence[str] = _Names()
 
 def get_spec(name: str) -> AlgorithmSpec:
     """The spec of the algorithm called ``name``; ``ValueError`` naming the valid ones if none is."""
-    _load_plugins()
-    try:
-        return SPECS[name]
-    except KeyError:
-        why = f" (its plugin failed to load: {_broken[name]})" if name in _broken else ""
-        raise ValueError(f"unknown algorithm {name!r}{why}; valid: {', '.join(SPECS)}") from None
+    spec = REGISTRY.find(name)
+    if spec is None:
+        raise ValueError(f"unknown algorithm {name!r}{REGISTRY.why_missing(name)}; valid: {', '.join(SPECS)}")
+    return spec
 
 
 def algorithm_settings(name: str) -> Dict[str, Any]:

@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
+from ..plugins import Registry
+
 if TYPE_CHECKING:
     from ..api.protocols import LearnerEngine
     from ..config import Config
@@ -88,59 +90,26 @@ class Engine:
                 f"{'; settings: ' + sets if sets else ''}).")
 
 
-_ENGINES: dict[str, Engine] = {}
-_broken: dict[str, str] = {}
-_plugins_loaded = False
-
-
-def register(engine: Engine, replace: bool = False) -> Engine:
-    """Add ``engine`` under its name; a name taken by another engine is refused unless ``replace``.
-    Returns it, so a module can write ``ENGINE = register(Engine(...))``."""
+def _check(engine: Engine) -> None:
     if engine.build_local is None and engine.build_remote is None:
         raise ValueError(f"learner engine {engine.name!r} has no builder (build_local or build_remote)")
-    old = _ENGINES.get(engine.name)
-    if old is not None and old is not engine and not replace:
-        raise ValueError(f"a learner engine named {engine.name!r} is already registered; pick another name or "
-                         f"pass replace=True")
-    _ENGINES[engine.name] = engine
-    return engine
 
 
-def unregister(name: str) -> None:
-    _ENGINES.pop(name, None)
-
-
-def _load_plugins() -> None:
-    """The engines installed packages declare under :data:`ENTRY_POINTS`, once; one that fails to load
-    is skipped here, and asking for it by name says why."""
-    global _plugins_loaded
-    if _plugins_loaded:
-        return
-    _plugins_loaded = True
-    from importlib.metadata import entry_points
-
-    for ep in entry_points(group=ENTRY_POINTS):
-        if ep.name in _ENGINES:
-            continue
-        try:
-            register(ep.load())
-        except Exception as e:  # noqa: BLE001 (reported when the engine is asked for)
-            _broken[ep.name] = f"{type(e).__name__}: {e}"
+REGISTRY: Registry[Engine] = Registry("a learner engine", ENTRY_POINTS, check=_check)
+register = REGISTRY.register
+unregister = REGISTRY.unregister
 
 
 def names() -> tuple[str, ...]:
     """The registered engines' names, built-in first."""
-    _load_plugins()
-    return tuple(_ENGINES)
+    return REGISTRY.names()
 
 
 def get(name: str) -> Engine:
     """The engine called ``name``; an unknown name raises naming the known ones."""
-    _load_plugins()
-    engine = _ENGINES.get(name)
+    engine = REGISTRY.find(name)
     if engine is None:
-        why = f" (its plugin failed to load: {_broken[name]})" if name in _broken else ""
-        raise KeyError(f"no learner engine {name!r}{why}; known: {', '.join(names())}")
+        raise KeyError(f"no learner engine {name!r}{REGISTRY.why_missing(name)}; known: {', '.join(names())}")
     return engine
 
 

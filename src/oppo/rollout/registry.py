@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from importlib import import_module
 from typing import TYPE_CHECKING, Any, Callable
 
+from ..plugins import Registry
+
 if TYPE_CHECKING:
     import torch
 
@@ -137,28 +139,11 @@ class Backend:
     probe: Callable[[Any, int, int, int], Any] | None = None
 
 
-_BACKENDS: dict[str, Backend] = {}
-_plugins_loaded = False
-_broken: dict[str, str] = {}
-
-
-def register(backend: Backend, replace: bool = False) -> Backend:
-    """Add ``backend`` under its name; a name taken by another backend is refused unless
-    ``replace``. Returns it, so a module can write ``BACKEND = register(Backend(...))``."""
+def _check(backend: Backend) -> None:
     if backend.name == AUTO:
         raise ValueError(f"{AUTO!r} is not a backend name: generation.engine=auto picks eager or static")
     if backend.settings is not None and not dataclasses.is_dataclass(backend.settings):
         raise ValueError(f"rollout backend {backend.name!r}: settings must be a dataclass, got {backend.settings!r}")
-    old = _BACKENDS.get(backend.name)
-    if old is not None and old is not backend and not replace:
-        raise ValueError(f"a rollout backend named {backend.name!r} is already registered; pick another name "
-                         f"or pass replace=True")
-    _BACKENDS[backend.name] = backend
-    return backend
-
-
-def unregister(name: str) -> None:
-    _BACKENDS.pop(name, None)
 
 
 def _load(ref: str) -> Backend:
@@ -166,32 +151,15 @@ def _load(ref: str) -> Backend:
     return getattr(import_module(module), attr)
 
 
-def _load_plugins() -> None:
-    """oppo's own backends, then those installed packages declare under :data:`ENTRY_POINTS`, once.
-    A plugin that fails to load is skipped here: asking for it by name then says why."""
-    global _plugins_loaded
-    if _plugins_loaded:
-        return
-    _plugins_loaded = True
-    for ref in BUILT_IN:
-        register(_load(ref))
-    from importlib.metadata import entry_points
-
-    for ep in entry_points(group=ENTRY_POINTS):
-        if ep.name in _BACKENDS:
-            continue
-        try:
-            backend = ep.load()
-        except Exception as e:  # noqa: BLE001 (reported when the backend is asked for)
-            _broken[ep.name] = f"{type(e).__name__}: {e}"
-            continue
-        register(backend)
+REGISTRY: Registry[Backend] = Registry("a rollout backend", ENTRY_POINTS,
+                                       built_in=lambda: [_load(ref) for ref in BUILT_IN], check=_check)
+register = REGISTRY.register
+unregister = REGISTRY.unregister
 
 
 def names() -> tuple[str, ...]:
     """The registered backends' names, built-in first."""
-    _load_plugins()
-    return tuple(_BACKENDS)
+    return REGISTRY.names()
 
 
 def choices() -> tuple[str, ...]:
@@ -201,11 +169,9 @@ def choices() -> tuple[str, ...]:
 
 def get(name: str) -> Backend:
     """The backend called ``name``; an unknown name raises naming the known ones."""
-    _load_plugins()
-    backend = _BACKENDS.get(name)
+    backend = REGISTRY.find(name)
     if backend is None:
-        why = f" (its plugin failed to load: {_broken[name]})" if name in _broken else ""
-        raise KeyError(f"no rollout backend {name!r}{why}; known: {', '.join(choices())}")
+        raise KeyError(f"no rollout backend {name!r}{REGISTRY.why_missing(name)}; known: {', '.join(choices())}")
     return backend
 
 

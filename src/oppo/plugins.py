@@ -1,0 +1,76 @@
+"""The registry every pluggable kind keeps (algorithms, learner engines, rollout backends): items
+by name, built-in first, then those installed packages declare under an entry point group, loaded
+once on first use. A plugin that fails to load is skipped, and asking for it by name says why.
+Imports nothing of oppo, so any layer may hold one."""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Generic, Iterable, Protocol, TypeVar
+
+
+class Named(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
+T = TypeVar("T", bound=Named)
+
+
+class Registry(Generic[T]):
+    """``kind``: the item's kind in messages, with its article ("an algorithm"); ``entry_points``:
+    the group plugins declare under; ``built_in``: oppo's own items, registered on first use (for
+    kinds whose built-ins import what the registry's module must not); ``check``: raises
+    ``ValueError`` for an item that cannot be registered."""
+
+    def __init__(self, kind: str, entry_points: str, built_in: Callable[[], Iterable[T]] | None = None,
+                 check: Callable[[T], None] | None = None):
+        self.kind, self.entry_points, self._built_in, self._check = kind, entry_points, built_in, check
+        self.items: Dict[str, T] = {}
+        self.broken: Dict[str, str] = {}
+        """Plugin name -> why it failed to load."""
+        self.loaded = False
+
+    def register(self, item: T, replace: bool = False) -> T:
+        """Add ``item`` under its name; a name taken by another item is refused unless ``replace``.
+        Returns it, so a module can write ``SPEC = register(Spec(...))``."""
+        if self._check is not None:
+            self._check(item)
+        old = self.items.get(item.name)
+        if old is not None and old is not item and not replace:
+            raise ValueError(f"{self.kind} named {item.name!r} is already registered; pick another name or pass "
+                             f"replace=True")
+        self.items[item.name] = item
+        return item
+
+    def unregister(self, name: str) -> None:
+        self.items.pop(name, None)
+
+    def load(self) -> None:
+        """The built-ins, then the entry points' items, once."""
+        if self.loaded:
+            return
+        self.loaded = True
+        for item in self._built_in() if self._built_in is not None else ():
+            self.register(item)
+        from importlib.metadata import entry_points
+
+        for ep in entry_points(group=self.entry_points):
+            if ep.name in self.items:
+                continue
+            try:
+                self.register(ep.load())
+            except Exception as e:  # noqa: BLE001 (reported when the item is asked for by name)
+                self.broken[ep.name] = f"{type(e).__name__}: {e}"
+
+    def names(self) -> tuple[str, ...]:
+        """The registered names, built-in first."""
+        self.load()
+        return tuple(self.items)
+
+    def find(self, name: str) -> T | None:
+        self.load()
+        return self.items.get(name)
+
+    def why_missing(self, name: str) -> str:
+        """" (its plugin failed to load: ...)" for a plugin that did; "" for a name nobody declared."""
+        return f" (its plugin failed to load: {self.broken[name]})" if name in self.broken else ""
