@@ -360,8 +360,13 @@ class LearnerRank:
         load_sharded(path, self._models())
 
     def close(self) -> None:
+        """Release the weight-sync group this rank opened, then the learners' default group, in that
+        order (not left to the interpreter's exit)."""
         import torch.distributed as dist
 
+        if self.weight_sender is not None:
+            self.weight_sender.group.close()
+            self.weight_sender = None
         if dist.is_initialized():
             dist.destroy_process_group()
 
