@@ -98,12 +98,17 @@ def load_tokenizer(path: str):
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"Could not load a tokenizer from {path!r}: {e}. The policy directory must "
                              f"hold its tokenizer (tokenizer.save_pretrained).") from None
+    return _ready_for_generation(tok, f"The tokenizer at {path!r}", " and save it again")
+
+
+def _ready_for_generation(tok, which: str, fix_tail: str = ""):
+    """``tok`` left-padded for generation, EOS as pad where it has none (a warning); ``which`` names
+    it in the messages ("The tokenizer at '...'")."""
     if tok.eos_token_id is None:
-        raise ModelLoadError(f"The tokenizer at {path!r} has no EOS token; PPO needs one to end responses. "
-                             f"Set tokenizer.eos_token and save it again.")
+        raise ModelLoadError(f"{which} has no EOS token; PPO needs one to end responses. "
+                             f"Set tokenizer.eos_token{fix_tail}.")
     if tok.pad_token_id is None:
-        warnings.warn(f"The tokenizer at {path!r} has no pad token; using EOS ({tok.eos_token!r}) as pad.",
-                      stacklevel=2)
+        warnings.warn(f"{which} has no pad token; using EOS ({tok.eos_token!r}) as pad.", stacklevel=3)
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
     return tok
@@ -304,16 +309,7 @@ def tokenizer_from_object(tok):
     if not hasattr(tok, "get_vocab") or not callable(tok):
         raise ModelLoadError(f"tokenizer= must be a Hugging Face tokenizer (AutoTokenizer.from_pretrained), got "
                              f"{type(tok).__name__}.")
-    tok = copy.deepcopy(tok)
-    if tok.eos_token_id is None:
-        raise ModelLoadError("The tokenizer given as an object has no EOS token; PPO needs one to end responses. "
-                             "Set tokenizer.eos_token.")
-    if tok.pad_token_id is None:
-        warnings.warn(f"The tokenizer given as an object has no pad token; using EOS ({tok.eos_token!r}) as pad.",
-                      stacklevel=2)
-        tok.pad_token = tok.eos_token
-    tok.padding_side = "left"
-    return tok
+    return _ready_for_generation(copy.deepcopy(tok), "The tokenizer given as an object")
 
 
 def load_reward_model(path: str, device: torch.device, dtype: torch.dtype, pad_token_id: int):

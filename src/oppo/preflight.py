@@ -378,16 +378,17 @@ def input_problems(cfg: Config, inputs: Inputs | None = None) -> list[str]:
     elif prompts and not is_marker(prompts):
         found, hub_dataset = _prompt_problems(prompts, cfg.data.field)
         problems += found
+    columns = _known_columns(cfg, inputs)  # (read once: a file's first record or header)
     for key, spec in (("reward.function", cfg.reward.function), ("reward.judge", cfg.reward.judge)):
         if spec and not is_marker(spec):  # (objects: object_problems)
             problems += _function_problems(key, function_spec(spec) if key == "reward.function" else spec, None,
-                                           _known_columns(cfg, inputs))
+                                           columns)
     for i, term in enumerate(parse_terms(cfg.reward.terms) if cfg.reward.terms else []):  # (validated above)
         if term.path:
             problems += _model_problems("reward", f"reward.terms[{i}].path", term.path, hub_names)
         elif term.function:
-            problems += _function_problems(f"reward.terms[{i}].function", term.function, None,
-                                           _known_columns(cfg, inputs), bound=term.kwargs)
+            problems += _function_problems(f"reward.terms[{i}].function", term.function, None, columns,
+                                           bound=term.kwargs)
     for role in ("policy", "reward", "critic", "reference"):
         dev = getattr(cfg, role).device
         if dev.startswith("cuda"):
