@@ -169,14 +169,14 @@ def ray_local(request):
 def nothing_loads(monkeypatch):
     """Every expensive loader fails loudly: the error under test must come first, before anything
     loads. Returns the failing stand-in, for tests that refuse more (``test_entry_validation``)."""
-    import oppo.setup.build
+    import oppo.setup.load
 
     def boom(*a, **k):
         raise AssertionError("something was loaded before the bad input was reported")
 
     for name in ("load_tokenizer", "read_records", "load_reward_model", "load_causal_lm", "load_critic",
                  "load_function"):
-        monkeypatch.setattr(oppo.setup.build, name, boom)
+        monkeypatch.setattr(oppo.setup.load, name, boom)
     return boom
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-import oppo.setup.build
+import oppo.setup.load
 from conftest import WORDS
 from oppo import cli
 from oppo.checkpoint import checkpoint_dirs, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -120,7 +120,7 @@ def test_reward_model_with_two_labels(tiny_models, tiny_prompts, tmp_path, monke
     def boom(*a, **k):
         raise AssertionError("the policy loaded before the reward model was checked")
 
-    monkeypatch.setattr(oppo.setup.build, "load_causal_lm", boom)
+    monkeypatch.setattr(oppo.setup.load, "load_causal_lm", boom)
     with pytest.raises(ModelLoadError) as info:
         Trainer(make_cfg(tiny_models, tiny_prompts, tmp_path, **{"reward.path": d}), progress=False)
     msg = str(info.value)
@@ -230,7 +230,7 @@ def test_empty_prompt_set(tiny_models, tmp_path, monkeypatch, capsys):
     def boom(*a, **k):
         raise AssertionError("the policy loaded before the prompt set was checked")
 
-    monkeypatch.setattr(oppo.setup.build, "load_causal_lm", boom)
+    monkeypatch.setattr(oppo.setup.load, "load_causal_lm", boom)
     with pytest.raises(DataError, match="empty"):
         Trainer(make_cfg(tiny_models, p, tmp_path), progress=False)
     code = cli.main(["train", *TINY, f"policy.path={tiny_models['policy']}", f"reward.path={tiny_models['reward']}",
@@ -375,7 +375,7 @@ def test_unimportable_reward_module(tiny_models, tiny_prompts, tmp_path, monkeyp
     def boom(*a, **k):
         raise AssertionError("the policy loaded before the reward function was imported")
 
-    monkeypatch.setattr(oppo.setup.build, "load_causal_lm", boom)
+    monkeypatch.setattr(oppo.setup.load, "load_causal_lm", boom)
     cfg = make_cfg(tiny_models, tiny_prompts, tmp_path, **{"reward.function": "no_such_module_xyz:score"})
     with pytest.raises(ModelLoadError) as info:
         Trainer(cfg, progress=False)

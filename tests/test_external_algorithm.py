@@ -161,7 +161,7 @@ ALLOWED = SPEC.modes or modes.NAMES
 @pytest.mark.parametrize("mode", ["sequential", "oppo"])
 def test_it_trains_through_the_trainer(gspo, tiny_models, tiny_prompts, tmp_path, mode):
     assert mode in ALLOWED
-    _train(tiny_models, tiny_prompts, tmp_path, mode, "placement.scorer_process=false")
+    _train(tiny_models, tiny_prompts, tmp_path, mode, "placement.local.scorer_process=false")
 
 
 def test_it_trains_in_the_other_modes(gspo, tiny_models, tiny_prompts, tmp_path):
@@ -169,5 +169,5 @@ def test_it_trains_in_the_other_modes(gspo, tiny_models, tiny_prompts, tmp_path)
     learner either way (the scorer never sees it), and a scorer process costs seconds to start."""
     for mode in [m for m in ALLOWED if m not in ("sequential", "oppo")]:
         CALLS.clear()
-        _train(tiny_models, tiny_prompts, tmp_path / mode, mode, "placement.scorer_process=false",
+        _train(tiny_models, tiny_prompts, tmp_path / mode, mode, "placement.local.scorer_process=false",
                steps=1 if mode == "pipeline" else 2)

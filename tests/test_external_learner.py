@@ -32,15 +32,15 @@ def _build(req: registry.LocalRequest) -> CountingLearner:
 
 
 def _problems(cfg) -> list[str]:
-    n = cfg.placement.learner_workers
-    return [] if n == 1 else [f"placement.learner_workers={n}: the counting learner is one learner; set it to 1."]
+    n = cfg.placement.ray.learner_workers
+    return [] if n == 1 else [f"placement.ray.learner_workers={n}: the counting learner is one learner; set it to 1."]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def counting_engine():
     registry.register(registry.Engine(
         "counting", "the local learner, counting its updates (a test's engine)", build_local=_build,
-        problems=_problems, settings=(("placement.learner_workers", "must be 1"),)))
+        problems=_problems, settings=(("placement.ray.learner_workers", "must be 1"),)))
     yield
     registry.unregister("counting")
 
@@ -51,19 +51,20 @@ def _cfg(tiny_models, tiny_prompts, tmp_path, *extra):
         f"data.prompts={tiny_prompts}", "placement.threads=1", "ppo.batch_size=4", "ppo.minibatch_size=4",
         "ppo.micro_batch_size=4", "generation.max_new_tokens=6", "overlap.chunk_size=4",
         f"run.out_dir={tmp_path}", "log.progress=false", "run.samples=0",
-        "placement.learner_sharding=counting", *extra])
+        "placement.learner=counting", *extra])
 
 
 def test_the_engine_is_in_the_help_with_its_settings_and_its_checks_run_before_models_load():
     help_ = help_text()
-    assert "counting: the local learner, counting its updates (a test's engine) (placement.backend=local; " \
-           "settings: placement.learner_workers: must be 1)." in help_
-    with pytest.raises(ConfigError, match=r"placement.learner_workers=2: the counting learner is one learner"):
-        load_config(None, ["placement.learner_sharding=counting", "placement.learner_workers=2"])
-    with pytest.raises(ConfigError, match=r"learner_sharding=counting runs with placement.backend=local, not ray"):
-        load_config(None, ["placement.learner_sharding=counting", "placement.backend=ray"])
-    with pytest.raises(ConfigError, match=r"learner_sharding='nope' is not one of replicate, fsdp2, counting"):
-        load_config(None, ["placement.learner_sharding=nope"])
+    assert "counting: the local learner, counting its updates (a test's engine) (runs in this process; " \
+           "settings: placement.ray.learner_workers: must be 1)." in help_
+    with pytest.raises(ConfigError, match=r"placement.ray.learner_workers=2: the counting learner is one learner"):
+        load_config(None, ["placement.learner=counting", "placement.ray.learner_workers=2"])
+    with pytest.raises(ConfigError, match=r"placement.learner=counting runs in this process, not under placement.backend=ray: set "
+                                             r"placement.backend=local, or placement.learner=replicate or fsdp2"):
+        load_config(None, ["placement.learner=counting", "placement.backend=ray"])
+    with pytest.raises(ConfigError, match=r"placement.learner='nope' is not one of replicate, fsdp2, counting"):
+        load_config(None, ["placement.learner=nope"])
 
 
 @pytest.mark.parametrize("mode", ["sequential", "oppo"])

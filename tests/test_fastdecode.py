@@ -284,7 +284,7 @@ def test_trainer_with_the_static_engine_trains_the_same_batches(tiny_models, tin
             f"policy.path={tiny_models['policy']}", f"reward.path={tiny_models['reward']}",
             f"data.prompts={tiny_prompts}", "ppo.batch_size=4", "ppo.minibatch_size=4", "ppo.micro_batch_size=4",
             "generation.max_new_tokens=10", "overlap.mode=oppo", "overlap.delta=2", "overlap.max_lag=1",
-            "placement.scorer_process=false", f"run.out_dir={tmp_path / str(static)}", "log.progress=false"])
+            "placement.local.scorer_process=false", f"run.out_dir={tmp_path / str(static)}", "log.progress=false"])
         t = Trainer(cfg, progress=False)
         t.length_sampler = lambda i, member: 2 + (i * 7) % 9  # rows end at different times: some are carried
         if static:
@@ -407,7 +407,7 @@ def test_auto_engine_is_static_with_graphs_on_cuda_for_supported_policies_else_e
     stands for the device: nothing runs there."""
     from oppo.config import Config, ConfigError, help_text, load_config
     from oppo.rollout.engine import resolve_engine
-    from oppo.setup.decide import engine_settings
+    from oppo.rollout.registry import engine_settings
 
     def never():
         raise AssertionError("auto asked the model where it did not need to")
@@ -440,7 +440,7 @@ def test_auto_engine_is_static_with_graphs_on_cuda_for_supported_policies_else_e
     s = engine_settings(cfg, (EOS,), PAD, 8, cuda, model=hybrid)
     assert s.kind == "eager" and "conv" in s.reason
     # Ray rollout workers run eager under auto (settings for cpu); static is refused there
-    ray = ["placement.backend=ray", "placement.rollout_workers=2"]
+    ray = ["placement.backend=ray", "placement.ray.rollout_workers=2"]
     load_config(None, ray)
     with pytest.raises(ConfigError, match="generation.engine=auto"):
         load_config(None, [*ray, "generation.engine=static"])

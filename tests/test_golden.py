@@ -28,7 +28,7 @@ BASE = ["placement.threads=1", "ppo.batch_size=4", "ppo.minibatch_size=2", "ppo.
 CASES = {
     "sequential": (["overlap.mode=sequential"], 3),
     "intra": (["overlap.mode=intra"], 3),
-    "intra_thread": (["overlap.mode=intra", "placement.scorer_process=false"], 3),
+    "intra_thread": (["overlap.mode=intra", "placement.local.scorer_process=false"], 3),
     "inter": (["overlap.mode=inter", "overlap.delta=2", "overlap.max_lag=1"], 4),
     "oppo": (["overlap.mode=oppo", "overlap.delta=2", "overlap.max_lag=1"], 4),
     "oppo_recompute": (["overlap.mode=oppo", "overlap.delta=2", "overlap.max_lag=2", "overlap.stale_kv=recompute",

@@ -183,5 +183,5 @@ def test_lr0_leaves_every_weight_and_serves_it(tiny_models, tiny_prompts, tmp_pa
     default: the child trains the critic in shared memory), a thread otherwise (the GPU's; a bf16
     run's default): both transports, without a ~3 s process start in every case."""
     process = "true" if mode in ("oppo", "pipeline") and dtype == "float32" else "false"
-    metrics = run_lr0(tiny_models, tiny_prompts, tmp_path, mode, engine, dtype, f"placement.scorer_process={process}")
+    metrics = run_lr0(tiny_models, tiny_prompts, tmp_path, mode, engine, dtype, f"placement.local.scorer_process={process}")
     assert_not_vacuous(mode, metrics)

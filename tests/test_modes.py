@@ -48,7 +48,7 @@ def reference_runs(tiny_models, tiny_prompts, tmp_path_factory):
     for mode in ("sequential", "intra"):
         weights[mode] = {}
         runs[mode] = run_steps(tiny_cfg(tiny_models, tiny_prompts, out / mode, f"overlap.mode={mode}",
-                                        "placement.scorer_process=true", "placement.critic_on_worker=true"),
+                                        "placement.local.scorer_process=true", "placement.local.critic_on_worker=true"),
                                weights=weights[mode])
     return runs, weights
 
@@ -69,7 +69,7 @@ def test_intra_equals_sequential(reference_runs, tiny_models, tiny_prompts, tmp_
     """Both scorer workers: a child process (the CPU default) and a thread (the GPU one)."""
     runs, _ = reference_runs
     intra = runs["intra"] if process == "true" else run_steps(
-        tiny_cfg(tiny_models, tiny_prompts, tmp_path / "i", "overlap.mode=intra", "placement.scorer_process=false"))
+        tiny_cfg(tiny_models, tiny_prompts, tmp_path / "i", "overlap.mode=intra", "placement.local.scorer_process=false"))
     assert_same_run(runs["sequential"], intra)
 
 

@@ -50,11 +50,15 @@ def test_known_modes_keep_their_behaviour():
 
 @pytest.mark.parametrize("old,new", sorted(MOVED.items()))
 def test_an_old_name_on_the_command_line_names_the_new_one(old, new):
-    value = "true" if new.endswith(("process", "worker")) else "merged" if new.endswith("lora_sync") else "1"
+    special = {"lora_sync": "merged", "learner": "replicate", "address": "auto", "weight_sync": "object_store",
+               "spread": "true"}
+    leaf_name = new.rsplit(".", 1)[1]
+    value = special.get(leaf_name) or ("true" if new.endswith(("process", "worker")) else "1")
+    extra = ["placement.backend=ray"] if ".ray." in new else []
     with pytest.raises(ConfigError, match=f"{old} is now {new}"):
-        load_config(None, [f"{old}={value}"])
-    section, leaf = _at(to_dict(load_config(None, [f"{new}={value}"])), new)
-    assert str(section[leaf]).lower() == value
+        load_config(None, [f"{old}={value}", *extra])
+    section, leaf = _at(to_dict(load_config(None, [f"{new}={value}", *extra])), new)
+    assert str(section[leaf]).lower() in (value, f"{value}.0")
 
 
 def _at(d: dict, key: str) -> tuple[dict, str]:
@@ -69,29 +73,33 @@ def _at(d: dict, key: str) -> tuple[dict, str]:
 def test_an_old_name_in_a_yaml_file_names_the_new_one(tmp_path):
     p = tmp_path / "run.yaml"
     p.write_text("overlap:\n  mode: intra\n  scorer_process: false\n")
-    with pytest.raises(ConfigError, match=rf"overlap.scorer_process is now placement.scorer_process.*{p.name}|"
-                                          rf"{p.name}.*overlap.scorer_process is now placement.scorer_process"):
+    with pytest.raises(ConfigError, match=rf"overlap.scorer_process is now placement.local.scorer_process.*{p.name}|"
+                                          rf"{p.name}.*overlap.scorer_process is now placement.local.scorer_process"):
         load_config(p)
     p.write_text("run:\n  threads: 2\n")
     with pytest.raises(ConfigError, match="run.threads is now placement.threads"):
         load_config(p)
-    p.write_text("placement:\n  scorer_process: false\n  threads: 2\n")
+    p.write_text("placement:\n  local:\n    scorer_process: false\n  threads: 2\n")
     cfg = load_config(p)
-    assert cfg.placement.scorer_process is False and cfg.placement.threads == 2
+    assert cfg.placement.local.scorer_process is False and cfg.placement.threads == 2
+    p.write_text("placement:\n  backend: ray\n  learner_workers: 2\n")
+    with pytest.raises(ConfigError, match="placement.learner_workers is now placement.ray.learner_workers"):
+        load_config(p)
 
 
 def _old_saved(cfg: Config) -> dict:
     """``to_dict(cfg)`` as an oppo from before the move saved it (placement keys under overlap / run)."""
     d = to_dict(cfg)
-    for old, new in MOVED.items():
+    for old, new in MOVED.items():  # (two old names of one setting: the older one, listed first)
         (os_, ok), (ns, nk) = old.split("."), _at(d, new)
-        d[os_][ok] = ns.pop(nk)
+        if nk in ns:
+            d[os_][ok] = ns.pop(nk)
     return d
 
 
 def test_a_saved_config_with_old_names_loads_with_the_new_ones(tmp_path):
-    cfg = load_config(None, ["placement.critic_on_worker=false", "placement.actor_threads=2",
-                             "placement.scorer_threads=3", "placement.scorer_process=false", "placement.threads=4"])
+    cfg = load_config(None, ["placement.local.critic_on_worker=false", "placement.actor_threads=2",
+                             "placement.scorer_threads=3", "placement.local.scorer_process=false", "placement.threads=4"])
     old = _old_saved(cfg)
     assert "critic_on_worker" in old["overlap"] and "critic_on_worker" not in old["placement"]
     assert from_dict(old) == cfg
@@ -104,7 +112,7 @@ def test_a_saved_config_with_old_names_loads_with_the_new_ones(tmp_path):
     assert saved == to_dict(cfg)
     assert settings_mismatches(old, to_dict(cfg)) == []
     # placement may change on resume; what is trained may not
-    other = load_config(None, ["placement.threads=1", "placement.critic_on_worker=true", "ppo.actor_lr=1e-3"])
+    other = load_config(None, ["placement.threads=1", "placement.local.critic_on_worker=true", "ppo.actor_lr=1e-3"])
     assert [k for k, _, _ in settings_mismatches(old, to_dict(other))] == ["ppo.actor_lr"]
 
 

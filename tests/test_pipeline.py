@@ -42,7 +42,7 @@ def test_pipeline_tokens_carry_the_version_that_sampled_them(tiny_models, tiny_p
     in oppo mode; else the learner thread trains it and the scorers get a copy at each load."""
     steps, max_lag = 4, 1
     t = Trainer(_cfg(tiny_models, tiny_prompts, tmp_path, "overlap.stale_kv=recompute", f"overlap.max_lag={max_lag}",
-                     f"placement.critic_on_worker={critic_on_worker}"), progress=False)
+                     f"placement.local.critic_on_worker={critic_on_worker}"), progress=False)
     try:
         assert t.roles.rollout_policy is not t.roles.policy, "the learner trains the master while the engine samples a copy"
         assert (t.roles.scoring_critic is t.roles.critic) == critic_on_worker

@@ -37,7 +37,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_143_then_resumes(tiny_models, tiny
             *[s for s in _settings(tiny_models, tiny_prompts, out) if not s.startswith("run.steps=")]]
     # the scorers in a child process, and the signal to the whole process group (as Ctrl-C in a
     # terminal, or a scheduler, sends it): the child must not die before the controller's checkpoint
-    proc = subprocess.Popen([*base, "run.steps=100000", "placement.scorer_process=true"], stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen([*base, "run.steps=100000", "placement.local.scorer_process=true"], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, env=_env(), start_new_session=True)
     try:
         deadline = time.monotonic() + 120

@@ -1,4 +1,4 @@
-"""Rollout workers on Ray (placement.rollout_workers): the policy's engines in Ray actors that
+"""Rollout workers on Ray (placement.ray.rollout_workers): the policy's engines in Ray actors that
 stream their chunks straight to the scorer actor.
 
 One worker samples what the local engine samples, so a run with one rollout worker trains the
@@ -18,8 +18,8 @@ from test_ray_trainer import _cfg  # noqa: E402  (the same tiny run as the other
 pytestmark = pytest.mark.ray
 
 
-RAY = ("placement.backend=ray", "placement.learner_cpus=0.25", "placement.scorer_cpus=0.25",
-       "placement.rollout_cpus=0.25")
+RAY = ("placement.backend=ray", "placement.ray.learner_cpus=0.25", "placement.ray.scorer_cpus=0.25",
+       "placement.ray.rollout_cpus=0.25")
 
 
 @pytest.mark.slow
@@ -32,7 +32,7 @@ def test_one_rollout_worker_trains_the_local_run(ray_local, tiny_models, tiny_pr
             m = t.run_step()
             want.append((t.last_result.exp.ids.clone(), m))
     with Trainer(_cfg(tiny_models, tiny_prompts, tmp_path / "r", "overlap.mode=oppo", "overlap.delta=2",
-                      "placement.rollout_workers=1", *RAY), progress=False) as t:
+                      "placement.ray.rollout_workers=1", *RAY), progress=False) as t:
         assert type(t.roles.rollout).__name__ == "RayRolloutGroup" and t.roles.placement.rollout_streams_itself
         for ids, m_local in want:
             m = t.run_step()
@@ -45,7 +45,7 @@ def test_one_rollout_worker_trains_the_local_run(ray_local, tiny_models, tiny_pr
 @pytest.mark.slow
 def test_two_rollout_workers_share_the_batch_and_stream_to_the_scorers(ray_local, tiny_models, tiny_prompts, tmp_path):
     cfg = _cfg(tiny_models, tiny_prompts, tmp_path / "r2", "overlap.mode=oppo", "overlap.delta=2",
-               "placement.rollout_workers=2", *RAY)
+               "placement.ray.rollout_workers=2", *RAY)
     t = Trainer(cfg, progress=False)
     try:
         for step in range(3):
@@ -97,7 +97,7 @@ def test_a_checkpoint_saves_the_rows_the_workers_decode_and_a_resume_takes_them_
     with their partial responses and are saved; a Trainer resumed from it and the live one (both
     re-admit them) train the same batches, the carried rows' earlier tokens kept."""
     cfg = _cfg(tiny_models, tiny_prompts, tmp_path / "r", "overlap.mode=oppo", "overlap.delta=2", "overlap.max_lag=2",
-               "placement.rollout_workers=1", *RAY)
+               "placement.ray.rollout_workers=1", *RAY)
     with Trainer(cfg, progress=False) as t:
         for _ in range(6):
             t.run_step()

@@ -42,7 +42,7 @@ def test_ray_backend_equals_sequential_and_resumes_on_another_worker_count(ray_l
         seq.close()
 
     t = Trainer(_cfg(tiny_models, tiny_prompts, tmp_path / "r", "overlap.mode=intra", "placement.backend=ray",
-                     "placement.learner_workers=2", "placement.learner_cpus=0.5", "placement.scorer_cpus=0.5"),
+                     "placement.ray.learner_workers=2", "placement.ray.learner_cpus=0.5", "placement.ray.scorer_cpus=0.5"),
                 progress=False)
     try:
         assert type(t.roles.learner).__name__ == "LearnerGroup" and not t.roles.learner.strategy.sharded and type(t.roles.scorer).__name__ == "RayScorerWorker"
@@ -83,7 +83,7 @@ def test_ray_pipeline_loads_weights_in_flight(ray_local, tiny_models, tiny_promp
     decodes; rank 0's weights reach the engine at the end of each step, every rank's training span
     joins the trace, and no token is older than max_lag + 1 versions."""
     t = Trainer(_cfg(tiny_models, tiny_prompts, tmp_path / "p", "overlap.mode=pipeline", "placement.backend=ray",
-                     "placement.learner_cpus=0.5", "placement.scorer_cpus=0.5", "generation.max_new_tokens=32",
+                     "placement.ray.learner_cpus=0.5", "placement.ray.scorer_cpus=0.5", "generation.max_new_tokens=32",
                      "overlap.delta=2", "overlap.refill=true", "overlap.max_lag=1", "run.steps=10"), progress=False)
     try:
         early, inflight = 0, 0
@@ -122,7 +122,7 @@ def test_a_killed_ray_actor_stops_the_run_by_role_and_the_resume_is_exact(ray_lo
     oracle = train(_cfg(tiny_models, tiny_prompts, tmp_path / "oracle", *common), progress=False)
 
     cfg = _cfg(tiny_models, tiny_prompts, tmp_path / "killed", *common, "placement.backend=ray",
-               "placement.learner_cpus=0.5", "placement.scorer_cpus=0.5")
+               "placement.ray.learner_cpus=0.5", "placement.ray.scorer_cpus=0.5")
     from oppo.control import stages
 
     score = stages.score

@@ -193,7 +193,7 @@ def test_two_reward_models_stream_to_their_own_scorers(tiny_models, tiny_prompts
     rm = str(tiny_models["reward"])
     terms = [{"path": rm, "name": "rm"}, {"path": rm, "name": "rm2", "weight": -2.0}]
     m = _step([f"policy.path={tiny_models['policy']}", f"data.prompts={tiny_prompts}", "overlap.mode=intra",
-               "placement.scorer_process=false", f"reward.terms={json.dumps(terms)}", f"run.out_dir={tmp_path / 'r'}"])
+               "placement.local.scorer_process=false", f"reward.terms={json.dumps(terms)}", f"run.out_dir={tmp_path / 'r'}"])
     assert m["overlap/streaming"] == 1.0 and m["memory/reward_rm2_kv_peak_mb"] > 0  # streamed to both
     assert m["reward/rm2/mean"] == pytest.approx(m["reward/rm/mean"], abs=1e-5)
     assert m["reward/mean"] == pytest.approx(-m["reward/rm/mean"], abs=1e-5)

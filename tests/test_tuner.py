@@ -135,7 +135,7 @@ def _cfg(tiny_models, tiny_prompts, tmp_path, *extra):
     return load_config(None, [f"policy.path={tiny_models['policy']}", f"reward.path={tiny_models['reward']}",
                               f"data.prompts={tiny_prompts}", f"run.out_dir={tmp_path}", "placement.threads=1",
                               "ppo.batch_size=4", "ppo.minibatch_size=2", "ppo.micro_batch_size=2",
-                              "generation.max_new_tokens=12", "log.progress=false", "placement.scorer_process=false", *extra])
+                              "generation.max_new_tokens=12", "log.progress=false", "placement.local.scorer_process=false", *extra])
 
 
 def _steps(cfg, n):

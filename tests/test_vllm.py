@@ -140,10 +140,10 @@ def _scaled_rope(policy: Path, tmp_path: Path) -> Path:
     return out
 
 
-@pytest.mark.parametrize("placement", [(), ("placement.backend=ray", "placement.rollout_workers=1")])
+@pytest.mark.parametrize("placement", [(), ("placement.backend=ray", "placement.ray.rollout_workers=1")])
 def test_trainer_refuses_before_loading_models(tiny_models, tiny_prompts, tmp_path, monkeypatch, placement):
     """Locally, and with Ray rollout workers: refused before any model loads or Ray actor starts."""
-    import oppo.setup.build as setup_mod
+    import oppo.setup.load as setup_mod
     from oppo import trainer as trainer_mod
     import oppo.cluster as cluster
     from oppo.rollout.registry import BackendUnavailable
@@ -869,7 +869,7 @@ def test_resume_equals_uninterrupted(shared, vmodels, tiny_prompts, tmp_path):
 
 @pytest.mark.ray
 def test_ray_learner_reloads_the_local_vllm_engine(ray_local, shared, vmodels, tiny_prompts, tmp_path):
-    """Ray learner ranks with vLLM in the controller (``placement.rollout_workers=0``): after each
+    """Ray learner ranks with vLLM in the controller (``placement.ray.rollout_workers=0``): after each
     update the engine reloads rank 0's weights. (It used to only take the new version number and
     sample on from the initial weights: a mismatch of the sampler against the trainer's pi_k.)"""
     steps = run_steps(trainer_cfg(vmodels, tiny_prompts, tmp_path, "overlap.mode=sequential",
@@ -881,7 +881,7 @@ def test_ray_learner_reloads_the_local_vllm_engine(ray_local, shared, vmodels, t
 
 @pytest.mark.ray
 def test_ray_rollout_worker_hosts_vllm(ray_local, vmodels, tiny_prompts, tmp_path):
-    """placement.rollout_workers=1 with vLLM, oppo mode: the worker's vLLM engine (built in the
+    """placement.ray.rollout_workers=1 with vLLM, oppo mode: the worker's vLLM engine (built in the
     actor, its model in a process it spawns) streams to the scorer actors, its rows come back
     with their versions, and each update's weights reach it: the tokens tagged with version k
     have the log-probs of pi_k (rank 0's weights when step k starts), not those of the initial
@@ -893,8 +893,8 @@ def test_ray_rollout_worker_hosts_vllm(ray_local, vmodels, tiny_prompts, tmp_pat
 
     cfg = trainer_cfg(vmodels, tiny_prompts, tmp_path, "overlap.mode=oppo", "overlap.delta=2", "overlap.max_lag=1",
                       "generation.top_p=0.9", "ppo.actor_lr=1e-2", "placement.backend=ray",
-                      "placement.rollout_workers=1", "placement.learner_cpus=0.25", "placement.scorer_cpus=0.25",
-                      "placement.rollout_cpus=0.25")
+                      "placement.ray.rollout_workers=1", "placement.ray.learner_cpus=0.25", "placement.ray.scorer_cpus=0.25",
+                      "placement.ray.rollout_cpus=0.25")
     initial = hf_policy(vmodels["policy"])
     pi_k = copy.deepcopy(initial)
     with Trainer(cfg, progress=False) as t:

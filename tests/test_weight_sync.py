@@ -304,11 +304,11 @@ def test_fsdp2_ranks_stream_to_a_rollout_worker_one_parameter_at_a_time(tiny_mod
 @pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.parametrize("placement", [
-    ("placement.learner_sharding=fsdp2", "placement.rollout_workers=1"),  # FSDP2 ranks -> a rollout worker
-    ("placement.learner_sharding=replicate",),  # replica rank 0 -> the controller's engine
+    ("placement.learner=fsdp2", "placement.ray.rollout_workers=1"),  # FSDP2 ranks -> a rollout worker
+    ("placement.learner=replicate",),  # replica rank 0 -> the controller's engine
 ], ids=["fsdp2-to-worker", "replicas-to-controller"])
 def test_trainer_syncs_collectively(ray_local, tiny_models, tiny_prompts, tmp_path, placement):
-    """2 learner ranks stream each update to the rollout engine (placement.weight_sync=collective,
+    """2 learner ranks stream each update to the rollout engine (placement.ray.weight_sync=collective,
     buckets of ~1 KB): a Ray rollout worker, or the engine in the controller. The run samples and
     trains as the local sequential run, step for step (its step-2 samples come from the synced
     weights), and the engine ends holding the learner's weights exactly, as the last version."""
@@ -326,9 +326,9 @@ def test_trainer_syncs_collectively(ray_local, tiny_models, tiny_prompts, tmp_pa
             m = t.run_step()
             want.append((t.last_result.exp.ids.clone(), m))
     with Trainer(_cfg(tiny_models, tiny_prompts, tmp_path / "r", "overlap.mode=sequential", "placement.backend=ray",
-                      "placement.learner_workers=2", *placement, "placement.weight_sync=collective",
-                      "placement.weight_sync_bucket_mb=0.001", "placement.learner_cpus=0.25",
-                      "placement.scorer_cpus=0.25", "placement.rollout_cpus=0.25"), progress=False) as t:
+                      "placement.ray.learner_workers=2", *placement, "placement.ray.weight_sync=collective",
+                      "placement.ray.weight_sync_bucket_mb=0.001", "placement.ray.learner_cpus=0.25",
+                      "placement.ray.scorer_cpus=0.25", "placement.ray.rollout_cpus=0.25"), progress=False) as t:
         links = [c.__self__ for c in t.roles.closers if isinstance(getattr(c, "__self__", None), CollectiveSync)]
         assert len(links) == 1, "the collective sync was formed"
         for ids, m_local in want:
@@ -337,7 +337,7 @@ def test_trainer_syncs_collectively(ray_local, tiny_models, tiny_prompts, tmp_pa
             for k in ("reward/mean", "kl/mean", "loss/policy", "loss/value"):
                 assert m[k] == pytest.approx(m_local[k], abs=1e-4, rel=1e-3), k
             assert m["time/weight_sync"] > 0
-        if "placement.rollout_workers=1" in placement:
+        if "placement.ray.rollout_workers=1" in placement:
             worker = t.roles.rollout.workers[0]
             got, version = ray.get(worker.__ray_call__.remote(lambda self: (self.model.state_dict(),
                                                                              self.engine.version)))
@@ -351,9 +351,9 @@ def test_trainer_syncs_collectively(ray_local, tiny_models, tiny_prompts, tmp_pa
 
 
 @pytest.mark.parametrize("overrides, expected", [
-    (["placement.weight_sync=collective"], "placement.weight_sync=collective streams weights from Ray learner"),
-    (["placement.backend=ray", "placement.weight_sync_bucket_mb=-1"], "weight_sync_bucket_mb must be >= 0"),
-    (["placement.backend=ray", "placement.weight_sync=nccl"], "collective"),  # the allowed values are named
+    (["placement.ray.weight_sync=collective"], "placement.ray.weight_sync=collective streams weights from Ray learner"),
+    (["placement.backend=ray", "placement.ray.weight_sync_bucket_mb=-1"], "weight_sync_bucket_mb must be >= 0"),
+    (["placement.backend=ray", "placement.ray.weight_sync=nccl"], "collective"),  # the allowed values are named
 ])
 def test_bad_weight_sync_settings_are_refused_before_any_model_loads(overrides, expected):
     from oppo.config import ConfigError, load_config

@@ -5,7 +5,7 @@ critic in Hugging Face format (``from_pretrained`` loads them; with LoRA the pol
 holds the adapter, which ``PeftModel.from_pretrained(base, path)`` loads; critic-free
 algorithms have no critic), both optimizers, every RNG
 state, the scheduler (data position, Delta, requeued prompts), the chunk-size tuner and the
-step. A sharded learner (``placement.learner_sharding=fsdp2``) writes its weights and AdamW state
+step. A sharded learner (``placement.learner=fsdp2``) writes its weights and AdamW state
 as ``torch.distributed.checkpoint`` shards in ``learner/`` instead of ``optim.pt``'s states
 (``learner/sharded.py``: loadable on any number of ranks, and locally). It is written into a
 temporary directory beside the target and renamed into place, so an

@@ -13,11 +13,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field as dc_field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from .config import DataConfig
+if TYPE_CHECKING:  # (the config reads no data: no import back at run time)
+    from .config import DataConfig
 
 
 class DataError(ValueError):

@@ -152,12 +152,14 @@ def _drop_task_presets(cfg: Config) -> None:
 
 def needs_saving(cfg: Config) -> dict[str, str]:
     """Role -> why, for the model objects a role loads elsewhere (from a path)."""
+    from . import placements
     from .rollout import registry
 
     why: dict[str, str] = {}
-    if cfg.placement.backend == "ray":
+    spec = placements.of(cfg)
+    if spec.remote:
         for role in ("policy", "reference", "critic", "reward"):
-            why[role] = "the Ray actors (placement.backend=ray), which load their models from a directory"
+            why[role] = spec.where or f"placement.backend={spec.name}, whose roles load their models from a directory"
     engine = cfg.generation.engine
     if engine != registry.AUTO and registry.get(engine).loads_own_weights:
         why.setdefault("policy", f"generation.engine={engine}, which loads the policy from a directory")

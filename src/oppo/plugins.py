@@ -5,7 +5,8 @@ Imports nothing of oppo, so any layer may hold one."""
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Generic, Iterable, Protocol, TypeVar
+import dataclasses
+from typing import Any, Callable, Dict, Generic, Iterable, Protocol, TypeVar
 
 
 class Named(Protocol):
@@ -74,3 +75,13 @@ class Registry(Generic[T]):
     def why_missing(self, name: str) -> str:
         """" (its plugin failed to load: ...)" for a plugin that did; "" for a name nobody declared."""
         return f" (its plugin failed to load: {self.broken[name]})" if name in self.broken else ""
+
+
+def setting(default: Any, help: str, choices: tuple | None = None) -> Any:
+    """A field of a part's own settings dataclass with its help text (and its allowed values), read
+    by the config the way it reads its own fields (``rollout.<backend>.<field>``,
+    ``placement.<name>.<field>``)."""
+    meta: dict[str, Any] = {"help": help}
+    if choices is not None:
+        meta["choices"] = choices
+    return dataclasses.field(default=default, metadata=meta)

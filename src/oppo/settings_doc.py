@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .config import TASK_PRESETS, Config, choices_of, sections
+from .config import TASK_PRESETS, Config, choices_of, fields_of, sections
 
 BEGIN = "<!-- settings (generated: python -m oppo.settings_doc docs/settings.md) -->"
 END = "<!-- end settings -->"
@@ -25,7 +25,7 @@ def markdown() -> str:
              + ", ".join(f"`{k}={v}`" for k, v in preset.items()) for task, preset in TASK_PRESETS.items()]
     for name, section in sections(cfg):
         lines += ["", f"## {name}", "", "| setting | default | meaning |", "|---|---|---|"]
-        for f in dataclasses.fields(section):
+        for f in fields_of(section):
             default = getattr(section, f.name)
             shown = "(empty)" if default is None else f"`{default!r}`" if isinstance(default, str) else f"`{default}`"
             meaning = f.metadata.get("help", "")

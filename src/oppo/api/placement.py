@@ -30,7 +30,7 @@ class Placement:
     """Where every role runs, decided once from the config (module docstring)."""
 
     scorer: str  # "inline": in the controller's thread; "thread"; "process"; "ray"
-    critic_trains_on: str  # "learner", "scorer" (placement.critic_on_worker) or "none" (critic-free)
+    critic_trains_on: str  # "learner", "scorer" (placement.local.critic_on_worker) or "none" (critic-free)
     learner: str  # "local" or "ray" (data-parallel ranks)
     rollout: str  # "local" or "ray" (rollout workers)
     rollout_streams_itself: bool  # Ray rollout workers feed the scorer actors directly

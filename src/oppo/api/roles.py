@@ -20,13 +20,12 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class Roles:
-    """Everything a run needs, built once (``setup.build.build_roles``): the models, and the three
-    roles behind their Protocols (the controller calls nothing else of theirs)."""
+class Models:
+    """What setup loaded before any role is built (``setup.load.load_models``): the run's inputs
+    resolved, the models in their dtypes and devices, the functions that score."""
 
     cfg: Config
     paths: ResolvedPaths
-    placement: Placement
     tokenizer: Any  # a Hugging Face tokenizer
     prompt_set: PromptSet
     algorithm: Algorithm
@@ -46,11 +45,21 @@ class Roles:
     accuracy_fn: Callable | None
     composite: CompositeReward | None  # reward.terms: the trained reward is their weighted sum (else reward_fn or model)
     extra_reward_models: dict[str, torch.nn.Module]  # composite: reward models after the first, by scorer role
+    recompute_old: bool  # the learner recomputes the old log-probs (ppo.old_logprobs resolved)
+    tracer: Tracer
+
+
+@dataclass
+class Roles(Models):
+    """Everything a run needs, built once (``setup.build.build_roles``): the models, and the three
+    roles behind their Protocols (the controller calls nothing else of theirs), where the placement
+    put them."""
+
+    placement: Placement
     rollout: RolloutBackend
     scorer: Scorer
     learner: LearnerEngine
     sync: WeightSync
-    tracer: Tracer
     closers: list = field(default_factory=list)
     engine: str = ""  # which rollout engine runs, and why (generation.engine=auto resolved), for the run's log
 

@@ -30,11 +30,9 @@ def split_mode(spec: str) -> tuple[str, list[str]]:
 
 
 def mode_overrides(spec: str) -> list[str]:
-    """The settings a mode spec sets: its overlap mode and its own settings (a local placement
-    drops the Ray-only rollout workers)."""
+    """The settings a mode spec sets: its overlap mode and its own settings."""
     mode, over = split_mode(spec)
-    local = [] if "placement.backend=local" not in over else ["placement.rollout_workers=0"]
-    return [f"overlap.mode={mode}", *local, *over]
+    return [f"overlap.mode={mode}", *over]
 
 
 def slug(spec: str) -> str:

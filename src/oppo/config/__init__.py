@@ -12,11 +12,11 @@ from .help import help_text
 from .parse import MOVED, from_dict, load_config, resolved_settings, to_dict, upgrade_settings, with_overrides
 from .schema import (MODES, TASK_PRESETS, AlgoConfig, Config, ConfigError, CriticConfig, DataConfig,
                      GenerationConfig, LogConfig, LoraConfig, OverlapConfig, PlacementConfig, PolicyConfig,
-                     PPOConfig, ReferenceConfig, RewardConfig, RunConfig, all_keys, choices_of, opt, sections)
+                     PPOConfig, ReferenceConfig, RewardConfig, RunConfig, all_keys, choices_of, fields_of, opt, sections)
 from .validate import validate
 
 __all__ = ["MODES", "MOVED", "TASK_PRESETS", "AlgoConfig", "Config", "ConfigError", "CriticConfig", "DataConfig",
            "GenerationConfig", "LogConfig", "LoraConfig", "OverlapConfig", "PlacementConfig", "PolicyConfig",
            "PPOConfig", "ReferenceConfig", "RewardConfig", "RunConfig", "all_keys", "choices_of", "from_dict",
-           "help_text", "load_config", "opt", "resolved_settings", "sections", "to_dict", "upgrade_settings",
+           "fields_of", "help_text", "load_config", "opt", "resolved_settings", "sections", "to_dict", "upgrade_settings",
            "validate", "with_overrides"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .schema import TASK_PRESETS, Config, choices_of, sections
+from .schema import TASK_PRESETS, Config, choices_of, fields_of, sections
 
 
 def help_text() -> str:
@@ -16,9 +16,11 @@ def help_text() -> str:
     lines.append("")
     cfg = Config()
     for name, section in sections(cfg):
-        backend = name.partition("rollout.")[2]  # a backend's own settings (its help: generation.engine's)
-        lines.append(f"{name}: (the settings of generation.engine={backend})" if backend else f"{name}:")
-        for f in dataclasses.fields(section):
+        # a backend's or placement's own settings (its help: generation.engine's, placement.backend's)
+        backend, place = name.partition("rollout.")[2], name.partition("placement.")[2]
+        lines.append(f"{name}: (the settings of generation.engine={backend})" if backend else
+                     f"{name}: (the settings of placement.backend={place})" if place else f"{name}:")
+        for f in fields_of(section):
             default = getattr(section, f.name)
             shown = "(empty)" if default is None else repr(default) if isinstance(default, str) else default
             extra = f" [{'|'.join(map(str, choices_of(f)))}]" if f.metadata.get("choices") else ""

@@ -16,7 +16,7 @@ import yaml
 
 from .. import from_trl
 from ..algo.algorithms import SPECS
-from .schema import TASK_PRESETS, Config, ConfigError, all_keys, sections
+from .schema import TASK_PRESETS, Config, ConfigError, all_keys, fields_of, sections
 from .validate import validate
 
 
@@ -25,7 +25,7 @@ def _section(cfg: Config, key: str) -> tuple[Any, str] | None:
     names; None for no setting."""
     name, _, leaf = key.rpartition(".")
     section = dict(sections(cfg)).get(name)
-    if section is None or leaf not in {f.name for f in dataclasses.fields(section)}:
+    if section is None or leaf not in {f.name for f in fields_of(section)}:
         return None
     return section, leaf
 
@@ -42,13 +42,21 @@ _ALIASES = {"learning_rate": ("actor_lr", "critic_lr"), "lr": ("actor_lr", "crit
 # settings that moved to another section (old key -> new key): given by hand (a YAML file, an
 # override) the old name is refused with the new one named; a saved config (a checkpoint's, a
 # bench's) is read with the old names moved (upgrade_settings)
-MOVED = {"overlap.scorer_process": "placement.scorer_process", "overlap.critic_on_worker": "placement.critic_on_worker",
+_RAY = ("address", "learner_workers", "learner_cpus", "learner_gpus", "scorer_cpus", "scorer_gpus", "spread",
+        "rollout_workers", "rollout_cpus", "rollout_gpus", "weight_sync", "weight_sync_bucket_mb")
+MOVED = {"overlap.scorer_process": "placement.local.scorer_process",
+         "overlap.critic_on_worker": "placement.local.critic_on_worker",
          "overlap.actor_threads": "placement.actor_threads", "overlap.scorer_threads": "placement.scorer_threads",
          "run.threads": "placement.threads",
          # issue 34: the overlap controller's trials cover Delta as well as the chunk
          "overlap.chunk_trial_steps": "overlap.trial_steps", "overlap.chunk_retune_every": "overlap.retune_every",
          # issue 37: a rollout backend's own settings are its section of rollout
-         "lora.sync": "rollout.vllm.lora_sync"}
+         "lora.sync": "rollout.vllm.lora_sync",
+         # a placement's own settings are its section of placement
+         "placement.scorer_process": "placement.local.scorer_process",
+         "placement.critic_on_worker": "placement.local.critic_on_worker",
+         **{f"placement.{k}": f"placement.ray.{k}" for k in _RAY},
+         "placement.learner_sharding": "placement.learner"}
 
 
 def upgrade_settings(d: dict) -> dict:
@@ -62,7 +70,7 @@ def upgrade_settings(d: dict) -> dict:
         if isinstance(out.get(os_), dict) and ok in out[os_]:
             value = out[os_].pop(ok)
             section = out.setdefault(ns[0], {})
-            for part in ns[1:]:  # (rollout.<backend>: a section within a section)
+            for part in ns[1:]:  # (rollout.<backend>, placement.<name>: a section within a section)
                 section[part] = section = dict(section.get(part) or {})
             section.setdefault(nk, value)
     return out
@@ -105,8 +113,11 @@ def _unknown(cfg: Config, key: str, value: Any, source: str) -> str | None:
     """One line saying why ``key`` is not a setting and what to write instead; None for a setting."""
     known = all_keys(cfg)
     if key in MOVED:
-        why = (" (where a role runs and how much hardware it gets is in the placement section)"
-               if MOVED[key].startswith("placement.") else "")
+        new = MOVED[key]
+        why = (f" (a placement's own settings are its section, placement.{new.split('.')[1]})" if new.count(".") == 2
+               and new.startswith("placement.") else " (a rollout backend's own settings are its section)"
+               if new.startswith("rollout.") else " (where a role runs and how much hardware it gets is in the "
+               "placement section)" if new.startswith("placement.") and not key.startswith("placement.") else "")
         return f"Unknown setting '{key}' (from {source}): {key} is now {MOVED[key]}{why}. Rename it to {MOVED[key]}."
     if key in known:
         return None
@@ -193,13 +204,16 @@ def _set(cfg: Config, key: str, value: Any, source: str) -> None:
     setattr(section, leaf, _coerce(key, value, hints[leaf]))
 
 
-def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+def _flatten(d: dict, prefix: str = "", within: frozenset[str] | None = None) -> dict[str, Any]:
+    """``{"section.field": value}`` of a nested mapping of sections (a YAML file, a saved config)."""
+    if within is None:  # the sections within sections: rollout.<backend>, placement.<name>
+        within = frozenset(name for name, _ in sections(Config()) if "." in name)
     out: dict[str, Any] = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
-        # a section (or rollout's section of one backend); a mapping under a setting is its value
-        if isinstance(v, dict) and (not prefix or prefix == "rollout."):
-            out.update(_flatten(v, key + "."))
+        # a section (or one within a section); a mapping under a setting is its value
+        if isinstance(v, dict) and (not prefix or key in within):
+            out.update(_flatten(v, key + ".", within))
         else:
             out[key] = v
     return out
@@ -293,7 +307,10 @@ def _parse_override(cfg: Config, key: str, raw: str) -> Any:
 
 
 def to_dict(cfg: Config) -> dict:
-    return dataclasses.asdict(cfg)
+    """The nested settings of ``cfg``, each placement's own under ``placement.<name>`` (as written)."""
+    d = dataclasses.asdict(cfg)
+    d["placement"].update(d["placement"].pop("by_name"))
+    return d
 
 
 def resolved_settings(d: dict) -> dict:

@@ -33,7 +33,7 @@ def _engine_help() -> list[str]:
 
 
 def _learner_choices() -> tuple[str, ...]:
-    """``placement.learner_sharding``'s values: the registered learner engines."""
+    """``placement.learner``'s values: the registered learner engines."""
     from ..learner import registry
 
     return registry.names()
@@ -43,6 +43,25 @@ def _learner_help() -> list[str]:
     from ..learner import registry
 
     return registry.help_lines()
+
+
+def _placement_choices() -> tuple[str, ...]:
+    from .. import placements
+
+    return placements.names()
+
+
+def _placement_help() -> list[str]:
+    from .. import placements
+
+    return placements.help_lines()
+
+
+def _placement_sections() -> dict[str, Any]:
+    """Each registered placement's own settings (``placement.<name>.<field>``)."""
+    from .. import placements
+
+    return placements.default_settings()
 
 
 def _rollout_sections() -> dict[str, Any]:
@@ -349,56 +368,27 @@ class AlgoConfig:
 @dataclass
 class PlacementConfig:
     """Where each role runs and how much hardware it gets; none of it changes the math (a checkpoint
-    resumes under another placement). The overlap mode's behaviour is ``overlap.*``."""
+    resumes under another placement). The overlap mode's behaviour is ``overlap.*``. Each
+    registered placement's own settings are ``placement.<name>.*`` (``oppo.placements``)."""
 
+    backend: str = opt("local", "Where the roles run: a registered placement (oppo.placements):", _placement_choices,
+                       _placement_help)
+    learner: str = opt("replicate", "The learner engine: how the learner trains and how its ranks split the "
+                                    "trained state (registered engines; oppo.learner.registry):",
+                       _learner_choices, _learner_help)
     threads: int = opt(0, "torch CPU threads of this process for sequential work (0: all cores).")
-    actor_threads: int = opt(1, "CPU: torch threads of the actor (decoding and, with placement.critic_on_worker, "
-                                "training) in overlapped modes.")
-    scorer_threads: int = opt(1, "CPU: torch threads of the scorer worker in overlapped modes.")
-    scorer_process: bool = opt(True, "CPU: run the scorer worker in its own process (no GIL shared with the "
-                                      "actor) instead of a thread. Ignored on GPU.")
-    critic_on_worker: bool = opt(True, "Overlapped modes: the scorer worker, which holds the critic, runs the critic's "
-                                       "PPO update while the actor trains (same weights as one after the other).")
-    backend: str = opt("local", "local: every role in this process (plus the scorer worker). ray: the scorers "
-                                "(reward, reference, critic) in Ray actors and the learner as a data-parallel group "
-                                "of Ray ranks (torch.distributed: gloo on CPU, NCCL on GPU); the rollout engine stays "
-                                "with the controller unless placement.rollout_workers is set.", ("local", "ray"))
-    address: str = opt("auto", "Ray cluster to join: auto (the one started by `ray start` on this machine, "
-                               "else a new local one), or host:port / ray://host:port.")
-    learner_workers: int = opt(1, "Ray: data-parallel learner ranks (each holds actor, critic and AdamW; gradients "
-                                  "summed once per minibatch: the same update as one learner).")
-    learner_sharding: str = opt("replicate", "The learner engine: how the learner trains and how its ranks split "
-                                             "the trained state (registered engines; oppo.learner.registry):",
-                                _learner_choices, _learner_help)
-    learner_cpus: float = opt(1.0, "Ray: CPUs per learner rank.")
-    learner_gpus: float = opt(0.0, "Ray: GPUs per learner rank.")
-    scorer_cpus: float = opt(1.0, "Ray: CPUs of the scorer actor.")
-    scorer_gpus: float = opt(0.0, "Ray: GPUs of the scorer actor.")
-    spread: bool = opt(False, "Ray: place the learner ranks on different nodes (STRICT_SPREAD) instead of as few "
-                              "as possible (PACK).")
-    rollout_workers: int = opt(0, "Ray: rollout workers, each a copy of the policy with its own engine "
-                                  "(generation.engine: eager under auto, or a backend that runs in workers), "
-                                  "sharing the B + Delta sequences and streaming their chunks straight to the scorer "
-                                  "actors; each worker computes with placement.actor_threads threads. 0: the engine runs in the "
-                                  "controller process.")
-    rollout_cpus: float = opt(1.0, "Ray: CPUs per rollout worker.")
-    rollout_gpus: float = opt(0.0, "Ray: GPUs per rollout worker.")
-    weight_sync: str = opt("auto", "Ray: how the actor's trained weights reach the rollout engine after each "
-                                   "update. collective: learner rank 0 and the rollout workers (or the controller, "
-                                   "when the engine runs there) form a torch.distributed group of their own and the "
-                                   "weights stream in buckets of placement.weight_sync_bucket_mb (NCCL when every "
-                                   "member has a GPU of its own, else gloo), cast to the serving dtype, with the "
-                                   "version checked; an FSDP2 learner gathers one parameter at a time, never the "
-                                   "whole model on one rank. object_store: rank 0's whole actor through Ray's object "
-                                   "store (shared memory within a node). auto: collective when the learner ranks and "
-                                   "the rollout engine have GPUs (placement.learner_gpus, rollout_gpus or the local "
-                                   "engine's device), else the object store, which beats gloo on one CPU node "
-                                   "(benchmarks/weight_sync); the object store also if the group cannot form (a "
-                                   "warning says why).", ("auto", "collective", "object_store"))
-    weight_sync_bucket_mb: float = opt(0.0, "Ray, collective weight sync: bucket size in MiB (0: 256 over NCCL, 4 "
-                                            "over gloo). A sync holds two buckets beside the models (one is filled "
-                                            "while the other is in flight); a tensor larger than a bucket spans "
-                                            "several.")
+    actor_threads: int = opt(1, "CPU: torch threads of the actor (decoding and, with "
+                                "placement.local.critic_on_worker, training) in overlapped modes; also each "
+                                "Ray rank's and rollout worker's.")
+    scorer_threads: int = opt(1, "CPU: torch threads of the scorer worker (or Ray scorer actor) in overlapped modes.")
+    by_name: dict = field(default_factory=_placement_sections, metadata={"sections": True})
+    """The placements' own settings, ``{name: its settings dataclass}`` (``placement.<name>.<field>``)."""
+
+    def __getattr__(self, name: str) -> Any:  # cfg.placement.ray: that placement's own settings
+        by_name = self.__dict__.get("by_name")
+        if by_name is not None and name in by_name:
+            return by_name[name]
+        raise AttributeError(f"placement has no setting or placement named {name!r}")
 
 
 @dataclass
@@ -506,18 +496,26 @@ class Config:
 
 
 def sections(cfg: Any) -> list[tuple[str, Any]]:
-    """(name, settings object) of every section: ``policy`` ... ``log``, and ``rollout.<backend>`` for
-    each registered backend with settings of its own."""
+    """(name, settings object) of every section: ``policy`` ... ``log``, ``rollout.<backend>`` for
+    each registered backend with settings of its own, and ``placement.<name>`` for each placement's."""
     out = []
     for s in dataclasses.fields(cfg):
         value = getattr(cfg, s.name)
         if isinstance(value, dict):
             out += [(f"{s.name}.{name}", own) for name, own in value.items()]
-        else:
-            out.append((s.name, value))
+            continue
+        out.append((s.name, value))
+        for f in dataclasses.fields(value):
+            if f.metadata.get("sections"):
+                out += [(f"{s.name}.{name}", own) for name, own in getattr(value, f.name).items()]
     return out
+
+
+def fields_of(section: Any) -> list[dataclasses.Field]:
+    """A section's settings (not the sections it holds: ``placement.by_name``)."""
+    return [f for f in dataclasses.fields(section) if not f.metadata.get("sections")]
 
 
 def all_keys(cfg: Config | None = None) -> list[str]:
     cfg = cfg or Config()
-    return [f"{name}.{f.name}" for name, section in sections(cfg) for f in dataclasses.fields(section)]
+    return [f"{name}.{f.name}" for name, section in sections(cfg) for f in fields_of(section)]

@@ -7,7 +7,7 @@ import dataclasses
 import math
 
 from ..rewards.terms import BUILTINS as BUILTIN_REWARDS, parse_terms
-from .schema import Config, ConfigError, choices_of, sections
+from .schema import Config, ConfigError, choices_of, fields_of, sections
 
 
 def _backend(name: str):
@@ -31,7 +31,7 @@ def _check(cond: bool, msg: str) -> None:
 def _check_choices(cfg: Config) -> None:
     """Every setting with a closed set of values holds one of them."""
     for name, section in sections(cfg):
-        for f in dataclasses.fields(section):
+        for f in fields_of(section):
             choices = choices_of(f)
             v = getattr(section, f.name)
             if choices and v not in choices:
@@ -150,33 +150,15 @@ def _check_overlap(cfg: Config) -> None:
 
 
 def _check_placement(cfg: Config) -> None:
-    """Where the roles run: workers, cores and devices, the learner engine's checks, weight sync."""
-    g = cfg.generation
+    """Where the roles run: cores, then the placement's own checks and its learner engine's."""
     pl = cfg.placement
     _check(pl.threads >= 0, f"placement.threads must be >= 0 (0: all cores), got {pl.threads}.")
     _check(pl.actor_threads >= 1 and pl.scorer_threads >= 1,
            "placement.actor_threads and placement.scorer_threads must be >= 1.")
-    _check(pl.learner_workers >= 1, f"placement.learner_workers must be >= 1, got {pl.learner_workers}.")
-    _check(min(pl.learner_cpus, pl.learner_gpus, pl.scorer_cpus, pl.scorer_gpus, pl.rollout_cpus,
-               pl.rollout_gpus) >= 0, "placement.*_cpus and *_gpus must be >= 0.")
-    from ..learner import registry as learners
+    from .. import placements
 
-    for problem in learners.problems(cfg):
-        raise ConfigError(problem)
-    _check(pl.rollout_workers >= 0, f"placement.rollout_workers must be >= 0, got {pl.rollout_workers}.")
-    _check(pl.weight_sync_bucket_mb >= 0,
-           f"placement.weight_sync_bucket_mb must be >= 0 (MiB; 0: by backend), got {pl.weight_sync_bucket_mb}.")
-    _check(not (pl.weight_sync == "collective" and pl.backend != "ray"),
-           "placement.weight_sync=collective streams weights from Ray learner ranks: set placement.backend=ray, or "
-           "leave placement.weight_sync=auto (a local run shares the weights in memory).")
-    if pl.rollout_workers:
-        _check(pl.backend == "ray", "placement.rollout_workers needs placement.backend=ray (or set it to 0).")
-        in_workers = [n for n in _backend_names() if _backend(n).in_workers]
-        _check(g.engine == "auto" or _backend(g.engine).in_workers,
-               f"placement.rollout_workers runs generation.engine={g.engine} in each worker, which that backend does "
-               f"not support yet; set generation.engine=auto (eager in workers) or one of {', '.join(in_workers)}.")
-        _check(cfg.lora.r == 0, "placement.rollout_workers does not carry LoRA adapters yet; set lora.r=0 or "
-                                "placement.rollout_workers=0.")
+    problems = placements.problems(cfg)
+    _check(not problems, "\n".join(problems))
 
 
 def _check_rollout_backend(cfg: Config) -> None:
@@ -213,12 +195,9 @@ def _check_reward(cfg: Config) -> None:
                "Give either reward.terms or reward.path / reward.function, not both (a one-term list is "
                "reward.terms=[{path: ...}]).")
         try:
-            terms = parse_terms(cfg.reward.terms)
+            parse_terms(cfg.reward.terms)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        _check(cfg.placement.backend != "ray" or sum(t.path is not None for t in terms) <= 1,
-               "placement.backend=ray hosts one reward model in its scorer actors; reward.terms names "
-               f"{sum(t.path is not None for t in terms)}: keep one reward model term, or run locally.")
     if cfg.policy.path is not None:
         _check(cfg.reward.path is not None or cfg.reward.function is not None or bool(cfg.reward.terms),
                "policy.path is set but no reward: set reward.path (a reward model), reward.function "

@@ -1,6 +1,6 @@
 """Critic training where the critic is scored: :class:`CriticTrainer` (its AdamW and its update, run
 by a scorer worker, process or Ray actor between two scoring messages) and
-:class:`CriticBesideScorer` (the learner when it does: ``placement.critic_on_worker``). The scorers
+:class:`CriticBesideScorer` (the learner when it does: ``placement.local.critic_on_worker``). The scorers
 only host it; the update itself is the learner's (``local.critic_update``)."""
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class CriticTrainer:
 
 
 class CriticBesideScorer:
-    """The learner when the critic trains on the scorer worker (``placement.critic_on_worker``): the
+    """The learner when the critic trains on the scorer worker (``placement.local.critic_on_worker``): the
     critic's update goes to the worker (its own core or stream) while the actor trains here, on
     the same minibatches; the two updates share nothing else, so the weights are those of one
     learner doing both (``Learner.update``)."""

@@ -69,7 +69,7 @@ What else the ranks train with, each tested against one learner (``tests/test_fs
 Reads of the weights (a checkpoint, the object-store weight sync) are collectives too: every rank
 all-gathers (``get_model_state_dict(full_state_dict=True)``) and rank 0 keeps the result, so the
 group asks every rank (``group.LearnerGroup``, ``Sharded.sharded``); with LoRA that gathers the frozen base
-too, and keeps the adapters. The collective weight sync (``placement.weight_sync``,
+too, and keeps the adapters. The collective weight sync (``placement.ray.weight_sync``,
 ``weights/sync.py``) does not hold the whole model on rank 0: every rank all-gathers one trained
 parameter at a time (``DTensor.full_tensor``; with LoRA only the adapters), rank 0 streams it in
 buckets to the rollout side (NCCL between GPUs, gloo otherwise) and the gathered copy is dropped
@@ -127,7 +127,7 @@ def shard_model(model: torch.nn.Module, mesh=None, mp_policy=None) -> None:
     layers = [m for m in backbone.modules() if type(m).__name__ in layer_types]
     if not layers:
         raise ValueError(f"{type(base).__name__} names no transformer layer class (_no_split_modules); "
-                         f"placement.learner_sharding=fsdp2 cannot shard it")
+                         f"placement.learner=fsdp2 cannot shard it")
     mp = mp_policy or MixedPrecisionPolicy()
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)

@@ -164,7 +164,7 @@ class Learner:
         self.actor_opt.load_state_dict(optim["actor"])
         if self.critic is not None:
             assert self.critic_opt is not None  # (built with the critic)
-            # in place: with placement.critic_on_worker its state tensors are shared with the scorer process
+            # in place: with placement.local.critic_on_worker its state tensors are shared with the scorer process
             load_optimizer_state_in_place(self.critic_opt, optim["critic"])
 
     def close(self) -> None:
@@ -230,7 +230,7 @@ def critic_update(critic, opt: torch.optim.Optimizer, batch: CriticBatch, miniba
     """Stage 6 for the critic: clipped value loss over the given minibatches.
 
     A plain function of its arguments, so the scorer worker that holds the critic can run it
-    while the actor trains (``placement.critic_on_worker``). ``before_micro()``, if given, runs
+    while the actor trains (``placement.local.critic_on_worker``). ``before_micro()``, if given, runs
     before each micro-batch (the worker adapts its thread count there). ``critic`` holds the
     trained (master) weights; its forward runs under ``compute_dtype`` autocast.
     """

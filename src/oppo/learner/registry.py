@@ -1,10 +1,10 @@
-"""Learner engines by name: ``placement.learner_sharding`` picks one entry of this registry.
+"""Learner engines by name: ``placement.learner`` picks one entry of this registry.
 
 An engine is one :class:`Engine`: its name, a line of help, the settings it reads (listed in the
 help), its checks on the config (run by ``config.validate``, before any model loads), and a builder
-for each place it can run: ``build_local`` in the controller's process (``placement.backend=local``)
-and ``build_remote`` as a group of Ray ranks (``placement.backend=ray``). Whatever it builds is a
-:class:`~oppo.api.protocols.LearnerEngine`.
+for each kind of placement it can run under: ``build_local`` in the controller's process (a
+placement whose roles run here: ``local``) and ``build_remote`` as a group of Ray ranks (a remote
+placement: ``ray``). Whatever it builds is a :class:`~oppo.api.protocols.LearnerEngine`.
 
 Built in: ``replicate`` (the local learner in process; data-parallel replicas on Ray) and ``fsdp2``
 (FSDP2 shards on Ray). Others register with :func:`register` (a plugin module the user imports, a
@@ -27,7 +27,6 @@ if TYPE_CHECKING:
     from .local import Learner
 
 ENTRY_POINTS = "oppo.learner_engines"
-PLACES = ("local", "ray")  # placement.backend's values
 
 
 @dataclass(frozen=True)
@@ -79,15 +78,15 @@ class Engine:
     problems: Callable[[Config], list[str]] | None = None
     settings: tuple[tuple[str, str], ...] = ()
 
-    def places(self) -> tuple[str, ...]:
-        """The ``placement.backend`` values it runs under."""
-        return tuple(p for p, b in zip(PLACES, (self.build_local, self.build_remote)) if b is not None)
+    def where(self) -> str:
+        """Where it runs, in words: in this process, on Ray ranks, or either."""
+        places = [w for w, b in (("in this process", self.build_local), ("on Ray ranks", self.build_remote)) if b]
+        return " or ".join(places)
 
     def describe(self) -> str:
         """One help line: its help, where it runs and its settings."""
         sets = "; ".join(f"{k}: {v}" for k, v in self.settings)
-        return (f"{self.name}: {self.help} (placement.backend={' or '.join(self.places())}"
-                f"{'; settings: ' + sets if sets else ''}).")
+        return f"{self.name}: {self.help} (runs {self.where()}{'; settings: ' + sets if sets else ''})."
 
 
 def _check(engine: Engine) -> None:
@@ -115,18 +114,6 @@ def get(name: str) -> Engine:
 
 def help_lines() -> list[str]:
     return [get(n).describe() for n in names()]
-
-
-def problems(cfg: Config) -> list[str]:
-    """Why ``cfg``'s learner engine cannot run it (where it runs, its own checks), one line each."""
-    key = f"placement.learner_sharding={cfg.placement.learner_sharding}"
-    engine = get(cfg.placement.learner_sharding)
-    place = cfg.placement.backend
-    if place not in engine.places():
-        other = [n for n in names() if place in get(n).places()]
-        return [f"{key} runs with placement.backend={' or '.join(engine.places())}, not {place}: set "
-                f"placement.backend={engine.places()[0]}, or one of {', '.join(other)} for placement.learner_sharding."]
-    return engine.problems(cfg) if engine.problems is not None else []
 
 
 # ---------------------------------------------------------------- the built-in engines
@@ -159,24 +146,24 @@ def _sharded():
 
 
 def _fsdp2_problems(cfg: Config) -> list[str]:
-    p, pl = cfg.ppo, cfg.placement
+    p, ranks = cfg.ppo, cfg.placement.ray.learner_workers
     micro = p.minibatch_size // p.micro_batch_size
-    if pl.learner_workers > micro:
-        return [f"placement.learner_workers={pl.learner_workers} sharded ranks, but a minibatch has only {micro} "
+    if ranks > micro:
+        return [f"placement.ray.learner_workers={ranks} sharded ranks, but a minibatch has only {micro} "
                 f"micro-batches (ppo.minibatch_size={p.minibatch_size} / ppo.micro_batch_size={p.micro_batch_size}): "
                 f"some ranks would only pad. Use at most {micro} ranks, or a smaller ppo.micro_batch_size."]
     return []
 
 
-_RANKS = (("placement.learner_workers", "Ray ranks"), ("placement.learner_cpus", "CPUs per rank"),
-          ("placement.learner_gpus", "GPUs per rank"), ("placement.spread", "ranks on different nodes"))
+_RANKS = (("placement.ray.learner_workers", "Ray ranks"), ("placement.ray.learner_cpus", "CPUs per rank"),
+          ("placement.ray.learner_gpus", "GPUs per rank"), ("placement.ray.spread", "ranks on different nodes"))
 
 register(Engine(
     "replicate", "each rank holds all of actor, critic and AdamW: one learner in this process, or data-parallel "
                  "replicas on Ray ranks (gradients summed once per minibatch: the same update as one learner)",
     build_local=_local, build_remote=_group(_replicated), settings=_RANKS))
 register(Engine(
-    "fsdp2", "each Ray rank holds 1/placement.learner_workers of the parameters, gradients and AdamW state (torch "
+    "fsdp2", "each Ray rank holds 1/placement.ray.learner_workers of the parameters, gradients and AdamW state (torch "
              "FSDP2, fully_shard); the same update. With LoRA the frozen base and the adapters are sharded alike; "
              "under bfloat16 the ranks compute in bf16 over fp32 masters (FSDP2 mixed precision, gradients reduced "
              "in fp32)", build_remote=_group(_sharded), problems=_fsdp2_problems,

@@ -1,7 +1,7 @@
 """The learner's trained state in ``torch.distributed.checkpoint`` (DCP) format: sharded on write,
 resharded on read.
 
-A sharded learner (``placement.learner_sharding=fsdp2``) saves, in ``<checkpoint>/learner/``, every
+A sharded learner (``placement.learner=fsdp2``) saves, in ``<checkpoint>/learner/``, every
 rank's shards of the actor's and the critic's parameters and AdamW state (one ``.distcp`` file per
 rank, ``.metadata`` from rank 0), keyed by parameter name, not by rank or position. So it loads
 on any number of sharded ranks (DCP reshards), and without any process group into one learner or

@@ -160,7 +160,7 @@ def replay_workload(run: MeasuredRun, max_new_tokens: int = 128, check: bool = T
         micro=ppo["micro_batch_size"], epochs=ppo["epochs"], group_size=run.group_size,
         refill=bool(ov.get("refill", False)), partial_groups=ov.get("partial_groups", "carry"))
     if check and run.mode != "pipeline":
-        sim = simulate(run.mode, wl, _UNIT, cpu_placement(run.mode, ov.get("critic_on_worker", True), run.needs_critic),
+        sim = simulate(run.mode, wl, _UNIT, cpu_placement(run.mode, critic_on_worker(run.settings), run.needs_critic),
                        steps=len(run.metrics), warmup=0)
         for m, s in zip(run.metrics, sim.steps):
             if (abs(statistics.mean(s.lengths) - m["response_length/mean"]) > 1e-3
@@ -174,6 +174,11 @@ def replay_workload(run: MeasuredRun, max_new_tokens: int = 128, check: bool = T
 
 # any positive decode cost gives the same schedule on one device: the finish order depends on lengths only
 _UNIT = LinearCosts({"decode.calls": 1e-3, "decode.rows": 1e-5}, "unit")
+
+
+def critic_on_worker(settings: dict) -> bool:
+    """``placement.local.critic_on_worker`` of a run's saved settings (upgraded: ``upgrade_settings``)."""
+    return bool(((settings.get("placement") or {}).get("local") or {}).get("critic_on_worker", True))
 
 
 def cpu_placement(mode: str, critic_on_worker: bool = True, needs_critic: bool = True) -> DeviceSplit:
@@ -193,7 +198,7 @@ def _group(mode: str) -> str:
 def _samples(run: MeasuredRun, warmup: int = 1) -> list[tuple[dict[str, float], float, str]]:
     """(features, measured seconds, label) for every measured span the replay can size."""
     wl = replay_workload(run)
-    on_worker = run.settings.get("placement", {}).get("critic_on_worker", True)
+    on_worker = critic_on_worker(run.settings)
     sim = simulate(run.mode, wl, _UNIT, cpu_placement(run.mode, on_worker, run.needs_critic),
                    steps=len(run.metrics), warmup=0, fine=True)
     simulated: dict[tuple[str, str, int], list[tuple[Work, ...]]] = {}
@@ -437,7 +442,7 @@ def check_bench(profile: CpuProfile, bench_dir: str | Path, lengths: tuple[float
     import yaml
 
     st = upgrade_settings(yaml.safe_load(res["settings"]))  # (benches saved before placement.* had them in overlap.*)
-    ppo, ov, critic_on_worker = st["ppo"], st["overlap"], st.get("placement", {}).get("critic_on_worker", True)
+    ppo, ov, on_worker = st["ppo"], st["overlap"], critic_on_worker(st)
     trials = ov.get("trial_steps", ov.get("chunk_trial_steps", 2))  # (named chunk_trial_steps before issue 34)
     chunk = ([c for c in ov["chunk_candidates"] if c for _ in range(trials)] + [16]
              if not ov["chunk_size"] else ov["chunk_size"])  # the tuner's streamed trials, then (assumed) 16
@@ -446,7 +451,7 @@ def check_bench(profile: CpuProfile, bench_dir: str | Path, lengths: tuple[float
     wl = Workload(batch=ppo["batch_size"], lengths=LogNormalLengths(lengths[0], lengths[1], max_new_tokens, seed),
                   prompt_tokens=PROMPT_TOKENS, prompt_pad=PROMPT_PAD, delta=delta, max_lag=ov["max_lag"], chunk=chunk,
                   minibatch=ppo["minibatch_size"], micro=ppo["micro_batch_size"], epochs=ppo["epochs"])
-    prof = CpuProfile(profile.costs, critic_on_worker, profile.overhead_s)
+    prof = CpuProfile(profile.costs, on_worker, profile.overhead_s)
     pred_s, meas_s, busy = {}, {}, {}
     for mode, v in res["modes"].items():
         sim = prof.simulate(mode, wl, res["steps"])
@@ -458,7 +463,7 @@ def check_bench(profile: CpuProfile, bench_dir: str | Path, lengths: tuple[float
                      {m: meas_s["sequential"] / v for m, v in meas_s.items()},
                      {m: pred_s["sequential"] / v for m, v in pred_s.items()}, meas_s, pred_s,
                      note=f"lengths assumed log-normal median {lengths[0]:g} sigma {lengths[1]:g}; "
-                          f"Delta fixed at {delta}; critic_on_worker={critic_on_worker}")
+                          f"Delta fixed at {delta}; critic_on_worker={on_worker}")
     cmp.busy = busy
     return cmp
 

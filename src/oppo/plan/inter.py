@@ -29,7 +29,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import replace
 
-from .calibrate import CpuProfile, MeasuredRun, cpu_placement, replay_workload
+from .calibrate import CpuProfile, MeasuredRun, cpu_placement, critic_on_worker, replay_workload
 from .costs import LinearCosts
 from .lengths import LogNormalLengths
 from .sim import Workload, simulate
@@ -70,7 +70,7 @@ def _schedule(run: MeasuredRun, warmup: int) -> dict[str, float]:
     """Mean counts per timed step from the replay: decode steps, rows per decode step, decode
     steps after B were finished (waiting for due carried rows), carried and stale rows."""
     wl = replay_workload(run)
-    pl = cpu_placement(run.mode, run.settings.get("placement", {}).get("critic_on_worker", True), run.needs_critic)
+    pl = cpu_placement(run.mode, critic_on_worker(run.settings), run.needs_critic)
     res = simulate(run.mode, wl, _STEPS, pl, len(run.metrics), warmup=0)
     timed = res.steps[warmup:]
     calls: dict[int, int] = {}  # step -> decode calls

@@ -17,7 +17,7 @@ instead of a clock:
 - **one-shot scoring** (``sequential``, ``inter``): after the close, one padded forward per
   scorer role over the batch;
 - **training**: the actor's PPO update on the actor devices and the critic's on the scorer
-  devices beside it (``placement.critic_on_worker``), after it, or nowhere (a value head on the
+  devices beside it (``placement.local.critic_on_worker``), after it, or nowhere (a value head on the
   actor); micro-batches padded as the learner pads them; then the **weight sync** (``sync``);
 - **pipeline** (in-flight updates, ``overlapped.py``): once the batch is scored the update runs on
   learner devices of its own (oppo's learner thread; PipelineRL's trainer GPUs), assumed not to

@@ -1,5 +1,5 @@
 """Rollout workers on Ray: N replicas of the policy, each with its own engine, that decode on
-their own and stream their chunks straight to the scorer actors (``placement.rollout_workers``).
+their own and stream their chunks straight to the scorer actors (``placement.ray.rollout_workers``).
 
 :class:`RayRolloutGroup` is a ``RolloutBackend`` (``api/protocols.py``): ``admit`` spreads new
 sequences over the workers (the least loaded first, so B + Delta is shared); ``advance`` lets
@@ -16,7 +16,7 @@ controller decides nothing.
 
 Weights: after an update every worker loads learner rank 0's arrays straight from Ray's object
 store (``weight_sync.pack``; the controller does not pull them; ``time/weight_sync`` includes
-it), or, with the collective sync (``placement.weight_sync``), receives them in buckets over a
+it), or, with the collective sync (``placement.ray.weight_sync``), receives them in buckets over a
 process group of its own with the learner (``join_weight_sync`` / ``receive_weights``). Each
 worker samples with its own generator, seeded ``run.seed + rank``: with one worker the samples are
 those of the local engine (tested); a checkpoint saves every worker's generator state.
@@ -166,7 +166,7 @@ class RolloutHost:
             self.weight_receiver = WeightReceiver.connect(group, self.model, partial=True)
         except WeightSyncError:
             raise
-        except Exception as e:  # noqa: BLE001 (reported: placement.weight_sync=auto falls back)
+        except Exception as e:  # noqa: BLE001 (reported: placement.ray.weight_sync=auto falls back)
             return f"{type(e).__name__}: {e}"
         return ""
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from importlib import import_module
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..plugins import Registry
+from ..plugins import Registry, setting
 
 if TYPE_CHECKING:
     import torch
@@ -38,18 +38,9 @@ class BackendUnavailable(ValueError):
     """A rollout backend cannot serve this run; the message says why and what to do."""
 
 
-def setting(default: Any, help: str, choices: tuple | None = None) -> Any:
-    """A field of a backend's settings dataclass with its help text (and its allowed values), read
-    by the config the way it reads its own fields (``rollout.<backend>.<field>``)."""
-    meta: dict[str, Any] = {"help": help}
-    if choices is not None:
-        meta["choices"] = choices
-    return dataclasses.field(default=default, metadata=meta)
-
-
 @dataclass(frozen=True)
 class EngineSettings:
-    """What every rollout backend is built with (``generation.*``; ``setup.decide.engine_settings``).
+    """What every rollout backend is built with (``generation.*``; ``engine_settings``).
 
     ``kind``: the backend's name (``generation.engine=auto`` resolved: :func:`resolve_engine`);
     ``max_rows``: the most rows in flight (B + Delta and refills: at most 2B); ``max_len``: the
@@ -120,7 +111,7 @@ class Backend:
       engines, or it cannot.
     - ``loads_own_weights``: it loads the policy from its path and takes weight updates as
       ``(name, tensor)`` pairs; a Ray rollout worker then loads no Hugging Face copy for it.
-    - ``in_workers``: it can run inside ``placement.rollout_workers``.
+    - ``in_workers``: it can run inside ``placement.ray.rollout_workers``.
     - ``other_numerics``: it samples with another implementation than the trainer's forward, so
       ``ppo.old_logprobs=auto`` recomputes the old log-probs with the trainer's.
     """
@@ -226,3 +217,40 @@ def resolve_engine(requested: str, device: torch.device | str, unfit: Callable[[
         return FALLBACK, (f"{FALLBACK} (generation.engine=auto: the {FAST} engine cannot decode this policy: "
                           f"{problem})")
     return FAST, f"{FAST} with CUDA graphs (generation.engine=auto; generation.engine={FALLBACK} is the fallback)"
+
+
+def engine_settings(cfg: Any, stop_ids, pad_id: int, max_new_tokens: int, device: torch.device,
+                    model: torch.nn.Module | None = None) -> EngineSettings:
+    """The rollout engine's settings from the config ``cfg`` (``generation.*``, and the backend's
+    own ``rollout.<kind>.*`` resolved for ``device``), for an engine on ``device``;
+    ``generation.engine=auto`` resolved there (:func:`resolve_engine`: the fast engine on CUDA when
+    ``model``, the policy it will decode, suits it; else eager). Ray rollout workers get settings
+    for ``cpu``, so ``auto`` runs the eager engine in them."""
+    g, B = cfg.generation, cfg.ppo.batch_size
+    max_len = cfg.data.max_prompt_tokens + max_new_tokens
+
+    def unfit() -> str | None:
+        check = get(FAST).unfit
+        if model is None:
+            return "the policy was not given to check"
+        return check(model, max_len) if check else None
+    kind, reason = resolve_engine(g.engine, device, unfit)
+    spec, own = get(kind), cfg.rollout.get(kind)
+    if own is not None:  # a copy: the engine's settings do not change with the config object
+        own = spec.for_device(own, device.type) if spec.for_device else dataclasses.replace(own)
+    return EngineSettings(tuple(stop_ids), pad_id, max_new_tokens, g.temperature, g.top_k, g.top_p,
+                          g.kv_budget_mb or None, cfg.run.seed, kind,
+                          max_rows=2 * B if cfg.carries else B,  # B + Delta, refill: <= 2B
+                          max_len=max_len, reason=reason, backend=own)
+
+
+def check_backend(engine: str, policy_path: str | None, device: str) -> None:
+    """Raise :class:`BackendUnavailable` naming every reason the rollout backend ``engine`` cannot
+    serve the policy here (``Backend.problems``: not installed, an architecture it lacks), with the
+    fixes; nothing for ``auto`` and oppo's own engines."""
+    if engine == AUTO:
+        return
+    backend = get(engine)
+    problems = backend.problems(policy_path, device) if backend.problems else []
+    if problems:
+        raise BackendUnavailable("\n".join(problems))

@@ -22,7 +22,7 @@ is the actor's index among the replicas of its roles; this slice has one replica
 The critic trains where it is served or is sent after each update:
 
 - ``critic_trainer=ppo_cfg``: the actor holding the critic also holds its fp32 master weights and
-  AdamW (as ``placement.critic_on_worker`` does locally); ``train_critic`` runs the update there,
+  AdamW (as ``placement.local.critic_on_worker`` does locally); ``train_critic`` runs the update there,
   and checkpoints read and restore it with ``critic_state`` / ``load_critic_state``;
 - otherwise whoever trains it (a learner group) pushes its weights with ``set_critic_weights``
   (a state dict or a Ray ref to one: the weights then go from the trainer to the scorer
@@ -35,11 +35,10 @@ controller's on the same machine; on another node they are on that node's clock.
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from ..config import PPOConfig
 from ..learner.batch import CriticBatch
 from ..api.records import Chunk
 from ..api.records import ScoredOutputs
@@ -51,6 +50,9 @@ from .worker import BarrierReply, ScorerWorker
 from ..cluster import ActorGroup
 from ..api.specs import ModelSpec
 from ..weights.sync import is_packed, pack, unpack_into
+
+if TYPE_CHECKING:
+    from ..config import PPOConfig
 
 SCORER_ROLES: tuple[Kind, ...] = ("reward", "reference", "critic")
 

@@ -1,4 +1,4 @@
-"""Weights from the learner to the rollout engines: two paths, chosen by ``placement.weight_sync``.
+"""Weights from the learner to the rollout engines: two paths, chosen by ``placement.ray.weight_sync``.
 
 **Object store** (:func:`pack` / :func:`unpack_into`). Ray stores numpy arrays out of band and hands
 a reader on the same node a read-only view of the shared-memory buffer (no copy, no unpickling),
@@ -44,7 +44,7 @@ backend chosen by device) but has not run yet: no GPU has been lent to this work
 
 Figures (seconds per sync against model size, both paths): ``benchmarks/weight_sync/``. On one
 CPU node the object store (shared memory: a copy in, a copy out) and gloo over loopback TCP are
-within 2x of each other, each winning some sizes, so ``placement.weight_sync=auto`` keeps the
+within 2x of each other, each winning some sizes, so ``placement.ray.weight_sync=auto`` keeps the
 object store there and takes the collective path where every member has a GPU (NCCL); the
 collective path serves CPU runs that ask for it (e.g. a sharded learner that must not gather the
 whole model on one rank).
@@ -476,11 +476,11 @@ def _mismatch(manifest: Manifest, module: torch.nn.Module, partial: bool) -> str
 
 
 class WeightSyncUnavailable(RuntimeError):
-    """The collective group could not form (``placement.weight_sync=auto`` falls back)."""
+    """The collective group could not form (``placement.ray.weight_sync=auto`` falls back)."""
 
 
 class CollectiveSync:
-    """The controller's handle on the collective path (``placement.weight_sync``): forms the group
+    """The controller's handle on the collective path (``placement.ray.weight_sync``): forms the group
     once, then each call is one sync of the actor's trained parameters as a version.
 
     Members: the learner (rank 0 of the group: a :class:`~oppo.api.protocols.WeightLinkSender`), the

@@ -1,0 +1,153 @@
+"""Loading what a run decided (``setup.resolve``): the scoring functions, the tokenizer and the
+prompts, then every model, cheapest and likeliest to fail first, so that bad input fails before
+anything expensive: the functions, the prompts with the columns they ask for, every role's config
+and tokenizer, the reward model, then the big models.
+
+Objects given from Python (``inputs.Inputs``) stand in for the paths their settings name by a
+marker; they get the checks a loaded model gets and are moved to the role's device and dtype in
+place."""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+import torch
+
+from ..api.roles import Models
+from ..config import Config
+from ..data import ALL_COLUMNS, DataError, build_prompt_set, read_records, records_from_object
+from ..forward import set_packing
+from ..inputs import Inputs
+from ..marker import is_marker
+from ..models import (apply_lora, base_view, check_roles, critic_from_object, enable_gradient_checkpointing,
+                      load_causal_lm, load_critic, load_function, load_reward_model, load_tokenizer, prepare_model,
+                      resolve_device, reward_function, stop_token_ids, tokenizer_from_object)
+from ..rollout import registry
+from ..scoring.composite import CompositeReward, check_model_terms, composite_functions, load_model_terms
+from ..scoring.reward_fn import KeywordCall, describe, missing_columns, wants
+from ..scoring.streaming import RewardFunction
+from ..trace import Tracer
+from ..weights.precision import serving_copy
+from .resolve import Resolved
+
+
+def load_models(cfg: Config, inputs: Inputs, run: Resolved) -> Models:
+    """Everything :class:`~oppo.api.roles.Models` holds, loaded as ``run`` decided."""
+    paths, dev, dtype, master = run.paths, run.device, run.dtype, run.master
+    tok = tokenizer_from_object(inputs.tokenizer) if inputs.tokenizer is not None else load_tokenizer(paths.policy)
+    pad_id = tok.pad_token_id
+    # the reward and judge functions (imported: fast), then the prompts with the columns they ask for
+    score_fn = _function(inputs.reward_fn, paths.reward_function, "reward.function")
+    judge = _function(inputs.judge, paths.judge, "reward.judge")
+    accuracy = _function(None, paths.accuracy, "task accuracy")
+    terms, term_fns = composite_functions(cfg.reward) if cfg.reward.terms else (None, {})
+    asking = {k: f for k, f in (("reward.function", score_fn), ("reward.judge", judge),
+                                ("task accuracy", accuracy)) if f is not None}
+    asking.update({f"reward.terms term {name!r}": f.fn for name, f in term_fns.items()})
+    prompt_set = _prompt_set(cfg, inputs, paths.prompts, tok, asking)
+    # every role's config and tokenizer, before any weights load (fast; names the fix)
+    critic_source = run.critic_source
+    objects = {role: m for role in ("reward", "reference") if (m := inputs.model(role)) is not None}
+    critic_object = inputs.model(critic_source) if paths.critic is not None else None
+    if critic_object is not None and critic_source == "critic":  # (a reward model or policy: checked as such)
+        objects["critic"] = critic_object
+    critic_path = None if critic_object is not None and critic_source != "critic" else paths.critic
+    check_roles(tok, reward=paths.reward, critic=critic_path, reference=paths.reference, objects=objects)
+    if inputs.policy is not None:
+        check_roles(tok, policy=inputs.policy)
+    # a critic started from an object: made now, before the reward model it may copy is frozen and the
+    # policy whose backbone it may take is changed (dtype, LoRA)
+    critic_dev = resolve_device(cfg.critic.device, str(dev))
+    critic_init = (critic_from_object(critic_object, critic_dev, master, pad_id, copy_it=critic_source != "critic")
+                   if critic_object is not None else None)
+    # the reward first: an invalid reward model or function fails before the big models load
+    reward_fn = reward_model = composite = None
+    extra_rms: dict[str, torch.nn.Module] = {}  # composite: the reward models after the first, by scorer role
+    if terms is not None:
+        check_model_terms(terms, tok)
+        rms = load_model_terms(terms, resolve_device(cfg.reward.device, str(dev)), dtype, pad_id)
+        reward_model = rms.pop("reward", None)
+        extra_rms, composite = rms, CompositeReward(terms, term_fns)
+    elif score_fn is not None:
+        assert paths.reward_function is not None  # (a function given as an object has its marker there)
+        name = describe(score_fn) if is_marker(paths.reward_function) else paths.reward_function
+        reward_fn = RewardFunction(reward_function(score_fn, name), name, retries=cfg.reward.retries,
+                                   backoff_s=cfg.reward.retry_backoff_s)
+    else:
+        assert paths.reward is not None, "resolve_paths gives a reward model where no function scores"
+        reward_dev = resolve_device(cfg.reward.device, str(dev))
+        reward_model = (prepare_model(inputs.reward_model, "reward", reward_dev, dtype, pad_id)
+                        if inputs.reward_model is not None else load_reward_model(paths.reward, reward_dev, dtype, pad_id))
+    # policy / critic: the trained weights; rollout_policy / scoring_critic: what the engine and
+    # scorers run, the same objects in fp32, bf16 copies refreshed after each update under mixed
+    # precision; LoRA: the frozen base stays in the compute dtype (only the fp32 adapters train)
+    lora = cfg.lora
+    if inputs.policy is not None:
+        policy = prepare_model(inputs.policy, "policy", dev, dtype if lora.r else master)
+    else:
+        policy = load_causal_lm(paths.policy, "policy", dev, dtype if lora.r else master,
+                                cfg.policy.trust_remote_code)
+    if lora.r:
+        policy = apply_lora(policy, lora.r, lora.alpha, lora.dropout, lora.target_modules)
+    inflight = cfg.in_flight  # the learner trains the masters while the copies serve
+    rollout_policy = serving_copy(policy, dtype, separate=inflight)
+    ref_dev = resolve_device(cfg.reference.device, str(dev))
+    if inputs.reference is not None:
+        reference = prepare_model(inputs.reference, "reference", ref_dev, dtype)
+    elif paths.reference:
+        reference = load_causal_lm(paths.reference, "reference", ref_dev, dtype)
+    elif lora.r:  # the base model without adapters: the policy's own frozen weights, no copy
+        reference = base_view(policy)
+    else:  # a frozen copy of the initial policy
+        reference = copy.deepcopy(rollout_policy).to(ref_dev)
+    reference.eval().requires_grad_(False)
+    critic = scoring_critic = None
+    if paths.critic:
+        critic = (critic_init if critic_init is not None else load_critic(paths.critic, critic_dev, master, pad_id)
+                  ).eval()
+        # the scorer worker that trains the critic scores with the one it trains: no separate copy
+        beside = run.placement.critic_trains_on == "scorer"
+        scoring_critic = serving_copy(critic, dtype, separate=inflight and not beside)
+    for m in (reward_model, *extra_rms.values(), reference, scoring_critic):  # their one-shot forwards (score_full)
+        if m is not None:
+            set_packing(m, cfg.ppo.packing)
+    if cfg.policy.gradient_checkpointing:  # the trained models; recomputation only while training
+        for m in (policy, critic):
+            if m is not None:
+                enable_gradient_checkpointing(m)
+    policy.eval()  # no dropout anywhere: rollout and training see the same function
+    g = cfg.generation
+    recompute = {"recompute": True, "sampler": False}.get(
+        cfg.ppo.old_logprobs, dtype != torch.float32 or g.top_k > 0 or g.top_p < 1.0  # auto: when they can differ
+        or (g.engine != registry.AUTO and registry.get(g.engine).other_numerics))
+    return Models(cfg=cfg, paths=paths, tokenizer=tok, prompt_set=prompt_set, algorithm=run.algorithm, device=dev,
+                  compute_dtype=dtype, max_new_tokens=paths.max_new_tokens, pad_id=pad_id,
+                  stop_ids=tuple(stop_token_ids(tok, policy)), policy=policy, critic=critic, reference=reference,
+                  rollout_policy=rollout_policy, scoring_critic=scoring_critic, reward_model=reward_model,
+                  reward_fn=reward_fn, judge_fn=KeywordCall(judge) if judge is not None else None,
+                  accuracy_fn=KeywordCall(accuracy) if accuracy is not None else None, composite=composite,
+                  extra_reward_models=extra_rms, recompute_old=recompute, tracer=Tracer(enabled=cfg.log.trace))
+
+
+def _function(obj: Callable | None, spec: str | None, key: str) -> Callable | None:
+    """The reward function (judge, ...) given as an object, else imported from its spec."""
+    if obj is not None:
+        return obj
+    return load_function(spec, key) if spec else None
+
+
+def _prompt_set(cfg: Config, inputs: Inputs, source: str, tok, fns: dict[str, Callable]):
+    """The prompts, tokenised, with the columns the functions ``fns`` (setting -> function) ask
+    for; a column one of them needs that the prompt set lacks is refused here, before any model
+    loads (preflight refuses it earlier where the columns can be known without reading the data)."""
+    asked = [wants(f) for f in fns.values()]
+    columns = ALL_COLUMNS if any(w.everything for w in asked) else tuple(dict.fromkeys(
+        c for w in asked for c in w.columns))
+    d = cfg.data
+    records = (records_from_object(inputs.prompts, d.field, d.split, columns) if inputs.prompts is not None
+               else read_records(source, d.field, d.split, columns))
+    lacking = [line for key, f in fns.items() if (line := missing_columns(key, f, records.available))]
+    if lacking:
+        raise DataError("\n".join(lacking))
+    return build_prompt_set(records.texts, tok, d, cfg.run.seed, columns=records.columns)

@@ -1,0 +1,115 @@
+"""What a run is built from, decided from the config before any model loads: the models' paths
+(the built-in task's where the config names none; a model object's saved copy where a role loads
+it elsewhere), the devices and dtypes, the algorithm, and where every role runs (the placement's
+``decide``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import placements
+from ..algo import build_algorithm
+from ..algo.core import Algorithm
+from ..api.placement import Placement, ResolvedPaths
+from ..config import Config
+from ..inputs import Inputs, save_for_elsewhere
+from ..marker import is_marker
+from ..models import check_model_path, resolve_device, resolve_dtype
+from ..rewards import function_spec, parse_terms
+from ..rollout.registry import check_backend
+from ..weights.precision import master_dtype
+
+
+@dataclass
+class Resolved:
+    """The run decided, nothing loaded: ``critic_source`` is the role whose model the critic starts
+    from (critic, reward or policy); ``dtype`` the compute dtype, ``master`` the trained weights'."""
+
+    paths: ResolvedPaths
+    critic_source: str
+    device: torch.device
+    dtype: torch.dtype
+    master: torch.dtype
+    algorithm: Algorithm
+    placement: Placement
+
+
+def resolve(cfg: Config, inputs: Inputs, progress: bool = True) -> Resolved:
+    """Paths, devices, dtypes, the algorithm and the placement; the rollout backend checked against
+    the policy. Bad input fails here, before any weights load."""
+    paths = resolve_paths(cfg, progress=progress)
+    saved = save_for_elsewhere(cfg, inputs, log=progress)  # objects a role loads in another process
+    # the critic starts from critic.path, else the reward model's, else the policy's (resolve_paths)
+    critic_source = "critic" if cfg.critic.path else "reward" if cfg.reward.path else "policy"
+    for role in ("policy", "reward", "reference"):
+        if role in saved:
+            setattr(paths, role, saved[role])
+    if paths.critic is not None and is_marker(paths.critic) and critic_source in saved:
+        paths.critic = saved[critic_source]
+    check_backend(cfg.generation.engine, paths.policy, cfg.policy.device)
+    algorithm = build_algorithm(cfg)
+    if not algorithm.needs_critic:
+        paths.critic = None  # critic-free: no critic is loaded, scored, trained or checkpointed
+    dev = resolve_device(cfg.policy.device)
+    # compute dtype (rollout, scoring, the training forward) and the trained weights' dtype:
+    # fp32 masters under bf16 (weights/precision.py)
+    dtype = resolve_dtype(cfg.policy.dtype, dev)
+    master = master_dtype(dtype)
+    scorer_devices = [resolve_device(cfg.reference.device, str(dev)) if paths.reference or not cfg.lora.r else dev]
+    if paths.critic is not None:
+        scorer_devices.append(resolve_device(cfg.critic.device, str(dev)))
+    if paths.reward is not None:  # (reward.terms: the first reward model term; the others share its device)
+        scorer_devices.append(resolve_device(cfg.reward.device, str(dev)))
+    facts = placements.Facts(needs_critic=paths.critic is not None,
+                             scorers_on_cpu=all(d.type == "cpu" for d in scorer_devices),
+                             computes_in_master=dtype == master)
+    spec = placements.of(cfg)
+    placement = spec.decide(cfg, placements.own(cfg), facts)
+    return Resolved(paths, critic_source, dev, dtype, master, algorithm, placement)
+
+
+DEFAULT_MAX_NEW_TOKENS = 256
+
+def resolve_paths(cfg: Config, progress: bool = True) -> ResolvedPaths:
+    """Fill in the built-in task's models and prompts where the config names none.
+
+    Checks user paths before anything expensive; prepares the built-in task if needed.
+    """
+    max_new = cfg.generation.max_new_tokens
+    if cfg.uses_builtin_task:
+        from ..task import get_task, prepare
+
+        task = get_task(cfg.data.task)
+        prepared = prepare(task=cfg.data.task, progress=progress)
+        reward_fn = cfg.reward.function or task.reward_function
+        reward_path = cfg.reward.path or (None if reward_fn else str(prepared.reward_path))
+        if cfg.reward.terms:  # composite: the first reward model term is the reward role (critic init too)
+            reward_fn, reward_path = None, _first_model_term(cfg)
+        return ResolvedPaths(
+            policy=str(prepared.policy_path), reward=reward_path,
+            reward_function=function_spec(reward_fn) if reward_fn else None,
+            critic=cfg.critic.path or reward_path or str(prepared.policy_path),
+            reference=cfg.reference.path, prompts=cfg.data.prompts or str(prepared.prompts_path),
+            judge=cfg.reward.judge or task.judge_function, max_new_tokens=max_new or task.max_new_tokens,
+            accuracy=None if cfg.data.prompts else task.accuracy_function)  # it knows only the task's prompts
+    assert cfg.policy.path is not None  # uses_builtin_task is exactly "no policy.path"
+    if cfg.data.prompts is None:
+        raise ValueError("policy.path is set but data.prompts is not: give a prompt set (data.prompts=path.jsonl).")
+    reward_path = _first_model_term(cfg) if cfg.reward.terms else cfg.reward.path
+    term_paths = [t.path for t in parse_terms(cfg.reward.terms) if t.path] if cfg.reward.terms else []
+    for role, path in (("policy", cfg.policy.path), ("reward", cfg.reward.path), ("critic", cfg.critic.path),
+                       ("reference", cfg.reference.path), *(("reward", p) for p in term_paths)):
+        if path:
+            check_model_path(path, role)
+    return ResolvedPaths(
+        policy=cfg.policy.path, reward=reward_path,
+        reward_function=function_spec(cfg.reward.function) if cfg.reward.function else None,
+        critic=cfg.critic.path or reward_path or cfg.policy.path, reference=cfg.reference.path,
+        prompts=cfg.data.prompts, judge=cfg.reward.judge, max_new_tokens=max_new or DEFAULT_MAX_NEW_TOKENS)
+
+def _first_model_term(cfg: Config) -> str | None:
+    """The path of ``reward.terms``' first reward model (the ``reward`` scorer), None if it has none."""
+    return next((t.path for t in parse_terms(cfg.reward.terms) if t.path is not None), None)
+
