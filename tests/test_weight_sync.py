@@ -351,7 +351,6 @@ def test_trainer_syncs_collectively(ray_local, tiny_models, tiny_prompts, tmp_pa
 
 
 @pytest.mark.parametrize("overrides, expected", [
-    (["placement.ray.weight_sync=collective"], "placement.ray.weight_sync=collective streams weights from Ray learner"),
     (["placement.backend=ray", "placement.ray.weight_sync_bucket_mb=-1"], "weight_sync_bucket_mb must be >= 0"),
     (["placement.backend=ray", "placement.ray.weight_sync=nccl"], "collective"),  # the allowed values are named
 ])

@@ -51,7 +51,10 @@ class Registry(Generic[T]):
         if self.loaded:
             return
         self.loaded = True
+        early, self.items = self.items, {}  # registered before first use: listed after the built-ins
         for item in self._built_in() if self._built_in is not None else ():
+            self.register(item)
+        for item in early.values():
             self.register(item)
         from importlib.metadata import entry_points
 

@@ -1,6 +1,6 @@
 """The frozen plan of a run: where every role runs (:class:`Placement`) and the torch thread
-counts by phase (:class:`ThreadBudget`), decided once by ``setup.decide.decide_placement`` and read
-by the controller."""
+counts by phase (:class:`ThreadBudget`), decided once by the placement's spec (``oppo.placements``,
+asked by ``setup.resolve``) and read by the controller."""
 
 from __future__ import annotations
 

@@ -123,8 +123,8 @@ def of(cfg: Config) -> PlacementSpec:
 
 
 def help_lines() -> list[str]:
-    return [f"{n}: {get(n).help}." + (f" Its settings: placement.{n}.*." if get(n).settings else "")
-            for n in names()]
+    return [f"{n}: {get(n).help}." + (f" Its settings: placement.{n}.* (read under placement.backend={n} only)."
+                                      if get(n).settings else "") for n in names()]
 
 
 def problems(cfg: Config) -> list[str]:
