@@ -171,3 +171,30 @@ def test_it_trains_in_the_other_modes(gspo, tiny_models, tiny_prompts, tmp_path)
         CALLS.clear()
         _train(tiny_models, tiny_prompts, tmp_path / mode, mode, "placement.local.scorer_process=false",
                steps=1 if mode == "pipeline" else 2)
+
+
+@pytest.mark.ray
+def test_it_trains_on_ray_learner_ranks(gspo, ray_local, tiny_models, tiny_prompts, tmp_path):
+    """placement.backend=ray, 2 learner ranks, whose processes never imported this file: the ranks
+    train with this file's loss (its code travels with the algorithm: ``cluster.ship_plugins``), so
+    their update is the one local learner's step for step (data-parallel replicas are the same
+    update); two minibatches, so that the second one's ratios are not 1. PPO's token loss on the
+    ranks would show: its ``approx_kl`` (mean of squared token log-ratios) is ~10x the sequence
+    ratio's here, its ``loss/policy`` ~1% away."""
+    small = ("ppo.minibatch_size=2", "ppo.micro_batch_size=1")
+    runs = []
+    for place in (("placement.local.scorer_process=false",),
+                  ("placement.backend=ray", "placement.ray.learner_workers=2", "placement.ray.learner_cpus=0.5",
+                   "placement.ray.scorer_cpus=0.5")):
+        t = _trainer(tiny_models, tiny_prompts, tmp_path / place[0], "sequential", *small, *place)
+        try:
+            runs.append([(t.run_step(), t.last_result.exp.ids.clone()) for _ in range(2)])
+            if len(runs) == 2:
+                assert type(t.roles.learner).__name__ == "LearnerGroup"
+        finally:
+            t.close()
+    for step, ((want, ids), (got, got_ids)) in enumerate(zip(*runs)):
+        assert torch.equal(got_ids, ids), step
+        assert want["ppo/approx_kl"] > 0, "the ratios moved: the sequence and token losses differ"
+        for k in ("loss/policy", "ppo/clipfrac", "ppo/approx_kl", "reward/mean"):
+            assert got[k] == pytest.approx(want[k], abs=1e-8, rel=1e-3), (step, k)

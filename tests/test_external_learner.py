@@ -1,6 +1,8 @@
-"""A learner engine registered from outside oppo (this file alone): it wraps the local learner and
-counts its updates. It is listed in the config's help with its settings, its checks and where it
-runs are enforced before any model loads, and ``oppo.Trainer`` trains through it."""
+"""Learner engines registered from outside oppo (this file alone): ``counting`` wraps the local
+learner and counts its updates; ``recording`` runs on Ray, the built-in learner group with an update
+strategy of this file's (replicas that count their updates across the ranks). Each is listed in the
+config's help with its settings, its checks and where it runs are enforced before any model loads,
+and ``oppo.Trainer`` trains through it."""
 
 import pytest
 
@@ -36,13 +38,65 @@ def _problems(cfg) -> list[str]:
     return [] if n == 1 else [f"placement.ray.learner_workers={n}: the counting learner is one learner; set it to 1."]
 
 
+class RecordingReplicas:
+    """An update strategy of its own for the built-in Ray learner group: the built-in replicas
+    (``dp.Replicated``, composed), and each update's stats add ``test/updates_all_ranks``, the
+    updates this strategy ran summed over the ranks (a collective): 2 per step on 2 ranks, seen by
+    the controller only if every rank ran this class."""
+
+    name = "recording"
+    sharded = False
+
+    def __init__(self):
+        from oppo.learner.dp import Replicated
+
+        self.inner, self.updates = Replicated(), 0
+
+    def build(self, spec, world, mesh_device):
+        return self.inner.build(spec, world, mesh_device)
+
+    def update(self, learner, exp, step, rank, world, critic):
+        import torch
+        import torch.distributed as dist
+
+        stats = self.inner.update(learner, exp, step, rank, world, critic)
+        self.updates += 1
+        n = torch.tensor([float(self.updates)])
+        dist.all_reduce(n)
+        return {**stats, "test/updates_all_ranks": n.item()}
+
+    def old_logprobs(self, learner, exp, version, rank, world):
+        return self.inner.old_logprobs(learner, exp, version, rank, world)
+
+    def model_state(self, model):
+        return self.inner.model_state(model)
+
+    def optim_state(self, model, opt):
+        return self.inner.optim_state(model, opt)
+
+    def load_state(self, model, opt, weights, optim):
+        self.inner.load_state(model, opt, weights, optim)
+
+
+def _build_remote(req: registry.RemoteRequest):
+    from oppo.learner.group import LearnerGroup
+
+    return LearnerGroup(req.spec, req.world, RecordingReplicas(), num_cpus=req.num_cpus, num_gpus=req.num_gpus,
+                        threads=req.threads, placement=req.placement, critic_scorer=req.critic_scorer,
+                        tracer=req.tracer, home=req.home)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def counting_engine():
     registry.register(registry.Engine(
         "counting", "the local learner, counting its updates (a test's engine)", build_local=_build,
         problems=_problems, settings=(("placement.ray.learner_workers", "must be 1"),)))
+    registry.register(registry.Engine(
+        "recording", "Ray replicas counting their updates (a test's engine)", build_remote=_build_remote,
+        settings=(("placement.ray.learner_workers", "Ray ranks"),)))
     yield
     registry.unregister("counting")
+    registry.unregister("recording")
 
 
 def _cfg(tiny_models, tiny_prompts, tmp_path, *extra):
@@ -50,8 +104,7 @@ def _cfg(tiny_models, tiny_prompts, tmp_path, *extra):
         f"policy.path={tiny_models['policy']}", f"reward.path={tiny_models['reward']}",
         f"data.prompts={tiny_prompts}", "placement.threads=1", "ppo.batch_size=4", "ppo.minibatch_size=4",
         "ppo.micro_batch_size=4", "generation.max_new_tokens=6", "overlap.chunk_size=4",
-        f"run.out_dir={tmp_path}", "log.progress=false", "run.samples=0",
-        "placement.learner=counting", *extra])
+        f"run.out_dir={tmp_path}", "log.progress=false", "run.samples=0", *extra])
 
 
 def test_the_engine_is_in_the_help_with_its_settings_and_its_checks_run_before_models_load():
@@ -61,16 +114,39 @@ def test_the_engine_is_in_the_help_with_its_settings_and_its_checks_run_before_m
     with pytest.raises(ConfigError, match=r"placement.ray.learner_workers=2: the counting learner is one learner"):
         load_config(None, ["placement.learner=counting", "placement.ray.learner_workers=2"])
     with pytest.raises(ConfigError, match=r"placement.learner=counting runs in this process, not under placement.backend=ray: set "
-                                             r"placement.backend=local, or placement.learner=replicate or fsdp2"):
+                                             r"placement.backend=local, or placement.learner=replicate or fsdp2 or recording"):
         load_config(None, ["placement.learner=counting", "placement.backend=ray"])
-    with pytest.raises(ConfigError, match=r"placement.learner='nope' is not one of replicate, fsdp2, counting"):
+    assert "recording: Ray replicas counting their updates (a test's engine) (runs on Ray ranks; settings: " \
+           "placement.ray.learner_workers: Ray ranks)." in help_
+    with pytest.raises(ConfigError, match=r"placement.learner=recording runs on Ray ranks, not under placement.backend=local: "
+                                             r"set placement.backend=ray"):
+        load_config(None, ["placement.learner=recording"])
+    with pytest.raises(ConfigError, match=r"placement.learner='nope' is not one of replicate, fsdp2, counting, recording"):
         load_config(None, ["placement.learner=nope"])
+
+
+def test_the_code_of_the_engines_parts_goes_to_ray_actors_by_value_where_no_installed_package_has_it():
+    """This file is no installed package: Ray actors get its code by value (``cluster.ship_plugins``);
+    oppo's and an installed package's (here pytest's) they import."""
+    import sys
+
+    from oppo.plugins import modules_by_value, part_modules
+
+    assert set(part_modules(registry.get("recording"))) == {"oppo.learner.registry", "builtins", __name__}
+    registry.register(registry.Engine("installed", "an installed package's builder", build_local=pytest.approx))
+    try:
+        shipped = modules_by_value()
+    finally:
+        registry.unregister("installed")
+    assert sys.modules[__name__] in shipped
+    assert not [m for m in shipped if m.__name__.partition(".")[0] in ("oppo", "_pytest", "builtins")], shipped
 
 
 @pytest.mark.parametrize("mode", ["sequential", "oppo"])
 def test_the_trainer_trains_through_the_registered_engine(tiny_models, tiny_prompts, tmp_path, mode):
     BUILT.clear()
-    t = Trainer(_cfg(tiny_models, tiny_prompts, tmp_path, f"overlap.mode={mode}"), progress=False)
+    t = Trainer(_cfg(tiny_models, tiny_prompts, tmp_path, f"overlap.mode={mode}", "placement.learner=counting"),
+                progress=False)
     try:
         assert len(BUILT) == 1
         w0 = t.roles.policy.lm_head.weight.detach().clone()
@@ -79,5 +155,28 @@ def test_the_trainer_trains_through_the_registered_engine(tiny_models, tiny_prom
             assert m["loss/policy"] == m["loss/policy"]
         assert BUILT[0].updates == 2, "every update went through the registered engine"
         assert not t.roles.policy.lm_head.weight.equal(w0), "the policy trained"
+    finally:
+        t.close()
+
+
+@pytest.mark.ray
+def test_the_trainer_trains_on_ray_through_a_registered_engine_and_strategy(ray_local, tiny_models, tiny_prompts,
+                                                                             tmp_path):
+    """``recording`` on 2 Ray ranks: its strategy, a class of this file, is built in every rank
+    (whose process never imported this file) and runs each update there."""
+    from oppo.learner.group import LearnerGroup
+
+    t = Trainer(_cfg(tiny_models, tiny_prompts, tmp_path, "overlap.mode=sequential", "placement.backend=ray",
+                     "placement.learner=recording", "placement.ray.learner_workers=2",
+                     "placement.ray.learner_cpus=0.5", "placement.ray.scorer_cpus=0.5", "ppo.micro_batch_size=2"),
+                progress=False)
+    try:
+        assert isinstance(t.roles.learner, LearnerGroup) and isinstance(t.roles.learner.strategy, RecordingReplicas)
+        w0 = t.roles.rollout_policy.lm_head.weight.detach().clone()
+        for step in range(2):
+            m = t.run_step()
+            assert m["test/updates_all_ranks"] == 2 * (step + 1), "each rank ran the strategy's update, once a step"
+            assert m["loss/policy"] == m["loss/policy"]
+        assert not t.roles.rollout_policy.lm_head.weight.equal(w0), "rank 0's trained policy reached the engine"
     finally:
         t.close()

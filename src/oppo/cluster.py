@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .plugins import modules_by_value
+
 
 def init_ray(address: str | None = "auto", num_cpus: int | None = None, num_gpus: int | None = None,
              **kwargs) -> dict:
@@ -78,6 +80,20 @@ def one_line(e: BaseException) -> str:
     return lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
 
 
+def ship_plugins() -> None:
+    """Have Ray pickle by value (cloudpickle's ``register_pickle_by_value``: code, not an import
+    path) the modules that define registered plugins' parts and that no installed distribution
+    provides (``plugins.modules_by_value``): an algorithm's loss, a learner engine's update strategy
+    or a rollout backend's build then reaches actors whose processes never imported that module, as
+    Ray's docs advise for modules not installed on the cluster. Their code must be the self-contained
+    kind: a helper module they import in turn must be importable there (installed, or sent with
+    Ray's ``runtime_env``)."""
+    import ray.cloudpickle
+
+    for module in modules_by_value():
+        ray.cloudpickle.register_pickle_by_value(module)
+
+
 class ActorGroup:
     """N Ray actors of one class, one per rank: what the rollout, scoring and learner groups are
     built on. Spawns them (optionally gang-scheduled in a placement group), calls a method on every
@@ -90,6 +106,9 @@ class ActorGroup:
     STRICT_SPREAD) to gang-schedule the ranks, waited for up to ``timeout_s``; None: no group.
     ``stop_on_failure``: a failure stops the whole group (ranks that wait in a collective would
     otherwise wait for ever). Call :func:`init_ray` first.
+
+    Registered plugins' code that the actors may not be able to import (a test file, a module on the
+    controller's path only) is sent with what they receive: :func:`ship_plugins`.
     """
 
     def __init__(self, cls, n: int, args, *, role: str, num_cpus: float = 1, num_gpus: float = 0,
@@ -103,6 +122,7 @@ class ActorGroup:
         self.labels = labels or [role.split()[0]] * n
         self.numbers = numbers or list(range(n))
         self.pg = None
+        ship_plugins()
         options: list[dict] = [dict(num_cpus=num_cpus, num_gpus=num_gpus) for _ in range(n)]
         if placement is not None:
             from ray.util.placement_group import placement_group

@@ -9,8 +9,10 @@ placement: ``ray``). Whatever it builds is a :class:`~oppo.api.protocols.Learner
 Built in: ``replicate`` (the local learner in process; data-parallel replicas on Ray) and ``fsdp2``
 (FSDP2 shards on Ray). Others register with :func:`register` (a plugin module the user imports, a
 test) or through the ``oppo.learner_engines`` entry point group (the entry's value is its
-:class:`Engine`). This module imports no torch, so the config can list the engines without loading
-one.
+:class:`Engine`). A ``build_remote`` may compose the built-in group of ranks
+(``group.LearnerGroup``) with an update strategy of its own; the ranks receive that strategy, its
+code by value where they cannot import its module (``cluster.ship_plugins``). This module imports
+no torch, so the config can list the engines without loading one.
 """
 
 from __future__ import annotations

@@ -24,8 +24,11 @@ those of the local engine (tested); a checkpoint saves every worker's generator 
 A worker that dies is named by role and rank (``rollout worker (role=rollout, rank=1) died:
 ...``), like the scorer and learner actors.
 
-**Any registered backend** (``generation.engine``; ``rollout.registry``): each worker builds it
-with the registry's ``build``, as the controller does, with the CPU threads it was granted. A
+**Any registered backend** (``generation.engine``; ``rollout.registry``): the group looks its
+:class:`~.registry.Backend` up in the controller's registry and sends it to each worker (a backend
+registered at run time is in no other process's registry; its code travels by value where the
+workers could not import it: ``cluster.ship_plugins``), which builds it as the controller does, with
+the CPU threads it was granted. A
 backend that loads the policy itself (``Backend.loads_own_weights``) gets no Hugging Face copy in
 the worker: the weights go from the object store (or the collective group, received on the CPU)
 straight to its ``load_weights`` as ``(name, tensor)`` pairs. Its checks (``Backend.problems``)
@@ -57,14 +60,15 @@ from ..weights.sync import (Packed, RemoteWeights, SyncGroup, WeightReceiver, We
 class RolloutHost:
     """The actor: a policy loaded from ``spec`` and its engine. ``scorers``: the scorer actors'
     handles (None: no streaming; the sequential loop scores one-shot). Plain class;
-    :class:`RayRolloutGroup` wraps it with ``ray.remote``."""
+    :class:`RayRolloutGroup` wraps it with ``ray.remote``. ``backend``: the spec of
+    ``settings.kind`` (None: the registry's here)."""
 
     def __init__(self, spec: ModelSpec, settings: EngineSettings, seed: int, threads: int, name: str,
-                 scorers: list | None = None):
+                 scorers: list | None = None, backend: registry.Backend | None = None):
         torch.set_num_threads(threads)
         self.name = name
         settings = dataclasses.replace(settings, seed=seed)
-        backend = registry.get(settings.kind)
+        backend = backend if backend is not None else registry.get(settings.kind)
         # a backend that loads the checkpoint itself gets no Hugging Face copy here (module docstring)
         self.model = None if backend.loads_own_weights else spec.load().requires_grad_(False)
         self.engine = backend.build(BuildRequest(settings, self.model, spec.path, spec.dtype,
@@ -195,7 +199,9 @@ class RayRolloutGroup:
     def __init__(self, spec: ModelSpec, settings: EngineSettings, n: int, *, seed: int, tracer: Tracer,
                  scorer=None, num_cpus: float = 1, num_gpus: float = 0, threads: int = 1):
         handles = list(scorer.actors) if scorer is not None else None
-        self.group = ActorGroup(RolloutHost, n, lambda i: (spec, settings, seed + i, threads, f"rollout{i}", handles),
+        backend = registry.get(settings.kind)  # (module docstring: the workers' registries lack run-time plugins)
+        self.group = ActorGroup(RolloutHost, n, lambda i: (spec, settings, seed + i, threads, f"rollout{i}", handles,
+                                                           backend),
                                 role="rollout worker", num_cpus=num_cpus, num_gpus=num_gpus)
         self.workers = self.group.actors
         self.tracer, self.scorer = tracer, scorer
