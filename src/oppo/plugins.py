@@ -87,9 +87,28 @@ class Registry(Generic[T]):
         self.load()
         return self.items.get(name)
 
+    def get(self, name: str, known: Iterable[str] | None = None) -> T:
+        """The item called ``name``; an unknown name raises ``KeyError`` naming the ``known`` ones
+        (default: the registered names) and, for a plugin that failed to load, why."""
+        item = self.find(name)
+        if item is None:
+            noun = self.kind.partition(" ")[2]
+            raise KeyError(f"no {noun} {name!r}{self.why_missing(name)}; known: {', '.join(known or self.names())}")
+        return item
+
     def why_missing(self, name: str) -> str:
         """" (its plugin failed to load: ...)" for a plugin that did; "" for a name nobody declared."""
         return f" (its plugin failed to load: {self.broken[name]})" if name in self.broken else ""
+
+
+def from_refs(refs: Iterable[str]) -> Callable[[], list]:
+    """A ``built_in`` loader for :class:`Registry`: the items named ``"module:attribute"``, their
+    modules imported on first use (so the registry's own module imports none of them)."""
+    def load() -> list:
+        from importlib import import_module
+
+        return [getattr(import_module(module), attr) for module, _, attr in (ref.partition(":") for ref in refs)]
+    return load
 
 
 def setting(default: Any, help: str, choices: tuple | None = None) -> Any:

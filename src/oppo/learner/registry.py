@@ -108,10 +108,7 @@ def names() -> tuple[str, ...]:
 
 def get(name: str) -> Engine:
     """The engine called ``name``; an unknown name raises naming the known ones."""
-    engine = REGISTRY.find(name)
-    if engine is None:
-        raise KeyError(f"no learner engine {name!r}{REGISTRY.why_missing(name)}; known: {', '.join(names())}")
-    return engine
+    return REGISTRY.get(name)
 
 
 def help_lines() -> list[str]:

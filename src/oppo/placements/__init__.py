@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from importlib import import_module
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..plugins import Registry
+from ..plugins import Registry, from_refs
 
 if TYPE_CHECKING:
     from ..api.placement import Placement
@@ -83,13 +82,8 @@ def _check(spec: PlacementSpec) -> None:
         raise ValueError(f"placement {spec.name!r}: settings must be a dataclass, got {spec.settings!r}")
 
 
-def _load(ref: str) -> PlacementSpec:
-    module, _, attr = ref.partition(":")
-    return getattr(import_module(module), attr)
-
-
 REGISTRY: Registry[PlacementSpec] = Registry("a placement", ENTRY_POINTS,
-                                             built_in=lambda: [_load(ref) for ref in BUILT_IN], check=_check)
+                                             built_in=from_refs(BUILT_IN), check=_check)
 register = REGISTRY.register
 unregister = REGISTRY.unregister
 
@@ -101,10 +95,7 @@ def names() -> tuple[str, ...]:
 
 def get(name: str) -> PlacementSpec:
     """The placement called ``name``; an unknown name raises naming the known ones."""
-    spec = REGISTRY.find(name)
-    if spec is None:
-        raise KeyError(f"no placement {name!r}{REGISTRY.why_missing(name)}; known: {', '.join(names())}")
-    return spec
+    return REGISTRY.get(name)
 
 
 def default_settings() -> dict[str, Any]:

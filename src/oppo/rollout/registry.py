@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from importlib import import_module
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..plugins import Registry, setting
+from ..plugins import Registry, from_refs, setting
 
 if TYPE_CHECKING:
     import torch
@@ -137,13 +136,8 @@ def _check(backend: Backend) -> None:
         raise ValueError(f"rollout backend {backend.name!r}: settings must be a dataclass, got {backend.settings!r}")
 
 
-def _load(ref: str) -> Backend:
-    module, _, attr = ref.partition(":")
-    return getattr(import_module(module), attr)
-
-
 REGISTRY: Registry[Backend] = Registry("a rollout backend", ENTRY_POINTS,
-                                       built_in=lambda: [_load(ref) for ref in BUILT_IN], check=_check)
+                                       built_in=from_refs(BUILT_IN), check=_check)
 register = REGISTRY.register
 unregister = REGISTRY.unregister
 
@@ -160,10 +154,7 @@ def choices() -> tuple[str, ...]:
 
 def get(name: str) -> Backend:
     """The backend called ``name``; an unknown name raises naming the known ones."""
-    backend = REGISTRY.find(name)
-    if backend is None:
-        raise KeyError(f"no rollout backend {name!r}{REGISTRY.why_missing(name)}; known: {', '.join(choices())}")
-    return backend
+    return REGISTRY.get(name, choices())
 
 
 def default_settings() -> dict[str, Any]:
