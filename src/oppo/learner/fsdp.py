@@ -1,81 +1,13 @@
-"""The learner sharded with FSDP2 (``torch.distributed.fsdp.fully_shard``): M Ray ranks, each holding
-1/M of the actor's and the critic's parameters, gradients and AdamW state.
+"""The learner sharded with FSDP2 (``fully_shard``): M Ray ranks, each holding 1/M of the actor's and
+the critic's parameters, gradients and AdamW state.
 
-What each rank runs is :class:`oppo.learner.local.Learner`'s own code, on sharded modules: the models are
-wrapped by :func:`shard_model` before the Learner builds its optimizers (``LearnerSpec.build``), so
-its parameters are ``DTensor`` shards, its AdamW state is sharded with them, and its forward
-all-gathers each layer's parameters just in time (and frees them after), its backward
-reduce-scatters each layer's gradients. The loss code, the minibatch loop (``learner.train_minibatches``),
-clipping (``clip_grad_norm_`` on DTensors: a global norm) and the AdamW step are the single
-learner's.
-
-The update (:func:`fsdp_update`) splits rows as the data-parallel replicas do (``dp.py``): every rank
-draws the same minibatches; micro-batch j of a minibatch goes to rank ``batch.rank_of(j, M)`` (j mod
-M, reversed every other round); every loss is divided by the minibatch's *global* token and
-sequence counts, and the reduce-scatter SUMS the ranks' gradients (``set_gradient_divide_factor(1)``; FSDP2 averages by default), so each rank's
-gradient shard is the single learner's. Unlike replicas, a sharded rank cannot pass over a
-micro-batch: the forward and the backward are collectives. So every rank runs the same number of
-micro-steps per minibatch, ceil(micro-batches / M): a rank whose share is short runs *zero-weight*
-micro-steps (a real micro-batch with infinite loss denominators: the loss and every gradient are
-exactly 0, every collective runs). Old log-probs likewise: each rank computes its share of the rows
-(rows i with i mod M == rank), padded to the same number of forwards, and the controller merges
-them (``group.LearnerGroup.old_logprobs``).
-
-gloo on CPU: its reduce-scatter has no ``PREMUL_SUM`` (FSDP2's default reduction op when it
-divides), so the modules also ``set_force_sum_reduction_for_comms(True)``: a plain SUM, which with a
-divide factor of 1 is exactly what we want on every backend.
-
-Tied input/output embeddings (the built-in task's models, Qwen2.5 0.5B): the output head and the
-embedding it shares a weight with are one FSDP group (``fully_shard([head, embedding])``), since
-the learner calls the backbone and the head separately (``models.backbone_and_head``).
-
-What else the ranks train with, each tested against one learner (``tests/test_fsdp.py``):
-
-- **LoRA** (``lora.r``): the peft model is sharded whole, as torchtune shards its LoRA recipes: each
-  layer's frozen base weights and its adapters are one FSDP group, so the base (the memory that
-  matters) is split over the ranks and all-gathered just in time like any other weight, and the
-  adapters are sharded too, with their AdamW state. Only the adapters have gradients, so only they
-  are reduce-scattered (SUMMED, as above): the single learner's adapter gradient. Replicating the
-  adapters instead would save nothing worth having (they are ~0.1-1% of the model) and need a
-  second reduction path. The frozen base stays in the compute dtype (bf16 under mixed precision),
-  the adapters in fp32; FSDP2 requires one dtype among the *trained* parameters of a group only,
-  which holds. Equal to one learner within 1e-5 in fp32.
-- **Gradient checkpointing** (``policy.gradient_checkpointing``): transformers' per-layer
-  checkpointing (non-reentrant) is enabled before sharding, so it runs inside each layer's FSDP
-  hooks: in backward the recomputed forward finds the layer already all-gathered by the
-  pre-backward hook (FSDP2's forward hook gathers again in that state only if they were freed).
-  Equal within 1e-5.
-- **bf16** (``policy.dtype=bfloat16``; what "bf16 masters" means in oppo: bf16 compute over fp32
-  master weights and fp32 AdamW state, ``weights.py``): the modules get FSDP2's
-  ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (:func:`mixed_precision`), the
-  field's usual choice (torchtitan, verl): the fp32 shards are the masters, each layer is
-  all-gathered in bf16 (half the bytes of an fp32 gather) and computes in bf16, and gradients are
-  reduce-scattered and accumulated in fp32. The Learner's bf16 autocast stays on around it
-  (matmuls are bf16 either way; the ops autocast keeps in fp32 still are, and the loss math is
-  fp32 as in one learner). One learner autocasts op by op over fp32 weights instead, so the two
-  round differently (e.g. a norm's weight multiplies in fp32 there, in bf16 here): the update
-  agrees with one learner's within 5% of its size (measured 2%), not 1e-5. Pure bf16 masters
-  (AdamW stepping bf16 weights) are not offered anywhere in oppo: they lose most small updates
-  (``weights.py``).
-- **The critic-free algorithms** (GRPO, RLOO, REINFORCE++): no critic is built, sharded or synced;
-  the actor's loss (with the KL term when it goes in the loss) is the Learner's. Equal within 1e-5.
-- **Every overlap mode**: the controller calls the group as it calls one learner (old log-probs,
-  update, weight sync), from one thread at a time: with ``overlap.mode=pipeline`` the update runs
-  in the learner thread while the engine decodes, and the weight sync (a collective here) only
-  after it has returned, so no two calls' collectives can interleave on the ranks. Tested on Ray:
-  ``sequential`` and ``oppo`` (Delta = 0) equal the local sequential run; ``pipeline`` trains with
-  LoRA, checkpointing and RLOO while decoding goes on.
-
-Reads of the weights (a checkpoint, the object-store weight sync) are collectives too: every rank
-all-gathers (``get_model_state_dict(full_state_dict=True)``) and rank 0 keeps the result, so the
-group asks every rank (``group.LearnerGroup``, ``Sharded.sharded``); with LoRA that gathers the frozen base
-too, and keeps the adapters. The collective weight sync (``placement.ray.weight_sync``,
-``weights/sync.py``) does not hold the whole model on rank 0: every rank all-gathers one trained
-parameter at a time (``DTensor.full_tensor``; with LoRA only the adapters), rank 0 streams it in
-buckets to the rollout side (NCCL between GPUs, gloo otherwise) and the gathered copy is dropped
-(``group.LearnerRank.send_weights``, called on every rank of a sharded group).
-Not done yet (issue 21): loading straight into shards (each rank loads the whole model once, then
-shards it); the critic's sync to its scorer actor still goes through the object store.
+Each rank runs :class:`oppo.learner.local.Learner`'s own code on modules wrapped by
+:func:`shard_model`, so the loss, the minibatch loop, clipping and AdamW are the single learner's.
+:func:`fsdp_update` splits micro-batches as the replicas do (``dp.py``), divides every loss by the
+minibatch's global counts and SUMS gradients in the reduce-scatter, so the update equals one
+learner's; since forward and backward are collectives, a rank with a short share runs zero-weight
+micro-steps. LoRA, gradient checkpointing and bf16 mixed precision (:func:`mixed_precision`) are
+covered in ``docs/distributed.md``, "The sharded learner (FSDP2)".
 """
 
 from __future__ import annotations
@@ -99,7 +31,7 @@ _ZERO_WEIGHT = float("inf")  # a micro-step's loss denominators for weight 0: ev
 def mixed_precision(compute_dtype: torch.dtype):
     """FSDP2's mixed precision for a learner computing in ``compute_dtype``: bf16 all-gathers and
     compute over the fp32 shards (the masters, and AdamW's state), gradients reduce-scattered in
-    fp32 (module docstring); None in fp32 (nothing to cast)."""
+    fp32 (``docs/distributed.md``); None in fp32 (nothing to cast)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from ..weights.precision import LOW_PRECISION

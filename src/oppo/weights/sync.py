@@ -1,53 +1,13 @@
 """Weights from the learner to the rollout engines: two paths, chosen by ``placement.ray.weight_sync``.
 
-**Object store** (:func:`pack` / :func:`unpack_into`). Ray stores numpy arrays out of band and hands
-a reader on the same node a read-only view of the shared-memory buffer (no copy, no unpickling),
-while torch tensors are pickled through torch's own reducer (a copy in, a copy out). So the sender
-returns :func:`pack` (numpy views of its CPU tensors: one copy, into the object store) and the
-receiver copies the views straight into its parameters with :func:`unpack_into` (one copy, cast to
-the target's dtype). bf16, which numpy lacks, travels as its int16 bit pattern. Measured on the
-2-core dev machine (load ~9), rank 0 of a learner group to a module in the controller, 72 MiB of
-fp32 weights (median of 10): 1160 ms as a pickled state dict, 129 ms packed (min 658 vs 50 ms);
-the tiny test model: 14.7 vs 2.5 ms. The whole model passes through one host's memory (learner
-rank 0, and for a sharded learner its all-gathered state dict), and everything is staged on CPU.
-
-**Collective, bucketed** (:class:`WeightSender` / :class:`WeightReceiver` in a :class:`SyncGroup`).
-The sender (learner rank 0) and the receivers (rollout workers, or the controller when the engine
-is local) form a process group of their own, from a ``TCPStore`` under a ``PrefixStore``, built as a
-``ProcessGroupGloo`` / ``ProcessGroupNCCL`` object directly: it never touches the default group the
-learner ranks train in (FSDP2's or the replicas' all-reduce), and a receiver needs no default group
-at all. NCCL when every member holds a CUDA device and no two share a GPU (NCCL refuses two ranks on
-one device), else gloo (CUDA tensors staged through CPU buckets).
-
-The weights stream as bytes: the tensors of a fixed :class:`Manifest` (names, wire dtypes, shapes;
-the trained parameters, cast to the serving dtype on the sender, e.g. fp32 masters -> bf16 on the
-wire) concatenated in order and cut into buckets of ``bucket_bytes``; a tensor may span buckets (one
-larger than a bucket spans several), so the memory a sync needs beside the models is two buckets
-(double buffering: the next bucket is packed, or the next broadcast posted, while the previous one
-is in flight), plus one tensor where a receiver's dtype differs from the wire's (staged, then
-cast), whatever the model's size. A sharded (FSDP2) learner never holds the whole model on one
-rank: every rank all-gathers one parameter at a time (``DTensor.full_tensor``, a collective of the
-learner's own group), rank 0 copies it into the bucket, and the gathered copy is freed. A receiver
-without a module of its own (a rollout worker whose backend holds the weights in its own process) stages
-whole tensors and hands them all to the engine's in-place reload at the end of the sync.
-
-Versions and names are checked, so that a rollout engine never samples silently from weights other
-than the ones it was told: when the group forms, every receiver checks the sender's manifest
-against its model (an unknown name, a wrong shape, or, unless ``partial``, a missing name: every
-member raises, naming them); every sync starts with an all-gather of (version, manifest digest)
-from every member, and any disagreement (a skipped or repeated sync, a changed model) makes every
-member raise before a byte of weights moves, so nobody is left waiting in a broadcast. (A member
-that dies mid-sync leaves the others in a collective until the group's timeout, ``timeout_s``.)
-
-The NCCL branch is written against ``torch.distributed`` like the gloo one (same code, the
-backend chosen by device) but has not run yet: no GPU has been lent to this work.
-
-Figures (seconds per sync against model size, both paths): ``benchmarks/weight_sync/``. On one
-CPU node the object store (shared memory: a copy in, a copy out) and gloo over loopback TCP are
-within 2x of each other, each winning some sizes, so ``placement.ray.weight_sync=auto`` keeps the
-object store there and takes the collective path where every member has a GPU (NCCL); the
-collective path serves CPU runs that ask for it (e.g. a sharded learner that must not gather the
-whole model on one rank).
+**Object store** (:func:`pack` / :func:`unpack_into`): numpy views, which Ray stores out of band and
+hands a reader on the same node without a copy (torch tensors would be pickled); bf16 travels as its
+int16 bit pattern. **Collective** (:class:`WeightSender` / :class:`WeightReceiver` in a
+:class:`SyncGroup`): a process group of its own (NCCL between GPUs, gloo otherwise) streaming a fixed
+:class:`Manifest` in buckets, so a sync needs two buckets of memory beside the models whatever their
+size, and an FSDP2 learner gathers one parameter at a time. Every sync first agrees on (version,
+manifest digest), so an engine never samples silently from other weights than it was told.
+Design, figures and why ``auto`` picks as it does: ``docs/distributed.md``, "The weight sync".
 """
 
 from __future__ import annotations
