@@ -1,66 +1,13 @@
 """Weight loads into a local vLLM engine that do not serialise the model.
 
-vLLM runs its model in a worker process (``backend.py``). Sending every tensor through its
-``collective_rpc`` pickles the whole model at every update (figures: ``docs/benchmarks-notes.md``,
-"vLLM: weight loads"). Here the trainer and the worker share one buffer instead:
-
-- **The buffer** holds every served weight in checkpoint format (the names and shapes vLLM's
-  ``load_weights`` takes: after ``ServedCheckpoint``'s untying and head padding), each at an offset
-  aligned to 64 bytes (:class:`Layout`), floating-point tensors in the engine's dtype. On the CPU it
-  is a POSIX shared-memory file in ``/dev/shm`` (:class:`SharedWeights`), its pages reserved at
-  creation (``posix_fallocate``: a full ``/dev/shm``, e.g. Docker's 64 MB default, is refused then
-  rather than crash the process with SIGBUS at a later write), unlinked by :meth:`SharedWeights.close`
-  and, if the process dies first, by Python's ``multiprocessing`` resource tracker (a process of
-  its own that unlinks what a dead process registered). On a GPU it is one CUDA tensor, shared
-  once by its IPC handle (``torch.multiprocessing.reductions.reduce_tensor``, as vLLM's RL examples,
-  verl and OpenRLHF do for colocated engines).
-- **First load**: the trainer sends the layout and the buffer's handle through ``collective_rpc``
-  once (:func:`map_in_worker`); the worker maps the buffer and keeps views of it.
-- **Each update**: the trainer copies each weight into its slot (one copy per tensor, in this
-  process), then sends a tiny RPC (:func:`load_in_worker`: the version and the slots written); the
-  worker loads from its views, and returns before the trainer may write those slots again (a CUDA
-  worker synchronises its device first). The backend cuts an update into a few runs of whole
-  layers (:meth:`Layout.runs`) and sends each run's RPC without waiting, so the worker loads run i
-  while the trainer copies run i + 1 (``loads.WEIGHT_RUNS``); it waits for every run before
-  the engine steps again.
-
-**How the worker loads** (:class:`LiveLoader`, checked against vLLM 0.32): ``model.load_weights``
-of the live model, whose weight loaders copy each checkpoint tensor into vLLM's parameters
-(fusing q/k/v and gate/up), then vLLM's own post-load processing
-(``quant_method.process_weights_after_loading``) of each layer loaded. On the CPU that processing
-repacks every linear weight for oneDNN and then drops the unpacked parameter, which is why a plain
-``model.load_weights`` into a live CPU engine fails; so the loader keeps, per such layer, an
-unpacked parameter made from vLLM's own record of the layer's checkpoint-format parameters (the
-metadata its in-place reload restores from) and swaps it in for the load. This skips what vLLM's
-general in-place reload (``model_runner.reload_weights``) adds on top (every layer rebuilt on the
-meta device, fresh tensors materialised, processed values copied back), which is slower
-(``docs/benchmarks-notes.md``, "vLLM: weight loads"). The cost is memory: the worker keeps those
-unpacked weights (the linear layers but the head: about 430 MB on SmolLM2-135M in fp32) besides
-the buffer itself (the served model's size, in ``/dev/shm``). On a GPU
-the processing of unquantized layers does nothing and the parameters stay live: this is the
-``model.load_weights`` of the RL frameworks. Models with any other quantization method (or a
-vLLM whose internals differ) are loaded through ``reload_weights`` with the same views: still no
-serialisation.
-
-**Every load is checked**: the loader counts the elements vLLM's weight loaders copy (a dispatch
-mode over their ops, about 10 ms on 135M parameters) and raises if fewer than were sent (after one
-of vLLM's own reloads its records hold a loader wrapper that loads nothing: caught that way).
-
-**The buffer is never aliased**: after every load the worker checks that no parameter or buffer of
-the model shares memory with the mapped buffer (a weight loader that kept a reference instead of
-copying would let the trainer's next write change the engine's weights mid-generation, under the
-old version tag); it raises if one does.
-
-**Not run on a GPU**: the CUDA IPC path has never run (no GPU was lent to this work, and the
-project's GPU machine has no vLLM); it is written by construction after vLLM's RL examples (the
-handle opened on the worker's own device, checked by UUID; the trainer synchronises after its
-writes, the worker before its load returns) and falls back to the RPC path where the worker cannot
-open the handle. ``tests/test_vllm_weights.py`` has a GPU test of the IPC half (another process
-opens the handle and sees each write), skipped without CUDA: not yet run either.
-
-**LoRA**: a LoRA policy sent merged (``lora.sync=merged``, or ``auto`` on the CPU) comes through this
-buffer, every weight at every update; served as an adapter (``lora.py``), only its base goes
-through it, once.
+``collective_rpc`` would pickle the whole model at every update, so the trainer and vLLM's worker
+share one buffer of checkpoint-format weights (:class:`Layout`): a ``/dev/shm`` file on the CPU
+(:class:`SharedWeights`), a CUDA tensor shared by its IPC handle on a GPU. The layout and handle
+go once (:func:`map_in_worker`); each update copies every weight into its slot and sends a tiny RPC
+(:func:`load_in_worker`). The worker loads into the live model (:class:`LiveLoader`: vLLM's
+``load_weights`` plus its post-load processing), checks that every element arrived and that no
+parameter aliases the buffer. The CUDA IPC path has not run yet. Design and costs: ``docs/vllm.md``,
+"Weight loads".
 """
 
 from __future__ import annotations
@@ -278,7 +225,7 @@ class _VLLMModel(Protocol):
 
 
 class LiveLoader:
-    """Loads checkpoint-format weights into vLLM's live model (module docstring): its
+    """Loads checkpoint-format weights into vLLM's live model (``docs/vllm.md``, "Weight loads"): its
     ``load_weights``, then the post-load processing of each layer loaded. :meth:`build` returns
     None, with the reason, where the model holds layers it does not know how to reprocess."""
 
