@@ -1,59 +1,12 @@
 """Checkpoints: written atomically, resumed exactly.
 
-A checkpoint ``<run>/checkpoints/step_000010/`` holds the policy (with its tokenizer) and the
-critic in Hugging Face format (``from_pretrained`` loads them; with LoRA the policy directory
-holds the adapter, which ``PeftModel.from_pretrained(base, path)`` loads; critic-free
-algorithms have no critic), both optimizers, every RNG
-state, the scheduler (data position, Delta, requeued prompts), the chunk-size tuner and the
-step. A sharded learner (``placement.learner=fsdp2``) writes its weights and AdamW state
-as ``torch.distributed.checkpoint`` shards in ``learner/`` instead of ``optim.pt``'s states
-(``learner/sharded.py``: loadable on any number of ranks, and locally). It is written into a
-temporary directory beside the target and renamed into place, so an
-interrupted save leaves the previous checkpoint intact and never a half-written one that looks
-valid; a save that fails (a full disk) removes its temporary directory and raises
-:class:`CheckpointError` naming the checkpoint, the disk and its free space. ``manifest.json``
-holds every file's size and sha256: a resume checks the newest checkpoint against it
-(:func:`verify_checkpoint`; ``run.plan_run`` falls back to the previous one, with a warning, when
-it is damaged). Checkpoints written before manifests load unchecked. A final checkpoint saved
-with ``run.save_final=weights`` holds the models, tokenizer, settings and fingerprints only
-(``state.json`` says ``weights_only``): it is for use, not for resuming, which refuses it.
-
-Each checkpoint also holds the run's settings (``config.yaml``), so that ``--resume`` can check,
-before any model loads, that the run being resumed is configured as the one that was saved
-(:func:`settings_mismatches`), and ``models.json``: fingerprints of the models the run reads but
-does not train (the reference, the reward model, the critic's initialisation, the tokenizer;
-``fingerprint.py``), so that a resume refuses one re-exported with other weights at the same path
-(:func:`check_models`; ``run.allow_changed_models`` lets it through with a warning).
-
-Sequences in flight at a checkpoint (inter-step overlap: carried ones, finished group members
-waiting for their siblings, a pipeline run's begun step) are saved with it, in ``in_flight.json``:
-each one's prompt, tokens so far, every token's version, behaviour and untruncated log-probs
-(``Rollout.state_dict``); their scheduler tickets (uid, data position, group, start version, finish
-order) are in the scheduler's state. On resume they are admitted again with their partial
-responses (``control.stages.Run.restore_in_flight``): the rollout engine re-prefills prompt +
-response so far under the loaded weights (as ``overlap.stale_kv=recompute`` does) and decodes on
-where each stopped; streaming scorers prefill the prompt and get the response so far as its first
-chunk (a finished one: as its final chunk). Saved tokens keep their versions and log-probs, so the
-off-policy correction and the staleness metrics stay those of the sampling run. ``state.json``'s
-``in_flight`` records ``{"how": "saved" | "drained", "count": n}``: a rollout backend that cannot
-hand its rows out (``RolloutBackend.in_flight`` gives None) has them drained instead, their prompts
-requeued and regenerated first after the save (``Scheduler.drain_for_checkpoint``); so has a resume
-into such a backend. Checkpoints written before sequences were saved (drained, no
-``in_flight.json``) load as they did. Either way a resumed run loses no prompt and trains none
-twice (``tests/test_kill_resume.py`` kills ``oppo train`` with SIGKILL to check it).
-
-What a resume repeats. Sequential and intra runs have nothing in flight between steps: their
-resumed steps equal an uninterrupted run's (tested). In inter and oppo the live run, after
-writing a checkpoint, re-admits its untrained sequences from the saved state exactly as a resumed
-run does (``Run.reload_in_flight``), so the resumed run trains the uninterrupted run's batches step
-for step: same tokens, versions and log-probs (the backend's sampling state is saved: oppo's
-engines' generators; a backend that seeds each request by uid and length needs none), scores equal
-up to floating-point rounding (tested, also with another backend and with a Ray rollout worker). Against a run that never checkpoints, a checkpoint changes
-the carried rows' KV (rebuilt under the current weights, so their next tokens carry the current
-version; with ``stale_kv=recompute`` that happened at the update anyway and the two runs train the
-same batches, tested) and the critic values of their prefixes (rescored by the current critic:
-what ``stale_values=recompute``, the default, does at the close anyway). Pipeline runs are not
-reproducible in any case (how far decoding gets during an update depends on timing).
+A checkpoint holds the models in Hugging Face format (a sharded learner: ``torch.distributed.checkpoint``
+shards), both optimizers, every RNG state, the scheduler, the tuner, the sequences in flight with
+their partial responses (``in_flight.json``), the run's settings and fingerprints of the models it
+reads. It is written into a temporary directory and renamed into place, with a ``manifest.json`` of
+sizes and hashes, so a resume never reads a half-written or damaged one, and checks before any
+model loads that it resumes the same run on the same models. What a resume repeats exactly, and
+what it cannot: ``docs/design.md``, "Checkpoints".
 """
 
 from __future__ import annotations
@@ -241,7 +194,7 @@ def _write(trainer, state: dict, tmp: Path, weights_only: bool = False) -> None:
             optim = optim.save(tmp / SHARDED_DIR)
         torch.save(optim, tmp / "optim.pt")
         torch.save(state["rng"], tmp / "rng.pt")
-    if state.get("in_flight"):  # the sequences in flight, with their partial responses (module docstring)
+    if state.get("in_flight"):  # the sequences in flight, with their partial responses (docs/design.md, "Checkpoints")
         (tmp / IN_FLIGHT_FILE).write_text(json.dumps(state["in_flight"]))
     (tmp / CONFIG_FILE).write_text(yaml.safe_dump(state["config"], sort_keys=False))
     if state.get("models"):  # fingerprints of the models the run reads (fingerprint.py), checked on resume
