@@ -1,46 +1,11 @@
 """A discrete-event simulation of oppo's PPO steps, per mode and placement.
 
-It replays what ``control.sequential_step`` and ``control.overlapped_step`` do
-(``src/oppo/control/``), with every stage's duration taken from a cost model (``costs.py``)
-instead of a clock:
-
-- **admission and closing** are decided by oppo's own pure scheduler (``oppo.scheduler``):
-  B + Delta in flight, a step closes when B have finished and no due sequence still runs, the
-  rest are carried with their partial work (``max_lag``);
-- **decoding** is lock-step per actor device: each decode step costs
-  ``costs.decode_steps(rows still running, context they hold)``; a finished row leaves the batch
-  (as oppo's engine retires it), carried rows pause while the step closes and trains;
-- **streaming** (``intra``, ``oppo``): after every decode step, rows with ``chunk`` new tokens
-  and rows that just finished hand their tokens to the scorer devices; a scorer device drains
-  everything queued in one batched forward per role, like ``scoring/worker.py``; at the close the
-  controller waits for the scorers to finish what was sent (the barrier);
-- **one-shot scoring** (``sequential``, ``inter``): after the close, one padded forward per
-  scorer role over the batch;
-- **training**: the actor's PPO update on the actor devices and the critic's on the scorer
-  devices beside it (``placement.local.critic_on_worker``), after it, or nowhere (a value head on the
-  actor); micro-batches padded as the learner pads them; then the **weight sync** (``sync``);
-- **pipeline** (in-flight updates, ``overlapped.py``): once the batch is scored the update runs on
-  learner devices of its own (oppo's learner thread; PipelineRL's trainer GPUs), assumed not to
-  slow decoding, while the actor admits the next step's prompts (sampled by the old weights)
-  and decodes until the update is done, stopping at the first decode-step boundary after it;
-  the weights load there, and the next step starts with those rows part-decoded. Step time =
-  what is left of decoding + close + max(update, that step's in-flight decoding) + sync;
-- **groups** (``group_size`` G > 1, GRPO/RLOO): each member draws its own length; the
-  scheduler closes on B / G complete groups and carries partly finished ones whole (or waits for
-  them, ``partial_groups="wait"``); Delta counts groups;
-- **refill** (``refill``): a finish admits a replacement at once (prefilled at that moment,
-  streamed to the scorers as a queued message); the decode timeline is rebuilt from there.
-
-A :class:`DeviceSplit` says which devices do what. Data parallelism: the actor devices split the
-rows (each decodes its own rows in lock-step), forwards and updates split the batch evenly.
-
-Output per step: step time, each device's and each worker's busy seconds, the spans (the same
-``oppo.trace.Span`` records the runtime writes, so a simulated step can be opened in Perfetto),
-and the trained batch's lengths and lags.
-
-Not modelled: contention between workers sharing cores (on a 2-core CPU the pipeline's learner
-thread and the decoding thread share them), a Ray placement's per-call overhead (it is simulated
-as the local placement with the same devices), memory limits, checkpoint drains.
+It replays what ``control.sequential_step`` and ``control.overlapped_step`` do, with every stage's
+duration taken from a cost model (``costs.py``) instead of a clock, and lets oppo's own pure
+scheduler (``oppo.scheduler``) decide admission and closing, so the simulated steps follow the
+runtime's rules rather than a copy of them. A :class:`DeviceSplit` says which devices do what; each
+step yields its time, every device's and worker's busy seconds and ``oppo.trace.Span`` records.
+What each stage models and what is left out: ``docs/planner.md``, "What the simulation models".
 """
 
 from __future__ import annotations
