@@ -1,41 +1,11 @@
 """Pictures of one or more runs, for comparing modes side by side (``oppo bench``, ``oppo report``).
 
-:func:`make_report` reads run directories and writes PNGs:
-
-==========================  =====================================================================
-file                        content (written only when its data exists)
-==========================  =====================================================================
-``reward_vs_step.png``      ``reward/mean`` (solid) and ``judge/mean`` (dashed) against step
-``reward_vs_time.png``      the same against ``time/wallclock`` (or summed ``time/step``)
-``accuracy_vs_step.png``    ``task/accuracy`` against step (tasks with one right answer: arith)
-``kl_vs_step.png``          ``kl/mean`` (summed per-token KL to the reference, per sequence)
-                            against step
-``timeline.png``            one step per run as a Gantt chart from ``trace.json``: a row per
-                            worker, a bar per span coloured by stage; every run's whole step
-                            on one time axis
-``response_lengths.png``    histogram of response lengths from ``lengths.jsonl``; without it,
-                            ``response_length/mean`` and ``/max`` against step
-``overlap.png``             ``overlap/delta``, ``overlap/token_lag_max`` (the stalest token)
-                            and ``overlap/seq_lag_max`` (the longest-carried sequence; runs
-                            before issue 22 logged it as ``overlap/lag_max``) against step
-==========================  =====================================================================
-
-Runs that share a label (the same mode with several seeds) are drawn as one line, their mean,
-with a shaded band from the minimum to the maximum over the runs.
-
-Colours mean the same thing in every picture: a mode has one colour (:data:`MODE_COLORS`, the
-same as ``oppo plan``'s pictures), and so has each stage of the timeline
-(:data:`STAGE_COLORS`, grouped by the worker that runs it; waiting is hatched grey). Lines
-drawn on top of one another (two modes that trained the same batches) stay visible: each
-later line is drawn thinner than the one below it.
-
-A run directory holds ``metrics.jsonl`` (see :mod:`oppo.metrics`) and optionally
-``trace.json`` (:mod:`oppo.trace`) and ``lengths.jsonl``, one line per step:
-``{"step": k, "lengths": [response length in tokens, ...]}`` (with, per trained sequence, its
-``prompt_index`` (data position), ``uid`` and ``oldest_version``: the oldest policy version among
-its tokens).
-
-Figures are drawn on Agg canvases without pyplot: no display, no global matplotlib state.
+:func:`make_report` reads run directories (``metrics.jsonl``, and ``trace.json`` and
+``lengths.jsonl`` where present) and writes one PNG per view whose data exists: reward, accuracy
+and KL against step or time, a step's timeline, response lengths, overlap and lag. Runs sharing a
+label are drawn as their mean with a min-max band; a mode or a stage has one colour in every
+picture (:data:`MODE_COLORS`, :data:`STAGE_COLORS`). Drawn on Agg canvases without pyplot: no
+display, no global matplotlib state. The pictures one by one: ``docs/metrics.md``, "Pictures".
 """
 
 from __future__ import annotations
