@@ -1,34 +1,15 @@
 """Fingerprints of the models a run reads but does not train, so a resume notices when one of them
-was re-exported with other weights at the same path (a resumed run's KL went from 0.003 to 59.6,
-exit 0: its reference model had been replaced).
+was re-exported with other weights at the same path (it would load silently, and the run would
+train against another model).
 
-Recorded in every checkpoint (``models.json``, :func:`oppo.checkpoint.save_checkpoint`), computed
-once per run when the models load (``Trainer.__init__``), compared on resume
-(:func:`changed_models`).
-
-A weights fingerprint is sha256 over, for every tensor of the loaded model's ``state_dict`` in
-name order: its name, shape and dtype, and the CRC-32 of each :data:`CHUNK` bytes of its exact bits
-in memory order. A CRC is position-dependent: it detects every change of one value (any burst of up
-to 32 bits) for certain, and a value that moves (two rows swapped, +k here and -k there) but for a
-2^-32 chance per chunk; a re-export changes nearly every chunk. The same weights give the same
-fingerprint on CPU and GPU (the bytes are hashed on the host). (The first scheme, a wrapping sum of
-8-byte words plus 256 strided samples, missed both swaps and +k/-k in one lane; its fingerprints
-carry no scheme prefix and are not compared with these: :func:`changed_models`.)
-Cost: one read of the weights by zlib's CRC-32 (about 2.5 GB/s a core), chunks on a thread per core
-(zlib releases the GIL); sha256, cryptographic, runs at half that speed here (over a second per 1B
-parameters). Measured: ``weights_fingerprint`` of a module holding 0.98B bf16 parameters (two
-131M-element tensors and 43 of 2048 x 8192), best of 3, on our 2-core CPU machine with the other
-core busy: 0.83 s (sha256 in its place: 1.6 s; the old sum and samples: 0.37 s); with both cores
-free, about half. A GPU model adds its device-to-host copy, one tensor at a time.
-
-The fingerprint is of the tensors *as loaded*: the same files loaded in another dtype give another
-fingerprint. A run resumes with its own dtype settings (``policy.dtype`` must match on resume), so
-this never misfires; it only means fingerprints of two runs with different dtypes do not compare.
-
-The tokenizer's fingerprint hashes its vocabulary (added tokens included), its special tokens and,
-for a fast tokenizer, its ``tokenizer.json`` contents (merges, normalizer, pre-tokenizer) without
-the padding and truncation state that encoding calls set. A reward *function* has no weights: its
-import path is a setting, compared on resume with the others (``settings_mismatches``).
+Recorded in every checkpoint (``models.json``), computed once per run when the models load,
+compared on resume (:func:`changed_models`). A weights fingerprint is sha256 over every tensor's
+name, shape and dtype and the CRC-32 of each :data:`CHUNK` bytes of its exact bits, hashed on the
+host (the same on CPU and GPU): position-dependent, so swapped or offsetting changes are caught,
+and cheap (chunks on a thread per core). It is of the tensors *as loaded*: another dtype gives
+another fingerprint, which never misfires since a resume keeps ``policy.dtype``. The tokenizer's
+hashes its vocabulary, special tokens and ``tokenizer.json``. Figures and the earlier scheme:
+``docs/implementation-details.md``, "Models changed under a resumed run".
 """
 
 from __future__ import annotations
