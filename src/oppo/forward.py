@@ -170,16 +170,10 @@ def full_hidden(backbone: torch.nn.Module, ids: torch.Tensor, valid: torch.Tenso
     all its padding on the right. Either way the forward takes no padding mask, so no query
     position attends to no key, and position ids count from 0 along each sequence.
 
-    Why no padding mask (issue 26): under the old left-padded forward every left-pad query row
-    was fully masked: its softmax's log-sum-exp is -inf. The rows are masked out of every loss,
-    but their backward still runs, and the cuDNN SDPA backward that torch 2.11-2.13 picks by
-    default on H100/H200 for a masked attention returns NaN ``grad_q`` for any query row whose
-    log-sum-exp is below -ln(FLT_MAX) = -88.7 when the key length is 64 mod 128 (pytorch#196678,
-    trl#7181; the forward stays finite). One such row makes every gradient NaN through the shared
-    projections: a 1B policy on an H100 got NaN gradient norms in actor and critic with a finite
-    loss, and AdamW (even at learning rate 0) wrote NaN into every weight. A fully masked row is
-    also what makes older kernels return NaN in the forward (pytorch#110213). Packed rows keep
-    this: padding is a run of its own (``Layout.lay_out``), attending to itself.
+    No padding mask because a fully masked query row (a left pad under one) gets NaN gradients
+    from cuDNN's SDPA backward on H100/H200, and one such row poisons every weight
+    (``docs/implementation-details.md``, "No query attends to nothing"). Packed rows keep this:
+    padding is a run of its own (``Layout.lay_out``), attending to itself.
     """
     R, L = ids.shape
     lead = valid.to(torch.long).argmax(1)  # [R] leading pad columns (0 for an all-pad row)
@@ -198,7 +192,7 @@ def full_hidden(backbone: torch.nn.Module, ids: torch.Tensor, valid: torch.Tenso
 
 
 # ---------------------------------------------------------------------------------------------
-# Packed rows (issue 35): whole sequences end to end in a row, position ids restarting at 0 for
+# Packed rows: whole sequences end to end in a row, position ids restarting at 0 for
 # each. With no attention mask, transformers (>= 4.54, 5.x) reads the restarts as sequence
 # boundaries and builds a block-diagonal causal mask itself (``masking_utils.
 # find_packed_sequence_indices``, applied by ``create_causal_mask`` and the sliding-window mask for
