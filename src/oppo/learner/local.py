@@ -83,17 +83,12 @@ class Learner:
           pi_k / pi_v truncated at ``ppo.is_truncate`` (decoupled PPO, as AReaL does). pi_v is
           the sampling version's untruncated log-prob (``Experience.policy_logprobs``), not the
           top-k/top-p-truncated one it was drawn from: a fresh token's weight is 1 (below), so
-          a carried token whose weights did not change must weigh 1 too. Against the truncated
-          one it weighed the kept mass (about top_p) instead, and long (carried) responses lost
-          that share of their gradient.
+          a carried token whose weights did not change must weigh 1 too.
         - On-policy tokens keep the sampler's (untruncated) log-probs unless ``recompute_old``:
-          then the training forward recomputes them too (as OpenRLHF and verl do), because the
-          sampler can differ from it (bf16 KV-cached decode: mean |dlogp| 0.024 measured, enough
-          to push 0.7% of tokens outside the clip range at a ratio that should be exactly 1).
-          Their weight stays 1: the gap is numerical, not a policy change; it is reported by
-          the update (``offpolicy.MismatchProbe``: ``mismatch/*``), and here the share of
-          these tokens whose first-minibatch ratio would have been clipped had they not been
-          recomputed (``ppo/sampler_ratio_outside_clip``).
+          then the training forward recomputes them too, since the sampler's numerics differ.
+          Their weight stays 1 (the gap is numerical, reported as ``mismatch/*`` and
+          ``ppo/sampler_ratio_outside_clip``). Figures: ``docs/implementation-details.md``,
+          "Behaviour vs old log-probs".
         """
         redo, off = old_logprob_targets(exp, version, self.recompute_old)
         rows = redo.any(1).nonzero().squeeze(1)

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from .batch import Experience
 
 MISMATCH_THRESHOLDS = {"mismatch/logprob_abs_diff": 0.0193, "mismatch/kl": 0.01}
-"""Upper bounds peers gate on (issue 22; ``docs/implementation-details.md``): SkyRL's CI checks the
+"""Upper bounds peers gate on (``docs/implementation-details.md``): SkyRL's CI checks the
 mean |log p_trainer - log p_sampler| <= 0.0193, prime-rl's runs check its mismatch KL (the k3
 estimate below) < 0.01. ``tests/test_cli.py``'s smoke run checks oppo's against them."""
 
