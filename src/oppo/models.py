@@ -346,7 +346,7 @@ class LogitsHead(torch.nn.Module):
     """A causal LM's output head *with the model's own logit post-processing*, which Hugging Face
     applies inside ``forward`` after ``lm_head``: Gemma 2/3 ``final_logit_softcapping``
     (``tanh(x / c) * c``), Cohere ``logit_scale`` (``x * s``), Granite ``logits_scaling``
-    (``x / s``). Skipping them changes every log-prob (measured: Granite 0.22, Cohere 0.59).
+    (``x / s``). Skipping them changes every log-prob (``docs/implementation-details.md``).
     :func:`verify_model` checks on a probe input that this head reproduces ``model(...)``, so an
     architecture with post-processing we do not know is refused, not trained on wrong numbers.
     """

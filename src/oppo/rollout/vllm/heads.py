@@ -24,8 +24,7 @@ as before, by :func:`oppo.rollout.vllm.backend.vllm_problems`.
 **Tied input and output embeddings** (the built-in task, SmolLM2, Qwen2.5-0.5B) are served untied
 on the CPU (:class:`ServedCheckpoint`): vLLM's CPU backend repacks the output head when it loads
 a model, and an in-place weight reload updates the embedding but not that packed copy, so after
-the first update the engine would sample from the old head (measured: log-probs off by 3.6 on
-SmolLM2-135M, 5.1 on the built-in policy). Served untied, the head is a weight of its own, sent at
+the first update the engine would sample from the old head (figures: ``docs/vllm.md``). Served untied, the head is a weight of its own, sent at
 every load as a copy of the embedding; the trainer keeps them tied.
 """
 

@@ -261,8 +261,8 @@ class LiveLoader:
     def load(self, weights: Iterable[tuple[str, torch.Tensor]], expected_numel: int | None = None) -> dict:
         """Load ``weights``. ``expected_numel`` (the checkpoint tensors' total): count what vLLM's
         weight loaders copy and raise if it is less (a loader that loads nothing, or a part, as
-        vLLM's own reload leaves in its records: :func:`_materialize`); about 10 ms on 135M
-        parameters (a dispatch mode over the loaders' ops)."""
+        vLLM's own reload leaves in its records: :func:`_materialize`), by a dispatch mode over the
+        loaders' ops (its cost: ``docs/benchmarks-notes.md``)."""
         model = self.model
         kept = {n: model.get_submodule(n)._parameters["weight"] for n in self.unpacked}
         t = time.perf_counter()
@@ -299,7 +299,7 @@ class LiveLoader:
         with ``F.embedding`` of the live weight; the pack is used only where a model computes its
         logits with the embedding module itself (a tied head in some models; Llama ties by sharing
         the parameter with a separate head module, reprocessed as loaded). Saves a vocabulary x
-        hidden repack per load (about 50 ms of 0.3 s on SmolLM2-135M). Needs eager execution (a
+        hidden repack per load (``docs/benchmarks-notes.md``). Needs eager execution (a
         Python closure replaces the kernel until its first call): oppo runs vLLM eager."""
         from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
