@@ -24,8 +24,9 @@ as before, by :func:`oppo.rollout.vllm.backend.vllm_problems`.
 **Tied input and output embeddings** (the built-in task, SmolLM2, Qwen2.5-0.5B) are served untied
 on the CPU (:class:`ServedCheckpoint`): vLLM's CPU backend repacks the output head when it loads
 a model, and an in-place weight reload updates the embedding but not that packed copy, so after
-the first update the engine would sample from the old head (figures: ``docs/vllm.md``). Served untied, the head is a weight of its own, sent at
-every load as a copy of the embedding; the trainer keeps them tied.
+the first update the engine would sample from the old head (figures: ``docs/vllm.md``). Served
+untied, the head is a weight of its own, sent at every load as a copy of the embedding; the
+trainer keeps them tied.
 """
 
 from __future__ import annotations
