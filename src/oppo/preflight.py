@@ -22,7 +22,7 @@ one per attempt, each attempt costing a model load:
 The network: a hub name (``org/model``) that is not in the local Hugging Face cache needs the
 hub. One TCP connection to the hub endpoint, with a short timeout, tells within seconds whether
 it is reachable; when it is not, every hub name missing from the cache is one clear line about
-the network (instead of Hugging Face's 49 s of retries and then a message about a missing
+the network (instead of Hugging Face's long retries and then a message about a missing
 tokenizer), and when all of them are cached, offline mode is switched on so that the loaders go
 straight to the cache (:func:`hub_reachable`).
 """

@@ -461,9 +461,8 @@ def machine_threads() -> tuple[int, int, int | None, float | None]:
 def threads_lines(cfg: Config, torch_threads: int, cores: int, usable: int | None,
                   load: float | None) -> list[str]:
     """The start-up lines on CPU threads: the count torch uses and where it comes from, and, when
-    the machine is already busier than the cores this run may use, a warning with the fix. A user
-    saw 325-345 s steps on a loaded machine with the default count and 30 s with
-    ``placement.threads=1``, with nothing in the log to say why."""
+    the machine is already busier than the cores this run may use, a warning with the fix: there
+    torch's threads wait on each other and steps can be many times slower (``docs/guide.md``)."""
     pl = cfg.placement
     full = pl.threads or torch_threads
     source = f"placement.threads={pl.threads}" if pl.threads else "placement.threads=0: torch's default"

@@ -5,8 +5,8 @@ One controller-side handle, :class:`ScorerWorker`, and two transports it is comp
 - ``transport="thread"``: the message loop runs on a thread of this process; on GPU its work goes
   on its own CUDA stream (or the scorers sit on their own devices, by their settings);
 - ``transport="process"`` (the CPU default, ``placement.local.scorer_process``): the same loop in a child
-  process, because as a thread it shared the GIL with the actor and slowed its decode 1.6x
-  (measured, docs/overlap.md).
+  process, because as a thread it shares the GIL with the actor and slows its decode
+  (measured in docs/overlap.md).
 
 Either way the loop (:class:`ScorerLoop`) has its own torch thread count
 (``placement.scorer_threads``), so on 2 cores the actor and the scorers each own one, and results

@@ -84,8 +84,8 @@ def is_packed(weights) -> bool:
 # ====================================================================== collective, bucketed
 
 # The bucket size by backend when none is given. NCCL: large buckets amortise each collective's
-# launch (a few hundred MB, as peers use). gloo on one 2-core node: 4 MiB buckets measured as fast
-# as 64-256 MiB or faster (125M params in bf16: 0.22 s against 0.35-0.69 s; benchmarks/weight_sync).
+# launch (a few hundred MB, as peers use). gloo on one CPU node: small buckets were as fast as large
+# ones or faster (benchmarks/weight_sync/README.md).
 DEFAULT_BUCKET_BYTES = {"nccl": 256 * 2**20, "gloo": 4 * 2**20}
 
 
