@@ -253,8 +253,8 @@ def _innermost(spans: list[Span]) -> list[Span]:
     (``learner.critic.CriticBesideScorer``, every intra/oppo/pipeline run with a critic) the actor's
     update is a ``learner/train`` span inside ``stages.update``'s ``learner/train`` span, which
     also holds handing the critic its batch and waiting for it (``controller/wait_critic``).
-    Summed, the two counted the actor's update twice (the fitted ``train.actor.tokens`` of the
-    split placement came out 2x the real one). The inner span is the work the simulator sizes.
+    Summed, the two would count the actor's update twice (the fitted ``train.actor.tokens`` of the
+    split placement 2x the real one). The inner span is the work the simulator sizes.
     """
     if len(spans) < 2:
         return spans
@@ -311,8 +311,8 @@ def _apportion_updates(costs: dict[str, LinearCosts], by_group: dict[str, list])
     in the ratio another group measured apart (``split``: the actor's update in the controller,
     the critic's in the scorer process, one core each).
 
-    Without this the least squares, given two identical columns, put the pair's whole cost on one
-    of them (``train.actor.tokens``, critic 0), and a critic-free run (GRPO, RLOO) was priced
+    Without this the least squares, given two identical columns, puts the pair's whole cost on one
+    of them (``train.actor.tokens``, critic 0), and a critic-free run (GRPO, RLOO) is priced
     with the critic's update in its actor's: about 2x. Assumed: the two updates' cost ratio is
     the same on all cores as on one. Without a group that measured them apart nothing changes."""
     for group, samples in by_group.items():
@@ -443,7 +443,7 @@ def check_bench(profile: CpuProfile, bench_dir: str | Path, lengths: tuple[float
 
     st = upgrade_settings(yaml.safe_load(res["settings"]))  # (benches saved before placement.* had them in overlap.*)
     ppo, ov, on_worker = st["ppo"], st["overlap"], critic_on_worker(st)
-    trials = ov.get("trial_steps", ov.get("chunk_trial_steps", 2))  # (named chunk_trial_steps before issue 34)
+    trials = ov.get("trial_steps", ov.get("chunk_trial_steps", 2))  # (older benches' name)
     chunk = ([c for c in ov["chunk_candidates"] if c for _ in range(trials)] + [16]
              if not ov["chunk_size"] else ov["chunk_size"])  # the tuner's streamed trials, then (assumed) 16
     start = ov["delta_min"] if ov.get("delta_rule", "reward_slope") == "cost" else ov["delta_init"]

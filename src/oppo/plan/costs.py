@@ -227,7 +227,7 @@ class Efficiency:
     Defaults describe an eager PyTorch / Hugging Face stack like the paper's TRL baseline and
     oppo's eager engine (``generation.engine=eager``): no CUDA graphs, no paged attention. oppo's
     static engine (the default on CUDA: CUDA graphs) and a serving engine decode with
-    about a third of ``decode_step_s`` (1B on an H100: 5.1 ms against 18.4 ms per step).
+    about a third of ``decode_step_s`` (measured: ``docs/benchmarks-notes.md``, "Static engine").
     """
 
     decode_bw: float = 0.6  # of HBM bandwidth, decode (reads the weights and the KV cache every step)
