@@ -44,8 +44,7 @@ LEARNING_PREFIXES = ("reward/", "judge/", "task/", "kl/", "loss/", "ppo/", "valu
 
 CHECKED = ("loss/policy", "loss/value", "grad_norm/")
 """Kept in timing-only runs all the same: not measures of learning there, but the numbers that show a
-run stayed finite (the guard, ``guard.py``, runs in these runs too; issue 26: a GPU bench whose
-gradient norms were NaN for steps reported nothing)."""
+run stayed finite (the guard, ``guard.py``, runs in these runs too; ``docs/bench.md``)."""
 
 
 def timing_only(metrics: dict) -> dict:
