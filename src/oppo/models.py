@@ -160,8 +160,8 @@ def check_scorer_config(config, path: str, role: str, require_one_label: bool,
 
 def not_a_classifier(architectures: list[str] | None) -> str:
     """Why a checkpoint saved as ``architectures`` (its config's) cannot be a reward model, or "":
-    a causal LM (``...ForCausalLM``, ``...LMHeadModel``) scores tokens, not sequences. (Its config's
-    default two labels made the old message say "has 2 labels", which hid that.)"""
+    a causal LM (``...ForCausalLM``, ``...LMHeadModel``) scores tokens, not sequences. Asked before
+    the label count, whose message ("has 2 labels", its config's default) would hide that."""
     lm = [a for a in architectures or () if a.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration"))]
     if not lm or any(a.endswith("ForSequenceClassification") for a in architectures or ()):
         return ""
