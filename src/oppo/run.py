@@ -1,36 +1,14 @@
 """``oppo train``: a Trainer in a run directory, with metrics, samples, trace and checkpoints.
 
-Run directories. A new run never writes into another run's directory:
-
-- ``run.out_dir`` named ``latest`` (the default, ``runs/latest``) is a link, not a directory:
-  each new run gets its own directory beside it, ``runs/<date>-<time>-<mode>/``, and
-  ``runs/latest`` is pointed at the newest once its first step has finished (so ``oppo report
-  runs/latest`` and ``oppo train --resume auto`` find it; a run that fails before that leaves the
-  link on the last run that trained);
-- any other ``run.out_dir`` is the run directory itself; a new run refuses one that already
-  holds a run (its config, metrics, trace or checkpoints), naming ``--resume auto`` and a fresh
-  ``run.out_dir`` as the two ways on.
-
-Resuming (``--resume auto`` or a checkpoint directory) continues the run in its own directory.
-Before any model loads it checks that the checkpoint was saved with the run's settings (those
-that change what is trained; see ``checkpoint.RESUMABLE_CHANGES`` for the ones that may differ)
-and that ``run.steps`` lies beyond the checkpoint's step; either problem is reported with its
-fix and nothing is touched. Every check that needs no model (:mod:`oppo.preflight`) runs at the
-same time, and all problems are reported in one message.
-
-Stopping. SIGTERM or Ctrl-C (``oppo train``'s handler sets :data:`STOP`) lets the step in
-progress finish, writes a checkpoint with the sequences in flight and raises :class:`Preempted`
-(the CLI exits 143 / 130 with the resume command); a second signal interrupts at once, and the
-atomic save leaves no partial checkpoint. Checkpoints are also written every
-``run.save_every_minutes`` and every ``run.save_every`` steps, and at the end as
-``run.save_final`` says (full, weights only, or none).
-
-Objects from Python (``oppo.train(cfg, policy=model, reward_fn=score, prompts=ds, ...)``,
-``inputs.py``): ``config.yaml`` and the checkpoints record each as its marker (``<object:
-LlamaForCausalLM>``), with a comment naming where a model was saved for roles that load it
-elsewhere (``inputs/`` in the run directory). A resume compares the markers as any setting: it
-goes on with the same objects passed again, and names the keyword to pass when one is missing
-(the CLI cannot resume such a run: it has no objects to pass).
+A new run never writes into another run's directory: the default ``runs/latest`` is a link to the
+newest run's own ``runs/<date>-<time>-<mode>/``; any other ``run.out_dir`` is the run directory
+itself, refused when it already holds a run. A resume continues in the run's own directory, after
+checking, before any model loads, that the checkpoint was saved with the run's settings (every
+problem that needs no model is reported in one message: :mod:`oppo.preflight`). SIGTERM or Ctrl-C
+(:data:`STOP`) finish the step in progress, write a checkpoint with the sequences in flight and
+raise :class:`Preempted`; a second signal interrupts at once. What a user sees:
+``docs/guide.md``, "Run directories, resuming, and what a run tells you"; objects passed from
+Python: ``docs/python-api.md``.
 """
 
 from __future__ import annotations
