@@ -1,39 +1,14 @@
 """Rollout workers on Ray: N replicas of the policy, each with its own engine, that decode on
 their own and stream their chunks straight to the scorer actors (``placement.ray.rollout_workers``).
 
-:class:`RayRolloutGroup` is a ``RolloutBackend`` (``api/protocols.py``): ``admit`` spreads new
-sequences over the workers (the least loaded first, so B + Delta is shared); ``advance`` lets
-every busy worker decode on its own until one of its rows ends, or for ``chunk_size`` steps
-(one Ray round trip per stretch, not per token), and returns the rows that ended anywhere (the
-scheduler closes the step on the first B finished across all workers); ``set_version`` /
-``recompute`` / ``abort`` go to every worker. The controller never relays a token: each
-:class:`RolloutHost` admits its sequences to the scorer actors and feeds them its chunks itself
-(``advance`` reports no chunks), and before the controller's barrier on the scorers the group's
-``flush`` waits until every chunk sent has reached them (Ray orders the calls of one caller to
-one actor, not those of two callers: this is what makes the barrier cover the workers' chunks).
-With one worker, a step closes exactly where the local engine's would: between two finishes the
-controller decides nothing.
-
-Weights: after an update every worker loads learner rank 0's arrays straight from Ray's object
-store (``weight_sync.pack``; the controller does not pull them; ``time/weight_sync`` includes
-it), or, with the collective sync (``placement.ray.weight_sync``), receives them in buckets over a
-process group of its own with the learner (``join_weight_sync`` / ``receive_weights``). Each
-worker samples with its own generator, seeded ``run.seed + rank``: with one worker the samples are
-those of the local engine (tested); a checkpoint saves every worker's generator state.
-
-A worker that dies is named by role and rank (``rollout worker (role=rollout, rank=1) died:
-...``), like the scorer and learner actors.
-
-**Any registered backend** (``generation.engine``; ``rollout.registry``): the group looks its
-:class:`~.registry.Backend` up in the controller's registry and sends it to each worker (a backend
-registered at run time is in no other process's registry; its code travels by value where the
-workers could not import it: ``cluster.ship_plugins``), which builds it as the controller does, with
-the CPU threads it was granted. A
-backend that loads the policy itself (``Backend.loads_own_weights``) gets no Hugging Face copy in
-the worker: the weights go from the object store (or the collective group, received on the CPU)
-straight to its ``load_weights`` as ``(name, tensor)`` pairs. Its checks (``Backend.problems``)
-run in the controller before any actor starts (``setup.build.build_roles``). A worker's checkpoint state
-is its engine's ``state_dict``.
+:class:`RayRolloutGroup` is a ``RolloutBackend``: ``admit`` spreads sequences over the workers,
+``advance`` lets each decode a stretch on its own (one Ray round trip per stretch, not per token)
+and returns the rows that ended anywhere. The controller relays no token: each
+:class:`RolloutHost` feeds the scorer actors itself, and ``flush`` makes the controller's barrier
+cover those chunks. Each worker hosts any registered backend (its spec sent from the controller's
+registry, which alone holds run-time plugins), samples with its own generator
+(``run.seed + rank``: one worker samples what the local engine samples) and receives weights from
+the object store or the collective sync. Design: ``docs/distributed.md``, "Rollout workers".
 """
 
 from __future__ import annotations
@@ -69,7 +44,7 @@ class RolloutHost:
         self.name = name
         settings = dataclasses.replace(settings, seed=seed)
         backend = backend if backend is not None else registry.get(settings.kind)
-        # a backend that loads the checkpoint itself gets no Hugging Face copy here (module docstring)
+        # a backend that loads the checkpoint itself gets no Hugging Face copy here (docs/distributed.md)
         self.model = None if backend.loads_own_weights else spec.load().requires_grad_(False)
         self.engine = backend.build(BuildRequest(settings, self.model, spec.path, spec.dtype,
                                                  resolve_device(spec.device).type, role=name, threads=threads))
@@ -199,7 +174,7 @@ class RayRolloutGroup:
     def __init__(self, spec: ModelSpec, settings: EngineSettings, n: int, *, seed: int, tracer: Tracer,
                  scorer=None, num_cpus: float = 1, num_gpus: float = 0, threads: int = 1):
         handles = list(scorer.actors) if scorer is not None else None
-        backend = registry.get(settings.kind)  # (module docstring: the workers' registries lack run-time plugins)
+        backend = registry.get(settings.kind)  # (the workers' registries lack run-time plugins: docs/distributed.md)
         self.group = ActorGroup(RolloutHost, n, lambda i: (spec, settings, seed + i, threads, f"rollout{i}", handles,
                                                            backend),
                                 role="rollout worker", num_cpus=num_cpus, num_gpus=num_gpus)

@@ -1,35 +1,12 @@
 """The streaming scorers in Ray actors, behind a drop-in for :class:`oppo.scoring.worker.ScorerWorker`.
 
-Each actor (:class:`ScorerHost`) loads its roles' models itself from :class:`~.specs.ModelSpec`
-paths and runs the very message loop the local worker runs (a ``ScorerWorker`` on a thread inside
-the actor): the actor's methods only enqueue, so a call returns at once and chunks that queue up
-while the scorers are busy are scored together in one batched forward, as locally.
-
-The controller's handle, :class:`RayScorerWorker`, sends each call with ``.remote()`` and keeps
-the returned refs; Ray runs one caller's calls to one actor in submission order, so a
-``barrier`` is one more call whose reply carries every result finished since the last one (plus
-the actor's spans, peak cache sizes and critic-training stats). The refs are only waited on at
-``barrier``, which is where errors surface, named by role and rank, as the local worker's do:
-
-- an exception in the actor: ``RuntimeError("scorer actor (role=critic, rank=0) failed: ...")``;
-- a dead actor (``ray.exceptions.RayActorError``: killed, OOM, lost node):
-  ``RuntimeError("scorer actor (role=critic, rank=0) died: ...")``.
-
-Roles go to actors by ``groups``: all three in one actor (the default, as the local worker), or
-one actor per role (each with its own CPUs/GPU). ``rank``
-is the actor's index among the replicas of its roles; this slice has one replica per group.
-
-The critic trains where it is served or is sent after each update:
-
-- ``critic_trainer=ppo_cfg``: the actor holding the critic also holds its fp32 master weights and
-  AdamW (as ``placement.local.critic_on_worker`` does locally); ``train_critic`` runs the update there,
-  and checkpoints read and restore it with ``critic_state`` / ``load_critic_state``;
-- otherwise whoever trains it (a learner group) pushes its weights with ``set_critic_weights``
-  (a state dict or a Ray ref to one: the weights then go from the trainer to the scorer
-  without passing through the controller).
-
-Spans recorded in the actors use ``time.perf_counter`` (CLOCK_MONOTONIC), comparable with the
-controller's on the same machine; on another node they are on that node's clock.
+Each actor (:class:`ScorerHost`) loads its roles' models itself and runs the local worker's very
+message loop on a thread; its methods only enqueue, so chunks that queue up are scored in one
+batched forward, as locally. The controller's handle, :class:`RayScorerWorker`, waits on its refs
+only at ``barrier`` (one more call, ordered after the others by Ray), where results arrive and
+errors surface named by role and rank. The critic trains in the actor that serves it
+(``critic_trainer``) or receives its weights from the learner group. Design:
+``docs/distributed.md``, "Scorer actors".
 """
 
 from __future__ import annotations
