@@ -165,6 +165,43 @@ def ray_local(request):
         request.config.add_cleanup(start_local_cluster(nodes=2, cpus_per_node=1))
 
 
+# ------------------------------------------------------------------ parallel runs (pytest-xdist)
+# `make test` runs the suite on two workers (``-n 2 --dist loadgroup --no-loadscope-reorder``): most
+# of its time is processes starting (Ray clusters and actors, `oppo train` children, the scorer's
+# child), which the two overlap. Each test is sent, as part of a share, to the worker that asks:
+
+SHARED = {"ray_local": "ray", "vllm_engine": "vllm"}
+"""Session fixtures that cost a start of 15-30 s: the tests on each are one share, so that one
+worker starts it once. A test on both goes with the vLLM engine (that worker starts a cluster too)."""
+
+
+def worker_share(item: pytest.Item) -> str:
+    """The share ``item`` runs in: ``SHARED``'s name for the session fixture it uses (taken as an
+    argument, by a ``needs(name)`` mark where a test takes it through ``request.getfixturevalue``,
+    or, for Ray, by the ``ray`` mark), else its file (its module fixtures then start once)."""
+    needs = set(item.fixturenames) | {m.args[0] for m in item.iter_markers("needs")}
+    if item.get_closest_marker("ray"):
+        needs.add("ray_local")
+    for name in ("vllm_engine", "ray_local"):
+        if name in needs:
+            return SHARED[name]
+    return item.nodeid.split("::")[0]
+
+
+@pytest.hookimpl(tryfirst=True)  # (before xdist's own hook, which reads the group marks)
+def pytest_collection_modifyitems(config, items):
+    """On an xdist worker: each test marked with its share (``worker_share``), and the Ray and vLLM
+    shares, the longest, put first, so that the files handed out after them even the two workers
+    out. (Every worker collects the same items in the same order, as xdist requires.)"""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    share = {item.nodeid: worker_share(item) for item in items}
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(share[item.nodeid]))
+    first = list(SHARED.values())
+    items.sort(key=lambda item: first.index(share[item.nodeid]) if share[item.nodeid] in first else len(first))
+
+
 @pytest.fixture
 def nothing_loads(monkeypatch):
     """Every expensive loader fails loudly: the error under test must come first, before anything
