@@ -166,9 +166,9 @@ def ray_local(request):
 
 
 # ------------------------------------------------------------------ parallel runs (pytest-xdist)
-# `make test` runs the suite on two workers (``-n 2 --dist loadgroup --no-loadscope-reorder``): most
-# of its time is processes starting (Ray clusters and actors, `oppo train` children, the scorer's
-# child), which the two overlap. Each test is sent, as part of a share, to the worker that asks:
+# `make test` runs the suite on two workers (``-n 2 --dist loadgroup``; docs/testing.md): most of its
+# time is processes starting (Ray clusters and actors, `oppo train` children, the scorer's child),
+# which the two overlap. The tests are handed out in shares, a whole share to one worker:
 
 SHARED = {"ray_local": "ray", "vllm_engine": "vllm"}
 """Session fixtures that cost a start of 15-30 s: the tests on each are one share, so that one
@@ -188,18 +188,53 @@ def worker_share(item: pytest.Item) -> str:
     return item.nodeid.split("::")[0]
 
 
-@pytest.hookimpl(tryfirst=True)  # (before xdist's own hook, which reads the group marks)
+def _shares_file(worker_basetemp: str, worker: str) -> Path:
+    """Where a worker leaves its tests' shares for the controller: beside its own temporary
+    directory, in the run's (xdist gives each worker ``<the run's basetemp>/popen-<worker>``)."""
+    return Path(worker_basetemp).parent / f"shares-{worker}.json"
+
+
 def pytest_collection_modifyitems(config, items):
-    """On an xdist worker: each test marked with its share (``worker_share``), and the Ray and vLLM
-    shares, the longest, put first, so that the files handed out after them even the two workers
-    out. (Every worker collects the same items in the same order, as xdist requires.)"""
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
+    """On an xdist worker: the Ray and vLLM shares, the longest, put first (so that the files handed
+    out after them even the two workers out), and every test's share written for the controller's
+    scheduler (``pytest_xdist_make_scheduler``). Every worker collects the same items in the same
+    order, as xdist requires. (xdist's own ``xdist_group`` marks would say the same, but on pytest 9.2
+    they no longer reach its scheduler: pytest-xdist issue 1386.)"""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not worker or not config.option.basetemp:
         return
+    import json
+
     share = {item.nodeid: worker_share(item) for item in items}
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(share[item.nodeid]))
     first = list(SHARED.values())
     items.sort(key=lambda item: first.index(share[item.nodeid]) if share[item.nodeid] in first else len(first))
+    _shares_file(config.option.basetemp, worker).write_text(json.dumps(share))
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # (optional: a run without xdist has no such hook)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup``: xdist's scope scheduler (a share at a time to the worker that runs out
+    of work, in the order collected) over ``worker_share``'s shares, as the workers wrote them.
+    Without their files (collected elsewhere), each file is a share."""
+    if config.getoption("dist") != "loadgroup":
+        return None
+    import json
+
+    from xdist.scheduler import LoadScopeScheduling
+
+    base = config._tmp_path_factory.getbasetemp()  # (the run's; the workers' are below it)
+
+    class Shares(LoadScopeScheduling):
+        shares: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.shares is None:  # (first asked once every worker has collected: the files are there)
+                self.shares = {}
+                for f in sorted(base.glob("shares-*.json")):
+                    self.shares.update(json.loads(f.read_text()))
+            return self.shares.get(nodeid) or nodeid.split("::")[0]
+
+    return Shares(config, log)
 
 
 @pytest.fixture
