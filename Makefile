@@ -31,10 +31,11 @@ demo: $(STAMP)
 	$(VENV)/bin/oppo train
 
 # the import rules and the type check first (pyproject.toml: [tool.importlinter], [tool.mypy]), then the suite
+# on two pytest-xdist workers (tests/conftest.py: which tests run together; docs/testing.md)
 test: $(STAMP)
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder tests
 
 bench: $(STAMP)
 	$(VENV)/bin/oppo bench --quick --out benchmarks/latest

@@ -165,6 +165,78 @@ def ray_local(request):
         request.config.add_cleanup(start_local_cluster(nodes=2, cpus_per_node=1))
 
 
+# ------------------------------------------------------------------ parallel runs (pytest-xdist)
+# `make test` runs the suite on two workers (``-n 2 --dist loadgroup``; docs/testing.md): most of its
+# time is processes starting (Ray clusters and actors, `oppo train` children, the scorer's child),
+# which the two overlap. The tests are handed out in shares, a whole share to one worker:
+
+SHARED = {"ray_local": "ray", "vllm_engine": "vllm"}
+"""Session fixtures that cost a start of 15-30 s: the tests on each are one share, so that one
+worker starts it once. A test on both goes with the vLLM engine (that worker starts a cluster too)."""
+
+
+def worker_share(item: pytest.Item) -> str:
+    """The share ``item`` runs in: ``SHARED``'s name for the session fixture it uses (taken as an
+    argument, by a ``needs(name)`` mark where a test takes it through ``request.getfixturevalue``,
+    or, for Ray, by the ``ray`` mark), else its file (its module fixtures then start once)."""
+    needs = set(item.fixturenames) | {m.args[0] for m in item.iter_markers("needs")}
+    if item.get_closest_marker("ray"):
+        needs.add("ray_local")
+    for name in ("vllm_engine", "ray_local"):
+        if name in needs:
+            return SHARED[name]
+    return item.nodeid.split("::")[0]
+
+
+def _shares_file(worker_basetemp: str, worker: str) -> Path:
+    """Where a worker leaves its tests' shares for the controller: beside its own temporary
+    directory, in the run's (xdist gives each worker ``<the run's basetemp>/popen-<worker>``)."""
+    return Path(worker_basetemp).parent / f"shares-{worker}.json"
+
+
+def pytest_collection_modifyitems(config, items):
+    """On an xdist worker: the Ray and vLLM shares, the longest, put first (so that the files handed
+    out after them even the two workers out), and every test's share written for the controller's
+    scheduler (``pytest_xdist_make_scheduler``). Every worker collects the same items in the same
+    order, as xdist requires. (xdist's own ``xdist_group`` marks would say the same, but on pytest 9.2
+    they no longer reach its scheduler: pytest-xdist issue 1386.)"""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not worker or not config.option.basetemp:
+        return
+    import json
+
+    share = {item.nodeid: worker_share(item) for item in items}
+    first = list(SHARED.values())
+    items.sort(key=lambda item: first.index(share[item.nodeid]) if share[item.nodeid] in first else len(first))
+    _shares_file(config.option.basetemp, worker).write_text(json.dumps(share))
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # (optional: a run without xdist has no such hook)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup``: xdist's scope scheduler (a share at a time to the worker that runs out
+    of work, in the order collected) over ``worker_share``'s shares, as the workers wrote them.
+    Without their files (collected elsewhere), each file is a share."""
+    if config.getoption("dist") != "loadgroup":
+        return None
+    import json
+
+    from xdist.scheduler import LoadScopeScheduling
+
+    base = config._tmp_path_factory.getbasetemp()  # (the run's; the workers' are below it)
+
+    class Shares(LoadScopeScheduling):
+        shares: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.shares is None:  # (first asked once every worker has collected: the files are there)
+                self.shares = {}
+                for f in sorted(base.glob("shares-*.json")):
+                    self.shares.update(json.loads(f.read_text()))
+            return self.shares.get(nodeid) or nodeid.split("::")[0]
+
+    return Shares(config, log)
+
+
 @pytest.fixture
 def nothing_loads(monkeypatch):
     """Every expensive loader fails loudly: the error under test must come first, before anything

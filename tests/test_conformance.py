@@ -109,7 +109,8 @@ ROLLOUTS = {"eager": Kind(_eager), "static": Kind(_static),
             "ray2": Kind(_ray_group(2), needs=("ray_local",), marks=tuple(RAY)),
             "plugin": Kind(_plugin, needs=("testplug",)),
             # vLLM's CPU attention needs heads of 32 and up: test_vllm's models (served padded)
-            "vllm": Kind(_vllm, models="vmodels", needs=("vllm_engine",), shared=True, marks=(VLLM,))}
+            "vllm": Kind(_vllm, models="vmodels", needs=("vllm_engine",), shared=True,
+                         marks=(VLLM, pytest.mark.needs("vllm_engine")))}
 
 
 def _params(names):
