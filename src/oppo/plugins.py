@@ -63,7 +63,8 @@ class Registry(Generic[T]):
         if self.loaded:
             return
         self.loaded = True
-        early, self.items = self.items, {}  # registered before first use: listed after the built-ins
+        early = dict(self.items)  # registered before first use: listed after the built-ins
+        self.items.clear()  # (the same dict: a module may hold it, as algo.algorithms.SPECS does)
         for item in self._built_in() if self._built_in is not None else ():
             self.register(item)
         for item in early.values():
