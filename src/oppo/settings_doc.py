@@ -5,8 +5,6 @@ markers; a test checks the page equals what this module gives. Imports no torch.
 
 from __future__ import annotations
 
-import dataclasses
-
 from .config import TASK_PRESETS, Config, choices_of, fields_of, sections
 
 BEGIN = "<!-- settings (generated: python -m oppo.settings_doc docs/settings.md) -->"

@@ -3,7 +3,6 @@ values and help."""
 
 from __future__ import annotations
 
-import dataclasses
 
 from .schema import TASK_PRESETS, Config, choices_of, fields_of, sections
 

@@ -3,7 +3,6 @@ message that names the fix; it never changes a value. One check per section, in 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 from ..rewards.terms import BUILTINS as BUILTIN_REWARDS, parse_terms
