@@ -118,20 +118,24 @@ def help_lines() -> list[str]:
                                       if get(n).settings else "") for n in names()]
 
 
+def runs_under(engine: Any, spec: PlacementSpec) -> bool:
+    """Whether the learner ``engine`` has the builder ``spec`` asks for (remote or in-process)."""
+    return (engine.build_remote if spec.remote else engine.build_local) is not None
+
+
 def problems(cfg: Config) -> list[str]:
     """Why ``cfg`` cannot run under its placement, and why its learner engine cannot run there."""
     from ..learner import registry as learners
 
     spec = of(cfg)
     out = spec.problems(cfg, own(cfg)) if spec.problems is not None else []
-    key = f"placement.learner={cfg.placement.learner}"
     engine = learners.get(cfg.placement.learner)
-    if (engine.build_remote if spec.remote else engine.build_local) is None:
-        fits = [n for n in names() if (engine.build_remote if get(n).remote else engine.build_local) is not None]
-        others = [n for n in learners.names()
-                  if (learners.get(n).build_remote if spec.remote else learners.get(n).build_local) is not None]
-        out.append(f"{key} runs {engine.where()}, not under placement.backend={spec.name}: set placement.backend="
-                   f"{' or '.join(fits) or '(none registered)'}, or placement.learner={' or '.join(others)}.")
+    if not runs_under(engine, spec):
+        fits = [n for n in names() if runs_under(engine, get(n))]
+        others = [n for n in learners.names() if runs_under(learners.get(n), spec)]
+        out.append(f"placement.learner={engine.name} runs {engine.where()}, not under placement.backend={spec.name}: "
+                   f"set placement.backend={' or '.join(fits) or '(none registered)'}, or placement.learner="
+                   f"{' or '.join(others)}.")
     elif engine.problems is not None:
         out += engine.problems(cfg)
     return out

@@ -22,7 +22,7 @@ from ..inputs import Inputs
 from ..marker import is_marker
 from ..models import (apply_lora, base_view, check_roles, critic_from_object, enable_gradient_checkpointing,
                       load_causal_lm, load_critic, load_function, load_reward_model, load_tokenizer, prepare_model,
-                      resolve_device, reward_function, stop_token_ids, tokenizer_from_object)
+                      reward_function, stop_token_ids, tokenizer_from_object)
 from ..rollout import registry
 from ..scoring.composite import CompositeReward, check_model_terms, composite_functions, load_model_terms
 from ..scoring.reward_fn import KeywordCall, describe, missing_columns, wants
@@ -58,7 +58,7 @@ def load_models(cfg: Config, inputs: Inputs, run: Resolved) -> Models:
         check_roles(tok, policy=inputs.policy)
     # a critic started from an object: made now, before the reward model it may copy is frozen and the
     # policy whose backbone it may take is changed (dtype, LoRA)
-    critic_dev = resolve_device(cfg.critic.device, str(dev))
+    critic_dev = run.devices["critic"]
     critic_init = (critic_from_object(critic_object, critic_dev, master, pad_id, copy_it=critic_source != "critic")
                    if critic_object is not None else None)
     # the reward first: an invalid reward model or function fails before the big models load
@@ -66,7 +66,7 @@ def load_models(cfg: Config, inputs: Inputs, run: Resolved) -> Models:
     extra_rms: dict[str, torch.nn.Module] = {}  # composite: the reward models after the first, by scorer role
     if terms is not None:
         check_model_terms(terms, tok)
-        rms = load_model_terms(terms, resolve_device(cfg.reward.device, str(dev)), dtype, pad_id)
+        rms = load_model_terms(terms, run.devices["reward"], dtype, pad_id)
         reward_model = rms.pop("reward", None)
         extra_rms, composite = rms, CompositeReward(terms, term_fns)
     elif score_fn is not None:
@@ -76,7 +76,7 @@ def load_models(cfg: Config, inputs: Inputs, run: Resolved) -> Models:
                                    backoff_s=cfg.reward.retry_backoff_s)
     else:
         assert paths.reward is not None, "resolve_paths gives a reward model where no function scores"
-        reward_dev = resolve_device(cfg.reward.device, str(dev))
+        reward_dev = run.devices["reward"]
         reward_model = (prepare_model(inputs.reward_model, "reward", reward_dev, dtype, pad_id)
                         if inputs.reward_model is not None else load_reward_model(paths.reward, reward_dev, dtype, pad_id))
     # policy / critic: the trained weights; rollout_policy / scoring_critic: what the engine and
@@ -92,7 +92,7 @@ def load_models(cfg: Config, inputs: Inputs, run: Resolved) -> Models:
         policy = apply_lora(policy, lora.r, lora.alpha, lora.dropout, lora.target_modules)
     inflight = cfg.in_flight  # the learner trains the masters while the copies serve
     rollout_policy = serving_copy(policy, dtype, separate=inflight)
-    ref_dev = resolve_device(cfg.reference.device, str(dev))
+    ref_dev = run.devices["reference"]
     if inputs.reference is not None:
         reference = prepare_model(inputs.reference, "reference", ref_dev, dtype)
     elif paths.reference:

@@ -30,6 +30,8 @@ class Resolved:
     paths: ResolvedPaths
     critic_source: str
     device: torch.device
+    devices: dict[str, torch.device]
+    """The other roles' devices: ``reference``, ``critic``, and ``reward`` where a reward model may score."""
     dtype: torch.dtype
     master: torch.dtype
     algorithm: Algorithm
@@ -57,17 +59,23 @@ def resolve(cfg: Config, inputs: Inputs, progress: bool = True) -> Resolved:
     # fp32 masters under bf16 (weights/precision.py)
     dtype = resolve_dtype(cfg.policy.dtype, dev)
     master = master_dtype(dtype)
-    scorer_devices = [resolve_device(cfg.reference.device, str(dev)) if paths.reference or not cfg.lora.r else dev]
+    devices = {"reference": resolve_device(cfg.reference.device, str(dev)),
+               "critic": resolve_device(cfg.critic.device, str(dev))}
+    if paths.reward is not None or cfg.reward.terms:  # (every reward model term's)
+        devices["reward"] = resolve_device(cfg.reward.device, str(dev))
+    # the scorers: the reference (the policy's own base under LoRA without a reference model), the
+    # critic, the reward model (reward.terms: paths.reward is its first reward model term)
+    scorer_devices = [devices["reference"] if paths.reference or not cfg.lora.r else dev]
     if paths.critic is not None:
-        scorer_devices.append(resolve_device(cfg.critic.device, str(dev)))
-    if paths.reward is not None:  # (reward.terms: the first reward model term; the others share its device)
-        scorer_devices.append(resolve_device(cfg.reward.device, str(dev)))
+        scorer_devices.append(devices["critic"])
+    if paths.reward is not None:
+        scorer_devices.append(devices["reward"])
     facts = placements.Facts(needs_critic=paths.critic is not None,
                              scorers_on_cpu=all(d.type == "cpu" for d in scorer_devices),
                              computes_in_master=dtype == master)
     spec = placements.of(cfg)
     placement = spec.decide(cfg, placements.own(cfg), facts)
-    return Resolved(paths, critic_source, dev, dtype, master, algorithm, placement)
+    return Resolved(paths, critic_source, dev, devices, dtype, master, algorithm, placement)
 
 
 DEFAULT_MAX_NEW_TOKENS = 256
