@@ -36,6 +36,17 @@ def children(pid: int) -> list[int]:
     return out
 
 
+def descendants(pid: int) -> list[int]:
+    """``pid``'s children, theirs, and so on (a scorer child forked by the fork server its parent
+    started is a grandchild)."""
+    out, todo = [], [pid]
+    while todo:
+        kids = children(todo.pop())
+        out += kids
+        todo += kids
+    return out
+
+
 def alive(pid: int) -> bool:
     info = _ppid_and_state(pid)
     return info is not None and info[1] not in ("Z", "X")  # a zombie has exited (only its entry is left)
@@ -89,10 +100,12 @@ def test_scorer_child_of_a_thread_that_ended_exits_when_parent_is_killed(tiny_mo
         line = parent.stdout.readline()
         assert line.strip().isdigit(), "the parent script did not start its worker"
         child = int(line)
-        assert alive(child) and _ppid_and_state(child)[0] == parent.pid
+        assert alive(child) and child in descendants(parent.pid)  # (spawned, or forked by its fork server)
+        left = descendants(parent.pid)
         parent.send_signal(signal.SIGKILL)
         parent.wait()
         wait_until(lambda: not alive(child), what=f"scorer child {child} to exit after its parent was killed")
+        wait_until(lambda: not any(alive(k) for k in left), what=f"processes {left} to exit")
     finally:
         if parent.poll() is None:
             parent.kill()

@@ -29,7 +29,7 @@ from oppo.config import load_config
 from oppo.trainer import Trainer
 
 from conftest import builtin_cli
-from test_child_exit import alive, children, wait_until
+from test_child_exit import alive, descendants, wait_until
 
 FIELDS = ("response_ids", "logprobs", "policy_logprobs", "versions", "finished", "ended_with_eos", "prompt_index",
           "start_version", "group", "prompt_ids")
@@ -215,7 +215,7 @@ def test_kill_9_then_resume_loses_no_prompt_and_restores_carried(builtin_home, t
             found = _checkpoint_with_carried(out)
         assert proc.poll() is None, f"oppo train ended early: {proc.stderr.read()[-2000:]}"
         assert found is not None, "no checkpoint with a carried sequence in time"
-        kids = children(proc.pid)
+        kids = descendants(proc.pid)
         assert any(b"multiprocessing" in Path(f"/proc/{k}/cmdline").read_bytes() for k in kids), \
             "no scorer child process: the kill would leave nothing to check"
         proc.send_signal(signal.SIGKILL)

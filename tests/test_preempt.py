@@ -27,7 +27,7 @@ from oppo.preflight import PreflightError
 from oppo.run import plan_run
 from oppo.trainer import Trainer
 
-from test_child_exit import alive, children, wait_until
+from test_child_exit import alive, descendants, wait_until
 from test_kill_resume import _env, _lines, _settings
 
 
@@ -44,7 +44,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_143_then_resumes(tiny_models, tiny
         while not _lines(out / "lengths.jsonl") and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert proc.poll() is None, f"oppo train ended early: {proc.stderr.read()[-2000:]}"
-        kids = children(proc.pid)
+        kids = descendants(proc.pid)
         assert kids, "no scorer child process: the test would not cover one"
         t0 = time.monotonic()
         os.killpg(proc.pid, signal.SIGTERM)

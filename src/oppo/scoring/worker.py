@@ -236,9 +236,7 @@ class _ProcessTransport:
     def __init__(self, scorers: dict[str, StreamingScorer], threads: int, name: str, trainer: CriticTrainer | None):
         import os
 
-        import torch.multiprocessing as mp
-
-        ctx = mp.get_context("spawn")  # fork after OpenMP/threads started is unsafe
+        ctx = start_method(type(s.model).__module__ for s in scorers.values())
         for s in scorers.values():
             s.model.share_memory()
         opt_spec = None
@@ -253,9 +251,12 @@ class _ProcessTransport:
         thread_counts = (threads, max(threads, torch.get_num_threads()))  # (normal, while the controller waits)
         # the child exits when this process dies, however it dies (see _die_with_parent)
         parent = (os.getpid(), threading.current_thread() is threading.main_thread())
-        self.proc = ctx.Process(target=_child_main, args=(spec, thread_counts, name, self.q, self.out, opt_spec,
-                                                          self.boost, parent), daemon=True)
+        self.proc = ctx.Process(target=_child_main, args=(thread_counts, name, self.q, self.out, self.boost, parent),
+                                daemon=True)
         self.proc.start()
+        # the models go as the first message, not as the process's arguments: a fork server passes
+        # those in one message of at most 253 file descriptors, and each shared tensor is one
+        self.q.put((spec, opt_spec))
 
     def put(self, msg) -> None:
         self.q.put(msg)
@@ -387,42 +388,68 @@ class _null:
         return False
 
 
+def start_method(modules=()):
+    """How the scorer child starts: forked from multiprocessing's fork server where the platform has
+    one, else spawned; never plain ``fork`` (the controller runs threads and OpenMP). The server
+    imports this module (torch with it) and ``modules`` (the models' classes: transformers) once
+    per process, when the first child starts; each child it forks then unpickles its models in
+    milliseconds rather than importing for seconds, so every Trainer of a process after the first
+    (a sweep, a notebook, a test session) starts its scorers sooner. The server keeps the
+    environment of that moment."""
+    import torch.multiprocessing as mp
+
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__, *modules])  # (read only when the server starts)
+    return ctx
+
+
 def _die_with_parent(parent_pid: int, parent_is_main_thread: bool) -> None:
-    """Make this child process exit when the process that started it dies, however it dies.
+    """Make this child process exit when the controller that started it (``parent_pid``) dies,
+    however it dies.
 
     A controller killed by a signal (kill -9, the OOM killer, SIGTERM with no handler) runs no
     cleanup: multiprocessing's ``daemon`` flag only acts at a normal exit, and the child would
     wait in ``q.get()`` forever, orphaned, holding its models' memory. Two guards:
 
-    - Linux: ``prctl(PR_SET_PDEATHSIG, SIGKILL)``, the kernel kills this process the moment its
-      parent dies. The kernel ties it to the parent *thread* that started the child, so it is set
-      only when that was the main thread (a worker started from a thread that ends earlier would
-      otherwise be killed with that thread);
-    - everywhere: a daemon thread polls ``os.getppid()`` each second. A dead parent's children
-      are handed to init or a subreaper, so a changed parent pid means the parent is gone.
+    - Linux, a spawned child: ``prctl(PR_SET_PDEATHSIG, SIGKILL)``, the kernel kills this process
+      the moment its parent dies. The kernel ties it to the parent *thread* that started the
+      child, so it is set only when that was the main thread (a worker started from a thread that
+      ends earlier would otherwise be killed with that thread). A child of the fork server goes
+      without: the server would take it down when a signal meant for the controller's process
+      group kills the server (a scheduler's SIGTERM, which the controller answers with a
+      checkpoint that needs this child);
+    - everywhere: a daemon thread checks each second that the controller runs and this process's
+      parent is unchanged (a dead parent's children are handed to init or a subreaper).
 
-    The parent can die before either guard is up (the child spends seconds importing torch):
-    comparing ``getppid()`` with the pid the parent passed covers that window.
+    The controller can die before either guard is up: the checks also run once before the thread
+    starts.
     """
     import os
     import time
 
-    from ..procs import kill_with_parent
+    from ..procs import kill_with_parent, pid_alive
 
-    if parent_is_main_thread:
+    via = os.getppid()  # the controller, or the fork server it started
+    if via == parent_pid and parent_is_main_thread:
         kill_with_parent()  # (where it cannot, the watchdog below still acts)
-    if os.getppid() != parent_pid:
+
+    def gone() -> bool:
+        return os.getppid() != via or (via != parent_pid and not pid_alive(parent_pid))
+
+    if gone():
         os._exit(1)
 
     def watchdog() -> None:
-        while os.getppid() == parent_pid:
+        while not gone():
             time.sleep(1.0)
         os._exit(1)  # no cleanup to run: the parent owns every file and shared tensor
 
     threading.Thread(target=watchdog, name="parent-watchdog", daemon=True).start()
 
 
-def _child_main(spec, threads, name, q, out, opt_spec, boost, parent=None) -> None:
+def _child_main(threads, name, q, out, boost, parent=None) -> None:
     import signal
 
     # Ctrl-C (and a scheduler's SIGTERM) reach the whole process group: the controller finishes its
@@ -432,6 +459,7 @@ def _child_main(spec, threads, name, q, out, opt_spec, boost, parent=None) -> No
     if parent is not None:
         _die_with_parent(*parent)
     try:
+        spec, opt_spec = q.get()
         scorers = {role: StreamingScorer(kind, model, pad_id, temperature)
                    for role, (kind, model, pad_id, temperature) in spec.items()}
         trainer = None
