@@ -153,54 +153,16 @@ def tiny_prompts(tmp_path_factory):
     return p
 
 
-_RAY: dict[str, Any] = {}  # "stop": the running local cluster's shutdown, when this session started one
-
-
-def _start_ray() -> None:
-    from oppo.cluster import start_local_cluster
-
-    _RAY["stop"] = start_local_cluster(nodes=2, cpus_per_node=1)
-
-
-def _stop_ray() -> None:
-    stop = _RAY.pop("stop", None)
-    if stop is not None:
-        stop()
-
-
 @pytest.fixture(scope="session")
 def ray_local(request):
     """A local Ray cluster of two nodes of 1 CPU each, started once per test session by the first
     test that asks (a start costs ~25 s on 2 busy cores) and shut down at its end. Skips without
-    Ray. (On an xdist worker it stops as soon as its share is done: ``pytest_runtest_teardown``.)"""
+    Ray."""
     ray = pytest.importorskip("ray")
+    from oppo.cluster import start_local_cluster
+
     if not ray.is_initialized():
-        _start_ray()
-        request.config.add_cleanup(_stop_ray)
-
-
-def _needs_ray(item: pytest.Item) -> bool:
-    return "ray_local" in item.fixturenames or any(m.args[0] == "ray_local" for m in item.iter_markers("needs")) \
-        or item.get_closest_marker("ray") is not None
-
-
-def pytest_runtest_setup(item):
-    """A cluster stopped early (below) is started again for a test that needs it after all."""
-    if "stopped" in _RAY and _needs_ray(item):
-        del _RAY["stopped"]
-        _start_ray()
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_teardown(item, nextitem):
-    """On an xdist worker a share's tests run one after another: after the last test of the share
-    that uses the cluster (and its module fixtures' teardown), the cluster stops, so that its
-    daemons (~5% of a core) do not run through the rest of the worker's tests."""
-    yield
-    if "stop" in _RAY and os.environ.get("PYTEST_XDIST_WORKER") and _needs_ray(item) \
-            and (nextitem is None or not _needs_ray(nextitem)):
-        _stop_ray()
-        _RAY["stopped"] = True
+        request.config.add_cleanup(start_local_cluster(nodes=2, cpus_per_node=1))
 
 
 # ------------------------------------------------------------------ parallel runs (pytest-xdist)
