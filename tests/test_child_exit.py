@@ -82,6 +82,9 @@ WORKER_SCRIPT = textwrap.dedent("""
         t.join()
         box[0].barrier()  # the child is up and serving
         print(box[0].proc.pid, flush=True)
+        sys.stdin.readline()
+        box[0].barrier()  # and still serves (after the test's SIGTERM to its fork server)
+        print("served", flush=True)
         time.sleep(600)
 
     if __name__ == "__main__":  # the spawned child imports this file too
@@ -91,17 +94,28 @@ WORKER_SCRIPT = textwrap.dedent("""
 
 def test_scorer_child_of_a_thread_that_ended_exits_when_parent_is_killed(tiny_models, tmp_path):
     """The worker started from a thread that has ended: only the watchdog guards (one started from
-    the main thread, as ``oppo train`` starts its own: ``test_kill_resume``'s kill -9)."""
+    the main thread, as ``oppo train`` starts its own: ``test_kill_resume``'s kill -9). A child of
+    the fork server outlives a SIGTERM to the server (as a scheduler's SIGTERM to the process
+    group, which the controller answers with a checkpoint that needs the child:
+    ``test_preempt``), and still exits with its controller."""
     script = tmp_path / "parent.py"
     script.write_text(WORKER_SCRIPT)
     parent = subprocess.Popen([sys.executable, str(script), str(tiny_models["reward"])],
-                              stdout=subprocess.PIPE, text=True, env=env())
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env())
     try:
         line = parent.stdout.readline()
         assert line.strip().isdigit(), "the parent script did not start its worker"
         child = int(line)
         assert alive(child) and child in descendants(parent.pid)  # (spawned, or forked by its fork server)
         left = descendants(parent.pid)
+        server = _ppid_and_state(child)[0]
+        if server != parent.pid:
+            os.kill(server, signal.SIGTERM)
+            wait_until(lambda: not alive(server), what=f"fork server {server} to exit on SIGTERM")
+            time.sleep(2.5)  # (the child's watchdog looks each second)
+        parent.stdin.write("go\n")
+        parent.stdin.flush()
+        assert parent.stdout.readline().strip() == "served" and alive(child)
         parent.send_signal(signal.SIGKILL)
         parent.wait()
         wait_until(lambda: not alive(child), what=f"scorer child {child} to exit after its parent was killed")

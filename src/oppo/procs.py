@@ -16,6 +16,18 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def running(pid: int) -> bool:
+    """Whether process ``pid`` runs: alive, and not a zombie where ``/proc`` tells (a process that
+    has exited and waits for its parent to collect its status still answers a signal 0)."""
+    if not pid_alive(pid):
+        return False
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return pid_alive(pid)
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
 def kill_with_parent() -> bool:
     """Have the kernel SIGKILL this process when the thread that started it exits
     (``prctl(PR_SET_PDEATHSIG)``; the signal follows the starting *thread*, so callers set it only

@@ -254,6 +254,7 @@ class _ProcessTransport:
         self.proc = ctx.Process(target=_child_main, args=(thread_counts, name, self.q, self.out, self.boost, parent),
                                 daemon=True)
         self.proc.start()
+        self.forked = ctx.get_start_method() == "forkserver"
         # the models go as the first message, not as the process's arguments: a fork server passes
         # those in one message of at most 253 file descriptors, and each shared tensor is one
         self.q.put((spec, opt_spec))
@@ -268,7 +269,7 @@ class _ProcessTransport:
                 try:
                     kind, payload = self.out.get(timeout=1.0)
                 except queue.Empty:
-                    if not self.proc.is_alive():
+                    if not self.alive():
                         raise RuntimeError("scorer process died") from None
                     continue
                 if kind == "error":
@@ -279,18 +280,34 @@ class _ProcessTransport:
         finally:
             self.boost.value = 0
 
+    def alive(self) -> bool:
+        """Whether the child runs. A child of the fork server outlives a server killed by a signal
+        (the process group's SIGTERM): ``Process`` then reads the server's end as the child's, so
+        its own pid answers."""
+        from ..procs import running
+
+        return self.proc.is_alive() or (self.forked and running(self.proc.pid))
+
     def close(self) -> None:
+        import os
+        import signal
+        import time
+
+        def wait(limit: float) -> bool:
+            end = time.monotonic() + limit
+            while self.alive() and time.monotonic() < end:
+                self.proc.join(timeout=0.1)
+            return not self.alive()
+
         try:
-            if self.proc.is_alive():
+            if self.alive():
                 self.q.put(StopMsg())
-                self.proc.join(timeout=10)
+                wait(10)
         finally:
-            if self.proc.is_alive():
-                self.proc.terminate()
-                self.proc.join(timeout=5)
-            if self.proc.is_alive():  # stuck in a kernel that ignores SIGTERM
-                self.proc.kill()
-                self.proc.join(timeout=5)
+            for sig in (signal.SIGTERM, signal.SIGKILL):  # (SIGKILL: stuck in a kernel that ignores SIGTERM)
+                if self.alive():
+                    os.kill(self.proc.pid, sig)
+                    wait(5)
 
 
 class ScorerWorker:
@@ -420,8 +437,9 @@ def _die_with_parent(parent_pid: int, parent_is_main_thread: bool) -> None:
       without: the server would take it down when a signal meant for the controller's process
       group kills the server (a scheduler's SIGTERM, which the controller answers with a
       checkpoint that needs this child);
-    - everywhere: a daemon thread checks each second that the controller runs and this process's
-      parent is unchanged (a dead parent's children are handed to init or a subreaper).
+    - everywhere: a daemon thread checks each second that the parent is unchanged (a dead
+      parent's children are handed to init or a subreaper), or, for a child of the fork server,
+      that the controller still runs (the server may die first, as above, and leave it running).
 
     The controller can die before either guard is up: the checks also run once before the thread
     starts.
@@ -429,14 +447,14 @@ def _die_with_parent(parent_pid: int, parent_is_main_thread: bool) -> None:
     import os
     import time
 
-    from ..procs import kill_with_parent, pid_alive
+    from ..procs import kill_with_parent, running
 
     via = os.getppid()  # the controller, or the fork server it started
     if via == parent_pid and parent_is_main_thread:
         kill_with_parent()  # (where it cannot, the watchdog below still acts)
 
     def gone() -> bool:
-        return os.getppid() != via or (via != parent_pid and not pid_alive(parent_pid))
+        return os.getppid() != via if via == parent_pid else not running(parent_pid)
 
     if gone():
         os._exit(1)
