@@ -293,11 +293,13 @@ class _ProcessTransport:
         import signal
         import time
 
-        def wait(limit: float) -> bool:
+        def wait(limit: float) -> None:
             end = time.monotonic() + limit
             while self.alive() and time.monotonic() < end:
-                self.proc.join(timeout=0.1)
-            return not self.alive()
+                if self.proc.exitcode is None:
+                    self.proc.join(timeout=0.1)
+                else:  # (the fork server is gone: the child's pid is all there is to watch)
+                    time.sleep(0.1)
 
         try:
             if self.alive():
