@@ -420,7 +420,8 @@ def start_method(modules=()):
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__, *modules])  # (read only when the server starts)
+    extra = [m for m in dict.fromkeys(modules) if m != "__main__"]  # (a script's own: each child imports it anyway)
+    ctx.set_forkserver_preload([__name__, *extra])  # (read only when the server starts)
     return ctx
 
 
