@@ -28,6 +28,13 @@ class Named(Protocol):
 T = TypeVar("T", bound=Named)
 
 
+def check_section(what: str, settings: Any) -> None:
+    """A part's own settings (the config section ``--help`` lists and ``validate`` checks) must be a
+    dataclass, or None for none; ``what`` names the part in the message."""
+    if settings is not None and not dataclasses.is_dataclass(settings):
+        raise ValueError(f"{what}: settings must be a dataclass, got {settings!r}")
+
+
 class Registry(Generic[T]):
     """``kind``: the item's kind in messages, with its article ("an algorithm"); ``entry_points``:
     the group plugins declare under; ``built_in``: oppo's own items, registered on first use (for

@@ -22,7 +22,8 @@ def running(pid: int) -> bool:
     if not pid_alive(pid):
         return False
     try:
-        stat = open(f"/proc/{pid}/stat").read()
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
     except OSError:
         return pid_alive(pid)
     return stat[stat.rindex(")") + 2] != "Z"

@@ -12,11 +12,10 @@ point group. This module imports no torch, so the config can list the placements
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..plugins import Registry, from_refs
+from ..plugins import Registry, check_section, from_refs
 
 if TYPE_CHECKING:
     from ..api.placement import Placement
@@ -78,8 +77,7 @@ class PlacementSpec:
 
 
 def _check(spec: PlacementSpec) -> None:
-    if spec.settings is not None and not dataclasses.is_dataclass(spec.settings):
-        raise ValueError(f"placement {spec.name!r}: settings must be a dataclass, got {spec.settings!r}")
+    check_section(f"placement {spec.name!r}", spec.settings)
 
 
 REGISTRY: Registry[PlacementSpec] = Registry("a placement", ENTRY_POINTS,

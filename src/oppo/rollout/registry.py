@@ -20,7 +20,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..plugins import Registry, from_refs, setting
+from ..plugins import Registry, check_section, from_refs, setting
 
 if TYPE_CHECKING:
     import torch
@@ -132,8 +132,7 @@ class Backend:
 def _check(backend: Backend) -> None:
     if backend.name == AUTO:
         raise ValueError(f"{AUTO!r} is not a backend name: generation.engine=auto picks eager or static")
-    if backend.settings is not None and not dataclasses.is_dataclass(backend.settings):
-        raise ValueError(f"rollout backend {backend.name!r}: settings must be a dataclass, got {backend.settings!r}")
+    check_section(f"rollout backend {backend.name!r}", backend.settings)
 
 
 REGISTRY: Registry[Backend] = Registry("a rollout backend", ENTRY_POINTS,
