@@ -145,10 +145,12 @@ class OverlapTuner:
 
     def metrics(self) -> dict[str, float]:
         """The controller's state for the step's metrics."""
-        return {"overlap/tuner_exploring": float(self.phase != "hold"),
-                "overlap/tuner_trial": float(self.trial is not None),
-                "overlap/tuner_cost_ms_per_token": 1e3 * self.cost if self.cost is not None else float("nan"),
-                "overlap/tuner_trial_steps": float(self.trial_steps_run), "overlap/tuner_rounds": float(self.rounds)}
+        out = {"overlap/tuner_exploring": float(self.phase != "hold"),
+               "overlap/tuner_trial": float(self.trial is not None),
+               "overlap/tuner_trial_steps": float(self.trial_steps_run), "overlap/tuner_rounds": float(self.rounds)}
+        if self.cost is not None:  # a metric with no value yet is absent, not NaN (a NaN reads as a failure)
+            out["overlap/tuner_cost_ms_per_token"] = 1e3 * self.cost
+        return out
 
     # ---------------------------------------------------------------- the rounds
 
