@@ -57,7 +57,7 @@ def _micro(model, bad_minibatches=(0,), nan_loss_rows=()):
         loss.backward()
         if calls["mb"] in bad_minibatches:
             model[1].weight.grad[0, 1] = float("nan")
-        value = float("nan") if set(rows.tolist()) & set(nan_loss_rows) else loss.item()
+        value = float("nan") if set(rows) & set(nan_loss_rows) else loss.item()
         return {"loss/policy": value, "_frac": 0.5}
 
     return step

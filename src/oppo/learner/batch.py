@@ -160,32 +160,58 @@ class MicroBatch:
         return torch.zeros(self.b * self.T, dtype=x.dtype, device=x.device).index_copy(0, self.dest, x).view(self.b, self.T)
 
 
-def micro_slices(exp: "Experience | CriticBatch", rows: torch.Tensor, plan: RowPlan, cfg: PPOConfig | None = None
-                  ) -> MicroBatch:
+def host_lengths(batch: "Experience | CriticBatch") -> tuple[list[int], list[int], list[int]]:
+    """(real tokens, prompt tokens, response tokens) of every row, on the host: read once per
+    record (cached on it) in one transfer, so that no micro-step reads a device value to learn a
+    shape (issue 46: every such read drains the queue the host had run ahead to fill)."""
+    cached = batch.__dict__.get("_host_lengths")
+    if cached is not None and cached[0] is batch.valid:
+        return cached[1]
+    valid = batch.valid.long()
+    both = torch.stack([valid.sum(1), valid[:, : batch.P].sum(1), batch.mask.sum(1).long()])  # [3, B]
+    total, prompt, response = both.tolist()  # CPU-GPU sync point (once per record)
+    batch.__dict__["_host_lengths"] = (batch.valid, (total, prompt, response))
+    return total, prompt, response
+
+
+def micro_slices(exp: "Experience | CriticBatch", rows: "torch.Tensor | list[int]", plan: RowPlan,
+                 cfg: PPOConfig | None = None) -> MicroBatch:
     """``rows`` of ``exp`` laid out by ``plan`` (``MicroBatch``): whole sequences, prompt then
     response, packed end to end where the model can, else one a row as wide as the longest (never
     ``exp``'s longest prompt plus longest response). ``cfg``: its micro_batch_tokens and
     micro_batch_padding bound the rows (``forward.plan_rows``). Positions count from 0 along each
-    sequence either way, so the numbers are each sequence's own forward's."""
-    valid = exp.valid[rows]  # [b, P+T]
-    L = valid.shape[1]
-    n_prompt = valid[:, : exp.P].sum(1).long()  # [b]
-    n = valid.sum(1).long()  # [b]
-    resp = exp.mask[rows].sum(1).long()  # [b]
-    n_host, resp_host = n.tolist(), resp.tolist()  # CPU-GPU sync point (shapes)
-    layout = plan.layout(n_host, cfg.micro_batch_tokens if cfg else 0, cfg.micro_batch_padding if cfg else 0.0)
-    b, T, dev = len(n_host), max(resp_host, default=0), valid.device
-    seq = torch.repeat_interleave(torch.arange(b, device=dev), resp)  # [N] the sequence of each response token
-    step = torch.arange(len(seq), device=dev) - torch.repeat_interleave(resp.cumsum(0) - resp, resp)  # [N] its t
-    start = torch.tensor(layout.start, dtype=torch.long, device=dev)  # [b]
+    sequence either way, so the numbers are each sequence's own forward's.
+
+    ``rows``: a host list (the learner's loop; a tensor is read to the host first). Every index is
+    built on the host from :func:`host_lengths` and copied to the device in one transfer: no read of
+    a device value here."""
+    idx = rows if isinstance(rows, list) else rows.tolist()
+    total, prompt, response = host_lengths(exp)
+    n = [total[i] for i in idx]
+    n_prompt = [prompt[i] for i in idx]
+    resp = [response[i] for i in idx]
+    layout = plan.layout(n, cfg.micro_batch_tokens if cfg else 0, cfg.micro_batch_padding if cfg else 0.0)
+    b, T, L, P = len(idx), max(resp, default=0), exp.valid.shape[1], exp.P
+    first = [i * L + P - k for i, k in zip(idx, n_prompt)]  # [b] each sequence's first token, flat
+    pre: list[int] = []
+    dest: list[int] = []
+    src: list[int] = []
+    for j, (i, k, r) in enumerate(zip(idx, n_prompt, resp)):
+        at = layout.start[j] + k - 1  # the state before the first response token
+        pre.extend(range(at, at + r))
+        dest.extend(range(j * T, j * T + r))
+        src.extend(range(i * L + P, i * L + P + r))
+    N = len(pre)
+    dev = exp.valid.device
+    flat = torch.tensor(first + pre + dest + src, dtype=torch.long).to(dev, non_blocking=True)  # one copy
+    first_t, pre_t, dest_t, src_t = flat.split([b, N, N, N])
     source = exp.ids.reshape(-1)
-    return MicroBatch(layout, source, rows * L + exp.P - n_prompt, start[seq] + n_prompt[seq] - 1 + step,
-                      seq * T + step, source[rows[seq] * L + exp.P + step], b, T)
+    return MicroBatch(layout, source, first_t, pre_t, dest_t, source[src_t], b, T)
 
 
 def row_lengths(batch: "Experience | CriticBatch") -> list[int]:
-    """Each row's real tokens (prompt and response), on the host."""
-    return batch.valid.sum(1).long().tolist()
+    """Each row's real tokens (prompt and response), on the host (:func:`host_lengths`)."""
+    return host_lengths(batch)[0]
 
 
 def balanced(items: list[int], lengths: list[int], parts: int, budget: float = math.inf) -> list[list[int]]:
@@ -226,18 +252,24 @@ def micro_batches(batch: "Experience | CriticBatch | None", mb: torch.Tensor, cf
     ``ppo.micro_batch_tokens`` > 0 a run also ends before its rows x width would pass the budget,
     and with ``ppo.micro_batch_padding`` > 0 before its padded share of rows x width would pass that
     share (a micro-batch is as wide as its longest row; at least one row each)."""
+    groups = micro_groups(batch, mb.tolist(), cfg, lengths)
+    return [torch.tensor(g, dtype=mb.dtype, device=mb.device) for g in groups]
+
+
+def micro_groups(batch: "Experience | CriticBatch | None", mb: list[int], cfg: PPOConfig,
+                 lengths: list[int] | None = None) -> list[list[int]]:
+    """:func:`micro_batches` on the host: ``mb``'s rows (a list) -> each micro-batch's rows (lists)."""
     if cfg.packing != "off":
         lengths = lengths if lengths is not None else row_lengths(batch)  # type: ignore[arg-type]
-        groups = balanced(mb.tolist(), lengths, -(-len(mb) // cfg.micro_batch_size), cfg.micro_batch_tokens or math.inf)
-        return [torch.tensor(g, dtype=mb.dtype, device=mb.device) for g in groups]
+        return balanced(mb, lengths, -(-len(mb) // cfg.micro_batch_size), cfg.micro_batch_tokens or math.inf)
     if not cfg.micro_batch_tokens and not cfg.micro_batch_padding:
-        return list(mb.split(cfg.micro_batch_size))
+        return [mb[i: i + cfg.micro_batch_size] for i in range(0, len(mb), cfg.micro_batch_size)]
     lengths = lengths if lengths is not None else row_lengths(batch)  # type: ignore[arg-type]
     budget, cap = cfg.micro_batch_tokens or math.inf, cfg.micro_batch_padding or 1.0
     out: list[list[int]] = []
     cur: list[int] = []
     width = real = 0
-    for i in mb.tolist():
+    for i in mb:
         n, w = len(cur) + 1, max(width, lengths[i])
         if cur and (n > cfg.micro_batch_size or n * w > budget or 1.0 - (real + lengths[i]) / (n * w) > cap):
             out.append(cur)
@@ -245,7 +277,7 @@ def micro_batches(batch: "Experience | CriticBatch | None", mb: torch.Tensor, cf
         cur.append(i)
         width, real = w, real + lengths[i]
     out.append(cur)
-    return [torch.tensor(c, dtype=mb.dtype, device=mb.device) for c in out]
+    return out
 
 
 def rank_of(j: int, world: int) -> int:
@@ -267,8 +299,8 @@ def padding_stats(exp: Experience, minibatches: list[torch.Tensor], cfg: PPOConf
     plan = plan or RowPlan(False)
     computed = real = 0
     for mb in minibatches:
-        for rows in micro_batches(exp, mb, cfg, lengths):
-            n = [lengths[i] for i in rows.tolist()]
+        for rows in micro_groups(exp, mb.tolist(), cfg, lengths):
+            n = [lengths[i] for i in rows]
             computed += plan.layout(n, cfg.micro_batch_tokens, cfg.micro_batch_padding).computed
             real += sum(n)
     return {"perf/train_tokens": float(real), "perf/train_padded_frac": 1.0 - real / computed if computed else 0.0}

@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from .batch import CriticBatch, Experience, old_logprob_targets, padding_stats, rank_of
+from .batch import CriticBatch, Experience, old_logprob_targets, padding_stats, rank_of, row_lengths
 from .group import LearnerSpec, cpu_state
 from .local import Learner, train_minibatches, critic_micro_step
 from .offpolicy import MismatchProbe
@@ -85,7 +85,7 @@ def dp_update(learner: Learner, exp: Experience, step: int, rank: int, world: in
     """``learner.update(exp, step, critic)`` as rank ``rank`` of ``world`` in the default process
     group (module docstring). Every rank gets the whole batch and returns the same stats."""
     cfg = learner.cfg
-    mbs = [mb.to(exp.mask.device) for mb in learner.minibatches(exp.mask.shape[0], step, exp.valid.sum(1))]
+    mbs = learner.minibatches(exp.mask.shape[0], step, torch.tensor(row_lengths(exp)))  # (host rows)
     probe = MismatchProbe(learner.actor_opt, step)  # each rank sees its share of the first minibatch
     actor_steps = _Shard(mbs, rank, world, learner.actor,
                          lambda rows, nt, ns: learner._actor_micro_step(exp, rows, nt, ns, probe))
@@ -130,12 +130,13 @@ class _Shard:
 
     def __init__(self, minibatches: list[torch.Tensor], rank: int, world: int, model: torch.nn.Module,
                  micro_step: Callable):
-        self.mbs, self.rank, self.world, self.model, self.micro_step = minibatches, rank, world, model, micro_step
+        self.mbs = [m.tolist() for m in minibatches]  # host rows, compared with the loop's
+        self.rank, self.world, self.model, self.micro_step = rank, world, model, micro_step
         self.i = self.pos = self.j = 0  # minibatch, rows of it seen, micro-batches of it seen
 
-    def __call__(self, rows: torch.Tensor, num_tokens: torch.Tensor, num_seqs: int) -> dict[str, float]:
+    def __call__(self, rows: list[int], num_tokens: torch.Tensor, num_seqs: int) -> dict:
         mb = self.mbs[self.i]
-        if not torch.equal(rows, mb[self.pos: self.pos + len(rows)]):
+        if list(rows) != mb[self.pos: self.pos + len(rows)]:
             raise RuntimeError("internal error: the learner's loop no longer visits each minibatch's rows in order; "
                                "dp_update must follow it")
         stats = self.micro_step(rows, num_tokens, num_seqs) if rank_of(self.j, self.world) == self.rank else {"_frac": 0.0}

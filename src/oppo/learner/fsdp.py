@@ -17,7 +17,7 @@ from typing import Any, cast
 
 import torch
 
-from .batch import CriticBatch, Experience, old_logprob_targets, padding_stats, rank_of
+from .batch import CriticBatch, Experience, old_logprob_targets, padding_stats, rank_of, row_lengths
 from .local import Learner, train_minibatches, critic_micro_step
 from .offpolicy import MismatchProbe
 from .dp import any_rank, merge_rank_stats
@@ -106,7 +106,7 @@ def fsdp_update(learner: Learner, exp: Experience, step: int, rank: int, world: 
     """``learner.update(exp, step, critic)`` on rank ``rank`` of ``world`` sharded ranks (module
     docstring). Every rank gets the whole batch and returns the same stats."""
     cfg = learner.cfg
-    mbs = [mb.to(exp.mask.device) for mb in learner.minibatches(exp.mask.shape[0], step, exp.valid.sum(1))]
+    mbs = learner.minibatches(exp.mask.shape[0], step, torch.tensor(row_lengths(exp)))  # (host rows)
     probe = MismatchProbe(learner.actor_opt, step)  # each rank sees its share of the first minibatch
     actor_steps = _Rounds(mbs, rank, world, lambda rows, nt, ns: learner._actor_micro_step(exp, rows, nt, ns, probe),
                           pad=lambda rows, nt, ns: learner._actor_micro_step(exp, rows, nt, ns))
@@ -132,14 +132,15 @@ class _Rounds:
 
     def __init__(self, minibatches: list[torch.Tensor], rank: int, world: int, micro_step, pad=None):
         """``pad``: the micro-step for zero-weight steps, if it must differ (no statistics probe)."""
-        self.mbs, self.rank, self.world, self.micro_step = minibatches, rank, world, micro_step
+        self.mbs = [m.tolist() for m in minibatches]  # host rows, compared with the loop's
+        self.rank, self.world, self.micro_step = rank, world, micro_step
         self.pad = pad or micro_step
         self.i = self.pos = self.j = self.ran = 0  # minibatch; its rows seen, micro-batches seen, run here
-        self.first: torch.Tensor | None = None  # the minibatch's first micro-batch (padding runs on it)
+        self.first: list[int] | None = None  # the minibatch's first micro-batch (padding runs on it)
 
-    def __call__(self, rows: torch.Tensor, num_tokens: torch.Tensor, num_seqs: int) -> dict[str, float]:
+    def __call__(self, rows: list[int], num_tokens: torch.Tensor, num_seqs: int) -> dict:
         mb = self.mbs[self.i]
-        if not torch.equal(rows, mb[self.pos: self.pos + len(rows)]):
+        if list(rows) != mb[self.pos: self.pos + len(rows)]:
             raise RuntimeError("internal error: the learner's loop no longer visits each minibatch's rows in order; "
                                "fsdp_update must follow it")
         if self.first is None:

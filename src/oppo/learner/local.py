@@ -14,7 +14,7 @@ from ..algo.core import ClippedTokenLoss
 from ..algo.losses import aggregate, value_loss
 from ..algo.masks import masked_mean
 from ..forward import RowPlan, head_logprobs, packed_hidden, row_plan
-from .batch import (CriticBatch, Experience, MicroBatch, balanced, micro_batches, micro_slices, old_logprob_targets,
+from .batch import (CriticBatch, Experience, MicroBatch, balanced, micro_groups, micro_slices, old_logprob_targets,
                     padding_stats, row_lengths, set_old_logprobs)
 from ..models import backbone_and_head, checkpointing
 from .offpolicy import MismatchProbe
@@ -101,11 +101,13 @@ class Learner:
         out = torch.zeros(len(rows), exp.mask.shape[1], device=exp.mask.device)
         if not len(rows):
             return out
-        plan, lengths = self.row_plan(), exp.valid[rows].sum(1).long().tolist()
+        plan, total = self.row_plan(), row_lengths(exp)
+        host = rows.tolist()  # CPU-GPU sync point (once per update)
+        lengths = [total[i] for i in host]
         # ceil(rows / micro_batch_size) forwards (fsdp_old_logprobs counts on it), of balanced token counts
-        for group in balanced(list(range(len(rows))), lengths, -(-len(rows) // self.cfg.micro_batch_size)):
+        for group in balanced(list(range(len(host))), lengths, -(-len(host) // self.cfg.micro_batch_size)):
             at = torch.tensor(group, device=rows.device)
-            mb = micro_slices(exp, rows[at], plan, self.cfg)
+            mb = micro_slices(exp, [host[g] for g in group], plan, self.cfg)
             out[at, :mb.T] = self._actor_logprobs(mb)[0]  # [b, T]
         return out
 
@@ -125,7 +127,8 @@ class Learner:
         (here) or at the same time (the critic on the scorer worker, ``critic_update``) gives the
         same weights. ``critic=False`` leaves the critic to the caller.
         """
-        mbs = [mb.to(exp.mask.device) for mb in self.minibatches(exp.mask.shape[0], step, exp.valid.sum(1))]
+        # the minibatches' rows stay on the host: the loop reads them, the device never needs them whole
+        mbs = self.minibatches(exp.mask.shape[0], step, torch.tensor(row_lengths(exp)))
         probe = MismatchProbe(self.actor_opt, step)
         stats = train_minibatches(self.actor, self.actor_opt, exp, mbs, self.cfg, "actor",
                        lambda rows, nt, ns: self._actor_micro_step(exp, rows, nt, ns, probe), step,
@@ -165,11 +168,15 @@ class Learner:
     def close(self) -> None:
         pass
 
-    def _actor_micro_step(self, exp: Experience, rows: torch.Tensor, num_tokens, num_seqs: int,
-                          probe: MismatchProbe | None = None) -> dict[str, float]:
+    def _actor_micro_step(self, exp: Experience, host_rows: list[int], num_tokens, num_seqs: int,
+                          probe: MismatchProbe | None = None) -> dict[str, torch.Tensor]:
+        """One micro-batch of the actor's update (``host_rows``: its rows, a host list); the
+        statistics stay on the device (``train_minibatches`` reads them once per update)."""
         cfg = self.cfg
         assert exp.advantages is not None  # (compute_advantages runs before the update)
-        mb = micro_slices(exp, rows, self.row_plan(), cfg)
+        host_rows = host_rows if isinstance(host_rows, list) else host_rows.tolist()
+        mb = micro_slices(exp, host_rows, self.row_plan(), cfg)
+        rows = torch.tensor(host_rows, dtype=torch.long).to(exp.mask.device, non_blocking=True)
         T = mb.T
         mask = exp.mask[rows][:, :T]
         with checkpointing(self.actor):  # recomputes activations in backward if policy.gradient_checkpointing
@@ -189,17 +196,17 @@ class Learner:
                 logprobs, exp.ref_logprobs[rows][:, :T], mask, is_weights=exp.is_weights[rows][:, :T],
                 loss_agg=cfg.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs)
             loss = loss + kl_term
-            extra_stats = {"loss/kl": kl_term.item(), **{k: v.item() for k, v in kstats.items()}}
+            extra_stats = {"loss/kl": kl_term.detach(), **{k: torch.as_tensor(v).detach() for k, v in kstats.items()}}
         if "dual_clipfrac" in pstats:  # ppo.dual_clip set
-            extra_stats["ppo/dual_clipfrac"] = pstats["dual_clipfrac"].item()
+            extra_stats["ppo/dual_clipfrac"] = pstats["dual_clipfrac"].detach()
         if cfg.entropy_coef:  # in the backward only when it is in the loss; otherwise a detached statistic
             loss = loss - cfg.entropy_coef * aggregate(entropy, mask, cfg.loss_agg, num_tokens, num_seqs)
         loss.backward()
         return {
-            "loss/policy": pl.item(), "ppo/clipfrac": pstats["clipfrac"].item(),
-            "ppo/approx_kl": pstats["approx_kl"].item(),
-            "ppo/entropy": masked_mean(entropy.detach(), mask).item(),
-            "_frac": (mask.sum() / num_tokens).item(),  # weight of this micro-batch's stats in the minibatch
+            "loss/policy": pl.detach(), "ppo/clipfrac": pstats["clipfrac"].detach(),
+            "ppo/approx_kl": pstats["approx_kl"].detach(),
+            "ppo/entropy": masked_mean(entropy.detach(), mask),
+            "_frac": mask.sum() / num_tokens,  # weight of this micro-batch's stats in the minibatch
             **extra_stats,
         }
 
@@ -215,7 +222,8 @@ def draw_minibatches(cfg: PPOConfig, seed: int, B: int, step: int, lengths: torc
     lengths = lengths.cpu()
     if cfg.packing != "off":
         host = lengths.long().tolist()
-        return [torch.cat(micro_batches(None, mb, cfg, host)) for mb in mbs]
+        return [torch.tensor([r for g in micro_groups(None, mb.tolist(), cfg, host) for r in g], dtype=mb.dtype)
+                for mb in mbs]
     return [mb[torch.argsort(lengths[mb], descending=True, stable=True)] for mb in mbs]
 
 
@@ -237,15 +245,18 @@ def critic_update(critic, opt: torch.optim.Optimizer, batch: CriticBatch, miniba
             before_micro()
         return critic_micro_step(critic, batch, rows, num_tokens, num_seqs, cfg, compute_dtype)
 
-    return train_minibatches(critic, opt, batch, [mb.to(dev) for mb in minibatches], cfg, "critic", micro, step,
+    return train_minibatches(critic, opt, batch, [mb.cpu() for mb in minibatches], cfg, "critic", micro, step,
                   compute_dtype=compute_dtype)
 
 
-def critic_micro_step(critic, batch: CriticBatch, rows: torch.Tensor, num_tokens, num_seqs: int, cfg: PPOConfig,
-                      compute_dtype: torch.dtype = torch.float32) -> dict[str, float]:
-    """One micro-batch of the critic's update: clipped value loss, backward (gradients accumulate)."""
+def critic_micro_step(critic, batch: CriticBatch, host_rows: list[int], num_tokens, num_seqs: int, cfg: PPOConfig,
+                      compute_dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """One micro-batch of the critic's update: clipped value loss, backward (gradients accumulate);
+    ``host_rows`` a host list, the statistics left on the device."""
     backbone, head = backbone_and_head(critic)
-    mb = micro_slices(batch, rows, row_plan(backbone, cfg.packing), cfg)
+    host_rows = host_rows if isinstance(host_rows, list) else host_rows.tolist()
+    mb = micro_slices(batch, host_rows, row_plan(backbone, cfg.packing), cfg)
+    rows = torch.tensor(host_rows, dtype=torch.long).to(batch.mask.device, non_blocking=True)
     T = mb.T
     mask = batch.mask[rows][:, :T]
     with autocast(rows.device, compute_dtype), checkpointing(critic):
@@ -253,8 +264,7 @@ def critic_micro_step(critic, batch: CriticBatch, rows: torch.Tensor, num_tokens
     vl, vstats = value_loss(values, batch.values[rows][:, :T], batch.returns[rows][:, :T], mask,
                             clip_eps=cfg.value_clip_eps, loss_agg=cfg.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs)
     vl.backward()
-    return {"loss/value": vl.item(), "value/clipfrac": vstats["vf_clipfrac"].item(),
-            "_frac": (mask.sum() / num_tokens).item()}
+    return {"loss/value": vl.detach(), "value/clipfrac": vstats["vf_clipfrac"].detach(), "_frac": mask.sum() / num_tokens}
 
 
 def train_minibatches(model, opt, batch: "Experience | CriticBatch", minibatches: list[torch.Tensor], cfg: PPOConfig, name: str,
@@ -277,27 +287,31 @@ def train_minibatches(model, opt, batch: "Experience | CriticBatch", minibatches
     Under a low-precision ``compute_dtype`` each master weight is cast once per optimizer step
     (``weights.precision.cast_once``), not once per micro-batch.
     """
-    sums: dict[str, float] = {}
+    sums: dict[str, object] = {}
     taken = skipped = 0
     stage = f"{name} update"
     mask = batch.mask
     lengths = row_lengths(batch) if cfg.micro_batch_tokens or cfg.packing != "off" else None
-    for i, mb in enumerate(minibatches):
-        num_tokens = mask[mb].sum().clamp(min=1)
+    for i, mb_rows in enumerate(minibatches):
+        mb = mb_rows.tolist()  # (drawn on the host: no device read)
+        num_tokens = mask[torch.tensor(mb, dtype=torch.long).to(mask.device, non_blocking=True)].sum().clamp(min=1)
         opt.zero_grad(set_to_none=True)
-        mb_sums: dict[str, float] = {}
-        bad_rows: list[int] = []
+        mb_sums: dict[str, object] = {}
+        losses: list[tuple[list[int], list]] = []  # each micro-batch's rows and its loss terms
         with cast_once(mask.device, compute_dtype):
-            for rows in micro_batches(batch, mb, cfg, lengths):
+            for rows in micro_groups(batch, mb, cfg, lengths):
                 stats = micro_step(rows, num_tokens, len(mb))
                 w = stats.pop("_frac")
                 for k, v in stats.items():
-                    mb_sums[k] = mb_sums.get(k, 0.0) + (v if k.startswith("loss/") else v * w)
-                if not all(math.isfinite(v) for k, v in stats.items() if k.startswith("loss/")):  # read on the host already
-                    bad_rows += rows.tolist()
+                    mb_sums[k] = mb_sums.get(k, 0.0) + (v if k.startswith("loss/") else v * w)  # type: ignore[operator]
+                losses.append((rows, [v for k, v in stats.items() if k.startswith("loss/")]))
         params = [p for p in model.parameters() if p.grad is not None]
         norm = _grad_norm(params)
-        norm_f = float(norm) if norm is not None else 0.0  # CPU-GPU sync point (the grad_norm metric)
+        # the gradient norm and every micro-batch's losses, read in one transfer (one CPU-GPU sync
+        # point per optimizer step: the guard decides on the host before the step)
+        read = host_values([norm if norm is not None else 0.0] + [_all_finite(ls) for _, ls in losses])
+        norm_f = read[0]
+        bad_rows = [r for (rows, _), ok in zip(losses, read[1:]) if not ok for r in rows]
         bad_loss = bool(bad_rows) if agree is None else agree(bool(bad_rows))
         if bad_loss or not math.isfinite(norm_f):
             guard.report(guard.grad_norm_message(model, norm_f, bad_rows, step, stage, i, len(minibatches)),
@@ -309,16 +323,41 @@ def train_minibatches(model, opt, batch: "Experience | CriticBatch", minibatches
             _clip(params, cfg.max_grad_norm, norm)
         mb_sums[f"grad_norm/{name}"] = norm_f
         for k, v in mb_sums.items():
-            sums[k] = sums.get(k, 0.0) + v
+            sums[k] = sums.get(k, 0.0) + v  # type: ignore[operator]
         taken += 1
         if cfg.lr_warmup_steps > 0:
             warm_up(opt, cfg.actor_lr if name == "actor" else cfg.critic_lr, cfg.lr_warmup_steps)
         opt.step()
     if taken:
         guard.check_weights(model, step, stage)
-    out = {k: v / taken for k, v in sums.items()}
+    keys = list(sums)
+    out = {k: v / taken for k, v in zip(keys, host_values([sums[k] for k in keys]))}  # (one read per update)
     if cfg.nonfinite == "skip":
         out[f"guard/skipped/{name}"] = skipped
+    return out
+
+
+def _all_finite(values: list) -> object:
+    """Whether every one of ``values`` (numbers or 0-dim tensors) is finite: a bool, or a 0-dim
+    tensor left on the device when any of them is one."""
+    tensors = [v.detach().reshape(()).float() for v in values if torch.is_tensor(v)]
+    numbers = all(math.isfinite(v) for v in values if not torch.is_tensor(v))
+    if not tensors:
+        return numbers
+    ok = torch.isfinite(torch.stack(tensors)).all()
+    return ok if numbers else torch.zeros_like(ok)
+
+
+def host_values(values: list) -> list[float]:
+    """Numbers and 0-dim tensors -> floats, every tensor read in one transfer (one CPU-GPU sync point
+    where a loop would make one per value)."""
+    out = [0.0 if torch.is_tensor(v) else float(v) for v in values]
+    at = [i for i, v in enumerate(values) if torch.is_tensor(v)]
+    if at:
+        dev = values[at[0]].device
+        read = torch.stack([values[i].detach().reshape(()).to(dev, torch.float64) for i in at]).tolist()
+        for i, v in zip(at, read):
+            out[i] = v
     return out
 
 

@@ -135,23 +135,26 @@ class MismatchProbe:
 
     def __init__(self, opt: torch.optim.Optimizer, version: int):
         self.opt, self.version = opt, version
-        self.start = optimizer_steps(opt)
+        self.stepped = False  # the update has taken an optimizer step (a hook sets it: no read of AdamW's step)
+        hook = opt.register_step_post_hook(lambda *_: setattr(self, "stepped", True))
+        self._unhook = hook.remove
         self._sums: list[torch.Tensor] = []  # per micro-batch: [n, sum|d|, max|d|, sum k3, sum w, sum w^2]
 
     @torch.no_grad()
     def observe(self, trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, versions: torch.Tensor,
                 mask: torch.Tensor) -> None:
         """One micro-batch's training forward: trainer_logprobs, sampler_logprobs, versions, mask
-        [b, T]. Ignored once the update has taken an optimizer step."""
-        if optimizer_steps(self.opt) != self.start:
+        [b, T]. Ignored once the update has taken an optimizer step. Masked sums, not a boolean
+        selection: no read of a device value (a selection's size is one)."""
+        if self.stepped:
+            self._unhook()
             return
-        sel = (mask > 0) & (versions == self.version)  # [b, T]
-        d = (trainer_logprobs.detach().double() - sampler_logprobs.double())[sel]  # [N]
+        sel = ((mask > 0) & (versions == self.version)).double()  # [b, T]
+        d = (trainer_logprobs.detach().double() - sampler_logprobs.double()) * sel  # [b, T], 0 off the selection
         w = d.exp()
         a = d.abs()
-        self._sums.append(torch.stack([torch.tensor(float(d.numel()), dtype=torch.float64, device=d.device),
-                                       a.sum(), a.max() if d.numel() else a.new_zeros(()),
-                                       (w - 1 - d).sum(), w.sum(), (w * w).sum()]))
+        self._sums.append(torch.stack([sel.sum(), a.sum(), a.max() if a.numel() else a.new_zeros(()),
+                                       ((w - 1 - d) * sel).sum(), (w * sel).sum(), (w * w * sel).sum()]))
 
     def partial(self) -> list[float]:
         """This process's sums: [n, sum|d|, max|d|, sum k3, sum w, sum w^2]."""
