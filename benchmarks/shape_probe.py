@@ -59,7 +59,9 @@ class Counter:
         self.new: collections.Counter = collections.Counter()
         self.calls: collections.Counter = collections.Counter()
         self.reads = self.backwards = 0
-        self.in_update = False
+        self.in_update = self.in_micro = False
+        self.micro_reads = 0
+        self.sites: collections.Counter = collections.Counter()  # where the learner's reads are made
 
     def install(self) -> None:
         import torch.nn.functional as F
@@ -82,9 +84,14 @@ class Counter:
         for name in READS:
             real = getattr(torch.Tensor, name)
 
-            def counted(t, *a, _real=real, **kw):
-                if self.in_update:
+            def counted(t, *a, _real=real, _name=name, **kw):
+                f = sys._getframe(1)
+                # AdamW's step counters off the fused CUDA path are host tensors: their item() reads
+                # no device (on CUDA the fused kernel keeps them on the device and reads none)
+                if self.in_update and "torch/optim/" not in f.f_code.co_filename:
                     self.reads += 1
+                    self.micro_reads += self.in_micro
+                    self.sites[f"{_name} {f.f_code.co_filename.split('site-packages/')[-1]}:{f.f_lineno}"] += 1
                 return _real(t, *a, **kw)
 
             setattr(torch.Tensor, name, counted)
@@ -97,6 +104,19 @@ class Counter:
 
         torch.Tensor.backward = backward
         real_update = Learner.update
+        from oppo.learner import local
+
+        for owner, attr in ((Learner, "_actor_micro_step"), (local, "critic_micro_step")):
+            real_step = getattr(owner, attr)
+
+            def micro(*a, _real=real_step, **kw):
+                self.in_micro = True
+                try:
+                    return _real(*a, **kw)
+                finally:
+                    self.in_micro = False
+
+            setattr(owner, attr, micro)
 
         def update(learner, *a, **kw):
             self.in_update = True
@@ -108,11 +128,11 @@ class Counter:
         Learner.update = update
 
     def take(self) -> dict:
-        out = {"new_signatures": dict(self.new), "attention_calls": dict(self.calls), "learner_reads": self.reads,
+        out = {"new_signatures": dict(self.new), "attention_calls": dict(self.calls), "learner_reads": self.reads, "micro_step_reads": self.micro_reads,
                "learner_backwards": self.backwards,
                "reads_per_backward": self.reads / self.backwards if self.backwards else None}
         self.new, self.calls = collections.Counter(), collections.Counter()
-        self.reads = self.backwards = 0
+        self.reads = self.backwards = self.micro_reads = 0
         return out
 
 
@@ -122,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=None, help="Steps per mode (default 5; --quick 4).")
     p.add_argument("--modes", default="sequential,intra")
     p.add_argument("--out", default=None)
+    p.add_argument("--sites", action="store_true", help="Print where the learner's host reads are made.")
     p.add_argument("overrides", nargs="*", help="section.key=value settings for every mode.")
     args = p.parse_args(argv)
     from oppo.bench import WORKLOADS, write_synthetic_models
@@ -166,11 +187,16 @@ def main(argv: list[str] | None = None) -> int:
                       f"{row['attention_calls']}, learner host reads {row['learner_reads']} over "
                       f"{row['learner_backwards']} backward passes"
                       + (f" ({row['reads_per_backward']:.1f} each)" if row["reads_per_backward"] else "")
+                      + f", {row['micro_step_reads']} inside micro-steps"
                       + (f", padded share {row['padded_frac']:.1%}" if row["padded_frac"] is not None else "")
                       + f", {row['seconds']:.1f} s", flush=True)
         finally:
             t.close()
         result["modes"][mode] = rows
+        if args.sites:
+            for site, n in counter.sites.most_common(12):
+                print(f"  {n:6d}  {site}")
+        counter.sites.clear()
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "shape_probe.json").write_text(json.dumps(result, indent=1))

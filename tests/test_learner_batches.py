@@ -20,7 +20,8 @@ def _learner(**ppo) -> Learner:
 def test_minibatches_keep_their_rows_and_put_the_longest_first():
     lr = _learner(batch_size=8, minibatch_size=4, micro_batch_size=2, epochs=2, packing="off")
     lengths = torch.tensor([5, 1, 7, 3, 9, 2, 8, 4])
-    plain, ordered = lr.minibatches(8, step=2), lr.minibatches(8, step=2, lengths=lengths)
+    plain, ordered = lr.minibatches(8, step=2), lr.minibatches(8, step=2, lengths=lengths)  # host lists
+    plain, ordered = [torch.tensor(m) for m in plain], [torch.tensor(m) for m in ordered]
     assert len(plain) == len(ordered) == 4  # 2 epochs x 2 minibatches
     for a, b in zip(plain, ordered):
         assert sorted(a.tolist()) == sorted(b.tolist())  # the same rows: the same loss
@@ -34,6 +35,7 @@ def test_packed_minibatches_are_runs_of_balanced_micro_batches():
     lr = Learner(torch.nn.Linear(2, 2), None, cfg, temperature=1.0, seed=3)
     lengths = torch.tensor([120, 64, 60, 33, 31, 30, 12, 11, 11, 10, 3, 2, 40, 41, 7, 9])
     (plain,), (mb,) = lr.minibatches(16, step=1), lr.minibatches(16, step=1, lengths=lengths)
+    plain, mb = torch.tensor(plain), torch.tensor(mb)
     assert sorted(plain.tolist()) == sorted(mb.tolist())
     cuts = micro_batches(None, mb, cfg, lengths.tolist())
     assert torch.equal(torch.cat(cuts), mb) and len(cuts) == 4  # runs, minibatch / micro_batch_size of them

@@ -299,7 +299,7 @@ def padding_stats(exp: Experience, minibatches: list[torch.Tensor], cfg: PPOConf
     plan = plan or RowPlan(False)
     computed = real = 0
     for mb in minibatches:
-        for rows in micro_groups(exp, mb.tolist(), cfg, lengths):
+        for rows in micro_groups(exp, mb if isinstance(mb, list) else mb.tolist(), cfg, lengths):
             n = [lengths[i] for i in rows]
             computed += plan.layout(n, cfg.micro_batch_tokens, cfg.micro_batch_padding).computed
             real += sum(n)

@@ -13,7 +13,7 @@ import torch
 from ..api.placement import ThreadBudget
 from ..trace import Tracer
 from ..weights.precision import copy_weights, master_dtype, serving_copy
-from .batch import CriticBatch
+from .batch import CriticBatch, row_lengths
 from .local import Learner, critic_update, load_optimizer_state_in_place
 
 if TYPE_CHECKING:
@@ -94,7 +94,7 @@ class CriticBesideScorer:
         if not critic:
             with self.tracer.span("learner", "train", step):
                 return self.inner.update(exp, step, critic=False)
-        self.scorer.train_critic(CriticBatch.of(exp), self.inner.minibatches(exp.mask.shape[0], step, exp.valid.sum(1)), step)
+        self.scorer.train_critic(CriticBatch.of(exp), self.inner.minibatches(exp.mask.shape[0], step, row_lengths(exp)), step)
         if not self.in_flight:  # (in-flight, the decoding owns the process's thread count)
             self.threads.use(self.threads.beside_critic)
         with self.tracer.span("learner", "train", step):

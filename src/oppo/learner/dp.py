@@ -85,7 +85,7 @@ def dp_update(learner: Learner, exp: Experience, step: int, rank: int, world: in
     """``learner.update(exp, step, critic)`` as rank ``rank`` of ``world`` in the default process
     group (module docstring). Every rank gets the whole batch and returns the same stats."""
     cfg = learner.cfg
-    mbs = learner.minibatches(exp.mask.shape[0], step, torch.tensor(row_lengths(exp)))  # (host rows)
+    mbs = learner.minibatches(exp.mask.shape[0], step, row_lengths(exp))  # (host rows)
     probe = MismatchProbe(learner.actor_opt, step)  # each rank sees its share of the first minibatch
     actor_steps = _Shard(mbs, rank, world, learner.actor,
                          lambda rows, nt, ns: learner._actor_micro_step(exp, rows, nt, ns, probe))
@@ -130,7 +130,7 @@ class _Shard:
 
     def __init__(self, minibatches: list[torch.Tensor], rank: int, world: int, model: torch.nn.Module,
                  micro_step: Callable):
-        self.mbs = [m.tolist() for m in minibatches]  # host rows, compared with the loop's
+        self.mbs = [m if isinstance(m, list) else m.tolist() for m in minibatches]  # host rows, compared with the loop's
         self.rank, self.world, self.model, self.micro_step = rank, world, model, micro_step
         self.i = self.pos = self.j = 0  # minibatch, rows of it seen, micro-batches of it seen
 

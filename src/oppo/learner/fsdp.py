@@ -106,7 +106,7 @@ def fsdp_update(learner: Learner, exp: Experience, step: int, rank: int, world: 
     """``learner.update(exp, step, critic)`` on rank ``rank`` of ``world`` sharded ranks (module
     docstring). Every rank gets the whole batch and returns the same stats."""
     cfg = learner.cfg
-    mbs = learner.minibatches(exp.mask.shape[0], step, torch.tensor(row_lengths(exp)))  # (host rows)
+    mbs = learner.minibatches(exp.mask.shape[0], step, row_lengths(exp))  # (host rows)
     probe = MismatchProbe(learner.actor_opt, step)  # each rank sees its share of the first minibatch
     actor_steps = _Rounds(mbs, rank, world, lambda rows, nt, ns: learner._actor_micro_step(exp, rows, nt, ns, probe),
                           pad=lambda rows, nt, ns: learner._actor_micro_step(exp, rows, nt, ns))
@@ -132,7 +132,7 @@ class _Rounds:
 
     def __init__(self, minibatches: list[torch.Tensor], rank: int, world: int, micro_step, pad=None):
         """``pad``: the micro-step for zero-weight steps, if it must differ (no statistics probe)."""
-        self.mbs = [m.tolist() for m in minibatches]  # host rows, compared with the loop's
+        self.mbs = [m if isinstance(m, list) else m.tolist() for m in minibatches]  # host rows, compared with the loop's
         self.rank, self.world, self.micro_step = rank, world, micro_step
         self.pad = pad or micro_step
         self.i = self.pos = self.j = self.ran = 0  # minibatch; its rows seen, micro-batches seen, run here

@@ -111,14 +111,15 @@ class Learner:
             out[at, :mb.T] = self._actor_logprobs(mb)[0]  # [b, T]
         return out
 
-    def minibatches(self, B: int, step: int, lengths: torch.Tensor | None = None) -> list[torch.Tensor]:
+    def minibatches(self, B: int, step: int, lengths: "torch.Tensor | list[int] | None" = None
+                    ) -> "list[list[int]]":
         """Row indices of each minibatch, every epoch: a fresh permutation seeded by the step only
         (so a resumed run draws the same ones). ``lengths`` [B] (each row's real tokens): each
         minibatch's rows are listed micro-batch after micro-batch (``micro_batches``: packed, of
         balanced token counts; unpacked, longest first, so that a micro-batch's rows are of similar
         length and pad little: ``padding_stats``). Which rows make a minibatch is unchanged, so is
         its loss: only the summation order of its gradient."""
-        return draw_minibatches(self.cfg, self.seed, B, step, lengths)
+        return draw_rows(self.cfg, self.seed, B, step, lengths)
 
     def update(self, exp: Experience, step: int, critic: bool = True) -> dict[str, float]:
         """Stage 6: PPO epochs over minibatches for the actor, then (``critic``) for the critic.
@@ -128,7 +129,7 @@ class Learner:
         same weights. ``critic=False`` leaves the critic to the caller.
         """
         # the minibatches' rows stay on the host: the loop reads them, the device never needs them whole
-        mbs = self.minibatches(exp.mask.shape[0], step, torch.tensor(row_lengths(exp)))
+        mbs = self.minibatches(exp.mask.shape[0], step, row_lengths(exp))
         probe = MismatchProbe(self.actor_opt, step)
         stats = train_minibatches(self.actor, self.actor_opt, exp, mbs, self.cfg, "actor",
                        lambda rows, nt, ns: self._actor_micro_step(exp, rows, nt, ns, probe), step,
@@ -211,20 +212,28 @@ class Learner:
         }
 
 
-def draw_minibatches(cfg: PPOConfig, seed: int, B: int, step: int, lengths: torch.Tensor | None = None
+def draw_minibatches(cfg: PPOConfig, seed: int, B: int, step: int, lengths: "torch.Tensor | list[int] | None" = None
                      ) -> list[torch.Tensor]:
     """:meth:`Learner.minibatches` of a learner with these settings (``ppo``, ``run.seed``): the
     data-parallel group's controller draws the ranks' minibatches without a learner of its own."""
+    return [torch.tensor(rows, dtype=torch.long) for rows in draw_rows(cfg, seed, B, step, lengths)]
+
+
+def draw_rows(cfg: PPOConfig, seed: int, B: int, step: int, lengths: "torch.Tensor | list[int] | None" = None
+              ) -> list[list[int]]:
+    """:func:`draw_minibatches` as host lists (what the learner's loop reads; ``lengths``: a host
+    list, or a tensor read once)."""
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    mbs = [mb for _ in range(cfg.epochs) for mb in torch.randperm(B, generator=gen).split(cfg.minibatch_size)]
+    perms = [torch.randperm(B, generator=gen) for _ in range(cfg.epochs)]
+    order = torch.cat(perms).tolist() if perms else []  # (host tensors: no device read)
+    mbs = [order[e * B + i: e * B + min(B, i + cfg.minibatch_size)]
+           for e in range(cfg.epochs) for i in range(0, B, cfg.minibatch_size)]
     if lengths is None:
         return mbs
-    lengths = lengths.cpu()
+    host = lengths if isinstance(lengths, list) else lengths.cpu().long().tolist()
     if cfg.packing != "off":
-        host = lengths.long().tolist()
-        return [torch.tensor([r for g in micro_groups(None, mb.tolist(), cfg, host) for r in g], dtype=mb.dtype)
-                for mb in mbs]
-    return [mb[torch.argsort(lengths[mb], descending=True, stable=True)] for mb in mbs]
+        return [[r for g in micro_groups(None, mb, cfg, host) for r in g] for mb in mbs]
+    return [sorted(mb, key=lambda r: -host[r]) for mb in mbs]  # longest first (stable: ties keep the draw's order)
 
 
 def critic_update(critic, opt: torch.optim.Optimizer, batch: CriticBatch, minibatches: list[torch.Tensor],
@@ -245,7 +254,7 @@ def critic_update(critic, opt: torch.optim.Optimizer, batch: CriticBatch, miniba
             before_micro()
         return critic_micro_step(critic, batch, rows, num_tokens, num_seqs, cfg, compute_dtype)
 
-    return train_minibatches(critic, opt, batch, [mb.cpu() for mb in minibatches], cfg, "critic", micro, step,
+    return train_minibatches(critic, opt, batch, minibatches, cfg, "critic", micro, step,
                   compute_dtype=compute_dtype)
 
 
@@ -293,7 +302,7 @@ def train_minibatches(model, opt, batch: "Experience | CriticBatch", minibatches
     mask = batch.mask
     lengths = row_lengths(batch) if cfg.micro_batch_tokens or cfg.packing != "off" else None
     for i, mb_rows in enumerate(minibatches):
-        mb = mb_rows.tolist()  # (drawn on the host: no device read)
+        mb = mb_rows if isinstance(mb_rows, list) else mb_rows.tolist()  # (the learner's are host lists)
         num_tokens = mask[torch.tensor(mb, dtype=torch.long).to(mask.device, non_blocking=True)].sum().clamp(min=1)
         opt.zero_grad(set_to_none=True)
         mb_sums: dict[str, object] = {}
