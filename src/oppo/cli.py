@@ -122,8 +122,10 @@ def _terminate_like_ctrl_c() -> None:
         from .run import STOP
 
         if STOP.request(signum):
-            print(f"\noppo: {signal.Signals(signum).name}: finishing this step, then writing a checkpoint "
-                  f"(a second signal stops at once, without one)", file=sys.stderr)
+            doing = ("writing the final checkpoint (all steps are done)" if STOP.final else
+                     "finishing this step, then writing a checkpoint")
+            print(f"\noppo: {signal.Signals(signum).name}: {doing} (a second signal stops at once, without one)",
+                  file=sys.stderr)
             return
         raise KeyboardInterrupt(signum)
 

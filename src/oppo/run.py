@@ -67,6 +67,7 @@ class StopRequest:
     signum: int | None = None
     active: bool = False  # a training loop is running and will look at ``signum`` after its step
     run_dir: Path | None = None  # the run being trained (kept after the loop: the CLI's message names it)
+    final: bool = False  # the steps are done; the final checkpoint is being written (a signal waits for it)
 
     def request(self, signum: int) -> bool:
         """True: the loop will stop after its current step; False: interrupt now."""
@@ -525,7 +526,7 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True, *, poli
         _keep_lines_before(lengths_path, first)
         earlier = _earlier_spans(run_dir / "trace.json", first) if cfg.log.trace else []
         bar = ProgressBar(cfg.run.steps, initial=first, enabled=cfg.log.progress)
-        STOP.signum, STOP.active, STOP.run_dir = None, True, run_dir
+        STOP.signum, STOP.active, STOP.final, STOP.run_dir = None, True, False, run_dir
         saved_at = time.monotonic()  # run.save_every_minutes counts from the start (or the resume)
         try:
             with open(lengths_path, "a" if ckpt else "w") as lengths:
@@ -562,10 +563,12 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True, *, poli
                         save_checkpoint(trainer, run_dir, cfg.run.keep_checkpoints)
                         saved_at = time.monotonic()
         finally:
-            STOP.active = False
             bar.close()
             if cfg.log.trace:  # also when interrupted: the trace of the steps run so far
                 trainer.tracer.save(run_dir / "trace.json", previous=earlier)
+        # STOP stays active through the last save: a signal now (the loop is done) waits for the checkpoint
+        # that holds every step, instead of interrupting it and losing them all
+        STOP.final = True
         if STOP.signum is not None and trainer.step < cfg.run.steps:
             # with the sequences in flight (trainer.state_dict), as every checkpoint
             saved = save_checkpoint(trainer, run_dir, cfg.run.keep_checkpoints)
@@ -575,14 +578,22 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True, *, poli
             res = trainer.last_result
             assert res is not None and res.exp.scores is not None  # the last step's trained, scored batch
             _print_samples(f"samples at step {trainer.step - 1}:", res.texts, res.exp.scores.tolist(), cfg.run.samples)
+        final = None
         if cfg.run.save_final != "none":
-            save_checkpoint(trainer, run_dir, cfg.run.keep_checkpoints, weights_only=cfg.run.save_final == "weights")
+            final = save_checkpoint(trainer, run_dir, cfg.run.keep_checkpoints,
+                                    weights_only=cfg.run.save_final == "weights")
         logger.close()
+        STOP.active = False
+        if STOP.signum is not None:  # asked during the last step or the last save: both were finished
+            kept = f"the final checkpoint {final} holds them" if final is not None else "run.save_final=none"
+            print(f"oppo: {signal.Signals(STOP.signum).name} arrived as the run ended: all {cfg.run.steps} steps "
+                  f"are trained and {kept}; nothing is left to resume.", file=sys.stderr)
     except BaseException:
         if lock is not None and ckpt is None and trainer.step == 0:  # a new run of ours, no step done
             _remove_unfinished(run_dir, found)
         raise
     finally:
+        STOP.active = STOP.final = False
         trainer.close()
         if lock is not None:
             lock.close()  # releases the flock
