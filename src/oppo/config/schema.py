@@ -412,8 +412,9 @@ class RunConfig:
     samples: int = opt(3, "Sample responses printed at the start and at the end.")
     allow_changed_models: bool = opt(False, "On resume, continue although the reference model, reward model, critic "
                                             "initialisation or tokenizer holds other weights than when the checkpoint "
-                                            "was saved (a re-export at the same path): a warning names them. Without "
-                                            "it such a resume is refused.")
+                                            "was saved (a re-export at the same path), or the prompt set or chat "
+                                            "template differs: a warning names them. Without it such a resume is "
+                                            "refused.")
 
 
 @dataclass
