@@ -148,7 +148,10 @@ def _not_a_classifier(architectures) -> str:
     return not_a_classifier(architectures if isinstance(architectures, list) else None)
 
 
-def _model_problems(role: str, key: str, path: str, hub_names: list[tuple[str, str]]) -> list[str]:
+def _model_problems(role: str, key: str, path: str, hub_names: list[tuple[str, str]],
+                    new_head: bool = False) -> list[str]:
+    """A model directory's problems found without loading it. ``new_head``: a causal LM is a
+    reward model too (``reward.new_head``)."""
     if not _looks_local(path):
         hub_names.append((key, path))
         return []
@@ -169,7 +172,8 @@ def _model_problems(role: str, key: str, path: str, hub_names: list[tuple[str, s
         out.append(f"{key}={path!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES[:2])}, ...); "
                    f"save it beside the model with tokenizer.save_pretrained(dir).")
     if role == "reward" and isinstance(conf, dict) and (why := _not_a_classifier(conf.get("architectures"))):
-        out.append(f"{key}={path!r} {why}")
+        if not new_head:
+            out.append(f"{key}={path!r} {why}")
     elif role == "reward" and isinstance(conf, dict):
         labels = len(conf["id2label"]) if isinstance(conf.get("id2label"), dict) else conf.get("num_labels")
         if isinstance(labels, int) and labels != 1:
@@ -365,7 +369,8 @@ def input_problems(cfg: Config, inputs: Inputs | None = None) -> list[str]:
     for role in ("policy", "reward", "critic", "reference"):
         path = getattr(cfg, role).path
         if path and not is_marker(path):
-            found = _model_problems(role, f"{role}.path", path, hub_names)
+            found = _model_problems(role, f"{role}.path", path, hub_names,
+                                    new_head=role == "reward" and cfg.reward.new_head)
             if role == "policy" and inputs.tokenizer is not None:  # (the tokenizer given as an object is used)
                 found = [p for p in found if "holds no tokenizer" not in p]
             problems += found
