@@ -167,3 +167,21 @@ def test_trl_command_lines_train_on_stand_ins(name, stand_ins, tmp_path, capsys)
     assert (out / "tokenizer.json").is_file()
     random_head = "reward.new_head=true puts a fresh one-label head on it"
     assert cap.err.count(random_head) == (1 if name == "docs quick start" else 0)
+
+
+def test_new_head_is_asked_for_and_the_same_in_every_load(tiny_models):
+    """Without reward.new_head a causal LM is refused as the reward model, the message naming the
+    setting; with it, every load (another process, a resume) gets the same seeded head."""
+    import torch
+
+    from oppo.models import ModelLoadError, load_reward_model
+
+    lm = str(tiny_models["policy"])
+    with pytest.raises(ModelLoadError, match="reward.new_head=true puts a fresh"):
+        load_reward_model(lm, torch.device("cpu"), torch.float32, 0)
+    torch.manual_seed(1)
+    a = load_reward_model(lm, torch.device("cpu"), torch.float32, 0, new_head=True)
+    torch.manual_seed(2)
+    b = load_reward_model(lm, torch.device("cpu"), torch.float32, 0, new_head=True)
+    assert a.score.weight.shape[0] == 1 and torch.equal(a.score.weight, b.score.weight)
+    assert a.score.weight.abs().sum() > 0
