@@ -194,7 +194,6 @@ def main(argv: list[str] | None = None) -> int:
     saved = save_model(run_dir, cfg.run.steps)
     if saved:
         print(f"trl_ppo: the trained model is in {run_dir} (as TRL's save_model leaves it)", file=sys.stderr)
-    print(oppo.run_summary(run_dir))
     return 0
 
 

@@ -29,13 +29,9 @@ def _train(argv: list[str]) -> int:
     if args.recipe == "list":
         return _recipes([])
     cfg = load_config(args.config, args.overrides, recipe=args.recipe)  # validation here, before any model loads
-    import time
+    from .run import train
 
-    from .run import run_summary, train
-
-    t0 = time.perf_counter()
-    run_dir = train(cfg, resume=args.resume)
-    print(run_summary(run_dir, time.perf_counter() - t0, link=cfg.run.out_dir))
+    train(cfg, resume=args.resume)  # (it prints the run's summary: done, reward, run directory)
     return 0
 
 

@@ -345,7 +345,36 @@ def object_problems(cfg: Config, inputs: Inputs) -> list[str]:
 
         for role, kw, m in models:
             problems += model_object_problems(tok, role, m, kw) if tok is not None else model_problems(role, kw, m)
+    problems += _shared_objects(models)
     return problems
+
+
+# why one model object cannot serve two roles (kw pair -> what would go wrong, and the fix)
+_SHARED = {
+    ("policy", "reference"): "the policy trains in place, so the reference would move with it (its KL would "
+                             "stay 0). Leave reference= out: the run makes a frozen copy of the initial policy",
+    ("policy", "critic"): "both train, as two models. Leave critic= out (the critic starts from a copy of the "
+                          "reward model, else of the policy), or give a separately loaded one-label model",
+    ("policy", "reward_model"): "the policy trains in place and the reward model stays frozen",
+    ("reference", "critic"): "the critic trains in place and the reference stays frozen",
+    ("reference", "reward_model"): "they are different kinds of model (a causal LM and a one-label classifier)",
+    ("critic", "reward_model"): "the critic trains in place, so the reward would move with it. Leave critic= out: "
+                                "the run starts the critic from a copy of the reward model",
+}
+
+
+def _shared_objects(models: list[tuple[str, str, Any]]) -> list[str]:
+    """One problem per pair of roles given the same model object (``models``: (role, keyword,
+    object)), named by keyword, before anything loads: otherwise one role's update or freeze
+    lands on the other, and fails later in PyTorch, naming neither."""
+    out = []
+    for i, (_, kw_a, a) in enumerate(models):
+        for _, kw_b, b in models[i + 1:]:
+            if a is b:
+                why = _SHARED.get((kw_a, kw_b), "each role needs its own model")
+                fix = "" if ". " in why else "; give each its own object (e.g. copy.deepcopy, or load it again)"
+                out.append(f"{kw_a}= and {kw_b}= are the same object ({type(a).__name__}): {why}{fix}.")
+    return out
 
 
 def input_problems(cfg: Config, inputs: Inputs | None = None) -> list[str]:

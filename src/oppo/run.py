@@ -472,7 +472,9 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True, *, poli
     checkpoint (or run) directory. Raises :class:`~oppo.preflight.PreflightError` before loading
     anything when the run directory, the checkpoint or the inputs are wrong. The keywords after
     ``progress`` give objects in place of settings, as :class:`~oppo.trainer.Trainer` takes them;
-    models that a role loads elsewhere are saved under the run directory's ``inputs/``.
+    models that a role loads elsewhere are saved under the run directory's ``inputs/``. With
+    ``progress``, a finished run prints its summary (:func:`run_summary`: ``done: N steps ...``) on
+    stdout, as ``oppo train`` does.
     """
     from transformers.utils import logging as hf_logging
 
@@ -482,6 +484,7 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True, *, poli
                    reward_fn=reward_fn, judge=judge, prompts=prompts)
     cfg, inputs = split_inputs(cfg, **objects)
     objects = {kw: getattr(inputs, kw) for kw in objects}  # (with those the settings held: now markers there)
+    t_start = time.perf_counter()
     hf_logging.disable_progress_bar()  # "Loading weights" bars for every role drown the run's own output
     plan = plan_run(cfg, resume, inputs)
     ckpt = plan.checkpoint
@@ -597,6 +600,8 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True, *, poli
         trainer.close()
         if lock is not None:
             lock.close()  # releases the flock
+    if progress:
+        print(run_summary(run_dir, time.perf_counter() - t_start, link=cfg.run.out_dir), flush=True)
     return run_dir
 
 
