@@ -591,9 +591,12 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True, *, poli
             kept = f"the final checkpoint {final} holds them" if final is not None else "run.save_final=none"
             print(f"oppo: {signal.Signals(STOP.signum).name} arrived as the run ended: all {cfg.run.steps} steps "
                   f"are trained and {kept}; nothing is left to resume.", file=sys.stderr)
-    except BaseException:
-        if lock is not None and ckpt is None and trainer.step == 0:  # a new run of ours, no step done
+    except BaseException as e:
+        removed = lock is not None and ckpt is None and trainer.step == 0  # a new run of ours, no step done
+        if removed:
             _remove_unfinished(run_dir, found)
+        if isinstance(e, Exception) and lock is not None:  # (a signal's stop has its own message: cli.py)
+            print(recovery_line(run_dir, trainer.step, removed, objects=bool(inputs)), file=sys.stderr, flush=True)
         raise
     finally:
         STOP.active = STOP.final = False
@@ -603,6 +606,24 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True, *, poli
     if progress:
         print(run_summary(run_dir, time.perf_counter() - t_start, link=cfg.run.out_dir), flush=True)
     return run_dir
+
+
+def recovery_line(run_dir: Path, step: int, removed: bool, objects: bool = False) -> str:
+    """What a run that failed with an error kept, and how to go on: the run directory removed (no
+    step had finished), no checkpoint to resume from, or the checkpoint and the command (from
+    Python with the same objects, where the run was given objects)."""
+    if removed:
+        return (f"oppo: the run failed before its first step finished: nothing was trained, and what it wrote in "
+                f"{run_dir} was removed. Once fixed, start it again.")
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        return (f"oppo: the run failed in step {step}: the metrics and trace of its {step} finished steps are in "
+                f"{run_dir}, but it wrote no checkpoint (run.save_every, run.save_every_minutes), so it cannot be "
+                f"resumed. Once fixed, start a new run (a fresh run.out_dir).")
+    how = (f"oppo.train(cfg, resume={str(run_dir)!r}, ...) with the same settings and objects (the policy as it "
+           f"was at the start)" if objects else f"oppo train --resume {run_dir} (and the same settings)")
+    return (f"oppo: the run failed in step {step}; its last checkpoint is {ckpt} (step {checkpoint_step(ckpt)}). "
+            f"Once fixed, continue with: {how}.")
 
 
 def _used_settings(cfg: Config) -> dict:
