@@ -10,18 +10,25 @@ place of TRL's script::
         --model_name_or_path EleutherAI/pythia-1b-deduped --missing_eos_penalty 1.0
 
 Each argument becomes an oppo setting by the table in ``oppo.from_trl`` (``docs/from-trl.md``);
-arguments oppo has no setting for are accepted and named once, with the reason. What differs from
-TRL's script: the tokenizer is the policy's (``--sft_model_path``), every prompt is trained (TRL
-holds the last 100 out for its completions table), an existing ``--output_dir`` is refused, not
-deleted, and the run uses oppo's default overlap mode unless ``--oppo overlap.mode=sequential``
-(TRL's on-policy loop). ``--oppo section.key=value`` sets any other oppo setting.
+the everyday ``TrainingArguments`` oppo has no setting for (``--logging_steps``, ``--eval_strategy``,
+``--push_to_hub``, ...) are accepted and named once, with the reason; booleans take Hugging Face's
+syntax (``--bf16``, ``--bf16 False``). As TRL does, the run is TRL's on-policy loop
+(``overlap.mode=sequential``; ``--oppo overlap.mode=oppo`` for oppo's overlap), a causal LM given as
+``--reward_model_path`` gets a fresh one-label head (``reward.new_head``: its rewards are random, as
+in TRL's own quick-start), and the trained model ends up in ``--output_dir`` itself (as TRL's
+``save_model``), beside oppo's run files. What differs from TRL's script: the tokenizer is the
+policy's (``--sft_model_path``), every prompt is trained (TRL holds the last 100 out for its
+completions table), and an existing ``--output_dir`` is refused, not deleted. ``--oppo
+section.key=value`` sets any other oppo setting.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import shutil
 import sys
+from pathlib import Path
 
 import oppo
 from oppo import from_trl
@@ -38,7 +45,39 @@ TRL_DEFAULTS = {
 }
 # accepted, with no oppo setting (from_trl says why when one is given)
 NO_SETTING = ("vf_coef", "whiten_rewards", "local_rollout_forward_batch_size", "num_sample_generations",
-              "stop_token", "stop_token_id")
+              "stop_token_id")
+# everyday TrainingArguments / ScriptArguments / ModelConfig flags with no oppo meaning: accepted and
+# named once (flag -> what oppo does instead)
+IGNORED = {
+    "logging_steps": "every step's metrics go to metrics.jsonl (and to TensorBoard or W&B when asked)",
+    "logging_first_step": "every step's metrics go to metrics.jsonl",
+    "eval_strategy": "there is no evaluation pass; reward.judge scores every step's responses as judge/mean",
+    "eval_steps": "there is no evaluation pass",
+    "dataset_test_split": "there is no evaluation pass: only --dataset_train_split is read",
+    "push_to_hub": "oppo does not upload; the model is saved in --output_dir: upload it with "
+                   "`hf upload <repo> <output_dir>`",
+    "hub_model_id": "oppo does not upload (see --push_to_hub)",
+    "lora_dropout": "oppo's LoRA has no dropout setting (lora.r, lora.alpha, lora.target_modules)",
+    "save_strategy": "checkpoints follow run.save_every / run.save_every_minutes; --save_steps maps to run.save_every",
+    "save_total_limit": "the newest run.keep_checkpoints checkpoints are kept",
+    "run_name": "the run is named by --output_dir",
+    "dataset_num_proc": "oppo tokenizes the prompts itself, in one process",
+    "attn_implementation": "oppo picks the attention kernel for its packed rows",
+    "model_revision": "give a local directory, or the hub name at its default revision",
+    "fp16": "float16 is refused by oppo (no loss scaling); policy.dtype=auto is bfloat16 on CUDA",
+}
+FLAGS = ("use_peft", "whiten_rewards", "bf16", "fp16", "gradient_checkpointing", "trust_remote_code", "push_to_hub",
+         "logging_first_step")
+
+
+def hf_bool(text: str) -> bool:
+    """Hugging Face's bool syntax: ``--flag`` alone is true; ``--flag true|false|yes|no|1|0``."""
+    v = str(text).strip().lower()
+    if v in ("true", "yes", "y", "1", "t"):
+        return True
+    if v in ("false", "no", "n", "0", "f"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -50,11 +89,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--dataset_train_split", default="train")
     # ModelConfig
     add("--model_name_or_path", default=None, help="TRL's tokenizer source; oppo uses the policy's tokenizer.")
-    add("--dtype", default=None, choices=[None, "auto", "float32", "bfloat16"])
-    add("--use_peft", action="store_true")
+    add("--dtype", "--torch_dtype", dest="dtype", default=None, choices=[None, "auto", "float32", "bfloat16", "float16"])
     add("--lora_r", type=int, default=16)
     add("--lora_alpha", type=int, default=32)
     add("--lora_target_modules", nargs="*", default=None)
+    for flag in FLAGS:  # --flag, --flag True, --flag false (HfArgumentParser's syntax)
+        add(f"--{flag}", type=hf_bool, nargs="?", const=True, default=False)
+    for name in IGNORED:
+        if name not in FLAGS:
+            add(f"--{name}", default=None)
     # PPOConfig / TrainingArguments
     add("--output_dir", required=True)
     add("--sft_model_path", default=TRL_DEFAULTS["sft_model_path"])
@@ -70,11 +113,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         add(f"--{name}", type=int, default=TRL_DEFAULTS[name])
     add("--kl_estimator", default="k1", choices=["k1", "k3"])
     add("--missing_eos_penalty", type=float, default=None)
-    add("--whiten_rewards", action="store_true")
-    add("--stop_token", default=None, choices=[None, "eos"])
+    add("--stop_token", default=None, choices=[None, "eos"])  # eos: oppo's own (a response ends at EOS)
     add("--stop_token_id", type=int, default=None)
-    add("--bf16", action="store_true")
-    add("--gradient_checkpointing", action="store_true")
     add("--report_to", nargs="*", default=[])
     add("--oppo", action="append", default=[], metavar="SECTION.KEY=VALUE", help="Any other oppo setting.")
     return p.parse_args(argv)
@@ -104,13 +144,17 @@ def overrides(a: argparse.Namespace, n_prompts: int | None = None) -> list[str]:
         f"generation.max_new_tokens={a.response_length}", f"generation.temperature={a.temperature}",
         f"run.steps={max(1, math.ceil(episodes / batch))}", f"run.seed={a.seed}", f"run.out_dir={a.output_dir}",
         f"run.save_every={int(a.save_steps)}",
+        "overlap.mode=sequential",  # TRL's loop: on-policy, stage after stage (--oppo overlap.mode=oppo to overlap)
+        "reward.new_head=true",  # TRL loads the reward model with a fresh one-label head where it has none
     ]
     if a.missing_eos_penalty is not None:
         out.append(f"ppo.missing_eos_penalty={a.missing_eos_penalty}")
     if a.bf16 or a.dtype == "bfloat16":
         out.append("policy.dtype=bfloat16")
     elif a.dtype == "float32":
-        out.append("policy.dtype=float32")
+        out.append("policy.dtype=float32")  # (float16 and auto: oppo's auto, named by notes)
+    if a.trust_remote_code:
+        out.append("policy.trust_remote_code=true")
     if a.gradient_checkpointing:
         out.append("policy.gradient_checkpointing=true")
     if a.use_peft:
@@ -125,6 +169,11 @@ def notes(a: argparse.Namespace) -> list[str]:
     """One line per given argument that oppo has no setting for (from oppo.from_trl's table)."""
     lines = [from_trl.BY_NAME[n].says(getattr(a, n)) for n in NO_SETTING
              if getattr(a, n) != TRL_DEFAULTS.get(n) and n in from_trl.BY_NAME]
+    lines += [f"--{n} {'' if getattr(a, n) is True else getattr(a, n)}".rstrip() + f": no oppo setting: {why}"
+              for n, why in IGNORED.items() if getattr(a, n) not in (None, False)]
+    if a.dtype == "float16":
+        lines.append("--dtype float16: oppo refuses float16 (no loss scaling); it runs policy.dtype=auto: "
+                     "bfloat16 on CUDA, float32 on CPU")
     if a.model_name_or_path and a.model_name_or_path != a.sft_model_path:
         lines.append(f"--model_name_or_path {a.model_name_or_path}: oppo loads the tokenizer with the policy, "
                      f"from --sft_model_path {a.sft_model_path}")
@@ -142,8 +191,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trl_ppo: {line}", file=sys.stderr)
     cfg = oppo.load_config(overrides=overrides(a, n_prompts))
     run_dir = oppo.train(cfg)
-    print(oppo.run_summary(run_dir))
+    saved = save_model(run_dir, cfg.run.steps)
+    if saved:
+        print(f"trl_ppo: the trained model is in {run_dir} (as TRL's save_model leaves it)", file=sys.stderr)
     return 0
+
+
+def save_model(run_dir: Path, steps: int) -> bool:
+    """The final checkpoint's policy (weights, config, tokenizer; a LoRA run's adapter) copied to the
+    top of the run directory, where TRL's ``trainer.save_model(output_dir)`` writes it. False where
+    the run saved no final checkpoint (``run.save_final=none``)."""
+    from oppo.checkpoint import checkpoint_step, latest_checkpoint
+
+    ckpt = latest_checkpoint(Path(run_dir))
+    if ckpt is None or checkpoint_step(ckpt) != steps:
+        return False
+    for f in (ckpt / "policy").iterdir():
+        if f.is_file():
+            shutil.copy2(f, Path(run_dir) / f.name)
+    return True
 
 
 if __name__ == "__main__":

@@ -321,7 +321,8 @@ def test_reward_function_that_raises_is_named_with_step_and_batch():
         fn(["p0", "a rather long prompt " * 5], ["x", "y"], step=7, indices=[3, 11])
     msg = str(info.value)
     assert "my_rewards:score" in msg and "ConnectionError" in msg and "timed out" in msg
-    assert "at step 7" in msg and "prompts 3, 11" in msg and "'p0'" in msg and "--resume auto" in msg
+    assert "at step 7" in msg and "prompts 3, 11" in msg and "'p0'" in msg
+    assert "--resume" not in msg  # (the run says what it kept and how to go on: run.recovery_line)
     assert isinstance(info.value.__cause__, ConnectionError)
 
 
@@ -473,3 +474,48 @@ def test_non_finite_weights_are_refused_at_load(tiny_models, tmp_path):
     model.save_pretrained(tmp_path / "nan")
     with pytest.raises(ModelLoadError, match=r"non-finite .*model\.layers\.0\.mlp\.up_proj\.weight"):
         load_causal_lm(str(tmp_path / "nan"), "policy", torch.device("cpu"), torch.float32)
+
+
+def test_reward_function_returning_none_is_said_so():
+    fn = RewardFunction(lambda ps, rs: None, "mod:fn")
+    with pytest.raises(ValueError) as info:
+        fn(["a", "b"], ["x", "y"])
+    msg = str(info.value)
+    assert "mod:fn returned None (no return statement?)" in msg and "raised" not in msg
+
+
+def test_a_failed_run_says_what_it_kept_and_how_to_go_on(tiny_models, tiny_prompts, tmp_path, capsys):
+    """A reward function failing at step 0 leaves no run (removed: nothing to resume); failing at
+    step 1 of a run given objects, after a checkpoint, names it and the Python call that continues."""
+    import oppo
+    from oppo.scoring.streaming import RewardFunctionError
+
+    calls = []
+
+    def fails_at_call(n):
+        def score(prompts, responses):
+            calls.append(1)
+            if len(calls) >= n:
+                raise RuntimeError("scorer down")
+            return [0.0] * len(prompts)
+        return score
+
+    out = tmp_path / "run"
+    cfg = make_cfg(tiny_models, tiny_prompts, tmp_path, **{"reward.function": "x:y", "run.steps": 3,
+                                                          "log.progress": "false"})
+    cfg.reward.function = None
+    with pytest.raises(RewardFunctionError) as info:
+        oppo.train(cfg, reward_fn=fails_at_call(1))
+    err = capsys.readouterr().err
+    assert "--resume" not in str(info.value) and "--resume" not in err
+    assert f"nothing was trained, and what it wrote in {out} was removed" in err and not out.exists()
+
+    calls.clear()
+    cfg.run.save_every = 1
+    with pytest.raises(RewardFunctionError):
+        oppo.train(cfg, reward_fn=fails_at_call(2))
+    err = capsys.readouterr().err
+    ckpt = latest_checkpoint(out)
+    assert ckpt is not None and ckpt.name == "step_000001"
+    assert f"the run failed in step 1; its last checkpoint is {ckpt} (step 1)" in err
+    assert f"oppo.train(cfg, resume={str(out)!r}, ...) with the same settings and objects" in err

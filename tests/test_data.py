@@ -394,6 +394,68 @@ def test_prompt_objects(ds_cache):
     assert "empty list" in object_problems([], "prompt")[0]
     assert "got str" in object_problems("prompts.jsonl", "prompt")[0]
     assert "not a mix" in object_problems(["a", {"prompt": "b"}], "prompt")[0]
-    assert "must be a string, got int" in object_problems([{"prompt": 1}], "prompt")[0]
+    assert "must be a string or a list of messages" in object_problems([{"prompt": 1}], "prompt")[0]
     with pytest.raises(DataError, match="no column 'text'"):
         records_from_object(ds, "text")
+
+
+# --------------------------------------------------------------------------- conversational prompts
+
+CHAT = "{% for m in messages %}{{ m['role'] == 'user' and 'we' or 'i' }} . {{ m['content'] }} .{% endfor %}" \
+       "{% if add_generation_prompt %} it{% endif %}"
+
+
+def _chat_tokenizer(path):
+    t = make_tokenizer(path)
+    t.chat_template = CHAT
+    return t
+
+
+def test_conversations_go_through_the_chat_template_from_jsonl_datasets_and_lists(tmp_path, ds_cache):
+    """A prompt given as messages (TRL's conversational format) is formatted by the tokenizer's chat
+    template with the assistant turn opened, whether it comes from a JSONL file, a
+    datasets.Dataset, a Python list of conversations or of dicts; plain-text prompts beside them
+    stay text (data.chat_template=false)."""
+    import datasets
+
+    from oppo.data import read_records, records_from_object
+
+    t = _chat_tokenizer(tmp_path / "tok")
+    talk = [{"role": "user", "content": "the film was"}, {"role": "assistant", "content": "good"},
+            {"role": "user", "content": "and the book"}]
+    want = "we . the film was .i . good .we . and the book . it"
+    p = _jsonl(tmp_path / "chat.jsonl", [{"prompt": talk, "answer": 1}, {"prompt": "a day", "answer": 2}])
+    from_file = read_records(str(p), columns=("answer",))
+    from_ds = records_from_object(datasets.Dataset.from_list([{"prompt": talk, "answer": 1},
+                                                              {"prompt": [{"role": "user", "content": "a day"}],
+                                                               "answer": 2}]), "prompt")
+    from_list = records_from_object([talk, "a day"], "prompt")
+    from_dicts = records_from_object([{"prompt": talk}, {"prompt": "a day"}], "prompt")
+    for rec in (from_file, from_list, from_dicts):
+        ps = build_prompt_set(rec.texts, t, DataConfig(shuffle=False), seed=0)
+        assert ps.texts == [want, "a day"], ps.texts
+        assert ps.ids[0] == t(want, add_special_tokens=False)["input_ids"]
+        assert ps.raw[0] == talk and ps.templated
+    assert from_file.columns == {"answer": [1, 2]}
+    ps = build_prompt_set(from_ds.texts, t, DataConfig(shuffle=False), seed=0)
+    assert ps.texts == [want, "we . a day . it"] and ps.context([0])["raw_prompts"] == [talk]
+    plain = build_prompt_set(["a day"], t, DataConfig(), seed=0)
+    assert plain.texts == ["a day"] and not plain.templated
+
+
+def test_conversation_without_a_chat_template_names_the_fix(tmp_path, tok):
+    talk = [{"role": "user", "content": "a day"}]
+    with pytest.raises(DataError) as info:
+        build_prompt_set(["the film", talk, talk], tok, DataConfig(), seed=0)
+    msg = str(info.value)
+    assert "prompt 1 (and 1 more) is a conversation" in msg and "has none" in msg and "chat template" in msg
+
+
+def test_a_list_that_is_not_messages_is_named(tmp_path):
+    from oppo.data import object_problems
+
+    p = _jsonl(tmp_path / "p.jsonl", [{"prompt": [{"text": "a"}]}])
+    with pytest.raises(DataError, match=r"p\.jsonl:1: field 'prompt' must be a string or a list of messages .*"
+                                        r"each needs a 'role' and a 'content'"):
+        read_prompts(str(p))
+    assert "must be a string or a list of messages" in object_problems([{"prompt": []}], "prompt")[0]

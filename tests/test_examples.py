@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 import oppo
 from oppo.metrics import read_metrics
 
@@ -48,3 +50,138 @@ def test_port_trains_on_tiny_models(tiny_models, tiny_prompts, tmp_path, capsys)
                          "--oppo", "run.save_final=none"]) == 0
     assert [m["step"] for m in read_metrics(out)] == [0, 1]
     assert "done: 2 steps" in capsys.readouterr().out
+
+
+# TRL's documented PPO command lines (docs/source/ppo_trainer.md, examples/scripts/ppo/ppo.py and
+# ppo_tldr.py, examples/scripts/ppo/README.md), the arguments after the script's name as TRL shows them
+TRL_COMMANDS = {
+    "docs quick start": """--dataset_name trl-internal-testing/descriptiveness-sentiment-trl-style
+        --dataset_train_split descriptiveness --learning_rate 3e-6 --num_ppo_epochs 1 --num_mini_batches 1
+        --output_dir models/minimal/ppo --per_device_train_batch_size 64 --gradient_accumulation_steps 1
+        --total_episodes 10000 --model_name_or_path EleutherAI/pythia-1b-deduped
+        --sft_model_path EleutherAI/pythia-1b-deduped --reward_model_path EleutherAI/pythia-1b-deduped
+        --missing_eos_penalty 1.0""",
+    "ppo.py": """--dataset_name trl-internal-testing/descriptiveness-sentiment-trl-style
+        --dataset_train_split descriptiveness --learning_rate 3e-6
+        --output_dir pythia-1b-deduped-descriptiveness-sentiment-trl-style-ppo --per_device_train_batch_size 64
+        --gradient_accumulation_steps 1 --total_episodes 10000 --model_name_or_path EleutherAI/pythia-1b-deduped
+        --missing_eos_penalty 1.0""",
+    "ppo.py, accelerate": """--dataset_name trl-internal-testing/descriptiveness-sentiment-trl-style
+        --dataset_train_split descriptiveness --output_dir pythia-1b-deduped-descriptiveness-sentiment-trl-style-ppo
+        --num_ppo_epochs 1 --num_mini_batches 1 --learning_rate 3e-6 --per_device_train_batch_size 1
+        --gradient_accumulation_steps 16 --total_episodes 10000 --model_name_or_path EleutherAI/pythia-1b-deduped
+        --sft_model_path EleutherAI/pythia-1b-deduped --reward_model_path EleutherAI/pythia-1b-deduped
+        --local_rollout_forward_batch_size 1 --missing_eos_penalty 1.0""",
+    "ppo_tldr.py": """--dataset_name trl-lib/tldr --dataset_test_split validation --learning_rate 3e-6
+        --output_dir pythia-1b-deduped-tldr-preference-sft-trl-style-ppo --per_device_train_batch_size 1
+        --gradient_accumulation_steps 64 --total_episodes 30000 --model_name_or_path EleutherAI/pythia-1b-deduped
+        --sft_model_path cleanrl/EleutherAI_pythia-1b-deduped__sft__tldr
+        --reward_model_path cleanrl/EleutherAI_pythia-1b-deduped__reward__tldr --missing_eos_penalty 1.0
+        --stop_token eos --response_length 53 --eval_strategy steps --eval_steps 100""",
+    "ppo_tldr.py, accelerate": """--dataset_name trl-lib/tldr --dataset_test_split validation
+        --output_dir pythia-1b-deduped-tldr-preference-sft-trl-style-ppo --learning_rate 3e-6
+        --per_device_train_batch_size 16 --gradient_accumulation_steps 4 --total_episodes 1000000
+        --model_name_or_path EleutherAI/pythia-1b-deduped --sft_model_path cleanrl/EleutherAI_pythia-1b-deduped__sft__tldr
+        --reward_model_path cleanrl/EleutherAI_pythia-1b-deduped__reward__tldr --local_rollout_forward_batch_size 16
+        --missing_eos_penalty 1.0 --stop_token eos --eval_strategy steps --eval_steps 100""",
+    "README step 3": """--dataset_name trl-lib/tldr --dataset_test_split validation --output_dir pythia-1b-deduped-tldr-ppo
+        --per_device_train_batch_size 1 --gradient_accumulation_steps 64 --total_episodes 30000
+        --model_name_or_path EleutherAI/pythia-1b-deduped --sft_model_path pythia-1b-deduped-tldr-sft
+        --reward_model_path pythia-1b-deduped-tldr-rm --missing_eos_penalty 1.0 --stop_token eos --response_length 53
+        --eval_strategy steps --eval_steps 100""",
+    "everyday flags": """--dataset_name trl-lib/tldr --output_dir out --total_episodes 64 --logging_steps 10
+        --bf16 False --use_peft --lora_r 8 --lora_dropout 0.05 --trust_remote_code --push_to_hub --dtype float16
+        --sft_model_path cleanrl/EleutherAI_pythia-1b-deduped__sft__tldr
+        --reward_model_path cleanrl/EleutherAI_pythia-1b-deduped__reward__tldr""",
+}
+
+
+@pytest.fixture(scope="module")
+def stand_ins(tiny_models, tmp_path_factory):
+    """Local stand-ins for the hub names in TRL's command lines: the tiny causal LM for the Pythia
+    base and SFT models, the tiny one-label classifier for the trained reward models, and saved
+    DatasetDicts of TRL's splits with a 'prompt' column."""
+    import datasets
+
+    from conftest import TINY_PROMPTS
+
+    root = tmp_path_factory.mktemp("trl_stand_ins")
+    prompts = datasets.Dataset.from_dict({"prompt": list(TINY_PROMPTS)})
+    datasets.DatasetDict({"descriptiveness": prompts}).save_to_disk(root / "descriptiveness")
+    datasets.DatasetDict({"train": prompts, "validation": prompts}).save_to_disk(root / "tldr")
+    lm, rm = str(tiny_models["policy"]), str(tiny_models["reward"])
+    return root, {"trl-internal-testing/descriptiveness-sentiment-trl-style": str(root / "descriptiveness"),
+                  "trl-lib/tldr": str(root / "tldr"), "EleutherAI/pythia-1b-deduped": lm,
+                  "cleanrl/EleutherAI_pythia-1b-deduped__sft__tldr": lm, "pythia-1b-deduped-tldr-sft": lm,
+                  "cleanrl/EleutherAI_pythia-1b-deduped__reward__tldr": rm, "pythia-1b-deduped-tldr-rm": rm}
+
+
+def _argv(command: str, names: dict, out) -> list[str]:
+    argv = [names.get(w, w) for w in command.split()]
+    argv[argv.index("--output_dir") + 1] = str(out)
+    return argv
+
+
+@pytest.mark.parametrize("name", list(TRL_COMMANDS))
+def test_trl_command_lines_become_oppo_settings(name, stand_ins, tmp_path):
+    """Every documented command line parses and maps to a valid oppo config: TRL's loop (sequential),
+    the reward head TRL would put on a causal LM, TRL's batch sizes and length."""
+    root, names = stand_ins
+    port = _port()
+    a = port.parse_args(_argv(TRL_COMMANDS[name], names, tmp_path / "out"))
+    cfg = oppo.load_config(overrides=port.overrides(a))
+    assert cfg.overlap.mode == "sequential" and cfg.reward.new_head
+    assert cfg.ppo.batch_size == a.per_device_train_batch_size * a.gradient_accumulation_steps * a.num_mini_batches
+    assert cfg.run.steps == -(-a.total_episodes // cfg.ppo.batch_size)
+    said = port.notes(a)
+    assert not any("stop_token" in line for line in said), "--stop_token eos is oppo's own behaviour"
+    if "--eval_strategy" in TRL_COMMANDS[name]:
+        assert sum("--eval_strategy steps: no oppo setting" in line for line in said) == 1
+    if name == "everyday flags":
+        assert cfg.policy.trust_remote_code and cfg.lora.r == 8 and cfg.policy.dtype == "auto"
+        for flag in ("--logging_steps 10", "--lora_dropout 0.05", "--push_to_hub", "--dtype float16"):
+            assert sum(line.startswith(flag) for line in said) == 1, (flag, said)
+        assert not any(line.startswith("--bf16") for line in said)  # False: TRL's default, nothing to say
+
+
+@pytest.mark.parametrize("name", ["docs quick start", "ppo_tldr.py"])
+def test_trl_command_lines_train_on_stand_ins(name, stand_ins, tmp_path, capsys):
+    """TRL's quick start (a causal LM as the reward model) and its TL;DR command train through the
+    port: one step of TRL's batch (``--total_episodes`` cut to one batch; the test's thread count and
+    quiet output added), and the trained model is at the top of --output_dir, as TRL leaves it."""
+    root, names = stand_ins
+    out = tmp_path / "out"
+    argv = _argv(TRL_COMMANDS[name], names, out)
+    a = _port().parse_args(argv)
+    argv[argv.index("--total_episodes") + 1] = str(a.per_device_train_batch_size * a.gradient_accumulation_steps)
+    argv += ["--oppo", "placement.threads=1", "--oppo", "run.samples=0", "--oppo", "log.progress=false"]
+    if name == "ppo_tldr.py":
+        argv[argv.index("--response_length") + 1] = "8"  # (53 tokens of a random tiny model: time only)
+    else:
+        argv += ["--response_length", "8"]
+    assert _port().main(argv) == 0
+    cap = capsys.readouterr()
+    assert [m["step"] for m in read_metrics(out)] == [0]
+    assert "done: 1 steps" in cap.out
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    assert (out / "tokenizer.json").is_file()
+    random_head = "reward.new_head=true puts a fresh one-label head on it"
+    assert cap.err.count(random_head) == (1 if name == "docs quick start" else 0)
+
+
+def test_new_head_is_asked_for_and_the_same_in_every_load(tiny_models):
+    """Without reward.new_head a causal LM is refused as the reward model, the message naming the
+    setting; with it, every load (another process, a resume) gets the same seeded head."""
+    import torch
+
+    from oppo.models import ModelLoadError, load_reward_model
+
+    lm = str(tiny_models["policy"])
+    with pytest.raises(ModelLoadError, match="reward.new_head=true puts a fresh"):
+        load_reward_model(lm, torch.device("cpu"), torch.float32, 0)
+    torch.manual_seed(1)
+    a = load_reward_model(lm, torch.device("cpu"), torch.float32, 0, new_head=True)
+    torch.manual_seed(2)
+    b = load_reward_model(lm, torch.device("cpu"), torch.float32, 0, new_head=True)
+    assert a.score.weight.shape[0] == 1 and torch.equal(a.score.weight, b.score.weight)
+    assert a.score.weight.abs().sum() > 0

@@ -160,3 +160,35 @@ def test_save_every_minutes_checkpoints_by_time(tiny_models, tiny_prompts, tmp_p
     settings = [s for s in _settings(tiny_models, tiny_prompts, out, mode="sequential", steps=3)]
     train(load_config(None, settings + ["run.save_every_minutes=1e-6", "run.keep_checkpoints=10"]), progress=False)
     assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == [f"step_00000{i}" for i in (1, 2, 3)]
+
+
+def test_sigterm_during_the_final_save_waits_for_it(tiny_models, tiny_prompts, tmp_path, monkeypatch, capsys):
+    """A signal after the last step (here: as the final checkpoint starts, with the default
+    run.save_final=full and no periodic saves) lets that checkpoint finish: every step is kept."""
+    import oppo.run
+    from oppo.cli import _terminate_like_ctrl_c, main
+
+    real = oppo.run.save_checkpoint
+
+    def signalled(*a, **k):
+        os.kill(os.getpid(), signal.SIGTERM)  # handled here, in the main thread, before the save begins
+        return real(*a, **k)
+
+    monkeypatch.setattr(oppo.run, "save_checkpoint", signalled)
+    out = tmp_path / "run"
+    settings = [s for s in _settings(tiny_models, tiny_prompts, out, mode="sequential") if "run.steps" not in s]
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    _terminate_like_ctrl_c()  # the `oppo` command's handlers (main(argv) from Python leaves signals alone)
+    try:
+        rc = main(["train", *settings, "run.steps=2"])
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    err = capsys.readouterr().err
+    assert rc == 0, err[-3000:]
+    ckpt = latest_checkpoint(out)
+    assert ckpt is not None and ckpt.name == "step_000002", "the final checkpoint was lost to the signal"
+    assert json.loads((ckpt / "state.json").read_text())["step"] == 2
+    assert (ckpt / "optim.pt").is_file(), "a full, resumable checkpoint"
+    assert "SIGTERM: writing the final checkpoint (all steps are done)" in err
+    assert f"all 2 steps are trained and the final checkpoint {ckpt} holds them" in err

@@ -218,3 +218,28 @@ def test_a_spec_reward_function_asking_for_a_missing_column(tiny_models, tmp_pat
     with pytest.raises(oppo.PreflightError, match=r"reward.function: colscore.score asks for the column 'answer', "
                                                   r"which the prompt set does not have \(it has: prompt, id"):
         oppo.train(cfg)
+
+
+def test_one_object_for_two_roles_is_refused_by_name(tiny_models, nothing_loads):
+    """critic=rm with reward_model=rm, or reference=policy, is refused before anything loads, naming
+    both keywords and the fix (it failed with a raw PyTorch error naming no input)."""
+    policy, tok, rm = _objects(tiny_models)
+    cfg = oppo.load_config(overrides=TINY)
+    with pytest.raises(oppo.PreflightError) as info:
+        oppo.Trainer(cfg, policy=policy, tokenizer=tok, reward_model=rm, critic=rm, prompts=["a day"])
+    msg = str(info.value)
+    assert "critic= and reward_model= are the same object (LlamaForSequenceClassification)" in msg
+    assert "Leave critic= out" in msg
+    with pytest.raises(oppo.PreflightError, match=r"policy= and reference= are the same object \(LlamaForCausalLM\)"
+                                                  r": the policy trains in place.*Leave reference= out"):
+        oppo.train(cfg, policy=policy, tokenizer=tok, reference=policy, reward_model=rm, prompts=["a day"])
+
+
+def test_train_prints_the_runs_summary(tiny_models, tiny_prompts, tmp_path, capsys):
+    """oppo.train closes with the summary `oppo train` prints (done: N steps, the run directory)."""
+    cfg = oppo.load_config(overrides=[*TINY, f"policy.path={tiny_models['policy']}",
+                                      f"reward.path={tiny_models['reward']}", f"data.prompts={tiny_prompts}",
+                                      "run.steps=1", "run.save_final=none", f"run.out_dir={tmp_path / 'run'}"])
+    run_dir = oppo.train(cfg)
+    out = capsys.readouterr().out
+    assert out.startswith("done: 1 steps (0-0) in ") and f"run directory: {run_dir}" in out

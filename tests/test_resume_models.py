@@ -75,7 +75,8 @@ def test_fingerprints_are_recorded_and_an_unchanged_resume_passes(case, tiny_pro
     models, out = case
     ckpt = latest_checkpoint(out)
     saved = json.loads((ckpt / MODELS_FILE).read_text())
-    assert set(saved) == {"reference", "reward", "critic", "tokenizer"}
+    assert set(saved) == {"reference", "reward", "critic", "tokenizer", "prompts"}  # (no chat template used)
+    assert saved["prompts"]["path"] == str(tiny_prompts) and saved["prompts"]["fingerprint"].startswith("p1:")
     assert saved["reference"]["path"] == str(models["reference"])
     assert MODELS_FILE in json.loads((ckpt / MANIFEST_FILE).read_text())  # written before the manifest
     run(models, tiny_prompts, out, 2, resume="auto")
@@ -214,3 +215,47 @@ def test_fingerprints_of_the_first_scheme_are_not_compared():
     old = {"reference": {"path": "r", "fingerprint": "9f"}, "tokenizer": {"path": "p", "fingerprint": "ce"}}
     assert changed_models(old, now) == [("tokenizer", "p", "p")]  # the weights' schemes differ: unchecked
     assert changed_models({**old, "reference": {"path": "r", "fingerprint": "w2:ac"}}, now)[0][0] == "reference"
+
+
+def test_changed_prompt_file_or_chat_template_is_refused(tiny_models, tmp_path, capsys):
+    """A resume reads the prompt set and the chat template again: a line inserted at the top of the
+    JSONL (every record after it moves: a carried sequence would be scored with another record's
+    column) or another template is refused, naming it, before any state is restored."""
+    import json as _json
+
+    models = {"policy": tmp_path / "policy", "reward": tiny_models["reward"], "reference": tmp_path / "policy"}
+    shutil.copytree(tiny_models["policy"], models["policy"])
+    cfg_path = models["policy"] / "tokenizer_config.json"
+    conf = _json.loads(cfg_path.read_text())
+    conf["chat_template"] = "{% for m in messages %}we . {{ m['content'] }} .{% endfor %} it"
+    cfg_path.write_text(_json.dumps(conf))
+    prompts = tmp_path / "prompts.jsonl"
+    lines = [_json.dumps({"prompt": [{"role": "user", "content": t}], "answer": i})
+             for i, t in enumerate(["the film was", "a day", "i liked the book", "the story is"])]
+    prompts.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "run"
+    run(models, prompts, out, 1)
+    saved = json.loads((latest_checkpoint(out) / MODELS_FILE).read_text())
+    assert {"prompts", "chat_template"} <= set(saved), "conversations went through the template: both recorded"
+    before = snapshot(out)
+
+    prompts.write_text(_json.dumps({"prompt": [{"role": "user", "content": "a great"}], "answer": 9}) + "\n"
+                       + "\n".join(lines) + "\n")
+    capsys.readouterr()
+    assert main(["train", "--resume", "auto", *settings(models, prompts, out, 2)]) == 2
+    err = error_line(capsys)
+    assert err.startswith("oppo: error: cannot resume from") and "Traceback" not in err
+    assert f"the prompt set at {prompts} differs" in err and "chat template" not in err
+    assert "reference model" not in err and "Restore the prompt set" in err
+    assert f"policy.path={latest_checkpoint(out) / 'policy'}" in err
+    assert snapshot(out) == before, "the refused resume changed the run directory"
+
+    prompts.write_text("\n".join(lines) + "\n")  # the prompts as they were, another template
+    conf["chat_template"] = "{% for m in messages %}i . {{ m['content'] }} .{% endfor %} it"
+    cfg_path.write_text(_json.dumps(conf))
+    with pytest.raises(ModelLoadError, match=f"the chat template of the policy's tokenizer at {models['policy']}"):
+        run(models, prompts, out, 2, resume="auto")
+    conf["chat_template"] = "{% for m in messages %}we . {{ m['content'] }} .{% endfor %} it"  # restored: resumes
+    cfg_path.write_text(_json.dumps(conf))
+    run(models, prompts, out, 2, resume="auto")
+    assert latest_checkpoint(out).name == "step_000002"

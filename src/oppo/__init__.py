@@ -13,8 +13,8 @@ The Python API, without the CLI::
     finally:
         trainer.close()                  # stops the scorer worker
 
-    run_dir = oppo.train(cfg)            # or all of `oppo train`: run directory, metrics, checkpoints
-    print(oppo.run_summary(run_dir))
+    run_dir = oppo.train(cfg)            # or all of `oppo train`: run directory, metrics, checkpoints,
+                                         # and its summary (done: N steps ..., oppo.run_summary) at the end
     oppo.make_report([run_dir], run_dir / "report")
 
 Your own objects in place of paths (docs/python-api.md)::

@@ -293,12 +293,16 @@ def _load(trainer, ckpt: Path) -> None:
                              "rng": torch.load(ckpt / "rng.pt", weights_only=False)})
 
 
+DATA_ROLES = ("prompts", "chat_template")
+"""Entries of ``models.json`` that fingerprint the data, not a model (fingerprint.run_fingerprints)."""
+
+
 def check_models(trainer, ckpt: Path) -> None:
     """Refuse, with a :class:`~oppo.models.ModelLoadError` naming each one, its path and the fix, a
-    resume whose reference model, reward model, critic initialisation or tokenizer differs from
-    the one the checkpoint's run started with (``models.json``; ``fingerprint.py``); with
-    ``run.allow_changed_models`` warn and go on. Checkpoints written before fingerprints resume
-    unchecked."""
+    resume whose reference model, reward model, critic initialisation, tokenizer, prompt set or
+    chat template differs from the one the checkpoint's run started with (``models.json``;
+    ``fingerprint.py``); with ``run.allow_changed_models`` warn and go on. Checkpoints written
+    before fingerprints (or before the data's) resume unchecked (by what they lack)."""
     import warnings
 
     from .fingerprint import changed_models
@@ -312,19 +316,38 @@ def check_models(trainer, ckpt: Path) -> None:
     if not changed:
         return
     what = {"reference": "the reference model", "reward": "the reward model",
-            "critic": "the critic's initialisation", "tokenizer": "the policy's tokenizer"}
-    names = "; ".join(f"{what.get(role, role)} at {at}" + (f" (was {then} when saved)" if then != at else "")
-                      for role, then, at in changed)
+            "critic": "the critic's initialisation", "tokenizer": "the policy's tokenizer",
+            "prompts": "the prompt set", "chat_template": "the chat template of the policy's tokenizer"}
+    data = [c for c in changed if c[0] in DATA_ROLES]
+    models = [c for c in changed if c[0] not in DATA_ROLES]
+
+    def named(items) -> str:
+        return "; ".join(f"{what.get(role, role)} at {at}" + (f" (was {then} when saved)" if then != at else "")
+                         for role, then, at in items)
+
+    names = named(changed)
     if trainer.cfg.run.allow_changed_models:
-        warnings.warn(f"resuming from {ckpt} although these hold other weights than when it was saved "
+        warnings.warn(f"resuming from {ckpt} although these differ from when it was saved "
                       f"(run.allow_changed_models=true): {names}.", stacklevel=2)
         return
-    objects = any(at.startswith("<object") for _, _, at in changed)  # given from Python (inputs.py)
-    restore = ("Pass the models as they were when the run started (a policy object is trained in place: load it "
-               "again, e.g. with from_pretrained; the reference and the critic start from its initial weights)"
-               if objects else f"Restore the original files at {'that path' if len(changed) == 1 else 'those paths'}")
+    said = []
+    if models:
+        objects = any(at.startswith("<object") for _, _, at in models)  # given from Python (inputs.py)
+        restore = ("Pass the models as they were when the run started (a policy object is trained in place: load "
+                   "it again, e.g. with from_pretrained; the reference and the critic start from its initial "
+                   "weights)" if objects else
+                   f"Restore the original files at {'that path' if len(models) == 1 else 'those paths'}")
+        said.append(f"{named(models)} {'holds' if len(models) == 1 else 'hold'} other weights than when the "
+                    f"checkpoint's run started (their fingerprints in {MODELS_FILE} differ), so the resumed run would "
+                    f"train against other models (its KL, rewards and values would jump). {restore}")
+    if data:
+        said.append(f"{named(data)} {'differs' if len(data) == 1 else 'differ'} from when the checkpoint's run "
+                    f"started (the fingerprint in {MODELS_FILE} differs: a prompt or a column added, removed or "
+                    f"edited, or another template), so the checkpoint's data position would name other records: "
+                    f"sequences in flight would be scored with another record's columns and the epoch would go on "
+                    f"in another order. Restore the prompt set (the file, or the object given from Python) and the "
+                    f"template as they were; to train on the new ones, start a new run from the checkpoint's "
+                    f"weights (policy.path={Path(ckpt) / 'policy'}, no --resume)")
     raise ModelLoadError(
-        f"cannot resume from {ckpt}: {names} {'holds' if len(changed) == 1 else 'hold'} other weights than when "
-        f"the checkpoint's run started (their fingerprints in {MODELS_FILE} differ), so the resumed run would "
-        f"train against other models (its KL, rewards and values would jump). {restore}, or, if the change is "
-        f"deliberate, resume with run.allow_changed_models=true. Nothing in the run directory was changed.")
+        f"cannot resume from {ckpt}: " + ". ".join(said) + ". If the change is deliberate, resume with "
+        f"run.allow_changed_models=true. Nothing in the run directory was changed.")

@@ -29,13 +29,9 @@ def _train(argv: list[str]) -> int:
     if args.recipe == "list":
         return _recipes([])
     cfg = load_config(args.config, args.overrides, recipe=args.recipe)  # validation here, before any model loads
-    import time
+    from .run import train
 
-    from .run import run_summary, train
-
-    t0 = time.perf_counter()
-    run_dir = train(cfg, resume=args.resume)
-    print(run_summary(run_dir, time.perf_counter() - t0, link=cfg.run.out_dir))
+    train(cfg, resume=args.resume)  # (it prints the run's summary: done, reward, run directory)
     return 0
 
 
@@ -122,8 +118,10 @@ def _terminate_like_ctrl_c() -> None:
         from .run import STOP
 
         if STOP.request(signum):
-            print(f"\noppo: {signal.Signals(signum).name}: finishing this step, then writing a checkpoint "
-                  f"(a second signal stops at once, without one)", file=sys.stderr)
+            doing = ("writing the final checkpoint (all steps are done)" if STOP.final else
+                     "finishing this step, then writing a checkpoint")
+            print(f"\noppo: {signal.Signals(signum).name}: {doing} (a second signal stops at once, without one)",
+                  file=sys.stderr)
             return
         raise KeyboardInterrupt(signum)
 

@@ -1,5 +1,7 @@
 """Prompt sets: JSONL, anything ``datasets`` loads, or (from Python) a ``datasets.Dataset`` or a
-list of str or dicts; tokenised once; an endless seeded stream.
+list of str or dicts; tokenised once; an endless seeded stream. A prompt is a text or a
+conversation: a list of messages (``[{"role": "user", "content": "..."}]``, the format of TRL's
+conversational data sets), which always goes through the tokenizer's chat template.
 
 Position ``i`` of the stream is prompt ``order(epoch)[i % N]`` with ``epoch = i // N`` and a
 per-epoch permutation seeded by ``(seed, epoch)``, so the data position alone (an int saved in
@@ -31,12 +33,32 @@ ALL_COLUMNS = ("*",)
 """``columns=ALL_COLUMNS``: carry every column (a reward function with ``**kwargs``)."""
 
 
+def is_conversation(x: Any) -> bool:
+    """Whether ``x`` is a prompt given as messages: a non-empty list of dicts, each with a ``role``
+    and a ``content``."""
+    return (isinstance(x, (list, tuple)) and len(x) > 0
+            and all(isinstance(m, dict) and "role" in m and "content" in m for m in x))
+
+
+def is_prompt(x: Any) -> bool:
+    """A text or a conversation (:func:`is_conversation`)."""
+    return isinstance(x, str) or is_conversation(x)
+
+
+MESSAGES = '[{"role": "user", "content": "..."}]'
+
+
+def _prompt_value(x: Any) -> Any:
+    """A prompt as read: a conversation as a list of plain dicts, anything else as text."""
+    return [dict(m) for m in x] if is_conversation(x) else str(x)
+
+
 @dataclass
 class Records:
     """A prompt set as read, before tokenising: each record's prompt and the other columns asked
     for (name -> one value per record); ``available``: every column every record has."""
 
-    texts: list[str]
+    texts: list  # each a str, or a conversation (a list of message dicts)
     columns: dict[str, list] = dc_field(default_factory=dict)
     available: list[str] = dc_field(default_factory=list)
 
@@ -64,13 +86,19 @@ def read_jsonl_records(path: Path, field: str, columns: Sequence[str] = ()) -> R
             if not isinstance(rec, dict) or field not in rec:
                 raise DataError(f"{path}:{lineno}: no field {field!r} in this record. Set data.field to the "
                                 f"name of the prompt field.")
-            if not isinstance(rec[field], str):
-                raise DataError(f"{path}:{lineno}: field {field!r} must be a string, got "
-                                f"{type(rec[field]).__name__}.")
+            if not is_prompt(rec[field]):
+                raise DataError(f"{path}:{lineno}: field {field!r} must be a string or a list of messages "
+                                f"({MESSAGES}), got {_kind(rec[field])}.")
             out.append(rec[field])
             if columns:
                 recs.append(rec)
     return _from_dicts(out, recs, columns)
+
+
+def _kind(x: Any) -> str:
+    if isinstance(x, list):
+        return "a list that is not messages (each needs a 'role' and a 'content')" if x else "an empty list"
+    return type(x).__name__
 
 
 def _from_dicts(texts: list[str], recs: list[dict], columns: Sequence[str]) -> Records:
@@ -91,9 +119,10 @@ def records_from_object(obj: Any, field: str, split: str = "train", columns: Seq
     available = object_columns(obj, field, split)
     if _is_dataset(obj):
         ds = obj[split] if _is_dataset_dict(obj) else obj
-        return Records([str(x) for x in ds[field]], {c: list(ds[c]) for c in _wanted(available, columns)}, available)
+        return Records([_prompt_value(x) for x in ds[field]], {c: list(ds[c]) for c in _wanted(available, columns)},
+                       available)
     items = list(obj)
-    if isinstance(items[0], str):
+    if not isinstance(items[0], dict):  # the prompts themselves: texts or conversations
         return Records(items, {c: list(items) for c in _wanted(available, columns)}, available)
     return Records([r[field] for r in items], {c: [r[c] for r in items] for c in _wanted(available, columns)},
                    available)
@@ -105,7 +134,7 @@ def object_columns(obj: Any, field: str, split: str = "train") -> list[str]:
     if _is_dataset(obj):
         return list((obj[split] if _is_dataset_dict(obj) else obj).column_names)
     items = list(obj)
-    if isinstance(items[0], str):
+    if not isinstance(items[0], dict):
         return [field]
     return [k for k in items[0] if all(k in r for r in items)]
 
@@ -142,17 +171,18 @@ def object_problems(obj: Any, field: str, split: str = "train") -> list[str]:
                 f"data.field={field!r}), got {type(obj).__name__}. (A path is given as data.prompts.)"]
     if not obj:
         return [f"{key} is an empty list. Give at least one prompt."]
-    if all(isinstance(x, str) for x in obj):
+    if all(is_prompt(x) for x in obj):  # texts, conversations (lists of messages), or both
         return []
     for i, x in enumerate(obj):
         if not isinstance(x, dict):
-            return [f"{key}[{i}] is a {type(x).__name__}: give a list of str, or a list of dicts each with the "
-                    f"prompt under data.field={field!r}, not a mix."]
+            return [f"{key}[{i}] is {_kind(x)}: give a list of prompts (each a str or a list of messages, "
+                    f"{MESSAGES}), or a list of dicts each with the prompt under data.field={field!r}, not a mix."]
         if field not in x:
             return [f"{key}[{i}] has no key {field!r} (it has {', '.join(map(repr, x)) or 'none'}); set "
                     f"data.field to the name of the prompt field."]
-        if not isinstance(x[field], str):
-            return [f"{key}[{i}][{field!r}] must be a string, got {type(x[field]).__name__}."]
+        if not is_prompt(x[field]):
+            return [f"{key}[{i}][{field!r}] must be a string or a list of messages ({MESSAGES}), got "
+                    f"{_kind(x[field])}."]
     return []
 
 
@@ -215,7 +245,7 @@ def _read_with_datasets(source: str, p: Path, field: str, split: str, columns: S
         if x is None:
             raise DataError(f"Prompt set {source}: record {i} has no value in column {field!r}.")
     cols = _wanted(ds.column_names, columns)
-    return Records([str(x) for x in values], {c: list(ds[c]) for c in cols}, list(ds.column_names))
+    return Records([_prompt_value(x) for x in values], {c: list(ds[c]) for c in cols}, list(ds.column_names))
 
 
 @dataclass
@@ -223,8 +253,9 @@ class PromptSet:
     """Tokenised prompts plus counts of those truncated or skipped (reported in the metrics).
 
     ``texts``: each prompt as the policy sees it (chat template applied, truncated); ``raw``: as
-    the data set holds it; ``columns``: the other columns carried for the reward function and
-    the judge (name -> one value per prompt), all aligned with ``ids``."""
+    the data set holds it (a text, or a conversation's messages); ``columns``: the other columns
+    carried for the reward function and the judge (name -> one value per prompt), all aligned with
+    ``ids``; ``templated``: some prompts went through the tokenizer's chat template."""
 
     texts: list[str]
     ids: list[list[int]]
@@ -232,8 +263,9 @@ class PromptSet:
     skipped: int
     seed: int
     shuffle: bool
-    raw: list[str] = dc_field(default_factory=list)
+    raw: list = dc_field(default_factory=list)
     columns: dict[str, list] = dc_field(default_factory=dict)
+    templated: bool = False
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -294,25 +326,35 @@ def _truncate(tok: list[int], frame: list[int], budget: int) -> list[int] | None
     return tok[:head] + tok[head: len(tok) - tail][-body:] + tok[len(tok) - tail:]
 
 
-def build_prompt_set(texts: list[str], tokenizer, cfg: DataConfig, seed: int,
+def build_prompt_set(texts: list, tokenizer, cfg: DataConfig, seed: int,
                      columns: dict[str, list] | None = None) -> PromptSet:
-    """Tokenise the prompts (through the chat template when asked). A prompt longer than
-    ``data.max_prompt_tokens`` is skipped, or truncated: its frame (BOS, the template's header
+    """Tokenise the prompts: a conversation (a list of messages) through the tokenizer's chat
+    template, a text too when ``data.chat_template`` asks (as one user message). A prompt longer
+    than ``data.max_prompt_tokens`` is skipped, or truncated: its frame (BOS, the template's header
     and assistant turn) stays and the start of the user's text is cut, keeping its end, nearest
     to where the response begins. The prompt text the reward function sees is then the decoded
     truncated prompt, what the policy actually saw. ``columns``: the records' other columns (one
     value per text), kept for the prompts kept."""
     raw = list(texts)
-    if cfg.chat_template:
-        if not getattr(tokenizer, "chat_template", None):
-            raise DataError("data.chat_template=true but the policy's tokenizer has no chat template; "
-                            "set data.chat_template=false or use a tokenizer with one.")
-        texts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
-                                               add_generation_prompt=True) for t in texts]
-    frame = None
+    chats = [is_conversation(t) for t in raw]
+    templated = [c or cfg.chat_template for c in chats]
+    if any(templated) and not getattr(tokenizer, "chat_template", None):
+        if any(chats):
+            first = chats.index(True)
+            raise DataError(f"prompt {first} (and {sum(chats) - 1} more) is a conversation (a list of messages), "
+                            f"which goes through the tokenizer's chat template, but the policy's tokenizer has none. "
+                            f"Use a tokenizer with a chat template (an instruct model's), or give plain-text "
+                            f"prompts.")
+        raise DataError("data.chat_template=true but the policy's tokenizer has no chat template; "
+                        "set data.chat_template=false or use a tokenizer with one.")
+    texts = [tokenizer.apply_chat_template(t if c else [{"role": "user", "content": t}], tokenize=False,
+                                           add_generation_prompt=True) if tm else t
+             for t, c, tm in zip(raw, chats, templated)]
+    frames: dict[bool, list[int]] = {}
     keep_texts, ids, kept, truncated, skipped = [], [], [], 0, 0
     for j, t in enumerate(texts):
-        tok = tokenizer(t, add_special_tokens=not cfg.chat_template)["input_ids"]
+        tm = templated[j]
+        tok = tokenizer(t, add_special_tokens=not tm)["input_ids"]
         if not tok:
             skipped += 1
             continue
@@ -320,14 +362,14 @@ def build_prompt_set(texts: list[str], tokenizer, cfg: DataConfig, seed: int,
             if cfg.on_long_prompt == "skip":
                 skipped += 1
                 continue
-            if frame is None:
-                frame = _frame(tokenizer, cfg.chat_template)
-            cut = _truncate(tok, frame, cfg.max_prompt_tokens)
+            if tm not in frames:
+                frames[tm] = _frame(tokenizer, tm)
+            cut = _truncate(tok, frames[tm], cfg.max_prompt_tokens)
             if cut is None:
                 raise DataError(f"data.max_prompt_tokens={cfg.max_prompt_tokens} leaves no room for the prompt's "
-                                f"text beside its frame tokens (BOS, chat template: {len(frame)}); raise it.")
+                                f"text beside its frame tokens (BOS, chat template: {len(frames[tm])}); raise it.")
             tok = cut
-            t = tokenizer.decode(tok, skip_special_tokens=not cfg.chat_template)
+            t = tokenizer.decode(tok, skip_special_tokens=not tm)
             truncated += 1
         keep_texts.append(t)
         ids.append(tok)
@@ -336,4 +378,5 @@ def build_prompt_set(texts: list[str], tokenizer, cfg: DataConfig, seed: int,
         raise DataError(f"No usable prompt: all {len(texts)} were empty or longer than data.max_prompt_tokens="
                         f"{cfg.max_prompt_tokens} with data.on_long_prompt=skip.")
     return PromptSet(keep_texts, ids, truncated, skipped, seed, cfg.shuffle, raw=[raw[j] for j in kept],
-                     columns={name: [values[j] for j in kept] for name, values in (columns or {}).items()})
+                     columns={name: [values[j] for j in kept] for name, values in (columns or {}).items()},
+                     templated=any(templated[j] for j in kept))

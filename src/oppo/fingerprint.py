@@ -1,6 +1,7 @@
-"""Fingerprints of the models a run reads but does not train, so a resume notices when one of them
-was re-exported with other weights at the same path (it would load silently, and the run would
-train against another model).
+"""Fingerprints of the models and data a run reads but does not train, so a resume notices when one
+of them was re-exported with other weights at the same path (it would load silently, and the run
+would train against another model), or when the prompt set or the chat template changed (the
+checkpoint's data position would name other records).
 
 Recorded in every checkpoint (``models.json``), computed once per run when the models load,
 compared on resume (:func:`changed_models`). A weights fingerprint is sha256 over every tensor's
@@ -83,15 +84,47 @@ def tokenizer_fingerprint(tok) -> str:
     return h.hexdigest()
 
 
+PROMPTS_SCHEME = "p1"
+"""Prefix of a prompt set's fingerprint (``"p1:<hex>"``)."""
+
+
+def prompts_fingerprint(prompt_set) -> str:
+    """``"p1:"`` + sha256 (hex) of what a run reads from its prompt set, in record order: each
+    prompt as the data set holds it (a text, or a conversation's messages), as tokenised (chat
+    template applied, truncated) and the columns carried for the reward function and the judge.
+    A resume's data position names a record by its index, so a line inserted, removed or edited
+    (or another template) would make it another record, with another record's columns."""
+    h = hashlib.sha256()
+    h.update(json.dumps(prompt_set.raw or prompt_set.texts, default=str).encode())
+    h.update(json.dumps(prompt_set.ids).encode())
+    for name in sorted(prompt_set.columns):
+        h.update(json.dumps([name, prompt_set.columns[name]], default=str, sort_keys=True).encode())
+    return f"{PROMPTS_SCHEME}:{h.hexdigest()}"
+
+
+def chat_template_fingerprint(tok) -> str:
+    """sha256 (hex) of a tokenizer's chat template (``"none"`` hashed when it has none)."""
+    template = getattr(tok, "chat_template", None)
+    return hashlib.sha256(json.dumps(template if template is not None else "none", sort_keys=True,
+                                     default=str).encode()).hexdigest()
+
+
 def run_fingerprints(roles) -> dict:
-    """``{role: {"path", "fingerprint"}}`` of the models a run reads (a :class:`~oppo.setup.build.Roles`,
-    just built): the reference (without ``reference.path`` the initial policy, or with LoRA its
-    base: the policy's path), the reward models (not a reward function), the critic as initialised
-    (critic-free algorithms have none) and the policy's tokenizer."""
+    """``{role: {"path", "fingerprint"}}`` of the models and data a run reads (a
+    :class:`~oppo.setup.build.Roles`, just built): the reference (without ``reference.path`` the
+    initial policy, or with LoRA its base: the policy's path), the reward models (not a reward
+    function), the critic as initialised (critic-free algorithms have none), the policy's
+    tokenizer, the prompt set (``prompts``: :func:`prompts_fingerprint`) and, where the prompts went
+    through it, the tokenizer's chat template (``chat_template``)."""
     paths = roles.paths
     out = {"reference": {"path": paths.reference or paths.policy,
                          "fingerprint": weights_fingerprint(roles.reference)},
            "tokenizer": {"path": paths.policy, "fingerprint": tokenizer_fingerprint(roles.tokenizer)}}
+    data = roles.cfg.data
+    source = data.prompts or f"the {data.task} task's prompts"
+    out["prompts"] = {"path": source, "fingerprint": prompts_fingerprint(roles.prompt_set)}
+    if getattr(roles.prompt_set, "templated", False):
+        out["chat_template"] = {"path": paths.policy, "fingerprint": chat_template_fingerprint(roles.tokenizer)}
     if roles.reward_model is not None:
         out["reward"] = {"path": paths.reward, "fingerprint": weights_fingerprint(roles.reward_model)}
     if roles.extra_reward_models:  # reward.terms' further reward models, by scorer role
@@ -119,4 +152,5 @@ def _scheme(fp) -> str:
     return str(fp).split(":", 1)[0] if ":" in str(fp) else ""
 
 
-__all__ = ["changed_models", "run_fingerprints", "tokenizer_fingerprint", "weights_fingerprint"]
+__all__ = ["changed_models", "chat_template_fingerprint", "prompts_fingerprint", "run_fingerprints",
+           "tokenizer_fingerprint", "weights_fingerprint"]

@@ -136,11 +136,12 @@ def load_model_config(path: str, role: str, trust_remote_code: bool = False):
 
 
 def check_scorer_config(config, path: str, role: str, require_one_label: bool,
-                        architectures: list[str] | None = None) -> None:
+                        architectures: list[str] | None = None, new_head: bool = False) -> None:
     """Before loading weights: a reward/critic model must be a causal (decoder-only) backbone with
     a one-label head. ``require_one_label``: the reward model must already have it; a critic
     may start from a causal-LM checkpoint (a fresh one-label head is created). ``architectures``:
-    the model's class names where its config does not say (an object not loaded from a directory)."""
+    the model's class names where its config does not say (an object not loaded from a directory).
+    ``new_head``: a causal LM is accepted as the reward model too (``reward.new_head``)."""
     if not is_causal_architecture(config):
         raise ModelLoadError(
             f"The {role} model {_at(path)} is a {getattr(config, 'model_type', '?')} model, not a decoder-only "
@@ -150,6 +151,8 @@ def check_scorer_config(config, path: str, role: str, require_one_label: bool,
             + (", or reward.function for a text scorer." if role == "reward" else "."))
     archs = architectures or getattr(config, "architectures", None) or []
     is_classifier = any(a.endswith("ForSequenceClassification") for a in archs)
+    if new_head and not_a_classifier(archs):  # a fresh one-label head replaces the LM head (reward.new_head)
+        return
     if require_one_label and (why := not_a_classifier(archs)):
         raise ModelLoadError(f"The {role} model {_at(path)} {why}")
     n = getattr(config, "num_labels", 1)
@@ -167,7 +170,9 @@ def not_a_classifier(architectures: list[str] | None) -> str:
         return ""
     return (f"is a {lm[0]}: this is not a sequence classifier (a reward model is a one-label "
             f"...ForSequenceClassification, trained on preference pairs, e.g. with TRL's RewardTrainer). Give "
-            f"reward.path a reward model, or score text with reward.function=module:function.")
+            f"reward.path a reward model, or score text with reward.function=module:function; to try the pipeline "
+            f"with it anyway, as TRL's example scripts do, reward.new_head=true puts a fresh (random) one-label "
+            f"head on it.")
 
 
 def reward_function(fn: Callable, name: str) -> Callable:
@@ -189,7 +194,8 @@ def reward_function(fn: Callable, name: str) -> Callable:
 
 
 def check_roles(policy_tok, reward: str | None = None, critic: str | None = None,
-                reference: str | None = None, objects: dict | None = None, policy=None) -> None:
+                reference: str | None = None, objects: dict | None = None, policy=None,
+                new_head: bool = False) -> None:
     """Every check of the scorer roles that needs no weights, all problems at once: each is a
     causal backbone (reward: with one label) reading the policy's token ids. ``objects``: role ->
     a model given as an object (``inputs.Inputs``), checked in place of its path; ``policy``: the
@@ -211,7 +217,8 @@ def check_roles(policy_tok, reward: str | None = None, critic: str | None = None
                     raise ModelLoadError(f"The reference model at {path!r} is a {cfg.model_type} model, not a "
                                          f"causal LM; use the policy's base model (AutoModelForCausalLM).")
             else:
-                check_scorer_config(cfg, path, role, require_one_label=role == "reward")
+                check_scorer_config(cfg, path, role, require_one_label=role == "reward",
+                                    new_head=new_head and role == "reward")
             check_tokenizer_match(policy_tok, path, role, getattr(_text_config(cfg), "vocab_size", None))
         except ModelLoadError as e:
             problems.append(str(e))
@@ -312,11 +319,52 @@ def tokenizer_from_object(tok):
     return _ready_for_generation(copy.deepcopy(tok), "The tokenizer given as an object")
 
 
-def load_reward_model(path: str, device: torch.device, dtype: torch.dtype, pad_token_id: int):
-    from transformers import AutoModelForSequenceClassification
+def is_causal_lm_checkpoint(path: str) -> bool:
+    """Whether the checkpoint at ``path`` was saved as a causal LM, not a sequence classifier."""
+    return bool(not_a_classifier(getattr(load_model_config(path, "reward"), "architectures", None)))
 
-    check_scorer_config(load_model_config(path, "reward"), path, "reward", require_one_label=True)
-    model = _from_pretrained(AutoModelForSequenceClassification, path, "reward", dtype=dtype, num_labels=1)
+
+NEW_HEAD_SEED = 0
+"""Seed of the fresh reward head (``reward.new_head``): every process that loads it, and every
+resume, gets the same head, so the reward model's fingerprint and scores agree."""
+
+
+def seed_new_head(model) -> None:
+    """Re-initialise a sequence classifier's one-label head from :data:`NEW_HEAD_SEED` (normal, the
+    config's ``initializer_range``; bias zero): Hugging Face draws a missing head from the global
+    RNG, which differs between processes."""
+    head = getattr(model, "score", None) or getattr(model, "classifier", None)
+    weight = getattr(head, "weight", None)
+    if weight is None:
+        raise ModelLoadError(f"reward.new_head: {type(model).__name__} has no 'score' or 'classifier' head to "
+                             f"initialise; give a one-label reward model instead.")
+    g = torch.Generator().manual_seed(NEW_HEAD_SEED)
+    std = float(getattr(model.config, "initializer_range", 0.02) or 0.02)
+    with torch.no_grad():
+        weight.copy_((torch.randn(tuple(weight.shape), generator=g) * std).to(weight.dtype))
+        if getattr(head, "bias", None) is not None:
+            head.bias.zero_()
+
+
+def load_reward_model(path: str, device: torch.device, dtype: torch.dtype, pad_token_id: int,
+                      new_head: bool = False):
+    """A one-label sequence classifier, frozen. ``new_head`` (``reward.new_head``): a causal LM at
+    ``path`` gets a fresh one-label head (:func:`seed_new_head`) instead of being refused."""
+    from transformers import AutoModelForSequenceClassification
+    from transformers.utils import logging as hf_logging
+
+    config = load_model_config(path, "reward")
+    check_scorer_config(config, path, "reward", require_one_label=True, new_head=new_head)
+    fresh = new_head and bool(not_a_classifier(getattr(config, "architectures", None)))
+    verbosity = hf_logging.get_verbosity()
+    if fresh:
+        hf_logging.set_verbosity_error()  # "newly initialised score head": asked for, and said once by setup
+    try:
+        model = _from_pretrained(AutoModelForSequenceClassification, path, "reward", dtype=dtype, num_labels=1)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    if fresh:
+        seed_new_head(model)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = pad_token_id
     model = model.to(device).eval().requires_grad_(False)

@@ -148,7 +148,10 @@ def _not_a_classifier(architectures) -> str:
     return not_a_classifier(architectures if isinstance(architectures, list) else None)
 
 
-def _model_problems(role: str, key: str, path: str, hub_names: list[tuple[str, str]]) -> list[str]:
+def _model_problems(role: str, key: str, path: str, hub_names: list[tuple[str, str]],
+                    new_head: bool = False) -> list[str]:
+    """A model directory's problems found without loading it. ``new_head``: a causal LM is a
+    reward model too (``reward.new_head``)."""
     if not _looks_local(path):
         hub_names.append((key, path))
         return []
@@ -169,7 +172,8 @@ def _model_problems(role: str, key: str, path: str, hub_names: list[tuple[str, s
         out.append(f"{key}={path!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES[:2])}, ...); "
                    f"save it beside the model with tokenizer.save_pretrained(dir).")
     if role == "reward" and isinstance(conf, dict) and (why := _not_a_classifier(conf.get("architectures"))):
-        out.append(f"{key}={path!r} {why}")
+        if not new_head:
+            out.append(f"{key}={path!r} {why}")
     elif role == "reward" and isinstance(conf, dict):
         labels = len(conf["id2label"]) if isinstance(conf.get("id2label"), dict) else conf.get("num_labels")
         if isinstance(labels, int) and labels != 1:
@@ -341,7 +345,36 @@ def object_problems(cfg: Config, inputs: Inputs) -> list[str]:
 
         for role, kw, m in models:
             problems += model_object_problems(tok, role, m, kw) if tok is not None else model_problems(role, kw, m)
+    problems += _shared_objects(models)
     return problems
+
+
+# why one model object cannot serve two roles (kw pair -> what would go wrong, and the fix)
+_SHARED = {
+    ("policy", "reference"): "the policy trains in place, so the reference would move with it (its KL would "
+                             "stay 0). Leave reference= out: the run makes a frozen copy of the initial policy",
+    ("policy", "critic"): "both train, as two models. Leave critic= out (the critic starts from a copy of the "
+                          "reward model, else of the policy), or give a separately loaded one-label model",
+    ("policy", "reward_model"): "the policy trains in place and the reward model stays frozen",
+    ("reference", "critic"): "the critic trains in place and the reference stays frozen",
+    ("reference", "reward_model"): "they are different kinds of model (a causal LM and a one-label classifier)",
+    ("critic", "reward_model"): "the critic trains in place, so the reward would move with it. Leave critic= out: "
+                                "the run starts the critic from a copy of the reward model",
+}
+
+
+def _shared_objects(models: list[tuple[str, str, Any]]) -> list[str]:
+    """One problem per pair of roles given the same model object (``models``: (role, keyword,
+    object)), named by keyword, before anything loads: otherwise one role's update or freeze
+    lands on the other, and fails later in PyTorch, naming neither."""
+    out = []
+    for i, (_, kw_a, a) in enumerate(models):
+        for _, kw_b, b in models[i + 1:]:
+            if a is b:
+                why = _SHARED.get((kw_a, kw_b), "each role needs its own model")
+                fix = "" if ". " in why else "; give each its own object (e.g. copy.deepcopy, or load it again)"
+                out.append(f"{kw_a}= and {kw_b}= are the same object ({type(a).__name__}): {why}{fix}.")
+    return out
 
 
 def input_problems(cfg: Config, inputs: Inputs | None = None) -> list[str]:
@@ -365,7 +398,8 @@ def input_problems(cfg: Config, inputs: Inputs | None = None) -> list[str]:
     for role in ("policy", "reward", "critic", "reference"):
         path = getattr(cfg, role).path
         if path and not is_marker(path):
-            found = _model_problems(role, f"{role}.path", path, hub_names)
+            found = _model_problems(role, f"{role}.path", path, hub_names,
+                                    new_head=role == "reward" and cfg.reward.new_head)
             if role == "policy" and inputs.tokenizer is not None:  # (the tokenizer given as an object is used)
                 found = [p for p in found if "holds no tokenizer" not in p]
             problems += found

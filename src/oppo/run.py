@@ -67,6 +67,7 @@ class StopRequest:
     signum: int | None = None
     active: bool = False  # a training loop is running and will look at ``signum`` after its step
     run_dir: Path | None = None  # the run being trained (kept after the loop: the CLI's message names it)
+    final: bool = False  # the steps are done; the final checkpoint is being written (a signal waits for it)
 
     def request(self, signum: int) -> bool:
         """True: the loop will stop after its current step; False: interrupt now."""
@@ -471,7 +472,9 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True, *, poli
     checkpoint (or run) directory. Raises :class:`~oppo.preflight.PreflightError` before loading
     anything when the run directory, the checkpoint or the inputs are wrong. The keywords after
     ``progress`` give objects in place of settings, as :class:`~oppo.trainer.Trainer` takes them;
-    models that a role loads elsewhere are saved under the run directory's ``inputs/``.
+    models that a role loads elsewhere are saved under the run directory's ``inputs/``. With
+    ``progress``, a finished run prints its summary (:func:`run_summary`: ``done: N steps ...``) on
+    stdout, as ``oppo train`` does.
     """
     from transformers.utils import logging as hf_logging
 
@@ -481,6 +484,7 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True, *, poli
                    reward_fn=reward_fn, judge=judge, prompts=prompts)
     cfg, inputs = split_inputs(cfg, **objects)
     objects = {kw: getattr(inputs, kw) for kw in objects}  # (with those the settings held: now markers there)
+    t_start = time.perf_counter()
     hf_logging.disable_progress_bar()  # "Loading weights" bars for every role drown the run's own output
     plan = plan_run(cfg, resume, inputs)
     ckpt = plan.checkpoint
@@ -525,7 +529,7 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True, *, poli
         _keep_lines_before(lengths_path, first)
         earlier = _earlier_spans(run_dir / "trace.json", first) if cfg.log.trace else []
         bar = ProgressBar(cfg.run.steps, initial=first, enabled=cfg.log.progress)
-        STOP.signum, STOP.active, STOP.run_dir = None, True, run_dir
+        STOP.signum, STOP.active, STOP.final, STOP.run_dir = None, True, False, run_dir
         saved_at = time.monotonic()  # run.save_every_minutes counts from the start (or the resume)
         try:
             with open(lengths_path, "a" if ckpt else "w") as lengths:
@@ -562,10 +566,12 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True, *, poli
                         save_checkpoint(trainer, run_dir, cfg.run.keep_checkpoints)
                         saved_at = time.monotonic()
         finally:
-            STOP.active = False
             bar.close()
             if cfg.log.trace:  # also when interrupted: the trace of the steps run so far
                 trainer.tracer.save(run_dir / "trace.json", previous=earlier)
+        # STOP stays active through the last save: a signal now (the loop is done) waits for the checkpoint
+        # that holds every step, instead of interrupting it and losing them all
+        STOP.final = True
         if STOP.signum is not None and trainer.step < cfg.run.steps:
             # with the sequences in flight (trainer.state_dict), as every checkpoint
             saved = save_checkpoint(trainer, run_dir, cfg.run.keep_checkpoints)
@@ -575,18 +581,49 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True, *, poli
             res = trainer.last_result
             assert res is not None and res.exp.scores is not None  # the last step's trained, scored batch
             _print_samples(f"samples at step {trainer.step - 1}:", res.texts, res.exp.scores.tolist(), cfg.run.samples)
+        final = None
         if cfg.run.save_final != "none":
-            save_checkpoint(trainer, run_dir, cfg.run.keep_checkpoints, weights_only=cfg.run.save_final == "weights")
+            final = save_checkpoint(trainer, run_dir, cfg.run.keep_checkpoints,
+                                    weights_only=cfg.run.save_final == "weights")
         logger.close()
-    except BaseException:
-        if lock is not None and ckpt is None and trainer.step == 0:  # a new run of ours, no step done
+        STOP.active = False
+        if STOP.signum is not None:  # asked during the last step or the last save: both were finished
+            kept = f"the final checkpoint {final} holds them" if final is not None else "run.save_final=none"
+            print(f"oppo: {signal.Signals(STOP.signum).name} arrived as the run ended: all {cfg.run.steps} steps "
+                  f"are trained and {kept}; nothing is left to resume.", file=sys.stderr)
+    except BaseException as e:
+        removed = lock is not None and ckpt is None and trainer.step == 0  # a new run of ours, no step done
+        if removed:
             _remove_unfinished(run_dir, found)
+        if isinstance(e, Exception) and lock is not None:  # (a signal's stop has its own message: cli.py)
+            print(recovery_line(run_dir, trainer.step, removed, objects=bool(inputs)), file=sys.stderr, flush=True)
         raise
     finally:
+        STOP.active = STOP.final = False
         trainer.close()
         if lock is not None:
             lock.close()  # releases the flock
+    if progress:
+        print(run_summary(run_dir, time.perf_counter() - t_start, link=cfg.run.out_dir), flush=True)
     return run_dir
+
+
+def recovery_line(run_dir: Path, step: int, removed: bool, objects: bool = False) -> str:
+    """What a run that failed with an error kept, and how to go on: the run directory removed (no
+    step had finished), no checkpoint to resume from, or the checkpoint and the command (from
+    Python with the same objects, where the run was given objects)."""
+    if removed:
+        return (f"oppo: the run failed before its first step finished: nothing was trained, and what it wrote in "
+                f"{run_dir} was removed. Once fixed, start it again.")
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        return (f"oppo: the run failed in step {step}: the metrics and trace of its {step} finished steps are in "
+                f"{run_dir}, but it wrote no checkpoint (run.save_every, run.save_every_minutes), so it cannot be "
+                f"resumed. Once fixed, start a new run (a fresh run.out_dir).")
+    how = (f"oppo.train(cfg, resume={str(run_dir)!r}, ...) with the same settings and objects (the policy as it "
+           f"was at the start)" if objects else f"oppo train --resume {run_dir} (and the same settings)")
+    return (f"oppo: the run failed in step {step}; its last checkpoint is {ckpt} (step {checkpoint_step(ckpt)}). "
+            f"Once fixed, continue with: {how}.")
 
 
 def _used_settings(cfg: Config) -> dict:

@@ -32,6 +32,7 @@ class ModelSpec:
     pad_id: int | None = None
     trust_remote_code: bool = False
     packing: str = "auto"
+    new_head: bool = False  # reward: a causal LM gets a fresh one-label head (reward.new_head)
 
     def __post_init__(self):
         if self.role not in ROLES:
@@ -40,7 +41,8 @@ class ModelSpec:
             raise ValueError(f"ModelSpec for the {self.role} needs pad_id (the policy tokenizer's pad id)")
 
     def with_dtype(self, dtype: torch.dtype) -> "ModelSpec":
-        return ModelSpec(self.role, self.path, dtype, self.device, self.pad_id, self.trust_remote_code, self.packing)
+        return ModelSpec(self.role, self.path, dtype, self.device, self.pad_id, self.trust_remote_code, self.packing,
+                         self.new_head)
 
     def load(self) -> torch.nn.Module:
         """The model, on its device, in its dtype. Frozen roles (reference, reward) come back in
@@ -57,7 +59,7 @@ class ModelSpec:
             model = model.eval()
         else:
             assert self.pad_id is not None  # (the reward and the critic have one: __post_init__)
-            model = (load_reward_model(self.path, dev, self.dtype, self.pad_id) if self.role == "reward"
+            model = (load_reward_model(self.path, dev, self.dtype, self.pad_id, self.new_head) if self.role == "reward"
                      else load_critic(self.path, dev, self.dtype, self.pad_id).eval())
         set_packing(model, self.packing)
         return model

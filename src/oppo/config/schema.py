@@ -162,6 +162,11 @@ class RewardConfig:
                                 "oppo.rewards>, kwargs: {...}}, with weight (default 1.0) and name (default: the "
                                 "function's or the model directory's; metric reward/<name>/mean). Replaces "
                                 "reward.path and reward.function (their one-term case). docs/rewards.md.")
+    new_head: bool = opt(False, "Accept a causal LM as reward.path and put a fresh one-label head on it, as TRL's "
+                                "example scripts do (AutoModelForSequenceClassification with num_labels=1; the "
+                                "head seeded, the same in every process). Its scores are random: a check that the "
+                                "pipeline runs, not a training signal. A reward model already a one-label "
+                                "classifier is loaded as it is. examples/trl_ppo.py sets it, as TRL does.")
     judge: str | None = opt(None, "Optional extra scorer 'module:function', logged as judge/mean, never trained on "
                                   "(the built-in task sets its ground-truth judge).")
     device: str = opt("auto", "Device of the reward model (auto: the policy's).")
@@ -412,8 +417,9 @@ class RunConfig:
     samples: int = opt(3, "Sample responses printed at the start and at the end.")
     allow_changed_models: bool = opt(False, "On resume, continue although the reference model, reward model, critic "
                                             "initialisation or tokenizer holds other weights than when the checkpoint "
-                                            "was saved (a re-export at the same path): a warning names them. Without "
-                                            "it such a resume is refused.")
+                                            "was saved (a re-export at the same path), or the prompt set or chat "
+                                            "template differs: a warning names them. Without it such a resume is "
+                                            "refused.")
 
 
 @dataclass

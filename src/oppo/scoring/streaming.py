@@ -219,17 +219,21 @@ class RewardFunction:
         where = self._where(prompts, step, indices)
         for attempt in range(self.retries + 1):
             try:
-                scores = list(call_reward(self.fn, prompts, responses, context))
+                out = call_reward(self.fn, prompts, responses, context)
                 break
             except Exception as e:
                 if attempt == self.retries:
                     tries = f" (tried {attempt + 1} times: reward.retries={self.retries})" if self.retries else ""
                     raise RewardFunctionError(
                         f"Reward function {self.name} raised {type(e).__name__}: {e}{tries} {where}. Its traceback "
-                        f"is above. The metrics, trace and checkpoints written so far are kept: fix the function "
-                        f"(or, for a flaky remote scorer, set reward.retries), then continue from the last "
-                        f"checkpoint with `oppo train --resume auto` and the same settings.") from e
+                        f"is above. Fix the function (or, for a flaky remote scorer, set reward.retries); what the "
+                        f"run kept, and how to go on, is printed with this error.") from e
                 self.sleep(self.backoff_s * 2 ** attempt)
+        if out is None or isinstance(out, (str, bytes)) or not hasattr(out, "__iter__"):
+            said = "None (no return statement?)" if out is None else f"a {type(out).__name__}"
+            raise ValueError(f"Reward function {self.name} returned {said} {where}; it must return a list with one "
+                             f"float per response.")
+        scores = list(out)
         if len(scores) != len(prompts):
             raise ValueError(f"Reward function {self.name} returned {len(scores)} scores for {len(prompts)} "
                              f"responses {where}; it must return one float per response.")

@@ -10,6 +10,7 @@ place."""
 from __future__ import annotations
 
 import copy
+import sys
 from typing import Callable
 
 import torch
@@ -21,7 +22,8 @@ from ..forward import set_packing
 from ..inputs import Inputs
 from ..marker import is_marker
 from ..models import (apply_lora, base_view, check_roles, critic_from_object, enable_gradient_checkpointing,
-                      load_causal_lm, load_critic, load_function, load_reward_model, load_tokenizer, prepare_model,
+                      is_causal_lm_checkpoint, load_causal_lm, load_critic, load_function, load_reward_model,
+                      load_tokenizer, prepare_model,
                       reward_function, stop_token_ids, tokenizer_from_object)
 from ..rollout import registry
 from ..scoring.composite import CompositeReward, check_model_terms, composite_functions, load_model_terms
@@ -53,7 +55,14 @@ def load_models(cfg: Config, inputs: Inputs, run: Resolved) -> Models:
     if critic_object is not None and critic_source == "critic":  # (a reward model or policy: checked as such)
         objects["critic"] = critic_object
     critic_path = None if critic_object is not None and critic_source != "critic" else paths.critic
-    check_roles(tok, reward=paths.reward, critic=critic_path, reference=paths.reference, objects=objects)
+    new_head = cfg.reward.new_head and paths.reward is not None and "reward" not in objects
+    check_roles(tok, reward=paths.reward, critic=critic_path, reference=paths.reference, objects=objects,
+                new_head=new_head)
+    if new_head and is_causal_lm_checkpoint(paths.reward):  # said once, here (every process loads the same head)
+        print(f"oppo: warning: reward.path={paths.reward} is a causal LM: reward.new_head=true puts a fresh "
+              f"one-label head on it (seeded), as TRL's example scripts do. Its scores are random, so this run "
+              f"checks that the pipeline runs; it does not learn anything. For a real reward, train a reward model "
+              f"(e.g. TRL's RewardTrainer) or use reward.function.", file=sys.stderr)
     if inputs.policy is not None:
         check_roles(tok, policy=inputs.policy)
     # a critic started from an object: made now, before the reward model it may copy is frozen and the
@@ -78,7 +87,8 @@ def load_models(cfg: Config, inputs: Inputs, run: Resolved) -> Models:
         assert paths.reward is not None, "resolve_paths gives a reward model where no function scores"
         reward_dev = run.devices["reward"]
         reward_model = (prepare_model(inputs.reward_model, "reward", reward_dev, dtype, pad_id)
-                        if inputs.reward_model is not None else load_reward_model(paths.reward, reward_dev, dtype, pad_id))
+                        if inputs.reward_model is not None
+                        else load_reward_model(paths.reward, reward_dev, dtype, pad_id, new_head=new_head))
     # policy / critic: the trained weights; rollout_policy / scoring_critic: what the engine and
     # scorers run, the same objects in fp32, bf16 copies refreshed after each update under mixed
     # precision; LoRA: the frozen base stays in the compute dtype (only the fp32 adapters train)
