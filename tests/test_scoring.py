@@ -30,14 +30,30 @@ def _data(seed, n=6):
     return prompts, responses
 
 
+@pytest.fixture(params=["off", "on"])
+def buckets(request, roles):
+    """ppo.shape_buckets on the scorers' models: off (the dynamic cache, exact shapes) and on (the
+    bucketed slots of scoring.slots, and bucketed one-shot rows), for the same numbers."""
+    from oppo.forward import set_packing
+
+    for kind in ("reference", "reward", "critic"):
+        set_packing(roles[kind], "auto", request.param)
+    yield request.param
+    for kind in ("reference", "reward", "critic"):
+        set_packing(roles[kind], "auto", "auto")
+
+
 @pytest.mark.parametrize("kind", ["reward", "reference", "critic"])
 @pytest.mark.parametrize("chunk", [1, 3, 8, 64])
-def test_streaming_equals_one_shot(roles, kind, chunk):
+def test_streaming_equals_one_shot(roles, kind, chunk, buckets):
+    from oppo.scoring.slots import SlotKV
+
     prompts, responses = _data(chunk)
     model = roles[kind]
     pad = roles["tok"].pad_token_id
     expected = score_full(kind, model, prompts, responses, pad, temperature=0.9)
     s = StreamingScorer(kind, model, pad, temperature=0.9)
+    assert isinstance(s.kv, SlotKV) == (buckets == "on")
     # admit in two groups, the second after the first has streamed a chunk (rows of different ages)
     s.admit([0, 1, 2], prompts[:3])
     emitted = {u: 0 for u in range(len(prompts))}
@@ -76,7 +92,7 @@ def test_one_shot_scores_are_padding_invariant(roles):
         torch.testing.assert_close(torch.tensor(alone.values), torch.tensor(batch[i].values), atol=1e-5, rtol=1e-5)
 
 
-def test_empty_final_chunk_and_idle_rows(roles):
+def test_empty_final_chunk_and_idle_rows(roles, buckets):
     """A final chunk with no tokens completes a row; rows idle for several rounds stay exact."""
     prompts, responses = _data(11)
     pad = roles["tok"].pad_token_id

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from . import shapes
 from .kv import left_pad, right_pad
 
 DEFAULT_CHUNK_BYTES = 256 * 2**20  # fp32 logits per chunk
@@ -239,7 +240,7 @@ class Layout:
 
 
 def plan_rows(lengths: list[int], packed: bool, attention_cost: float = 0.0, max_positions: int = 0,
-              max_padding: float = 0.0) -> Layout:
+              max_padding: float = 0.0, buckets: bool = False) -> Layout:
     """The rows of one forward over sequences of ``lengths``.
 
     Unpacked: one sequence a row, as wide as the longest. Packed: the sequences, longest first,
@@ -248,15 +249,23 @@ def plan_rows(lengths: list[int], packed: bool, attention_cost: float = 0.0, max
     and every (query, key) pair of a row ``attention_cost`` (an sdpa or eager forward computes a
     whole row's pairs, masked or not; 0 for kernels that skip other sequences: then one row, no
     padding). Candidates over ``max_positions`` (rows x width) or ``max_padding`` (padded share)
-    are passed over while one fits; ties go to fewer rows."""
+    are passed over while one fits; ties go to fewer rows.
+
+    ``buckets`` (``ppo.shape_buckets``, :mod:`oppo.shapes`): the width is on the width ladder and
+    the rows on the row ladder (unpacked: rows of padding added; packed: r chosen among the
+    ladder's counts), so the forward's shape comes from a small fixed set."""
     S = len(lengths)
     if not packed or S <= 1:
         W = max(lengths, default=0)
-        return Layout(S, W, tuple(s * W for s in range(S)), tuple(lengths), False)
+        R = S
+        if buckets and S:
+            W, R = shapes.width(W), shapes.rows(S)
+        return Layout(R, W, tuple(s * W for s in range(S)), tuple(lengths), False)
     order = sorted(range(S), key=lambda s: (-lengths[s], s))
     total, longest = sum(lengths), lengths[order[0]]
+    limit = min(S, -(-total // longest) + 1)
     best: tuple[tuple[bool, float], int, list[list[int]], int] | None = None
-    for r in range(1, min(S, -(-total // longest) + 1) + 1):
+    for r in (shapes.rows_ladder(limit) if buckets else range(1, limit + 1)):
         heap = [(0, k) for k in range(r)]  # (tokens, row)
         rows: list[list[int]] = [[] for _ in range(r)]
         for s in order:
@@ -264,6 +273,8 @@ def plan_rows(lengths: list[int], packed: bool, attention_cost: float = 0.0, max
             rows[k].append(s)
             heapq.heappush(heap, (load + lengths[s], k))
         W = max(load for load, _ in heap)
+        if buckets:
+            W = shapes.width(W)
         over = bool(max_positions and r * W > max_positions) or bool(max_padding and 1 - total / (r * W) > max_padding)
         key = (over, r * W * (1.0 + attention_cost * W))
         if best is None or key < best[0]:
@@ -285,18 +296,39 @@ class RowPlan:
 
     packed: bool
     attention_cost: float = 0.0
+    buckets: bool = False  # shapes on the ladders (ppo.shape_buckets, oppo.shapes)
+    one_row: bool = False  # packed sequences are kept apart within one row only (a varlen kernel's mask)
 
     def layout(self, lengths: list[int], max_positions: int = 0, max_padding: float = 0.0) -> Layout:
-        return plan_rows(lengths, self.packed, self.attention_cost, max_positions, max_padding)
+        if self.one_row and self.packed and len(lengths) > 1:
+            W = sum(lengths)
+            W = shapes.width(W) if self.buckets else W
+            starts = [0]
+            for n in lengths[:-1]:
+                starts.append(starts[-1] + n)
+            return Layout(1, W, tuple(starts), tuple(lengths), True)
+        return plan_rows(lengths, self.packed, self.attention_cost, max_positions, max_padding, self.buckets)
 
 
-def set_packing(model: torch.nn.Module, mode: str) -> None:
-    """Record ``ppo.packing`` on ``model`` (a scorer's: the one-shot scoring forwards read it through
-    :func:`row_plan`, wherever the model goes, as it travels with the module)."""
+def set_packing(model: torch.nn.Module, mode: str, buckets: str | None = None) -> None:
+    """Record ``ppo.packing`` (and ``ppo.shape_buckets``, when given) on ``model`` (a scorer's: the
+    one-shot scoring forwards read them through :func:`row_plan`, wherever the model goes, as they
+    travel with the module)."""
     if mode not in PACKING_MODES:
         raise ValueError(f"ppo.packing must be one of {', '.join(PACKING_MODES)}, got {mode!r}")
+    if buckets is not None and buckets not in shapes.MODES:
+        raise ValueError(f"ppo.shape_buckets must be one of {', '.join(shapes.MODES)}, got {buckets!r}")
     for m in {id(model): model, id(_backbone_of(model)): _backbone_of(model)}.values():
         m.__dict__["_oppo_packing"] = mode
+        if buckets is not None:
+            m.__dict__["_oppo_buckets"] = buckets
+
+
+def uses_buckets(backbone: torch.nn.Module, mode: str | None = None) -> bool:
+    """``ppo.shape_buckets`` = ``mode`` (None: the one :func:`set_packing` recorded on the model,
+    else auto) resolved for the model's device (:func:`oppo.shapes.resolve`)."""
+    mode = mode if mode is not None else backbone.__dict__.get("_oppo_buckets", "auto")
+    return shapes.resolve(mode, next(backbone.parameters()).device)
 
 
 def _backbone_of(model: torch.nn.Module) -> torch.nn.Module:
@@ -308,7 +340,7 @@ def _backbone_of(model: torch.nn.Module) -> torch.nn.Module:
         return model
 
 
-def row_plan(backbone: torch.nn.Module, mode: str | None = None) -> RowPlan:
+def row_plan(backbone: torch.nn.Module, mode: str | None = None, buckets: str | None = None) -> RowPlan:
     """The :class:`RowPlan` of ``backbone`` under ``ppo.packing`` = ``mode`` (None: the mode
     :func:`set_packing` recorded on it, else auto), found once per model and mode (cached on the
     module, as ``models.backbone_and_head`` caches its split).
@@ -319,52 +351,67 @@ def row_plan(backbone: torch.nn.Module, mode: str | None = None) -> RowPlan:
     packed masks, would let the second see the first). auto then warns once and runs padded; on
     raises. The attention cost: 1/(6 d) for sdpa and eager (a pair costs ~4d FLOPs against ~24d^2
     for a position through a layer's projections and MLP), 0 for flash and flex (they skip the
-    masked blocks)."""
+    masked blocks).
+
+    A model whose attention keeps packed sequences apart in one row but not across rows (a
+    variable-length kernel that reads one row's position ids as its sequences, as a hub flash
+    kernel does) packs into one row only: the probe runs two rows of two sequences each.
+
+    ``buckets``: ``ppo.shape_buckets`` (None: as recorded on the model by :func:`set_packing`)."""
     mode = mode if mode is not None else backbone.__dict__.get("_oppo_packing", "auto")
     if mode not in PACKING_MODES:
         raise ValueError(f"ppo.packing must be one of {', '.join(PACKING_MODES)}, got {mode!r}")
+    bucketed = uses_buckets(backbone, buckets)
     cache = backbone.__dict__.setdefault("_oppo_row_plans", {})
-    if mode in cache:
-        return cache[mode]
-    plan = RowPlan(False)
+    if (mode, bucketed) in cache:
+        return cache[(mode, bucketed)]
+    plan = RowPlan(False, buckets=bucketed)
     if mode != "off":
         cfg = getattr(backbone, "config", None)
         impl = str(getattr(cfg, "_attn_implementation", None) or "eager")
         why = _packing_fails(backbone)
         if why is None:
             quadratic = not impl.startswith(("flash", "flex"))
-            plan = RowPlan(True, 1.0 / (6 * getattr(cfg, "hidden_size", 1024)) if quadratic else 0.0)
+            one_row = _packing_fails(backbone, rows=2) is not None
+            plan = RowPlan(True, 1.0 / (6 * getattr(cfg, "hidden_size", 1024)) if quadratic and not one_row else 0.0,
+                           buckets=bucketed, one_row=one_row)
         elif mode == "on":
             raise ValueError(f"ppo.packing=on, but {type(backbone).__name__} (attention: {impl}) cannot run packed "
                              f"rows: {why}. Set ppo.packing=auto (runs it padded, with a warning) or off.")
         else:
             warnings.warn(f"{type(backbone).__name__} (attention: {impl}) cannot run packed rows: {why}; its "
                           f"forwards run padded (ppo.packing=off silences this).", stacklevel=2)
-    cache[mode] = plan
+    cache[(mode, bucketed)] = plan
     return plan
 
 
 @torch.no_grad()
-def _packing_fails(backbone: torch.nn.Module) -> str | None:
+def _packing_fails(backbone: torch.nn.Module, rows: int = 1) -> str | None:
     """None if a packed row's second sequence gets the hidden states it gets alone (within 5%:
-    bf16 rounding is ~1%, a leak across the boundary changes them wholesale), else why not."""
+    bf16 rounding is ~1%, a leak across the boundary changes them wholesale), else why not.
+    ``rows`` = 2: two such rows in one forward (each with its own pair), every second sequence
+    checked: a kernel that reads only one row's boundaries lets the other row's sequences meet."""
     dev = next(backbone.parameters()).device
     vocab = int(getattr(getattr(backbone, "config", None), "vocab_size", 16) or 16)
-    a, b = [(3 + i) % vocab for i in range(3)], [(7 + 3 * i) % vocab for i in range(4)]
+    pairs = [([(3 + i) % vocab for i in range(3)], [(7 + 3 * i) % vocab for i in range(4)]),
+             ([(5 + 2 * i) % vocab for i in range(3)], [(11 + i) % vocab for i in range(4)])][:rows]
     modes = [(m, m.training) for m in backbone.modules()]
     backbone.eval()  # (dropout would differ between the two forwards)
     try:
-        both = backbone(input_ids=torch.tensor([a + b], device=dev), use_cache=False,
-                        position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3]], device=dev)).last_hidden_state[0, 3:]
-        alone = backbone(input_ids=torch.tensor([b], device=dev), position_ids=torch.arange(4, device=dev)[None],
-                         use_cache=False).last_hidden_state[0]
+        both = backbone(input_ids=torch.tensor([a + b for a, b in pairs], device=dev), use_cache=False,
+                        position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3]] * len(pairs), device=dev)
+                        ).last_hidden_state[:, 3:]  # [rows, 4, H]
+        alone = backbone(input_ids=torch.tensor([b for _, b in pairs], device=dev),
+                         position_ids=torch.arange(4, device=dev)[None].expand(len(pairs), 4),
+                         use_cache=False).last_hidden_state  # [rows, 4, H]
     except Exception as e:  # a model that takes no position ids
         return f"its forward with restarting position ids raised {type(e).__name__}: {e}"
     finally:
         for m, training in modes:
             m.training = training
     err = float((both.float() - alone.float()).norm() / alone.float().norm().clamp(min=1e-12))
-    return None if err < 0.05 else f"a sequence packed after another differs from itself alone by {err:.0%}"
+    where = "a sequence packed after another" if rows == 1 else f"in {rows} packed rows, a sequence packed after another"
+    return None if err < 0.05 else f"{where} differs from itself alone by {err:.0%}"
 
 
 def packed_hidden(backbone: torch.nn.Module, layout: Layout, source: Tensor, first: Tensor, pad_id: int = 0) -> Tensor:

@@ -33,6 +33,7 @@ class ModelSpec:
     trust_remote_code: bool = False
     packing: str = "auto"
     new_head: bool = False  # reward: a causal LM gets a fresh one-label head (reward.new_head)
+    buckets: str = "auto"  # ppo.shape_buckets for its forwards (forward.set_packing)
 
     def __post_init__(self):
         if self.role not in ROLES:
@@ -42,7 +43,7 @@ class ModelSpec:
 
     def with_dtype(self, dtype: torch.dtype) -> "ModelSpec":
         return ModelSpec(self.role, self.path, dtype, self.device, self.pad_id, self.trust_remote_code, self.packing,
-                         self.new_head)
+                         self.new_head, self.buckets)
 
     def load(self) -> torch.nn.Module:
         """The model, on its device, in its dtype. Frozen roles (reference, reward) come back in
@@ -61,5 +62,5 @@ class ModelSpec:
             assert self.pad_id is not None  # (the reward and the critic have one: __post_init__)
             model = (load_reward_model(self.path, dev, self.dtype, self.pad_id, self.new_head) if self.role == "reward"
                      else load_critic(self.path, dev, self.dtype, self.pad_id).eval())
-        set_packing(model, self.packing)
+        set_packing(model, self.packing, self.buckets)
         return model

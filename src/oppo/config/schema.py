@@ -244,6 +244,14 @@ class PPOConfig:
                                "the run. off: one sequence a row, padded to the micro-batch's longest, rows longest "
                                "first (the layout before packing). The numbers are each sequence's own forward's "
                                "either way.", ("auto", "on", "off"))
+    shape_buckets: str = opt("auto", "Shapes from a small fixed set, so that what the GPU stack keys on shapes "
+                                     "(cuDNN attention plans, CUDA graphs, compiled kernels) is paid once per run "
+                                     "instead of once per call: the rows and widths of every forward over many "
+                                     "sequences (training, old log-probs, one-shot scoring) rounded up to ladders "
+                                     "(oppo.shapes), and the streamed chunks scored against a slot cache of "
+                                     "bucketed rows and length. auto: on where the model is on CUDA; on; off: exact "
+                                     "shapes. The numbers are the same either way (the added positions are padding, "
+                                     "counted in perf/train_padded_frac).", ("auto", "on", "off"))
     epochs: int = opt(1, "PPO epochs over each batch.")
     actor_lr: float = opt(1e-5, "Actor (policy) learning rate (AdamW).")
     critic_lr: float = opt(5e-5, "Critic learning rate (AdamW).")

@@ -59,7 +59,7 @@ class Learner:
 
     def row_plan(self) -> RowPlan:
         """How the actor's forwards lay out their sequences (``forward.row_plan``, ``ppo.packing``)."""
-        return row_plan(backbone_and_head(self.actor)[0], self.cfg.packing)
+        return row_plan(backbone_and_head(self.actor)[0], self.cfg.packing, self.cfg.shape_buckets)
 
     def _actor_logprobs(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-probs, entropies) [b, T] of ``mb``'s response tokens under the actor, from the head
@@ -264,7 +264,7 @@ def critic_micro_step(critic, batch: CriticBatch, host_rows: list[int], num_toke
     ``host_rows`` a host list, the statistics left on the device."""
     backbone, head = backbone_and_head(critic)
     host_rows = host_rows if isinstance(host_rows, list) else host_rows.tolist()
-    mb = micro_slices(batch, host_rows, row_plan(backbone, cfg.packing), cfg)
+    mb = micro_slices(batch, host_rows, row_plan(backbone, cfg.packing, cfg.shape_buckets), cfg)
     rows = torch.tensor(host_rows, dtype=torch.long).to(batch.mask.device, non_blocking=True)
     T = mb.T
     mask = batch.mask[rows][:, :T]

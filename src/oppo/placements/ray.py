@@ -121,7 +121,8 @@ def build(models: Models, placement: Placement, own: RaySettings) -> Placed:
     pl = cfg.placement
     init_ray(own.address)
     specs = scorer_specs(m.paths, m.pad_id, m.compute_dtype, reward_model=m.reward_model is not None,
-                         critic=m.critic is not None, packing=cfg.ppo.packing, new_head=cfg.reward.new_head)
+                         critic=m.critic is not None, packing=cfg.ppo.packing, new_head=cfg.reward.new_head,
+                         buckets=cfg.ppo.shape_buckets)
     actors = RayScorerWorker(specs, m.tracer, temperature=cfg.generation.temperature, threads=pl.scorer_threads,
                              num_cpus=own.scorer_cpus, num_gpus=own.scorer_gpus, seed=cfg.run.seed)
     closers = [actors.close]
@@ -176,7 +177,7 @@ def build(models: Models, placement: Placement, own: RaySettings) -> Placed:
 
 
 def scorer_specs(paths, pad_id: int, dtype: torch.dtype, *, reward_model: bool, critic: bool,
-                 device: str = "auto", packing: str = "auto", new_head: bool = False) -> dict[str, Any]:
+                 device: str = "auto", packing: str = "auto", new_head: bool = False, buckets: str = "auto") -> dict[str, Any]:
     """The streaming scorers' models as the trainer builds them, from its ``ResolvedPaths``: the
     reward model (unless a reward function scores), the reference (its own path, else the initial
     policy: also the LoRA base without adapters) and the critic (unless critic-free), all in the
@@ -185,11 +186,12 @@ def scorer_specs(paths, pad_id: int, dtype: torch.dtype, *, reward_model: bool, 
 
     specs = {}
     if reward_model:
-        specs["reward"] = ModelSpec("reward", paths.reward, dtype, device, pad_id, packing=packing, new_head=new_head)
+        specs["reward"] = ModelSpec("reward", paths.reward, dtype, device, pad_id, packing=packing, new_head=new_head,
+                                     buckets=buckets)
     specs["reference"] = ModelSpec("reference", paths.reference or paths.policy, dtype, device, pad_id,
-                                   packing=packing)
+                                   packing=packing, buckets=buckets)
     if critic:
-        specs["critic"] = ModelSpec("critic", paths.critic, dtype, device, pad_id, packing=packing)
+        specs["critic"] = ModelSpec("critic", paths.critic, dtype, device, pad_id, packing=packing, buckets=buckets)
     return specs
 
 

@@ -31,10 +31,21 @@ import torch
 from ..api.records import ScoredOutputs
 from ..kv import KVRows, left_pad, right_pad
 from ..models import backbone_and_head, uses_sliding_window
-from ..forward import full_hidden, head_logprobs, packed_hidden, row_plan
+from ..forward import full_hidden, head_logprobs, packed_hidden, row_plan, uses_buckets
+from .slots import SlotKV, slots_suit
 from ..forward import sequence_batch  # noqa: F401  (re-exported: benchmarks/nan_probe.py imports it from here)
 
 Kind = Literal["reward", "reference", "critic"]
+_SAID: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    """A fallback named once per process (each scorer would say it again)."""
+    if message not in _SAID:
+        _SAID.add(message)
+        import warnings
+
+        warnings.warn(message, stacklevel=3)
 
 
 def _per_token(kind: Kind, head: torch.nn.Module, pre: torch.Tensor, tokens: torch.Tensor,
@@ -103,7 +114,14 @@ class StreamingScorer:
         self.backbone, self.head = backbone_and_head(model)
         self.device = next(model.parameters()).device
         self.contiguous = uses_sliding_window(model)  # no holes in the cache (module docstring)
-        self.kv = KVRows(self.device)
+        self.kv: KVRows | SlotKV = KVRows(self.device)
+        if uses_buckets(self.backbone):  # ppo.shape_buckets: chunk forwards of a few shapes (scoring.slots)
+            why = slots_suit(model)
+            if why is None:
+                self.kv = SlotKV(self.device)
+            else:
+                _say_once(f"The {kind} scorer streams into a dynamic KV cache (a new attention shape per chunk), "
+                          f"not bucketed slots: {why}.")
         self.uids: list[int] = []
         self.prev_hidden = torch.zeros(0, 0, device=self.device)  # [R, H] hidden of each row's last fed token
         self.outputs: dict[int, ScoredOutputs] = {}
@@ -114,12 +132,14 @@ class StreamingScorer:
     def admit(self, uids: list[int], prompts: list[list[int]]) -> None:
         if not uids:
             return
-        kv = KVRows(self.device)
-        ids, valid = left_pad(prompts, self.pad_id, self.device)
-        hidden = kv.forward(self.backbone, ids, valid)  # [R, P, H]
-        self.kv.merge(kv)
+        if isinstance(self.kv, SlotKV):
+            last = self.kv.admit(self.backbone, prompts, self.pad_id)  # [R, H]
+        else:
+            kv = KVRows(self.device)
+            ids, valid = left_pad(prompts, self.pad_id, self.device)
+            last = kv.forward(self.backbone, ids, valid)[:, -1]  # [R, H]
+            self.kv.merge(kv)
         self.uids.extend(uids)
-        last = hidden[:, -1]
         self.prev_hidden = last if self.prev_hidden.numel() == 0 else torch.cat([self.prev_hidden, last])
         for u in uids:
             self.outputs[u] = ScoredOutputs()
@@ -137,7 +157,10 @@ class StreamingScorer:
             rows = torch.tensor(sel, dtype=torch.long, device=self.device)  # [S]
             lens = torch.tensor([len(s) for s in seqs], device=self.device)  # [S]
             ids, valid = right_pad(seqs, self.pad_id, self.device)  # [S, C]
-            hidden = self.kv.forward_rows(self.backbone, rows, ids, valid)  # [S, C, H]
+            if isinstance(self.kv, SlotKV):
+                hidden = self.kv.feed(self.backbone, sel, seqs, self.pad_id)  # [S, C, H]
+            else:
+                hidden = self.kv.forward_rows(self.backbone, rows, ids, valid)  # [S, C, H]
             prev = self.prev_hidden.index_select(0, rows)  # [S, H]
             pre = torch.cat([prev[:, None], hidden[:, :-1]], 1)  # [S, C, H] state before each token
             if self.kind != "reward":
@@ -160,19 +183,20 @@ class StreamingScorer:
             final_rows = set(finals)
             keep = [i for i in range(len(self.uids)) if i not in final_rows]
             idx = torch.tensor(keep, dtype=torch.long, device=self.device)
-            self.kv.select(idx)
+            self.kv.select(keep if isinstance(self.kv, SlotKV) else idx)
             self.prev_hidden = self.prev_hidden.index_select(0, idx)
             self.uids = [self.uids[i] for i in keep]
         self.peak_cache_bytes = max(self.peak_cache_bytes, self.kv.nbytes())
         # drop the holes left by rows that had no chunk in some rounds: when they pile up, or always
-        # for a sliding window (module docstring)
-        self.kv.repack(max_fill=1.0 if self.contiguous else 0.5)
+        # for a sliding window (module docstring); slots have none
+        if isinstance(self.kv, KVRows):
+            self.kv.repack(max_fill=1.0 if self.contiguous else 0.5)
 
     def forget(self, uids: set[int]) -> None:
         """Drop in-flight rows (e.g. after a checkpoint drain)."""
         keep = [i for i, u in enumerate(self.uids) if u not in uids]
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
-        self.kv.select(idx)
+        self.kv.select(keep if isinstance(self.kv, SlotKV) else idx)
         self.prev_hidden = self.prev_hidden.index_select(0, idx) if self.prev_hidden.numel() else self.prev_hidden
         self.uids = [self.uids[i] for i in keep]
         for u in uids:

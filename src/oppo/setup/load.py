@@ -121,7 +121,7 @@ def load_models(cfg: Config, inputs: Inputs, run: Resolved) -> Models:
         scoring_critic = serving_copy(critic, dtype, separate=inflight and not beside)
     for m in (reward_model, *extra_rms.values(), reference, scoring_critic):  # their one-shot forwards (score_full)
         if m is not None:
-            set_packing(m, cfg.ppo.packing)
+            set_packing(m, cfg.ppo.packing, cfg.ppo.shape_buckets)
     if cfg.policy.gradient_checkpointing:  # the trained models; recomputation only while training
         for m in (policy, critic):
             if m is not None:

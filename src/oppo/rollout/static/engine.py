@@ -52,12 +52,13 @@ class _SlotLayer:
         self.keys, self.values, self.cache = keys, values, cache
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        rb, lb, cols = self.cache.rb, self.cache.lb, self.cache.cols  # cols [Rb] long
-        _, h, c, d = key_states.shape  # [Rb, H, 1, D]
-        idx = cols[:, None, None, None].expand(rb, h, c, d)
+        rb, lb, cols = self.cache.rb, self.cache.lb, self.cache.cols  # cols [Rb] long: each slot's first column
+        _, h, c, d = key_states.shape  # [Rb, H, C, D]: C = 1 (decode) or a streamed chunk (scoring.slots)
+        at = cols[:, None] + torch.arange(c, device=cols.device)[None] if c > 1 else cols[:, None]  # [Rb, C]
+        idx = at[:, None, :, None].expand(rb, h, c, d)
         k, v = self.keys[:rb], self.values[:rb]
         k.scatter_(2, idx, key_states.to(k.dtype))
-        v.scatter_(2, idx.expand(rb, h, c, value_states.shape[-1]), value_states.to(v.dtype))
+        v.scatter_(2, at[:, None, :, None].expand(rb, h, c, value_states.shape[-1]), value_states.to(v.dtype))
         return k[:, :, :lb], v[:, :, :lb]
 
     def get_seq_length(self) -> int:

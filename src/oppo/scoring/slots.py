@@ -1,0 +1,192 @@
+"""A streaming scorer's KV cache in slots of bucketed shape (``ppo.shape_buckets``).
+
+:class:`KVRows` (the dynamic cache) grows every row by each forward's chunk width: a chunk forward's
+attention sees ``[S, C]`` queries against ``L + C`` keys, where S (rows with a chunk on hand), C
+and L change at nearly every call, so a GPU pays an attention plan (and could replay no CUDA graph)
+per call. :class:`SlotKV` keeps each sequence in a slot of a preallocated ``[rows, kv_heads,
+columns, dim]`` tensor per layer, as the static decode engine does (``rollout/static``): a row's
+tokens sit at columns ``0 .. n-1`` with position ids equal to the columns, so a row never has
+holes and needs no repacking. A chunk forward runs over the slots ``[:Rb]`` (the highest used slot
++ 1 on the row ladder), ``Cb`` tokens each (the chunk's width on the power-of-two ladder) against
+columns ``[:Lb]`` (the longest row + Cb on the row ladder, from 16), with a 4-D mask built from
+each slot's length: every shape comes from a few values (``oppo.shapes``), so each is paid once
+per run. A slot with no chunk on hand this round computes padding whose keys land past its
+length and are overwritten by its next chunk; its outputs are dropped. Prompts are prefilled
+eagerly at bucketed rows x width (rows of a repeated prompt, their results dropped) and their
+keys copied into the slots.
+
+The numbers equal the dynamic cache's up to summation order: a query attends to exactly its
+row's earlier columns, and masked columns get exactly zero weight (tested against the one-shot
+forward, as the dynamic cache is). Sliding-window models keep the dynamic cache (their window
+counts columns: ``streaming`` module docstring). The slots grow (rows, columns) on demand, by the
+ladders: capacity is no attention shape.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .. import shapes
+from ..kv import kv_layers
+
+if TYPE_CHECKING:
+    from ..rollout.static.engine import SlotCache
+
+
+def slots_suit(model) -> str | None:
+    """Why ``model``'s streamed chunks cannot run in slots (a sentence), or None when they can: an
+    attention implementation that takes no 4-D mask, a sliding window, layers other than full
+    attention (the static decode engine's own test, ``static_decode_problem``)."""
+    from ..models import uses_sliding_window
+    from ..rollout.static.engine import static_decode_problem
+
+    if uses_sliding_window(model):
+        return "its sliding window counts cache columns"
+    return static_decode_problem(model, None)
+
+
+class SlotKV:
+    """Slots of KV cache for a streaming scorer (module docstring). Rows are addressed as
+    :class:`~oppo.kv.KVRows` addresses them: by their index in the scorer's list of sequences
+    (``slot_of[i]`` is row i's slot)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cache: SlotCache | None = None
+        self.slot_of: list[int] = []
+        self.pos: list[int] = []  # per slot: tokens in it (= the column its next token takes), on the host
+        self._mask_dtype = torch.float32
+        self.shapes_seen: set[tuple[int, int, int]] = set()  # (Rb, Cb, Lb) of the chunk forwards so far
+
+    @property
+    def rows(self) -> int:
+        return len(self.slot_of)
+
+    # ------------------------------------------------------------------ capacity
+
+    def _capacity(self) -> tuple[int, int]:
+        if self.cache is None:
+            return 0, 0
+        k = self.cache.slot_layers[0].keys
+        return k.shape[0], k.shape[2]
+
+    def _ensure(self, layers: list[tuple[tuple[int, ...], tuple[int, ...]]] | None, dtype: torch.dtype | None,
+                rows: int, cols: int) -> None:
+        """At least ``rows`` slots of ``cols`` columns (grown by the ladders, contents kept);
+        ``layers``: each layer's key and value shape per token (heads, dim), from a prefill."""
+        from ..rollout.static.engine import _slot_cache_class
+
+        have_rows, have_cols = self._capacity()
+        if rows <= have_rows and cols <= have_cols:
+            return
+        R, L = max(have_rows, shapes.rows(rows)), max(have_cols, shapes.ladder(cols, 2, 16))
+        if self.cache is None:
+            assert layers is not None and dtype is not None  # (the first call is a prefill's)
+            shapes_ = [((R, kh, L, kd), (R, vh, L, vd)) for (kh, kd), (vh, vd) in layers]
+            self.cache = _slot_cache_class()(shapes_, dtype, self.device)
+            self._mask_dtype = dtype
+            self.pos = [0] * R
+            return
+        for layer in self.cache.slot_layers:  # grow: copy what is there into larger slots
+            for name in ("keys", "values"):
+                old = getattr(layer, name)
+                new = old.new_zeros((R, old.shape[1], L, old.shape[3]))
+                new[: old.shape[0], :, : old.shape[2]] = old
+                setattr(layer, name, new)
+        self.pos += [0] * (R - len(self.pos))
+
+    def _free_slots(self, n: int) -> list[int]:
+        """The ``n`` lowest free slots (lowest first keeps Rb small)."""
+        used = set(self.slot_of)
+        out, s = [], 0
+        while len(out) < n:
+            if s not in used:
+                out.append(s)
+            s += 1
+        return out
+
+    # ------------------------------------------------------------------ prefill and chunks
+
+    def admit(self, backbone: torch.nn.Module, prompts: list[list[int]], pad_id: int) -> torch.Tensor:
+        """Prefill ``prompts`` into free slots (appended after the current rows); return each
+        one's last hidden state [R, H]. One eager forward of bucketed rows x width."""
+        from transformers import DynamicCache
+
+        R, P = len(prompts), max(len(p) for p in prompts)
+        Rb, Pb = shapes.rows(R), shapes.width(P)
+        seqs = prompts + [prompts[0]] * (Rb - R)  # rows of a repeated prompt: computed, dropped
+        ids = torch.full((Rb, Pb), pad_id, dtype=torch.long)
+        valid = torch.zeros((Rb, Pb), dtype=torch.long)
+        for i, p in enumerate(seqs):
+            ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+            valid[i, : len(p)] = 1
+        ids, valid = ids.to(self.device, non_blocking=True), valid.to(self.device, non_blocking=True)
+        pos_ids = torch.arange(Pb, device=self.device)[None].expand(Rb, Pb)
+        dyn = DynamicCache()
+        out = backbone(input_ids=ids, attention_mask=valid, position_ids=pos_ids, past_key_values=dyn, use_cache=True)
+        layers = kv_layers(dyn)
+        slots = self._free_slots(R)
+        self._ensure([((l.keys.shape[1], l.keys.shape[3]), (l.values.shape[1], l.values.shape[3])) for l in layers],
+                     layers[0].keys.dtype, max(slots) + 1, Pb)
+        assert self.cache is not None  # (allocated by _ensure)
+        idx = torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True)
+        for mine, theirs in zip(self.cache.slot_layers, layers):
+            # columns past a row's length hold padding's keys: masked until its next chunk overwrites them
+            mine.keys[:, :, :Pb].index_copy_(0, idx, theirs.keys[:R].to(mine.keys.dtype))
+            mine.values[:, :, :Pb].index_copy_(0, idx, theirs.values[:R].to(mine.values.dtype))
+        for s, p in zip(slots, prompts):
+            self.pos[s] = len(p)
+        self.slot_of.extend(slots)
+        last = torch.tensor([len(p) - 1 for p in prompts], dtype=torch.long).to(self.device, non_blocking=True)
+        return out.last_hidden_state[:R].gather(1, last[:, None, None].expand(R, 1, out.last_hidden_state.shape[-1]))[:, 0]
+
+    def feed(self, backbone: torch.nn.Module, rows: list[int], seqs: list[list[int]], pad_id: int) -> torch.Tensor:
+        """Feed the chunks ``seqs`` to rows ``rows`` (indices into the rows, as ``KVRows.forward_rows``);
+        return their hidden states [S, C, H], C the longest chunk. One forward over slots [:Rb], Cb
+        tokens each, against columns [:Lb] (module docstring)."""
+        assert self.cache is not None  # (rows are admitted first)
+        C = max(len(s) for s in seqs)
+        Cb = shapes.ladder(C, 1)
+        fed = [self.slot_of[i] for i in rows]
+        Rb = shapes.rows(max(self.slot_of) + 1)
+        Lb = shapes.ladder(max(self.pos[s] for s in range(Rb)) + Cb, 2, 16)
+        self._ensure(None, None, Rb, Lb)
+        Lb = min(Lb, self._capacity()[1])
+        tokens = torch.full((Rb, Cb), pad_id, dtype=torch.long)
+        for s, seq in zip(fed, seqs):
+            tokens[s, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        start = torch.tensor(self.pos[:Rb], dtype=torch.long)
+        tokens, start = tokens.to(self.device, non_blocking=True), start.to(self.device, non_blocking=True)
+        self.shapes_seen.add((Rb, Cb, Lb))
+        hidden = self._forward(backbone, tokens, start, Rb, Cb, Lb)  # [Rb, Cb, H]
+        for s, seq in zip(fed, seqs):
+            self.pos[s] += len(seq)
+        sel = torch.tensor(fed, dtype=torch.long).to(self.device, non_blocking=True)
+        return hidden.index_select(0, sel)[:, :C]
+
+    def _forward(self, backbone, tokens: torch.Tensor, start: torch.Tensor, rb: int, cb: int, lb: int) -> torch.Tensor:
+        """The chunk forward: ``tokens`` [Rb, Cb] at columns ``start`` [Rb] onwards; hidden [Rb, Cb, H]."""
+        cache = self.cache
+        assert cache is not None
+        cache.rb, cache.lb, cache.cols = rb, lb, start
+        step = torch.arange(cb, device=tokens.device)
+        pos = start[:, None] + step[None]  # [Rb, Cb] position = column
+        col = torch.arange(lb, device=tokens.device)
+        seen = col[None, None, :] <= pos[:, :, None]  # [Rb, Cb, Lb] the row's own earlier columns and itself
+        neg = torch.finfo(self._mask_dtype).min
+        zero = torch.zeros((), dtype=self._mask_dtype, device=tokens.device)
+        mask = torch.where(seen, zero, neg)[:, None]  # [Rb, 1, Cb, Lb] additive
+        out = backbone(input_ids=tokens, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+        return out.last_hidden_state
+
+    def select(self, keep: list[int]) -> None:
+        """Keep rows ``keep`` (indices, in the new order); free the other rows' slots."""
+        kept = [self.slot_of[i] for i in keep]
+        for s in set(self.slot_of) - set(kept):
+            self.pos[s] = 0
+        self.slot_of = kept
+
+    def nbytes(self) -> int:
+        return self.cache.nbytes() if self.cache is not None else 0
