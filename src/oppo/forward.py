@@ -273,8 +273,8 @@ def plan_rows(lengths: list[int], packed: bool, attention_cost: float = 0.0, max
             rows[k].append(s)
             heapq.heappush(heap, (load + lengths[s], k))
         W = max(load for load, _ in heap)
-        if buckets:
-            W = shapes.width(W)
+        if buckets:  # the narrowest ladder width that r rows can hold (first fit, longest first), else LPT's
+            W, rows = _narrowest(lengths, order, r, max(longest, -(-total // r)), W) or (shapes.width(W), rows)
         over = bool(max_positions and r * W > max_positions) or bool(max_padding and 1 - total / (r * W) > max_padding)
         key = (over, r * W * (1.0 + attention_cost * W))
         if best is None or key < best[0]:
@@ -287,6 +287,26 @@ def plan_rows(lengths: list[int], packed: bool, attention_cost: float = 0.0, max
         for s in row:
             start[s], at = at, at + lengths[s]
     return Layout(r, W, tuple(start), tuple(lengths), True)
+
+
+def _narrowest(lengths: list[int], order: list[int], r: int, low: int, lpt: int) -> tuple[int, list[list[int]]] | None:
+    """The narrowest width of the ladder, from ``width(low)`` up to ``width(lpt)`` (what the
+    longest-processing-time rows need), into which ``r`` rows take every sequence by first fit
+    (``order``: longest first), and those rows; None if none below ``width(lpt)`` does."""
+    W, top = shapes.width(low), shapes.width(lpt)
+    while W < top:
+        rows: list[list[int]] = [[] for _ in range(r)]
+        loads = [0] * r
+        for s in order:
+            k = next((k for k in range(r) if loads[k] + lengths[s] <= W), None)
+            if k is None:
+                break
+            rows[k].append(s)
+            loads[k] += lengths[s]
+        else:
+            return W, rows
+        W = shapes.width(W + 1)
+    return None
 
 
 @dataclass(frozen=True)
@@ -401,9 +421,8 @@ def _packing_fails(backbone: torch.nn.Module, rows: int = 1) -> str | None:
         both = backbone(input_ids=torch.tensor([a + b for a, b in pairs], device=dev), use_cache=False,
                         position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3]] * len(pairs), device=dev)
                         ).last_hidden_state[:, 3:]  # [rows, 4, H]
-        alone = backbone(input_ids=torch.tensor([b for _, b in pairs], device=dev),
-                         position_ids=torch.arange(4, device=dev)[None].expand(len(pairs), 4),
-                         use_cache=False).last_hidden_state  # [rows, 4, H]
+        alone = torch.cat([backbone(input_ids=torch.tensor([b], device=dev), position_ids=torch.arange(4, device=dev)[None],
+                                    use_cache=False).last_hidden_state for _, b in pairs])  # [rows, 4, H], each alone
     except Exception as e:  # a model that takes no position ids
         return f"its forward with restarting position ids raised {type(e).__name__}: {e}"
     finally:

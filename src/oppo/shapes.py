@@ -9,8 +9,8 @@ positions are padding (masked, or rows and columns of their own), so the numbers
 learner counts them in ``perf/train_padded_frac``.
 
 The ladder with ``per_octave`` steps between powers of two: 2 per octave is 1, 2, 3, 4, 6, 8, 12,
-16, 24, 32, ... (at most a third added); 4 per octave is ..., 16, 20, 24, 28, 32, 40, 48, ... (at
-most a fifth). Pure functions of integers: the same on CPU and GPU, so the CPU tests see the shapes a
+16, 24, 32, ... (at most half added, a sixth on average); 4 per octave is ..., 16, 20, 24, 28, 32, 40,
+48, ... (at most a quarter, about a tenth on average). Pure functions of integers: the same on CPU and GPU, so the CPU tests see the shapes a
 GPU would (``benchmarks/shape_probe.py`` counts them).
 """
 

@@ -1,0 +1,136 @@
+"""Shapes from a small fixed set (issue 46): what a GPU would pay per new shape, checked on the CPU.
+
+The ladders (``oppo.shapes``), the learner's and one-shot scorers' layouts on them
+(``forward.plan_rows`` with buckets), the streamed chunks' slots (``scoring.slots``), and the packing
+probe that decides whether packed sequences may share more than one row.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from oppo import shapes
+from oppo.forward import Layout, RowPlan, plan_rows, row_plan
+
+
+def test_ladders_by_hand():
+    # 2 per octave: 1 2 3 4 | 6 8 | 12 16 | 24 32 ...; 4 per octave from 16: 16 20 24 28 32 40 ...
+    assert [shapes.ladder(n) for n in range(1, 14)] == [1, 2, 3, 4, 6, 6, 8, 8, 12, 12, 12, 12, 16]
+    assert [shapes.width(n) for n in (1, 16, 17, 21, 33, 100, 129)] == [16, 16, 20, 24, 40, 112, 160]
+    assert shapes.ladder(0) == 0 and shapes.rows_ladder(10) == [1, 2, 3, 4, 6, 8]
+    assert shapes.ladder(5, 1) == 8  # powers of two
+    for n in range(1, 3000):  # never below n, at most half above (a quarter for widths, from 16)
+        assert n <= shapes.rows(n) <= 1.5 * n
+        assert n <= shapes.width(n) <= max(16, 1.25 * n)
+    with pytest.raises(ValueError, match="power of two"):
+        shapes.ladder(5, 3)
+    assert shapes.resolve("auto", torch.device("cpu")) is False and shapes.resolve("auto", "cuda:0") is True
+    assert shapes.resolve("on", "cpu") is True and shapes.resolve("off", "cuda") is False
+
+
+def _placed(layout: Layout) -> None:
+    """Every sequence inside one row, none overlapping."""
+    taken = set()
+    for s, n in zip(layout.start, layout.lengths):
+        row, col = divmod(s, layout.width)
+        assert row < layout.rows and col + n <= layout.width
+        cells = set(range(s, s + n))
+        assert not cells & taken
+        taken |= cells
+
+
+@pytest.mark.parametrize("cost", [1 / 384, 1 / 12288, 0.0])
+def test_bucketed_layouts_come_from_few_shapes_with_little_padding(cost):
+    """200 micro-batches of 16 long-tailed sequences: bucketed, every shape is a ladder value and
+    the shapes are few (exact, nearly every micro-batch is a new one); the padded share stays near
+    10% (8 per octave would halve it at twice the shapes)."""
+    rng = random.Random(0)
+    exact, bucketed, real, computed = set(), set(), 0, 0
+    for _ in range(200):
+        lengths = [max(2, min(300, int(40 * 2.718 ** rng.gauss(0, 0.75)))) + rng.randint(8, 48) for _ in range(16)]
+        lay = plan_rows(lengths, True, cost, buckets=True)
+        _placed(lay)
+        assert lay.rows == shapes.rows(lay.rows) and lay.width == shapes.width(lay.width)
+        bucketed.add((lay.rows, lay.width))
+        exact.add((lambda e: (e.rows, e.width))(plan_rows(lengths, True, cost)))
+        real, computed = real + sum(lengths), computed + lay.computed
+    assert len(bucketed) <= 25 < 150 <= len(exact), (len(bucketed), len(exact))
+    assert 1 - real / computed <= 0.11
+
+
+def test_unpacked_buckets_add_rows_and_columns_of_padding():
+    lay = plan_rows([5, 9, 7, 3, 30], False, buckets=True)
+    assert (lay.rows, lay.width) == (6, 32) and lay.start == (0, 32, 64, 96, 128) and not lay.packed
+    _placed(lay)
+
+
+def test_one_row_plan_packs_everything_in_one_row():
+    lay = RowPlan(True, 0.0, buckets=True, one_row=True).layout([5, 9, 7])
+    assert (lay.rows, lay.width, lay.start) == (1, 24, (0, 5, 14))
+
+
+class _RowsMeet(torch.nn.Module):
+    """A backbone whose attention keeps packed sequences apart in one row but mixes rows (as a
+    variable-length kernel fed several rows does): its output adds every row's first token."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(32, 4)
+        self.config = type("Cfg", (), {"vocab_size": 32, "hidden_size": 4, "_attn_implementation": "flash"})()
+
+    def forward(self, input_ids, position_ids=None, use_cache=False, **_):
+        h = self.emb(input_ids)  # [R, L, H]: each token alone: sequences never meet within a row
+        return type("Out", (), {"last_hidden_state": h + h[:, :1].sum(0, keepdim=True) - h[:, :1]})()  # rows meet
+
+
+def test_packing_probe_runs_two_rows():
+    plan = row_plan(_RowsMeet(), "auto", "off")
+    assert plan.packed and plan.one_row and plan.attention_cost == 0.0
+    lay = plan.layout([3, 4, 5, 6])
+    assert lay.rows == 1 and lay.packed
+
+
+def test_streamed_slots_see_few_shapes(tiny_models):
+    """A scorer streams 40 sequences of long-tailed lengths in chunks of 16 (rows admitted in three
+    waves, finishing one by one): the chunk forwards' (rows, chunk, columns) come from the ladders,
+    few of them, and the scores equal the one-shot ones."""
+    from oppo.forward import set_packing
+    from oppo.models import load_critic, load_tokenizer
+    from oppo.scoring.slots import SlotKV
+    from oppo.scoring.streaming import StreamingScorer, score_full
+
+    tok = load_tokenizer(str(tiny_models["policy"]))
+    critic = load_critic(str(tiny_models["reward"]), torch.device("cpu"), torch.float32, tok.pad_token_id).eval()
+    set_packing(critic, "auto", "on")
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 30) for _ in range(rng.randint(2, 20))] for _ in range(40)]
+    responses = [[rng.randrange(3, 30) for _ in range(max(1, min(120, int(12 * 2.718 ** rng.gauss(0, 0.9)))))]
+                 for _ in range(40)]
+    s = StreamingScorer("critic", critic, tok.pad_token_id)
+    assert isinstance(s.kv, SlotKV)
+    fed = {}
+    for wave in (range(0, 16), range(16, 30), range(30, 40)):
+        s.admit(list(wave), [prompts[u] for u in wave])
+        fed.update({u: 0 for u in wave})
+        for _ in range(2):
+            chunk = {u: (tuple(responses[u][fed[u]: fed[u] + 16]), fed[u] + 16 >= len(responses[u])) for u in s.uids}
+            for u in chunk:
+                fed[u] += 16
+            s.feed(chunk)
+    while s.uids:
+        chunk = {u: (tuple(responses[u][fed[u]: fed[u] + 16]), fed[u] + 16 >= len(responses[u])) for u in s.uids}
+        for u in chunk:
+            fed[u] += 16
+        s.feed(chunk)
+    seen = s.kv.shapes_seen
+    assert all(rb == shapes.rows(rb) and cb == shapes.ladder(cb, 1) and lb == shapes.ladder(lb, 2, 16)
+               for rb, cb, lb in seen)
+    assert len(seen) <= 16, seen
+    got = s.take_done()
+    want = score_full("critic", critic, prompts, responses, tok.pad_token_id)
+    for u in range(40):
+        torch.testing.assert_close(torch.tensor(got[u].values), torch.tensor(want[u].values), atol=1e-5, rtol=1e-5)
+    set_packing(critic, "auto", "auto")
