@@ -134,3 +134,37 @@ def test_streamed_slots_see_few_shapes(tiny_models):
     for u in range(40):
         torch.testing.assert_close(torch.tensor(got[u].values), torch.tensor(want[u].values), atol=1e-5, rtol=1e-5)
     set_packing(critic, "auto", "auto")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", ["reference", "critic"])
+def test_streamed_slots_in_cuda_graphs_equal_one_shot(tiny_models, kind):
+    """On CUDA the slots' chunk forwards replay CUDA graphs (one capture per shape): the scores are
+    the one-shot forward's, and no shape is captured twice."""
+    from oppo.forward import set_packing
+    from oppo.models import load_causal_lm, load_critic, load_tokenizer
+    from oppo.scoring.streaming import StreamingScorer, score_full
+
+    tok = load_tokenizer(str(tiny_models["policy"]))
+    dev = torch.device("cuda")
+    model = (load_causal_lm(str(tiny_models["policy"]), "reference", dev, torch.float32) if kind == "reference"
+             else load_critic(str(tiny_models["reward"]), dev, torch.float32, tok.pad_token_id)).eval()
+    set_packing(model, "auto", "on")
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 30) for _ in range(rng.randint(2, 12))] for _ in range(12)]
+    responses = [[rng.randrange(3, 30) for _ in range(rng.randint(1, 60))] for _ in range(12)]
+    s = StreamingScorer(kind, model, tok.pad_token_id)
+    assert s.kv.graphs
+    s.admit(list(range(12)), prompts)
+    fed = dict.fromkeys(range(12), 0)
+    while s.uids:
+        chunk = {u: (tuple(responses[u][fed[u]: fed[u] + 8]), fed[u] + 8 >= len(responses[u])) for u in s.uids}
+        for u in chunk:
+            fed[u] += 8
+        s.feed(chunk)
+    assert s.kv.graphs and s.kv.captures == len(s.kv.shapes_seen)
+    got, want = s.take_done(), score_full(kind, model, prompts, responses, tok.pad_token_id)
+    for u in range(12):
+        a, b = (got[u].logprobs, want[u].logprobs) if kind == "reference" else (got[u].values, want[u].values)
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=1e-4)

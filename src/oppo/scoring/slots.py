@@ -52,8 +52,19 @@ class SlotKV:
     :class:`~oppo.kv.KVRows` addresses them: by their index in the scorer's list of sequences
     (``slot_of[i]`` is row i's slot)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, graphs: bool | None = None):
+        """``graphs``: replay each (Rb, Cb, Lb) chunk forward from a CUDA graph captured on its first
+        call (None: on CUDA); a model whose forward cannot be captured runs eagerly, said once."""
         self.device = device
+        self.graphs = device.type == "cuda" if graphs is None else graphs
+        if self.graphs and device.type != "cuda":
+            raise ValueError("CUDA graphs need the scorer's model on a CUDA device")
+        self._graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._tok = torch.zeros(0, 0, dtype=torch.long, device=device)  # static inputs of the captured forwards
+        self._start = torch.zeros(0, dtype=torch.long, device=device)
+        self._side_stream: torch.cuda.Stream | None = None
+        self._pool = None
+        self.captures = 0
         self.cache: SlotCache | None = None
         self.slot_of: list[int] = []
         self.pos: list[int] = []  # per slot: tokens in it (= the column its next token takes), on the host
@@ -89,6 +100,7 @@ class SlotKV:
             self._mask_dtype = dtype
             self.pos = [0] * R
             return
+        self._graphs.clear()  # they read the old slots' memory
         for layer in self.cache.slot_layers:  # grow: copy what is there into larger slots
             for name in ("keys", "values"):
                 old = getattr(layer, name)
@@ -160,7 +172,10 @@ class SlotKV:
         start = torch.tensor(self.pos[:Rb], dtype=torch.long)
         tokens, start = tokens.to(self.device, non_blocking=True), start.to(self.device, non_blocking=True)
         self.shapes_seen.add((Rb, Cb, Lb))
-        hidden = self._forward(backbone, tokens, start, Rb, Cb, Lb)  # [Rb, Cb, H]
+        if self.graphs:
+            hidden = self._replay(backbone, tokens, start, Rb, Cb, Lb)
+        else:
+            hidden = self._forward(backbone, tokens, start, Rb, Cb, Lb)  # [Rb, Cb, H]
         for s, seq in zip(fed, seqs):
             self.pos[s] += len(seq)
         sel = torch.tensor(fed, dtype=torch.long).to(self.device, non_blocking=True)
@@ -180,6 +195,50 @@ class SlotKV:
         mask = torch.where(seen, zero, neg)[:, None]  # [Rb, 1, Cb, Lb] additive
         out = backbone(input_ids=tokens, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
         return out.last_hidden_state
+
+    def _replay(self, backbone, tokens: torch.Tensor, start: torch.Tensor, rb: int, cb: int, lb: int) -> torch.Tensor:
+        """:meth:`_forward` from a CUDA graph per (Rb, Cb, Lb), captured on first use (as the static
+        decode engine captures its steps: warm-ups, then a thread-local capture on this scorer's one
+        side stream into its one pool, so the actor's thread may run CUDA work meanwhile). The
+        inputs are copied into static buffers; the output is copied out (graphs share a pool)."""
+        if self._tok.shape[0] < rb or self._tok.shape[1] < cb:
+            self._tok = torch.zeros(max(rb, self._tok.shape[0]), max(cb, self._tok.shape[1]), dtype=torch.long,
+                                    device=self.device)
+            self._start = torch.zeros(self._tok.shape[0], dtype=torch.long, device=self.device)
+            self._graphs.clear()  # they read the old buffers
+        self._tok[:rb, :cb].copy_(tokens)
+        self._start[:rb].copy_(start)
+        key = (rb, cb, lb)
+        if key not in self._graphs:
+            try:
+                self._graphs[key] = self._capture(backbone, rb, cb, lb)
+            except Exception as e:  # a forward that cannot be captured (host reads, dynamic control flow)
+                import warnings
+
+                self.graphs = False
+                warnings.warn(f"The streamed scorer's chunk forward could not be captured in a CUDA graph "
+                              f"({type(e).__name__}: {e}); it runs eagerly.", stacklevel=2)
+                return self._forward(backbone, tokens, start, rb, cb, lb)
+        graph, out = self._graphs[key]
+        graph.replay()
+        return out.clone()
+
+    def _capture(self, backbone, rb: int, cb: int, lb: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(self.device)
+            self._pool = torch.cuda.graph_pool_handle()
+        stream, here = self._side_stream, torch.cuda.current_stream(self.device)
+        tok, start = self._tok[:rb, :cb], self._start[:rb]
+        stream.wait_stream(here)
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-ups: the same forward the replay runs (same inputs, same cache writes)
+                self._forward(backbone, tok, start, rb, cb, lb)
+        here.wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
+            out = self._forward(backbone, tok, start, rb, cb, lb)
+        self.captures += 1
+        return graph, out
 
     def select(self, keep: list[int]) -> None:
         """Keep rows ``keep`` (indices, in the new order); free the other rows' slots."""
