@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = args.steps or (4 if args.quick else 5)
     workloads.MODEL_SIZES["probe"] = dict(hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
                                           num_key_value_heads=2, intermediate_size=176, vocab_size=512)
-    work = WORKLOADS["representative"].scaled(256)
+    work = WORKLOADS["representative"].scaled(128)
     root = Path(tempfile.mkdtemp(prefix="shape_probe_"))
     paths = write_synthetic_models(root / "models", "probe", "probe", prompt_words=(8, 48))
     counter = Counter()

@@ -168,3 +168,31 @@ def test_streamed_slots_in_cuda_graphs_equal_one_shot(tiny_models, kind):
     for u in range(12):
         a, b = (got[u].logprobs, want[u].logprobs) if kind == "reference" else (got[u].values, want[u].values)
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=1e-4)
+
+
+def test_attention_path_by_name_and_probe(tiny_models, tiny_prompts, tmp_path):
+    """ppo.attention: auto keeps the loaded path on the CPU; a path by name is set on every model
+    and trains; the probe times each path and names one that fails."""
+    from oppo import attention
+    from oppo.config import load_config
+    from oppo.models import load_causal_lm
+    from oppo.trainer import Trainer
+
+    policy = load_causal_lm(str(tiny_models["policy"]), "policy", torch.device("cpu"), torch.float32)
+    said: list[str] = []
+    assert attention.choose(policy, [], "auto", 2, 32, said.append) == "sdpa" and not said
+    timings = attention.probe(policy, 2, 32, ["oppo_sdpa_math", "no_such_path"], repeats=1)
+    assert isinstance(timings["oppo_sdpa_math"], float) and "failed" in str(timings["no_such_path"])
+    assert policy.config._attn_implementation == "sdpa"  # left as it was
+    cfg = load_config(None, [f"policy.path={tiny_models['policy']}", f"reward.path={tiny_models['reward']}",
+                             f"data.prompts={tiny_prompts}", "ppo.attention=oppo_sdpa_math",
+                             "overlap.mode=sequential", "ppo.batch_size=4", "ppo.minibatch_size=4",
+                             "ppo.micro_batch_size=2", "generation.max_new_tokens=8", "log.progress=false",
+                             "run.samples=0", f"run.out_dir={tmp_path / 'run'}"])
+    t = Trainer(cfg, progress=False)
+    try:
+        m = t.run_step()
+        assert all(model.config._attn_implementation == "oppo_sdpa_math" for model in t.models().values())
+        assert m["loss/policy"] == m["loss/policy"]  # finite: it trained
+    finally:
+        t.close()

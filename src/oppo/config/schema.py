@@ -252,6 +252,14 @@ class PPOConfig:
                                      "bucketed rows and length. auto: on where the model is on CUDA; on; off: exact "
                                      "shapes. The numbers are the same either way (the added positions are padding, "
                                      "counted in perf/train_padded_frac).", ("auto", "on", "off"))
+    attention: str = opt("auto", "The attention path of every model (oppo.attention). auto: on CUDA, a short probe "
+                                 "at start times a forward and backward of the policy under each SDPA path (torch's "
+                                 "own order, cuDNN, memory-efficient) that keeps packed sequences apart, and every "
+                                 "model takes the fastest (logged); on CPU the models keep the path they loaded "
+                                 "with. inherit: as loaded. Or a path by name: sdpa, oppo_sdpa_cudnn, "
+                                 "oppo_sdpa_efficient, oppo_sdpa_math, eager, flex_attention, flash_attention_2 "
+                                 "(the last two take no 4-D mask: the static decode engine then runs eager and the "
+                                 "scorers a dynamic cache).")
     epochs: int = opt(1, "PPO epochs over each batch.")
     actor_lr: float = opt(1e-5, "Actor (policy) learning rate (AdamW).")
     critic_lr: float = opt(5e-5, "Critic learning rate (AdamW).")

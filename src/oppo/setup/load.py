@@ -122,6 +122,14 @@ def load_models(cfg: Config, inputs: Inputs, run: Resolved) -> Models:
     for m in (reward_model, *extra_rms.values(), reference, scoring_critic):  # their one-shot forwards (score_full)
         if m is not None:
             set_packing(m, cfg.ppo.packing, cfg.ppo.shape_buckets)
+    # the attention path (ppo.attention: probed on CUDA), before any row plan is found for a model
+    from .. import attention, shapes
+
+    others = {id(m): m for m in (rollout_policy, reference, critic, scoring_critic, reward_model, *extra_rms.values())
+              if m is not None and m is not policy}
+    attention.choose(policy, list(others.values()), cfg.ppo.attention, rows=4,
+                     width=shapes.width(min(2048, cfg.data.max_prompt_tokens + paths.max_new_tokens)),
+                     say=lambda line: print(f"oppo: {line}", file=sys.stderr), dtype=dtype)
     if cfg.policy.gradient_checkpointing:  # the trained models; recomputation only while training
         for m in (policy, critic):
             if m is not None:

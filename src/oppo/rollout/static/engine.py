@@ -437,8 +437,10 @@ def static_decode_problem(model, max_len: int | None = None, probe: bool = False
     from ...models import backbone_and_head
 
     cfg = _text_config(model)
+    from ...attention import takes_4d_mask
+
     impl = getattr(cfg, "_attn_implementation", None) or "eager"
-    if impl not in ("sdpa", "eager"):
+    if not takes_4d_mask(impl):
         return (f"The static decode engine passes a 4-D attention mask, which attention implementation {impl!r} "
                 f"does not take; load the policy with attn_implementation='sdpa' or use the eager engine "
                 f"(generation.engine=eager).")
