@@ -469,14 +469,16 @@ def attention_calls(ann, X, cpu_ops, runtime, op_by_id, calls, where, cuda) -> d
 # ====================================================================== the runs
 
 
-def profile_trainer(trainer, trace: Path, cuda: bool) -> tuple[dict, dict]:
-    """One step of ``trainer`` under the profiler: (its metrics, :func:`analyse_trace`'s figures)."""
+def profile_trainer(trainer, trace: Path, cuda: bool, shapes: bool = True) -> tuple[dict, dict]:
+    """One step of ``trainer`` under the profiler: (its metrics, :func:`analyse_trace`'s figures).
+    ``shapes``: record each op's input types (the bf16 matmul share reads them; a trace several
+    times larger, slower to write and read: the A/B arms go without)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     calls: list[AttentionCall] = []
     with recording_attention(calls), marked_spans(trainer.tracer):
-        with profile(activities=activities, record_shapes=True) as prof:
+        with profile(activities=activities, record_shapes=shapes) as prof:
             with record_function(f"{MARK}step"):
                 metrics = trainer.run_step()
                 if cuda:
@@ -517,10 +519,11 @@ STEP_KEYS = ("time/step", "time/generate", "time/score", "time/train", "time/old
              "perf/train_padded_frac", "perf/train_tokens")
 
 
-def run_profile(settings: list[str], label: str, work: Path, workload, cuda: bool, say, timed_step: bool = False
+def run_profile(settings: list[str], label: str, work: Path, workload, cuda: bool, say, baseline: bool = False
                 ) -> dict:
-    """A fresh sequential trainer: a warm-up step, (``timed_step``) an unprofiled step, a profiled
-    one. Returns the figures, with the trainer's facts the ceiling needs under ``_trainer``."""
+    """A fresh sequential trainer: a warm-up step, (``baseline``) an unprofiled step, a profiled one
+    (``baseline``: with the ops' input types). Returns the figures, with the trainer's facts the
+    ceiling needs under ``_trainer``."""
     t0 = time.time()
     trainer = build_trainer(settings, label, work, workload)
     try:
@@ -528,11 +531,11 @@ def run_profile(settings: list[str], label: str, work: Path, workload, cuda: boo
         trainer.run_step()  # warm-up: the first step's one-time costs (CUDA graphs, plans, allocator)
         say(f"gpu_profile: {label}: built in {built:.1f} s, warm-up step {time.time() - t0 - built:.1f} s")
         out: dict = {"label": label, "build_s": built}
-        if timed_step:
+        if baseline:
             m = trainer.run_step()
             out["unprofiled"] = {k: m[k] for k in STEP_KEYS if k in m and math.isfinite(m[k])}
         t1 = time.time()
-        metrics, figures = profile_trainer(trainer, work / "traces" / f"{label}.json", cuda)
+        metrics, figures = profile_trainer(trainer, work / "traces" / f"{label}.json", cuda, shapes=baseline)
         out["profiled"] = {k: metrics[k] for k in STEP_KEYS if k in metrics and math.isfinite(metrics[k])}
         out.update(figures)
         out["profile_s"] = time.time() - t1
@@ -548,8 +551,8 @@ def trainer_facts(trainer) -> dict:
     roles = trainer.roles
     exp = trainer.last_result.exp
     lengths = [int(n) for n in exp.valid.sum(1).tolist()]
-    score_models = [m for m in (roles.reward_model, roles.reference, roles.scoring_critic or roles.critic)
-                    if m is not None]
+    critic = roles.scoring_critic if roles.scoring_critic is not None else roles.critic
+    score_models = [m for m in (roles.reward_model, roles.reference, critic) if m is not None]
     return {"lengths": lengths, "device": str(roles.device), "compute_dtype": roles.compute_dtype,
             "param_dtype": next(roles.policy.parameters()).dtype, "engine": roles.engine,
             "generate_flops": forward_flops(roles.policy, lengths),
@@ -871,7 +874,7 @@ def main(argv: list[str] | None = None) -> int:
         "workload": f"{policy_size} policy + {reward_size} reward/critic (synthetic, random weights), {dtype} on "
                     f"{args.device}, B = {B}, {workload.name} lengths (forced, up to {workload.max_new_tokens})",
         "settings": settings, "models_s": time.time() - started}
-    base = run_profile(settings, "baseline", work, workload, cuda, say, timed_step=True)
+    base = run_profile(settings, "baseline", work, workload, cuda, say, baseline=True)
     result["baseline"], result["engine"] = base, base["_trainer"]["engine"]
     add_flops(base)
     result["seconds"] = time.time() - started
@@ -882,7 +885,7 @@ def main(argv: list[str] | None = None) -> int:
     write(result, out)
     rows = [] if args.no_ab else plan_ab(REMEDIES + tuple(extra), settings)
     result["ab"] = rows
-    cost = base["seconds"] * 1.1  # an arm: a build, a warm-up step and a profiled step, like the baseline's
+    cost = base["seconds"]  # an arm: a build, a warm-up step and a profiled step (the baseline: one step more)
     for row in rows:
         for arm in row.get("arms", []):
             if arm["baseline"]:
