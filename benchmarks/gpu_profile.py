@@ -45,8 +45,6 @@ import bisect
 import contextlib
 import functools
 import gc
-import importlib
-import importlib.util
 import itertools
 import json
 import math
@@ -107,7 +105,7 @@ ATTENTION_ENTRY_POINTS = (
     ("transformers.modeling_flash_attention_utils", "flash_attn_func"),
     ("transformers.modeling_flash_attention_utils", "flash_attn_varlen_func"),
 )
-"""Module attributes an attention call goes through (where the module is installed): wrapped while
+"""Module attributes an attention call goes through (where the module is imported): wrapped while
 the profiled step runs. transformers' SDPA path looks ``torch.nn.functional``'s function up at each
 call; a module that imported a function by name holds its own reference, wrapped there too."""
 
@@ -142,18 +140,14 @@ def _signature(args, kwargs) -> str:
 
 @contextlib.contextmanager
 def recording_attention(calls: list[AttentionCall]):
-    """Wrap every attention entry point (:data:`ATTENTION_ENTRY_POINTS`) so that each call appends
-    an :class:`AttentionCall` to ``calls`` and is marked for the profiler (``ATTN<i>``); restored on
-    exit. Modules not installed are not imported."""
+    """Wrap every attention entry point (:data:`ATTENTION_ENTRY_POINTS`) of the modules already
+    imported (the warm-up step ran every path the profiled step takes: a module not imported by then
+    is not used) so that each call appends an :class:`AttentionCall` to ``calls`` and is marked for
+    the profiler (``ATTN<i>``); restored on exit. Nothing is imported here: a module imported while
+    torch's function is wrapped would keep the wrapper."""
     counter, lock, restore = itertools.count(), threading.Lock(), []
-    for module_name, attr in ATTENTION_ENTRY_POINTS:
-        if module_name.split(".")[0] not in ("torch", "transformers") and importlib.util.find_spec(
-                module_name.split(".")[0]) is None:
-            continue
-        try:
-            module = importlib.import_module(module_name)
-        except Exception:  # noqa: BLE001 (an optional module that does not import here: nothing to wrap)
-            continue
+    found = [(sys.modules[m], attr) for m, attr in ATTENTION_ENTRY_POINTS if m in sys.modules]
+    for module, attr in found:
         fn = getattr(module, attr, None)
         if not callable(fn):
             continue
@@ -361,7 +355,7 @@ def analyse_trace(events: list[dict], calls: list[AttentionCall], cuda: bool, to
                 add(w, "graph_launches")
             elif n.startswith(("cudaStreamBeginCapture", "cuStreamBeginCapture")):
                 add(w, "graph_captures")
-    selfs = _self_times(cpu_ops)
+    selfs = _self_times(cpu_ops) if not cuda else {}  # (on CUDA the kernels are the device's work)
     for e in cpu_ops:
         w = where(e["ts"])
         if w is None:
@@ -730,7 +724,9 @@ def to_markdown(r: dict) -> str:
                  f"{_f(w.get('matmul_bf16_share'), '.0%')} | {_f(w.get('mfu'), '.1%')} | {_f(w.get('mfu_spec'), '.1%')} | "
                  f"{_f(c.get('mfu') if name in ('generate', 'score', 'train') else None, '.1%')} | "
                  f"{_f(c.get('mfu_spec') if name in ('generate', 'score', 'train') else None, '.1%')} |")
-    L += ["", "On CPU, kernels = the aten ops' self time and busy = the time inside an op; the CUDA-only counts "
+    L += ["", "MFU here: the profiled step's model FLOPs in the window / the window's wall time, the profiler's "
+          "own overhead included (the trainer's figures of the unprofiled step are above). "
+          "On CPU, kernels = the aten ops' self time and busy = the time inside an op; the CUDA-only counts "
           "are '-'. Counts are of the host calls made in the window; kernels are assigned to the window that "
           "launched them. Windows: the trainer's stage spans (generate: actor/*, score: scorer/*, train: "
           "learner/*, which in sequential mode holds the old-log-prob recompute); other: the rest of the step.", ""]
@@ -740,10 +736,12 @@ def to_markdown(r: dict) -> str:
               f"Forward + backward + AdamW of one packed row of {c['tokens']:,} tokens ({c['sequences']} sequences, "
               f"the train window's), the policy alone (attention: {c['attention']}): {c['seconds'] * 1e3:.1f} ms, "
               f"{c['tflops']:.3g} TFLOP/s, MFU {_f(c.get('mfu'), '.1%')} (spec {_f(c.get('mfu_spec'), '.1%')})."]
-        if "model_tflop" in tw and c["tflops"] > 0:
-            attain = tw["model_tflop"] / c["tflops"]
-            L += [f"The train window's {tw['model_tflop']:.3g} TFLOP at that rate: {attain:.3f} s; it took "
-                  f"{tw['wall_s']:.3f} s, **{tw['wall_s'] / attain:.1f}x the ceiling** (goal: within 2x)."]
+        v = r.get("train_vs_ceiling", {})
+        if "unprofiled" in v:
+            L += [f"The train window ran at {un['perf/train_tflops']:.3g} TFLOP/s in the unprofiled step: the "
+                  f"ceiling is **{v['unprofiled']:.1f}x** that (goal: within 2x)"
+                  + (f"; {v['profiled']:.1f}x in the profiled step ({tw['model_tflop']:.3g} TFLOP in "
+                     f"{tw['wall_s']:.3f} s)." if "profiled" in v else ".")]
         L.append("")
     L += ["## Top kernels per window (GPU time; on CPU: ops by self time)", ""]
     for name, w in base["windows"].items():
@@ -880,7 +878,15 @@ def main(argv: list[str] | None = None) -> int:
     result["seconds"] = time.time() - started
     write(result, out)
     say(f"gpu_profile: baseline profiled in {base['seconds']:.1f} s; the ceiling")
-    result["ceiling"] = ceiling(paths["policy"], base["_trainer"])
+    result["ceiling"] = c = ceiling(paths["policy"], base["_trainer"])
+    # how far the train window is from the ceiling: a ratio of rates, so the unprofiled step (another
+    # batch) compares too
+    v = result["train_vs_ceiling"] = {}
+    if base.get("unprofiled", {}).get("perf/train_tflops"):
+        v["unprofiled"] = c["tflops"] / base["unprofiled"]["perf/train_tflops"]
+    if base["windows"].get("train", {}).get("model_tflop"):
+        tw = base["windows"]["train"]
+        v["profiled"] = c["tflops"] / (tw["model_tflop"] / tw["wall_s"])
     result["seconds"] = time.time() - started
     write(result, out)
     rows = [] if args.no_ab else plan_ab(REMEDIES + tuple(extra), settings)

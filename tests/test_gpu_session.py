@@ -79,6 +79,7 @@ def test_gpu_session_smoke_runs_every_part(tmp_path):
     assert prof["baseline"]["unprofiled"]["time/step"] > 0 and "perf/train_mfu" in prof["baseline"]["unprofiled"]
     c = prof["ceiling"]
     assert c["sequences"] == 4 and c["tokens"] > 4 and c["seconds"] > 0 and c["mfu"] > 0  # the smoke's B = 4
+    assert prof["train_vs_ceiling"]["unprofiled"] > 0 and prof["train_vs_ceiling"]["profiled"] > 0
     ab = {row["key"]: row for row in prof["ab"]}
     assert set(ab) >= {"ppo.shape_buckets", "ppo.attention", "ppo.micro_batch_tokens", "ppo.packing"}
     packing = ab["ppo.packing"]["arms"]  # --ab ppo.packing=auto/off: auto is the default, off is given no time
