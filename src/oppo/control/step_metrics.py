@@ -73,11 +73,10 @@ def utilisation(run: Run, result: StepResult, times: dict[str, float], rollout: 
     if roles.policy is None:
         return out
     lengths = exp.valid.sum(1).tolist()
-    peaks = {"": peak_flops(str(roles.device), roles.compute_dtype, torch.get_num_threads())}
-    out["perf/peak_tflops"] = peaks[""] / 1e12
+    peak = peak_flops(str(roles.device), roles.compute_dtype, torch.get_num_threads())
+    out["perf/peak_tflops"] = peak / 1e12
     spec = spec_peak_flops(str(roles.device), roles.compute_dtype)
     if spec is not None:
-        peaks["_spec"] = spec
         out["perf/peak_spec_tflops"] = spec / 1e12
     actor = forward_flops(roles.policy, lengths)
     train = 3 * roles.cfg.ppo.epochs * actor
@@ -85,13 +84,15 @@ def utilisation(run: Run, result: StepResult, times: dict[str, float], rollout: 
         train += 3 * roles.cfg.ppo.epochs * forward_flops(roles.critic, lengths)
     if "time/old_logprobs" in times:  # the recompute ran inside time/train
         train += forward_flops(roles.policy, recomputed_lengths(exp, roles.recompute_old))
-    for suffix, peak in peaks.items():
-        if generate:
-            out[f"perf/generate_mfu{suffix}"] = actor / generate / peak
-        if times.get("time/train"):
-            out[f"perf/train_mfu{suffix}"] = train / times["time/train"] / peak
+    if generate:
+        out["perf/generate_mfu"] = actor / generate / peak
+        if spec is not None:
+            out["perf/generate_mfu_spec"] = actor / generate / spec
     if times.get("time/train"):
         out["perf/train_tflops"] = train / times["time/train"] / 1e12
+        out["perf/train_mfu"] = train / times["time/train"] / peak
+        if spec is not None:
+            out["perf/train_mfu_spec"] = train / times["time/train"] / spec
     return out
 
 
