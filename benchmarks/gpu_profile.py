@@ -241,7 +241,7 @@ def kernel_backend(name: str) -> str | None:
         return "flash"
     if "fmha" in n or "memeff" in n or "attentionkernel" in n:  # PyTorchMemEffAttention / cutlass fmha
         return "efficient"
-    if "triton" in n and ("tem" in n or "flex" in n):  # a FlexAttention template kernel
+    if "triton_tem" in n or "flex_attention" in n:  # FlexAttention's kernels (an inductor template)
         return "flex"
     return None
 
@@ -372,10 +372,19 @@ def analyse_trace(events: list[dict], calls: list[AttentionCall], cuda: bool, to
                 add(w, "matmul_us", e.get("dur", 0.0))
                 if _dtype_of(e) == "bf16":
                     add(w, "matmul_bf16_us", e.get("dur", 0.0))
-        if (b := op_backend(e["name"])) is not None and "backward" in e["name"]:
-            for k in (w, "step"):
-                acc[k][f"attn_bwd/{b}"] += 1
-                acc[k]["attn_bwd_max_us"] = max(acc[k]["attn_bwd_max_us"], e.get("dur", 0.0))
+    # attention backward ops (run by autograd, not through the wrapped functions): the outermost of
+    # each nest (aten::_scaled_dot_product_efficient_attention_backward calls
+    # aten::_efficient_attention_backward), whose duration holds a plan build
+    last_end: dict = {}
+    for e in sorted((e for e in cpu_ops if "backward" in e["name"] and op_backend(e["name"]) is not None),
+                    key=lambda e: (e.get("tid"), e["ts"], -e.get("dur", 0.0))):
+        w, end = where(e["ts"]), e["ts"] + e.get("dur", 0.0)
+        if w is None or e["ts"] < last_end.get(e.get("tid"), -math.inf):
+            continue  # (inside the one counted)
+        last_end[e.get("tid")] = end
+        for k in (w, "step"):
+            acc[k][f"attn_bwd/{op_backend(e['name'])}"] += 1
+            acc[k]["attn_bwd_max_us"] = max(acc[k]["attn_bwd_max_us"], e.get("dur", 0.0))
 
     attention = attention_calls(ann, X, cpu_ops, runtime, op_by_id, calls, where, cuda)
     out: dict = {"windows": {}}

@@ -143,7 +143,8 @@ def test_profile_reads_a_cuda_trace():
         _x("cpu_op", "aten::addmm", 700, 10, **{"External id": 10, "Input type": ["float", "float", "float"]}),
         _x("cuda_runtime", "cuLaunchKernel", 702, 5, correlation=7, **{"External id": 10}),
         _x("kernel", "sm90_xmma_gemm_f32f32", 910, 100, correlation=7, **{"External id": 10}),
-        _x("cpu_op", "aten::_efficient_attention_backward", 800, 90, tid=2),
+        _x("cpu_op", "aten::_scaled_dot_product_efficient_attention_backward", 800, 90, tid=2),
+        _x("cpu_op", "aten::_efficient_attention_backward", 805, 80, tid=2),  # (inside it: one call)
         _x("cuda_runtime", "cudaDeviceSynchronize", 950, 10),  # in the step, outside every window
     ]
     calls = [gp.AttentionCall("scaled_dot_product_attention", "8x32x64x64 8x8x64x64 bfloat16", 0.4)]
@@ -158,6 +159,7 @@ def test_profile_reads_a_cuda_trace():
     assert w["train"]["matmul_bf16_share"] == pytest.approx(300 / 400)
     assert w["train"]["busy_s"] == pytest.approx(290e-6)  # the late kernel clipped at the window's end
     assert w["train"]["attention"]["backward_backends"] == {"efficient": 1}
+    assert w["train"]["attention"]["backward_max_ms"] == pytest.approx(0.09)
     assert w["other"]["host_syncs"] == 1 and w["step"]["host_syncs"] == 2 and w["step"]["launches"] == 3
     assert [c["backend"] for c in out["attention_calls"]] == ["cudnn"]
     assert gp.kernel_backend("void pytorch_flash::flash_fwd_kernel<>") == "flash"
