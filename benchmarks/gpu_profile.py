@@ -531,15 +531,18 @@ def run_profile(settings: list[str], label: str, work: Path, workload, cuda: boo
     trainer = build_trainer(settings, label, work, workload)
     try:
         built = time.time() - t0
-        trainer.run_step()  # warm-up: the first step's one-time costs (CUDA graphs, plans, allocator)
-        say(f"gpu_profile: {label}: built in {built:.1f} s, warm-up step {time.time() - t0 - built:.1f} s")
-        out: dict = {"label": label, "build_s": built}
-        if baseline:
-            m = trainer.run_step()
-            out["unprofiled"] = {k: m[k] for k in STEP_KEYS if k in m and math.isfinite(m[k])}
+        before: list[AttentionCall] = []  # the attention shapes of the steps before the profiled one
+        with recording_attention(before):
+            trainer.run_step()  # warm-up: the first step's one-time costs (CUDA graphs, plans, allocator)
+            say(f"gpu_profile: {label}: built in {built:.1f} s, warm-up step {time.time() - t0 - built:.1f} s")
+            out: dict = {"label": label, "build_s": built}
+            if baseline:
+                m = trainer.run_step()
+                out["unprofiled"] = {k: m[k] for k in STEP_KEYS if k in m and math.isfinite(m[k])}
         t1 = time.time()
         metrics, figures = profile_trainer(trainer, work / "traces" / f"{label}.json", cuda, shapes=baseline)
         out["profiled"] = {k: metrics[k] for k in STEP_KEYS if k in metrics and math.isfinite(metrics[k])}
+        new_signatures(figures, {c.shape for c in before}, len(before) and (2 if baseline else 1))
         out.update(figures)
         out["profile_s"] = time.time() - t1
         out["seconds"] = time.time() - t0
@@ -547,6 +550,18 @@ def run_profile(settings: list[str], label: str, work: Path, workload, cuda: boo
         return out
     finally:
         free(trainer)
+
+
+def new_signatures(figures: dict, seen: set[str], steps_before: int) -> None:
+    """Each window's attention signatures that no step before the profiled one saw
+    (``attention.new_signatures``, after ``steps_before`` steps): what a shape-keyed cache (cuDNN's
+    plans, CUDA graphs, compiled kernels) pays for again in this step. Issue 46's goal: at most 2 per
+    step in the learner and scorers together, after two warm-up steps."""
+    for name, row in figures["windows"].items():
+        shapes = {c["shape"] for c in figures["attention_calls"] if name == "step" or c["window"] == name}
+        if "attention" in row and "calls" in row["attention"]:
+            row["attention"]["new_signatures"] = len(shapes - seen)
+            row["attention"]["steps_before"] = steps_before
 
 
 def trainer_facts(trainer) -> dict:
@@ -699,6 +714,7 @@ def arm_summary(res: dict) -> dict:
     if "attention" in step and "max_host_ms" in step["attention"]:
         out["attention_max_host_ms"] = step["attention"]["max_host_ms"]
         out["attention_signatures"] = step["attention"]["signatures"]
+        out["attention_new_signatures"] = step["attention"]["new_signatures"]
     return out
 
 
@@ -765,19 +781,21 @@ def to_markdown(r: dict) -> str:
             if w.get("sync_ops"):
                 L.append(f"| {name} | " + ", ".join(f"`{k}`: {v}" for k, v in w["sync_ops"].items()) + " |")
         L.append("")
-    L += ["## Attention", "", "| window | calls | backends | signatures | longest host (ms) | its shape, backend | "
-          "median host (ms) | backward: backends | backward longest (ms) |", "|---|" + "---|" * 8]
+    L += ["## Attention", "", "| window | calls | backends | signatures | new signatures | longest host (ms) | "
+          "its shape, backend | median host (ms) | backward: backends | backward longest (ms) |", "|---|" + "---|" * 9]
     for name, w in base["windows"].items():
         a = w.get("attention")
         if not a:
             continue
         L.append(f"| {name} | {a.get('calls', '-')} | {a.get('backends', '-')} | {a.get('signatures', '-')} | "
-                 f"{_f(a.get('max_host_ms'), '.2f')} | {a.get('max_host_shape', '-')}, {a.get('max_host_backend', '-')} | "
+                 f"{a.get('new_signatures', '-')} | {_f(a.get('max_host_ms'), '.2f')} | {a.get('max_host_shape', '-')}, {a.get('max_host_backend', '-')} | "
                  f"{_f(a.get('median_host_ms'), '.3f')} | {a.get('backward_backends', '-')} | "
                  f"{_f(a.get('backward_max_ms'), '.2f')} |")
-    L += ["", "## A/B of the remedies (a fresh trainer per arm: a warm-up step, then one profiled step)", "",
+    L += ["", "New signatures: the profiled step's attention shapes that the steps before it (the warm-up, and for "
+          "the baseline the unprofiled step) did not see: each costs a shape-keyed cache (cuDNN plans, CUDA "
+          "graphs) a miss.", "", "## A/B of the remedies (a fresh trainer per arm: a warm-up step, then one profiled step)", "",
           "| remedy | arm | setting | step (s) | generate | score | train | train busy | host syncs | launches | "
-          "captures | attention signatures | attention longest (ms) | train MFU |", "|---|" + "---|" * 13]
+          "captures | attention signatures (new) | attention longest (ms) | train MFU |", "|---|" + "---|" * 13]
     for row in r.get("ab", []):
         if "skipped" in row:
             L.append(f"| {row['remedy']} | skipped | `{row['key']}` | {row['skipped']} |" + " |" * 10)
@@ -792,7 +810,8 @@ def to_markdown(r: dict) -> str:
                      f"{_f(s.get('step'), '.2f')} | {_f(s.get('generate'), '.2f')} | {_f(s.get('score'), '.2f')} | "
                      f"{_f(s.get('train'), '.2f')} | {_f(s.get('train_busy'), '.0%')} | {_f(s.get('host_syncs'), 'd')} | "
                      f"{_f(s.get('launches'), 'd')} | {_f(s.get('graph_captures'), 'd')} | "
-                     f"{_f(s.get('attention_signatures'), 'd')} | {_f(s.get('attention_max_host_ms'), '.2f')} | "
+                     f"{_f(s.get('attention_signatures'), 'd')} ({_f(s.get('attention_new_signatures'), 'd')}) | "
+                     f"{_f(s.get('attention_max_host_ms'), '.2f')} | "
                      f"{_f(s.get('train_mfu'), '.1%')} |")
     L += ["", f"In all {r.get('seconds', 0):.0f} s.", ""]
     return "\n".join(L)

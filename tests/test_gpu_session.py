@@ -74,6 +74,9 @@ def test_gpu_session_smoke_runs_every_part(tmp_path):
         assert "launches" not in w and "host_syncs" not in w  # CUDA-only counts: absent on CPU
     step = windows["step"]
     assert step["attention"]["calls"] > 0 and step["attention"]["max_host_ms"] > 0
+    # shapes the two steps before did not see (the eager engine's decode: a new KV length every step)
+    assert 0 < step["attention"]["new_signatures"] <= step["attention"]["signatures"]
+    assert step["attention"]["steps_before"] == 2
     assert set(step["attention"]["backends"]) <= {"flash (cpu)", "math", "efficient"}, step["attention"]
     assert windows["train"]["attention"]["backward_backends"]  # the training forwards' attention backward
     assert 0 <= windows["train"]["matmul_bf16_share"] <= 1
