@@ -302,6 +302,10 @@ def analyse_trace(events: list[dict], calls: list[AttentionCall], cuda: bool, to
     device = [e for e in X if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     op_by_id = {e["args"]["External id"]: e for e in cpu_ops if "External id" in e.get("args", {})}
     launch_ts = {e["args"]["correlation"]: e["ts"] for e in runtime if "correlation" in e.get("args", {})}
+    # a kernel's op: through its launch (correlation -> the runtime call's External id -> the op
+    # that made it), else the kernel's own External id
+    launch_op = {e["args"]["correlation"]: e["args"]["External id"] for e in runtime
+                 if "correlation" in e.get("args", {}) and "External id" in e["args"]}
 
     names = [n for n in ("generate", "score", "train") if n in spans] + ["other"]
     acc = {n: defaultdict(float) for n in names + ["step"]}
@@ -334,7 +338,7 @@ def analyse_trace(events: list[dict], calls: list[AttentionCall], cuda: bool, to
             for k in (w, "step"):
                 tops[k][name] += dur
                 top_counts[k][name] += 1
-            op = op_by_id.get(e.get("args", {}).get("External id"))
+            op = op_by_id.get(launch_op.get(corr, e.get("args", {}).get("External id")))
             if (op is not None and op["name"] in MATMUL_OPS) or (op is None and _looks_like_gemm(e["name"])):
                 add(w, "matmul_us", dur)
                 if _dtype_of(op, e["name"]) == "bf16":
