@@ -22,7 +22,8 @@ prints and writes (``profile.md``, ``profile.json`` under ``--out``):
   transformers and flash-attn bring, wrapped while the step runs): the backend that ran (on CUDA from
   the kernels it launched: flash, efficient, cudnn, math; else from the aten op it dispatched to),
   and the longest host time of one call (a cuDNN plan built on a new shape shows as an outlier);
-  the attention backward ops alike (by their aten op);
+  the signatures (shapes, dtype, mask) new in the profiled step, which the steps before it did not
+  see: each is a miss of every shape-keyed cache; the attention backward ops alike (by their aten op);
 - the share of matmul time in bf16 (the dtype of the op that launched each matmul kernel);
 - model FLOPs utilisation against the measured matmul peak and the device's spec peak
   (``oppo.perf``), beside the attainable ceiling: forward + backward + AdamW of ONE packed row of
