@@ -82,7 +82,8 @@ class Remedy:
 
 
 REMEDIES = (
-    Remedy("shape buckets (learner, scorer and prefill shapes from a small fixed set)", "ppo.shape_buckets", "on",
+    # ppo.shape_buckets=auto (the default) is on where the model is on CUDA: the baseline's own arm there
+    Remedy("shape buckets (learner, scorer and prefill shapes from a small fixed set)", "ppo.shape_buckets", None,
            "off"),
     Remedy("attention backend chosen by a probe", "ppo.attention", "auto", "sdpa"),
     Remedy("micro-batch token budget sized to the device", "ppo.micro_batch_tokens", None, "0"),
@@ -690,7 +691,7 @@ def plan_ab(remedies, settings: list[str]) -> list[dict]:
             for arm, value in (("on", r.on), ("off", r.off)):
                 cfg = base if value is None else load_config(None, settings + [f"{r.key}={value}"])
                 v = config_value(cfg, r.key)
-                arms.append({"arm": arm, "setting": f"{r.key}={value}" if value is not None else f"{r.key} (default)",
+                arms.append({"arm": arm, "setting": f"{r.key}={value}" if value is not None else f"{r.key}={v} (default)",
                              "value": repr(v), "baseline": v == config_value(base, r.key),
                              "override": [] if value is None else [f"{r.key}={value}"]})
         except ConfigError as e:
