@@ -61,6 +61,19 @@ SHORT = LengthWorkload("short", sigma=0.25, median=16, max_new_tokens=32,
                        description="short responses: log-normal lengths, median 16, sigma 0.25, at most 32 tokens")
 
 
+def trainer_settings(paths: dict[str, Path], device: str, B: int, workload, tiny: bool) -> list[str]:
+    """The trainer's settings of a GPU bench run (also ``gpu_profile.py``'s): the synthetic models of
+    ``paths`` (``write_synthetic_models``), B sequences a step in two minibatches, the workload's
+    longest response; tiny: the smoke sizes, one torch thread."""
+    mb = max(1, B // 4) if tiny else min(16, B // 2)  # a divisor of the minibatch (B / 2)
+    return [
+        f"policy.path={paths['policy']}", f"reward.path={paths['reward']}", f"data.prompts={paths['prompts']}",
+        f"policy.device={device}", "policy.dtype=auto", f"ppo.batch_size={B}", f"ppo.minibatch_size={B // 2}",
+        f"ppo.micro_batch_size={mb}", f"generation.max_new_tokens={workload.max_new_tokens}",
+        f"data.max_prompt_tokens={32 if tiny else 128}", "log.progress=false", "run.samples=0",
+    ] + (["placement.threads=1"] if tiny else [])
+
+
 def parse(argv):
     p = argparse.ArgumentParser(prog="gpu_bench.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="benchmarks/gpu", help="Output directory (bench.json, bench.md, PNGs).")
@@ -126,13 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                                    args.device if on_cuda else "cpu", dtype,
                                    prompt_words=(4, 24) if tiny else (16, 96))
     built = time.time() - started
-    mb = max(1, B // 4) if tiny else min(16, B // 2)  # a divisor of the minibatch (B / 2)
-    settings = [
-        f"policy.path={paths['policy']}", f"reward.path={paths['reward']}", f"data.prompts={paths['prompts']}",
-        f"policy.device={args.device}", "policy.dtype=auto", f"ppo.batch_size={B}", f"ppo.minibatch_size={B // 2}",
-        f"ppo.micro_batch_size={mb}", f"generation.max_new_tokens={workload.max_new_tokens}",
-        f"data.max_prompt_tokens={32 if tiny else 128}", "log.progress=false", "run.samples=0",
-    ] + (["placement.threads=1"] if tiny else []) + list(args.overrides)
+    settings = trainer_settings(paths, args.device, B, workload, tiny) + list(args.overrides)
     if args.check_one:
         return check_one(args.check_one, settings, steps, workload, out, say)
     if args.check:

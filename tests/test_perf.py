@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from oppo.perf import forward_flops, matmul_params, peak_flops
@@ -47,3 +48,56 @@ def test_peak_flops_is_measured_and_cached():
     p = peak_flops("cpu", torch.float32)
     assert 1e8 < p < 1e14  # a CPU core does between 0.1 GFLOP/s and 100 TFLOP/s
     assert peak_flops("cpu", torch.float32) == p  # cached: measured once per process
+
+
+def test_spec_peak_by_device_name():
+    """The vendor's dense bf16 figure by name, the specific names before the general ones; none
+    where the table has no entry, on CPU, or in float32 (TF32 or not is the run's choice)."""
+    from oppo.perf import spec_peak_flops
+
+    bf16 = torch.bfloat16
+    assert spec_peak_flops("cuda", bf16, name="NVIDIA H100 80GB HBM3") == 989e12  # the SXM part
+    assert spec_peak_flops("cuda", bf16, name="NVIDIA H100 PCIe") == 756e12
+    assert spec_peak_flops("cuda", bf16, name="NVIDIA H200") == 989e12
+    assert spec_peak_flops("cuda", bf16, name="NVIDIA H200 NVL") == 835e12
+    assert spec_peak_flops("cuda", torch.float16, name="NVIDIA A100-SXM4-80GB") == 312e12
+    assert spec_peak_flops("cuda", bf16, name="NVIDIA L40S") == 362e12
+    assert spec_peak_flops("cuda", bf16, name="NVIDIA L4") == 121e12
+    assert spec_peak_flops("cuda", bf16, name="Some Future GPU") is None
+    assert spec_peak_flops("cuda", torch.float32, name="NVIDIA H200") is None
+    assert spec_peak_flops("cpu", bf16) is None
+
+
+def test_train_flops_count_the_old_logprob_recompute_where_the_window_holds_it():
+    """``utilisation``: the actor's old-log-prob forward is in train MFU when the loop timed it
+    inside time/train (sequential: ``time/old_logprobs``), over the rows it recomputed: every row
+    under ``recompute_old``, else the rows holding an off-policy token."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from oppo.control.step_metrics import recomputed_lengths, utilisation
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    # 3 rows: prompts of 2, 1, 2 tokens and responses of 2, 3, 1; row 1 holds a token of version 4
+    valid = torch.tensor([[1, 1, 1, 1, 0], [0, 1, 1, 1, 1], [1, 1, 1, 0, 0]])  # [B, P+T], P = 2
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0]])  # [B, T]
+    versions = torch.tensor([[5, 5, 0], [4, 5, 5], [5, 0, 0]])
+    exp = SimpleNamespace(valid=valid, mask=mask, versions=versions)
+    assert recomputed_lengths(exp, recompute_all=True) == [4, 4, 3]
+    assert recomputed_lengths(exp, recompute_all=False) == [4]  # row 1 only
+    lengths = [4, 4, 3]
+    cfg = SimpleNamespace(ppo=SimpleNamespace(epochs=2))
+    roles = SimpleNamespace(policy=model, critic=None, device=torch.device("cpu"), compute_dtype=torch.float32,
+                            cfg=cfg, recompute_old=True)
+    run, result = SimpleNamespace(roles=roles), SimpleNamespace(exp=exp)
+    rollout = SimpleNamespace(decode_steps=None)
+    update = 3 * 2 * forward_flops(model, lengths)
+    plain = utilisation(run, result, {"time/train": 1.0}, rollout)  # an overlapped loop: recompute in time/score
+    assert plain["perf/train_tflops"] * 1e12 == pytest.approx(update)
+    seq = utilisation(run, result, {"time/train": 1.0, "time/old_logprobs": 0.1}, rollout)
+    assert seq["perf/train_tflops"] * 1e12 == pytest.approx(update + forward_flops(model, lengths))
+    peak = peak_flops("cpu", torch.float32, torch.get_num_threads())
+    assert seq["perf/train_mfu"] == pytest.approx(seq["perf/train_tflops"] * 1e12 / peak)
+    assert "perf/train_mfu_spec" not in seq and "perf/peak_spec_tflops" not in seq  # CPU: no spec peak

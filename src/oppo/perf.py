@@ -1,9 +1,15 @@
-"""Model FLOPs and the device's measured peak: what a stage's utilisation (MFU) is computed from.
+"""Model FLOPs and the device's peaks: what a stage's utilisation (MFU) is computed from.
 
 MFU = the stage's model FLOPs (from the model's shapes and the real, unpadded token counts; no
-recomputation, no padding) / the stage's time / the device's peak. The peak is measured, not
-looked up: a square matmul in the compute dtype, timed in the same process (:func:`peak_flops`),
-so a CPU run and a GPU run report comparable fractions of what their own machine can do.
+padding, no activation recomputation; every forward the stage's window holds, the old-log-prob
+recompute included where it runs inside it) / the stage's time / a peak. Two peaks, reported as
+separate figures:
+
+- measured (:func:`peak_flops`): a square matmul in the compute dtype, timed in the same process,
+  so a CPU run and a GPU run report comparable fractions of what their own machine can do;
+- the device's spec (:func:`spec_peak_flops`): the vendor's dense bf16/fp16 tensor-core figure for
+  a GPU named in :data:`SPEC_BF16_TFLOPS` (the number MFU is usually quoted against, as in the
+  PaLM paper); none on CPU, on an unknown GPU or in float32 (TF32 or not is the run's choice).
 
 FLOPs of one token through a decoder (the usual accounting, as in the PaLM and Megatron papers):
 ``2 * matmul_params`` for every weight matrix it passes (the output head included, the input
@@ -72,6 +78,33 @@ def forward_flops(model: torch.nn.Module, lengths: list[int]) -> float:
     tokens = sum(lengths)
     attended = sum(L * (L + 1) / 2 for L in lengths)  # sum over tokens of their context
     return 2.0 * n * tokens + 4.0 * layers * width * attended
+
+
+SPEC_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
+    # (a piece of torch.cuda.get_device_name(), dense bf16 TFLOP/s without sparsity), the vendors'
+    # datasheets; the more specific names first (an "H200 NVL" is not an "H200" SXM)
+    ("GH200", 989.0), ("H200 NVL", 835.0), ("H200", 989.0), ("H100 NVL", 835.0), ("H100 PCIe", 756.0),
+    ("H100", 989.0), ("H800", 989.0), ("B200", 2250.0), ("A100", 312.0), ("A800", 312.0),
+    ("L40S", 362.0), ("L40", 181.0), ("L4", 121.0), ("A10G", 70.0), ("A10", 125.0),
+    ("RTX 4090", 165.0), ("MI300X", 1307.0),
+)
+"""The devices whose spec peak :func:`spec_peak_flops` knows. An "H100" with neither "PCIe" nor
+"NVL" in its name is the SXM part (``NVIDIA H100 80GB HBM3``)."""
+
+
+def spec_peak_flops(device: str, dtype: torch.dtype, name: str | None = None) -> float | None:
+    """The device's dense bf16/fp16 peak in FLOP/s by its name (``name``, else
+    ``torch.cuda.get_device_name``), from :data:`SPEC_BF16_TFLOPS`; None on CPU, in another dtype,
+    or for a device the table does not name (no guess)."""
+    dev = torch.device(device)
+    if dtype not in (torch.bfloat16, torch.float16) or (name is None and dev.type != "cuda"):
+        return None
+    if name is None:
+        name = torch.cuda.get_device_name(dev)
+    for key, tflops in SPEC_BF16_TFLOPS:
+        if key.lower() in name.lower():
+            return tflops * 1e12
+    return None
 
 
 @lru_cache(maxsize=None)

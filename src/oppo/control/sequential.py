@@ -35,7 +35,9 @@ def sequential_step(run: s.Run, step: int) -> tuple[s.StepResult, dict[str, floa
     times["time/score"] = time.perf_counter() - t
     # 4-6. rewards, advantages, PPO epochs; then the weight sync
     t = time.perf_counter()
-    result = s.update(run, s.experience(run, batch, step), texts, scores, step)
+    exp = s.experience(run, batch, step)  # the old-log-prob recompute: inside time/train (perf/train_mfu counts it)
+    times["time/old_logprobs"] = time.perf_counter() - t
+    result = s.update(run, exp, texts, scores, step)
     s.sync_weights(run, result.stats, step)
     times["time/train"] = time.perf_counter() - t
     s.finish(run, close.uids)

@@ -9,7 +9,7 @@ import torch
 
 from ..algo.losses import explained_variance
 from ..api.records import RolloutStats
-from ..perf import forward_flops, peak_flops
+from ..perf import forward_flops, peak_flops, spec_peak_flops
 from .stages import Run, StepResult, mean_or_nan
 
 
@@ -45,13 +45,21 @@ def step_metrics(run: Run, result: StepResult, times: dict[str, float], dt: floa
 
 
 def utilisation(run: Run, result: StepResult, times: dict[str, float], rollout: RolloutStats) -> dict[str, float]:
-    """How hard the stages drive the hardware (``oppo.perf``): the device's measured peak
-    (``perf/peak_tflops``, compute dtype, once per process), each stage's model FLOPs utilisation
-    (``perf/generate_mfu``: the actor's forward over the trained sequences' tokens / time/generate,
-    plus time/inflight_decode in pipeline mode;
-    ``perf/train_mfu``: forward and backward of actor and critic, every epoch / time/train), and
-    the decode loop's time per engine step (``perf/decode_step_ms``: that generate time / the decode
-    steps the engine took, where the backend counts them). Exact for ``sequential``; in the
+    """How hard the stages drive the hardware (``oppo.perf``): each stage's model FLOPs utilisation
+    against the device's measured peak (``perf/peak_tflops``, compute dtype, once per process) and,
+    where the device is known, against its spec peak (``perf/peak_spec_tflops``: ``*_mfu_spec``):
+
+    - ``perf/generate_mfu``: the actor's forward over the trained sequences' tokens / time/generate,
+      plus time/inflight_decode in pipeline mode;
+    - ``perf/train_mfu``: every forward the train window holds / time/train: forward and backward
+      of actor and critic, every epoch, and the actor's old-log-prob forward (``Learner.old_logprobs``)
+      where it runs inside time/train (the sequential loop times it there, ``time/old_logprobs``; the
+      overlapped loops run it in close_batch, inside time/score). At one epoch (the default) it is
+      a quarter of the actor's FLOPs in the window; left out, sequential and overlapped train MFU
+      were not comparable (issue 46).
+
+    And the decode loop's time per engine step (``perf/decode_step_ms``: that generate time / the
+    decode steps the engine took, where the backend counts them). Exact for ``sequential``; in the
     overlapped modes a step's stages also hold other steps' work (carried rows, the update beside
     decoding), so read their figures as rates, not utilisations."""
     roles, exp = run.roles, result.exp
@@ -67,16 +75,38 @@ def utilisation(run: Run, result: StepResult, times: dict[str, float], rollout: 
     lengths = exp.valid.sum(1).tolist()
     peak = peak_flops(str(roles.device), roles.compute_dtype, torch.get_num_threads())
     out["perf/peak_tflops"] = peak / 1e12
+    spec = spec_peak_flops(str(roles.device), roles.compute_dtype)
+    if spec is not None:
+        out["perf/peak_spec_tflops"] = spec / 1e12
     actor = forward_flops(roles.policy, lengths)
     train = 3 * roles.cfg.ppo.epochs * actor
     if roles.critic is not None:
         train += 3 * roles.cfg.ppo.epochs * forward_flops(roles.critic, lengths)
+    if "time/old_logprobs" in times:  # the recompute ran inside time/train
+        train += forward_flops(roles.policy, recomputed_lengths(exp, roles.recompute_old))
     if generate:
         out["perf/generate_mfu"] = actor / generate / peak
+        if spec is not None:
+            out["perf/generate_mfu_spec"] = actor / generate / spec
     if times.get("time/train"):
         out["perf/train_tflops"] = train / times["time/train"] / 1e12
         out["perf/train_mfu"] = train / times["time/train"] / peak
+        if spec is not None:
+            out["perf/train_mfu_spec"] = train / times["time/train"] / spec
     return out
+
+
+def recomputed_lengths(exp, recompute_all: bool) -> list[int]:
+    """The lengths (prompt + response tokens) of the rows whose old log-probs the learner's forward
+    recomputed (``Learner.old_logprobs``): every row with a response token under ``recompute_all``,
+    else the rows holding an off-policy token (sampled by a version older than the batch's newest)."""
+    mask = exp.mask > 0  # [B, T]
+    if recompute_all:
+        rows = mask.any(1)
+    else:
+        newest = exp.versions[mask].max() if mask.any() else 0
+        rows = ((exp.versions < newest) & mask).any(1)
+    return exp.valid[rows].sum(1).tolist()
 
 
 def memory(run: Run, rollout: RolloutStats) -> dict[str, float]:
