@@ -196,3 +196,23 @@ def test_attention_path_by_name_and_probe(tiny_models, tiny_prompts, tmp_path):
         assert m["loss/policy"] == m["loss/policy"]  # finite: it trained
     finally:
         t.close()
+
+
+def test_micro_batch_token_budget_sized_to_the_device(tiny_models):
+    """ppo.micro_batch_tokens=-1 (the default): no budget on the CPU; the bytes a token keeps for
+    the backward by hand (1B shape: 16 layers x (20 x 2048 + 8 x 5632) bytes = 1.38 MiB)."""
+    from types import SimpleNamespace
+
+    from oppo.config import PPOConfig
+    from oppo.learner.batch import token_budget
+    from oppo.learner.budget import activation_bytes, sized
+    from oppo.models import load_causal_lm
+
+    one_b = SimpleNamespace(config=SimpleNamespace(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16))
+    assert activation_bytes(one_b) == 16 * (20 * 2048 + 8 * 5632)
+    assert activation_bytes(one_b, checkpointing=True) == 2 * 2048 * 16 + 20 * 2048 + 8 * 5632
+    assert PPOConfig().micro_batch_tokens == -1 and token_budget(PPOConfig()) == 0  # unresolved: no budget
+    policy = load_causal_lm(str(tiny_models["policy"]), "policy", torch.device("cpu"), torch.float32)
+    cpu = sized(PPOConfig(), [policy])
+    assert cpu.micro_batch_tokens == 0 and cpu.micro_batch_size == PPOConfig().micro_batch_size
+    assert sized(PPOConfig(micro_batch_tokens=500), [policy]).micro_batch_tokens == 500  # a value given stays

@@ -220,7 +220,11 @@ class PPOConfig:
                                    "micro_batch_size micro-batches. Packed (ppo.packing), each carries about the same "
                                    "token count (so some hold more, shorter sequences); unpacked, each holds "
                                    "micro_batch_size rows, longest first.")
-    micro_batch_tokens: int = opt(0, "Token budget of a forward/backward pass (verl's dynamic batch size); 0: none. "
+    micro_batch_tokens: int = opt(-1, "Token budget of a forward/backward pass (verl's dynamic batch size); 0: none; "
+                                      "-1: sized to the device (oppo.learner.budget): on CUDA a share of the free "
+                                      "memory at start over what a token keeps for the backward (tens of thousands "
+                                      "of tokens at 1B on an H200), the budget alone cutting a minibatch (as if "
+                                      "micro_batch_size were the minibatch), logged; on CPU none. "
                                      "Packed (ppo.packing): a minibatch makes more micro-batches while one of several "
                                      "sequences would hold more than N real tokens, and a micro-batch's rows x width "
                                      "(its widest packed row) stay within N where a layout can. Unpacked: a "

@@ -50,8 +50,8 @@ def _check_ppo_batches(cfg: Config) -> None:
     _check(0.0 <= p.micro_batch_padding < 1.0 and math.isfinite(p.micro_batch_padding),
            f"ppo.micro_batch_padding must be a share in [0, 1) (0: off; 0.1: at most 10% padding), got "
            f"{p.micro_batch_padding}.")
-    _check(p.micro_batch_tokens >= 0, f"ppo.micro_batch_tokens must be >= 0 (0: micro-batches by rows only), got "
-                                      f"{p.micro_batch_tokens}.")
+    _check(p.micro_batch_tokens >= -1, f"ppo.micro_batch_tokens must be >= 0 (0: micro-batches by rows only) or -1 "
+                                       f"(sized to the device), got {p.micro_batch_tokens}.")
     _check(p.epochs >= 1, f"ppo.epochs must be >= 1, got {p.epochs}.")
     _check(p.actor_lr >= 0 and p.critic_lr >= 0, "ppo.actor_lr and ppo.critic_lr must be >= 0.")
     _check(p.kl_coef is None or (math.isfinite(p.kl_coef) and p.kl_coef >= 0),

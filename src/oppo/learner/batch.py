@@ -190,7 +190,7 @@ def micro_slices(exp: "Experience | CriticBatch", rows: "torch.Tensor | list[int
     n = [total[i] for i in idx]
     n_prompt = [prompt[i] for i in idx]
     resp = [response[i] for i in idx]
-    layout = plan.layout(n, cfg.micro_batch_tokens if cfg else 0, cfg.micro_batch_padding if cfg else 0.0)
+    layout = plan.layout(n, token_budget(cfg) if cfg else 0, cfg.micro_batch_padding if cfg else 0.0)
     b, T, L, P = len(idx), max(resp, default=0), exp.valid.shape[1], exp.P
     first = [i * L + P - k for i, k in zip(idx, n_prompt)]  # [b] each sequence's first token, flat
     pre: list[int] = []
@@ -256,16 +256,22 @@ def micro_batches(batch: "Experience | CriticBatch | None", mb: torch.Tensor, cf
     return [torch.tensor(g, dtype=mb.dtype, device=mb.device) for g in groups]
 
 
+def token_budget(cfg: PPOConfig) -> int:
+    """``ppo.micro_batch_tokens`` in effect: -1 (sized to the device) not resolved for one
+    (``learner.budget.sized``: the local learner resolves it) is no budget."""
+    return max(0, cfg.micro_batch_tokens)
+
+
 def micro_groups(batch: "Experience | CriticBatch | None", mb: list[int], cfg: PPOConfig,
                  lengths: list[int] | None = None) -> list[list[int]]:
     """:func:`micro_batches` on the host: ``mb``'s rows (a list) -> each micro-batch's rows (lists)."""
     if cfg.packing != "off":
         lengths = lengths if lengths is not None else row_lengths(batch)  # type: ignore[arg-type]
-        return balanced(mb, lengths, -(-len(mb) // cfg.micro_batch_size), cfg.micro_batch_tokens or math.inf)
-    if not cfg.micro_batch_tokens and not cfg.micro_batch_padding:
+        return balanced(mb, lengths, -(-len(mb) // cfg.micro_batch_size), token_budget(cfg) or math.inf)
+    if not token_budget(cfg) and not cfg.micro_batch_padding:
         return [mb[i: i + cfg.micro_batch_size] for i in range(0, len(mb), cfg.micro_batch_size)]
     lengths = lengths if lengths is not None else row_lengths(batch)  # type: ignore[arg-type]
-    budget, cap = cfg.micro_batch_tokens or math.inf, cfg.micro_batch_padding or 1.0
+    budget, cap = token_budget(cfg) or math.inf, cfg.micro_batch_padding or 1.0
     out: list[list[int]] = []
     cur: list[int] = []
     width = real = 0
@@ -301,7 +307,7 @@ def padding_stats(exp: Experience, minibatches: list[torch.Tensor], cfg: PPOConf
     for mb in minibatches:
         for rows in micro_groups(exp, mb if isinstance(mb, list) else mb.tolist(), cfg, lengths):
             n = [lengths[i] for i in rows]
-            computed += plan.layout(n, cfg.micro_batch_tokens, cfg.micro_batch_padding).computed
+            computed += plan.layout(n, token_budget(cfg), cfg.micro_batch_padding).computed
             real += sum(n)
     return {"perf/train_tokens": float(real), "perf/train_padded_frac": 1.0 - real / computed if computed else 0.0}
 

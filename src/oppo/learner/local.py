@@ -15,7 +15,7 @@ from ..algo.losses import aggregate, value_loss
 from ..algo.masks import masked_mean
 from ..forward import RowPlan, head_logprobs, packed_hidden, row_plan
 from .batch import (CriticBatch, Experience, MicroBatch, balanced, micro_groups, micro_slices, old_logprob_targets,
-                    padding_stats, row_lengths, set_old_logprobs)
+                    padding_stats, row_lengths, set_old_logprobs, token_budget)
 from ..models import backbone_and_head, checkpointing
 from .offpolicy import MismatchProbe
 from ..weights.precision import autocast, cast_once
@@ -300,7 +300,7 @@ def train_minibatches(model, opt, batch: "Experience | CriticBatch", minibatches
     taken = skipped = 0
     stage = f"{name} update"
     mask = batch.mask
-    lengths = row_lengths(batch) if cfg.micro_batch_tokens or cfg.packing != "off" else None
+    lengths = row_lengths(batch) if token_budget(cfg) or cfg.packing != "off" else None
     for i, mb_rows in enumerate(minibatches):
         mb = mb_rows if isinstance(mb_rows, list) else mb_rows.tolist()  # (the learner's are host lists)
         num_tokens = mask[torch.tensor(mb, dtype=torch.long).to(mask.device, non_blocking=True)].sum().clamp(min=1)

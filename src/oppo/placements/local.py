@@ -56,8 +56,16 @@ def build(models: Models, placement: Placement, own: LocalSettings) -> Placed:
     from ..scoring.worker import ScorerWorker
     from ..weights.precision import copy_weights
 
+    import sys
+
+    from ..learner.budget import sized
+
     m, cfg = models, models.cfg
-    learner = Learner(m.policy, m.critic, cfg.ppo, cfg.generation.temperature, cfg.run.seed,
+    # the micro-batches' token budget, sized to the device once (ppo.micro_batch_tokens=-1): every
+    # party that cuts a minibatch (learner, the critic's trainer) reads this one
+    ppo = sized(cfg.ppo, [x for x in (m.policy, m.critic) if x is not None], cfg.policy.gradient_checkpointing,
+                say=lambda line: print(f"oppo: {line}", file=sys.stderr))
+    learner = Learner(m.policy, m.critic, ppo, cfg.generation.temperature, cfg.run.seed,
                       compute_dtype=m.compute_dtype, recompute_old=m.recompute_old, algorithm=m.algorithm)
     engine = learners.get(cfg.placement.learner)
     assert engine.build_local is not None  # (config validation: placements.problems)
@@ -78,7 +86,7 @@ def build(models: Models, placement: Placement, own: LocalSettings) -> Placed:
         critic_trainer = None
         if trains_beside:  # (a critic, so its optimizer)
             assert learner.critic_opt is not None
-            critic_trainer = CriticTrainer(learner.critic_opt, cfg.ppo,
+            critic_trainer = CriticTrainer(learner.critic_opt, ppo,
                                            None if placement.scorer == "process" else m.critic, m.compute_dtype)
         scorer = ScorerWorker(scorers, cfg.placement.scorer_threads, m.tracer, trainer=critic_trainer,
                               transport=placement.scorer)
