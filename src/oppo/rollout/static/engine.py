@@ -162,6 +162,7 @@ class StaticRolloutEngine(RolloutEngine):
         if max_len <= max_new_tokens:
             raise ValueError(f"max_len={max_len} leaves no room for a prompt before {max_new_tokens} new tokens.")
         self.max_rows, self.max_len, self.capture = max_rows, max_len, capture
+        self.bucket_prefill = capture == "cuda_graph"  # prefill rows x width on the ladders (oppo.shapes)
         self.window = _window(model, max_len)
         self._masks_as_dict = self.window is not None and _forward_takes_mask_dict(self.backbone)
         self.cache: SlotCache | None = None  # allocated at the first admit
@@ -231,14 +232,26 @@ class StaticRolloutEngine(RolloutEngine):
                     f"A row of {len(r.prompt_ids)} prompt tokens + {self.max_new_tokens} new tokens does not fit "
                     f"the static engine's max_len={self.max_len} columns; raise max_len (longest prompt + "
                     f"max_new_tokens).")
-        ids, valid = right_pad(seqs, self.pad_id, self.device)  # [n, P]: columns = slot columns
+        n = len(rows)
+        if self.bucket_prefill:  # prefill shapes from the ladders too (oppo.shapes): rows of a
+            # repeated sequence (computed, dropped) and columns of padding, so cuDNN plans recur
+            from ... import shapes
+
+            width = min(shapes.width(max(lens)), self.max_len)
+            seqs = seqs + [seqs[0]] * (shapes.rows(n) - n)
+            ids, valid = right_pad([x + [self.pad_id] * (width - len(x)) for x in seqs], self.pad_id, self.device)
+            valid[:, :] = 0
+            for i, x in enumerate(seqs):
+                valid[i, : len(x)] = 1
+        else:
+            ids, valid = right_pad(seqs, self.pad_id, self.device)  # [n, P]: columns = slot columns
         P = ids.shape[1]
         pos = torch.arange(P, device=self.device)[None].expand_as(ids)  # [n, P]
         dyn = DynamicCache()
         out = self.backbone(input_ids=ids, attention_mask=valid, position_ids=pos, past_key_values=dyn,
                             use_cache=True)
-        last = torch.tensor([n - 1 for n in lens], device=self.device)
-        hidden = out.last_hidden_state[torch.arange(len(rows), device=self.device), last]  # [n, H]
+        last = torch.tensor([k - 1 for k in lens], device=self.device)
+        hidden = out.last_hidden_state[torch.arange(n, device=self.device), last]  # [n, H]
         logits = self.head(hidden).float()  # [n, V]
         if self.cache is None:
             self.cache = self._allocate(dyn)
@@ -247,8 +260,8 @@ class StaticRolloutEngine(RolloutEngine):
         idx = torch.tensor(slots, dtype=torch.long, device=self.device)
         for mine, theirs in zip(self.cache.slot_layers, kv_layers(dyn)):
             # columns beyond a row's length hold padding's keys: masked until decode overwrites them
-            mine.keys[:, :, :P].index_copy_(0, idx, theirs.keys.to(mine.keys.dtype))
-            mine.values[:, :, :P].index_copy_(0, idx, theirs.values.to(mine.values.dtype))
+            mine.keys[:, :, :P].index_copy_(0, idx, theirs.keys[:n].to(mine.keys.dtype))
+            mine.values[:, :, :P].index_copy_(0, idx, theirs.values[:n].to(mine.values.dtype))
         self._pos.index_copy_(0, idx, torch.tensor(lens, dtype=torch.long, device=self.device))
         return logits
 
@@ -355,6 +368,29 @@ class StaticRolloutEngine(RolloutEngine):
         # graphs share one memory pool: another bucket's replay may overwrite this output, so the
         # caller copies it (index_select) before the next replay
         return out
+
+    def capture_all(self) -> int:
+        """Capture the decode step of every (Rb, Lb) bucket now (``capture="cuda_graph"``), so that
+        no capture falls inside a timed step: the slots are allocated by a one-token prefill into
+        slot 0 (then freed). Returns the graphs captured."""
+        if self.capture != "cuda_graph":
+            return 0
+        if self.cache is None:
+            slot = self._take_slots(1)
+            try:
+                self._prefill_into([Rollout(-1, -1, "", [self.pad_id], 0)], slot)
+            finally:
+                self._pos.index_fill_(0, torch.tensor(slot, device=self.device), 0)
+                for s in slot:
+                    heapq.heappush(self._free, s)
+        rbs = sorted({bucket_size(r, self.max_rows, smallest=1) for r in range(1, self.max_rows + 1)})
+        lbs = sorted({bucket_size(c, self.max_len) for c in range(1, self.max_len + 1)})
+        before = self.captures
+        for rb in rbs:
+            for lb in lbs:
+                if (rb, lb) not in self._graphs:
+                    self._graphs[(rb, lb)] = self._capture(rb, lb)
+        return self.captures - before
 
     def _capture(self, rb: int, lb: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Record the decode step for (rb, lb) into a CUDA graph, safely while other threads run
