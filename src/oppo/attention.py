@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -91,7 +92,7 @@ def set_path(model: torch.nn.Module, name: str) -> None:
     """Every attention layer of ``model`` on path ``name``; the cached row plans (``forward.row_plan``)
     are dropped, since whether sequences may share rows depends on the path."""
     register()
-    target = model if hasattr(model, "set_attn_implementation") else getattr(model, "base_model", model)
+    target: Any = model if hasattr(model, "set_attn_implementation") else getattr(model, "base_model", model)
     if not hasattr(target, "set_attn_implementation"):
         raise ValueError(f"{type(model).__name__} has no set_attn_implementation: ppo.attention cannot set its path; "
                          f"use ppo.attention=inherit")
@@ -110,11 +111,11 @@ def probe(model: torch.nn.Module, rows: int, width: int, paths: list[str], repea
     from .forward import _packing_fails
     from .models import backbone_and_head
 
-    original = model.config._attn_implementation
+    original = _path(model)
     backbone = backbone_and_head(model)[0]
     dev = next(model.parameters()).device
     sync = sync or (torch.cuda.synchronize if dev.type == "cuda" else (lambda: None))
-    vocab = int(getattr(model.config, "vocab_size", 16) or 16)
+    vocab = int(getattr(getattr(model, "config", None), "vocab_size", 16) or 16)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, max(4, vocab), (rows, width), generator=g).to(dev)
     half = width // 2
@@ -149,6 +150,12 @@ def probe(model: torch.nn.Module, rows: int, width: int, paths: list[str], repea
     return out
 
 
+def _path(model: torch.nn.Module) -> str:
+    """The attention path ``model`` runs now."""
+    cfg: Any = getattr(model, "config", None)
+    return str(getattr(cfg, "_attn_implementation", None) or "eager")
+
+
 def choose(policy: torch.nn.Module, others: list[torch.nn.Module], mode: str, rows: int, width: int,
            say: Callable[[str], None], dtype: torch.dtype | None = None) -> str:
     """``ppo.attention`` = ``mode`` for the run: ``inherit`` keeps each model's path as loaded; a
@@ -159,7 +166,7 @@ def choose(policy: torch.nn.Module, others: list[torch.nn.Module], mode: str, ro
     dev = next(policy.parameters()).device
     models = [policy, *others]
     if mode == "inherit" or (mode == "auto" and dev.type != "cuda"):
-        return str(policy.config._attn_implementation)
+        return _path(policy)
     if mode != "auto":
         for m in models:
             set_path(m, mode)
@@ -169,7 +176,7 @@ def choose(policy: torch.nn.Module, others: list[torch.nn.Module], mode: str, ro
     ok = {k: v for k, v in timings.items() if isinstance(v, float)}
     if not ok:
         say("attention: kept as loaded; no probed path ran: " + "; ".join(f"{k}: {v}" for k, v in timings.items()))
-        return str(policy.config._attn_implementation)
+        return _path(policy)
     best = min(ok, key=lambda k: ok[k])
     for m in models:
         set_path(m, best)

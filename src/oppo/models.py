@@ -342,8 +342,9 @@ def seed_new_head(model) -> None:
     std = float(getattr(model.config, "initializer_range", 0.02) or 0.02)
     with torch.no_grad():
         weight.copy_((torch.randn(tuple(weight.shape), generator=g) * std).to(weight.dtype))
-        if getattr(head, "bias", None) is not None:
-            head.bias.zero_()
+        bias = getattr(head, "bias", None)
+        if bias is not None:
+            bias.zero_()
 
 
 def load_reward_model(path: str, device: torch.device, dtype: torch.dtype, pad_token_id: int,

@@ -179,9 +179,9 @@ class LearnerEngine(Protocol):
     def old_logprobs(self, exp, version: int):
         """A new ``Experience`` with ``old_logprobs`` / ``is_weights`` under the current weights."""
 
-    def minibatches(self, B: int, step: int, lengths: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """The row indices of every optimizer step of one update (seeded per step); with ``lengths``
-        [B], each minibatch's rows longest first (``local.Learner.minibatches``)."""
+    def minibatches(self, B: int, step: int, lengths: torch.Tensor | list[int] | None = None) -> list[list[int]]:
+        """The row indices of every optimizer step of one update (seeded per step), host lists; with
+        ``lengths`` [B], each minibatch's rows longest first (``local.Learner.minibatches``)."""
 
     def update(self, exp, step: int, critic: bool = True) -> dict[str, float]:
         """PPO epochs over ``exp``: actor (and critic); returns the stats."""

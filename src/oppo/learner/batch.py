@@ -237,6 +237,10 @@ def balanced(items: list[int], lengths: list[int], parts: int, budget: float = m
     return sorted(groups, key=lambda g: (-sum(lengths[i] for i in g), g[0]))
 
 
+Rows = "list[int] | torch.Tensor"
+"""A minibatch's rows: a host list (the learner's own loop), or an index tensor (read once)."""
+
+
 def micro_batches(batch: "Experience | CriticBatch | None", mb: torch.Tensor, cfg: PPOConfig,
                   lengths: list[int] | None = None) -> list[torch.Tensor]:
     """``mb``'s rows cut into the micro-batches of one optimizer step (the same for actor and critic,
@@ -295,7 +299,7 @@ def rank_of(j: int, world: int) -> int:
     return r if (j // world) % 2 == 0 else world - 1 - r
 
 
-def padding_stats(exp: Experience, minibatches: list[torch.Tensor], cfg: PPOConfig,
+def padding_stats(exp: Experience, minibatches: "list[list[int]] | list[torch.Tensor]", cfg: PPOConfig,
                   plan: RowPlan | None = None) -> dict[str, float]:
     """What the actor's update computes: ``perf/train_tokens``, the real (prompt and response) tokens
     of every micro-batch, and ``perf/train_padded_frac``, the share of the computed positions (each

@@ -128,9 +128,9 @@ class _Shard:
     micro-batches, passes over the others, and all-reduces the gradients after each minibatch's
     last micro-batch (before ``train_minibatches`` clips and steps)."""
 
-    def __init__(self, minibatches: list[torch.Tensor], rank: int, world: int, model: torch.nn.Module,
+    def __init__(self, minibatches: "list[list[int]] | list[torch.Tensor]", rank: int, world: int, model: torch.nn.Module,
                  micro_step: Callable):
-        self.mbs = [m if isinstance(m, list) else m.tolist() for m in minibatches]  # host rows, compared with the loop's
+        self.mbs: list[list[int]] = [m if isinstance(m, list) else m.tolist() for m in minibatches]  # host rows, compared with the loop's
         self.rank, self.world, self.model, self.micro_step = rank, world, model, micro_step
         self.i = self.pos = self.j = 0  # minibatch, rows of it seen, micro-batches of it seen
 

@@ -130,9 +130,9 @@ class _Rounds:
     forwards and backwards are collectives, so no rank may run fewer. The reduce-scatters sum the
     shards' gradients as they go; ``train_minibatches`` then clips and steps (both collective-safe)."""
 
-    def __init__(self, minibatches: list[torch.Tensor], rank: int, world: int, micro_step, pad=None):
+    def __init__(self, minibatches: "list[list[int]] | list[torch.Tensor]", rank: int, world: int, micro_step, pad=None):
         """``pad``: the micro-step for zero-weight steps, if it must differ (no statistics probe)."""
-        self.mbs = [m if isinstance(m, list) else m.tolist() for m in minibatches]  # host rows, compared with the loop's
+        self.mbs: list[list[int]] = [m if isinstance(m, list) else m.tolist() for m in minibatches]  # host rows, compared with the loop's
         self.rank, self.world, self.micro_step = rank, world, micro_step
         self.pad = pad or micro_step
         self.i = self.pos = self.j = self.ran = 0  # minibatch; its rows seen, micro-batches seen, run here

@@ -42,7 +42,7 @@ from ..cluster import ActorGroup
 from ..weights.sync import (Manifest, Packed, RemoteWeights, SyncGroup, WeightSender, WeightSyncError, full_tensors,
                             pack_state, trained_parameters)
 from .batch import Experience, old_logprob_targets, set_old_logprobs
-from .local import Learner, draw_minibatches
+from .local import Learner, draw_rows
 
 if TYPE_CHECKING:  # (the config lists the learner engines: no import back at run time)
     from ..config import PPOConfig
@@ -451,10 +451,10 @@ class LearnerGroup:
         if self.critic_scorer is not None:
             self.critic_scorer.set_critic_weights(self._read("critic_weights"), version)
 
-    def minibatches(self, B: int, step: int, lengths: torch.Tensor | None = None) -> list[torch.Tensor]:
+    def minibatches(self, B: int, step: int, lengths: torch.Tensor | list[int] | None = None) -> list[list[int]]:
         """The rows of each minibatch, as every rank draws them (``Learner.minibatches``: seeded by
         the step only); for a critic trained elsewhere on the same minibatches."""
-        return draw_minibatches(self._draw.cfg, self._draw.seed, B, step, lengths)
+        return draw_rows(self._draw.cfg, self._draw.seed, B, step, lengths)
 
     def weights_out(self) -> RemoteWeights:
         """A ref to rank 0's trained actor parameters (``weights.sync.pack``'s arrays) in Ray's object

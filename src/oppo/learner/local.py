@@ -236,7 +236,7 @@ def draw_rows(cfg: PPOConfig, seed: int, B: int, step: int, lengths: "torch.Tens
     return [sorted(mb, key=lambda r: -host[r]) for mb in mbs]  # longest first (stable: ties keep the draw's order)
 
 
-def critic_update(critic, opt: torch.optim.Optimizer, batch: CriticBatch, minibatches: list[torch.Tensor],
+def critic_update(critic, opt: torch.optim.Optimizer, batch: CriticBatch, minibatches: "list[list[int]] | list[torch.Tensor]",
                   cfg: PPOConfig, before_micro=None, compute_dtype: torch.dtype = torch.float32,
                   step: int = -1) -> dict[str, float]:
     """Stage 6 for the critic: clipped value loss over the given minibatches.
@@ -276,7 +276,8 @@ def critic_micro_step(critic, batch: CriticBatch, host_rows: list[int], num_toke
     return {"loss/value": vl.detach(), "value/clipfrac": vstats["vf_clipfrac"].detach(), "_frac": mask.sum() / num_tokens}
 
 
-def train_minibatches(model, opt, batch: "Experience | CriticBatch", minibatches: list[torch.Tensor], cfg: PPOConfig, name: str,
+def train_minibatches(model, opt, batch: "Experience | CriticBatch", minibatches: "list[list[int]] | list[torch.Tensor]",
+                      cfg: PPOConfig, name: str,
            micro_step, step: int = -1, agree=None, compute_dtype: torch.dtype = torch.float32) -> dict[str, float]:
     """Optimizer steps over ``minibatches`` of ``batch``'s rows; each is cut into micro-batches
     (:func:`micro_batches`) that accumulate gradients.
@@ -301,8 +302,9 @@ def train_minibatches(model, opt, batch: "Experience | CriticBatch", minibatches
     stage = f"{name} update"
     mask = batch.mask
     lengths = row_lengths(batch) if token_budget(cfg) or cfg.packing != "off" else None
-    for i, mb_rows in enumerate(minibatches):
-        mb = mb_rows if isinstance(mb_rows, list) else mb_rows.tolist()  # (the learner's are host lists)
+    rows_of: list = list(minibatches)
+    for i, mb_rows in enumerate(rows_of):
+        mb: list[int] = mb_rows if isinstance(mb_rows, list) else mb_rows.tolist()  # (the learner's are host lists)
         num_tokens = mask[torch.tensor(mb, dtype=torch.long).to(mask.device, non_blocking=True)].sum().clamp(min=1)
         opt.zero_grad(set_to_none=True)
         mb_sums: dict[str, object] = {}
@@ -312,7 +314,7 @@ def train_minibatches(model, opt, batch: "Experience | CriticBatch", minibatches
                 stats = micro_step(rows, num_tokens, len(mb))
                 w = stats.pop("_frac")
                 for k, v in stats.items():
-                    mb_sums[k] = mb_sums.get(k, 0.0) + (v if k.startswith("loss/") else v * w)  # type: ignore[operator]
+                    mb_sums[k] = mb_sums.get(k, 0.0) + (v if k.startswith("loss/") else v * w)
                 losses.append((rows, [v for k, v in stats.items() if k.startswith("loss/")]))
         params = [p for p in model.parameters() if p.grad is not None]
         norm = _grad_norm(params)

@@ -74,7 +74,7 @@ class ScorerHost:
     def forget(self, uids: set[int]) -> None:
         self.worker.forget(uids)
 
-    def train_critic(self, batch: CriticBatch, minibatches: list[torch.Tensor], step: int) -> None:
+    def train_critic(self, batch: CriticBatch, minibatches: "list[list[int]] | list[torch.Tensor]", step: int) -> None:
         self.worker.train_critic(batch, minibatches, step)
 
     def barrier(self) -> BarrierReply:
@@ -179,13 +179,13 @@ class RayScorerWorker:
     def forget(self, uids: set[int]) -> None:
         self._broadcast(lambda a, *args: a.forget.remote(*args), set(uids))
 
-    def train_critic(self, batch: CriticBatch, minibatches: list[torch.Tensor], step: int) -> None:
+    def train_critic(self, batch: CriticBatch, minibatches: "list[list[int]] | list[torch.Tensor]", step: int) -> None:
         """Start the critic's PPO update on its actor; stats from ``take_train_stats`` after the
         next barrier. The batch goes as CPU tensors (the actor moves it to its device)."""
         if not self.critic_trains_here:
             raise RuntimeError("internal error: this scorer worker was built without critic_trainer")
         self._call(self._critic_actor(),
-                   lambda a: a.train_critic.remote(batch.to("cpu"), [mb.cpu() for mb in minibatches], step))
+                   lambda a: a.train_critic.remote(batch.to("cpu"), [mb if isinstance(mb, list) else mb.cpu() for mb in minibatches], step))
 
     def take_train_stats(self) -> dict[str, float]:
         stats, self.train_stats = self.train_stats, {}

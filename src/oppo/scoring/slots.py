@@ -24,7 +24,7 @@ ladders: capacity is no attention shape.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,19 +32,26 @@ from .. import shapes
 from ..kv import kv_layers
 
 if TYPE_CHECKING:
-    from ..rollout.static.engine import SlotCache
+    from ..kv_slots import SlotCache
 
 
 def slots_suit(model) -> str | None:
     """Why ``model``'s streamed chunks cannot run in slots (a sentence), or None when they can: an
-    attention implementation that takes no 4-D mask, a sliding window, layers other than full
-    attention (the static decode engine's own test, ``static_decode_problem``)."""
+    attention path that takes no 4-D mask, a sliding window (it counts cache columns), layers
+    other than full attention (the static decode engine's test, for chunks)."""
+    from ..attention import takes_4d_mask
     from ..models import uses_sliding_window
-    from ..rollout.static.engine import static_decode_problem
 
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    impl = getattr(cfg, "_attn_implementation", None) or "eager"
+    if not takes_4d_mask(impl):
+        return f"its attention path {impl!r} takes no 4-D mask"
     if uses_sliding_window(model):
         return "its sliding window counts cache columns"
-    return static_decode_problem(model, None)
+    other = sorted(set(getattr(cfg, "layer_types", None) or ()) - {"full_attention"})
+    if other:
+        return f"it has {', '.join(other)} layers"
+    return None
 
 
 class SlotKV:
@@ -63,7 +70,7 @@ class SlotKV:
         self._tok = torch.zeros(0, 0, dtype=torch.long, device=device)  # static inputs of the captured forwards
         self._start = torch.zeros(0, dtype=torch.long, device=device)
         self._side_stream: torch.cuda.Stream | None = None
-        self._pool = None
+        self._pool: Any = None
         self.captures = 0
         self.cache: SlotCache | None = None
         self.slot_of: list[int] = []
@@ -87,7 +94,7 @@ class SlotKV:
                 rows: int, cols: int) -> None:
         """At least ``rows`` slots of ``cols`` columns (grown by the ladders, contents kept);
         ``layers``: each layer's key and value shape per token (heads, dim), from a prefill."""
-        from ..rollout.static.engine import _slot_cache_class
+        from ..kv_slots import slot_cache_class
 
         have_rows, have_cols = self._capacity()
         if rows <= have_rows and cols <= have_cols:
@@ -95,8 +102,9 @@ class SlotKV:
         R, L = max(have_rows, shapes.rows(rows)), max(have_cols, shapes.ladder(cols, 2, 16))
         if self.cache is None:
             assert layers is not None and dtype is not None  # (the first call is a prefill's)
-            shapes_ = [((R, kh, L, kd), (R, vh, L, vd)) for (kh, kd), (vh, vd) in layers]
-            self.cache = _slot_cache_class()(shapes_, dtype, self.device)
+            shapes_: list[tuple[tuple[int, ...], tuple[int, ...]]] = [((R, kh, L, kd), (R, vh, L, vd))
+                                                                    for (kh, kd), (vh, vd) in layers]
+            self.cache = slot_cache_class()(shapes_, dtype, self.device)
             self._mask_dtype = dtype
             self.pos = [0] * R
             return
@@ -112,7 +120,8 @@ class SlotKV:
     def _free_slots(self, n: int) -> list[int]:
         """The ``n`` lowest free slots (lowest first keeps Rb small)."""
         used = set(self.slot_of)
-        out, s = [], 0
+        out: list[int] = []
+        s = 0
         while len(out) < n:
             if s not in used:
                 out.append(s)

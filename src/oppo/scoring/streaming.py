@@ -183,7 +183,10 @@ class StreamingScorer:
             final_rows = set(finals)
             keep = [i for i in range(len(self.uids)) if i not in final_rows]
             idx = torch.tensor(keep, dtype=torch.long, device=self.device)
-            self.kv.select(keep if isinstance(self.kv, SlotKV) else idx)
+            if isinstance(self.kv, SlotKV):
+                self.kv.select(keep)
+            else:
+                self.kv.select(idx)
             self.prev_hidden = self.prev_hidden.index_select(0, idx)
             self.uids = [self.uids[i] for i in keep]
         self.peak_cache_bytes = max(self.peak_cache_bytes, self.kv.nbytes())
@@ -196,7 +199,10 @@ class StreamingScorer:
         """Drop in-flight rows (e.g. after a checkpoint drain)."""
         keep = [i for i, u in enumerate(self.uids) if u not in uids]
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
-        self.kv.select(keep if isinstance(self.kv, SlotKV) else idx)
+        if isinstance(self.kv, SlotKV):
+            self.kv.select(keep)
+        else:
+            self.kv.select(idx)
         self.prev_hidden = self.prev_hidden.index_select(0, idx) if self.prev_hidden.numel() else self.prev_hidden
         self.uids = [self.uids[i] for i in keep]
         for u in uids:

@@ -53,7 +53,7 @@ class ForgetMsg:
 @dataclass(frozen=True)
 class TrainCriticMsg:
     batch: CriticBatch
-    minibatches: tuple[torch.Tensor, ...]
+    minibatches: tuple  # each minibatch's rows: host lists (the learner's) or index tensors
     step: int
 
 
@@ -358,7 +358,7 @@ class ScorerWorker:
     def forget(self, uids: set[int]) -> None:
         self.transport.put(ForgetMsg(frozenset(uids)))
 
-    def train_critic(self, batch: CriticBatch, minibatches: list[torch.Tensor], step: int) -> None:
+    def train_critic(self, batch: CriticBatch, minibatches: "list[list[int]] | list[torch.Tensor]", step: int) -> None:
         """Start the critic's PPO update on this worker; its stats come from ``take_train_stats``
         after the next barrier. Needs the worker built with a ``trainer``."""
         if not self.critic_trains_here:

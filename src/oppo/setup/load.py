@@ -58,7 +58,7 @@ def load_models(cfg: Config, inputs: Inputs, run: Resolved) -> Models:
     new_head = cfg.reward.new_head and paths.reward is not None and "reward" not in objects
     check_roles(tok, reward=paths.reward, critic=critic_path, reference=paths.reference, objects=objects,
                 new_head=new_head)
-    if new_head and is_causal_lm_checkpoint(paths.reward):  # said once, here (every process loads the same head)
+    if new_head and paths.reward is not None and is_causal_lm_checkpoint(paths.reward):  # said once, here (every process loads the same head)
         print(f"oppo: warning: reward.path={paths.reward} is a causal LM: reward.new_head=true puts a fresh "
               f"one-label head on it (seeded), as TRL's example scripts do. Its scores are random, so this run "
               f"checks that the pipeline runs; it does not learn anything. For a real reward, train a reward model "
