@@ -71,7 +71,7 @@ if [ -n "${SMOKE:-}" ]; then  # on CPU every GPU test skips: collecting and skip
   part gpu_tests "${T[2]}" $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py
 else
   part gpu_tests "${T[2]}" $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_masked_rows.py \
-    tests/test_fastdecode.py tests/test_vllm_weights.py
+    tests/test_fastdecode.py tests/test_vllm_weights.py tests/test_shapes.py
 fi
 part check_1b "${T[3]}" $PY benchmarks/gpu_bench.py "${SIZES[@]}" "${CHECK[@]}" --check --check-engines static \
   --out "$WORK/check" --models "$WORK/models"
