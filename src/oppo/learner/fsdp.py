@@ -172,9 +172,9 @@ def fsdp_old_logprobs(learner: Learner, exp: Experience, version: int, rank: int
     rows = redo.any(1).nonzero().squeeze(1)  # [n], the same on every rank
     mine = rows[rank::world]
     per = learner.cfg.micro_batch_size
-    new = learner.recompute_logprobs(exp, mine)
+    new = learner.recompute_logprobs(exp, mine, budget=False)  # (a count every rank can predict)
     for _ in range(math.ceil(math.ceil(len(rows) / world) / per) - math.ceil(len(mine) / per)):
-        learner.recompute_logprobs(exp, rows[:1])
+        learner.recompute_logprobs(exp, rows[:1], budget=False)
     _reshard(learner.actor)
     return mine, new
 

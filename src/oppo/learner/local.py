@@ -95,9 +95,11 @@ class Learner:
         return set_old_logprobs(exp, rows, self.recompute_logprobs(exp, rows), redo, off, self.cfg)
 
     @torch.no_grad()
-    def recompute_logprobs(self, exp: Experience, rows: torch.Tensor) -> torch.Tensor:
+    def recompute_logprobs(self, exp: Experience, rows: torch.Tensor, budget: bool = True) -> torch.Tensor:
         """[len(rows), T] log-probs of ``rows``' response tokens under the current weights, in
-        micro-batches (the training forward's memory footprint); 0 beyond a micro-batch's width."""
+        micro-batches (the training forward's memory footprint: ``ppo.micro_batch_tokens`` too, unless
+        ``budget`` is False: sharded ranks count on ceil(rows / micro_batch_size) forwards each);
+        0 beyond a micro-batch's width."""
         out = torch.zeros(len(rows), exp.mask.shape[1], device=exp.mask.device)
         if not len(rows):
             return out
@@ -105,7 +107,8 @@ class Learner:
         host = rows.tolist()  # CPU-GPU sync point (once per update)
         lengths = [total[i] for i in host]
         # ceil(rows / micro_batch_size) forwards (fsdp_old_logprobs counts on it), of balanced token counts
-        for group in balanced(list(range(len(host))), lengths, -(-len(host) // self.cfg.micro_batch_size)):
+        tokens = (token_budget(self.cfg) or math.inf) if budget else math.inf
+        for group in balanced(list(range(len(host))), lengths, -(-len(host) // self.cfg.micro_batch_size), tokens):
             at = torch.tensor(group, device=rows.device)
             mb = micro_slices(exp, [host[g] for g in group], plan, self.cfg)
             out[at, :mb.T] = self._actor_logprobs(mb)[0]  # [b, T]
