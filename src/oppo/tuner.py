@@ -34,7 +34,7 @@ Noise (a shared machine, a GPU beside other jobs) is handled by measuring, not b
   that slowed down or sped up during the trials cancels out).
 - **A hold is judged against itself.** While a setting holds, its steps measure it for free; the
   hold ends early when the median of its last four steps rises above the hold's own median by
-  more than three standard errors of that median (from ``sigma``), and never by less than
+  more than three standard errors of their difference (from ``sigma``), and never by less than
   ``2 * margin``. A round that changes nothing doubles the next hold (up to four times
   ``retune_every``): a settled run stops paying for trials.
 - **A resume starts with a warm-up step** (re-prefill of carried rows, cold caches): the first
@@ -162,6 +162,7 @@ class OverlapTuner:
         self.last_decision: dict[str, float] = {}  # the last judged move: predicted and measured gain
         self.short_said = False  # a run too short to repay a trial says so once
         self._changed = False  # the round in progress moved the incumbent (a drift counts as a change)
+        self._keep_last = False  # the warm-up is a resume's, not a switch's: the chain of measures goes on
         self.rounds = 0
         self.trial_steps_run = 0  # steps run under a challenger (the price of exploring)
         self.decisions: list[str] = []  # lines not yet taken by the caller (take_decisions)
@@ -202,7 +203,9 @@ class OverlapTuner:
             self.trial_steps_run += 1
         if self._warm:
             self._warm -= 1
-            self._last = None
+            if not self._keep_last:  # a switch: the next measure pairs with none before it
+                self._last = None
+            self._keep_last = False
             return
         cost = seconds / max(tokens, 1.0)
         if self._last is not None and self._last[0] == ran and self._last[1] > 0 and cost > 0:
@@ -460,7 +463,7 @@ class OverlapTuner:
             base = _median(held)
             recent = held[-_DRIFT_WINDOW:]
             rise = _median(recent) / base - 1
-            limit = max(2 * self.margin, _Z_DRIFT * _MEDIAN_SE * self._spread() / math.sqrt(_DRIFT_WINDOW))
+            limit = max(2 * self.margin, _Z_DRIFT * self._se(_DRIFT_WINDOW, len(held)))
             drift = len(held) > _DRIFT_WINDOW and rise > limit
         else:
             drift = False
@@ -474,8 +477,8 @@ class OverlapTuner:
                           f"({rise:+.0%}, over the {limit:.0%} its spread explains): trying the neighbours again")
             self._plan = self._round()
             self._next()
-        elif self._hold_len is None and len(held) > 4 * _DRIFT_WINDOW:
-            self.cost, self._held = _median(held), held[-2 * _DRIFT_WINDOW:]
+        elif self._hold_len is None and len(held) > 3 * _DIFFS:  # an endless hold keeps a long window
+            self.cost, self._held = _median(held), held[-2 * _DIFFS:]
 
     def _say(self, text: str) -> None:
         self.decisions.append(f"overlap controller, after step {self.step - 1}: {text}")
@@ -522,12 +525,13 @@ class OverlapTuner:
         self._costs, self._stale = list(d["costs"]), list(d["stale"])
         self._trial_costs, self._trial_stale, self._before = list(d["trial_costs"]), d["trial_stale"], list(d["before"])
         self._held, self._diffs, self._hold_len = list(d["held"]), list(d["diffs"]), d["hold_len"]
-        self._last = None  # the warm-up below breaks the chain of consecutive measures
+        self._last = None if d["last"] is None else (Setting(d["last"][0], d["last"][1]), d["last"][2])
         self._pred = None if d["pred"] is None else (d["pred"][0], d["pred"][1])
         self.last_decision, self.short_said, self._changed = dict(d["last_decision"]), d["short_said"], d["changed"]
         self.rounds, self.trial_steps_run, self.step, self._ran = d["rounds"], d["trial_steps_run"], d["step"], s(
             d["ran"])
         if self.tunes:
+            self._keep_last = d["warm"] == 0
             self._warm = max(d["warm"], 1)
 
 
