@@ -48,12 +48,22 @@ def specs(batch: int) -> dict[str, str]:
 
 
 def figures(rec: dict, warmup: int = 1) -> dict[str, float]:
+    """Throughput over the timed steps; for the controller also its steady state: the steps it held a
+    setting (``overlap/tuner_exploring`` 0), and the steps it spent trying settings."""
     ms = rec["metrics"][warmup:]
     secs = sum(m["time/step"] for m in ms)
     tokens = sum(m["perf/tokens_per_s"] * m["time/step"] for m in ms)
     stale = statistics.mean(m.get("overlap/offpolicy_token_frac", 0.0) for m in ms)
-    return {"tokens_per_s": tokens / secs, "step_s": statistics.median(m["time/step"] for m in ms),
-            "stale_share": stale, "steps": len(ms)}
+    out = {"tokens_per_s": tokens / secs, "step_s": statistics.median(m["time/step"] for m in ms),
+           "stale_share": stale, "steps": len(ms), "seconds": secs, "tokens": tokens}
+    if any("overlap/tuner_exploring" in m for m in ms):
+        held = [m for m in ms if m.get("overlap/tuner_exploring") == 0 and not m.get("overlap/tuner_trial")]
+        out["trial_steps"] = sum(1 for m in ms if m.get("overlap/tuner_trial"))
+        out["exploring_steps"] = len(ms) - len(held)
+        if held:  # a figure with no steps behind it is left out, not guessed
+            out["steady_tokens_per_s"] = (sum(m["perf/tokens_per_s"] * m["time/step"] for m in held)
+                                          / sum(m["time/step"] for m in held))
+    return out
 
 
 def main(argv=None) -> None:
@@ -72,9 +82,10 @@ def main(argv=None) -> None:
         return
     out.mkdir(parents=True, exist_ok=True)
     B = a.batch
+    # run.steps: the controller plans its trials against the run's length (issue 43)
     base = load_config(None, [f"ppo.batch_size={B}", f"ppo.minibatch_size={B // 2}", f"ppo.micro_batch_size={B // 2}",
                               f"generation.max_new_tokens={a.max_new_tokens}", "log.progress=false", "run.samples=0",
-                              *a.overrides])
+                              f"run.steps={a.steps}", *a.overrides])
     labels = specs(B)
     results = {"machine": machine(), "command": "python benchmarks/controller_workloads.py "
                + " ".join(argv if argv is not None else sys.argv[1:]), "workloads": {}}
@@ -105,6 +116,11 @@ def table(results: dict) -> str:
              "best fixed within budget | best within budget (stale share) | default's stale share | default's "
              "Delta / chunk by step |",
              "|---|---|---|---|---|---|---|---|"]
+    explore = ["", "The default's two costs, against the best fixed setting within the budget: its steady state "
+               "(the steps it held a setting) and the time its exploration cost (its run's seconds over what "
+               "the steps it held would have taken for the same tokens).", "",
+               "| workload | steady state vs best within budget | steps exploring (under a trial) | exploration "
+               "cost (s, share of the run) |", "|---|---|---|---|"]
     for name, w in results["workloads"].items():
         f = w["figures"]
         seq, dflt = f["sequential"], f["oppo (default: controller)"]
@@ -119,6 +135,14 @@ def table(results: dict) -> str:
                      f"{dflt['tokens_per_s'] / within[bw]['tokens_per_s']:.2f}x | {bw} ({within[bw]['stale_share']:.0%}, "
                      f"{within[bw]['tokens_per_s'] / seq['tokens_per_s']:.2f}x) | {dflt['stale_share']:.0%} | "
                      f"{by_step} |")
+        steady = dflt.get("steady_tokens_per_s")
+        if "trial_steps" in dflt:
+            cost = (f"{dflt['seconds'] - dflt['tokens'] / steady:.1f} s ({1 - dflt['tokens'] / steady / dflt['seconds']:.0%})"
+                    if steady else "n/a: never held")
+            explore.append(f"| {name} | " + (f"{steady / within[bw]['tokens_per_s']:.2f}x" if steady else "n/a")
+                           + f" | {dflt['exploring_steps']} of {dflt['steps']} ({dflt['trial_steps']}) | {cost} |")
+    if len(explore) > 5:
+        lines += explore
     lines += ["", "Every setting, tokens/s (ratio to sequential, stale share):", ""]
     for name, w in results["workloads"].items():
         seq = w["figures"]["sequential"]["tokens_per_s"]
