@@ -358,3 +358,15 @@ def test_metrics_with_no_value_yet_are_absent():
     drive(t, long_tail, 12, noise=0.02)
     m = t.metrics()
     assert all(math.isfinite(v) for v in m.values()) and "overlap/tuner_noise" in m and "overlap/tuner_measured_gain" in m
+
+
+def test_the_trainer_feeds_the_planner_and_a_short_run_does_not_explore(tiny_models, tiny_prompts, tmp_path):
+    """The default controller in a trainer: the planner learns from every step's stage timings and
+    lengths, and a 4-step run (run.steps) is too short to repay a trial: no step runs one."""
+    cfg = _cfg(tiny_models, tiny_prompts, tmp_path, "overlap.mode=oppo", "run.steps=4")
+    rows, tuner = _steps(cfg, 4)
+    assert tuner.predictor is not None and tuner.trial_steps_run == 0
+    planner = tuner.predictor.__self__
+    assert len(planner.lengths) >= 3 and all(c > 0 for _, c in planner.decode)  # every measured step observed
+    assert all(m["overlap/tuner_trial"] == 0.0 for _, m in rows)
+    assert sum("no more trials" in d for d in tuner.take_decisions()) == 1
