@@ -412,11 +412,14 @@ class OverlapTuner:
                                                                                              s.chunk))
                 for k, s in self._plan]
         plan = [(k, s) for k, s in plan if s != self.incumbent]
-        if self.predictor is not None:  # most promising first among the chunks (the Delta ladder keeps its order)
-            gains = {s: (self._predict(k, s) or (0.0, -1.0))[1] for k, s in plan if k == "chunk"}
-            chunks = sorted((m for m in plan if m[0] == "chunk"), key=lambda m: -gains[m[1]])
-            it = iter(chunks)
-            plan = [next(it) if k == "chunk" else (k, s) for k, s in plan]
+        if self.predictor is not None:
+            # most promising first: a move back down first (it only removes stale tokens), then those
+            # predicted to save most, then those the planner cannot tell (in their order)
+            def rank(m: tuple[str, Setting]) -> tuple[int, float]:
+                pred = None if m[0] == "down" else self._predict(m[0], m[1])
+                return (-1, 0.0) if m[0] == "down" else (0, -pred[1]) if pred else (1, 0.0)
+
+            plan.sort(key=rank)
         while plan:
             kind, s = plan.pop(0)
             why = self._ruled_out(kind, s)
