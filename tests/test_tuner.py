@@ -323,7 +323,7 @@ def test_a_run_too_short_to_repay_a_trial_does_not_run_it_and_says_so_once():
     used = drive(t, long_tail, 6)
     assert t.trial_steps_run == 0 and set(used) == {Setting(0, 16)}
     lines = t.take_decisions()
-    assert sum("no more trials" in d for d in lines) == 1, lines
+    assert sum("too few steps left" in d for d in lines) == 1, lines
     long_run = OverlapTuner(delta_ladder(0, 16), CHUNKS, steps=400)
     drive(long_run, long_tail, 40)
     assert long_run.trial_steps_run > 0
@@ -369,4 +369,4 @@ def test_the_trainer_feeds_the_planner_and_a_short_run_does_not_explore(tiny_mod
     planner = tuner.predictor.__self__
     assert len(planner.lengths) >= 3 and all(c > 0 for _, c in planner.decode)  # every measured step observed
     assert all(m["overlap/tuner_trial"] == 0.0 for _, m in rows)
-    assert sum("no more trials" in d for d in tuner.take_decisions()) == 1
+    assert sum("too few steps left" in d for d in tuner.take_decisions()) == 1

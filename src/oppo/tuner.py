@@ -51,7 +51,7 @@ remove stale tokens). The prediction and the measure are both in the decision's 
 Short runs: with ``steps`` (the run's length) known, a trial is started only if the time it could
 save on the steps left after it repays what its own steps could lose: ``gain * steps_left >= 2 *
 margin * trial_length`` (``gain`` predicted, or ``margin`` with no prediction). A run too short says
-so once and holds.
+so once (a shorter trial that still repays is run) and holds.
 """
 
 from __future__ import annotations
@@ -427,13 +427,12 @@ class OverlapTuner:
                 self._say(f"not trying {s.describe()}: {why}")
                 continue
             pred = self._predict(kind, s)
-            if not self._repays(s, pred[1] if pred else None):
+            if not self._repays(s, pred[1] if pred else None):  # a shorter trial (no warm-ups) may still repay
                 if not self.short_said:
-                    self._say(f"no more trials: the {self.steps - self.step} steps left cannot repay a trial of "
-                              f"{self._trial_length(s)} steps")
+                    self._say(f"too few steps left ({self.steps - self.step}) to repay a trial of {s.describe()} "
+                              f"({self._trial_length(s)} steps): not trying it, nor any trial that cannot repay")
                     self.short_said = True
-                plan = []
-                break
+                continue
             self._plan = plan
             self.phase, self.trial, self._kind, self._pred = kind, s, kind, pred
             self._costs, self._stale = [], []
