@@ -21,8 +21,9 @@ import sys
 import time
 from pathlib import Path
 
-from oppo.bench import LengthWorkload, WORKLOADS, machine, run_modes
+from oppo.bench import LengthWorkload, WORKLOADS, machine, run_modes, slug
 from oppo.config import load_config
+from oppo.tuner import Setting
 
 
 STALE_BUDGET = 0.5  # overlap.max_stale_share's default
@@ -48,12 +49,58 @@ def specs(batch: int) -> dict[str, str]:
 
 
 def figures(rec: dict, warmup: int = 1) -> dict[str, float]:
+    """Throughput over the timed steps; for the controller also its steady state: the steps it held a
+    setting (``overlap/tuner_exploring`` 0), and the steps it spent trying settings."""
     ms = rec["metrics"][warmup:]
     secs = sum(m["time/step"] for m in ms)
     tokens = sum(m["perf/tokens_per_s"] * m["time/step"] for m in ms)
     stale = statistics.mean(m.get("overlap/offpolicy_token_frac", 0.0) for m in ms)
-    return {"tokens_per_s": tokens / secs, "step_s": statistics.median(m["time/step"] for m in ms),
-            "stale_share": stale, "steps": len(ms)}
+    out = {"tokens_per_s": tokens / secs, "step_s": statistics.median(m["time/step"] for m in ms),
+           "stale_share": stale, "steps": len(ms), "seconds": secs, "tokens": tokens}
+    if any("overlap/tuner_exploring" in m for m in ms):
+        held = [m for m in ms if m.get("overlap/tuner_exploring") == 0 and not m.get("overlap/tuner_trial")]
+        out["trial_steps"] = sum(1 for m in ms if m.get("overlap/tuner_trial"))
+        out["exploring_steps"] = len(ms) - len(held)
+        if held:  # a figure with no steps behind it is left out, not guessed
+            out["steady_tokens_per_s"] = (sum(m["perf/tokens_per_s"] * m["time/step"] for m in held)
+                                          / sum(m["time/step"] for m in held))
+    return out
+
+
+def planner_check(metrics: dict[str, list[dict]], wl: LengthWorkload, batch: int, max_lag: int = 1,
+                  warmup: int = 1) -> list[dict]:
+    """The planner inside a run (``oppo.plan.online``), held out: fed only the Delta 0 runs' steps
+    (their stage times, and lengths drawn from the workload), it predicts each fixed Delta > 0's
+    cost per token relative to Delta 0 and its stale share; compared with what those runs measured.
+    ``metrics``: label -> the fixed run's per-step metrics."""
+    from oppo.plan.online import OnlinePlanner
+
+    def label(d: int, chunk: int) -> str:
+        return f"Delta {d}, " + (f"chunk {chunk}" if chunk else "one-shot")
+
+    draw = wl.sampler(0)
+    pool = [draw(i) for i in range(4096)]
+    out = []
+    for chunk in (16, 0):
+        base = metrics.get(label(0, chunk))
+        if not base:
+            continue
+        planner = OnlinePlanner(batch, max_lag)
+        for k, m in enumerate(base[warmup:]):
+            planner.observe(Setting(0, chunk), m["time/step"], pool[k * batch:(k + 1) * batch],
+                            m.get("perf/decode_steps", 0.0), m.get("time/generate", 0.0))
+        p0 = planner.predict(Setting(0, chunk))
+        measured0 = figures({"metrics": base}, warmup)
+        for d in sorted({int(x.split()[1].rstrip(",")) for x in metrics if x.startswith("Delta")} - {0}):
+            ms = metrics.get(label(d, chunk))
+            p = planner.predict(Setting(d, chunk))
+            if not ms or p is None or p0 is None:
+                continue
+            f = figures({"metrics": ms}, warmup)
+            pred, meas = p.cost / p0.cost, measured0["tokens_per_s"] / f["tokens_per_s"]
+            out.append({"setting": label(d, chunk), "predicted_cost_ratio": pred, "measured_cost_ratio": meas,
+                        "error": pred / meas - 1, "predicted_stale": p.stale, "measured_stale": f["stale_share"]})
+    return out
 
 
 def main(argv=None) -> None:
@@ -64,17 +111,29 @@ def main(argv=None) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--only", default=None, help="Comma-separated substrings: the workloads to run.")
     p.add_argument("--table-only", action="store_true", help="Rewrite table.md from results.json and stop.")
+    p.add_argument("--planner-only", action="store_true", help="Rerun the planner check on the runs under --out "
+                   "(their metrics.jsonl), add it to results.json and table.md, and stop.")
     p.add_argument("overrides", nargs="*", help="section.key=value settings for every run.")
     a = p.parse_args(argv)
     out = Path(a.out)
-    if a.table_only:
-        (out / "table.md").write_text(table(json.loads((out / "results.json").read_text())))
+    if a.table_only or a.planner_only:
+        results = json.loads((out / "results.json").read_text())
+        if a.planner_only:
+            for name, wl in workloads(a.max_new_tokens).items():
+                if name in results["workloads"]:
+                    runs = out / "runs" / wl.name.replace(" ", "_")
+                    ms = {label: [json.loads(x) for x in (runs / slug(spec) / "metrics.jsonl").read_text().splitlines()]
+                          for label, spec in specs(a.batch).items() if (runs / slug(spec) / "metrics.jsonl").exists()}
+                    results["workloads"][name]["planner"] = planner_check(ms, wl, a.batch)
+            (out / "results.json").write_text(json.dumps(results, indent=1))
+        (out / "table.md").write_text(table(results))
         return
     out.mkdir(parents=True, exist_ok=True)
     B = a.batch
+    # run.steps: the controller plans its trials against the run's length (issue 43)
     base = load_config(None, [f"ppo.batch_size={B}", f"ppo.minibatch_size={B // 2}", f"ppo.micro_batch_size={B // 2}",
                               f"generation.max_new_tokens={a.max_new_tokens}", "log.progress=false", "run.samples=0",
-                              *a.overrides])
+                              f"run.steps={a.steps}", *a.overrides])
     labels = specs(B)
     results = {"machine": machine(), "command": "python benchmarks/controller_workloads.py "
                + " ".join(argv if argv is not None else sys.argv[1:]), "workloads": {}}
@@ -88,6 +147,8 @@ def main(argv=None) -> None:
         figs = {label: figures(recs[spec]) for label, spec in labels.items()}
         tuner_lines = [m.get("overlap/delta") for m in recs["oppo"]["metrics"]]
         results["workloads"][name] = {"figures": figs, "default_delta_by_step": tuner_lines,
+                                      "planner": planner_check({label: recs[spec]["metrics"] for label, spec
+                                                                in labels.items()}, wl, B),
                                       "default_chunk_by_step": [m.get("overlap/chunk_size")
                                                                 for m in recs["oppo"]["metrics"]],
                                       "seconds": time.time() - t0}
@@ -105,6 +166,11 @@ def table(results: dict) -> str:
              "best fixed within budget | best within budget (stale share) | default's stale share | default's "
              "Delta / chunk by step |",
              "|---|---|---|---|---|---|---|---|"]
+    explore = ["", "The default's two costs, against the best fixed setting within the budget: its steady state "
+               "(the steps it held a setting) and the time its exploration cost (its run's seconds over what "
+               "the steps it held would have taken for the same tokens).", "",
+               "| workload | steady state vs best within budget | steps exploring (under a trial) | exploration "
+               "cost (s, share of the run) |", "|---|---|---|---|"]
     for name, w in results["workloads"].items():
         f = w["figures"]
         seq, dflt = f["sequential"], f["oppo (default: controller)"]
@@ -119,6 +185,24 @@ def table(results: dict) -> str:
                      f"{dflt['tokens_per_s'] / within[bw]['tokens_per_s']:.2f}x | {bw} ({within[bw]['stale_share']:.0%}, "
                      f"{within[bw]['tokens_per_s'] / seq['tokens_per_s']:.2f}x) | {dflt['stale_share']:.0%} | "
                      f"{by_step} |")
+        steady = dflt.get("steady_tokens_per_s")
+        if "trial_steps" in dflt:
+            cost = (f"{dflt['seconds'] - dflt['tokens'] / steady:.1f} s ({1 - dflt['tokens'] / steady / dflt['seconds']:.0%})"
+                    if steady else "n/a: never held")
+            explore.append(f"| {name} | " + (f"{steady / within[bw]['tokens_per_s']:.2f}x" if steady else "n/a")
+                           + f" | {dflt['exploring_steps']} of {dflt['steps']} ({dflt['trial_steps']}) | {cost} |")
+    if len(explore) > 5:
+        lines += explore
+    checks = [(name, c) for name, w in results["workloads"].items() for c in w.get("planner", [])]
+    if checks:
+        errs = sorted(abs(c["error"]) for _, c in checks)
+        lines += ["", "The planner inside a run, held out (`oppo.plan.online`): fed only the Delta 0 run's steps, "
+                  "it predicts each Delta's cost per token relative to Delta 0 and its stale share; the runs at "
+                  f"that Delta measured (median |error| {statistics.median(errs):.0%}, largest {errs[-1]:.0%}):", "",
+                  "| workload | setting | predicted cost ratio | measured | error | predicted stale share | measured |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {name} | {c['setting']} | {c['predicted_cost_ratio']:.2f} | {c['measured_cost_ratio']:.2f} | "
+                  f"{c['error']:+.0%} | {c['predicted_stale']:.0%} | {c['measured_stale']:.0%} |" for name, c in checks]
     lines += ["", "Every setting, tokens/s (ratio to sequential, stale share):", ""]
     for name, w in results["workloads"].items():
         seq = w["figures"]["sequential"]["tokens_per_s"]

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from oppo.tuner import OverlapTuner, Setting, delta_ladder
+from oppo.tuner import OverlapTuner, Prediction, Setting, delta_ladder
 
 CHUNKS = (16, 0, 8, 32)
 
@@ -105,13 +105,41 @@ def test_fixed_settings_never_move():
     assert t.current() == Setting(2, 4) and not t.tunes and t.take_decisions() == []
 
 
-def test_state_dict_resumes_the_same_decisions():
+def _drive_list(tuner: OverlapTuner, noise: list[float], cost=long_tail):
+    """Run one step per entry of ``noise`` (its relative error); returns the settings used."""
+    used = []
+    for e in noise:
+        s = tuner.current()
+        used.append(s)
+        tuner.record(100 * cost(s) * (1 + e), 100, 0.4 * min(1, s.delta / 4))
+    return used
+
+
+def _without_step(lines: list[str]) -> list[str]:
+    return [d.split(": ", 1)[1] for d in lines]
+
+
+def test_a_resume_mid_trial_takes_the_same_decisions_after_a_warm_up_step():
+    """Checkpointed in the middle of a trial and resumed: the resumed run's first step is a warm-up
+    (here three times as slow: a re-prefill) that is not measured; after it the resumed run
+    measures what the uninterrupted one measures and decides the same, one step later."""
+    rng = random.Random(3)
+    noise = [rng.gauss(0, 0.05) for _ in range(120)]
     a = OverlapTuner(delta_ladder(0, 16), CHUNKS, trial_steps=2, retune_every=8)
-    drive(a, long_tail, 13, noise=0.03)
+    _drive_list(a, noise[:6])
+    assert a.trial is not None and a._costs, "the checkpoint is taken mid-trial"
     b = OverlapTuner(delta_ladder(0, 16), CHUNKS, trial_steps=2, retune_every=8)
     b.load_state_dict(a.state_dict())
-    ua, ub = drive(a, long_tail, 40, noise=0.03, seed=7), drive(b, long_tail, 40, noise=0.03, seed=7)
-    assert ua == ub
+    a.take_decisions()
+    ua = _drive_list(a, noise[6:])
+    warm = b.current()
+    b.record(300 * long_tail(warm), 100)  # the resumed run's first step: one-off costs
+    assert b.current() == warm  # the warm-up measured nothing and moved nothing
+    ub = _drive_list(b, noise[6:-1])
+    assert ub == ua[:-1]
+    da, db = _without_step(a.take_decisions()), _without_step(b.take_decisions())
+    assert len(db) >= 4 and db == da[:len(db)] and len(da) - len(db) <= 1
+    assert a.incumbent == b.incumbent or len(da) > len(db)
     other = OverlapTuner(delta_ladder(0, 8), CHUNKS)
     with pytest.raises(ValueError, match="same overlap settings"):
         other.load_state_dict(a.state_dict())
@@ -198,3 +226,147 @@ def test_an_up_move_is_confirmed_before_it_is_kept():
     # measure Delta 0 (warm-up + 2), Delta 4 (warm-up + 2), Delta 0 again (warm-up + 2), then hold at 4
     assert [s.delta for s in used[:10]] == [0, 0, 0, 4, 4, 4, 0, 0, 0, 4]
     assert any("before and" in d and "-> Delta 4" in d for d in t.take_decisions())
+
+
+# ---------------------------------------------------------------- noise, prediction, short runs (issue 43)
+
+
+def test_ten_percent_noise_settles_on_the_best_setting():
+    """The issue's noise table as a test: 200 seeds x 400 steps, Gaussian noise of 10% on every
+    step's cost, the default settings. At most 20% of steps run under a trial setting, and the
+    final setting is the best in at least 90% of seeds. The curve's other settings are all at least
+    twice the margin dearer than the best (``SEPARATED``): a setting within the margin is, by the
+    controller's definition, no different. (Before issue 43: 27% trial steps, 44% final = best on
+    the closer ``LONG_TAIL`` curve; ``benchmarks/controller_workloads/noise.md``.)"""
+    from oppo.bench.controller_sim import SEPARATED, simulate, summarize
+
+    s = summarize([simulate(SEPARATED, 0.10, seed, 400) for seed in range(200)])
+    assert s["trial_share"] <= 0.20, s
+    assert s["final_best"] >= 0.90, s
+    assert s["overhead"] < 0.10, s  # exploring and its mistakes cost less than 10% over the best fixed setting
+
+
+def _planner_drive(t: OverlapTuner, planner, lengths_of, cost, steps: int, noise: float = 0.02, seed: int = 0):
+    """Steps of B = 16 rows: ``lengths_of(rng)`` the trained lengths, ``cost(setting)`` the seconds per
+    token; 60% of a step in the decode loop, one decode step per token of the longest row."""
+    rng = random.Random(seed)
+    used = []
+    for _ in range(steps):
+        s = t.current()
+        used.append(s)
+        lengths = lengths_of(rng)
+        secs = cost(s) * sum(lengths) * (1 + rng.gauss(0, noise))
+        planner.observe(s, secs, lengths, max(lengths), 0.6 * secs)
+        t.record(secs, sum(lengths), 0.3 * min(1, s.delta / 4))
+    return used
+
+
+def test_no_tail_the_planner_rules_out_every_delta_trial():
+    """Every response at the cap: carrying cannot close a step earlier, so the planner predicts no
+    saving for any Delta and the controller runs no Delta trial (at most 2 trial steps in all)."""
+    from oppo.plan.online import OnlinePlanner
+
+    t = OverlapTuner(delta_ladder(0, 16), (16,), retune_every=20, steps=100)
+    planner = OnlinePlanner(16)
+    t.predictor = planner.predict
+    used = _planner_drive(t, planner, lambda rng: [64] * 16, lambda s: 1 + 0.03 * s.delta, 100)
+    assert t.trial_steps_run <= 2 and all(s.delta == 0 for s in used)
+    lines = t.take_decisions()
+    assert any("not trying Delta 4" in d and "saves less than 5%" in d for d in lines), lines
+
+
+def test_long_tail_the_planner_predicts_carrying_pays_and_the_controller_confirms_it():
+    from oppo.plan.online import OnlinePlanner, replay_carry
+
+    lengths = [min(128, max(1, int(random.Random(i).lognormvariate(3.3, 1.0)))) for i in range(256)]
+    d0, _, _, stale0 = replay_carry(lengths, 16, 0)
+    d4, _, _, stale4 = replay_carry(lengths, 16, 4)
+    assert stale0 == 0 and 0 < stale4 < 1 and d4 < 0.8 * d0  # Delta 4 closes steps well before the tail
+    assert replay_carry([64] * 64, 16, 4)[0] == replay_carry([64] * 64, 16, 0)[0] == 64  # no tail: no saving
+
+    def cost(s: Setting) -> float:  # the true cost follows the decode steps the tail costs
+        return {0: 1.0, 4: 0.8, 8: 0.72, 16: 0.7}[s.delta]
+
+    t = OverlapTuner(delta_ladder(0, 16), (16,), retune_every=30, max_stale_share=0.9, steps=200)
+    planner = OnlinePlanner(16)
+    t.predictor = planner.predict
+    rng_l = random.Random(5)
+    _planner_drive(t, planner, lambda rng: [rng_l.choice(lengths) for _ in range(16)], cost, 60)
+    lines = t.take_decisions()
+    assert t.incumbent.delta >= 4, lines
+    moved = [d for d in lines if "-> Delta 4" in d]
+    assert moved and "predicted" in moved[0] and "before and" in moved[0]  # predicted, measured, confirmed
+
+
+def test_predicted_losers_are_not_tried_and_the_rest_most_promising_first():
+    pred = {16: 1.0, 0: None, 8: 1.1, 32: 0.8}  # chunk 32 predicted best, chunk 8 a loser, one-shot unknown
+
+    t = OverlapTuner((0,), CHUNKS, trial_steps=2, retune_every=None)
+    t.predictor = lambda s: None if pred[s.chunk] is None else Prediction(pred[s.chunk])
+    seen = []
+    for _ in range(12):
+        s = t.current()
+        seen.append(s.chunk)
+        if t.trial is not None and s.chunk == 32:
+            m = t.metrics()
+            assert m["overlap/tuner_predicted_ms_per_token"] == pytest.approx(800, rel=0.05)
+        t.record(100 * {16: 1.0, 0: 1.3, 8: 1.0, 32: 1.0}[s.chunk], 100)
+    assert 8 not in seen and seen.index(32) < seen.index(0)
+    lines = t.take_decisions()
+    assert any("not trying Delta 0, chunk 8: predicted" in d for d in lines), lines
+    assert any("chunk 32 saves less than 5%" in d and "predicted 800.000" in d for d in lines), lines
+    assert "overlap/tuner_predicted_gain" in t.metrics() or "overlap/tuner_measured_gain" in t.metrics()
+
+
+def test_a_run_too_short_to_repay_a_trial_does_not_run_it_and_says_so_once():
+    t = OverlapTuner(delta_ladder(0, 16), CHUNKS, steps=6)
+    used = drive(t, long_tail, 6)
+    assert t.trial_steps_run == 0 and set(used) == {Setting(0, 16)}
+    lines = t.take_decisions()
+    assert sum("too few steps left" in d for d in lines) == 1, lines
+    long_run = OverlapTuner(delta_ladder(0, 16), CHUNKS, steps=400)
+    drive(long_run, long_tail, 40)
+    assert long_run.trial_steps_run > 0
+
+
+def test_every_kind_of_move_is_confirmed_by_measuring_the_incumbent_again():
+    t = OverlapTuner((0,), (16, 8), trial_steps=2, retune_every=None)
+    used = drive(t, lambda s, k: 1.0 if s.chunk == 16 else 0.8, 10)
+    # warm-up + 2 of chunk 16, 2 of chunk 8, chunk 16 again (the confirmation), then chunk 8 holds
+    assert [s.chunk for s in used[:8]] == [16, 16, 16, 8, 8, 16, 16, 8]
+    assert any("-> Delta 0, chunk 8" in d and "before and" in d for d in t.take_decisions())
+
+
+def test_the_drift_limit_follows_the_measured_spread():
+    """A flat cost under 10% noise is not a drift (the old fixed 10% limit restarted rounds on it);
+    a 15% rise under 1% noise is one."""
+    for seed in range(10):
+        t = OverlapTuner((0, 4), (16,), retune_every=None)
+        drive(t, lambda s, k: 1.0 if s.delta == 0 else 1.5, 300, noise=0.17, seed=seed)  # uniform +-17%: sd ~10%
+        assert sum("rose to" in d for d in t.take_decisions()) <= 1
+        assert 0.06 < t.sigma < 0.14
+    t = OverlapTuner((0, 4), (16,), retune_every=None)
+    drive(t, lambda s, k: (1.0 if k < 40 else 1.15) * (1.0 if s.delta == 0 else 1.5), 60, noise=0.01)
+    assert any("rose to" in d for d in t.take_decisions())
+
+
+def test_metrics_with_no_value_yet_are_absent():
+    t = OverlapTuner(delta_ladder(0, 16), CHUNKS)
+    m = t.metrics()
+    assert not any(k in m for k in ("overlap/tuner_cost_ms_per_token", "overlap/tuner_noise",
+                                    "overlap/tuner_predicted_ms_per_token", "overlap/tuner_measured_gain"))
+    drive(t, long_tail, 12, noise=0.02)
+    m = t.metrics()
+    assert all(math.isfinite(v) for v in m.values()) and "overlap/tuner_noise" in m and "overlap/tuner_measured_gain" in m
+
+
+def test_the_trainer_feeds_the_planner_and_a_short_run_does_not_explore(tiny_models, tiny_prompts, tmp_path):
+    """The default controller in a trainer: the planner learns from every step's stage timings and
+    lengths, and a 4-step run (run.steps) is too short to repay a trial: no step runs one."""
+    cfg = _cfg(tiny_models, tiny_prompts, tmp_path, "overlap.mode=oppo", "run.steps=4")
+    rows, tuner = _steps(cfg, 4)
+    assert tuner.predictor is not None and tuner.trial_steps_run == 0
+    planner = tuner.predictor.__self__
+    assert len(planner.lengths) >= 3 and all(c > 0 for _, c in planner.decode)  # every measured step observed
+    assert all(m["overlap/tuner_trial"] == 0.0 for _, m in rows)
+    assert sum("too few steps left" in d for d in tuner.take_decisions()) == 1

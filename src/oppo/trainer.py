@@ -106,7 +106,7 @@ class Trainer:
         self.step_windows[step] = (t0, t1)
         self.wallclock += dt
         metrics = step_metrics(self.run, result, times, dt, self.wallclock)
-        self.run.record(dt, float(result.exp.mask.sum()), metrics.get("overlap/offpolicy_token_frac", 0.0))
+        self.run.record(dt, float(result.exp.mask.sum()), metrics.get("overlap/offpolicy_token_frac", 0.0), metrics)
         # share of the machine's CPU capacity this process used during the step
         metrics["perf/cpu_util"] = (time.process_time() - c0) / (dt * (os.cpu_count() or 1))
         if not self.run.policy.in_flight:

@@ -1,46 +1,76 @@
 """The overlap controller (``overlap.delta_rule=cost``, the default): Delta and the streaming chunk
-chosen by what they save, measured on the run's own steps.
+chosen by what they save, measured on the run's own steps, and (where a planner is attached)
+predicted first so that only the candidates worth a trial are measured.
 
 Pure: no torch, no threads, no clocks. Before a step the caller reads :meth:`OverlapTuner.current`
 (a :class:`Setting`), runs the step with it, then reports :meth:`OverlapTuner.record` (its seconds,
 the response tokens it trained, the share of those tokens sampled by an older policy).
 
 The cost of a setting is seconds per trained response token (the inverse of the bench's tokens/s:
-a step of longer responses is not mistaken for a slower setting). A *trial* runs a setting for
-``trial_steps`` measured steps, after a warm-up step where the change reaches across the step
-boundary (carried rows, or the pipeline's next step begun under the old setting), and takes the
-median. Moves, each against the *incumbent* (the setting in force):
+a step of longer responses is not mistaken for a slower setting). Moves, each against the
+*incumbent* (the setting in force):
 
 - **chunk** (another chunk size, or 0: no streaming, one-shot scoring after the step closes): kept
   if it costs at least ``margin`` less;
 - **Delta up** (the next level of the ladder): kept if it costs at least ``margin`` less, and the
   share of tokens it trains off-policy exceeds that of the lowest Delta by at most
-  ``max_stale_share``. A carried token must buy time, so a Delta that passes is confirmed: the
-  incumbent is measured again, and the Delta kept only if it still costs ``margin`` less than the
-  mean of the incumbent's two measures (a machine that slowed down or sped up during the trials,
-  as a shared one does, cancels out). Then the next level up is tried;
+  ``max_stale_share``; then the next level up is tried;
 - **Delta down**: kept if it costs at most ``margin`` more (fewer stale tokens for the same time),
   so Delta falls back to its floor where carrying stops paying.
 
-The first round measures the starting setting (Delta at its floor: no staleness; the first chunk
-candidate), tries every other chunk, then climbs Delta. Then the incumbent holds for
-``retune_every`` steps, its steps measuring it for free; a new round tries Delta down and up, or
-(every other round) the other chunks. A hold ends early when the median of its last ``trial_steps`` + 1 steps costs
-more than ``2 * margin`` above the incumbent's measure (the workload moved). Noise within
-``margin`` never changes the setting, and a move needs a whole trial's median, not one step.
+Noise (a shared machine, a GPU beside other jobs) is handled by measuring, not by hoping:
+
+- **The spread is measured.** Every pair of consecutive measured steps of one setting gives a
+  relative difference; the noise ``sigma`` is the median absolute difference over the last 64
+  pairs (scaled to a standard deviation), a robust spread that one slow step does not move.
+- **A trial runs until it is decided.** After a warm-up step where the change reaches across the
+  step boundary (carried rows, or the pipeline's next step begun under the old setting), a trial
+  measures ``trial_steps`` steps, then more (up to ``3 * trial_steps``) while its median is within
+  1.5 standard errors of the threshold it is judged at: a clear loser costs two steps, a close
+  call gets the steps it needs.
+- **Every kept move is confirmed.** A move that passes its trial is not taken on its own measure
+  (chosen for being low: the winner's curse): the incumbent is measured again, and the move kept
+  only if it still passes against the mean of the incumbent's measures before and after (a machine
+  that slowed down or sped up during the trials cancels out).
+- **A hold is judged against itself.** While a setting holds, its steps measure it for free; the
+  hold ends early when the median of its last four steps rises above the hold's own median by
+  more than three standard errors of their difference (from ``sigma``), and never by less than
+  ``2 * margin``. A round that changes nothing doubles the next hold (up to four times
+  ``retune_every``): a settled run stops paying for trials.
+- **A resume starts with a warm-up step** (re-prefill of carried rows, cold caches): the first
+  step after :meth:`load_state_dict` is not measured.
+
+Prediction (:attr:`OverlapTuner.predictor`, e.g. :class:`oppo.plan.online.OnlinePlanner`): a
+function from a setting to its predicted cost per token and stale share, or None where it cannot
+tell. A candidate predicted to save less than ``margin`` than the incumbent (ratio of the two
+predictions: the model's bias cancels), or to add more stale tokens than ``max_stale_share``, is
+not tried; the rest are tried most promising first. Delta down moves are always tried (they only
+remove stale tokens). The prediction and the measure are both in the decision's line and in
+:meth:`metrics`.
+
+Short runs: with ``steps`` (the run's length) known, a trial is started only if the time it could
+save on the steps left after it repays what its own steps could lose: ``gain * steps_left >= 2 *
+margin * trial_length`` (``gain`` predicted, or ``margin`` with no prediction). A run too short says
+so once (a shorter trial that still repays is run) and holds.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["OverlapTuner", "Setting", "TunedDelta", "delta_ladder"]
+__all__ = ["OverlapTuner", "Prediction", "Setting", "TunedDelta", "delta_ladder"]
 
-_FORMAT = "oppo.overlap_tuner/1"
+_FORMAT = "oppo.overlap_tuner/2"
+_Z = 1.5  # standard errors that count as decided (a trial) ...
+_Z_DRIFT = 3.0  # ... and as a drift (a hold: checked every step, so a false alarm must be rare)
+_DRIFT_WINDOW = 4  # the hold's last steps whose median is checked for drift
+_MEDIAN_SE = 1.2533  # the standard error of a median is this times that of a mean (normal noise)
+_DIFFS = 64  # consecutive-step differences kept for the spread
+_BACKOFF = 4  # a hold lengthens up to this many times retune_every while rounds change nothing
 
 
 @dataclass(frozen=True)
@@ -55,10 +85,23 @@ class Setting:
         return f"Delta {self.delta}, " + (f"chunk {self.chunk}" if self.chunk else "one-shot scoring")
 
 
+@dataclass(frozen=True)
+class Prediction:
+    """A planner's figures for one setting: seconds per trained token and the share of trained
+    tokens sampled by an older policy."""
+
+    cost: float
+    stale: float = 0.0
+
+
 def delta_ladder(low: int, high: int) -> tuple[int, ...]:
     """The Delta levels the controller moves between: ``low``, a quarter and a half of ``high``,
     and ``high`` (those above ``low``): steps large enough to be measured over a step's noise."""
     return tuple(sorted({low, high} | {d for d in (high // 4, high // 2) if low < d < high}))
+
+
+def _median(xs: Sequence[float]) -> float:
+    return statistics.median(xs)
 
 
 class OverlapTuner:
@@ -68,17 +111,20 @@ class OverlapTuner:
         deltas: the Delta levels, ascending (:func:`delta_ladder`); one level: Delta is fixed.
         chunks: the chunk sizes in the order they are tried, the first the start; 0 is one-shot
             scoring; one size: fixed.
-        trial_steps: measured steps per trial (after its warm-up).
+        trial_steps: the fewest measured steps per trial (after its warm-up); a close call runs up
+            to three times as many.
         retune_every: steps the incumbent holds between rounds (None: one round only).
-        margin: the relative cost difference that counts as a difference (step-to-step noise).
+        margin: the relative cost difference that counts as a difference.
         max_stale_share: the most that Delta may add to the share of tokens trained off-policy.
         in_flight: the pipeline mode (the next step begins under the setting of the previous one:
             a Delta change takes one more warm-up step).
+        steps: the run's length in steps (None: unknown); trials that the steps left cannot repay
+            are not run.
     """
 
     def __init__(self, deltas: Sequence[int], chunks: Sequence[int], *, trial_steps: int = 2,
                  retune_every: int | None = 50, margin: float = 0.05, max_stale_share: float = 0.5,
-                 in_flight: bool = False) -> None:
+                 in_flight: bool = False, steps: int | None = None) -> None:
         self.deltas, self.chunks = tuple(deltas), tuple(chunks)
         if not self.deltas or list(self.deltas) != sorted(set(self.deltas)) or self.deltas[0] < 0:
             raise ValueError(f"deltas must be distinct levels >= 0 in ascending order, got {self.deltas}")
@@ -89,19 +135,34 @@ class OverlapTuner:
         if not (0 <= margin < 1 and 0 <= max_stale_share <= 1):
             raise ValueError(f"margin must be in [0, 1) and max_stale_share in [0, 1], got {margin}, "
                              f"{max_stale_share}")
+        if steps is not None and steps < 0:
+            raise ValueError(f"steps (the run's length) must be >= 0 or None, got {steps}")
         self.trial_steps, self.retune_every, self.margin = trial_steps, retune_every, margin
-        self.max_stale_share, self.in_flight = max_stale_share, in_flight
+        self.max_stale_share, self.in_flight, self.steps = max_stale_share, in_flight, steps
+        self.predictor: Callable[[Setting], Prediction | None] | None = None  # not checkpointed: refit on resume
         self.incumbent = Setting(self.deltas[0], self.chunks[0])
         self.cost: float | None = None  # the incumbent's measured cost (s per token)
         self.base_stale: float | None = None  # the off-policy share at the lowest Delta
-        self.phase = "measure"  # measure | chunk | up | confirm | down | hold
-        self._challenger: tuple[Setting, float, float] | None = None  # an up move that passed, to confirm
+        self.phase = "measure"  # measure | chunk | up | down | confirm | hold
         self.trial: Setting | None = None  # the challenger being measured
+        self._kind = ""  # the kind of move being tried or confirmed (chunk | up | down)
+        self._challenger: Setting | None = None  # a move that passed its trial, being confirmed
         self._plan: list[tuple[str, Setting]] = []  # the round's moves still to try
         self._warm = 1  # steps still to discard (the run's first step pays one-off costs)
-        self._costs: list[float] = []
+        self._costs: list[float] = []  # the trial (or measure, or confirm) in progress
         self._stale: list[float] = []
+        self._trial_costs: list[float] = []  # a passed challenger's measures, kept while it is confirmed
+        self._trial_stale = 0.0
+        self._before: list[float] = []  # the incumbent's latest measures before a trial
         self._held: list[float] = []
+        self._diffs: list[float] = []  # relative differences of consecutive measures of one setting
+        self._last: tuple[Setting, float] | None = None  # the last measure, for the next difference
+        self._hold_len = retune_every
+        self._pred: tuple[float, float] | None = None  # the trial's predicted cost (s per token) and gain
+        self.last_decision: dict[str, float] = {}  # the last judged move: predicted and measured gain
+        self.short_said = False  # a run too short to repay a trial says so once
+        self._changed = False  # the round in progress moved the incumbent (a drift counts as a change)
+        self._keep_last = False  # the warm-up is a resume's, not a switch's: the chain of measures goes on
         self.rounds = 0
         self.trial_steps_run = 0  # steps run under a challenger (the price of exploring)
         self.decisions: list[str] = []  # lines not yet taken by the caller (take_decisions)
@@ -116,80 +177,156 @@ class OverlapTuner:
         """The setting for the next step."""
         return self.trial or self.incumbent
 
+    @property
+    def sigma(self) -> float | None:
+        """The measured step-to-step spread (relative standard deviation), None before four pairs."""
+        if len(self._diffs) < 4:
+            return None
+        # |a - b| of two draws of spread s has median 0.954 s (normal): median |d| / 0.954 estimates s
+        return _median([abs(d) for d in self._diffs]) / 0.954
+
+    def _spread(self) -> float:
+        # before the spread is measured, assume half the margin (what the margin was chosen to clear)
+        s = self.sigma
+        return s if s is not None else self.margin / 2
+
     def record(self, seconds: float, tokens: float, stale_share: float = 0.0) -> None:
         """One step ran with :meth:`current`: its wall-clock ``seconds``, the response ``tokens`` it
         trained and the share of them sampled by an older policy version."""
         if not (math.isfinite(seconds) and seconds >= 0 and math.isfinite(tokens) and math.isfinite(stale_share)):
             raise ValueError(f"record needs finite figures, got {seconds}, {tokens}, {stale_share}")
         self.step += 1
-        self._ran = self.current()
+        ran = self._ran = self.current()
         if not self.tunes:
             return
         if self.trial is not None:
             self.trial_steps_run += 1
         if self._warm:
             self._warm -= 1
+            if not self._keep_last:  # a switch: the next measure pairs with none before it
+                self._last = None
+            self._keep_last = False
             return
         cost = seconds / max(tokens, 1.0)
+        if self._last is not None and self._last[0] == ran and self._last[1] > 0 and cost > 0:
+            self._diffs = (self._diffs + [2 * (cost - self._last[1]) / (cost + self._last[1])])[-_DIFFS:]
+        self._last = (ran, cost)
         if self.phase == "hold":
             self._hold(cost)
             return
         self._costs.append(cost)
         self._stale.append(stale_share)
-        if len(self._costs) >= self.trial_steps:
-            self._judge(statistics.median(self._costs), statistics.median(self._stale))
+        self._step_trial()
 
     def take_decisions(self) -> list[str]:
         out, self.decisions = self.decisions, []
         return out
 
     def metrics(self) -> dict[str, float]:
-        """The controller's state for the step's metrics."""
+        """The controller's state for the step's metrics; a figure with no value yet is absent."""
         out = {"overlap/tuner_exploring": float(self.phase != "hold"),
                "overlap/tuner_trial": float(self.trial is not None),
                "overlap/tuner_trial_steps": float(self.trial_steps_run), "overlap/tuner_rounds": float(self.rounds)}
         if self.cost is not None:  # a metric with no value yet is absent, not NaN (a NaN reads as a failure)
             out["overlap/tuner_cost_ms_per_token"] = 1e3 * self.cost
+        if self.sigma is not None:
+            out["overlap/tuner_noise"] = self.sigma
+        if self._pred is not None and self.trial is not None:
+            out["overlap/tuner_predicted_ms_per_token"] = 1e3 * self._pred[0]
+        out.update({f"overlap/tuner_{k}": v for k, v in self.last_decision.items()})
         return out
 
-    # ---------------------------------------------------------------- the rounds
+    # ---------------------------------------------------------------- trials
 
-    def _judge(self, cost: float, stale: float) -> None:
-        self._costs, self._stale = [], []
+    def _se(self, n_a: int, n_b: int) -> float:
+        """The standard error of the relative difference of two medians of ``n_a`` and ``n_b`` steps."""
+        return _MEDIAN_SE * self._spread() * math.sqrt(1 / max(n_a, 1) + 1 / max(n_b, 1))
+
+    def _threshold(self, kind: str) -> float:
+        return -self.margin if kind == "down" else self.margin
+
+    def _step_trial(self) -> None:
+        n = len(self._costs)
+        if n < self.trial_steps:
+            return
         if self.phase == "measure":
-            self.cost = cost
-            if self.incumbent.delta == self.deltas[0]:
-                self.base_stale = stale
-            self._say(f"measured {self.incumbent.describe()}: {1e3 * cost:.3f} ms per token")
-            self._plan = self._first_round()
-            self._next()
+            self._measured()
             return
-        assert self.cost is not None
         if self.phase == "confirm":
-            self._confirm(cost)
-            return
-        assert self.trial is not None
-        kind, new, old = self.phase, self.trial, self.incumbent
-        gain = 1 - cost / self.cost  # > 0: the challenger is cheaper
-        added = stale - (self.base_stale if self.base_stale is not None else 0.0)
-        if kind == "down":
-            keep = gain >= -self.margin
-        elif kind == "up":
-            keep = gain >= self.margin and added <= self.max_stale_share
+            assert self._challenger is not None
+            ref = (_median(self._before) + _median(self._costs)) / 2
+            gain = 1 - _median(self._trial_costs) / ref
+            se = self._se(len(self._trial_costs), len(self._before) + n)
         else:
-            keep = gain >= self.margin
+            assert self.cost is not None
+            gain = 1 - _median(self._costs) / self.cost
+            se = self._se(n, len(self._before))
+        if abs(gain - self._threshold(self._kind)) < _Z * se and n < 3 * self.trial_steps:
+            return  # a close call: measure another step
+        if self.phase == "confirm":
+            self._confirmed(gain)
+        else:
+            self._judge(gain)
+
+    def _measured(self) -> None:
+        cost, stale = _median(self._costs), _median(self._stale)
+        self.cost, self._before = cost, list(self._costs)
+        if self.incumbent.delta == self.deltas[0]:
+            self.base_stale = stale
+        self._costs, self._stale = [], []
+        self._say(f"measured {self.incumbent.describe()}: {1e3 * cost:.3f} ms per token")
+        self._plan = self._first_round()
+        self._next()
+
+    def _why(self, cost: float, ref: float, gain: float) -> str:
+        out = f"{1e3 * cost:.3f} against {1e3 * ref:.3f} ms per token ({-gain:+.1%})"
+        if self._pred is not None:
+            out += f"; predicted {1e3 * self._pred[0]:.3f} ({-self._pred[1]:+.1%})"
+        return out
+
+    def _judge(self, gain: float) -> None:
+        """A trial is decided: a passing move goes to confirmation, a failing one is dropped."""
+        assert self.trial is not None and self.cost is not None
+        kind, new, old = self._kind, self.trial, self.incumbent
+        cost, stale = _median(self._costs), _median(self._stale)
         if new.delta == self.deltas[0] and self.base_stale is None:
             self.base_stale = stale
-        why = f"{1e3 * cost:.3f} against {1e3 * self.cost:.3f} ms per token ({-gain:+.0%})"
-        if kind == "up":
-            why += f", off-policy tokens {stale:.0%} ({added:+.0%} over Delta {self.deltas[0]})"
-        if keep and kind == "up":  # measure the incumbent again before taking the stale tokens
-            self._challenger = (new, cost, stale)
+        added = stale - (self.base_stale if self.base_stale is not None else 0.0)
+        passed = gain >= self._threshold(kind) and (kind != "up" or added <= self.max_stale_share)
+        self._decided(gain)
+        if passed:  # measure the incumbent again before taking the move
+            self._challenger, self._trial_costs, self._trial_stale = new, list(self._costs), stale
+            self._costs, self._stale = [], []
             self.phase, self.trial = "confirm", None
             self._warm = self._warmup(self._ran, old)
             return
-        if keep:
-            self.incumbent, self.cost = new, cost
+        why = self._why(cost, self.cost, gain)
+        if kind == "up":
+            why += f", off-policy tokens {stale:.0%} ({added:+.0%} over Delta {self.deltas[0]})"
+        limit = {"down": f"costs more than {self.margin:.0%} more",
+                 "up": (f"adds more than {self.max_stale_share:.0%} off-policy tokens"
+                        if gain >= self.margin else f"saves less than {self.margin:.0%}"),
+                 "chunk": f"saves less than {self.margin:.0%}"}[kind]
+        self._say(f"kept {old.describe()}: {new.describe()} {limit} ({why})")
+        self._costs, self._stale = [], []
+        self._next()
+
+    def _confirmed(self, gain: float) -> None:
+        """The incumbent measured again after a move passed its trial: keep the move only if it still
+        passes against the mean of the incumbent's measures before and after."""
+        assert self._challenger is not None
+        new, old, kind = self._challenger, self.incumbent, self._kind
+        cost, before, again = _median(self._trial_costs), _median(self._before), _median(self._costs)
+        why = (f"{1e3 * cost:.3f} ms per token against {1e3 * before:.3f} before and {1e3 * again:.3f} after "
+               f"({-gain:+.1%})")
+        if self._pred is not None:
+            why += f"; predicted {1e3 * self._pred[0]:.3f} ({-self._pred[1]:+.1%})"
+        if kind != "chunk":
+            why += f", off-policy tokens {self._trial_stale:.0%}"
+        self._challenger = None
+        if gain >= self._threshold(kind):
+            self.incumbent, self.cost, self._before = new, cost, list(self._trial_costs)
+            self._changed = True
             self._say(f"{old.describe()} -> {new.describe()}: {why}")
             if kind == "up":
                 self._plan[:0] = [("up", s) for s in self._neighbour(new, +1)]
@@ -197,33 +334,19 @@ class OverlapTuner:
                 self._plan = [("down", s) for s in self._neighbour(new, -1)] + [
                     m for m in self._plan if m[0] != "up"]
         else:
-            limit = {"down": f"costs more than {self.margin:.0%} more",
-                     "up": (f"adds more than {self.max_stale_share:.0%} off-policy tokens"
-                            if gain >= self.margin else f"saves less than {self.margin:.0%}"),
-                     "chunk": f"saves less than {self.margin:.0%}"}[kind]
-            self._say(f"kept {old.describe()}: {new.describe()} {limit} ({why})")
+            self.cost, self._before = again, list(self._costs)
+            self._say(f"kept {old.describe()}: {new.describe()} "
+                      + ("costs more than" if kind == "down" else "saves less than")
+                      + f" {self.margin:.0%} once the incumbent is measured again ({why})")
+        self._costs, self._stale = [], []
         self._next()
 
-    def _confirm(self, again: float) -> None:
-        """The incumbent measured again after an up move passed its trial: keep the move only if it
-        beats the mean of the incumbent's two measures by ``margin``."""
-        assert self._challenger is not None and self.cost is not None
-        new, cost, stale = self._challenger
-        old, before = self.incumbent, self.cost
-        self._challenger = None
-        ref = (before + again) / 2
-        gain = 1 - cost / ref
-        why = (f"{1e3 * cost:.3f} ms per token against {1e3 * before:.3f} before and {1e3 * again:.3f} after "
-               f"({-gain:+.0%}), off-policy tokens {stale:.0%}")
-        if gain >= self.margin:
-            self.incumbent, self.cost = new, cost
-            self._say(f"{old.describe()} -> {new.describe()}: {why}")
-            self._plan[:0] = [("up", s) for s in self._neighbour(new, +1)]
-        else:
-            self.cost = again
-            self._say(f"kept {old.describe()}: {new.describe()} saves less than {self.margin:.0%} once the "
-                      f"incumbent is measured again ({why})")
-        self._next()
+    def _decided(self, gain: float) -> None:
+        self.last_decision = {"measured_gain": gain}
+        if self._pred is not None:
+            self.last_decision["predicted_gain"] = self._pred[1]
+
+    # ---------------------------------------------------------------- rounds
 
     def _first_round(self) -> list[tuple[str, Setting]]:
         inc = self.incumbent
@@ -244,18 +367,84 @@ class OverlapTuner:
         i = self.deltas.index(s.delta) + way
         return [Setting(self.deltas[i], s.chunk)] if 0 <= i < len(self.deltas) else []
 
+    def _predict(self, kind: str, s: Setting) -> tuple[float, float] | None:
+        """(predicted cost, predicted gain) of ``s`` against the incumbent, scaled to the incumbent's
+        measure; None with no planner, or where it cannot tell. Raises nothing: a planner that fails
+        is a planner that cannot tell."""
+        if self.predictor is None or self.cost is None:
+            return None
+        p, q = self.predictor(s), self.predictor(self.incumbent)
+        if p is None or q is None or q.cost <= 0 or not math.isfinite(p.cost):
+            return None
+        cost = self.cost * p.cost / q.cost
+        return cost, 1 - cost / self.cost
+
+    def _ruled_out(self, kind: str, s: Setting) -> str | None:
+        """Why the prediction rules out a trial of ``s``, or None."""
+        if kind == "down" or self.predictor is None:
+            return None
+        pred = self._predict(kind, s)
+        if pred is None:
+            return None
+        p = self.predictor(s)
+        added = (p.stale if p else 0.0) - (self.base_stale or 0.0)
+        if kind == "up" and added > self.max_stale_share:
+            return f"predicted to add {added:.0%} off-policy tokens, over {self.max_stale_share:.0%}"
+        if pred[1] < self.margin:
+            return f"predicted {1e3 * pred[0]:.3f} ms per token ({-pred[1]:+.1%}), saves less than {self.margin:.0%}"
+        return None
+
+    def _trial_length(self, s: Setting) -> int:
+        """Steps a trial of ``s`` takes, its confirmation included: warm-ups and the fewest measures."""
+        return (self._warmup(self.incumbent, s) + self._warmup(s, self.incumbent) + 2 * self.trial_steps)
+
+    def _repays(self, s: Setting, gain: float | None) -> bool:
+        if self.steps is None:
+            return True
+        length = self._trial_length(s)
+        left = self.steps - self.step - length
+        return max(gain if gain is not None else self.margin, self.margin) * left >= 2 * self.margin * length
+
     def _next(self) -> None:
         """Start the next move of the round (with the incumbent's current chunk and Delta), or hold."""
         prev = self._ran
-        while self._plan:
-            kind, s = self._plan.pop(0)
-            s = Setting(s.delta, self.incumbent.chunk) if kind in ("up", "down") else Setting(self.incumbent.delta,
-                                                                                               s.chunk)
-            if s != self.incumbent:
-                self.phase, self.trial = kind, s
-                self._warm = self._warmup(prev, s)
-                return
-        self.phase, self.trial, self._held = "hold", None, []
+        plan = [(k, Setting(s.delta, self.incumbent.chunk) if k in ("up", "down") else Setting(self.incumbent.delta,
+                                                                                             s.chunk))
+                for k, s in self._plan]
+        plan = [(k, s) for k, s in plan if s != self.incumbent]
+        if self.predictor is not None:
+            # most promising first: a move back down first (it only removes stale tokens), then those
+            # predicted to save most, then those the planner cannot tell (in their order)
+            def rank(m: tuple[str, Setting]) -> tuple[int, float]:
+                pred = None if m[0] == "down" else self._predict(m[0], m[1])
+                return (-1, 0.0) if m[0] == "down" else (0, -pred[1]) if pred else (1, 0.0)
+
+            plan.sort(key=rank)
+        while plan:
+            kind, s = plan.pop(0)
+            why = self._ruled_out(kind, s)
+            if why is not None:
+                self._say(f"not trying {s.describe()}: {why}")
+                continue
+            pred = self._predict(kind, s)
+            if not self._repays(s, pred[1] if pred else None):  # a shorter trial (no warm-ups) may still repay
+                if not self.short_said:
+                    self._say(f"too few steps left ({self.steps - self.step}) to repay a trial of {s.describe()} "
+                              f"({self._trial_length(s)} steps): not trying it, nor any trial that cannot repay")
+                    self.short_said = True
+                continue
+            self._plan = plan
+            self.phase, self.trial, self._kind, self._pred = kind, s, kind, pred
+            self._costs, self._stale = [], []
+            self._warm = self._warmup(prev, s)
+            return
+        self._plan = []
+        changed = getattr(self, "_changed", False)
+        if self.retune_every is not None:
+            self._hold_len = self.retune_every if changed or self._hold_len is None else min(
+                self._hold_len * 2 if self.rounds else self._hold_len, _BACKOFF * self.retune_every)
+        self._changed = False
+        self.phase, self.trial, self._held, self._pred = "hold", None, [], None
         self._warm = self._warmup(prev, self.incumbent)
         self.rounds += 1
         self._say(f"holding {self.incumbent.describe()} at {1e3 * (self.cost or 0):.3f} ms per token")
@@ -271,17 +460,27 @@ class OverlapTuner:
     def _hold(self, cost: float) -> None:
         self._held.append(cost)
         assert self.cost is not None
-        recent = self._held[-(self.trial_steps + 1):]
-        drift = len(recent) == self.trial_steps + 1 and statistics.median(recent) > self.cost * (1 + 2 * self.margin)
-        if drift or (self.retune_every is not None and len(self._held) >= self.retune_every):
-            self.cost = statistics.median(recent if drift else self._held)
+        held = self._held
+        if len(held) >= _DRIFT_WINDOW:  # the hold measures itself: its own median, not a trial's
+            base = _median(held)
+            recent = held[-_DRIFT_WINDOW:]
+            rise = _median(recent) / base - 1
+            limit = max(2 * self.margin, _Z_DRIFT * self._se(_DRIFT_WINDOW, len(held)))
+            drift = len(held) > _DRIFT_WINDOW and rise > limit
+        else:
+            drift = False
+        due = self._hold_len is not None and len(held) >= self._hold_len
+        if drift or due:
+            self.cost = _median(recent) if drift else _median(held)
+            self._before = list(recent if drift else held[-max(_DRIFT_WINDOW, 2 * self.trial_steps):])
             if drift:
-                self._say(f"the cost of {self.incumbent.describe()} rose to {1e3 * self.cost:.3f} ms per token: "
-                          "trying the neighbours again")
+                self._hold_len, self._changed = self.retune_every, True
+                self._say(f"the cost of {self.incumbent.describe()} rose to {1e3 * self.cost:.3f} ms per token "
+                          f"({rise:+.0%}, over the {limit:.0%} its spread explains): trying the neighbours again")
             self._plan = self._round()
             self._next()
-        elif self.retune_every is None:
-            self._held = self._held[-(self.trial_steps + 1):]
+        elif self._hold_len is None and len(held) > 3 * _DIFFS:  # an endless hold keeps a long window
+            self.cost, self._held = _median(held), held[-2 * _DIFFS:]
 
     def _say(self, text: str) -> None:
         self.decisions.append(f"overlap controller, after step {self.step - 1}: {text}")
@@ -298,29 +497,44 @@ class OverlapTuner:
             return None if x is None else [x.delta, x.chunk]
 
         return {"format": _FORMAT, "config": self._config(), "incumbent": s(self.incumbent), "cost": self.cost,
-                "base_stale": self.base_stale, "phase": self.phase, "trial": s(self.trial),
-                "plan": [[k, *s(x)] for k, x in self._plan], "warm": self._warm, "costs": list(self._costs),
-                "stale": list(self._stale), "held": list(self._held), "rounds": self.rounds,
-                "challenger": None if self._challenger is None else [*s(self._challenger[0]), *self._challenger[1:]],
-                "trial_steps_run": self.trial_steps_run, "step": self.step, "ran": s(self._ran)}
+                "base_stale": self.base_stale, "phase": self.phase, "kind": self._kind, "trial": s(self.trial),
+                "challenger": s(self._challenger), "plan": [[k, *s(x)] for k, x in self._plan], "warm": self._warm,
+                "costs": list(self._costs), "stale": list(self._stale), "trial_costs": list(self._trial_costs),
+                "trial_stale": self._trial_stale, "before": list(self._before), "held": list(self._held),
+                "diffs": list(self._diffs), "last": None if self._last is None else [*s(self._last[0]), self._last[1]],
+                "hold_len": self._hold_len, "pred": None if self._pred is None else list(self._pred),
+                "last_decision": dict(self.last_decision), "short_said": self.short_said, "changed": self._changed,
+                "rounds": self.rounds, "trial_steps_run": self.trial_steps_run, "step": self.step,
+                "ran": s(self._ran)}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict`. The next step is a warm-up (not measured): a resumed run's
+        first step pays one-off costs (the carried rows' prefill, cold caches) that are not the setting's."""
         if d.get("format") != _FORMAT:
             raise ValueError("the checkpoint's overlap state was written by the reward-slope rule or an older "
-                             "oppo; resume with the settings it was written with (overlap.delta_rule=reward_slope)")
+                             "oppo; resume with the settings it was written with (overlap.delta_rule=reward_slope), "
+                             "or start the run again")
         if d["config"] != self._config():
             raise ValueError(f"the checkpoint's overlap controller was built with {d['config']} but this run's is "
                              f"{self._config()}; resume with the same overlap settings")
-        self.incumbent = Setting(*d["incumbent"])
-        self.trial = None if d["trial"] is None else Setting(*d["trial"])
-        self.cost, self.base_stale, self.phase = d["cost"], d["base_stale"], d["phase"]
+
+        def s(x) -> Setting | None:
+            return None if x is None else Setting(*x)
+
+        self.incumbent, self.trial, self._challenger = s(d["incumbent"]), s(d["trial"]), s(d["challenger"])
+        self.cost, self.base_stale, self.phase, self._kind = d["cost"], d["base_stale"], d["phase"], d["kind"]
         self._plan = [(k, Setting(a, b)) for k, a, b in d["plan"]]
-        self._warm, self._costs, self._stale = d["warm"], list(d["costs"]), list(d["stale"])
-        self._held, self.rounds = list(d["held"]), d["rounds"]
-        c = d["challenger"]
-        self._challenger = None if c is None else (Setting(c[0], c[1]), c[2], c[3])
-        self.trial_steps_run, self.step = d["trial_steps_run"], d["step"]
-        self._ran = Setting(*d["ran"])
+        self._costs, self._stale = list(d["costs"]), list(d["stale"])
+        self._trial_costs, self._trial_stale, self._before = list(d["trial_costs"]), d["trial_stale"], list(d["before"])
+        self._held, self._diffs, self._hold_len = list(d["held"]), list(d["diffs"]), d["hold_len"]
+        self._last = None if d["last"] is None else (Setting(d["last"][0], d["last"][1]), d["last"][2])
+        self._pred = None if d["pred"] is None else (d["pred"][0], d["pred"][1])
+        self.last_decision, self.short_said, self._changed = dict(d["last_decision"]), d["short_said"], d["changed"]
+        self.rounds, self.trial_steps_run, self.step, self._ran = d["rounds"], d["trial_steps_run"], d["step"], s(
+            d["ran"])
+        if self.tunes:
+            self._keep_last = d["warm"] == 0
+            self._warm = max(d["warm"], 1)
 
 
 class TunedDelta:

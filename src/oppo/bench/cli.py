@@ -58,6 +58,7 @@ def main(argv: list[str]) -> int:
         if base.generation.max_new_tokens != workload.max_new_tokens:
             workload = workload.scaled(base.generation.max_new_tokens)
     steps = args.steps or (11 if args.quick else 21)  # the first step is a warm-up, not timed
+    base = with_overrides(base, [f"run.steps={steps}"])  # the controller plans its trials against the run's length
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     say = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731

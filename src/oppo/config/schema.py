@@ -318,9 +318,11 @@ class OverlapConfig:
                                                   "streaming (the scorers score the closed batch one-shot, which "
                                                   "pays where they share the actor's hardware). The reward_slope "
                                                   "rule's chunk tuner skips 0.")
-    trial_steps: int = opt(2, "Measured steps per trial of a setting (Delta or chunk), after a warm-up step where "
-                              "the change reaches across the step boundary (carried rows, pipeline).")
-    retune_every: int = opt(50, "Steps the chosen setting holds before the controller tries its neighbours again.")
+    trial_steps: int = opt(2, "Fewest measured steps per trial of a setting (Delta or chunk), after a warm-up step "
+                              "where the change reaches across the step boundary (carried rows, pipeline); the cost "
+                              "rule measures up to three times as many while a trial is a close call.")
+    retune_every: int = opt(50, "Steps the chosen setting holds before the controller tries its neighbours again "
+                                "(cost rule: doubled after a round that changes nothing, up to 4x).")
     delta: int = opt(-1, "Delta: extra sequences (groups) in flight beyond B. -1: adaptive, by overlap.delta_rule.")
     delta_rule: str = opt("cost", "Adaptive Delta: cost: the overlap controller (oppo.tuner) keeps a Delta, and a "
                                   "chunk size, only while it lowers the measured seconds per trained token by "

@@ -20,6 +20,7 @@ from ..config import Config
 from ..learner.batch import Experience, attach_scores, build_experience
 from ..learner.offpolicy import staleness_stats
 from ..scheduler import ChunkSizeTuner, DeltaController, Scheduler
+from ..plan.online import OnlinePlanner
 from ..tuner import OverlapTuner, TunedDelta, delta_ladder
 from ..api.roles import Roles
 from ..api.decode import decode_and_stream
@@ -70,6 +71,8 @@ class Run:
         dmin = min(o.delta_min, dmax)
         adaptive = carries and o.delta < 0
         self.tuner: OverlapTuner | ChunkSizeTuner
+        self.planner: OnlinePlanner | None = None
+        self.trained_lengths: list[int] = []  # the last step's trained response lengths (the planner's)
         delta: int | DeltaController | TunedDelta
         if adaptive and o.delta_rule == "reward_slope":  # the OPPO paper's rules
             delta = DeltaController(min(max(o.delta_init, dmin), dmax), dmin, dmax, o.delta_window,
@@ -81,8 +84,11 @@ class Run:
             chunks = ((o.chunk_size,) if o.chunk_size else tuple(o.chunk_candidates)) if self.policy.streams else (0,)
             self.tuner = OverlapTuner(deltas, chunks, trial_steps=o.trial_steps, retune_every=o.retune_every,
                                       margin=o.tune_margin, max_stale_share=o.max_stale_share,
-                                      in_flight=self.policy.in_flight)
+                                      in_flight=self.policy.in_flight, steps=cfg.run.steps)
             delta = TunedDelta(self.tuner) if len(deltas) > 1 else deltas[0]
+            if len(deltas) > 1 and G == 1:  # the planner predicts Delta from the run's own steps (plan/online.py)
+                self.planner = OnlinePlanner(B, o.max_lag)
+                self.tuner.predictor = self.planner.predict
         self.scheduler = Scheduler(B, o.max_lag if carries else 0, delta, refill=o.refill and carries, group_size=G,
                                    partial_groups=o.partial_groups)
         self.streaming = False  # this step's chunks stream to the scorers (the controller may score one-shot)
@@ -102,12 +108,16 @@ class Run:
         c = self.tuner.current() if isinstance(self.tuner, ChunkSizeTuner) else self.tuner.current().chunk
         return c or None
 
-    def record(self, seconds: float, tokens: float, stale_share: float) -> None:
-        """A step ran with the controller's setting: its time, trained tokens and off-policy share."""
+    def record(self, seconds: float, tokens: float, stale_share: float, metrics: dict | None = None) -> None:
+        """A step ran with the controller's setting: its time, trained tokens and off-policy share
+        (and its ``metrics``, whose stage times the planner learns from)."""
         if isinstance(self.tuner, ChunkSizeTuner):
             self.tuner.record(seconds)
-        else:
-            self.tuner.record(seconds, tokens, stale_share)
+            return
+        if self.planner is not None and metrics is not None:
+            self.planner.observe(self.tuner.current(), seconds, self.trained_lengths,
+                                 metrics.get("perf/decode_steps", 0.0), metrics.get("time/generate", 0.0))
+        self.tuner.record(seconds, tokens, stale_share)
 
     def take_decisions(self) -> list[str]:
         """The overlap controller's decisions since the last call, one line each with its reason."""
@@ -482,6 +492,7 @@ def refresh_kv(run: Run, version: int) -> None:
 
 def overlap_stats(run: Run, close, exp: Experience, chunk: int | None) -> dict[str, float]:
     trained = set(close.uids)
+    run.trained_lengths = [len(r.response_ids) for r in exp.rollouts]
     # the carried rows' progress is the backend's (one read of its records); none carried: no call
     untrained = run.untrained() if set(run.rollouts) - trained else {}
     return {

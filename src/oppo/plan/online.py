@@ -1,0 +1,133 @@
+"""The planner inside a run: from the run's own first steps, predict each overlap setting's cost
+per trained token and stale share, so that the controller (``oppo.tuner``) measures only the
+candidates worth a trial.
+
+Pure Python (no torch, no numpy). What it learns from each step (:meth:`OnlinePlanner.observe`):
+the trained response lengths (the tail's shape), the decode loop's seconds and its number of
+lock-step decode steps (a decode step costs ``a + b * rows``), and the rest of the step (scoring
+after the close, the update, book-keeping) per trained token, per chunk setting. What it predicts
+(:meth:`OnlinePlanner.predict`): a replay of the scheduler's carrying with ``B + Delta`` rows in
+flight, lengths redrawn from those measured (fixed seed): a step closes when ``B`` rows have
+finished or a row carried ``max_lag`` times finishes, so its decode steps are the ``B``-th
+smallest remaining length (at Delta 0: the longest); carried tokens sampled in an earlier step
+are stale.
+
+What it does not know, and so does not guess: a chunk setting it has not seen run (whether
+streaming pays depends on whether the scorers share the actor's hardware: measured, not
+predicted), and groups (``algo.group_size > 1``). The split of a decode step's cost between the
+step (``a``) and its rows (``b``) is fitted once two row counts have run; before that it assumes
+half of the cost is per row (the middle of a CPU's per-call-bound and a GPU's per-row-bound
+decode). The controller uses only ratios of two predictions, so a bias common to both cancels.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections import deque
+
+from ..tuner import Prediction, Setting
+
+__all__ = ["OnlinePlanner", "replay_carry"]
+
+
+def replay_carry(lengths: list[int], batch: int, delta: int, max_lag: int = 1, steps: int = 24,
+                 warmup: int = 4, seed: int = 0) -> tuple[float, float, float, float]:
+    """Replay ``steps`` steps of oppo's scheduler (``oppo.scheduler.admission``, groups of one) with
+    each admitted row's length drawn from ``lengths``: admit until ``batch + delta`` rows are
+    untrained; decode in lock step until ``batch`` rows are finished (those that finished in an
+    earlier step and wait count) and no row carried ``max_lag`` times is still running; train the
+    ``batch`` oldest finished. Returns, per step after ``warmup``: decode steps, row-steps (rows
+    decoding, summed over the decode steps), trained tokens; and the stale share of trained tokens
+    (sampled before the step that trains them)."""
+    rng = random.Random(seed)
+    rows: list[list[int]] = []  # [remaining (0: finished, waiting), start step, length, finish order]
+    d_sum = rs_sum = tok_sum = stale_sum = 0.0
+    order = 0
+    for k in range(steps):
+        while len(rows) < batch + delta:
+            n = max(1, rng.choice(lengths))
+            rows.append([n, k, n, 0])
+        done = sum(1 for r in rows if r[0] == 0)
+        rem = sorted(r[0] for r in rows if r[0] > 0)
+        need = batch - done
+        close = rem[min(need, len(rem)) - 1] if need > 0 and rem else 0
+        due = [r[0] for r in rows if r[0] > 0 and k - r[1] >= max_lag]
+        close = max([close, *due])
+        rs = 0
+        before = {id(r): r[2] - r[0] for r in rows}  # tokens each row had sampled before this step
+        for r in sorted((r for r in rows if r[0] > 0), key=lambda r: r[0]):
+            step_tokens = min(r[0], close)
+            rs += step_tokens
+            if r[0] <= close:
+                order += 1
+                r[0], r[3] = 0, order
+            else:
+                r[0] -= close
+        finished = sorted((r for r in rows if r[0] == 0), key=lambda r: (r[1], r[3]))[:batch]
+        if k >= warmup:
+            d_sum, rs_sum = d_sum + close, rs_sum + rs
+            tok_sum += sum(r[2] for r in finished)
+            stale_sum += sum(before[id(r)] for r in finished)
+        picked = {id(r) for r in finished}
+        rows = [r for r in rows if id(r) not in picked]
+    n = steps - warmup
+    return d_sum / n, rs_sum / n, tok_sum / n, (stale_sum / tok_sum if tok_sum else 0.0)
+
+
+class OnlinePlanner:
+    """Predicts a setting's cost per trained token and stale share from the run's own steps
+    (module docstring). ``batch``: sequences trained per step (B); ``max_lag``: overlap.max_lag."""
+
+    def __init__(self, batch: int, max_lag: int = 1, window: int = 8) -> None:
+        if batch < 1 or max_lag < 0 or window < 1:
+            raise ValueError(f"batch and window must be >= 1 and max_lag >= 0, got {batch}, {max_lag}, {window}")
+        self.batch, self.max_lag = batch, max_lag
+        self.lengths: deque[list[int]] = deque(maxlen=window)  # the last steps' trained lengths
+        self.decode: deque[tuple[int, float]] = deque(maxlen=4 * window)  # (Delta, seconds per decode step)
+        self.rest: dict[int, deque[float]] = {}  # chunk -> seconds per trained token outside decoding
+        self._cache: dict[Setting, Prediction | None] = {}
+
+    def observe(self, setting: Setting, seconds: float, lengths: list[int], decode_steps: float,
+                generate_s: float) -> None:
+        """One step ran with ``setting``: its seconds, trained response lengths, lock-step decode steps
+        and seconds in the decode loop."""
+        if not lengths or decode_steps <= 0 or generate_s <= 0 or seconds < generate_s:
+            return  # nothing to learn from (a step with no decoding: everything was carried in)
+        self.lengths.append([int(n) for n in lengths])
+        self.decode.append((setting.delta, generate_s / decode_steps))
+        self.rest.setdefault(setting.chunk, deque(maxlen=self.lengths.maxlen)).append(
+            (seconds - generate_s) / sum(lengths))
+        self._cache.clear()
+
+    def _replay(self, delta: int) -> tuple[float, float, float, float]:
+        return replay_carry([n for step in self.lengths for n in step], self.batch, delta, self.max_lag)
+
+    def _rows(self, delta: int) -> float:
+        """Rows decoding in a mean decode step at ``delta`` (fewer than B + Delta: rows finish)."""
+        d, rs, _, _ = self._replay(delta)
+        return rs / d if d else float(self.batch + delta)
+
+    def _decode_cost(self) -> tuple[float, float]:
+        """(a, b): seconds per decode step = a + b * rows; least squares once two row counts ran."""
+        rows = {d: self._rows(d) for d in {d for d, _ in self.decode}}
+        xs = [rows[d] for d, _ in self.decode]
+        ys = [c for _, c in self.decode]
+        if len(set(xs)) >= 2:
+            mx, my = statistics.fmean(xs), statistics.fmean(ys)
+            b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+            b = max(b, 0.0)
+            return max(my - b * mx, 0.0), b
+        c = statistics.median(ys)
+        return c / 2, c / 2 / xs[0]  # half of it per row until a second row count has run (docstring)
+
+    def predict(self, s: Setting) -> Prediction | None:
+        if s in self._cache:
+            return self._cache[s]
+        out = None
+        if self.decode and s.chunk in self.rest:
+            d, rs, tok, stale = self._replay(s.delta)
+            a, b = self._decode_cost()
+            out = Prediction((a * d + b * rs) / tok + statistics.median(self.rest[s.chunk]), stale)
+        self._cache[s] = out
+        return out
