@@ -446,11 +446,11 @@ def input_problems(cfg: Config, inputs: Inputs | None = None) -> list[str]:
                else f"no network: {hub_endpoint()} cannot be reached")
         for key, name in missing:
             problems.append(f"{key}={name!r} is a hub name that is not in the local Hugging Face cache, and {why}. "
-                            f"Download it where there is network (huggingface-cli download {name}) or give a "
-                            f"local directory.")
+                            f"Download it where there is network (hf download {name} --local-dir DIR) and give "
+                            f"the local directory: {key}=/local/dir.")
         if hub_dataset:
             problems.append(f"data.prompts={cfg.data.prompts!r} is not a local file, so it would be a hub dataset, "
-                            f"and {why}. Give a local JSONL file.")
+                            f"and {why}. Give a local JSONL file (data.prompts=/local/prompts.jsonl).")
     elif hub_names and not missing and not hub_reachable():
         go_offline()  # every hub model is cached: load from the cache without retrying the network
     return problems
