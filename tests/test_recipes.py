@@ -121,3 +121,42 @@ def test_recipe_trains_a_step_on_stand_ins(name, tiny_models, tmp_path):
     print(f"recipe {name}: load + 1 step {time.perf_counter() - t0:.1f}s")
     assert trainer.step == 1
     assert math.isfinite(metrics["reward/mean"]) and math.isfinite(metrics["loss/policy"])
+
+
+def test_print_config_prints_the_resolved_settings_as_a_config_file(tmp_path, capsys, nothing_loads):
+    """--print-config: the recipe, then --config, then the overrides, as a YAML file that --config
+    takes back to the same settings; nothing is trained."""
+    user = tmp_path / "mine.yaml"
+    user.write_text("ppo:\n  epochs: 2\n")
+    assert cli.main(["train", "--recipe", "tldr", "--config", str(user), "ppo.actor_lr=2e-6", "--print-config"]) == 0
+    printed = capsys.readouterr().out
+    d = yaml.safe_load(printed)
+    assert d["policy"]["path"] == "cleanrl/EleutherAI_pythia-1b-deduped__sft__tldr"  # the recipe
+    assert d["ppo"]["epochs"] == 2 and d["ppo"]["actor_lr"] == 2e-6  # the file, the command line
+    assert d["generation"]["max_new_tokens"] == 53
+    again = tmp_path / "printed.yaml"
+    again.write_text(printed)
+    from oppo.config import to_dict
+
+    assert to_dict(oppo.load_config(again)) == to_dict(oppo.load_config(user, ["ppo.actor_lr=2e-6"], recipe="tldr"))
+    assert not (tmp_path / "runs").exists()
+
+
+def test_recipe_help_shows_the_recipes_values(capsys):
+    """oppo train --recipe X --help: each setting with the recipe's value, marked where it is not the
+    default; without --recipe, the defaults, unmarked."""
+    recipe = oppo.load_config(recipe="hh")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", "--recipe", "hh", "--help"])
+    assert e.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    line = next(l for l in lines if l.strip().startswith("policy.path ="))
+    assert repr(recipe.policy.path) in line and "<- recipe 'hh'" in line and "default: None" in line
+    line = next(l for l in lines if l.strip().startswith("ppo.epochs ="))
+    assert f"= {recipe.ppo.epochs}" in line and "<- recipe 'hh'" in line
+    line = next(l for l in lines if l.strip().startswith("ppo.clip_eps ="))  # not set by the recipe
+    assert "<-" not in line
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    plain = capsys.readouterr().out
+    assert "<- recipe" not in plain and "policy.path = (empty)" in plain

@@ -11,12 +11,22 @@ from .config import ConfigError, help_text, load_config
 
 def _train(argv: list[str]) -> int:
     """PPO on your models, or on the built-in task (prepared on first use); progress, then a summary."""
+    shown, source = None, ""
+    if {"-h", "--help"} & set(argv):  # the settings' help shows the values of the recipe / --config given
+        first = argparse.ArgumentParser(add_help=False)
+        first.add_argument("--recipe")
+        first.add_argument("--config")
+        known = first.parse_known_args(argv)[0]
+        if (known.recipe and known.recipe != "list") or known.config:
+            shown = load_config(known.config, recipe=known.recipe if known.recipe != "list" else None)
+            source = " and ".join(s for s in (known.recipe and f"recipe {known.recipe!r}",
+                                              known.config and f"config {known.config}") if s)
     p = argparse.ArgumentParser(
         prog="oppo train", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="PPO-based RLHF. With no models named, trains on the built-in task (prepared on first use).\n"
                     "Each run gets its own directory, runs/<date>-<time>-<mode>/, and runs/latest points to the\n"
                     "newest; with run.out_dir=DIR the run directory is DIR, which must not hold another run.",
-        epilog=help_text())
+        epilog=help_text(shown, source))
     p.add_argument("--recipe", help="Start from a shipped recipe (a config for a known public setup: models, data, "
                                     "sizes); --config and section.key=value apply on top. 'list' (or `oppo recipes`) "
                                     "lists them.")
@@ -24,11 +34,21 @@ def _train(argv: list[str]) -> int:
     p.add_argument("--resume", help="Continue a run: 'auto' for the latest checkpoint of run.out_dir (with the "
                                     "default, the newest run), or a checkpoint or run directory. The settings must "
                                     "be the checkpoint's, and run.steps beyond its step.")
+    p.add_argument("--print-config", action="store_true",
+                   help="Print the settings this command line resolves to (the recipe, then --config, then the "
+                        "overrides, and the built-in task's preset) as a YAML file --config takes, and exit.")
     p.add_argument("overrides", nargs="*", help="section.key=value settings, applied after --config.")
     args = p.parse_intermixed_args(argv)  # settings may come before and after --resume / --config
     if args.recipe == "list":
         return _recipes([])
     cfg = load_config(args.config, args.overrides, recipe=args.recipe)  # validation here, before any model loads
+    if args.print_config:
+        import yaml
+
+        from .config import to_dict
+
+        print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+        return 0
     from .run import train
 
     train(cfg, resume=args.resume)  # (it prints the run's summary: done, reward, run directory)
