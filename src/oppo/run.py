@@ -306,6 +306,8 @@ def _objects_comment(cfg: Config, inputs: Inputs) -> str:
             role = {"reward_model": "reward"}.get(kw, kw)
             where = f"; saved to {inputs.saved[role]}" if role in inputs.saved else ""
             lines.append(f"# {key}: given from Python as an object ({kw}=){where}\n")
+    lines += [f"# reward.terms term {name!r}: given from Python as a callable (cfg.reward.terms)\n"
+              for name in inputs.reward_terms]
     if inputs.tokenizer is not None:
         lines.append("# the policy's tokenizer: given from Python as an object (tokenizer=); saved with every "
                      "checkpoint's policy\n")
@@ -497,7 +499,8 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True, *, poli
     # the entries of an existing run directory before this run (None: this run makes it), so that a
     # run failing before its first step removes only what it wrote
     found = set(plan.run_dir.iterdir()) if plan.run_dir.is_dir() else None
-    trainer = Trainer(cfg, progress=progress, save_dir=plan.run_dir / INPUTS_DIR, **objects)
+    trainer = Trainer(cfg, progress=progress, save_dir=plan.run_dir / INPUTS_DIR, reward_terms=inputs.reward_terms,
+                      **objects)
     if progress:
         print(f"models loaded in {time.perf_counter() - t_load:.1f}s", file=sys.stderr)
     try:

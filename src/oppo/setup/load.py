@@ -43,7 +43,7 @@ def load_models(cfg: Config, inputs: Inputs, run: Resolved) -> Models:
     score_fn = _function(inputs.reward_fn, paths.reward_function, "reward.function")
     judge = _function(inputs.judge, paths.judge, "reward.judge")
     accuracy = _function(None, paths.accuracy, "task accuracy")
-    terms, term_fns = composite_functions(cfg.reward) if cfg.reward.terms else (None, {})
+    terms, term_fns = composite_functions(cfg.reward, inputs.reward_terms) if cfg.reward.terms else (None, {})
     asking = {k: f for k, f in (("reward.function", score_fn), ("reward.judge", judge),
                                 ("task accuracy", accuracy)) if f is not None}
     asking.update({f"reward.terms term {name!r}": f.fn for name, f in term_fns.items()})
