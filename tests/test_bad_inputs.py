@@ -519,3 +519,33 @@ def test_a_failed_run_says_what_it_kept_and_how_to_go_on(tiny_models, tiny_promp
     assert ckpt is not None and ckpt.name == "step_000001"
     assert f"the run failed in step 1; its last checkpoint is {ckpt} (step 1)" in err
     assert f"oppo.train(cfg, resume={str(out)!r}, ...) with the same settings and objects" in err
+
+
+# --------------------------------------------------------------------------- GPT-2: dropout, a short context
+
+def _gpt2(tiny_models, n_positions: int = 64):
+    """A tiny GPT-2 (absolute position embeddings, dropout 0.1 as GPT-2's config has it), in train
+    mode as a user's freshly built model is, and the tiny tokenizer."""
+    import torch
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    tok = AutoTokenizer.from_pretrained(tiny_models["policy"])
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_positions=n_positions, n_embd=16, n_layer=1, n_head=2,
+                                       pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                                       bos_token_id=tok.eos_token_id))
+    assert model.training and model.config.resid_pdrop > 0
+    return model.train(), tok
+
+
+def test_gpt2_policy_object_with_dropout_trains(tiny_models, tmp_path):
+    """A GPT-2 policy given as an object (train mode, dropout on), the critic made from it: trained,
+    not refused as "not causal" because two probe forwards differed by their dropout masks."""
+    policy, tok = _gpt2(tiny_models)
+    cfg = load_config(None, [*TINY, "run.steps=1", f"run.out_dir={tmp_path / 'run'}"])
+    with Trainer(cfg, progress=False, policy=policy, tokenizer=tok, prompts=["the film was", "a day", "i liked it"],
+                 reward_fn=lambda prompts, responses: [float(len(r)) for r in responses]) as trainer:
+        metrics = trainer.run_step()
+        assert trainer.roles.critic is not None and not trainer.roles.critic.training
+    assert math.isfinite(metrics["loss/policy"]) and math.isfinite(metrics["loss/value"])
+

@@ -494,8 +494,19 @@ def verify_model(model, role: str, pad_token_id: int | None = None) -> None:
     - head: ``head(backbone(x))`` equals ``model(x).logits`` (a causal LM's logits at every
       position; a sequence classifier's score at the last token, which is what HF pools when
       there is no padding).
-    Costs one forward of 8 tokens per role. Raises ModelLoadError naming the fix.
+    Costs one forward of 8 tokens per role. Raises ModelLoadError naming the fix. The probe runs in
+    eval mode (a model made or given in train mode would differ by its dropout masks, not by what
+    it attends to); the model's mode is restored.
     """
+    was_training = model.training
+    model.eval()
+    try:
+        _verify(model, role, pad_token_id)
+    finally:
+        model.train(was_training)
+
+
+def _verify(model, role: str, pad_token_id: int | None) -> None:
     params = [(n, p) for n, p in model.named_parameters() if p.is_floating_point()]
     finite = torch.stack([torch.isfinite(p).all() for _, p in params]).tolist() if params else []
     bad = [n for (n, _), ok in zip(params, finite) if not ok]
