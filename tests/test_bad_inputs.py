@@ -549,3 +549,33 @@ def test_gpt2_policy_object_with_dropout_trains(tiny_models, tmp_path):
         assert trainer.roles.critic is not None and not trainer.roles.critic.training
     assert math.isfinite(metrics["loss/policy"]) and math.isfinite(metrics["loss/value"])
 
+
+def test_prompts_longer_than_the_context_are_named_before_the_weights_load(tiny_models, tmp_path, monkeypatch):
+    """Prompt + response longer than a model's positions (GPT-2's n_positions): one error naming
+    the model, the lengths and the settings that fix it, before any weights load; not an IndexError
+    from the position embedding mid-step."""
+    policy, tok = _gpt2(tiny_models, n_positions=12)
+    policy.save_pretrained(tmp_path / "gpt2")
+    tok.save_pretrained(tmp_path / "gpt2")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "the film was very good and the book was quite fine"}) + "\n"
+                       + json.dumps({"prompt": "a day"}) + "\n")
+    loaded = []
+    monkeypatch.setattr(oppo.setup.load, "load_causal_lm", lambda *a, **k: loaded.append(a) or 1 / 0)
+    cfg = load_config(None, [*TINY, f"policy.path={tmp_path / 'gpt2'}", f"data.prompts={prompts}",
+                             "reward.function=oppo.rewards:format_reward", "generation.max_new_tokens=6",
+                             f"run.out_dir={tmp_path / 'run'}"])
+    with pytest.raises(ModelLoadError) as info:
+        Trainer(cfg, progress=False)
+    msg = str(info.value)
+    assert not loaded
+    assert "policy (policy.path)" in msg and "at most 12 positions" in msg and "is 11 tokens" in msg
+    assert "generation.max_new_tokens=6 adds 6: 17 positions" in msg
+    assert "data.max_prompt_tokens=6" in msg and "generation.max_new_tokens" in msg
+    # within the context: it trains (the longest prompt cut to 6 tokens, 6 + 6 = 12)
+    monkeypatch.undo()
+    cfg = load_config(None, [*TINY, f"policy.path={tmp_path / 'gpt2'}", f"data.prompts={prompts}", "run.steps=1",
+                             "reward.function=oppo.rewards:format_reward", "generation.max_new_tokens=6",
+                             "data.max_prompt_tokens=6", f"run.out_dir={tmp_path / 'run2'}"])
+    with Trainer(cfg, progress=False) as trainer:
+        assert math.isfinite(trainer.run_step()["loss/policy"])

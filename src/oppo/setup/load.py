@@ -21,9 +21,9 @@ from ..data import ALL_COLUMNS, DataError, build_prompt_set, read_records, recor
 from ..forward import set_packing
 from ..inputs import Inputs
 from ..marker import is_marker
-from ..models import (apply_lora, base_view, check_roles, critic_from_object, enable_gradient_checkpointing,
-                      is_causal_lm_checkpoint, load_causal_lm, load_critic, load_function, load_reward_model,
-                      load_tokenizer, prepare_model,
+from ..models import (ModelLoadError, apply_lora, base_view, check_roles, context_problem, critic_from_object,
+                      enable_gradient_checkpointing, is_causal_lm_checkpoint, load_causal_lm, load_critic,
+                      load_function, load_model_config, load_reward_model, load_tokenizer, prepare_model,
                       reward_function, stop_token_ids, tokenizer_from_object)
 from ..rollout import registry
 from ..scoring.composite import CompositeReward, check_model_terms, composite_functions, load_model_terms
@@ -48,6 +48,7 @@ def load_models(cfg: Config, inputs: Inputs, run: Resolved) -> Models:
                                 ("task accuracy", accuracy)) if f is not None}
     asking.update({f"reward.terms term {name!r}": f.fn for name, f in term_fns.items()})
     prompt_set = _prompt_set(cfg, inputs, paths.prompts, tok, asking)
+    _check_context(cfg, inputs, run, prompt_set, terms)  # (configs only: before any weights load)
     # every role's config and tokenizer, before any weights load (fast; names the fix)
     critic_source = run.critic_source
     objects = {role: m for role in ("reward", "reference") if (m := inputs.model(role)) is not None}
@@ -138,6 +139,30 @@ def load_models(cfg: Config, inputs: Inputs, run: Resolved) -> Models:
                   reward_fn=reward_fn, judge_fn=KeywordCall(judge) if judge is not None else None,
                   accuracy_fn=KeywordCall(accuracy) if accuracy is not None else None, composite=composite,
                   extra_reward_models=extra_rms, recompute_old=recompute, tracer=Tracer(enabled=cfg.log.trace))
+
+
+def _check_context(cfg: Config, inputs: Inputs, run: Resolved, prompt_set, terms) -> None:
+    """Raise ModelLoadError when the longest prompt and its response do not fit a model's positions
+    (``models.context_problem``), reading each role's config (an object's, else its directory's)."""
+    paths = run.paths
+    sources = {"policy (policy.path)": inputs.policy if inputs.policy is not None else paths.policy,
+               "reference (reference.path)": inputs.reference if inputs.reference is not None else paths.reference,
+               "critic": inputs.model(run.critic_source) if paths.critic and inputs.model(run.critic_source) is not None
+               else paths.critic,
+               "reward (reward.path)": inputs.reward_model if inputs.reward_model is not None else paths.reward}
+    sources.update({f"reward term {t.name!r}": t.path for t in terms or [] if t.path is not None})
+    configs = {}
+    for who, src in sources.items():
+        if src is None or (isinstance(src, str) and is_marker(src)):
+            continue
+        try:
+            configs[who] = src.config if hasattr(src, "config") else load_model_config(
+                src, who.split()[0], trust_remote_code=cfg.policy.trust_remote_code)
+        except ModelLoadError:
+            continue  # (check_roles names a config it cannot read)
+    problem = context_problem([len(ids) for ids in prompt_set.ids], paths.max_new_tokens, configs, prompt_set.texts)
+    if problem:
+        raise ModelLoadError(problem)
 
 
 def _function(obj: Callable | None, spec: str | None, key: str) -> Callable | None:
