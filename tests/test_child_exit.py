@@ -124,3 +124,40 @@ def test_scorer_child_of_a_thread_that_ended_exits_when_parent_is_killed(tiny_mo
         if parent.poll() is None:
             parent.kill()
             parent.wait()
+
+
+def test_a_killed_scorer_child_is_named_with_its_pid_and_signal(monkeypatch, capsys):
+    """The controller waiting on a scorer child that was killed: one error naming the process, its
+    roles, pid and signal; the CLI prints it on one line (the run's resume line comes from
+    run.train), not a traceback ending in 'scorer process died'."""
+    import multiprocessing as mp
+
+    import oppo.run
+    from oppo import cli
+    from oppo.scoring import worker
+
+    ctx = mp.get_context("fork")
+    proc = ctx.Process(target=time.sleep, args=(60,), daemon=True)
+    proc.start()
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(5)
+    transport = worker._ProcessTransport.__new__(worker._ProcessTransport)  # (its child: the process just killed)
+    transport.proc, transport.out, transport.boost = proc, ctx.Queue(), ctx.Value("b", 0, lock=False)
+    transport.forked, transport.name, transport.start_method = False, "scorer", "forkserver"
+    transport.roles = ("reward", "reference", "critic")
+    with pytest.raises(worker.ScorerDied) as info:
+        transport.wait_reply()
+    msg = str(info.value)
+    assert f"pid {proc.pid}" in msg and "killed by SIGKILL" in msg
+    assert "the scorer process" in msg and "reward, reference and critic scorers" in msg
+
+    def failing_train(cfg, resume=None):
+        raise info.value
+
+    monkeypatch.setattr(oppo.run, "train", failing_train)
+    assert cli.main(["train", "run.steps=1"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"oppo: error: {msg}"]
+    # a child that exited with an error (e.g. a script re-run at its top level) is named so, with the fix
+    said = worker.death_message("scorer", ("reward",), 7, 1, "forkserver")
+    assert "exited with status 1" in said and "if __name__ == '__main__':" in said and "the reward scorer)" in said

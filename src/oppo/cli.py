@@ -205,11 +205,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"oppo: error: {e}", file=sys.stderr)
         return 2
     except Exception as e:
-        found = non_finite(e)
+        found = non_finite(e) or _child_died(e)
         if found is None:
             raise
-        print(f"oppo: error: {found}", file=sys.stderr)
+        print(f"oppo: error: {found}", file=sys.stderr)  # (a run's resume line is printed by run.train)
         return 1
+
+
+def _child_died(e: BaseException):
+    """``e`` if a child process of the run died (the scorer process, vLLM's engine): its message
+    names the process, its pid and signal; the CLI prints it, not a traceback."""
+    for module, name in (("oppo.scoring.worker", "ScorerDied"), ("oppo.rollout.vllm.checks", "VLLMEngineDied")):
+        mod = sys.modules.get(module)  # (not imported: e cannot be one)
+        if mod is not None and isinstance(e, getattr(mod, name)):
+            return e
+    return None
 
 
 def non_finite(e: BaseException):
