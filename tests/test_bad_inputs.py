@@ -519,6 +519,13 @@ def test_a_failed_run_says_what_it_kept_and_how_to_go_on(tiny_models, tiny_promp
     assert ckpt is not None and ckpt.name == "step_000001"
     assert f"the run failed in step 1; its last checkpoint is {ckpt} (step 1)" in err
     assert f"oppo.train(cfg, resume={str(out)!r}, ...) with the same settings and objects" in err
+    # the directory records the failure, for whoever finds it later; a resume that goes on removes it
+    failure = (out / "failure.txt").read_text().splitlines()
+    assert failure[0].startswith("failed at ") and "RewardFunctionError: " in failure[0] and "scorer down" in failure[0]
+    assert failure[1].startswith(f"the run failed in step 1; its last checkpoint is {ckpt}")
+    calls.clear()
+    oppo.train(cfg, resume="auto", reward_fn=fails_at_call(100))  # (the same function: its marker matches)
+    assert not (out / "failure.txt").exists() and latest_checkpoint(out).name == "step_000003"
 
 
 # --------------------------------------------------------------------------- GPT-2: dropout, a short context
