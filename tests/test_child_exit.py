@@ -161,3 +161,35 @@ def test_a_killed_scorer_child_is_named_with_its_pid_and_signal(monkeypatch, cap
     # a child that exited with an error (e.g. a script re-run at its top level) is named so, with the fix
     said = worker.death_message("scorer", ("reward",), 7, 1, "forkserver")
     assert "exited with status 1" in said and "if __name__ == '__main__':" in said and "the reward scorer)" in said
+
+
+def _echo(q, out):
+    while (msg := q.get()) is not None:
+        out.put(("reply", msg))
+
+
+def test_the_scorer_queues_leave_no_semaphore_behind(tmp_path):
+    """Once the child has answered, the queues' named semaphores (/dev/shm/sem.mp-*) are unlinked:
+    a kill -9 of the process group (the resource tracker with it) leaves none; the queues still work."""
+    from oppo.scoring import worker
+
+    ctx = worker.start_method()
+    q, out = ctx.Queue(), ctx.Queue()
+    names = [lk._semlock.name for qu in (q, out) for lk in (qu._rlock, qu._wlock, qu._sem) if lk is not None]
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or not any((shm / f"sem.{n.lstrip('/')}").exists() for n in names):
+        pytest.skip("this platform keeps no named semaphores in /dev/shm")
+    proc = ctx.Process(target=_echo, args=(q, out), daemon=True)
+    proc.start()
+    transport = worker._ProcessTransport.__new__(worker._ProcessTransport)  # (its child: the echo process)
+    transport.proc, transport.q, transport.out = proc, q, out
+    transport.boost, transport.forked = ctx.Value("b", 0, lock=False), False
+    try:
+        q.put(1)
+        assert transport.wait_reply() == 1
+        assert not [n for n in names if (shm / f"sem.{n.lstrip('/')}").exists()]
+        q.put(2)
+        assert transport.wait_reply() == 2  # the queues work on
+    finally:
+        q.put(None)
+        proc.join(10)

@@ -59,6 +59,26 @@ def death_message(name: str, roles, pid: int | None, exitcode: int | None, start
     return f"the {name} process (pid {pid}: the {shown} scorer{'s' if len(roles) > 1 else ''}) died: {how}"
 
 
+def unlink_semaphores(*queues) -> bool:
+    """Remove the names of ``queues``' POSIX semaphores (``/dev/shm/sem.mp-*``) once both processes
+    hold them open: they keep working, and nothing is left behind when a kill -9 of the process
+    group also takes multiprocessing's resource tracker, which would unlink them at exit."""
+    from multiprocessing import synchronize, util
+
+    names = {getattr(getattr(getattr(q, attr, None), "_semlock", None), "name", None)
+             for q in queues for attr in ("_rlock", "_wlock", "_sem")} - {None}
+    # each name's own clean-up, run now (sem_unlink, then the resource tracker forgets it): the
+    # finaliser multiprocessing registered for it at exit or collection (a fork start has none)
+    for f in list(getattr(util, "_finalizer_registry", {}).values()):
+        if getattr(f, "_callback", None) is synchronize.SemLock._cleanup and (getattr(f, "_args", None) or
+                                                                               (None,))[0] in names:
+            try:
+                f()
+            except OSError:
+                pass  # (unlinked already)
+    return True
+
+
 @dataclass(frozen=True)
 class AdmitMsg:
     uids: tuple[int, ...]
@@ -305,6 +325,8 @@ class _ProcessTransport:
                     cause = payload if isinstance(payload, BaseException) else None
                     raise RuntimeError(f"scorer process failed: {payload!r}" if cause else
                                        f"scorer process failed: {payload}") from cause
+                if not getattr(self, "unlinked", False):  # the child has opened the queues' semaphores: unlink
+                    self.unlinked = unlink_semaphores(self.q, self.out)  # (kill -9 of the group leaves none)
                 return payload
         finally:
             self.boost.value = 0
