@@ -554,6 +554,9 @@ def test_gpt2_policy_object_with_dropout_trains(tiny_models, tmp_path):
                  reward_fn=lambda prompts, responses: [float(len(r)) for r in responses]) as trainer:
         metrics = trainer.run_step()
         assert trainer.roles.critic is not None and not trainer.roles.critic.training
+        from oppo.setup.load import ByRecord
+
+        assert isinstance(trainer.roles.reward_fn, ByRecord)  # (errors name records: the test below)
     assert math.isfinite(metrics["loss/policy"]) and math.isfinite(metrics["loss/value"])
 
 
@@ -586,3 +589,25 @@ def test_prompts_longer_than_the_context_are_named_before_the_weights_load(tiny_
                              "data.max_prompt_tokens=6", f"run.out_dir={tmp_path / 'run2'}"])
     with Trainer(cfg, progress=False) as trainer:
         assert math.isfinite(trainer.run_step()["loss/policy"])
+
+
+def test_reward_errors_name_the_prompts_records_not_stream_positions(tiny_models):
+    """After an epoch the data positions run past the set's end, and a skipped prompt shifts every
+    later one: the error names each prompt's record in the data as given (0-based, as the data
+    errors do)."""
+    from oppo.config import DataConfig
+    from oppo.scoring.streaming import RewardFunctionError
+    from oppo.setup.load import ByRecord
+
+    tok = load_tokenizer(str(tiny_models["policy"]))
+    ps = build_prompt_set(["the film", "", "a day", "i liked it"], tok, DataConfig(shuffle=False), seed=0)
+    assert ps.skipped == 1 and len(ps) == 3
+    assert ps.record_numbers([0, 1, 2, 3, 5]) == [0, 2, 3, 0, 3]  # (position 5: the second epoch's last)
+
+    def broken(prompts, responses):
+        raise KeyError("answer")
+
+    fn = ByRecord(RewardFunction(broken, "mod:broken"), ps)
+    with pytest.raises(RewardFunctionError, match=r"at step 4, on a batch of 2 responses to prompts 3, 0 of the "
+                                                  r"prompt set \(the first prompt: 'i liked it'\)"):
+        fn(["i liked it", "the film"], ["x", "y"], step=4, indices=[5, 3])

@@ -78,12 +78,13 @@ def load_models(cfg: Config, inputs: Inputs, run: Resolved) -> Models:
         check_model_terms(terms, tok)
         rms = load_model_terms(terms, run.devices["reward"], dtype, pad_id)
         reward_model = rms.pop("reward", None)
+        term_fns = {name: ByRecord(f, prompt_set) for name, f in term_fns.items()}
         extra_rms, composite = rms, CompositeReward(terms, term_fns)
     elif score_fn is not None:
         assert paths.reward_function is not None  # (a function given as an object has its marker there)
         name = describe(score_fn) if is_marker(paths.reward_function) else paths.reward_function
-        reward_fn = RewardFunction(reward_function(score_fn, name), name, retries=cfg.reward.retries,
-                                   backoff_s=cfg.reward.retry_backoff_s)
+        reward_fn = ByRecord(RewardFunction(reward_function(score_fn, name), name, retries=cfg.reward.retries,
+                                            backoff_s=cfg.reward.retry_backoff_s), prompt_set)
     else:
         assert paths.reward is not None, "resolve_paths gives a reward model where no function scores"
         reward_dev = run.devices["reward"]
@@ -139,6 +140,20 @@ def load_models(cfg: Config, inputs: Inputs, run: Resolved) -> Models:
                   reward_fn=reward_fn, judge_fn=KeywordCall(judge) if judge is not None else None,
                   accuracy_fn=KeywordCall(accuracy) if accuracy is not None else None, composite=composite,
                   extra_reward_models=extra_rms, recompute_old=recompute, tracer=Tracer(enabled=cfg.log.trace))
+
+
+class ByRecord(RewardFunction):
+    """A reward function whose errors name each prompt's record in the prompt set (its line of a
+    JSONL file, its row of a data set: ``data.PromptSet.record_numbers``), not the data-stream
+    position the controller passes as ``indices`` (past the set's end after an epoch)."""
+
+    def __init__(self, fn: RewardFunction, prompt_set):
+        self.__dict__.update(fn.__dict__)
+        self.prompt_set = prompt_set
+
+    def __call__(self, prompts, responses, step=None, indices=None, context=None):
+        records = None if indices is None else self.prompt_set.record_numbers(indices)
+        return super().__call__(prompts, responses, step, records, context)
 
 
 def _check_context(cfg: Config, inputs: Inputs, run: Resolved, prompt_set, terms) -> None:
