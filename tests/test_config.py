@@ -469,3 +469,12 @@ def test_from_trl_doc_holds_the_code_table_and_every_key_exists():
                "eval_dataset optimizers callbacks peft_config").split()
     assert sorted(t.name for t in from_trl.TABLE if t.where == "PPOConfig") == sorted(asked)
     assert sorted(t.name for t in from_trl.TABLE if t.where == "PPOTrainer") == sorted(trainer)
+
+
+def test_trl_learning_rate_sets_both_learning_rates():
+    """TRL's learning_rate trains the policy and the value model with one optimizer: the message
+    gives both oppo settings, with the user's value, not one to pick."""
+    for key in ("learning_rate", "ppo.learning_rate"):
+        msg = _error([f"{key}=1e-5"])
+        assert "TRL's learning_rate=1e-5 is ppo.actor_lr=1e-5 and ppo.critic_lr=1e-5, both" in msg
+        assert "Did you mean" not in msg
