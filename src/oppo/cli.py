@@ -205,11 +205,44 @@ def main(argv: list[str] | None = None) -> int:
         print(f"oppo: error: {e}", file=sys.stderr)
         return 2
     except Exception as e:
-        found = non_finite(e) or _child_died(e)
+        found = non_finite(e) or _child_died(e) or broken_companion(e)
         if found is None:
             raise
         print(f"oppo: error: {found}", file=sys.stderr)  # (a run's resume line is printed by run.train)
         return 1
+
+
+COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
+
+
+def broken_companion(e: BaseException) -> str | None:
+    """What to do when ``e`` (an OSError, ImportError or RuntimeError) was raised inside
+    torchvision, torchaudio or torchcodec, which transformers imports when they are installed: a
+    wheel built for another torch (pip took a CUDA torch, or a PyPI torchaudio, beside the CPU
+    build) fails to load its library (``undefined symbol``, ``libnvrtc.so``, ``operator
+    torchvision::nms does not exist``), and everything fails far from the cause. None otherwise."""
+    import traceback
+
+    if not isinstance(e, (OSError, ImportError, RuntimeError)):
+        return None
+    files = [f.filename.replace("\\", "/") for f in traceback.extract_tb(e.__traceback__)]
+    found = next((name for f in reversed(files) for name in COMPANIONS if f"/{name}/" in f), None)
+    if found is None:
+        return None
+    have, index = "the installed torch", "https://download.pytorch.org/whl/cpu"
+    try:
+        import torch
+
+        have = f"torch {torch.__version__}"
+        if torch.version.cuda:
+            index = f"https://download.pytorch.org/whl/cu{torch.version.cuda.replace('.', '')}"
+    except Exception:  # noqa: BLE001 (torch itself may be what is broken)
+        pass
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+    return (f"importing {found} failed ({type(e).__name__}: {first}): transformers imports it when it is installed, "
+            f"and this {found} was built for another torch than {have}. oppo needs neither torchvision nor "
+            f"torchaudio: pip uninstall -y torchvision torchaudio torchcodec; or install the builds that match "
+            f"your torch from {index} (pip install torchvision torchaudio --index-url {index}).")
 
 
 def _child_died(e: BaseException):
