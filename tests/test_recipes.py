@@ -23,6 +23,8 @@ MODEL_KEYS = ("policy.path", "reference.path", "critic.path", "reward.path")
 # column, a tokenizer named in a reward term's arguments): each is trained one step on stand-ins
 # in the test file named here
 TRAINED_ELSEWHERE = {"gsm8k_ppo": "tests/test_rewards.py", "gsm8k_grpo": "tests/test_rewards.py"}
+# recipes whose data set's prompt column holds conversations (lists of messages: TRL's conversational format)
+CONVERSATIONAL = {"hh": "trl-lib/hh-rlhf-helpful-base"}
 
 
 def test_there_are_recipes_and_each_says_what_it_is():
@@ -86,8 +88,13 @@ def _stand_ins(name: str, tiny_models, tmp_path) -> list[str]:
     set_keys = {f"{s}.{k}" for s, v in raw.items() if isinstance(v, dict) for k in v}
     out = [f"{k}={tiny[k]}" for k in MODEL_KEYS if k in set_keys or k == "policy.path"]
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({cfg.data.field: t}) + "\n"
-                               for t in ("the film was", "i liked the book", "a day", "we hated it but")))
+    texts = ("the film was", "i liked the book", "a day", "we hated it but")
+    if name in CONVERSATIONAL:  # the recipe's data set holds conversations: so do its stand-in's prompts
+        rows = [[{"role": "user", "content": t}, {"role": "assistant", "content": "good"},
+                 {"role": "user", "content": "and then"}] for t in texts]
+    else:
+        rows = list(texts)
+    prompts.write_text("".join(json.dumps({cfg.data.field: r}) + "\n" for r in rows))
     g = cfg.group_size
     batch = 2 * g if g > 1 else 4
     out += [f"data.prompts={prompts}", f"ppo.batch_size={batch}", f"ppo.minibatch_size={batch}",
@@ -116,6 +123,10 @@ def test_recipe_trains_a_step_on_stand_ins(name, tiny_models, tmp_path):
     trainer = oppo.Trainer(cfg, progress=False)
     try:
         metrics = trainer.run_step()
+        if name in CONVERSATIONAL:
+            assert recipe.data.prompts == CONVERSATIONAL[name]
+            ps = trainer.roles.prompt_set  # every turn went through the chat template
+            assert ps.templated and all(t.count(" ") >= 3 and "and then" in t for t in ps.texts)
     finally:
         trainer.close()
     print(f"recipe {name}: load + 1 step {time.perf_counter() - t0:.1f}s")
