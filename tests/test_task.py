@@ -372,3 +372,12 @@ def test_prepare_says_its_step_count_and_time_left(monkeypatch, capsys):
     ticks.clear()
     models.sample(model, [[BOS_ID, 5]] * 5, max_new_tokens=2, batch_size=2, seed=0, tick=ticks.append)
     assert ticks == [2, 4, 5]
+
+
+def test_prepare_takes_only_the_idle_cores():
+    """The build's threads: the cores other work leaves idle, at least one (2 threads on a 2-core
+    machine at load 10 were 2.5-3.5x slower than 1: docs/task.md), all of them (up to 16) when idle."""
+    build = prepare_mod.build_threads
+    assert build(2, 0.1) == 2 and build(2, None) == 2
+    assert build(2, 1.2) == 1 and build(2, 10.3) == 1
+    assert build(64, 0.0) == 16 and build(64, 60.0) == 4

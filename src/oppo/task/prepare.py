@@ -229,7 +229,10 @@ def _build(task: Task, out: Path, seed: int, sizes: PrepareSizes, fp: str, log: 
     t0 = time.time()
     cpu0 = time.process_time()
     log.phases = 4 if task.uses_reward_model else 2
-    log(f"preparing task {task.name!r} (seed {seed}, {torch.get_num_threads()} threads) "
+    busy = _load_average()
+    why = f": the machine is busy, load {busy:.1f}" if busy is not None and torch.get_num_threads() < min(
+        os.cpu_count() or 1, 16) else ""
+    log(f"preparing task {task.name!r} (seed {seed}, {torch.get_num_threads()} threads{why}) "
         f"into {out.parent / task.name}; {log.phases} phases")
     tokenizer = build_tokenizer(task.vocabulary(), model_max_length=sizes.model.max_positions)
     vocab = tokenizer.get_vocab()
@@ -617,15 +620,36 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def build_threads(cores: int, load: float | None) -> int:
+    """Torch threads for the build: the cores this process may run on (at most 16) that other
+    work leaves idle (``load``: the 1-minute load average, None where unknown), at least 1.
+
+    The models are tiny, so their matmuls split across threads sync often: on a 2-core machine
+    that other jobs keep busy (load 10), 2 threads spun against each other and against them, and 15
+    SFT steps took 139-189 s wall and 46-61 s CPU, against 53-56 s and 12 s with 1 thread
+    (torch 2.13 CPU). On idle cores the threads pay (docs/task.md: 212 s with 2)."""
+    most = max(1, min(cores, 16))
+    if load is None:
+        return most
+    return max(1, min(most, int(cores - load + 0.5)))
+
+
+def _load_average() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):  # not POSIX
+        return None
+
+
 @contextlib.contextmanager
 def _threads():
-    """Use the cores this process may run on (2 on the dev machines), then restore."""
+    """Use the idle cores this process may run on (:func:`build_threads`), then restore."""
     before = torch.get_num_threads()
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
-    torch.set_num_threads(max(1, min(cores, 16)))
+    torch.set_num_threads(build_threads(cores, _load_average()))
     try:
         yield
     finally:
