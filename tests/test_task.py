@@ -263,7 +263,8 @@ def test_prepare_reuses_a_valid_cache(builtin_home):
     assert weights.stat().st_mtime_ns == mtime
 
 
-def test_prepare_force_and_stale_caches_rebuild(tmp_path):
+def test_prepare_force_and_stale_caches_rebuild(tmp_path, monkeypatch):
+    monkeypatch.setattr(prepare_mod, "_load_average", lambda: 0.0)  # one thread count for both builds
     first = prepare("positive", home=tmp_path, seed=0, progress=False, sizes=TINY)
     forced = prepare("positive", home=tmp_path, seed=0, progress=False, sizes=TINY, force=True)
     assert not forced.reused and forced.info["fingerprint"] == first.info["fingerprint"]

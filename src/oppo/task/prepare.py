@@ -232,7 +232,8 @@ def _build(task: Task, out: Path, seed: int, sizes: PrepareSizes, fp: str, log: 
     busy = _load_average()
     why = f": the machine is busy, load {busy:.1f}" if busy is not None and torch.get_num_threads() < min(
         os.cpu_count() or 1, 16) else ""
-    log(f"preparing task {task.name!r} (seed {seed}, {torch.get_num_threads()} threads{why}) "
+    n = torch.get_num_threads()
+    log(f"preparing task {task.name!r} (seed {seed}, {n} thread{'s' if n > 1 else ''}{why}) "
         f"into {out.parent / task.name}; {log.phases} phases")
     tokenizer = build_tokenizer(task.vocabulary(), model_max_length=sizes.model.max_positions)
     vocab = tokenizer.get_vocab()
