@@ -227,7 +227,7 @@ def test_adaptive_delta_bounds_are_capped_at_the_batch(tiny_models, tiny_prompts
                              f"data.prompts={tiny_prompts}", "ppo.batch_size=4", "ppo.minibatch_size=4",
                              "ppo.micro_batch_size=4", "overlap.mode=inter", "overlap.delta_min=6",
                              "overlap.delta_init=9", "overlap.delta_max=20", f"run.out_dir={tmp_path}",
-                             "overlap.delta_rule=reward_slope"])
+                             "overlap.delta_rule=reward_slope", "generation.max_new_tokens=8"])  # (256 positions)
     t = Trainer(cfg, progress=False)
     c = t.run.scheduler.controller
     assert (c.delta_min, c.delta, c.delta_max) == (4, 4, 4)

@@ -427,7 +427,7 @@ def context_length(config) -> tuple[int, str] | None:
 
 
 def context_problem(lengths: list[int], max_new_tokens: int, configs: dict[str, object],
-                    texts: list[str] | None = None) -> str:
+                    texts: list[str] | None = None, default_new: bool = False) -> str:
     """One line when the longest prompt (``lengths``: each prompt's tokens; ``texts``: each prompt,
     to quote the longest) plus ``max_new_tokens``
     is longer than a model reads (``configs``: 'role (setting)' -> its config); "" when all fit.
@@ -445,15 +445,18 @@ def context_problem(lengths: list[int], max_new_tokens: int, configs: dict[str, 
     tight = [who for (lim, _), who in short if lim == limit]
     who = " and ".join(tight) + (" models read" if len(tight) > 1 else " model reads")
     fit = limit - max_new_tokens
-    fix = (f"set data.max_prompt_tokens={fit} (longer prompts are cut to it; data.on_long_prompt=skip drops them), "
-           f"or lower generation.max_new_tokens" if fit > 0 else
-           f"lower generation.max_new_tokens below {limit}, and data.max_prompt_tokens with it")
+    room = limit - n  # (new tokens that fit after the longest prompt)
+    fix = (f"set data.max_prompt_tokens={fit} (longer prompts are cut to it; data.on_long_prompt=skip drops them)"
+           + (f", or generation.max_new_tokens={room} or lower" if room > 0 else "") if fit > 0 else
+           f"set generation.max_new_tokens={room} or lower" if room > 0 else
+           f"set generation.max_new_tokens below {limit} and data.max_prompt_tokens to leave room for it")
     quoted = ""
     if texts:
         s = " ".join(str(texts[longest]).split())
         quoted = f" ({s[:40]!r}{'...' if len(s) > 40 else ''})"
     return (f"The {who} at most {limit} positions ({key} in the config), but the longest prompt"
-            f"{quoted} is {n} tokens and generation.max_new_tokens={max_new_tokens} adds "
+            f"{quoted} is {n} tokens and generation.max_new_tokens={max_new_tokens}"
+            f"{' (its default: the setting is empty)' if default_new else ''} adds "
             f"{max_new_tokens}: {n + max_new_tokens} positions. {fix[0].upper()}{fix[1:]}.")
 
 

@@ -175,7 +175,8 @@ def _check_context(cfg: Config, inputs: Inputs, run: Resolved, prompt_set, terms
                 src, who.split()[0], trust_remote_code=cfg.policy.trust_remote_code)
         except ModelLoadError:
             continue  # (check_roles names a config it cannot read)
-    problem = context_problem([len(ids) for ids in prompt_set.ids], paths.max_new_tokens, configs, prompt_set.texts)
+    problem = context_problem([len(ids) for ids in prompt_set.ids], paths.max_new_tokens, configs, prompt_set.texts,
+                              default_new=cfg.generation.max_new_tokens is None)
     if problem:
         raise ModelLoadError(problem)
 
