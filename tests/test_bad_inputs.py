@@ -519,3 +519,95 @@ def test_a_failed_run_says_what_it_kept_and_how_to_go_on(tiny_models, tiny_promp
     assert ckpt is not None and ckpt.name == "step_000001"
     assert f"the run failed in step 1; its last checkpoint is {ckpt} (step 1)" in err
     assert f"oppo.train(cfg, resume={str(out)!r}, ...) with the same settings and objects" in err
+    # the directory records the failure, for whoever finds it later; a resume that goes on removes it
+    failure = (out / "failure.txt").read_text().splitlines()
+    assert failure[0].startswith("failed at ") and "RewardFunctionError: " in failure[0] and "scorer down" in failure[0]
+    assert failure[1].startswith(f"the run failed in step 1; its last checkpoint is {ckpt}")
+    calls.clear()
+    oppo.train(cfg, resume="auto", reward_fn=fails_at_call(100))  # (the same function: its marker matches)
+    assert not (out / "failure.txt").exists() and latest_checkpoint(out).name == "step_000003"
+
+
+# --------------------------------------------------------------------------- GPT-2: dropout, a short context
+
+def _gpt2(tiny_models, n_positions: int = 64):
+    """A tiny GPT-2 (absolute position embeddings, dropout 0.1 as GPT-2's config has it), in train
+    mode as a user's freshly built model is, and the tiny tokenizer."""
+    import torch
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    tok = AutoTokenizer.from_pretrained(tiny_models["policy"])
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_positions=n_positions, n_embd=16, n_layer=1, n_head=2,
+                                       pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                                       bos_token_id=tok.eos_token_id))
+    assert model.training and model.config.resid_pdrop > 0
+    return model.train(), tok
+
+
+def test_gpt2_policy_object_with_dropout_trains(tiny_models, tmp_path):
+    """A GPT-2 policy given as an object (train mode, dropout on), the critic made from it: trained,
+    not refused as "not causal" because two probe forwards differed by their dropout masks."""
+    policy, tok = _gpt2(tiny_models)
+    cfg = load_config(None, [*TINY, "run.steps=1", f"run.out_dir={tmp_path / 'run'}"])
+    with Trainer(cfg, progress=False, policy=policy, tokenizer=tok, prompts=["the film was", "a day", "i liked it"],
+                 reward_fn=lambda prompts, responses: [float(len(r)) for r in responses]) as trainer:
+        metrics = trainer.run_step()
+        assert trainer.roles.critic is not None and not trainer.roles.critic.training
+        from oppo.setup.load import ByRecord
+
+        assert isinstance(trainer.roles.reward_fn, ByRecord)  # (errors name records: the test below)
+    assert math.isfinite(metrics["loss/policy"]) and math.isfinite(metrics["loss/value"])
+
+
+def test_prompts_longer_than_the_context_are_named_before_the_weights_load(tiny_models, tmp_path, monkeypatch):
+    """Prompt + response longer than a model's positions (GPT-2's n_positions): one error naming
+    the model, the lengths and the settings that fix it, before any weights load; not an IndexError
+    from the position embedding mid-step."""
+    policy, tok = _gpt2(tiny_models, n_positions=12)
+    policy.save_pretrained(tmp_path / "gpt2")
+    tok.save_pretrained(tmp_path / "gpt2")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "the film was very good and the book was quite fine"}) + "\n"
+                       + json.dumps({"prompt": "a day"}) + "\n")
+    loaded = []
+    monkeypatch.setattr(oppo.setup.load, "load_causal_lm", lambda *a, **k: loaded.append(a) or 1 / 0)
+    cfg = load_config(None, [*TINY, f"policy.path={tmp_path / 'gpt2'}", f"data.prompts={prompts}",
+                             "reward.function=oppo.rewards:format_reward", "generation.max_new_tokens=6",
+                             f"run.out_dir={tmp_path / 'run'}"])
+    with pytest.raises(ModelLoadError) as info:
+        Trainer(cfg, progress=False)
+    msg = str(info.value)
+    assert not loaded
+    assert "policy (policy.path)" in msg and "at most 12 positions" in msg and "is 11 tokens" in msg
+    assert "generation.max_new_tokens=6 adds 6: 17 positions" in msg
+    assert "data.max_prompt_tokens=6" in msg and "generation.max_new_tokens" in msg
+    # within the context: it trains (the longest prompt cut to 6 tokens, 6 + 6 = 12)
+    monkeypatch.undo()
+    cfg = load_config(None, [*TINY, f"policy.path={tmp_path / 'gpt2'}", f"data.prompts={prompts}", "run.steps=1",
+                             "reward.function=oppo.rewards:format_reward", "generation.max_new_tokens=6",
+                             "data.max_prompt_tokens=6", f"run.out_dir={tmp_path / 'run2'}"])
+    with Trainer(cfg, progress=False) as trainer:
+        assert math.isfinite(trainer.run_step()["loss/policy"])
+
+
+def test_reward_errors_name_the_prompts_records_not_stream_positions(tiny_models):
+    """After an epoch the data positions run past the set's end, and a skipped prompt shifts every
+    later one: the error names each prompt's record in the data as given (0-based, as the data
+    errors do)."""
+    from oppo.config import DataConfig
+    from oppo.scoring.streaming import RewardFunctionError
+    from oppo.setup.load import ByRecord
+
+    tok = load_tokenizer(str(tiny_models["policy"]))
+    ps = build_prompt_set(["the film", "", "a day", "i liked it"], tok, DataConfig(shuffle=False), seed=0)
+    assert ps.skipped == 1 and len(ps) == 3
+    assert ps.record_numbers([0, 1, 2, 3, 5]) == [0, 2, 3, 0, 3]  # (position 5: the second epoch's last)
+
+    def broken(prompts, responses):
+        raise KeyError("answer")
+
+    fn = ByRecord(RewardFunction(broken, "mod:broken"), ps)
+    with pytest.raises(RewardFunctionError, match=r"at step 4, on a batch of 2 responses to prompts 3, 0 of the "
+                                                  r"prompt set \(the first prompt: 'i liked it'\)"):
+        fn(["i liked it", "the film"], ["x", "y"], step=4, indices=[5, 3])

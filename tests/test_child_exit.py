@@ -124,3 +124,72 @@ def test_scorer_child_of_a_thread_that_ended_exits_when_parent_is_killed(tiny_mo
         if parent.poll() is None:
             parent.kill()
             parent.wait()
+
+
+def test_a_killed_scorer_child_is_named_with_its_pid_and_signal(monkeypatch, capsys):
+    """The controller waiting on a scorer child that was killed: one error naming the process, its
+    roles, pid and signal; the CLI prints it on one line (the run's resume line comes from
+    run.train), not a traceback ending in 'scorer process died'."""
+    import multiprocessing as mp
+
+    import oppo.run
+    from oppo import cli
+    from oppo.scoring import worker
+
+    ctx = mp.get_context("fork")
+    proc = ctx.Process(target=time.sleep, args=(60,), daemon=True)
+    proc.start()
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(5)
+    transport = worker._ProcessTransport.__new__(worker._ProcessTransport)  # (its child: the process just killed)
+    transport.proc, transport.out, transport.boost = proc, ctx.Queue(), ctx.Value("b", 0, lock=False)
+    transport.forked, transport.name, transport.start_method = False, "scorer", "forkserver"
+    transport.roles = ("reward", "reference", "critic")
+    with pytest.raises(worker.ScorerDied) as info:
+        transport.wait_reply()
+    msg = str(info.value)
+    assert f"pid {proc.pid}" in msg and "killed by SIGKILL" in msg
+    assert "the scorer process" in msg and "reward, reference and critic scorers" in msg
+
+    def failing_train(cfg, resume=None):
+        raise info.value
+
+    monkeypatch.setattr(oppo.run, "train", failing_train)
+    assert cli.main(["train", "run.steps=1"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"oppo: error: {msg}"]
+    # a child that exited with an error (e.g. a script re-run at its top level) is named so, with the fix
+    said = worker.death_message("scorer", ("reward",), 7, 1, "forkserver")
+    assert "exited with status 1" in said and "if __name__ == '__main__':" in said and "the reward scorer)" in said
+
+
+def _echo(q, out):
+    while (msg := q.get()) is not None:
+        out.put(("reply", msg))
+
+
+def test_the_scorer_queues_leave_no_semaphore_behind(tmp_path):
+    """Once the child has answered, the queues' named semaphores (/dev/shm/sem.mp-*) are unlinked:
+    a kill -9 of the process group (the resource tracker with it) leaves none; the queues still work."""
+    from oppo.scoring import worker
+
+    ctx = worker.start_method()
+    q, out = ctx.Queue(), ctx.Queue()
+    names = [lk._semlock.name for qu in (q, out) for lk in (qu._rlock, qu._wlock, qu._sem) if lk is not None]
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or not any((shm / f"sem.{n.lstrip('/')}").exists() for n in names):
+        pytest.skip("this platform keeps no named semaphores in /dev/shm")
+    proc = ctx.Process(target=_echo, args=(q, out), daemon=True)
+    proc.start()
+    transport = worker._ProcessTransport.__new__(worker._ProcessTransport)  # (its child: the echo process)
+    transport.proc, transport.q, transport.out = proc, q, out
+    transport.boost, transport.forked = ctx.Value("b", 0, lock=False), False
+    try:
+        q.put(1)
+        assert transport.wait_reply() == 1
+        assert not [n for n in names if (shm / f"sem.{n.lstrip('/')}").exists()]
+        q.put(2)
+        assert transport.wait_reply() == 2  # the queues work on
+    finally:
+        q.put(None)
+        proc.join(10)

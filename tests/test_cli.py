@@ -157,3 +157,31 @@ def test_threads_lines_warn_only_on_an_oversubscribed_machine():
     assert one[0].startswith("threads: torch 1 (placement.threads=1); 8 cores")
     assert "already uses one thread" in one[1]
     assert len(threads_lines(cfg, torch_threads=8, cores=8, usable=None, load=None)) == 1  # no load average
+
+
+def test_a_broken_torchaudio_at_import_is_named_with_its_fix(monkeypatch, capsys):
+    """An OSError raised inside torchaudio (a wheel built for another torch, which transformers
+    imports when it is installed): one line naming the package and the fix, not a traceback."""
+    import torch
+
+    from oppo import cli
+
+    code = compile("raise OSError('libtorchaudio.so: undefined symbol: _ZN3c10')",
+                   "/venv/lib/python3.11/site-packages/torchaudio/_extension/utils.py", "exec")
+
+    def broken(argv):
+        exec(code, {})
+
+    monkeypatch.setitem(cli.COMMANDS, "train", broken)
+    assert cli.main(["train"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("oppo: error: importing torchaudio failed (OSError: libtorchaudio.so")
+    assert f"torch {torch.__version__}" in err[0] and "pip uninstall -y torchvision torchaudio" in err[0]
+    assert "--index-url https://download.pytorch.org/whl/" in err[0]
+
+    def other(argv):
+        raise OSError("disk on fire")
+
+    monkeypatch.setitem(cli.COMMANDS, "train", other)
+    with pytest.raises(OSError, match="disk on fire"):  # (anything else is not dressed up)
+        cli.main(["train"])

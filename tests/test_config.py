@@ -227,7 +227,7 @@ def test_adaptive_delta_bounds_are_capped_at_the_batch(tiny_models, tiny_prompts
                              f"data.prompts={tiny_prompts}", "ppo.batch_size=4", "ppo.minibatch_size=4",
                              "ppo.micro_batch_size=4", "overlap.mode=inter", "overlap.delta_min=6",
                              "overlap.delta_init=9", "overlap.delta_max=20", f"run.out_dir={tmp_path}",
-                             "overlap.delta_rule=reward_slope"])
+                             "overlap.delta_rule=reward_slope", "generation.max_new_tokens=8"])  # (256 positions)
     t = Trainer(cfg, progress=False)
     c = t.run.scheduler.controller
     assert (c.delta_min, c.delta, c.delta_max) == (4, 4, 4)
@@ -469,3 +469,12 @@ def test_from_trl_doc_holds_the_code_table_and_every_key_exists():
                "eval_dataset optimizers callbacks peft_config").split()
     assert sorted(t.name for t in from_trl.TABLE if t.where == "PPOConfig") == sorted(asked)
     assert sorted(t.name for t in from_trl.TABLE if t.where == "PPOTrainer") == sorted(trainer)
+
+
+def test_trl_learning_rate_sets_both_learning_rates():
+    """TRL's learning_rate trains the policy and the value model with one optimizer: the message
+    gives both oppo settings, with the user's value, not one to pick."""
+    for key in ("learning_rate", "ppo.learning_rate"):
+        msg = _error([f"{key}=1e-5"])
+        assert "TRL's learning_rate=1e-5 is ppo.actor_lr=1e-5 and ppo.critic_lr=1e-5, both" in msg
+        assert "Did you mean" not in msg

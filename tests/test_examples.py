@@ -4,6 +4,7 @@ settings docs/from-trl.md names, and it trains on tiny local models."""
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -185,3 +186,84 @@ def test_new_head_is_asked_for_and_the_same_in_every_load(tiny_models):
     b = load_reward_model(lm, torch.device("cpu"), torch.float32, 0, new_head=True)
     assert a.score.weight.shape[0] == 1 and torch.equal(a.score.weight, b.score.weight)
     assert a.score.weight.abs().sum() > 0
+
+
+# --------------------------------------------------------------------------- the GSM8K recipes' data step
+
+GSM8K_ROWS = [{"question": "Tom has 3 apples and buys 4. How many?", "answer": "3 + 4 = 7\n#### 7"},
+              {"question": "What is 10 * 100?", "answer": "#### 1,000"}]
+
+
+def _export_commands(recipe: str) -> list[str]:
+    """The export command lines in a recipe's leading comments."""
+    text = (ROOT / "src" / "oppo" / "recipes" / f"{recipe}.yaml").read_text()
+    return [line.lstrip("# ").strip() for line in text.splitlines()
+            if line.startswith("#") and "examples/gsm8k_export.py" in line and "python " in line]
+
+
+def _check_export(out: Path) -> None:
+    from oppo.rewards import gold_answer
+
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["answer"] for r in rows] == [r["answer"] for r in GSM8K_ROWS]
+    for row, src in zip(rows, GSM8K_ROWS):
+        assert row["question"].startswith(src["question"])
+        assert row["question"].endswith("put your final answer within \\boxed{}.")  # a backslash, not a backspace
+    assert [gold_answer(r["answer"]) for r in rows] == ["7", "1000"]
+
+
+@pytest.mark.parametrize("recipe", ["gsm8k_ppo", "gsm8k_grpo"])
+def test_recipe_export_commands_run_as_written_on_a_local_file(recipe, tmp_path):
+    """The recipe's offline export line runs in bash as printed (a parquet file laid out as
+    ``hf download openai/gsm8k --repo-type dataset`` leaves it), and writes the file the recipe reads."""
+    import shlex
+    import subprocess
+
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow
+
+    commands = _export_commands(recipe)
+    assert len(commands) == 2, commands
+    local = [c for c in commands if ".parquet" in c]
+    assert len(local) == 1
+    src = tmp_path / "gsm8k" / "main" / "train-00000-of-00001.parquet"
+    src.parent.mkdir(parents=True)
+    pq.write_table(pyarrow.Table.from_pylist(GSM8K_ROWS), src)
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    import os
+    import sys
+
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}  # python: ours
+    r = subprocess.run(["bash", "-c", local[0]], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / shlex.split(local[0])[shlex.split(local[0]).index("--out") + 1]
+    assert out.name == Path(oppo.load_config(recipe=recipe).data.prompts).name  # the file the recipe reads
+    _check_export(out)
+
+
+def test_export_reads_jsonl_without_datasets_and_the_hub_with_it(tmp_path, monkeypatch):
+    """A local JSONL needs nothing installed; a hub name goes through datasets.load_dataset(name,
+    'main', split='train') (faked here: no network), and without datasets it is refused with the fix."""
+    import sys
+    import types
+
+    spec = importlib.util.spec_from_file_location("gsm8k_export", ROOT / "examples" / "gsm8k_export.py")
+    export = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(export)
+    src = tmp_path / "gsm8k.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in GSM8K_ROWS))
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets fails
+    assert export.main([str(src), "--out", str(tmp_path / "a.jsonl")]) == 0
+    _check_export(tmp_path / "a.jsonl")
+    with pytest.raises(SystemExit, match="needs the 'datasets' package"):
+        export.main(["openai/gsm8k", "--out", str(tmp_path / "b.jsonl")])
+    calls = []
+    fake = types.SimpleNamespace(load_dataset=lambda *a, **k: calls.append((a, k)) or list(GSM8K_ROWS))
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    assert export.main(["--out", str(tmp_path / "b.jsonl")]) == 0
+    assert calls == [(("openai/gsm8k", "main"), {"split": "train"})]
+    _check_export(tmp_path / "b.jsonl")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "x"}) + "\n")
+    with pytest.raises(SystemExit, match="'question' and 'answer'"):
+        export.main([str(bad), "--out", str(tmp_path / "c.jsonl")])

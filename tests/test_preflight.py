@@ -119,6 +119,8 @@ def test_hub_name_without_network_is_one_line_about_the_network(tiny_models, tin
     assert len(err.splitlines()) == 1, err
     assert "no network" in err and "127.0.0.1:9 cannot be reached" in err and name in err
     assert "tokenizer" not in err and "Traceback" not in err
+    # the download command huggingface_hub ships (huggingface-cli is gone), and where to put the result
+    assert f"hf download {name}" in err and "huggingface-cli" not in err and "policy.path=/local/dir" in err
 
 
 def test_offline_mode_named(tiny_models, tiny_prompts, tmp_path, monkeypatch):

@@ -243,3 +243,50 @@ def test_train_prints_the_runs_summary(tiny_models, tiny_prompts, tmp_path, caps
     run_dir = oppo.train(cfg)
     out = capsys.readouterr().out
     assert out.startswith("done: 1 steps (0-0) in ") and f"run directory: {run_dir}" in out
+
+
+def test_callables_as_reward_terms_train_and_are_recorded_as_objects(tiny_models, tiny_prompts, tmp_path):
+    """cfg.reward.terms takes callables from Python (with kwargs and a data set column), as
+    reward.function does: each term's metric, the weighted sum, config.yaml recording the callable as
+    an <object: ...> marker, and the same config without the callable refused before anything loads."""
+    seen = []
+
+    def words(prompts, responses, answer, scale=1.0):
+        seen.append(list(answer))
+        return [scale * len(r.split()) for r in responses]
+
+    class Constant:  # a callable object, not a function
+        def __call__(self, prompts, responses):
+            return [0.5] * len(responses)
+
+    data = [{"prompt": t, "answer": n} for t, n in ANSWERS.items()]
+    cfg = oppo.load_config(overrides=[*TINY, f"policy.path={tiny_models['policy']}", "run.steps=1",
+                                      f"reward.path={tiny_models['reward']}", f"run.out_dir={tmp_path / 'run'}"])
+    cfg.data.prompts, cfg.reward.path = data, None
+    cfg.reward.terms = [{"path": str(tiny_models["reward"]), "name": "rm"},
+                        {"function": words, "weight": 0.5, "kwargs": {"scale": 2.0}},
+                        {"function": Constant(), "weight": -1.0, "name": "const"}]
+    run_dir = oppo.train(cfg, progress=False)
+    m = oppo.read_metrics(run_dir)[0]
+    assert seen and all(a in ANSWERS.values() for a in seen[0])  # the column reached the callable
+    assert m["reward/const/mean"] == 0.5 and m["reward/words/mean"] >= 0
+    assert m["reward/mean"] == pytest.approx(m["reward/rm/mean"] + 0.5 * m["reward/words/mean"] - 0.5, abs=1e-5)
+    import yaml
+
+    text = (run_dir / "config.yaml").read_text()
+    saved = yaml.safe_load(text)["reward"]["terms"]
+    assert saved[1]["function"].startswith("<object: ") and saved[1]["function"].endswith("words>")
+    assert saved[1]["name"] == "words" and saved[2]["function"].endswith("Constant>")
+    assert "# reward.terms term 'words': given from Python as a callable" in text
+    assert callable(cfg.reward.terms[1]["function"])  # the caller's Config is unchanged
+    # the recorded config (markers) without the callables: refused by name, before any model loads
+    recorded = oppo.load_config(run_dir / "config.yaml", ["run.steps=2", f"run.out_dir={tmp_path / 'again'}"])
+    with pytest.raises(oppo.PreflightError, match=r"term 'words'\) is '<object: .*words>': a callable the run was "
+                                                  r"given from Python, and none is given now"):
+        oppo.Trainer(recorded, progress=False, prompts=data)
+    # a callable that cannot be a reward function: the same check as reward_fn=, before loading
+    cfg.reward.terms = [{"function": lambda prompts: [0.0] * len(prompts)}]
+    cfg.run.out_dir = str(tmp_path / "bad")
+    with pytest.raises(oppo.PreflightError, match=r"reward.terms\[0\].function: .*cannot be called as fn\(prompts, "
+                                                  r"responses\)"):
+        oppo.Trainer(cfg, progress=False)

@@ -23,6 +23,8 @@ MODEL_KEYS = ("policy.path", "reference.path", "critic.path", "reward.path")
 # column, a tokenizer named in a reward term's arguments): each is trained one step on stand-ins
 # in the test file named here
 TRAINED_ELSEWHERE = {"gsm8k_ppo": "tests/test_rewards.py", "gsm8k_grpo": "tests/test_rewards.py"}
+# recipes whose data set's prompt column holds conversations (lists of messages: TRL's conversational format)
+CONVERSATIONAL = {"hh": "trl-lib/hh-rlhf-helpful-base"}
 
 
 def test_there_are_recipes_and_each_says_what_it_is():
@@ -86,8 +88,13 @@ def _stand_ins(name: str, tiny_models, tmp_path) -> list[str]:
     set_keys = {f"{s}.{k}" for s, v in raw.items() if isinstance(v, dict) for k in v}
     out = [f"{k}={tiny[k]}" for k in MODEL_KEYS if k in set_keys or k == "policy.path"]
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({cfg.data.field: t}) + "\n"
-                               for t in ("the film was", "i liked the book", "a day", "we hated it but")))
+    texts = ("the film was", "i liked the book", "a day", "we hated it but")
+    if name in CONVERSATIONAL:  # the recipe's data set holds conversations: so do its stand-in's prompts
+        rows = [[{"role": "user", "content": t}, {"role": "assistant", "content": "good"},
+                 {"role": "user", "content": "and then"}] for t in texts]
+    else:
+        rows = list(texts)
+    prompts.write_text("".join(json.dumps({cfg.data.field: r}) + "\n" for r in rows))
     g = cfg.group_size
     batch = 2 * g if g > 1 else 4
     out += [f"data.prompts={prompts}", f"ppo.batch_size={batch}", f"ppo.minibatch_size={batch}",
@@ -116,8 +123,51 @@ def test_recipe_trains_a_step_on_stand_ins(name, tiny_models, tmp_path):
     trainer = oppo.Trainer(cfg, progress=False)
     try:
         metrics = trainer.run_step()
+        if name in CONVERSATIONAL:
+            assert recipe.data.prompts == CONVERSATIONAL[name]
+            ps = trainer.roles.prompt_set  # every turn went through the chat template
+            assert ps.templated and all(t.count(" ") >= 3 and "and then" in t for t in ps.texts)
     finally:
         trainer.close()
     print(f"recipe {name}: load + 1 step {time.perf_counter() - t0:.1f}s")
     assert trainer.step == 1
     assert math.isfinite(metrics["reward/mean"]) and math.isfinite(metrics["loss/policy"])
+
+
+def test_print_config_prints_the_resolved_settings_as_a_config_file(tmp_path, capsys, nothing_loads):
+    """--print-config: the recipe, then --config, then the overrides, as a YAML file that --config
+    takes back to the same settings; nothing is trained."""
+    user = tmp_path / "mine.yaml"
+    user.write_text("ppo:\n  epochs: 2\n")
+    assert cli.main(["train", "--recipe", "tldr", "--config", str(user), "ppo.actor_lr=2e-6", "--print-config"]) == 0
+    printed = capsys.readouterr().out
+    d = yaml.safe_load(printed)
+    assert d["policy"]["path"] == "cleanrl/EleutherAI_pythia-1b-deduped__sft__tldr"  # the recipe
+    assert d["ppo"]["epochs"] == 2 and d["ppo"]["actor_lr"] == 2e-6  # the file, the command line
+    assert d["generation"]["max_new_tokens"] == 53
+    again = tmp_path / "printed.yaml"
+    again.write_text(printed)
+    from oppo.config import to_dict
+
+    assert to_dict(oppo.load_config(again)) == to_dict(oppo.load_config(user, ["ppo.actor_lr=2e-6"], recipe="tldr"))
+    assert not (tmp_path / "runs").exists()
+
+
+def test_recipe_help_shows_the_recipes_values(capsys):
+    """oppo train --recipe X --help: each setting with the recipe's value, marked where it is not the
+    default; without --recipe, the defaults, unmarked."""
+    recipe = oppo.load_config(recipe="hh")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", "--recipe", "hh", "--help"])
+    assert e.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    line = next(l for l in lines if l.strip().startswith("policy.path ="))
+    assert repr(recipe.policy.path) in line and "<- recipe 'hh'" in line and "default: None" in line
+    line = next(l for l in lines if l.strip().startswith("ppo.epochs ="))
+    assert f"= {recipe.ppo.epochs}" in line and "<- recipe 'hh'" in line
+    line = next(l for l in lines if l.strip().startswith("ppo.clip_eps ="))  # not set by the recipe
+    assert "<-" not in line
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    plain = capsys.readouterr().out
+    assert "<- recipe" not in plain and "policy.path = (empty)" in plain

@@ -263,7 +263,8 @@ def test_prepare_reuses_a_valid_cache(builtin_home):
     assert weights.stat().st_mtime_ns == mtime
 
 
-def test_prepare_force_and_stale_caches_rebuild(tmp_path):
+def test_prepare_force_and_stale_caches_rebuild(tmp_path, monkeypatch):
+    monkeypatch.setattr(prepare_mod, "_load_average", lambda: 0.0)  # one thread count for both builds
     first = prepare("positive", home=tmp_path, seed=0, progress=False, sizes=TINY)
     forced = prepare("positive", home=tmp_path, seed=0, progress=False, sizes=TINY, force=True)
     assert not forced.reused and forced.info["fingerprint"] == first.info["fingerprint"]
@@ -338,3 +339,46 @@ def test_sampler_stops_rows_at_eos():
     for s in out:
         assert EOS_ID not in s.ids and len(s.ids) <= 8
         assert s.ended or len(s.ids) == 8
+
+
+def test_prepare_says_its_step_count_and_time_left(monkeypatch, capsys):
+    """Without a terminal, prepare's heartbeat says the phase, the steps done of how many, and the
+    time left at the phase's rate so far (not only "still running (1078s so far)"); each training
+    and sampling loop reports its count."""
+    import torch
+
+    log = prepare_mod._Log(True)
+    log.phases = 4
+    clock = [1000.0]
+    monkeypatch.setattr(prepare_mod.time, "time", lambda: clock[0])
+    log.phase("SFT policy")
+    assert log.status() == "phase 1/4 still running (0s so far)"
+    tick = log.work(700, "step")
+    clock[0] += 300.0
+    tick(200)
+    assert log.status() == "phase 1/4: step 200/700, 300s so far, about 12 min left"  # 300 s / 200 x 500
+    tick(690)
+    assert log.status().endswith("about 4s left")
+    monkeypatch.undo()
+    with log.heartbeat(every=0.01):  # (pytest's stderr is no terminal)
+        time.sleep(0.2)
+    assert "step 690/700" in capsys.readouterr().err
+
+    ticks = []
+    torch.manual_seed(0)
+    model = models.build_policy(TINY.model, 50, max_new_tokens=8)
+    models.train_sft(model, [[BOS_ID, 5, 6, EOS_ID]] * 4, steps=3, batch_size=2, lr=1e-3, seed=0, progress=False,
+                     tick=ticks.append)
+    assert ticks == [1, 2, 3]
+    ticks.clear()
+    models.sample(model, [[BOS_ID, 5]] * 5, max_new_tokens=2, batch_size=2, seed=0, tick=ticks.append)
+    assert ticks == [2, 4, 5]
+
+
+def test_prepare_takes_only_the_idle_cores():
+    """The build's threads: the cores other work leaves idle, at least one (2 threads on a 2-core
+    machine at load 10 were 2.5-3.5x slower than 1: docs/task.md), all of them (up to 16) when idle."""
+    build = prepare_mod.build_threads
+    assert build(2, 0.1) == 2 and build(2, None) == 2
+    assert build(2, 1.2) == 1 and build(2, 10.3) == 1
+    assert build(64, 0.0) == 16 and build(64, 60.0) == 4

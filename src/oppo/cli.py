@@ -11,12 +11,22 @@ from .config import ConfigError, help_text, load_config
 
 def _train(argv: list[str]) -> int:
     """PPO on your models, or on the built-in task (prepared on first use); progress, then a summary."""
+    shown, source = None, ""
+    if {"-h", "--help"} & set(argv):  # the settings' help shows the values of the recipe / --config given
+        first = argparse.ArgumentParser(add_help=False)
+        first.add_argument("--recipe")
+        first.add_argument("--config")
+        known = first.parse_known_args(argv)[0]
+        if (known.recipe and known.recipe != "list") or known.config:
+            shown = load_config(known.config, recipe=known.recipe if known.recipe != "list" else None)
+            source = " and ".join(s for s in (known.recipe and f"recipe {known.recipe!r}",
+                                              known.config and f"config {known.config}") if s)
     p = argparse.ArgumentParser(
         prog="oppo train", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="PPO-based RLHF. With no models named, trains on the built-in task (prepared on first use).\n"
                     "Each run gets its own directory, runs/<date>-<time>-<mode>/, and runs/latest points to the\n"
                     "newest; with run.out_dir=DIR the run directory is DIR, which must not hold another run.",
-        epilog=help_text())
+        epilog=help_text(shown, source))
     p.add_argument("--recipe", help="Start from a shipped recipe (a config for a known public setup: models, data, "
                                     "sizes); --config and section.key=value apply on top. 'list' (or `oppo recipes`) "
                                     "lists them.")
@@ -24,11 +34,21 @@ def _train(argv: list[str]) -> int:
     p.add_argument("--resume", help="Continue a run: 'auto' for the latest checkpoint of run.out_dir (with the "
                                     "default, the newest run), or a checkpoint or run directory. The settings must "
                                     "be the checkpoint's, and run.steps beyond its step.")
+    p.add_argument("--print-config", action="store_true",
+                   help="Print the settings this command line resolves to (the recipe, then --config, then the "
+                        "overrides, and the built-in task's preset) as a YAML file --config takes, and exit.")
     p.add_argument("overrides", nargs="*", help="section.key=value settings, applied after --config.")
     args = p.parse_intermixed_args(argv)  # settings may come before and after --resume / --config
     if args.recipe == "list":
         return _recipes([])
     cfg = load_config(args.config, args.overrides, recipe=args.recipe)  # validation here, before any model loads
+    if args.print_config:
+        import yaml
+
+        from .config import to_dict
+
+        print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+        return 0
     from .run import train
 
     train(cfg, resume=args.resume)  # (it prints the run's summary: done, reward, run directory)
@@ -185,11 +205,54 @@ def main(argv: list[str] | None = None) -> int:
         print(f"oppo: error: {e}", file=sys.stderr)
         return 2
     except Exception as e:
-        found = non_finite(e)
+        found = non_finite(e) or _child_died(e) or broken_companion(e)
         if found is None:
             raise
-        print(f"oppo: error: {found}", file=sys.stderr)
+        print(f"oppo: error: {found}", file=sys.stderr)  # (a run's resume line is printed by run.train)
         return 1
+
+
+COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
+
+
+def broken_companion(e: BaseException) -> str | None:
+    """What to do when ``e`` (an OSError, ImportError or RuntimeError) was raised inside
+    torchvision, torchaudio or torchcodec, which transformers imports when they are installed: a
+    wheel built for another torch (pip took a CUDA torch, or a PyPI torchaudio, beside the CPU
+    build) fails to load its library (``undefined symbol``, ``libnvrtc.so``, ``operator
+    torchvision::nms does not exist``), and everything fails far from the cause. None otherwise."""
+    import traceback
+
+    if not isinstance(e, (OSError, ImportError, RuntimeError)):
+        return None
+    files = [f.filename.replace("\\", "/") for f in traceback.extract_tb(e.__traceback__)]
+    found = next((name for f in reversed(files) for name in COMPANIONS if f"/{name}/" in f), None)
+    if found is None:
+        return None
+    have, index = "the installed torch", "https://download.pytorch.org/whl/cpu"
+    try:
+        import torch
+
+        have = f"torch {torch.__version__}"
+        if torch.version.cuda:
+            index = f"https://download.pytorch.org/whl/cu{torch.version.cuda.replace('.', '')}"
+    except Exception:  # noqa: BLE001 (torch itself may be what is broken)
+        pass
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+    return (f"importing {found} failed ({type(e).__name__}: {first}): transformers imports it when it is installed, "
+            f"and this {found} was built for another torch than {have}. oppo needs neither torchvision nor "
+            f"torchaudio: pip uninstall -y torchvision torchaudio torchcodec; or install the builds that match "
+            f"your torch from {index} (pip install torchvision torchaudio --index-url {index}).")
+
+
+def _child_died(e: BaseException):
+    """``e`` if a child process of the run died (the scorer process, vLLM's engine): its message
+    names the process, its pid and signal; the CLI prints it, not a traceback."""
+    for module, name in (("oppo.scoring.worker", "ScorerDied"), ("oppo.rollout.vllm.checks", "VLLMEngineDied")):
+        mod = sys.modules.get(module)  # (not imported: e cannot be one)
+        if mod is not None and isinstance(e, getattr(mod, name)):
+            return e
+    return None
 
 
 def non_finite(e: BaseException):

@@ -266,6 +266,9 @@ class PromptSet:
     raw: list = dc_field(default_factory=list)
     columns: dict[str, list] = dc_field(default_factory=dict)
     templated: bool = False
+    sources: list[int] = dc_field(default_factory=list)
+    """Each prompt's record number in the data as given (its line of a JSONL file, its row of a data
+    set), where prompts were skipped; empty: the same as its index."""
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -285,6 +288,12 @@ class PromptSet:
                 orders.pop(min(orders))
             orders[epoch] = self.order(epoch)
         return orders[epoch][i]
+
+    def record_numbers(self, positions: Sequence[int]) -> list[int]:
+        """The record numbers in the data as given (0-based) of the prompts at data positions
+        ``positions``: what a message names, not the position (past the set's end after an epoch)."""
+        idx = [self.record(p) for p in positions]
+        return [self.sources[j] for j in idx] if self.sources else idx
 
     def at(self, position: int) -> tuple[str, list[int]]:
         j = self.record(position)
@@ -379,4 +388,4 @@ def build_prompt_set(texts: list, tokenizer, cfg: DataConfig, seed: int,
                         f"{cfg.max_prompt_tokens} with data.on_long_prompt=skip.")
     return PromptSet(keep_texts, ids, truncated, skipped, seed, cfg.shuffle, raw=[raw[j] for j in kept],
                      columns={name: [values[j] for j in kept] for name, values in (columns or {}).items()},
-                     templated=any(templated[j] for j in kept))
+                     templated=any(templated[j] for j in kept), sources=kept if skipped else [])

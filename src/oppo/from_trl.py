@@ -93,6 +93,9 @@ TABLE: tuple[TrlName, ...] = (
     TrlName("sft_model_path", "PPOConfig", "", ("policy.path",), "policy.path={v}"),
     # TrainingArguments, which PPOConfig extends
     TrlName("output_dir", "TrainingArguments", "", ("run.out_dir",), "run.out_dir={v}"),
+    TrlName("learning_rate", "TrainingArguments", "3e-6", ("ppo.actor_lr", "ppo.critic_lr"),
+            "ppo.actor_lr={v} and ppo.critic_lr={v}, both (TRL's one optimizer trains the policy and the value "
+            "model at one rate; oppo has an AdamW each, and a critic usually learns faster)"),
     TrlName("save_steps", "TrainingArguments", "500", ("run.save_every",), "run.save_every={v}"),
     TrlName("warmup_steps", "TrainingArguments", "0", ("ppo.lr_warmup_steps",), "ppo.lr_warmup_steps={v}"),
     TrlName("bf16", "TrainingArguments", "", ("policy.dtype",),

@@ -59,6 +59,9 @@ class Inputs:
     """Like ``reward_fn``; logged as judge/mean, never trained on."""
     prompts: Any = None
     """A ``datasets.Dataset`` (or ``DatasetDict``), a list of str or a list of dicts."""
+    reward_terms: dict[str, Any] = field(default_factory=dict)
+    """``reward.terms`` given as callables (``{"function": fn, ...}``), by term name: each term's
+    ``function`` holds the callable's marker."""
     save_dir: Path | None = None
     """Where :func:`save_for_elsewhere` writes (None: a temporary directory)."""
     saved: dict[str, str] = field(default_factory=dict)
@@ -67,7 +70,7 @@ class Inputs:
     """``save_dir`` was made by :func:`save_for_elsewhere` (the Trainer removes it when it closes)."""
 
     def __bool__(self) -> bool:
-        return any(getattr(self, k) is not None for k in (*SETTINGS, "tokenizer"))
+        return bool(self.reward_terms) or any(getattr(self, k) is not None for k in (*SETTINGS, "tokenizer"))
 
     def model(self, role: str) -> Any:
         """The model object of ``role`` (policy, reference, critic, reward), or None."""
@@ -105,16 +108,22 @@ def split_inputs(cfg: Config, **given: Any) -> tuple[Config, Inputs]:
     and the objects. A string given by keyword is that setting's value (``policy="org/model"`` is
     ``policy.path``). ``cfg`` is not changed. Raises ConfigError on an unknown keyword or an input
     given both ways."""
-    unknown = sorted(set(given) - set(SETTINGS) - {"tokenizer", "save_dir"})
+    unknown = sorted(set(given) - set(SETTINGS) - {"tokenizer", "save_dir", "reward_terms"})
     if unknown:
         raise ConfigError(f"unknown input{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}: oppo.Trainer and "
                           f"oppo.train take {', '.join([*SETTINGS, 'tokenizer'])} (docs/python-api.md).")
     in_cfg = {kw: v for kw, key in SETTINGS.items() if (v := _get(cfg, key)) is not None and not isinstance(v, str)}
-    if not in_cfg and all(given.get(kw) is None for kw in (*SETTINGS, "tokenizer")):
-        return cfg, Inputs(save_dir=given.get("save_dir"))  # nothing to take out: the Config itself, as before
-    # a deep copy that keeps the objects themselves (a data set or a model is not copied)
-    out = copy.deepcopy(cfg, {id(v): v for v in in_cfg.values()})
-    inputs = Inputs(tokenizer=given.get("tokenizer"), save_dir=given.get("save_dir"))
+    term_fns = [t["function"] for t in (cfg.reward.terms if isinstance(cfg.reward.terms, list) else [])
+                if isinstance(t, dict) and callable(t.get("function"))]
+    if not in_cfg and not term_fns and all(given.get(kw) is None for kw in (*SETTINGS, "tokenizer")):
+        # nothing to take out: the Config itself, as before (with the terms' callables given by name)
+        return cfg, Inputs(save_dir=given.get("save_dir"), reward_terms=dict(given.get("reward_terms") or {}))
+    # a deep copy that keeps the objects themselves (a data set, a model or a callable is not copied)
+    out = copy.deepcopy(cfg, {id(v): v for v in [*in_cfg.values(), *term_fns]})
+    inputs = Inputs(tokenizer=given.get("tokenizer"), save_dir=given.get("save_dir"),
+                    reward_terms=dict(given.get("reward_terms") or {}))
+    if term_fns:
+        out.reward.terms = _split_terms(out.reward.terms, inputs)
     for kw, key in SETTINGS.items():
         section, name = key.split(".")
         obj, setting = given.get(kw), _get(cfg, key)
@@ -130,6 +139,27 @@ def split_inputs(cfg: Config, **given: Any) -> tuple[Config, Inputs]:
     if out.policy.path is not None:  # (a policy object's marker, or a path given as policy=)
         _drop_task_presets(out)
     return out, inputs
+
+
+def _split_terms(terms: list, inputs: Inputs) -> list:
+    """``reward.terms`` with each callable ``function`` replaced by its marker and kept in
+    ``inputs.reward_terms`` under the term's name (its ``name``, else the callable's own name:
+    written into the term, so that config.yaml and a resume name it the same)."""
+    from .rewards.terms import term_name
+    from .scoring.reward_fn import describe
+
+    out = []
+    for t in terms:
+        fn = t.get("function") if isinstance(t, dict) else None
+        if callable(fn):
+            name = t.get("name") or term_name(describe(fn).rsplit(".", 1)[-1])
+            if name in inputs.reward_terms:
+                raise ConfigError(f"reward.terms: two callables are named {name!r}; give them distinct names "
+                                  f"(name: ...).")
+            inputs.reward_terms[name] = fn
+            t = {**t, "function": marker(fn), "name": name}
+        out.append(t)
+    return out
 
 
 def _drop_task_presets(cfg: Config) -> None:

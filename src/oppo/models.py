@@ -413,6 +413,54 @@ class LogitsHead(torch.nn.Module):
         return logits
 
 
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+"""Where a Hugging Face config keeps the longest sequence the model reads (GPT-2: n_positions)."""
+
+
+def context_length(config) -> tuple[int, str] | None:
+    """(the most positions the model reads, the config key saying so), or None where it names none."""
+    cfg = _text_config(config)
+    for key in CONTEXT_KEYS:
+        value = getattr(cfg, key, None)
+        if isinstance(value, int) and value > 0:
+            return value, key
+    return None
+
+
+def context_problem(lengths: list[int], max_new_tokens: int, configs: dict[str, object],
+                    texts: list[str] | None = None, default_new: bool = False) -> str:
+    """One line when the longest prompt (``lengths``: each prompt's tokens; ``texts``: each prompt,
+    to quote the longest) plus ``max_new_tokens``
+    is longer than a model reads (``configs``: 'role (setting)' -> its config); "" when all fit.
+    Past its positions a model with learned position embeddings (GPT-2, OPT) fails with an
+    IndexError in the middle of a step, and one with rotary positions (Llama) is trained on
+    positions it never saw, silently: both are refused here, before any weights load."""
+    if not lengths:
+        return ""
+    longest = max(range(len(lengths)), key=lengths.__getitem__)
+    n = lengths[longest]
+    short = [(found, who) for who, c in configs.items() if (found := context_length(c)) and n + max_new_tokens > found[0]]
+    if not short:
+        return ""
+    limit, key = min(short)[0]
+    tight = [who for (lim, _), who in short if lim == limit]
+    who = " and ".join(tight) + (" models read" if len(tight) > 1 else " model reads")
+    fit = limit - max_new_tokens
+    room = limit - n  # (new tokens that fit after the longest prompt)
+    fix = (f"set data.max_prompt_tokens={fit} (longer prompts are cut to it; data.on_long_prompt=skip drops them)"
+           + (f", or generation.max_new_tokens={room} or lower" if room > 0 else "") if fit > 0 else
+           f"set generation.max_new_tokens={room} or lower" if room > 0 else
+           f"set generation.max_new_tokens below {limit} and data.max_prompt_tokens to leave room for it")
+    quoted = ""
+    if texts:
+        s = " ".join(str(texts[longest]).split())
+        quoted = f" ({s[:40]!r}{'...' if len(s) > 40 else ''})"
+    return (f"The {who} at most {limit} positions ({key} in the config), but the longest prompt"
+            f"{quoted} is {n} tokens and generation.max_new_tokens={max_new_tokens}"
+            f"{' (its default: the setting is empty)' if default_new else ''} adds "
+            f"{max_new_tokens}: {n + max_new_tokens} positions. {fix[0].upper()}{fix[1:]}.")
+
+
 def _text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
@@ -495,8 +543,19 @@ def verify_model(model, role: str, pad_token_id: int | None = None) -> None:
     - head: ``head(backbone(x))`` equals ``model(x).logits`` (a causal LM's logits at every
       position; a sequence classifier's score at the last token, which is what HF pools when
       there is no padding).
-    Costs one forward of 8 tokens per role. Raises ModelLoadError naming the fix.
+    Costs one forward of 8 tokens per role. Raises ModelLoadError naming the fix. The probe runs in
+    eval mode (a model made or given in train mode would differ by its dropout masks, not by what
+    it attends to); the model's mode is restored.
     """
+    was_training = model.training
+    model.eval()
+    try:
+        _verify(model, role, pad_token_id)
+    finally:
+        model.train(was_training)
+
+
+def _verify(model, role: str, pad_token_id: int | None) -> None:
     params = [(n, p) for n, p in model.named_parameters() if p.is_floating_point()]
     finite = torch.stack([torch.isfinite(p).all() for _, p in params]).tolist() if params else []
     bad = [n for (n, _), ok in zip(params, finite) if not ok]

@@ -246,6 +246,30 @@ def _prompt_problems(source: str, field: str) -> tuple[list[str], bool]:
     return [], False
 
 
+def _term_object_problems(cfg: Config, inputs: Inputs) -> list[str]:
+    """``reward.terms`` given as callables: each marker has its callable, and each callable takes
+    the prompts, the responses and the columns it asks for (with the term's kwargs bound)."""
+    from .rewards.terms import parse_terms
+
+    try:
+        terms = parse_terms(cfg.reward.terms) if cfg.reward.terms else []
+    except ValueError:
+        return []  # (validation says how)
+    problems = []
+    for i, term in enumerate(terms):
+        if not (term.function and is_marker(term.function)):
+            continue
+        obj = inputs.reward_terms.get(term.name)
+        if obj is None:
+            problems.append(f"reward.terms[{i}] (term {term.name!r}) is {term.function!r}: a callable the run was "
+                            f"given from Python, and none is given now: pass the config with the same callable as "
+                            f"the term's function, or name it as 'package.module:function'.")
+        else:
+            problems += _function_problems(f"reward.terms[{i}].function", None, obj, _known_columns(cfg, inputs),
+                                           bound=term.kwargs)
+    return problems
+
+
 def _function_problems(key: str, spec: str | None, obj: Any, columns: list[str] | None,
                        bound: dict | None = None) -> list[str]:
     """``spec`` importable (or ``obj`` callable) as a reward function, asking for no column the
@@ -337,6 +361,7 @@ def object_problems(cfg: Config, inputs: Inputs) -> list[str]:
     for key, obj in (("reward.function", inputs.reward_fn), ("reward.judge", inputs.judge)):
         if obj is not None:
             problems += _function_problems(key, None, obj, _known_columns(cfg, inputs))
+    problems += _term_object_problems(cfg, inputs)
     models = [(role, kw, m) for kw, role in (("policy", "policy"), ("reference", "reference"), ("critic", "critic"),
                                               ("reward_model", "reward")) if (m := getattr(inputs, kw)) is not None]
     if models:
@@ -420,7 +445,7 @@ def input_problems(cfg: Config, inputs: Inputs | None = None) -> list[str]:
     for i, term in enumerate(parse_terms(cfg.reward.terms) if cfg.reward.terms else []):  # (validated above)
         if term.path:
             problems += _model_problems("reward", f"reward.terms[{i}].path", term.path, hub_names)
-        elif term.function:
+        elif term.function and not is_marker(term.function):  # (a callable: object_problems)
             problems += _function_problems(f"reward.terms[{i}].function", term.function, None, columns,
                                            bound=term.kwargs)
     for role in ("policy", "reward", "critic", "reference"):
@@ -446,11 +471,11 @@ def input_problems(cfg: Config, inputs: Inputs | None = None) -> list[str]:
                else f"no network: {hub_endpoint()} cannot be reached")
         for key, name in missing:
             problems.append(f"{key}={name!r} is a hub name that is not in the local Hugging Face cache, and {why}. "
-                            f"Download it where there is network (huggingface-cli download {name}) or give a "
-                            f"local directory.")
+                            f"Download it where there is network (hf download {name} --local-dir DIR) and give "
+                            f"the local directory: {key}=/local/dir.")
         if hub_dataset:
             problems.append(f"data.prompts={cfg.data.prompts!r} is not a local file, so it would be a hub dataset, "
-                            f"and {why}. Give a local JSONL file.")
+                            f"and {why}. Give a local JSONL file (data.prompts=/local/prompts.jsonl).")
     elif hub_names and not missing and not hub_reachable():
         go_offline()  # every hub model is cached: load from the cache without retrying the network
     return problems

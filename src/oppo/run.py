@@ -36,6 +36,7 @@ from .preflight import PreflightError, input_problems
 LINK_NAME = "latest"
 RUN_FILES = ("config.yaml", METRICS_FILE, "trace.json", "lengths.jsonl", CKPT_DIR)
 INPUTS_DIR = "inputs"  # models given as objects, saved for the roles that load them elsewhere (inputs.py)
+FAILURE_FILE = "failure.txt"  # a run that failed with an error: when, the error, and how to go on (removed on resume)
 LOCK_FILE = ".oppo.lock"  # held (flock) by the process writing the run; the kernel drops it when that dies
 
 
@@ -306,6 +307,8 @@ def _objects_comment(cfg: Config, inputs: Inputs) -> str:
             role = {"reward_model": "reward"}.get(kw, kw)
             where = f"; saved to {inputs.saved[role]}" if role in inputs.saved else ""
             lines.append(f"# {key}: given from Python as an object ({kw}=){where}\n")
+    lines += [f"# reward.terms term {name!r}: given from Python as a callable (cfg.reward.terms)\n"
+              for name in inputs.reward_terms]
     if inputs.tokenizer is not None:
         lines.append("# the policy's tokenizer: given from Python as an object (tokenizer=); saved with every "
                      "checkpoint's policy\n")
@@ -497,7 +500,8 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True, *, poli
     # the entries of an existing run directory before this run (None: this run makes it), so that a
     # run failing before its first step removes only what it wrote
     found = set(plan.run_dir.iterdir()) if plan.run_dir.is_dir() else None
-    trainer = Trainer(cfg, progress=progress, save_dir=plan.run_dir / INPUTS_DIR, **objects)
+    trainer = Trainer(cfg, progress=progress, save_dir=plan.run_dir / INPUTS_DIR, reward_terms=inputs.reward_terms,
+                      **objects)
     if progress:
         print(f"models loaded in {time.perf_counter() - t_load:.1f}s", file=sys.stderr)
     try:
@@ -518,6 +522,7 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True, *, poli
                 print(f"rollout engine: {engine}", file=sys.stderr)
             print(policy_line(cfg), file=sys.stderr)
         first = trainer.step
+        (run_dir / FAILURE_FILE).unlink(missing_ok=True)  # (an earlier failure of this run: it goes on now)
         (run_dir / "config.yaml").write_text((f"# rollout engine: {engine}\n" if engine else "")
                                              + _objects_comment(cfg, trainer.inputs)
                                              + yaml.safe_dump(_used_settings(cfg), sort_keys=False))
@@ -596,7 +601,10 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True, *, poli
         if removed:
             _remove_unfinished(run_dir, found)
         if isinstance(e, Exception) and lock is not None:  # (a signal's stop has its own message: cli.py)
-            print(recovery_line(run_dir, trainer.step, removed, objects=bool(inputs)), file=sys.stderr, flush=True)
+            line = recovery_line(run_dir, trainer.step, removed, objects=bool(inputs))
+            print(line, file=sys.stderr, flush=True)
+            if not removed:  # the directory says it failed, and why, to whoever finds it later
+                _record_failure(run_dir, e, line)
         raise
     finally:
         STOP.active = STOP.final = False
@@ -606,6 +614,16 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True, *, poli
     if progress:
         print(run_summary(run_dir, time.perf_counter() - t_start, link=cfg.run.out_dir), flush=True)
     return run_dir
+
+
+def _record_failure(run_dir: Path, e: BaseException, line: str) -> None:
+    """Write ``failure.txt`` in ``run_dir``: the time, the error's first line and the recovery line."""
+    first = (str(e).strip().splitlines() or [""])[0]
+    try:
+        (run_dir / FAILURE_FILE).write_text(f"failed at {time.strftime('%Y-%m-%d %H:%M:%S %z')}: "
+                                            f"{type(e).__name__}: {first}\n{line.removeprefix('oppo: ')}\n")
+    except OSError:
+        pass  # (a full or read-only disk: the message on stderr is what there is)
 
 
 def recovery_line(run_dir: Path, step: int, removed: bool, objects: bool = False) -> str:

@@ -19,7 +19,7 @@ import random
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Mapping
 
 import torch
 
@@ -42,15 +42,19 @@ class Trainer:
     ``judge`` (callables), ``prompts`` (a ``datasets.Dataset``, a list of str or of dicts); a str
     given for one of them is its setting's value. They are checked by the rules the CLI checks
     paths with, before any model loads. ``save_dir``: where models that a role loads in another
-    process (Ray, vLLM) are saved (default: a temporary directory, removed by :meth:`close`)."""
+    process (Ray, vLLM) are saved (default: a temporary directory, removed by :meth:`close`).
+    Callables may stand in for ``reward.terms``' functions (``{"function": fn, ...}`` in
+    ``cfg.reward.terms``); ``reward_terms`` gives them by term name for a config whose terms hold
+    their markers already (what ``oppo.train`` passes)."""
 
     def __init__(self, cfg: Config, progress: bool = True, *, policy: Any = None, tokenizer: Any = None,
                  reference: Any = None, critic: Any = None, reward_model: Any = None,
                  reward_fn: Callable | str | None = None, judge: Callable | str | None = None, prompts: Any = None,
-                 save_dir: str | os.PathLike | None = None):
+                 save_dir: str | os.PathLike | None = None, reward_terms: Mapping[str, Callable] | None = None):
         cfg, self.inputs = split_inputs(cfg, policy=policy, tokenizer=tokenizer, reference=reference, critic=critic,
                                         reward_model=reward_model, reward_fn=reward_fn, judge=judge, prompts=prompts,
-                                        save_dir=Path(save_dir) if save_dir is not None else None)
+                                        save_dir=Path(save_dir) if save_dir is not None else None,
+                                        reward_terms=reward_terms)
         # a Config built or changed in code is checked as the CLI's is, before any model loads
         validate(cfg)
         raise_if(object_problems(cfg, self.inputs))  # objects: by the same rules, before any model loads

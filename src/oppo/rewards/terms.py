@@ -22,6 +22,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
+from ..marker import is_marker
+
 BUILTINS = ("math_accuracy", "format_reward", "boxed_format", "gsm8k_format", "think_format", "length_penalty")
 """The reward functions of :mod:`oppo.rewards`; a term (or ``reward.function``) may name them bare."""
 
@@ -37,7 +39,8 @@ def function_spec(spec: str) -> str:
 @dataclass(frozen=True)
 class RewardTerm:
     """One term of the trained reward: a reward model (``path``) or a function (``function``,
-    'module:function', called with ``kwargs`` bound), times ``weight``. ``role``: a model term's
+    'module:function', or the marker of a callable given from Python, called with ``kwargs``
+    bound), times ``weight``. ``role``: a model term's
     scorer (``reward`` for the first, ``reward_<name>`` for the others; empty for a function)."""
 
     name: str
@@ -56,6 +59,11 @@ def _default_name(path: str | None, function: str | None) -> str:
     """A term's name when it has none: the function's name, else the model directory's last part,
     lower-cased, other characters as ``_``."""
     raw = function.rsplit(":", 1)[-1] if function else re.split(r"[\\/]", str(path).rstrip("/\\"))[-1]
+    return term_name(raw)
+
+
+def term_name(raw: str) -> str:
+    """``raw`` (a function's name) as a term name: lower-cased, other characters as ``_``."""
     return re.sub(r"[^a-z0-9_]+", "_", raw.lower()).strip("_") or "term"
 
 
@@ -81,7 +89,11 @@ def parse_terms(raw: Any, key: str = "reward.terms") -> list[RewardTerm]:
                              f"built-in: {', '.join(BUILTINS)}), {'not both' if path is not None else 'got neither'}.")
         if path is not None and (not isinstance(path, str) or not path.strip()):
             raise ValueError(f"{at}.path must be a model directory or hub name, got {path!r}.")
-        if fn is not None:
+        if callable(fn):
+            raise ValueError(f"{at}.function is a Python callable ({getattr(fn, '__name__', type(fn).__name__)}): "
+                             f"give the config to oppo.train or oppo.Trainer, which take callables as terms (the "
+                             f"config records each as <object: ...>), or name it as 'package.module:function'.")
+        if fn is not None and not is_marker(fn):
             if not isinstance(fn, str) or not (fn in BUILTINS or (":" in fn and all(fn.split(":", 1)))):
                 raise ValueError(f"{at}.function={fn!r} must look like 'package.module:function' or be a built-in "
                                  f"reward: {', '.join(BUILTINS)}.")

@@ -6,16 +6,20 @@ a :class:`~.streaming.StreamingScorer` of kind ``reward`` in the same scorer wor
 from __future__ import annotations
 
 import functools
+from typing import Callable, Mapping
 
 import torch
 
-from ..models import check_roles, load_function, load_reward_model, reward_function
+from ..marker import is_marker
+from ..models import ModelLoadError, check_roles, load_function, load_reward_model, reward_function
 from ..rewards.terms import CompositeReward, RewardTerm, check_settings, parse_terms
 from .streaming import RewardFunction
 
 
-def composite_functions(cfg_reward) -> tuple[list[RewardTerm], dict[str, RewardFunction]]:
-    """The terms of ``cfg_reward.terms`` and their functions by term name: imported, their
+def composite_functions(cfg_reward, objects: Mapping[str, Callable] | None = None,
+                        ) -> tuple[list[RewardTerm], dict[str, RewardFunction]]:
+    """The terms of ``cfg_reward.terms`` and their functions by term name: imported (or, for a
+    term given as a callable from Python, ``objects[name]``: ``inputs.Inputs.reward_terms``), their
     ``kwargs`` checked against the signature and bound. Loads no model (fails before they do)."""
     terms = parse_terms(cfg_reward.terms)
     functions = {}
@@ -23,7 +27,13 @@ def composite_functions(cfg_reward) -> tuple[list[RewardTerm], dict[str, RewardF
         if t.function is None:
             continue
         where = f"reward.terms term {t.name!r} ({t.function})"
-        fn = load_function(t.function, where)
+        if is_marker(t.function):
+            fn = (objects or {}).get(t.name)
+            if fn is None:
+                raise ModelLoadError(f"{where} stands for a callable the run was given from Python, and none is "
+                                     f"given now: pass the config with the same callable as that term's function.")
+        else:
+            fn = load_function(t.function, where)
         check_settings(fn, t.kwargs, where)
         bound = functools.partial(fn, **t.kwargs) if t.kwargs else fn  # (its signature: fn's, kwargs bound)
         functions[t.name] = RewardFunction(reward_function(bound, where), f"{t.function} (term {t.name!r})",

@@ -32,6 +32,53 @@ from .streaming import StreamingScorer, score_full
 from ..trace import Tracer
 
 
+class ScorerDied(RuntimeError):
+    """The scorer child process ended while the controller waited on it; the message names its
+    roles, pid and signal (or exit code)."""
+
+
+def death_message(name: str, roles, pid: int | None, exitcode: int | None, start_method: str) -> str:
+    """'the scorer process (pid 123: the reward, reference and critic scorers) died: killed by SIGKILL'."""
+    import signal
+
+    if exitcode is not None and exitcode < 0:
+        try:
+            how = f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            how = f"killed by signal {-exitcode}"
+        if -exitcode == signal.SIGKILL:
+            how += " (by a user, or by the kernel when memory ran out: see dmesg)"
+    elif exitcode is not None:
+        how = f"it exited with status {exitcode}"
+        if start_method != "fork":  # (a child started afresh imports the script that started oppo)
+            how += (" (its error is printed above; a script that starts training at its top level must do it "
+                    "under if __name__ == '__main__':, as the child process imports the script again)")
+    else:
+        how = "its exit status is unknown (the fork server that started it is gone too)"
+    shown = ", ".join(roles[:-1]) + f" and {roles[-1]}" if len(roles) > 1 else "".join(roles)
+    return f"the {name} process (pid {pid}: the {shown} scorer{'s' if len(roles) > 1 else ''}) died: {how}"
+
+
+def unlink_semaphores(*queues) -> bool:
+    """Remove the names of ``queues``' POSIX semaphores (``/dev/shm/sem.mp-*``) once both processes
+    hold them open: they keep working, and nothing is left behind when a kill -9 of the process
+    group also takes multiprocessing's resource tracker, which would unlink them at exit."""
+    from multiprocessing import synchronize, util
+
+    names = {getattr(getattr(getattr(q, attr, None), "_semlock", None), "name", None)
+             for q in queues for attr in ("_rlock", "_wlock", "_sem")} - {None}
+    # each name's own clean-up, run now (sem_unlink, then the resource tracker forgets it): the
+    # finaliser multiprocessing registered for it at exit or collection (a fork start has none)
+    for f in list(getattr(util, "_finalizer_registry", {}).values()):
+        if getattr(f, "_callback", None) is synchronize.SemLock._cleanup and (getattr(f, "_args", None) or
+                                                                               (None,))[0] in names:
+            try:
+                f()
+            except OSError:
+                pass  # (unlinked already)
+    return True
+
+
 @dataclass(frozen=True)
 class AdmitMsg:
     uids: tuple[int, ...]
@@ -254,6 +301,7 @@ class _ProcessTransport:
         self.proc = ctx.Process(target=_child_main, args=(thread_counts, name, self.q, self.out, self.boost, parent),
                                 daemon=True)
         self.proc.start()
+        self.name, self.roles, self.start_method = name, tuple(scorers), ctx.get_start_method()
         self.forked = ctx.get_start_method() == "forkserver"
         # the models go as the first message, not as the process's arguments: a fork server passes
         # those in one message of at most 253 file descriptors, and each shared tensor is one
@@ -270,12 +318,15 @@ class _ProcessTransport:
                     kind, payload = self.out.get(timeout=1.0)
                 except queue.Empty:
                     if not self.alive():
-                        raise RuntimeError("scorer process died") from None
+                        raise ScorerDied(death_message(self.name, self.roles, self.proc.pid, self.proc.exitcode,
+                                                       self.start_method)) from None
                     continue
                 if kind == "error":
                     cause = payload if isinstance(payload, BaseException) else None
                     raise RuntimeError(f"scorer process failed: {payload!r}" if cause else
                                        f"scorer process failed: {payload}") from cause
+                if not getattr(self, "unlinked", False):  # the child has opened the queues' semaphores: unlink
+                    self.unlinked = unlink_semaphores(self.q, self.out)  # (kill -9 of the group leaves none)
                 return payload
         finally:
             self.boost.value = 0

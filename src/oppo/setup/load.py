@@ -21,9 +21,9 @@ from ..data import ALL_COLUMNS, DataError, build_prompt_set, read_records, recor
 from ..forward import set_packing
 from ..inputs import Inputs
 from ..marker import is_marker
-from ..models import (apply_lora, base_view, check_roles, critic_from_object, enable_gradient_checkpointing,
-                      is_causal_lm_checkpoint, load_causal_lm, load_critic, load_function, load_reward_model,
-                      load_tokenizer, prepare_model,
+from ..models import (ModelLoadError, apply_lora, base_view, check_roles, context_problem, critic_from_object,
+                      enable_gradient_checkpointing, is_causal_lm_checkpoint, load_causal_lm, load_critic,
+                      load_function, load_model_config, load_reward_model, load_tokenizer, prepare_model,
                       reward_function, stop_token_ids, tokenizer_from_object)
 from ..rollout import registry
 from ..scoring.composite import CompositeReward, check_model_terms, composite_functions, load_model_terms
@@ -43,11 +43,12 @@ def load_models(cfg: Config, inputs: Inputs, run: Resolved) -> Models:
     score_fn = _function(inputs.reward_fn, paths.reward_function, "reward.function")
     judge = _function(inputs.judge, paths.judge, "reward.judge")
     accuracy = _function(None, paths.accuracy, "task accuracy")
-    terms, term_fns = composite_functions(cfg.reward) if cfg.reward.terms else (None, {})
+    terms, term_fns = composite_functions(cfg.reward, inputs.reward_terms) if cfg.reward.terms else (None, {})
     asking = {k: f for k, f in (("reward.function", score_fn), ("reward.judge", judge),
                                 ("task accuracy", accuracy)) if f is not None}
     asking.update({f"reward.terms term {name!r}": f.fn for name, f in term_fns.items()})
     prompt_set = _prompt_set(cfg, inputs, paths.prompts, tok, asking)
+    _check_context(cfg, inputs, run, prompt_set, terms)  # (configs only: before any weights load)
     # every role's config and tokenizer, before any weights load (fast; names the fix)
     critic_source = run.critic_source
     objects = {role: m for role in ("reward", "reference") if (m := inputs.model(role)) is not None}
@@ -77,12 +78,13 @@ def load_models(cfg: Config, inputs: Inputs, run: Resolved) -> Models:
         check_model_terms(terms, tok)
         rms = load_model_terms(terms, run.devices["reward"], dtype, pad_id)
         reward_model = rms.pop("reward", None)
+        term_fns = {name: ByRecord(f, prompt_set) for name, f in term_fns.items()}
         extra_rms, composite = rms, CompositeReward(terms, term_fns)
     elif score_fn is not None:
         assert paths.reward_function is not None  # (a function given as an object has its marker there)
         name = describe(score_fn) if is_marker(paths.reward_function) else paths.reward_function
-        reward_fn = RewardFunction(reward_function(score_fn, name), name, retries=cfg.reward.retries,
-                                   backoff_s=cfg.reward.retry_backoff_s)
+        reward_fn = ByRecord(RewardFunction(reward_function(score_fn, name), name, retries=cfg.reward.retries,
+                                            backoff_s=cfg.reward.retry_backoff_s), prompt_set)
     else:
         assert paths.reward is not None, "resolve_paths gives a reward model where no function scores"
         reward_dev = run.devices["reward"]
@@ -146,6 +148,45 @@ def load_models(cfg: Config, inputs: Inputs, run: Resolved) -> Models:
                   reward_fn=reward_fn, judge_fn=KeywordCall(judge) if judge is not None else None,
                   accuracy_fn=KeywordCall(accuracy) if accuracy is not None else None, composite=composite,
                   extra_reward_models=extra_rms, recompute_old=recompute, tracer=Tracer(enabled=cfg.log.trace))
+
+
+class ByRecord(RewardFunction):
+    """A reward function whose errors name each prompt's record in the prompt set (its line of a
+    JSONL file, its row of a data set: ``data.PromptSet.record_numbers``), not the data-stream
+    position the controller passes as ``indices`` (past the set's end after an epoch)."""
+
+    def __init__(self, fn: RewardFunction, prompt_set):
+        self.__dict__.update(fn.__dict__)
+        self.prompt_set = prompt_set
+
+    def __call__(self, prompts, responses, step=None, indices=None, context=None):
+        records = None if indices is None else self.prompt_set.record_numbers(indices)
+        return super().__call__(prompts, responses, step, records, context)
+
+
+def _check_context(cfg: Config, inputs: Inputs, run: Resolved, prompt_set, terms) -> None:
+    """Raise ModelLoadError when the longest prompt and its response do not fit a model's positions
+    (``models.context_problem``), reading each role's config (an object's, else its directory's)."""
+    paths = run.paths
+    sources = {"policy (policy.path)": inputs.policy if inputs.policy is not None else paths.policy,
+               "reference (reference.path)": inputs.reference if inputs.reference is not None else paths.reference,
+               "critic": inputs.model(run.critic_source) if paths.critic and inputs.model(run.critic_source) is not None
+               else paths.critic,
+               "reward (reward.path)": inputs.reward_model if inputs.reward_model is not None else paths.reward}
+    sources.update({f"reward term {t.name!r}": t.path for t in terms or [] if t.path is not None})
+    configs = {}
+    for who, src in sources.items():
+        if src is None or (isinstance(src, str) and is_marker(src)):
+            continue
+        try:
+            configs[who] = src.config if hasattr(src, "config") else load_model_config(
+                src, who.split()[0], trust_remote_code=cfg.policy.trust_remote_code)
+        except ModelLoadError:
+            continue  # (check_roles names a config it cannot read)
+    problem = context_problem([len(ids) for ids in prompt_set.ids], paths.max_new_tokens, configs, prompt_set.texts,
+                              default_new=cfg.generation.max_new_tokens is None)
+    if problem:
+        raise ModelLoadError(problem)
 
 
 def _function(obj: Callable | None, spec: str | None, key: str) -> Callable | None:

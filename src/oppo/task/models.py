@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -148,8 +149,10 @@ def _bar(total: int, desc: str, progress: bool):
 
 
 def train_sft(model: LlamaForCausalLM, seqs: list[list[int]], *, steps: int, batch_size: int,
-              lr: float, seed: int, progress: bool = True, desc: str = "sft") -> dict:
-    """Next-token cross-entropy on every token of each ``<bos> prompt response <eos>`` sequence."""
+              lr: float, seed: int, progress: bool = True, desc: str = "sft",
+              tick: Callable[[int], None] | None = None) -> dict:
+    """Next-token cross-entropy on every token of each ``<bos> prompt response <eos>`` sequence.
+    ``tick(n)``: called with the steps done after each one (``prepare``'s progress lines)."""
     torch.manual_seed(seed)
     rng = random.Random(f"sft-{seed}")
     lengths = [len(s) for s in seqs]
@@ -179,6 +182,8 @@ def train_sft(model: LlamaForCausalLM, seqs: list[list[int]], *, steps: int, bat
         n_tok = int((targets != -100).sum())
         losses.append((loss.item() * len(ids) * mean_tokens / n_tok, n_tok))  # per-token mean
         bar.update(1)
+        if tick is not None:
+            tick(step + 1)
         if step % 20 == 0:
             bar.set_postfix(loss=f"{_token_mean(losses[-20:]):.3f}")
     bar.close()
@@ -205,8 +210,9 @@ class Sample:
 @torch.no_grad()
 def sample(model: LlamaForCausalLM, prompts: list[list[int]], *, max_new_tokens: int,
            batch_size: int, seed: int, temperature: float = 1.0,
-           progress: bool = False) -> list[Sample]:
+           progress: bool = False, tick: Callable[[int], None] | None = None) -> list[Sample]:
     """Sample one response per prompt (ids start with ``<bos>``), plain multinomial sampling.
+    ``tick(n)``: called with the responses done after each batch.
 
     A small KV-cache loop rather than ``model.generate``: rows that emitted ``<eos>`` leave the
     batch at once, which matters with a long tail (most rows finish in a few tokens)."""
@@ -250,6 +256,8 @@ def sample(model: LlamaForCausalLM, prompts: list[list[int]], *, max_new_tokens:
             next_pos = next_pos + 1
         out += [Sample(rows[j], tokens[j], ended[j]) for j in range(len(rows))]
         bar.update(len(rows))
+        if tick is not None:
+            tick(len(out))
     bar.close()
     out.sort(key=lambda s: s.prompt_index)
     return out
@@ -260,9 +268,10 @@ def sample(model: LlamaForCausalLM, prompts: list[list[int]], *, max_new_tokens:
 
 def train_reward_model(model: LlamaForSequenceClassification,
                        pairs: list[tuple[list[int], list[int]]], *, steps: int, batch_size: int,
-                       lr: float, seed: int, progress: bool = True) -> dict:
+                       lr: float, seed: int, progress: bool = True,
+                       tick: Callable[[int], None] | None = None) -> dict:
     """Bradley-Terry: minimise ``-log sigmoid(r(chosen) - r(rejected))`` over (chosen, rejected)
-    id sequences."""
+    id sequences. ``tick(n)``: called with the steps done after each one."""
     torch.manual_seed(seed)
     rng = random.Random(f"rm-{seed}")
     lengths = [max(len(c), len(r)) for c, r in pairs]
@@ -289,6 +298,8 @@ def train_reward_model(model: LlamaForSequenceClassification,
         losses.append(loss.item())
         accs.append((margin > 0).float().mean().item())
         bar.update(1)
+        if tick is not None:
+            tick(step + 1)
         if step % 20 == 0:
             n = min(20, len(losses))
             bar.set_postfix(loss=f"{sum(losses[-n:]) / n:.3f}", acc=f"{sum(accs[-n:]) / n:.2f}")

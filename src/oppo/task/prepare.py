@@ -35,7 +35,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import cast
+from typing import Callable, cast
 
 import torch
 
@@ -229,7 +229,11 @@ def _build(task: Task, out: Path, seed: int, sizes: PrepareSizes, fp: str, log: 
     t0 = time.time()
     cpu0 = time.process_time()
     log.phases = 4 if task.uses_reward_model else 2
-    log(f"preparing task {task.name!r} (seed {seed}, {torch.get_num_threads()} threads) "
+    busy = _load_average()
+    why = f": the machine is busy, load {busy:.1f}" if busy is not None and torch.get_num_threads() < min(
+        os.cpu_count() or 1, 16) else ""
+    n = torch.get_num_threads()
+    log(f"preparing task {task.name!r} (seed {seed}, {n} thread{'s' if n > 1 else ''}{why}) "
         f"into {out.parent / task.name}; {log.phases} phases")
     tokenizer = build_tokenizer(task.vocabulary(), model_max_length=sizes.model.max_positions)
     vocab = tokenizer.get_vocab()
@@ -265,7 +269,8 @@ def _build(task: Task, out: Path, seed: int, sizes: PrepareSizes, fp: str, log: 
     log.phase(f"SFT policy: {M.n_params(policy) / 1e6:.2f}M parameters, {len(seqs)} texts, "
         f"{sizes.sft_steps} steps")
     sft_stats = M.train_sft(policy, seqs, steps=sizes.sft_steps, batch_size=sizes.sft_batch_size,
-                            lr=sizes.sft_lr, seed=_sub(seed, 5), progress=log.enabled)
+                            lr=sizes.sft_lr, seed=_sub(seed, 5), progress=log.enabled,
+                            tick=log.work(sizes.sft_steps, "step"))
     sft_seconds = time.time() - t
     _save_model(policy, tokenizer, out / "policy", log.enabled)
 
@@ -276,7 +281,8 @@ def _build(task: Task, out: Path, seed: int, sizes: PrepareSizes, fp: str, log: 
     eval_p = [eval_prompts[i % len(eval_prompts)] for i in range(sizes.eval_samples)]
     eval_ids = [tokenizer(p)["input_ids"] for p in eval_p]
     samples = M.sample(policy, eval_ids, max_new_tokens=task.max_new_tokens,
-                       batch_size=sizes.sample_batch_size, seed=_sub(seed, 6))
+                       batch_size=sizes.sample_batch_size, seed=_sub(seed, 6),
+                       tick=log.work(len(eval_ids), "response"))
     texts = [cast(str, tokenizer.decode(s.ids, skip_special_tokens=True)) for s in samples]  # (one sequence: a str)
     judged = task.judge(eval_p, texts)
     lengths = sorted(len(s.ids) + int(s.ended) for s in samples)  # generated tokens, EOS included
@@ -343,17 +349,20 @@ def _build_reward_model(task: Task, policy, tokenizer, ids, out: Path, seed: int
                         eval_judged: list[float], log: _Log) -> dict:
     log.phase(f"reward model pairs: sampling the policy on {sizes.rm_prompts} + {sizes.rm_eval_prompts} prompts, "
               f"labelling pairs with the judge")
+    tick = log.work(2 * (sizes.rm_prompts + sizes.rm_eval_prompts), "response")  # (two samples a prompt)
     train_pairs, _ = _preference_pairs(task, policy, tokenizer, ids, sizes.rm_prompts,
-                                       _sub(seed, 7), sizes)
+                                       _sub(seed, 7), sizes, tick)
     held_pairs, held_kinds = _preference_pairs(task, policy, tokenizer, ids,
-                                               sizes.rm_eval_prompts, _sub(seed, 8), sizes)
+                                               sizes.rm_eval_prompts, _sub(seed, 8), sizes,
+                                               lambda n: tick(2 * sizes.rm_prompts + n))
     torch.manual_seed(_sub(seed, 9))
     rm = M.build_reward_model(sizes.model, len(tokenizer), init_from=policy)
     log.phase(f"reward model: {len(train_pairs)} train pairs, {len(held_pairs)} held-out, "
         f"{sizes.rm_steps} steps")
     stats = M.train_reward_model(rm, train_pairs, steps=sizes.rm_steps,
                                  batch_size=sizes.rm_batch_size, lr=sizes.rm_lr,
-                                 seed=_sub(seed, 10), progress=log.enabled)
+                                 seed=_sub(seed, 10), progress=log.enabled,
+                                 tick=log.work(sizes.rm_steps, "step"))
     # Scale the score head so that scores of SFT samples have standard deviation 1 (the mean
     # stays; the head has no bias): PPO reward scales then start out like N(mean, 1).
     seqs = [tokenizer(p)["input_ids"] + s.ids + ([tokenizer.eos_token_id] if s.ended else [])
@@ -393,8 +402,9 @@ def _build_reward_model(task: Task, policy, tokenizer, ids, out: Path, seed: int
     return info
 
 
-def _preference_pairs(task: Task, policy, tokenizer, ids, n: int, seed: int,
-                      sizes: PrepareSizes) -> tuple[list[tuple[list[int], list[int]]], list[str]]:
+def _preference_pairs(task: Task, policy, tokenizer, ids, n: int, seed: int, sizes: PrepareSizes,
+                      tick: Callable[[int], None] | None = None,
+                      ) -> tuple[list[tuple[list[int], list[int]]], list[str]]:
     """(chosen ids, rejected ids) pairs and their kinds, labelled by the judge, from ``n`` corpus
     texts and two policy samples on each of their prompts:
 
@@ -407,10 +417,11 @@ def _preference_pairs(task: Task, policy, tokenizer, ids, n: int, seed: int,
     rng = random.Random(f"pairs-{seed}")
     examples = task.examples(n, seed)
     prompt_ids = [[BOS_ID] + ids(p) for p, _ in examples]
+    tick = tick or (lambda n: None)  # (the responses sampled so far: 2 per prompt)
     s1 = M.sample(policy, prompt_ids, max_new_tokens=task.max_new_tokens,
-                  batch_size=sizes.sample_batch_size, seed=seed + 1)
+                  batch_size=sizes.sample_batch_size, seed=seed + 1, tick=tick)
     s2 = M.sample(policy, prompt_ids, max_new_tokens=task.max_new_tokens,
-                  batch_size=sizes.sample_batch_size, seed=seed + 2)
+                  batch_size=sizes.sample_batch_size, seed=seed + 2, tick=lambda k: tick(n + k))
     vocab_inv = {i: t for t, i in tokenizer.get_vocab().items()}
     eos = tokenizer.eos_token_id
 
@@ -448,6 +459,10 @@ def _preference_pairs(task: Task, policy, tokenizer, ids, n: int, seed: int,
 # --- helpers ------------------------------------------------------------------------------------
 
 
+HEARTBEAT_S = 30.0
+"""Without a terminal, a progress line this often (seconds): phase, step count, time left."""
+
+
 class _Log:
     """Concise progress lines on stderr (silent when ``progress=False``): one when each phase
     starts (numbered, so a log without a terminal shows where the build is) and one with its
@@ -458,14 +473,41 @@ class _Log:
         self.t0 = time.time()
         self.phases = 0
         self._phase = 0
+        self._phase_t0 = self._work_t0 = self.t0
+        self.done = self.total = 0
+        self.unit = "step"
 
     def phase(self, msg: str) -> None:
         self._phase += 1
         self._phase_t0 = time.time()
+        self.total = 0
         self(f"phase {self._phase}/{self.phases}: {msg}")
 
+    def work(self, total: int, unit: str) -> Callable[[int], None]:
+        """Count a loop of ``total`` ``unit`` (steps, responses) in this phase: the callback the
+        loop calls with the count done, read by :meth:`status`."""
+        self.done, self.total, self.unit, self._work_t0 = 0, total, unit, time.time()
+
+        def tick(n: int) -> None:
+            self.done = n
+
+        return tick
+
+    def status(self) -> str:
+        """'phase 1/4: step 212/700, 318s so far, about 7 min left' (the time left at this phase's
+        rate so far; absent before its first step)."""
+        line = f"phase {self._phase}/{self.phases}"
+        if not self.total:
+            return f"{line} still running ({time.time() - self._phase_t0:.0f}s so far)"
+        spent = time.time() - self._work_t0
+        line += f": {self.unit} {self.done}/{self.total}, {time.time() - self._phase_t0:.0f}s so far"
+        if self.done:
+            left = spent / self.done * (self.total - self.done)
+            line += f", about {left / 60:.0f} min left" if left >= 90 else f", about {left:.0f}s left"
+        return line
+
     @contextlib.contextmanager
-    def heartbeat(self, every: float = 60.0):
+    def heartbeat(self, every: float | None = None):
         """Without a terminal (no bars), a line every ``every`` seconds of a long phase, so a log
         shows the build is alive and where it is."""
         if not self.enabled or sys.stderr.isatty():
@@ -473,13 +515,14 @@ class _Log:
             return
         import threading
 
+        every = HEARTBEAT_S if every is None else every
+
         stop = threading.Event()
 
         def beat() -> None:
             while not stop.wait(every):
                 if self._phase:
-                    self(f"phase {self._phase}/{self.phases} still running "
-                         f"({time.time() - self._phase_t0:.0f}s so far)")
+                    self(self.status())
 
         t = threading.Thread(target=beat, name="prepare-heartbeat", daemon=True)
         t.start()
@@ -578,15 +621,36 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def build_threads(cores: int, load: float | None) -> int:
+    """Torch threads for the build: the cores this process may run on (at most 16) that other
+    work leaves idle (``load``: the 1-minute load average, None where unknown), at least 1.
+
+    The models are tiny, so their matmuls split across threads sync often: on a 2-core machine
+    that other jobs keep busy (load 10), 2 threads spun against each other and against them, and 15
+    SFT steps took 139-189 s wall and 46-61 s CPU, against 53-56 s and 12 s with 1 thread
+    (torch 2.13 CPU). On idle cores the threads pay (docs/task.md: 212 s with 2)."""
+    most = max(1, min(cores, 16))
+    if load is None:
+        return most
+    return max(1, min(most, int(cores - load + 0.5)))
+
+
+def _load_average() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):  # not POSIX
+        return None
+
+
 @contextlib.contextmanager
 def _threads():
-    """Use the cores this process may run on (2 on the dev machines), then restore."""
+    """Use the idle cores this process may run on (:func:`build_threads`), then restore."""
     before = torch.get_num_threads()
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
-    torch.set_num_threads(max(1, min(cores, 16)))
+    torch.set_num_threads(build_threads(cores, _load_average()))
     try:
         yield
     finally:
