@@ -429,7 +429,7 @@ class OverlapTuner:
             pred = self._predict(kind, s)
             if not self._repays(s, pred[1] if pred else None):  # a shorter trial (no warm-ups) may still repay
                 if not self.short_said:
-                    self._say(f"too few steps left ({self.steps - self.step}) to repay a trial of {s.describe()} "
+                    self._say(f"too few steps left ({(self.steps or 0) - self.step}) to repay a trial of {s.describe()} "
                               f"({self._trial_length(s)} steps): not trying it, nor any trial that cannot repay")
                     self.short_said = True
                 continue
@@ -521,7 +521,8 @@ class OverlapTuner:
         def s(x) -> Setting | None:
             return None if x is None else Setting(*x)
 
-        self.incumbent, self.trial, self._challenger = s(d["incumbent"]), s(d["trial"]), s(d["challenger"])
+        self.incumbent = Setting(*d["incumbent"])
+        self.trial, self._challenger = s(d["trial"]), s(d["challenger"])
         self.cost, self.base_stale, self.phase, self._kind = d["cost"], d["base_stale"], d["phase"], d["kind"]
         self._plan = [(k, Setting(a, b)) for k, a, b in d["plan"]]
         self._costs, self._stale = list(d["costs"]), list(d["stale"])
@@ -530,8 +531,8 @@ class OverlapTuner:
         self._last = None if d["last"] is None else (Setting(d["last"][0], d["last"][1]), d["last"][2])
         self._pred = None if d["pred"] is None else (d["pred"][0], d["pred"][1])
         self.last_decision, self.short_said, self._changed = dict(d["last_decision"]), d["short_said"], d["changed"]
-        self.rounds, self.trial_steps_run, self.step, self._ran = d["rounds"], d["trial_steps_run"], d["step"], s(
-            d["ran"])
+        self.rounds, self.trial_steps_run, self.step = d["rounds"], d["trial_steps_run"], d["step"]
+        self._ran = Setting(*d["ran"]) if d["ran"] is not None else self.incumbent
         if self.tunes:
             self._keep_last = d["warm"] == 0
             self._warm = max(d["warm"], 1)

@@ -70,7 +70,7 @@ def unlink_semaphores(*queues) -> bool:
     # each name's own clean-up, run now (sem_unlink, then the resource tracker forgets it): the
     # finaliser multiprocessing registered for it at exit or collection (a fork start has none)
     for f in list(getattr(util, "_finalizer_registry", {}).values()):
-        if getattr(f, "_callback", None) is synchronize.SemLock._cleanup and (getattr(f, "_args", None) or
+        if getattr(f, "_callback", None) is getattr(synchronize.SemLock, "_cleanup", None) and (getattr(f, "_args", None) or
                                                                                (None,))[0] in names:
             try:
                 f()
