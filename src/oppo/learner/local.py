@@ -368,8 +368,11 @@ def host_values(values: list) -> list[float]:
     out = [0.0 if torch.is_tensor(v) else float(v) for v in values]
     at = [i for i, v in enumerate(values) if torch.is_tensor(v)]
     if at:
-        dev = values[at[0]].device
-        read = torch.stack([values[i].detach().reshape(()).to(dev, torch.float64) for i in at]).tolist()
+        # a DTensor (FSDP2's gradient norm) as its full value, so that it stacks with plain tensors (a
+        # redistribution every rank makes at the same point of the loop, as float(norm) did before)
+        local = [values[i].full_tensor() if hasattr(values[i], "full_tensor") else values[i] for i in at]
+        dev = local[0].device
+        read = torch.stack([v.detach().reshape(()).to(dev, torch.float64) for v in local]).tolist()
         for i, v in zip(at, read):
             out[i] = v
     return out
