@@ -7,6 +7,7 @@ probe that decides whether packed sequences may share more than one row.
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -193,7 +194,7 @@ def test_attention_path_by_name_and_probe(tiny_models, tiny_prompts, tmp_path):
     try:
         m = t.run_step()
         assert all(model.config._attn_implementation == "oppo_sdpa_math" for model in t.models().values())
-        assert m["loss/policy"] == m["loss/policy"]  # finite: it trained
+        assert math.isfinite(m["loss/policy"])  # it trained
     finally:
         t.close()
 

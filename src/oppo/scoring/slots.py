@@ -163,9 +163,10 @@ class SlotKV:
         last = torch.tensor([len(p) - 1 for p in prompts], dtype=torch.long).to(self.device, non_blocking=True)
         return out.last_hidden_state[:R].gather(1, last[:, None, None].expand(R, 1, out.last_hidden_state.shape[-1]))[:, 0]
 
-    def feed(self, backbone: torch.nn.Module, rows: list[int], seqs: list[list[int]], pad_id: int) -> torch.Tensor:
+    def feed(self, backbone: torch.nn.Module, rows: list[int], seqs: list[list[int]], pad_id: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed the chunks ``seqs`` to rows ``rows`` (indices into the rows, as ``KVRows.forward_rows``);
-        return their hidden states [S, C, H], C the longest chunk. One forward over slots [:Rb], Cb
+        return their hidden states [S, C, H] and tokens [S, C] (right-padded), C the longest chunk. One forward over slots [:Rb], Cb
         tokens each, against columns [:Lb] (module docstring)."""
         assert self.cache is not None  # (rows are admitted first)
         C = max(len(s) for s in seqs)
@@ -188,7 +189,7 @@ class SlotKV:
         for s, seq in zip(fed, seqs):
             self.pos[s] += len(seq)
         sel = torch.tensor(fed, dtype=torch.long).to(self.device, non_blocking=True)
-        return hidden.index_select(0, sel)[:, :C]
+        return hidden.index_select(0, sel)[:, :C], tokens.index_select(0, sel)[:, :C]
 
     def _forward(self, backbone, tokens: torch.Tensor, start: torch.Tensor, rb: int, cb: int, lb: int) -> torch.Tensor:
         """The chunk forward: ``tokens`` [Rb, Cb] at columns ``start`` [Rb] onwards; hidden [Rb, Cb, H]."""

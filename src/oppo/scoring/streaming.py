@@ -24,6 +24,7 @@ of a gather of the cache per round. Left padding is harmless (it shifts a whole 
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Literal, Mapping
 
 import torch
@@ -36,18 +37,6 @@ from .slots import SlotKV, slots_suit
 from ..forward import sequence_batch  # noqa: F401  (re-exported: benchmarks/nan_probe.py imports it from here)
 
 Kind = Literal["reward", "reference", "critic"]
-_SAID: set[str] = set()
-
-
-def _say_once(message: str) -> None:
-    """A fallback named once per process (each scorer would say it again)."""
-    if message not in _SAID:
-        _SAID.add(message)
-        import warnings
-
-        warnings.warn(message, stacklevel=3)
-
-
 def _per_token(kind: Kind, head: torch.nn.Module, pre: torch.Tensor, tokens: torch.Tensor,
                temperature: float) -> torch.Tensor:
     """Head outputs for hidden states ``pre`` [R, C, H] that predict ``tokens`` [R, C] -> [R, C]."""
@@ -120,8 +109,9 @@ class StreamingScorer:
             if why is None:
                 self.kv = SlotKV(self.device)
             else:
-                _say_once(f"The {kind} scorer streams into a dynamic KV cache (a new attention shape per chunk), "
-                          f"not bucketed slots: {why}.")
+                # (warnings' own filter says it once per kind)
+                warnings.warn(f"The {kind} scorer streams into a dynamic KV cache (a new attention shape per chunk), "
+                              f"not bucketed slots: {why}.", stacklevel=2)
         self.uids: list[int] = []
         self.prev_hidden = torch.zeros(0, 0, device=self.device)  # [R, H] hidden of each row's last fed token
         self.outputs: dict[int, ScoredOutputs] = {}
@@ -156,10 +146,10 @@ class StreamingScorer:
             seqs = [list(chunks[self.uids[i]][0]) for i in sel]
             rows = torch.tensor(sel, dtype=torch.long, device=self.device)  # [S]
             lens = torch.tensor([len(s) for s in seqs], device=self.device)  # [S]
-            ids, valid = right_pad(seqs, self.pad_id, self.device)  # [S, C]
-            if isinstance(self.kv, SlotKV):
-                hidden = self.kv.feed(self.backbone, sel, seqs, self.pad_id)  # [S, C, H]
+            if isinstance(self.kv, SlotKV):  # (the slots pad the chunks themselves: one copy to the device)
+                hidden, ids = self.kv.feed(self.backbone, sel, seqs, self.pad_id)  # [S, C, H], [S, C]
             else:
+                ids, valid = right_pad(seqs, self.pad_id, self.device)  # [S, C]
                 hidden = self.kv.forward_rows(self.backbone, rows, ids, valid)  # [S, C, H]
             prev = self.prev_hidden.index_select(0, rows)  # [S, H]
             pre = torch.cat([prev[:, None], hidden[:, :-1]], 1)  # [S, C, H] state before each token
