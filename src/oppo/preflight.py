@@ -5,7 +5,8 @@ reports every problem it finds in one message, so a user fixes them all in one g
 one per attempt, each attempt costing a model load:
 
 - the settings (:func:`oppo.config.validate`, raised at once: a Config made in code is checked as
-  the CLI's is) and ``run.out_dir``: a directory or creatable as one, writable;
+  the CLI's is; one from ``load_config``, validated there, is not validated again:
+  ``config.parse.validate_once``) and ``run.out_dir``: a directory or creatable as one, writable;
 - the prompt set: given when the models are the user's, present, not empty, its first record
   readable with the configured field;
 - model paths: each local one a directory with ``config.json`` (the policy's also with its
@@ -39,7 +40,8 @@ from urllib.parse import urlparse
 
 from typing import Any
 
-from .config import Config, validate
+from .config import Config
+from .config.parse import validate_once
 from .inputs import Inputs, keyword_of
 from .marker import is_marker
 from .rewards import function_spec, parse_terms
@@ -402,13 +404,22 @@ def _shared_objects(models: list[tuple[str, str, Any]]) -> list[str]:
     return out
 
 
+def check_objects(cfg: Config, inputs: Inputs) -> None:
+    """The preflight of a Trainer built in code (``oppo.Trainer(cfg, policy=...)``), which has no
+    run directory: the settings validated (unless :func:`load_config` did, for these very settings)
+    and the objects checked, as ``oppo.train``'s preflight (:func:`input_problems`) checks them,
+    before any model loads. Raises ConfigError or :class:`PreflightError`."""
+    validate_once(cfg)
+    raise_if(object_problems(cfg, inputs))
+
+
 def input_problems(cfg: Config, inputs: Inputs | None = None) -> list[str]:
     """Everything wrong with the run's inputs that can be found without loading a model.
     ``inputs``: the objects given from Python in place of paths (their settings hold markers).
 
     Also switches Hugging Face to offline mode when the hub is unreachable and every hub name is
     cached (so loading goes straight to the cache)."""
-    validate(cfg)  # a Config built or changed in code (oppo.train(cfg)) is checked as the CLI's is
+    validate_once(cfg)  # a Config built or changed in code (oppo.train(cfg)) is checked as the CLI's is
     inputs = inputs or Inputs()
     problems: list[str] = out_dir_problems(cfg.run.out_dir)
     problems += object_problems(cfg, inputs)
