@@ -107,7 +107,8 @@ def _finish(trainer: Trainer, run_dir: Path, logger: MetricsLogger, first: int, 
         print_samples(f"samples at step {trainer.step - 1}:", res.texts, res.exp.scores.tolist(), cfg.run.samples)
     final = None
     if cfg.run.save_final != "none":
-        final = save_checkpoint(trainer, run_dir, cfg.run.keep_checkpoints, weights_only=cfg.run.save_final == "weights")
+        final = save_checkpoint(trainer, run_dir, cfg.run.keep_checkpoints,
+                                weights_only=cfg.run.save_final == "weights")
     logger.close()
     STOP.active = False
     if STOP.signum is not None:  # asked during the last step or the last save: both were finished
