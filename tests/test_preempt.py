@@ -165,16 +165,16 @@ def test_save_every_minutes_checkpoints_by_time(tiny_models, tiny_prompts, tmp_p
 def test_sigterm_during_the_final_save_waits_for_it(tiny_models, tiny_prompts, tmp_path, monkeypatch, capsys):
     """A signal after the last step (here: as the final checkpoint starts, with the default
     run.save_final=full and no periodic saves) lets that checkpoint finish: every step is kept."""
-    import oppo.run
+    import oppo.run.loop
     from oppo.cli import _terminate_like_ctrl_c, main
 
-    real = oppo.run.save_checkpoint
+    real = oppo.run.loop.save_checkpoint
 
     def signalled(*a, **k):
         os.kill(os.getpid(), signal.SIGTERM)  # handled here, in the main thread, before the save begins
         return real(*a, **k)
 
-    monkeypatch.setattr(oppo.run, "save_checkpoint", signalled)
+    monkeypatch.setattr(oppo.run.loop, "save_checkpoint", signalled)
     out = tmp_path / "run"
     settings = [s for s in _settings(tiny_models, tiny_prompts, out, mode="sequential") if "run.steps" not in s]
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}

@@ -198,3 +198,64 @@ def test_a_run_still_writing_its_directory_is_not_resumed(tiny_models, tiny_prom
     assert oppo.run.plan_run(cfg, resume="auto").checkpoint == ckpt  # released (the writer ended or died)
     assert (tmp_path / "run" / oppo.run.LOCK_FILE).read_text() == "12345\n"  # the check wrote nothing
     assert os.path.exists(ckpt / "state.json")
+
+
+@pytest.fixture
+def validations(monkeypatch):
+    """How many times the settings are validated: every module's reference to
+    ``config.validate.validate`` replaced by one that counts its calls."""
+    import sys
+
+    from oppo.config import validate as real
+
+    calls: list[int] = []
+
+    def counted(cfg):
+        calls.append(1)
+        return real(cfg)
+
+    for mod in list(sys.modules.values()):
+        if getattr(mod, "__name__", "").startswith("oppo") and getattr(mod, "validate", None) is real:
+            monkeypatch.setattr(mod, "validate", counted)
+    return calls
+
+
+def test_one_validation_and_one_preflight_per_run(tiny_models, tiny_prompts, tmp_path, validations, monkeypatch):
+    """A tiny train validates its settings once and runs the object checks once, whether the Config
+    comes from load_config (the CLI's path), is built in code, or is changed in code after loading:
+    ``plan_run`` is the run's one preflight and the Trainer checks nothing again."""
+    from oppo.config import Config
+
+    checked: list[int] = []
+    real_objects = oppo.preflight.object_problems
+    monkeypatch.setattr(oppo.preflight, "object_problems", lambda *a: checked.append(1) or real_objects(*a))
+    loaded = user_cfg(tiny_models, tiny_prompts, tmp_path, "run.steps=1", "run.save_final=none", "log.trace=false")
+    assert len(validations) == 1  # load_config validated it
+    oppo.run.train(loaded, progress=False)
+    assert (len(validations), len(checked)) == (1, 1)  # not again: the settings are the ones validated
+    in_code = Config()
+    for section, values in to_dict(loaded).items():  # the same settings, set in code
+        if section not in ("rollout", "placement"):
+            for k, v in values.items():
+                setattr(getattr(in_code, section), k, v)
+    in_code.placement.threads = 1
+    in_code.run.out_dir = str(tmp_path / "in_code")
+    oppo.run.train(in_code, progress=False)
+    assert (len(validations), len(checked)) == (2, 2)  # once, by the run's preflight
+    loaded.run.out_dir = str(tmp_path / "changed")  # changed after load_config validated it: validated again
+    oppo.run.train(loaded, progress=False)
+    assert (len(validations), len(checked)) == (3, 3)
+
+
+def test_a_config_changed_in_code_gets_the_cli_message(tiny_models, tiny_prompts, tmp_path, nothing_loads):
+    """Validated by load_config, then made invalid in code: the run's preflight validates it again,
+    before anything loads, with the message the command line gives."""
+    from oppo.config import ConfigError
+
+    cfg = user_cfg(tiny_models, tiny_prompts, tmp_path)
+    cfg.ppo.batch_size = 0
+    with pytest.raises(ConfigError) as in_code:
+        oppo.run.train(cfg, progress=False)
+    with pytest.raises(ConfigError) as loaded:
+        user_cfg(tiny_models, tiny_prompts, tmp_path, "ppo.batch_size=0")
+    assert str(in_code.value) == str(loaded.value)

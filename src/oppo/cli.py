@@ -41,7 +41,8 @@ def _train(argv: list[str]) -> int:
     args = p.parse_intermixed_args(argv)  # settings may come before and after --resume / --config
     if args.recipe == "list":
         return _recipes([])
-    cfg = load_config(args.config, args.overrides, recipe=args.recipe)  # validation here, before any model loads
+    # validated here, before any model loads, and only here: the run's preflight sees the same settings
+    cfg = load_config(args.config, args.overrides, recipe=args.recipe)
     if args.print_config:
         import yaml
 

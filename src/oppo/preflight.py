@@ -5,7 +5,8 @@ reports every problem it finds in one message, so a user fixes them all in one g
 one per attempt, each attempt costing a model load:
 
 - the settings (:func:`oppo.config.validate`, raised at once: a Config made in code is checked as
-  the CLI's is) and ``run.out_dir``: a directory or creatable as one, writable;
+  the CLI's is; one from ``load_config``, validated there, is not validated again:
+  ``config.parse.validate_once``) and ``run.out_dir``: a directory or creatable as one, writable;
 - the prompt set: given when the models are the user's, present, not empty, its first record
   readable with the configured field;
 - model paths: each local one a directory with ``config.json`` (the policy's also with its
@@ -39,7 +40,8 @@ from urllib.parse import urlparse
 
 from typing import Any
 
-from .config import Config, validate
+from .config import Config
+from .config.parse import validate_once
 from .inputs import Inputs, keyword_of
 from .marker import is_marker
 from .rewards import function_spec, parse_terms
@@ -402,17 +404,38 @@ def _shared_objects(models: list[tuple[str, str, Any]]) -> list[str]:
     return out
 
 
+def check_objects(cfg: Config, inputs: Inputs) -> None:
+    """The preflight of a Trainer built in code (``oppo.Trainer(cfg, policy=...)``), which has no
+    run directory: the settings validated (unless :func:`load_config` did, for these very settings)
+    and the objects checked, as ``oppo.train``'s preflight (:func:`input_problems`) checks them,
+    before any model loads. Raises ConfigError or :class:`PreflightError`."""
+    validate_once(cfg)
+    raise_if(object_problems(cfg, inputs))
+
+
 def input_problems(cfg: Config, inputs: Inputs | None = None) -> list[str]:
     """Everything wrong with the run's inputs that can be found without loading a model.
     ``inputs``: the objects given from Python in place of paths (their settings hold markers).
 
     Also switches Hugging Face to offline mode when the hub is unreachable and every hub name is
     cached (so loading goes straight to the cache)."""
-    validate(cfg)  # a Config built or changed in code (oppo.train(cfg)) is checked as the CLI's is
+    validate_once(cfg)  # a Config built or changed in code (oppo.train(cfg)) is checked as the CLI's is
     inputs = inputs or Inputs()
     problems: list[str] = out_dir_problems(cfg.run.out_dir)
     problems += object_problems(cfg, inputs)
-    hub_names: list[tuple[str, str]] = []
+    hub_names: list[tuple[str, str]] = []  # (setting, hub name) of each model that is not a local path
+    problems += _model_path_problems(cfg, inputs, hub_names)
+    found, hub_dataset = _prompts_problems(cfg)
+    problems += found
+    problems += _reward_problems(cfg, inputs, hub_names)
+    problems += _environment_problems(cfg)
+    problems += _hub_problems(cfg, hub_names, hub_dataset)
+    return problems
+
+
+def _model_path_problems(cfg: Config, inputs: Inputs, hub_names: list[tuple[str, str]]) -> list[str]:
+    """The task or prompt set a run needs, and each role's model directory (hub names collected)."""
+    problems = []
     if cfg.uses_builtin_task:
         from .task import TASKS
 
@@ -428,15 +451,25 @@ def input_problems(cfg: Config, inputs: Inputs | None = None) -> list[str]:
             if role == "policy" and inputs.tokenizer is not None:  # (the tokenizer given as an object is used)
                 found = [p for p in found if "holds no tokenizer" not in p]
             problems += found
-    hub_dataset = False
+    return problems
+
+
+def _prompts_problems(cfg: Config) -> tuple[list[str], bool]:
+    """``data.prompts``' problems, and whether it names a hub dataset."""
     prompts = cfg.data.prompts
     if prompts and not is_marker(prompts) and prompts.lstrip().startswith("["):
-        problems.append(f"data.prompts={prompts!r} looks like a list of prompts, but data.prompts names a file or "
-                        f"data set. Write the prompts to a JSONL file (one {{\"{cfg.data.field}\": ...}} per line), "
-                        f"or, from Python, pass the list: oppo.train(cfg, prompts=[...]).")
-    elif prompts and not is_marker(prompts):
-        found, hub_dataset = _prompt_problems(prompts, cfg.data.field)
-        problems += found
+        return [f"data.prompts={prompts!r} looks like a list of prompts, but data.prompts names a file or "
+                f"data set. Write the prompts to a JSONL file (one {{\"{cfg.data.field}\": ...}} per line), "
+                f"or, from Python, pass the list: oppo.train(cfg, prompts=[...])."], False
+    if prompts and not is_marker(prompts):
+        return _prompt_problems(prompts, cfg.data.field)
+    return [], False
+
+
+def _reward_problems(cfg: Config, inputs: Inputs, hub_names: list[tuple[str, str]]) -> list[str]:
+    """``reward.function``, ``reward.judge`` and each ``reward.terms`` term named by path or spec
+    (objects: :func:`object_problems`)."""
+    problems = []
     columns = _known_columns(cfg, inputs)  # (read once: a file's first record or header)
     for key, spec in (("reward.function", cfg.reward.function), ("reward.judge", cfg.reward.judge)):
         if spec and not is_marker(spec):  # (objects: object_problems)
@@ -448,6 +481,13 @@ def input_problems(cfg: Config, inputs: Inputs | None = None) -> list[str]:
         elif term.function and not is_marker(term.function):  # (a callable: object_problems)
             problems += _function_problems(f"reward.terms[{i}].function", term.function, None, columns,
                                            bound=term.kwargs)
+    return problems
+
+
+def _environment_problems(cfg: Config) -> list[str]:
+    """CUDA where a role asks for it, the logging packages asked for, the rollout backend able to
+    serve the policy."""
+    problems = []
     for role in ("policy", "reward", "critic", "reference"):
         dev = getattr(cfg, role).device
         if dev.startswith("cuda"):
@@ -465,6 +505,13 @@ def input_problems(cfg: Config, inputs: Inputs | None = None) -> list[str]:
         backend = registry.get(cfg.generation.engine)
         policy = None if is_marker(cfg.policy.path) else cfg.policy.path  # (an object: checked once saved)
         problems += backend.problems(policy, cfg.policy.device) if backend.problems else []
+    return problems
+
+
+def _hub_problems(cfg: Config, hub_names: list[tuple[str, str]], hub_dataset: bool) -> list[str]:
+    """Hub names not in the local cache when the hub cannot be reached; offline mode switched on
+    when it cannot and every hub model is cached."""
+    problems = []
     missing = [(k, name) for k, name in hub_names if not _in_hub_cache(name)]
     if (missing or hub_dataset) and not hub_reachable():
         why = ("offline mode is on (HF_HUB_OFFLINE)" if _offline_env()

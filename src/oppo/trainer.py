@@ -23,12 +23,12 @@ from typing import Any, Callable, Literal, Mapping
 
 import torch
 
-from .config import Config, to_dict, validate
+from .config import Config, to_dict
 from .control import Run, StepResult, overlapped_step, sequential_step
 from .control.step_metrics import step_metrics
 from .fingerprint import run_fingerprints
 from .inputs import Inputs, split_inputs
-from .preflight import object_problems, raise_if
+from .preflight import check_objects
 from .api.roles import Roles
 from .setup.build import build_roles
 
@@ -45,20 +45,21 @@ class Trainer:
     process (Ray, vLLM) are saved (default: a temporary directory, removed by :meth:`close`).
     Callables may stand in for ``reward.terms``' functions (``{"function": fn, ...}`` in
     ``cfg.reward.terms``); ``reward_terms`` gives them by term name for a config whose terms hold
-    their markers already (what ``oppo.train`` passes)."""
+    their markers already. ``checked``: the objects of a ``cfg`` that holds their markers and that
+    preflight has passed with them (``oppo.train``: ``run.plan_run``); nothing is checked again."""
 
     def __init__(self, cfg: Config, progress: bool = True, *, policy: Any = None, tokenizer: Any = None,
                  reference: Any = None, critic: Any = None, reward_model: Any = None,
                  reward_fn: Callable | str | None = None, judge: Callable | str | None = None, prompts: Any = None,
-                 save_dir: str | os.PathLike | None = None, reward_terms: Mapping[str, Callable] | None = None):
-        cfg, self.inputs = split_inputs(cfg, policy=policy, tokenizer=tokenizer, reference=reference, critic=critic,
+                 save_dir: str | os.PathLike | None = None, reward_terms: Mapping[str, Callable] | None = None,
+                 checked: Inputs | None = None):
+        if checked is None:
+            cfg, checked = split_inputs(cfg, policy=policy, tokenizer=tokenizer, reference=reference, critic=critic,
                                         reward_model=reward_model, reward_fn=reward_fn, judge=judge, prompts=prompts,
                                         save_dir=Path(save_dir) if save_dir is not None else None,
                                         reward_terms=reward_terms)
-        # a Config built or changed in code is checked as the CLI's is, before any model loads
-        validate(cfg)
-        raise_if(object_problems(cfg, self.inputs))  # objects: by the same rules, before any model loads
-        self.cfg = cfg
+            check_objects(cfg, checked)  # as the CLI's run is checked, before any model loads
+        self.cfg, self.inputs = cfg, checked
         torch.set_num_threads(cfg.placement.threads or torch.get_num_threads())
         _seed_everything(cfg.run.seed)
         try:

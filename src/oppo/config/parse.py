@@ -261,8 +261,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             if key not in explicit:
                 _set(cfg, key, value, f"the built-in task {cfg.data.task!r}'s preset")
                 cfg.__dict__.setdefault("_presets", {})[key] = value  # (a policy object drops them: inputs.py)
-    validate(cfg)
-    return cfg
+    return validate_once(cfg)
 
 
 def with_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Config:
@@ -272,8 +271,7 @@ def with_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Confi
     _refuse_unknown(out, [(key, raw or None, "the command line") for key, raw in pairs])
     for key, raw in pairs:
         _set(out, key, _parse_override(out, key, raw), "the command line")
-    validate(out)
-    return out
+    return validate_once(out)
 
 
 def _split_overrides(overrides: list[str] | tuple[str, ...]) -> list[tuple[str, str]]:
@@ -329,5 +327,18 @@ def from_dict(d: dict) -> Config:
     cfg = Config()
     for key, value in _flatten(upgrade_settings(d)).items():
         _set(cfg, key, value, "a saved config")
-    validate(cfg)
+    return validate_once(cfg)
+
+
+_VALIDATED = "_validated"  # the settings (their repr) a Config held when it was last validated
+
+
+def validate_once(cfg: Config) -> Config:
+    """``cfg``, validated unless it holds exactly the settings it held when last validated: a
+    config from :func:`load_config` is not validated again by the run's preflight, one built or
+    changed in code is (then, and only then). One validation per run, with the same messages
+    whichever way the config was made. Raises ConfigError."""
+    if cfg.__dict__.get(_VALIDATED) != (now := repr(cfg)):
+        validate(cfg)  # (raises, never rewrites: the settings are still ``now``)
+        cfg.__dict__[_VALIDATED] = now
     return cfg
