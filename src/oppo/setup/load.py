@@ -26,7 +26,9 @@ from ..models import (ModelLoadError, apply_lora, base_view, check_roles, contex
                       load_function, load_model_config, load_reward_model, load_tokenizer, prepare_model,
                       reward_function, stop_token_ids, tokenizer_from_object)
 from ..rollout import registry
-from ..scoring.composite import CompositeReward, check_model_terms, composite_functions, load_model_terms
+from ..rewards.terms import RewardTerm
+from ..scoring.composite import (CompositeReward, check_model_terms, composite_functions, load_model_terms,
+                                  one_term)
 from ..scoring.reward_fn import KeywordCall, describe, missing_columns, wants
 from ..scoring.streaming import RewardFunction
 from ..trace import Tracer
@@ -72,25 +74,8 @@ def load_models(cfg: Config, inputs: Inputs, run: Resolved) -> Models:
     critic_init = (critic_from_object(critic_object, critic_dev, master, pad_id, copy_it=critic_source != "critic")
                    if critic_object is not None else None)
     # the reward first: an invalid reward model or function fails before the big models load
-    reward_fn = reward_model = composite = None
-    extra_rms: dict[str, torch.nn.Module] = {}  # composite: the reward models after the first, by scorer role
-    if terms is not None:
-        check_model_terms(terms, tok)
-        rms = load_model_terms(terms, run.devices["reward"], dtype, pad_id)
-        reward_model = rms.pop("reward", None)
-        term_fns = {name: ByRecord(f, prompt_set) for name, f in term_fns.items()}
-        extra_rms, composite = rms, CompositeReward(terms, term_fns)
-    elif score_fn is not None:
-        assert paths.reward_function is not None  # (a function given as an object has its marker there)
-        name = describe(score_fn) if is_marker(paths.reward_function) else paths.reward_function
-        reward_fn = ByRecord(RewardFunction(reward_function(score_fn, name), name, retries=cfg.reward.retries,
-                                            backoff_s=cfg.reward.retry_backoff_s), prompt_set)
-    else:
-        assert paths.reward is not None, "resolve_paths gives a reward model where no function scores"
-        reward_dev = run.devices["reward"]
-        reward_model = (prepare_model(inputs.reward_model, "reward", reward_dev, dtype, pad_id)
-                        if inputs.reward_model is not None
-                        else load_reward_model(paths.reward, reward_dev, dtype, pad_id, new_head=new_head))
+    reward, reward_model, extra_rms = _load_reward(cfg, inputs, run, tok, prompt_set, score_fn, terms, term_fns,
+                                                   new_head)
     # policy / critic: the trained weights; rollout_policy / scoring_critic: what the engine and
     # scorers run, the same objects in fp32, bf16 copies refreshed after each update under mixed
     # precision; LoRA: the frozen base stays in the compute dtype (only the fp32 adapters train)
@@ -145,9 +130,35 @@ def load_models(cfg: Config, inputs: Inputs, run: Resolved) -> Models:
                   compute_dtype=dtype, max_new_tokens=paths.max_new_tokens, pad_id=pad_id,
                   stop_ids=tuple(stop_token_ids(tok, policy)), policy=policy, critic=critic, reference=reference,
                   rollout_policy=rollout_policy, scoring_critic=scoring_critic, reward_model=reward_model,
-                  reward_fn=reward_fn, judge_fn=KeywordCall(judge) if judge is not None else None,
-                  accuracy_fn=KeywordCall(accuracy) if accuracy is not None else None, composite=composite,
+                  reward=reward, judge_fn=KeywordCall(judge) if judge is not None else None,
+                  accuracy_fn=KeywordCall(accuracy) if accuracy is not None else None,
                   extra_reward_models=extra_rms, recompute_old=recompute, tracer=Tracer(enabled=cfg.log.trace))
+
+
+def _load_reward(cfg: Config, inputs: Inputs, run: Resolved, tok, prompt_set, score_fn: Callable | None,
+                 terms: list[RewardTerm] | None, term_fns: dict[str, RewardFunction], new_head: bool,
+                 ) -> tuple[CompositeReward, torch.nn.Module | None, dict[str, torch.nn.Module]]:
+    """The trained reward as a composite of terms (``reward.terms``; ``reward.function`` or
+    ``reward.path`` as its one term: ``scoring.composite.one_term``), the ``reward`` scorer's model
+    (None where no model term scores) and the further reward models by scorer role."""
+    paths, pad_id, dtype, reward_dev = run.paths, tok.pad_token_id, run.dtype, run.devices["reward"]
+    if terms is not None:
+        check_model_terms(terms, tok)
+        rms = load_model_terms(terms, reward_dev, dtype, pad_id)
+        reward_model = rms.pop("reward", None)
+        fns = {name: ByRecord(f, prompt_set) for name, f in term_fns.items()}
+        return CompositeReward(terms, fns), reward_model, rms
+    if score_fn is not None:
+        assert paths.reward_function is not None  # (a function given as an object has its marker there)
+        name = describe(score_fn) if is_marker(paths.reward_function) else paths.reward_function
+        fn = ByRecord(RewardFunction(reward_function(score_fn, name), name, retries=cfg.reward.retries,
+                                     backoff_s=cfg.reward.retry_backoff_s), prompt_set)
+        return one_term(function=paths.reward_function, fn=fn), None, {}
+    assert paths.reward is not None, "resolve_paths gives a reward model where no function scores"
+    reward_model = (prepare_model(inputs.reward_model, "reward", reward_dev, dtype, pad_id)
+                    if inputs.reward_model is not None
+                    else load_reward_model(paths.reward, reward_dev, dtype, pad_id, new_head=new_head))
+    return one_term(path=paths.reward), reward_model, {}
 
 
 class ByRecord(RewardFunction):
