@@ -88,6 +88,11 @@ class Run:
         return self.controller
 
     @property
+    def rollouts(self) -> dict[int, Rollout]:
+        """The rows admitted and not yet trained, by uid (``Streams.rollouts``)."""
+        return self.streams.rollouts
+
+    @property
     def next_begun(self) -> bool:
         """Pipeline: the next step's prompts were admitted while the learner trained."""
         return self.streams.next_begun
