@@ -556,7 +556,8 @@ def test_gpt2_policy_object_with_dropout_trains(tiny_models, tmp_path):
         assert trainer.roles.critic is not None and not trainer.roles.critic.training
         from oppo.setup.load import ByRecord
 
-        assert isinstance(trainer.roles.reward_fn, ByRecord)  # (errors name records: the test below)
+        (fn,) = trainer.roles.reward.functions.values()  # reward.function: the reward's one term
+        assert isinstance(fn, ByRecord)  # (errors name records: the test below)
     assert math.isfinite(metrics["loss/policy"]) and math.isfinite(metrics["loss/value"])
 
 

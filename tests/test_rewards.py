@@ -248,3 +248,16 @@ def test_gsm8k_recipe_trains_a_step_on_stand_ins(name, tiny_models, tmp_path):
         trainer.close()
     assert {"reward/math_accuracy/mean", "reward/boxed_format/mean", "reward/length_penalty/mean"} <= set(m)
     assert math.isfinite(m["reward/mean"]) and math.isfinite(m["loss/policy"])
+
+
+def test_reward_path_and_function_are_one_term_composites():
+    """``reward.path`` / ``reward.function`` are a composite of one term (``scoring.composite.one_term``):
+    their scores pass through unchanged (no sum is taken) and no term mean is reported."""
+    from oppo.scoring.composite import one_term
+
+    model = one_term(path="my-rm")
+    assert model.model_roles == ("reward",)
+    assert model(["p"] * 2, ["a", "b"], {"reward": [-0.0, 0.25]}) == ([-0.0, 0.25], {})
+    fn = one_term(function="m:f", fn=lambda prompts, responses, **kw: [float(len(r)) for r in responses])
+    assert fn.model_roles == () and fn(["p"], ["abc"], {}, step=0) == ([3.0], {})
+    assert isinstance(model, CompositeReward) and isinstance(fn, CompositeReward)

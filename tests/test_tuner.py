@@ -370,3 +370,30 @@ def test_the_trainer_feeds_the_planner_and_a_short_run_does_not_explore(tiny_mod
     assert len(planner.lengths) >= 3 and all(c > 0 for _, c in planner.decode)  # every measured step observed
     assert all(m["overlap/tuner_trial"] == 0.0 for _, m in rows)
     assert sum("too few steps left" in d for d in tuner.take_decisions()) == 1
+
+
+# ---------------------------------------------------------------- the controller behind one Protocol
+
+
+@pytest.mark.parametrize("extra, kind", [(("overlap.delta_rule=reward_slope",), "ChunkSizeTuner"), ((), "OverlapTuner")])
+def test_every_overlap_controller_is_driven_one_way(extra, kind):
+    """``control.controller.build_controller`` gives the reward-slope rule's chunk tuner or the cost
+    controller; the loop drives either through the same calls (``OverlapController``), none asked
+    which it holds."""
+    from oppo.config import load_config
+    from oppo.control.controller import build_controller
+    from oppo.scheduler import StepTiming
+
+    cfg = load_config(None, ["policy.path=p", "reward.path=r", "data.prompts=d", "overlap.mode=oppo", "overlap.delta=-1",
+                             "overlap.delta_min=0", "overlap.delta_max=8", "overlap.chunk_candidates=[4,8]",
+                             "ppo.batch_size=8", "ppo.minibatch_size=8", "ppo.micro_batch_size=8", *extra])
+    controller, delta = build_controller(cfg, streams=True, in_flight=False)
+    assert type(controller).__name__ == kind
+    assert controller.chunk_size() == 4 and hasattr(delta, "update")  # Delta moves: a rule, not a number
+    for k in range(6):
+        controller.observe(StepTiming(1.0 + 0.1 * k, 100.0, 0.1, (10,) * 8, 10.0, 0.5))
+    assert all(isinstance(line, str) for line in controller.take_decisions())
+    assert isinstance(controller.step_metrics(), dict)
+    again, _ = build_controller(cfg, streams=True, in_flight=False)
+    again.load_state_dict(controller.state_dict())
+    assert again.chunk_size() == controller.chunk_size()

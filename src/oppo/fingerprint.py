@@ -128,7 +128,7 @@ def run_fingerprints(roles) -> dict:
     if roles.reward_model is not None:
         out["reward"] = {"path": paths.reward, "fingerprint": weights_fingerprint(roles.reward_model)}
     if roles.extra_reward_models:  # reward.terms' further reward models, by scorer role
-        term_paths = {t.role: t.path for t in roles.composite.terms}
+        term_paths = {t.role: t.path for t in roles.reward.terms}
         for role, model in roles.extra_reward_models.items():
             out[role] = {"path": term_paths[role], "fingerprint": weights_fingerprint(model)}
     if roles.critic is not None:

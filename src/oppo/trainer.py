@@ -105,7 +105,7 @@ class Trainer:
         if self.cfg.overlap.mode == "sequential":
             result, times = sequential_step(self.run, step)
         else:
-            result, times = overlapped_step(self.run, step)  # (pipeline ends the scheduler's step itself)
+            result, times = overlapped_step(self.run, step)  # (each ends the scheduler's step: stages.end_step)
         t1 = time.perf_counter()
         dt = t1 - t0
         self.step_windows[step] = (t0, t1)
@@ -114,8 +114,6 @@ class Trainer:
         self.run.record(dt, float(result.exp.mask.sum()), metrics.get("overlap/offpolicy_token_frac", 0.0), metrics)
         # share of the machine's CPU capacity this process used during the step
         metrics["perf/cpu_util"] = (time.process_time() - c0) / (dt * (os.cpu_count() or 1))
-        if not self.run.policy.in_flight:
-            self.run.scheduler.end_step(metrics["reward/mean"])
         self.step += 1
         self.last_result = result
         return metrics

@@ -62,6 +62,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .scheduler.records import StepTiming
+
 __all__ = ["OverlapTuner", "Prediction", "Setting", "TunedDelta", "delta_ladder"]
 
 _FORMAT = "oppo.overlap_tuner/2"
@@ -140,6 +142,7 @@ class OverlapTuner:
         self.trial_steps, self.retune_every, self.margin = trial_steps, retune_every, margin
         self.max_stale_share, self.in_flight, self.steps = max_stale_share, in_flight, steps
         self.predictor: Callable[[Setting], Prediction | None] | None = None  # not checkpointed: refit on resume
+        self.learner: Callable[[Setting, StepTiming], None] | None = None  # what the predictor learns from (observe)
         self.incumbent = Setting(self.deltas[0], self.chunks[0])
         self.cost: float | None = None  # the incumbent's measured cost (s per token)
         self.base_stale: float | None = None  # the off-policy share at the lowest Delta
@@ -221,6 +224,23 @@ class OverlapTuner:
     def take_decisions(self) -> list[str]:
         out, self.decisions = self.decisions, []
         return out
+
+    # ---------------------------------------------------------------- as the run's controller
+
+    def chunk_size(self) -> int:
+        """Tokens per streamed chunk for the next step (0: one-shot scoring)."""
+        return self.current().chunk
+
+    def observe(self, ran: StepTiming) -> None:
+        """A step ran with :meth:`current`: the predictor's model learns from it (:attr:`learner`),
+        then it is recorded (:meth:`record`)."""
+        if self.learner is not None:
+            self.learner(self.current(), ran)
+        self.record(ran.seconds, ran.tokens, ran.stale_share)
+
+    def step_metrics(self) -> dict[str, float]:
+        """:meth:`metrics` where the controller tunes; a fixed setting adds none."""
+        return self.metrics() if self.tunes else {}
 
     def metrics(self) -> dict[str, float]:
         """The controller's state for the step's metrics; a figure with no value yet is absent."""

@@ -39,12 +39,11 @@ class Models:
     reference: torch.nn.Module
     rollout_policy: torch.nn.Module  # what a local engine samples with (the policy, or its bf16 copy)
     scoring_critic: torch.nn.Module | None
-    reward_model: torch.nn.Module | None
-    reward_fn: Callable | None  # (scoring.streaming.RewardFunction)
+    reward: CompositeReward  # the trained reward: reward.terms, or reward.path / reward.function as one term
+    reward_model: torch.nn.Module | None  # the ``reward`` scorer's model (a model term's; None: functions only)
     judge_fn: Callable | None
     accuracy_fn: Callable | None
-    composite: CompositeReward | None  # reward.terms: the trained reward is their weighted sum (else reward_fn or model)
-    extra_reward_models: dict[str, torch.nn.Module]  # composite: reward models after the first, by scorer role
+    extra_reward_models: dict[str, torch.nn.Module]  # reward.terms: the reward models after the first, by scorer role
     recompute_old: bool  # the learner recomputes the old log-probs (ppo.old_logprobs resolved)
     tracer: Tracer
 

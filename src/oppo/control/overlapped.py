@@ -33,10 +33,10 @@ def overlapped_step(run: s.Run, step: int) -> tuple[s.StepResult, dict[str, floa
     if rollout.version != step:  # a run's or a resume's first step (otherwise loaded at the last one's end)
         s.new_weights(run, step)
     chunk = run.chunk()  # None: nothing streams this step (the mode, or the controller's one-shot setting)
-    run.streaming = chunk is not None
-    if not run.next_begun:
+    run.streams.streaming = chunk is not None
+    if not run.streams.next_begun:
         s.admit(run, sched.begin_step().seqs, step)
-    run.next_begun = False
+    run.streams.next_begun = False
     # 1-2. admit and decode until the scheduler closes the step
     close = s.decode_until_close(run, step, chunk)
     times["time/generate"] = time.perf_counter() - t_gen
@@ -51,14 +51,15 @@ def overlapped_step(run: s.Run, step: int) -> tuple[s.StepResult, dict[str, floa
     if pol.in_flight:
         assert run.learner_thread is not None  # Run starts it for an in-flight policy
         update = run.learner_thread.submit(s.update, run, exp, texts, scores, step)
-        sched.end_step(sum(scores.scores) / len(scores.scores))
+    else:
+        result = s.update(run, exp, texts, scores, step)
+    s.end_step(run, scores)  # (pipeline: before the next step begins, while the learner trains)
+    if pol.in_flight:
         stats.update(_decode_while_training(run, step, chunk, update))
         times["time/inflight_decode"] = time.perf_counter() - t
         with tracer.span("controller", "wait_learner", step):
             result = update.result()
         stats["pipeline/rows_at_load"] = rollout.active
-    else:
-        result = s.update(run, exp, texts, scores, step)
     s.sync_weights(run, result.stats, step)
     times["time/train"] = time.perf_counter() - t
     result.stats.update(stats)
@@ -72,7 +73,7 @@ def _decode_while_training(run: s.Run, step: int, chunk: int | None, update) -> 
     nxt, decoded, rollout = step + 1, 0, run.roles.rollout
     if nxt < run.cfg.run.steps:
         s.admit(run, run.scheduler.begin_step().seqs, step)
-        run.next_begun = True
+        run.streams.next_begun = True
         t_span = time.perf_counter()
         while not update.done() and rollout.active:
             decoded += rollout.active

@@ -22,7 +22,7 @@ def sequential_step(run: s.Run, step: int) -> tuple[s.StepResult, dict[str, floa
         rollout.admit(batch)
         done = {r.uid: r for r in rollout.generate_all()}  # the backend's records
     batch = [done[r.uid] for r in batch]
-    run.rollouts.update(done)
+    run.streams.add(batch)
     times["time/generate"] = time.perf_counter() - t
     for r in batch:
         run.scheduler.on_finished(r.uid)
@@ -38,6 +38,7 @@ def sequential_step(run: s.Run, step: int) -> tuple[s.StepResult, dict[str, floa
     exp = s.experience(run, batch, step)  # the old-log-prob recompute: inside time/train (perf/train_mfu counts it)
     times["time/old_logprobs"] = time.perf_counter() - t
     result = s.update(run, exp, texts, scores, step)
+    s.end_step(run, scores)
     s.sync_weights(run, result.stats, step)
     times["time/train"] = time.perf_counter() - t
     s.finish(run, close.uids)

@@ -14,17 +14,20 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import cast
 
+import torch
+
 from .. import modes
 from ..algo.stage import compute_advantages
 from ..config import Config
 from ..learner.batch import Experience, attach_scores, build_experience
 from ..learner.offpolicy import staleness_stats
-from ..scheduler import ChunkSizeTuner, DeltaController, Scheduler
-from ..plan.online import OnlinePlanner
-from ..tuner import OverlapTuner, TunedDelta, delta_ladder
+from ..scheduler import Scheduler, StepTiming
 from ..api.roles import Roles
 from ..api.decode import decode_and_stream
 from ..api.records import Chunk, Rollout, ScoredOutputs, Scores
+from .controller import OverlapController, build_controller
+from .inflight import InFlight
+from .streams import Streams
 
 
 @dataclass(frozen=True)
@@ -57,166 +60,75 @@ class StepResult:
 
 
 class Run:
-    """The controller's state over the roles: the scheduler, the overlap controller (Delta and the
-    chunk size: ``tuner.OverlapTuner``, or the reward-slope rule with a ``ChunkSizeTuner``), the
-    sequences admitted and not yet trained, which of them stream to the scorers, and (pipeline) the
-    learner thread."""
+    """The controller's state over the roles, one part per job: the scheduler's tickets; the
+    overlap controller that sets Delta and the chunk size (``controller.py``); the rows in
+    flight and which of them stream to the scorers (``streams.py``); their checkpoint save,
+    restore and drain (``inflight.py``); and (pipeline) the learner thread."""
 
     def __init__(self, roles: Roles):
         cfg = roles.cfg
         self.roles, self.cfg, self.policy = roles, cfg, OverlapPolicy.of(cfg)
         self.threads, self.tracer = roles.placement.threads, roles.tracer
-        o, carries, B, G = cfg.overlap, cfg.carries, cfg.ppo.batch_size, cfg.group_size
-        dmax = min(o.delta_max, B // G)  # derived once: the adaptive bounds never exceed B (groups: B / G)
-        dmin = min(o.delta_min, dmax)
-        adaptive = carries and o.delta < 0
-        self.tuner: OverlapTuner | ChunkSizeTuner
-        self.planner: OnlinePlanner | None = None
-        self.trained_lengths: list[int] = []  # the last step's trained response lengths (the planner's)
-        delta: int | DeltaController | TunedDelta
-        if adaptive and o.delta_rule == "reward_slope":  # the OPPO paper's rules
-            delta = DeltaController(min(max(o.delta_init, dmin), dmax), dmin, dmax, o.delta_window,
-                                    o.delta_proportional)
-            self.tuner = ChunkSizeTuner(tuple(c for c in o.chunk_candidates if c), o.trial_steps, o.retune_every,
-                                        fixed=o.chunk_size or None)
-        else:
-            deltas = delta_ladder(dmin, dmax) if adaptive else ((o.delta if carries else 0),)
-            chunks = ((o.chunk_size,) if o.chunk_size else tuple(o.chunk_candidates)) if self.policy.streams else (0,)
-            self.tuner = OverlapTuner(deltas, chunks, trial_steps=o.trial_steps, retune_every=o.retune_every,
-                                      margin=o.tune_margin, max_stale_share=o.max_stale_share,
-                                      in_flight=self.policy.in_flight, steps=cfg.run.steps)
-            delta = TunedDelta(self.tuner) if len(deltas) > 1 else deltas[0]
-            if len(deltas) > 1 and G == 1:  # the planner predicts Delta from the run's own steps (plan/online.py)
-                self.planner = OnlinePlanner(B, o.max_lag)
-                self.tuner.predictor = self.planner.predict
-        self.scheduler = Scheduler(B, o.max_lag if carries else 0, delta, refill=o.refill and carries, group_size=G,
+        self.controller, delta = build_controller(cfg, self.policy.streams, self.policy.in_flight)
+        o = cfg.overlap
+        self.scheduler = Scheduler(cfg.ppo.batch_size, o.max_lag if cfg.carries else 0, delta,
+                                   refill=o.refill and cfg.carries, group_size=cfg.group_size,
                                    partial_groups=o.partial_groups)
-        self.streaming = False  # this step's chunks stream to the scorers (the controller may score one-shot)
-        self.streamed: set[int] = set()  # uids the scorers hold a prefix of (admitted to them)
-        self.scored_whole: set[int] = set()  # streamed uids whose final chunk the scorers got
-        self.rollouts: dict[int, Rollout] = {}  # admitted, not yet trained
+        self.streams = Streams()
+        self.inflight = InFlight(roles, self.scheduler, self.streams, self.policy.streams)
+        self.trained_lengths: list[int] = []  # the last step's trained response lengths (the planner's)
         self.length_sampler = None  # benchmarks: (prompt_index, member of its group) -> forced response length
         self.learner_thread = (ThreadPoolExecutor(1, thread_name_prefix="oppo-learner") if self.policy.in_flight
                                else None)
-        self.next_begun = False  # pipeline: the next step's prompts were admitted while the learner trained
         self.skipped_updates: float = 0  # ppo.nonfinite=skip: optimizer steps skipped since this process started
+
+    @property
+    def tuner(self) -> OverlapController:
+        """The overlap controller (the name a checkpoint saves its state under)."""
+        return self.controller
+
+    @property
+    def rollouts(self) -> dict[int, Rollout]:
+        """The rows admitted and not yet trained, by uid (``Streams.rollouts``)."""
+        return self.streams.rollouts
+
+    @property
+    def next_begun(self) -> bool:
+        """Pipeline: the next step's prompts were admitted while the learner trained."""
+        return self.streams.next_begun
 
     def chunk(self) -> int | None:
         """Tokens per streamed chunk for the next step; None: nothing streams (one-shot scoring)."""
-        if not self.policy.streams:
-            return None
-        c = self.tuner.current() if isinstance(self.tuner, ChunkSizeTuner) else self.tuner.current().chunk
-        return c or None
+        return (self.controller.chunk_size() or None) if self.policy.streams else None
 
     def record(self, seconds: float, tokens: float, stale_share: float, metrics: dict | None = None) -> None:
         """A step ran with the controller's setting: its time, trained tokens and off-policy share
         (and its ``metrics``, whose stage times the planner learns from)."""
-        if isinstance(self.tuner, ChunkSizeTuner):
-            self.tuner.record(seconds)
-            return
-        if self.planner is not None and metrics is not None:
-            self.planner.observe(self.tuner.current(), seconds, self.trained_lengths,
-                                 metrics.get("perf/decode_steps", 0.0), metrics.get("time/generate", 0.0))
-        self.tuner.record(seconds, tokens, stale_share)
+        m = metrics or {}
+        self.controller.observe(StepTiming(seconds, tokens, stale_share, tuple(self.trained_lengths),
+                                           m.get("perf/decode_steps", 0.0), m.get("time/generate", 0.0)))
 
     def take_decisions(self) -> list[str]:
         """The overlap controller's decisions since the last call, one line each with its reason."""
-        return self.tuner.take_decisions() if isinstance(self.tuner, OverlapTuner) else []
-
-    def forget_streams(self, uids) -> None:
-        self.streamed.difference_update(uids)
-        self.scored_whole.difference_update(uids)
-
-    def between_steps(self) -> None:
-        """Bring the run to a state a checkpoint saves: a pipeline run's next step, begun while
-        the learner trained, is un-begun (its sequences stay admitted, for the drain)."""
-        if self.next_begun:
-            self.scheduler.suspend()
-            self.next_begun = False
+        return self.controller.take_decisions()
 
     def untrained(self) -> dict[int, Rollout]:
-        """The sequences admitted and not yet trained, by uid, in admission order; a decoding one as
-        the rollout backend holds it now (its progress lives in the backend's record, not in ours)."""
-        decoding = {r.uid: r for r in self.roles.rollout.in_flight() or []}
-        return {u: decoding.get(u, r) for u, r in self.rollouts.items()}
+        """The sequences admitted and not yet trained, by uid, in admission order (``Streams.untrained``)."""
+        return self.streams.untrained(self.roles.rollout.in_flight() or [])
+
+    # the sequences in flight across a checkpoint (inflight.py), as the trainer calls them
 
     def save_in_flight(self) -> dict:
-        """What a checkpoint saves of the sequences admitted and not yet trained (carried ones, a
-        finished group member waiting for its siblings, a pipeline run's begun step), between
-        steps. ``{"how": "saved", "sequences": [Rollout.state_dict()...]}``: each one's prompt,
-        tokens so far and every token's version and log-probs, in admission order (the scheduler's
-        tickets are in its own state). Where the rollout backend cannot hand its rows out, they
-        are drained instead (:meth:`drain`): ``{"how": "drained", "count": n, "sequences": []}``."""
-        self.between_steps()
-        rows = self.roles.rollout.in_flight()
-        if rows is None:
-            return {"how": "drained", "count": self.drain(), "sequences": []}
-        self.rollouts.update((r.uid, r) for r in rows)  # their progress, as the backend holds it
-        return {"how": "saved", "count": len(self.rollouts),
-                "sequences": [r.state_dict() for r in self.rollouts.values()]}
+        return self.inflight.save()
 
     def restore_in_flight(self, sequences: list[dict], step: int) -> None:
-        """Admit saved sequences (:meth:`save_in_flight`) again, their scheduler tickets restored
-        already. The running ones go back into the rollout backend with their partial responses:
-        it prefills prompt + response so far under its current weights (as ``stale_kv=recompute``
-        does, so their next tokens carry the current version) and decodes on where each stopped.
-        Saved tokens keep their versions and behaviour log-probs, so the off-policy correction
-        and the staleness metrics see them as before. Streaming scorers prefill each prompt and
-        get the response so far as the sequence's first chunk (``emitted`` is reset: the engine
-        sends it with its next chunk); a finished one gets it as its final chunk."""
-        rows = [Rollout.from_state_dict(d) for d in sequences]
-        if not rows:
-            return
-        rollout, scorer = self.roles.rollout, self.roles.scorer
-        for r in rows:
-            r.emitted = 0
-            r.scored_version = rollout.version  # the scorers score it afresh, with the weights they hold now
-            self.rollouts[r.uid] = r
-        running = [r for r in rows if not r.finished]
-        with self.tracer.span("actor", "prefill_prompt", step):
-            rollout.admit(running)
-        done = [r for r in rows if r.finished]
-        if self.policy.streams and running:
-            scorer.admit([r.uid for r in running], [r.prompt_ids for r in running], step)
-            self.streamed.update(r.uid for r in running)
-        if self.policy.streams and done:
-            scorer.admit_finished([r.uid for r in done], [r.prompt_ids for r in done], [r.response_ids for r in done],
-                                  step)
-            for r in done:
-                r.emitted = len(r.response_ids)
-            self.streamed.update(r.uid for r in done)
-            self.scored_whole.update(r.uid for r in done)
+        self.inflight.restore(sequences, step)
 
     def reload_in_flight(self, saved: dict, step: int) -> None:
-        """After a checkpoint saved the sequences in flight, the live run continues as a run
-        resumed from it would: every untrained sequence leaves the rollout backend and the
-        scorers and is restored from the saved state (:meth:`restore_in_flight`). Costs one
-        prefill of the carried rows per checkpoint, and makes the live and the resumed run take
-        the same path (``checkpoint.py``)."""
-        uids = set(self.rollouts)
-        if not uids:
-            return
-        self.roles.rollout.abort(uids)
-        self.roles.scorer.forget(uids)
-        self.roles.scorer.barrier()
-        self.rollouts.clear()
-        self.forget_streams(uids)
-        self.restore_in_flight(saved["sequences"], step)
+        self.inflight.reload(saved, step)
 
     def drain(self) -> int:
-        """Abort every sequence in flight and requeue its prompt (before a checkpoint, where the
-        backend cannot hand them out); returns how many."""
-        self.between_steps()
-        drained = self.scheduler.drain_for_checkpoint()
-        if drained:
-            uids = {t.uid for t in drained}
-            self.roles.rollout.abort(uids)
-            self.roles.scorer.forget(uids)
-            self.roles.scorer.barrier()
-            for u in uids:
-                self.rollouts.pop(u, None)
-            self.forget_streams(uids)
-        return len(drained)
+        return self.inflight.drain()
 
     def close(self) -> None:
         if self.learner_thread is not None:
@@ -234,8 +146,8 @@ def start(run: Run, tickets) -> list[Rollout]:
         r = Rollout(t.uid, t.prompt_index, text, list(ids), t.start_version, group=t.group)
         if run.length_sampler is not None:
             r.target_length = run.length_sampler(t.prompt_index, t.uid - t.group)  # (its place in its group)
-        run.rollouts[t.uid] = r
         new.append(r)
+    run.streams.add(new)
     return new
 
 
@@ -250,15 +162,14 @@ def admit(run: Run, tickets, step: int) -> None:
         r.scored_version = rollout.version
     with run.tracer.span("actor", "prefill_prompt", step):
         rollout.admit(new)
-    if run.streaming:
+    if run.streams.streaming:
         run.roles.scorer.admit([r.uid for r in new], [r.prompt_ids for r in new], step)
-        run.streamed.update(r.uid for r in new)
+        run.streams.stream(new)
 
 
 def finish(run: Run, uids) -> None:
-    for u in uids:
-        run.rollouts.pop(u, None)
-    run.forget_streams(uids)
+    """The trained rows leave flight."""
+    run.streams.forget(uids)
 
 
 # ====================================================================== stage 2: generate
@@ -300,15 +211,14 @@ class _ControllerSink:
 
     def finished(self, rollout: Rollout) -> None:
         run = self.run
-        run.rollouts[rollout.uid] = rollout  # the backend's record (it never changes ours)
+        run.streams.add([rollout])  # the backend's record (it never changes ours)
         refill = run.scheduler.on_finished(rollout.uid)
         if refill is not None:
             admit(run, refill.seqs, self.step)
 
     def chunks(self, chunks: list[Chunk]) -> None:
         run = self.run
-        mine = [c for c in chunks if c.uid in run.streamed]  # (admitted while scoring one-shot: not)
-        run.scored_whole.update(c.uid for c in mine if c.final)
+        mine = run.streams.fed(chunks)
         if mine:
             now = time.perf_counter()
             run.tracer.add("actor", self.stage, self.step, self.t_span, now)
@@ -331,22 +241,17 @@ def experience(run: Run, batch: list[Rollout], step: int) -> Experience:
 
 
 def score(run: Run, batch: list[Rollout], txt: list[str], step: int) -> Scores:
-    """Stage 3, one-shot: reward score, reference log-probs, critic values of whole sequences."""
-    with run.tracer.span("scorer", "score_reward", step):
-        scores = reward_scores(run, batch, txt, step) if run.roles.reward_fn else None
-    out = score_models(run, batch, step)
-    if run.roles.composite is not None:
-        return composite_scores(run, batch, txt, out, step)
-    return Scores(scores if scores is not None else _scores(out["reward"]), out["reference"], out.get("critic"))
+    """Stage 3, one-shot: the scoring models' outputs of whole sequences, and the reward."""
+    return reward_scores(run, batch, txt, score_models(run, batch, step), step)
 
 
 def score_models(run: Run, batch: list[Rollout], step: int) -> dict[str, list[ScoredOutputs]]:
-    """The scoring models' one-shot outputs for whole sequences, by role (the reward model's
-    unless a reward function scores; the critic's where there is one)."""
+    """The scoring models' one-shot outputs for whole sequences, by role: each reward model term's,
+    the reference's, and the critic's where there is one."""
     roles, tracer = run.roles, run.tracer
     prompts, responses = [r.prompt_ids for r in batch], [r.response_ids for r in batch]
     out = {}
-    for role in reward_roles(roles):
+    for role in roles.reward.model_roles:
         with tracer.span("scorer", "score_reward", step):
             out[role] = roles.scorer.score_full(role, prompts, responses)
     with tracer.span("scorer", "score_reference", step):
@@ -357,89 +262,76 @@ def score_models(run: Run, batch: list[Rollout], step: int) -> dict[str, list[Sc
     return out
 
 
-def reward_scores(run: Run, batch: list[Rollout], txt: list[str], step: int) -> list[float]:
-    fn = run.roles.reward_fn
-    assert fn is not None  # called only where the run has a reward function
-    indices = [r.prompt_index for r in batch]  # data positions: the records' other inputs (columns) by position
-    return fn([r.prompt for r in batch], txt, step=step, indices=indices, context=run.roles.prompt_set.context(indices))
-
-
-def reward_roles(roles: Roles) -> tuple[str, ...]:
-    """The scorer roles of the reward models the trained reward reads: ``reward``, none under a
-    reward function, every reward model term's under ``reward.terms``."""
-    if roles.composite is not None:
-        return roles.composite.model_roles
-    return () if roles.reward_fn else ("reward",)
-
-
-def composite_scores(run: Run, batch: list[Rollout], txt: list[str], out: dict[str, list[ScoredOutputs]],
-                     step: int, values: list | None = None) -> Scores:
-    """Stage 3's record under ``reward.terms``: their weighted sum, each term's mean in ``terms``."""
-    comp = run.roles.composite
-    assert comp is not None  # called only where the run has reward.terms
+def reward_scores(run: Run, batch: list[Rollout], txt: list[str], out: dict[str, list[ScoredOutputs]],
+                  step: int) -> Scores:
+    """Stage 3's record, given the scoring models' outputs ``out`` by role: the trained reward
+    (``roles.reward``: its terms' weighted sum, a one-term reward's own scores) with each term's
+    mean in ``terms`` (``reward.terms``), the reference log-probs and the critic's values."""
+    reward = run.roles.reward
     with run.tracer.span("scorer", "score_reward", step):
-        indices = [r.prompt_index for r in batch]
-        scores, terms = comp([r.prompt for r in batch], txt, {role: _scores(out[role]) for role in comp.model_roles},
-                             step=step, indices=indices, context=run.roles.prompt_set.context(indices))
-    return Scores(scores, out["reference"], values if values is not None else out.get("critic"), terms)
+        indices = [r.prompt_index for r in batch]  # data positions: the records' other inputs (columns) by position
+        scores, terms = reward([r.prompt for r in batch], txt, {role: _scores(out[role]) for role in reward.model_roles},
+                               step=step, indices=indices, context=run.roles.prompt_set.context(indices))
+    return Scores(scores, out["reference"], out.get("critic"), terms)
 
 
 def _scores(outputs: list[ScoredOutputs]) -> list[float]:
-    """The reward role's scores: it sets ``score`` on every output."""
+    """A reward role's scores: it sets ``score`` on every output."""
     return [cast(float, o.score) for o in outputs]
 
 
 def close_batch(run: Run, close, step: int) -> tuple[list[Rollout], list[str], Experience, Scores]:
     """The closed step's batch, its texts, experience and scores. Streamed: the scorers finish
     the last chunks while this thread does the batch's own work."""
-    roles, scorer = run.roles, run.roles.scorer
-    uids = sorted(close.uids)  # admission order, as the sequential loop trains them
-    batch = [run.rollouts[u] for u in uids]
+    scorer = run.roles.scorer
+    batch = [run.streams.rollouts[u] for u in sorted(close.uids)]  # admission order, as the sequential loop trains
     if not run.policy.streams:
         txt = texts(run, batch)
         return batch, txt, experience(run, batch, step), score(run, batch, txt, step)
     # Rows the scorers did not get whole (admitted, or finished, while the controller scored
     # one-shot) are scored one-shot below; a prefix the scorers hold of one is dropped.
-    whole = [i for i, r in enumerate(batch) if r.uid in run.scored_whole]
-    rest = [i for i, r in enumerate(batch) if r.uid not in run.scored_whole]
-    partial = {batch[i].uid for i in rest} & run.streamed
+    whole, rest, partial = run.streams.split(batch)
     if partial:
         scorer.forget(partial)
-        run.forget_streams(partial)
+        run.streams.unstream(partial)
     # While the scorers finish the last chunks, this process does the batch's own work on its
     # core: texts, the off-policy correction, and the values of carried prefixes (reading the
     # critic alongside the scorer is safe: nothing writes it until the update).
     run.threads.use(run.threads.decode)
     txt = texts(run, batch)
     exp = experience(run, batch, step)
-    # the critic changed since their prefix was scored
-    stale = [i for i in whole if (sv := batch[i].scored_version) is not None and sv < step]
-    fresh = []
-    if stale and roles.critic is not None and run.policy.recompute_values:
-        with run.tracer.span("learner", "recompute_values", step):
-            fresh = scorer.score_full("critic", [batch[i].prompt_ids for i in stale],
-                                      [batch[i].response_ids for i in stale])
+    fresh = fresh_values(run, batch, whole, step)
     run.threads.use(run.threads.full)
     with run.tracer.span("controller", "wait_scorers", step):  # waiting: not actor work
         scorer.barrier()  # also: no scorer work may touch the critic while it trains
     streamed = scorer.take([batch[i].uid for i in whole]) if whole else {}
     one_shot = score_models(run, [batch[i] for i in rest], step) if rest else {}
-    out: dict[str, list] = {}
-    for role in set(streamed) | set(one_shot):  # back into the batch's order
-        merged: list = [None] * len(batch)
-        for idx, got in ((whole, streamed.get(role)), (rest, one_shot.get(role))):
-            for i, o in zip(idx, got or []):
-                merged[i] = o
-        out[role] = merged
-    values = out.get("critic")
-    if fresh:
-        assert values is not None  # fresh values only with a critic, and then the scorers stream its values
-        for i, v in zip(stale, fresh):
-            values[i] = v
-    if roles.composite is not None:
-        return batch, txt, exp, composite_scores(run, batch, txt, out, step, values)
-    scores = reward_scores(run, batch, txt, step) if roles.reward_fn else _scores(out["reward"])
-    return batch, txt, exp, Scores(scores, out["reference"], values)
+    out = {role: _merged(len(batch), (whole, streamed.get(role)), (rest, one_shot.get(role)))
+           for role in set(streamed) | set(one_shot)}
+    for i, v in fresh.items():
+        out["critic"][i] = v
+    return batch, txt, exp, reward_scores(run, batch, txt, out, step)
+
+
+def fresh_values(run: Run, batch: list[Rollout], whole: list[int], step: int) -> dict[int, ScoredOutputs]:
+    """``overlap.stale_values=recompute``: the critic's values of the streamed rows whose prefix was
+    scored before the critic's last update, by position in ``batch``, recomputed one-shot."""
+    stale = [i for i in whole if (sv := batch[i].scored_version) is not None and sv < step]
+    if not (stale and run.roles.critic is not None and run.policy.recompute_values):
+        return {}
+    with run.tracer.span("learner", "recompute_values", step):
+        fresh = run.roles.scorer.score_full("critic", [batch[i].prompt_ids for i in stale],
+                                            [batch[i].response_ids for i in stale])
+    return dict(zip(stale, fresh))
+
+
+def _merged(n: int, *parts: tuple[list[int], list | None]) -> list:
+    """One role's outputs back in the batch's order, from ``(positions, outputs)`` parts."""
+    merged: list = [None] * n
+    for idx, got in parts:
+        for i, o in zip(idx, got or []):
+            merged[i] = o
+    return merged
 
 
 # ====================================================================== stages 4-6: learn
@@ -494,16 +386,29 @@ def overlap_stats(run: Run, close, exp: Experience, chunk: int | None) -> dict[s
     trained = set(close.uids)
     run.trained_lengths = [len(r.response_ids) for r in exp.rollouts]
     # the carried rows' progress is the backend's (one read of its records); none carried: no call
-    untrained = run.untrained() if set(run.rollouts) - trained else {}
+    untrained = run.untrained() if set(run.streams.rollouts) - trained else {}
     return {
         "overlap/delta": run.scheduler.delta, "overlap/carried": len(run.scheduler.in_flight),
         "overlap/waiting_members": run.scheduler.waiting_members,
         **staleness_stats(exp, close.step, close.lags),  # token and sequence lags, IS weights
-        "overlap/chunk_size": chunk or 0, "overlap/streaming": float(run.streaming),
-        **(run.tuner.metrics() if isinstance(run.tuner, OverlapTuner) and run.tuner.tunes else {}),
+        "overlap/chunk_size": chunk or 0, "overlap/streaming": float(run.streams.streaming),
+        **run.controller.step_metrics(),
         "overlap/in_flight_length_mean": mean_or_nan([len(r.response_ids) for u, r in untrained.items()
                                                 if u not in trained] or [0]),
     }
+
+
+def end_step(run: Run, scores: Scores) -> None:
+    """The scheduler's step ends (its version moves on; a reward-slope Delta reads the step's
+    mean reward): after the update, or (pipeline) once it is handed to the learner thread, before
+    the next step begins."""
+    run.scheduler.end_step(mean_reward(scores.scores))
+
+
+def mean_reward(scores) -> float:
+    """The step's mean reward: ``reward/mean`` and what the scheduler's Delta rule reads, the one
+    definition (a float32 mean, as the learner holds the scores)."""
+    return torch.as_tensor(scores, dtype=torch.float32).mean().item()
 
 
 def mean_or_nan(xs) -> float:

@@ -10,7 +10,7 @@ import torch
 from ..algo.losses import explained_variance
 from ..api.records import RolloutStats
 from ..perf import forward_flops, peak_flops, spec_peak_flops
-from .stages import Run, StepResult, mean_or_nan
+from .stages import Run, StepResult, mean_or_nan, mean_reward
 
 
 def step_metrics(run: Run, result: StepResult, times: dict[str, float], dt: float, wallclock: float
@@ -20,7 +20,7 @@ def step_metrics(run: Run, result: StepResult, times: dict[str, float], dt: floa
     lengths = exp.mask.sum(1)
     kl_seq = (exp.kl * exp.mask).sum(1)
     m = {
-        "reward/mean": exp.scores.mean().item(), "reward/std": exp.scores.std().item() if len(exp.scores) > 1 else 0.0,
+        "reward/mean": mean_reward(exp.scores), "reward/std": exp.scores.std().item() if len(exp.scores) > 1 else 0.0,
         "kl/mean": kl_seq.mean().item(),
         "response_length/mean": lengths.mean().item(), "response_length/max": lengths.max().item(),
         "response_length/eos_frac": mean_or_nan([float(r.ended_with_eos) for r in exp.rollouts]),

@@ -8,7 +8,8 @@ prompts, train these sequences); the runtime owns the engine, the clock and the 
   refill, groups carried whole, checkpoints); its rules and their reasons: ``docs/scheduler.md``;
 - :mod:`.delta`: :class:`DeltaRule` and the paper's reward-slope :class:`DeltaController`;
 - :mod:`.chunks`: :class:`ChunkSizeTuner`, the intra-step overlap's chunk size;
-- :mod:`.records`: the messages (:class:`SeqTicket`, :class:`Admit`, :class:`CloseStep`, :class:`Phase`).
+- :mod:`.records`: the messages (:class:`SeqTicket`, :class:`Admit`, :class:`CloseStep`, :class:`Phase`,
+  :class:`StepTiming`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 from .admission import Scheduler
 from .chunks import ChunkSizeTuner
 from .delta import DeltaController, DeltaRule
-from .records import PARTIAL_GROUPS, Admit, CloseStep, Phase, SeqTicket
+from .records import PARTIAL_GROUPS, Admit, CloseStep, Phase, SeqTicket, StepTiming
 
 __all__ = [
     "Admit",
@@ -28,4 +29,5 @@ __all__ = [
     "Phase",
     "Scheduler",
     "SeqTicket",
+    "StepTiming",
 ]

@@ -7,7 +7,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from .records import check_int, state_mismatch
+from .records import StepTiming, check_int, state_mismatch
 
 
 class ChunkSizeTuner:
@@ -26,7 +26,9 @@ class ChunkSizeTuner:
     and pays one-off costs of new shapes (allocator growth, kernel selection). With
     ``trial_steps == 1`` the single step is used as is.
 
-    Use: ``size = tuner.current()`` before a step, ``tuner.record(seconds)`` after it.
+    Use: ``size = tuner.current()`` before a step, ``tuner.record(seconds)`` after it. As the
+    controller of the reward-slope rule (``control.controller.OverlapController``): ``chunk_size``,
+    ``observe``; it decides nothing the run's log reports and adds no metric.
     """
 
     def __init__(
@@ -122,6 +124,18 @@ class ChunkSizeTuner:
         self._best = min(self.candidates, key=lambda c: self._medians[c])  # first on ties
         self._tuning, self._trial, self._since_tuned = False, 0, 0
         self._rounds += 1
+
+    def chunk_size(self) -> int:
+        return self.current()
+
+    def observe(self, ran: StepTiming) -> None:
+        self.record(ran.seconds)
+
+    def take_decisions(self) -> list[str]:
+        return []
+
+    def step_metrics(self) -> dict[str, float]:
+        return {}
 
     def _config(self) -> dict[str, Any]:
         return {

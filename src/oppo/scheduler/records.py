@@ -13,6 +13,21 @@ PARTIAL_GROUPS = ("carry", "wait")
 
 
 @dataclass(frozen=True)
+class StepTiming:
+    """What a step that ran with an overlap controller's setting tells the controller (its
+    ``observe``): its ``seconds``, the response ``tokens`` it trained and the ``stale_share`` of them
+    sampled by an older policy; for a planner, the trained response ``lengths``, the lock-step
+    ``decode_steps`` and the ``generate_s`` seconds of its decode loop."""
+
+    seconds: float
+    tokens: float = 0.0
+    stale_share: float = 0.0
+    lengths: tuple[int, ...] = ()
+    decode_steps: float = 0.0
+    generate_s: float = 0.0
+
+
+@dataclass(frozen=True)
 class SeqTicket:
     """One admitted sequence.
 

@@ -26,7 +26,9 @@ from ..models import (ModelLoadError, apply_lora, base_view, check_roles, contex
                       load_function, load_model_config, load_reward_model, load_tokenizer, prepare_model,
                       reward_function, stop_token_ids, tokenizer_from_object)
 from ..rollout import registry
-from ..scoring.composite import CompositeReward, check_model_terms, composite_functions, load_model_terms
+from ..rewards.terms import RewardTerm
+from ..scoring.composite import (CompositeReward, check_model_terms, composite_functions, load_model_terms,
+                                  one_term)
 from ..scoring.reward_fn import KeywordCall, describe, missing_columns, wants
 from ..scoring.streaming import RewardFunction
 from ..trace import Tracer
@@ -49,7 +51,35 @@ def load_models(cfg: Config, inputs: Inputs, run: Resolved) -> Models:
     asking.update({f"reward.terms term {name!r}": f.fn for name, f in term_fns.items()})
     prompt_set = _prompt_set(cfg, inputs, paths.prompts, tok, asking)
     _check_context(cfg, inputs, run, prompt_set, terms)  # (configs only: before any weights load)
-    # every role's config and tokenizer, before any weights load (fast; names the fix)
+    new_head, critic_init = _check_roles(cfg, inputs, run, tok)
+    # the reward first: an invalid reward model or function fails before the big models load
+    reward, reward_model, extra_rms = _load_reward(cfg, inputs, run, tok, prompt_set, score_fn, terms, term_fns,
+                                                   new_head)
+    policy, rollout_policy, reference, critic, scoring_critic = _trained_models(cfg, inputs, run, pad_id, critic_init)
+    rms = (reward_model, *extra_rms.values())
+    for m in (*rms, reference, scoring_critic):  # their one-shot forwards (score_full)
+        if m is not None:
+            set_packing(m, cfg.ppo.packing, cfg.ppo.shape_buckets)
+    _prepare_forwards(cfg, run, policy, critic, (rollout_policy, reference, critic, scoring_critic, *rms))
+    g = cfg.generation
+    recompute = {"recompute": True, "sampler": False}.get(
+        cfg.ppo.old_logprobs, dtype != torch.float32 or g.top_k > 0 or g.top_p < 1.0  # auto: when they can differ
+        or (g.engine != registry.AUTO and registry.get(g.engine).other_numerics))
+    return Models(cfg=cfg, paths=paths, tokenizer=tok, prompt_set=prompt_set, algorithm=run.algorithm, device=dev,
+                  compute_dtype=dtype, max_new_tokens=paths.max_new_tokens, pad_id=pad_id,
+                  stop_ids=tuple(stop_token_ids(tok, policy)), policy=policy, critic=critic, reference=reference,
+                  rollout_policy=rollout_policy, scoring_critic=scoring_critic, reward_model=reward_model,
+                  reward=reward, judge_fn=KeywordCall(judge) if judge is not None else None,
+                  accuracy_fn=KeywordCall(accuracy) if accuracy is not None else None,
+                  extra_reward_models=extra_rms, recompute_old=recompute, tracer=Tracer(enabled=cfg.log.trace))
+
+
+def _check_roles(cfg: Config, inputs: Inputs, run: Resolved, tok) -> tuple[bool, torch.nn.Module | None]:
+    """Every role's config and tokenizer, before any weights load (fast; names the fix). Returns
+    whether the reward model gets a new head (``reward.new_head``) and the critic made from an
+    object, if one is: made now, before the reward model it may copy is frozen and the policy
+    whose backbone it may take is changed (dtype, LoRA)."""
+    paths, master, pad_id = run.paths, run.master, tok.pad_token_id
     critic_source = run.critic_source
     objects = {role: m for role in ("reward", "reference") if (m := inputs.model(role)) is not None}
     critic_object = inputs.model(critic_source) if paths.critic is not None else None
@@ -66,31 +96,17 @@ def load_models(cfg: Config, inputs: Inputs, run: Resolved) -> Models:
               f"(e.g. TRL's RewardTrainer) or use reward.function.", file=sys.stderr)
     if inputs.policy is not None:
         check_roles(tok, policy=inputs.policy)
-    # a critic started from an object: made now, before the reward model it may copy is frozen and the
-    # policy whose backbone it may take is changed (dtype, LoRA)
     critic_dev = run.devices["critic"]
     critic_init = (critic_from_object(critic_object, critic_dev, master, pad_id, copy_it=critic_source != "critic")
                    if critic_object is not None else None)
-    # the reward first: an invalid reward model or function fails before the big models load
-    reward_fn = reward_model = composite = None
-    extra_rms: dict[str, torch.nn.Module] = {}  # composite: the reward models after the first, by scorer role
-    if terms is not None:
-        check_model_terms(terms, tok)
-        rms = load_model_terms(terms, run.devices["reward"], dtype, pad_id)
-        reward_model = rms.pop("reward", None)
-        term_fns = {name: ByRecord(f, prompt_set) for name, f in term_fns.items()}
-        extra_rms, composite = rms, CompositeReward(terms, term_fns)
-    elif score_fn is not None:
-        assert paths.reward_function is not None  # (a function given as an object has its marker there)
-        name = describe(score_fn) if is_marker(paths.reward_function) else paths.reward_function
-        reward_fn = ByRecord(RewardFunction(reward_function(score_fn, name), name, retries=cfg.reward.retries,
-                                            backoff_s=cfg.reward.retry_backoff_s), prompt_set)
-    else:
-        assert paths.reward is not None, "resolve_paths gives a reward model where no function scores"
-        reward_dev = run.devices["reward"]
-        reward_model = (prepare_model(inputs.reward_model, "reward", reward_dev, dtype, pad_id)
-                        if inputs.reward_model is not None
-                        else load_reward_model(paths.reward, reward_dev, dtype, pad_id, new_head=new_head))
+    return new_head, critic_init
+
+
+def _trained_models(cfg: Config, inputs: Inputs, run: Resolved, pad_id: int, critic_init: torch.nn.Module | None,
+                    ) -> tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module, torch.nn.Module | None,
+                               torch.nn.Module | None]:
+    """(policy, rollout_policy, reference, critic, scoring_critic), loaded or prepared from objects."""
+    paths, dev, dtype, master, critic_dev = run.paths, run.device, run.dtype, run.master, run.devices["critic"]
     # policy / critic: the trained weights; rollout_policy / scoring_critic: what the engine and
     # scorers run, the same objects in fp32, bf16 copies refreshed after each update under mixed
     # precision; LoRA: the frozen base stays in the compute dtype (only the fp32 adapters train)
@@ -121,14 +137,18 @@ def load_models(cfg: Config, inputs: Inputs, run: Resolved) -> Models:
         # the scorer worker that trains the critic scores with the one it trains: no separate copy
         beside = run.placement.critic_trains_on == "scorer"
         scoring_critic = serving_copy(critic, dtype, separate=inflight and not beside)
-    for m in (reward_model, *extra_rms.values(), reference, scoring_critic):  # their one-shot forwards (score_full)
-        if m is not None:
-            set_packing(m, cfg.ppo.packing, cfg.ppo.shape_buckets)
-    # the attention path (ppo.attention: probed on CUDA), before any row plan is found for a model
+    return policy, rollout_policy, reference, critic, scoring_critic
+
+
+def _prepare_forwards(cfg: Config, run: Resolved, policy: torch.nn.Module, critic: torch.nn.Module | None,
+                      models: tuple[torch.nn.Module | None, ...]) -> None:
+    """The models' forwards as the run uses them: the attention path (``ppo.attention``: probed on
+    CUDA) of the policy and the ``models`` beside it, before any row plan is found for a model;
+    gradient checkpointing of the trained models; no dropout anywhere."""
+    paths, dtype = run.paths, run.dtype
     from .. import attention, shapes
 
-    others = {id(m): m for m in (rollout_policy, reference, critic, scoring_critic, reward_model, *extra_rms.values())
-              if m is not None and m is not policy}
+    others = {id(m): m for m in models if m is not None and m is not policy}
     attention.choose(policy, list(others.values()), cfg.ppo.attention, rows=4,
                      width=shapes.width(min(2048, cfg.data.max_prompt_tokens + paths.max_new_tokens)),
                      say=lambda line: print(f"oppo: {line}", file=sys.stderr), dtype=dtype)
@@ -137,17 +157,33 @@ def load_models(cfg: Config, inputs: Inputs, run: Resolved) -> Models:
             if m is not None:
                 enable_gradient_checkpointing(m)
     policy.eval()  # no dropout anywhere: rollout and training see the same function
-    g = cfg.generation
-    recompute = {"recompute": True, "sampler": False}.get(
-        cfg.ppo.old_logprobs, dtype != torch.float32 or g.top_k > 0 or g.top_p < 1.0  # auto: when they can differ
-        or (g.engine != registry.AUTO and registry.get(g.engine).other_numerics))
-    return Models(cfg=cfg, paths=paths, tokenizer=tok, prompt_set=prompt_set, algorithm=run.algorithm, device=dev,
-                  compute_dtype=dtype, max_new_tokens=paths.max_new_tokens, pad_id=pad_id,
-                  stop_ids=tuple(stop_token_ids(tok, policy)), policy=policy, critic=critic, reference=reference,
-                  rollout_policy=rollout_policy, scoring_critic=scoring_critic, reward_model=reward_model,
-                  reward_fn=reward_fn, judge_fn=KeywordCall(judge) if judge is not None else None,
-                  accuracy_fn=KeywordCall(accuracy) if accuracy is not None else None, composite=composite,
-                  extra_reward_models=extra_rms, recompute_old=recompute, tracer=Tracer(enabled=cfg.log.trace))
+
+
+def _load_reward(cfg: Config, inputs: Inputs, run: Resolved, tok, prompt_set, score_fn: Callable | None,
+                 terms: list[RewardTerm] | None, term_fns: dict[str, RewardFunction], new_head: bool,
+                 ) -> tuple[CompositeReward, torch.nn.Module | None, dict[str, torch.nn.Module]]:
+    """The trained reward as a composite of terms (``reward.terms``; ``reward.function`` or
+    ``reward.path`` as its one term: ``scoring.composite.one_term``), the ``reward`` scorer's model
+    (None where no model term scores) and the further reward models by scorer role."""
+    paths, pad_id, dtype = run.paths, tok.pad_token_id, run.dtype
+    if terms is not None:
+        check_model_terms(terms, tok)
+        rms = load_model_terms(terms, run.devices["reward"], dtype, pad_id)
+        reward_model = rms.pop("reward", None)
+        fns = {name: ByRecord(f, prompt_set) for name, f in term_fns.items()}
+        return CompositeReward(terms, fns), reward_model, rms
+    if score_fn is not None:
+        assert paths.reward_function is not None  # (a function given as an object has its marker there)
+        name = describe(score_fn) if is_marker(paths.reward_function) else paths.reward_function
+        fn = ByRecord(RewardFunction(reward_function(score_fn, name), name, retries=cfg.reward.retries,
+                                     backoff_s=cfg.reward.retry_backoff_s), prompt_set)
+        return one_term(function=paths.reward_function, fn=fn), None, {}
+    assert paths.reward is not None, "resolve_paths gives a reward model where no function scores"
+    reward_dev = run.devices["reward"]
+    reward_model = (prepare_model(inputs.reward_model, "reward", reward_dev, dtype, pad_id)
+                    if inputs.reward_model is not None
+                    else load_reward_model(paths.reward, reward_dev, dtype, pad_id, new_head=new_head))
+    return one_term(path=paths.reward), reward_model, {}
 
 
 class ByRecord(RewardFunction):
