@@ -10,9 +10,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from .. import guard
-from ..algo.core import ClippedTokenLoss
-from ..algo.losses import aggregate, value_loss
-from ..algo.masks import masked_mean
+from ..algo.actor_loss import ActorLossSettings, ActorTokens, actor_loss
+from ..algo.losses import value_loss
 from ..forward import RowPlan, head_logprobs, packed_hidden, row_plan
 from .batch import (CriticBatch, Experience, MicroBatch, balanced, micro_groups, micro_slices, old_logprob_targets,
                     padding_stats, row_lengths, set_old_logprobs, token_budget)
@@ -174,8 +173,9 @@ class Learner:
 
     def _actor_micro_step(self, exp: Experience, host_rows: list[int], num_tokens, num_seqs: int,
                           probe: MismatchProbe | None = None) -> dict[str, torch.Tensor]:
-        """One micro-batch of the actor's update (``host_rows``: its rows, a host list); the
-        statistics stay on the device (``train_minibatches`` reads them once per update)."""
+        """One micro-batch of the actor's update (``host_rows``: its rows, a host list): the forward,
+        the loss (``algo.actor_loss``: policy, KL, entropy), the backward; the statistics stay on
+        the device (``train_minibatches`` reads them once per update)."""
         cfg = self.cfg
         assert exp.advantages is not None  # (compute_advantages runs before the update)
         host_rows = host_rows if isinstance(host_rows, list) else host_rows.tolist()
@@ -187,32 +187,14 @@ class Learner:
             logprobs, entropy = self._actor_logprobs(mb)  # [b, T] each
         if probe is not None:  # (the first optimizer step's forward is pi_k's: the sampler-vs-trainer gap)
             probe.observe(logprobs, exp.sampler_logprobs[rows][:, :T], exp.versions[rows][:, :T], mask)
-        policy_loss = self.algorithm.policy_loss if self.algorithm is not None else ClippedTokenLoss()
-        pl, pstats = policy_loss(logprobs, exp.old_logprobs[rows][:, :T], exp.advantages[rows][:, :T], mask,
-                                 is_weights=exp.is_weights[rows][:, :T], clip_eps=cfg.clip_eps,
-                                 clip_eps_high=cfg.clip_eps_high, dual_clip=cfg.dual_clip, loss_agg=cfg.loss_agg,
-                                 num_tokens=num_tokens, num_seqs=num_seqs)
-        loss = pl
-        extra_stats = {}
-        if self.algorithm is not None and self.algorithm.kl_in_loss:  # GRPO-style KL term
-            assert exp.ref_logprobs is not None  # (attach_scores runs before the update)
-            kl_term, kstats = self.algorithm.actor_loss_extra(
-                logprobs, exp.ref_logprobs[rows][:, :T], mask, is_weights=exp.is_weights[rows][:, :T],
-                loss_agg=cfg.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs)
-            loss = loss + kl_term
-            extra_stats = {"loss/kl": kl_term.detach(), **{k: torch.as_tensor(v).detach() for k, v in kstats.items()}}
-        if "dual_clipfrac" in pstats:  # ppo.dual_clip set
-            extra_stats["ppo/dual_clipfrac"] = pstats["dual_clipfrac"].detach()
-        if cfg.entropy_coef:  # in the backward only when it is in the loss; otherwise a detached statistic
-            loss = loss - cfg.entropy_coef * aggregate(entropy, mask, cfg.loss_agg, num_tokens, num_seqs)
+        kl_in_loss = self.algorithm is not None and self.algorithm.kl_in_loss
+        ref = exp.ref_logprobs[rows][:, :T] if kl_in_loss and exp.ref_logprobs is not None else None
+        tokens = ActorTokens(exp.old_logprobs[rows][:, :T], exp.advantages[rows][:, :T], mask,
+                             exp.is_weights[rows][:, :T], ref)
+        loss, stats = actor_loss(self.algorithm, logprobs, entropy, tokens, ActorLossSettings.of(cfg), num_tokens,
+                                 num_seqs)
         loss.backward()
-        return {
-            "loss/policy": pl.detach(), "ppo/clipfrac": pstats["clipfrac"].detach(),
-            "ppo/approx_kl": pstats["approx_kl"].detach(),
-            "ppo/entropy": masked_mean(entropy.detach(), mask),
-            "_frac": mask.sum() / num_tokens,  # weight of this micro-batch's stats in the minibatch
-            **extra_stats,
-        }
+        return {**stats, "_frac": mask.sum() / num_tokens}  # (_frac: this micro-batch's weight in the minibatch)
 
 
 def draw_minibatches(cfg: PPOConfig, seed: int, B: int, step: int, lengths: "torch.Tensor | list[int] | None" = None
