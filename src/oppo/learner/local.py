@@ -292,23 +292,11 @@ def train_minibatches(model, opt, batch: "Experience | CriticBatch", minibatches
         mb: list[int] = mb_rows if isinstance(mb_rows, list) else mb_rows.tolist()  # (the learner's are host lists)
         num_tokens = mask[torch.tensor(mb, dtype=torch.long).to(mask.device, non_blocking=True)].sum().clamp(min=1)
         opt.zero_grad(set_to_none=True)
-        mb_sums: dict[str, object] = {}
-        losses: list[tuple[list[int], list]] = []  # each micro-batch's rows and its loss terms
         with cast_once(mask.device, compute_dtype):
-            for rows in micro_groups(batch, mb, cfg, lengths):
-                stats = micro_step(rows, num_tokens, len(mb))
-                w = stats.pop("_frac")
-                for k, v in stats.items():
-                    mb_sums[k] = mb_sums.get(k, 0.0) + (v if k.startswith("loss/") else v * w)
-                losses.append((rows, [v for k, v in stats.items() if k.startswith("loss/")]))
+            mb_sums, losses = _accumulate(micro_step, micro_groups(batch, mb, cfg, lengths), num_tokens, len(mb))
         params = [p for p in model.parameters() if p.grad is not None]
         norm = _grad_norm(params)
-        # the gradient norm and every micro-batch's losses, read in one transfer (one CPU-GPU sync
-        # point per optimizer step: the guard decides on the host before the step)
-        read = host_values([norm if norm is not None else 0.0] + [_all_finite(ls) for _, ls in losses])
-        norm_f = read[0]
-        bad_rows = [r for (rows, _), ok in zip(losses, read[1:]) if not ok for r in rows]
-        bad_loss = bool(bad_rows) if agree is None else agree(bool(bad_rows))
+        norm_f, bad_rows, bad_loss = _guard_reads(norm, losses, agree)
         if bad_loss or not math.isfinite(norm_f):
             guard.report(guard.grad_norm_message(model, norm_f, bad_rows, step, stage, i, len(minibatches)),
                          skip=cfg.nonfinite == "skip")
@@ -331,6 +319,34 @@ def train_minibatches(model, opt, batch: "Experience | CriticBatch", minibatches
     if cfg.nonfinite == "skip":
         out[f"guard/skipped/{name}"] = skipped
     return out
+
+
+def _accumulate(micro_step, groups: list[list[int]], num_tokens, num_seqs: int
+                ) -> tuple[dict[str, object], list[tuple[list[int], list]]]:
+    """One minibatch's micro-batches ``groups`` through ``micro_step`` (gradients accumulate): the
+    minibatch's statistics, losses summed and per-token statistics weighted by each micro-batch's
+    token share (``_frac``), and each micro-batch's rows with its loss terms (for the guard). Left
+    on the device: ``train_minibatches`` reads them once per optimizer step."""
+    sums: dict[str, object] = {}
+    losses: list[tuple[list[int], list]] = []
+    for rows in groups:
+        stats = micro_step(rows, num_tokens, num_seqs)
+        w = stats.pop("_frac")
+        for k, v in stats.items():
+            sums[k] = sums.get(k, 0.0) + (v if k.startswith("loss/") else v * w)
+        losses.append((rows, [v for k, v in stats.items() if k.startswith("loss/")]))
+    return sums, losses
+
+
+def _guard_reads(norm: torch.Tensor | None, losses: list[tuple[list[int], list]], agree
+                 ) -> tuple[float, list[int], bool]:
+    """What the guard decides on before an optimizer step: (the gradient norm, the rows of the
+    micro-batches whose losses are not finite, whether any rank has such a loss: ``agree``).
+    The norm and every micro-batch's losses are read in one transfer (one CPU-GPU sync point per
+    optimizer step)."""
+    read = host_values([norm if norm is not None else 0.0] + [_all_finite(ls) for _, ls in losses])
+    bad_rows = [r for (rows, _), ok in zip(losses, read[1:]) if not ok for r in rows]
+    return read[0], bad_rows, bool(bad_rows) if agree is None else agree(bool(bad_rows))
 
 
 def _all_finite(values: list) -> object:
