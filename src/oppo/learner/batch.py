@@ -16,7 +16,7 @@ import torch
 
 from ..algo.actor_loss import importance_weights, sampler_ratio_outside_clip
 from ..api.records import Rollout, Scores
-from ..forward import Layout, RowPlan, sequence_batch
+from ..forward import RowLayout, RowPlan, sequence_batch
 
 if TYPE_CHECKING:  # (the config lists the learner engines: no import back at run time)
     from ..config import PPOConfig
@@ -133,14 +133,14 @@ def set_old_logprobs(exp: Experience, rows: torch.Tensor, new: torch.Tensor, red
 class MicroBatch:
     """A micro-batch's b sequences laid out for one training forward (``micro_slices``).
 
-    layout: the forward's rows (``forward.Layout``: packed end to end, or one sequence a row);
+    layout: the forward's rows (``forward.RowLayout``: packed end to end, or one sequence a row);
     source, first: the flat token ids the sequences are read from and each one's first token
     [b]. Per response token, N in all: pre [N] the flat position (row * width + column) of the
     hidden state that predicts it (its prompt length - 1 + t into its sequence), dest [N] its
     place in the [b, T] response layout (row * T + t), tokens [N] the token. T: the longest
     response of the micro-batch."""
 
-    layout: Layout
+    layout: RowLayout
     source: torch.Tensor
     first: torch.Tensor
     pre: torch.Tensor

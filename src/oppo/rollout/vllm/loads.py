@@ -17,7 +17,7 @@ import torch
 from . import lora
 from .checks import VLLMEngineDied, VLLMUnavailable
 from .heads import HEAD
-from .weights import Layout, SharedWeights, load_in_worker, map_in_worker, unmap_in_worker
+from .weights import BufferLayout, SharedWeights, load_in_worker, map_in_worker, unmap_in_worker
 from .worker import reload_in_worker
 
 if TYPE_CHECKING:
@@ -223,7 +223,7 @@ def _map_shared(eng: LoadTarget, pairs: list[tuple[str, torch.Tensor]]) -> Share
     cannot be used."""
     shared = None
     try:
-        layout = Layout.of(pairs, eng._dtype)
+        layout = BufferLayout.of(pairs, eng._dtype)
         device = torch.device("cpu") if eng._on_cpu else torch.device("cuda", torch.cuda.current_device())
         shared = SharedWeights(layout, device)
         how = eng._call("mapping the shared weights", eng.llm.collective_rpc, map_in_worker, None,
