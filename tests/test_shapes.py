@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from oppo import shapes
-from oppo.forward import Layout, RowPlan, plan_rows, row_plan
+from oppo.forward import RowLayout, RowPlan, plan_rows, row_plan
 
 
 def test_ladders_by_hand():
@@ -32,7 +32,7 @@ def test_ladders_by_hand():
     assert shapes.resolve("on", "cpu") is True and shapes.resolve("off", "cuda") is False
 
 
-def _placed(layout: Layout) -> None:
+def _placed(layout: RowLayout) -> None:
     """Every sequence inside one row, none overlapping."""
     taken = set()
     for s, n in zip(layout.start, layout.lengths):

@@ -15,13 +15,13 @@ import time
 import pytest
 import torch
 
-from oppo.rollout.vllm.weights import Layout, SharedUnavailable, SharedWeights
+from oppo.rollout.vllm.weights import BufferLayout, SharedUnavailable, SharedWeights
 
 PAIRS = [("a.weight", torch.randn(3, 5)), ("b.bias", torch.arange(7)), ("c", torch.randn(2, 2, 2))]
 
 
 def test_layout_slots_are_aligned_and_indexed():
-    layout = Layout.of(PAIRS, torch.bfloat16)
+    layout = BufferLayout.of(PAIRS, torch.bfloat16)
     assert [s.dtype for s in layout.slots] == ["bfloat16", "int64", "bfloat16"]  # floats in the engine's dtype
     assert all(s.offset % 64 == 0 for s in layout.slots) and layout.nbytes >= sum(s.nbytes for s in layout.slots)
     assert layout.index(PAIRS[1:]) == [1, 2]
@@ -33,7 +33,7 @@ def test_buffer_lifetime():
     """The buffer's file is in /dev/shm while it lives and holds what was written; close() unlinks
     it; a process killed with its buffer open leaves none behind (multiprocessing's resource
     tracker unlinks it)."""
-    layout = Layout.of(PAIRS, torch.float32)
+    layout = BufferLayout.of(PAIRS, torch.float32)
     shared = SharedWeights(layout)
     shared.write(PAIRS, layout.index(PAIRS))
     views = layout.views(torch.from_file(shared.path, shared=True, size=layout.nbytes, dtype=torch.uint8))
@@ -46,8 +46,8 @@ def test_buffer_lifetime():
     shared.close()  # (idempotent)
 
     code = ("import os, signal, torch\n"
-            "from oppo.rollout.vllm.weights import Layout, SharedWeights\n"
-            "s = SharedWeights(Layout.of([('w', torch.zeros(1000))]))\n"
+            "from oppo.rollout.vllm.weights import BufferLayout, SharedWeights\n"
+            "s = SharedWeights(BufferLayout.of([('w', torch.zeros(1000))]))\n"
             "print(s.path, flush=True)\n"
             "os.kill(os.getpid(), signal.SIGKILL)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -70,7 +70,7 @@ def test_full_shm_is_refused(monkeypatch):
 
     monkeypatch.setattr(vllm_weights.os, "statvfs", lambda path: Full)
     with pytest.raises(SharedUnavailable, match="MiB free"):
-        SharedWeights(Layout.of([("w", torch.zeros(1 << 20))]))
+        SharedWeights(BufferLayout.of([("w", torch.zeros(1 << 20))]))
 
 
 _READER = """
@@ -89,7 +89,7 @@ def test_cuda_ipc_buffer_is_seen_by_another_process(tmp_path):
     """GPU: the buffer's IPC handle opens in another process (as in vLLM's worker, with its own
     device index), which sees each later write once the writer has synchronised."""
     pairs = [(n, w.cuda()) for n, w in PAIRS]
-    layout = Layout.of(pairs, torch.float32)
+    layout = BufferLayout.of(pairs, torch.float32)
     shared = SharedWeights(layout, torch.device("cuda", torch.cuda.current_device()))
     try:
         shared.write(pairs, layout.index(pairs))

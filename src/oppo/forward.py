@@ -174,7 +174,7 @@ def full_hidden(backbone: torch.nn.Module, ids: torch.Tensor, valid: torch.Tenso
     No padding mask because a fully masked query row (a left pad under one) gets NaN gradients
     from cuDNN's SDPA backward on H100/H200, and one such row poisons every weight
     (``docs/implementation-details.md``, "No query attends to nothing"). Packed rows keep this:
-    padding is a run of its own (``Layout.lay_out``), attending to itself.
+    padding is a run of its own (``RowLayout.lay_out``), attending to itself.
     """
     R, L = ids.shape
     lead = valid.to(torch.long).argmax(1)  # [R] leading pad columns (0 for an all-pad row)
@@ -204,7 +204,7 @@ PACKING_MODES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
-class Layout:
+class RowLayout:
     """Where S sequences sit in ``rows`` rows of ``width`` columns: sequence s's ``lengths[s]``
     tokens at the flat positions ``start[s] ..`` (flat: row * width + column), in order; every other
     position is padding, at the end of its row. ``packed``: rows may hold several sequences (their
@@ -239,8 +239,13 @@ class Layout:
         return ids.view(self.rows, W), pos.view(self.rows, W)
 
 
+Layout = RowLayout
+"""The old name of :class:`RowLayout`, kept for imports from outside (``rollout.vllm.weights``'
+``BufferLayout``, the shared weight buffer's slots, was a ``Layout`` too)."""
+
+
 def plan_rows(lengths: list[int], packed: bool, attention_cost: float = 0.0, max_positions: int = 0,
-              max_padding: float = 0.0, buckets: bool = False) -> Layout:
+              max_padding: float = 0.0, buckets: bool = False) -> RowLayout:
     """The rows of one forward over sequences of ``lengths``.
 
     Unpacked: one sequence a row, as wide as the longest. Packed: the sequences, longest first,
@@ -260,7 +265,7 @@ def plan_rows(lengths: list[int], packed: bool, attention_cost: float = 0.0, max
         R = S
         if buckets and S:
             W, R = shapes.width(W), shapes.rows(S)
-        return Layout(R, W, tuple(s * W for s in range(S)), tuple(lengths), False)
+        return RowLayout(R, W, tuple(s * W for s in range(S)), tuple(lengths), False)
     order = sorted(range(S), key=lambda s: (-lengths[s], s))
     total, longest = sum(lengths), lengths[order[0]]
     limit = min(S, -(-total // longest) + 1)
@@ -286,7 +291,7 @@ def plan_rows(lengths: list[int], packed: bool, attention_cost: float = 0.0, max
         at = k * W
         for s in row:
             start[s], at = at, at + lengths[s]
-    return Layout(r, W, tuple(start), tuple(lengths), True)
+    return RowLayout(r, W, tuple(start), tuple(lengths), True)
 
 
 def _narrowest(lengths: list[int], order: list[int], r: int, low: int, lpt: int) -> tuple[int, list[list[int]]] | None:
@@ -319,14 +324,14 @@ class RowPlan:
     buckets: bool = False  # shapes on the ladders (ppo.shape_buckets, oppo.shapes)
     one_row: bool = False  # packed sequences are kept apart within one row only (a varlen kernel's mask)
 
-    def layout(self, lengths: list[int], max_positions: int = 0, max_padding: float = 0.0) -> Layout:
+    def layout(self, lengths: list[int], max_positions: int = 0, max_padding: float = 0.0) -> RowLayout:
         if self.one_row and self.packed and len(lengths) > 1:
             W = sum(lengths)
             W = shapes.width(W) if self.buckets else W
             starts = [0]
             for n in lengths[:-1]:
                 starts.append(starts[-1] + n)
-            return Layout(1, W, tuple(starts), tuple(lengths), True)
+            return RowLayout(1, W, tuple(starts), tuple(lengths), True)
         return plan_rows(lengths, self.packed, self.attention_cost, max_positions, max_padding, self.buckets)
 
 
@@ -433,8 +438,8 @@ def _packing_fails(backbone: torch.nn.Module, rows: int = 1) -> str | None:
     return None if err < 0.05 else f"{where} differs from itself alone by {err:.0%}"
 
 
-def packed_hidden(backbone: torch.nn.Module, layout: Layout, source: Tensor, first: Tensor, pad_id: int = 0) -> Tensor:
-    """Hidden states [rows * width, H] of one forward over ``layout`` (flat, as ``Layout.start``):
+def packed_hidden(backbone: torch.nn.Module, layout: RowLayout, source: Tensor, first: Tensor, pad_id: int = 0) -> Tensor:
+    """Hidden states [rows * width, H] of one forward over ``layout`` (flat, as ``RowLayout.start``):
     sequence s's tokens read from the flat ``source`` from ``first[s]`` on. No attention mask:
     unpacked rows need only the causal one (their padding is at the end), packed ones get the
     model's own packed mask from the position ids."""

@@ -6,7 +6,9 @@
 - ``core``: what they share (``Algorithm``, ``AlgorithmSpec``, ``KLPenalty``, ``ClippedTokenLoss``);
 - the maths, pure and torch only: ``masks`` (masked reductions), ``losses`` (policy, value and KL
   losses, entropy), ``advantages`` (rewards, GAE, group baselines, whitening);
-- ``stage``: the advantage stage (stages 4-5) on a batch.
+- ``stage``: the advantage stage (stages 4-5) on a batch;
+- ``actor_loss``: the actor's loss of stage 6 composed (policy, KL, entropy) and the importance
+  weights of off-policy tokens; the learner runs the forward, the backward and the step.
 
 Importing this package does not import torch; running the maths does.
 """

@@ -15,7 +15,8 @@ An :class:`Algorithm` is composed, no base class and no hooks:
 
 The runtime asks the algorithm (``needs_critic``, ``needs_reference``, ``group_size``,
 ``kl_in_reward``, ``kl_in_loss``) instead of testing its name, calls ``advantages`` for stages
-4-5, and ``policy_loss`` plus ``actor_loss_extra`` (the KL term) in stage 6.
+4-5; in stage 6 ``actor_loss.actor_loss`` adds ``policy_loss``, ``actor_loss_extra`` (the KL
+term) and the entropy bonus.
 
 Importing this module does not import torch (the config reads the specs; ``--help`` and a
 config error should not wait for torch): the maths is imported where it runs.

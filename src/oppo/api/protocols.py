@@ -17,7 +17,7 @@ Implementations:
   (Ray ranks: data-parallel replicas, ``learner.dp.Replicated``, or FSDP2 shards,
   ``learner.fsdp.Sharded``), or any engine of ``learner.registry``.
 - :class:`WeightLinkSender` / :class:`WeightLinkReceiver`: the two ends of the collective weight sync
-  (``weights.sync.CollectiveSync``): a Ray learner group, the Ray rollout workers.
+  (the weight sync's ``CollectiveSync``): a Ray learner group, the Ray rollout workers.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import torch
 
 from .records import Chunk, ChunkReady, Event, Rollout, RolloutStats, ScoredOutputs, SequenceFinished
 
-if TYPE_CHECKING:
-    from ..weights.sync import RemoteWeights
+if TYPE_CHECKING:  # (a record of its own: the weight sync imports these Protocols, not the reverse)
+    from ..weights.remote import RemoteWeights
 
 __all__ = ["ChunkReady", "Event", "LearnerEngine", "RolloutBackend", "Scorer", "SequenceFinished",
            "WeightLinkReceiver", "WeightLinkSender", "WeightSource"]
@@ -37,8 +37,8 @@ __all__ = ["ChunkReady", "Event", "LearnerEngine", "RolloutBackend", "Scorer", "
 
 WeightSource = Union[torch.nn.Module, Iterable[tuple[str, torch.Tensor]], "RemoteWeights"]
 """What a weight sync carries from the learner to the rollout side: a module (the same process),
-``(name, tensor)`` pairs in Hugging Face names, or ``weights.sync.RemoteWeights`` (held by another
-process)."""
+``(name, tensor)`` pairs in Hugging Face names, or ``weights.remote.RemoteWeights`` (held by
+another process)."""
 
 Wait = Callable[[], Any]
 """A call under way: calling it waits for it and returns its answer (the collective weight sync
@@ -208,7 +208,7 @@ class LearnerEngine(Protocol):
 @runtime_checkable
 class WeightLinkSender(Protocol):
     """A learner that streams its trained actor over a process group of its own
-    (``weights.sync.CollectiveSync``): it is the group's rank 0."""
+    (the weight sync's ``CollectiveSync``): it is the group's rank 0."""
 
     def open_weight_link(self, host: str, port: int, world: int, bucket_bytes: int, wire_dtype,
                          timeout_s: float) -> Wait:

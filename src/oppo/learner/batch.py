@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..algo.actor_loss import importance_weights, sampler_ratio_outside_clip
 from ..api.records import Rollout, Scores
-from ..forward import Layout, RowPlan, sequence_batch
+from ..forward import RowLayout, RowPlan, sequence_batch
 
 if TYPE_CHECKING:  # (the config lists the learner engines: no import back at run time)
     from ..config import PPOConfig
@@ -114,39 +115,32 @@ def old_logprob_targets(exp: Experience, version: int, recompute_all: bool) -> t
 def set_old_logprobs(exp: Experience, rows: torch.Tensor, new: torch.Tensor, redo: torch.Tensor, off: torch.Tensor,
                      cfg: PPOConfig) -> Experience:
     """A new record with ``old_logprobs`` (``new`` [len(rows), T] where ``redo``), ``is_weights``
-    and ``stats`` (``Learner.old_logprobs``); wherever ``new`` was computed (one learner, or its
-    share by each sharded rank)."""
+    (``algo.actor_loss.importance_weights``) and ``stats`` (``Learner.old_logprobs``); wherever
+    ``new`` was computed (one learner, or its share by each sharded rank)."""
     if rows.numel() == 0:
         return dataclasses.replace(exp, stats={})
     mask = exp.mask > 0
     sampler = exp.sampler_logprobs  # [B, T] untruncated
     old = exp.old_logprobs.clone()
     old[rows] = torch.where(redo[rows], new.to(old.device), old[rows])
-    w = torch.exp(old - sampler)  # [B, T]
-    if cfg.is_truncate is not None:
-        w = w.clamp(max=cfg.is_truncate)
-    stats = {}
-    on = mask & ~off & redo
-    if on.any():
-        ratio = torch.exp(old - sampler)[on]  # the first minibatch's ratio had we not recomputed
-        eps_hi = cfg.clip_eps_high if cfg.clip_eps_high is not None else cfg.clip_eps
-        stats = {"ppo/sampler_ratio_outside_clip": ((ratio < 1 - cfg.clip_eps) | (ratio > 1 + eps_hi))
-                 .float().mean().item()}
-    return dataclasses.replace(exp, old_logprobs=old, is_weights=torch.where(off, w, torch.ones_like(w)), stats=stats)
+    weights = importance_weights(old, sampler, off, cfg.is_truncate)  # [B, T]
+    stats = sampler_ratio_outside_clip(old, sampler, mask & ~off & redo, cfg.clip_eps, cfg.clip_eps_high)
+    return dataclasses.replace(exp, old_logprobs=old, is_weights=weights,
+                               stats={k: v.item() for k, v in stats.items()})
 
 
 @dataclass
 class MicroBatch:
     """A micro-batch's b sequences laid out for one training forward (``micro_slices``).
 
-    layout: the forward's rows (``forward.Layout``: packed end to end, or one sequence a row);
+    layout: the forward's rows (``forward.RowLayout``: packed end to end, or one sequence a row);
     source, first: the flat token ids the sequences are read from and each one's first token
     [b]. Per response token, N in all: pre [N] the flat position (row * width + column) of the
     hidden state that predicts it (its prompt length - 1 + t into its sequence), dest [N] its
     place in the [b, T] response layout (row * T + t), tokens [N] the token. T: the longest
     response of the micro-batch."""
 
-    layout: Layout
+    layout: RowLayout
     source: torch.Tensor
     first: torch.Tensor
     pre: torch.Tensor

@@ -6,7 +6,7 @@ only host it; the update itself is the learner's (``local.critic_update``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
 
@@ -20,7 +20,22 @@ if TYPE_CHECKING:
     from ..api.protocols import LearnerEngine
     from ..api.specs import ModelSpec
     from ..config import PPOConfig
-    from ..scoring.worker import ScorerWorker  # (the scorer trains the critic: scoring imports the learner)
+
+
+class CriticHost(Protocol):
+    """What hosts the critic's update (a scorer worker, ``scoring.worker.ScorerWorker`` or its Ray
+    group): the scorers import the learner to run :class:`CriticTrainer`, so the learner names
+    only the three calls it makes here, not the scorers."""
+
+    def train_critic(self, batch: CriticBatch, minibatches: "list[list[int]] | list[torch.Tensor]", step: int
+                     ) -> None:
+        """Start the critic's update on ``minibatches`` of ``batch``."""
+
+    def barrier(self) -> None:
+        """Wait until every message sent so far (the update among them) has run."""
+
+    def take_train_stats(self) -> dict[str, float]:
+        """The finished update's statistics (once)."""
 
 
 @dataclass
@@ -71,7 +86,7 @@ class CriticBesideScorer:
     the same minibatches; the two updates share nothing else, so the weights are those of one
     learner doing both (``Learner.update``)."""
 
-    def __init__(self, learner: Learner, scorer: ScorerWorker, tracer: Tracer, threads: ThreadBudget,
+    def __init__(self, learner: Learner, scorer: CriticHost, tracer: Tracer, threads: ThreadBudget,
                  in_flight: bool, engine: LearnerEngine | None = None):
         """``engine``: what trains the actor (the registered learner engine built over ``learner``;
         default ``learner`` itself)."""

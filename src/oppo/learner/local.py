@@ -10,9 +10,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from .. import guard
-from ..algo.core import ClippedTokenLoss
-from ..algo.losses import aggregate, value_loss
-from ..algo.masks import masked_mean
+from ..algo.actor_loss import ActorLossSettings, ActorTokens, actor_loss
+from ..algo.losses import value_loss
 from ..forward import RowPlan, head_logprobs, packed_hidden, row_plan
 from .batch import (CriticBatch, Experience, MicroBatch, balanced, micro_groups, micro_slices, old_logprob_targets,
                     padding_stats, row_lengths, set_old_logprobs, token_budget)
@@ -174,8 +173,9 @@ class Learner:
 
     def _actor_micro_step(self, exp: Experience, host_rows: list[int], num_tokens, num_seqs: int,
                           probe: MismatchProbe | None = None) -> dict[str, torch.Tensor]:
-        """One micro-batch of the actor's update (``host_rows``: its rows, a host list); the
-        statistics stay on the device (``train_minibatches`` reads them once per update)."""
+        """One micro-batch of the actor's update (``host_rows``: its rows, a host list): the forward,
+        the loss (``algo.actor_loss``: policy, KL, entropy), the backward; the statistics stay on
+        the device (``train_minibatches`` reads them once per update)."""
         cfg = self.cfg
         assert exp.advantages is not None  # (compute_advantages runs before the update)
         host_rows = host_rows if isinstance(host_rows, list) else host_rows.tolist()
@@ -187,32 +187,14 @@ class Learner:
             logprobs, entropy = self._actor_logprobs(mb)  # [b, T] each
         if probe is not None:  # (the first optimizer step's forward is pi_k's: the sampler-vs-trainer gap)
             probe.observe(logprobs, exp.sampler_logprobs[rows][:, :T], exp.versions[rows][:, :T], mask)
-        policy_loss = self.algorithm.policy_loss if self.algorithm is not None else ClippedTokenLoss()
-        pl, pstats = policy_loss(logprobs, exp.old_logprobs[rows][:, :T], exp.advantages[rows][:, :T], mask,
-                                 is_weights=exp.is_weights[rows][:, :T], clip_eps=cfg.clip_eps,
-                                 clip_eps_high=cfg.clip_eps_high, dual_clip=cfg.dual_clip, loss_agg=cfg.loss_agg,
-                                 num_tokens=num_tokens, num_seqs=num_seqs)
-        loss = pl
-        extra_stats = {}
-        if self.algorithm is not None and self.algorithm.kl_in_loss:  # GRPO-style KL term
-            assert exp.ref_logprobs is not None  # (attach_scores runs before the update)
-            kl_term, kstats = self.algorithm.actor_loss_extra(
-                logprobs, exp.ref_logprobs[rows][:, :T], mask, is_weights=exp.is_weights[rows][:, :T],
-                loss_agg=cfg.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs)
-            loss = loss + kl_term
-            extra_stats = {"loss/kl": kl_term.detach(), **{k: torch.as_tensor(v).detach() for k, v in kstats.items()}}
-        if "dual_clipfrac" in pstats:  # ppo.dual_clip set
-            extra_stats["ppo/dual_clipfrac"] = pstats["dual_clipfrac"].detach()
-        if cfg.entropy_coef:  # in the backward only when it is in the loss; otherwise a detached statistic
-            loss = loss - cfg.entropy_coef * aggregate(entropy, mask, cfg.loss_agg, num_tokens, num_seqs)
+        kl_in_loss = self.algorithm is not None and self.algorithm.kl_in_loss
+        ref = exp.ref_logprobs[rows][:, :T] if kl_in_loss and exp.ref_logprobs is not None else None
+        tokens = ActorTokens(exp.old_logprobs[rows][:, :T], exp.advantages[rows][:, :T], mask,
+                             exp.is_weights[rows][:, :T], ref)
+        loss, stats = actor_loss(self.algorithm, logprobs, entropy, tokens, ActorLossSettings.of(cfg), num_tokens,
+                                 num_seqs)
         loss.backward()
-        return {
-            "loss/policy": pl.detach(), "ppo/clipfrac": pstats["clipfrac"].detach(),
-            "ppo/approx_kl": pstats["approx_kl"].detach(),
-            "ppo/entropy": masked_mean(entropy.detach(), mask),
-            "_frac": mask.sum() / num_tokens,  # weight of this micro-batch's stats in the minibatch
-            **extra_stats,
-        }
+        return {**stats, "_frac": mask.sum() / num_tokens}  # (_frac: this micro-batch's weight in the minibatch)
 
 
 def draw_minibatches(cfg: PPOConfig, seed: int, B: int, step: int, lengths: "torch.Tensor | list[int] | None" = None
@@ -310,23 +292,11 @@ def train_minibatches(model, opt, batch: "Experience | CriticBatch", minibatches
         mb: list[int] = mb_rows if isinstance(mb_rows, list) else mb_rows.tolist()  # (the learner's are host lists)
         num_tokens = mask[torch.tensor(mb, dtype=torch.long).to(mask.device, non_blocking=True)].sum().clamp(min=1)
         opt.zero_grad(set_to_none=True)
-        mb_sums: dict[str, object] = {}
-        losses: list[tuple[list[int], list]] = []  # each micro-batch's rows and its loss terms
         with cast_once(mask.device, compute_dtype):
-            for rows in micro_groups(batch, mb, cfg, lengths):
-                stats = micro_step(rows, num_tokens, len(mb))
-                w = stats.pop("_frac")
-                for k, v in stats.items():
-                    mb_sums[k] = mb_sums.get(k, 0.0) + (v if k.startswith("loss/") else v * w)
-                losses.append((rows, [v for k, v in stats.items() if k.startswith("loss/")]))
+            mb_sums, losses = _accumulate(micro_step, micro_groups(batch, mb, cfg, lengths), num_tokens, len(mb))
         params = [p for p in model.parameters() if p.grad is not None]
         norm = _grad_norm(params)
-        # the gradient norm and every micro-batch's losses, read in one transfer (one CPU-GPU sync
-        # point per optimizer step: the guard decides on the host before the step)
-        read = host_values([norm if norm is not None else 0.0] + [_all_finite(ls) for _, ls in losses])
-        norm_f = read[0]
-        bad_rows = [r for (rows, _), ok in zip(losses, read[1:]) if not ok for r in rows]
-        bad_loss = bool(bad_rows) if agree is None else agree(bool(bad_rows))
+        norm_f, bad_rows, bad_loss = _guard_reads(norm, losses, agree)
         if bad_loss or not math.isfinite(norm_f):
             guard.report(guard.grad_norm_message(model, norm_f, bad_rows, step, stage, i, len(minibatches)),
                          skip=cfg.nonfinite == "skip")
@@ -349,6 +319,34 @@ def train_minibatches(model, opt, batch: "Experience | CriticBatch", minibatches
     if cfg.nonfinite == "skip":
         out[f"guard/skipped/{name}"] = skipped
     return out
+
+
+def _accumulate(micro_step, groups: list[list[int]], num_tokens, num_seqs: int
+                ) -> tuple[dict[str, object], list[tuple[list[int], list]]]:
+    """One minibatch's micro-batches ``groups`` through ``micro_step`` (gradients accumulate): the
+    minibatch's statistics, losses summed and per-token statistics weighted by each micro-batch's
+    token share (``_frac``), and each micro-batch's rows with its loss terms (for the guard). Left
+    on the device: ``train_minibatches`` reads them once per optimizer step."""
+    sums: dict[str, object] = {}
+    losses: list[tuple[list[int], list]] = []
+    for rows in groups:
+        stats = micro_step(rows, num_tokens, num_seqs)
+        w = stats.pop("_frac")
+        for k, v in stats.items():
+            sums[k] = sums.get(k, 0.0) + (v if k.startswith("loss/") else v * w)
+        losses.append((rows, [v for k, v in stats.items() if k.startswith("loss/")]))
+    return sums, losses
+
+
+def _guard_reads(norm: torch.Tensor | None, losses: list[tuple[list[int], list]], agree
+                 ) -> tuple[float, list[int], bool]:
+    """What the guard decides on before an optimizer step: (the gradient norm, the rows of the
+    micro-batches whose losses are not finite, whether any rank has such a loss: ``agree``).
+    The norm and every micro-batch's losses are read in one transfer (one CPU-GPU sync point per
+    optimizer step)."""
+    read = host_values([norm if norm is not None else 0.0] + [_all_finite(ls) for _, ls in losses])
+    bad_rows = [r for (rows, _), ok in zip(losses, read[1:]) if not ok for r in rows]
+    return read[0], bad_rows, bool(bad_rows) if agree is None else agree(bool(bad_rows))
 
 
 def _all_finite(values: list) -> object:

@@ -22,7 +22,7 @@ from .costs import GPUS, Efficiency, Roofline, model_shape
 from .lengths import LogNormalLengths
 from .sim import MODES, DeviceSplit, RunResult, Workload, simulate
 
-__all__ = ["gpu_costs", "paper_setting", "parse_placement", "project", "scale_sweep", "Setting"]
+__all__ = ["gpu_costs", "paper_setting", "parse_placement", "project", "scale_sweep", "Scenario"]
 
 
 def gpu_costs(gpu: str, actor_b: float = 7.0, reward_b: float = 7.0, eff: Efficiency | None = None,
@@ -47,8 +47,10 @@ def parse_placement(text: str, gpus: int | None = None) -> tuple[int, int]:
 
 
 @dataclass(frozen=True)
-class Setting:
-    """A projected setting: workload, placement, costs, and a one-line description."""
+class Scenario:
+    """What the planner projects: a workload on a placement at some costs, with a one-line
+    description (``paper_setting`` builds one; ``tuner.Setting`` is another thing: the
+    overlap knobs a step runs with)."""
 
     workload: Workload
     placement: DeviceSplit
@@ -62,7 +64,7 @@ def paper_setting(gpu: str = "h200", sigma: float = 1.0, actor_b: float = 7.0, r
                   actor_gpus: int = 7, scorer_gpus: int = 1, batch: int = 112, max_new_tokens: int = 1024,
                   median: float | None = None, prompt_tokens: int = 256, delta: int = 8, max_lag: int = 1,
                   chunk: int = 256, epochs: int = 1, minibatches: int = 4, micro: int = 4,
-                  eff: Efficiency | None = None) -> Setting:
+                  eff: Efficiency | None = None) -> Scenario:
     median = median or max_new_tokens / 8
     wl = Workload(batch=batch, lengths=LogNormalLengths(median, sigma, max_new_tokens, seed=17),
                   prompt_tokens=prompt_tokens, delta=min(delta, batch), max_lag=max_lag, chunk=chunk,
@@ -78,10 +80,10 @@ def paper_setting(gpu: str = "h200", sigma: float = 1.0, actor_b: float = 7.0, r
              f"{actor_gpus + scorer_gpus} ({pl.label()}), B={batch}, prompts {prompt_tokens} tokens, responses "
              f"log-normal median {median:g} sigma {sigma:g} cap {max_new_tokens}, Delta {wl.delta}, max_lag {max_lag}, "
              f"chunk {chunk}, {epochs} epoch(s) x {minibatches} minibatches")
-    return Setting(wl, pl, costs, label, max_new_tokens, sigma)
+    return Scenario(wl, pl, costs, label, max_new_tokens, sigma)
 
 
-def project(setting: Setting, modes=MODES, steps: int = 60, warmup: int = 2) -> dict[str, RunResult]:
+def project(setting: Scenario, modes=MODES, steps: int = 60, warmup: int = 2) -> dict[str, RunResult]:
     return {m: simulate(m, setting.workload, setting.costs, setting.placement, steps, warmup,
                         keep_spans=setting.placement.actor_devices <= 8) for m in modes}
 

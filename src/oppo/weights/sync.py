@@ -23,18 +23,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .remote import RemoteWeights as RemoteWeights  # (its own file, that api.protocols names; importable here too)
+
 if TYPE_CHECKING:
     from ..api.protocols import WeightLinkReceiver, WeightLinkSender, WeightSource
 
 Packed = dict[str, tuple[object, str]]  # name -> (numpy array, torch dtype name)
-
-
-@dataclass(frozen=True)
-class RemoteWeights:
-    """Trained weights held by another process: a Ray object ref to :func:`pack`'s arrays (a learner
-    rank's), loaded straight from Ray's object store by whoever needs them."""
-
-    ref: Any
 
 
 def pack(module: torch.nn.Module, trainable_only: bool = False) -> Packed:
@@ -512,7 +506,7 @@ class CollectiveSync:
 
 def load_source(target: torch.nn.Module, source: WeightSource) -> None:
     """Copy the weights of ``source`` (``LearnerEngine.weights_out``: a module, ``(name, tensor)``
-    pairs or :class:`~oppo.api.protocols.RemoteWeights`) into ``target``, cast to its dtypes; the
+    pairs or :class:`~oppo.weights.remote.RemoteWeights`) into ``target``, cast to its dtypes; the
     pairs and remote weights may name only some of its tensors (the trained ones)."""
     from .precision import copy_weights
 

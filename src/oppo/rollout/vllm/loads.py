@@ -1,8 +1,8 @@
 """How the trainer's weights reach vLLM's engine between two engine steps: Hugging Face names
 (:func:`hf_weights`, a LoRA policy merged), whole weights through the buffer shared with vLLM's
 worker (pipelined in runs of layers) or through vLLM's RPC, and a LoRA adapter alone
-(``lora.py``). Functions over a :class:`~.backend.VLLMRolloutBackend`'s state; its
-``load_weights`` chooses among them."""
+(``lora.py``). Functions over the state of the backend (``backend.VLLMRolloutBackend``), typed
+by :class:`LoadTarget`; its ``load_weights`` chooses among them."""
 
 from __future__ import annotations
 
@@ -10,24 +10,57 @@ import contextlib
 import inspect
 import time
 import warnings
-from typing import TYPE_CHECKING, Iterator, cast
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, cast
 
 import torch
 
 from . import lora
 from .checks import VLLMEngineDied, VLLMUnavailable
 from .heads import HEAD
-from .weights import Layout, SharedWeights, load_in_worker, map_in_worker, unmap_in_worker
+from .weights import BufferLayout, SharedWeights, load_in_worker, map_in_worker, unmap_in_worker
 from .worker import reload_in_worker
 
 if TYPE_CHECKING:
     from peft import PeftModel
 
-    from .backend import VLLMRolloutBackend
+    from .heads import ServedCheckpoint
 
 WEIGHT_RUNS = 4
 """A weight load through the shared buffer is cut into this many runs of layers, pipelined: the
 trainer copies run i + 1 while vLLM's worker loads run i (:func:`load_shared`)."""
+
+
+class LoadTarget(Protocol):
+    """The state of a vLLM rollout backend that a weight load reads and sets (the backend,
+    ``backend.VLLMRolloutBackend``, is one): the backend imports these loads, so they name only
+    what they touch, not the backend."""
+
+    llm: Any  # vLLM's LLMEngine
+    role: str
+    version: int
+    weight_loads: int
+    weight_transport: str
+    weight_path: str
+    last_weight_sync_s: float
+    last_weight_sync_parts: dict
+    lora_merged_why: str
+    _dtype: torch.dtype
+    _on_cpu: bool
+    _served: ServedCheckpoint | None
+    _serves_tied: bool
+    _lora_sync: str
+    _adapter: lora.AdapterFiles | None
+    _adapter_on: bool
+    _adapter_served: bool
+    _shared: SharedWeights | None
+    _shared_refused: str
+    _shared_path: str
+
+    def _core(self) -> Any:
+        """vLLM's in-process engine core."""
+
+    def _call(self, what: str, fn: Callable, *args: Any) -> Any:
+        """Run an engine call; a dead worker is reported with the backend's role."""
 
 
 def hf_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -39,7 +72,7 @@ def hf_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     unless a LoRA adapter sits on one of its layers: then the layers differ as the trainer
     computes them (the embedding looks up W + its delta, the head multiplies by W + its own, or
     by W alone), and each is yielded under its own name, so the engine must serve them untied
-    (it does on the CPU: ``heads.ServedCheckpoint``; :meth:`VLLMRolloutBackend.load_weights`
+    (it does on the CPU: ``heads.ServedCheckpoint``; ``VLLMRolloutBackend.load_weights``
     refuses a head the engine would ignore)."""
     from ...models import is_peft
 
@@ -73,8 +106,8 @@ def hf_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             yield name.replace(".base_layer.", "."), w
 
 
-def load_pairs(eng: VLLMRolloutBackend, pairs: list[tuple[str, torch.Tensor]], version: int, t: float) -> None:
-    """Load these (Hugging Face name, tensor) pairs, whole weights (:meth:`VLLMRolloutBackend.load_weights`)."""
+def load_pairs(eng: LoadTarget, pairs: list[tuple[str, torch.Tensor]], version: int, t: float) -> None:
+    """Load these (Hugging Face name, tensor) pairs, whole weights (``VLLMRolloutBackend.load_weights``)."""
     if eng._serves_tied and any(n == HEAD for n, _ in pairs):
         # a LoRA adapter on a tied embedding or head (hf_weights): vLLM ties the head to the
         # embedding and skips a head of its own, so it would sample from another policy
@@ -96,7 +129,7 @@ def load_pairs(eng: VLLMRolloutBackend, pairs: list[tuple[str, torch.Tensor]], v
     eng.version = version
     eng.last_weight_sync_s = time.perf_counter() - t
 
-def load_adapter(eng: VLLMRolloutBackend, module: torch.nn.Module, version: int, t: float) -> None:
+def load_adapter(eng: LoadTarget, module: torch.nn.Module, version: int, t: float) -> None:
     """The peft policy ``module`` as base + adapter (``lora.py``): the base weights where the engine
     does not hold the trainer's yet, then the adapter, reloaded in place between two steps."""
     assert eng._adapter is not None
@@ -132,7 +165,7 @@ def load_adapter(eng: VLLMRolloutBackend, module: torch.nn.Module, version: int,
     eng.version = version
     eng.last_weight_sync_s = time.perf_counter() - t
 
-def load_shared(eng: VLLMRolloutBackend, pairs: list[tuple[str, torch.Tensor]], version: int, t: float) -> bool:
+def load_shared(eng: LoadTarget, pairs: list[tuple[str, torch.Tensor]], version: int, t: float) -> bool:
     """Load ``pairs`` through the shared buffer (made and mapped by the worker at the first load,
     and again if the names or shapes change); False where it cannot be used (warned once)."""
     if eng._served is not None:
@@ -172,7 +205,7 @@ def load_shared(eng: VLLMRolloutBackend, pairs: list[tuple[str, torch.Tensor]], 
                                    "wall_s": time.perf_counter() - t_write, **worker}
     return True
 
-def _load_rpc(eng: VLLMRolloutBackend, version: int, index: list[int], slots: int):
+def _load_rpc(eng: LoadTarget, version: int, index: list[int], slots: int):
     """Start the worker's load of these slots (of ``slots`` in the buffer); returns a callable
     that waits for its results. Not blocking where vLLM's executor takes ``non_block`` (its
     multiprocessing one)."""
@@ -185,12 +218,12 @@ def _load_rpc(eng: VLLMRolloutBackend, version: int, index: list[int], slots: in
     return eng._call("a weight load", lambda: executor.collective_rpc(load_in_worker, args=args,
                                                                        non_block=True)).result
 
-def _map_shared(eng: VLLMRolloutBackend, pairs: list[tuple[str, torch.Tensor]]) -> SharedWeights | None:
+def _map_shared(eng: LoadTarget, pairs: list[tuple[str, torch.Tensor]]) -> SharedWeights | None:
     """Make the shared buffer for ``pairs``' layout and have the worker map it; None where it
     cannot be used."""
     shared = None
     try:
-        layout = Layout.of(pairs, eng._dtype)
+        layout = BufferLayout.of(pairs, eng._dtype)
         device = torch.device("cpu") if eng._on_cpu else torch.device("cuda", torch.cuda.current_device())
         shared = SharedWeights(layout, device)
         how = eng._call("mapping the shared weights", eng.llm.collective_rpc, map_in_worker, None,
@@ -213,7 +246,7 @@ def _map_shared(eng: VLLMRolloutBackend, pairs: list[tuple[str, torch.Tensor]]) 
     eng._shared_path = f"{shared.kind}/{how[0]}"
     return shared
 
-def drop_shared(eng: VLLMRolloutBackend) -> None:
+def drop_shared(eng: LoadTarget) -> None:
     shared, eng._shared = eng._shared, None
     if shared is None:
         return

@@ -1,7 +1,7 @@
 """Weight loads into a local vLLM engine that do not serialise the model.
 
 ``collective_rpc`` would pickle the whole model at every update, so the trainer and vLLM's worker
-share one buffer of checkpoint-format weights (:class:`Layout`): a ``/dev/shm`` file on the CPU
+share one buffer of checkpoint-format weights (:class:`BufferLayout`): a ``/dev/shm`` file on the CPU
 (:class:`SharedWeights`), a CUDA tensor shared by its IPC handle on a GPU. The layout and handle
 go once (:func:`map_in_worker`); each update copies every weight into its slot and sends a tiny RPC
 (:func:`load_in_worker`). The worker loads into the live model (:class:`LiveLoader`: vLLM's
@@ -53,7 +53,7 @@ class Slot:
 
 
 @dataclass(frozen=True)
-class Layout:
+class BufferLayout:
     """Every served tensor's slot, in the order the trainer sends them (the worker loads in this
     order: vLLM's loaders see the checkpoint's order)."""
 
@@ -61,7 +61,7 @@ class Layout:
     nbytes: int
 
     @classmethod
-    def of(cls, pairs: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None) -> "Layout":
+    def of(cls, pairs: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None) -> "BufferLayout":
         """The layout of ``pairs``; floating-point tensors stored as ``dtype`` (the engine's: the cast
         vLLM's loaders would do), others as they are."""
         slots, offset = [], 0
@@ -127,11 +127,11 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 class SharedWeights:
-    """The trainer's side of the shared buffer: created with a :class:`Layout`, written at every
+    """The trainer's side of the shared buffer: created with a :class:`BufferLayout`, written at every
     update, closed (and on the CPU unlinked) by :meth:`close`. ``kind``: "shared-memory" or
     "cuda-ipc"."""
 
-    def __init__(self, layout: Layout, device: torch.device | str = "cpu"):
+    def __init__(self, layout: BufferLayout, device: torch.device | str = "cpu"):
         device = torch.device(device)
         self.layout = layout
         self.kind = "cuda-ipc" if device.type == "cuda" else "shared-memory"
@@ -191,7 +191,7 @@ class SharedWeights:
         return {"kind": self.kind, "path": self.path, "nbytes": self.layout.nbytes}
 
     def write(self, pairs: Iterable[tuple[str, torch.Tensor]], index: list[int]) -> None:
-        """Copy each tensor into its slot (``index``: :meth:`Layout.index`); casts and moves across
+        """Copy each tensor into its slot (``index``: :meth:`BufferLayout.index`); casts and moves across
         devices as ``Tensor.copy_`` does. On a GPU, waits for the copies."""
         assert self._buf is not None, "the shared weight buffer is closed"
         with torch.no_grad():
@@ -381,7 +381,7 @@ class _Mapped:
     """The worker's view of the buffer (kept on the worker object between RPCs)."""
 
     buf: torch.Tensor
-    layout: Layout
+    layout: BufferLayout
     views: list[torch.Tensor]
     loader: LiveLoader | None
     why_not_live: str
@@ -402,7 +402,7 @@ def open_buffer(handle: dict) -> torch.Tensor:
     raise SharedUnavailable(f"unknown buffer kind {handle['kind']!r}")
 
 
-def map_in_worker(worker, handle: dict, layout: Layout) -> str:
+def map_in_worker(worker, handle: dict, layout: BufferLayout) -> str:
     """Runs in vLLM's worker process (``collective_rpc``), once per buffer: map it and choose the
     loader. Returns "live" or "reload: <why>" (the loader it will use)."""
     old = getattr(worker, "_oppo_mapped", None)
