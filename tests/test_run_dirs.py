@@ -1,4 +1,5 @@
-"""Run directories and resume, through `oppo train` in a subprocess as a user runs it: a new run
+"""Run directories and resume, through `oppo train` in a process of its own as a user runs it (forked
+from a server that has imported torch: ``clirun``): a new run
 never mixes with an old one, and a resume that cannot continue the run says why and touches
 nothing."""
 
@@ -14,6 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+import clirun
+
 from oppo.metrics import read_metrics
 
 TINY = ["placement.threads=1", "ppo.batch_size=4", "ppo.minibatch_size=2", "ppo.micro_batch_size=2",
@@ -24,7 +27,7 @@ def oppo_train(tiny_models, tiny_prompts, cwd: Path, *args: str) -> subprocess.C
     cmd = [sys.executable, "-m", "oppo.cli", "train", *TINY, f"policy.path={tiny_models['policy']}",
            f"reward.path={tiny_models['reward']}", f"data.prompts={tiny_prompts}", *args]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=cwd, env=env)
+    return clirun.run(cmd, timeout=600, cwd=cwd, env=env)
 
 
 def digest(d: Path) -> dict[str, str]:
