@@ -1,5 +1,6 @@
-"""``placement.backend=ray``: the scorers (reward, reference, critic) in Ray actors, the learner a
-group of Ray ranks (the learner engine's ``build_remote``: data-parallel replicas or FSDP2 shards),
+"""``placement.name=ray``: the scorers (reward, reference, critic) in Ray actors, the learner a
+group of Ray ranks (the learner engine's ``build_remote``: data-parallel replicas or FSDP2 shards;
+how many and what each gets are the engine's own settings, ``learner.<engine>.*``),
 and the rollout engine in the controller or in ``rollout_workers`` Ray workers that stream their
 chunks to the scorer actors themselves. After each update rank 0's actor weights reach the rollout
 engine, streamed in buckets over a process group of their own or through the object store
@@ -10,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..plugins import setting
+from ..parts import setting
 from . import Facts, Placed, PlacementSpec, local_rollout
 
 if TYPE_CHECKING:
@@ -25,14 +26,8 @@ if TYPE_CHECKING:
 class RaySettings:
     address: str = setting("auto", "Ray cluster to join: auto (the one started by `ray start` on this machine, "
                                    "else a new local one), or host:port / ray://host:port.")
-    learner_workers: int = setting(1, "Learner ranks (each holds actor, critic and AdamW, or a shard of them: "
-                                      "placement.learner).")
-    learner_cpus: float = setting(1.0, "CPUs per learner rank.")
-    learner_gpus: float = setting(0.0, "GPUs per learner rank.")
     scorer_cpus: float = setting(1.0, "CPUs of the scorer actor.")
     scorer_gpus: float = setting(0.0, "GPUs of the scorer actor.")
-    spread: bool = setting(False, "Place the learner ranks on different nodes (STRICT_SPREAD) instead of as few "
-                                  "as possible (PACK).")
     rollout_workers: int = setting(0, "Rollout workers, each a copy of the policy with its own engine "
                                       "(generation.engine: eager under auto, or a backend that runs in workers), "
                                       "sharing the B + Delta sequences and streaming their chunks straight to the "
@@ -55,14 +50,11 @@ class RaySettings:
                                                 "while the other is in flight); a larger tensor spans several.")
 
 
-def problems(cfg: Config, own: RaySettings) -> list[str]:
+def checks(own: RaySettings, cfg: Config) -> list[str]:
     from ..rollout import registry
 
     out = []
-    if own.learner_workers < 1:
-        out.append(f"placement.ray.learner_workers must be >= 1, got {own.learner_workers}.")
-    if min(own.learner_cpus, own.learner_gpus, own.scorer_cpus, own.scorer_gpus, own.rollout_cpus,
-           own.rollout_gpus) < 0:
+    if min(own.scorer_cpus, own.scorer_gpus, own.rollout_cpus, own.rollout_gpus) < 0:
         out.append("placement.ray.*_cpus and *_gpus must be >= 0.")
     if own.rollout_workers < 0:
         out.append(f"placement.ray.rollout_workers must be >= 0, got {own.rollout_workers}.")
@@ -86,7 +78,7 @@ def problems(cfg: Config, own: RaySettings) -> list[str]:
         except ValueError:
             n = 0  # (malformed: the reward section's check says how)
         if n > 1:
-            out.append(f"placement.backend=ray hosts one reward model in its scorer actors; reward.terms names {n}: "
+            out.append(f"placement.name=ray hosts one reward model in its scorer actors; reward.terms names {n}: "
                        f"keep one reward model term, or run locally.")
     return out
 
@@ -126,11 +118,11 @@ def build(models: Models, placement: Placement, own: RaySettings) -> Placed:
     actors = RayScorerWorker(specs, m.tracer, temperature=cfg.generation.temperature, threads=pl.scorer_threads,
                              num_cpus=own.scorer_cpus, num_gpus=own.scorer_gpus, seed=cfg.run.seed)
     closers = [actors.close]
-    engine = learners.get(pl.learner)
-    assert engine.build_remote is not None  # (config validation: placements.problems)
+    engine, ranks = learners.get(pl.learner), learners.ranks(cfg)
+    assert engine.build_remote is not None  # (config validation: the engine runs under this placement)
     learner = engine.build_remote(learners.RemoteRequest(
-        learner_spec(cfg, m.paths, m.pad_id, m.compute_dtype, m.algorithm, m.recompute_old), own.learner_workers,
-        own.learner_cpus, own.learner_gpus, pl.actor_threads, "STRICT_SPREAD" if own.spread else "PACK",
+        learner_spec(cfg, m.paths, m.pad_id, m.compute_dtype, m.algorithm, m.recompute_old), ranks.workers,
+        ranks.cpus, ranks.gpus, pl.actor_threads, "STRICT_SPREAD" if ranks.spread else "PACK",
         actors if m.critic is not None else None, m.tracer, (m.policy, m.critic)))
     closers.insert(0, learner.close)
     load_source(m.policy, learner.weights_out())  # rank 0's initialisation, here too
@@ -219,7 +211,9 @@ def collective_sync(models: Models, own: RaySettings, learner, rollout=None, loc
         else:
             assert local is not None  # (the sink: the workers, or the local engine's model)
             serving_on_gpu = next(local.parameters()).is_cuda
-        if not (own.learner_gpus > 0 and serving_on_gpu):
+        from ..learner import registry as learners
+
+        if not (learners.ranks(models.cfg).gpus > 0 and serving_on_gpu):
             return None  # on CPU the object store (shared memory on a node) beats gloo: benchmarks/weight_sync
     wire = {n: t.dtype for n, t in models.rollout_policy.state_dict().items()}  # the serving side's dtypes
     try:
@@ -236,5 +230,5 @@ SPEC = PlacementSpec(
     "ray", "the scorers (reward, reference, critic) in Ray actors and the learner as a group of Ray ranks "
            "(torch.distributed: gloo on CPU, NCCL on GPU); the rollout engine stays with the controller unless "
            "placement.ray.rollout_workers is set", decide=decide, build=build, remote=True,
-    where="the Ray actors (placement.backend=ray), which load their models from a directory",
-    settings=RaySettings, problems=problems)
+    where="the Ray actors (placement.name=ray), which load their models from a directory",
+    settings=RaySettings, checks=checks)
