@@ -126,10 +126,6 @@ class Engine:
         """Whether it has the builder a placement asks for (``remote``: on Ray ranks; else here)."""
         return (self.build_remote if remote else self.build_local) is not None
 
-    def describe(self) -> str:
-        """Its help line (``placement.learner``'s help)."""
-        return REGISTRY.describe(self)
-
 
 REGISTRY: Registry[Engine] = LEARNERS
 register = REGISTRY.register

@@ -32,7 +32,9 @@ class RewardFunction:
     ``reward.function``) may name bare, ``name``. Its settings are the function's keywords (a
     term's ``kwargs``, checked against its signature), so ``settings`` and ``checks`` are None.
     oppo's own are named in ``parts.BUILT_IN``; others register with ``REWARD_TERMS.register`` or
-    the ``oppo.reward_terms`` entry point group."""
+    the ``oppo.reward_terms`` entry point group. A term is reached as ``oppo.rewards:<name>``, so
+    the file that defines one is not named as the term (``oppo.rewards.<name>`` would be the
+    module)."""
 
     name: str
     help: str
