@@ -99,13 +99,10 @@ def build(models: Models, placement: Placement, own: RaySettings) -> Placed:
     """The scorer actors (all stage-3 scoring goes to them, streamed or one-shot), the learner ranks
     (started from the controller's models: fresh heads and adapters are initialised per process,
     so rank 0's become everyone's), then the rollout engine and the weight sync."""
-    import torch
-
-    from ..api.specs import ModelSpec
     from ..cluster import init_ray
     from ..learner import registry as learners
     from ..learner.group import learner_spec
-    from ..scoring.ray import FedByRollout, RayScorerWorker
+    from ..scoring.ray import RayScorerWorker
     from ..weights.precision import copy_weights
     from ..weights.sync import load_source
 
@@ -128,29 +125,8 @@ def build(models: Models, placement: Placement, own: RaySettings) -> Placed:
     load_source(m.policy, learner.weights_out())  # rank 0's initialisation, here too
     copy_weights(m.policy, m.rollout_policy)
     sync: list[Callable[[int], object]] = [learner.push_critic] if isinstance(learner, learners.PushesCritic) else []  # rank 0's critic -> actors
-    rollout: Any
     if placement.rollout == "ray":
-        from ..rollout import registry
-        from ..rollout.ray import RayRolloutGroup
-
-        settings = registry.engine_settings(cfg, m.stop_ids, m.pad_id, m.max_new_tokens, torch.device("cpu"))
-        policy_spec = ModelSpec("policy", m.paths.policy, m.compute_dtype, pad_id=m.pad_id,
-                                trust_remote_code=cfg.policy.trust_remote_code)
-        stream = placement.rollout_streams_itself  # (the scorer actors serve every other mode)
-        rollout = RayRolloutGroup(policy_spec, settings, own.rollout_workers, seed=cfg.run.seed, tracer=m.tracer,
-                                  scorer=actors if stream else None, num_cpus=own.rollout_cpus,
-                                  num_gpus=own.rollout_gpus, threads=pl.actor_threads)
-        closers.insert(0, rollout.close)
-        line = f"{settings.kind} in {own.rollout_workers} Ray rollout workers ({settings.reason})"
-        rollout.load_weights(m.policy, 0)
-        scorer: Any = FedByRollout(actors) if stream else actors
-        link = collective_sync(m, own, learner, rollout=rollout)
-        if link is not None:  # rank 0 streams to the workers over a group of their own
-            sync.append(link)
-            closers.append(link.close)
-        else:  # the workers load rank 0's weights straight from the object store
-            sync.append(lambda version: rollout.load_weights(learner.weights_out(), version))
-        return Placed(learner, rollout, scorer, sync, closers, line)
+        return _with_rollout_workers(m, placement, own, actors, learner, sync, closers)
     rollout, line = local_rollout(m)
     closers.insert(0, rollout.close)
     link = collective_sync(m, own, learner, local=m.rollout_policy)
@@ -166,6 +142,39 @@ def build(models: Models, placement: Placement, own: RaySettings) -> Placed:
     if link is not None:
         closers.append(link.close)
     return Placed(learner, rollout, actors, sync, closers, line)
+
+
+def _with_rollout_workers(m: Models, placement: Placement, own: RaySettings, actors: Any, learner: Any,
+                          sync: list[Callable[[int], object]], closers: list[Callable[[], None]]) -> Placed:
+    """``build``'s roles with the rollout engine in ``rollout_workers`` Ray workers, which stream their
+    chunks to the scorer ``actors`` themselves where the mode streams, and load rank 0's weights
+    after each update (over a group of their own, or from the object store)."""
+    import torch
+
+    from ..api.specs import ModelSpec
+    from ..rollout import registry
+    from ..rollout.ray import RayRolloutGroup
+    from ..scoring.ray import FedByRollout
+
+    cfg = m.cfg
+    settings = registry.engine_settings(cfg, m.stop_ids, m.pad_id, m.max_new_tokens, torch.device("cpu"))
+    policy_spec = ModelSpec("policy", m.paths.policy, m.compute_dtype, pad_id=m.pad_id,
+                            trust_remote_code=cfg.policy.trust_remote_code)
+    stream = placement.rollout_streams_itself  # (the scorer actors serve every other mode)
+    rollout = RayRolloutGroup(policy_spec, settings, own.rollout_workers, seed=cfg.run.seed, tracer=m.tracer,
+                              scorer=actors if stream else None, num_cpus=own.rollout_cpus,
+                              num_gpus=own.rollout_gpus, threads=cfg.placement.actor_threads)
+    closers.insert(0, rollout.close)
+    line = f"{settings.kind} in {own.rollout_workers} Ray rollout workers ({settings.reason})"
+    rollout.load_weights(m.policy, 0)
+    scorer: Any = FedByRollout(actors) if stream else actors
+    link = collective_sync(m, own, learner, rollout=rollout)
+    if link is not None:  # rank 0 streams to the workers over a group of their own
+        sync.append(link)
+        closers.append(link.close)
+    else:  # the workers load rank 0's weights straight from the object store
+        sync.append(lambda version: rollout.load_weights(learner.weights_out(), version))
+    return Placed(learner, rollout, scorer, sync, closers, line)
 
 
 def scorer_specs(paths, pad_id: int, dtype: torch.dtype, *, reward_model: bool, critic: bool,
