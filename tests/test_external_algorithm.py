@@ -57,7 +57,7 @@ class SequenceRatioLoss:
         return loss, stats
 
 
-def _checks(cfg) -> list[str]:
+def _checks(own, cfg) -> list[str]:
     if cfg.ppo.dual_clip is not None:
         return ["algo.name=gspo_test clips the sequence ratio with algo.settings.clip_low/clip_high; ppo.dual_clip "
                 "does not apply to it: leave ppo.dual_clip empty."]
@@ -175,7 +175,7 @@ def test_it_trains_in_the_other_modes(gspo, tiny_models, tiny_prompts, tmp_path)
 
 @pytest.mark.ray
 def test_it_trains_on_ray_learner_ranks(gspo, ray_local, tiny_models, tiny_prompts, tmp_path):
-    """placement.backend=ray, 2 learner ranks, whose processes never imported this file: the ranks
+    """placement.name=ray, 2 learner ranks, whose processes never imported this file: the ranks
     train with this file's loss (its code travels with the algorithm: ``cluster.ship_plugins``), so
     their update is the one local learner's step for step (data-parallel replicas are the same
     update); two minibatches, so that the second one's ratios are not 1. PPO's token loss on the
@@ -184,7 +184,7 @@ def test_it_trains_on_ray_learner_ranks(gspo, ray_local, tiny_models, tiny_promp
     small = ("ppo.minibatch_size=2", "ppo.micro_batch_size=1")
     runs = []
     for place in (("placement.local.scorer_process=false",),
-                  ("placement.backend=ray", "placement.ray.learner_workers=2", "placement.ray.learner_cpus=0.5",
+                  ("placement.name=ray", "learner.replicate.workers=2", "learner.replicate.cpus=0.5",
                    "placement.ray.scorer_cpus=0.5")):
         t = _trainer(tiny_models, tiny_prompts, tmp_path / place[0], "sequential", *small, *place)
         try:

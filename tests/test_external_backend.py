@@ -234,8 +234,8 @@ def test_it_runs_in_a_ray_rollout_worker(ray_local, tiny_models, tiny_prompts, t
             f"policy.path={tiny_models['policy']}", f"reward.path={tiny_models['reward']}",
             f"data.prompts={tiny_prompts}", f"run.out_dir={tmp_path}", "placement.threads=1", "ppo.batch_size=4",
             "ppo.minibatch_size=4", "ppo.micro_batch_size=2", "generation.max_new_tokens=6", "overlap.chunk_size=3",
-            "log.progress=false", "overlap.mode=oppo", f"generation.engine={NAME}", "placement.backend=ray",
-            "placement.ray.rollout_workers=1", "placement.ray.learner_cpus=0.25", "placement.ray.scorer_cpus=0.25",
+            "log.progress=false", "overlap.mode=oppo", f"generation.engine={NAME}", "placement.name=ray",
+            "placement.ray.rollout_workers=1", "learner.replicate.cpus=0.25", "placement.ray.scorer_cpus=0.25",
             "placement.ray.rollout_cpus=0.25"])
         with Trainer(cfg, progress=False) as t:
             worker = t.roles.rollout.workers[0]

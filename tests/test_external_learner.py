@@ -4,8 +4,11 @@ strategy of this file's (replicas that count their updates across the ranks). Ea
 config's help with its settings, its checks and where it runs are enforced before any model loads,
 and ``oppo.Trainer`` trains through it."""
 
+from dataclasses import dataclass
+
 import pytest
 
+from oppo.parts import setting
 from oppo.config import ConfigError, help_text, load_config
 from oppo.learner import registry
 from oppo.trainer import Trainer
@@ -33,9 +36,14 @@ def _build(req: registry.LocalRequest) -> CountingLearner:
     return BUILT[-1]
 
 
-def _problems(cfg) -> list[str]:
-    n = cfg.placement.ray.learner_workers
-    return [] if n == 1 else [f"placement.ray.learner_workers={n}: the counting learner is one learner; set it to 1."]
+@dataclass
+class CountingSettings:
+    every: int = setting(1, "Count every n-th update (a test engine's own setting).")
+
+
+def _checks(own: CountingSettings, cfg) -> list[str]:
+    n = own.every
+    return [] if n >= 1 else [f"learner.counting.every={n}: count every n >= 1 updates."]
 
 
 class RecordingReplicas:
@@ -90,10 +98,10 @@ def _build_remote(req: registry.RemoteRequest):
 def counting_engine():
     registry.register(registry.Engine(
         "counting", "the local learner, counting its updates (a test's engine)", build_local=_build,
-        problems=_problems, settings=(("placement.ray.learner_workers", "must be 1"),)))
+        checks=_checks, settings=CountingSettings))
     registry.register(registry.Engine(
         "recording", "Ray replicas counting their updates (a test's engine)", build_remote=_build_remote,
-        settings=(("placement.ray.learner_workers", "Ray ranks"),)))
+        settings=registry.Ranks))
     yield
     registry.unregister("counting")
     registry.unregister("recording")
@@ -109,17 +117,19 @@ def _cfg(tiny_models, tiny_prompts, tmp_path, *extra):
 
 def test_the_engine_is_in_the_help_with_its_settings_and_its_checks_run_before_models_load():
     help_ = help_text()
-    assert "counting: the local learner, counting its updates (a test's engine) (runs in this process; " \
-           "settings: placement.ray.learner_workers: must be 1)." in help_
-    with pytest.raises(ConfigError, match=r"placement.ray.learner_workers=2: the counting learner is one learner"):
-        load_config(None, ["placement.learner=counting", "placement.ray.learner_workers=2"])
-    with pytest.raises(ConfigError, match=r"placement.learner=counting runs in this process, not under placement.backend=ray: set "
-                                             r"placement.backend=local, or placement.learner=replicate or fsdp2 or recording"):
-        load_config(None, ["placement.learner=counting", "placement.backend=ray"])
-    assert "recording: Ray replicas counting their updates (a test's engine) (runs on Ray ranks; settings: " \
-           "placement.ray.learner_workers: Ray ranks)." in help_
-    with pytest.raises(ConfigError, match=r"placement.learner=recording runs on Ray ranks, not under placement.backend=local: "
-                                             r"set placement.backend=ray"):
+    assert "counting: the local learner, counting its updates (a test's engine) (runs in this process). " \
+           "Its settings: learner.counting.* (read under placement.learner=counting only)." in help_
+    assert "learner.counting: (the settings of placement.learner=counting)" in help_
+    assert "learner.counting.every = 1" in help_
+    with pytest.raises(ConfigError, match=r"learner.counting.every=0: count every n >= 1 updates"):
+        load_config(None, ["placement.learner=counting", "learner.counting.every=0"])
+    with pytest.raises(ConfigError, match=r"placement.learner=counting runs in this process, not under placement.name=ray: set "
+                                             r"placement.name=local, or placement.learner=replicate or fsdp2 or recording"):
+        load_config(None, ["placement.learner=counting", "placement.name=ray"])
+    assert "recording: Ray replicas counting their updates (a test's engine) (runs on Ray ranks). Its settings: " \
+           "learner.recording.* (read under placement.learner=recording only)." in help_
+    with pytest.raises(ConfigError, match=r"placement.learner=recording runs on Ray ranks, not under placement.name=local: "
+                                             r"set placement.name=ray"):
         load_config(None, ["placement.learner=recording"])
     with pytest.raises(ConfigError, match=r"placement.learner='nope' is not one of replicate, fsdp2, counting, recording"):
         load_config(None, ["placement.learner=nope"])
@@ -166,9 +176,9 @@ def test_the_trainer_trains_on_ray_through_a_registered_engine_and_strategy(ray_
     (whose process never imported this file) and runs each update there."""
     from oppo.learner.group import LearnerGroup
 
-    t = Trainer(_cfg(tiny_models, tiny_prompts, tmp_path, "overlap.mode=sequential", "placement.backend=ray",
-                     "placement.learner=recording", "placement.ray.learner_workers=2",
-                     "placement.ray.learner_cpus=0.5", "placement.ray.scorer_cpus=0.5", "ppo.micro_batch_size=2"),
+    t = Trainer(_cfg(tiny_models, tiny_prompts, tmp_path, "overlap.mode=sequential", "placement.name=ray",
+                     "placement.learner=recording", "learner.recording.workers=2",
+                     "learner.recording.cpus=0.5", "placement.ray.scorer_cpus=0.5", "ppo.micro_batch_size=2"),
                 progress=False)
     try:
         assert isinstance(t.roles.learner, LearnerGroup) and isinstance(t.roles.learner.strategy, RecordingReplicas)

@@ -10,7 +10,7 @@ import pytest
 from oppo import placements
 from oppo.config import ConfigError, help_text, load_config, to_dict
 from oppo.placements import local
-from oppo.plugins import setting
+from oppo.parts import setting
 from oppo.scoring.inline import InlineScorer
 from oppo.trainer import Trainer
 
@@ -29,7 +29,7 @@ def _decide(cfg, own: InlineSettings, facts):
                      threads=ThreadBudget(full, own.decode_threads or full, full))
 
 
-def _problems(cfg, own: InlineSettings) -> list[str]:
+def _checks(own: InlineSettings, cfg) -> list[str]:
     return [] if own.decode_threads >= 0 else [
         f"placement.inline.decode_threads must be >= 0 (0: placement.threads'), got {own.decode_threads}."]
 
@@ -37,7 +37,7 @@ def _problems(cfg, own: InlineSettings) -> list[str]:
 SPEC = placements.PlacementSpec(
     "inline", "every role in this process, the scorers inline in every mode (a test's placement)",
     decide=_decide, build=lambda models, placement, own: local.build(models, placement, None),
-    settings=InlineSettings, problems=_problems)
+    settings=InlineSettings, checks=_checks)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -50,15 +50,15 @@ def inline_placement():
 def test_the_placement_is_in_the_help_with_its_section_and_its_checks_run_before_models_load():
     help_ = help_text()
     assert "inline: every role in this process, the scorers inline in every mode (a test's placement). " \
-           "Its settings: placement.inline.* (read under placement.backend=inline only)." in help_
-    assert "placement.inline: (the settings of placement.backend=inline)" in help_
+           "Its settings: placement.inline.* (read under placement.name=inline only)." in help_
+    assert "placement.inline: (the settings of placement.name=inline)" in help_
     assert "placement.inline.decode_threads = 0" in help_
     with pytest.raises(ConfigError, match=r"placement.inline.decode_threads must be >= 0"):
-        load_config(None, ["placement.backend=inline", "placement.inline.decode_threads=-1"])
-    cfg = load_config(None, ["placement.backend=inline", "placement.inline.decode_threads=2"])
+        load_config(None, ["placement.name=inline", "placement.inline.decode_threads=-1"])
+    cfg = load_config(None, ["placement.name=inline", "placement.inline.decode_threads=2"])
     assert to_dict(cfg)["placement"]["inline"] == {"decode_threads": 2}
-    with pytest.raises(ConfigError, match=r"placement.backend='nowhere' is not one of local, ray, inline"):
-        load_config(None, ["placement.backend=nowhere"])
+    with pytest.raises(ConfigError, match=r"placement.name='nowhere' is not one of local, ray, inline"):
+        load_config(None, ["placement.name=nowhere"])
 
 
 @pytest.mark.parametrize("mode", ["sequential", "oppo"])
@@ -68,7 +68,7 @@ def test_the_trainer_trains_under_the_registered_placement(tiny_models, tiny_pro
         f"data.prompts={tiny_prompts}", "placement.threads=1", "ppo.batch_size=4", "ppo.minibatch_size=4",
         "ppo.micro_batch_size=4", "generation.max_new_tokens=6", "overlap.chunk_size=4",
         f"run.out_dir={tmp_path}", "log.progress=false", "run.samples=0", f"overlap.mode={mode}",
-        "placement.backend=inline", "placement.inline.decode_threads=1"])
+        "placement.name=inline", "placement.inline.decode_threads=1"])
     t = Trainer(cfg, progress=False)
     try:
         assert isinstance(t.roles.scorer, InlineScorer) and t.roles.placement.scorer == "inline"

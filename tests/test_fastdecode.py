@@ -440,7 +440,7 @@ def test_auto_engine_is_static_with_graphs_on_cuda_for_supported_policies_else_e
     s = engine_settings(cfg, (EOS,), PAD, 8, cuda, model=hybrid)
     assert s.kind == "eager" and "conv" in s.reason
     # Ray rollout workers run eager under auto (settings for cpu); static is refused there
-    ray = ["placement.backend=ray", "placement.ray.rollout_workers=2"]
+    ray = ["placement.name=ray", "placement.ray.rollout_workers=2"]
     load_config(None, ray)
     with pytest.raises(ConfigError, match="generation.engine=auto"):
         load_config(None, [*ray, "generation.engine=static"])

@@ -50,11 +50,12 @@ def test_known_modes_keep_their_behaviour():
 
 @pytest.mark.parametrize("old,new", sorted(MOVED.items()))
 def test_an_old_name_on_the_command_line_names_the_new_one(old, new):
+    new = new.format(learner="replicate")  # (a learner engine's ranks: the chosen engine's section)
     special = {"lora_sync": "merged", "learner": "replicate", "address": "auto", "weight_sync": "object_store",
-               "spread": "true"}
+               "spread": "true", "name": "ray"}
     leaf_name = new.rsplit(".", 1)[1]
     value = special.get(leaf_name) or ("true" if new.endswith(("process", "worker")) else "1")
-    extra = ["placement.backend=ray"] if ".ray." in new else []
+    extra = ["placement.name=ray"] if ".ray." in new else []
     with pytest.raises(ConfigError, match=f"{old} is now {new}"):
         load_config(None, [f"{old}={value}", *extra])
     section, leaf = _at(to_dict(load_config(None, [f"{new}={value}", *extra])), new)
@@ -83,7 +84,8 @@ def test_an_old_name_in_a_yaml_file_names_the_new_one(tmp_path):
     cfg = load_config(p)
     assert cfg.placement.local.scorer_process is False and cfg.placement.threads == 2
     p.write_text("placement:\n  backend: ray\n  learner_workers: 2\n")
-    with pytest.raises(ConfigError, match="placement.learner_workers is now placement.ray.learner_workers"):
+    with pytest.raises(ConfigError, match="placement.backend is now placement.name(.|\n)*placement.learner_workers is "
+                                          "now learner.replicate.workers"):
         load_config(p)
 
 
@@ -91,10 +93,21 @@ def _old_saved(cfg: Config) -> dict:
     """``to_dict(cfg)`` as an oppo from before the move saved it (placement keys under overlap / run)."""
     d = to_dict(cfg)
     for old, new in MOVED.items():  # (two old names of one setting: the older one, listed first)
-        (os_, ok), (ns, nk) = old.split("."), _at(d, new)
-        if nk in ns:
+        (os_, ok), (ns, nk) = old.split(".", 1), _at(d, new.format(learner=cfg.placement.learner))
+        if nk in ns and "." not in ok:
             d[os_][ok] = ns.pop(nk)
     return d
+
+
+def test_a_saved_config_from_before_issue_44_reads_the_engines_ranks_and_the_placements_name():
+    """placement.backend was the placement's name; a learner engine's ranks were placement.ray's."""
+    old = {"placement": {"backend": "ray", "learner": "fsdp2", "ray": {"learner_workers": 2, "learner_cpus": 0.5,
+                                                                      "spread": True, "scorer_cpus": 0.5}},
+           "ppo": {"minibatch_size": 16, "micro_batch_size": 8}}
+    cfg = from_dict(old)
+    assert cfg.placement.name == "ray" and cfg.placement.ray.scorer_cpus == 0.5
+    assert (cfg.learner["fsdp2"].workers, cfg.learner["fsdp2"].cpus, cfg.learner["fsdp2"].spread) == (2, 0.5, True)
+    assert cfg.learner["replicate"].workers == 1 and old["placement"]["ray"]["learner_workers"] == 2  # (unchanged)
 
 
 def test_a_saved_config_with_old_names_loads_with_the_new_ones(tmp_path):

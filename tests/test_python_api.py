@@ -186,14 +186,14 @@ def test_reward_functions_get_what_they_ask_for():
 
 
 def test_models_for_other_processes_are_saved_once(tiny_models, tmp_path, capsys):
-    """placement.backend=ray: the Ray actors load every model from a directory, so each model
+    """placement.name=ray: the Ray actors load every model from a directory, so each model
     object is saved there (the policy with its tokenizer), and said so."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from oppo.inputs import save_for_elsewhere, split_inputs
 
     policy, tok, rm = _objects(tiny_models)
-    cfg = oppo.load_config(overrides=[*TINY, "placement.backend=ray"])
+    cfg = oppo.load_config(overrides=[*TINY, "placement.name=ray"])
     cfg, inputs = split_inputs(cfg, policy=policy, tokenizer=tok, reward_model=rm, save_dir=tmp_path / "inputs")
     saved = save_for_elsewhere(cfg, inputs)
     assert saved == {"policy": str(tmp_path / "inputs" / "policy"), "reward": str(tmp_path / "inputs" / "reward")}

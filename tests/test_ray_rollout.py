@@ -18,7 +18,7 @@ from test_ray_trainer import _cfg  # noqa: E402  (the same tiny run as the other
 pytestmark = pytest.mark.ray
 
 
-RAY = ("placement.backend=ray", "placement.ray.learner_cpus=0.25", "placement.ray.scorer_cpus=0.25",
+RAY = ("placement.name=ray", "learner.replicate.cpus=0.25", "placement.ray.scorer_cpus=0.25",
        "placement.ray.rollout_cpus=0.25")
 
 

@@ -30,7 +30,7 @@ def _record(t: Trainer, m: dict) -> dict:
 @pytest.mark.slow
 def test_ray_backend_equals_sequential_and_resumes_on_another_worker_count(ray_local, tiny_models, tiny_prompts,
                                                                            tmp_path):
-    """placement.backend=ray, 2 learner ranks, streaming scorers on a Ray actor: the sequential
+    """placement.name=ray, 2 learner ranks, streaming scorers on a Ray actor: the sequential
     loop's run step for step; its checkpoint resumes in one local process, equal to training on."""
     from oppo.checkpoint import load_checkpoint, save_checkpoint
 
@@ -41,8 +41,8 @@ def test_ray_backend_equals_sequential_and_resumes_on_another_worker_count(ray_l
     finally:
         seq.close()
 
-    t = Trainer(_cfg(tiny_models, tiny_prompts, tmp_path / "r", "overlap.mode=intra", "placement.backend=ray",
-                     "placement.ray.learner_workers=2", "placement.ray.learner_cpus=0.5", "placement.ray.scorer_cpus=0.5"),
+    t = Trainer(_cfg(tiny_models, tiny_prompts, tmp_path / "r", "overlap.mode=intra", "placement.name=ray",
+                     "learner.replicate.workers=2", "learner.replicate.cpus=0.5", "placement.ray.scorer_cpus=0.5"),
                 progress=False)
     try:
         assert type(t.roles.learner).__name__ == "LearnerGroup" and not t.roles.learner.strategy.sharded and type(t.roles.scorer).__name__ == "RayScorerWorker"
@@ -82,8 +82,8 @@ def test_ray_pipeline_loads_weights_in_flight(ray_local, tiny_models, tiny_promp
     """overlap.mode=pipeline on Ray: the learner group trains in the background while the engine
     decodes; rank 0's weights reach the engine at the end of each step, every rank's training span
     joins the trace, and no token is older than max_lag + 1 versions."""
-    t = Trainer(_cfg(tiny_models, tiny_prompts, tmp_path / "p", "overlap.mode=pipeline", "placement.backend=ray",
-                     "placement.ray.learner_cpus=0.5", "placement.ray.scorer_cpus=0.5", "generation.max_new_tokens=32",
+    t = Trainer(_cfg(tiny_models, tiny_prompts, tmp_path / "p", "overlap.mode=pipeline", "placement.name=ray",
+                     "learner.replicate.cpus=0.5", "placement.ray.scorer_cpus=0.5", "generation.max_new_tokens=32",
                      "overlap.delta=2", "overlap.refill=true", "overlap.max_lag=1", "run.steps=10"), progress=False)
     try:
         early, inflight = 0, 0
@@ -121,8 +121,8 @@ def test_a_killed_ray_actor_stops_the_run_by_role_and_the_resume_is_exact(ray_lo
     common = ("overlap.mode=sequential", "run.steps=4", "run.save_every=2")
     oracle = train(_cfg(tiny_models, tiny_prompts, tmp_path / "oracle", *common), progress=False)
 
-    cfg = _cfg(tiny_models, tiny_prompts, tmp_path / "killed", *common, "placement.backend=ray",
-               "placement.ray.learner_cpus=0.5", "placement.ray.scorer_cpus=0.5")
+    cfg = _cfg(tiny_models, tiny_prompts, tmp_path / "killed", *common, "placement.name=ray",
+               "learner.replicate.cpus=0.5", "placement.ray.scorer_cpus=0.5")
     from oppo.control import stages
 
     score = stages.score

@@ -133,7 +133,7 @@ def test_terms_are_validated_before_anything_loads(terms, match, nothing_loads):
 
 def test_terms_exclude_path_and_function_and_two_models_on_ray():
     assert "not both" in _config_error([{"path": "rm"}], "reward.path=other")
-    assert "one reward model" in _config_error([{"path": "a"}, {"path": "b"}], "placement.backend=ray")
+    assert "one reward model" in _config_error([{"path": "a"}, {"path": "b"}], "placement.name=ray")
 
 
 def test_terms_names_weights_and_scorer_roles():

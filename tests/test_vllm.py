@@ -140,7 +140,7 @@ def _scaled_rope(policy: Path, tmp_path: Path) -> Path:
     return out
 
 
-@pytest.mark.parametrize("placement", [(), ("placement.backend=ray", "placement.ray.rollout_workers=1")])
+@pytest.mark.parametrize("placement", [(), ("placement.name=ray", "placement.ray.rollout_workers=1")])
 def test_trainer_refuses_before_loading_models(tiny_models, tiny_prompts, tmp_path, monkeypatch, placement):
     """Locally, and with Ray rollout workers: refused before any model loads or Ray actor starts."""
     import oppo.setup.load as setup_mod
@@ -873,7 +873,7 @@ def test_ray_learner_reloads_the_local_vllm_engine(ray_local, shared, vmodels, t
     update the engine reloads rank 0's weights. (It used to only take the new version number and
     sample on from the initial weights: a mismatch of the sampler against the trainer's pi_k.)"""
     steps = run_steps(trainer_cfg(vmodels, tiny_prompts, tmp_path, "overlap.mode=sequential",
-                                  "placement.backend=ray", "ppo.actor_lr=1e-2"))
+                                  "placement.name=ray", "ppo.actor_lr=1e-2"))
     assert shared.weight_loads >= 3  # the reset, then one per update
     for s in steps:
         assert s["m"]["mismatch/logprob_abs_diff"] < 1e-4, s["m"]["mismatch/logprob_abs_diff"]
@@ -892,8 +892,8 @@ def test_ray_rollout_worker_hosts_vllm(ray_local, vmodels, tiny_prompts, tmp_pat
     from oppo.weights.sync import load_source
 
     cfg = trainer_cfg(vmodels, tiny_prompts, tmp_path, "overlap.mode=oppo", "overlap.delta=2", "overlap.max_lag=1",
-                      "generation.top_p=0.9", "ppo.actor_lr=1e-2", "placement.backend=ray",
-                      "placement.ray.rollout_workers=1", "placement.ray.learner_cpus=0.25", "placement.ray.scorer_cpus=0.25",
+                      "generation.top_p=0.9", "ppo.actor_lr=1e-2", "placement.name=ray",
+                      "placement.ray.rollout_workers=1", "learner.replicate.cpus=0.25", "placement.ray.scorer_cpus=0.25",
                       "placement.ray.rollout_cpus=0.25")
     initial = hf_policy(vmodels["policy"])
     pi_k = copy.deepcopy(initial)

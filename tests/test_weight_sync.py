@@ -325,9 +325,9 @@ def test_trainer_syncs_collectively(ray_local, tiny_models, tiny_prompts, tmp_pa
         for _ in range(steps):
             m = t.run_step()
             want.append((t.last_result.exp.ids.clone(), m))
-    with Trainer(_cfg(tiny_models, tiny_prompts, tmp_path / "r", "overlap.mode=sequential", "placement.backend=ray",
-                      "placement.ray.learner_workers=2", *placement, "placement.ray.weight_sync=collective",
-                      "placement.ray.weight_sync_bucket_mb=0.001", "placement.ray.learner_cpus=0.25",
+    with Trainer(_cfg(tiny_models, tiny_prompts, tmp_path / "r", "overlap.mode=sequential", "placement.name=ray",
+                      "learner.replicate.workers=2", *placement, "placement.ray.weight_sync=collective",
+                      "placement.ray.weight_sync_bucket_mb=0.001", "learner.replicate.cpus=0.25",
                       "placement.ray.scorer_cpus=0.25", "placement.ray.rollout_cpus=0.25"), progress=False) as t:
         links = [c.__self__ for c in t.roles.closers if isinstance(getattr(c, "__self__", None), CollectiveSync)]
         assert len(links) == 1, "the collective sync was formed"
@@ -351,8 +351,8 @@ def test_trainer_syncs_collectively(ray_local, tiny_models, tiny_prompts, tmp_pa
 
 
 @pytest.mark.parametrize("overrides, expected", [
-    (["placement.backend=ray", "placement.ray.weight_sync_bucket_mb=-1"], "weight_sync_bucket_mb must be >= 0"),
-    (["placement.backend=ray", "placement.ray.weight_sync=nccl"], "collective"),  # the allowed values are named
+    (["placement.name=ray", "placement.ray.weight_sync_bucket_mb=-1"], "weight_sync_bucket_mb must be >= 0"),
+    (["placement.name=ray", "placement.ray.weight_sync=nccl"], "collective"),  # the allowed values are named
 ])
 def test_bad_weight_sync_settings_are_refused_before_any_model_loads(overrides, expected):
     from oppo.config import ConfigError, load_config

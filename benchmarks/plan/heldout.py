@@ -87,7 +87,7 @@ def specs(quick: bool) -> list[Spec]:
                 Spec("tail-B16-sequential", "long tail B=16", "sequential", 16, short, sigma=TAIL_SIGMA),
                 Spec("tail-B16-pipeline", "long tail B=16", "pipeline", 16, short, sigma=TAIL_SIGMA)]
     nat, tail, grpo = "natural B=32", "long tail B=32", "GRPO G=4 B=32"
-    ray = ("placement.backend=ray", "placement.ray.learner_cpus=0.2", "placement.ray.scorer_cpus=0.2")
+    ray = ("placement.name=ray", "learner.replicate.cpus=0.2", "placement.ray.scorer_cpus=0.2")
     return [
         Spec("fit-natural-B32-sequential", nat, "sequential", role="fit"),
         Spec("fit-natural-B32-oppo", nat, "oppo", role="fit"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .plugins import modules_by_value
+from .parts import modules_by_value
 
 
 def init_ray(address: str | None = "auto", num_cpus: int | None = None, num_gpus: int | None = None,
@@ -83,7 +83,7 @@ def one_line(e: BaseException) -> str:
 def ship_plugins() -> None:
     """Have Ray pickle by value (cloudpickle's ``register_pickle_by_value``: code, not an import
     path) the modules that define registered plugins' parts and that no installed distribution
-    provides (``plugins.modules_by_value``): an algorithm's loss, a learner engine's update strategy
+    provides (``parts.modules_by_value``): an algorithm's loss, a learner engine's update strategy
     or a rollout backend's build then reaches actors whose processes never imported that module, as
     Ray's docs advise for modules not installed on the cluster. Their code must be the self-contained
     kind: a helper module they import in turn must be importable there (installed, or sent with

@@ -189,7 +189,7 @@ def needs_saving(cfg: Config) -> dict[str, str]:
     spec = placements.of(cfg)
     if spec.remote:
         for role in ("policy", "reference", "critic", "reward"):
-            why[role] = spec.where or f"placement.backend={spec.name}, whose roles load their models from a directory"
+            why[role] = spec.where or f"placement.name={spec.name}, whose roles load their models from a directory"
     engine = cfg.generation.engine
     if engine != registry.AUTO and registry.get(engine).loads_own_weights:
         why.setdefault("policy", f"generation.engine={engine}, which loads the policy from a directory")

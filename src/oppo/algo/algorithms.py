@@ -1,8 +1,9 @@
-"""The algorithms oppo trains with, by name: a registry of :class:`~oppo.algo.core.AlgorithmSpec`.
+"""The algorithms oppo trains with, by name: the registry of :class:`~oppo.algo.core.AlgorithmSpec`
+(``parts.ALGORITHMS``, :mod:`oppo.parts`).
 
 Each algorithm is one file (``ppo.py``, ``grpo.py``, ``rloo.py``, ``reinforce_pp.py``) holding
-its ``SPEC``: estimator, policy loss, defaults, settings and checks. The built-in ones are
-registered on the line below; others register from anywhere with :func:`register` (a plugin, a
+its ``SPEC``: estimator, policy loss, defaults, settings and checks; the built-in ones are named in
+``parts.BUILT_IN`` (a line each). Others register from anywhere with :func:`register` (a plugin, a
 test) or through the ``oppo.algorithms`` entry point group (``pyproject.toml``; the entry's value
 is its spec). ``algo.name``'s choices and help, the config's defaults and checks, and
 :func:`build_algorithm` follow from the registry. Imports no torch.
@@ -11,65 +12,29 @@ is its spec). ``algo.name``'s choices and help, the config's defaults and checks
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Dict, Iterator
+from typing import Any, Dict
 
-from ..plugins import Registry
-from . import grpo, ppo, reinforce_pp, rloo
+from ..parts import ALGORITHMS as REGISTRY
 from .core import Algorithm, AlgorithmSpec
 
 __all__ = ["ALGORITHMS", "ENTRY_POINTS", "REGISTRY", "SPECS", "algorithm_settings", "build_algorithm", "get_algorithm",
            "get_spec", "names", "register", "unregister"]
 
-ENTRY_POINTS = "oppo.algorithms"
-
-REGISTRY: Registry[AlgorithmSpec] = Registry("an algorithm", ENTRY_POINTS)
-for _spec in (ppo.SPEC, grpo.SPEC, rloo.SPEC, reinforce_pp.SPEC):
-    REGISTRY.register(_spec)
+ENTRY_POINTS = REGISTRY.entry_points
+REGISTRY.load()  # (the built-ins, here: SPECS holds them once this module is imported)
 SPECS: Dict[str, AlgorithmSpec] = REGISTRY.items
 """The registry's items: name -> spec, built-in first."""
 register = REGISTRY.register
 unregister = REGISTRY.unregister
+names = REGISTRY.names
 
-
-def names() -> tuple[str, ...]:
-    """The registered algorithms' names, built-in first."""
-    return REGISTRY.names()
-
-
-class _Names(Sequence):
-    """The registered names, read live (an algorithm registered later is in it): ``algo.name``'s
-    choices. Compares equal to a tuple of the same names."""
-
-    def __getitem__(self, i):
-        return names()[i]
-
-    def __len__(self) -> int:
-        return len(names())
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(names())
-
-    def __contains__(self, name: object) -> bool:
-        return name in names()
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Sequence) and not isinstance(other, str) and tuple(self) == tuple(other)
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        return repr(names())
-
-
-ALGORITHMS: Sequence[str] = _Names()
+ALGORITHMS: Sequence[str] = REGISTRY.live_names()
+"""The registered names, read live (an algorithm registered later is in it): ``algo.name``'s choices."""
 
 
 def get_spec(name: str) -> AlgorithmSpec:
     """The spec of the algorithm called ``name``; ``ValueError`` naming the valid ones if none is."""
-    spec = REGISTRY.find(name)
-    if spec is None:
-        raise ValueError(f"unknown algorithm {name!r}{REGISTRY.why_missing(name)}; valid: {', '.join(SPECS)}")
-    return spec
+    return REGISTRY.get(name)
 
 
 def algorithm_settings(name: str) -> Dict[str, Any]:

@@ -295,7 +295,7 @@ SHARED_SETTINGS = ("group_size", "kl_coef", "kl_estimator", "kl_placement", "kl_
 """Settings every algorithm takes; the estimator's and the loss's fields are its own settings."""
 
 
-def _no_checks(cfg: Any) -> List[str]:
+def _no_checks(own: Any, cfg: Any) -> List[str]:
     return []
 
 
@@ -338,9 +338,9 @@ class AlgorithmSpec:
     config_keys: Mapping[str, str] = field(default_factory=dict)
     """Own settings a Config gives by another key (``{"gamma": "ppo.gamma"}``); the others come
     from ``algo.settings`` by name."""
-    checks: Callable[[Any], List[str]] = _no_checks
-    """Problems of a Config for this algorithm beyond its settings' own checks, each a line with
-    its fix (run before any model loads)."""
+    checks: Callable[[Any, Any], List[str]] = _no_checks
+    """``checks(own, cfg)``: problems of a Config for this algorithm beyond its settings' own
+    checks (``own``: ``algo.settings``), each a line with its fix (run before any model loads)."""
     modes: Optional[Tuple[str, ...]] = None
     """The overlap modes it may run in; None: every mode."""
 
@@ -444,7 +444,7 @@ class AlgorithmSpec:
             self.from_cfg(cfg)
         except ValueError as e:  # a value the algorithm's parts refuse
             out.append(f"algo.name={self.name}: {e}")
-        return out + list(self.checks(cfg))
+        return out + list(self.checks(cfg.algo.settings, cfg))
 
     def help_lines(self, cfg: Any) -> List[str]:
         """``algo.name``'s help for this algorithm: what it is, needs and sets by default, and

@@ -49,7 +49,7 @@ def main(argv: list[str]) -> int:
     natural = load_config(args.config, shared)  # the task's own lengths: the second profile row, the tail sweep
     for m in modes:  # each mode's own settings are valid, before anything loads
         with_overrides(base, mode_overrides(m))
-    if base.placement.backend == "ray" and LOCAL_BASELINE not in modes and "sequential" in modes:
+    if base.placement.name == "ray" and LOCAL_BASELINE not in modes and "sequential" in modes:
         modes.append(LOCAL_BASELINE)
     if workload:
         if base.generation.max_new_tokens is None:  # (an override cleared the preset)

@@ -16,7 +16,7 @@ from .workloads import LengthWorkload, synthetic_sampler
 
 
 QUICK = ["ppo.batch_size=32", "ppo.minibatch_size=16", "ppo.micro_batch_size=16"]
-LOCAL_BASELINE = "sequential:placement.backend=local"
+LOCAL_BASELINE = "sequential:placement.name=local"
 """The second baseline of a bench under a Ray placement: the best single-process sequential run."""
 
 

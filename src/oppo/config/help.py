@@ -4,7 +4,16 @@ values and help."""
 from __future__ import annotations
 
 
+from ..parts import BACKENDS, LEARNERS, PLACEMENTS
 from .schema import TASK_PRESETS, Config, choices_of, fields_of, sections
+
+
+def _heading(name: str) -> str:
+    """A section's heading; a part's own (``rollout.<backend>``, ``placement.<name>``,
+    ``learner.<engine>``) names the setting that picks it."""
+    kind, _, part = name.partition(".")
+    chosen_by = {r.section: r.chosen_by for r in (BACKENDS, PLACEMENTS, LEARNERS)}.get(kind)
+    return f"{name}: (the settings of {chosen_by}={part})" if part and chosen_by else f"{name}:"
 
 
 def help_text(cfg: Config | None = None, source: str = "") -> str:
@@ -21,10 +30,7 @@ def help_text(cfg: Config | None = None, source: str = "") -> str:
     elif source:
         lines += [f"The values shown are those of {source}; one that is not the default is marked '<- {source}'.", ""]
     for name, section in sections(cfg):
-        # a backend's or placement's own settings (its help: generation.engine's, placement.backend's)
-        backend, place = name.partition("rollout.")[2], name.partition("placement.")[2]
-        lines.append(f"{name}: (the settings of generation.engine={backend})" if backend else
-                     f"{name}: (the settings of placement.backend={place})" if place else f"{name}:")
+        lines.append(_heading(name))
         for f in fields_of(section):
             default = getattr(section, f.name)
             shown = "(empty)" if default is None else repr(default) if isinstance(default, str) else default

@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from .. import from_trl
-from ..algo.algorithms import SPECS
+from ..parts import ALGORITHMS
 from .schema import TASK_PRESETS, Config, ConfigError, all_keys, fields_of, sections
 from .validate import validate
 
@@ -42,8 +42,9 @@ _ALIASES = {"learning_rate": ("actor_lr", "critic_lr"), "lr": ("actor_lr", "crit
 # settings that moved to another section (old key -> new key): given by hand (a YAML file, an
 # override) the old name is refused with the new one named; a saved config (a checkpoint's, a
 # bench's) is read with the old names moved (upgrade_settings)
-_RAY = ("address", "learner_workers", "learner_cpus", "learner_gpus", "scorer_cpus", "scorer_gpus", "spread",
-        "rollout_workers", "rollout_cpus", "rollout_gpus", "weight_sync", "weight_sync_bucket_mb")
+_RAY = ("address", "scorer_cpus", "scorer_gpus", "rollout_workers", "rollout_cpus", "rollout_gpus", "weight_sync",
+        "weight_sync_bucket_mb")
+_RANKS = {"learner_workers": "workers", "learner_cpus": "cpus", "learner_gpus": "gpus", "spread": "spread"}
 MOVED = {"overlap.scorer_process": "placement.local.scorer_process",
          "overlap.critic_on_worker": "placement.local.critic_on_worker",
          "overlap.actor_threads": "placement.actor_threads", "overlap.scorer_threads": "placement.scorer_threads",
@@ -56,7 +57,11 @@ MOVED = {"overlap.scorer_process": "placement.local.scorer_process",
          "placement.scorer_process": "placement.local.scorer_process",
          "placement.critic_on_worker": "placement.local.critic_on_worker",
          **{f"placement.{k}": f"placement.ray.{k}" for k in _RAY},
-         "placement.learner_sharding": "placement.learner"}
+         "placement.learner_sharding": "placement.learner",
+         # issue 44: a learner engine's ranks are its own section ({learner}: placement.learner's value);
+         # placement.backend named the placement
+         **{f"placement{at}.{k}": f"learner.{{learner}}.{v}" for k, v in _RANKS.items() for at in ("", ".ray")},
+         "placement.backend": "placement.name"}
 
 
 def upgrade_settings(d: dict) -> dict:
@@ -65,12 +70,20 @@ def upgrade_settings(d: dict) -> dict:
     out = {k: dict(v) if isinstance(v, dict) else v for k, v in d.items()}
     if isinstance(out.get("overlap"), dict) and "delta_rule" not in out["overlap"]:
         out["overlap"]["delta_rule"] = "reward_slope"  # saved before the cost rule existed: it ran the paper's
+    placed = out["placement"] if isinstance(out.get("placement"), dict) else {}
+    learner = placed.get("learner") or placed.get("learner_sharding") or "replicate"
     for old, new in MOVED.items():
-        (os_, ok), (*ns, nk) = old.split("."), new.split(".")
-        if isinstance(out.get(os_), dict) and ok in out[os_]:
-            value = out[os_].pop(ok)
+        (*os_, ok), (*ns, nk) = old.split("."), new.format(learner=learner).split(".")
+        src: dict | None = out
+        for part in os_:  # (placement.ray.<key>: a section within a section, copied before a key leaves it)
+            inner = src.get(part) if src is not None else None
+            if src is not None and isinstance(inner, dict):
+                src[part] = inner = dict(inner)
+            src = inner if isinstance(inner, dict) else None
+        if src is not None and ok in src:
+            value = src.pop(ok)
             section = out.setdefault(ns[0], {})
-            for part in ns[1:]:  # (rollout.<backend>, placement.<name>: a section within a section)
+            for part in ns[1:]:  # (rollout.<backend>, placement.<name>, learner.<engine>)
                 section[part] = section = dict(section.get(part) or {})
             section.setdefault(nk, value)
     return out
@@ -113,12 +126,14 @@ def _unknown(cfg: Config, key: str, value: Any, source: str) -> str | None:
     """One line saying why ``key`` is not a setting and what to write instead; None for a setting."""
     known = all_keys(cfg)
     if key in MOVED:
-        new = MOVED[key]
+        new = MOVED[key].format(learner=cfg.placement.learner)
         why = (f" (a placement's own settings are its section, placement.{new.split('.')[1]})" if new.count(".") == 2
                and new.startswith("placement.") else " (a rollout backend's own settings are its section)"
-               if new.startswith("rollout.") else " (where a role runs and how much hardware it gets is in the "
-               "placement section)" if new.startswith("placement.") and not key.startswith("placement.") else "")
-        return f"Unknown setting '{key}' (from {source}): {key} is now {MOVED[key]}{why}. Rename it to {MOVED[key]}."
+               if new.startswith("rollout.") else " (a learner engine's own settings are its section, "
+               "learner.<placement.learner>)" if new.startswith("learner.") else " (where a role runs and how much "
+               "hardware it gets is in the placement section)" if new.startswith("placement.") and not
+               key.startswith("placement.") else "")
+        return f"Unknown setting '{key}' (from {source}): {key} is now {new}{why}. Rename it to {new}."
     if key in known:
         return None
     trl = from_trl.lookup(key)
@@ -316,8 +331,9 @@ def resolved_settings(d: dict) -> dict:
     replaced by the algorithm's default: the value in effect, for comparing two runs' settings (an
     empty one under grpo is 0.04, as a checkpoint that named 0.04 was). ``d`` is unchanged."""
     ppo, name = d.get("ppo"), (d.get("algo") or {}).get("name", "ppo")
-    if isinstance(ppo, dict) and "kl_coef" in ppo and ppo["kl_coef"] is None and name in SPECS:
-        return {**d, "ppo": {**ppo, "kl_coef": SPECS[name].kl_coef}}
+    spec = ALGORITHMS.find(name)
+    if isinstance(ppo, dict) and "kl_coef" in ppo and ppo["kl_coef"] is None and spec is not None:
+        return {**d, "ppo": {**ppo, "kl_coef": spec.kl_coef}}
     return d
 
 

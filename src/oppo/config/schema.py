@@ -8,67 +8,26 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from typing import TYPE_CHECKING
+
 from .. import modes
-from ..algo.algorithms import ALGORITHMS, SPECS, get_spec
-from ..algo.core import AlgorithmSpec
+from ..parts import ALGORITHMS, BACKENDS, LEARNERS, PLACEMENTS
+
+if TYPE_CHECKING:
+    from ..algo.core import AlgorithmSpec
 
 
 class ConfigError(ValueError):
     """A configuration value is invalid. The message says which and how to fix it."""
 
 
+AUTO_ENGINE = "auto"
+"""``generation.engine=auto``: not a backend, resolved per run (``rollout.registry.resolve_engine``)."""
+
 
 def _engine_choices() -> tuple[str, ...]:
     """``generation.engine``'s values: auto and the registered rollout backends."""
-    from ..rollout import registry
-
-    return registry.choices()
-
-
-def _engine_help() -> list[str]:
-    from ..rollout import registry
-
-    return [f"{n}: {registry.get(n).help}." + (f" Its settings: rollout.{n}.*." if registry.get(n).settings else "")
-            for n in registry.names()]
-
-
-def _learner_choices() -> tuple[str, ...]:
-    """``placement.learner``'s values: the registered learner engines."""
-    from ..learner import registry
-
-    return registry.names()
-
-
-def _learner_help() -> list[str]:
-    from ..learner import registry
-
-    return registry.help_lines()
-
-
-def _placement_choices() -> tuple[str, ...]:
-    from .. import placements
-
-    return placements.names()
-
-
-def _placement_help() -> list[str]:
-    from .. import placements
-
-    return placements.help_lines()
-
-
-def _placement_sections() -> dict[str, Any]:
-    """Each registered placement's own settings (``placement.<name>.<field>``)."""
-    from .. import placements
-
-    return placements.default_settings()
-
-
-def _rollout_sections() -> dict[str, Any]:
-    """The ``rollout`` section: each registered backend's own settings (``rollout.<backend>.<field>``)."""
-    from ..rollout import registry
-
-    return registry.default_settings()
+    return (AUTO_ENGINE, *BACKENDS.names())
 
 
 def choices_of(f) -> tuple:
@@ -95,7 +54,7 @@ def _by_algorithm(value: Any) -> str:
     """``value(spec)`` for each algorithm, algorithms with the same value named together
     (for help texts: "4 for grpo, rloo; 1 for ppo, reinforce_pp")."""
     names: dict[str, list[str]] = {}
-    for spec in SPECS.values():
+    for spec in map(ALGORITHMS.get, ALGORITHMS.names()):
         names.setdefault(str(value(spec)), []).append(spec.name)
     if len(names) == 1:
         return next(iter(names))
@@ -204,7 +163,7 @@ class GenerationConfig:
     engine: str = opt("auto", "Rollout engine: auto (static with CUDA graphs when the policy is on CUDA and its "
                               "architecture suits it, else eager; the run's log says which ran and why), or a "
                               "rollout backend by name (its own settings are rollout.<name>.*):", _engine_choices,
-                    _engine_help)
+                    BACKENDS.help_lines)
     kv_budget_mb: float = opt(0.0, "Most memory the actor's KV cache may take, in MiB; a step that would exceed it "
                                     "stops with an error naming the settings to lower (0: no limit). The per-step "
                                     "peak is reported as memory/actor_kv_peak_mb. A backend with a KV cache "
@@ -372,14 +331,14 @@ class LoraConfig:
 def _algo_lines() -> list[str]:
     """``algo.name``'s help: each registered algorithm (``oppo.algo``) with its own settings."""
     cfg = Config()
-    return [line for name in ALGORITHMS for line in get_spec(name).help_lines(cfg)]
+    return [line for name in ALGORITHMS.names() for line in ALGORITHMS.get(name).help_lines(cfg)]
 
 
 @dataclass
 class AlgoConfig:
     name: str = opt("ppo", "The RL algorithm, one of those registered (oppo.algo.register, or the oppo.algorithms "
                            "entry point group), each listed below with its needs, defaults and own settings. A "
-                           "critic-free one loads, scores, trains and checkpoints no critic.", ALGORITHMS,
+                           "critic-free one loads, scores, trains and checkpoints no critic.", ALGORITHMS.live_names(),
                     more=_algo_lines)
     group_size: int = opt(0, "G: responses sampled per prompt, admitted, scored and trained together. "
                              f"0: the algorithm's default ({_by_algorithm(lambda s: s.group_size)}).")
@@ -398,17 +357,18 @@ class PlacementConfig:
     resumes under another placement). The overlap mode's behaviour is ``overlap.*``. Each
     registered placement's own settings are ``placement.<name>.*`` (``oppo.placements``)."""
 
-    backend: str = opt("local", "Where the roles run: a registered placement (oppo.placements):", _placement_choices,
-                       _placement_help)
+    name: str = opt("local", "Where the roles run: a registered placement (oppo.placements), its own settings "
+                             "placement.<name>.*:", PLACEMENTS.names, PLACEMENTS.help_lines)
     learner: str = opt("replicate", "The learner engine: how the learner trains and how its ranks split the "
-                                    "trained state (registered engines; oppo.learner.registry):",
-                       _learner_choices, _learner_help)
+                                    "trained state (registered engines; oppo.learner.registry), its own settings "
+                                    "learner.<engine>.* (how many Ray ranks and what each gets):",
+                       LEARNERS.names, LEARNERS.help_lines)
     threads: int = opt(0, "torch CPU threads of this process for sequential work (0: all cores).")
     actor_threads: int = opt(1, "CPU: torch threads of the actor (decoding and, with "
                                 "placement.local.critic_on_worker, training) in overlapped modes; also each "
                                 "Ray rank's and rollout worker's.")
     scorer_threads: int = opt(1, "CPU: torch threads of the scorer worker (or Ray scorer actor) in overlapped modes.")
-    by_name: dict = field(default_factory=_placement_sections, metadata={"sections": True})
+    by_name: dict = field(default_factory=PLACEMENTS.default_settings, metadata={"sections": True})
     """The placements' own settings, ``{name: its settings dataclass}`` (``placement.<name>.<field>``)."""
 
     def __getattr__(self, name: str) -> Any:  # cfg.placement.ray: that placement's own settings
@@ -461,9 +421,12 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     data: DataConfig = field(default_factory=DataConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
-    rollout: dict[str, Any] = field(default_factory=_rollout_sections)
+    rollout: dict[str, Any] = field(default_factory=BACKENDS.default_settings)
     """The rollout backends' own settings, ``{backend name: its settings dataclass}``
     (``rollout.<backend>.<field>``; ``oppo.rollout.registry``)."""
+    learner: dict[str, Any] = field(default_factory=LEARNERS.default_settings)
+    """The learner engines' own settings, ``{engine name: its settings dataclass}``
+    (``learner.<engine>.<field>``; ``oppo.learner.registry``)."""
     ppo: PPOConfig = field(default_factory=PPOConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -484,7 +447,7 @@ class Config:
     @property
     def algo_spec(self) -> AlgorithmSpec:
         """The spec of ``algo.name`` (``oppo.algo``): its defaults, and what it needs."""
-        return get_spec(self.algo.name)
+        return ALGORITHMS.get(self.algo.name)
 
     @property
     def group_size(self) -> int:

@@ -5,21 +5,9 @@ from __future__ import annotations
 
 import math
 
-from ..rewards.terms import BUILTINS as BUILTIN_REWARDS, parse_terms
-from .schema import Config, ConfigError, choices_of, fields_of, sections
-
-
-def _backend(name: str):
-    """The rollout backend ``name`` (``rollout.registry``, which imports no torch)."""
-    from ..rollout import registry
-
-    return registry.get(name)
-
-
-def _backend_names() -> tuple[str, ...]:
-    from ..rollout import registry
-
-    return registry.names()
+from ..parts import BACKENDS, LEARNERS, PLACEMENTS, REWARD_TERMS
+from ..rewards.terms import parse_terms
+from .schema import AUTO_ENGINE, Config, ConfigError, choices_of, fields_of, sections
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -149,24 +137,30 @@ def _check_overlap(cfg: Config) -> None:
 
 
 def _check_placement(cfg: Config) -> None:
-    """Where the roles run: cores, then the placement's own checks and its learner engine's."""
+    """Where the roles run: cores, then the placement's own checks, then that its learner engine
+    runs under it and the engine's own checks."""
     pl = cfg.placement
     _check(pl.threads >= 0, f"placement.threads must be >= 0 (0: all cores), got {pl.threads}.")
     _check(pl.actor_threads >= 1 and pl.scorer_threads >= 1,
            "placement.actor_threads and placement.scorer_threads must be >= 1.")
-    from .. import placements
-
-    problems = placements.problems(cfg)
+    problems = PLACEMENTS.checks(pl.name, pl.by_name.get(pl.name), cfg)
+    spec, engine = PLACEMENTS.get(pl.name), LEARNERS.get(pl.learner)
+    if not engine.runs_under(spec.remote):
+        fits = [n for n in PLACEMENTS.names() if engine.runs_under(PLACEMENTS.get(n).remote)]
+        others = [n for n in LEARNERS.names() if LEARNERS.get(n).runs_under(spec.remote)]
+        problems.append(f"placement.learner={engine.name} runs {engine.where()}, not under placement.name={spec.name}: "
+                        f"set placement.name={' or '.join(fits) or '(none registered)'}, or placement.learner="
+                        f"{' or '.join(others)}.")
+    else:
+        problems += LEARNERS.checks(pl.learner, cfg.learner.get(pl.learner), cfg)
     _check(not problems, "\n".join(problems))
 
 
 def _check_rollout_backend(cfg: Config) -> None:
     """The chosen rollout backend's own checks of its settings against the run's."""
     g = cfg.generation
-    if g.engine != "auto":
-        spec = _backend(g.engine)
-        own = cfg.rollout.get(g.engine)
-        problems = spec.checks(own, cfg) if spec.checks and own is not None else []
+    if g.engine != AUTO_ENGINE:
+        problems = BACKENDS.checks(g.engine, cfg.rollout.get(g.engine), cfg)
         _check(not problems, "\n".join(problems))
 
 
@@ -186,9 +180,10 @@ def _check_reward(cfg: Config) -> None:
            f"reward.retry_backoff_s must be >= 0 seconds, got {cfg.reward.retry_backoff_s}.")
     for key in ("reward.function", "reward.judge"):
         v = getattr(cfg.reward, key.split(".")[1])
-        _check(v is None or (":" in v and all(v.split(":", 1))) or (key == "reward.function" and v in BUILTIN_REWARDS),
+        builtin = REWARD_TERMS.names()
+        _check(v is None or (":" in v and all(v.split(":", 1))) or (key == "reward.function" and v in builtin),
                f"{key}={v!r} must look like 'package.module:function'"
-               + (f" or be a built-in reward ({', '.join(BUILTIN_REWARDS)})." if key == "reward.function" else "."))
+               + (f" or be a built-in reward ({', '.join(builtin)})." if key == "reward.function" else "."))
     if cfg.reward.terms:
         _check(cfg.reward.path is None and cfg.reward.function is None,
                "Give either reward.terms or reward.path / reward.function, not both (a one-term list is "

@@ -1,18 +1,21 @@
 """Learner engines by name: ``placement.learner`` picks one entry of this registry.
 
-An engine is one :class:`Engine`: its name, a line of help, the settings it reads (listed in the
-help), its checks on the config (run by ``config.validate``, before any model loads), and a builder
-for each kind of placement it can run under: ``build_local`` in the controller's process (a
-placement whose roles run here: ``local``) and ``build_remote`` as a group of Ray ranks (a remote
-placement: ``ray``). Whatever it builds is a :class:`~oppo.api.protocols.LearnerEngine`.
+An engine is one :class:`Engine`, a part (:mod:`oppo.parts`): its name, a line of help, its own
+settings (a dataclass, the config's ``learner.<name>.*``: for an engine that runs on Ray ranks, how
+many and what each gets, :class:`Ranks`), its checks ``checks(own, cfg)`` (run by config validation,
+before any model loads), and a builder for each kind of placement it can run under: ``build_local``
+in the controller's process (a placement whose roles run here: ``local``) and ``build_remote`` as a
+group of Ray ranks (a remote placement: ``ray``). Whatever it builds is a
+:class:`~oppo.api.protocols.LearnerEngine`.
 
-Built in: ``replicate`` (the local learner in process; data-parallel replicas on Ray) and ``fsdp2``
-(FSDP2 shards on Ray). Others register with :func:`register` (a plugin module the user imports, a
-test) or through the ``oppo.learner_engines`` entry point group (the entry's value is its
-:class:`Engine`). A ``build_remote`` may compose the built-in group of ranks
-(``group.LearnerGroup``) with an update strategy of its own; the ranks receive that strategy, its
-code by value where they cannot import its module (``cluster.ship_plugins``). This module imports
-no torch, so the config can list the engines without loading one.
+Built in (``parts.BUILT_IN``, a file each): ``replicate`` (``replicate.py``: the local learner in
+process; data-parallel replicas on Ray) and ``fsdp2`` (``fsdp2.py``: FSDP2 shards on Ray). Others
+register with :func:`register` (a plugin module the user imports, a test) or through the
+``oppo.learner_engines`` entry point group (the entry's value is its :class:`Engine`). A
+``build_remote`` may compose the built-in group of ranks (:func:`group_builder`) with an update
+strategy of its own; the ranks receive that strategy, its code by value where they cannot import its
+module (``cluster.ship_plugins``). This module imports no torch, so the config can list the engines
+without loading one.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
-from ..plugins import Registry
+from ..parts import LEARNERS, Registry, setting
 
 if TYPE_CHECKING:
     from ..api.protocols import LearnerEngine
@@ -28,7 +31,7 @@ if TYPE_CHECKING:
     from .group import LearnerSpec
     from .local import Learner
 
-ENTRY_POINTS = "oppo.learner_engines"
+ENTRY_POINTS = LEARNERS.entry_points
 
 
 @dataclass(frozen=True)
@@ -67,62 +70,80 @@ class PushesCritic(Protocol):
         ...
 
 
+@dataclass
+class Ranks:
+    """The Ray ranks of an engine that runs as a group of them (``learner.<engine>.*``); under a
+    placement that runs the learner in this process, one learner and none of these."""
+
+    workers: int = setting(1, "Learner ranks under a remote placement (placement.name=ray): each holds actor, "
+                              "critic and AdamW, or a shard of them (the engine's help says which).")
+    cpus: float = setting(1.0, "CPUs per learner rank.")
+    gpus: float = setting(0.0, "GPUs per learner rank.")
+    spread: bool = setting(False, "Place the learner ranks on different nodes (STRICT_SPREAD) instead of as few as "
+                                  "possible (PACK).")
+
+
+def check_ranks(own: Ranks, cfg: Any, name: str) -> list[str]:
+    """Ranks that can start: at least one, no negative CPUs or GPUs (``learner.<name>.*``)."""
+    out = []
+    if own.workers < 1:
+        out.append(f"learner.{name}.workers must be >= 1, got {own.workers}.")
+    if min(own.cpus, own.gpus) < 0:
+        out.append(f"learner.{name}.cpus and learner.{name}.gpus must be >= 0.")
+    return out
+
+
+def ranks(cfg: Config) -> Ranks:
+    """The chosen engine's ranks (its own settings, where they are :class:`Ranks`; else one rank of
+    the defaults)."""
+    own = cfg.learner.get(cfg.placement.learner)
+    return own if isinstance(own, Ranks) else Ranks()
+
+
 @dataclass(frozen=True)
 class Engine:
-    """One learner engine (module docstring). ``settings``: the config keys it reads, each with what
-    it means for this engine (shown in the help). ``problems(cfg)``: why the config cannot run on it,
-    one line each with the fix."""
+    """One learner engine (module docstring). ``settings``: the dataclass of its own settings
+    (``learner.<name>.*``; :class:`Ranks` for one that runs on Ray ranks); ``checks(own, cfg)``: why
+    the config cannot run on it, one line each with the fix."""
 
     name: str
     help: str
     build_local: Callable[[LocalRequest], LearnerEngine] | None = None
     build_remote: Callable[[RemoteRequest], LearnerEngine] | None = None
-    problems: Callable[[Config], list[str]] | None = None
-    settings: tuple[tuple[str, str], ...] = ()
+    checks: Callable[[Any, Config], list[str]] | None = None
+    settings: type | None = None
+
+    def __post_init__(self) -> None:
+        if self.build_local is None and self.build_remote is None:
+            raise ValueError(f"learner engine {self.name!r} has no builder (build_local or build_remote)")
 
     def where(self) -> str:
         """Where it runs, in words: in this process, on Ray ranks, or either."""
         places = [w for w, b in (("in this process", self.build_local), ("on Ray ranks", self.build_remote)) if b]
         return " or ".join(places)
 
-    def describe(self) -> str:
-        """One help line: its help, where it runs and its settings."""
-        sets = "; ".join(f"{k}: {v}" for k, v in self.settings)
-        return f"{self.name}: {self.help} (runs {self.where()}{'; settings: ' + sets if sets else ''})."
+    def runs_under(self, remote: bool) -> bool:
+        """Whether it has the builder a placement asks for (``remote``: on Ray ranks; else here)."""
+        return (self.build_remote if remote else self.build_local) is not None
 
 
-def _check(engine: Engine) -> None:
-    if engine.build_local is None and engine.build_remote is None:
-        raise ValueError(f"learner engine {engine.name!r} has no builder (build_local or build_remote)")
-
-
-REGISTRY: Registry[Engine] = Registry("a learner engine", ENTRY_POINTS, check=_check)
+REGISTRY: Registry[Engine] = LEARNERS
 register = REGISTRY.register
 unregister = REGISTRY.unregister
+names = REGISTRY.names
+get = REGISTRY.get
+help_lines = REGISTRY.help_lines
+default_settings = REGISTRY.default_settings
 
 
-def names() -> tuple[str, ...]:
-    """The registered engines' names, built-in first."""
-    return REGISTRY.names()
-
-
-def get(name: str) -> Engine:
-    """The engine called ``name``; an unknown name raises naming the known ones."""
-    return REGISTRY.get(name)
-
-
-def help_lines() -> list[str]:
-    return [get(n).describe() for n in names()]
-
-
-# ---------------------------------------------------------------- the built-in engines
-
-
-def _local(req: LocalRequest) -> LearnerEngine:
+def local(req: LocalRequest) -> LearnerEngine:
+    """``build_local`` of an engine that is the local learner itself."""
     return req.learner
 
 
-def _group(strategy_of: Callable[[], Any]) -> Callable[[RemoteRequest], LearnerEngine]:
+def group_builder(strategy_of: Callable[[], Any]) -> Callable[[RemoteRequest], LearnerEngine]:
+    """``build_remote`` of an engine that is the built-in group of Ray ranks (``group.LearnerGroup``)
+    running the update strategy ``strategy_of()`` makes."""
     def build(req: RemoteRequest) -> LearnerEngine:
         from .group import LearnerGroup
 
@@ -130,40 +151,3 @@ def _group(strategy_of: Callable[[], Any]) -> Callable[[RemoteRequest], LearnerE
                             threads=req.threads, placement=req.placement, critic_scorer=req.critic_scorer,
                             tracer=req.tracer, home=req.home)
     return build
-
-
-def _replicated():
-    from .dp import Replicated
-
-    return Replicated()
-
-
-def _sharded():
-    from .fsdp import Sharded
-
-    return Sharded()
-
-
-def _fsdp2_problems(cfg: Config) -> list[str]:
-    p, ranks = cfg.ppo, cfg.placement.ray.learner_workers
-    micro = p.minibatch_size // p.micro_batch_size
-    if ranks > micro:
-        return [f"placement.ray.learner_workers={ranks} sharded ranks, but a minibatch has only {micro} "
-                f"micro-batches (ppo.minibatch_size={p.minibatch_size} / ppo.micro_batch_size={p.micro_batch_size}): "
-                f"some ranks would only pad. Use at most {micro} ranks, or a smaller ppo.micro_batch_size."]
-    return []
-
-
-_RANKS = (("placement.ray.learner_workers", "Ray ranks"), ("placement.ray.learner_cpus", "CPUs per rank"),
-          ("placement.ray.learner_gpus", "GPUs per rank"), ("placement.ray.spread", "ranks on different nodes"))
-
-register(Engine(
-    "replicate", "each rank holds all of actor, critic and AdamW: one learner in this process, or data-parallel "
-                 "replicas on Ray ranks (gradients summed once per minibatch: the same update as one learner)",
-    build_local=_local, build_remote=_group(_replicated), settings=_RANKS))
-register(Engine(
-    "fsdp2", "each Ray rank holds 1/placement.ray.learner_workers of the parameters, gradients and AdamW state (torch "
-             "FSDP2, fully_shard); the same update. With LoRA the frozen base and the adapters are sharded alike; "
-             "under bfloat16 the ranks compute in bf16 over fp32 masters (FSDP2 mixed precision, gradients reduced "
-             "in fp32)", build_remote=_group(_sharded), problems=_fsdp2_problems,
-    settings=_RANKS + (("ppo.micro_batch_size", "at most ppo.minibatch_size / ranks, so that no rank only pads"),)))

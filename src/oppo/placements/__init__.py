@@ -1,13 +1,13 @@
-"""Placements by name: ``placement.backend`` picks one entry of this registry.
+"""Placements by name: ``placement.name`` picks one entry of this registry.
 
-A placement is one :class:`PlacementSpec` that owns its whole vertical: its settings (a dataclass,
+A placement is one :class:`PlacementSpec`, a part (:mod:`oppo.parts`) that owns its whole vertical: its settings (a dataclass,
 the config's ``placement.<name>.*`` section), its checks (asked by config validation), ``decide``
 (where each role runs and the thread budgets, from the config alone, before any model loads) and
 ``build`` (the learner, the rollout backend and the scorer from the loaded models, with the weight
 sync steps that connect them). Built in: ``local`` (every role in this process, the scorer inline,
 on a thread or in a child process) and ``ray`` (scorers and learner ranks as Ray actors, rollout
-workers optional). Others register with :func:`register` or through the ``oppo.placements`` entry
-point group. This module imports no torch, so the config can list the placements without loading one.
+workers optional), named in ``parts.BUILT_IN``. Others register with :func:`register` or through
+the ``oppo.placements`` entry point group. This module imports no torch, so the config can list the placements without loading one.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..plugins import Registry, check_section, from_refs
+from ..parts import PLACEMENTS, Registry
 
 if TYPE_CHECKING:
     from ..api.placement import Placement
@@ -23,8 +23,8 @@ if TYPE_CHECKING:
     from ..api.roles import Models
     from ..config import Config
 
-ENTRY_POINTS = "oppo.placements"
-BUILT_IN = ("oppo.placements.local:SPEC", "oppo.placements.ray:SPEC")
+ENTRY_POINTS = PLACEMENTS.entry_points
+BUILT_IN = PLACEMENTS.built_in
 
 
 @dataclass(frozen=True)
@@ -59,9 +59,9 @@ class PlacementSpec:
     - ``remote``: its roles run in other processes that load their models from directories (a
       model given as an object is saved for them first; the learner engine's ``build_remote``
       builds the learner); ``where`` says where, for messages.
-    - ``settings``: the dataclass of its own settings (fields made with ``plugins.setting``), the
+    - ``settings``: the dataclass of its own settings (fields made with ``parts.setting``), the
       config's ``placement.<name>.*``; None: it has none.
-    - ``problems(cfg, own)``: why the config cannot run under it, one line each with the fix.
+    - ``checks(own, cfg)``: why the config cannot run under it, one line each with the fix.
     - ``decide(cfg, own, facts)``: the :class:`~oppo.api.placement.Placement`.
     - ``build(models, placement, own)``: the roles, as :class:`Placed`.
     """
@@ -73,70 +73,25 @@ class PlacementSpec:
     remote: bool = False
     where: str = ""
     settings: type | None = None
-    problems: Callable[[Config, Any], list[str]] | None = None
+    checks: Callable[[Any, Config], list[str]] | None = None
 
 
-def _check(spec: PlacementSpec) -> None:
-    check_section(f"placement {spec.name!r}", spec.settings)
-
-
-REGISTRY: Registry[PlacementSpec] = Registry("a placement", ENTRY_POINTS,
-                                             built_in=from_refs(BUILT_IN), check=_check)
+REGISTRY: Registry[PlacementSpec] = PLACEMENTS
 register = REGISTRY.register
 unregister = REGISTRY.unregister
-
-
-def names() -> tuple[str, ...]:
-    """The registered placements' names, built-in first."""
-    return REGISTRY.names()
-
-
-def get(name: str) -> PlacementSpec:
-    """The placement called ``name``; an unknown name raises naming the known ones."""
-    return REGISTRY.get(name)
-
-
-def default_settings() -> dict[str, Any]:
-    """``{name: its settings at their defaults}`` for every placement with settings of its own
-    (the ``placement.<name>`` sections)."""
-    return {n: s.settings() for n in names() if (s := get(n)).settings is not None}
+names = REGISTRY.names
+get = REGISTRY.get
+default_settings = REGISTRY.default_settings
+help_lines = REGISTRY.help_lines
 
 
 def own(cfg: Config) -> Any:
-    """The chosen placement's own settings (``placement.<backend>.*``), or None."""
-    return cfg.placement.by_name.get(cfg.placement.backend)
+    """The chosen placement's own settings (``placement.<name>.*``), or None."""
+    return cfg.placement.by_name.get(cfg.placement.name)
 
 
 def of(cfg: Config) -> PlacementSpec:
-    return get(cfg.placement.backend)
-
-
-def help_lines() -> list[str]:
-    return [f"{n}: {get(n).help}." + (f" Its settings: placement.{n}.* (read under placement.backend={n} only)."
-                                      if get(n).settings else "") for n in names()]
-
-
-def runs_under(engine: Any, spec: PlacementSpec) -> bool:
-    """Whether the learner ``engine`` has the builder ``spec`` asks for (remote or in-process)."""
-    return (engine.build_remote if spec.remote else engine.build_local) is not None
-
-
-def problems(cfg: Config) -> list[str]:
-    """Why ``cfg`` cannot run under its placement, and why its learner engine cannot run there."""
-    from ..learner import registry as learners
-
-    spec = of(cfg)
-    out = spec.problems(cfg, own(cfg)) if spec.problems is not None else []
-    engine = learners.get(cfg.placement.learner)
-    if not runs_under(engine, spec):
-        fits = [n for n in names() if runs_under(engine, get(n))]
-        others = [n for n in learners.names() if runs_under(learners.get(n), spec)]
-        out.append(f"placement.learner={engine.name} runs {engine.where()}, not under placement.backend={spec.name}: "
-                   f"set placement.backend={' or '.join(fits) or '(none registered)'}, or placement.learner="
-                   f"{' or '.join(others)}.")
-    elif engine.problems is not None:
-        out += engine.problems(cfg)
-    return out
+    return get(cfg.placement.name)
 
 
 def local_rollout(models: Models) -> tuple[RolloutBackend, str]:
@@ -153,5 +108,5 @@ def local_rollout(models: Models) -> tuple[RolloutBackend, str]:
     return backend, settings.reason
 
 
-__all__ = ["BUILT_IN", "Facts", "PlacementSpec", "Placed", "default_settings", "get", "help_lines", "local_rollout", "names", "of",
-           "own", "problems", "register", "unregister"]
+__all__ = ["BUILT_IN", "Facts", "PlacementSpec", "Placed", "default_settings", "get", "help_lines", "local_rollout",
+           "names", "of", "own", "register", "unregister"]

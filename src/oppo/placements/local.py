@@ -1,4 +1,4 @@
-"""``placement.backend=local``: every role in this process, the scorers inline (sequential mode), on
+"""``placement.name=local``: every role in this process, the scorers inline (sequential mode), on
 a thread or in a child process that shares their weights (overlapped modes), the critic trained by
 the learner or by the scorer worker beside its scoring."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..plugins import setting
+from ..parts import setting
 from . import Facts, Placed, PlacementSpec, local_rollout
 
 if TYPE_CHECKING:
@@ -68,7 +68,7 @@ def build(models: Models, placement: Placement, own: LocalSettings) -> Placed:
     learner = Learner(m.policy, m.critic, ppo, cfg.generation.temperature, cfg.run.seed,
                       compute_dtype=m.compute_dtype, recompute_old=m.recompute_old, algorithm=m.algorithm)
     engine = learners.get(cfg.placement.learner)
-    assert engine.build_local is not None  # (config validation: placements.problems)
+    assert engine.build_local is not None  # (config validation: the engine runs under this placement)
     trained: Any = engine.build_local(learners.LocalRequest(learner, cfg))
     rollout, line = local_rollout(m)
     scorers = {"reference": StreamingScorer("reference", m.reference, m.pad_id, cfg.generation.temperature)}

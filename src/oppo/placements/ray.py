@@ -1,5 +1,6 @@
-"""``placement.backend=ray``: the scorers (reward, reference, critic) in Ray actors, the learner a
-group of Ray ranks (the learner engine's ``build_remote``: data-parallel replicas or FSDP2 shards),
+"""``placement.name=ray``: the scorers (reward, reference, critic) in Ray actors, the learner a
+group of Ray ranks (the learner engine's ``build_remote``: data-parallel replicas or FSDP2 shards;
+how many and what each gets are the engine's own settings, ``learner.<engine>.*``),
 and the rollout engine in the controller or in ``rollout_workers`` Ray workers that stream their
 chunks to the scorer actors themselves. After each update rank 0's actor weights reach the rollout
 engine, streamed in buckets over a process group of their own or through the object store
@@ -10,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..plugins import setting
+from ..parts import setting
 from . import Facts, Placed, PlacementSpec, local_rollout
 
 if TYPE_CHECKING:
@@ -25,14 +26,8 @@ if TYPE_CHECKING:
 class RaySettings:
     address: str = setting("auto", "Ray cluster to join: auto (the one started by `ray start` on this machine, "
                                    "else a new local one), or host:port / ray://host:port.")
-    learner_workers: int = setting(1, "Learner ranks (each holds actor, critic and AdamW, or a shard of them: "
-                                      "placement.learner).")
-    learner_cpus: float = setting(1.0, "CPUs per learner rank.")
-    learner_gpus: float = setting(0.0, "GPUs per learner rank.")
     scorer_cpus: float = setting(1.0, "CPUs of the scorer actor.")
     scorer_gpus: float = setting(0.0, "GPUs of the scorer actor.")
-    spread: bool = setting(False, "Place the learner ranks on different nodes (STRICT_SPREAD) instead of as few "
-                                  "as possible (PACK).")
     rollout_workers: int = setting(0, "Rollout workers, each a copy of the policy with its own engine "
                                       "(generation.engine: eager under auto, or a backend that runs in workers), "
                                       "sharing the B + Delta sequences and streaming their chunks straight to the "
@@ -55,14 +50,11 @@ class RaySettings:
                                                 "while the other is in flight); a larger tensor spans several.")
 
 
-def problems(cfg: Config, own: RaySettings) -> list[str]:
+def checks(own: RaySettings, cfg: Config) -> list[str]:
     from ..rollout import registry
 
     out = []
-    if own.learner_workers < 1:
-        out.append(f"placement.ray.learner_workers must be >= 1, got {own.learner_workers}.")
-    if min(own.learner_cpus, own.learner_gpus, own.scorer_cpus, own.scorer_gpus, own.rollout_cpus,
-           own.rollout_gpus) < 0:
+    if min(own.scorer_cpus, own.scorer_gpus, own.rollout_cpus, own.rollout_gpus) < 0:
         out.append("placement.ray.*_cpus and *_gpus must be >= 0.")
     if own.rollout_workers < 0:
         out.append(f"placement.ray.rollout_workers must be >= 0, got {own.rollout_workers}.")
@@ -86,7 +78,7 @@ def problems(cfg: Config, own: RaySettings) -> list[str]:
         except ValueError:
             n = 0  # (malformed: the reward section's check says how)
         if n > 1:
-            out.append(f"placement.backend=ray hosts one reward model in its scorer actors; reward.terms names {n}: "
+            out.append(f"placement.name=ray hosts one reward model in its scorer actors; reward.terms names {n}: "
                        f"keep one reward model term, or run locally.")
     return out
 
@@ -107,13 +99,10 @@ def build(models: Models, placement: Placement, own: RaySettings) -> Placed:
     """The scorer actors (all stage-3 scoring goes to them, streamed or one-shot), the learner ranks
     (started from the controller's models: fresh heads and adapters are initialised per process,
     so rank 0's become everyone's), then the rollout engine and the weight sync."""
-    import torch
-
-    from ..api.specs import ModelSpec
     from ..cluster import init_ray
     from ..learner import registry as learners
     from ..learner.group import learner_spec
-    from ..scoring.ray import FedByRollout, RayScorerWorker
+    from ..scoring.ray import RayScorerWorker
     from ..weights.precision import copy_weights
     from ..weights.sync import load_source
 
@@ -126,39 +115,18 @@ def build(models: Models, placement: Placement, own: RaySettings) -> Placed:
     actors = RayScorerWorker(specs, m.tracer, temperature=cfg.generation.temperature, threads=pl.scorer_threads,
                              num_cpus=own.scorer_cpus, num_gpus=own.scorer_gpus, seed=cfg.run.seed)
     closers = [actors.close]
-    engine = learners.get(pl.learner)
-    assert engine.build_remote is not None  # (config validation: placements.problems)
+    engine, ranks = learners.get(pl.learner), learners.ranks(cfg)
+    assert engine.build_remote is not None  # (config validation: the engine runs under this placement)
     learner = engine.build_remote(learners.RemoteRequest(
-        learner_spec(cfg, m.paths, m.pad_id, m.compute_dtype, m.algorithm, m.recompute_old), own.learner_workers,
-        own.learner_cpus, own.learner_gpus, pl.actor_threads, "STRICT_SPREAD" if own.spread else "PACK",
+        learner_spec(cfg, m.paths, m.pad_id, m.compute_dtype, m.algorithm, m.recompute_old), ranks.workers,
+        ranks.cpus, ranks.gpus, pl.actor_threads, "STRICT_SPREAD" if ranks.spread else "PACK",
         actors if m.critic is not None else None, m.tracer, (m.policy, m.critic)))
     closers.insert(0, learner.close)
     load_source(m.policy, learner.weights_out())  # rank 0's initialisation, here too
     copy_weights(m.policy, m.rollout_policy)
     sync: list[Callable[[int], object]] = [learner.push_critic] if isinstance(learner, learners.PushesCritic) else []  # rank 0's critic -> actors
-    rollout: Any
     if placement.rollout == "ray":
-        from ..rollout import registry
-        from ..rollout.ray import RayRolloutGroup
-
-        settings = registry.engine_settings(cfg, m.stop_ids, m.pad_id, m.max_new_tokens, torch.device("cpu"))
-        policy_spec = ModelSpec("policy", m.paths.policy, m.compute_dtype, pad_id=m.pad_id,
-                                trust_remote_code=cfg.policy.trust_remote_code)
-        stream = placement.rollout_streams_itself  # (the scorer actors serve every other mode)
-        rollout = RayRolloutGroup(policy_spec, settings, own.rollout_workers, seed=cfg.run.seed, tracer=m.tracer,
-                                  scorer=actors if stream else None, num_cpus=own.rollout_cpus,
-                                  num_gpus=own.rollout_gpus, threads=pl.actor_threads)
-        closers.insert(0, rollout.close)
-        line = f"{settings.kind} in {own.rollout_workers} Ray rollout workers ({settings.reason})"
-        rollout.load_weights(m.policy, 0)
-        scorer: Any = FedByRollout(actors) if stream else actors
-        link = collective_sync(m, own, learner, rollout=rollout)
-        if link is not None:  # rank 0 streams to the workers over a group of their own
-            sync.append(link)
-            closers.append(link.close)
-        else:  # the workers load rank 0's weights straight from the object store
-            sync.append(lambda version: rollout.load_weights(learner.weights_out(), version))
-        return Placed(learner, rollout, scorer, sync, closers, line)
+        return _with_rollout_workers(m, placement, own, actors, learner, sync, closers)
     rollout, line = local_rollout(m)
     closers.insert(0, rollout.close)
     link = collective_sync(m, own, learner, local=m.rollout_policy)
@@ -174,6 +142,39 @@ def build(models: Models, placement: Placement, own: RaySettings) -> Placed:
     if link is not None:
         closers.append(link.close)
     return Placed(learner, rollout, actors, sync, closers, line)
+
+
+def _with_rollout_workers(m: Models, placement: Placement, own: RaySettings, actors: Any, learner: Any,
+                          sync: list[Callable[[int], object]], closers: list[Callable[[], None]]) -> Placed:
+    """``build``'s roles with the rollout engine in ``rollout_workers`` Ray workers, which stream their
+    chunks to the scorer ``actors`` themselves where the mode streams, and load rank 0's weights
+    after each update (over a group of their own, or from the object store)."""
+    import torch
+
+    from ..api.specs import ModelSpec
+    from ..rollout import registry
+    from ..rollout.ray import RayRolloutGroup
+    from ..scoring.ray import FedByRollout
+
+    cfg = m.cfg
+    settings = registry.engine_settings(cfg, m.stop_ids, m.pad_id, m.max_new_tokens, torch.device("cpu"))
+    policy_spec = ModelSpec("policy", m.paths.policy, m.compute_dtype, pad_id=m.pad_id,
+                            trust_remote_code=cfg.policy.trust_remote_code)
+    stream = placement.rollout_streams_itself  # (the scorer actors serve every other mode)
+    rollout = RayRolloutGroup(policy_spec, settings, own.rollout_workers, seed=cfg.run.seed, tracer=m.tracer,
+                              scorer=actors if stream else None, num_cpus=own.rollout_cpus,
+                              num_gpus=own.rollout_gpus, threads=cfg.placement.actor_threads)
+    closers.insert(0, rollout.close)
+    line = f"{settings.kind} in {own.rollout_workers} Ray rollout workers ({settings.reason})"
+    rollout.load_weights(m.policy, 0)
+    scorer: Any = FedByRollout(actors) if stream else actors
+    link = collective_sync(m, own, learner, rollout=rollout)
+    if link is not None:  # rank 0 streams to the workers over a group of their own
+        sync.append(link)
+        closers.append(link.close)
+    else:  # the workers load rank 0's weights straight from the object store
+        sync.append(lambda version: rollout.load_weights(learner.weights_out(), version))
+    return Placed(learner, rollout, scorer, sync, closers, line)
 
 
 def scorer_specs(paths, pad_id: int, dtype: torch.dtype, *, reward_model: bool, critic: bool,
@@ -219,7 +220,9 @@ def collective_sync(models: Models, own: RaySettings, learner, rollout=None, loc
         else:
             assert local is not None  # (the sink: the workers, or the local engine's model)
             serving_on_gpu = next(local.parameters()).is_cuda
-        if not (own.learner_gpus > 0 and serving_on_gpu):
+        from ..learner import registry as learners
+
+        if not (learners.ranks(models.cfg).gpus > 0 and serving_on_gpu):
             return None  # on CPU the object store (shared memory on a node) beats gloo: benchmarks/weight_sync
     wire = {n: t.dtype for n, t in models.rollout_policy.state_dict().items()}  # the serving side's dtypes
     try:
@@ -236,5 +239,5 @@ SPEC = PlacementSpec(
     "ray", "the scorers (reward, reference, critic) in Ray actors and the learner as a group of Ray ranks "
            "(torch.distributed: gloo on CPU, NCCL on GPU); the rollout engine stays with the controller unless "
            "placement.ray.rollout_workers is set", decide=decide, build=build, remote=True,
-    where="the Ray actors (placement.backend=ray), which load their models from a directory",
-    settings=RaySettings, problems=problems)
+    where="the Ray actors (placement.name=ray), which load their models from a directory",
+    settings=RaySettings, checks=checks)

@@ -12,18 +12,30 @@ docs/rewards.md.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
+from ..parts import REWARD_TERMS
 from .mathcheck import gold_answer, is_correct, math_accuracy
 from .shape import FORMATS, boxed_format, format_reward, gsm8k_format, length_penalty, think_format
-from .terms import BUILTINS, CompositeReward, RewardTerm, check_settings, function_spec, parse_terms
+from .terms import BUILTINS, CompositeReward, RewardFunction, RewardTerm, check_settings, function_spec, parse_terms
 
-BUILTIN_FUNCTIONS: dict[str, Callable] = {
-    "math_accuracy": math_accuracy, "format_reward": format_reward, "boxed_format": boxed_format,
-    "gsm8k_format": gsm8k_format, "think_format": think_format, "length_penalty": length_penalty,
-}
-assert tuple(BUILTIN_FUNCTIONS) == BUILTINS  # (terms.py names them without importing them)
 
-__all__ = ["BUILTINS", "BUILTIN_FUNCTIONS", "FORMATS", "CompositeReward", "RewardTerm", "boxed_format",
-           "check_settings", "format_reward", "function_spec", "gold_answer", "gsm8k_format", "is_correct",
-           "length_penalty", "math_accuracy", "parse_terms", "think_format"]
+def builtin_functions() -> dict[str, Callable]:
+    """Every registered reward term's function by name (``parts.REWARD_TERMS``)."""
+    return {n: REWARD_TERMS.get(n).function for n in REWARD_TERMS.names()}
+
+
+def __getattr__(name: str) -> Any:
+    """A registered reward term's function by its name: ``reward.function: oppo.rewards:<name>``
+    reaches every term of the registry, also one defined in a file of its own."""
+    if name == "BUILTIN_FUNCTIONS":
+        return builtin_functions()
+    found = REWARD_TERMS.find(name) if not name.startswith("__") else None
+    if found is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return found.function
+
+
+__all__ = ["BUILTINS", "FORMATS", "CompositeReward", "RewardFunction", "RewardTerm", "boxed_format",
+           "builtin_functions", "check_settings", "format_reward", "function_spec", "gold_answer", "gsm8k_format",
+           "is_correct", "length_penalty", "math_accuracy", "parse_terms", "think_format"]

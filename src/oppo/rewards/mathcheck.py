@@ -16,6 +16,8 @@ import threading
 from functools import lru_cache
 from typing import Any, Sequence
 
+from .terms import RewardFunction
+
 _GSM8K = re.compile(r"####\s*(.+?)\s*$", re.S)
 
 
@@ -76,3 +78,7 @@ def math_accuracy(prompts: Sequence[str], responses: Sequence[str], answer: Sequ
         raise ValueError(f"math_accuracy got {len(answer)} gold answers for {len(responses)} responses; the "
                          f"data set's answer column gives one per prompt.")
     return [1.0 if is_correct(r, a) else 0.0 for r, a in zip(responses, answer)]
+
+
+MATH_ACCURACY = RewardFunction("math_accuracy", "1 where the final answer equals the data set's answer column "
+                                                "(math-verify), else 0", math_accuracy)

@@ -22,10 +22,30 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
+from ..parts import REWARD_TERMS
 from ..marker import is_marker
 
-BUILTINS = ("math_accuracy", "format_reward", "boxed_format", "gsm8k_format", "think_format", "length_penalty")
-"""The reward functions of :mod:`oppo.rewards`; a term (or ``reward.function``) may name them bare."""
+
+@dataclass(frozen=True)
+class RewardFunction:
+    """A built-in reward term, a part (:mod:`oppo.parts`): a function any term (or
+    ``reward.function``) may name bare, ``name``. Its settings are the function's keywords (a
+    term's ``kwargs``, checked against its signature), so ``settings`` and ``checks`` are None.
+    oppo's own are named in ``parts.BUILT_IN``; others register with ``REWARD_TERMS.register`` or
+    the ``oppo.reward_terms`` entry point group. A term is reached as ``oppo.rewards:<name>``, so
+    the file that defines one is not named as the term (``oppo.rewards.<name>`` would be the
+    module)."""
+
+    name: str
+    help: str
+    function: Callable
+    settings: None = None
+    checks: None = None
+
+
+BUILTINS: Sequence[str] = REWARD_TERMS.live_names()
+"""The registered reward terms' names (:mod:`oppo.rewards`'s functions first); a term (or
+``reward.function``) may name them bare."""
 
 TERM_KEYS = ("name", "weight", "path", "function", "kwargs")
 _NAME = re.compile(r"[a-z0-9_]+")
@@ -124,12 +144,11 @@ def parse_terms(raw: Any, key: str = "reward.terms") -> list[RewardTerm]:
 
 
 def _builtin(spec: str) -> Callable:
-    from . import BUILTIN_FUNCTIONS
-
     name = spec.split(":", 1)[1]
-    if name not in BUILTIN_FUNCTIONS:
+    found = REWARD_TERMS.find(name)
+    if found is None:
         raise ValueError(f"oppo.rewards has no reward {name!r}; the built-ins are {', '.join(BUILTINS)}.")
-    return BUILTIN_FUNCTIONS[name]
+    return found.function
 
 
 def check_settings(fn: Callable, kwargs: dict, where: str, strict: bool = False) -> None:

@@ -8,10 +8,10 @@ rollout worker), its decode-step probe for ``oppo bench``, and the few facts the
 the trainer's forward). Its weight endpoint is the Protocol's ``load_weights``. Nothing outside a
 backend's own folder names it: config, preflight, setup, the Ray group and the bench ask this registry.
 
-oppo's own engines register from :data:`BUILT_IN` (one line each); other backends live in folders of
-their own and register through the ``oppo.rollout_backends`` entry point group (``pyproject.toml``;
-the entry's value is its :class:`Backend`), or by calling :func:`register` (a plugin imported by the
-user, a test). This module imports no torch, so the config can list the backends without loading one.
+A backend is a part (:mod:`oppo.parts`): oppo's own engines are named in ``parts.BUILT_IN``
+(one line each); other backends live in folders of their own and register through the
+``oppo.rollout_backends`` entry point group (``pyproject.toml``; the entry's value is its
+:class:`Backend`), or by calling :func:`register` (a plugin imported by the user, a test). This module imports no torch, so the config can list the backends without loading one.
 """
 
 from __future__ import annotations
@@ -20,17 +20,17 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..plugins import Registry, check_section, from_refs, setting
+from ..parts import BACKENDS, Registry, setting
 
 if TYPE_CHECKING:
     import torch
 
     from ..api.protocols import RolloutBackend
 
-ENTRY_POINTS = "oppo.rollout_backends"
+ENTRY_POINTS = BACKENDS.entry_points
 AUTO = "auto"  # not a backend: resolved per run (resolve_engine)
-BUILT_IN = ("oppo.rollout.eager:BACKEND", "oppo.rollout.static:BACKEND")
-"""oppo's own backends, registered before any plugin (the module is imported when first asked for)."""
+BUILT_IN = BACKENDS.built_in
+"""oppo's own backends (``parts.BUILT_IN``), registered before any plugin."""
 
 
 class BackendUnavailable(ValueError):
@@ -128,15 +128,12 @@ class Backend:
     unfit: Callable[[Any, int], str | None] | None = None
     probe: Callable[[Any, int, int, int], Any] | None = None
 
-
-def _check(backend: Backend) -> None:
-    if backend.name == AUTO:
-        raise ValueError(f"{AUTO!r} is not a backend name: generation.engine=auto picks eager or static")
-    check_section(f"rollout backend {backend.name!r}", backend.settings)
+    def __post_init__(self) -> None:
+        if self.name == AUTO:
+            raise ValueError(f"{AUTO!r} is not a backend name: generation.engine=auto picks eager or static")
 
 
-REGISTRY: Registry[Backend] = Registry("a rollout backend", ENTRY_POINTS,
-                                       built_in=from_refs(BUILT_IN), check=_check)
+REGISTRY: Registry[Backend] = BACKENDS
 register = REGISTRY.register
 unregister = REGISTRY.unregister
 
@@ -156,10 +153,8 @@ def get(name: str) -> Backend:
     return REGISTRY.get(name, choices())
 
 
-def default_settings() -> dict[str, Any]:
-    """``{name: its settings at their defaults}`` for every registered backend that has settings
-    (the config's ``rollout`` section)."""
-    return {n: b.settings() for n in names() if (b := get(n)).settings is not None}
+default_settings = REGISTRY.default_settings
+help_lines = REGISTRY.help_lines
 
 
 def build(request: BuildRequest) -> RolloutBackend:
