@@ -17,12 +17,13 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+import clirun
 
 from oppo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from oppo.config import load_config
@@ -205,8 +206,7 @@ def test_kill_9_then_resume_loses_no_prompt_and_restores_carried(builtin_home, t
     base = [*cli, "train", *_run_settings(out), "generation.max_new_tokens=24", "run.save_every=1",
             "run.keep_checkpoints=1000"]
     # the first run would go on for ever: it ends by the kill, never on its own
-    proc = subprocess.Popen([*base, "run.steps=100000"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, env=env)
+    proc = clirun.Popen([*base, "run.steps=100000"], env=env)
     try:
         deadline = time.monotonic() + 600
         found = None
@@ -234,8 +234,7 @@ def test_kill_9_then_resume_loses_no_prompt_and_restores_carried(builtin_home, t
     saved = {s["uid"]: s for s in json.loads((ckpt / "in_flight.json").read_text())}
     assert json.loads((ckpt / "state.json").read_text())["in_flight"]["how"] == "saved"
     steps = resume_step + 6
-    done = subprocess.run([*base, f"run.steps={steps}", "--resume", "auto"], capture_output=True, text=True, env=env,
-                          timeout=900)
+    done = clirun.run([*base, f"run.steps={steps}", "--resume", "auto"], env=env, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"resumed from {ckpt}" in done.stderr
     assert latest_checkpoint(out).name == f"step_{steps:06d}"

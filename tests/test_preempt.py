@@ -15,11 +15,12 @@ import errno
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 
 import pytest
+
+import clirun
 
 from oppo.checkpoint import MANIFEST_FILE, CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from oppo.config import load_config
@@ -37,8 +38,8 @@ def test_sigterm_saves_a_checkpoint_and_exits_143_then_resumes(tiny_models, tiny
             *[s for s in _settings(tiny_models, tiny_prompts, out) if not s.startswith("run.steps=")]]
     # the scorers in a child process, and the signal to the whole process group (as Ctrl-C in a
     # terminal, or a scheduler, sends it): the child must not die before the controller's checkpoint
-    proc = subprocess.Popen([*base, "run.steps=100000", "placement.local.scorer_process=true"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, env=_env(), start_new_session=True)
+    proc = clirun.Popen([*base, "run.steps=100000", "placement.local.scorer_process=true"], env=_env(),
+                        start_new_session=True)
     try:
         deadline = time.monotonic() + 120
         while not _lines(out / "lengths.jsonl") and proc.poll() is None and time.monotonic() < deadline:
@@ -69,7 +70,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_143_then_resumes(tiny_models, tiny
     assert [r["step"] for r in _lines(out / "lengths.jsonl")] == list(range(state["step"]))
 
     steps = state["step"] + 1
-    done = subprocess.run([*base, f"run.steps={steps}", "--resume", "auto"], capture_output=True, text=True,
+    done = clirun.run([*base, f"run.steps={steps}", "--resume", "auto"],
                           env=_env(), timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = _lines(out / "lengths.jsonl")
