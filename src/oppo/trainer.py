@@ -41,8 +41,9 @@ class Trainer:
     (its initialisation), ``reward_model`` (a one-label sequence classifier), ``reward_fn`` and
     ``judge`` (callables), ``prompts`` (a ``datasets.Dataset``, a list of str or of dicts); a str
     given for one of them is its setting's value. Paths and objects alike are checked once, before
-    any model loads, by the preflight the CLI's run has (``preflight.check_inputs``). ``save_dir``: where models that a role loads in another
-    process (Ray, vLLM) are saved (default: a temporary directory, removed by :meth:`close`).
+    any model loads, by the preflight the CLI's run has (``preflight.check_inputs``). ``save_dir``:
+    where models that a role loads in another process (Ray, vLLM) are saved (default: a temporary
+    directory, removed by :meth:`close`).
     Callables may stand in for ``reward.terms``' functions (``{"function": fn, ...}`` in
     ``cfg.reward.terms``); ``reward_terms`` gives them by term name for a config whose terms hold
     their markers already. ``checked``: the objects of a ``cfg`` that holds their markers and that

@@ -1,8 +1,8 @@
 """``build_roles(cfg)``, the last step from a config to the roles (after the one validation and the
 one preflight): resolve the run (paths, devices, where each role runs), load the models, build the
 roles where the placement puts them (its spec's ``build``: ``oppo.placements``), and compose the
-weight sync from the steps it names. The controller (``oppo.control``) receives the
-roles behind their Protocols (``api/protocols.py``) and never asks where one runs."""
+weight sync from the steps it names. The controller (``oppo.control``) receives the roles behind
+their Protocols (``api/protocols.py``) and never asks where one runs."""
 
 from __future__ import annotations
 
