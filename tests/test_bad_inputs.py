@@ -19,6 +19,7 @@ from oppo.checkpoint import checkpoint_dirs, latest_checkpoint, load_checkpoint,
 from oppo.config import load_config
 from oppo.data import DataError, build_prompt_set
 from oppo.models import ModelLoadError, load_tokenizer
+from oppo.preflight import PreflightError
 from oppo.scoring.streaming import RewardFunction
 from oppo.trainer import Trainer
 
@@ -231,7 +232,8 @@ def test_empty_prompt_set(tiny_models, tmp_path, monkeypatch, capsys):
         raise AssertionError("the policy loaded before the prompt set was checked")
 
     monkeypatch.setattr(oppo.setup.load, "load_causal_lm", boom)
-    with pytest.raises(DataError, match="empty"):
+    # found by the one preflight, a Trainer's too (before, the prompt set's reader raised DataError)
+    with pytest.raises(PreflightError, match="empty"):
         Trainer(make_cfg(tiny_models, p, tmp_path), progress=False)
     code = cli.main(["train", *TINY, f"policy.path={tiny_models['policy']}", f"reward.path={tiny_models['reward']}",
                      f"data.prompts={p}", f"run.out_dir={tmp_path / 'run'}"])

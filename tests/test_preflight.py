@@ -259,3 +259,41 @@ def test_a_config_changed_in_code_gets_the_cli_message(tiny_models, tiny_prompts
     with pytest.raises(ConfigError) as loaded:
         user_cfg(tiny_models, tiny_prompts, tmp_path, "ppo.batch_size=0")
     assert str(in_code.value) == str(loaded.value)
+
+
+class _Loading(Exception):
+    """Raised where the models would begin to load: the test has seen what it needs by then."""
+
+
+@pytest.mark.parametrize("how", ["cli", "oppo.train", "Trainer"])
+def test_each_path_checked_once_per_run(tiny_models, tiny_prompts, tmp_path, monkeypatch, how):
+    """One preflight per run, whichever way the run starts (``oppo train``, ``oppo.train(cfg)``,
+    ``Trainer(cfg)`` in code): each model path is checked once, by the one rule for a model path
+    (``models.paths.model_dir_config``), and before any model loads; nothing after the preflight
+    (``setup.resolve``) checks a path again."""
+    import oppo.models.paths
+    import oppo.setup.build
+
+    checked: list[str] = []
+    rule = oppo.models.paths.model_dir_config
+    monkeypatch.setattr(oppo.models.paths, "model_dir_config",
+                        lambda path, subject: checked.append(str(path)) or rule(path, subject))
+    loading: list[list[str]] = []
+
+    def load_models(*a, **k):
+        loading.append(list(checked))
+        raise _Loading
+
+    monkeypatch.setattr(oppo.setup.build, "load_models", load_models)
+    overrides = [*TINY, f"policy.path={tiny_models['policy']}", f"reward.path={tiny_models['reward']}",
+                 f"critic.path={tiny_models['reward']}", f"data.prompts={tiny_prompts}",
+                 f"run.out_dir={tmp_path / 'run'}"]
+    with pytest.raises(_Loading):
+        if how == "cli":
+            cli.main(["train", *overrides])
+        elif how == "oppo.train":
+            oppo.run.train(load_config(None, overrides), progress=False)
+        else:
+            oppo.trainer.Trainer(load_config(None, overrides), progress=False)
+    want = sorted([str(tiny_models["policy"]), str(tiny_models["reward"]), str(tiny_models["reward"])])
+    assert loading == [checked] and sorted(checked) == want  # policy.path, reward.path, critic.path: once each

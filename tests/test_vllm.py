@@ -146,7 +146,7 @@ def test_trainer_refuses_before_loading_models(tiny_models, tiny_prompts, tmp_pa
     import oppo.setup.load as setup_mod
     from oppo import trainer as trainer_mod
     import oppo.cluster as cluster
-    from oppo.rollout.registry import BackendUnavailable
+    from oppo.preflight import PreflightError
 
     def no_loading(*a, **k):
         raise AssertionError("a model was loaded (or Ray started) before the vLLM check")
@@ -156,7 +156,7 @@ def test_trainer_refuses_before_loading_models(tiny_models, tiny_prompts, tmp_pa
     monkeypatch.setattr(cluster, "init_ray", no_loading)
     cfg = trainer_cfg({"policy": _scaled_rope(tiny_models["policy"], tmp_path), "reward": tiny_models["reward"]},
                       tiny_prompts, tmp_path, "overlap.mode=sequential", *placement)
-    with pytest.raises(BackendUnavailable, match="head sizes"):
+    with pytest.raises(PreflightError, match="head sizes"):  # (the Trainer's preflight, as oppo train's)
         trainer_mod.Trainer(cfg, progress=False)
 
 

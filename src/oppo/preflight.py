@@ -1,8 +1,11 @@
 """Checks that need no model: they run before ``oppo prepare`` and before any model loads.
 
-``oppo train`` (and :func:`oppo.train`) calls :func:`input_problems` with the run's settings and
-reports every problem it finds in one message, so a user fixes them all in one go instead of
-one per attempt, each attempt costing a model load:
+It runs once per run, whichever way the run starts, and nothing checks a path or an object again
+after it: ``oppo train`` and :func:`oppo.train` call :func:`input_problems` (``run.plan_run``, with
+the run directory's checks), and a Trainer built in code (``oppo.Trainer(cfg)``) calls
+:func:`check_inputs` (the same checks but the run directory's and the logging's, which a Trainer
+has not got). Either reports every problem it finds in one message, so a user fixes them all in
+one go instead of one per attempt, each attempt costing a model load:
 
 - the settings (:func:`oppo.config.validate`, raised at once: a Config made in code is checked as
   the CLI's is; one from ``load_config``, validated there, is not validated again:
@@ -42,6 +45,7 @@ from typing import Any
 
 from .config import Config
 from .config.parse import validate_once
+from .errors import ModelLoadError
 from .inputs import Inputs, keyword_of
 from .marker import is_marker
 from .rewards import function_spec, parse_terms
@@ -51,8 +55,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 _OFFLINE_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 
 
-class PreflightError(ValueError):
-    """One or more problems found before anything expensive ran; the message lists them all."""
+class PreflightError(ModelLoadError):
+    """One or more problems found before anything expensive ran; the message lists them all. A
+    :class:`~oppo.models.ModelLoadError` (so a ``ValueError``): what loading the run's inputs would
+    have raised, found before anything loads, whichever way the run started."""
 
     def __init__(self, problems: list[str]):
         self.problems = list(problems)
@@ -157,26 +163,21 @@ def _model_problems(role: str, key: str, path: str, hub_names: list[tuple[str, s
     if not _looks_local(path):
         hub_names.append((key, path))
         return []
+    from .models.paths import model_dir_config  # (the one rule for a model path)
+
+    conf, problem = model_dir_config(path, f"{key}={path!r}")
+    if problem is not None:
+        return [problem]
+    assert conf is not None  # (a directory with a config.json read)
     p = Path(path).expanduser()
-    if not p.is_dir():
-        return [f"{key}={path!r} does not exist or is not a directory. Give a directory written by "
-                f"save_pretrained, or a hub name such as 'org/model'."]
-    if not (p / "config.json").is_file():
-        return [f"{key}={path!r} has no config.json: it is not a Hugging Face model directory "
-                f"(write one with model.save_pretrained(dir))."]
-    try:  # every role's: a corrupt one otherwise surfaces as the first loader's error (the tokenizer's)
-        conf = json.loads((p / "config.json").read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        return [f"{key}={path!r}: its config.json is not valid JSON ({e}). Write it again with "
-                f"model.save_pretrained(dir), or restore it from the model's source."]
     out = []
     if role == "policy" and not any((p / f).is_file() for f in TOKENIZER_FILES):
         out.append(f"{key}={path!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES[:2])}, ...); "
                    f"save it beside the model with tokenizer.save_pretrained(dir).")
-    if role == "reward" and isinstance(conf, dict) and (why := _not_a_classifier(conf.get("architectures"))):
+    if role == "reward" and (why := _not_a_classifier(conf.get("architectures"))):
         if not new_head:
             out.append(f"{key}={path!r} {why}")
-    elif role == "reward" and isinstance(conf, dict):
+    elif role == "reward":
         labels = len(conf["id2label"]) if isinstance(conf.get("id2label"), dict) else conf.get("num_labels")
         if isinstance(labels, int) and labels != 1:
             out.append(f"{key}={path!r} has {labels} labels; PPO needs a scalar reward "
@@ -277,7 +278,7 @@ def _function_problems(key: str, spec: str | None, obj: Any, columns: list[str] 
     """``spec`` importable (or ``obj`` callable) as a reward function, asking for no column the
     prompt set lacks (``columns``: its columns, None where not known yet; ``bound``: a reward
     term's settings, given to the function, not asked of the data)."""
-    from .models import ModelLoadError, load_function
+    from .models import load_function
     from .scoring.reward_fn import signature_problems
 
     if obj is None:
@@ -346,7 +347,7 @@ def object_problems(cfg: Config, inputs: Inputs) -> list[str]:
         problems += data_problems(inputs.prompts, cfg.data.field, cfg.data.split)
     tok = inputs.tokenizer
     if tok is not None:
-        from .models import ModelLoadError, tokenizer_from_object
+        from .models import tokenizer_from_object
 
         try:
             import warnings
@@ -404,25 +405,35 @@ def _shared_objects(models: list[tuple[str, str, Any]]) -> list[str]:
     return out
 
 
-def check_objects(cfg: Config, inputs: Inputs) -> None:
-    """The preflight of a Trainer built in code (``oppo.Trainer(cfg, policy=...)``), which has no
-    run directory: the settings validated (unless :func:`load_config` did, for these very settings)
-    and the objects checked, as ``oppo.train``'s preflight (:func:`input_problems`) checks them,
-    before any model loads. Raises ConfigError or :class:`PreflightError`."""
+def check_inputs(cfg: Config, inputs: Inputs | None = None) -> None:
+    """The preflight of a Trainer built in code (``oppo.Trainer(cfg, ...)``), which has no run
+    directory: the settings validated (unless :func:`load_config` did, for these very settings),
+    then every path and object the roles are built from checked (:func:`role_problems`), as
+    ``oppo.train``'s preflight (:func:`input_problems`) checks them, before any model loads.
+    Raises ConfigError or :class:`PreflightError`."""
     validate_once(cfg)
-    raise_if(object_problems(cfg, inputs))
+    raise_if(role_problems(cfg, inputs or Inputs()))
+
+
+check_objects = check_inputs  # (its name when it checked only the objects)
 
 
 def input_problems(cfg: Config, inputs: Inputs | None = None) -> list[str]:
-    """Everything wrong with the run's inputs that can be found without loading a model.
-    ``inputs``: the objects given from Python in place of paths (their settings hold markers).
+    """Everything wrong with the run's inputs that can be found without loading a model: the run
+    directory's and the logging's problems, and the roles' (:func:`role_problems`). ``inputs``:
+    the objects given from Python in place of paths (their settings hold markers)."""
+    validate_once(cfg)  # a Config built or changed in code (oppo.train(cfg)) is checked as the CLI's is
+    return out_dir_problems(cfg.run.out_dir) + role_problems(cfg, inputs or Inputs()) + _logging_problems(cfg)
+
+
+def role_problems(cfg: Config, inputs: Inputs) -> list[str]:
+    """What the roles are built from, checked without loading it: the objects, the task or the
+    prompt set, each model path, the reward's functions and models, the devices, the rollout
+    backend, the hub names. The one place a path is checked in a run.
 
     Also switches Hugging Face to offline mode when the hub is unreachable and every hub name is
     cached (so loading goes straight to the cache)."""
-    validate_once(cfg)  # a Config built or changed in code (oppo.train(cfg)) is checked as the CLI's is
-    inputs = inputs or Inputs()
-    problems: list[str] = out_dir_problems(cfg.run.out_dir)
-    problems += object_problems(cfg, inputs)
+    problems = object_problems(cfg, inputs)
     hub_names: list[tuple[str, str]] = []  # (setting, hub name) of each model that is not a local path
     problems += _model_path_problems(cfg, inputs, hub_names)
     found, hub_dataset = _prompts_problems(cfg)
@@ -485,8 +496,7 @@ def _reward_problems(cfg: Config, inputs: Inputs, hub_names: list[tuple[str, str
 
 
 def _environment_problems(cfg: Config) -> list[str]:
-    """CUDA where a role asks for it, the logging packages asked for, the rollout backend able to
-    serve the policy."""
+    """CUDA where a role asks for it, the rollout backend able to serve the policy."""
     problems = []
     for role in ("policy", "reward", "critic", "reference"):
         dev = getattr(cfg, role).device
@@ -495,16 +505,22 @@ def _environment_problems(cfg: Config) -> list[str]:
 
             if not torch.cuda.is_available():
                 problems.append(f"{role}.device={dev!r} but CUDA is not available here; use cpu or auto.")
-    for flag, package, extra in ((cfg.log.tensorboard, "tensorboard", "tensorboard"), (cfg.log.wandb, "wandb", "wandb")):
-        if flag and importlib.util.find_spec(package) is None:
-            problems.append(f"log.{package}=true but the '{package}' package is not installed: "
-                            f"pip install 'oppo[{extra}]', or set log.{package}=false.")
     if cfg.generation.engine != "auto":  # installed, and able to serve a local policy (its config only)
         from .rollout import registry
 
         backend = registry.get(cfg.generation.engine)
         policy = None if is_marker(cfg.policy.path) else cfg.policy.path  # (an object: checked once saved)
         problems += backend.problems(policy, cfg.policy.device) if backend.problems else []
+    return problems
+
+
+def _logging_problems(cfg: Config) -> list[str]:
+    """The logging packages a run directory's logs ask for (a Trainer built in code logs nothing)."""
+    problems = []
+    for flag, package, extra in ((cfg.log.tensorboard, "tensorboard", "tensorboard"), (cfg.log.wandb, "wandb", "wandb")):
+        if flag and importlib.util.find_spec(package) is None:
+            problems.append(f"log.{package}=true but the '{package}' package is not installed: "
+                            f"pip install 'oppo[{extra}]', or set log.{package}=false.")
     return problems
 
 

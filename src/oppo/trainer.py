@@ -28,7 +28,7 @@ from .control import Run, StepResult, overlapped_step, sequential_step
 from .control.step_metrics import step_metrics
 from .fingerprint import run_fingerprints
 from .inputs import Inputs, split_inputs
-from .preflight import check_objects
+from .preflight import check_inputs
 from .api.roles import Roles
 from .setup.build import build_roles
 
@@ -40,13 +40,14 @@ class Trainer:
     ``policy`` (a causal LM, trained in place) with its ``tokenizer``, ``reference``, ``critic``
     (its initialisation), ``reward_model`` (a one-label sequence classifier), ``reward_fn`` and
     ``judge`` (callables), ``prompts`` (a ``datasets.Dataset``, a list of str or of dicts); a str
-    given for one of them is its setting's value. They are checked by the rules the CLI checks
-    paths with, before any model loads. ``save_dir``: where models that a role loads in another
-    process (Ray, vLLM) are saved (default: a temporary directory, removed by :meth:`close`).
+    given for one of them is its setting's value. Paths and objects alike are checked once, before
+    any model loads, by the preflight the CLI's run has (``preflight.check_inputs``). ``save_dir``:
+    where models that a role loads in another process (Ray, vLLM) are saved (default: a temporary
+    directory, removed by :meth:`close`).
     Callables may stand in for ``reward.terms``' functions (``{"function": fn, ...}`` in
     ``cfg.reward.terms``); ``reward_terms`` gives them by term name for a config whose terms hold
     their markers already. ``checked``: the objects of a ``cfg`` that holds their markers and that
-    preflight has passed with them (``oppo.train``: ``run.plan_run``); nothing is checked again."""
+    the preflight has passed with them (``oppo.train``: ``run.plan_run``); nothing is checked again."""
 
     def __init__(self, cfg: Config, progress: bool = True, *, policy: Any = None, tokenizer: Any = None,
                  reference: Any = None, critic: Any = None, reward_model: Any = None,
@@ -58,7 +59,7 @@ class Trainer:
                                         reward_model=reward_model, reward_fn=reward_fn, judge=judge, prompts=prompts,
                                         save_dir=Path(save_dir) if save_dir is not None else None,
                                         reward_terms=reward_terms)
-            check_objects(cfg, checked)  # as the CLI's run is checked, before any model loads
+            check_inputs(cfg, checked)  # the one preflight, as the CLI's run has it, before any model loads
         self.cfg, self.inputs = cfg, checked
         torch.set_num_threads(cfg.placement.threads or torch.get_num_threads())
         _seed_everything(cfg.run.seed)

@@ -1,6 +1,8 @@
-"""The error every loader and check raises: its message names the fix."""
+"""The error every loader and check raises: its message names the fix. Defined in ``oppo.errors``
+(a module that imports nothing), so that the preflight's error can be one without loading torch."""
 
 from __future__ import annotations
 
-class ModelLoadError(ValueError):
-    """A model, tokenizer or function could not be loaded; the message names the fix."""
+from ..errors import ModelLoadError
+
+__all__ = ["ModelLoadError"]

@@ -22,25 +22,36 @@ def said_where(path: str) -> str:
 
 
 
+def model_dir_config(path: str, subject: str) -> tuple[dict | None, str | None]:
+    """A local model directory's ``config.json``, read without the weights, or the problem that
+    stops ``path`` being one: a directory, with a ``config.json`` that is valid JSON. The one rule
+    for a model path: the run's preflight (``preflight._model_problems``) and a loader called on its
+    own (:func:`check_model_path`) both ask it. ``subject``: how the message names the path."""
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        return None, (f"{subject} does not exist or is not a directory. Give a directory written by "
+                      f"save_pretrained, or a hub name such as 'org/model'.")
+    if not (p / "config.json").is_file():
+        return None, (f"{subject} has no config.json: it is not a Hugging Face model directory (write one "
+                      f"with model.save_pretrained(dir)).")
+    try:  # a corrupt one would otherwise be reported by whichever loader reads it first (the tokenizer)
+        conf = json.loads((p / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return None, (f"{subject}: its config.json is not valid JSON ({e}). Write it again with "
+                      f"model.save_pretrained(dir), or restore it from the model's source.")
+    return conf if isinstance(conf, dict) else {}, None
+
+
 def check_model_path(path: str, role: str) -> None:
-    """Fail early, before anything expensive, on a local path that does not exist."""
+    """A loader's guard when it is called on its own (a run's preflight has checked the path by
+    the same rule already): a local path that is no model directory fails here, named, before
+    Hugging Face's loader reports it as something else."""
     if is_marker(path):
         return  # an object given from Python (inputs.py): checked by model_problems
     if looks_local(path):
-        p = Path(path).expanduser()
-        if not p.is_dir():
-            raise ModelLoadError(f"{role} model path {path!r} does not exist or is not a directory. "
-                                 f"Give a directory written by save_pretrained, or a hub name such as 'org/model'.")
-        if not (p / "config.json").is_file():
-            raise ModelLoadError(f"{role} model directory {path!r} has no config.json; it is not a Hugging Face "
-                                 f"model directory (save one with model.save_pretrained).")
-        try:  # a corrupt one would otherwise be reported by whichever loader reads it first (the tokenizer)
-            json.loads((p / "config.json").read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ModelLoadError(f"{role} model directory {path!r}: its config.json is not valid JSON ({e}). Write "
-                                 f"it again with model.save_pretrained(dir), or restore it from the model's "
-                                 f"source.") from None
-
+        _, problem = model_dir_config(path, f"{role} model path {path!r}")
+        if problem is not None:
+            raise ModelLoadError(problem)
 
 
 def from_pretrained(cls, path: str, role: str, **kw):

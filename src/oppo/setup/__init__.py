@@ -1,2 +1,5 @@
-"""Building a run: :mod:`.decide` decides from the config what to build (paths, placement, engine
-settings) before any model loads; :mod:`.build` loads the models and builds every role once."""
+"""From a config to the roles, in one straight path: load (``config.load_config``) -> validate once
+(``config.parse.validate_once``) -> preflight once, paths and objects alike (``oppo.preflight``:
+``run.plan_run`` for ``oppo train`` and ``oppo.train``, ``Trainer`` for one built in code) -> build
+(:mod:`.build`): decide what to build (:mod:`.resolve`: paths, algorithm, devices, placement), load
+the models (:mod:`.load`), build each role where its placement puts it, compose the weight sync."""

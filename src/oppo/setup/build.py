@@ -1,7 +1,8 @@
-"""``build_roles(cfg)``: resolve the run (paths, devices, where each role runs), load the models,
-build the roles where the placement puts them (its spec's ``build``: ``oppo.placements``), and
-compose the weight sync from the steps it names. The controller (``oppo.control``) receives the
-roles behind their Protocols (``api/protocols.py``) and never asks where one runs."""
+"""``build_roles(cfg)``, the last step from a config to the roles (after the one validation and the
+one preflight): resolve the run (paths, devices, where each role runs), load the models, build the
+roles where the placement puts them (its spec's ``build``: ``oppo.placements``), and compose the
+weight sync from the steps it names. The controller (``oppo.control``) receives the roles behind
+their Protocols (``api/protocols.py``) and never asks where one runs."""
 
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ from .resolve import resolve
 
 
 def build_roles(cfg: Config, progress: bool = True, inputs: Inputs | None = None) -> Roles:
-    """Every model loaded and every role built, once. ``inputs``: the objects given from Python in
-    place of paths (their settings hold markers: ``inputs.split_inputs``)."""
+    """Every model loaded and every role built, once, for settings and objects that the preflight
+    has passed. ``inputs``: the objects given from Python in place of paths (their settings hold
+    markers: ``inputs.split_inputs``)."""
     inputs = inputs or Inputs()
-    run = resolve(cfg, inputs, progress)  # nothing loaded yet: bad input has failed by now
+    run = resolve(cfg, inputs, progress)  # decided, nothing loaded yet
     models = load_models(cfg, inputs, run)
     run.placement.threads.use(run.placement.threads.full)
     placed = placements.of(cfg).build(models, run.placement, placements.own(cfg))

@@ -1,7 +1,7 @@
-"""What a run is built from, decided from the config before any model loads: the models' paths
-(the built-in task's where the config names none; a model object's saved copy where a role loads
-it elsewhere), the devices and dtypes, the algorithm, and where every role runs (the placement's
-``decide``)."""
+"""What a run is built from, decided from the config after the preflight and before any model
+loads: the models' paths (the built-in task's where the config names none; a model object's saved
+copy where a role loads it elsewhere), the algorithm, the devices and dtypes, and where every role
+runs (the placement's ``decide``). It checks nothing the preflight has checked."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from ..api.placement import Placement, ResolvedPaths
 from ..config import Config
 from ..inputs import Inputs, save_for_elsewhere
 from ..marker import is_marker
-from ..models import check_model_path, resolve_device, resolve_dtype
+from ..models import resolve_device, resolve_dtype
 from ..rewards import function_spec, parse_terms
 from ..rollout.registry import check_backend
 from ..weights.precision import master_dtype
@@ -39,18 +39,9 @@ class Resolved:
 
 
 def resolve(cfg: Config, inputs: Inputs, progress: bool = True) -> Resolved:
-    """Paths, devices, dtypes, the algorithm and the placement; the rollout backend checked against
-    the policy. Bad input fails here, before any weights load."""
-    paths = resolve_paths(cfg, progress=progress)
-    saved = save_for_elsewhere(cfg, inputs, log=progress)  # objects a role loads in another process
-    # the critic starts from critic.path, else the reward model's, else the policy's (resolve_paths)
-    critic_source = "critic" if cfg.critic.path else "reward" if cfg.reward.path else "policy"
-    for role in ("policy", "reward", "reference"):
-        if role in saved:
-            setattr(paths, role, saved[role])
-    if paths.critic is not None and is_marker(paths.critic) and critic_source in saved:
-        paths.critic = saved[critic_source]
-    check_backend(cfg.generation.engine, paths.policy, cfg.policy.device)
+    """Paths, devices, dtypes, the algorithm and the placement, decided in that order from settings
+    that the preflight has passed (``preflight.role_problems``): nothing here checks a path again."""
+    paths, critic_source = _paths(cfg, inputs, progress)
     algorithm = build_algorithm(cfg)
     if not algorithm.needs_critic:
         paths.critic = None  # critic-free: no critic is loaded, scored, trained or checkpointed
@@ -59,10 +50,42 @@ def resolve(cfg: Config, inputs: Inputs, progress: bool = True) -> Resolved:
     # fp32 masters under bf16 (weights/precision.py)
     dtype = resolve_dtype(cfg.policy.dtype, dev)
     master = master_dtype(dtype)
+    devices = _role_devices(cfg, paths, dev)
+    placement = _placement(cfg, paths, dev, devices, computes_in_master=dtype == master)
+    return Resolved(paths, critic_source, dev, devices, dtype, master, algorithm, placement)
+
+
+def _paths(cfg: Config, inputs: Inputs, progress: bool) -> tuple[ResolvedPaths, str]:
+    """Every role's path (:func:`resolve_paths`), a model object's saved copy in place of its marker
+    where a role loads it in another process; and the role the critic starts from (critic.path,
+    else the reward model's, else the policy's)."""
+    paths = resolve_paths(cfg, progress=progress)
+    saved = save_for_elsewhere(cfg, inputs, log=progress)  # objects a role loads in another process
+    critic_source = "critic" if cfg.critic.path else "reward" if cfg.reward.path else "policy"
+    for role in ("policy", "reward", "reference"):
+        if role in saved:
+            setattr(paths, role, saved[role])
+    if paths.critic is not None and is_marker(paths.critic) and critic_source in saved:
+        paths.critic = saved[critic_source]
+    if is_marker(cfg.policy.path):  # a policy object: the preflight could not read it, its saved copy is read here
+        check_backend(cfg.generation.engine, paths.policy, cfg.policy.device)
+    return paths, critic_source
+
+
+def _role_devices(cfg: Config, paths: ResolvedPaths, dev: torch.device) -> dict[str, torch.device]:
+    """The other roles' devices (the policy's, ``dev``, where they name none): the reference's, the
+    critic's, and the reward model's where one may score (every reward model term's)."""
     devices = {"reference": resolve_device(cfg.reference.device, str(dev)),
                "critic": resolve_device(cfg.critic.device, str(dev))}
-    if paths.reward is not None or cfg.reward.terms:  # (every reward model term's)
+    if paths.reward is not None or cfg.reward.terms:
         devices["reward"] = resolve_device(cfg.reward.device, str(dev))
+    return devices
+
+
+def _placement(cfg: Config, paths: ResolvedPaths, dev: torch.device, devices: dict[str, torch.device],
+               computes_in_master: bool) -> Placement:
+    """Where every role runs: the placement's ``decide``, told which scorers there are and whether
+    they all run on the CPU."""
     # the scorers: the reference (the policy's own base under LoRA without a reference model), the
     # critic, the reward model (reward.terms: paths.reward is its first reward model term)
     scorer_devices = [devices["reference"] if paths.reference or not cfg.lora.r else dev]
@@ -72,19 +95,15 @@ def resolve(cfg: Config, inputs: Inputs, progress: bool = True) -> Resolved:
         scorer_devices.append(devices["reward"])
     facts = placements.Facts(needs_critic=paths.critic is not None,
                              scorers_on_cpu=all(d.type == "cpu" for d in scorer_devices),
-                             computes_in_master=dtype == master)
-    spec = placements.of(cfg)
-    placement = spec.decide(cfg, placements.own(cfg), facts)
-    return Resolved(paths, critic_source, dev, devices, dtype, master, algorithm, placement)
+                             computes_in_master=computes_in_master)
+    return placements.of(cfg).decide(cfg, placements.own(cfg), facts)
 
 
 DEFAULT_MAX_NEW_TOKENS = 256
 
 def resolve_paths(cfg: Config, progress: bool = True) -> ResolvedPaths:
-    """Fill in the built-in task's models and prompts where the config names none.
-
-    Checks user paths before anything expensive; prepares the built-in task if needed.
-    """
+    """Fill in the built-in task's models and prompts where the config names none (preparing the
+    task if needed). Checks nothing: the preflight has checked every path (``preflight.role_problems``)."""
     max_new = cfg.generation.max_new_tokens
     if cfg.uses_builtin_task:
         from ..task import get_task, prepare
@@ -102,15 +121,9 @@ def resolve_paths(cfg: Config, progress: bool = True) -> ResolvedPaths:
             reference=cfg.reference.path, prompts=cfg.data.prompts or str(prepared.prompts_path),
             judge=cfg.reward.judge or task.judge_function, max_new_tokens=max_new or task.max_new_tokens,
             accuracy=None if cfg.data.prompts else task.accuracy_function)  # it knows only the task's prompts
-    assert cfg.policy.path is not None  # uses_builtin_task is exactly "no policy.path"
-    if cfg.data.prompts is None:
-        raise ValueError("policy.path is set but data.prompts is not: give a prompt set (data.prompts=path.jsonl).")
+    # uses_builtin_task is exactly "no policy.path"; the preflight asks for data.prompts with it
+    assert cfg.policy.path is not None and cfg.data.prompts is not None
     reward_path = _first_model_term(cfg) if cfg.reward.terms else cfg.reward.path
-    term_paths = [t.path for t in parse_terms(cfg.reward.terms) if t.path] if cfg.reward.terms else []
-    for role, path in (("policy", cfg.policy.path), ("reward", cfg.reward.path), ("critic", cfg.critic.path),
-                       ("reference", cfg.reference.path), *(("reward", p) for p in term_paths)):
-        if path:
-            check_model_path(path, role)
     return ResolvedPaths(
         policy=cfg.policy.path, reward=reward_path,
         reward_function=function_spec(cfg.reward.function) if cfg.reward.function else None,
