@@ -50,7 +50,7 @@ def resolve(cfg: Config, inputs: Inputs, progress: bool = True) -> Resolved:
             setattr(paths, role, saved[role])
     if paths.critic is not None and is_marker(paths.critic) and critic_source in saved:
         paths.critic = saved[critic_source]
-    check_backend(cfg.generation.engine, paths.policy, cfg.policy.device)
+    check_backend(cfg.generation.backend, paths.policy, cfg.policy.device)
     algorithm = build_algorithm(cfg)
     if not algorithm.needs_critic:
         paths.critic = None  # critic-free: no critic is loaded, scored, trained or checkpointed
