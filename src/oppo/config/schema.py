@@ -22,8 +22,7 @@ class ConfigError(ValueError):
 
 
 AUTO_BACKEND = "auto"
-"""``generation.backend=auto``: not a backend, resolved per run (``rollout.registry.resolve_engine``)."""
-AUTO_ENGINE = AUTO_BACKEND  # (its name before issue 44: "engine" is the learner's word)
+"""``generation.backend=auto``: not a backend, resolved per run (``rollout.registry.resolve_backend``)."""
 
 
 def _backend_choices() -> tuple[str, ...]:

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from ..api.protocols import RolloutBackend
 
 ENTRY_POINTS = BACKENDS.entry_points
-AUTO = "auto"  # not a backend: resolved per run (resolve_engine)
+AUTO = "auto"  # not a backend: resolved per run (resolve_backend)
 BUILT_IN = BACKENDS.built_in
 """oppo's own backends (``parts.BUILT_IN``), registered before any plugin."""
 
@@ -41,7 +41,7 @@ class BackendUnavailable(ValueError):
 class EngineSettings:
     """What every rollout backend is built with (``generation.*``; ``engine_settings``).
 
-    ``kind``: the backend's name (``generation.backend=auto`` resolved: :func:`resolve_engine`);
+    ``kind``: the backend's name (``generation.backend=auto`` resolved: :func:`resolve_backend`);
     ``max_rows``: the most rows in flight (B + Delta and refills: at most 2B); ``max_len``: the
     longest prompt plus response; ``reason``: which engine and why, for the run's log;
     ``backend``: the backend's own settings (its :attr:`Backend.settings` dataclass, from
@@ -183,8 +183,8 @@ FAST = "static"
 FALLBACK = "eager"
 
 
-def resolve_engine(requested: str, device: torch.device | str, unfit: Callable[[], str | None]) -> tuple[str, str]:
-    """The engine ``generation.backend`` names, and a sentence saying which runs and why.
+def resolve_backend(requested: str, device: torch.device | str, unfit: Callable[[], str | None]) -> tuple[str, str]:
+    """The backend ``generation.backend`` names, and a sentence saying which runs and why.
 
     ``auto``: :data:`FAST` on a CUDA device unless ``unfit()`` (asked only then: that backend's
     :attr:`Backend.unfit` on the policy, which may run a two-token forward) names something it
@@ -204,11 +204,14 @@ def resolve_engine(requested: str, device: torch.device | str, unfit: Callable[[
     return FAST, f"{FAST} with CUDA graphs (generation.backend=auto; generation.backend={FALLBACK} is the fallback)"
 
 
+resolve_engine = resolve_backend  # (its name before issue 44 named generation.backend "engine": imports keep working)
+
+
 def engine_settings(cfg: Any, stop_ids, pad_id: int, max_new_tokens: int, device: torch.device,
                     model: torch.nn.Module | None = None) -> EngineSettings:
     """The rollout engine's settings from the config ``cfg`` (``generation.*``, and the backend's
     own ``rollout.<kind>.*`` resolved for ``device``), for an engine on ``device``;
-    ``generation.backend=auto`` resolved there (:func:`resolve_engine`: the fast engine on CUDA when
+    ``generation.backend=auto`` resolved there (:func:`resolve_backend`: the fast engine on CUDA when
     ``model``, the policy it will decode, suits it; else eager). Ray rollout workers get settings
     for ``cpu``, so ``auto`` runs the eager engine in them."""
     g, B = cfg.generation, cfg.ppo.batch_size
@@ -219,7 +222,7 @@ def engine_settings(cfg: Any, stop_ids, pad_id: int, max_new_tokens: int, device
         if model is None:
             return "the policy was not given to check"
         return check(model, max_len) if check else None
-    kind, reason = resolve_engine(g.backend, device, unfit)
+    kind, reason = resolve_backend(g.backend, device, unfit)
     spec, own = get(kind), cfg.rollout.get(kind)
     if own is not None:  # a copy: the engine's settings do not change with the config object
         own = spec.for_device(own, device.type) if spec.for_device else dataclasses.replace(own)

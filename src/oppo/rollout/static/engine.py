@@ -393,7 +393,7 @@ def static_decode_problem(model, max_len: int | None = None, probe: bool = False
     one forward of two tokens: a layer that keeps no plain keys/values, or a forward that takes no
     ``DynamicCache``. The constructor refuses on the config's reasons
     (``UnsupportedForStaticDecode``); ``generation.backend=auto`` asks with ``probe`` before
-    choosing this engine (:func:`oppo.rollout.engine.resolve_engine`), so such a policy runs eager."""
+    choosing this engine (:func:`oppo.rollout.registry.resolve_backend`), so such a policy runs eager."""
     from ...models import backbone_and_head
 
     cfg = _text_config(model)
