@@ -21,7 +21,7 @@ for every round of interleaving would cost a model load per mode and step. On CP
 interleaved (tiny models: all fit).
 
 Random weights make rewards meaningless: read step times, busy fractions and the stage profile,
-not reward curves. ``--engine``: ``trainer`` (``generation.engine`` as configured: auto, i.e. the
+not reward curves. ``--engine``: ``trainer`` (``generation.backend`` as configured: auto, i.e. the
 static engine with CUDA graphs on CUDA, eager on CPU), ``eager`` or ``static``.
 
 ``--check`` runs a few steps (``--steps``, default 3) of every mode with the eager and the static
@@ -52,8 +52,8 @@ from oppo.bench import (WORKLOADS, LengthWorkload, jsonable, machine, run_modes,
                         summarize, to_markdown, write_synthetic_models)
 from oppo.config import MODES, load_config
 
-ENGINES = {"trainer": [], "eager": ["generation.engine=eager"], "static": ["generation.engine=static"]}
-"""--engine: the settings each choice adds (trainer: generation.engine as configured, auto by default)."""
+ENGINES = {"trainer": [], "eager": ["generation.backend=eager"], "static": ["generation.backend=static"]}
+"""--engine: the settings each choice adds (trainer: generation.backend as configured, auto by default)."""
 CHECK_ENGINES = ("eager", "static")
 
 # The second row: the same models, short responses (a tiny-model/CPU-like profile, training heavier).
@@ -90,7 +90,7 @@ def parse(argv):
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--workload", default="representative", choices=sorted(WORKLOADS))
     p.add_argument("--engine", default="trainer", choices=tuple(ENGINES),
-                   help="trainer: the trainer's own choice (generation.engine=auto: static with CUDA graphs on "
+                   help="trainer: the trainer's own choice (generation.backend=auto: static with CUDA graphs on "
                         "CUDA, eager on CPU); eager: the eager engine; static: StaticRolloutEngine (CUDA "
                         "graphs on CUDA, uncaptured on CPU).")
     p.add_argument("--schedule", default="auto", choices=("auto", "interleaved", "one-at-a-time"),

@@ -431,7 +431,7 @@ def test_a_trl_name_gets_its_conversion(key, says):
 
 
 @pytest.mark.parametrize("key, wrong", [
-    ("ppo.vf_coef", "ppo.kl_coef"), ("generation.response_length", "generation.engine"),
+    ("ppo.vf_coef", "ppo.kl_coef"), ("generation.response_length", "generation.backend"),
     ("generation.stop_token", "generation.top_k"), ("ppo.gradient_accumulation_steps", "ppo.lr_warmup_steps"),
     ("ppo.num_mini_batches", "Did you mean 'ppo.minibatch_size'"),
     ("ppo.whiten_rewards", "Did you mean 'ppo.whiten_advantages'"), ("data.prompt_field", "data.prompts"),

@@ -8,8 +8,8 @@ Protocol and one :class:`~oppo.rollout.registry.Backend` spec are all a backend 
 and the trainer find them through the registry alone. The RolloutBackend conformance suite runs against
 it (``tests/test_conformance.py``: ``ROLLOUTS["plugin"]`` builds it through the registry), and here the
 Trainer runs every overlap mode (the fixture's spec runs in no Ray worker, so every local one) with
-``generation.engine=testplug``, and, declared able to (``in_workers``), in a Ray rollout worker; in ``sequential`` and ``oppo`` its metrics and tokens equal
-``generation.engine=eager``'s (``tests/test_golden.py``'s configurations). The trainer has read one
+``generation.backend=testplug``, and, declared able to (``in_workers``), in a Ray rollout worker; in ``sequential`` and ``oppo`` its metrics and tokens equal
+``generation.backend=eager``'s (``tests/test_golden.py``'s configurations). The trainer has read one
 member beyond the Protocol (``peak_cache_bytes``, until the Protocol's ``take_stats`` replaces it):
 :class:`Reporting` adds it for the mode runs, and ``test_trainer_needs_nothing_beyond_the_protocol``
 trains with the Protocol's members alone.
@@ -122,10 +122,10 @@ def test_registered_plugin_is_a_choice_with_its_settings_then_gone(testplug, tin
 
     assert {n for n in dir(Delegating) if not n.startswith("_")} == protocol_members(RolloutBackend)
     assert NAME in registry.choices()
-    cfg = load_config(None, [f"generation.engine={NAME}", f"rollout.{NAME}.note=hello"])  # any registered name
+    cfg = load_config(None, [f"generation.backend={NAME}", f"rollout.{NAME}.note=hello"])  # any registered name
     assert cfg.rollout[NAME] == PlugSettings("hello")
     with pytest.raises(ConfigError, match=f"rollout.{NAME}.note is empty"):  # its own check, asked by validate
-        load_config(None, [f"generation.engine={NAME}", f"rollout.{NAME}.note=' '"])
+        load_config(None, [f"generation.backend={NAME}", f"rollout.{NAME}.note=' '"])
     # listed in `oppo train --help` with its settings, their defaults and help
     with pytest.raises(SystemExit):
         main(["train", "--help"])
@@ -143,7 +143,7 @@ def test_registered_plugin_is_a_choice_with_its_settings_then_gone(testplug, tin
     with pytest.raises(KeyError, match=NAME):
         registry.get(NAME)
     with pytest.raises(ConfigError):
-        load_config(None, [f"generation.engine={NAME}"])
+        load_config(None, [f"generation.backend={NAME}"])
     with pytest.raises(ConfigError, match=f"Unknown setting 'rollout.{NAME}.note'"):
         load_config(None, [f"rollout.{NAME}.note=hello"])
     assert f"rollout.{NAME}" not in help_text()
@@ -163,7 +163,7 @@ def _run(models, prompts, out, engine: str, mode: str, steps: int):
 
     cfg = load_config(None, [f"policy.path={models['policy']}", f"reward.path={models['reward']}",
                              f"data.prompts={prompts}", f"run.out_dir={out}", *BASE, *CASES[mode][0],
-                             f"generation.engine={engine}", *([f"rollout.{NAME}.note={mode}"] if engine == NAME else [])])
+                             f"generation.backend={engine}", *([f"rollout.{NAME}.note={mode}"] if engine == NAME else [])])
     rows = []
     with Trainer(cfg, progress=False) as t:
         if engine == NAME:
@@ -176,7 +176,7 @@ def _run(models, prompts, out, engine: str, mode: str, steps: int):
 
 
 EXACT = ("sequential", "oppo")
-"""Modes also run with ``generation.engine=eager``: the plugin must change nothing the trainer computes."""
+"""Modes also run with ``generation.backend=eager``: the plugin must change nothing the trainer computes."""
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -234,7 +234,7 @@ def test_it_runs_in_a_ray_rollout_worker(ray_local, tiny_models, tiny_prompts, t
             f"policy.path={tiny_models['policy']}", f"reward.path={tiny_models['reward']}",
             f"data.prompts={tiny_prompts}", f"run.out_dir={tmp_path}", "placement.threads=1", "ppo.batch_size=4",
             "ppo.minibatch_size=4", "ppo.micro_batch_size=2", "generation.max_new_tokens=6", "overlap.chunk_size=3",
-            "log.progress=false", "overlap.mode=oppo", f"generation.engine={NAME}", "placement.name=ray",
+            "log.progress=false", "overlap.mode=oppo", f"generation.backend={NAME}", "placement.name=ray",
             "placement.ray.rollout_workers=1", "learner.replicate.cpus=0.25", "placement.ray.scorer_cpus=0.25",
             "placement.ray.rollout_cpus=0.25"])
         with Trainer(cfg, progress=False) as t:

@@ -377,8 +377,8 @@ def test_cuda_graph_decode_equals_eager_on_gpu(dtype):
         assert outs["none"] == _generate(model.cpu(), PROMPTS, 20)
 
 
-def test_generation_engine_static_is_wired(tiny_models, tiny_prompts, tmp_path):
-    """generation.engine=static builds the static engine and trains the eager engine's run."""
+def test_generation_backend_static_is_wired(tiny_models, tiny_prompts, tmp_path):
+    """generation.backend=static builds the static engine and trains the eager engine's run."""
     from oppo.config import load_config
     from oppo.rollout.static import StaticRolloutEngine
     from oppo.trainer import Trainer
@@ -389,7 +389,7 @@ def test_generation_engine_static_is_wired(tiny_models, tiny_prompts, tmp_path):
             f"policy.path={tiny_models['policy']}", f"reward.path={tiny_models['reward']}",
             f"data.prompts={tiny_prompts}", "placement.threads=1", "ppo.batch_size=4", "ppo.minibatch_size=2",
             "ppo.micro_batch_size=2", "generation.max_new_tokens=8", "overlap.mode=sequential",
-            f"generation.engine={engine}", f"run.out_dir={tmp_path / engine}", "log.progress=false"])
+            f"generation.backend={engine}", f"run.out_dir={tmp_path / engine}", "log.progress=false"])
         t = Trainer(cfg, progress=False)
         try:
             assert isinstance(t.roles.rollout, StaticRolloutEngine) == (engine == "static")
@@ -400,28 +400,29 @@ def test_generation_engine_static_is_wired(tiny_models, tiny_prompts, tmp_path):
         assert torch.equal(ia, ib) and abs(la - lb) < 1e-4
 
 
-def test_auto_engine_is_static_with_graphs_on_cuda_for_supported_policies_else_eager():
-    """generation.engine=auto (the default): static with CUDA graphs on a CUDA device when the
+def test_auto_backend_is_static_with_graphs_on_cuda_for_supported_policies_else_eager():
+    """generation.backend=auto (the default): static with CUDA graphs on a CUDA device when the
     policy suits the static engine, eager otherwise (on CPU without asking the model, so CPU runs
     and the golden metrics are unchanged); explicit values are kept. ``torch.device("cuda")``
     stands for the device: nothing runs there."""
     from oppo.config import Config, ConfigError, help_text, load_config
     from oppo.rollout.engine import resolve_engine
-    from oppo.rollout.registry import engine_settings
+    from oppo.rollout.registry import engine_settings, resolve_backend
 
     def never():
         raise AssertionError("auto asked the model where it did not need to")
 
     cuda = torch.device("cuda")
-    assert resolve_engine("auto", torch.device("cpu"), never)[0] == "eager"
-    assert resolve_engine("auto", cuda, lambda: None)[0] == "static"
-    kind, why = resolve_engine("auto", torch.device("cuda:1"), lambda: "attention 'flex' takes no 4-D mask")
+    assert resolve_backend("auto", torch.device("cpu"), never)[0] == "eager"
+    assert resolve_backend("auto", cuda, lambda: None)[0] == "static"
+    kind, why = resolve_backend("auto", torch.device("cuda:1"), lambda: "attention 'flex' takes no 4-D mask")
     assert kind == "eager" and "flex" in why
     for asked in ("eager", "static", "vllm"):
-        assert resolve_engine(asked, cuda, never)[0] == asked
+        assert resolve_backend(asked, cuda, never)[0] == asked
+    assert resolve_engine is resolve_backend  # (its name before issue 44: imports of it keep working)
     # the settings a trainer builds its engine with: the policy is checked (config + a 2-token probe)
     cfg, model = Config(), _model()
-    assert cfg.generation.engine == "auto"
+    assert cfg.generation.backend == "auto"
     s = engine_settings(cfg, (EOS,), PAD, 8, cuda, model=model)
     assert (s.kind, s.backend.capture) == ("static", "cuda_graph") and "CUDA graphs" in s.reason
     s = engine_settings(cfg, (EOS,), PAD, 8, torch.device("cpu"), model=model)
@@ -442,9 +443,9 @@ def test_auto_engine_is_static_with_graphs_on_cuda_for_supported_policies_else_e
     # Ray rollout workers run eager under auto (settings for cpu); static is refused there
     ray = ["placement.name=ray", "placement.ray.rollout_workers=2"]
     load_config(None, ray)
-    with pytest.raises(ConfigError, match="generation.engine=auto"):
-        load_config(None, [*ray, "generation.engine=static"])
-    shown = help_text().split("generation.engine = ")[1].split("generation.kv_budget_mb")[0]
+    with pytest.raises(ConfigError, match="generation.backend=auto"):
+        load_config(None, [*ray, "generation.backend=static"])
+    shown = help_text().split("generation.backend = ")[1].split("generation.kv_budget_mb")[0]
     assert "[auto|eager|static|vllm]" in shown and "fallback" in shown and "CUDA graphs" in shown
 
 

@@ -77,7 +77,7 @@ def run_lr0(tiny_models, tiny_prompts, out, mode: str, engine: str, dtype: str, 
     serving models after each sync; returns the steps' metrics."""
     cfg = load_config(None, [f"policy.path={tiny_models['policy']}", f"reward.path={tiny_models['reward']}",
                              f"data.prompts={tiny_prompts}", f"run.out_dir={out}", *BASE, f"overlap.mode={mode}",
-                             f"generation.engine={engine}", f"policy.dtype={dtype}", *extra])
+                             f"generation.backend={engine}", f"policy.dtype={dtype}", *extra])
     t = Trainer(cfg, progress=False)
     try:
         roles = t.roles

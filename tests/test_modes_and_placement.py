@@ -52,7 +52,7 @@ def test_known_modes_keep_their_behaviour():
 def test_an_old_name_on_the_command_line_names_the_new_one(old, new):
     new = new.format(learner="replicate")  # (a learner engine's ranks: the chosen engine's section)
     special = {"lora_sync": "merged", "learner": "replicate", "address": "auto", "weight_sync": "object_store",
-               "spread": "true", "name": "ray"}
+               "spread": "true", "name": "ray", "backend": "eager"}
     leaf_name = new.rsplit(".", 1)[1]
     value = special.get(leaf_name) or ("true" if new.endswith(("process", "worker")) else "1")
     extra = ["placement.name=ray"] if ".ray." in new else []
@@ -142,3 +142,24 @@ def test_the_start_line_says_whether_tokens_may_be_off_policy(overrides, on_poli
     assert "\n" not in line
     assert line.startswith("on-policy:" if on_policy else "may train off-policy tokens:"), line
     assert "overlap.mode=sequential ppo.epochs=4" in line  # how to get TRL's behaviour
+
+
+def test_generation_engine_is_now_generation_backend(tmp_path):
+    """generation.engine picked the rollout backend ("engine" is the learner's word): given by hand it
+    is refused naming generation.backend; a saved config (a checkpoint's, a run's) reads it as that."""
+    with pytest.raises(ConfigError, match="generation.engine is now generation.backend .*placement.learner"):
+        load_config(None, ["generation.engine=eager"])
+    p = tmp_path / "run.yaml"
+    p.write_text("generation:\n  engine: eager\n")
+    with pytest.raises(ConfigError, match="generation.engine is now generation.backend"):
+        load_config(p)
+    old = {"generation": {"engine": "vllm", "top_k": 0}}
+    assert upgrade_settings(old)["generation"] == {"backend": "vllm", "top_k": 0} and "engine" in old["generation"]
+    saved = {"generation": {"engine": "static"}}  # (vllm would ask for vLLM installed: from_dict validates)
+    assert from_dict(saved).generation.backend == "static" and not hasattr(from_dict(saved).generation, "engine")
+    ckpt = tmp_path / "checkpoints" / "step_1"
+    ckpt.mkdir(parents=True)
+    (ckpt / CONFIG_FILE).write_text(yaml.safe_dump(saved, sort_keys=False))
+    assert checkpoint_settings(ckpt)["generation"]["backend"] == "static"
+    # a run saved with the static backend resumes with another (the same math, other machinery)
+    assert not settings_mismatches(checkpoint_settings(ckpt), to_dict(load_config(None, ["generation.backend=eager"])))

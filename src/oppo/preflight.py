@@ -20,7 +20,7 @@ one go instead of one per attempt, each attempt costing a model load:
 - objects given from Python in place of paths (``inputs.Inputs``: :func:`object_problems`): the
   same rules, read from the objects (a model's class and config, a data set's columns);
 - devices: CUDA present when asked for; TensorBoard / W&B installed when asked for;
-- ``generation.engine``: the rollout backend installed and able to serve the policy (its
+- ``generation.backend``: the rollout backend installed and able to serve the policy (its
   ``Backend.problems`` in ``rollout.registry``: e.g. an architecture or head size it lacks).
 
 The network: a hub name (``org/model``) that is not in the local Hugging Face cache needs the
@@ -505,10 +505,18 @@ def _environment_problems(cfg: Config) -> list[str]:
 
             if not torch.cuda.is_available():
                 problems.append(f"{role}.device={dev!r} but CUDA is not available here; use cpu or auto.")
-    if cfg.generation.engine != "auto":  # installed, and able to serve a local policy (its config only)
+<<<<<<< HEAD
+    if cfg.generation.backend != "auto":  # installed, and able to serve a local policy (its config only)
+=======
+    for flag, package, extra in ((cfg.log.tensorboard, "tensorboard", "tensorboard"), (cfg.log.wandb, "wandb", "wandb")):
+        if flag and importlib.util.find_spec(package) is None:
+            problems.append(f"log.{package}=true but the '{package}' package is not installed: "
+                            f"pip install 'oppo[{extra}]', or set log.{package}=false.")
+    if cfg.generation.backend != "auto":  # installed, and able to serve a local policy (its config only)
+>>>>>>> h6
         from .rollout import registry
 
-        backend = registry.get(cfg.generation.engine)
+        backend = registry.get(cfg.generation.backend)
         policy = None if is_marker(cfg.policy.path) else cfg.policy.path  # (an object: checked once saved)
         problems += backend.problems(policy, cfg.policy.device) if backend.problems else []
     return problems

@@ -71,7 +71,7 @@ def run_modes(base, modes: list[str], steps: int, out: Path, tail_sigma: float |
     reset before the build).
 
     ``lengths`` forces response lengths (a :class:`LengthWorkload`; ``tail_sigma`` is the sweep's
-    shorthand for one); the rollout backend is the config's (``generation.engine``). ``deadline``
+    shorthand for one); the rollout backend is the config's (``generation.backend``). ``deadline``
     (a ``time.time()``): stop after the round of steps that would end past it, once every mode
     has at least two steps (one warm-up, one timed); one mode at a time, each mode gets an equal
     share of the time left when it starts. ``on_step(mode, step, metrics, trainer)``, if given,

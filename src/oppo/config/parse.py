@@ -61,7 +61,9 @@ MOVED = {"overlap.scorer_process": "placement.local.scorer_process",
          # issue 44: a learner engine's ranks are its own section ({learner}: placement.learner's value);
          # placement.backend named the placement
          **{f"placement{at}.{k}": f"learner.{{learner}}.{v}" for k, v in _RANKS.items() for at in ("", ".ray")},
-         "placement.backend": "placement.name"}
+         "placement.backend": "placement.name",
+         # generation.engine picked the rollout backend ("engine" is the learner's word: placement.learner)
+         "generation.engine": "generation.backend"}
 
 
 def upgrade_settings(d: dict) -> dict:
@@ -132,7 +134,8 @@ def _unknown(cfg: Config, key: str, value: Any, source: str) -> str | None:
                if new.startswith("rollout.") else " (a learner engine's own settings are its section, "
                "learner.<placement.learner>)" if new.startswith("learner.") else " (where a role runs and how much "
                "hardware it gets is in the placement section)" if new.startswith("placement.") and not
-               key.startswith("placement.") else "")
+               key.startswith("placement.") else " (it picks the rollout backend; the learner engine is "
+               "placement.learner)" if new == "generation.backend" else "")
         return f"Unknown setting '{key}' (from {source}): {key} is now {new}{why}. Rename it to {new}."
     if key in known:
         return None

@@ -21,13 +21,13 @@ class ConfigError(ValueError):
     """A configuration value is invalid. The message says which and how to fix it."""
 
 
-AUTO_ENGINE = "auto"
-"""``generation.engine=auto``: not a backend, resolved per run (``rollout.registry.resolve_engine``)."""
+AUTO_BACKEND = "auto"
+"""``generation.backend=auto``: not a backend, resolved per run (``rollout.registry.resolve_backend``)."""
 
 
-def _engine_choices() -> tuple[str, ...]:
-    """``generation.engine``'s values: auto and the registered rollout backends."""
-    return (AUTO_ENGINE, *BACKENDS.names())
+def _backend_choices() -> tuple[str, ...]:
+    """``generation.backend``'s values: auto and the registered rollout backends."""
+    return (AUTO_BACKEND, *BACKENDS.names())
 
 
 def choices_of(f) -> tuple:
@@ -160,10 +160,10 @@ class GenerationConfig:
     temperature: float = opt(1.0, "Sampling temperature; the behaviour and reference log-probs use the same one.")
     top_p: float = opt(1.0, "Nucleus sampling threshold (1.0: off).")
     top_k: int = opt(0, "Sample among the k most likely tokens (0: off).")
-    engine: str = opt("auto", "Rollout engine: auto (static with CUDA graphs when the policy is on CUDA and its "
-                              "architecture suits it, else eager; the run's log says which ran and why), or a "
-                              "rollout backend by name (its own settings are rollout.<name>.*):", _engine_choices,
-                    BACKENDS.help_lines)
+    backend: str = opt("auto", "Rollout backend: auto (static with CUDA graphs when the policy is on CUDA and its "
+                               "architecture suits it, else eager; the run's log says which ran and why), or a "
+                               "registered backend by name (its own settings are rollout.<name>.*):", _backend_choices,
+                     BACKENDS.help_lines)
     kv_budget_mb: float = opt(0.0, "Most memory the actor's KV cache may take, in MiB; a step that would exceed it "
                                     "stops with an error naming the settings to lower (0: no limit). The per-step "
                                     "peak is reported as memory/actor_kv_peak_mb. A backend with a KV cache "

@@ -7,7 +7,7 @@ import math
 
 from ..parts import BACKENDS, LEARNERS, PLACEMENTS, REWARD_TERMS
 from ..rewards.terms import parse_terms
-from .schema import AUTO_ENGINE, Config, ConfigError, choices_of, fields_of, sections
+from .schema import AUTO_BACKEND, Config, ConfigError, choices_of, fields_of, sections
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -159,8 +159,8 @@ def _check_placement(cfg: Config) -> None:
 def _check_rollout_backend(cfg: Config) -> None:
     """The chosen rollout backend's own checks of its settings against the run's."""
     g = cfg.generation
-    if g.engine != AUTO_ENGINE:
-        problems = BACKENDS.checks(g.engine, cfg.rollout.get(g.engine), cfg)
+    if g.backend != AUTO_BACKEND:
+        problems = BACKENDS.checks(g.backend, cfg.rollout.get(g.backend), cfg)
         _check(not problems, "\n".join(problems))
 
 

@@ -95,7 +95,7 @@ def of(cfg: Config) -> PlacementSpec:
 
 
 def local_rollout(models: Models) -> tuple[RolloutBackend, str]:
-    """The rollout backend in this process (``generation.engine``), sampling with (or, for a
+    """The rollout backend in this process (``generation.backend``), sampling with (or, for a
     backend that loads the policy itself, starting from) the serving policy's weights; and which
     engine runs and why, for the log."""
     from ..rollout import registry

@@ -29,7 +29,7 @@ class RaySettings:
     scorer_cpus: float = setting(1.0, "CPUs of the scorer actor.")
     scorer_gpus: float = setting(0.0, "GPUs of the scorer actor.")
     rollout_workers: int = setting(0, "Rollout workers, each a copy of the policy with its own engine "
-                                      "(generation.engine: eager under auto, or a backend that runs in workers), "
+                                      "(generation.backend: eager under auto, or a backend that runs in workers), "
                                       "sharing the B + Delta sequences and streaming their chunks straight to the "
                                       "scorer actors; each computes with placement.actor_threads threads. 0: the "
                                       "engine runs in the controller process.")
@@ -61,11 +61,11 @@ def checks(own: RaySettings, cfg: Config) -> list[str]:
     if own.weight_sync_bucket_mb < 0:
         out.append(f"placement.ray.weight_sync_bucket_mb must be >= 0 (MiB; 0: by transport), got "
                    f"{own.weight_sync_bucket_mb}.")
-    engine = cfg.generation.engine
+    engine = cfg.generation.backend
     if own.rollout_workers and engine != registry.AUTO and not registry.get(engine).in_workers:
         fits = [n for n in registry.names() if registry.get(n).in_workers]
-        out.append(f"placement.ray.rollout_workers runs generation.engine={engine} in each worker, which that "
-                   f"backend does not support yet; set generation.engine=auto (eager in workers) or one of "
+        out.append(f"placement.ray.rollout_workers runs generation.backend={engine} in each worker, which that "
+                   f"backend does not support yet; set generation.backend=auto (eager in workers) or one of "
                    f"{', '.join(fits)}.")
     if own.rollout_workers and cfg.lora.r:
         out.append("placement.ray.rollout_workers does not carry LoRA adapters yet; set lora.r=0 or "

@@ -1,4 +1,4 @@
-"""The eager engine's spec (``generation.engine=eager``): oppo's own engine with a growing KV cache
+"""The eager engine's spec (``generation.backend=eager``): oppo's own engine with a growing KV cache
 per batch (:mod:`.engine`), the reference the other backends are tested against. It has no settings
 of its own. Importing this module imports no torch."""
 

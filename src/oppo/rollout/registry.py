@@ -1,4 +1,4 @@
-"""Rollout backends by name: ``generation.engine`` picks one entry of this registry.
+"""Rollout backends by name: ``generation.backend`` picks one entry of this registry.
 
 A backend is one :class:`Backend` spec that owns its whole vertical: its settings (a dataclass, the
 config's ``rollout.<name>.*`` section), its checks (config validation, then the pre-run checks before
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from ..api.protocols import RolloutBackend
 
 ENTRY_POINTS = BACKENDS.entry_points
-AUTO = "auto"  # not a backend: resolved per run (resolve_engine)
+AUTO = "auto"  # not a backend: resolved per run (resolve_backend)
 BUILT_IN = BACKENDS.built_in
 """oppo's own backends (``parts.BUILT_IN``), registered before any plugin."""
 
@@ -41,7 +41,7 @@ class BackendUnavailable(ValueError):
 class EngineSettings:
     """What every rollout backend is built with (``generation.*``; ``engine_settings``).
 
-    ``kind``: the backend's name (``generation.engine=auto`` resolved: :func:`resolve_engine`);
+    ``kind``: the backend's name (``generation.backend=auto`` resolved: :func:`resolve_backend`);
     ``max_rows``: the most rows in flight (B + Delta and refills: at most 2B); ``max_len``: the
     longest prompt plus response; ``reason``: which engine and why, for the run's log;
     ``backend``: the backend's own settings (its :attr:`Backend.settings` dataclass, from
@@ -97,13 +97,13 @@ class Backend:
     - ``settings``: the dataclass of its own settings (fields made with :func:`setting`), the
       config's ``rollout.<name>.*``; None: it has none.
     - ``checks(own, cfg)``: problems of its settings against the whole config (a list of one-line
-      messages naming the fix); asked by config validation when ``generation.engine`` names it.
+      messages naming the fix); asked by config validation when ``generation.backend`` names it.
     - ``for_device(own, device_type)``: its settings with ``auto`` values resolved for the device
       the engine will run on.
     - ``problems(policy_path, device)``: why it cannot serve that policy here (not installed, an
       architecture it lacks), each with its fix; reads config files only, loads no weights. Run by
       the pre-run checks and again before the models load.
-    - ``unfit(model, max_len)``: why it cannot decode ``model`` (asked by ``generation.engine=auto``
+    - ``unfit(model, max_len)``: why it cannot decode ``model`` (asked by ``generation.backend=auto``
       before choosing it); None: it can.
     - ``probe(engine, rows, max_len, new_tokens)``: a fresh engine like ``engine`` (one this backend
       built) for ``rows`` rows, to time its decode step alone (``oppo bench``); None: not one of its
@@ -130,7 +130,7 @@ class Backend:
 
     def __post_init__(self) -> None:
         if self.name == AUTO:
-            raise ValueError(f"{AUTO!r} is not a backend name: generation.engine=auto picks eager or static")
+            raise ValueError(f"{AUTO!r} is not a backend name: generation.backend=auto picks eager or static")
 
 
 REGISTRY: Registry[Backend] = BACKENDS
@@ -144,7 +144,7 @@ def names() -> tuple[str, ...]:
 
 
 def choices() -> tuple[str, ...]:
-    """What ``generation.engine`` accepts."""
+    """What ``generation.backend`` accepts."""
     return (AUTO, *names())
 
 
@@ -179,12 +179,12 @@ def probe_engine(engine: Any, rows: int, max_len: int, new_tokens: int) -> Any:
 
 
 FAST = "static"
-"""What ``generation.engine=auto`` picks on CUDA where it can decode the policy (CUDA graphs)."""
+"""What ``generation.backend=auto`` picks on CUDA where it can decode the policy (CUDA graphs)."""
 FALLBACK = "eager"
 
 
-def resolve_engine(requested: str, device: torch.device | str, unfit: Callable[[], str | None]) -> tuple[str, str]:
-    """The engine ``generation.engine`` names, and a sentence saying which runs and why.
+def resolve_backend(requested: str, device: torch.device | str, unfit: Callable[[], str | None]) -> tuple[str, str]:
+    """The backend ``generation.backend`` names, and a sentence saying which runs and why.
 
     ``auto``: :data:`FAST` on a CUDA device unless ``unfit()`` (asked only then: that backend's
     :attr:`Backend.unfit` on the policy, which may run a two-token forward) names something it
@@ -193,22 +193,25 @@ def resolve_engine(requested: str, device: torch.device | str, unfit: Callable[[
     returned as asked.
     """
     if requested != AUTO:
-        return requested, f"{requested} (generation.engine={requested})"
+        return requested, f"{requested} (generation.backend={requested})"
     kind = device if isinstance(device, str) else device.type
     if kind != "cuda":
-        return FALLBACK, f"{FALLBACK} (generation.engine=auto: no CUDA graphs on {kind})"
+        return FALLBACK, f"{FALLBACK} (generation.backend=auto: no CUDA graphs on {kind})"
     problem = unfit()
     if problem:
-        return FALLBACK, (f"{FALLBACK} (generation.engine=auto: the {FAST} engine cannot decode this policy: "
+        return FALLBACK, (f"{FALLBACK} (generation.backend=auto: the {FAST} engine cannot decode this policy: "
                           f"{problem})")
-    return FAST, f"{FAST} with CUDA graphs (generation.engine=auto; generation.engine={FALLBACK} is the fallback)"
+    return FAST, f"{FAST} with CUDA graphs (generation.backend=auto; generation.backend={FALLBACK} is the fallback)"
+
+
+resolve_engine = resolve_backend  # (its name before issue 44 named generation.backend "engine": imports keep working)
 
 
 def engine_settings(cfg: Any, stop_ids, pad_id: int, max_new_tokens: int, device: torch.device,
                     model: torch.nn.Module | None = None) -> EngineSettings:
     """The rollout engine's settings from the config ``cfg`` (``generation.*``, and the backend's
     own ``rollout.<kind>.*`` resolved for ``device``), for an engine on ``device``;
-    ``generation.engine=auto`` resolved there (:func:`resolve_engine`: the fast engine on CUDA when
+    ``generation.backend=auto`` resolved there (:func:`resolve_backend`: the fast engine on CUDA when
     ``model``, the policy it will decode, suits it; else eager). Ray rollout workers get settings
     for ``cpu``, so ``auto`` runs the eager engine in them."""
     g, B = cfg.generation, cfg.ppo.batch_size
@@ -219,7 +222,7 @@ def engine_settings(cfg: Any, stop_ids, pad_id: int, max_new_tokens: int, device
         if model is None:
             return "the policy was not given to check"
         return check(model, max_len) if check else None
-    kind, reason = resolve_engine(g.engine, device, unfit)
+    kind, reason = resolve_backend(g.backend, device, unfit)
     spec, own = get(kind), cfg.rollout.get(kind)
     if own is not None:  # a copy: the engine's settings do not change with the config object
         own = spec.for_device(own, device.type) if spec.for_device else dataclasses.replace(own)

@@ -117,7 +117,7 @@ def _open(trainer: Trainer, plan: RunPlan, claim: _Claim, progress: bool) -> Pat
     if claim.lock is None:  # another run took the directory since the check
         raise PreflightError([f"another oppo train is writing {run_dir} (started since the checks); "
                               f"give a fresh run.out_dir."])
-    engine = trainer.roles.engine  # generation.engine=auto resolved: which engine runs, and why
+    engine = trainer.roles.engine  # generation.backend=auto resolved: which engine runs, and why
     if progress:
         linked = f" ({plan.link} will point to it once a step has finished)" if plan.link is not None else ""
         print(f"run directory: {run_dir}{linked}", file=sys.stderr)

@@ -64,7 +64,7 @@ def load_models(cfg: Config, inputs: Inputs, run: Resolved) -> Models:
     g = cfg.generation
     recompute = {"recompute": True, "sampler": False}.get(
         cfg.ppo.old_logprobs, dtype != torch.float32 or g.top_k > 0 or g.top_p < 1.0  # auto: when they can differ
-        or (g.engine != registry.AUTO and registry.get(g.engine).other_numerics))
+        or (g.backend != registry.AUTO and registry.get(g.backend).other_numerics))
     return Models(cfg=cfg, paths=paths, tokenizer=tok, prompt_set=prompt_set, algorithm=run.algorithm, device=dev,
                   compute_dtype=dtype, max_new_tokens=paths.max_new_tokens, pad_id=pad_id,
                   stop_ids=tuple(stop_token_ids(tok, policy)), policy=policy, critic=critic, reference=reference,

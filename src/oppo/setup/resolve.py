@@ -68,7 +68,7 @@ def _paths(cfg: Config, inputs: Inputs, progress: bool) -> tuple[ResolvedPaths, 
     if paths.critic is not None and is_marker(paths.critic) and critic_source in saved:
         paths.critic = saved[critic_source]
     if is_marker(cfg.policy.path):  # a policy object: the preflight could not read it, its saved copy is read here
-        check_backend(cfg.generation.engine, paths.policy, cfg.policy.device)
+        check_backend(cfg.generation.backend, paths.policy, cfg.policy.device)
     return paths, critic_source
 
 

@@ -1,4 +1,4 @@
-"""The static engine as a rollout backend (``generation.engine=static``; ``auto`` picks it on CUDA):
+"""The static engine as a rollout backend (``generation.backend=static``; ``auto`` picks it on CUDA):
 preallocated KV slots and a decode step captured in CUDA graphs (:mod:`.engine`).
 
 This module is its spec: its settings (``rollout.static.*``), checks, build and bench probe. It

@@ -380,7 +380,7 @@ def _plain_kv_problem(cache) -> str | None:
     for i, layer in enumerate(cache.layers):
         if type(layer) is not DynamicLayer or layer.keys is None:
             return (f"layer {i} keeps a {type(layer).__name__} cache (not plain keys/values): the static decode "
-                    f"engine supports attention-only decoders; use the eager engine (generation.engine=eager).")
+                    f"engine supports attention-only decoders; use the eager engine (generation.backend=eager).")
     return None if cache.layers else "the model's forward filled no KV cache; use the eager engine."
 
 
@@ -392,8 +392,8 @@ def static_decode_problem(model, max_len: int | None = None, probe: bool = False
     bites; None: any window counts). With ``probe``, also what the first admission would find, by
     one forward of two tokens: a layer that keeps no plain keys/values, or a forward that takes no
     ``DynamicCache``. The constructor refuses on the config's reasons
-    (``UnsupportedForStaticDecode``); ``generation.engine=auto`` asks with ``probe`` before
-    choosing this engine (:func:`oppo.rollout.engine.resolve_engine`), so such a policy runs eager."""
+    (``UnsupportedForStaticDecode``); ``generation.backend=auto`` asks with ``probe`` before
+    choosing this engine (:func:`oppo.rollout.registry.resolve_backend`), so such a policy runs eager."""
     from ...models import backbone_and_head
 
     cfg = _text_config(model)
@@ -403,16 +403,16 @@ def static_decode_problem(model, max_len: int | None = None, probe: bool = False
     if not takes_4d_mask(impl):
         return (f"The static decode engine passes a 4-D attention mask, which attention implementation {impl!r} "
                 f"does not take; load the policy with attn_implementation='sdpa' or use the eager engine "
-                f"(generation.engine=eager).")
+                f"(generation.backend=eager).")
     other = sorted(set(getattr(cfg, "layer_types", None) or ()) - {"full_attention", "sliding_attention"})
     if other:  # state-space, convolution, linear or chunked attention: not plain keys/values under our masks
         return (f"{type(model).__name__} has {', '.join(other)} layers; the static decode engine runs full and "
-                f"sliding-window attention only; use the eager engine (generation.engine=eager).")
+                f"sliding-window attention only; use the eager engine (generation.backend=eager).")
     backbone = backbone_and_head(model)[0]
     if _window(model, max_len) is not None and not _forward_takes_mask_dict(backbone) \
             and len(set(getattr(cfg, "layer_types", None) or ())) > 1:
         return (f"{type(model).__name__} mixes windowed and full attention layers but its forward takes no "
-                f"per-type masks; use the eager engine (generation.engine=eager).")
+                f"per-type masks; use the eager engine (generation.backend=eager).")
     if not probe:
         return None
     from transformers import DynamicCache

@@ -1,4 +1,4 @@
-"""vLLM as a rollout backend (``generation.engine=vllm``), registered through the
+"""vLLM as a rollout backend (``generation.backend=vllm``), registered through the
 ``oppo.rollout_backends`` entry point (``pyproject.toml``).
 
 - this module: its spec (settings ``rollout.vllm.*``, checks, build);

@@ -1,4 +1,4 @@
-"""vLLM as the rollout engine (``generation.engine=vllm``): a :class:`RolloutBackend` driven one
+"""vLLM as the rollout engine (``generation.backend=vllm``): a :class:`RolloutBackend` driven one
 engine step at a time (the engine core in this process, the model in vLLM's worker process), so
 that chunks stream to the scorers and weights load between two steps. Each request samples with
 its own seed; a token's version is the oldest of the weights that computed its logits and its KV;
@@ -78,7 +78,7 @@ class VLLMRolloutBackend:
             raise ValueError(f"weight_transport must be auto, shared or rpc, not {weight_transport!r}")
         check_vllm(model_path, device)
         if temperature <= 0:
-            raise VLLMUnavailable("generation.engine=vllm samples (temperature > 0); greedy decoding is not "
+            raise VLLMUnavailable("generation.backend=vllm samples (temperature > 0); greedy decoding is not "
                                   "supported by this backend.")
         self.role = role
         self.eos_ids = tuple([stop_ids] if isinstance(stop_ids, int) else stop_ids)
@@ -178,11 +178,11 @@ class VLLMRolloutBackend:
         if not self.untruncated and (top_k > 0 or top_p < 1.0):
             self.close()
             raise VLLMUnavailable(
-                f"generation.engine=vllm with top-k/top-p needs the untruncated log-probs of the sampled tokens "
+                f"generation.backend=vllm with top-k/top-p needs the untruncated log-probs of the sampled tokens "
                 f"(the staleness weights of carried tokens), which oppo reads from vLLM's V1 sampler; this vLLM "
                 f"({self._vllm_version()}) runs another model runner (VLLM_USE_V2_MODEL_RUNNER="
                 f"{os.environ.get('VLLM_USE_V2_MODEL_RUNNER')!r}?). Unset it, or use generation.top_k=0 "
-                f"generation.top_p=1.0, or generation.engine=eager.")
+                f"generation.top_p=1.0, or generation.backend=eager.")
         if weights is not None:
             try:
                 self.load_weights(weights, self.version)

@@ -46,19 +46,19 @@ def _broken_companions() -> list[str]:
 def vllm_problems(model_path: str | None = None, device: str = "auto") -> list[str]:
     """Why vLLM cannot serve ``model_path`` here (empty: it can), each with its fix. Reads the
     model's ``config.json`` only; loads no weights. ``model_path`` None: the installation only."""
-    fix = "or set generation.engine=eager"
+    fix = "or set generation.backend=eager"
     if importlib.util.find_spec("vllm") is None:
-        return [f"generation.engine=vllm but vLLM is not installed: {INSTALL_HINT}; {fix}."]
+        return [f"generation.backend=vllm but vLLM is not installed: {INSTALL_HINT}; {fix}."]
     broken = _broken_companions()
     if broken:
-        return [f"generation.engine=vllm: {', '.join(broken)} cannot be imported beside this torch "
+        return [f"generation.backend=vllm: {', '.join(broken)} cannot be imported beside this torch "
                 f"({torch.__version__}); vLLM's CPU wheel pulls them from PyPI. Remove them: "
                 f"pip uninstall -y torchvision torchaudio torchcodec (`make setup` does)."]
     _quiet()
     try:
         import vllm  # noqa: F401
     except Exception as e:  # noqa: BLE001
-        return [f"generation.engine=vllm but vLLM fails to import ({type(e).__name__}: {e}); {INSTALL_HINT}; {fix}."]
+        return [f"generation.backend=vllm but vLLM fails to import ({type(e).__name__}: {e}); {INSTALL_HINT}; {fix}."]
     if model_path is None:
         return []
     cfg_file = Path(model_path).expanduser() / "config.json"
@@ -71,7 +71,7 @@ def vllm_problems(model_path: str | None = None, device: str = "auto") -> list[s
     archs = config.get("architectures") or []
     supported = set(ModelRegistry.get_supported_archs())
     if not any(a in supported for a in archs):
-        problems.append(f"generation.engine=vllm: vLLM cannot serve the policy {model_path} (architectures "
+        problems.append(f"generation.backend=vllm: vLLM cannot serve the policy {model_path} (architectures "
                         f"{archs or 'not given in config.json'}; vLLM {vllm.__version__} serves e.g. "
                         f"LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM); {fix}.")
     on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
@@ -83,7 +83,7 @@ def vllm_problems(model_path: str | None = None, device: str = "auto") -> list[s
         sizes = CPUAttentionBackend.get_supported_head_sizes()
         if head_dim and head_dim not in sizes and HeadPadding.plan(config, sizes) is None:
             problems.append(
-                f"generation.engine=vllm: vLLM's CPU attention supports head sizes {sizes}; the policy "
+                f"generation.backend=vllm: vLLM's CPU attention supports head sizes {sizes}; the policy "
                 f"{model_path} has {head_dim} (hidden_size {config.get('hidden_size')} / {heads} heads), and "
                 f"oppo pads heads exactly only for {', '.join(PADDABLE)} models with plain rotary "
                 f"embeddings (rollout/vllm/heads.py). Use a model with a supported head size (on a GPU vLLM "

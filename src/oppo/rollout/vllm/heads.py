@@ -170,7 +170,7 @@ class ServedCheckpoint:
             if embedding is None:
                 if complete:
                     raise ValueError(f"the checkpoint ties its output head to an input embedding named none of "
-                                     f"{EMBEDDINGS}; generation.engine=vllm cannot serve it untied on the CPU")
+                                     f"{EMBEDDINGS}; generation.backend=vllm cannot serve it untied on the CPU")
                 return  # (a partial load without the embedding leaves the head as it is)
             yield HEAD, embedding.clone() if clone else embedding
 

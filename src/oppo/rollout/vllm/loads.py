@@ -116,7 +116,7 @@ def load_pairs(eng: LoadTarget, pairs: list[tuple[str, torch.Tensor]], version: 
             "lm_head of a model with tie_word_embeddings), and vLLM serves this model with a tied head "
             "here (on a GPU oppo does not untie it): it would sample from another policy than the one "
             "trained. Leave the embedding and the head out of lora.target_modules, or use "
-            "generation.engine=eager.")
+            "generation.backend=eager.")
     if eng.weight_transport == "rpc" or eng._shared_refused or not load_shared(eng, pairs, version, t):
         pairs = [(n, w.to("cpu", copy=False).contiguous()) for n, w in pairs]
         if eng._served is not None:
