@@ -505,15 +505,7 @@ def _environment_problems(cfg: Config) -> list[str]:
 
             if not torch.cuda.is_available():
                 problems.append(f"{role}.device={dev!r} but CUDA is not available here; use cpu or auto.")
-<<<<<<< HEAD
     if cfg.generation.backend != "auto":  # installed, and able to serve a local policy (its config only)
-=======
-    for flag, package, extra in ((cfg.log.tensorboard, "tensorboard", "tensorboard"), (cfg.log.wandb, "wandb", "wandb")):
-        if flag and importlib.util.find_spec(package) is None:
-            problems.append(f"log.{package}=true but the '{package}' package is not installed: "
-                            f"pip install 'oppo[{extra}]', or set log.{package}=false.")
-    if cfg.generation.backend != "auto":  # installed, and able to serve a local policy (its config only)
->>>>>>> h6
         from .rollout import registry
 
         backend = registry.get(cfg.generation.backend)
