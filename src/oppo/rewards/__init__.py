@@ -17,7 +17,7 @@ from typing import Any, Callable
 from ..parts import REWARD_TERMS
 from .mathcheck import gold_answer, is_correct, math_accuracy
 from .shape import FORMATS, boxed_format, format_reward, gsm8k_format, length_penalty, think_format
-from .terms import BUILTINS, CompositeReward, RewardFunction, RewardTerm, check_settings, function_spec, parse_terms
+from .terms import BUILTINS, CompositeReward, RewardTermSpec, RewardTerm, check_settings, function_spec, parse_terms
 
 
 def builtin_functions() -> dict[str, Callable]:
@@ -36,6 +36,6 @@ def __getattr__(name: str) -> Any:
     return found.function
 
 
-__all__ = ["BUILTINS", "FORMATS", "CompositeReward", "RewardFunction", "RewardTerm", "boxed_format",
+__all__ = ["BUILTINS", "FORMATS", "CompositeReward", "RewardTermSpec", "RewardTerm", "boxed_format",
            "builtin_functions", "check_settings", "format_reward", "function_spec", "gold_answer", "gsm8k_format",
            "is_correct", "length_penalty", "math_accuracy", "parse_terms", "think_format"]

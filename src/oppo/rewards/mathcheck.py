@@ -16,7 +16,7 @@ import threading
 from functools import lru_cache
 from typing import Any, Sequence
 
-from .terms import RewardFunction
+from .terms import RewardTermSpec
 
 _GSM8K = re.compile(r"####\s*(.+?)\s*$", re.S)
 
@@ -80,5 +80,5 @@ def math_accuracy(prompts: Sequence[str], responses: Sequence[str], answer: Sequ
     return [1.0 if is_correct(r, a) else 0.0 for r, a in zip(responses, answer)]
 
 
-MATH_ACCURACY = RewardFunction("math_accuracy", "1 where the final answer equals the data set's answer column "
+MATH_ACCURACY = RewardTermSpec("math_accuracy", "1 where the final answer equals the data set's answer column "
                                                 "(math-verify), else 0", math_accuracy)

@@ -11,7 +11,7 @@ import re
 from functools import lru_cache
 from typing import Any, Sequence
 
-from .terms import RewardFunction
+from .terms import RewardTermSpec
 
 FORMATS = {
     # a non-empty \boxed{...} answer anywhere
@@ -100,10 +100,10 @@ def length_penalty(prompts: Sequence[str], responses: Sequence[str], max_length:
     return out
 
 
-FORMAT_REWARD = RewardFunction("format_reward", "reward where a response keeps a layout (pattern: boxed, gsm8k, "
+FORMAT_REWARD = RewardTermSpec("format_reward", "reward where a response keeps a layout (pattern: boxed, gsm8k, "
                                                 "think or a regular expression)", format_reward)
-BOXED_FORMAT = RewardFunction("boxed_format", "format_reward with the boxed answer's layout", boxed_format)
-GSM8K_FORMAT = RewardFunction("gsm8k_format", "format_reward with GSM8K's '#### N' final line", gsm8k_format)
-THINK_FORMAT = RewardFunction("think_format", "format_reward with R1's <think>...</think> then an answer", think_format)
-LENGTH_PENALTY = RewardFunction("length_penalty", "a penalty past a length, hard or DAPO's soft overlong one",
+BOXED_FORMAT = RewardTermSpec("boxed_format", "format_reward with the boxed answer's layout", boxed_format)
+GSM8K_FORMAT = RewardTermSpec("gsm8k_format", "format_reward with GSM8K's '#### N' final line", gsm8k_format)
+THINK_FORMAT = RewardTermSpec("think_format", "format_reward with R1's <think>...</think> then an answer", think_format)
+LENGTH_PENALTY = RewardTermSpec("length_penalty", "a penalty past a length, hard or DAPO's soft overlong one",
                                 length_penalty)

@@ -27,7 +27,7 @@ from ..marker import is_marker
 
 
 @dataclass(frozen=True)
-class RewardFunction:
+class RewardTermSpec:
     """A built-in reward term, a part (:mod:`oppo.parts`): a function any term (or
     ``reward.function``) may name bare, ``name``. Its settings are the function's keywords (a
     term's ``kwargs``, checked against its signature), so ``settings`` and ``checks`` are None.
