@@ -29,7 +29,7 @@ SIZES = ["ppo.batch_size=8", "ppo.minibatch_size=4", "ppo.micro_batch_size=4"]
 @pytest.mark.parametrize("name", ALGORITHMS)
 def test_spec_is_complete_and_lives_in_its_own_file(name):
     spec = SPECS[name]
-    assert spec.name == name and spec.summary
+    assert spec.name == name and spec.help
     assert importlib.import_module(f"oppo.algo.{name}").SPEC is spec  # one file per algorithm
     est = spec.estimator
     assert dataclasses.is_dataclass(est) and est.__dataclass_params__.frozen and callable(est)
@@ -104,7 +104,7 @@ def test_config_choices_and_help_come_from_the_specs():
     assert field.metadata["choices"] == ALGORITHMS
     text = help_text()
     for spec in SPECS.values():
-        assert f"{spec.name} ({spec.summary})" in text or f"{spec.name}: {spec.summary}" in text
+        assert f"{spec.name} ({spec.help})" in text or f"{spec.name}: {spec.help}" in text
     assert "4 for grpo, rloo" in text and "loss for grpo" in text
 
 
@@ -142,7 +142,7 @@ class BatchMeanBaseline:
         return adv.broadcast_to_tokens(a, mask), None, {}
 
 
-MEAN_BASELINE = AlgorithmSpec(name="mean_baseline", summary="REINFORCE with a batch-mean baseline",
+MEAN_BASELINE = AlgorithmSpec(name="mean_baseline", help="REINFORCE with a batch-mean baseline",
                               estimator=BatchMeanBaseline, group_size=2, kl_placement="reward", kl_coef=0.1,
                               from_config=lambda cfg: dict(whiten=cfg.ppo.whiten_advantages))
 

@@ -64,7 +64,7 @@ def _checks(own, cfg) -> list[str]:
     return []
 
 
-SPEC = AlgorithmSpec(name="gspo_test", summary="GSPO: sequence-level importance ratio, group-normalised advantages",
+SPEC = AlgorithmSpec(name="gspo_test", help="GSPO: sequence-level importance ratio, group-normalised advantages",
                      estimator=GroupNormalized, policy_loss=SequenceRatioLoss, group_size=2, kl_placement="loss",
                      kl_coef=0.0, checks=_checks)
 

@@ -315,8 +315,9 @@ class AlgorithmSpec:
     """
 
     name: str
-    summary: str
-    """A few words for ``algo.name``'s help, e.g. "leave-one-out baseline"."""
+    help: str
+    """A few words for ``algo.name``'s help, e.g. "leave-one-out baseline" (a part's ``help``:
+    :mod:`oppo.parts`)."""
     estimator: type[AdvantageEstimator]
     """The advantage estimator class; its fields (with defaults) are own settings."""
     group_size: int
@@ -450,7 +451,7 @@ class AlgorithmSpec:
         """``algo.name``'s help for this algorithm: what it is, needs and sets by default, and
         its own settings with where a Config sets each (``cfg``: a default Config)."""
         kl = f"KL in the {self.kl_placement} ({self.kl_estimator}, beta {self.kl_coef})"
-        lines = [f"{self.name}: {self.summary}. {'Needs a critic' if self.needs_critic else 'No critic'}; G = "
+        lines = [f"{self.name}: {self.help}. {'Needs a critic' if self.needs_critic else 'No critic'}; G = "
                  f"{self.group_size}; {kl}; advantages: {_first_line(self.estimator)}; loss: "
                  f"{_first_line(self.policy_loss)}."]
         fixed = self.from_config(cfg)

@@ -44,7 +44,7 @@ class GroupNormalized:
 
 SPEC = AlgorithmSpec(
     name="grpo",
-    summary="group-normalised outcome advantages",
+    help="group-normalised outcome advantages",
     estimator=GroupNormalized,
     policy_loss=ClippedTokenLoss,
     group_size=4,

@@ -42,7 +42,7 @@ class GAE:
 
 SPEC = AlgorithmSpec(
     name="ppo",
-    summary="clipped PPO with a critic and GAE",
+    help="clipped PPO with a critic and GAE",
     estimator=GAE,
     policy_loss=ClippedTokenLoss,
     group_size=1,

@@ -39,7 +39,7 @@ class WhitenedReturnToGo:
 
 SPEC = AlgorithmSpec(
     name="reinforce_pp",
-    summary="REINFORCE++: batch-whitened return-to-go",
+    help="REINFORCE++: batch-whitened return-to-go",
     estimator=WhitenedReturnToGo,
     policy_loss=ClippedTokenLoss,
     group_size=1,

@@ -38,7 +38,7 @@ class LeaveOneOut:
 
 SPEC = AlgorithmSpec(
     name="rloo",
-    summary="leave-one-out baseline",
+    help="leave-one-out baseline",
     estimator=LeaveOneOut,
     policy_loss=ClippedTokenLoss,
     group_size=4,
