@@ -239,10 +239,6 @@ class RowLayout:
         return ids.view(self.rows, W), pos.view(self.rows, W)
 
 
-Layout = RowLayout
-"""The old name of :class:`RowLayout`, kept for imports from outside (``rollout.vllm.weights``'
-``BufferLayout``, the shared weight buffer's slots, was a ``Layout`` too)."""
-
 
 def plan_rows(lengths: list[int], packed: bool, attention_cost: float = 0.0, max_positions: int = 0,
               max_padding: float = 0.0, buckets: bool = False) -> RowLayout:

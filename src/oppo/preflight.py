@@ -415,8 +415,6 @@ def check_inputs(cfg: Config, inputs: Inputs | None = None) -> None:
     raise_if(role_problems(cfg, inputs or Inputs()))
 
 
-check_objects = check_inputs  # (its name when it checked only the objects)
-
 
 def input_problems(cfg: Config, inputs: Inputs | None = None) -> list[str]:
     """Everything wrong with the run's inputs that can be found without loading a model: the run
