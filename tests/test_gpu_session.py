@@ -90,7 +90,8 @@ def test_gpu_session_smoke_runs_every_part(tmp_path):
     assert packing[0]["baseline"] and packing[0]["figures"]["step"] > 0
     assert "out of time" in packing[1]["not_run"]
     md = (out / "profile.md").read_text()
-    assert "## Windows" in md and "## The attainable ceiling" in md and "nan" not in md.lower()
+    # a NaN figure, not the letters (a top kernel may be aten::isnan, a model name may hold them)
+    assert "## Windows" in md and "## The attainable ceiling" in md and not re.search(r"\bnan\b", md, re.I)
     assert "1 of 1 passed" in (out / "check.md").read_text()
     bench = json.loads((out / "bench.json").read_text())
     assert set(bench["modes"]) == {"sequential", "oppo"}
