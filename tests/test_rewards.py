@@ -261,3 +261,30 @@ def test_reward_path_and_function_are_one_term_composites():
     fn = one_term(function="m:f", fn=lambda prompts, responses, **kw: [float(len(r)) for r in responses])
     assert fn.model_roles == () and fn(["p"], ["abc"], {}, step=0) == ([3.0], {})
     assert isinstance(model, CompositeReward) and isinstance(fn, CompositeReward)
+
+
+def test_a_term_in_a_file_named_after_it_is_not_shadowed_by_its_module(monkeypatch):
+    """A built-in term defined in ``rewards/<name>.py`` as ``<name>``: once that module is imported,
+    the package attribute ``oppo.rewards.<name>`` is the module, so resolving ``oppo.rewards:<name>``
+    by attribute would hand the scorer a module. It resolves through the registry instead."""
+    import types
+
+    import oppo.rewards as rewards_pkg
+    from oppo.models import load_function
+    from oppo.parts import REWARD_TERMS
+    from oppo.rewards import RewardTermSpec, function_spec
+
+    def constant(prompts, responses, **_):
+        return [1.0] * len(responses)
+
+    module = types.ModuleType("oppo.rewards.constant")
+    module.constant = constant
+    monkeypatch.setattr(rewards_pkg, "constant", module, raising=False)  # what `import oppo.rewards.constant` does
+    REWARD_TERMS.register(RewardTermSpec("constant", "always 1", constant))
+    try:
+        fn = load_function(function_spec("constant"))
+        assert fn is constant and fn(["p"], ["r", "s"]) == [1.0, 1.0]
+        with pytest.raises(oppo.models.ModelLoadError, match="no reward term 'nope'.*registered"):
+            load_function("oppo.rewards:nope")
+    finally:
+        REWARD_TERMS.unregister("constant")

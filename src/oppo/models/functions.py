@@ -33,10 +33,22 @@ def reward_function(fn: Callable, name: str) -> Callable:
 
 
 def load_function(spec: str, role: str = "reward.function") -> Callable:
-    """Import 'package.module:function'. The current directory is importable, as users expect."""
+    """Import 'package.module:function'. The current directory is importable, as users expect.
+
+    ``oppo.rewards:<name>`` (what a bare built-in name becomes) resolves through the reward-term
+    registry (``parts.REWARD_TERMS``), never by attribute: a term defined in a file named after it
+    (``rewards/constant.py`` defining ``constant``) would otherwise be shadowed by its own module."""
     if ":" not in spec:
         raise ModelLoadError(f"{role}={spec!r} must look like 'package.module:function'.")
     mod_name, fn_name = spec.split(":", 1)
+    if mod_name == "oppo.rewards":
+        from ..parts import REWARD_TERMS
+
+        term = REWARD_TERMS.find(fn_name)
+        if term is None:
+            raise ModelLoadError(f"{role}: oppo.rewards has no reward term {fn_name!r}; the registered ones are "
+                                 f"{', '.join(REWARD_TERMS.names())}.")
+        return term.function
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:

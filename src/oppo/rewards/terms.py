@@ -32,9 +32,9 @@ class RewardTermSpec:
     ``reward.function``) may name bare, ``name``. Its settings are the function's keywords (a
     term's ``kwargs``, checked against its signature), so ``settings`` and ``checks`` are None.
     oppo's own are named in ``parts.BUILT_IN``; others register with ``REWARD_TERMS.register`` or
-    the ``oppo.reward_terms`` entry point group. A term is reached as ``oppo.rewards:<name>``, so
-    the file that defines one is not named as the term (``oppo.rewards.<name>`` would be the
-    module)."""
+    the ``oppo.reward_terms`` entry point group. A term is reached as ``oppo.rewards:<name>``,
+    which resolves through the registry (``models.functions.load_function``), so the file that
+    defines one may be named as the term."""
 
     name: str
     help: str
