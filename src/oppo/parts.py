@@ -28,6 +28,7 @@ installed distribution provides, which ``cluster`` has Ray pickle by value (clou
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 import types
@@ -187,6 +188,28 @@ class Registry(Generic[T]):
         under = f" (read under {self.chosen_by}={item.name} only)" if self.chosen_by else ""
         return f" Its settings: {self.section}.{item.name}.*{under}."
 
+    @contextlib.contextmanager
+    def built_ins_only(self) -> Iterator[None]:
+        """Within: the registry holds oppo's own parts only (``built_in``), whatever is installed or
+        registered at run time (the generated ``docs/settings.md`` documents what oppo ships)."""
+        from importlib import import_module
+
+        saved = (dict(self.items), dict(self.broken), self.loaded)
+        self.items.clear()
+        self.broken.clear()
+        self.loaded = True
+        try:
+            for module, _, attr in (ref.partition(":") for ref in self.built_in):
+                item = getattr(import_module(module), attr)
+                self.items[item.name] = item
+            yield
+        finally:
+            self.items.clear()
+            self.items.update(saved[0])
+            self.broken.clear()
+            self.broken.update(saved[1])
+            self.loaded = saved[2]
+
     def checks(self, name: str, own: Any, cfg: Any) -> list[str]:
         """Part ``name``'s checks of ``own`` (its settings in ``cfg``) against the whole ``cfg``."""
         check = self.get(name).checks
@@ -223,7 +246,7 @@ class _Names(Sequence):
 # ---------------------------------------------------------------- the kinds and their built-ins
 
 BUILT_IN: dict[str, tuple[str, ...]] = {
-    "rollout": ("oppo.rollout.eager:BACKEND", "oppo.rollout.static:BACKEND"),
+    "rollout": ("oppo.rollout.eager:BACKEND", "oppo.rollout.static:BACKEND", "oppo.rollout.vllm:BACKEND"),
     "learner": ("oppo.learner.replicate:ENGINE", "oppo.learner.fsdp2:ENGINE"),
     "algo": ("oppo.algo.ppo:SPEC", "oppo.algo.grpo:SPEC", "oppo.algo.rloo:SPEC", "oppo.algo.reinforce_pp:SPEC"),
     "placement": ("oppo.placements.local:SPEC", "oppo.placements.ray:SPEC"),
@@ -246,6 +269,19 @@ ALGORITHMS: Registry = Registry("an algorithm", None, "oppo.algorithms", BUILT_I
 PLACEMENTS: Registry = Registry("a placement", "placement", "oppo.placements", BUILT_IN["placement"],
                                 chosen_by="placement.name")
 REWARD_TERMS: Registry = Registry("a reward term", None, "oppo.reward_terms", BUILT_IN["reward"])
+
+
+ALL: tuple[Registry, ...] = (BACKENDS, LEARNERS, ALGORITHMS, PLACEMENTS, REWARD_TERMS)
+"""Every kind's registry."""
+
+
+@contextlib.contextmanager
+def built_ins_only() -> Iterator[None]:
+    """Every registry holding oppo's own parts only, within (:meth:`Registry.built_ins_only`)."""
+    with contextlib.ExitStack() as stack:
+        for registry in ALL:
+            stack.enter_context(registry.built_ins_only())
+        yield
 
 
 # ---------------------------------------------------------------- plugins' code for other processes

@@ -16,7 +16,15 @@ def _cell(text: str) -> str:
 
 
 def markdown() -> str:
-    """The settings, one table per section: setting, default, meaning (allowed values included)."""
+    """The settings, one table per section: setting, default, meaning (allowed values included), for
+    oppo's own parts only (``parts.BUILT_IN``): the page is the same whatever is installed."""
+    from .parts import built_ins_only
+
+    with built_ins_only():
+        return _markdown()
+
+
+def _markdown() -> str:
     cfg = Config()
     lines = ["With no models named, a built-in task runs, and sets these unless you do:", ""]
     lines += [f"- `{task}`: "

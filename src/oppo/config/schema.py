@@ -11,7 +11,7 @@ from typing import Any, Callable
 from typing import TYPE_CHECKING
 
 from .. import modes
-from ..parts import ALGORITHMS, BACKENDS, LEARNERS, PLACEMENTS
+from ..parts import ALGORITHMS, BACKENDS, LEARNERS, PLACEMENTS, REWARD_TERMS
 
 if TYPE_CHECKING:
     from ..algo.core import AlgorithmSpec
@@ -120,7 +120,8 @@ class RewardConfig:
                                 "mapping {path: <reward model>} or {function: <module:function or a built-in of "
                                 "oppo.rewards>, kwargs: {...}}, with weight (default 1.0) and name (default: the "
                                 "function's or the model directory's; metric reward/<name>/mean). Replaces "
-                                "reward.path and reward.function (their one-term case). docs/rewards.md.")
+                                "reward.path and reward.function (their one-term case). docs/rewards.md. The "
+                                "registered reward terms, by bare name:", more=REWARD_TERMS.help_lines)
     new_head: bool = opt(False, "Accept a causal LM as reward.path and put a fresh one-label head on it, as TRL's "
                                 "example scripts do (AutoModelForSequenceClassification with num_labels=1; the "
                                 "head seeded, the same in every process). Its scores are random: a check that the "

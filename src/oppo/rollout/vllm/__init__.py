@@ -1,5 +1,5 @@
-"""vLLM as a rollout backend (``generation.backend=vllm``), registered through the
-``oppo.rollout_backends`` entry point (``pyproject.toml``).
+"""vLLM as a rollout backend (``generation.backend=vllm``), one of oppo's built-in parts
+(``parts.BUILT_IN``); it is available where the ``vllm`` package is installed (``.checks``).
 
 - this module: its spec (settings ``rollout.vllm.*``, checks, build);
 - :mod:`.backend`: the backend, driven one engine step at a time (the request lifecycle);
