@@ -91,7 +91,7 @@ def test_defaults_unchanged():
         own = {"ppo": dict(gamma=1.0, lam=0.95, whiten=True), "reinforce_pp": dict(gamma=1.0),
                "grpo": dict(std_normalize=True), "rloo": {}}[name]
         assert build_algorithm(cfg) == get_algorithm(name, **settings, **own)
-    cfg = load_config(None, ["algo.name=grpo", "algo.std_normalize=false", "ppo.kl_coef=0.1", "algo.group_size=2",
+    cfg = load_config(None, ["algo.name=grpo", "algo.grpo.std_normalize=false", "ppo.kl_coef=0.1", "algo.group_size=2",
                              "algo.kl_placement=reward", *SIZES])
     assert build_algorithm(cfg) == get_algorithm("grpo", group_size=2, kl_coef=0.1, kl_estimator="k1",
                                                  kl_placement="reward", std_normalize=False)
@@ -201,9 +201,9 @@ def test_the_registry_refuses_a_taken_name_and_reads_entry_points(monkeypatch, t
         with pytest.raises(ValueError, match="broken_algo.*its plugin failed to load: ImportError"):
             get_spec("broken_algo")
         p = tmp_path / "run.yaml"
-        p.write_text("algo:\n  name: mean_baseline\n  settings:\n    whiten: true\nppo:\n  batch_size: 8\n"
+        p.write_text("algo:\n  name: mean_baseline\n  mean_baseline:\n    whiten: true\nppo:\n  batch_size: 8\n"
                      "  minibatch_size: 4\n  micro_batch_size: 4\n")
-        with pytest.raises(ValueError, match="algo.settings.whiten: algo.name=mean_baseline reads it from"):
+        with pytest.raises(ValueError, match="algo.mean_baseline.whiten: algo.name=mean_baseline reads it from"):
             load_config(p)  # its from_config reads whiten from ppo.whiten_advantages
     finally:
         unregister("mean_baseline")

@@ -478,3 +478,26 @@ def test_trl_learning_rate_sets_both_learning_rates():
         msg = _error([f"{key}=1e-5"])
         assert "TRL's learning_rate=1e-5 is ppo.actor_lr=1e-5 and ppo.critic_lr=1e-5, both" in msg
         assert "Did you mean" not in msg
+
+
+def test_algorithm_settings_are_its_section_and_old_ones_upgrade():
+    """An algorithm's own settings are ``algo.<name>.*`` (typed and coerced like every part's); the
+    old ``algo.settings`` mapping and ``algo.std_normalize`` are refused by hand with the new key
+    named, and a saved config that holds them (a checkpoint of the release before) is read under the
+    new names."""
+    from oppo.config import from_dict, to_dict
+
+    cfg = load_config(None, ["algo.name=grpo", "algo.grpo.std_normalize=false", "algo.grpo.eps=1e-4"])
+    assert (cfg.algo.grpo.std_normalize, cfg.algo.grpo.eps) == (False, 1e-4)
+    assert to_dict(cfg)["algo"]["grpo"] == {"std_normalize": False, "eps": 1e-4}
+    with pytest.raises(ConfigError, match="algo.std_normalize is now algo.grpo.std_normalize"):
+        load_config(None, ["algo.name=grpo", "algo.std_normalize=false"])
+    with pytest.raises(ConfigError, match=r"algo.settings.*its section, algo.<name>.*Write algo.<algo.name>.eps=0.1"):
+        load_config(None, ["algo.name=grpo", "algo.settings={eps: 0.1}"])
+    with pytest.raises(ConfigError, match="algo.grpo.eps"):
+        load_config(None, ["algo.name=grpo", "algo.grpo.eps=abc"])
+    old = {"algo": {"name": "grpo", "group_size": 0, "kl_placement": "auto", "std_normalize": False,
+                    "settings": {"eps": 0.5}}}
+    up = from_dict(old)
+    assert (up.algo.grpo.std_normalize, up.algo.grpo.eps) == (False, 0.5)
+    assert from_dict(to_dict(cfg)).algo.grpo == cfg.algo.grpo

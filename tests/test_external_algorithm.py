@@ -59,7 +59,7 @@ class SequenceRatioLoss:
 
 def _checks(own, cfg) -> list[str]:
     if cfg.ppo.dual_clip is not None:
-        return ["algo.name=gspo_test clips the sequence ratio with algo.settings.clip_low/clip_high; ppo.dual_clip "
+        return ["algo.name=gspo_test clips the sequence ratio with algo.gspo_test.clip_low/clip_high; ppo.dual_clip "
                 "does not apply to it: leave ppo.dual_clip empty."]
     return []
 
@@ -84,14 +84,17 @@ def test_registered_it_is_a_choice_with_its_settings_in_the_help(gspo):
     assert "[ppo|grpo|rloo|reinforce_pp|gspo_test]" in text
     line = next(ln for ln in text.splitlines() if ln.strip().startswith("gspo_test:"))
     assert "sequence-level importance ratio" in line and "No critic" in line and "GSPO: one importance ratio" in line
-    assert ("its settings: algo.settings.std_normalize=True, algo.settings.eps=1e-06, "
-            "algo.settings.clip_low=0.0003, algo.settings.clip_high=0.0004") in text
-    cfg = load_config(None, ["algo.name=gspo_test", "algo.settings={clip_high: 0.001}"])
+    assert ("its settings: algo.gspo_test.std_normalize=True, algo.gspo_test.eps=1e-06, "
+            "algo.gspo_test.clip_low=0.0003, algo.gspo_test.clip_high=0.0004") in text
+    assert "algo.gspo_test.clip_high = 0.0004" in text  # its section, typed like every part's
+    cfg = load_config(None, ["algo.name=gspo_test", "algo.gspo_test.clip_high=0.001"])
     from oppo.algo import build_algorithm
 
     algo = build_algorithm(cfg)
     assert algo.policy_loss == SequenceRatioLoss(clip_high=0.001) and not algo.needs_critic and algo.group_size == 2
-    for bad, says in ((["algo.settings={clip: 0.1}"], "does not take"), (["algo.settings={clip_low: 2}"], "clip_low"),
+    for bad, says in ((["algo.gspo_test.clip=0.1"], "Unknown setting 'algo.gspo_test.clip'"),
+                      (["algo.gspo_test.clip_low=2"], "clip_low"), (["algo.gspo_test.clip_low=abc"], "clip_low"),
+                      (["algo.settings={clip_low: 0.1}"], "algo.<algo.name>.clip_low=0.1"),
                       (["ppo.dual_clip=3"], "leave ppo.dual_clip empty")):
         with pytest.raises(ConfigError, match=says):
             load_config(None, ["algo.name=gspo_test", *bad])
@@ -133,7 +136,7 @@ def _trainer(models, prompts, out, mode, *more):
              "pipeline": ["overlap.delta=1", "overlap.max_lag=1"]}.get(mode, [])
     cfg = load_config(None, [f"policy.path={models['policy']}", f"reward.path={models['reward']}",
                              f"data.prompts={prompts}", f"run.out_dir={out}", "algo.name=gspo_test",
-                             "algo.settings={clip_low: 0.2, clip_high: 0.2}", "placement.threads=1",
+                             "algo.gspo_test.clip_low=0.2", "algo.gspo_test.clip_high=0.2", "placement.threads=1",
                              "ppo.batch_size=4", "ppo.minibatch_size=4", "ppo.micro_batch_size=2",
                              "ppo.actor_lr=1e-3", "generation.max_new_tokens=6", "overlap.chunk_size=3",
                              "log.progress=false", f"overlap.mode={mode}", *extra, *more])

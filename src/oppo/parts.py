@@ -265,7 +265,7 @@ BACKENDS: Registry = Registry("a rollout backend", "rollout", "oppo.rollout_back
                               chosen_by="generation.backend")
 LEARNERS: Registry = Registry("a learner engine", "learner", "oppo.learner_engines", BUILT_IN["learner"],
                               chosen_by="placement.learner", describe=_learner_line)
-ALGORITHMS: Registry = Registry("an algorithm", None, "oppo.algorithms", BUILT_IN["algo"], chosen_by="algo.name")
+ALGORITHMS: Registry = Registry("an algorithm", "algo", "oppo.algorithms", BUILT_IN["algo"], chosen_by="algo.name")
 PLACEMENTS: Registry = Registry("a placement", "placement", "oppo.placements", BUILT_IN["placement"],
                                 chosen_by="placement.name")
 REWARD_TERMS: Registry = Registry("a reward term", None, "oppo.reward_terms", BUILT_IN["reward"])

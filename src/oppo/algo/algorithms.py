@@ -39,7 +39,7 @@ def get_spec(name: str) -> AlgorithmSpec:
 
 def algorithm_settings(name: str) -> Dict[str, Any]:
     """The settings ``get_algorithm(name, ...)`` accepts, with their defaults."""
-    return get_spec(name).settings()
+    return get_spec(name).defaults()
 
 
 def get_algorithm(name: str, **settings: Any) -> Algorithm:

@@ -337,11 +337,11 @@ class AlgorithmSpec:
     policy_loss: type[PolicyLoss] = ClippedTokenLoss
     """The actor's loss class; its fields (with defaults) are own settings."""
     config_keys: Mapping[str, str] = field(default_factory=dict)
-    """Own settings a Config gives by another key (``{"gamma": "ppo.gamma"}``); the others come
-    from ``algo.settings`` by name."""
+    """Own settings a Config gives by another key (``{"gamma": "ppo.gamma"}``); the others are its
+    section ``algo.<name>.*`` (:attr:`settings`)."""
     checks: Callable[[Any, Any], List[str]] = _no_checks
     """``checks(own, cfg)``: problems of a Config for this algorithm beyond its settings' own
-    checks (``own``: ``algo.settings``), each a line with its fix (run before any model loads)."""
+    checks (``own``: its section ``algo.<name>``, or None), each a line with its fix (run before any model loads)."""
     modes: Optional[Tuple[str, ...]] = None
     """The overlap modes it may run in; None: every mode."""
 
@@ -379,7 +379,7 @@ class AlgorithmSpec:
     def kl_estimator_for(self, placement: str) -> str:
         return self.loss_kl_estimator if placement == "loss" else self.reward_kl_estimator
 
-    def settings(self) -> Dict[str, Any]:
+    def defaults(self) -> Dict[str, Any]:
         """The settings ``build`` takes, with their defaults: the shared ones, the estimator's, the loss's."""
         shared = dict(group_size=self.group_size, kl_coef=self.kl_coef, kl_estimator=self.kl_estimator,
                       kl_placement=self.kl_placement, kl_max=None)
@@ -389,7 +389,7 @@ class AlgorithmSpec:
     def build(self, **settings: Any) -> Algorithm:
         """The Algorithm with these settings over the defaults. A KL estimator not named follows
         the KL placement (``kl_estimator_for``). Unknown settings raise ``ValueError``."""
-        valid = self.settings()
+        valid = self.defaults()
         unknown = sorted(set(settings) - set(valid))
         if unknown:
             raise ValueError(
@@ -405,25 +405,28 @@ class AlgorithmSpec:
         loss = self.policy_loss(**{f.name: s[f.name] for f in dataclasses.fields(self.policy_loss)})
         return Algorithm(self.name, estimator, kl, s["group_size"], loss)
 
+    @property
+    def settings(self) -> type | None:
+        """The dataclass of its own settings, the config's section ``algo.<name>.*`` (a part's
+        ``settings``: :mod:`oppo.parts`): the estimator's and the loss's fields with their defaults and
+        types, but those a Config gives by another key (``config_keys``); None when none is left."""
+        return _own_settings_class(self)
+
     def config_settings(self, cfg: Any) -> Dict[str, Any]:
-        """Own settings from a Config: ``from_config``'s, then ``algo.settings``. A name there that
-        is no own setting, or one read from another key, raises ``ValueError`` naming the fix."""
+        """Own settings from a Config: ``from_config``'s, then its section ``algo.<name>.*``. A
+        section value that ``from_config`` reads from another key (a spec's own ``from_config``
+        function: its keys are known only from a Config), set away from its default, raises
+        ``ValueError`` naming the fix."""
         fixed = self.from_config(cfg)
-        given = dict(getattr(cfg.algo, "settings", None) or {})
-        own = [k for k in self.settings() if k not in SHARED_SETTINGS]
-        free = [k for k in own if k not in fixed]
-        unknown = sorted(set(given) - set(own))
-        if unknown:
-            keys = {"group_size": "algo.group_size", "kl_placement": "algo.kl_placement", "kl_coef": "ppo.kl_coef",
-                    "kl_estimator": "ppo.kl_estimator"}
-            hint = "".join(f" ({k} is {keys[k]})" for k in unknown if k in keys)
-            raise ValueError(f"algo.settings names {', '.join(unknown)}, which algo.name={self.name} does not take"
-                             f"{hint}; its settings there: {', '.join(free) or 'none'}")
-        taken = sorted(set(given) & set(fixed))
+        own = cfg.algo.by_name.get(self.name) if hasattr(cfg.algo, "by_name") else None
+        fields = dataclasses.fields(own) if own is not None else ()
+        given = {f.name: getattr(own, f.name) for f in fields}
+        taken = sorted(f.name for f in fields if f.name in fixed and getattr(own, f.name) != f.default)
         if taken:
             where = self.config_keys.get(taken[0], "another setting")
-            raise ValueError(f"algo.settings.{taken[0]}: algo.name={self.name} reads it from {where}; set that instead")
-        return {**fixed, **given}
+            raise ValueError(f"algo.{self.name}.{taken[0]}: algo.name={self.name} reads it from {where}; set that "
+                             f"instead")
+        return {**{k: v for k, v in given.items() if k not in fixed}, **fixed}
 
     def from_cfg(self, cfg: Any) -> Algorithm:
         """The Algorithm a Config asks for (``cfg``: an ``oppo.config.Config``): the shared settings
@@ -445,7 +448,7 @@ class AlgorithmSpec:
             self.from_cfg(cfg)
         except ValueError as e:  # a value the algorithm's parts refuse
             out.append(f"algo.name={self.name}: {e}")
-        return out + list(self.checks(cfg.algo.settings, cfg))
+        return out + list(self.checks(cfg.algo.by_name.get(self.name), cfg))
 
     def help_lines(self, cfg: Any) -> List[str]:
         """``algo.name``'s help for this algorithm: what it is, needs and sets by default, and
@@ -455,14 +458,38 @@ class AlgorithmSpec:
                  f"{self.group_size}; {kl}; advantages: {_first_line(self.estimator)}; loss: "
                  f"{_first_line(self.policy_loss)}."]
         fixed = self.from_config(cfg)
-        own = [(k, v) for k, v in self.settings().items() if k not in SHARED_SETTINGS]
+        own = [(k, v) for k, v in self.defaults().items() if k not in SHARED_SETTINGS]
         if own:
             def where(k: str, v: Any) -> str:
                 if k in fixed:
                     return f"{k} (from {self.config_keys.get(k, 'its config field')})"
-                return f"algo.settings.{k}={v!r}"
+                return f"algo.{self.name}.{k}={v!r}"
 
             lines.append(f"  its settings: {', '.join(where(k, v) for k, v in own)}")
         if self.modes is not None:
             lines.append(f"  overlap modes: {', '.join(self.modes)}")
         return lines
+
+
+_OWN_CLASSES: Dict[str, type | None] = {}
+
+
+def _own_settings_class(spec: AlgorithmSpec) -> type | None:
+    """``spec.settings``, made once per spec: a dataclass of the estimator's and the loss's own fields
+    (types read from their annotations, so the config coerces ``algo.<name>.<field>`` as it does
+    any setting; help from a field's ``help`` metadata, else its owner's first docstring line)."""
+    key = f"{spec.name}:{id(spec)}"
+    if key not in _OWN_CLASSES:
+        import typing
+
+        fields = []
+        for part in (spec.estimator, spec.policy_loss):
+            hints = typing.get_type_hints(part)
+            for f in dataclasses.fields(part):
+                if f.name in spec.config_keys or not f.init:
+                    continue
+                help_ = f.metadata.get("help") or f"{part.__name__}'s {f.name} ({_first_line(part)})"
+                fields.append((f.name, hints[f.name], dataclasses.field(default=f.default, metadata={"help": help_})))
+        name = "".join(w.capitalize() for w in spec.name.split("_")) + "Settings"
+        _OWN_CLASSES[key] = dataclasses.make_dataclass(name, fields) if fields else None
+    return _OWN_CLASSES[key]

@@ -3,13 +3,13 @@ sequence reward against its group's mean, divided by the group's std (GRPO) or n
 
 Everything oppo knows about GRPO is here, in :data:`SPEC`: the advantage estimator
 (:class:`GroupNormalized`), the loss (the clipped token loss), the defaults (G = 4 responses per
-prompt, the KL in the loss as k3 with beta 0.04, as DeepSeekMath) and the Config key of its
-setting (``algo.std_normalize``).
+prompt, the KL in the loss as k3 with beta 0.04, as DeepSeekMath); its own settings are the
+config's ``algo.grpo.*`` (``std_normalize``, ``eps``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Optional, Tuple
 
 from .core import AlgorithmSpec, ClippedTokenLoss
@@ -23,8 +23,8 @@ class GroupNormalized:
     """GRPO: sequence reward against its group's mean, divided by the group's std
     (``std_normalize``; off = Dr. GRPO). See ``advantages.grpo_advantages``."""
 
-    std_normalize: bool = True
-    eps: float = 1e-6
+    std_normalize: bool = field(default=True, metadata={"help": "divide by the group's reward std (false: Dr. GRPO)."})
+    eps: float = field(default=1e-6, metadata={"help": "added to the group's std before dividing."})
     needs_critic: ClassVar[bool] = False
     min_group_size: ClassVar[int] = 2  # with G = 1 every advantage is 0: nothing to learn
 
@@ -50,5 +50,4 @@ SPEC = AlgorithmSpec(
     group_size=4,
     kl_placement="loss",
     kl_coef=0.04,  # DeepSeekMath's beta; a Config's when ppo.kl_coef is empty (its default)
-    config_keys={"std_normalize": "algo.std_normalize"},
 )

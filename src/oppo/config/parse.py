@@ -63,7 +63,9 @@ MOVED = {"overlap.scorer_process": "placement.local.scorer_process",
          **{f"placement{at}.{k}": f"learner.{{learner}}.{v}" for k, v in _RANKS.items() for at in ("", ".ray")},
          "placement.backend": "placement.name",
          # generation.engine picked the rollout backend ("engine" is the learner's word: placement.learner)
-         "generation.engine": "generation.backend"}
+         "generation.engine": "generation.backend",
+         # issue 52: an algorithm's own settings are its section of algo (algo.settings={k: v} -> algo.<name>.k)
+         "algo.std_normalize": "algo.grpo.std_normalize"}
 
 
 def upgrade_settings(d: dict) -> dict:
@@ -72,6 +74,10 @@ def upgrade_settings(d: dict) -> dict:
     out = {k: dict(v) if isinstance(v, dict) else v for k, v in d.items()}
     if isinstance(out.get("overlap"), dict) and "delta_rule" not in out["overlap"]:
         out["overlap"]["delta_rule"] = "reward_slope"  # saved before the cost rule existed: it ran the paper's
+    algo = out.get("algo")
+    if isinstance(algo, dict) and isinstance(algo.get("settings"), dict):  # before issue 52: one mapping
+        own = algo.pop("settings")
+        algo[algo.get("name") or "ppo"] = {**own, **(algo.get(algo.get("name") or "ppo") or {})}
     placed = out["placement"] if isinstance(out.get("placement"), dict) else {}
     learner = placed.get("learner") or placed.get("learner_sharding") or "replicate"
     for old, new in MOVED.items():
@@ -135,10 +141,25 @@ def _unknown(cfg: Config, key: str, value: Any, source: str) -> str | None:
                "learner.<placement.learner>)" if new.startswith("learner.") else " (where a role runs and how much "
                "hardware it gets is in the placement section)" if new.startswith("placement.") and not
                key.startswith("placement.") else " (it picks the rollout backend; the learner engine is "
-               "placement.learner)" if new == "generation.backend" else "")
+               "placement.learner)" if new == "generation.backend" else " (an algorithm's own settings are its "
+               "section, algo.<name>)" if new.startswith("algo.") else "")
         return f"Unknown setting '{key}' (from {source}): {key} is now {new}{why}. Rename it to {new}."
+    if key == "algo.settings":
+        name = cfg.algo.name if cfg.algo.name != "ppo" else "<algo.name>"  # (the name may be set after this key)
+        try:
+            given = yaml.safe_load(value) if isinstance(value, str) else value
+        except yaml.YAMLError:
+            given = None
+        given = given if isinstance(given, dict) else {}
+        shown = ", ".join(f"algo.{name}.{k}={v}" for k, v in given.items()) or f"algo.{name}.<setting>=<value>"
+        return (f"Unknown setting '{key}' (from {source}): an algorithm's own settings are now its section, "
+                f"algo.<name>.* (`oppo train --help` lists each algorithm's). Write {shown}.")
     if key in known:
         return None
+    section, _, leaf = key.rpartition(".")
+    if section.startswith("algo.") and (spec := ALGORITHMS.find(section[5:])) is not None and leaf in spec.config_keys:
+        return (f"Unknown setting '{key}' (from {source}): algo.name={spec.name} reads {leaf} from "
+                f"{spec.config_keys[leaf]}; set that instead.")
     trl = from_trl.lookup(key)
     if trl is not None:
         return f"Unknown setting '{key}' (from {source}): {trl.says(value)}."
@@ -326,6 +347,7 @@ def to_dict(cfg: Config) -> dict:
     """The nested settings of ``cfg``, each placement's own under ``placement.<name>`` (as written)."""
     d = dataclasses.asdict(cfg)
     d["placement"].update(d["placement"].pop("by_name"))
+    d["algo"].update(d["algo"].pop("by_name"))
     return d
 
 

@@ -346,10 +346,15 @@ class AlgoConfig:
     kl_placement: str = opt("auto", "Where the KL(pi || ref) penalty goes: reward (per token, subtracted from the "
                                     "rewards) or loss (a term of the actor loss). auto: the algorithm's "
                                     f"({_by_algorithm(lambda s: s.kl_placement)}).", ("auto", "reward", "loss"))
-    std_normalize: bool = opt(True, "grpo: divide by the group's reward std (false: Dr. GRPO).")
-    settings: dict = opt({}, "The algorithm's own settings by name, as a mapping: algo.settings={clip_low: 3e-4} "
-                             "(YAML: settings: under algo:). algo.name's help lists each algorithm's; a name it "
-                             "does not take is refused.")
+    by_name: dict = field(default_factory=ALGORITHMS.default_settings, metadata={"sections": True})
+    """The algorithms' own settings, ``{name: its settings dataclass}`` (``algo.<name>.<field>``: the
+    estimator's and the loss's, ``AlgorithmSpec.settings``)."""
+
+    def __getattr__(self, name: str) -> Any:  # cfg.algo.grpo: that algorithm's own settings
+        by_name = self.__dict__.get("by_name")
+        if by_name is not None and name in by_name:
+            return by_name[name]
+        raise AttributeError(f"algo has no setting or algorithm named {name!r}")
 
 
 @dataclass
