@@ -360,7 +360,7 @@ def measure(model: torch.nn.Module, rows: int, widths: list[int], paths: list[st
 
     original = _path(model)
     backbone = backbone_and_head(model)[0]
-    embed = backbone.get_input_embeddings()
+    embed: Any = getattr(backbone, "get_input_embeddings")()  # (an nn.Module's method mypy types as a Tensor)
     dev = next(model.parameters()).device
     sync = sync or (torch.cuda.synchronize if dev.type == "cuda" else (lambda: None))
     vocab = int(getattr(getattr(model, "config", None), "vocab_size", 16) or 16)
