@@ -386,7 +386,8 @@ def measure(model: torch.nn.Module, rows: int, widths: list[int], paths: list[st
         for name in [REFERENCE, *[p for p in paths if p != REFERENCE]]:
             try:
                 set_path(model, name)
-                why = _packing_fails(backbone)
+                with torch.autocast(dev.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+                    why = _packing_fails(backbone)  # (in the compute dtype: cuDNN takes no fp32 masters)
                 if why is not None:
                     out[name] = f"does not keep packed sequences apart ({why})"
                     continue
