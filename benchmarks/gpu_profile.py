@@ -1,4 +1,4 @@
-"""Where a PPO step's GPU time goes: one profiled sequential step, window by window (issue 46).
+"""Where a PPO step's GPU time goes: one profiled sequential step (or ``--mode oppo``), window by window (issue 46).
 
     PYTHONPATH=src python benchmarks/gpu_profile.py --out benchmarks/gpu_profile     (CUDA, <= 4 minutes)
     PYTHONPATH=src python benchmarks/gpu_profile.py --device cpu --tiny --out /tmp/prof   (the smoke, seconds)
@@ -499,11 +499,11 @@ def profile_trainer(trainer, trace: Path, cuda: bool, shapes: bool = True) -> tu
     return metrics, analyse_trace(events, calls, cuda)
 
 
-def build_trainer(settings: list[str], label: str, work: Path, workload):
+def build_trainer(settings: list[str], label: str, work: Path, workload, mode: str = "sequential"):
     from oppo.trainer import Trainer
 
     cfg = with_overrides(load_config(None, settings), [
-        *mode_overrides("sequential"), f"run.out_dir={work / 'runs' / label}", "run.save_every=0", "log.trace=true"])
+        *mode_overrides(mode), f"run.out_dir={work / 'runs' / label}", "run.save_every=0", "log.trace=true"])
     Path(cfg.run.out_dir).mkdir(parents=True, exist_ok=True)
     t = Trainer(cfg, progress=False)
     t.length_sampler = workload.sampler(cfg.run.seed)
@@ -528,13 +528,13 @@ STEP_KEYS = ("time/step", "time/generate", "time/score", "time/train", "time/old
              "perf/train_padded_frac", "perf/train_tokens")
 
 
-def run_profile(settings: list[str], label: str, work: Path, workload, cuda: bool, say, baseline: bool = False
-                ) -> dict:
-    """A fresh sequential trainer: a warm-up step, (``baseline``) an unprofiled step, a profiled one
+def run_profile(settings: list[str], label: str, work: Path, workload, cuda: bool, say, baseline: bool = False,
+                mode: str = "sequential") -> dict:
+    """A fresh trainer in ``mode`` (``--mode``; sequential by default): a warm-up step, (``baseline``) an unprofiled step, a profiled one
     (``baseline``: with the ops' input types). Returns the figures, with the trainer's facts the
     ceiling needs under ``_trainer``."""
     t0 = time.time()
-    trainer = build_trainer(settings, label, work, workload)
+    trainer = build_trainer(settings, label, work, workload, mode)
     try:
         built = time.time() - t0
         before: list[AttentionCall] = []  # the attention shapes of the steps before the profiled one
@@ -732,7 +732,7 @@ def _f(x, fmt: str) -> str:
 
 
 def to_markdown(r: dict) -> str:
-    L = [f"# gpu_profile: one sequential PPO step, {r['workload']}", "",
+    L = [f"# gpu_profile: one {r.get('mode', 'sequential')} PPO step, {r['workload']}", "",
          f"Machine: {r['machine']}", "", f"Command: `{r['command']}`", "", f"Rollout engine: {r.get('engine', '?')}", ""]
     base = r.get("baseline")
     if base is None:
@@ -866,6 +866,9 @@ def parse(argv):
     p.add_argument("--ab", action="append", default=[], metavar="KEY=ON/OFF",
                    help="One more A/B row (repeatable), e.g. ppo.packing=on/off.")
     p.add_argument("--no-ab", action="store_true", help="The baseline's profile and the ceiling only.")
+    p.add_argument("--mode", default="sequential",
+                   help="The overlap mode profiled (default sequential: one stage a window; oppo: the scorer "
+                        "slots and their graphs beside the decode loop, windows overlapping).")
     p.add_argument("overrides", nargs="*", help="section.key=value settings of every run.")
     return p.parse_args(argv)
 
@@ -902,11 +905,11 @@ def main(argv: list[str] | None = None) -> int:
                                    args.device if cuda else "cpu", dtype, prompt_words=(4, 24) if tiny else (16, 96))
     settings = trainer_settings(paths, args.device, B, workload, tiny) + list(args.overrides)
     result: dict = {
-        "machine": machine(), "command": "python benchmarks/gpu_profile.py " + " ".join(argv),
+        "machine": machine(), "command": "python benchmarks/gpu_profile.py " + " ".join(argv), "mode": args.mode,
         "workload": f"{policy_size} policy + {reward_size} reward/critic (synthetic, random weights), {dtype} on "
                     f"{args.device}, B = {B}, {workload.name} lengths (forced, up to {workload.max_new_tokens})",
         "settings": settings, "models_s": time.time() - started}
-    base = run_profile(settings, "baseline", work, workload, cuda, say, baseline=True)
+    base = run_profile(settings, "baseline", work, workload, cuda, say, baseline=True, mode=args.mode)
     result["baseline"], result["engine"] = base, base["_trainer"]["engine"]
     add_flops(base)
     result["seconds"] = time.time() - started
@@ -938,7 +941,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             say(f"gpu_profile: A/B {arm['setting']}")
             res = run_profile(settings + arm["override"], f"ab-{arm['setting'].split(' ')[0]}", work, workload, cuda,
-                              say)
+                              say, mode=args.mode)
             arm["figures"] = arm_summary(res)
             result["seconds"] = time.time() - started
             write(result, out)

@@ -1,4 +1,7 @@
 #!/usr/bin/env bash
+# For a LONGER loan. When a GPU is lent, run benchmarks/gpu_check.sh first (at most 480 s: versions,
+# attention check, GPU tests, bench, one profiled oppo step); this call adds the NaN probe, the check
+# at 1B and the remedies' A/B.
 # The project's GPU checks in one call on a lent GPU machine, sized for a 15-minute device budget (the
 # machine's start included): about 9.5 minutes of command time, each part under its own timeout, in
 # the order that matters (the profile issue 46 needs first, then what would catch the 1B NaN, then
@@ -10,7 +13,7 @@
 #   device run:  bash benchmarks/gpu_session.sh            (timeout_s 600; results under $OUT/gpu_session)
 #   a rerun:     SKIP="nan_probe gpu_tests" bash benchmarks/gpu_session.sh   (parts named in SKIP do not run)
 #   CPU smoke:   SMOKE=1 OUT=/tmp/smoke bash benchmarks/gpu_session.sh   (tiny models, about 1.5 minutes;
-#                tests/test_gpu_session.py runs it in CI)
+#                by hand: CI runs gpu_check.sh's smoke and checks this file's syntax)
 #
 # 1. gpu_profile.py (<= 240 s): one profiled sequential step at 1B + 125M, B = 64, window by window
 #    (GPU busy share, top kernels, host syncs, launches, CUDA graphs, attention backends and host
@@ -49,6 +52,7 @@ else
   BENCH=(--batch 64 --steps 4 --modes sequential,oppo,pipeline); T=(240 40 60 110); TOTAL=570
 fi
 started=$(date +%s)
+failed=""
 part() {  # part NAME SECONDS COMMAND...: run it under a timeout, log it, note rc and seconds
   local name=$1 limit=$2; shift 2
   case " ${SKIP:-} " in *" $name "*) echo "| $name | skipped (SKIP) | | |" >> "$OUT/summary.md"; return;; esac
@@ -56,6 +60,7 @@ part() {  # part NAME SECONDS COMMAND...: run it under a timeout, log it, note r
   echo "===== $name (timeout $limit s): $*" >> "$OUT/parts.log"
   timeout "$limit" "$@" >> "$OUT/parts.log" 2>&1
   local rc=$?
+  [ $rc = 0 ] || failed="$failed $name"
   echo "| $name | $rc$([ $rc = 124 ] && echo ' (timed out)') | $(( $(date +%s) - t0 )) s | \`$*\` |" >> "$OUT/summary.md"
   echo "$name: rc $rc, $(( $(date +%s) - t0 )) s" >&2
 }
@@ -85,4 +90,5 @@ cat "$OUT/summary.md"
 [ -f "$OUT/profile.md" ] && sed -n '1,40p' "$OUT/profile.md"
 [ -f "$OUT/check.md" ] && cat "$OUT/check.md"
 [ -f "$OUT/bench.md" ] && sed -n '1,60p' "$OUT/bench.md"
+if [ -n "$failed" ]; then echo "gpu_session: FAILED:$failed" >&2; exit 1; fi
 exit 0

@@ -3,74 +3,221 @@
 With torch 2.11+ on Hopper, SDPA tries cuDNN first; whether that, the memory-efficient kernel,
 FlexAttention or a variable-length flash kernel is fastest for oppo's forwards (packed rows under a
 block-diagonal mask, streamed chunks against a slot cache under a 4-D mask) depends on the device,
-the shapes and the installed packages. So at start on CUDA (``auto``) a short probe times one
-forward and backward of the policy at the run's bucketed shape under each path that keeps packed
-sequences apart, and every model takes the fastest; the choice and the timings are logged.
+the shapes and the installed packages. So at start on CUDA (``auto``) a short probe
+(:func:`measure`) runs a forward and backward of the policy under each SDPA-style path, at the
+learner's rows and several widths of the ladder (the first call at each: the plan builds the shape
+buckets exist to pay once) and in a steady state at a width that is 64 mod 128 with padded rows
+(where cuDNN's backward has given NaN: ``benchmarks/gpu_h200/nan_probe.md``), checking the
+gradients against the math path. The choice is a pure function of those measurements
+(:func:`decide`), tested on CPU with injected ones; the choice and every refusal are logged.
 ``auto`` tries only the paths that take an explicit 4-D mask (the SDPA ones), which the static
 decode engine and the scorer slots pass; FlexAttention and the flash kernels are there to name.
 
+**cuDNN is never pinned where torch itself would not choose it.** torch puts cuDNN first on Hopper
+and Blackwell only from cuDNN 9.15.1 (its fix for lengths not divisible by 128; CUDA 12 wheels ship
+older cuDNN), in ``check_prefer_cudnn_attention`` (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp,
+pytorch#169849); :func:`cudnn_refusal` mirrors that rule and ``auto`` does not even try
+``oppo_sdpa_cudnn`` where it says no.
+
+**Grouped K/V heads without copies.** transformers' SDPA path copies K and V to every query head
+(``repeat_kv``) whenever a mask is given (``use_gqa_in_sdpa`` in
+transformers/integrations/sdpa_attention.py), about 5 GB of memory traffic per decode step at 1B with
+64 rows of 640 columns. oppo's SDPA paths (``oppo_sdpa_gqa`` and the pinned ones) pass the grouped
+heads with ``enable_gqa=True`` under the mask instead, where the kernel that will run takes grouped
+heads (torch's own ``can_use_*`` checks on CUDA; the math kernel and the CPU always), and copy as
+transformers does elsewhere, so a kernel never silently falls back to math. ``oppo_sdpa_gqa`` is the
+path of the decode and chunk forwards (:func:`decode_path`).
+
 The paths (those the installed torch and transformers bring; nothing is downloaded):
 
-- ``sdpa``: transformers' SDPA with torch's own backend order;
-- ``oppo_sdpa_cudnn``, ``oppo_sdpa_efficient``, ``oppo_sdpa_math``: the same, pinned to one SDPA
-  backend (``torch.nn.attention.sdpa_kernel``; registered here as transformers attention functions
-  with SDPA's mask);
+- ``sdpa``: transformers' SDPA with torch's own backend order (K/V copied under a mask);
+- ``oppo_sdpa_gqa``: the same order, grouped K/V heads not copied (above);
+- ``oppo_sdpa_cudnn``, ``oppo_sdpa_efficient``, ``oppo_sdpa_math``: pinned to one SDPA backend
+  (``torch.nn.attention.sdpa_kernel``), grouped heads not copied; registered here as transformers
+  attention functions with SDPA's mask;
+- ``oppo_varlen``: packed rows on variable-length attention (``oppo.varlen``, where present);
 - ``flex_attention``: torch's FlexAttention (transformers builds a document mask from the packed
   position ids);
 - ``flash_attention_2`` / ``flash_attention_3``: the variable-length kernels, when the
   ``flash_attn`` package is installed (they keep packed sequences apart within one row only:
-  ``forward.row_plan``'s two-row probe then packs one row).
+  ``forward.row_plan``'s two-row probe then packs one row); a hub kernel (``kernels-community/...``)
+  as transformers loads it.
 
 Whether a path keeps packed sequences apart is decided by the packing probe
 (``forward._packing_fails``), not by its name. The static decode engine and the scorer slots pass a
-4-D mask, which only SDPA-style and eager paths take: they keep an SDPA path (``decode_path``).
+4-D mask, which only SDPA-style and eager paths take (:func:`takes_4d_mask`).
+
+The names ``ppo.attention`` takes live in :mod:`oppo.attention_names` (torch-free: the settings check
+reads them before any model loads) and are re-exported here.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-SDPA_BACKENDS = {"oppo_sdpa_cudnn": "CUDNN_ATTENTION", "oppo_sdpa_efficient": "EFFICIENT_ATTENTION",
-                 "oppo_sdpa_math": "MATH"}
-MODES = ("auto", "inherit")
+from .attention_names import (CUDA_CANDIDATES, GQA, MODES, REFERENCE, SDPA_BACKENDS, TRANSFORMERS_PATHS, VARLEN,
+                              check_name, names)
+
+__all__ = ["CUDA_CANDIDATES", "GQA", "MODES", "REFERENCE", "SDPA_BACKENDS", "TRANSFORMERS_PATHS", "VARLEN",
+           "check_name", "names"]  # (re-exported: the settings check reads them torch-free from attention_names)
+
+CUDNN_PREFERRED_FROM = 91501
+"""torch prefers cuDNN SDPA only from cuDNN 9.15.1 (``check_prefer_cudnn_attention``: version > 91500)."""
+BF16_TOL = 0.05
+"""Largest relative error (norm of the difference over the norm) of a path's output and input
+gradient against the math path, both in the run's compute dtype: bf16 rounds at 2**-9 relative,
+so two correct kernels differ by ~1e-2 over a deep model; a NaN, a leak across packed sequences or a
+wrong plan differs by O(1)."""
+SHAPES_PER_RUN = 24
+"""New learner shapes a run pays a first call for (issue 50: 20-40 rows x width combinations over
+a run with buckets), the weight of a path's first-call excess in :func:`decide`."""
+CALLS_PER_SHAPE = 500
+"""Calls of each shape over a run, the weight of a path's steady time in :func:`decide`."""
 
 
 def register() -> None:
-    """Register the pinned SDPA paths as transformers attention functions (idempotent)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    """Register oppo's SDPA paths as transformers attention functions (idempotent)."""
     from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import sdpa_mask
 
-    for name, backend in SDPA_BACKENDS.items():
+    for name in (GQA, *SDPA_BACKENDS):
         if name in AttentionInterface._global_mapping:
             continue
-
-        def forward(*args, _backend=getattr(SDPBackend, backend), **kwargs):
-            with sdpa_kernel([_backend]):
-                return sdpa_attention_forward(*args, **kwargs)
-
-        AttentionInterface.register(name, forward)
+        AttentionInterface.register(name, _forward_for(SDPA_BACKENDS.get(name)))
         AttentionMaskInterface.register(name, sdpa_mask)
 
 
-def candidates(device: torch.device) -> list[str]:
-    """The paths ``auto`` probes on ``device``: those that take the 4-D masks of the static decode
-    engine and the scorer slots (:func:`other_paths`: the rest)."""
+def _forward_for(backend: str | None) -> Callable[..., Any]:
+    """The attention function of one oppo SDPA path: grouped heads not copied (:func:`gqa_forward`),
+    pinned to ``backend`` (an ``SDPBackend`` name; None: torch's own order)."""
+    if backend is None:
+        return gqa_forward
+
+    def forward(*args, **kwargs):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel([getattr(SDPBackend, backend)]):
+            return gqa_forward(*args, _backend=backend, **kwargs)
+
+    return forward
+
+
+def gqa_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                is_causal: bool | None = None, _backend: str | None = None, **kwargs) -> tuple[Any, None]:
+    """transformers' ``sdpa_attention_forward`` (same arguments and result), except that under a mask
+    grouped K/V heads ``[B, Hkv, L, D]`` go to SDPA as they are (``enable_gqa=True``) instead of
+    copied to every query head, where the kernel that will run takes them (:func:`_takes_gqa`).
+    Without a mask, or with one head per group, or with position biases, paged caches or attention
+    outputs asked for, it is transformers' own function (which passes ``enable_gqa`` itself when no
+    mask is given)."""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = int(getattr(module, "num_key_value_groups", 1) or 1)
+    if (attention_mask is None or groups <= 1 or kwargs.get("position_bias") is not None
+            or kwargs.get("cache") is not None or kwargs.get("output_attentions")
+            or key.shape[-1] != value.shape[-1] or not _takes_gqa(query, key, value, attention_mask, _backend)):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    # under a mask transformers' own function runs with is_causal=False too (the mask holds causality)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                                           dropout_p=dropout, scale=scaling, is_causal=False,
+                                                           enable_gqa=True)  # [B, H, Q, D]
+    return out.transpose(1, 2).contiguous(), None
+
+
+_GQA_OK: dict[tuple, bool] = {}
+
+
+def _takes_gqa(query, key, value, mask, backend: str | None) -> bool:
+    """Whether the SDPA kernel that will run (``backend`` pinned, or torch's own order under a mask:
+    cuDNN where torch prefers it, then memory-efficient; flash takes no mask) takes grouped K/V
+    heads for these tensors, by torch's own checks (``torch.backends.cuda.can_use_*``), cached per
+    shape signature (the shapes come from a small fixed set). Off CUDA and for the math kernel:
+    always (the math kernel expands the heads itself)."""
+    if query.device.type != "cuda" or backend == "MATH":
+        return True
+    sig = (query.device, query.dtype, tuple(query.shape), tuple(key.shape), tuple(mask.shape), mask.dtype, backend)
+    if sig not in _GQA_OK:
+        import torch
+
+        params = torch.backends.cuda.SDPAParams(query, key, value, mask, 0.0, False, True)
+        cudnn = bool(torch.backends.cuda.can_use_cudnn_attention(params, False))
+        efficient = bool(torch.backends.cuda.can_use_efficient_attention(params, False))
+        if backend == "CUDNN_ATTENTION":
+            _GQA_OK[sig] = cudnn
+        elif backend == "EFFICIENT_ATTENTION":
+            _GQA_OK[sig] = efficient
+        else:
+            _GQA_OK[sig] = efficient or (cudnn and _device_prefers_cudnn(query.device))
+    return _GQA_OK[sig]
+
+
+def torch_prefers_cudnn(cudnn_version: int | None, capability: tuple[int, int], cuda_version: str | None,
+                        deprioritized: bool = False) -> bool:
+    """Whether torch's own SDPA order puts cuDNN first on this device: torch's
+    ``check_prefer_cudnn_attention`` (sdp_utils.cpp) as a pure function. cuDNN above 9.15.0, compute
+    capability 9.x or 10.x (with a CUDA below 13: minor 0 or 3 only), and not turned off by
+    ``TORCH_CUDNN_SDPA_DEPRIORITIZED``."""
+    if deprioritized or cudnn_version is None or cudnn_version < CUDNN_PREFERRED_FROM:
+        return False
+    major, minor = capability
+    if major not in (9, 10):
+        return False
+    cuda_major = int(str(cuda_version or "0").split(".")[0] or 0)
+    return cuda_major >= 13 or minor in (0, 3)
+
+
+def cudnn_refusal(cudnn_version: int | None, capability: tuple[int, int], cuda_version: str | None,
+                  deprioritized: bool = False) -> str | None:
+    """Why ``oppo_sdpa_cudnn`` must not be pinned on this device (a sentence for the log), or None
+    when torch's own order would pick cuDNN anyway (:func:`torch_prefers_cudnn`)."""
+    if torch_prefers_cudnn(cudnn_version, capability, cuda_version, deprioritized):
+        return None
+    if deprioritized:
+        return "TORCH_CUDNN_SDPA_DEPRIORITIZED is set"
+    if cudnn_version is None:
+        return "no cuDNN"
+    if cudnn_version < CUDNN_PREFERRED_FROM:
+        return (f"cuDNN {cudnn_version} is older than 9.15.1 ({CUDNN_PREFERRED_FROM}), which fixes lengths not "
+                f"divisible by 128; torch prefers cuDNN only from there")
+    return (f"torch's own order does not put cuDNN first on compute capability {capability[0]}.{capability[1]} "
+            f"with CUDA {cuda_version}")
+
+
+def _device_prefers_cudnn(device: torch.device) -> bool:
+    """:func:`torch_prefers_cudnn` for ``device`` as torch sees it."""
+    return _device_cudnn_refusal(device) is None
+
+
+def _device_cudnn_refusal(device: torch.device) -> str | None:
+    """:func:`cudnn_refusal` for ``device`` as torch sees it."""
+    import torch
+
     if device.type != "cuda":
-        return ["sdpa", "oppo_sdpa_math", "eager"]
-    return ["sdpa", "oppo_sdpa_cudnn", "oppo_sdpa_efficient"]
+        return "not a CUDA device"
+    return cudnn_refusal(torch.backends.cudnn.version(), torch.cuda.get_device_capability(device),
+                         torch.version.cuda, os.environ.get("TORCH_CUDNN_SDPA_DEPRIORITIZED", "") in ("1", "true", "ON"))
+
+
+def candidates(device: torch.device) -> list[str]:
+    """The paths ``auto`` probes on ``device`` (beside :data:`REFERENCE`, which every path is checked
+    against): those that take the 4-D masks of the static decode engine and the scorer slots
+    (:func:`other_paths`: the rest)."""
+    return ["sdpa", GQA, "eager"] if device.type != "cuda" else list(CUDA_CANDIDATES)
 
 
 def other_paths() -> list[str]:
     """Paths a user may name (``ppo.attention``) that ``auto`` does not try, because they take no
     4-D mask: the static decode engine would run eager and the scorers' slots a dynamic cache."""
-    import importlib.util
-
     out = []
     try:
         from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
@@ -85,7 +232,18 @@ def other_paths() -> list[str]:
 
 def takes_4d_mask(name: str) -> bool:
     """Whether a path takes the explicit 4-D masks of the static decode engine and the scorer slots."""
-    return name in ("sdpa", "eager") or name in SDPA_BACKENDS
+    return name in ("sdpa", "eager", GQA) or name in SDPA_BACKENDS
+
+
+def decode_path(name: str) -> str:
+    """The path of the masked forwards (decode steps, streamed chunks, rows under a 4-D mask) of a
+    model whose forwards are to run on ``name``: transformers' ``sdpa`` becomes ``oppo_sdpa_gqa``
+    (the same backend order, grouped K/V heads not copied per head: module docstring), and so does a
+    path that takes no 4-D mask (``oppo_varlen``, flex, flash: their masked forwards need an
+    SDPA-style one); eager and oppo's SDPA paths stay."""
+    if name in SDPA_BACKENDS or name in (GQA, "eager"):
+        return name
+    return GQA
 
 
 def set_path(model: torch.nn.Module, name: str) -> None:
@@ -101,53 +259,186 @@ def set_path(model: torch.nn.Module, name: str) -> None:
         m.__dict__.pop("_oppo_row_plans", None)
 
 
-def probe(model: torch.nn.Module, rows: int, width: int, paths: list[str], repeats: int = 3,
-          sync: Callable[[], None] | None = None, dtype: torch.dtype | None = None) -> dict[str, float | str]:
-    """Seconds of one forward and backward of ``model`` over ``rows`` packed rows of ``width``
-    tokens (two sequences each, position ids restarting) under each of ``paths``, median of
-    ``repeats`` after a warm-up, under ``dtype`` autocast (the run's compute dtype; None: the
-    weights'); a path that fails, or lets packed sequences see each other, gets the reason instead.
-    The model is left on its original path."""
+@dataclass(frozen=True)
+class Measured:
+    """One path's probe (:func:`measure`): what :func:`decide` chooses from."""
+
+    first_ms: float
+    """Mean milliseconds of the first forward and backward at each probed width (plan builds included)."""
+    steady_ms: float
+    """Median milliseconds of a forward and backward at the check width, after its first call."""
+    finite: bool
+    """Output and every gradient finite at the check width (64 mod 128, padded rows)."""
+    max_err: float
+    """Relative error of the output and the input gradient against :data:`REFERENCE` (0 for it)."""
+
+
+def run_cost_ms(m: Measured, shapes: int = SHAPES_PER_RUN, calls: int = CALLS_PER_SHAPE) -> float:
+    """A run's attention-path cost in the probe's units: each of ``shapes`` shapes pays its first
+    call once and ``calls`` steady calls."""
+    return shapes * (max(m.first_ms, m.steady_ms) + (calls - 1) * m.steady_ms)
+
+
+def decide(measured: Mapping[str, Measured | str], refused: Mapping[str, str] | None = None,
+           reference: str = REFERENCE, tol: float = BF16_TOL, shapes: int = SHAPES_PER_RUN,
+           calls: int = CALLS_PER_SHAPE) -> tuple[str | None, dict[str, str]]:
+    """The path ``auto`` sets, from each path's measurements (a string: why it did not run) and the
+    paths ``refused`` before measuring (e.g. cuDNN by :func:`cudnn_refusal`), with a verdict per path
+    for the log. A path is refused when its output or gradients are not finite or differ from
+    ``reference`` by more than ``tol``; of the rest, the cheapest over a run (:func:`run_cost_ms`)
+    wins, ``reference`` itself only when every other path is refused (correct, slow: said). None
+    when nothing ran."""
+    verdict: dict[str, str] = {k: f"refused: {v}" for k, v in (refused or {}).items()}
+    ok: dict[str, float] = {}
+    for name, m in measured.items():
+        if name in verdict:
+            continue
+        if isinstance(m, str):
+            verdict[name] = f"refused: {m}"
+        elif not m.finite:
+            verdict[name] = "refused: non-finite output or gradients"
+        elif not m.max_err <= tol:  # (NaN error: refused)
+            verdict[name] = f"refused: differs from {reference} by {m.max_err:.2g} > {tol:g}"
+        else:
+            ok[name] = run_cost_ms(m, shapes, calls)
+            verdict[name] = f"first {m.first_ms:.1f} ms, steady {m.steady_ms:.2f} ms, error {m.max_err:.1e}"
+    fast = {k: v for k, v in ok.items() if k != reference} or ok
+    return (min(fast, key=lambda k: fast[k]) if fast else None), verdict
+
+
+def check_width(width: int) -> int:
+    """The width the probe checks gradients and times the steady state at: 64 mod 128 (where cuDNN's
+    backward has given NaN), the nearest such at or below ``width`` (64 at least)."""
+    return max(64, width - (width - 64) % 128)
+
+
+def probe_widths(width: int, n: int = 3) -> list[int]:
+    """The widths whose first call the probe times: :func:`check_width` first, then the top ``n - 1``
+    widths of the width ladder up to ``width`` (``oppo.shapes``): each a shape the buckets pay once."""
+    from . import shapes
+
+    ladder, w = [], shapes.SMALLEST_WIDTH
+    while w <= max(width, shapes.SMALLEST_WIDTH):
+        ladder.append(w)
+        w = shapes.width(w + 1)
+    out = [check_width(width)]
+    for w in reversed(ladder):
+        if len(out) < n and w not in out:
+            out.append(w)
+    return out
+
+
+def _rows(vocab: int, rows: int, width: int, device) -> tuple[Any, Any, Any]:
+    """(ids, position ids, real) [rows, width] each: two packed sequences and a padding tail per
+    row, as ``forward.RowLayout.lay_out`` lays them out (padding its own run of positions from 0),
+    ``real`` True on the sequences' tokens."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, max(4, vocab), (rows, width), generator=g)
+    pad = max(1, width // 8)
+    a = (width - pad) // 2
+    b = width - pad - a
+    pos = torch.cat([torch.arange(a), torch.arange(b), torch.arange(pad)])[None].expand(rows, width)
+    real = (torch.arange(width) < a + b)[None].expand(rows, width)
+    return ids.to(device), pos.contiguous().to(device), real.to(device)
+
+
+def measure(model: torch.nn.Module, rows: int, widths: list[int], paths: list[str], repeats: int = 3,
+            sync: Callable[[], None] | None = None, dtype: torch.dtype | None = None,
+            ) -> dict[str, Measured | str]:
+    """Each of ``paths`` on ``model``'s backbone: the first forward and backward at each of ``widths``
+    (``rows`` packed rows with a padding tail: :func:`_rows`), then ``repeats`` more at ``widths[0]``
+    (the check width) timed as the steady state, whose output and input gradient are compared with
+    :data:`REFERENCE`'s (measured first, whether asked or not), under ``dtype`` autocast (the run's
+    compute dtype; None: the weights'). A path that fails, or lets packed sequences see each other,
+    gets the reason instead. The model is left on its original path, its gradients cleared."""
+    import torch
+
     from .forward import _packing_fails
     from .models import backbone_and_head
 
     original = _path(model)
     backbone = backbone_and_head(model)[0]
+    embed: Any = getattr(backbone, "get_input_embeddings")()  # (an nn.Module's method mypy types as a Tensor)
     dev = next(model.parameters()).device
     sync = sync or (torch.cuda.synchronize if dev.type == "cuda" else (lambda: None))
     vocab = int(getattr(getattr(model, "config", None), "vocab_size", 16) or 16)
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, max(4, vocab), (rows, width), generator=g).to(dev)
-    half = width // 2
-    pos = torch.cat([torch.arange(half), torch.arange(width - half)])[None].expand(rows, width).to(dev)
-    out: dict[str, float | str] = {}
+    trains = any(p.requires_grad for p in backbone.parameters())
+
+    def call(width: int):
+        ids, pos, real = _rows(vocab, rows, width, dev)
+        x = embed(ids).detach().requires_grad_(True)
+        with torch.autocast(dev.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+            hidden = backbone(inputs_embeds=x, position_ids=pos, use_cache=False).last_hidden_state
+        loss = (hidden.float().square().mean(-1) * real).sum() / real.sum()  # padding takes no part
+        loss.backward()
+        return hidden.detach()[real].float(), x.grad[real].float()
+
+    def finite(out, grad) -> bool:
+        params = [p.grad for p in backbone.parameters() if p.grad is not None] if trains else []
+        return bool(torch.isfinite(out).all() and torch.isfinite(grad).all()
+                    and all(torch.isfinite(g).all() for g in params))  # CPU-GPU sync point (once a path)
+
+    out: dict[str, Measured | str] = {}
+    ref: tuple[Any, Any] | None = None
     try:
-        for name in paths:
+        for name in [REFERENCE, *[p for p in paths if p != REFERENCE]]:
             try:
                 set_path(model, name)
-                why = _packing_fails(backbone)
+                with torch.autocast(dev.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+                    why = _packing_fails(backbone)  # (in the compute dtype: cuDNN takes no fp32 masters)
                 if why is not None:
                     out[name] = f"does not keep packed sequences apart ({why})"
                     continue
-                times = []
-                for i in range(repeats + 1):
+                model.zero_grad(set_to_none=True)
+                firsts = []
+                for w in widths:
                     sync()
                     t = time.perf_counter()
-                    with torch.autocast(dev.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-                        hidden = backbone(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
-                    if any(p.requires_grad for p in backbone.parameters()):
-                        hidden.float().square().mean().backward()
+                    call(w)
                     sync()
-                    if i:
-                        times.append(time.perf_counter() - t)
-                model.zero_grad(set_to_none=True)
-                out[name] = sorted(times)[len(times) // 2]
+                    firsts.append(1e3 * (time.perf_counter() - t))
+                times = []
+                for _ in range(max(1, repeats)):
+                    model.zero_grad(set_to_none=True)
+                    sync()
+                    t = time.perf_counter()
+                    got = call(widths[0])
+                    sync()
+                    times.append(1e3 * (time.perf_counter() - t))
+                ok = finite(*got)
+                if name == REFERENCE:
+                    ref = got
+                err = max(_rel(got[0], ref[0]), _rel(got[1], ref[1])) if ref is not None else float("nan")
+                out[name] = Measured(sum(firsts) / len(firsts), sorted(times)[len(times) // 2], ok, err)
             except Exception as e:  # a path this model, torch or device does not run
                 out[name] = f"failed ({type(e).__name__}: {str(e)[:120]})"
+            finally:
+                model.zero_grad(set_to_none=True)
     finally:
         set_path(model, original)
         model.zero_grad(set_to_none=True)
+    if REFERENCE not in paths:
+        out.pop(REFERENCE, None)
     return out
+
+
+def _rel(x, ref) -> float:
+    """||x - ref|| / ||ref|| (NaN where either is not finite)."""
+    return float((x - ref).norm() / ref.norm().clamp(min=1e-12))
+
+
+def probe(model: torch.nn.Module, rows: int, width: int, paths: list[str], repeats: int = 3,
+          sync: Callable[[], None] | None = None, dtype: torch.dtype | None = None) -> dict[str, float | str]:
+    """Seconds of one steady forward and backward of ``model`` over ``rows`` packed rows of about
+    ``width`` tokens under each of ``paths`` (:func:`measure` at :func:`check_width`), or why a path
+    did not run or was refused (non-finite, or unlike the math path). The model is left on its
+    original path."""
+    got = measure(model, rows, [check_width(width)], paths, repeats, sync, dtype)
+    _, verdict = decide(got)
+    return {k: (v.steady_ms / 1e3 if isinstance(v, Measured) and not verdict[k].startswith("refused") else verdict[k])
+            for k, v in got.items()}
 
 
 def _path(model: torch.nn.Module) -> str:
@@ -157,29 +448,44 @@ def _path(model: torch.nn.Module) -> str:
 
 
 def choose(policy: torch.nn.Module, others: list[torch.nn.Module], mode: str, rows: int, width: int,
-           say: Callable[[str], None], dtype: torch.dtype | None = None) -> str:
+           say: Callable[[str], None], dtype: torch.dtype | None = None,
+           measure_fn: Callable[..., Mapping[str, Measured | str]] | None = None,
+           cudnn_why: str | None | bool = False) -> str:
     """``ppo.attention`` = ``mode`` for the run: ``inherit`` keeps each model's path as loaded; a
     path name sets it on every model; ``auto`` probes on CUDA (keeps the loaded path on CPU) at
-    ``rows`` x ``width`` and sets the fastest that keeps packed sequences apart. Returns the path
-    (the policy's). A path that takes no 4-D mask is refused for a model that needs one
-    (``decode_path``: the caller keeps such models on SDPA)."""
+    ``rows`` x the widths of :func:`probe_widths` and sets the path :func:`decide` picks, through
+    :func:`decode_path` (so the decode and chunk forwards copy no K/V per head). Returns the path
+    (the policy's). A path that takes no 4-D mask is refused for a model that needs one (the static
+    engine and the scorer slots check). ``measure_fn`` (default :func:`measure`) and ``cudnn_why``
+    (default: the device's :func:`cudnn_refusal`) are for tests, which drive the CUDA branch on the
+    CPU with injected measurements."""
     dev = next(policy.parameters()).device
     models = [policy, *others]
-    if mode == "inherit" or (mode == "auto" and dev.type != "cuda"):
+    probing = dev.type == "cuda" or measure_fn is not None
+    if mode == "inherit" or (mode == "auto" and not probing):
         return _path(policy)
     if mode != "auto":
         for m in models:
             set_path(m, mode)
+        if mode == "oppo_sdpa_cudnn" and dev.type == "cuda" and (why := _device_cudnn_refusal(dev)) is not None:
+            say(f"attention: warning: oppo_sdpa_cudnn as named (ppo.attention), though {why}")
         say(f"attention: {mode} (ppo.attention)")
         return mode
-    timings = probe(policy, rows, width, candidates(dev), dtype=dtype)
-    ok = {k: v for k, v in timings.items() if isinstance(v, float)}
-    if not ok:
-        say("attention: kept as loaded; no probed path ran: " + "; ".join(f"{k}: {v}" for k, v in timings.items()))
+    paths = CUDA_CANDIDATES  # (on the CPU only with injected measurements: the CUDA branch, driven in tests)
+    why_cudnn = _device_cudnn_refusal(dev) if cudnn_why is False else cudnn_why
+    refused = {"oppo_sdpa_cudnn": str(why_cudnn)} if why_cudnn is not None else {}
+    widths = probe_widths(width)
+    got = (measure_fn or measure)(policy, rows, widths, [REFERENCE, *[p for p in paths if p not in refused]],
+                                  dtype=dtype)
+    best, verdict = decide(got, refused)
+    shown = "; ".join(f"{k}: {v}" for k, v in verdict.items())
+    if best is None:
+        say(f"attention: kept as loaded ({_path(policy)}); no probed path ran: {shown}")
         return _path(policy)
-    best = min(ok, key=lambda k: ok[k])
+    best = decode_path(best)
     for m in models:
         set_path(m, best)
-    shown = ", ".join(f"{k} {1e3 * v:.2f} ms" if isinstance(v, float) else f"{k}: {v}" for k, v in timings.items())
-    say(f"attention: {best}, the fastest at {rows} x {width} packed tokens, forward and backward ({shown})")
+    why = (" (every faster path refused: correct but slow)" if best == REFERENCE else "")
+    say(f"attention: {best}{why}, the cheapest over a run at {rows} rows x widths {widths} (first call and steady "
+        f"forward and backward, gradients against {REFERENCE} at width {widths[0]}, padded rows): {shown}")
     return best

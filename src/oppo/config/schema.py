@@ -218,12 +218,15 @@ class PPOConfig:
                                      "counted in perf/train_padded_frac).", ("auto", "on", "off"))
     attention: str = opt("auto", "The attention path of every model (oppo.attention). auto: on CUDA, a short probe "
                                  "at start times a forward and backward of the policy under each SDPA path (torch's "
-                                 "own order, cuDNN, memory-efficient) that keeps packed sequences apart, and every "
-                                 "model takes the fastest (logged); on CPU the models keep the path they loaded "
-                                 "with. inherit: as loaded. Or a path by name: sdpa, oppo_sdpa_cudnn, "
-                                 "oppo_sdpa_efficient, oppo_sdpa_math, eager, flex_attention, flash_attention_2 "
-                                 "(the last two take no 4-D mask: the static decode engine then runs eager and the "
-                                 "scorers a dynamic cache).")
+                                 "own order with grouped K/V heads not copied, cuDNN, memory-efficient) that keeps "
+                                 "packed sequences apart, first calls at several widths and the steady state, refuses "
+                                 "a path whose gradients are not finite or differ from the math path, never pins "
+                                 "cuDNN where torch itself would not choose it, and every model takes the cheapest "
+                                 "(logged); on CPU the models keep the path they loaded with. inherit: as loaded. "
+                                 "Or a path by name: sdpa, oppo_sdpa_gqa, oppo_sdpa_cudnn, oppo_sdpa_efficient, "
+                                 "oppo_sdpa_math, eager, flex_attention, flash_attention_2, flash_attention_3, a hub "
+                                 "kernel (org/repo) (flex and flash take no 4-D mask: the static decode engine then "
+                                 "runs eager and the scorers a dynamic cache).")
     epochs: int = opt(1, "PPO epochs over each batch.")
     actor_lr: float = opt(1e-5, "Actor (policy) learning rate (AdamW).")
     critic_lr: float = opt(5e-5, "Critic learning rate (AdamW).")

@@ -206,10 +206,20 @@ def _check_devices(cfg: Config) -> None:
                f"{key}={d!r} must be cpu, cuda, cuda:N or auto.")
 
 
+def _check_attention(cfg: Config) -> None:
+    """ppo.attention names a path oppo or transformers knows (oppo.attention.check_name: torch-free),
+    so a typo stops here, not after the models load with transformers' message."""
+    from ..attention_names import check_name
+
+    why = check_name(cfg.ppo.attention)
+    _check(why is None, str(why))
+
+
 def validate(cfg: Config) -> None:
     """Raise ConfigError on the first invalid value. Never changes a value."""
     _check_choices(cfg)
     _check_ppo_batches(cfg)
+    _check_attention(cfg)
     _check_lora(cfg)
     _check_algorithm(cfg)
     _check_ppo_loss(cfg)
