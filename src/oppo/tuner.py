@@ -46,7 +46,10 @@ tell. A candidate predicted to save less than ``margin`` than the incumbent (rat
 predictions: the model's bias cancels), or to add more stale tokens than ``max_stale_share``, is
 not tried; the rest are tried most promising first. Delta down moves are always tried (they only
 remove stale tokens). The prediction and the measure are both in the decision's line and in
-:meth:`metrics`.
+:meth:`metrics`. A cost model not yet fitted from the run's own measures (``Prediction.fitted``
+False) vetoes nothing by its assumed part: a candidate is ruled out on cost only if it saves less
+than ``margin`` under every model the measures allow (``Prediction.extremes``); so the first trial
+of a larger Delta is not vetoed by a guess, and the trial is what fits the model (issue 51).
 
 Short runs: with ``steps`` (the run's length) known, a trial is started only if the time it could
 save on the steps left after it repays what its own steps could lose: ``gain * steps_left >= 2 *
@@ -90,10 +93,20 @@ class Setting:
 @dataclass(frozen=True)
 class Prediction:
     """A planner's figures for one setting: seconds per trained token and the share of trained
-    tokens sampled by an older policy."""
+    tokens sampled by an older policy.
+
+    ``fitted``: the cost model behind ``cost`` is fitted from the run's own measures; False where
+    part of it is still assumed (the online planner's split of a decode step's cost before two row
+    counts have run). Then ``extremes`` holds the costs under the other models the measures allow,
+    the same ones, in the same order, for every setting (so that two predictions compare model by
+    model), and a cost veto must hold under each (:meth:`OverlapTuner._ruled_out`). ``basis``: the
+    model in words, for the decision's line."""
 
     cost: float
     stale: float = 0.0
+    fitted: bool = True
+    extremes: tuple[float, ...] = ()
+    basis: str = ""
 
 
 def delta_ladder(low: int, high: int) -> tuple[int, ...]:
@@ -301,8 +314,13 @@ class OverlapTuner:
     def _why(self, cost: float, ref: float, gain: float) -> str:
         out = f"{1e3 * cost:.3f} against {1e3 * ref:.3f} ms per token ({-gain:+.1%})"
         if self._pred is not None:
-            out += f"; predicted {1e3 * self._pred[0]:.3f} ({-self._pred[1]:+.1%})"
+            out += f"; predicted {1e3 * self._pred[0]:.3f} ({-self._pred[1]:+.1%}{self._basis()})"
         return out
+
+    def _basis(self) -> str:
+        """The cost model behind the trial's prediction, for its decision's line ('' if not said)."""
+        p = self.predictor(self.trial or self._challenger or self.incumbent) if self.predictor else None
+        return f", {p.basis}" if p is not None and p.basis else ""
 
     def _judge(self, gain: float) -> None:
         """A trial is decided: a passing move goes to confirmation, a failing one is dropped."""
@@ -340,7 +358,7 @@ class OverlapTuner:
         why = (f"{1e3 * cost:.3f} ms per token against {1e3 * before:.3f} before and {1e3 * again:.3f} after "
                f"({-gain:+.1%})")
         if self._pred is not None:
-            why += f"; predicted {1e3 * self._pred[0]:.3f} ({-self._pred[1]:+.1%})"
+            why += f"; predicted {1e3 * self._pred[0]:.3f} ({-self._pred[1]:+.1%}{self._basis()})"
         if kind != "chunk":
             why += f", off-policy tokens {self._trial_stale:.0%}"
         self._challenger = None
@@ -410,9 +428,22 @@ class OverlapTuner:
         added = (p.stale if p else 0.0) - (self.base_stale or 0.0)
         if kind == "up" and added > self.max_stale_share:
             return f"predicted to add {added:.0%} off-policy tokens, over {self.max_stale_share:.0%}"
-        if pred[1] < self.margin:
-            return f"predicted {1e3 * pred[0]:.3f} ms per token ({-pred[1]:+.1%}), saves less than {self.margin:.0%}"
-        return None
+        if pred[1] >= self.margin:
+            return None
+        q = self.predictor(self.incumbent)
+        assert p is not None and q is not None  # (_predict returned a figure)
+        if p.fitted and q.fitted:
+            basis = f"; {p.basis}" if p.basis else ""
+            return (f"predicted {1e3 * pred[0]:.3f} ms per token ({-pred[1]:+.1%}), saves less than "
+                    f"{self.margin:.0%}{basis}")
+        if len(p.extremes) != len(q.extremes) or not p.extremes:
+            return None  # an assumed model with nothing to bound it: measure instead
+        best = max(1 - a / b for a, b in zip(p.extremes, q.extremes) if b > 0) if any(
+            b > 0 for b in q.extremes) else math.inf
+        if best >= self.margin:
+            return None  # a model the measures allow makes it save the margin: try it
+        return (f"predicted {1e3 * pred[0]:.3f} ms per token ({-pred[1]:+.1%}), and at most {-best:+.1%} under "
+                f"any split the measures allow; saves less than {self.margin:.0%} ({p.basis or 'model not fitted'})")
 
     def _trial_length(self, s: Setting) -> int:
         """Steps a trial of ``s`` takes, its confirmation included: warm-ups and the fewest measures."""
