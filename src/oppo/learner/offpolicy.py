@@ -166,8 +166,8 @@ class MismatchProbe:
             self._hook = None
 
     def partial(self) -> list[float]:
-        """This process's sums: [n, sum|d|, max|d|, sum k3, sum w, sum w^2]. Read at the update's end:
-        it :meth:`close`\ s the probe."""
+        """This process's sums: [n, sum|d|, max|d|, sum k3, sum w, sum w^2]. Read at the update's end: it
+        closes the probe (:meth:`close`)."""
         self.close()
         if not self._sums:
             return [0.0] * 6
