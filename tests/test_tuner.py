@@ -428,7 +428,7 @@ def test_a_prior_wrong_in_the_blocking_direction_does_not_veto_the_larger_delta(
         steps, _, tok, stale = truth[s.delta]
         planner.observe(s, whole * sum(lengths) * f, lengths, steps * sum(lengths) / tok, dec * sum(lengths) * f)
         t.record(whole * sum(lengths) * f, sum(lengths), stale)
-        if k == 3:  # measured Delta 0 only: the prior, wrong in the blocking direction
+        if k == 2:  # measured Delta 0 only: the prior, wrong in the blocking direction
             p0, p4 = planner.predict(Setting(0, 16)), planner.predict(Setting(4, 16))
             assert p0 is not None and p4 is not None and not p4.fitted and not planner.fitted
             assert 1 - p4.cost / p0.cost < 0.05 < true_gain - 0.02, (p4.cost / p0.cost, true_gain)

@@ -106,8 +106,8 @@ def score_full(kind: Kind, model, prompts: list[list[int]], responses: list[list
     start = torch.tensor(layout.start, device=device)  # [R]
     if kind == "reward":
         pad = reward_pad_id(model)
-        at = start + torch.tensor([scored_index(x, pad) for x in seqs], device=device)  # [R] the scored token
-        return [ScoredOutputs(score=s) for s in head(hidden[at]).float().squeeze(-1).tolist()]
+        scored = start + torch.tensor([scored_index(x, pad) for x in seqs], device=device)  # [R] the scored token
+        return [ScoredOutputs(score=s) for s in head(hidden[scored]).float().squeeze(-1).tolist()]
     T = [len(r) for r in responses]
     t = torch.tensor(T, device=device)
     seq = torch.repeat_interleave(torch.arange(len(seqs), device=device), t)  # [N] owner of each response token
