@@ -404,7 +404,8 @@ def test_a_prior_wrong_in_the_blocking_direction_does_not_veto_the_larger_delta(
     predicts Delta 4 saves about half of what it truly saves (under the 5% margin). Before the fix
     it ruled Delta 4 out, so no second row count ever ran and the prior was never corrected. Now a
     model not fitted from the run's own measures vetoes nothing that a split the measures allow
-    would let pass: Delta 4 is tried, the trial fits the decode model, and Delta 4 is kept."""
+    would let pass: Delta 4 is tried, the trial fits the decode model, and Delta 4 is kept; the fitted
+    model then spares the next round a trial of Delta 0, which it predicts to cost over the margin more."""
     from oppo.plan.online import OnlinePlanner, replay_carry
 
     pool = [min(512, max(1, int(random.Random(i).lognormvariate(math.log(64), 1.0)))) for i in range(1024)]
@@ -436,6 +437,8 @@ def test_a_prior_wrong_in_the_blocking_direction_does_not_veto_the_larger_delta(
     assert not any("not trying Delta 4" in x for x in lines), lines
     moved = [x for x in lines if "-> Delta 4" in x]
     assert t.incumbent.delta == 4 and moved and "fitted" in moved[0], lines
+    # the next round: the fitted model predicts Delta 0 to cost more than the margin more; no down trial
+    assert any("not trying Delta 0" in x and "costs more than 5% more" in x and "fitted" in x for x in lines), lines
     assert planner.fitted  # ... from two row counts, and it now predicts what Delta 4 truly saves
     p0, p4 = planner.predict(Setting(0, 16)), planner.predict(Setting(4, 16))
     assert p0 is not None and p4 is not None and p4.fitted
