@@ -10,6 +10,15 @@ one-shot scoring among the chunks). It reports each one's throughput (trained re
 second over the timed steps) as a ratio to sequential, the default against the best fixed
 setting, and the share of trained tokens sampled by an older policy. Writes ``results.json`` and
 ``README.md``-ready ``table.md`` under ``--out``.
+
+``--sim`` (issue 51) runs instead a pure-Python simulation of the controller with its planner, no
+models: the scheduler's carrying replayed step by step (:class:`CarrySim`), each step's seconds from a
+GPU-like decode (a decode step costs mostly per call: :data:`GPU_DECODE`) plus a cost per trained
+token, times Gaussian noise. It counts the runs that never try the best Delta, the runs whose final
+setting is the best within the margin (and the stale budget), and the share of steps under trial,
+with the planner and without it; writes ``sim.json`` and ``sim.md`` under ``--out``:
+
+    PYTHONPATH=src python benchmarks/controller_workloads.py --sim --seeds 40 --steps 1000,400 --noise 0.03,0.1
 """
 
 from __future__ import annotations
@@ -21,9 +30,12 @@ import sys
 import time
 from pathlib import Path
 
+import math
+import random
+
 from oppo.bench import LengthWorkload, WORKLOADS, machine, run_modes, slug
 from oppo.config import load_config
-from oppo.tuner import Setting
+from oppo.tuner import OverlapTuner, Setting, delta_ladder
 
 
 STALE_BUDGET = 0.5  # overlap.max_stale_share's default
@@ -103,19 +115,175 @@ def planner_check(metrics: dict[str, list[dict]], wl: LengthWorkload, batch: int
     return out
 
 
+# ---------------------------------------------------------------- the controller simulation (--sim)
+
+GPU_DECODE = (1.0, 0.01, 0.95)
+"""Simulated costs in ms: per decode step (a call: a GPU's decode is bound per call), per row in a
+decode step, and per trained token outside decoding (scoring, the update). With :func:`sim_lengths`
+and B = 16, Delta 4 saves about 8% against Delta 0 (Delta 8 and 16 a few tenths more, but train over
+50% of tokens off-policy, the budget); the planner's half-per-row prior predicts about half of that
+saving (4.3%), under the 5% margin: the blocking direction of issue 51."""
+
+
+def sim_lengths(rng: random.Random) -> int:
+    """A response length: log-normal, median 64, sigma 1, capped at 512."""
+    return min(512, max(1, int(rng.lognormvariate(math.log(64), 1.0))))
+
+
+class CarrySim:
+    """oppo's scheduler's carrying, one step at a time (the step logic of ``plan.online.replay_carry``,
+    groups of one): admit until ``batch + delta`` rows are untrained, decode in lock step until
+    ``batch`` are finished (and no row carried ``max_lag`` times runs), train the ``batch`` oldest."""
+
+    def __init__(self, batch: int, seed: int, max_lag: int = 1):
+        self.batch, self.max_lag, self.rng, self.k = batch, max_lag, random.Random(seed), 0
+        self.rows: list[list[int]] = []  # [remaining (0: finished), start step, length, finish order]
+        self.order = 0
+
+    def step(self, delta: int) -> tuple[list[int], int, int, float]:
+        """One step at ``delta``: trained lengths, decode steps, row-steps, stale share of trained tokens."""
+        k, B, rows = self.k, self.batch, self.rows
+        while len(rows) < B + delta:
+            n = sim_lengths(self.rng)
+            rows.append([n, k, n, 0])
+        done = sum(1 for r in rows if r[0] == 0)
+        rem = sorted(r[0] for r in rows if r[0] > 0)
+        need = B - done
+        close = rem[min(need, len(rem)) - 1] if need > 0 and rem else 0
+        close = max([close, *(r[0] for r in rows if r[0] > 0 and k - r[1] >= self.max_lag)])
+        before = {id(r): r[2] - r[0] for r in rows}
+        rs = 0
+        for r in sorted((r for r in rows if r[0] > 0), key=lambda r: r[0]):
+            rs += min(r[0], close)
+            if r[0] <= close:
+                self.order += 1
+                r[0], r[3] = 0, self.order
+            else:
+                r[0] -= close
+        trained = sorted((r for r in rows if r[0] == 0), key=lambda r: (r[1], r[3]))[:B]
+        picked = {id(r) for r in trained}
+        self.rows, self.k = [r for r in rows if id(r) not in picked], k + 1
+        tok = sum(r[2] for r in trained)
+        return [r[2] for r in trained], close, rs, sum(before[id(r)] for r in trained) / tok
+
+
+def sim_truth(batch: int = 16, deltas=delta_ladder(0, 16), steps: int = 4000) -> dict[int, tuple[float, float]]:
+    """Each Delta's true cost (ms per trained token) and stale share, over a long fixed run."""
+    a, b, r = GPU_DECODE
+    out = {}
+    for d in deltas:
+        sim, secs, tok, stale = CarrySim(batch, 12345), 0.0, 0, []
+        for k in range(steps):
+            lengths, dsteps, rs, st = sim.step(d)
+            if k >= 20:
+                secs, tok = secs + a * dsteps + b * rs + r * sum(lengths), tok + sum(lengths)
+                stale.append(st * sum(lengths))
+        out[d] = (secs / tok, sum(stale) / tok)
+    return out
+
+
+def sim_run(seed: int, steps: int, noise: float, planner: bool, batch: int = 16, margin: float = 0.05,
+            max_stale_share: float = 0.5) -> dict:
+    """One simulated run of the default controller (Delta ladder 0..16, one chunk: Delta alone is
+    tuned) with or without the online planner; what it tried, where it ended, its trial steps."""
+    from oppo.plan.online import OnlinePlanner
+
+    a, b, r = GPU_DECODE
+    t = OverlapTuner(delta_ladder(0, batch), (16,), margin=margin, max_stale_share=max_stale_share, steps=steps)
+    p = OnlinePlanner(batch) if planner else None
+    if p is not None:
+        t.predictor = p.predict
+    sim, rng, tried = CarrySim(batch, seed), random.Random(10_000 + seed), set()
+    for _ in range(steps):
+        s = t.current()
+        tried.add(s.delta)
+        lengths, dsteps, rs, stale = sim.step(s.delta)
+        f = max(0.05, 1 + rng.gauss(0.0, noise))
+        gen = (a * dsteps + b * rs) * f / 1e3
+        secs = gen + r * sum(lengths) * f / 1e3
+        if p is not None:
+            p.observe(s, secs, lengths, dsteps, gen)
+        t.record(secs, sum(lengths), stale)
+    lines = t.take_decisions()
+    return {"tried": sorted(tried), "final": t.incumbent.delta, "trial_share": t.trial_steps_run / steps,
+            "vetoed": [x for x in lines if "not trying" in x][:3]}
+
+
+def sim_table(seeds: int, steps_list: list[int], noises: list[float], margin: float = 0.05,
+              max_stale_share: float = 0.5) -> dict:
+    truth = sim_truth()
+    base = truth[0][1]
+    allowed = {d: c for d, (c, st) in truth.items() if st - base <= max_stale_share}
+    best = min(allowed, key=lambda d: allowed[d])
+    good = {d for d, c in allowed.items() if c <= allowed[best] * (1 + margin)}
+    rows = []
+    for steps in steps_list:
+        for noise in noises:
+            for planner in (True, False):
+                runs = [sim_run(seed, steps, noise, planner, margin=margin, max_stale_share=max_stale_share)
+                        for seed in range(seeds)]
+                rows.append({"steps": steps, "noise": noise, "planner": planner, "seeds": seeds,
+                             "never_tried_best": sum(best not in x["tried"] for x in runs),
+                             "final_good": sum(x["final"] in good for x in runs) / seeds,
+                             "final_by_delta": {str(d): sum(x["final"] == d for x in runs) for d in truth},
+                             "trial_share": statistics.mean(x["trial_share"] for x in runs),
+                             "trial_share_max": max(x["trial_share"] for x in runs),
+                             "a_veto": next((v for x in runs for v in x["vetoed"]), "")})
+                print(rows[-1], flush=True)
+    return {"truth": {str(d): {"ms_per_token": c, "saving": 1 - c / truth[0][0], "stale": st}
+                      for d, (c, st) in truth.items()},
+            "best": best, "good": sorted(good), "costs_ms": GPU_DECODE, "rows": rows}
+
+
+def sim_markdown(res: dict, command: str) -> str:
+    truth = res["truth"]
+    lines = [f"Command: `{command}` (pure Python, no models: the controller's statistics, not a machine's).", "",
+             "Truth (B = 16, log-normal lengths median 64, sigma 1, cap 512; a decode step costs "
+             f"{res['costs_ms'][0]} ms + {res['costs_ms'][1]} ms per row, {res['costs_ms'][2]} ms per trained token "
+             "outside decoding): " + "; ".join(f"Delta {d}: {v['saving']:+.1%} saving, {v['stale']:.0%} stale"
+                                               for d, v in truth.items())
+             + f". Best within the 50% stale budget: Delta {res['best']} (within the 5% margin: "
+             + ", ".join(f"Delta {d}" for d in res["good"]) + ").", "",
+             "| steps | noise | planner | runs that never tried the best Delta | final setting the best (within "
+             "the margin) | steps under trial (mean, max) | final Delta (runs) |", "|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        by = ", ".join(f"{d}: {n}" for d, n in r["final_by_delta"].items() if n)
+        lines.append(f"| {r['steps']} | {r['noise']:.0%} | {'yes' if r['planner'] else 'no'} | "
+                     f"{r['never_tried_best']} of {r['seeds']} | {r['final_good']:.0%} | {r['trial_share']:.1%}, "
+                     f"{r['trial_share_max']:.1%} | {by} |")
+    vetoes = [r["a_veto"] for r in res["rows"] if r["a_veto"]]
+    if vetoes:
+        lines += ["", "A veto line, as the run logs it:", "", f"    {vetoes[0]}"]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="benchmarks/controller_workloads")
-    p.add_argument("--steps", type=int, default=16, help="Steps per setting, the first untimed.")
+    p.add_argument("--steps", default="16", help="Steps per setting, the first untimed (--sim: steps per run, "
+                   "comma-separated for several).")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--only", default=None, help="Comma-separated substrings: the workloads to run.")
     p.add_argument("--table-only", action="store_true", help="Rewrite table.md from results.json and stop.")
     p.add_argument("--planner-only", action="store_true", help="Rerun the planner check on the runs under --out "
                    "(their metrics.jsonl), add it to results.json and table.md, and stop.")
+    p.add_argument("--sim", action="store_true", help="Run the controller simulation (no models; module docstring) "
+                   "and stop.")
+    p.add_argument("--seeds", type=int, default=40, help="--sim: runs per row.")
+    p.add_argument("--noise", default="0.03,0.1", help="--sim: the step-to-step noise levels (relative sd).")
     p.add_argument("overrides", nargs="*", help="section.key=value settings for every run.")
     a = p.parse_args(argv)
     out = Path(a.out)
+    if a.sim:
+        steps = [int(x) for x in str(a.steps).split(",")]
+        res = sim_table(a.seeds, steps, [float(x) for x in a.noise.split(",")])
+        command = "python benchmarks/controller_workloads.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "sim.json").write_text(json.dumps(res, indent=1))
+        (out / "sim.md").write_text(sim_markdown(res, command))
+        print(sim_markdown(res, command))
+        return
     if a.table_only or a.planner_only:
         results = json.loads((out / "results.json").read_text())
         if a.planner_only:
@@ -133,7 +301,7 @@ def main(argv=None) -> None:
     # run.steps: the controller plans its trials against the run's length (issue 43)
     base = load_config(None, [f"ppo.batch_size={B}", f"ppo.minibatch_size={B // 2}", f"ppo.micro_batch_size={B // 2}",
                               f"generation.max_new_tokens={a.max_new_tokens}", "log.progress=false", "run.samples=0",
-                              f"run.steps={a.steps}", *a.overrides])
+                              f"run.steps={int(a.steps)}", *a.overrides])
     labels = specs(B)
     results = {"machine": machine(), "command": "python benchmarks/controller_workloads.py "
                + " ".join(argv if argv is not None else sys.argv[1:]), "workloads": {}}
@@ -142,7 +310,7 @@ def main(argv=None) -> None:
             continue
         t0 = time.time()
         print(f"== {name}", flush=True)
-        recs = run_modes(base, list(labels.values()), a.steps, out / "runs" / wl.name.replace(" ", "_"),
+        recs = run_modes(base, list(labels.values()), int(a.steps), out / "runs" / wl.name.replace(" ", "_"),
                          progress=lambda s: print(s, file=sys.stderr, flush=True), lengths=wl)
         figs = {label: figures(recs[spec]) for label, spec in labels.items()}
         tuner_lines = [m.get("overlap/delta") for m in recs["oppo"]["metrics"]]

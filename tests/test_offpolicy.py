@@ -146,6 +146,33 @@ def test_mismatch_probe_by_hand():
     assert MismatchProbe.stats([0.0] * 6) == {}
 
 
+def test_mismatch_probe_removes_its_hook_when_its_update_ends():
+    """Issue 51: with one optimizer step per update (minibatch = batch, one epoch) the probe's step
+    hook was removed only by a forward after the step, which never came: 50 hooks after 50 updates.
+    Each update's probe, read at its end, leaves none; a forward after the step is still ignored."""
+    from oppo.learner.offpolicy import MismatchProbe
+
+    param = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.AdamW([param])
+    trainer, sampler = torch.tensor([[L(0.4)]]), torch.tensor([[L(0.2)]])
+    ones = torch.ones(1, 1)
+    for k in range(50):  # the update's pattern: forward, backward, its one step, then the stats
+        probe = MismatchProbe(opt, version=k)
+        probe.observe(trainer, sampler, torch.full((1, 1), k), ones)
+        param.grad = torch.ones(1)
+        opt.step()
+        assert probe.stepped
+        assert MismatchProbe.stats(probe.partial())["mismatch/tokens"] == 1
+    assert len(opt._optimizer_step_post_hooks) == 0
+    probe = MismatchProbe(opt, version=50)  # two steps in an update: the forward after the first is pi_51's
+    probe.observe(trainer, sampler, torch.full((1, 1), 50), ones)
+    opt.step()
+    probe.observe(trainer, sampler, torch.full((1, 1), 50), ones)
+    opt.step()
+    assert MismatchProbe.stats(probe.partial())["mismatch/tokens"] == 1
+    assert len(opt._optimizer_step_post_hooks) == 0
+
+
 def test_nothing_off_policy_changes_nothing():
     exp = _hand_experience()
     exp.versions.fill_(1)

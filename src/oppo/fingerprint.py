@@ -93,13 +93,34 @@ def prompts_fingerprint(prompt_set) -> str:
     prompt as the data set holds it (a text, or a conversation's messages), as tokenised (chat
     template applied, truncated) and the columns carried for the reward function and the judge.
     A resume's data position names a record by its index, so a line inserted, removed or edited
-    (or another template) would make it another record, with another record's columns."""
+    (or another template) would make it another record, with another record's columns.
+
+    Values are hashed in a canonical form (:func:`_canonical`): a set (say, a column of accepted
+    answers) by its sorted elements, at any depth, and a column's mappings by their keys, so the
+    fingerprint does not depend on ``PYTHONHASHSEED`` (issue 51: ``str()`` of a set printed it in
+    hash order, and a resume was refused or not by the seed). Strings, numbers, lists and dicts hash
+    as before, so runs saved earlier resume (a prompt's own dicts, a conversation's messages, keep
+    their order as before: the file's, not the hash seed's)."""
     h = hashlib.sha256()
-    h.update(json.dumps(prompt_set.raw or prompt_set.texts, default=str).encode())
+    h.update(json.dumps(prompt_set.raw or prompt_set.texts, default=_canonical).encode())
     h.update(json.dumps(prompt_set.ids).encode())
     for name in sorted(prompt_set.columns):
-        h.update(json.dumps([name, prompt_set.columns[name]], default=str, sort_keys=True).encode())
+        h.update(json.dumps([name, prompt_set.columns[name]], default=_canonical, sort_keys=True).encode())
     return f"{PROMPTS_SCHEME}:{h.hexdigest()}"
+
+
+def _canonical(x):
+    """``json.dumps``' ``default`` for what JSON cannot hold: a set or frozenset as the list of its
+    elements sorted by their canonical JSON, any other mapping as a dict (its keys sorted by the
+    caller's ``sort_keys``, or here), anything else as ``str()`` (what it was before). JSON calls it
+    again for what it returns, so the form is canonical at every depth."""
+    from collections.abc import Mapping
+
+    if isinstance(x, (set, frozenset)):
+        return sorted(x, key=lambda v: json.dumps(v, default=_canonical, sort_keys=True))
+    if isinstance(x, Mapping):
+        return {k: x[k] for k in sorted(x, key=lambda k: json.dumps(k, default=_canonical, sort_keys=True))}
+    return str(x)
 
 
 def chat_template_fingerprint(tok) -> str:

@@ -54,6 +54,7 @@ class Replicated:
                     continue
                 for t in list(model.parameters()) + list(model.buffers()):
                     dist.broadcast(t.data, src=0)
+        resolve_token_budget(learner, spec.gradient_checkpointing, world)
         return learner
 
     def update(self, learner: Learner, exp: Experience, step: int, rank: int, world: int, critic: bool
@@ -151,6 +152,54 @@ class _Shard:
     def check_done(self) -> None:
         if self.i != len(self.mbs):
             raise RuntimeError("internal error: the learner's loop skipped minibatches; dp_update must follow it")
+
+
+def resolve_token_budget(learner: Learner, checkpointing: bool, world: int,
+                         smallest: Callable[[int], int] | None = None, say: Callable[[str], None] | None = None) -> None:
+    """``ppo.micro_batch_tokens=-1`` resolved on a learner rank, for its own device, as the local
+    learner's is on the controller's (``budget.sized``: on CUDA a share of the free memory at start,
+    the budget alone cutting a minibatch; elsewhere no budget); sets ``learner.cfg``. Every rank must
+    cut the same micro-batches (data-parallel ranks pass over each other's; sharded ranks' forwards are
+    collectives), so the budget is the smallest of the ranks' (``smallest``: that reduction, one
+    all-reduce by default; a collective, so every rank calls this). Rank 0 logs it (``say``: stderr).
+    Before issue 51 the ranks kept -1, which means no budget: on CUDA, data-parallel and FSDP2 learners
+    cut minibatches by ``micro_batch_size`` alone."""
+    import dataclasses
+    import sys
+
+    from .budget import sized
+
+    if learner.cfg.micro_batch_tokens != -1:
+        return
+    lines: list[str] = []
+    ppo = sized(learner.cfg, [m for m in (learner.actor, learner.critic) if m is not None], checkpointing,
+                say=lines.append)
+    if world > 1:
+        agreed = (smallest or _smallest_over_ranks(learner.device))(ppo.micro_batch_tokens)
+        if agreed != ppo.micro_batch_tokens:
+            lines.append(f"micro-batches: up to {agreed} tokens each on every learner rank (the smallest of the "
+                         f"{world} ranks' budgets)")
+        ppo = dataclasses.replace(ppo, micro_batch_tokens=agreed)
+    learner.cfg = ppo
+    if say is None:
+        import torch.distributed as dist
+
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return
+        say = lambda line: print(f"oppo: {line}", file=sys.stderr)  # noqa: E731
+    for line in lines:
+        say(line)
+
+
+def _smallest_over_ranks(device: torch.device) -> Callable[[int], int]:
+    import torch.distributed as dist
+
+    def smallest(n: int) -> int:
+        t = torch.tensor([n], dtype=torch.long, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())  # CPU-GPU sync point (once, at build)
+
+    return smallest
 
 
 def any_rank(world: int, device: torch.device) -> Callable[[bool], bool] | None:

@@ -20,7 +20,7 @@ import torch
 from .batch import CriticBatch, Experience, old_logprob_targets, padding_stats, rank_of, row_lengths
 from .local import Learner, train_minibatches, critic_micro_step
 from .offpolicy import MismatchProbe
-from .dp import any_rank, merge_rank_stats
+from .dp import any_rank, merge_rank_stats, resolve_token_budget
 from .group import LearnerSpec
 
 _ZERO_WEIGHT = float("inf")  # a micro-step's loss denominators for weight 0: every gradient is exactly 0
@@ -236,7 +236,9 @@ class Sharded:
     def build(self, spec: LearnerSpec, world: int, mesh_device: str) -> Learner:
         from torch.distributed.device_mesh import init_device_mesh
 
-        return build_sharded(spec, init_device_mesh(mesh_device, (world,)))
+        learner = build_sharded(spec, init_device_mesh(mesh_device, (world,)))
+        resolve_token_budget(learner, spec.gradient_checkpointing, world)  # (ppo.micro_batch_tokens=-1)
+        return learner
 
     def update(self, learner: Learner, exp: Experience, step: int, rank: int, world: int, critic: bool
                ) -> dict[str, float]:

@@ -24,7 +24,7 @@ version stale while its sequence's lag is 0, so the two are reported apart.
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -130,14 +130,16 @@ class MismatchProbe:
     - ``mismatch/tokens``: N.
 
     ``observe`` accumulates sums (tensors: no sync per micro-batch); data-parallel ranks merge
-    theirs with :meth:`merge` before :meth:`stats`.
+    theirs with :meth:`merge` before :meth:`stats`. :meth:`partial`, read once at the update's end,
+    ends the probe: it removes the optimizer hook that tells it a step was taken (:meth:`close`).
+    Before issue 51 the hook was removed only by an ``observe`` after a step, so with one optimizer
+    step per update (minibatch = batch, one epoch) every update left one behind: 50 after 50 updates.
     """
 
     def __init__(self, opt: torch.optim.Optimizer, version: int):
         self.opt, self.version = opt, version
         self.stepped = False  # the update has taken an optimizer step (a hook sets it: no read of AdamW's step)
-        hook = opt.register_step_post_hook(lambda *_: setattr(self, "stepped", True))
-        self._unhook = hook.remove
+        self._hook: Any = opt.register_step_post_hook(lambda *_: setattr(self, "stepped", True))
         self._sums: list[torch.Tensor] = []  # per micro-batch: [n, sum|d|, max|d|, sum k3, sum w, sum w^2]
 
     @torch.no_grad()
@@ -147,7 +149,7 @@ class MismatchProbe:
         [b, T]. Ignored once the update has taken an optimizer step. Masked sums, not a boolean
         selection: no read of a device value (a selection's size is one)."""
         if self.stepped:
-            self._unhook()
+            self.close()
             return
         sel = ((mask > 0) & (versions == self.version)).double()  # [b, T]
         d = (trainer_logprobs.detach().double() - sampler_logprobs.double()) * sel  # [b, T], 0 off the selection
@@ -156,8 +158,17 @@ class MismatchProbe:
         self._sums.append(torch.stack([sel.sum(), a.sum(), a.max() if a.numel() else a.new_zeros(()),
                                        ((w - 1 - d) * sel).sum(), (w * sel).sum(), (w * w * sel).sum()]))
 
+    def close(self) -> None:
+        """Remove the optimizer hook and ignore later forwards (idempotent): the update has ended."""
+        self.stepped = True
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
     def partial(self) -> list[float]:
-        """This process's sums: [n, sum|d|, max|d|, sum k3, sum w, sum w^2]."""
+        """This process's sums: [n, sum|d|, max|d|, sum k3, sum w, sum w^2]. Read at the update's end: it
+        closes the probe (:meth:`close`)."""
+        self.close()
         if not self._sums:
             return [0.0] * 6
         s = torch.stack(self._sums)  # [m, 6]

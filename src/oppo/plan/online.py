@@ -15,9 +15,17 @@ are stale.
 What it does not know, and so does not guess: a chunk setting it has not seen run (whether
 streaming pays depends on whether the scorers share the actor's hardware: measured, not
 predicted), and groups (``algo.group_size > 1``). The split of a decode step's cost between the
-step (``a``) and its rows (``b``) is fitted once two row counts have run; before that it assumes
-half of the cost is per row (the middle of a CPU's per-call-bound and a GPU's per-row-bound
-decode). The controller uses only ratios of two predictions, so a bias common to both cancels.
+step (``a``) and its rows (``b``) is fitted, by least squares over the steps' measured seconds per
+decode step against their rows per decode step, once two row counts (two Deltas) have run; each
+Delta keeps its own window of measures, so a Delta tried once stays in the fit while another holds.
+Before that the split is not known: the prediction (:class:`~oppo.tuner.Prediction`) is made at
+half per row (the middle of a per-call-bound decode, a GPU's, and a per-row-bound one) and says
+that it is not fitted, and carries the costs under the two extreme splits (all per step, all per
+row), so that the controller rules a setting out only if it loses under every split the measures
+allow (issue 51: a GPU's per-call decode made the half-and-half prior predict half of a larger
+Delta's saving, that Delta was never tried, and the prior was never corrected). The rows per
+decode step come from the replay of the measured lengths (the engine does not count them). The
+controller uses only ratios of two predictions, so a bias common to both cancels.
 """
 
 from __future__ import annotations
@@ -84,9 +92,11 @@ class OnlinePlanner:
             raise ValueError(f"batch and window must be >= 1 and max_lag >= 0, got {batch}, {max_lag}, {window}")
         self.batch, self.max_lag = batch, max_lag
         self.lengths: deque[list[int]] = deque(maxlen=window)  # the last steps' trained lengths
-        self.decode: deque[tuple[int, float]] = deque(maxlen=4 * window)  # (Delta, seconds per decode step)
+        self.window = window
+        self.decode: dict[int, deque[float]] = {}  # Delta -> its last steps' seconds per decode step
         self.rest: dict[int, deque[float]] = {}  # chunk -> seconds per trained token outside decoding
         self._cache: dict[Setting, Prediction | None] = {}
+        self._replays: dict[int, tuple[float, float, float, float]] = {}
 
     def observe(self, setting: Setting, seconds: float, lengths: list[int], decode_steps: float,
                 generate_s: float) -> None:
@@ -95,31 +105,54 @@ class OnlinePlanner:
         if not lengths or decode_steps <= 0 or generate_s <= 0 or seconds < generate_s:
             return  # nothing to learn from (a step with no decoding: everything was carried in)
         self.lengths.append([int(n) for n in lengths])
-        self.decode.append((setting.delta, generate_s / decode_steps))
+        self.decode.setdefault(setting.delta, deque(maxlen=self.window)).append(generate_s / decode_steps)
         self.rest.setdefault(setting.chunk, deque(maxlen=self.lengths.maxlen)).append(
             (seconds - generate_s) / sum(lengths))
         self._cache.clear()
+        self._replays.clear()
 
     def _replay(self, delta: int) -> tuple[float, float, float, float]:
-        return replay_carry([n for step in self.lengths for n in step], self.batch, delta, self.max_lag)
+        if delta not in self._replays:  # (cleared with the predictions: the lengths changed)
+            self._replays[delta] = replay_carry([n for step in self.lengths for n in step], self.batch, delta,
+                                                self.max_lag)
+        return self._replays[delta]
 
     def _rows(self, delta: int) -> float:
         """Rows decoding in a mean decode step at ``delta`` (fewer than B + Delta: rows finish)."""
         d, rs, _, _ = self._replay(delta)
         return rs / d if d else float(self.batch + delta)
 
-    def _decode_cost(self) -> tuple[float, float]:
-        """(a, b): seconds per decode step = a + b * rows; least squares once two row counts ran."""
-        rows = {d: self._rows(d) for d in {d for d, _ in self.decode}}
-        xs = [rows[d] for d, _ in self.decode]
-        ys = [c for _, c in self.decode]
-        if len(set(xs)) >= 2:
+    @property
+    def fitted(self) -> bool:
+        """The decode model is fitted from the run's own measures: two distinct row counts have run."""
+        return len({round(self._rows(d), 6) for d in self.decode}) >= 2
+
+    def _decode_models(self) -> list[tuple[float, float]]:
+        """The decode models the measures allow, each (a, b): seconds per decode step = a + b * rows.
+        Fitted (two row counts): the one least-squares fit. Not fitted: half per row (the prior),
+        then the two extremes, all per step and all per row (module docstring)."""
+        xs = [self._rows(d) for d, cs in self.decode.items() for _ in cs]
+        ys = [c for cs in self.decode.values() for c in cs]
+        if len(set(round(x, 6) for x in xs)) >= 2:
             mx, my = statistics.fmean(xs), statistics.fmean(ys)
             b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
             b = max(b, 0.0)
-            return max(my - b * mx, 0.0), b
+            return [(max(my - b * mx, 0.0), b)]
         c = statistics.median(ys)
-        return c / 2, c / 2 / xs[0]  # half of it per row until a second row count has run (docstring)
+        return [(c / 2, c / 2 / xs[0]), (c, 0.0), (0.0, c / xs[0])]
+
+    def decode_model(self) -> str:
+        """The decode model in words, for the controller's log."""
+        models = self._decode_models()
+        if not self.decode:
+            return "no decode step measured"
+        a, b = models[0]
+        if self.fitted:
+            rows = ", ".join(f"{self._rows(d):.1f} (Delta {d}, {len(cs)} steps)" for d, cs in sorted(self.decode.items()))
+            return f"decode step {1e3 * a:.3g} ms + {1e3 * b:.3g} ms per row, fitted at rows {rows}"
+        (d, cs), = self.decode.items()
+        return (f"decode model not fitted (one row count measured: {self._rows(d):.1f} rows at Delta {d}, "
+                f"{len(cs)} steps); half per row assumed")
 
     def predict(self, s: Setting) -> Prediction | None:
         if s in self._cache:
@@ -127,7 +160,9 @@ class OnlinePlanner:
         out = None
         if self.decode and s.chunk in self.rest:
             d, rs, tok, stale = self._replay(s.delta)
-            a, b = self._decode_cost()
-            out = Prediction((a * d + b * rs) / tok + statistics.median(self.rest[s.chunk]), stale)
+            rest = statistics.median(self.rest[s.chunk])
+            costs = [(a * d + b * rs) / tok + rest for a, b in self._decode_models()]
+            out = Prediction(costs[0], stale, fitted=len(costs) == 1, extremes=tuple(costs[1:]),
+                             basis=self.decode_model())
         self._cache[s] = out
         return out

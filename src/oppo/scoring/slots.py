@@ -130,9 +130,12 @@ class SlotKV:
 
     # ------------------------------------------------------------------ prefill and chunks
 
-    def admit(self, backbone: torch.nn.Module, prompts: list[list[int]], pad_id: int) -> torch.Tensor:
+    def admit(self, backbone: torch.nn.Module, prompts: list[list[int]], pad_id: int,
+              at: list[int] | None = None) -> torch.Tensor:
         """Prefill ``prompts`` into free slots (appended after the current rows); return each
-        one's last hidden state [R, H]. One eager forward of bucketed rows x width."""
+        one's hidden state [R, H] at index ``at`` of its prompt (None: its last token; a reward
+        scorer asks for its scored token, ``streaming.scored_index``). One eager forward of
+        bucketed rows x width."""
         from transformers import DynamicCache
 
         R, P = len(prompts), max(len(p) for p in prompts)
@@ -160,7 +163,8 @@ class SlotKV:
         for s, p in zip(slots, prompts):
             self.pos[s] = len(p)
         self.slot_of.extend(slots)
-        last = torch.tensor([len(p) - 1 for p in prompts], dtype=torch.long).to(self.device, non_blocking=True)
+        last = torch.tensor([len(p) - 1 for p in prompts] if at is None else at,
+                            dtype=torch.long).to(self.device, non_blocking=True)
         return out.last_hidden_state[:R].gather(1, last[:, None, None].expand(R, 1, out.last_hidden_state.shape[-1]))[:, 0]
 
     def feed(self, backbone: torch.nn.Module, rows: list[int], seqs: list[list[int]], pad_id: int

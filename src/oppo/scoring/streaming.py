@@ -6,7 +6,17 @@ sequence,
 
     ref_logprobs[t] = log softmax(lm_head(h_{P+t-1}) / temperature)[a_t]
     values[t]       = value_head(h_{P+t-1})          (the state before a_t is sampled)
-    score           = score_head(h_{P+T-1})          (at the last response token: EOS if it ended)
+    score           = score_head(h_s)                (s: the last token of prompt + response that is
+                                                      not the reward model's pad token)
+
+The score is read where the reward model's own Hugging Face forward reads it
+(``GenericForSequenceClassification.forward``, ``LlamaForSequenceClassification``: the rightmost
+token that is not ``config.pad_token_id``; the last token when it has none), because that is the
+position reward models are trained to score (TRL's reward trainer calls that forward). With pad !=
+EOS that is the EOS of a response that ended by itself, or the last token of a truncated one; with
+pad = EOS (many instruct models) it is the token before a final EOS, which the model's forward
+never scores. ``s`` is found per sequence by :func:`scored_index` from the model's config
+(:func:`reward_pad_id`), not from the pad id the scorer pads chunks with (the policy tokenizer's).
 
 The one-shot path runs one forward over whole sequences packed end to end (``forward.row_plan``). The
 streaming path (:class:`StreamingScorer`) keeps a KV cache per sequence: it prefills the prompt
@@ -25,18 +35,39 @@ of a gather of the cache per round. Left padding is harmless (it shifts a whole 
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Literal, Mapping
+from typing import Callable, Literal, Mapping, Sequence
 
 import torch
 
 from ..api.records import ScoredOutputs
 from ..kv import KVRows, left_pad, right_pad
-from ..models import backbone_and_head, uses_sliding_window
+from ..models import backbone_and_head, text_config, uses_sliding_window
 from ..forward import full_hidden, head_logprobs, packed_hidden, row_plan, uses_buckets
 from .slots import SlotKV, slots_suit
 from ..forward import sequence_batch  # noqa: F401  (re-exported: benchmarks/nan_probe.py imports it from here)
 
 Kind = Literal["reward", "reference", "critic"]
+
+
+def reward_pad_id(model) -> int | None:
+    """The token a sequence classifier's own forward skips when it picks the position to score:
+    its (text) config's ``pad_token_id`` (module docstring); None: it scores the last token."""
+    pad = getattr(text_config(model.config), "pad_token_id", None)
+    return None if pad is None else int(pad)
+
+
+def scored_index(tokens: Sequence[int], pad: int | None, fallback: int = 0) -> int:
+    """Index in ``tokens`` of the rightmost token that is not ``pad`` (the last one when ``pad`` is
+    None), ``fallback`` when there is none: Hugging Face's ``last_non_pad_token`` (its argmax over
+    an all-pad row gives 0). Scans from the right: one or two steps for a response."""
+    if pad is None:
+        return len(tokens) - 1 if tokens else fallback
+    for j in range(len(tokens) - 1, -1, -1):
+        if tokens[j] != pad:
+            return j
+    return fallback
+
+
 def _per_token(kind: Kind, head: torch.nn.Module, pre: torch.Tensor, tokens: torch.Tensor,
                temperature: float) -> torch.Tensor:
     """Head outputs for hidden states ``pre`` [R, C, H] that predict ``tokens`` [R, C] -> [R, C]."""
@@ -62,7 +93,8 @@ def score_full(kind: Kind, model, prompts: list[list[int]], responses: list[list
     """One-shot scoring of whole sequences (the sequential mode's scorer): one forward over them
     packed end to end where the model can (``forward.row_plan``; ``packing``: ``ppo.packing``, None:
     the model's own, ``forward.set_packing``),
-    the head run on the response tokens (the reward head on each last token) only."""
+    the head run on the response tokens (the reward head on each sequence's scored token,
+    :func:`scored_index`) only."""
     device = next(model.parameters()).device
     backbone, head = backbone_and_head(model)
     seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]
@@ -73,8 +105,9 @@ def score_full(kind: Kind, model, prompts: list[list[int]], responses: list[list
     hidden = packed_hidden(backbone, layout, source, first, pad_id)  # [rows * width, H]
     start = torch.tensor(layout.start, device=device)  # [R]
     if kind == "reward":
-        last = start + torch.tensor(n, device=device) - 1  # [R] the last response token
-        return [ScoredOutputs(score=s) for s in head(hidden[last]).float().squeeze(-1).tolist()]
+        pad = reward_pad_id(model)
+        scored = start + torch.tensor([scored_index(x, pad) for x in seqs], device=device)  # [R] the scored token
+        return [ScoredOutputs(score=s) for s in head(hidden[scored]).float().squeeze(-1).tolist()]
     T = [len(r) for r in responses]
     t = torch.tensor(T, device=device)
     seq = torch.repeat_interleave(torch.arange(len(seqs), device=device), t)  # [N] owner of each response token
@@ -96,10 +129,16 @@ class StreamingScorer:
     ``admit`` prefills prompts; ``feed`` prefills the chunks on hand in one batched forward; a
     final chunk completes the sequence, frees its cache rows and makes its outputs available
     from ``take_done``.
+
+    ``prev_hidden`` holds, per row, the hidden state the next outputs need: for the reference and
+    the critic that of the last token fed (it predicts the next chunk's first token); for the reward,
+    that of the last token fed that is not the reward model's pad token (module docstring), so a
+    final EOS that is its pad token leaves the row's score at the token before it.
     """
 
     def __init__(self, kind: Kind, model, pad_id: int, temperature: float = 1.0):
         self.kind, self.model, self.pad_id, self.temperature = kind, model, pad_id, temperature
+        self.score_pad = reward_pad_id(model) if kind == "reward" else None  # (reward: the token its forward skips)
         self.backbone, self.head = backbone_and_head(model)
         self.device = next(model.parameters()).device
         self.contiguous = uses_sliding_window(model)  # no holes in the cache (module docstring)
@@ -122,12 +161,18 @@ class StreamingScorer:
     def admit(self, uids: list[int], prompts: list[list[int]]) -> None:
         if not uids:
             return
+        # the prompt token whose hidden state each row carries (module docstring; reward: its scored
+        # token so far, the first when every prompt token is pad, as Hugging Face's argmax gives)
+        at = ([scored_index(p, self.score_pad) for p in prompts] if self.kind == "reward"
+              else [len(p) - 1 for p in prompts])
         if isinstance(self.kv, SlotKV):
-            last = self.kv.admit(self.backbone, prompts, self.pad_id)  # [R, H]
+            last = self.kv.admit(self.backbone, prompts, self.pad_id, at)  # [R, H]
         else:
             kv = KVRows(self.device)
             ids, valid = left_pad(prompts, self.pad_id, self.device)
-            last = kv.forward(self.backbone, ids, valid)[:, -1]  # [R, H]
+            hidden = kv.forward(self.backbone, ids, valid)  # [R, P, H] left-padded
+            col = torch.tensor([ids.shape[1] - len(p) + j for p, j in zip(prompts, at)], device=self.device)  # [R]
+            last = hidden[torch.arange(len(prompts), device=self.device), col]  # [R, H]
             self.kv.merge(kv)
         self.uids.extend(uids)
         self.prev_hidden = last if self.prev_hidden.numel() == 0 else torch.cat([self.prev_hidden, last])
@@ -158,8 +203,16 @@ class StreamingScorer:
                 for j, i in enumerate(sel):
                     out = self.outputs[self.uids[i]]
                     (out.logprobs if self.kind == "reference" else out.values).extend(per_tok[j][: len(seqs[j])])
-            last = hidden[torch.arange(len(sel), device=self.device), lens - 1]  # [S, H]
-            self.prev_hidden = self.prev_hidden.index_copy(0, rows, last)
+            if self.kind != "reward":
+                last = hidden[torch.arange(len(sel), device=self.device), lens - 1]  # [S, H]
+                self.prev_hidden = self.prev_hidden.index_copy(0, rows, last)
+            else:  # the chunk's rightmost token that is not the reward model's pad, where it has one
+                at = [scored_index(x, self.score_pad, -1) for x in seqs]
+                has = [j for j, k in enumerate(at) if k >= 0]
+                if has:
+                    pick = torch.tensor(has, dtype=torch.long, device=self.device)  # [S']
+                    cols = torch.tensor([at[j] for j in has], dtype=torch.long, device=self.device)  # [S']
+                    self.prev_hidden = self.prev_hidden.index_copy(0, rows.index_select(0, pick), hidden[pick, cols])
         finals = [i for i, u in enumerate(self.uids) if u in chunks and chunks[u][1]]
         if finals:
             if self.kind == "reward":
