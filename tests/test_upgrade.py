@@ -139,7 +139,7 @@ def test_tuner_state_format_1_upgraded():
     assert v1["format"] == "oppo.overlap_tuner/1"
     t = OverlapTuner(v1["config"]["deltas"], v1["config"]["chunks"], trial_steps=2, retune_every=50)
     t.load_state_dict(v1)
-    assert (t.incumbent.delta, t.incumbent.chunk, t.step) == (2, 4, 2)
+    assert (t.incumbent.delta, t.incumbent.chunk, t.step, t.phase) == (2, 16, 2, "measure") and len(t._costs) == 1
     mid = {**v1, "config": _tuner()._config(), "incumbent": [0, 4], "cost": 1e-3, "base_stale": 0.0, "phase": "up",
            "trial": [1, 4], "plan": [["chunk", 0, 0]], "challenger": [[1, 4], 0.1, 0.0], "costs": [1e-3],
            "stale": [0.1], "held": [], "warm": 0, "ran": [1, 4], "rounds": 1}
