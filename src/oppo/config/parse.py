@@ -94,9 +94,9 @@ def upgrade_settings(d: dict) -> dict:
     lacks at their value before the change (what the run ran with). ``d`` is unchanged."""
     out = {k: dict(v) if isinstance(v, dict) else v for k, v in d.items()}
     for changed in CHANGED_DEFAULTS:  # saved before the setting existed: the run did what the old default does
-        section, leaf = changed.key.split(".")
-        if isinstance(out.get(section), dict) and leaf not in out[section]:
-            out[section][leaf] = changed.before
+        within, leaf = changed.key.split(".")
+        if isinstance(out.get(within), dict) and leaf not in out[within]:
+            out[within][leaf] = changed.before
     placed = out["placement"] if isinstance(out.get("placement"), dict) else {}
     learner = placed.get("learner") or placed.get("learner_sharding") or "replicate"
     for old, new in MOVED.items():
