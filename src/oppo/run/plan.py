@@ -80,10 +80,10 @@ def plan_run(cfg: Config, resume: str | None = None, inputs: Inputs | None = Non
     """Decide the run directory and the checkpoint, and run every check that needs no model.
     ``inputs``: the objects given in place of paths (``cfg`` holds their markers: ``inputs.split_inputs``).
 
-    Writes nothing. A resume goes on with the checkpoint's values of the defaults changed since it
-    was saved (:attr:`RunPlan.cfg`, each said on stderr). Raises :class:`~oppo.preflight.PreflightError` listing every problem found:
+    Writes nothing. Raises :class:`~oppo.preflight.PreflightError` listing every problem found:
     the run directory's, the checkpoint's and the inputs' (:func:`oppo.preflight.input_problems`,
-    which validates the settings).
+    which validates the settings). A resume goes on with the checkpoint's values of the defaults
+    changed since it was saved (:attr:`RunPlan.cfg`, each said on stderr).
     """
     out = Path(cfg.run.out_dir).expanduser()
     link = out if is_link(out) else None

@@ -5,6 +5,7 @@ of ``run.steps``."""
 
 from __future__ import annotations
 
+import json
 import shlex
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ from ..config import Config, resumed_config, to_dict
 from ..formats import FormatError
 from ..inputs import keyword_of
 from ..marker import is_marker
+from ..tuner import check_format
 
 
 def _fmt(v) -> str:
@@ -69,10 +71,6 @@ def resumed_settings(cfg: Config, ckpt: Path) -> Config:
 def _format_problems(ckpt: Path, arg: str) -> list[str]:
     """The saved state a format this release cannot read (``formats.FormatError``), found from
     ``state.json`` alone, before any model loads."""
-    import json
-
-    from ..tuner import check_format
-
     tuner = json.loads((ckpt / "state.json").read_text()).get("tuner")
     try:
         if isinstance(tuner, dict) and "format" in tuner:  # (the cost rule's; the reward-slope rule's has none)
