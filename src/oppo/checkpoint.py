@@ -251,12 +251,16 @@ def load_checkpoint(trainer, ckpt: Path) -> None:
     if not (ckpt / "state.json").is_file():
         raise FileNotFoundError(f"{ckpt} is not a complete checkpoint (no state.json). Give a step_* directory "
                                 f"under {CKPT_DIR}/, or --resume auto.")
+    from .formats import FormatError
     from .models import ModelLoadError
 
     try:
         _load(trainer, ckpt)
     except ModelLoadError:  # (weights of another shape: its own message names the checkpoint and the fix)
         raise
+    except FormatError as e:  # (a resume finds it before any model loads: run.resume; this is Trainer's own load)
+        raise CheckpointError(f"cannot resume from {ckpt}: {e}. To go on with this release instead, start a new run "
+                              f"from its weights (policy.path={ckpt / 'policy'}, no --resume).") from e
     except Exception as e:  # a damaged file (an old checkpoint has no manifest to find it before this)
         raise CheckpointError(f"could not load checkpoint {ckpt}: {type(e).__name__}: {str(e).strip()[:500]}. "
                               f"Resume from an earlier checkpoint beside it ({ckpt.parent}) if there is one.") from e

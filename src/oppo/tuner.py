@@ -68,11 +68,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .formats import FormatError, upgraded
 from .scheduler.records import StepTiming
 
 __all__ = ["OverlapTuner", "Prediction", "Setting", "TunedDelta", "delta_ladder"]
 
-_FORMAT = "oppo.overlap_tuner/2"
+_NAME, _VERSION = "oppo.overlap_tuner", 2
+_FORMAT = f"{_NAME}/{_VERSION}"  # a change of state_dict's shape bumps it and adds an upgrade (_UPGRADES)
 _Z = 1.5  # standard errors that count as decided (a trial) ...
 _Z_DRIFT = 3.0  # ... and as a drift (a hold: checked every step, so a false alarm must be rare)
 _DRIFT_WINDOW = 4  # the hold's last steps whose median is checked for drift
@@ -583,12 +585,11 @@ class OverlapTuner:
                 "ran": s(self._ran)}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
-        """Resume from :meth:`state_dict`. The next step is a warm-up (not measured): a resumed run's
-        first step pays one-off costs (the carried rows' prefill, cold caches) that are not the setting's."""
-        if d.get("format") != _FORMAT:
-            raise ValueError("the checkpoint's overlap state was written by the reward-slope rule or an older "
-                             "oppo; resume with the settings it was written with (overlap.delta_rule=reward_slope), "
-                             "or start the run again")
+        """Resume from :meth:`state_dict`, of this format or an older one (upgraded on load:
+        :data:`_UPGRADES`). The next step is a warm-up (not measured): a resumed run's first step
+        pays one-off costs (the carried rows' prefill, cold caches) that are not the setting's."""
+        d = upgraded("the checkpoint's overlap controller state (overlap.delta_rule=cost)", d, _version(d), _VERSION,
+                     _UPGRADES)
         if d["config"] != self._config():
             raise ValueError(f"the checkpoint's overlap controller was built with {d['config']} but this run's is "
                              f"{self._config()}; resume with the same overlap settings")
@@ -611,6 +612,45 @@ class OverlapTuner:
         if self.tunes:
             self._keep_last = d["warm"] == 0
             self._warm = max(d["warm"], 1)
+
+
+def check_format(d: dict[str, Any]) -> None:
+    """Raise :class:`~oppo.formats.FormatError` unless :meth:`OverlapTuner.load_state_dict` reads
+    ``d``'s format (this one, or an older one it upgrades): a resume checks it before any model loads."""
+    upgraded("the checkpoint's overlap controller state", {}, _version(d), _VERSION, {v: dict for v in _UPGRADES})
+
+
+def _version(d: dict[str, Any]) -> int:
+    """The format version of a saved :meth:`OverlapTuner.state_dict` (``oppo.overlap_tuner/N``)."""
+    name, _, version = str(d.get("format")).rpartition("/")
+    if name != _NAME or not version.isdigit():
+        # (the settings check before any model loads refuses another delta_rule: this is a damaged file, or state
+        # handed to load_state_dict by hand)
+        raise FormatError(f"the checkpoint's overlap controller state is not the cost rule's (format "
+                          f"{d.get('format')!r}, expected {_FORMAT}); the checkpoint was written with another "
+                          f"overlap.delta_rule or is damaged")
+    return int(version)
+
+
+def _from_v1(d: dict[str, Any]) -> dict[str, Any]:
+    """Format 1 (oppo before 9924323, the confirmed trials) -> 2. The setting in force (the
+    incumbent), its cost, the off-policy share at the lowest Delta, a hold's measures, the step and
+    round counts carry over. A trial or confirmation in progress has no counterpart (format 2
+    judges a trial against other figures and confirms every kept move), so it is dropped: the
+    incumbent is measured again and the round starts afresh, as after a retune. What format 2 added
+    starts empty (the measured spread is measured again)."""
+    holds = d["phase"] == "hold"
+    measuring = d["phase"] == "measure"
+    return {**d, "format": f"{_NAME}/2", "phase": d["phase"] if holds or measuring else "measure",
+            "kind": "", "trial": None, "challenger": None, "plan": [],
+            "costs": list(d["costs"]) if measuring else [], "stale": list(d["stale"]) if measuring else [],
+            "trial_costs": [], "trial_stale": 0.0, "before": [], "held": list(d["held"]) if holds else [],
+            "diffs": [], "last": None, "hold_len": d["config"]["retune_every"], "pred": None, "last_decision": {},
+            "short_said": False, "changed": False}
+
+
+_UPGRADES = {1: _from_v1}
+"""Upgrades of :meth:`OverlapTuner.state_dict` by the format they read (v -> v + 1): ``formats.upgraded``."""
 
 
 class TunedDelta:

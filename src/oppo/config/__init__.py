@@ -9,14 +9,15 @@ never rewrites a value behind the user's back. Derived sizes are computed once, 
 """
 
 from .help import help_text
-from .parse import MOVED, from_dict, load_config, resolved_settings, to_dict, upgrade_settings, with_overrides
+from .parse import (CHANGED_DEFAULTS, MOVED, ChangedDefault, from_dict, load_config, resolved_settings, resumed_config,
+                    to_dict, upgrade_settings, user_set, with_overrides)
 from .schema import (MODES, TASK_PRESETS, AlgoConfig, Config, ConfigError, CriticConfig, DataConfig,
                      GenerationConfig, LogConfig, LoraConfig, OverlapConfig, PlacementConfig, PolicyConfig,
                      PPOConfig, ReferenceConfig, RewardConfig, RunConfig, all_keys, choices_of, fields_of, opt, sections)
 from .validate import validate
 
-__all__ = ["MODES", "MOVED", "TASK_PRESETS", "AlgoConfig", "Config", "ConfigError", "CriticConfig", "DataConfig",
+__all__ = ["CHANGED_DEFAULTS", "MODES", "MOVED", "ChangedDefault", "TASK_PRESETS", "AlgoConfig", "Config", "ConfigError", "CriticConfig", "DataConfig",
            "GenerationConfig", "LogConfig", "LoraConfig", "OverlapConfig", "PlacementConfig", "PolicyConfig",
            "PPOConfig", "ReferenceConfig", "RewardConfig", "RunConfig", "all_keys", "choices_of", "from_dict",
-           "fields_of", "help_text", "load_config", "opt", "resolved_settings", "sections", "to_dict", "upgrade_settings",
-           "validate", "with_overrides"]
+           "fields_of", "help_text", "load_config", "opt", "resolved_settings", "resumed_config", "sections", "to_dict",
+           "upgrade_settings", "user_set", "validate", "with_overrides"]

@@ -68,12 +68,38 @@ MOVED = {"overlap.scorer_process": "placement.local.scorer_process",
          "algo.std_normalize": "algo.grpo.std_normalize"}
 
 
+@dataclasses.dataclass(frozen=True)
+class ChangedDefault:
+    """A setting whose default changed: a run saved before the change ran with ``before`` unless
+    its settings say otherwise (a saved config without the key: ``before``)."""
+
+    key: str
+    before: Any
+    now: Any
+    since: str  # the change, as a reader finds it in the history
+
+
+# Defaults that changed (docs/checkpoints.md). A resume takes the checkpoint's own value of each where the
+# user does not set it (resumed_config): a changed default is not a changed setting. A setting added with a
+# default that behaves as the releases before it did needs no entry; one whose default changes what an
+# older run did (delta_rule: the older runs ran the paper's rule) does.
+CHANGED_DEFAULTS: tuple[ChangedDefault, ...] = (
+    ChangedDefault("overlap.delta_rule", "reward_slope", "cost", "f2fb8ba (issue 34): the cost-aware overlap "
+                   "controller"),
+    ChangedDefault("ppo.micro_batch_tokens", 0, -1, "cc1419d (issue 46): a token budget from the device's free "
+                   "memory on CUDA"),
+)
+
+
 def upgrade_settings(d: dict) -> dict:
     """A saved config dict (nested sections) with the keys of :data:`MOVED` under their new names
-    (a value already under the new name wins). ``d`` is unchanged."""
+    (a value already under the new name wins), and the settings of :data:`CHANGED_DEFAULTS` that it
+    lacks at their value before the change (what the run ran with). ``d`` is unchanged."""
     out = {k: dict(v) if isinstance(v, dict) else v for k, v in d.items()}
-    if isinstance(out.get("overlap"), dict) and "delta_rule" not in out["overlap"]:
-        out["overlap"]["delta_rule"] = "reward_slope"  # saved before the cost rule existed: it ran the paper's
+    for changed in CHANGED_DEFAULTS:  # saved before the setting existed: the run did what the old default does
+        within, leaf = changed.key.split(".")
+        if isinstance(out.get(within), dict) and leaf not in out[within]:
+            out[within][leaf] = changed.before
     algo = out.get("algo")
     if isinstance(algo, dict) and isinstance(algo.get("settings"), dict):  # before issue 52: one mapping
         own = algo.pop("settings")
@@ -295,6 +321,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     for key, value, source in items:
         _set(cfg, key, value, source)
         explicit.add(key)
+    cfg.__dict__[_EXPLICIT] = frozenset(explicit)  # (a resume tells a changed default from the user's value)
     if cfg.uses_builtin_task:
         for key, value in TASK_PRESETS.get(cfg.data.task, {}).items():
             if key not in explicit:
@@ -310,6 +337,8 @@ def with_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Confi
     _refuse_unknown(out, [(key, raw or None, "the command line") for key, raw in pairs])
     for key, raw in pairs:
         _set(out, key, _parse_override(out, key, raw), "the command line")
+    if _EXPLICIT in out.__dict__:
+        out.__dict__[_EXPLICIT] = out.__dict__[_EXPLICIT] | {key for key, _ in pairs}
     return validate_once(out)
 
 
@@ -369,6 +398,51 @@ def from_dict(d: dict) -> Config:
     for key, value in _flatten(upgrade_settings(d)).items():
         _set(cfg, key, value, "a saved config")
     return validate_once(cfg)
+
+
+_EXPLICIT = "_explicit"  # the keys a file or an override set (load_config, with_overrides); absent: built in code
+
+
+def user_set(cfg: Config, key: str) -> bool:
+    """Whether ``key`` (``section.field``) holds a value the user gave: set by a recipe, a file or an
+    override (:func:`load_config`); for a Config built in code, a value other than the default."""
+    explicit = cfg.__dict__.get(_EXPLICIT)
+    if explicit is not None:
+        return key in explicit
+    found, default = _section(cfg, key), _section(Config(), key)
+    assert found is not None and default is not None, key
+    return getattr(*found) != getattr(*default)
+
+
+def resumed_config(cfg: Config, saved: dict) -> tuple[Config, list[str]]:
+    """The settings a resumed run goes on with: ``cfg``, but for each setting of
+    :data:`CHANGED_DEFAULTS` the user did not set, the value the checkpoint's run used (``saved``,
+    its config dict; a setting it lacks at the value before the change). A changed default is
+    not a changed setting: the run's own value counts. Returns the settings (``cfg`` itself when
+    nothing is taken; else a validated copy) and a line for each value taken."""
+    flat = _flatten(upgrade_settings(saved))
+    taken = {c.key: flat[c.key] for c in CHANGED_DEFAULTS
+             if c.key in flat and not user_set(cfg, c.key) and flat[c.key] != getattr(*_setting(cfg, c.key))}
+    if not taken:
+        return cfg, []
+    out = copy.deepcopy(cfg)
+    lines = []
+    for key, value in taken.items():
+        now = getattr(*_setting(cfg, key))
+        _set(out, key, value, "the checkpoint's settings")
+        change = next(c for c in CHANGED_DEFAULTS if c.key == key)
+        lines.append(f"{key}={value}, the value the checkpoint's run used (the default is {now} since {change.since}"
+                     f"; to change it, start a new run)")
+    try:
+        return validate_once(out), lines
+    except ConfigError:  # (not valid with today's other settings: the resume's settings check names the value)
+        return cfg, []
+
+
+def _setting(cfg: Config, key: str) -> tuple[Any, str]:
+    found = _section(cfg, key)
+    assert found is not None, key
+    return found
 
 
 _VALIDATED = "_validated"  # the settings (their repr) a Config held when it was last validated

@@ -68,6 +68,7 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True, *, poli
                                reward_model=reward_model, reward_fn=reward_fn, judge=judge, prompts=prompts)
     hf_logging.disable_progress_bar()  # "Loading weights" bars for every role drown the run's own output
     plan = plan_run(cfg, resume, inputs)  # the one preflight: nothing is checked again below
+    cfg = plan.cfg or cfg  # (a resume: a default changed since the checkpoint takes its value)
     # the entries of an existing run directory before this run (None: this run makes it), so that a
     # run failing before its first step removes only what it wrote
     claim = _Claim(found=set(plan.run_dir.iterdir()) if plan.run_dir.is_dir() else None)

@@ -11,7 +11,7 @@ from ..config import Config
 from ..inputs import Inputs
 from ..preflight import PreflightError, input_problems
 from .dirs import LINK_NAME, describe_run, holds_run, is_link, new_run_dir, writer_of
-from .resume import resume_problems, verified
+from .resume import resume_problems, resumed_settings, verified
 
 
 @dataclass
@@ -25,6 +25,9 @@ class RunPlan:
     checkpoint: Path | None
     """The checkpoint to resume from, or None for a new run."""
     start_step: int = 0
+    cfg: Config | None = None
+    """The settings the run goes on with: the ones given, but a resumed run's changed defaults at
+    the checkpoint's values (``run.resume.resumed_settings``); None: the ones given."""
 
 
 def _new_run(cfg: Config, out: Path, link: Path | None) -> tuple[Path, list[str]]:
@@ -79,7 +82,8 @@ def plan_run(cfg: Config, resume: str | None = None, inputs: Inputs | None = Non
 
     Writes nothing. Raises :class:`~oppo.preflight.PreflightError` listing every problem found:
     the run directory's, the checkpoint's and the inputs' (:func:`oppo.preflight.input_problems`,
-    which validates the settings).
+    which validates the settings). A resume goes on with the checkpoint's values of the defaults
+    changed since it was saved (:attr:`RunPlan.cfg`, each said on stderr).
     """
     out = Path(cfg.run.out_dir).expanduser()
     link = out if is_link(out) else None
@@ -95,6 +99,7 @@ def plan_run(cfg: Config, resume: str | None = None, inputs: Inputs | None = Non
         ckpt, found = verified(ckpt, resume)
         problems += found
         if ckpt is not None:
+            cfg = resumed_settings(cfg, ckpt)
             found, step = resume_problems(cfg, ckpt, resume)
             problems += found
     writer = writer_of(run_dir) if run_dir.is_dir() else None
@@ -104,4 +109,4 @@ def plan_run(cfg: Config, resume: str | None = None, inputs: Inputs | None = Non
     problems += input_problems(cfg, inputs)
     if problems:
         raise PreflightError(problems)
-    return RunPlan(run_dir, link, ckpt, step)
+    return RunPlan(run_dir, link, ckpt, step, cfg)

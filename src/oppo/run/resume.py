@@ -1,17 +1,22 @@
 """Resume checks, before any model loads: the checkpoint intact (else the newest intact one before
-it), saved with the run's settings and objects, and short of ``run.steps``."""
+it), its saved state in formats this release reads (``formats.py``), saved with the run's settings
+and objects (a changed default taking the checkpoint's value: ``config.resumed_config``), and short
+of ``run.steps``."""
 
 from __future__ import annotations
 
+import json
 import shlex
 import sys
 from pathlib import Path
 
 from ..checkpoint import (checkpoint_dirs, checkpoint_settings, checkpoint_step, is_weights_only,
                           settings_mismatches, verify_checkpoint)
-from ..config import Config, to_dict
+from ..config import Config, resumed_config, to_dict
+from ..formats import FormatError
 from ..inputs import keyword_of
 from ..marker import is_marker
+from ..tuner import check_format
 
 
 def _fmt(v) -> str:
@@ -51,13 +56,38 @@ def _settings_problems(cfg: Config, ckpt: Path, arg: str) -> list[str]:
     return problems
 
 
+def resumed_settings(cfg: Config, ckpt: Path) -> Config:
+    """``cfg`` with the checkpoint's own values of the settings whose default changed since it was
+    saved and that the user did not set (``config.resumed_config``), each taken said on stderr."""
+    saved = checkpoint_settings(ckpt)
+    if saved is None:
+        return cfg
+    cfg, taken = resumed_config(cfg, saved)
+    for line in taken:
+        print(f"oppo: resuming with {line}.", file=sys.stderr)
+    return cfg
+
+
+def _format_problems(ckpt: Path, arg: str) -> list[str]:
+    """The saved state a format this release cannot read (``formats.FormatError``), found from
+    ``state.json`` alone, before any model loads."""
+    tuner = json.loads((ckpt / "state.json").read_text()).get("tuner")
+    try:
+        if isinstance(tuner, dict) and "format" in tuner:  # (the cost rule's; the reward-slope rule's has none)
+            check_format(tuner)
+    except FormatError as e:
+        return [f"--resume {arg}: cannot resume from {ckpt}: {e}. To go on with this release instead, start a new run "
+                f"from its weights (policy.path={ckpt / 'policy'}, no --resume, a fresh run.out_dir)."]
+    return []
+
+
 def resume_problems(cfg: Config, ckpt: Path, arg: str) -> tuple[list[str], int]:
     """What keeps ``ckpt`` from continuing under ``cfg`` (``arg``: the --resume value, as the
-    messages quote it), and the checkpoint's step."""
+    messages quote it; ``cfg``: after :func:`resumed_settings`), and the checkpoint's step."""
     step = checkpoint_step(ckpt)
     if is_weights_only(ckpt):
         return [_weights_only_problem(ckpt, arg)], step
-    problems = _settings_problems(cfg, ckpt, arg)
+    problems = _format_problems(ckpt, arg) + _settings_problems(cfg, ckpt, arg)
     if cfg.run.steps <= step:
         problems.append(f"--resume {arg}: run.steps={cfg.run.steps} but {ckpt} is at step {step}, so there is nothing "
                         f"left to train. Set run.steps above {step} (e.g. run.steps={max(2 * step, step + 1)}) to "

@@ -1,0 +1,180 @@
+"""Checkpoints that cross releases (docs/checkpoints.md).
+
+- real checkpoints of previous releases (``tests/fixtures/releases/<sha>/<mode>``, written by those
+  releases with ``make.py``) resume with this one for 2 more steps in every overlap mode: no
+  error, every step once in the metrics, and (mode oppo, the format change's release) the
+  resumed steps' rewards equal those of a second resume of the same checkpoint;
+- a changed default is not a changed setting: a resume takes the checkpoint's value where the
+  user does not set it, and refuses one the user sets otherwise with advice that works;
+- the overlap controller's saved state: format 1 upgraded to 2 on load (mid-trial too), a format
+  this release cannot read refused before any model loads, with advice that passes the preflight.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+import oppo
+from oppo.config import CHANGED_DEFAULTS, Config, load_config, resumed_config, to_dict, user_set
+from oppo.formats import FormatError, upgraded
+from oppo.preflight import PreflightError
+from oppo.run import plan_run
+from oppo.tuner import OverlapTuner, check_format
+
+RELEASES = Path(__file__).parent / "fixtures" / "releases"
+PREVIOUS = "bde14cf"  # the release before the overlap controller's format 2 and micro_batch_tokens=-1
+CURRENT = "1212ebf"  # the release before this one
+
+
+def _make():
+    spec = importlib.util.spec_from_file_location("releases_make", RELEASES / "make.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+MAKE = _make()
+
+
+def _copy(sha: str, mode: str, root: Path) -> str:
+    """A copy of a release's run of ``mode`` with the models and prompts it names (relative paths)
+    under ``root``; returns the run directory, relative to ``root``."""
+    root.mkdir(parents=True, exist_ok=True)
+    for name in ("models", "prompts.jsonl"):
+        if not (root / name).exists():
+            (shutil.copytree if (RELEASES / name).is_dir() else shutil.copy)(RELEASES / name, root / name)
+    shutil.copytree(RELEASES / sha / mode, root / sha / mode)
+    return f"{sha}/{mode}"
+
+
+def _steps(run: Path) -> dict[int, tuple[float, float]]:
+    """{step: (mean reward, mean response length)} from a run's metrics; a step written twice fails."""
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    numbers = [s["step"] for s in steps if "reward/mean" in s]
+    assert len(numbers) == len(set(numbers)), f"a step trained twice: {numbers}"
+    return {s["step"]: (s["reward/mean"], s["response_length/mean"]) for s in steps if "reward/mean" in s}
+
+
+def _resume(root: Path, run: str, mode: str, monkeypatch, extra=()) -> dict[int, tuple[float, float]]:
+    monkeypatch.chdir(root)
+    cfg = load_config(None, MAKE.settings(mode, run, 4) + list(extra))
+    oppo.train(cfg, resume=run, progress=False)
+    return _steps(root / run)
+
+
+@pytest.mark.parametrize("sha", [PREVIOUS, CURRENT])
+@pytest.mark.parametrize("mode", MAKE.MODES)
+def test_previous_release_resumes(sha, mode, tmp_path, monkeypatch, capsys):
+    """Resumed with its own settings and today's defaults, as the user who started it types them."""
+    run = _copy(sha, mode, tmp_path / "a")
+    rewards = _resume(tmp_path / "a", run, mode, monkeypatch)
+    assert sorted(rewards) == [0, 1, 2, 3]
+    if sha == PREVIOUS:  # its default of ppo.micro_batch_tokens was 0: the run goes on with it, and says so
+        assert "resuming with ppo.micro_batch_tokens=0" in capsys.readouterr().err
+        saved = sorted((tmp_path / "a" / run / "checkpoints").iterdir())[-1] / "config.yaml"
+        assert "micro_batch_tokens: 0" in saved.read_text()  # (the next resume compares the same value)
+        if mode == "oppo":  # an uninterrupted run of this release from the same checkpoint: the same steps
+            again = _resume(tmp_path / "b", _copy(sha, mode, tmp_path / "b"), mode, monkeypatch)
+            for s in (2, 3):  # the same tokens; scores within floating-point tolerance (streamed chunks' timing)
+                assert again[s][1] == rewards[s][1]
+                assert again[s][0] == pytest.approx(rewards[s][0], rel=1e-5, abs=1e-6)
+
+
+def test_set_default_refused_with_advice_that_works(tmp_path, monkeypatch):
+    """A value the user sets is the user's: one other than the checkpoint's is refused (before any
+    model loads), and the setting the message names lets the resume through."""
+    run = _copy(PREVIOUS, "oppo", tmp_path)
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(None, MAKE.settings("oppo", run, 4) + ["ppo.micro_batch_tokens=-1"])
+    with pytest.raises(PreflightError) as e:
+        plan_run(cfg, resume=run)
+    said = str(e.value)
+    assert "ppo.micro_batch_tokens is 0 in the checkpoint, -1 now" in said
+    fix = said.split("resume with its settings (")[1].split(")")[0].split()
+    assert fix == ["ppo.micro_batch_tokens=0"]
+    plan = plan_run(load_config(None, MAKE.settings("oppo", run, 4) + fix), resume=run)
+    assert plan.checkpoint is not None and plan.start_step == 2
+
+
+def test_resumed_config_takes_changed_defaults_only_where_unset():
+    saved = to_dict(Config())
+    saved["ppo"]["micro_batch_tokens"] = 0
+    del saved["overlap"]["delta_rule"]  # saved before the setting existed: that run ran the paper's rule
+    cfg = load_config(None, ["run.steps=4"])
+    out, lines = resumed_config(cfg, saved)
+    assert (out.ppo.micro_batch_tokens, out.overlap.delta_rule) == (0, "reward_slope")
+    assert cfg.ppo.micro_batch_tokens == -1 and len(lines) == 2  # (the given settings are not changed)
+    mine = load_config(None, ["ppo.micro_batch_tokens=-1"])
+    out, lines = resumed_config(mine, saved)
+    assert out.ppo.micro_batch_tokens == -1 and [line.split("=")[0] for line in lines] == ["overlap.delta_rule"]
+    built = Config()  # built in code: a value other than the default is the user's
+    built.ppo.micro_batch_tokens = 64
+    assert user_set(built, "ppo.micro_batch_tokens") and not user_set(built, "overlap.delta_rule")
+    assert resumed_config(built, saved)[0].ppo.micro_batch_tokens == 64
+    for c in CHANGED_DEFAULTS:  # the table's "now" is today's default
+        section, leaf = c.key.split(".")
+        assert getattr(getattr(Config(), section), leaf) == c.now, c.key
+
+
+def _v1_state(sha: str = PREVIOUS) -> dict:
+    state = json.loads((RELEASES / sha / "oppo" / "checkpoints" / "step_000002" / "state.json").read_text())
+    return state["tuner"]
+
+
+def _tuner(in_flight: bool = False, deltas=(0, 1, 2), chunks=(4, 0)) -> OverlapTuner:
+    return OverlapTuner(deltas, chunks, trial_steps=2, retune_every=50, margin=0.05, max_stale_share=0.5,
+                        in_flight=in_flight)
+
+
+def test_tuner_state_format_1_upgraded():
+    """The saved /1 state of a real run, and one caught mid-trial: the incumbent and counts carry
+    over, the trial is dropped (measured afresh), and the tuner goes on deciding."""
+    v1 = _v1_state()
+    assert v1["format"] == "oppo.overlap_tuner/1"
+    t = OverlapTuner(v1["config"]["deltas"], v1["config"]["chunks"], trial_steps=2, retune_every=50)
+    t.load_state_dict(v1)
+    assert (t.incumbent.delta, t.incumbent.chunk, t.step, t.phase) == (2, 16, 2, "measure") and len(t._costs) == 1
+    mid = {**v1, "config": _tuner()._config(), "incumbent": [0, 4], "cost": 1e-3, "base_stale": 0.0, "phase": "up",
+           "trial": [1, 4], "plan": [["chunk", 0, 0]], "challenger": [[1, 4], 0.1, 0.0], "costs": [1e-3],
+           "stale": [0.1], "held": [], "warm": 0, "ran": [1, 4], "rounds": 1}
+    t = _tuner()
+    t.load_state_dict(mid)
+    assert (t.phase, t.trial, t.current().delta) == ("measure", None, 0)
+    said = []
+    for _ in range(8):  # a warm-up, the incumbent measured again, then a round of trials that save nothing
+        t.record(1.0, 1000.0)
+        said += t.take_decisions()
+    assert "measured Delta 0, chunk 4" in said[0] and t.phase == "hold" and t.incumbent == t.current()
+    assert sum("kept Delta 0, chunk 4" in line for line in said) == 2
+    assert t.state_dict()["format"] == "oppo.overlap_tuner/2"
+
+
+def test_tuner_unreadable_format_refused_before_models_load(tmp_path, monkeypatch):
+    """A newer format (or an unknown one): the resume is refused by the preflight, naming the
+    release to use and a new run from the checkpoint's weights, which passes the preflight."""
+    with pytest.raises(FormatError, match="newer oppo"):
+        check_format({**_v1_state(), "format": "oppo.overlap_tuner/3"})
+    with pytest.raises(FormatError, match="another overlap.delta_rule"):
+        check_format({"config": {}})
+    with pytest.raises(FormatError, match="older than this oppo reads"):
+        upgraded("x", {}, 1, 3, {2: dict})
+    run = _copy(CURRENT, "oppo", tmp_path)
+    state = tmp_path / run / "checkpoints" / "step_000002" / "state.json"
+    d = json.loads(state.read_text())
+    d["tuner"]["format"] = "oppo.overlap_tuner/3"
+    state.write_text(json.dumps(d))  # (state.json is not in the manifest: it marks the checkpoint complete)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(PreflightError) as e:
+        plan_run(load_config(None, MAKE.settings("oppo", run, 4)), resume=run)
+    said = str(e.value)
+    assert "format 3, written by a newer oppo" in said
+    advice = said.split("start a new run from its weights (")[1].split(",")[0]
+    assert advice.startswith("policy.path=")
+    fresh = MAKE.settings("oppo", "fresh", 1) + [advice]
+    assert plan_run(load_config(None, fresh)).checkpoint is None
