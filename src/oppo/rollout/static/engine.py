@@ -170,7 +170,11 @@ class StaticRolloutEngine(RolloutEngine):
         else:
             ids, valid = right_pad(seqs, self.pad_id, self.device)  # [n, P]: columns = slot columns
         P = ids.shape[1]
-        pos = torch.arange(P, device=self.device)[None].expand_as(ids)  # [n, P]
+        # padding's position ids stay at its row's last real one (its columns and mask stay its own):
+        # a bucketed width must not reach past a learned-position table or dynamic RoPE's length
+        # (scoring/slots.py does the same for the scorers' slots)
+        last = torch.tensor([len(x) - 1 for x in seqs], device=self.device)  # [rows]
+        pos = torch.minimum(torch.arange(P, device=self.device)[None], last[:, None])  # [rows, P]
         dyn = DynamicCache()
         out = self.backbone(input_ids=ids, attention_mask=valid, position_ids=pos, past_key_values=dyn,
                             use_cache=True)
