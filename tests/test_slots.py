@@ -92,3 +92,31 @@ def test_static_engine_bucketed_prefill_keeps_padding_inside_the_limit():
     for eng in (static, eager):
         eng.admit([Rollout(i, i, "", p, 0) for i, p in enumerate(prompts)])
     torch.testing.assert_close(static.next_logits, eager.next_logits, atol=1e-5, rtol=1e-5)
+
+
+def test_slot_graphs_with_a_stand_in_capture():
+    """The scorer slots' graph road on a CPU (``oppo.graphs`` with its stand-in): chunk forwards
+    replayed from the static buffers (tokens, columns, real counts) give the one-shot values, and
+    one capture is made per (Rb, Cb, Lb) the run used."""
+    from oppo.graphs import rerun_capture
+    from oppo.scoring.slots import SlotKV
+
+    model = _llama_dynamic("critic")
+    prompts = [_seq(33, 1), _seq(3, 2), _seq(5, 3)]
+    responses = [_seq(3, 4), _seq(16, 5), _seq(9, 6)]
+    set_packing(model, "off", "off")
+    expected = [score_full("critic", model, [p], [r], PAD)[0] for p, r in zip(prompts, responses)]
+    set_packing(model, "auto", "on")
+    s = StreamingScorer("critic", model, PAD)
+    s.kv = SlotKV(torch.device("cpu"), graphs=True, capture=rerun_capture)
+    s.admit([0, 1, 2], prompts)
+    r0, r1, r2 = responses
+    s.feed({0: (tuple(r0[:2]), False), 1: (tuple(r1[:-2]), False)})
+    s.feed({0: (tuple(r0[2:]), True), 2: (tuple(r2[:4]), False)})
+    s.feed({1: (tuple(r1[-2:]), True), 2: (tuple(r2[4:]), True)})
+    got = s.take_done()
+    assert s.kv.graphs, "captured, not fallen back to eager"
+    stats = s.kv.capture_stats()
+    assert stats["captures"] == len(s.kv.shapes_seen) >= 2 and stats["keys"] == sorted(s.kv.shapes_seen)
+    for u in range(3):
+        torch.testing.assert_close(torch.tensor(got[u].values), torch.tensor(expected[u].values), atol=1e-5, rtol=1e-5)

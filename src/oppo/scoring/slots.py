@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import shapes
+from ..graphs import Capture, CapturedGraphs
 from ..kv import kv_layers
 
 if TYPE_CHECKING:
@@ -63,20 +64,19 @@ class SlotKV:
     :class:`~oppo.kv.KVRows` addresses them: by their index in the scorer's list of sequences
     (``slot_of[i]`` is row i's slot)."""
 
-    def __init__(self, device: torch.device, graphs: bool | None = None):
+    def __init__(self, device: torch.device, graphs: bool | None = None, capture: Capture | None = None):
         """``graphs``: replay each (Rb, Cb, Lb) chunk forward from a CUDA graph captured on its first
-        call (None: on CUDA); a model whose forward cannot be captured runs eagerly, said once."""
+        call (None: on CUDA); a model whose forward cannot be captured runs eagerly, said once.
+        ``capture``: a stand-in for the CUDA capture (:class:`oppo.graphs.CapturedGraphs`), which
+        lets ``graphs`` run on a CPU (tests)."""
         self.device = device
         self.graphs = device.type == "cuda" if graphs is None else graphs
-        if self.graphs and device.type != "cuda":
+        if self.graphs and device.type != "cuda" and capture is None:
             raise ValueError("CUDA graphs need the scorer's model on a CUDA device")
-        self._graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: CapturedGraphs[tuple[int, int, int]] = CapturedGraphs(device, capture)
         self._tok = torch.zeros(0, 0, dtype=torch.long, device=device)  # static inputs of the captured forwards
         self._start = torch.zeros(0, dtype=torch.long, device=device)
         self._n = torch.zeros(0, dtype=torch.long, device=device)
-        self._side_stream: torch.cuda.Stream | None = None
-        self._pool: Any = None
-        self.captures = 0
         self.cache: SlotCache | None = None
         self.slot_of: list[int] = []
         self.pos: list[int] = []  # per slot: tokens in it (= the column its next token takes), on the host
@@ -86,6 +86,15 @@ class SlotKV:
     @property
     def rows(self) -> int:
         return len(self.slot_of)
+
+    @property
+    def captures(self) -> int:
+        """Chunk forwards captured in CUDA graphs so far."""
+        return self._graphs.captures
+
+    def capture_stats(self) -> dict[str, Any]:
+        """Captures, their seconds and (Rb, Cb, Lb) keys (:meth:`oppo.graphs.CapturedGraphs.stats`)."""
+        return self._graphs.stats()
 
     # ------------------------------------------------------------------ capacity
 
@@ -229,10 +238,11 @@ class SlotKV:
 
     def _replay(self, backbone, tokens: torch.Tensor, start: torch.Tensor, n: torch.Tensor, rb: int, cb: int,
                 lb: int) -> torch.Tensor:
-        """:meth:`_forward` from a CUDA graph per (Rb, Cb, Lb), captured on first use (as the static
-        decode engine captures its steps: warm-ups, then a thread-local capture on this scorer's one
-        side stream into its one pool, so the actor's thread may run CUDA work meanwhile). The
-        inputs are copied into static buffers; the output is copied out (graphs share a pool)."""
+        """:meth:`_forward` from a CUDA graph per (Rb, Cb, Lb), captured on first use by the recipe
+        the static decode engine's steps share (:mod:`oppo.graphs`: warm-ups, then a thread-local
+        capture on this scorer's one side stream into its one pool, so the actor's thread may run
+        CUDA work meanwhile). The inputs are copied into static buffers; the output is copied out
+        (graphs share a pool)."""
         if self._tok.shape[0] < rb or self._tok.shape[1] < cb:
             self._tok = torch.zeros(max(rb, self._tok.shape[0]), max(cb, self._tok.shape[1]), dtype=torch.long,
                                     device=self.device)
@@ -242,37 +252,18 @@ class SlotKV:
         self._tok[:rb, :cb].copy_(tokens)
         self._start[:rb].copy_(start)
         self._n[:rb].copy_(n)
-        key = (rb, cb, lb)
-        if key not in self._graphs:
-            try:
-                self._graphs[key] = self._capture(backbone, rb, cb, lb)
-            except Exception as e:  # a forward that cannot be captured (host reads, dynamic control flow)
-                import warnings
+        tok, start_, n_ = self._tok[:rb, :cb], self._start[:rb], self._n[:rb]  # the captured forward's inputs
+        try:
+            graph, out = self._graphs.get((rb, cb, lb), lambda: self._forward(backbone, tok, start_, n_, rb, cb, lb))
+        except Exception as e:  # a forward that cannot be captured (host reads, dynamic control flow)
+            import warnings
 
-                self.graphs = False
-                warnings.warn(f"The streamed scorer's chunk forward could not be captured in a CUDA graph "
-                              f"({type(e).__name__}: {e}); it runs eagerly.", stacklevel=2)
-                return self._forward(backbone, tokens, start, n, rb, cb, lb)
-        graph, out = self._graphs[key]
+            self.graphs = False
+            warnings.warn(f"The streamed scorer's chunk forward could not be captured in a CUDA graph "
+                          f"({type(e).__name__}: {e}); it runs eagerly.", stacklevel=2)
+            return self._forward(backbone, tokens, start, n, rb, cb, lb)
         graph.replay()
         return out.clone()
-
-    def _capture(self, backbone, rb: int, cb: int, lb: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        if self._side_stream is None:
-            self._side_stream = torch.cuda.Stream(self.device)
-            self._pool = torch.cuda.graph_pool_handle()
-        stream, here = self._side_stream, torch.cuda.current_stream(self.device)
-        tok, start, n = self._tok[:rb, :cb], self._start[:rb], self._n[:rb]
-        stream.wait_stream(here)
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-ups: the same forward the replay runs (same inputs, same cache writes)
-                self._forward(backbone, tok, start, n, rb, cb, lb)
-        here.wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
-            out = self._forward(backbone, tok, start, n, rb, cb, lb)
-        self.captures += 1
-        return graph, out
 
     def select(self, keep: list[int]) -> None:
         """Keep rows ``keep`` (indices, in the new order); free the other rows' slots."""
