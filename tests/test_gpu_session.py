@@ -64,6 +64,9 @@ def test_gpu_session_smoke_runs_every_part(tmp_path):
 
     prof = _no_nan((out / "profile.json").read_text())
     assert all(math.isfinite(x) for x in _numbers(prof))
+    # the bucketed road a GPU takes by default (auto is off on the CPU): docs/gpu-shapes.md
+    assert "ppo.shape_buckets=on" in prof["settings"]
+    assert "shape_buckets: 'on'" in _no_nan((out / "bench.json").read_text())["settings"]
     windows = prof["baseline"]["windows"]
     assert {"generate", "score", "train", "step"} <= set(windows)
     for name in ("generate", "score", "train"):
