@@ -123,6 +123,11 @@ def _profile_problems(smoke: bool, work: Path) -> list[str]:
     return [] if "step" in windows else [f"profile.json: no step window ({sorted(windows)})"]
 
 
+SMOKE_SETTINGS = ["placement.local.scorer_process=false", "ppo.shape_buckets=on"]
+"""The smoke's settings: every role in one process, and the bucketed road a GPU takes by default (auto
+resolves buckets off on the CPU): bucketed rows, scorer slots (docs/gpu-shapes.md)."""
+
+
 def _sizes(smoke: bool) -> list[str]:
     return ["--device", "cpu", "--tiny"] if smoke else ["--policy-size", "1b", "--reward-size", "125m"]
 
@@ -145,12 +150,12 @@ PARTS = (
         _py(), "benchmarks/gpu_bench.py", *_sizes(smoke), "--batch", "8" if smoke else "64",
         "--steps", "2" if smoke else "6", "--modes", ",".join(MODES), "--no-short-row",
         "--budget-min", "3" if smoke else "3.05", "--out", str(work / "bench"), "--models", str(work / "models"),
-        *(["placement.local.scorer_process=false"] if smoke else [])],
+        *(SMOKE_SETTINGS if smoke else [])],
          files=("bench/bench.md", "bench/bench.json"), check=_bench_problems),
     Part("profile", 115, lambda smoke, work: [
         _py(), "benchmarks/gpu_profile.py", *_sizes(smoke), "--mode", "oppo", "--no-ab",
         *(["--batch", "4"] if smoke else []), "--out", str(work / "profile"), "--work", str(work / "profile_work"),
-        "--models", str(work / "models"), *(["placement.local.scorer_process=false"] if smoke else [])],
+        "--models", str(work / "models"), *(SMOKE_SETTINGS if smoke else [])],
          files=("profile/profile.md", "profile/profile.json"), check=_profile_problems),
 )
 assert sum(p.timeout_s for p in PARTS) <= BUDGET_S

@@ -42,11 +42,14 @@ PY=${PYTHON:-python}
 if [ -n "${SMOKE:-}" ]; then  # the same commands on tiny models on the CPU: checks this script itself, in CI
   # (tests/test_gpu_session.py) within about 1.5 minutes of 2 cores: one mode where the GPU run checks two,
   # the profile's A/B arms planned but given no time (--budget-s 1: the baseline's own arm is still reported),
-  # the scorers on a thread as on a GPU (on CPU they would start a process of their own: seconds of imports)
-  SIZES=(--device cpu --tiny); PROFILE=(--batch 4 --budget-s 1 --ab ppo.packing=auto/off)
+  # the scorers on a thread as on a GPU (on CPU they would start a process of their own: seconds of imports),
+  # and ppo.shape_buckets=on as CUDA resolves auto (off on the CPU): the bucketed rows, scorer slots and
+  # decode prefill a GPU runs, so the smoke drives them (docs/gpu-shapes.md says what it cannot catch)
+  SIZES=(--device cpu --tiny); PROFILE=(--batch 4 --budget-s 1 --ab ppo.packing=auto/off ppo.shape_buckets=on)
   PROBE=(--device cpu --dtype float32 --widths 24)
-  CHECK=(--batch 8 --steps 2 --modes oppo placement.local.scorer_process=false)
-  BENCH=(--steps 2 --modes sequential,oppo placement.local.scorer_process=false); T=(90 60 60 150); TOTAL=420
+  CHECK=(--batch 8 --steps 2 --modes oppo placement.local.scorer_process=false ppo.shape_buckets=on)
+  BENCH=(--steps 2 --modes sequential,oppo placement.local.scorer_process=false ppo.shape_buckets=on)
+  T=(90 60 60 150); TOTAL=420
 else
   SIZES=(--policy-size 1b --reward-size 125m); PROFILE=(); PROBE=(); CHECK=(--batch 16 --steps 4 --modes oppo,pipeline)
   BENCH=(--batch 64 --steps 4 --modes sequential,oppo,pipeline); T=(240 40 60 110); TOTAL=570

@@ -321,13 +321,11 @@ def test_captured_step_reads_only_static_buffers():
 
     model = _model(eos_bias=2.0)
     refs = _generate(model, PROMPTS, 20)
-    eng = StaticRolloutEngine(model, EOS, PAD, 20, greedy=True, max_rows=3, max_len=64)
-    eng.capture = "cuda_graph"  # what _decode dispatches on; the capture itself is replaced below
     replays = []
 
     class Traced:
-        def __init__(self, rb, lb):
-            self.gm = make_fx(lambda: eng._decode_step(rb, lb))()  # runs the step once, as a warm-up does
+        def __init__(self, forward):
+            self.gm = make_fx(forward)()  # runs the step once, as a warm-up does
             self.out = torch.empty(0)
 
         def replay(self):
@@ -335,12 +333,12 @@ def test_captured_step_reads_only_static_buffers():
             r = self.gm()
             self.out.resize_(r.shape).copy_(r)
 
-    def capture(rb, lb):
-        eng.captures += 1
-        g = Traced(rb, lb)
+    def capture(forward):  # in place of the CUDA capture (oppo.graphs); the bucketed prefill runs as on CUDA
+        g = Traced(forward)
         return g, g.out
 
-    eng._capture = capture
+    eng = StaticRolloutEngine(model, EOS, PAD, 20, greedy=True, max_rows=3, max_len=64, capture="cuda_graph",
+                              graph_capture=capture)
     hosted, rows = _continuous(eng, _rows())
     assert max(len(u) for u in hosted.values()) > 1
     assert [r.response_ids for r in rows] == refs
@@ -502,9 +500,10 @@ def test_capture_is_thread_local_on_one_side_stream_after_warmups(monkeypatch):
     step = eng._decode_step
     monkeypatch.setattr(eng, "_decode_step", lambda rb, lb: (log.append(("step", on[-1])), step(rb, lb))[1])
     log.clear()
-    outs = [eng._capture(2, 16)[1], eng._capture(2, 24)[1]]
+    # the engine's captures (oppo.graphs, the recipe the scorer slots share), as a first decode step makes them
+    outs = [eng._graphs.get(key, lambda key=key: eng._decode_step(*key))[1] for key in ((2, 16), (2, 24))]
     assert log[0][0] == "new stream" and log[0][1] is not decoding
-    side, pool = log[0][1], eng._pool
+    side, pool = log[0][1], eng._graphs._pool
     name = {id(side): "side", id(decoding): "decoding", id(pool): "pool"}
     shown = [e if isinstance(e, str) else tuple(name.get(id(x), x) for x in e) for e in log[1:]]
     one = [("wait", "side", "decoding"), ("step", "side"), ("step", "side"), ("wait", "decoding", "side"),

@@ -78,6 +78,9 @@ def test_gpu_check_smoke_runs_every_part(tmp_path):
     assert list(bench["modes"]) == ["oppo", "sequential"]
     prof = _no_nan((out / "profile.json").read_text())
     assert prof["mode"] == "oppo" and all(math.isfinite(x) for x in _numbers(prof))
+    # the bucketed road a GPU takes by default (auto is off on the CPU): docs/gpu-shapes.md
+    assert "ppo.shape_buckets=on" in prof["settings"]
+    assert "shape_buckets: 'on'" in bench["settings"]
     windows = prof["baseline"]["windows"]
     assert {"generate", "train", "step"} <= set(windows)
     assert windows["step"]["attention"]["calls"] > 0 and 0 < windows["step"]["busy_share"] <= 1.0001

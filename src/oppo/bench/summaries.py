@@ -51,6 +51,9 @@ def _hardware(rec: dict, ms: list[dict]) -> dict:
         out["engine_probe_rows"] = rec["engine_probe_rows"]
         if "decode_step_ms" in out:
             out["decode_overhead"] = out["decode_step_ms"] / rec["engine_step_ms"]
+    if "decode_captures" in rec:  # graphs (or compiled variants) made on a bucket's first step: in some timed step
+        out["decode_captures"] = rec["decode_captures"]["captures"]
+        out["decode_capture_s"] = rec["decode_captures"]["seconds"]
     return out
 
 
@@ -69,14 +72,16 @@ def hardware_markdown(modes: dict) -> list[str]:
              f"compute dtype, same run). Exact for sequential; in overlapped modes a stage also holds other steps' "
              f"work. Decode overhead: the generate stage's time per decode step over the engine's own step (a probe "
              f"of the same engine alone, every row decoding: it errs low). Padded: the share of the learner's "
-             f"computed positions that are padding.", "",
+             f"computed positions that are padding. Decode graphs: the static engine's captures over the run (each "
+             f"on its bucket's first step, inside that step) and their seconds.", "",
              "| mode | generate MFU | train MFU | train TFLOP/s | padded | decode ms/step | engine ms/step (probe) "
-             "| decode overhead |", "|---|---|---|---|---|---|---|---|"]
+             "| decode overhead | decode graphs (s) |", "|---|---|---|---|---|---|---|---|---|"]
     for m, h in rows.items():
+        graphs = f"{h['decode_captures']} ({h['decode_capture_s']:.1f} s)" if "decode_captures" in h else "-"
         lines.append(f"| {m} | {f(h, 'generate_mfu', '.2%')} | {f(h, 'train_mfu', '.2%')} | "
                      f"{f(h, 'train_tflops', '.3g')} | {f(h, 'train_padded_frac', '.1%')} | "
                      f"{f(h, 'decode_step_ms', '.2f')} | {f(h, 'engine_step_ms', '.2f')} | "
-                     f"{f(h, 'decode_overhead', '.2f')}{'x' if 'decode_overhead' in h else ''} |")
+                     f"{f(h, 'decode_overhead', '.2f')}{'x' if 'decode_overhead' in h else ''} | {graphs} |")
     return lines + [""]
 
 

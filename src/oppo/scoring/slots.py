@@ -13,7 +13,11 @@ each slot's length: every shape comes from a few values (``oppo.shapes``), so ea
 per run. A slot with no chunk on hand this round computes padding whose keys land past its
 length and are overwritten by its next chunk; its outputs are dropped. Prompts are prefilled
 eagerly at bucketed rows x width (rows of a repeated prompt, their results dropped) and their
-keys copied into the slots.
+keys copied into the slots. Padding keeps the columns (and so the mask and the cache writes) of
+its place, but never a position id past what the forward's real tokens reach: the row's last real
+position, or 0 in a slot with no chunk (:meth:`SlotKV._forward`); a learned-position model near
+its limit would index past its table, and dynamic RoPE would rescale every row
+(``tests/test_slots.py``).
 
 The numbers equal the dynamic cache's up to summation order: a query attends to exactly its
 row's earlier columns, and masked columns get exactly zero weight (tested against the one-shot
@@ -29,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import shapes
+from ..graphs import Capture, CapturedGraphs
 from ..kv import kv_layers
 
 if TYPE_CHECKING:
@@ -59,19 +64,19 @@ class SlotKV:
     :class:`~oppo.kv.KVRows` addresses them: by their index in the scorer's list of sequences
     (``slot_of[i]`` is row i's slot)."""
 
-    def __init__(self, device: torch.device, graphs: bool | None = None):
+    def __init__(self, device: torch.device, graphs: bool | None = None, capture: Capture | None = None):
         """``graphs``: replay each (Rb, Cb, Lb) chunk forward from a CUDA graph captured on its first
-        call (None: on CUDA); a model whose forward cannot be captured runs eagerly, said once."""
+        call (None: on CUDA); a model whose forward cannot be captured runs eagerly, said once.
+        ``capture``: a stand-in for the CUDA capture (:class:`oppo.graphs.CapturedGraphs`), which
+        lets ``graphs`` run on a CPU (tests)."""
         self.device = device
         self.graphs = device.type == "cuda" if graphs is None else graphs
-        if self.graphs and device.type != "cuda":
+        if self.graphs and device.type != "cuda" and capture is None:
             raise ValueError("CUDA graphs need the scorer's model on a CUDA device")
-        self._graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: CapturedGraphs[tuple[int, int, int]] = CapturedGraphs(device, capture)
         self._tok = torch.zeros(0, 0, dtype=torch.long, device=device)  # static inputs of the captured forwards
         self._start = torch.zeros(0, dtype=torch.long, device=device)
-        self._side_stream: torch.cuda.Stream | None = None
-        self._pool: Any = None
-        self.captures = 0
+        self._n = torch.zeros(0, dtype=torch.long, device=device)
         self.cache: SlotCache | None = None
         self.slot_of: list[int] = []
         self.pos: list[int] = []  # per slot: tokens in it (= the column its next token takes), on the host
@@ -81,6 +86,15 @@ class SlotKV:
     @property
     def rows(self) -> int:
         return len(self.slot_of)
+
+    @property
+    def captures(self) -> int:
+        """Chunk forwards captured in CUDA graphs so far."""
+        return self._graphs.captures
+
+    def capture_stats(self) -> dict[str, Any]:
+        """Captures, their seconds and (Rb, Cb, Lb) keys (:meth:`oppo.graphs.CapturedGraphs.stats`)."""
+        return self._graphs.stats()
 
     # ------------------------------------------------------------------ capacity
 
@@ -146,8 +160,11 @@ class SlotKV:
         for i, p in enumerate(seqs):
             ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
             valid[i, : len(p)] = 1
+        # padding's position ids stay at its row's last real one: a learned-position table or dynamic
+        # RoPE sees no position past what the real tokens reach (module docstring)
+        pos_ids = torch.minimum(torch.arange(Pb)[None], torch.tensor([len(p) - 1 for p in seqs])[:, None])  # [Rb, Pb]
         ids, valid = ids.to(self.device, non_blocking=True), valid.to(self.device, non_blocking=True)
-        pos_ids = torch.arange(Pb, device=self.device)[None].expand(Rb, Pb)
+        pos_ids = pos_ids.to(self.device, non_blocking=True)
         dyn = DynamicCache()
         out = backbone(input_ids=ids, attention_mask=valid, position_ids=pos_ids, past_key_values=dyn, use_cache=True)
         layers = kv_layers(dyn)
@@ -184,75 +201,73 @@ class SlotKV:
         for s, seq in zip(fed, seqs):
             tokens[s, : len(seq)] = torch.tensor(seq, dtype=torch.long)
         start = torch.tensor(self.pos[:Rb], dtype=torch.long)
-        tokens, start = tokens.to(self.device, non_blocking=True), start.to(self.device, non_blocking=True)
+        n = torch.zeros(Rb, dtype=torch.long)  # [Rb] real tokens per slot this round (0: padding only)
+        n[fed] = torch.tensor([len(seq) for seq in seqs], dtype=torch.long)
+        tokens, start, n = (t.to(self.device, non_blocking=True) for t in (tokens, start, n))
         self.shapes_seen.add((Rb, Cb, Lb))
         if self.graphs:
-            hidden = self._replay(backbone, tokens, start, Rb, Cb, Lb)
+            hidden = self._replay(backbone, tokens, start, n, Rb, Cb, Lb)
         else:
-            hidden = self._forward(backbone, tokens, start, Rb, Cb, Lb)  # [Rb, Cb, H]
+            hidden = self._forward(backbone, tokens, start, n, Rb, Cb, Lb)  # [Rb, Cb, H]
         for s, seq in zip(fed, seqs):
             self.pos[s] += len(seq)
         sel = torch.tensor(fed, dtype=torch.long).to(self.device, non_blocking=True)
         return hidden.index_select(0, sel)[:, :C], tokens.index_select(0, sel)[:, :C]
 
-    def _forward(self, backbone, tokens: torch.Tensor, start: torch.Tensor, rb: int, cb: int, lb: int) -> torch.Tensor:
-        """The chunk forward: ``tokens`` [Rb, Cb] at columns ``start`` [Rb] onwards; hidden [Rb, Cb, H]."""
+    def _forward(self, backbone, tokens: torch.Tensor, start: torch.Tensor, n: torch.Tensor, rb: int, cb: int,
+                 lb: int) -> torch.Tensor:
+        """The chunk forward: ``tokens`` [Rb, Cb] at columns ``start`` [Rb] onwards, the first ``n``
+        [Rb] of each row real; hidden [Rb, Cb, H].
+
+        A token's keys go to its column and its mask is its column's (``start + t``), padding
+        included; its position id is its column for a real token, the row's last real position
+        for padding after a chunk, and 0 in a slot with no chunk this round. Padding columns past
+        ``start + n`` would otherwise reach positions no real token has (up to ``start + Cb - 1``
+        in every slot of [:Rb]): past a learned-position table (an index error; a device-side
+        assert on CUDA), or past dynamic RoPE's length, which rescales every row's frequencies."""
         cache = self.cache
         assert cache is not None
         cache.rb, cache.lb, cache.cols = rb, lb, start
         step = torch.arange(cb, device=tokens.device)
-        pos = start[:, None] + step[None]  # [Rb, Cb] position = column
+        at = start[:, None] + step[None]  # [Rb, Cb] each token's column
+        last = (n - 1).clamp(min=0)[:, None]  # [Rb, 1]
+        pos = torch.where(n[:, None] > 0, start[:, None] + torch.minimum(step[None], last), 0)  # [Rb, Cb]
         col = torch.arange(lb, device=tokens.device)
-        seen = col[None, None, :] <= pos[:, :, None]  # [Rb, Cb, Lb] the row's own earlier columns and itself
+        seen = col[None, None, :] <= at[:, :, None]  # [Rb, Cb, Lb] the row's own earlier columns and itself
         neg = torch.finfo(self._mask_dtype).min
         zero = torch.zeros((), dtype=self._mask_dtype, device=tokens.device)
         mask = torch.where(seen, zero, neg)[:, None]  # [Rb, 1, Cb, Lb] additive
         out = backbone(input_ids=tokens, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
         return out.last_hidden_state
 
-    def _replay(self, backbone, tokens: torch.Tensor, start: torch.Tensor, rb: int, cb: int, lb: int) -> torch.Tensor:
-        """:meth:`_forward` from a CUDA graph per (Rb, Cb, Lb), captured on first use (as the static
-        decode engine captures its steps: warm-ups, then a thread-local capture on this scorer's one
-        side stream into its one pool, so the actor's thread may run CUDA work meanwhile). The
-        inputs are copied into static buffers; the output is copied out (graphs share a pool)."""
+    def _replay(self, backbone, tokens: torch.Tensor, start: torch.Tensor, n: torch.Tensor, rb: int, cb: int,
+                lb: int) -> torch.Tensor:
+        """:meth:`_forward` from a CUDA graph per (Rb, Cb, Lb), captured on first use by the recipe
+        the static decode engine's steps share (:mod:`oppo.graphs`: warm-ups, then a thread-local
+        capture on this scorer's one side stream into its one pool, so the actor's thread may run
+        CUDA work meanwhile). The inputs are copied into static buffers; the output is copied out
+        (graphs share a pool)."""
         if self._tok.shape[0] < rb or self._tok.shape[1] < cb:
             self._tok = torch.zeros(max(rb, self._tok.shape[0]), max(cb, self._tok.shape[1]), dtype=torch.long,
                                     device=self.device)
             self._start = torch.zeros(self._tok.shape[0], dtype=torch.long, device=self.device)
+            self._n = torch.zeros(self._tok.shape[0], dtype=torch.long, device=self.device)
             self._graphs.clear()  # they read the old buffers
         self._tok[:rb, :cb].copy_(tokens)
         self._start[:rb].copy_(start)
-        key = (rb, cb, lb)
-        if key not in self._graphs:
-            try:
-                self._graphs[key] = self._capture(backbone, rb, cb, lb)
-            except Exception as e:  # a forward that cannot be captured (host reads, dynamic control flow)
-                import warnings
+        self._n[:rb].copy_(n)
+        tok, start_, n_ = self._tok[:rb, :cb], self._start[:rb], self._n[:rb]  # the captured forward's inputs
+        try:
+            graph, out = self._graphs.get((rb, cb, lb), lambda: self._forward(backbone, tok, start_, n_, rb, cb, lb))
+        except Exception as e:  # a forward that cannot be captured (host reads, dynamic control flow)
+            import warnings
 
-                self.graphs = False
-                warnings.warn(f"The streamed scorer's chunk forward could not be captured in a CUDA graph "
-                              f"({type(e).__name__}: {e}); it runs eagerly.", stacklevel=2)
-                return self._forward(backbone, tokens, start, rb, cb, lb)
-        graph, out = self._graphs[key]
+            self.graphs = False
+            warnings.warn(f"The streamed scorer's chunk forward could not be captured in a CUDA graph "
+                          f"({type(e).__name__}: {e}); it runs eagerly.", stacklevel=2)
+            return self._forward(backbone, tokens, start, n, rb, cb, lb)
         graph.replay()
         return out.clone()
-
-    def _capture(self, backbone, rb: int, cb: int, lb: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        if self._side_stream is None:
-            self._side_stream = torch.cuda.Stream(self.device)
-            self._pool = torch.cuda.graph_pool_handle()
-        stream, here = self._side_stream, torch.cuda.current_stream(self.device)
-        tok, start = self._tok[:rb, :cb], self._start[:rb]
-        stream.wait_stream(here)
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-ups: the same forward the replay runs (same inputs, same cache writes)
-                self._forward(backbone, tok, start, rb, cb, lb)
-        here.wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
-            out = self._forward(backbone, tok, start, rb, cb, lb)
-        self.captures += 1
-        return graph, out
 
     def select(self, keep: list[int]) -> None:
         """Keep rows ``keep`` (indices, in the new order); free the other rows' slots."""

@@ -6,9 +6,10 @@ tensor ``[max_rows, kv_heads, max_len, dim]`` allocated once; a row takes the lo
 tokens in columns ``0 .. n-1`` (position ids = column indices, so a sliding window means what it
 means in a single-sequence forward). One decode step is one ``[Rb, 1]`` forward over the used slots
 and columns (rounded up to buckets) with a 4-D mask built from each slot's length; with
-``capture="cuda_graph"`` it is recorded once per bucket into a CUDA graph and replayed (captured
-thread-locally on a side stream of its own, so the scorer and learner threads may work meanwhile),
-with ``"compile"`` run through ``torch.compile``, with ``"none"`` eagerly. Weight updates copy into
+``capture="cuda_graph"`` it is recorded into a CUDA graph on the first step of each bucket a run
+reaches and replayed (``oppo.graphs``: captured thread-locally on a side stream of its own, so the
+scorer and learner threads may work meanwhile), with ``"compile"`` run through ``torch.compile``,
+with ``"none"`` eagerly. Weight updates copy into
 the same parameters, so graphs read the new weights. Prefill stays eager. Only ``sdpa`` and
 ``eager`` attention take the 4-D mask; other implementations are refused at construction.
 ``docs/static-engine.md`` has the design in full and why capture is safe beside other threads.
@@ -18,16 +19,17 @@ from __future__ import annotations
 
 import heapq
 import inspect
+import time
 from typing import TYPE_CHECKING, Any, Callable, cast
 
 import torch
 
+from ...graphs import Capture, CapturedGraphs
 from ...kv import kv_layers, right_pad
 from ...kv_slots import SlotCache, slot_cache_class
 from ..engine import KVBudgetError, Rollout, RolloutEngine
 
 if TYPE_CHECKING:
-    from torch.cuda import _POOL_HANDLE
     from transformers import DynamicCache
 
 CAPTURE_MODES = ("none", "cuda_graph", "compile")
@@ -60,17 +62,22 @@ class StaticRolloutEngine(RolloutEngine):
     ``max_len``: columns per slot (longest prompt + max_new_tokens; default: 512 + max_new_tokens,
     capped at the model's ``max_position_embeddings`` when it has one).
     ``capture``: ``none`` (eager, exact shapes), ``cuda_graph`` (needs CUDA) or ``compile``
-    (``torch.compile``; on CUDA in ``reduce-overhead`` mode, i.e. with CUDA graphs too).
+    (``torch.compile``; on CUDA in ``reduce-overhead`` mode, i.e. with CUDA graphs too). A bucket's
+    graph (or compiled variant) is made on its first decode step, so a run pays only for the
+    (Rb, Lb) buckets its rows reach (:meth:`capture_stats` counts them).
+    ``graph_capture``: a stand-in for the CUDA capture (:class:`oppo.graphs.CapturedGraphs`), with
+    which ``cuda_graph`` runs on a CPU (tests: the bookkeeping and the bucketed prefill).
     """
 
     def __init__(self, model, eos_id: int | tuple[int, ...], pad_id: int, max_new_tokens: int,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0, greedy: bool = False,
-                 max_rows: int = 64, max_len: int | None = None, capture: str = "none"):
+                 max_rows: int = 64, max_len: int | None = None, capture: str = "none",
+                 graph_capture: Capture | None = None):
         super().__init__(model, eos_id, pad_id, max_new_tokens, temperature, top_k, top_p, seed, greedy)
         del self.kv  # the eager engine's cache; this engine has slots instead
         if capture not in CAPTURE_MODES:
             raise ValueError(f"capture must be one of {', '.join(CAPTURE_MODES)}, got {capture!r}.")
-        if capture == "cuda_graph" and self.device.type != "cuda":
+        if capture == "cuda_graph" and self.device.type != "cuda" and graph_capture is None:
             raise ValueError("capture='cuda_graph' needs the model on a CUDA device; use capture='none' on CPU.")
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}.")
@@ -95,16 +102,26 @@ class StaticRolloutEngine(RolloutEngine):
         # static input: tokens in each slot's cache (= the column the next fed token takes; 0 when free)
         self._pos = torch.zeros(max_rows, dtype=torch.long, device=self.device)
         self._rb, self._lb = 0, 0  # Rb (highest used slot + 1); Lb = _lb + the step count (_rows_changed)
-        # (Rb, Lb) -> (graph, logits)
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # cuda_graph: (Rb, Lb) -> (graph, logits), captured on the bucket's first step
+        self._graphs: CapturedGraphs[tuple[int, int]] = CapturedGraphs(self.device, graph_capture)
         self._traced: set[tuple[int, int]] = set()  # compile: the (Rb, Lb) buckets traced so far
-        # cuda_graph: the capture stream and the graphs' pool (_capture)
-        self._side_stream: torch.cuda.Stream | None = None
-        self._pool: _POOL_HANDLE | None = None
+        self._traced_s = 0.0  # compile: seconds of each bucket's first (tracing) call
         self._compiled: Callable[[int, int], torch.Tensor] | None = None
-        self.captures = 0  # graphs captured (or compiled variants traced) so far
 
     # ------------------------------------------------------------------ setup
+
+    @property
+    def captures(self) -> int:
+        """Decode graphs captured (``cuda_graph``) or compiled variants traced (``compile``) so far."""
+        return self._graphs.captures + len(self._traced)
+
+    def capture_stats(self) -> dict[str, Any]:
+        """What capturing cost so far: ``captures`` (graphs or compiled variants), ``seconds``
+        (host seconds of the captures; for ``compile``, of each bucket's first call) and the
+        (Rb, Lb) ``keys`` made. The bench reports it (``oppo.bench.summaries``)."""
+        if self.capture == "compile":
+            return {"captures": len(self._traced), "seconds": self._traced_s, "keys": sorted(self._traced)}
+        return self._graphs.stats()
 
     @property
     def peak_cache_bytes(self) -> int:
@@ -170,7 +187,11 @@ class StaticRolloutEngine(RolloutEngine):
         else:
             ids, valid = right_pad(seqs, self.pad_id, self.device)  # [n, P]: columns = slot columns
         P = ids.shape[1]
-        pos = torch.arange(P, device=self.device)[None].expand_as(ids)  # [n, P]
+        # padding's position ids stay at its row's last real one (its columns and mask stay its own):
+        # a bucketed width must not reach past a learned-position table or dynamic RoPE's length
+        # (scoring/slots.py does the same for the scorers' slots)
+        last = torch.tensor([len(x) - 1 for x in seqs], device=self.device)  # [rows]
+        pos = torch.minimum(torch.arange(P, device=self.device)[None], last[:, None])  # [rows, P]
         dyn = DynamicCache()
         out = self.backbone(input_ids=ids, attention_mask=valid, position_ids=pos, past_key_values=dyn,
                             use_cache=True)
@@ -279,63 +300,19 @@ class StaticRolloutEngine(RolloutEngine):
                 torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
                 mode = "reduce-overhead" if self.device.type == "cuda" else None
                 self._compiled = torch.compile(self._decode_step, mode=mode, dynamic=False)
-            if (rb, lb) not in self._traced:
-                self._traced.add((rb, lb))
-                self.captures += 1
+            new = (rb, lb) not in self._traced
+            t0 = time.perf_counter()
             out = self._compiled(rb, lb)
+            if new:
+                self._traced.add((rb, lb))
+                self._traced_s += time.perf_counter() - t0
             return out.clone() if self.device.type == "cuda" else out
-        captured = self._graphs.get((rb, lb))
-        if captured is None:
-            captured = self._graphs[(rb, lb)] = self._capture(rb, lb)
-        graph, out = captured
+        # captured on the bucket's first step (oppo.graphs: the recipe the scorers' slots share)
+        graph, out = self._graphs.get((rb, lb), lambda: self._decode_step(rb, lb))
         graph.replay()
         # graphs share one memory pool: another bucket's replay may overwrite this output, so the
         # caller copies it (index_select) before the next replay
         return out
-
-    def capture_all(self) -> int:
-        """Capture the decode step of every (Rb, Lb) bucket now (``capture="cuda_graph"``), so that
-        no capture falls inside a timed step: the slots are allocated by a one-token prefill into
-        slot 0 (then freed). Returns the graphs captured."""
-        if self.capture != "cuda_graph":
-            return 0
-        if self.cache is None:
-            slot = self._take_slots(1)
-            try:
-                self._prefill_into([Rollout(-1, -1, "", [self.pad_id], 0)], slot)
-            finally:
-                self._pos.index_fill_(0, torch.tensor(slot, device=self.device), 0)
-                for s in slot:
-                    heapq.heappush(self._free, s)
-        rbs = sorted({bucket_size(r, self.max_rows, smallest=1) for r in range(1, self.max_rows + 1)})
-        lbs = sorted({bucket_size(c, self.max_len) for c in range(1, self.max_len + 1)})
-        before = self.captures
-        for rb in rbs:
-            for lb in lbs:
-                if (rb, lb) not in self._graphs:
-                    self._graphs[(rb, lb)] = self._capture(rb, lb)
-        return self.captures - before
-
-    def _capture(self, rb: int, lb: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """Record the decode step for (rb, lb) into a CUDA graph, safely while other threads run
-        CUDA work (docs/static-engine.md, "Capture while other threads work"): warm-ups, then a
-        thread-local capture, on this engine's one side stream, into its one pool. The warm-up runs
-        compute the same step the replay then computes (same inputs), so their cache writes are
-        harmless."""
-        if self._side_stream is None:  # taken once: every warm-up and capture of this engine runs on it
-            self._side_stream = torch.cuda.Stream(self.device)
-            self._pool = torch.cuda.graph_pool_handle()
-        stream, here = self._side_stream, torch.cuda.current_stream(self.device)
-        stream.wait_stream(here)  # the warm-ups read _tok/_pos and the slots written on this stream
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._decode_step(rb, lb)
-        here.wait_stream(stream)  # replays (on this stream) come after the warm-ups' cache writes
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
-            out = self._decode_step(rb, lb)
-        self.captures += 1
-        return graph, out
 
     def _decode_step(self, rb: int, lb: int) -> torch.Tensor:
         """The captured region: static inputs ``_tok``/``_pos`` in, logits [rb, V] out."""
