@@ -148,3 +148,20 @@ def test_scorer_workers_read_the_models_own_position(reward):
     finally:
         local.close()
         host.close()
+
+
+def test_the_load_check_keeps_the_reward_models_own_pad_out_of_its_probe():
+    """``models.verify`` compares oppo's head with the model's forward on a random probe; the run's pad
+    (the policy tokenizer's) is kept out of it, and so is the reward model's own config pad: with that
+    pad as the probe's last token, the forward pools an earlier token and a sound model was refused."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from oppo.models.verify import verify_model
+
+    vocab = 32
+    last = int(torch.randint(0, vocab, (1, 8), generator=torch.Generator().manual_seed(1234))[0, -1])  # the probe's
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, pad_token_id=last, bos_token_id=None,
+                      eos_token_id=None, num_labels=1)
+    model = LlamaForSequenceClassification(cfg).eval()
+    verify_model(model, "reward", pad_token_id=(last + 5) % vocab)  # raised ModelLoadError before

@@ -45,13 +45,17 @@ def _verify(model, role: str, pad_token_id: int | None) -> None:
     device = next(model.parameters()).device
     vocab = int(text_config(model.config).vocab_size)
     g = torch.Generator().manual_seed(1234)
+    # no pad token in the probe, neither the run's nor the model's own (a sequence classifier's forward
+    # pools the last token that is not its config's pad: with one in the probe it would pool elsewhere)
+    pads = {p for p in (pad_token_id, getattr(text_config(model.config), "pad_token_id", None)) if p is not None}
     ids = torch.randint(0, vocab, (1, 8), generator=g)
-    if pad_token_id is not None:
-        ids[ids == pad_token_id] = (pad_token_id + 1) % vocab
+    for _ in range(len(pads)):
+        for p in pads:
+            ids[ids == p] = (p + 1) % vocab
     ids = ids.to(device)
     changed = ids.clone()
     changed[0, -1] = (changed[0, -1] + 1) % vocab
-    if pad_token_id is not None and int(changed[0, -1]) == pad_token_id:
+    while int(changed[0, -1]) in pads:
         changed[0, -1] = (changed[0, -1] + 1) % vocab
     name = type(model).__name__
     h = backbone(input_ids=ids).last_hidden_state.float()
