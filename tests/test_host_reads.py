@@ -45,10 +45,14 @@ def _model(eos_bias: float):
     return model
 
 
-def _engine(kind: str, model):
+def _engine(kind: str, model, greedy: bool = False, every: int = 1):
+    """``every``: the engine's ``stop_check_every`` (1, the CPU's default; CUDA's is larger)."""
     if kind == "eager":
-        return RolloutEngine(model, EOS, PAD, 16, seed=3)
-    return StaticRolloutEngine(model, EOS, PAD, 16, seed=3, max_rows=8, max_len=40)
+        eng = RolloutEngine(model, EOS, PAD, 16, seed=3, greedy=greedy)
+    else:
+        eng = StaticRolloutEngine(model, EOS, PAD, 16, seed=3, max_rows=8, max_len=40, greedy=greedy)
+    eng.stop_check_every = every
+    return eng
 
 
 def _rows(targets):
@@ -103,10 +107,10 @@ def _drain(engine, rows, chunk, count):
     return calls, [done[r.uid] for r in rows], chunks
 
 
-def _per_token_reference(kind, model, targets, chunk):
+def _per_token_reference(kind, model, targets, chunk, greedy=False):
     """The same rows through ``step`` (records pulled every step) and ``take_chunks``: the old
     loop's outputs."""
-    eng, rows = _engine(kind, model), _rows(targets)
+    eng, rows = _engine(kind, model, greedy), _rows(targets)
     eng.admit(rows)
     chunks, done = {r.uid: [] for r in rows}, {}
     while eng.active:
@@ -163,3 +167,90 @@ def test_eos_reads_one_flag_per_step_and_records_once(kind, monkeypatch):
         assert (r.response_ids, r.logprobs, r.policy_logprobs, r.versions) == \
             (want.response_ids, want.logprobs, want.policy_logprobs, want.versions)
     assert chunks == ref_chunks
+
+
+@pytest.mark.parametrize("kind", ["eager", "static"])
+def test_stop_flags_read_every_k_steps_change_no_output(kind, monkeypatch):
+    """CUDA's deferred stop check (``stop_check_every``, issue 50), driven on the CPU with K = 4:
+    a step reads the stop flags only every K steps (and at a row's known end: the token budget),
+    never in between; a row that ended keeps decoding, unrecorded, until then. Greedy, so the
+    rows kept in the batch change no draw: tokens, versions, EOS flags and every chunk equal the
+    per-token loop's (the final chunk comes at the retirement, with the same tokens); both log-probs
+    too, to float tolerance (the batch holds other rows at some steps, so the forward sums in
+    another order: up to 1e-6 here)."""
+    K, model = 4, _model(eos_bias=1.0)
+    targets = [None] * len(PROMPTS)
+    ref_rows, ref_chunks = _per_token_reference(kind, model, targets, 5, greedy=True)
+    assert len({len(r.response_ids) for r in ref_rows}) > 3 and any(r.ended_with_eos for r in ref_rows), \
+        "fixture: rows end at different steps, between two checks"
+    eng = _engine(kind, model, greedy=True, every=K)
+    count = _count_reads(monkeypatch, eng)
+    calls, rows, chunks = _drain(eng, _rows(targets), 5, count)
+    for r, want in zip(rows, ref_rows):
+        assert (r.response_ids, r.versions, r.ended_with_eos) == (want.response_ids, want.versions, want.ended_with_eos)
+        for got, exp in ((r.logprobs, want.logprobs), (r.policy_logprobs, want.policy_logprobs)):
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(exp), rtol=0, atol=1e-5)
+    assert chunks == ref_chunks
+    # no chunks: the only reads are the checks (and, at a check where rows end, their records once,
+    # plus eager's KV compaction: KVRows.select's two)
+    eng = _engine(kind, model, greedy=True, every=K)
+    count = _count_reads(monkeypatch, eng)
+    calls, rows, _ = _drain(eng, _rows(targets), None, count)
+    monkeypatch.undo()
+    for step, (reads, events, _, _) in enumerate(calls, 1):
+        if step % K and step < 16:  # (16: the token budget, every row's known end)
+            assert reads == 0 and not events, step
+        else:
+            assert reads <= (1 if not events else 4 if kind == "eager" else 2), step
+    assert [r.response_ids for r in rows] == [r.response_ids for r in ref_rows]
+
+
+@pytest.mark.parametrize("kind", ["eager", "static"])
+def test_stop_flags_read_every_k_steps_sample_validly(kind):
+    """Sampled, K = 4: the rows kept a few steps past their end take part in each step's draw, so
+    the tokens are other samples than a per-step check's; they are valid ones: each row stops at
+    its first EOS, its behaviour log-probs are a full forward's, its chunks add up to it. A row
+    that ended unread is not in flight (``in_flight`` retires it; the next decode reports it);
+    the flags are read every K steps rather than every step."""
+    K, model = 4, _model(eos_bias=1.5)
+    ref = _engine(kind, model)
+    ref.admit(_rows([None] * len(PROMPTS)))
+    while ref.active:
+        ref.advance(3)
+    eng = _engine(kind, model, every=K)
+    eng.admit(_rows([None] * len(PROMPTS)))
+    done, chunks = [], {i: [] for i in range(len(PROMPTS))}
+    while eng.active:
+        for e in eng.advance(3):
+            if isinstance(e, ChunkReady):
+                chunks[e.chunk.uid].extend(e.chunk.tokens)
+            if isinstance(e, SequenceFinished):
+                done.append(e.rollout)
+        if eng._clock == 6:  # (between two checks)
+            assert all(EOS not in r.response_ids for r in eng.in_flight())
+    assert eng.decode_steps == ref.decode_steps and eng.host_reads < ref.host_reads
+    assert sorted(r.uid for r in done) == list(range(len(PROMPTS))) and any(r.ended_with_eos for r in done)
+    for r in done:
+        assert EOS not in r.response_ids[:-1] and r.ended_with_eos == (r.response_ids[-1] == EOS)
+        assert len(r.response_ids) == len(r.logprobs) == len(r.policy_logprobs) == len(r.versions) <= 16
+        assert chunks[r.uid] == r.response_ids
+        ids = torch.tensor([r.prompt_ids + r.response_ids])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(r.prompt_ids) - 1:-1]
+        lp = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(r.response_ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(r.logprobs), lp, atol=1e-4, rtol=1e-4)
+
+
+def test_deferred_stop_check_still_names_a_diverged_row():
+    """A non-finite log-prob between two checks stops the run at the next one, with the guard's message."""
+    from oppo.guard import NonFiniteError
+
+    model = _model(eos_bias=0.0)
+    with torch.no_grad():
+        model.get_output_embeddings().weight[7] = float("inf")
+    eng = _engine("eager", model, every=4)
+    eng.set_version(2)
+    eng.admit(_rows([None, None]))
+    with pytest.raises(NonFiniteError, match=r"non-finite logits in sampling with the policy of version 2.*rows 0, 1"):
+        for _ in range(4):
+            eng.advance(None)
