@@ -275,7 +275,7 @@ class _ThreadTransport:
                             self.replies.put(e)
 
     def close(self) -> None:
-        self.q.put(StopMsg())
+        self.put(StopMsg())
         self.thread.join(timeout=10)
 
 
