@@ -254,3 +254,82 @@ def test_deferred_stop_check_still_names_a_diverged_row():
     with pytest.raises(NonFiniteError, match=r"non-finite logits in sampling with the policy of version 2.*rows 0, 1"):
         for _ in range(4):
             eng.advance(None)
+
+
+@pytest.mark.parametrize("buckets", ["on", "off"])
+def test_scorer_outputs_stay_on_the_device_until_the_barrier(tiny_models, monkeypatch, buckets):
+    """The scorer loop's outputs (reference log-probs, critic values, the reward score) stay on the
+    device through every chunk flush and are read once per role at the barrier (before: a read of
+    the per-token outputs at every flush, and of the scores at every flush that finished a
+    sequence). Same numbers as the one-shot scorer. The dynamic cache's own bookkeeping
+    (``ppo.shape_buckets=off``: ``kv.KVRows.repack``'s fill check each flush, ``select``'s compaction
+    when a row leaves) still reads and is not counted; the slots (buckets on: CUDA's default) read
+    nothing."""
+    from oppo.models import load_causal_lm, load_critic, load_reward_model, load_tokenizer
+    from oppo.scoring.streaming import StreamingScorer, score_full
+    from oppo.scoring.worker import AdmitMsg, BarrierMsg, ChunksMsg, ScorerLoop
+    from oppo.trace import Tracer
+    from oppo.api.records import Chunk
+
+    tok, dev = load_tokenizer(str(tiny_models["policy"])), torch.device("cpu")
+    pad = tok.pad_token_id
+    models = {"reference": load_causal_lm(str(tiny_models["policy"]), "reference", dev, torch.float32).eval(),
+              "reward": load_reward_model(str(tiny_models["reward"]), dev, torch.float32, pad),
+              "critic": load_critic(str(tiny_models["reward"]), dev, torch.float32, pad).eval()}
+    from oppo.forward import set_packing
+
+    for m in models.values():
+        set_packing(m, "auto", buckets)
+    scorers = {kind: StreamingScorer(kind, m, pad) for kind, m in models.items()}
+    loop = ScorerLoop(scorers, tracer=Tracer(enabled=False))
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    responses = [[14, 15, 16, 17, 18, 19, 20], [21, 22, 23, 24, 25], [26, 27, 28, 29, 3, 4, 5, 6, 7]]
+    count, inside = [0], [False]
+    for name in READS:
+        real = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _real=real, **k):
+            if not inside[0]:
+                count[0] += 1
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    for s in scorers.values():  # (the models' own reads are the forward's, not the loop's)
+        for part in ("backbone", "head", "kv.select", "kv.repack"):
+            if part.startswith("kv.") and buckets == "on":
+                continue
+            owner, part = (s.kv, part[3:]) if part.startswith("kv.") else (s, part)
+            module = getattr(owner, part)
+
+            def model(*a, _module=module, **k):
+                inside[0] = True
+                try:
+                    return _module(*a, **k)
+                finally:
+                    inside[0] = False
+
+            setattr(owner, part, model)
+    replies = []
+    loop.handle([AdmitMsg((0, 1, 2), tuple(map(tuple, prompts)), 0)], replies.append)
+    flush_reads = []
+    for at in range(0, 9, 3):  # chunks of 3; rows 1 and 0 finish at the second and third flush
+        chunks = tuple(Chunk(u, tuple(r[at: at + 3]), at + 3 >= len(r)) for u, r in enumerate(responses)
+                       if at < len(r))
+        n = count[0]
+        loop.handle([ChunksMsg(chunks, 0)], replies.append)
+        flush_reads.append(count[0] - n)
+    n = count[0]
+    loop.handle([BarrierMsg(1)], replies.append)
+    barrier_reads = count[0] - n
+    monkeypatch.undo()
+    assert flush_reads == [0, 0, 0] and barrier_reads == len(scorers), (flush_reads, barrier_reads)
+    got = replies[0].results
+    for kind, m in models.items():
+        want = score_full(kind, m, prompts, responses, pad)
+        for u in range(3):
+            if kind == "reward":
+                assert got[kind][u].score == pytest.approx(want[u].score, abs=1e-5)
+            else:
+                have = got[kind][u].logprobs if kind == "reference" else got[kind][u].values
+                exp = want[u].logprobs if kind == "reference" else want[u].values
+                torch.testing.assert_close(torch.tensor(have), torch.tensor(exp), atol=1e-5, rtol=1e-5)

@@ -195,11 +195,20 @@ class ScorerLoop:
         return False
 
     def take_reply(self, bid: int) -> BarrierReply:
+        """What a barrier brings back. The outputs of the sequences finished since the last one are
+        read from the device here, one read per role (they stay on the device between chunk
+        flushes: issue 50)."""
         spans = self.tracer.spans
         self.tracer.clear()
+        self.collect()
         results, self.results = self.results, {role: {} for role in self.scorers}
         stats, self.train_stats = self.train_stats, {}
         return BarrierReply(bid, results, spans, {r: s.peak_cache_bytes for r, s in self.scorers.items()}, stats)
+
+    def collect(self) -> None:
+        """The finished sequences' outputs into ``results``: one read from the device per role."""
+        for role, s in self.scorers.items():
+            self.results[role].update(s.take_done())
 
     def _flush(self, pending: dict, step: int) -> None:
         if not pending:
@@ -207,8 +216,7 @@ class ScorerLoop:
         for role, s in self.scorers.items():
             self.adapt_threads()
             with self.tracer.span(self.name, f"score_{role}", step, tokens=sum(len(t) for t, _ in pending.values())):
-                s.feed(pending)
-            self.results[role].update(s.take_done())
+                s.feed(pending)  # (outputs stay on the device until the barrier: take_reply)
 
 
 class _ThreadTransport:
