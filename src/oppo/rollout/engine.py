@@ -123,7 +123,7 @@ def on_actor(method):
         with self.role:
             return method(self, *a, **k)
 
-    run._on_actor = True  # type: ignore[attr-defined]
+    run._on_actor = True
     return run
 
 
