@@ -210,7 +210,7 @@ def test_stop_flags_read_every_k_steps_sample_validly(kind):
     """Sampled, K = 4: the rows kept a few steps past their end take part in each step's draw, so
     the tokens are other samples than a per-step check's; they are valid ones: each row stops at
     its first EOS, its behaviour log-probs are a full forward's, its chunks add up to it. A row
-    that ended unread is not in flight (``in_flight`` retires it; the next decode reports it);
+    that ended unread is not in flight (``in_flight`` retires it; the next advance reports it);
     the flags are read every K steps rather than every step."""
     K, model = 4, _model(eos_bias=1.5)
     ref = _engine(kind, model)
@@ -219,15 +219,20 @@ def test_stop_flags_read_every_k_steps_sample_validly(kind):
         ref.advance(3)
     eng = _engine(kind, model, every=K)
     eng.admit(_rows([None] * len(PROMPTS)))
-    done, chunks = [], {i: [] for i in range(len(PROMPTS))}
+    done, chunks, settled = [], {i: [] for i in range(len(PROMPTS))}, set()
     while eng.active:
+        flags = eng._stopped[eng._slots].tolist() if eng.rows else []
+        if not settled and any(flags):  # rows ended unread: in_flight hands out the others only
+            settled = {r.uid for r, f in zip(eng.rows, flags) if f}
+            flying = eng.in_flight()
+            assert settled.isdisjoint(r.uid for r in flying) and all(EOS not in r.response_ids for r in flying)
+            assert eng.active == len(flying) + len(settled)
         for e in eng.advance(3):
             if isinstance(e, ChunkReady):
                 chunks[e.chunk.uid].extend(e.chunk.tokens)
             if isinstance(e, SequenceFinished):
                 done.append(e.rollout)
-        if eng._clock == 6:  # (between two checks)
-            assert all(EOS not in r.response_ids for r in eng.in_flight())
+    assert settled, "fixture: a row ends between two checks"
     assert eng.decode_steps == ref.decode_steps and eng.host_reads < ref.host_reads
     assert sorted(r.uid for r in done) == list(range(len(PROMPTS))) and any(r.ended_with_eos for r in done)
     for r in done:

@@ -62,7 +62,7 @@ class Event:
 
 
 _serial = itertools.count(1)
-_local = threading.local()  # .stack: the roles entered on this thread, innermost last
+_local = threading.local()  # .stack: (role, its torch.cuda.stream context) entered on this thread, innermost last
 _log: list[tuple[str, str, object]] | None = None  # (kind, role, detail) while recording
 _log_lock = threading.Lock()
 
@@ -85,7 +85,7 @@ def recording() -> Iterator[list[tuple[str, str, object]]]:
         _log = old
 
 
-def _stack() -> list[Role]:
+def _stack() -> list[tuple[Role, Any]]:
     stack = getattr(_local, "stack", None)
     if stack is None:
         stack = _local.stack = []
@@ -95,7 +95,7 @@ def _stack() -> list[Role]:
 def current() -> str:
     """The innermost role entered on this thread: its work's stream; ``"default"`` outside every role."""
     stack = _stack()
-    return stack[-1].name if stack else "default"
+    return stack[-1][0].name if stack else "default"
 
 
 def caller_event(device: torch.device) -> Event:
@@ -139,7 +139,6 @@ class Role:
         self.name, self.device, self.follow = name, torch.device(device), follow
         self.stream = torch.cuda.Stream(self.device, priority=priority) if self.device.type == "cuda" else None
         self._entered = False
-        self._ctx: list[Any] = []  # torch.cuda.stream contexts of the entries still open (innermost last)
         self._waited: set[int] = set()  # the serials of write events this role's stream already waits on
 
     def __repr__(self) -> str:
@@ -149,26 +148,24 @@ class Role:
 
     def __enter__(self) -> Role:
         stack = _stack()
-        nested = bool(stack) and stack[-1] is self
+        nested = bool(stack) and stack[-1][0] is self
         if not nested and (self.follow or not self._entered):
             self.wait(caller_event(self.device))  # the inputs the caller queued before this call
         self._entered = True
-        stack.append(self)
-        if not nested:
-            _note("enter", self.name, None)
         ctx = torch.cuda.stream(self.stream) if self.stream is not None else None
         if ctx is not None:
             ctx.__enter__()
-        self._ctx.append(ctx)
+        stack.append((self, ctx))
+        if not nested:
+            _note("enter", self.name, None)
         return self
 
     def __exit__(self, *exc) -> None:
-        ctx = self._ctx.pop()
+        stack = _stack()
+        _, ctx = stack.pop()
         if ctx is not None:
             ctx.__exit__(*exc)
-        stack = _stack()
-        stack.pop()
-        if not (stack and stack[-1] is self):
+        if not (stack and stack[-1][0] is self):
             _note("exit", self.name, None)
 
     # ------------------------------------------------------------------ events
@@ -196,8 +193,7 @@ class Role:
         ev = self.record()
         _note("wait", "default", ev)
         if self.stream is not None:
-            stack = _stack()
-            outer = next((r for r in reversed(stack) if r is not self), None)
+            outer = next((r for r, _ in reversed(_stack()) if r is not self), None)
             (outer.stream if outer is not None and outer.stream is not None
              else torch.cuda.default_stream(self.device)).wait_event(ev.cuda)
 

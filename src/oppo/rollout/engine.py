@@ -179,7 +179,8 @@ class RolloutEngine:
         # [S] with stop_check_every > 1: 1 the row ended (unread), 2 its log-prob is not finite (bits)
         self._stopped = torch.zeros(0, dtype=torch.uint8, device=self.device)
         self._ended_seen: set[int] = set()  # uids a pull found ended, retired at the next check
-        self._settled: list[Rollout] = []  # rows retired outside decode (``_settle``), returned by the next one
+        self._settled: list[Rollout] = []  # rows retired outside decode (``_settle``), reported by the next advance
+        self._settling = False
         # Host facts derived once per admission or retirement, not per token: a row's length is
         # _clock - _born[i]; _end[i] is the step it ends at by its length alone (token budget or
         # forced length); _deadline the first of those; _due the step a chunk is first due.
@@ -395,7 +396,7 @@ class RolloutEngine:
 
     def advance(self, chunk_size: int | None) -> list[Event]:
         """One decode step (``RolloutBackend.advance``): the rows that ended, then the chunks due."""
-        events: list[Event] = [SequenceFinished(r) for r in self.decode()]
+        events: list[Event] = [SequenceFinished(r) for r in self._take_settled() + self.decode()]
         if chunk_size is None:
             self.finished.clear()  # no scorer streams: no final chunks to send
             return events
@@ -512,30 +513,36 @@ class RolloutEngine:
             row.finished, row.ended_with_eos = True, row.response_ids[-1] in self.eos_ids
         return done
 
+    def _take_settled(self) -> list[Rollout]:
+        """The rows ``_settle`` retired, as ended now (``advance``, ``step`` and ``generate_all`` report
+        them before the next decode step's)."""
+        settled, self._settled = self._settled, []
+        self.finished.extend(settled)
+        return settled
+
     def _settle(self) -> None:
         """With deferred checks, retire the rows that ended unread now (a caller is about to read
         or change the rows in flight: ``in_flight``, ``recompute``, ``abort``); the next ``decode``
-        returns them as ended."""
-        if not self._deferred or not self.rows:
+        reports them as ended (``_take_settled``)."""
+        if not self._deferred or not self.rows or self._settling:
             return
         ended = self._check()
         if ended:
             done = self._finish(ended)
-            self._drop({r.uid for r in done})
+            self._settling = True
+            try:
+                self.abort({r.uid for r in done})  # (a subclass's own retirement: the static engine's slots)
+            finally:
+                self._settling = False
             self._settled.extend(done)
 
     @torch.no_grad()
     def decode(self) -> list[Rollout]:
         """One decode step: sample a token for every row; retire the rows that ended and return
         them (their records pulled); the other rows' records stay on the device."""
-        settled, self._settled = self._settled, []
         if not self.rows:
-            self.finished.extend(settled)
-            return settled
+            return []
         tokens, keep, done = self._sample_and_record()
-        if settled:
-            self.finished.extend(settled)
-            done = settled + done
         if done:
             assert keep is not None  # rows ended: keep lists the others
             self.peak_cache_bytes = max(self.peak_cache_bytes, self.kv.nbytes())
@@ -556,7 +563,7 @@ class RolloutEngine:
     def step(self) -> list[Rollout]:
         """``decode``, then every row's records brought up to date (one read per step: for callers
         that read the rows after every token; the trainer's loop calls ``advance``)."""
-        done = self.decode()
+        done = self._take_settled() + self.decode()
         self._pull()
         return done
 
@@ -595,8 +602,8 @@ class RolloutEngine:
         """Chunks for the scorers (:func:`take_chunks`) of the rows retired since the last call
         and of the rows decoding. The rows' records are pulled only at a step where one is due."""
         if self._due is None or self._due[0] != chunk_size:  # row i is due at step born + emitted + chunk
-            self._due = (chunk_size, min((b + r.emitted + chunk_size for r, b in zip(self.rows, self._born)),
-                                         default=math.inf))
+            self._due = (chunk_size, min((b + r.emitted + chunk_size for r, b in zip(self.rows, self._born)
+                                          if r.uid not in self._ended_seen), default=math.inf))
         active = []
         if self._clock >= self._due[1]:
             self._pull()
@@ -611,7 +618,7 @@ class RolloutEngine:
         """Decode until every row has ended (the sequential rollout, with early exit)."""
         done = []
         while self.rows or self._settled:
-            done.extend(self.decode())
+            done.extend(self._take_settled() + self.decode())
         self.finished = []
         return done
 
