@@ -522,7 +522,7 @@ class RolloutEngine:
 
     def _settle(self) -> None:
         """With deferred checks, retire the rows that ended unread now (a caller is about to read
-        or change the rows in flight: ``in_flight``, ``recompute``, ``abort``); the next ``decode``
+        or change the rows in flight: ``in_flight``, ``recompute``, ``abort``); the next ``advance``
         reports them as ended (``_take_settled``)."""
         if not self._deferred or not self.rows or self._settling:
             return
