@@ -107,7 +107,7 @@ def test_deferred_stop_checks_keep_intra_equal_to_sequential(tiny_models, tiny_p
             engine = t.roles.rollout
             engine.stop_check_every = 4
             out[mode] = []
-            for _ in range(2):
+            for _ in range(1):
                 t.run_step()
                 exp = t.last_result.exp
                 out[mode].append((exp.ids.clone(), exp.scores.clone(), [(len(r.response_ids), r.ended_with_eos)
