@@ -94,7 +94,13 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
     # so multinomial neither raises (CPU) nor asserts on the device (CUDA), and its NaN log-prob
     # marks it for the engine's check where the host reads the tokens (guard.py: no extra sync).
     probs = probs.masked_fill(torch.isnan(probs).any(-1, keepdim=True), 1.0)
-    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # [R]
+    # torch.multinomial's own algorithm for one sample (argmax of p / q, q ~ Exp(1): the same draws,
+    # the same tokens on the CPU, checked against it), without its argument checks, which read the
+    # device to raise (a CPU-GPU sync per decode step on CUDA that would undo the deferred stop check;
+    # not yet confirmed on a GPU: torch.cuda.set_sync_debug_mode would show it). vLLM's sampler
+    # does the same for the same reason (``_multinomial``). The NaN rows were replaced above.
+    q = torch.empty_like(probs).exponential_(generator=generator)  # [R, V]
+    tokens = (probs / q).argmax(-1)  # [R]
     return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
 
 
