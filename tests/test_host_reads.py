@@ -45,10 +45,14 @@ def _model(eos_bias: float):
     return model
 
 
-def _engine(kind: str, model):
+def _engine(kind: str, model, greedy: bool = False, every: int = 1):
+    """``every``: the engine's ``stop_check_every`` (1, the CPU's default; CUDA's is larger)."""
     if kind == "eager":
-        return RolloutEngine(model, EOS, PAD, 16, seed=3)
-    return StaticRolloutEngine(model, EOS, PAD, 16, seed=3, max_rows=8, max_len=40)
+        eng = RolloutEngine(model, EOS, PAD, 16, seed=3, greedy=greedy)
+    else:
+        eng = StaticRolloutEngine(model, EOS, PAD, 16, seed=3, max_rows=8, max_len=40, greedy=greedy)
+    eng.stop_check_every = every
+    return eng
 
 
 def _rows(targets):
@@ -103,10 +107,10 @@ def _drain(engine, rows, chunk, count):
     return calls, [done[r.uid] for r in rows], chunks
 
 
-def _per_token_reference(kind, model, targets, chunk):
+def _per_token_reference(kind, model, targets, chunk, greedy=False):
     """The same rows through ``step`` (records pulled every step) and ``take_chunks``: the old
     loop's outputs."""
-    eng, rows = _engine(kind, model), _rows(targets)
+    eng, rows = _engine(kind, model, greedy), _rows(targets)
     eng.admit(rows)
     chunks, done = {r.uid: [] for r in rows}, {}
     while eng.active:
@@ -163,3 +167,174 @@ def test_eos_reads_one_flag_per_step_and_records_once(kind, monkeypatch):
         assert (r.response_ids, r.logprobs, r.policy_logprobs, r.versions) == \
             (want.response_ids, want.logprobs, want.policy_logprobs, want.versions)
     assert chunks == ref_chunks
+
+
+@pytest.mark.parametrize("kind", ["eager", "static"])
+def test_stop_flags_read_every_k_steps_change_no_output(kind, monkeypatch):
+    """CUDA's deferred stop check (``stop_check_every``, issue 50), driven on the CPU with K = 4:
+    a step reads the stop flags only every K steps (and at a row's known end: the token budget),
+    never in between; a row that ended keeps decoding, unrecorded, until then. Greedy, so the
+    rows kept in the batch change no draw: tokens, versions, EOS flags and every chunk equal the
+    per-token loop's (the final chunk comes at the retirement, with the same tokens); both log-probs
+    too, to float tolerance (the batch holds other rows at some steps, so the forward sums in
+    another order: up to 1e-6 here)."""
+    K, model = 4, _model(eos_bias=1.0)
+    targets = [None] * len(PROMPTS)
+    ref_rows, ref_chunks = _per_token_reference(kind, model, targets, 5, greedy=True)
+    assert len({len(r.response_ids) for r in ref_rows}) > 3 and any(r.ended_with_eos for r in ref_rows), \
+        "fixture: rows end at different steps, between two checks"
+    eng = _engine(kind, model, greedy=True, every=K)
+    count = _count_reads(monkeypatch, eng)
+    calls, rows, chunks = _drain(eng, _rows(targets), 5, count)
+    for r, want in zip(rows, ref_rows):
+        assert (r.response_ids, r.versions, r.ended_with_eos) == (want.response_ids, want.versions, want.ended_with_eos)
+        for got, exp in ((r.logprobs, want.logprobs), (r.policy_logprobs, want.policy_logprobs)):
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(exp), rtol=0, atol=1e-5)
+    assert chunks == ref_chunks
+    # no chunks: the only reads are the checks (and, at a check where rows end, their records once,
+    # plus eager's KV compaction: KVRows.select's two)
+    eng = _engine(kind, model, greedy=True, every=K)
+    count = _count_reads(monkeypatch, eng)
+    calls, rows, _ = _drain(eng, _rows(targets), None, count)
+    monkeypatch.undo()
+    for step, (reads, events, _, _) in enumerate(calls, 1):
+        if step % K and step < 16:  # (16: the token budget, every row's known end)
+            assert reads == 0 and not events, step
+        else:
+            assert reads <= (1 if not events else 4 if kind == "eager" else 2), step
+    assert [r.response_ids for r in rows] == [r.response_ids for r in ref_rows]
+
+
+@pytest.mark.parametrize("kind", ["eager", "static"])
+def test_stop_flags_read_every_k_steps_sample_validly(kind):
+    """Sampled, K = 4: the rows kept a few steps past their end take part in each step's draw, so
+    the tokens are other samples than a per-step check's; they are valid ones: each row stops at
+    its first EOS, its behaviour log-probs are a full forward's, its chunks add up to it. A row
+    that ended unread is not in flight (``in_flight`` retires it; the next advance reports it);
+    the flags are read every K steps rather than every step."""
+    K, model = 4, _model(eos_bias=1.5)
+    ref = _engine(kind, model)
+    ref.admit(_rows([None] * len(PROMPTS)))
+    while ref.active:
+        ref.advance(3)
+    eng = _engine(kind, model, every=K)
+    eng.admit(_rows([None] * len(PROMPTS)))
+    done, chunks, settled = [], {i: [] for i in range(len(PROMPTS))}, set()
+    while eng.active:
+        flags = eng._stopped[eng._slots].tolist() if eng.rows else []
+        if not settled and any(flags):  # rows ended unread: in_flight hands out the others only
+            settled = {r.uid for r, f in zip(eng.rows, flags) if f}
+            flying = eng.in_flight()
+            assert settled.isdisjoint(r.uid for r in flying) and all(EOS not in r.response_ids for r in flying)
+            assert eng.active == len(flying) + len(settled)
+        for e in eng.advance(3):
+            if isinstance(e, ChunkReady):
+                chunks[e.chunk.uid].extend(e.chunk.tokens)
+            if isinstance(e, SequenceFinished):
+                done.append(e.rollout)
+    assert settled, "fixture: a row ends between two checks"
+    assert eng.decode_steps == ref.decode_steps and eng.host_reads < ref.host_reads
+    assert sorted(r.uid for r in done) == list(range(len(PROMPTS))) and any(r.ended_with_eos for r in done)
+    for r in done:
+        assert EOS not in r.response_ids[:-1] and r.ended_with_eos == (r.response_ids[-1] == EOS)
+        assert len(r.response_ids) == len(r.logprobs) == len(r.policy_logprobs) == len(r.versions) <= 16
+        assert chunks[r.uid] == r.response_ids
+        ids = torch.tensor([r.prompt_ids + r.response_ids])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(r.prompt_ids) - 1:-1]
+        lp = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(r.response_ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(r.logprobs), lp, atol=1e-4, rtol=1e-4)
+
+
+def test_deferred_stop_check_still_names_a_diverged_row():
+    """A non-finite log-prob between two checks stops the run at the next one, with the guard's message."""
+    from oppo.guard import NonFiniteError
+
+    model = _model(eos_bias=0.0)
+    with torch.no_grad():
+        model.get_output_embeddings().weight[7] = float("inf")
+    eng = _engine("eager", model, every=4)
+    eng.set_version(2)
+    eng.admit(_rows([None, None]))
+    with pytest.raises(NonFiniteError, match=r"non-finite logits in sampling with the policy of version 2.*rows 0, 1"):
+        for _ in range(4):
+            eng.advance(None)
+
+
+@pytest.mark.parametrize("buckets", ["on", "off"])
+def test_scorer_outputs_stay_on_the_device_until_the_barrier(tiny_models, monkeypatch, buckets):
+    """The scorer loop's outputs (reference log-probs, critic values, the reward score) stay on the
+    device through every chunk flush and are read once per role at the barrier (before: a read of
+    the per-token outputs at every flush, and of the scores at every flush that finished a
+    sequence). Same numbers as the one-shot scorer. The dynamic cache's own bookkeeping
+    (``ppo.shape_buckets=off``: ``kv.KVRows.repack``'s fill check each flush, ``select``'s compaction
+    when a row leaves) still reads and is not counted; the slots (buckets on: CUDA's default) read
+    nothing."""
+    from oppo.models import load_causal_lm, load_critic, load_reward_model, load_tokenizer
+    from oppo.scoring.streaming import StreamingScorer, score_full
+    from oppo.scoring.worker import AdmitMsg, BarrierMsg, ChunksMsg, ScorerLoop
+    from oppo.trace import Tracer
+    from oppo.api.records import Chunk
+
+    tok, dev = load_tokenizer(str(tiny_models["policy"])), torch.device("cpu")
+    pad = tok.pad_token_id
+    models = {"reference": load_causal_lm(str(tiny_models["policy"]), "reference", dev, torch.float32).eval(),
+              "reward": load_reward_model(str(tiny_models["reward"]), dev, torch.float32, pad),
+              "critic": load_critic(str(tiny_models["reward"]), dev, torch.float32, pad).eval()}
+    from oppo.forward import set_packing
+
+    for m in models.values():
+        set_packing(m, "auto", buckets)
+    scorers = {kind: StreamingScorer(kind, m, pad) for kind, m in models.items()}
+    loop = ScorerLoop(scorers, tracer=Tracer(enabled=False))
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    responses = [[14, 15, 16, 17, 18, 19, 20], [21, 22, 23, 24, 25], [26, 27, 28, 29, 3, 4, 5, 6, 7]]
+    count, inside = [0], [False]
+    for name in READS:
+        real = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _real=real, **k):
+            if not inside[0]:
+                count[0] += 1
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    for s in scorers.values():  # (the models' own reads are the forward's, not the loop's)
+        for part in ("backbone", "head", "kv.select", "kv.repack"):
+            if part.startswith("kv.") and buckets == "on":
+                continue
+            owner, part = (s.kv, part[3:]) if part.startswith("kv.") else (s, part)
+            module = getattr(owner, part)
+
+            def model(*a, _module=module, **k):
+                inside[0] = True
+                try:
+                    return _module(*a, **k)
+                finally:
+                    inside[0] = False
+
+            setattr(owner, part, model)
+    replies = []
+    loop.handle([AdmitMsg((0, 1, 2), tuple(map(tuple, prompts)), 0)], replies.append)
+    flush_reads = []
+    for at in range(0, 9, 3):  # chunks of 3; rows 1 and 0 finish at the second and third flush
+        chunks = tuple(Chunk(u, tuple(r[at: at + 3]), at + 3 >= len(r)) for u, r in enumerate(responses)
+                       if at < len(r))
+        n = count[0]
+        loop.handle([ChunksMsg(chunks, 0)], replies.append)
+        flush_reads.append(count[0] - n)
+    n = count[0]
+    loop.handle([BarrierMsg(1)], replies.append)
+    barrier_reads = count[0] - n
+    monkeypatch.undo()
+    assert flush_reads == [0, 0, 0] and barrier_reads == len(scorers), (flush_reads, barrier_reads)
+    got = replies[0].results
+    for kind, m in models.items():
+        want = score_full(kind, m, prompts, responses, pad)
+        for u in range(3):
+            if kind == "reward":
+                assert got[kind][u].score == pytest.approx(want[u].score, abs=1e-5)
+            else:
+                have = got[kind][u].logprobs if kind == "reference" else got[kind][u].values
+                exp = want[u].logprobs if kind == "reference" else want[u].values
+                torch.testing.assert_close(torch.tensor(have), torch.tensor(exp), atol=1e-5, rtol=1e-5)

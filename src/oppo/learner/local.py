@@ -4,12 +4,13 @@ data-parallel and FSDP2 learners share (``dp.py``, ``fsdp.py``)."""
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING
 
 import torch
 
-from .. import guard
+from .. import cuda_streams, guard
 from ..algo.actor_loss import ActorLossSettings, ActorTokens, actor_loss
 from ..algo.losses import value_loss
 from ..forward import RowPlan, head_logprobs, packed_hidden, row_plan
@@ -37,6 +38,22 @@ def response_hidden(backbone, mb: MicroBatch) -> torch.Tensor:
     return packed_hidden(backbone, mb.layout, mb.source, mb.first)[mb.pre][None]
 
 
+def on_learner(hand_back: bool = False):
+    """Run the decorated method on the learner's stream (``cuda_streams``; after the work its caller
+    queued: the experience it was given). ``hand_back``: it returns device tensors, so the caller's
+    stream waits for them."""
+    def wrap(method):
+        @functools.wraps(method)
+        def run(self, *a, **k):
+            with self.role:
+                out = method(self, *a, **k)
+                if hand_back:
+                    self.role.hand_back()
+                return out
+        return run
+    return wrap
+
+
 class Learner:
     """Actor and critic with their optimizers; ``update`` runs the PPO epochs on one batch.
 
@@ -52,6 +69,7 @@ class Learner:
         self.actor, self.critic, self.cfg, self.temperature, self.seed = actor, critic, cfg, temperature, seed
         self.compute_dtype, self.recompute_old, self.algorithm = compute_dtype, recompute_old, algorithm
         self.device = next(actor.parameters()).device
+        self.role = cuda_streams.role("learner", self.device)  # its own stream (cuda_streams)
         # only what trains: with LoRA, the adapters
         self.actor_opt = adamw([p for p in actor.parameters() if p.requires_grad], cfg.actor_lr, cfg.weight_decay)
         self.critic_opt = adamw(critic.parameters(), cfg.critic_lr, cfg.weight_decay) if critic is not None else None
@@ -72,6 +90,7 @@ class Learner:
         assert entropy is not None  # (asked for)
         return mb.spread(logprobs[0]), mb.spread(entropy[0])
 
+    @on_learner(hand_back=True)
     @torch.no_grad()
     def old_logprobs(self, exp: Experience, version: int) -> Experience:
         """A new record with ``old_logprobs`` (the ratio's centre, pi_k) and ``is_weights`` set.
@@ -93,6 +112,7 @@ class Learner:
         rows = redo.any(1).nonzero().squeeze(1)
         return set_old_logprobs(exp, rows, self.recompute_logprobs(exp, rows), redo, off, self.cfg)
 
+    @on_learner(hand_back=True)
     @torch.no_grad()
     def recompute_logprobs(self, exp: Experience, rows: torch.Tensor, budget: bool = True) -> torch.Tensor:
         """[len(rows), T] log-probs of ``rows``' response tokens under the current weights, in
@@ -123,13 +143,27 @@ class Learner:
         its loss: only the summation order of its gradient."""
         return draw_rows(self.cfg, self.seed, B, step, lengths)
 
+    @on_learner()
     def update(self, exp: Experience, step: int, critic: bool = True) -> dict[str, float]:
         """Stage 6: PPO epochs over minibatches for the actor, then (``critic``) for the critic.
 
         The two updates share nothing but the minibatches, so running them one after the other
         (here) or at the same time (the critic on the scorer worker, ``critic_update``) gives the
         same weights. ``critic=False`` leaves the critic to the caller.
+
+        On the learner's stream: it first waits for the roles that read the weights (a decode step
+        still queued on the actor's stream, when both share the model), and marks them written at
+        the end (the rollout engine's next load or decode step waits on that event).
         """
+        trained = [self.actor] + ([self.critic] if critic and self.critic is not None else [])
+        for module in trained:
+            self.role.write(module)
+        stats = self._update(exp, step, critic)
+        for module in trained:
+            self.role.wrote(module)
+        return stats
+
+    def _update(self, exp: Experience, step: int, critic: bool) -> dict[str, float]:
         # the minibatches' rows stay on the host: the loop reads them, the device never needs them whole
         mbs = self.minibatches(exp.mask.shape[0], step, row_lengths(exp))
         probe = MismatchProbe(self.actor_opt, step)
@@ -148,6 +182,7 @@ class Learner:
         """The trained policy (the rollout backend copies from it: ``RolloutBackend.load_weights``)."""
         return self.actor
 
+    @on_learner(hand_back=True)
     def checkpoint_state(self) -> dict:
         """The optimizer states a checkpoint saves: ``{"actor"[, "critic"]}``."""
         out = {"actor": self.actor_opt.state_dict()}
@@ -156,6 +191,7 @@ class Learner:
             out["critic"] = self.critic_opt.state_dict()
         return out
 
+    @on_learner()
     def load_checkpoint_state(self, optim: dict) -> None:
         """Inverse of :meth:`checkpoint_state` (the weights are loaded into the modules first). A
         sharded learner's checkpoint (``{"sharded": path}``) is read whole (``sharded_checkpoint``)."""

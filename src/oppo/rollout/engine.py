@@ -27,14 +27,40 @@ With forced lengths on every row (``oppo bench``) the host knows it from the ste
 step reads nothing; otherwise it reads one flag per row (the step's one CPU-GPU sync point: a row
 may end at any step, and the next step's batch and random draws depend on it). ``host_reads``
 counts the engine's reads.
+
+**On CUDA the flags are read every few steps** (``stop_check_every``: :data:`STOP_CHECK_EVERY` on
+CUDA, 1 elsewhere), not every token (issue 50). Each slot keeps a device flag (``_stopped``: ended,
+non-finite); a row that ended stays in the batch until the next check, sampling tokens that are
+neither recorded nor counted (its records and length stop at its end), and is retired there with
+exactly the tokens and log-probs it had at its end. Rows that end by their length alone (the token
+budget, a forced length) are known to the host and still retire at once. A pull between checks
+(chunks due, ``in_flight``) reads each row's device length and flag with its records, in the same one
+read, so it never takes a token past a row's end, and a row known to have ended gets no non-final
+chunk: its final chunk, at its retirement, carries the same tokens as with a check per step. What
+does change is the random stream: the rows kept a few steps longer take part in each step's draw
+(``torch.multinomial`` draws one number per element of ``[rows, vocab]``), so the other rows' later
+tokens are other valid samples than those of a check every step (greedy decoding gives the same
+tokens). That is why the CPU keeps a check per step: a read there costs nothing, the rows kept would
+cost compute, and CPU runs keep their recorded tokens (``tests/test_golden.py``). Which steps
+retire rows depends on the engine's clock only, never on when chunks were pulled, so a run streaming
+chunks (intra) and one that does not (sequential) still decode the same batches.
+
+**Its own stream.** Every public method runs on the actor's role stream (``cuda_streams``, high
+priority; subclasses' overrides too, :meth:`RolloutEngine.__init_subclass__`), so a read of the
+flags waits for the actor's queued work only, never for the learner's; each decode step reads the
+weights after the learner's last write of them (an event), and ``load_weights`` orders its copy the
+same way (``weights.sync.load_source``).
 """
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 
 import torch
+
+from .. import cuda_streams
 
 from ..guard import NonFiniteError, sampling_message
 from ..kv import KVRows, left_pad
@@ -68,7 +94,13 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
     # so multinomial neither raises (CPU) nor asserts on the device (CUDA), and its NaN log-prob
     # marks it for the engine's check where the host reads the tokens (guard.py: no extra sync).
     probs = probs.masked_fill(torch.isnan(probs).any(-1, keepdim=True), 1.0)
-    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # [R]
+    # torch.multinomial's own algorithm for one sample (argmax of p / q, q ~ Exp(1): the same draws,
+    # the same tokens on the CPU, checked against it), without its argument checks, which read the
+    # device to raise (a CPU-GPU sync per decode step on CUDA that would undo the deferred stop check;
+    # not yet confirmed on a GPU: torch.cuda.set_sync_debug_mode would show it). vLLM's sampler
+    # does the same for the same reason (``_multinomial``). The NaN rows were replaced above.
+    q = torch.empty_like(probs).exponential_(generator=generator)  # [R, V]
+    tokens = (probs / q).argmax(-1)  # [R]
     return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
 
 
@@ -76,8 +108,41 @@ class KVBudgetError(ValueError):
     """The actor's KV cache outgrew ``generation.kv_budget_mb``; the message names the fix."""
 
 
+STOP_CHECK_EVERY = 8
+"""Decode steps between two reads of the stop flags on CUDA (module docstring). A row that ended
+decodes at most this many - 1 steps more (of a step's few hundred, long-tailed): a few percent of
+one row's work, against a CPU-GPU sync per token that waits for the whole queued forward (the
+H200's decode loop took 1.5x its engine's step in sequential, issue 50)."""
+
+ACTOR_WORK = ("admit", "recompute", "abort", "load_weights", "decode", "advance", "in_flight", "take_chunks", "step",
+              "generate_all")
+"""The engine's methods that run on the actor's stream (wrapped by ``on_actor``, subclasses' too)."""
+
+
+def on_actor(method):
+    """Run ``method`` on its engine's actor stream (``cuda_streams.Role``)."""
+    if getattr(method, "_on_actor", False):
+        return method
+
+    @functools.wraps(method)
+    def run(self, *a, **k):
+        with self.role:
+            return method(self, *a, **k)
+
+    run._on_actor = True
+    return run
+
+
 class RolloutEngine:
     """Slots of in-flight sequences over one policy model (see the module docstring)."""
+
+    def __init_subclass__(cls, **kwargs):
+        """A subclass's own ``ACTOR_WORK`` methods run on the actor's stream too (the static engine's
+        ``admit``, ``decode``, ...)."""
+        super().__init_subclass__(**kwargs)
+        for name in ACTOR_WORK:
+            if name in cls.__dict__:
+                setattr(cls, name, on_actor(cls.__dict__[name]))
 
     def __init__(self, model, eos_id: int | tuple[int, ...], pad_id: int, max_new_tokens: int,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0, greedy: bool = False):
@@ -87,6 +152,9 @@ class RolloutEngine:
         self.model = model
         self.backbone, self.head = backbone_and_head(model)
         self.device = next(model.parameters()).device
+        # the actor's own stream, high priority; its first entry waits for the model's loading
+        self.role = cuda_streams.role("actor", self.device, cuda_streams.ACTOR_PRIORITY, follow=False)
+        self.stop_check_every = STOP_CHECK_EVERY if self.device.type == "cuda" else 1  # module docstring
         self.eos_ids = frozenset([eos_id] if isinstance(eos_id, int) else eos_id)
         self.eos_id = eos_id if isinstance(eos_id, int) else eos_id[0]  # forced-length benchmarks end with it
         self.pad_id = pad_id
@@ -114,6 +182,11 @@ class RolloutEngine:
         self._length, self._target, self._lv, self._kvv = (
             torch.zeros(0, dtype=torch.long, device=self.device) for _ in range(4))
         self._records = torch.zeros(4, 0, max_new_tokens, dtype=torch.float64, device=self.device)
+        # [S] with stop_check_every > 1: 1 the row ended (unread), 2 its log-prob is not finite (bits)
+        self._stopped = torch.zeros(0, dtype=torch.uint8, device=self.device)
+        self._ended_seen: set[int] = set()  # uids a pull found ended, retired at the next check
+        self._settled: list[Rollout] = []  # rows retired outside decode (``_settle``), reported by the next advance
+        self._settling = False
         # Host facts derived once per admission or retirement, not per token: a row's length is
         # _clock - _born[i]; _end[i] is the step it ends at by its length alone (token budget or
         # forced length); _deadline the first of those; _due the step a chunk is first due.
@@ -139,7 +212,8 @@ class RolloutEngine:
 
     @property
     def active(self) -> int:
-        return len(self.rows)
+        """Rows decoding, and rows retired outside ``decode`` that the next one reports (``_settle``)."""
+        return len(self.rows) + len(self._settled)
 
     def uids(self) -> list[int]:
         return [r.uid for r in self.rows]
@@ -147,18 +221,21 @@ class RolloutEngine:
     def in_flight(self) -> list[Rollout]:
         """The rows decoding (``RolloutBackend.in_flight``), as copies of the engine's records
         brought up to date (a caller that changes them changes nothing here)."""
+        self._settle()
         self._pull()
         return [r.copy() for r in self.rows]
 
     @property
     def logits_version(self) -> list[int]:
         """Which policy version computed each row's next_logits (a device read: for tests)."""
-        return self._lv[self._slots].tolist()
+        with self.role:
+            return self._lv[self._slots].tolist()
 
     @property
     def kv_version(self) -> list[int]:
         """The oldest policy version in each row's KV cache (a device read: for tests)."""
-        return self._kvv[self._slots].tolist()
+        with self.role:
+            return self._kvv[self._slots].tolist()
 
     # ------------------------------------------------------------------ slots and records
 
@@ -171,8 +248,9 @@ class RolloutEngine:
         slots = max(slots, n)
         self._records = old.new_zeros(4, slots, width)
         self._records[:, :n, :old.shape[2]] = old
-        self._length, self._target, self._lv, self._kvv = (
-            torch.cat([t, t.new_zeros(slots - n)]) for t in (self._length, self._target, self._lv, self._kvv))
+        self._length, self._target, self._lv, self._kvv, self._stopped = (
+            torch.cat([t, t.new_zeros(slots - n)]) for t in (self._length, self._target, self._lv, self._kvv,
+                                                               self._stopped))
         for s in range(n, slots):
             heapq.heappush(self._free, s)
 
@@ -190,6 +268,7 @@ class RolloutEngine:
         state = state.to(self.device)
         for t, v in zip((self._length, self._target, self._lv, self._kvv), state):
             t.index_copy_(0, idx, v)
+        self._stopped.index_fill_(0, idx, 0)
         for r in rollouts:
             limit = min(r.target_length or self.max_new_tokens, self.max_new_tokens)
             self._born.append(self._clock - len(r.response_ids))
@@ -217,6 +296,12 @@ class RolloutEngine:
         self._eos_possible = any(r.target_length is None for r in self.rows)
         self._any_target = any(r.target_length is not None for r in self.rows)
         self._due = None
+        self._ended_seen &= {r.uid for r in self.rows}
+
+    @property
+    def _deferred(self) -> bool:
+        """Stop flags read every few steps (module docstring): rows may have ended unread."""
+        return self.stop_check_every > 1 and self._eos_possible
 
     def _pull(self) -> None:
         """Copy every row's tokens, log-probs and versions sampled since the last pull from the
@@ -228,7 +313,17 @@ class RolloutEngine:
             return
         cols = torch.tensor(have, dtype=torch.long, device=self.device)[:, None] + torch.arange(k, device=self.device)
         cols = cols.clamp_(max=self._records.shape[2] - 1)  # [R, k] (past a row's length: unused)
-        host = self._records[:, self._slots[:, None], cols].tolist()  # [4, R, k]
+        records = self._records[:, self._slots[:, None], cols]  # [4, R, k]
+        if self._deferred:  # each row's device length and flag in the same read: a row may have ended unread
+            R = len(self.rows)
+            state = torch.stack([self._length[self._slots], self._stopped[self._slots].long()]).double()  # [2, R]
+            flat = torch.cat([records.reshape(-1), state.reshape(-1)]).tolist()  # CPU-GPU sync point
+            host = [[flat[(j * R + i) * k:(j * R + i + 1) * k] for i in range(R)] for j in range(4)]
+            lengths, flags = flat[4 * R * k: 4 * R * k + R], flat[4 * R * k + R:]
+            now = [min(n, int(n_dev)) for n, n_dev in zip(now, lengths)]
+            self._ended_seen |= {r.uid for r, f in zip(self.rows, flags) if f}
+        else:
+            host = records.tolist()  # [4, R, k]
         self.host_reads += 1
         bad = []
         for i, (row, h, n) in enumerate(zip(self.rows, have, now)):
@@ -270,6 +365,7 @@ class RolloutEngine:
     def recompute(self) -> None:
         """Rebuild every row's KV cache and next-token logits under the current weights
         (``overlap.stale_kv=recompute``)."""
+        self._settle()
         self._pull()
         rows = self.rows
         self._retire([])
@@ -279,6 +375,12 @@ class RolloutEngine:
 
     def abort(self, uids: set[int]) -> None:
         """Drop in-flight rows (a checkpoint drain requeues their prompts)."""
+        self._settle()
+        self._drop(uids)
+        self._settled = [r for r in self._settled if r.uid not in uids]
+
+    def _drop(self, uids: set[int]) -> None:
+        """Take rows ``uids`` out of the batch (their slots and KV rows freed)."""
         keep = [i for i, r in enumerate(self.rows) if r.uid not in uids]
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
         self.kv.select(idx)
@@ -295,12 +397,12 @@ class RolloutEngine:
         flight keep their KV cache (``recompute`` rebuilds it)."""
         from ..weights.sync import load_source
 
-        load_source(self.model, weights)
+        load_source(self.model, weights, self.role)  # (ordered after the learner's write by an event)
         self.set_version(version)
 
     def advance(self, chunk_size: int | None) -> list[Event]:
         """One decode step (``RolloutBackend.advance``): the rows that ended, then the chunks due."""
-        events: list[Event] = [SequenceFinished(r) for r in self.decode()]
+        events: list[Event] = [SequenceFinished(r) for r in self._take_settled() + self.decode()]
         if chunk_size is None:
             self.finished.clear()  # no scorer streams: no final chunks to send
             return events
@@ -334,6 +436,7 @@ class RolloutEngine:
         marked finished). Shared by every engine's ``decode``."""
         self.decode_steps += 1
         self._clock += 1
+        self.role.read(self.model)  # this step's forward after the learner's last write (once per write)
         slots = self._slots  # [R]
         length = self._length[slots]  # [R] response tokens so far = the column this token takes
         logits = self._forced(self.next_logits, length, self._target[slots]) if self._any_target else self.next_logits
@@ -352,8 +455,10 @@ class RolloutEngine:
             # drawn from a distribution of the policy's, so the policy's own log-prob stands in
             logp = untruncated
         version = torch.minimum(self._lv[slots], self._kvv[slots])  # [R]
-        self._records[:, slots, length] = torch.stack([tokens.double(), logp.double(), untruncated.double(),
-                                                       version.double()])  # [4, R]
+        values = torch.stack([tokens.double(), logp.double(), untruncated.double(), version.double()])  # [4, R]
+        if self._deferred:
+            return tokens, *self._record_deferred(slots, length, values, tokens, logp, untruncated)
+        self._records[:, slots, length] = values
         self._length[slots] = length + 1
         if self._eos_possible:
             stop = torch.isin(tokens, self._eos(tokens.device)) | (length + 1 >= self.max_new_tokens)  # [R]
@@ -377,6 +482,65 @@ class RolloutEngine:
             row.finished, row.ended_with_eos = True, row.response_ids[-1] in self.eos_ids
         gone = set(ended)
         return tokens, [i for i in range(len(self.rows)) if i not in gone], done
+
+    def _record_deferred(self, slots: torch.Tensor, length: torch.Tensor, values: torch.Tensor, tokens: torch.Tensor,
+                         logp: torch.Tensor, untruncated: torch.Tensor) -> tuple[list[int] | None, list[Rollout]]:
+        """``_sample_and_record``'s device records and stop check with ``stop_check_every`` > 1
+        (module docstring): a row that ended keeps its records and length; the flags are read at a
+        check step (every ``stop_check_every`` steps, and at a step where a row ends by its length)."""
+        live = self._stopped[slots] == 0  # [R]
+        col = length.clamp(max=self._records.shape[2] - 1)  # [R] (an ended row may be at the last column)
+        self._records[:, slots, col] = torch.where(live, values, self._records[:, slots, col])  # [4, R]
+        self._length[slots] = length + live
+        stop = torch.isin(tokens, self._eos(tokens.device)) | (length + 1 >= self.max_new_tokens)  # [R]
+        nonfinite = torch.isnan(logp) | torch.isnan(untruncated)  # non-finite logits (sample_tokens)
+        self._stopped[slots] |= (stop.to(torch.uint8) + 2 * nonfinite.to(torch.uint8)) * live
+        if self._clock % self.stop_check_every and self._clock < self._deadline:
+            return None, []
+        ended = self._check()
+        if not ended:
+            return None, []
+        done = self._finish(ended)
+        gone = set(ended)
+        return [i for i in range(len(self.rows)) if i not in gone], done
+
+    def _check(self) -> list[int]:
+        """The rows whose stop flag is set (one read of the flags); their records pulled when any."""
+        flags = self._stopped[self._slots].tolist()  # CPU-GPU sync point, every stop_check_every steps
+        self.host_reads += 1
+        ended = [i for i, f in enumerate(flags) if f]
+        if ended:
+            self._pull()  # (raises NonFiniteError, naming the row, if a log-prob was not finite)
+        return ended
+
+    def _finish(self, ended: list[int]) -> list[Rollout]:
+        done = [self.rows[i] for i in ended]
+        for row in done:
+            row.finished, row.ended_with_eos = True, row.response_ids[-1] in self.eos_ids
+        return done
+
+    def _take_settled(self) -> list[Rollout]:
+        """The rows ``_settle`` retired, as ended now (``advance``, ``step`` and ``generate_all`` report
+        them before the next decode step's)."""
+        settled, self._settled = self._settled, []
+        self.finished.extend(settled)
+        return settled
+
+    def _settle(self) -> None:
+        """With deferred checks, retire the rows that ended unread now (a caller is about to read
+        or change the rows in flight: ``in_flight``, ``recompute``, ``abort``); the next ``advance``
+        reports them as ended (``_take_settled``)."""
+        if not self._deferred or not self.rows or self._settling:
+            return
+        ended = self._check()
+        if ended:
+            done = self._finish(ended)
+            self._settling = True
+            try:
+                self.abort({r.uid for r in done})  # (a subclass's own retirement: the static engine's slots)
+            finally:
+                self._settling = False
+            self._settled.extend(done)
 
     @torch.no_grad()
     def decode(self) -> list[Rollout]:
@@ -405,7 +569,7 @@ class RolloutEngine:
     def step(self) -> list[Rollout]:
         """``decode``, then every row's records brought up to date (one read per step: for callers
         that read the rows after every token; the trainer's loop calls ``advance``)."""
-        done = self.decode()
+        done = self._take_settled() + self.decode()
         self._pull()
         return done
 
@@ -444,12 +608,14 @@ class RolloutEngine:
         """Chunks for the scorers (:func:`take_chunks`) of the rows retired since the last call
         and of the rows decoding. The rows' records are pulled only at a step where one is due."""
         if self._due is None or self._due[0] != chunk_size:  # row i is due at step born + emitted + chunk
-            self._due = (chunk_size, min((b + r.emitted + chunk_size for r, b in zip(self.rows, self._born)),
-                                         default=math.inf))
+            self._due = (chunk_size, min((b + r.emitted + chunk_size for r, b in zip(self.rows, self._born)
+                                          if r.uid not in self._ended_seen), default=math.inf))
         active = []
         if self._clock >= self._due[1]:
             self._pull()
-            active, self._due = self.rows, None
+            # (a row that ended unread sends its tokens in its final chunk, at its retirement)
+            active = [r for r in self.rows if r.uid not in self._ended_seen] if self._ended_seen else self.rows
+            self._due = None
         out = take_chunks(self.finished, active, chunk_size)
         self.finished = []
         return out
@@ -457,7 +623,11 @@ class RolloutEngine:
     def generate_all(self) -> list[Rollout]:
         """Decode until every row has ended (the sequential rollout, with early exit)."""
         done = []
-        while self.rows:
-            done.extend(self.decode())
+        while self.rows or self._settled:
+            done.extend(self._take_settled() + self.decode())
         self.finished = []
         return done
+
+
+for _name in ACTOR_WORK:  # (the base class's own: __init_subclass__ wraps a subclass's)
+    setattr(RolloutEngine, _name, on_actor(getattr(RolloutEngine, _name)))

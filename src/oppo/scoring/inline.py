@@ -39,6 +39,7 @@ class InlineScorer:
         pass  # every message was handled when it was sent
 
     def take(self, uids):
+        self.loop.collect()  # (the outputs stay on the device until asked for: one read per role)
         return {role: [res.pop(u) for u in uids] for role, res in self.loop.results.items()}
 
     def score_full(self, role, prompts, responses):

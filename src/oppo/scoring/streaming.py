@@ -155,6 +155,10 @@ class StreamingScorer:
         self.prev_hidden = torch.zeros(0, 0, device=self.device)  # [R, H] hidden of each row's last fed token
         self.outputs: dict[int, ScoredOutputs] = {}
         self.done: dict[int, ScoredOutputs] = {}
+        # outputs stay on the device until take_done reads every finished sequence's at once (issue 50):
+        # uid -> per-token pieces [n] (reference, critic) or the score [1] (reward)
+        self.pieces: dict[int, list[torch.Tensor]] = {}
+        self.done_pieces: dict[int, list[torch.Tensor]] = {}
         self.peak_cache_bytes = 0
 
     @torch.no_grad()
@@ -199,10 +203,9 @@ class StreamingScorer:
             prev = self.prev_hidden.index_select(0, rows)  # [S, H]
             pre = torch.cat([prev[:, None], hidden[:, :-1]], 1)  # [S, C, H] state before each token
             if self.kind != "reward":
-                per_tok = _per_token(self.kind, self.head, pre, ids, self.temperature).tolist()  # [S, C]
+                per_tok = _per_token(self.kind, self.head, pre, ids, self.temperature)  # [S, C] (stays on the device)
                 for j, i in enumerate(sel):
-                    out = self.outputs[self.uids[i]]
-                    (out.logprobs if self.kind == "reference" else out.values).extend(per_tok[j][: len(seqs[j])])
+                    self.pieces.setdefault(self.uids[i], []).append(per_tok[j, : len(seqs[j])])
             if self.kind != "reward":
                 last = hidden[torch.arange(len(sel), device=self.device), lens - 1]  # [S, H]
                 self.prev_hidden = self.prev_hidden.index_copy(0, rows, last)
@@ -216,12 +219,13 @@ class StreamingScorer:
         finals = [i for i, u in enumerate(self.uids) if u in chunks and chunks[u][1]]
         if finals:
             if self.kind == "reward":
-                scores = self.head(self.prev_hidden[finals]).float().squeeze(-1).tolist()
-                for i, s in zip(finals, scores):
-                    self.outputs[self.uids[i]].score = s
+                scores = self.head(self.prev_hidden[finals]).float().reshape(len(finals))  # [F] (on the device)
+                for j, i in enumerate(finals):
+                    self.pieces[self.uids[i]] = [scores[j: j + 1]]
             for i in finals:
                 u = self.uids[i]
                 self.done[u] = self.outputs.pop(u)
+                self.done_pieces[u] = self.pieces.pop(u, [])
             self.peak_cache_bytes = max(self.peak_cache_bytes, self.kv.nbytes())
             final_rows = set(finals)
             keep = [i for i in range(len(self.uids)) if i not in final_rows]
@@ -250,9 +254,27 @@ class StreamingScorer:
         self.uids = [self.uids[i] for i in keep]
         for u in uids:
             self.outputs.pop(u, None)
+            self.pieces.pop(u, None)
 
     def take_done(self) -> dict[int, ScoredOutputs]:
+        """The sequences finished since the last call, their outputs read from the device in one
+        read for all of them (the scorer worker calls it once per barrier)."""
         done, self.done = self.done, {}
+        pieces, self.done_pieces = self.done_pieces, {}
+        flat = [p for u in done for p in pieces[u]]
+        if not flat:
+            return done
+        host = torch.cat(flat).tolist()  # CPU-GPU sync point: once per barrier
+        at = 0
+        for u, out in done.items():
+            n = sum(p.numel() for p in pieces[u])
+            if self.kind == "reward":
+                out.score = host[at]
+            elif self.kind == "reference":
+                out.logprobs = host[at: at + n]
+            else:
+                out.values = host[at: at + n]
+            at += n
         return done
 
 

@@ -24,6 +24,8 @@ from typing import Callable
 
 import torch
 
+from .. import cuda_streams
+from ..cuda_streams import Role
 from ..learner.batch import CriticBatch
 from ..learner.critic import CriticTrainer
 from ..api.records import Chunk
@@ -136,7 +138,7 @@ class ScorerLoop:
     name: str = "scorer"
     trainer: CriticTrainer | None = None
     adapt_threads: Callable[[], None] = lambda: None
-    stream: torch.cuda.Stream | None = None  # synchronised at each barrier
+    role: Role | None = None  # the thread transport's stream (cuda_streams); synchronised at each barrier
     tracer: Tracer = field(default_factory=lambda: Tracer(enabled=True))
 
     def __post_init__(self) -> None:
@@ -184,8 +186,8 @@ class ScorerLoop:
                     self.train_stats = self.trainer.train(self.scorers["critic"].model, m.batch, m.minibatches,
                                                           m.step, self.adapt_threads)
             elif isinstance(m, BarrierMsg):
-                if self.stream is not None:
-                    self.stream.synchronize()
+                if self.role is not None:
+                    self.role.synchronize()  # the outputs are read on the host at the barrier
                 reply(self.take_reply(m.id))
             elif isinstance(m, StopMsg):
                 return True
@@ -193,11 +195,20 @@ class ScorerLoop:
         return False
 
     def take_reply(self, bid: int) -> BarrierReply:
+        """What a barrier brings back. The outputs of the sequences finished since the last one are
+        read from the device here, one read per role (they stay on the device between chunk
+        flushes: issue 50)."""
         spans = self.tracer.spans
         self.tracer.clear()
+        self.collect()
         results, self.results = self.results, {role: {} for role in self.scorers}
         stats, self.train_stats = self.train_stats, {}
         return BarrierReply(bid, results, spans, {r: s.peak_cache_bytes for r, s in self.scorers.items()}, stats)
+
+    def collect(self) -> None:
+        """The finished sequences' outputs into ``results``: one read from the device per role."""
+        for role, s in self.scorers.items():
+            self.results[role].update(s.take_done())
 
     def _flush(self, pending: dict, step: int) -> None:
         if not pending:
@@ -205,26 +216,28 @@ class ScorerLoop:
         for role, s in self.scorers.items():
             self.adapt_threads()
             with self.tracer.span(self.name, f"score_{role}", step, tokens=sum(len(t) for t, _ in pending.values())):
-                s.feed(pending)
-            self.results[role].update(s.take_done())
+                s.feed(pending)  # (outputs stay on the device until the barrier: take_reply)
 
 
 class _ThreadTransport:
-    """The loop on a thread of this process (on GPU: on its own CUDA stream)."""
+    """The loop on a thread of this process, on its own role stream (``cuda_streams``: on GPU a CUDA
+    stream, when the scorers share one device). Each message carries an event recorded on the
+    sender's stream when it was sent; the loop's stream waits on it before handling the message (a
+    critic batch, or critic weights the controller copied, were made on the sender's stream)."""
 
     def __init__(self, loop: ScorerLoop, threads: int, name: str):
         self.q: queue.Queue = queue.Queue()
         self.replies: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
         devices = {s.device for s in loop.scorers.values()}
-        if len(devices) == 1 and next(iter(devices)).type == "cuda":
-            loop.stream = torch.cuda.Stream(device=next(iter(devices)))
+        self.device = next(iter(devices)) if len(devices) == 1 else torch.device("cpu")
+        loop.role = cuda_streams.role(f"scorer:{name}", self.device)
         self.loop, self.threads = loop, threads
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
     def put(self, msg) -> None:
-        self.q.put(msg)
+        self.q.put((msg, cuda_streams.caller_event(self.device)))
 
     def wait_reply(self) -> BarrierReply:
         while True:
@@ -240,15 +253,19 @@ class _ThreadTransport:
 
     def _run(self) -> None:
         torch.set_num_threads(self.threads)
-        ctx = torch.cuda.stream(self.loop.stream) if self.loop.stream is not None else _null()
-        with ctx:
+        role = self.loop.role
+        assert role is not None  # (set in __init__)
+        with role:
             while True:
-                msgs = [self.q.get()]
+                sent = [self.q.get()]
                 while True:
                     try:
-                        msgs.append(self.q.get_nowait())
+                        sent.append(self.q.get_nowait())
                     except queue.Empty:
                         break
+                for _, ev in sent:
+                    role.wait(ev)  # what the sender queued before each message
+                msgs = [m for m, _ in sent]
                 if self.error is not None:  # a failed loop's state is unknown: every later barrier fails too
                     for m in msgs:
                         if isinstance(m, BarrierMsg):
@@ -266,7 +283,7 @@ class _ThreadTransport:
                             self.replies.put(e)
 
     def close(self) -> None:
-        self.q.put(StopMsg())
+        self.put(StopMsg())
         self.thread.join(timeout=10)
 
 
@@ -414,8 +431,9 @@ class ScorerWorker:
         after the next barrier. Needs the worker built with a ``trainer``."""
         if not self.critic_trains_here:
             raise RuntimeError("internal error: this scorer worker was built without a critic trainer")
-        if batch.mask.is_cuda:  # the batch was computed on the controller's stream; the worker has its own
-            torch.cuda.current_stream(batch.mask.device).synchronize()
+        if batch.mask.is_cuda and isinstance(self.transport, _ProcessTransport):
+            torch.cuda.current_stream(batch.mask.device).synchronize()  # (another process: no event to wait on)
+        # (the thread transport's message carries an event: the worker's stream waits for the batch)
         self.transport.put(TrainCriticMsg(batch, tuple(minibatches), step))
 
     def take_train_stats(self) -> dict[str, float]:
@@ -448,14 +466,6 @@ class ScorerWorker:
 
     def close(self) -> None:
         self.transport.close()
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 def start_method(modules=()):

@@ -26,6 +26,7 @@ import torch
 from .remote import RemoteWeights as RemoteWeights  # (its own file, that api.protocols names; importable here too)
 
 if TYPE_CHECKING:
+    from ..cuda_streams import Role
     from ..api.protocols import WeightLinkReceiver, WeightLinkSender, WeightSource
 
 Packed = dict[str, tuple[object, str]]  # name -> (numpy array, torch dtype name)
@@ -504,12 +505,29 @@ class CollectiveSync:
         self.receiver = self.store = None
 
 
-def load_source(target: torch.nn.Module, source: WeightSource) -> None:
+def load_source(target: torch.nn.Module, source: WeightSource, role: Role | None = None) -> None:
     """Copy the weights of ``source`` (``LearnerEngine.weights_out``: a module, ``(name, tensor)``
     pairs or :class:`~oppo.weights.remote.RemoteWeights`) into ``target``, cast to its dtypes; the
-    pairs and remote weights may name only some of its tensors (the trained ones)."""
+    pairs and remote weights may name only some of its tensors (the trained ones).
+
+    ``role`` (the rollout engine's, ``cuda_streams``): the copy runs on its stream, after the last
+    write of ``source`` by another role (the learner's update: an event, no host sync) and after the
+    other roles that read ``target``; ``target`` is then marked written by it. A ``source`` that is
+    ``target`` (fp32, no in-flight updates: the engine samples with the trained module) copies
+    nothing; the engine's next decode step waits on the learner's event all the same."""
     from .precision import copy_weights
 
+    if role is not None:
+        with role:
+            if isinstance(source, torch.nn.Module):
+                role.read(source)
+            if source is not target:
+                role.write(target)
+                load_source(target, source)
+                role.wrote(target)
+                if isinstance(source, torch.nn.Module):
+                    role.read_done(source)  # (the learner's next write waits for the copy, not later decode steps)
+        return
     if isinstance(source, torch.nn.Module):
         copy_weights(source, target)
     elif isinstance(source, RemoteWeights):
