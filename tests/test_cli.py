@@ -185,3 +185,34 @@ def test_a_broken_torchaudio_at_import_is_named_with_its_fix(monkeypatch, capsys
     monkeypatch.setitem(cli.COMMANDS, "train", other)
     with pytest.raises(OSError, match="disk on fire"):  # (anything else is not dressed up)
         cli.main(["train"])
+
+
+def test_print_config_marks_the_builtin_tasks_presets(tiny_models, tmp_path, capsys):
+    """``oppo train --print-config > f.yaml`` with no model named writes the built-in task's presets
+    (learning rates for its tiny models) as comments, not as the user's own values: the file with
+    one's own model gives the defaults (issue 53: it kept ppo.actor_lr=1e-4, ten times the default),
+    and without one the presets again; a value the user set stays theirs."""
+    import yaml
+
+    from oppo.cli import main
+    from oppo.config import TASK_PRESETS, Config
+
+    default = Config()
+    f = tmp_path / "f.yaml"
+    assert main(["train", "--print-config"]) == 0
+    out = capsys.readouterr()
+    f.write_text(out.out)
+    assert "presets" in out.err and "policy.path" in out.err
+    assert "# actor_lr: 0.0001" in out.out and "'positive''s preset" in out.out
+    assert "actor_lr" not in yaml.safe_load(out.out)["ppo"]
+    assert main(["train", "--config", str(f), f"policy.path={tiny_models['policy']}",
+                 f"reward.path={tiny_models['reward']}", "data.prompts=p.jsonl", "--print-config"]) == 0
+    mine = yaml.safe_load(capsys.readouterr().out)
+    assert mine["ppo"]["actor_lr"] == default.ppo.actor_lr == 1e-5
+    assert mine["ppo"]["critic_lr"] == default.ppo.critic_lr and mine["run"]["steps"] == default.run.steps
+    assert main(["train", "--config", str(f), "--print-config"]) == 0  # the built-in task: its presets again
+    again = capsys.readouterr().out
+    assert again == out.out
+    assert main(["train", "ppo.actor_lr=1e-4", "--print-config"]) == 0  # the user's own value: plain
+    d = yaml.safe_load(capsys.readouterr().out)
+    assert d["ppo"]["actor_lr"] == 1e-4 and TASK_PRESETS["positive"]["ppo.actor_lr"] == 1e-4

@@ -44,16 +44,45 @@ def _train(argv: list[str]) -> int:
     # validated here, before any model loads, and only here: the run's preflight sees the same settings
     cfg = load_config(args.config, args.overrides, recipe=args.recipe)
     if args.print_config:
-        import yaml
-
-        from .config import to_dict
-
-        print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+        print(config_yaml(cfg), end="")
         return 0
     from .run import train
 
     train(cfg, resume=args.resume)  # (it prints the run's summary: done, reward, run directory)
     return 0
+
+
+def config_yaml(cfg) -> str:
+    """``cfg`` as the YAML file ``--print-config`` writes. The built-in task's presets that
+    ``load_config`` applied (``config.TASK_PRESETS``: learning rates and steps for its tiny models)
+    are written as comments, not as the user's own values: ``--config`` with that file applies them
+    again where no ``policy.path`` is named, and with one's own model gives the defaults, as the
+    Python API does (``inputs._drop_task_presets``). Written as plain values, a file made with no model
+    named kept the tiny models' ``ppo.actor_lr`` of 1e-4, ten times the default, for one's own model
+    (issue 53). A preset the command line set itself is the user's: written plainly."""
+    import yaml
+
+    from .config import to_dict
+
+    text = yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    presets = cfg.__dict__.get("_presets") or {}
+    if not presets:
+        return text
+    task = cfg.data.task
+    lines, section = [], ""
+    for line in text.splitlines(keepends=True):
+        if line[:1].isalpha():
+            section = line.split(":", 1)[0]
+        name = line[2:].split(":", 1)[0] if line.startswith("  ") and not line.startswith("   ") else ""
+        if name and f"{section}.{name}" in presets:
+            line = (f"  # {line[2:].rstrip()}  # the built-in task {task!r}'s preset: applied where no "
+                    f"policy.path is named; with one, the default\n")
+        lines.append(line)
+    shown = ", ".join(f"{k}={v}" for k, v in presets.items())
+    print(f"oppo: the built-in task {task!r}'s presets ({shown}) are written as comments: --config applies them "
+          f"again only where no policy.path is named (one's own model gets the defaults).", file=sys.stderr)
+    return (f"# Settings for the built-in task {task!r} (no policy.path). Its presets are the commented lines\n"
+            f"# marked 'preset': they apply only to the built-in task's models.\n" + "".join(lines))
 
 
 def _recipes(argv: list[str]) -> int:
