@@ -216,3 +216,14 @@ def test_print_config_marks_the_builtin_tasks_presets(tiny_models, tmp_path, cap
     assert main(["train", "ppo.actor_lr=1e-4", "--print-config"]) == 0  # the user's own value: plain
     d = yaml.safe_load(capsys.readouterr().out)
     assert d["ppo"]["actor_lr"] == 1e-4 and TASK_PRESETS["positive"]["ppo.actor_lr"] == 1e-4
+
+
+def test_recipes_imports_neither_torch_nor_transformers():
+    """``oppo recipes`` prints four lines: it imports no torch (issue 53: 22 s on a busy machine,
+    nearly all of it importing torch for the checkpoint error class and transformers' progress bars)."""
+    import subprocess
+
+    code = ("import sys; sys.argv = ['oppo', 'recipes']; from oppo.cli import main; rc = main(); "
+            "print(rc, 'torch' in sys.modules, 'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "gsm8k_ppo" in out.stdout and out.stdout.splitlines()[-1] == "0 False False", out.stderr

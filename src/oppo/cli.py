@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .checkpoint import CheckpointError
 from .config import ConfigError, help_text, load_config
 
 
@@ -208,6 +207,22 @@ def _interrupted(e: KeyboardInterrupt, command: str) -> int:
     return 128 + signum
 
 
+LIGHT = ("recipes",)
+"""Commands that load no model: neither transformers nor torch is imported for them (``oppo recipes``
+took 22 s on a busy 2-core machine to print four lines, nearly all of it importing torch: issue 53)."""
+
+
+class _NotRaised(Exception):
+    """Matches nothing: the stand-in for an error class whose module was never imported."""
+
+
+def _checkpoint_error() -> type[Exception]:
+    """``checkpoint.CheckpointError`` where ``oppo.checkpoint`` was imported (only then can it have
+    been raised), else :class:`_NotRaised`: importing it here would import torch for every command."""
+    mod = sys.modules.get(f"{__package__}.checkpoint")
+    return mod.CheckpointError if mod is not None else _NotRaised
+
+
 def main(argv: list[str] | None = None) -> int:
     if argv is None:  # the `oppo` command itself (not a call from Python, whose signals are the caller's)
         _terminate_like_ctrl_c()
@@ -219,16 +234,17 @@ def main(argv: list[str] | None = None) -> int:
         print(usage(), file=sys.stdout if asked else sys.stderr)
         return 0 if asked else 2
     try:
-        from transformers.utils import logging as hf_logging
+        if argv[0] not in LIGHT:
+            from transformers.utils import logging as hf_logging
 
-        hf_logging.disable_progress_bar()
+            hf_logging.disable_progress_bar()
         return COMMANDS[argv[0]](argv[1:]) or 0
     except KeyboardInterrupt as e:
         return _interrupted(e, argv[0])
     except ConfigError as e:
         print(f"oppo: config error: {e}", file=sys.stderr)
         return 2
-    except CheckpointError as e:
+    except _checkpoint_error() as e:  # (evaluated when an exception gets here: no import of torch before)
         print(f"oppo: checkpoint error: {e}", file=sys.stderr)
         return 1
     except (ValueError, FileNotFoundError) as e:
