@@ -84,6 +84,9 @@ def test_run_summary(tmp_path):
     assert "reward 2.000 -> 9.000, judge 0.200 -> 0.900" in text and "first and last 5 steps" in text
     assert f"oppo report {tmp_path / 'r'}" in text
     assert run_summary(tmp_path / "nothing").strip() == f"run directory: {tmp_path / 'nothing'}"
+    # resumed at step 8: this command trained steps 8-11, 40 s of its 92 (time/wallclock counts from step 0)
+    text = run_summary(tmp_path / "r", wall_seconds=92, first_step=8)
+    assert "done: 12 steps (0-11), steps 8-11 by this command in 1m32s, 40s of it training" in text
 
 
 @pytest.mark.slow
