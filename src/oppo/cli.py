@@ -8,6 +8,22 @@ import sys
 from .config import ConfigError, help_text, load_config
 
 
+LIGHT = ("recipes",)
+"""Commands that load no model: neither transformers nor torch is imported for them (``oppo recipes``
+took 22 s on a busy 2-core machine to print four lines, nearly all of it importing torch: issue 53)."""
+
+
+class _NotRaised(Exception):
+    """Matches nothing: the stand-in for an error class whose module was never imported."""
+
+
+def _checkpoint_error() -> type[Exception]:
+    """``checkpoint.CheckpointError`` where ``oppo.checkpoint`` was imported (only then can it have
+    been raised), else :class:`_NotRaised`: importing it here would import torch for every command."""
+    mod = sys.modules.get(f"{__package__}.checkpoint")
+    return mod.CheckpointError if mod is not None else _NotRaised
+
+
 def _train(argv: list[str]) -> int:
     """PPO on your models, or on the built-in task (prepared on first use); progress, then a summary."""
     shown, source = None, ""
@@ -205,22 +221,6 @@ def _interrupted(e: KeyboardInterrupt, command: str) -> int:
         said += " before training began; nothing was trained or saved."
     print(f"\n{said}", file=sys.stderr)
     return 128 + signum
-
-
-LIGHT = ("recipes",)
-"""Commands that load no model: neither transformers nor torch is imported for them (``oppo recipes``
-took 22 s on a busy 2-core machine to print four lines, nearly all of it importing torch: issue 53)."""
-
-
-class _NotRaised(Exception):
-    """Matches nothing: the stand-in for an error class whose module was never imported."""
-
-
-def _checkpoint_error() -> type[Exception]:
-    """``checkpoint.CheckpointError`` where ``oppo.checkpoint`` was imported (only then can it have
-    been raised), else :class:`_NotRaised`: importing it here would import torch for every command."""
-    mod = sys.modules.get(f"{__package__}.checkpoint")
-    return mod.CheckpointError if mod is not None else _NotRaised
 
 
 def main(argv: list[str] | None = None) -> int:
