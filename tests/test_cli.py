@@ -1,6 +1,7 @@
 """Subprocess smoke test of `oppo train` with a toy budget, on tiny local models."""
 
 import json
+import os
 import sys
 
 import pytest
@@ -160,6 +161,14 @@ def test_threads_lines_warn_only_on_an_oversubscribed_machine():
     assert one[0].startswith("threads: torch 1 (placement.threads=1); 8 cores")
     assert "already uses one thread" in one[1]
     assert len(threads_lines(cfg, torch_threads=8, cores=8, usable=None, load=None)) == 1  # no load average
+    # the load: the 1-minute average, but no more than what runs now besides this process (it lags a
+    # minute: after `make demo`'s pip install it warned on an idle 2-core machine, issue 53)
+    from oppo.run.lines import machine_threads, others_runnable
+
+    assert others_runnable("2.61 1.90 0.80 1/153 318") == 0 and others_runnable("8.1 9.7 11.0 9/153 318") == 8
+    assert others_runnable("") is None
+    load = machine_threads()[3]
+    assert load is not None and load <= os.getloadavg()[0]
 
 
 def test_a_broken_torchaudio_at_import_is_named_with_its_fix(monkeypatch, capsys):
