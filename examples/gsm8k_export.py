@@ -50,7 +50,29 @@ def read_records(source: str, config: str = "main", split: str = "train") -> lis
         raise SystemExit(f"{source!r} is not a local file, so it is a hub data set, and reading one needs the "
                          f"'datasets' package (pip install datasets); without it, give a local .jsonl or "
                          f".parquet file (hf download openai/gsm8k --repo-type dataset --local-dir gsm8k)") from None
-    return list(datasets.load_dataset(source, config, split=split))
+    try:
+        return list(datasets.load_dataset(source, config, split=split))
+    except Exception as e:  # no network: requests' or httpx's ConnectionError, hub timeouts, offline mode, ...
+        if not _offline(e):
+            raise
+        raise SystemExit(f"Could not reach the Hugging Face hub for {source!r} ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else 'no network'}). Without network, download the "
+                         f"data set where there is one (hf download openai/gsm8k --repo-type dataset --local-dir "
+                         f"gsm8k) and give its file: python examples/gsm8k_export.py "
+                         f"gsm8k/main/train-00000-of-00001.parquet --out gsm8k_train.jsonl") from None
+
+
+def _offline(e: BaseException) -> bool:
+    """Whether ``e`` (or what it was raised from) says the hub could not be reached: a
+    ``ConnectionError`` of the standard library, requests or httpx, a timeout, or the hub's offline mode."""
+    while e is not None:
+        names = [c.__name__ for c in type(e).__mro__]
+        if isinstance(e, (ConnectionError, TimeoutError)) or any(
+                n.endswith(("ConnectionError", "ConnectError", "Timeout", "TimeoutException", "OfflineModeIsEnabled"))
+                for n in names):
+            return True
+        e = e.__cause__ or e.__context__  # type: ignore[assignment]
+    return False
 
 
 def export(records: list[dict], out: Path) -> int:

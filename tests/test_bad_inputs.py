@@ -577,6 +577,7 @@ def test_prompts_longer_than_the_context_are_named_before_the_weights_load(tiny_
     monkeypatch.setattr(oppo.setup.load, "load_causal_lm", lambda *a, **k: loaded.append(a) or 1 / 0)
     cfg = load_config(None, [*TINY, f"policy.path={tmp_path / 'gpt2'}", f"data.prompts={prompts}",
                              "reward.function=oppo.rewards:format_reward", "generation.max_new_tokens=6",
+                             "data.max_prompt_tokens=64",  # (empty, the default, would cut it to fit: test_data.py)
                              f"run.out_dir={tmp_path / 'run'}"])
     with pytest.raises(ModelLoadError) as info:
         Trainer(cfg, progress=False)

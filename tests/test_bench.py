@@ -15,6 +15,7 @@ from oppo.trace import Span
 def test_bench_writes_json_markdown_and_pictures(tiny_models, tiny_prompts, tmp_path):
     out = tmp_path / "b"
     rc = main(["bench", "--steps", "2", "--out", str(out), "--tail", "0.5", "--tail-steps", "2",
+               "--tail-modes", "sequential,oppo",  # (the whole sweep: test_bench_quick_on_the_builtin_task)
                f"policy.path={tiny_models['policy']}", f"reward.path={tiny_models['reward']}",
                f"data.prompts={tiny_prompts}", "ppo.batch_size=4", "ppo.minibatch_size=4",
                "ppo.micro_batch_size=4", "generation.max_new_tokens=12", "overlap.delta_max=2"])
@@ -233,3 +234,35 @@ def test_gpu_bench_check_names_engine_mode_step_and_metric(tmp_path, monkeypatch
     assert "| static | inter | FAIL | 0 |" in table and "exited with code 1 and no result" in table
     assert "FAILED: 2 of 4: static / inter; static / oppo" in table
     assert json.loads((tmp_path / "all" / "check.json").read_text())["rows"][0]["ok"]
+
+
+def test_bench_quick_on_the_builtin_task(builtin_task, tmp_path, capsys):
+    """``make bench``'s command, ``oppo bench --quick``, on the built-in task (prepared at its tiny
+    sizes: 256 positions), shortened by its own flags only (fewer steps, one sigma): the settings
+    resolve as the user's command resolves them. The representative workload's maximum (512) does
+    not fit the models' positions after the longest prompt: it is clipped to what fits, said on
+    the console, and the run measures (issue 53: it stopped at the prompt-length check)."""
+    from oppo.models import context_length, load_model_config
+
+    out = tmp_path / "b"
+    rc = main(["bench", "--quick", "--steps", "2", "--tail", "0.5", "--tail-steps", "2", "--tail-modes", "sequential,oppo",
+               "--out", str(out)])
+    assert rc == 0
+    res = json.loads((out / "bench.json").read_text())
+    positions = context_length(load_model_config(str(builtin_task.prepared.policy_path), "policy"))[0]
+    longest = max(len(ids) for ids in _builtin_prompt_ids(builtin_task))
+    assert res["workload_lengths"]["max"] <= positions - longest < 512
+    assert f"generation.max_new_tokens={positions - longest}" in capsys.readouterr().err
+    assert set(res["modes"]) == {"sequential", "intra", "inter", "oppo", "pipeline"}
+    assert all(v["step_time_median_s"] > 0 for v in res["modes"].values())
+    assert res["workload_lengths"]["p99_over_p50"] >= 4  # still long-tailed
+
+
+def _builtin_prompt_ids(builtin):
+    from oppo.config import load_config
+    from oppo.data import build_prompt_set, read_records
+    from oppo.models import load_tokenizer
+
+    cfg = load_config(None, [])
+    texts = read_records(str(builtin.prepared.prompts_path)).texts
+    return build_prompt_set(texts, load_tokenizer(str(builtin.prepared.policy_path)), cfg.data, 0).ids

@@ -1,6 +1,7 @@
 """Subprocess smoke test of `oppo train` with a toy budget, on tiny local models."""
 
 import json
+import os
 import sys
 
 import pytest
@@ -84,6 +85,9 @@ def test_run_summary(tmp_path):
     assert "reward 2.000 -> 9.000, judge 0.200 -> 0.900" in text and "first and last 5 steps" in text
     assert f"oppo report {tmp_path / 'r'}" in text
     assert run_summary(tmp_path / "nothing").strip() == f"run directory: {tmp_path / 'nothing'}"
+    # resumed at step 8: this command trained steps 8-11, 40 s of its 92 (time/wallclock counts from step 0)
+    text = run_summary(tmp_path / "r", wall_seconds=92, first_step=8)
+    assert "done: 12 steps (0-11), steps 8-11 by this command in 1m32s, 40s of it training" in text
 
 
 @pytest.mark.slow
@@ -157,6 +161,14 @@ def test_threads_lines_warn_only_on_an_oversubscribed_machine():
     assert one[0].startswith("threads: torch 1 (placement.threads=1); 8 cores")
     assert "already uses one thread" in one[1]
     assert len(threads_lines(cfg, torch_threads=8, cores=8, usable=None, load=None)) == 1  # no load average
+    # the load: the 1-minute average, but no more than what runs now besides this process (it lags a
+    # minute: after `make demo`'s pip install it warned on an idle 2-core machine, issue 53)
+    from oppo.run.lines import machine_threads, others_runnable
+
+    assert others_runnable("2.61 1.90 0.80 1/153 318") == 0 and others_runnable("8.1 9.7 11.0 9/153 318") == 8
+    assert others_runnable("") is None
+    load = machine_threads()[3]
+    assert load is not None and load <= os.getloadavg()[0]
 
 
 def test_a_broken_torchaudio_at_import_is_named_with_its_fix(monkeypatch, capsys):
@@ -185,3 +197,45 @@ def test_a_broken_torchaudio_at_import_is_named_with_its_fix(monkeypatch, capsys
     monkeypatch.setitem(cli.COMMANDS, "train", other)
     with pytest.raises(OSError, match="disk on fire"):  # (anything else is not dressed up)
         cli.main(["train"])
+
+
+def test_print_config_marks_the_builtin_tasks_presets(tiny_models, tmp_path, capsys):
+    """``oppo train --print-config > f.yaml`` with no model named writes the built-in task's presets
+    (learning rates for its tiny models) as comments, not as the user's own values: the file with
+    one's own model gives the defaults (issue 53: it kept ppo.actor_lr=1e-4, ten times the default),
+    and without one the presets again; a value the user set stays theirs."""
+    import yaml
+
+    from oppo.cli import main
+    from oppo.config import TASK_PRESETS, Config
+
+    default = Config()
+    f = tmp_path / "f.yaml"
+    assert main(["train", "--print-config"]) == 0
+    out = capsys.readouterr()
+    f.write_text(out.out)
+    assert "presets" in out.err and "policy.path" in out.err
+    assert "# actor_lr: 0.0001" in out.out and "'positive''s preset" in out.out
+    assert "actor_lr" not in yaml.safe_load(out.out)["ppo"]
+    assert main(["train", "--config", str(f), f"policy.path={tiny_models['policy']}",
+                 f"reward.path={tiny_models['reward']}", "data.prompts=p.jsonl", "--print-config"]) == 0
+    mine = yaml.safe_load(capsys.readouterr().out)
+    assert mine["ppo"]["actor_lr"] == default.ppo.actor_lr == 1e-5
+    assert mine["ppo"]["critic_lr"] == default.ppo.critic_lr and mine["run"]["steps"] == default.run.steps
+    assert main(["train", "--config", str(f), "--print-config"]) == 0  # the built-in task: its presets again
+    again = capsys.readouterr().out
+    assert again == out.out
+    assert main(["train", "ppo.actor_lr=1e-4", "--print-config"]) == 0  # the user's own value: plain
+    d = yaml.safe_load(capsys.readouterr().out)
+    assert d["ppo"]["actor_lr"] == 1e-4 and TASK_PRESETS["positive"]["ppo.actor_lr"] == 1e-4
+
+
+def test_recipes_imports_neither_torch_nor_transformers():
+    """``oppo recipes`` prints four lines: it imports no torch (issue 53: 22 s on a busy machine,
+    nearly all of it importing torch for the checkpoint error class and transformers' progress bars)."""
+    import subprocess
+
+    code = ("import sys; sys.argv = ['oppo', 'recipes']; from oppo.cli import main; rc = main(); "
+            "print(rc, 'torch' in sys.modules, 'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "gsm8k_ppo" in out.stdout and out.stdout.splitlines()[-1] == "0 False False", out.stderr

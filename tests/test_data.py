@@ -459,3 +459,32 @@ def test_a_list_that_is_not_messages_is_named(tmp_path):
                                         r"each needs a 'role' and a 'content'"):
         read_prompts(str(p))
     assert "must be a string or a list of messages" in object_problems([{"prompt": []}], "prompt")[0]
+
+
+def test_prompts_are_never_cut_silently(tmp_path, caplog):
+    """data.max_prompt_tokens empty (the default): a prompt is cut only past the room the models'
+    positions leave (``room``), and then one console line says how many and names the settings;
+    none is cut where no room is known. transformers' false "indexing errors" warning (about the
+    tokenizer's model_max_length, not the models oppo runs) is not passed on (issue 53)."""
+    t = make_tokenizer(tmp_path / "t")
+    t.model_max_length = 4  # (the tokenizer's own limit: what transformers warns against)
+    long, short = "the film was very good and the book was bad", "a day"
+    assert DataConfig().max_prompt_tokens is None
+    ps = build_prompt_set([long, short], t, DataConfig(), seed=0)  # no room known: whole
+    assert ps.ids[0] == t(long, verbose=False)["input_ids"] and ps.truncated == 0 and ps.budget is None
+    assert ps.width == 10
+    said = []
+    ps = build_prompt_set([long, short, long], t, DataConfig(), seed=0, room=6, say=said.append)
+    assert [len(i) for i in ps.ids] == [6, 2, 6] and ps.truncated == 2 and ps.width == 6 and ps.budget == 6
+    (line,) = said
+    assert "2 of 3 prompts are longer than data.max_prompt_tokens" in line and "the longest 10" in line
+    assert "generation.max_new_tokens" in line and "data.on_long_prompt=skip" in line
+    said.clear()  # a set one: named with its value; every prompt fits: no line
+    ps = build_prompt_set([long, short], t, DataConfig(max_prompt_tokens=12), seed=0, room=6, say=said.append)
+    assert ps.truncated == 0 and ps.width == 12 and not said
+    with pytest.raises(DataError, match="data.max_prompt_tokens=4"):  # all skipped
+        build_prompt_set([long], t, DataConfig(max_prompt_tokens=4, on_long_prompt="skip"), seed=0, say=said.append)
+    assert "longer than data.max_prompt_tokens=4 tokens" in said[0] and "skipped" in said[0]
+    assert "indexing errors" not in caplog.text
+    t(long)  # (the check can fail: transformers' own call warns, through its logger)
+    assert "indexing errors" in caplog.text

@@ -263,6 +263,11 @@ def test_export_reads_jsonl_without_datasets_and_the_hub_with_it(tmp_path, monke
     assert export.main(["--out", str(tmp_path / "b.jsonl")]) == 0
     assert calls == [(("openai/gsm8k", "main"), {"split": "train"})]
     _check_export(tmp_path / "b.jsonl")
+    def offline(*a, **k):  # datasets without network (issue 53: a raw ConnectionError traceback)
+        raise ConnectionError("Couldn't reach 'openai/gsm8k' on the Hub (LocalEntryNotFoundError)")
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=offline))
+    with pytest.raises(SystemExit, match="Could not reach the Hugging Face hub.*hf download openai/gsm8k"):
+        export.main(["--out", str(tmp_path / "d.jsonl")])
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "x"}) + "\n")
     with pytest.raises(SystemExit, match="'question' and 'answer'"):

@@ -292,7 +292,7 @@ def test_trainer_with_the_static_engine_trains_the_same_batches(tiny_models, tin
             t.roles.rollout = StaticRolloutEngine(t.roles.rollout_policy, t.roles.stop_ids, t.roles.pad_id, t.max_new_tokens,
                                            cfg.generation.temperature, cfg.generation.top_k, cfg.generation.top_p,
                                            seed=cfg.run.seed, max_rows=cfg.ppo.batch_size + 2,
-                                           max_len=cfg.data.max_prompt_tokens + t.max_new_tokens)
+                                           max_len=t.roles.prompt_set.width + t.max_new_tokens)
             del e
         try:
             out = []
@@ -421,13 +421,13 @@ def test_auto_backend_is_static_with_graphs_on_cuda_for_supported_policies_else_
     # the settings a trainer builds its engine with: the policy is checked (config + a 2-token probe)
     cfg, model = Config(), _model()
     assert cfg.generation.backend == "auto"
-    s = engine_settings(cfg, (EOS,), PAD, 8, cuda, model=model)
+    s = engine_settings(cfg, (EOS,), PAD, 8, cuda, model=model, prompt_width=8)
     assert (s.kind, s.backend.capture) == ("static", "cuda_graph") and "CUDA graphs" in s.reason
-    s = engine_settings(cfg, (EOS,), PAD, 8, torch.device("cpu"), model=model)
+    s = engine_settings(cfg, (EOS,), PAD, 8, torch.device("cpu"), model=model, prompt_width=8)
     assert s.kind == "eager" and s.backend is None
     model.config._attn_implementation = "flash_attention_2"
     try:
-        s = engine_settings(cfg, (EOS,), PAD, 8, cuda, model=model)
+        s = engine_settings(cfg, (EOS,), PAD, 8, cuda, model=model, prompt_width=8)
         assert s.kind == "eager" and "sdpa" in s.reason
     finally:
         model.config._attn_implementation = "sdpa"
@@ -436,7 +436,7 @@ def test_auto_backend_is_static_with_graphs_on_cuda_for_supported_policies_else_
     hybrid = Lfm2ForCausalLM(Lfm2Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                         num_attention_heads=4, num_key_value_heads=2,
                                         layer_types=["conv", "full_attention"]))
-    s = engine_settings(cfg, (EOS,), PAD, 8, cuda, model=hybrid)
+    s = engine_settings(cfg, (EOS,), PAD, 8, cuda, model=hybrid, prompt_width=8)
     assert s.kind == "eager" and "conv" in s.reason
     # Ray rollout workers run eager under auto (settings for cpu); static is refused there
     ray = ["placement.name=ray", "placement.ray.rollout_workers=2"]

@@ -163,19 +163,24 @@ def test_save_every_minutes_checkpoints_by_time(tiny_models, tiny_prompts, tmp_p
     assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == [f"step_00000{i}" for i in (1, 2, 3)]
 
 
-def test_sigterm_during_the_final_save_waits_for_it(tiny_models, tiny_prompts, tmp_path, monkeypatch, capsys):
-    """A signal after the last step (here: as the final checkpoint starts, with the default
-    run.save_final=full and no periodic saves) lets that checkpoint finish: every step is kept."""
+@pytest.mark.parametrize("when", ["save", "after_last_step"])
+def test_sigterm_during_the_final_save_waits_for_it(tiny_models, tiny_prompts, tmp_path, monkeypatch, capsys, when):
+    """A signal after the last step (as the final checkpoint starts, with the default
+    run.save_final=full and no periodic saves; or just after the last step, as its lengths are
+    written) lets that checkpoint finish: every step is kept, and the line says so (issue 53: it
+    said "finishing this step" after the last one)."""
     import oppo.run.loop
     from oppo.cli import _terminate_like_ctrl_c, main
 
-    real = oppo.run.loop.save_checkpoint
+    name = {"save": "save_checkpoint", "after_last_step": "_write_lengths"}[when]
+    real = getattr(oppo.run.loop, name)
 
     def signalled(*a, **k):
-        os.kill(os.getpid(), signal.SIGTERM)  # handled here, in the main thread, before the save begins
+        if name == "save_checkpoint" or a[1] == 1:  # (_write_lengths(lengths, step, exp): the last step, 1)
+            os.kill(os.getpid(), signal.SIGTERM)  # handled here, in the main thread
         return real(*a, **k)
 
-    monkeypatch.setattr(oppo.run.loop, "save_checkpoint", signalled)
+    monkeypatch.setattr(oppo.run.loop, name, signalled)
     out = tmp_path / "run"
     settings = [s for s in _settings(tiny_models, tiny_prompts, out, mode="sequential") if "run.steps" not in s]
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}

@@ -5,8 +5,23 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .checkpoint import CheckpointError
 from .config import ConfigError, help_text, load_config
+
+
+LIGHT = ("recipes",)
+"""Commands that load no model: neither transformers nor torch is imported for them (``oppo recipes``
+took 22 s on a busy 2-core machine to print four lines, nearly all of it importing torch: issue 53)."""
+
+
+class _NotRaised(Exception):
+    """Matches nothing: the stand-in for an error class whose module was never imported."""
+
+
+def _checkpoint_error() -> type[Exception]:
+    """``checkpoint.CheckpointError`` where ``oppo.checkpoint`` was imported (only then can it have
+    been raised), else :class:`_NotRaised`: importing it here would import torch for every command."""
+    mod = sys.modules.get(f"{__package__}.checkpoint")
+    return mod.CheckpointError if mod is not None else _NotRaised
 
 
 def _train(argv: list[str]) -> int:
@@ -44,16 +59,45 @@ def _train(argv: list[str]) -> int:
     # validated here, before any model loads, and only here: the run's preflight sees the same settings
     cfg = load_config(args.config, args.overrides, recipe=args.recipe)
     if args.print_config:
-        import yaml
-
-        from .config import to_dict
-
-        print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+        print(config_yaml(cfg), end="")
         return 0
     from .run import train
 
     train(cfg, resume=args.resume)  # (it prints the run's summary: done, reward, run directory)
     return 0
+
+
+def config_yaml(cfg) -> str:
+    """``cfg`` as the YAML file ``--print-config`` writes. The built-in task's presets that
+    ``load_config`` applied (``config.TASK_PRESETS``: learning rates and steps for its tiny models)
+    are written as comments, not as the user's own values: ``--config`` with that file applies them
+    again where no ``policy.path`` is named, and with one's own model gives the defaults, as the
+    Python API does (``inputs._drop_task_presets``). Written as plain values, a file made with no model
+    named kept the tiny models' ``ppo.actor_lr`` of 1e-4, ten times the default, for one's own model
+    (issue 53). A preset the command line set itself is the user's: written plainly."""
+    import yaml
+
+    from .config import to_dict
+
+    text = yaml.safe_dump(to_dict(cfg), sort_keys=False)
+    presets = cfg.__dict__.get("_presets") or {}
+    if not presets:
+        return text
+    task = cfg.data.task
+    lines, section = [], ""
+    for line in text.splitlines(keepends=True):
+        if line[:1].isalpha():
+            section = line.split(":", 1)[0]
+        name = line[2:].split(":", 1)[0] if line.startswith("  ") and not line.startswith("   ") else ""
+        if name and f"{section}.{name}" in presets:
+            line = (f"  # {line[2:].rstrip()}  # the built-in task {task!r}'s preset: applied where no "
+                    f"policy.path is named; with one, the default\n")
+        lines.append(line)
+    shown = ", ".join(f"{k}={v}" for k, v in presets.items())
+    print(f"oppo: the built-in task {task!r}'s presets ({shown}) are written as comments: --config applies them "
+          f"again only where no policy.path is named (one's own model gets the defaults).", file=sys.stderr)
+    return (f"# Settings for the built-in task {task!r} (no policy.path). Its presets are the commented lines\n"
+            f"# marked 'preset': they apply only to the built-in task's models.\n" + "".join(lines))
 
 
 def _recipes(argv: list[str]) -> int:
@@ -190,16 +234,17 @@ def main(argv: list[str] | None = None) -> int:
         print(usage(), file=sys.stdout if asked else sys.stderr)
         return 0 if asked else 2
     try:
-        from transformers.utils import logging as hf_logging
+        if argv[0] not in LIGHT:
+            from transformers.utils import logging as hf_logging
 
-        hf_logging.disable_progress_bar()
+            hf_logging.disable_progress_bar()
         return COMMANDS[argv[0]](argv[1:]) or 0
     except KeyboardInterrupt as e:
         return _interrupted(e, argv[0])
     except ConfigError as e:
         print(f"oppo: config error: {e}", file=sys.stderr)
         return 2
-    except CheckpointError as e:
+    except _checkpoint_error() as e:  # (evaluated when an exception gets here: no import of torch before)
         print(f"oppo: checkpoint error: {e}", file=sys.stderr)
         return 1
     except (ValueError, FileNotFoundError) as e:

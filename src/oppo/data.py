@@ -13,6 +13,7 @@ other columns, which a reward function may ask for (``scoring.reward_fn``), are 
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, field as dc_field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
@@ -269,6 +270,18 @@ class PromptSet:
     sources: list[int] = dc_field(default_factory=list)
     """Each prompt's record number in the data as given (its line of a JSONL file, its row of a data
     set), where prompts were skipped; empty: the same as its index."""
+    budget: int | None = None
+    """The most tokens a prompt was allowed (``data.max_prompt_tokens``, or where that is empty the
+    models' positions less ``generation.max_new_tokens``); None: no limit was known, none was cut."""
+    setting: int | None = None
+    """``data.max_prompt_tokens`` as set (None: empty)."""
+
+    @property
+    def width(self) -> int:
+        """The prompt columns a rollout engine reserves: ``data.max_prompt_tokens`` where set (the
+        shapes stay the setting's), else the longest prompt kept (with the setting empty the budget
+        can be a large model's whole context: no column for a prompt that is not there)."""
+        return self.setting if self.setting is not None else max(map(len, self.ids))
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -336,14 +349,24 @@ def _truncate(tok: list[int], frame: list[int], budget: int) -> list[int] | None
 
 
 def build_prompt_set(texts: list, tokenizer, cfg: DataConfig, seed: int,
-                     columns: dict[str, list] | None = None) -> PromptSet:
+                     columns: dict[str, list] | None = None, room: int | None = None,
+                     say=lambda line: print(line, file=sys.stderr)) -> PromptSet:
     """Tokenise the prompts: a conversation (a list of messages) through the tokenizer's chat
     template, a text too when ``data.chat_template`` asks (as one user message). A prompt longer
-    than ``data.max_prompt_tokens`` is skipped, or truncated: its frame (BOS, the template's header
-    and assistant turn) stays and the start of the user's text is cut, keeping its end, nearest
-    to where the response begins. The prompt text the reward function sees is then the decoded
-    truncated prompt, what the policy actually saw. ``columns``: the records' other columns (one
-    value per text), kept for the prompts kept."""
+    than its budget, ``data.max_prompt_tokens``, or where that is empty ``room`` (the models'
+    positions less ``generation.max_new_tokens``: every prompt that fits is kept whole; None, no
+    model names its positions: none is cut), is skipped, or truncated: its frame (BOS, the
+    template's header and assistant turn) stays and the start of the user's text is cut, keeping
+    its end, nearest to where the response begins. The prompt text the reward function sees is
+    then the decoded truncated prompt, what the policy actually saw. When any prompt is cut or
+    skipped, one line through ``say`` says how many and names the setting to change (issue 53:
+    a metric was the only sign). ``columns``: the records' other columns (one value per text),
+    kept for the prompts kept.
+
+    Tokenised with ``verbose=False``: transformers' "Token indices sequence length is longer than
+    the specified maximum sequence length for this model ... will result in indexing errors" is
+    about the tokenizer's ``model_max_length``, not about the models oppo runs (whose positions
+    the run checks itself, ``models.context_problem``), and came with every long prompt set."""
     raw = list(texts)
     chats = [is_conversation(t) for t in raw]
     templated = [c or cfg.chat_template for c in chats]
@@ -359,33 +382,48 @@ def build_prompt_set(texts: list, tokenizer, cfg: DataConfig, seed: int,
     texts = [tokenizer.apply_chat_template(t if c else [{"role": "user", "content": t}], tokenize=False,
                                            add_generation_prompt=True) if tm else t
              for t, c, tm in zip(raw, chats, templated)]
+    budget = cfg.max_prompt_tokens if cfg.max_prompt_tokens is not None else room
+    setting = (f"data.max_prompt_tokens={budget}" if cfg.max_prompt_tokens is not None else
+               f"data.max_prompt_tokens (empty: the models' positions less generation.max_new_tokens, {budget})")
     frames: dict[bool, list[int]] = {}
-    keep_texts, ids, kept, truncated, skipped = [], [], [], 0, 0
+    keep_texts, ids, kept, truncated, skipped, too_long, longest = [], [], [], 0, 0, 0, 0
     for j, t in enumerate(texts):
         tm = templated[j]
-        tok = tokenizer(t, add_special_tokens=not tm)["input_ids"]
+        tok = tokenizer(t, add_special_tokens=not tm, verbose=False)["input_ids"]  # (verbose: the docstring)
         if not tok:
             skipped += 1
             continue
-        if len(tok) > cfg.max_prompt_tokens:
+        if budget is not None and len(tok) > budget:
+            too_long += 1
+            longest = max(longest, len(tok))
             if cfg.on_long_prompt == "skip":
                 skipped += 1
                 continue
             if tm not in frames:
                 frames[tm] = _frame(tokenizer, tm)
-            cut = _truncate(tok, frames[tm], cfg.max_prompt_tokens)
+            cut = _truncate(tok, frames[tm], budget)
             if cut is None:
-                raise DataError(f"data.max_prompt_tokens={cfg.max_prompt_tokens} leaves no room for the prompt's "
-                                f"text beside its frame tokens (BOS, chat template: {len(frames[tm])}); raise it.")
+                raise DataError(f"{setting} leaves no room for the prompt's text beside its frame tokens (BOS, "
+                                f"chat template: {len(frames[tm])}); raise it"
+                                + ("" if cfg.max_prompt_tokens is not None else
+                                   " by lowering generation.max_new_tokens") + ".")
             tok = cut
             t = tokenizer.decode(tok, skip_special_tokens=not tm)
             truncated += 1
         keep_texts.append(t)
         ids.append(tok)
         kept.append(j)
+    if too_long:
+        done = "skipped (data.on_long_prompt=skip)" if cfg.on_long_prompt == "skip" else \
+            "cut to it, keeping their ends (data.on_long_prompt=skip drops them instead)"
+        say(f"oppo: {too_long} of {len(texts)} prompts are longer than {setting} tokens (the longest {longest}) "
+            f"and were {done}; to keep them whole, raise data.max_prompt_tokens"
+            + (" or lower generation.max_new_tokens" if cfg.max_prompt_tokens is None else
+               " (empty: as much as the models' positions leave)") + ".")
     if not ids:
-        raise DataError(f"No usable prompt: all {len(texts)} were empty or longer than data.max_prompt_tokens="
-                        f"{cfg.max_prompt_tokens} with data.on_long_prompt=skip.")
+        raise DataError(f"No usable prompt: all {len(texts)} were empty or longer than {setting} with "
+                        f"data.on_long_prompt=skip.")
     return PromptSet(keep_texts, ids, truncated, skipped, seed, cfg.shuffle, raw=[raw[j] for j in kept],
                      columns={name: [values[j] for j in kept] for name, values in (columns or {}).items()},
-                     templated=any(templated[j] for j in kept), sources=kept if skipped else [])
+                     templated=any(templated[j] for j in kept), sources=kept if skipped else [], budget=budget,
+                     setting=cfg.max_prompt_tokens)

@@ -31,22 +31,30 @@ def main(argv: list[str]) -> int:
     p.add_argument("--tail-modes", default=",".join(MODES), help="Modes compared in the tail sweep.")
     p.add_argument("--workload", default="representative", choices=sorted(WORKLOADS) + ["natural"],
                    help="The main run's response lengths: representative (the default) = long-tailed, "
-                        "like real RLHF (sets generation.max_new_tokens to its maximum unless "
-                        "given); natural = the task's own (the tiny models' short responses, training-bound).")
+                        "like real RLHF (sets generation.max_new_tokens to its maximum, or to what fits "
+                        "the models' positions after the longest prompt, unless given); natural = the task's own (the tiny models' short responses, training-bound).")
     p.add_argument("--target", type=float, default=None, help="Target reward for time-to-target.")
     p.add_argument("--config", default=None, help="YAML settings shared by every mode.")
     p.add_argument("overrides", nargs="*", help="section.key=value settings shared by every mode.")
     args = p.parse_args(argv)
+    say = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     if args.quick and args.tail is None:
         args.tail = "0.5,1.0,1.5"
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for m in modes:
         split_mode(m)  # an unknown mode fails here, before anything loads
     workload = WORKLOADS.get(args.workload)  # None: natural
-    preset = [f"generation.max_new_tokens={workload.max_new_tokens}"] if workload else []
     shared = (QUICK if args.quick else []) + list(args.overrides) + ["log.progress=false", "run.samples=0"]
-    base = load_config(args.config, preset + shared)
     natural = load_config(args.config, shared)  # the task's own lengths: the second profile row, the tail sweep
+    preset = []
+    if workload and natural.generation.max_new_tokens is None:  # (one given is the user's: the run checks it)
+        room = new_token_room(natural)
+        if room is not None and 1 <= room < workload.max_new_tokens:
+            say(f"oppo bench: --workload {args.workload} clips its lengths at generation.max_new_tokens={room}, "
+                f"not {workload.max_new_tokens}: the models' positions less the longest prompt")
+            workload = workload.scaled(room)
+        preset = [f"generation.max_new_tokens={workload.max_new_tokens}"]
+    base = load_config(args.config, preset + shared)
     for m in modes:  # each mode's own settings are valid, before anything loads
         with_overrides(base, mode_overrides(m))
     if base.placement.name == "ray" and LOCAL_BASELINE not in modes and "sequential" in modes:
@@ -55,13 +63,12 @@ def main(argv: list[str]) -> int:
         if base.generation.max_new_tokens is None:  # (an override cleared the preset)
             raise ValueError(f"--workload {args.workload} scales its lengths to generation.max_new_tokens: give it "
                              "a number, not an empty value (or use --workload natural)")
-        if base.generation.max_new_tokens != workload.max_new_tokens:
+        if base.generation.max_new_tokens != workload.max_new_tokens:  # (given by the user)
             workload = workload.scaled(base.generation.max_new_tokens)
     steps = args.steps or (11 if args.quick else 21)  # the first step is a warm-up, not timed
     base = with_overrides(base, [f"run.steps={steps}"])  # the controller plans its trials against the run's length
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    say = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     started = time.time()
     say(f"oppo bench: {', '.join(modes)} x {steps} steps, interleaved -> {out}")
     records = run_modes(base, modes, steps, out / "runs", progress=say, lengths=workload)
@@ -100,3 +107,32 @@ def main(argv: list[str]) -> int:
     make_report([out / "runs" / slug(m) for m in modes], out, labels=modes)
     say((out / "bench.md").read_text())
     return 0
+
+
+def new_token_room(cfg) -> int | None:
+    """The most new tokens that fit after the run's longest prompt in every model it reads
+    (the models' positions, ``models.context_length``, less the longest prompt as the run
+    tokenises and cuts it): what a forced-length workload may reach without the prompt-length
+    check refusing the run (``models.context_problem``, the same sources). None when no model
+    names its positions. Resolves the paths as the run does (the built-in task is prepared here
+    if it is not yet) and reads configs, the tokenizer and the prompts, no weights."""
+    from ..data import build_prompt_set, read_records
+    from ..marker import is_marker
+    from ..models import context_length, load_model_config, load_tokenizer
+    from ..setup.resolve import resolve_paths
+
+    paths = resolve_paths(cfg, progress=True)
+    limits = []
+    for role, path in (("policy", paths.policy), ("reference", paths.reference), ("critic", paths.critic),
+                       ("reward", paths.reward)):
+        if path is None or is_marker(path):
+            continue
+        found = context_length(load_model_config(path, role, trust_remote_code=cfg.policy.trust_remote_code))
+        if found:
+            limits.append(found[0])
+    if not limits:
+        return None
+    d = cfg.data
+    prompts = build_prompt_set(read_records(paths.prompts, d.field, d.split).texts, load_tokenizer(paths.policy), d,
+                               cfg.run.seed)
+    return min(limits) - max(len(ids) for ids in prompts.ids)

@@ -147,7 +147,9 @@ class DataConfig:
     split: str = opt("train", "Dataset split to read when the prompt set has splits.")
     chat_template: bool = opt(False, "Wrap each prompt as a user message with the tokenizer's chat template "
                                      "(error if the tokenizer has none).")
-    max_prompt_tokens: int = opt(128, "Longest prompt, in tokens; longer ones are handled by on_long_prompt.")
+    max_prompt_tokens: int | None = opt(None, "Longest prompt, in tokens; longer ones are handled by on_long_prompt "
+                                        "(a console line says how many). Empty: the models' positions less "
+                                        "generation.max_new_tokens (every prompt that fits is kept whole).")
     on_long_prompt: str = opt("truncate", "What to do with a prompt longer than max_prompt_tokens: "
                                           "truncate (keep BOS and the chat template's framing, cut the start of the text) or "
                                           "skip. Counted in the metrics.",

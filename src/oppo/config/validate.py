@@ -100,7 +100,8 @@ def _check_generation(cfg: Config) -> None:
     _check(0 < g.top_p <= 1, f"generation.top_p must be in (0, 1], got {g.top_p}.")
     _check(g.top_k >= 0, f"generation.top_k must be >= 0, got {g.top_k}.")
     _check(g.kv_budget_mb >= 0, f"generation.kv_budget_mb must be >= 0 (0: no limit), got {g.kv_budget_mb}.")
-    _check(cfg.data.max_prompt_tokens >= 1, "data.max_prompt_tokens must be >= 1.")
+    _check(cfg.data.max_prompt_tokens is None or cfg.data.max_prompt_tokens >= 1,
+           "data.max_prompt_tokens must be >= 1 (or empty: the models' positions less generation.max_new_tokens).")
 
 
 def _check_overlap(cfg: Config) -> None:

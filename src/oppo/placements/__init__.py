@@ -102,7 +102,7 @@ def local_rollout(models: Models) -> tuple[RolloutBackend, str]:
 
     m = models
     settings = registry.engine_settings(m.cfg, m.stop_ids, m.pad_id, m.max_new_tokens, m.device,
-                                        model=m.rollout_policy)
+                                        model=m.rollout_policy, prompt_width=m.prompt_set.width)
     backend = registry.build(registry.BuildRequest(settings, m.rollout_policy, m.paths.policy, m.compute_dtype,
                                                    m.device.type))
     return backend, settings.reason

@@ -208,14 +208,18 @@ resolve_engine = resolve_backend  # (its name before issue 44 named generation.b
 
 
 def engine_settings(cfg: Any, stop_ids, pad_id: int, max_new_tokens: int, device: torch.device,
-                    model: torch.nn.Module | None = None) -> EngineSettings:
+                    model: torch.nn.Module | None = None, prompt_width: int | None = None) -> EngineSettings:
     """The rollout engine's settings from the config ``cfg`` (``generation.*``, and the backend's
     own ``rollout.<kind>.*`` resolved for ``device``), for an engine on ``device``;
     ``generation.backend=auto`` resolved there (:func:`resolve_backend`: the fast engine on CUDA when
     ``model``, the policy it will decode, suits it; else eager). Ray rollout workers get settings
-    for ``cpu``, so ``auto`` runs the eager engine in them."""
+    for ``cpu``, so ``auto`` runs the eager engine in them. ``prompt_width``: the prompt columns
+    (``data.PromptSet.width``: ``data.max_prompt_tokens``, or where it is empty the longest prompt)."""
     g, B = cfg.generation, cfg.ppo.batch_size
-    max_len = cfg.data.max_prompt_tokens + max_new_tokens
+    width = prompt_width if prompt_width is not None else cfg.data.max_prompt_tokens
+    if width is None:
+        raise ValueError("engine_settings: data.max_prompt_tokens is empty; give prompt_width (PromptSet.width)")
+    max_len = width + max_new_tokens
 
     def unfit() -> str | None:
         check = get(FAST).unfit

@@ -75,6 +75,7 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True, *, poli
     trainer = _load(cfg, inputs, plan, progress)
     try:
         run_dir = _open(trainer, plan, claim, progress)
+        first = trainer.step  # (a resume's: the checkpoint's step)
         train_steps(trainer, run_dir, plan.link, resumed=plan.checkpoint is not None, objects=bool(inputs))
     except BaseException as e:
         _on_failure(e, trainer, plan, claim, objects=bool(inputs))
@@ -84,7 +85,8 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True, *, poli
         trainer.close()
         claim.release()
     if progress:
-        print(run_summary(run_dir, time.perf_counter() - t_start, link=cfg.run.out_dir), flush=True)
+        print(run_summary(run_dir, time.perf_counter() - t_start, link=cfg.run.out_dir, first_step=first),
+              flush=True)
     return run_dir
 
 

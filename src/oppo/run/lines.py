@@ -80,7 +80,11 @@ def loading_line(cfg: Config) -> str:
 
 def machine_threads() -> tuple[int, int, int | None, float | None]:
     """This process's torch thread count, the machine's cores, the cores this process may run on
-    (None where the OS does not say) and the 1-minute load average (None where there is none)."""
+    (None where the OS does not say) and the load other work puts on them (None where the OS does not
+    say): the 1-minute load average, but no more than the tasks runnable now besides this one
+    (:func:`others_runnable`). The average alone lags a minute: right after ``make demo``'s
+    ``pip install`` (or any burst that has just ended) it stood above 2 on an idle 2-core machine and the
+    README's first command warned "oversubscribed" (issue 53)."""
     import torch
 
     try:
@@ -91,7 +95,23 @@ def machine_threads() -> tuple[int, int, int | None, float | None]:
         load: float | None = os.getloadavg()[0]
     except (AttributeError, OSError):
         load = None
+    try:
+        with open("/proc/loadavg") as f:
+            now = others_runnable(f.read())
+    except OSError:  # (not Linux)
+        now = None
+    if load is not None and now is not None:
+        load = min(load, float(now))
     return torch.get_num_threads(), os.cpu_count() or 1, usable, load
+
+
+def others_runnable(loadavg: str) -> int | None:
+    """The tasks runnable now but this process's reading thread, from ``/proc/loadavg``'s text (its
+    fourth field, ``runnable/total``, counts the reader itself); None if it does not parse."""
+    try:
+        return max(0, int(loadavg.split()[3].split("/")[0]) - 1)
+    except (IndexError, ValueError):
+        return None
 
 
 def threads_lines(cfg: Config, torch_threads: int, cores: int, usable: int | None,

@@ -62,6 +62,8 @@ def _steps(trainer: Trainer, run_dir: Path, link: Path | None, logger: MetricsLo
         metrics = trainer.run_step()
         res = trainer.last_result
         assert res is not None and res.exp.scores is not None  # run_step's trained, scored batch
+        if trainer.step >= cfg.run.steps:  # the last step is done: a signal from now on waits for the final
+            STOP.final = True  # checkpoint, and says so (it said "finishing this step": issue 53)
         if step == first:
             print_samples(f"samples at step {step}:", res.texts, res.exp.scores.tolist(), cfg.run.samples)
         logger.log(step, metrics)

@@ -21,9 +21,9 @@ from ..data import ALL_COLUMNS, DataError, build_prompt_set, read_records, recor
 from ..forward import set_packing
 from ..inputs import Inputs
 from ..marker import is_marker
-from ..models import (ModelLoadError, apply_lora, base_view, check_roles, context_problem, critic_from_object,
-                      enable_gradient_checkpointing, is_causal_lm_checkpoint, load_causal_lm, load_critic,
-                      load_function, load_model_config, load_reward_model, load_tokenizer, prepare_model,
+from ..models import (ModelLoadError, apply_lora, base_view, check_roles, context_length, context_problem,
+                      critic_from_object, enable_gradient_checkpointing, is_causal_lm_checkpoint, load_causal_lm,
+                      load_critic, load_function, load_model_config, load_reward_model, load_tokenizer, prepare_model,
                       reward_function, stop_token_ids, tokenizer_from_object)
 from ..rollout import registry
 from ..rewards.terms import RewardTerm
@@ -49,8 +49,12 @@ def load_models(cfg: Config, inputs: Inputs, run: Resolved) -> Models:
     asking = {k: f for k, f in (("reward.function", score_fn), ("reward.judge", judge),
                                 ("task accuracy", accuracy)) if f is not None}
     asking.update({f"reward.terms term {name!r}": f.fn for name, f in term_fns.items()})
-    prompt_set = _prompt_set(cfg, inputs, paths.prompts, tok, asking)
-    _check_context(cfg, inputs, run, prompt_set, terms)  # (configs only: before any weights load)
+    configs = _context_configs(cfg, inputs, run, terms)  # (configs only: before any weights load)
+    limits = [found[0] for c in configs.values() if (found := context_length(c))]
+    room = min(limits) - paths.max_new_tokens if limits else None  # (an empty data.max_prompt_tokens' budget)
+    prompt_set = _prompt_set(cfg, inputs, paths.prompts, tok, asking,
+                             room=room if room is not None and room >= 1 else None)  # (none left: refused below)
+    _check_context(cfg, run, prompt_set, configs)
     new_head, critic_init = _check_roles(cfg, inputs, run, tok)
     # the reward first: an invalid reward model or function fails before the big models load
     reward, reward_model, extra_rms = _load_reward(cfg, inputs, run, tok, prompt_set, score_fn, terms, term_fns,
@@ -60,7 +64,8 @@ def load_models(cfg: Config, inputs: Inputs, run: Resolved) -> Models:
     for m in (*rms, reference, scoring_critic):  # their one-shot forwards (score_full)
         if m is not None:
             set_packing(m, cfg.ppo.packing, cfg.ppo.shape_buckets)
-    _prepare_forwards(cfg, run, policy, critic, (rollout_policy, reference, critic, scoring_critic, *rms))
+    _prepare_forwards(cfg, run, policy, critic, (rollout_policy, reference, critic, scoring_critic, *rms),
+                      prompt_set.width)
     g = cfg.generation
     recompute = {"recompute": True, "sampler": False}.get(
         cfg.ppo.old_logprobs, dtype != torch.float32 or g.top_k > 0 or g.top_p < 1.0  # auto: when they can differ
@@ -141,7 +146,7 @@ def _trained_models(cfg: Config, inputs: Inputs, run: Resolved, pad_id: int, cri
 
 
 def _prepare_forwards(cfg: Config, run: Resolved, policy: torch.nn.Module, critic: torch.nn.Module | None,
-                      models: tuple[torch.nn.Module | None, ...]) -> None:
+                      models: tuple[torch.nn.Module | None, ...], prompt_width: int) -> None:
     """The models' forwards as the run uses them: the attention path (``ppo.attention``: probed on
     CUDA) of the policy and the ``models`` beside it, before any row plan is found for a model;
     gradient checkpointing of the trained models; no dropout anywhere."""
@@ -150,7 +155,7 @@ def _prepare_forwards(cfg: Config, run: Resolved, policy: torch.nn.Module, criti
 
     others = {id(m): m for m in models if m is not None and m is not policy}
     attention.choose(policy, list(others.values()), cfg.ppo.attention, rows=4,
-                     width=shapes.width(min(2048, cfg.data.max_prompt_tokens + paths.max_new_tokens)),
+                     width=shapes.width(min(2048, prompt_width + paths.max_new_tokens)),
                      say=lambda line: print(f"oppo: {line}", file=sys.stderr), dtype=dtype)
     if cfg.policy.gradient_checkpointing:  # the trained models; recomputation only while training
         for m in (policy, critic):
@@ -200,9 +205,9 @@ class ByRecord(RewardFunction):
         return super().__call__(prompts, responses, step, records, context)
 
 
-def _check_context(cfg: Config, inputs: Inputs, run: Resolved, prompt_set, terms) -> None:
-    """Raise ModelLoadError when the longest prompt and its response do not fit a model's positions
-    (``models.context_problem``), reading each role's config (an object's, else its directory's)."""
+def _context_configs(cfg: Config, inputs: Inputs, run: Resolved, terms) -> dict:
+    """'role (setting)' -> the config of each model the run reads (an object's, else its
+    directory's): whose positions bound a prompt and its response."""
     paths = run.paths
     sources = {"policy (policy.path)": inputs.policy if inputs.policy is not None else paths.policy,
                "reference (reference.path)": inputs.reference if inputs.reference is not None else paths.reference,
@@ -219,6 +224,13 @@ def _check_context(cfg: Config, inputs: Inputs, run: Resolved, prompt_set, terms
                 src, who.split()[0], trust_remote_code=cfg.policy.trust_remote_code)
         except ModelLoadError:
             continue  # (check_roles names a config it cannot read)
+    return configs
+
+
+def _check_context(cfg: Config, run: Resolved, prompt_set, configs: dict) -> None:
+    """Raise ModelLoadError when the longest prompt and its response do not fit a model's positions
+    (``models.context_problem``; ``configs``: :func:`_context_configs`)."""
+    paths = run.paths
     problem = context_problem([len(ids) for ids in prompt_set.ids], paths.max_new_tokens, configs, prompt_set.texts,
                               default_new=cfg.generation.max_new_tokens is None)
     if problem:
@@ -232,7 +244,7 @@ def _function(obj: Callable | None, spec: str | None, key: str) -> Callable | No
     return load_function(spec, key) if spec else None
 
 
-def _prompt_set(cfg: Config, inputs: Inputs, source: str, tok, fns: dict[str, Callable]):
+def _prompt_set(cfg: Config, inputs: Inputs, source: str, tok, fns: dict[str, Callable], room: int | None = None):
     """The prompts, tokenised, with the columns the functions ``fns`` (setting -> function) ask
     for; a column one of them needs that the prompt set lacks is refused here, before any model
     loads (preflight refuses it earlier where the columns can be known without reading the data)."""
@@ -245,4 +257,4 @@ def _prompt_set(cfg: Config, inputs: Inputs, source: str, tok, fns: dict[str, Ca
     lacking = [line for key, f in fns.items() if (line := missing_columns(key, f, records.available))]
     if lacking:
         raise DataError("\n".join(lacking))
-    return build_prompt_set(records.texts, tok, d, cfg.run.seed, columns=records.columns)
+    return build_prompt_set(records.texts, tok, d, cfg.run.seed, columns=records.columns, room=room)
