@@ -88,6 +88,8 @@ CHANGED_DEFAULTS: tuple[ChangedDefault, ...] = (
                    "controller"),
     ChangedDefault("ppo.micro_batch_tokens", 0, -1, "cc1419d (issue 46): a token budget from the device's free "
                    "memory on CUDA"),
+    ChangedDefault("data.max_prompt_tokens", 128, None, "issue 53: prompts are not cut to 128 tokens by default "
+                   "(empty: the models' positions minus generation.max_new_tokens)"),
 )
 
 
