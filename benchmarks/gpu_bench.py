@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                         deadline=deadline - reserve, one_at_a_time=one_at_a_time)
     result = summarize(records)
     label = f"{workload.name} lengths ({policy_size} policy, B={B})"
-    ran = next(iter(records.values())).get("engine") or args.engine
+    ran = next(iter(records.values())).get("backend") or args.engine
     result.update(
         machine=machine(), command="python benchmarks/gpu_bench.py " + " ".join(argv),
         steps=len(next(iter(records.values()))["metrics"]), schedule=schedule,

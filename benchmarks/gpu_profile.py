@@ -578,7 +578,7 @@ def trainer_facts(trainer) -> dict:
     critic = roles.scoring_critic if roles.scoring_critic is not None else roles.critic
     score_models = [m for m in (roles.reward_model, roles.reference, critic) if m is not None]
     return {"lengths": lengths, "device": str(roles.device), "compute_dtype": roles.compute_dtype,
-            "param_dtype": next(roles.policy.parameters()).dtype, "engine": roles.engine,
+            "param_dtype": next(roles.policy.parameters()).dtype, "backend": roles.backend,
             "generate_flops": forward_flops(roles.policy, lengths),
             "score_flops": sum(forward_flops(m, lengths) for m in score_models),
             "threads": torch.get_num_threads()}
@@ -910,7 +910,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{args.device}, B = {B}, {workload.name} lengths (forced, up to {workload.max_new_tokens})",
         "settings": settings, "models_s": time.time() - started}
     base = run_profile(settings, "baseline", work, workload, cuda, say, baseline=True, mode=args.mode)
-    result["baseline"], result["engine"] = base, base["_trainer"]["engine"]
+    result["baseline"], result["backend"] = base, base["_trainer"]["backend"]
     add_flops(base)
     result["seconds"] = time.time() - started
     write(result, out)

@@ -157,7 +157,7 @@ def test_gpu_bench_smoke_on_cpu(tmp_path):
     res = json.loads((out / "bench.json").read_text())
     assert set(res["modes"]) == {"sequential", "intra", "inter", "oppo", "pipeline"}
     assert res["machine"] and res["steps"] == 2 and res["schedule"] == "one mode at a time"
-    assert all(v["engine"].startswith("eager (generation.backend=auto") for v in res["modes"].values())
+    assert all(v["backend"].startswith("eager (generation.backend=auto") for v in res["modes"].values())
     assert [r["workload"].split()[0] for r in res["stage_profile"]] == ["representative", "short"]
     assert res["workload_lengths"]["p99_over_p50"] >= 4
     md = (out / "bench.md").read_text()

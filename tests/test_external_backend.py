@@ -1,6 +1,6 @@
 """A rollout backend defined outside oppo (here, in this file alone) and registered at run time
 (``rollout.registry.register``), with a setting of its own: the :class:`~oppo.api.protocols.RolloutBackend`
-Protocol and one :class:`~oppo.rollout.registry.Backend` spec are all a backend needs to be.
+Protocol and one :class:`~oppo.rollout.registry.BackendSpec` are all a backend needs to be.
 
 :class:`Delegating` subclasses nothing and exposes the Protocol's members only (generated from it; no
 ``__getattr__``): it samples with a private eager ``RolloutEngine``. Its spec declares
@@ -106,7 +106,7 @@ class Builds:
 def testplug():
     """The plugin registered for one test (then gone); yields its ``build`` (its record of builds)."""
     builds = Builds()
-    registry.register(registry.Backend(NAME, "a test's backend: oppo's eager engine behind the Protocol", builds,
+    registry.register(registry.BackendSpec(NAME, "a test's backend: oppo's eager engine behind the Protocol", builds,
                                        in_workers=False, settings=PlugSettings, checks=_checks))
     try:
         yield builds
@@ -117,7 +117,7 @@ def testplug():
 def test_registered_plugin_is_a_choice_with_its_settings_then_gone(testplug, tiny_models, capsys):
     from oppo.cli import main
     from oppo.config import ConfigError, help_text, load_config
-    from oppo.rollout.registry import EngineSettings
+    from oppo.rollout.registry import BackendSettings
     from transformers import AutoModelForCausalLM
 
     assert {n for n in dir(Delegating) if not n.startswith("_")} == protocol_members(RolloutBackend)
@@ -134,9 +134,9 @@ def test_registered_plugin_is_a_choice_with_its_settings_then_gone(testplug, tin
     assert f"{NAME}: a test's backend" in shown and f"rollout.{NAME}:" in shown
     assert f"rollout.{NAME}.note = 'plain'" in shown and "A word the backend is built with" in shown
     with pytest.raises(ValueError, match="already registered"):
-        registry.register(registry.Backend(NAME, "another", testplug))
+        registry.register(registry.BackendSpec(NAME, "another", testplug))
     model = AutoModelForCausalLM.from_pretrained(tiny_models["policy"]).eval()
-    b = registry.build(registry.BuildRequest(EngineSettings((1,), 0, 4, kind=NAME, backend=PlugSettings()), model))
+    b = registry.build(registry.BuildRequest(BackendSettings((1,), 0, 4, kind=NAME, backend=PlugSettings()), model))
     assert isinstance(b, RolloutBackend) and isinstance(b, Delegating) and len(testplug.requests) == 1
     b.close()
     registry.unregister(NAME)
@@ -227,7 +227,7 @@ def test_it_runs_in_a_ray_rollout_worker(ray_local, tiny_models, tiny_prompts, t
     from oppo.config import load_config
     from oppo.trainer import Trainer
 
-    registry.register(registry.Backend(NAME, "a test's backend: oppo's eager engine behind the Protocol", Builds(),
+    registry.register(registry.BackendSpec(NAME, "a test's backend: oppo's eager engine behind the Protocol", Builds(),
                                        settings=PlugSettings, checks=_checks))
     try:
         cfg = load_config(None, [

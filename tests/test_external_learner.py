@@ -96,10 +96,10 @@ def _build_remote(req: registry.RemoteRequest):
 
 @pytest.fixture(scope="module", autouse=True)
 def counting_engine():
-    registry.register(registry.Engine(
+    registry.register(registry.EngineSpec(
         "counting", "the local learner, counting its updates (a test's engine)", build_local=_build,
         checks=_checks, settings=CountingSettings))
-    registry.register(registry.Engine(
+    registry.register(registry.EngineSpec(
         "recording", "Ray replicas counting their updates (a test's engine)", build_remote=_build_remote,
         settings=registry.Ranks))
     yield
@@ -143,7 +143,7 @@ def test_the_code_of_the_engines_parts_goes_to_ray_actors_by_value_where_no_inst
     from oppo.plugins import modules_by_value, part_modules
 
     assert set(part_modules(registry.get("recording"))) == {"oppo.learner.registry", "builtins", __name__}
-    registry.register(registry.Engine("installed", "an installed package's builder", build_local=pytest.approx))
+    registry.register(registry.EngineSpec("installed", "an installed package's builder", build_local=pytest.approx))
     try:
         shipped = modules_by_value()
     finally:

@@ -405,7 +405,7 @@ def test_auto_backend_is_static_with_graphs_on_cuda_for_supported_policies_else_
     stands for the device: nothing runs there."""
     from oppo.config import Config, ConfigError, help_text, load_config
     from oppo.rollout.engine import resolve_engine
-    from oppo.rollout.registry import engine_settings, resolve_backend
+    from oppo.rollout.registry import backend_settings, resolve_backend
 
     def never():
         raise AssertionError("auto asked the model where it did not need to")
@@ -421,13 +421,13 @@ def test_auto_backend_is_static_with_graphs_on_cuda_for_supported_policies_else_
     # the settings a trainer builds its engine with: the policy is checked (config + a 2-token probe)
     cfg, model = Config(), _model()
     assert cfg.generation.backend == "auto"
-    s = engine_settings(cfg, (EOS,), PAD, 8, cuda, model=model, prompt_width=8)
+    s = backend_settings(cfg, (EOS,), PAD, 8, cuda, model=model, prompt_width=8)
     assert (s.kind, s.backend.capture) == ("static", "cuda_graph") and "CUDA graphs" in s.reason
-    s = engine_settings(cfg, (EOS,), PAD, 8, torch.device("cpu"), model=model, prompt_width=8)
+    s = backend_settings(cfg, (EOS,), PAD, 8, torch.device("cpu"), model=model, prompt_width=8)
     assert s.kind == "eager" and s.backend is None
     model.config._attn_implementation = "flash_attention_2"
     try:
-        s = engine_settings(cfg, (EOS,), PAD, 8, cuda, model=model, prompt_width=8)
+        s = backend_settings(cfg, (EOS,), PAD, 8, cuda, model=model, prompt_width=8)
         assert s.kind == "eager" and "sdpa" in s.reason
     finally:
         model.config._attn_implementation = "sdpa"
@@ -436,7 +436,7 @@ def test_auto_backend_is_static_with_graphs_on_cuda_for_supported_policies_else_
     hybrid = Lfm2ForCausalLM(Lfm2Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                         num_attention_heads=4, num_key_value_heads=2,
                                         layer_types=["conv", "full_attention"]))
-    s = engine_settings(cfg, (EOS,), PAD, 8, cuda, model=hybrid, prompt_width=8)
+    s = backend_settings(cfg, (EOS,), PAD, 8, cuda, model=hybrid, prompt_width=8)
     assert s.kind == "eager" and "conv" in s.reason
     # Ray rollout workers run eager under auto (settings for cpu); static is refused there
     ray = ["placement.name=ray", "placement.ray.rollout_workers=2"]

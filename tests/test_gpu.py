@@ -51,7 +51,7 @@ def test_static_engine_with_cuda_graphs_in_every_overlapped_mode(tiny_models, ti
     t = Trainer(cfg, progress=False)
     try:
         engine = t.roles.rollout
-        assert isinstance(engine, StaticRolloutEngine) and engine.capture == "cuda_graph", t.roles.engine
+        assert isinstance(engine, StaticRolloutEngine) and engine.capture == "cuda_graph", t.roles.backend
         for step in range(4):
             m = t.run_step()
             bad = {k: v for k, v in m.items() if isinstance(v, (int, float)) and not math.isfinite(v)}

@@ -45,7 +45,7 @@ def test_the_doc_is_the_same_whatever_is_installed_or_registered():
         knob: int = setting(3, "a plugin's knob")
 
     before = settings_doc.markdown()
-    BACKENDS.register(registry.Backend("docplug", "a plugin's backend", lambda request: None, settings=Own))
+    BACKENDS.register(registry.BackendSpec("docplug", "a plugin's backend", lambda request: None, settings=Own))
     REWARD_TERMS.register(RewardTermSpec("docplug_term", "a plugin's term", lambda p, r: [0.0] * len(r)))
     try:
         assert "docplug" in help_text()  # the help lists what is registered here ...

@@ -194,9 +194,9 @@ def _rows(start_uid: int = 0):
 
 
 def _settings(pad: int):
-    from oppo.rollout.engine import EngineSettings
+    from oppo.rollout.engine import BackendSettings
 
-    return EngineSettings((1,), pad, 8, 1.0, 0, 1.0, None, 0, "eager", max_rows=4, max_len=16)
+    return BackendSettings((1,), pad, 8, 1.0, 0, 1.0, None, 0, "eager", max_rows=4, max_len=16)
 
 
 def _fsdp_main(rank: int, ports: tuple[int, int], paths: dict) -> None:

@@ -21,7 +21,7 @@ one go instead of one per attempt, each attempt costing a model load:
   same rules, read from the objects (a model's class and config, a data set's columns);
 - devices: CUDA present when asked for; TensorBoard / W&B installed when asked for;
 - ``generation.backend``: the rollout backend installed and able to serve the policy (its
-  ``Backend.problems`` in ``rollout.registry``: e.g. an architecture or head size it lacks).
+  ``BackendSpec.problems`` in ``rollout.registry``: e.g. an architecture or head size it lacks).
 
 The network: a hub name (``org/model``) that is not in the local Hugging Face cache needs the
 hub. One TCP connection to the hub endpoint, with a short timeout, tells within seconds whether

@@ -60,7 +60,7 @@ class Roles(Models):
     learner: LearnerEngine
     sync: WeightSync
     closers: list = field(default_factory=list)
-    engine: str = ""  # which rollout engine runs, and why (generation.backend=auto resolved), for the run's log
+    backend: str = ""  # which rollout backend runs, and why (generation.backend=auto resolved), for the run's log
 
     def close(self) -> None:
         for c in self.closers:

@@ -98,7 +98,7 @@ def run_modes(base, modes: list[str], steps: int, out: Path, tail_sigma: float |
         elif lengths is not None:
             t.length_sampler = lengths.sampler(cfg.run.seed)
         loggers[mode] = MetricsLogger(cfg.run.out_dir)
-        records[mode] = {"metrics": [], "sampler": t.length_sampler, "lengths": [], "engine": t.roles.engine}
+        records[mode] = {"metrics": [], "sampler": t.length_sampler, "lengths": [], "backend": t.roles.backend}
 
     def run_step(mode: str, step: int) -> None:
         t = trainers[mode]

@@ -126,7 +126,7 @@ def summarize(records: dict[str, dict], warmup: int = 1, target: float | None = 
             "time_to_target_s": reached,
             "response_length_mean": statistics.mean(m["response_length/mean"] for m in ms),
             "cpu_util": statistics.median([m["perf/cpu_util"] for m in ms[warmup:]] or [0.0]),
-            "engine": rec.get("engine"),  # which rollout engine ran (generation.backend=auto resolved)
+            "backend": rec.get("backend"),  # which rollout backend ran (generation.backend=auto resolved)
             "hardware": _hardware(rec, ms[warmup:] or ms),
             **({"peak_cuda_mib": rec["peak_cuda_mib"]} if "peak_cuda_mib" in rec else {}),  # (one mode at a time)
         }

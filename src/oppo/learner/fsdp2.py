@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .registry import Engine, Ranks, check_ranks, group_builder
+from .registry import EngineSpec, Ranks, check_ranks, group_builder
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -29,7 +29,7 @@ def checks(own: Ranks, cfg: Config) -> list[str]:
     return out
 
 
-ENGINE = Engine(
+ENGINE = EngineSpec(
     "fsdp2", "each Ray rank holds 1/learner.fsdp2.workers of the parameters, gradients and AdamW state (torch "
              "FSDP2, fully_shard); the same update. With LoRA the frozen base and the adapters are sharded alike; "
              "under bfloat16 the ranks compute in bf16 over fp32 masters (FSDP2 mixed precision, gradients reduced "

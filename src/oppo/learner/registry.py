@@ -1,6 +1,6 @@
 """Learner engines by name: ``placement.learner`` picks one entry of this registry.
 
-An engine is one :class:`Engine`, a part (:mod:`oppo.parts`): its name, a line of help, its own
+An engine is one :class:`EngineSpec`, a part (:mod:`oppo.parts`): its name, a line of help, its own
 settings (a dataclass, the config's ``learner.<name>.*``: for an engine that runs on Ray ranks, how
 many and what each gets, :class:`Ranks`), its checks ``checks(own, cfg)`` (run by config validation,
 before any model loads), and a builder for each kind of placement it can run under: ``build_local``
@@ -11,7 +11,7 @@ group of Ray ranks (a remote placement: ``ray``). Whatever it builds is a
 Built in (``parts.BUILT_IN``, a file each): ``replicate`` (``replicate.py``: the local learner in
 process; data-parallel replicas on Ray) and ``fsdp2`` (``fsdp2.py``: FSDP2 shards on Ray). Others
 register with :func:`register` (a plugin module the user imports, a test) or through the
-``oppo.learner_engines`` entry point group (the entry's value is its :class:`Engine`). A
+``oppo.learner_engines`` entry point group (the entry's value is its :class:`EngineSpec`). A
 ``build_remote`` may compose the built-in group of ranks (:func:`group_builder`) with an update
 strategy of its own; the ranks receive that strategy, its code by value where they cannot import its
 module (``cluster.ship_plugins``). This module imports no torch, so the config can list the engines
@@ -101,7 +101,7 @@ def ranks(cfg: Config) -> Ranks:
 
 
 @dataclass(frozen=True)
-class Engine:
+class EngineSpec:
     """One learner engine (module docstring). ``settings``: the dataclass of its own settings
     (``learner.<name>.*``; :class:`Ranks` for one that runs on Ray ranks); ``checks(own, cfg)``: why
     the config cannot run on it, one line each with the fix."""
@@ -127,7 +127,7 @@ class Engine:
         return (self.build_remote if remote else self.build_local) is not None
 
 
-REGISTRY: Registry[Engine] = LEARNERS
+REGISTRY: Registry[EngineSpec] = LEARNERS
 register = REGISTRY.register
 unregister = REGISTRY.unregister
 names = REGISTRY.names

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .registry import Engine, Ranks, check_ranks, group_builder, local
+from .registry import EngineSpec, Ranks, check_ranks, group_builder, local
 
 
 def _replicated() -> Any:
@@ -14,7 +14,7 @@ def _replicated() -> Any:
     return Replicated()
 
 
-ENGINE = Engine(
+ENGINE = EngineSpec(
     "replicate", "each rank holds all of actor, critic and AdamW: one learner in this process, or data-parallel "
                  "replicas on Ray ranks (gradients summed once per minibatch: the same update as one learner)",
     build_local=local, build_remote=group_builder(_replicated), settings=Ranks,

@@ -49,7 +49,7 @@ class Placed:
     scorer: Scorer
     sync: list[Callable[[int], object]] = field(default_factory=list)
     closers: list[Callable[[], None]] = field(default_factory=list)
-    engine: str = ""
+    backend: str = ""  # which rollout backend runs, and why (for the run's log)
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ def local_rollout(models: Models) -> tuple[RolloutBackend, str]:
     from ..rollout import registry
 
     m = models
-    settings = registry.engine_settings(m.cfg, m.stop_ids, m.pad_id, m.max_new_tokens, m.device,
+    settings = registry.backend_settings(m.cfg, m.stop_ids, m.pad_id, m.max_new_tokens, m.device,
                                         model=m.rollout_policy, prompt_width=m.prompt_set.width)
     backend = registry.build(registry.BuildRequest(settings, m.rollout_policy, m.paths.policy, m.compute_dtype,
                                                    m.device.type))

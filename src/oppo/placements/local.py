@@ -100,7 +100,7 @@ def build(models: Models, placement: Placement, own: LocalSettings) -> Placed:
             copy_weights(critic, serving)
         sync.append(critic_copy)
     sync.append(lambda version: rollout.load_weights(m.policy, version))
-    return Placed(trained, rollout, scorer, sync, closers=[rollout.close, scorer.close], engine=line)
+    return Placed(trained, rollout, scorer, sync, closers=[rollout.close, scorer.close], backend=line)
 
 
 SPEC = PlacementSpec(

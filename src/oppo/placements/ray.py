@@ -157,7 +157,7 @@ def _with_rollout_workers(m: Models, placement: Placement, own: RaySettings, act
     from ..scoring.ray import FedByRollout
 
     cfg = m.cfg
-    settings = registry.engine_settings(cfg, m.stop_ids, m.pad_id, m.max_new_tokens, torch.device("cpu"),
+    settings = registry.backend_settings(cfg, m.stop_ids, m.pad_id, m.max_new_tokens, torch.device("cpu"),
                                         prompt_width=m.prompt_set.width)
     policy_spec = ModelSpec("policy", m.paths.policy, m.compute_dtype, pad_id=m.pad_id,
                             trust_remote_code=cfg.policy.trust_remote_code)

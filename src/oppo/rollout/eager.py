@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .registry import Backend, BuildRequest
+from .registry import BackendSpec, BuildRequest
 
 
 def _build(req: BuildRequest):
@@ -27,6 +27,6 @@ def _probe(eng: Any, rows: int, max_len: int, new_tokens: int):
     return RolloutEngine(eng.model, -1, eng.pad_id, new_tokens, eng.temperature, eng.top_k, eng.top_p)
 
 
-BACKEND = Backend(
+BACKEND = BackendSpec(
     "eager", "oppo's engine with a growing KV cache per batch (the fallback to set by hand if the static "
              "engine misbehaves)", _build, probe=_probe)

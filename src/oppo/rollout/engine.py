@@ -67,9 +67,9 @@ from ..kv import KVRows, left_pad
 from ..api.protocols import WeightSource
 from ..api.records import Chunk, ChunkReady, Event, Rollout, RolloutStats, SequenceFinished
 from .chunks import take_chunks
-from .registry import EngineSettings, resolve_backend, resolve_engine  # (their old home: imports keep working)
+from .registry import BackendSettings, resolve_backend, resolve_engine  # (their old home: imports keep working)
 
-__all__ = ["Chunk", "EngineSettings", "KVBudgetError", "Rollout", "RolloutEngine", "resolve_backend",
+__all__ = ["Chunk", "BackendSettings", "KVBudgetError", "Rollout", "RolloutEngine", "resolve_backend",
            "resolve_engine", "sample_tokens", "take_chunks"]
 
 

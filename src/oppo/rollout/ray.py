@@ -20,7 +20,7 @@ import torch
 
 from ..models import resolve_device
 from . import registry
-from .engine import EngineSettings, Rollout
+from .engine import BackendSettings, Rollout
 from .registry import BuildRequest
 from ..trace import Tracer
 from ..api.decode import decode_and_stream
@@ -38,8 +38,8 @@ class RolloutHost:
     :class:`RayRolloutGroup` wraps it with ``ray.remote``. ``backend``: the spec of
     ``settings.kind`` (None: the registry's here)."""
 
-    def __init__(self, spec: ModelSpec, settings: EngineSettings, seed: int, threads: int, name: str,
-                 scorers: list | None = None, backend: registry.Backend | None = None):
+    def __init__(self, spec: ModelSpec, settings: BackendSettings, seed: int, threads: int, name: str,
+                 scorers: list | None = None, backend: registry.BackendSpec | None = None):
         torch.set_num_threads(threads)
         self.name = name
         settings = dataclasses.replace(settings, seed=seed)
@@ -171,7 +171,7 @@ class RayRolloutGroup:
     ``scorer``: the :class:`~.ray_scorer.RayScorerWorker` to stream to (None: no streaming). Call
     :func:`.cluster.init_ray` first."""
 
-    def __init__(self, spec: ModelSpec, settings: EngineSettings, n: int, *, seed: int, tracer: Tracer,
+    def __init__(self, spec: ModelSpec, settings: BackendSettings, n: int, *, seed: int, tracer: Tracer,
                  scorer=None, num_cpus: float = 1, num_gpus: float = 0, threads: int = 1):
         handles = list(scorer.actors) if scorer is not None else None
         backend = registry.get(settings.kind)  # (the workers' registries lack run-time plugins: docs/distributed.md)

@@ -1,6 +1,6 @@
 """Rollout backends by name: ``generation.backend`` picks one entry of this registry.
 
-A backend is one :class:`Backend` spec that owns its whole vertical: its settings (a dataclass, the
+A backend is one :class:`BackendSpec` that owns its whole vertical: its settings (a dataclass, the
 config's ``rollout.<name>.*`` section), its checks (config validation, then the pre-run checks before
 any model loads), its ``build`` (called in the controller's process and, unchanged, inside every Ray
 rollout worker), its decode-step probe for ``oppo bench``, and the few facts the rest of oppo needs
@@ -11,7 +11,7 @@ backend's own folder names it: config, preflight, setup, the Ray group and the b
 A backend is a part (:mod:`oppo.parts`): oppo's own engines are named in ``parts.BUILT_IN``
 (one line each); other backends live in folders of their own and register through the
 ``oppo.rollout_backends`` entry point group (``pyproject.toml``; the entry's value is its
-:class:`Backend`), or by calling :func:`register` (a plugin imported by the user, a test). This module imports no torch, so the config can list the backends without loading one.
+:class:`BackendSpec`), or by calling :func:`register` (a plugin imported by the user, a test). This module imports no torch, so the config can list the backends without loading one.
 """
 
 from __future__ import annotations
@@ -38,13 +38,13 @@ class BackendUnavailable(ValueError):
 
 
 @dataclass(frozen=True)
-class EngineSettings:
-    """What every rollout backend is built with (``generation.*``; ``engine_settings``).
+class BackendSettings:
+    """What every rollout backend is built with (``generation.*``; ``backend_settings``).
 
     ``kind``: the backend's name (``generation.backend=auto`` resolved: :func:`resolve_backend`);
     ``max_rows``: the most rows in flight (B + Delta and refills: at most 2B); ``max_len``: the
     longest prompt plus response; ``reason``: which engine and why, for the run's log;
-    ``backend``: the backend's own settings (its :attr:`Backend.settings` dataclass, from
+    ``backend``: the backend's own settings (its :attr:`BackendSpec.settings` dataclass, from
     ``rollout.<kind>.*``; None when it declares none)."""
 
     stop_ids: tuple[int, ...]
@@ -68,12 +68,12 @@ class BuildRequest:
 
     ``settings``: the common settings and the backend's own (``settings.backend``). ``model``: the
     policy module to sample with, or None where the backend loads the policy itself
-    (:attr:`Backend.loads_own_weights`: then only ``policy_path`` and ``dtype`` matter, and
+    (:attr:`BackendSpec.loads_own_weights`: then only ``policy_path`` and ``dtype`` matter, and
     ``model``, when given, holds the weights to start from). ``device``: a device type (``cpu``,
     ``cuda``, or ``auto``). ``role``: the name in messages; ``threads``: the CPU threads a worker was
     granted (None: the process's)."""
 
-    settings: EngineSettings
+    settings: BackendSettings
     model: torch.nn.Module | None = None
     policy_path: str = ""
     dtype: torch.dtype | None = None
@@ -88,7 +88,7 @@ class BuildRequest:
 
 
 @dataclass(frozen=True)
-class Backend:
+class BackendSpec:
     """One rollout backend.
 
     - ``build(request)``: the :class:`~oppo.api.protocols.RolloutBackend`, in the controller's
@@ -133,7 +133,7 @@ class Backend:
             raise ValueError(f"{AUTO!r} is not a backend name: generation.backend=auto picks eager or static")
 
 
-REGISTRY: Registry[Backend] = BACKENDS
+REGISTRY: Registry[BackendSpec] = BACKENDS
 register = REGISTRY.register
 unregister = REGISTRY.unregister
 
@@ -148,7 +148,7 @@ def choices() -> tuple[str, ...]:
     return (AUTO, *names())
 
 
-def get(name: str) -> Backend:
+def get(name: str) -> BackendSpec:
     """The backend called ``name``; an unknown name raises naming the known ones."""
     return REGISTRY.get(name, choices())
 
@@ -162,14 +162,14 @@ def build(request: BuildRequest) -> RolloutBackend:
     return get(request.settings.kind).build(request)
 
 
-def build_engine(model: torch.nn.Module, settings: EngineSettings) -> RolloutBackend:
+def build_engine(model: torch.nn.Module, settings: BackendSettings) -> RolloutBackend:
     """A backend that samples with ``model`` (oppo's own engines): :func:`build` without the rest."""
     return build(BuildRequest(settings, model))
 
 
 def probe_engine(engine: Any, rows: int, max_len: int, new_tokens: int) -> Any:
     """A fresh engine like ``engine`` for ``rows`` rows from the backend that built it (its
-    :attr:`Backend.probe`), or None when no backend offers one."""
+    :attr:`BackendSpec.probe`), or None when no backend offers one."""
     for n in names():
         probe = get(n).probe
         fresh = probe(engine, rows, max_len, new_tokens) if probe else None
@@ -187,7 +187,7 @@ def resolve_backend(requested: str, device: torch.device | str, unfit: Callable[
     """The backend ``generation.backend`` names, and a sentence saying which runs and why.
 
     ``auto``: :data:`FAST` on a CUDA device unless ``unfit()`` (asked only then: that backend's
-    :attr:`Backend.unfit` on the policy, which may run a two-token forward) names something it
+    :attr:`BackendSpec.unfit` on the policy, which may run a two-token forward) names something it
     refuses; else :data:`FALLBACK`. On CPU the eager engine runs: CPU runs and their golden metrics
     stay as they were (without graphs the static engine is no faster there). Any other value is
     returned as asked.
@@ -207,8 +207,8 @@ def resolve_backend(requested: str, device: torch.device | str, unfit: Callable[
 resolve_engine = resolve_backend  # (its name before issue 44 named generation.backend "engine": imports keep working)
 
 
-def engine_settings(cfg: Any, stop_ids, pad_id: int, max_new_tokens: int, device: torch.device,
-                    model: torch.nn.Module | None = None, prompt_width: int | None = None) -> EngineSettings:
+def backend_settings(cfg: Any, stop_ids, pad_id: int, max_new_tokens: int, device: torch.device,
+                    model: torch.nn.Module | None = None, prompt_width: int | None = None) -> BackendSettings:
     """The rollout engine's settings from the config ``cfg`` (``generation.*``, and the backend's
     own ``rollout.<kind>.*`` resolved for ``device``), for an engine on ``device``;
     ``generation.backend=auto`` resolved there (:func:`resolve_backend`: the fast engine on CUDA when
@@ -218,7 +218,7 @@ def engine_settings(cfg: Any, stop_ids, pad_id: int, max_new_tokens: int, device
     g, B = cfg.generation, cfg.ppo.batch_size
     width = prompt_width if prompt_width is not None else cfg.data.max_prompt_tokens
     if width is None:
-        raise ValueError("engine_settings: data.max_prompt_tokens is empty; give prompt_width (PromptSet.width)")
+        raise ValueError("backend_settings: data.max_prompt_tokens is empty; give prompt_width (PromptSet.width)")
     max_len = width + max_new_tokens
 
     def unfit() -> str | None:
@@ -230,7 +230,7 @@ def engine_settings(cfg: Any, stop_ids, pad_id: int, max_new_tokens: int, device
     spec, own = get(kind), cfg.rollout.get(kind)
     if own is not None:  # a copy: the engine's settings do not change with the config object
         own = spec.for_device(own, device.type) if spec.for_device else dataclasses.replace(own)
-    return EngineSettings(tuple(stop_ids), pad_id, max_new_tokens, g.temperature, g.top_k, g.top_p,
+    return BackendSettings(tuple(stop_ids), pad_id, max_new_tokens, g.temperature, g.top_k, g.top_p,
                           g.kv_budget_mb or None, cfg.run.seed, kind,
                           max_rows=2 * B if cfg.carries else B,  # B + Delta, refill: <= 2B
                           max_len=max_len, reason=reason, backend=own)
@@ -238,7 +238,7 @@ def engine_settings(cfg: Any, stop_ids, pad_id: int, max_new_tokens: int, device
 
 def check_backend(engine: str, policy_path: str | None, device: str) -> None:
     """Raise :class:`BackendUnavailable` naming every reason the rollout backend ``engine`` cannot
-    serve the policy here (``Backend.problems``: not installed, an architecture it lacks), with the
+    serve the policy here (``BackendSpec.problems``: not installed, an architecture it lacks), with the
     fixes; nothing for ``auto`` and oppo's own engines."""
     if engine == AUTO:
         return

@@ -109,7 +109,7 @@ def _load(cfg: Config, inputs: Inputs, plan: RunPlan, progress: bool) -> Trainer
 
 def _open(trainer: Trainer, plan: RunPlan, claim: _Claim, progress: bool) -> Path:
     """Restore the checkpoint, create and lock the run directory, say where the run writes and
-    which rollout engine runs, and write its ``config.yaml``."""
+    which rollout backend runs, and write its ``config.yaml``."""
     cfg, ckpt = trainer.cfg, plan.checkpoint
     if ckpt is not None:
         load_checkpoint(trainer, ckpt)
@@ -120,15 +120,15 @@ def _open(trainer: Trainer, plan: RunPlan, claim: _Claim, progress: bool) -> Pat
     if claim.lock is None:  # another run took the directory since the check
         raise PreflightError([f"another oppo train is writing {run_dir} (started since the checks); "
                               f"give a fresh run.out_dir."])
-    engine = trainer.roles.engine  # generation.backend=auto resolved: which engine runs, and why
+    backend = trainer.roles.backend  # generation.backend=auto resolved: which backend runs, and why
     if progress:
         linked = f" ({plan.link} will point to it once a step has finished)" if plan.link is not None else ""
         print(f"run directory: {run_dir}{linked}", file=sys.stderr)
-        if engine:
-            print(f"rollout engine: {engine}", file=sys.stderr)
+        if backend:
+            print(f"rollout backend: {backend}", file=sys.stderr)
         print(policy_line(cfg), file=sys.stderr)
     (run_dir / FAILURE_FILE).unlink(missing_ok=True)  # (an earlier failure of this run: it goes on now)
-    write_config(run_dir, cfg, trainer.inputs, engine)
+    write_config(run_dir, cfg, trainer.inputs, backend)
     return run_dir
 
 

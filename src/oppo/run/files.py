@@ -42,10 +42,10 @@ def _used_settings(cfg: Config) -> dict:
     return d
 
 
-def write_config(run_dir: Path, cfg: Config, inputs: Inputs, engine: str | None) -> None:
+def write_config(run_dir: Path, cfg: Config, inputs: Inputs, backend: str | None) -> None:
     """``config.yaml``: the settings the run used (a file ``--config`` takes), with comments naming
-    the rollout engine that ran and the settings given as objects."""
-    (run_dir / "config.yaml").write_text((f"# rollout engine: {engine}\n" if engine else "")
+    the rollout backend that ran and the settings given as objects."""
+    (run_dir / "config.yaml").write_text((f"# rollout backend: {backend}\n" if backend else "")
                                          + _objects_comment(cfg, inputs)
                                          + yaml.safe_dump(_used_settings(cfg), sort_keys=False))
 

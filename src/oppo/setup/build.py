@@ -28,7 +28,7 @@ def build_roles(cfg: Config, progress: bool = True, inputs: Inputs | None = None
     placed = placements.of(cfg).build(models, run.placement, placements.own(cfg))
     loaded = {f.name: getattr(models, f.name) for f in dataclasses.fields(Models)}
     return Roles(**loaded, placement=run.placement, rollout=placed.rollout, scorer=placed.scorer,
-                 learner=placed.learner, sync=WeightSync(placed.sync), closers=placed.closers, engine=placed.engine)
+                 learner=placed.learner, sync=WeightSync(placed.sync), closers=placed.closers, backend=placed.backend)
 
 
 __all__ = ["Roles", "build_roles"]

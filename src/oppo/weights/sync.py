@@ -542,7 +542,7 @@ def load_source(target: torch.nn.Module, source: WeightSource, role: Role | None
 
 
 def as_pairs(source: WeightSource) -> Iterable[tuple[str, torch.Tensor]]:
-    """``source`` as ``(name, tensor)`` pairs (a backend that loads by name: ``Backend.loads_own_weights``)."""
+    """``source`` as ``(name, tensor)`` pairs (a backend that loads by name: ``BackendSpec.loads_own_weights``)."""
     if isinstance(source, torch.nn.Module):
         return source.state_dict().items()
     if isinstance(source, RemoteWeights):

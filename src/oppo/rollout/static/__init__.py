@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..registry import Backend, BuildRequest, setting
+from ..registry import BackendSpec, BuildRequest, setting
 
 CAPTURES = ("auto", "none", "cuda_graph", "compile")
 
@@ -67,7 +67,7 @@ def _probe(eng: Any, rows: int, max_len: int, new_tokens: int):
                                max_rows=rows, max_len=max_len, capture=eng.capture)
 
 
-BACKEND = Backend(
+BACKEND = BackendSpec(
     "static", "oppo's engine with preallocated KV slots of 2B rows x (max_prompt_tokens + max_new_tokens) "
               "columns; on CUDA its decode step is captured in CUDA graphs (docs/benchmarks-notes.md has "
               "the measured speed-up); attention-only decoders with sdpa or eager attention", _build,

