@@ -35,7 +35,7 @@ import random
 
 from oppo.bench import LengthWorkload, WORKLOADS, machine, run_modes, slug
 from oppo.config import load_config
-from oppo.tuner import OverlapTuner, Setting, delta_ladder
+from oppo.scheduler.tuner import OverlapTuner, Setting, delta_ladder
 
 
 STALE_BUDGET = 0.5  # overlap.max_stale_share's default

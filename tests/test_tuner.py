@@ -1,4 +1,4 @@
-"""The overlap controller (``oppo.tuner``) driven through simulated cost curves, and the trainer
+"""The overlap controller (``oppo.scheduler.tuner``) driven through simulated cost curves, and the trainer
 switching between streamed and one-shot scoring."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from oppo.tuner import OverlapTuner, Prediction, Setting, delta_ladder
+from oppo.scheduler.tuner import OverlapTuner, Prediction, Setting, delta_ladder
 
 CHUNKS = (16, 0, 8, 32)
 

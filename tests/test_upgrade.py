@@ -24,7 +24,7 @@ from oppo.config import CHANGED_DEFAULTS, Config, load_config, resumed_config, t
 from oppo.formats import FormatError, upgraded
 from oppo.preflight import PreflightError
 from oppo.run import plan_run
-from oppo.tuner import OverlapTuner, check_format
+from oppo.scheduler.tuner import OverlapTuner, check_format
 
 RELEASES = Path(__file__).parent / "fixtures" / "releases"
 PREVIOUS = "bde14cf"  # the release before the overlap controller's format 2 and micro_batch_tokens=-1

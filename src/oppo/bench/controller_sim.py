@@ -1,4 +1,4 @@
-"""The overlap controller (``oppo.tuner``) driven by a synthetic cost: how often it explores, how much
+"""The overlap controller (``oppo.scheduler.tuner``) driven by a synthetic cost: how often it explores, how much
 its exploration and its mistakes cost, and how often it ends on the best setting, under step-to-step
 noise. Pure Python (no torch, no models): the controller's statistics, not the machine's.
 
@@ -13,7 +13,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..tuner import OverlapTuner, Setting, delta_ladder
+from ..scheduler.tuner import OverlapTuner, Setting, delta_ladder
 
 __all__ = ["LONG_TAIL", "SEPARATED", "NO_TAIL", "SimOutcome", "simulate", "summarize"]
 

@@ -289,7 +289,7 @@ class OverlapConfig:
     retune_every: int = opt(50, "Steps the chosen setting holds before the controller tries its neighbours again "
                                 "(cost rule: doubled after a round that changes nothing, up to 4x).")
     delta: int = opt(-1, "Delta: extra sequences (groups) in flight beyond B. -1: adaptive, by overlap.delta_rule.")
-    delta_rule: str = opt("cost", "Adaptive Delta: cost: the overlap controller (oppo.tuner) keeps a Delta, and a "
+    delta_rule: str = opt("cost", "Adaptive Delta: cost: the overlap controller (oppo.scheduler.tuner) keeps a Delta, and a "
                                   "chunk size, only while it lowers the measured seconds per trained token by "
                                   "tune_margin, within max_stale_share, and falls back to delta_min when carrying "
                                   "stops paying; each change is logged with its reason. reward_slope: the OPPO "

@@ -4,7 +4,7 @@ that is the oracle (``sequential``), and one overlapped loop for intra, inter, o
 the rows in flight (``streams``), the overlap controller behind one Protocol (``controller``), the
 rows' checkpoint save, restore and drain (``inflight``). Nothing here asks where a role runs."""
 
-from .controller import OverlapController
+from ..scheduler import OverlapController
 from .overlapped import overlapped_step
 from .sequential import sequential_step
 from .stages import OverlapPolicy, Run, StepResult

@@ -1,6 +1,7 @@
-"""The overlap controller: what sets each step's Delta and chunk size, behind one Protocol.
+"""The run's overlap controller built from the config (:func:`build_controller`). The controllers
+and their Protocol (:class:`~oppo.scheduler.OverlapController`) live together in ``oppo.scheduler``:
 
-Two controllers implement it: :class:`oppo.tuner.OverlapTuner` (``overlap.delta_rule=cost``, the
+Two controllers implement it: :class:`oppo.scheduler.tuner.OverlapTuner` (``overlap.delta_rule=cost``, the
 default: Delta and the chunk chosen by measured cost, with the online planner predicting where a
 Delta ladder is tuned for groups of one) and :class:`oppo.scheduler.ChunkSizeTuner` (the OPPO
 paper's rules, ``delta_rule=reward_slope``: the chunk timed online; Delta set by the scheduler's
@@ -10,39 +11,11 @@ one the same things (:class:`OverlapController`) and never which one it holds.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
 
 from ..config import Config
 from ..plan.online import OnlinePlanner
-from ..scheduler import ChunkSizeTuner, DeltaController, DeltaRule, StepTiming
-from ..tuner import OverlapTuner, Setting, TunedDelta, delta_ladder
-
-
-class OverlapController(Protocol):
-    """Before a step: :meth:`chunk_size`; after it: :meth:`observe`; then its lines for the run's
-    log (:meth:`take_decisions`) and its figures for the step's metrics (:meth:`step_metrics`).
-    Its state is checkpointed (``state_dict``)."""
-
-    def chunk_size(self) -> int:
-        """Tokens per streamed chunk for the next step; 0: the scorers score it one-shot."""
-        ...
-
-    def observe(self, ran: StepTiming, /) -> None:
-        """The step that ran with the controller's setting, measured."""
-        ...
-
-    def take_decisions(self) -> list[str]:
-        """The controller's decisions since the last call, one line each with its reason."""
-        ...
-
-    def step_metrics(self) -> dict[str, float]:
-        ...
-
-    def state_dict(self) -> dict[str, Any]:
-        ...
-
-    def load_state_dict(self, d: dict[str, Any], /) -> None:
-        ...
+from ..scheduler import ChunkSizeTuner, DeltaController, DeltaRule, OverlapController, StepTiming
+from ..scheduler.tuner import OverlapTuner, Setting, TunedDelta, delta_ladder
 
 
 def build_controller(cfg: Config, streams: bool, in_flight: bool

@@ -25,7 +25,8 @@ from ..scheduler import Scheduler, StepTiming
 from ..api.roles import Roles
 from ..api.decode import decode_and_stream
 from ..api.records import Chunk, Rollout, ScoredOutputs, Scores
-from .controller import OverlapController, build_controller
+from ..scheduler import OverlapController
+from .controller import build_controller
 from .inflight import InFlight
 from .streams import Streams
 

@@ -1,5 +1,5 @@
 """The planner inside a run: from the run's own first steps, predict each overlap setting's cost
-per trained token and stale share, so that the controller (``oppo.tuner``) measures only the
+per trained token and stale share, so that the controller (``oppo.scheduler.tuner``) measures only the
 candidates worth a trial.
 
 Pure Python (no torch, no numpy). What it learns from each step (:meth:`OnlinePlanner.observe`):
@@ -18,7 +18,7 @@ predicted), and groups (``algo.group_size > 1``). The split of a decode step's c
 step (``a``) and its rows (``b``) is fitted, by least squares over the steps' measured seconds per
 decode step against their rows per decode step, once two row counts (two Deltas) have run; each
 Delta keeps its own window of measures, so a Delta tried once stays in the fit while another holds.
-Before that the split is not known: the prediction (:class:`~oppo.tuner.Prediction`) is made at
+Before that the split is not known: the prediction (:class:`~oppo.scheduler.tuner.Prediction`) is made at
 half per row (the middle of a per-call-bound decode, a GPU's, and a per-row-bound one) and says
 that it is not fitted, and carries the costs under the two extreme splits (all per step, all per
 row), so that the controller rules a setting out only if it loses under every split the measures
@@ -34,7 +34,7 @@ import random
 import statistics
 from collections import deque
 
-from ..tuner import Prediction, Setting
+from ..scheduler.tuner import Prediction, Setting
 
 __all__ = ["OnlinePlanner", "replay_carry"]
 

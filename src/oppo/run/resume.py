@@ -16,7 +16,7 @@ from ..config import Config, resumed_config, to_dict
 from ..formats import FormatError
 from ..inputs import keyword_of
 from ..marker import is_marker
-from ..tuner import check_format
+from ..scheduler.tuner import check_format
 
 
 def _fmt(v) -> str:

@@ -7,7 +7,9 @@ prompts, train these sequences); the runtime owns the engine, the clock and the 
 - :mod:`.admission`: :class:`Scheduler`, the inter-step overlap (B + Delta in flight, ``max_lag``,
   refill, groups carried whole, checkpoints); its rules and their reasons: ``docs/scheduler.md``;
 - :mod:`.delta`: :class:`DeltaRule` and the paper's reward-slope :class:`DeltaController`;
-- :mod:`.chunks`: :class:`ChunkSizeTuner`, the intra-step overlap's chunk size;
+- :mod:`.chunks`: :class:`ChunkSizeTuner`, the intra-step overlap's chunk size (the paper's rules);
+- :mod:`.tuner`: :class:`~.tuner.OverlapTuner`, the cost-aware overlap controller (the default);
+- :mod:`.controller`: :class:`OverlapController`, the Protocol both controllers implement;
 - :mod:`.records`: the messages (:class:`SeqTicket`, :class:`Admit`, :class:`CloseStep`, :class:`Phase`,
   :class:`StepTiming`).
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 from .admission import Scheduler
 from .chunks import ChunkSizeTuner
+from .controller import OverlapController
 from .delta import DeltaController, DeltaRule
 from .records import PARTIAL_GROUPS, Admit, CloseStep, Phase, SeqTicket, StepTiming
 
@@ -25,6 +28,7 @@ __all__ = [
     "CloseStep",
     "DeltaController",
     "DeltaRule",
+    "OverlapController",
     "PARTIAL_GROUPS",
     "Phase",
     "Scheduler",

@@ -1,63 +1,8 @@
-"""The overlap controller (``overlap.delta_rule=cost``, the default): Delta and the streaming chunk
-chosen by what they save, measured on the run's own steps, and (where a planner is attached)
-predicted first so that only the candidates worth a trial are measured.
-
-Pure: no torch, no threads, no clocks. Before a step the caller reads :meth:`OverlapTuner.current`
-(a :class:`Setting`), runs the step with it, then reports :meth:`OverlapTuner.record` (its seconds,
-the response tokens it trained, the share of those tokens sampled by an older policy).
-
-The cost of a setting is seconds per trained response token (the inverse of the bench's tokens/s:
-a step of longer responses is not mistaken for a slower setting). Moves, each against the
-*incumbent* (the setting in force):
-
-- **chunk** (another chunk size, or 0: no streaming, one-shot scoring after the step closes): kept
-  if it costs at least ``margin`` less;
-- **Delta up** (the next level of the ladder): kept if it costs at least ``margin`` less, and the
-  share of tokens it trains off-policy exceeds that of the lowest Delta by at most
-  ``max_stale_share``; then the next level up is tried;
-- **Delta down**: kept if it costs at most ``margin`` more (fewer stale tokens for the same time),
-  so Delta falls back to its floor where carrying stops paying.
-
-Noise (a shared machine, a GPU beside other jobs) is handled by measuring, not by hoping:
-
-- **The spread is measured.** Every pair of consecutive measured steps of one setting gives a
-  relative difference; the noise ``sigma`` is the median absolute difference over the last 64
-  pairs (scaled to a standard deviation), a robust spread that one slow step does not move.
-- **A trial runs until it is decided.** After a warm-up step where the change reaches across the
-  step boundary (carried rows, or the pipeline's next step begun under the old setting), a trial
-  measures ``trial_steps`` steps, then more (up to ``3 * trial_steps``) while its median is within
-  1.5 standard errors of the threshold it is judged at: a clear loser costs two steps, a close
-  call gets the steps it needs.
-- **Every kept move is confirmed.** A move that passes its trial is not taken on its own measure
-  (chosen for being low: the winner's curse): the incumbent is measured again, and the move kept
-  only if it still passes against the mean of the incumbent's measures before and after (a machine
-  that slowed down or sped up during the trials cancels out).
-- **A hold is judged against itself.** While a setting holds, its steps measure it for free; the
-  hold ends early when the median of its last four steps rises above the hold's own median by
-  more than three standard errors of their difference (from ``sigma``), and never by less than
-  ``2 * margin``. A round that changes nothing doubles the next hold (up to four times
-  ``retune_every``): a settled run stops paying for trials.
-- **A resume starts with a warm-up step** (re-prefill of carried rows, cold caches): the first
-  step after :meth:`load_state_dict` is not measured.
-
-Prediction (:attr:`OverlapTuner.predictor`, e.g. :class:`oppo.plan.online.OnlinePlanner`): a
-function from a setting to its predicted cost per token and stale share, or None where it cannot
-tell. A candidate predicted to save less than ``margin`` than the incumbent (ratio of the two
-predictions: the model's bias cancels), or to add more stale tokens than ``max_stale_share``, is
-not tried; the rest are tried most promising first. Delta down moves (they only remove stale
-tokens) are tried unless a fitted model predicts them to cost more than ``margin`` more (what a
-down move must not cost to be kept): without that, at 10% step-to-step noise a down trial from a
-Delta that truly saves 8% passed by chance in about one run in five, and the run ended on the dearer
-setting (``benchmarks/controller_workloads/sim.md``). The prediction and the measure are both in the
-decision's line and in :meth:`metrics`. A cost model not yet fitted from the run's own measures (``Prediction.fitted``
-False) vetoes nothing by its assumed part: a candidate is ruled out on cost only if it saves less
-than ``margin`` under every model the measures allow (``Prediction.extremes``); so the first trial
-of a larger Delta is not vetoed by a guess, and the trial is what fits the model (issue 51).
-
-Short runs: with ``steps`` (the run's length) known, a trial is started only if the time it could
-save on the steps left after it repays what its own steps could lose: ``gain * steps_left >= 2 *
-margin * trial_length`` (``gain`` predicted, or ``margin`` with no prediction). A run too short says
-so once (a shorter trial that still repays is run) and holds.
+"""The cost-aware overlap controller (``overlap.delta_rule=cost``, the default): Delta and the
+streaming chunk chosen by what they save, measured on the run's own steps (a planner, where attached,
+predicts first so that only candidates worth a trial are measured). Pure: no torch, threads or clocks.
+Its rules (moves, noise, confirmation, holds, prediction, short runs): ``docs/overlap.md``, "The
+cost-aware controller: design notes".
 """
 
 from __future__ import annotations
@@ -68,8 +13,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .formats import FormatError, upgraded
-from .scheduler.records import StepTiming
+from ..formats import FormatError, upgraded
+from .records import StepTiming
 
 __all__ = ["OverlapTuner", "Prediction", "Setting", "TunedDelta", "delta_ladder"]
 
