@@ -82,7 +82,8 @@ def test_micro_slices_lay_whole_sequences_out():
     rows = torch.tensor([1, 2])
     padded = micro_slices(exp, rows, RowPlan(False))  # one a row, its real tokens at columns 0..n-1
     ids_, pos = padded.layout.lay_out(padded.source, padded.first, 0)
-    assert ids_.tolist() == [[5, 6, 7, 1], [8, 2, 3, 0]] and pos.tolist() == [[0, 1, 2, 3], [0, 1, 2, 3]]
+    # padding at its row's last real position (never past the model's limit, nor past the real ones)
+    assert ids_.tolist() == [[5, 6, 7, 1], [8, 2, 3, 0]] and pos.tolist() == [[0, 1, 2, 3], [0, 1, 2, 2]]
     assert padded.tokens.tolist() == [1, 2, 3]  # response tokens, row after row
     assert padded.pre.tolist() == [2, 4, 5]  # the flat position predicting each: prompt length - 1 + t
     assert padded.dest.tolist() == [0, 2, 3] and (padded.b, padded.T) == (2, 2)  # their [b, T] places

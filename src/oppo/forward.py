@@ -215,11 +215,22 @@ class RowLayout:
     start: tuple[int, ...]
     lengths: tuple[int, ...]
     packed: bool
+    varlen: bool = False  # the forward passes sequence offsets to oppo's variable-length attention (oppo.varlen)
 
     @property
     def computed(self) -> int:
         """Positions the forward computes (rows x width), real or padding."""
         return self.rows * self.width
+
+    def offsets(self) -> tuple[int, ...]:
+        """Where the forward's causal segments start, flat, and where the last ends (``computed``):
+        every sequence is one, and so is each run of padding (it attends to itself only, so no query
+        attends to nothing). Host integers: a variable-length kernel's ``cu_seqlens``."""
+        cuts = {0, self.computed}
+        cuts.update(k * self.width for k in range(self.rows))
+        for s, n in zip(self.start, self.lengths):
+            cuts.update((s, s + n))
+        return tuple(sorted(cuts))
 
     def lay_out(self, source: Tensor, first: Tensor, pad_id: int) -> tuple[Tensor, Tensor]:
         """(ids, position_ids), both [rows, width]: sequence s's tokens read from the flat ``source``
@@ -232,8 +243,11 @@ class RowLayout:
         at = torch.tensor(self.start, device=dev)[seq] + offset  # [total] flat position in the layout
         ids = torch.full((N,), pad_id, dtype=source.dtype, device=dev).index_copy(0, at, source[first[seq] + offset])
         col = torch.arange(N, device=dev) % W  # [N]
-        if not self.packed:
-            return ids.view(self.rows, W), col.view(self.rows, W)
+        if not self.packed:  # padding at the row's last real position (0 in a row of padding): never past the
+            # model's limit (learned positions) nor past the real ones (dynamic RoPE rescales by the largest)
+            last = torch.zeros(self.rows, dtype=torch.long, device=dev)
+            last[: len(n)] = (n - 1).clamp(min=0)
+            return ids.view(self.rows, W), torch.minimum(col.view(self.rows, W), last[:, None])
         used = torch.zeros(self.rows, dtype=torch.long, device=dev).index_add_(0, at // W, torch.ones_like(at))
         pos = (col - used[torch.arange(N, device=dev) // W]).index_copy(0, at, offset)  # pads: col - row's real tokens
         return ids.view(self.rows, W), pos.view(self.rows, W)
@@ -319,16 +333,47 @@ class RowPlan:
     attention_cost: float = 0.0
     buckets: bool = False  # shapes on the ladders (ppo.shape_buckets, oppo.shapes)
     one_row: bool = False  # packed sequences are kept apart within one row only (a varlen kernel's mask)
+    varlen: bool = False  # packed forwards pass sequence offsets to oppo's variable-length attention (oppo.varlen)
 
     def layout(self, lengths: list[int], max_positions: int = 0, max_padding: float = 0.0) -> RowLayout:
+        """The rows of one forward over sequences of ``lengths``. On oppo's variable-length
+        attention (``varlen``), one row of every sequence end to end (even one: no packed-sequence
+        detection then either), as wide as their tokens or, with ``buckets``, the next size of the
+        coarse token ladder (:func:`varlen_width`: a few shapes a run, padding a segment of its
+        own); ``max_positions`` and ``max_padding`` bound the micro-batch, not its one row."""
+        if self.varlen and self.packed and lengths:
+            W = sum(lengths)
+            W = varlen_width(W) if self.buckets else W
+            return RowLayout(1, W, tuple(_starts(lengths)), tuple(lengths), True, varlen=True)
         if self.one_row and self.packed and len(lengths) > 1:
             W = sum(lengths)
             W = shapes.width(W) if self.buckets else W
-            starts = [0]
-            for n in lengths[:-1]:
-                starts.append(starts[-1] + n)
-            return RowLayout(1, W, tuple(starts), tuple(lengths), True)
+            return RowLayout(1, W, tuple(_starts(lengths)), tuple(lengths), True)
         return plan_rows(lengths, self.packed, self.attention_cost, max_positions, max_padding, self.buckets)
+
+
+VARLEN_ROW_PER_OCTAVE = 2
+"""Sizes of a varlen micro-batch's one row per octave of tokens (``shapes.ladder``): 2 gives 1024,
+1536, 2048, 3072, 4096, ... (at most a third padding); ``docs/gpu-shapes.md`` has the measured shapes
+and padded share."""
+
+SMALLEST_VARLEN_ROW = 256
+
+
+def varlen_width(n: int) -> int:
+    """The width of a varlen forward's one row over ``n`` tokens under ``ppo.shape_buckets``: a
+    micro-batch's token count varies around the same size all run (its share of a minibatch), so a
+    coarse ladder gives it a few shapes (the learner's cuDNN/flash plans, graphs, compiled kernels
+    are paid a few times a run) where the width ladder would give one per minibatch."""
+    return shapes.ladder(n, VARLEN_ROW_PER_OCTAVE, SMALLEST_VARLEN_ROW)
+
+
+def _starts(lengths: list[int]) -> list[int]:
+    """Each sequence's first position when they lie end to end."""
+    out = [0]
+    for n in lengths[:-1]:
+        out.append(out[-1] + n)
+    return out
 
 
 def set_packing(model: torch.nn.Module, mode: str, buckets: str | None = None) -> None:
@@ -378,6 +423,13 @@ def row_plan(backbone: torch.nn.Module, mode: str | None = None, buckets: str | 
     variable-length kernel that reads one row's position ids as its sequences, as a hub flash
     kernel does) packs into one row only: the probe runs two rows of two sequences each.
 
+    Packed forwards run on oppo's variable-length attention (:mod:`oppo.varlen`: sequence offsets,
+    no mask, no packed-sequence detection and its host read) where the same probe passes on it:
+    through the model's attention interface (the calls are counted) and equal to each sequence
+    alone on the model's own path. A model whose attention cannot take offsets (remote code, an
+    architecture that does not pass keyword arguments to its attention function, attention sinks)
+    keeps transformers' packed mask, said once (a warning).
+
     ``buckets``: ``ppo.shape_buckets`` (None: as recorded on the model by :func:`set_packing`)."""
     mode = mode if mode is not None else backbone.__dict__.get("_oppo_packing", "auto")
     if mode not in PACKING_MODES:
@@ -391,11 +443,16 @@ def row_plan(backbone: torch.nn.Module, mode: str | None = None, buckets: str | 
         cfg = getattr(backbone, "config", None)
         impl = str(getattr(cfg, "_attn_implementation", None) or "eager")
         why = _packing_fails(backbone)
-        if why is None:
+        no_varlen = _packing_fails(backbone, rows=2, varlen=True) if why is None else why
+        if why is None and no_varlen is None:
+            plan = RowPlan(True, buckets=bucketed, varlen=True)
+        elif why is None:
             quadratic = not impl.startswith(("flash", "flex"))
             one_row = _packing_fails(backbone, rows=2) is not None
             plan = RowPlan(True, 1.0 / (6 * getattr(cfg, "hidden_size", 1024)) if quadratic and not one_row else 0.0,
                            buckets=bucketed, one_row=one_row)
+            warnings.warn(f"{type(backbone).__name__} (attention: {impl}): packed forwards keep transformers' packed "
+                          f"mask, not oppo's variable-length attention: on it, {no_varlen}.", stacklevel=2)
         elif mode == "on":
             raise ValueError(f"ppo.packing=on, but {type(backbone).__name__} (attention: {impl}) cannot run packed "
                              f"rows: {why}. Set ppo.packing=auto (runs it padded, with a warning) or off.")
@@ -407,28 +464,47 @@ def row_plan(backbone: torch.nn.Module, mode: str | None = None, buckets: str | 
 
 
 @torch.no_grad()
-def _packing_fails(backbone: torch.nn.Module, rows: int = 1) -> str | None:
+def _packing_fails(backbone: torch.nn.Module, rows: int = 1, varlen: bool = False) -> str | None:
     """None if a packed row's second sequence gets the hidden states it gets alone (within 5%:
     bf16 rounding is ~1%, a leak across the boundary changes them wholesale), else why not.
     ``rows`` = 2: two such rows in one forward (each with its own pair), every second sequence
-    checked: a kernel that reads only one row's boundaries lets the other row's sequences meet."""
+    checked: a kernel that reads only one row's boundaries lets the other row's sequences meet.
+    ``varlen``: the packed forward on oppo's variable-length attention (sequence offsets, no mask;
+    on CUDA under bf16 autocast when the weights are fp32, so that the kernel a training forward
+    takes is the one probed), the sequences alone on the model's own path."""
+    from . import varlen as vl
+
     dev = next(backbone.parameters()).device
     vocab = int(getattr(getattr(backbone, "config", None), "vocab_size", 16) or 16)
     pairs = [([(3 + i) % vocab for i in range(3)], [(7 + 3 * i) % vocab for i in range(4)]),
              ([(5 + 2 * i) % vocab for i in range(3)], [(11 + i) % vocab for i in range(4)])][:rows]
     modes = [(m, m.training) for m in backbone.modules()]
     backbone.eval()  # (dropout would differ between the two forwards)
+    half = varlen and dev.type == "cuda" and next(backbone.parameters()).dtype == torch.float32
+    calls = vl.calls[0]
     try:
-        both = backbone(input_ids=torch.tensor([a + b for a, b in pairs], device=dev), use_cache=False,
-                        position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3]] * len(pairs), device=dev)
-                        ).last_hidden_state[:, 3:]  # [rows, 4, H]
-        alone = torch.cat([backbone(input_ids=torch.tensor([b], device=dev), position_ids=torch.arange(4, device=dev)[None],
-                                    use_cache=False).last_hidden_state for _, b in pairs])  # [rows, 4, H], each alone
-    except Exception as e:  # a model that takes no position ids
-        return f"its forward with restarting position ids raised {type(e).__name__}: {e}"
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=half):
+            ids = torch.tensor([a + b for a, b in pairs], device=dev)
+            pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3]] * len(pairs), device=dev)
+            if varlen:
+                layout = RowLayout(len(pairs), 7, tuple(7 * k + j for k in range(len(pairs)) for j in (0, 3)),
+                                   (3, 4) * len(pairs), True, varlen=True)
+                with vl.switched(backbone):
+                    both = backbone(input_ids=ids, position_ids=pos, use_cache=False,
+                                    **vl.forward_kwargs(layout.offsets(), dev)).last_hidden_state[:, 3:]
+            else:
+                both = backbone(input_ids=ids, use_cache=False, position_ids=pos).last_hidden_state[:, 3:]  # [rows, 4, H]
+            alone = torch.cat([backbone(input_ids=torch.tensor([b], device=dev),
+                                        position_ids=torch.arange(4, device=dev)[None],
+                                        use_cache=False).last_hidden_state for _, b in pairs])  # [rows, 4, H], each alone
+    except Exception as e:  # a model that takes no position ids (or, on varlen, no offsets)
+        what = "sequence offsets" if varlen else "restarting position ids"
+        return f"its forward with {what} raised {type(e).__name__}: {e}"
     finally:
         for m, training in modes:
             m.training = training
+    if varlen and vl.calls[0] == calls:
+        return "its forward did not call the attention interface (no transformers attention functions)"
     err = float((both.float() - alone.float()).norm() / alone.float().norm().clamp(min=1e-12))
     where = "a sequence packed after another" if rows == 1 else f"in {rows} packed rows, a sequence packed after another"
     return None if err < 0.05 else f"{where} differs from itself alone by {err:.0%}"
@@ -437,8 +513,30 @@ def _packing_fails(backbone: torch.nn.Module, rows: int = 1) -> str | None:
 def packed_hidden(backbone: torch.nn.Module, layout: RowLayout, source: Tensor, first: Tensor, pad_id: int = 0) -> Tensor:
     """Hidden states [rows * width, H] of one forward over ``layout`` (flat, as ``RowLayout.start``):
     sequence s's tokens read from the flat ``source`` from ``first[s]`` on. No attention mask:
-    unpacked rows need only the causal one (their padding is at the end), packed ones get the
-    model's own packed mask from the position ids."""
+    unpacked rows need only the causal one (their padding is at the end), packed ones get
+    oppo's variable-length attention with the layout's offsets (``layout.varlen``: :mod:`oppo.varlen`,
+    the model switched to it for this forward) or else the model's own packed mask from the
+    position ids.
+
+    With gradient checkpointing on, a layer recomputes its forward in the backward, on the path the
+    model is on then: a varlen forward that builds a graph under it must be inside
+    ``varlen.switched(backbone)`` held over the backward too (the learner's micro-steps)."""
+    from . import varlen
+
     ids, pos = layout.lay_out(source, first, pad_id)  # [rows, width] each
-    hidden = backbone(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
+    if not layout.varlen:
+        hidden = backbone(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
+        return hidden.reshape(layout.computed, hidden.shape[-1])
+    if torch.is_grad_enabled() and not varlen.held(backbone) and _recomputes(backbone):
+        raise RuntimeError("internal error: a varlen forward under gradient checkpointing must hold "
+                           "varlen.switched(backbone) over its backward (the recomputed layers take its path)")
+    with varlen.switched(backbone):
+        hidden = backbone(input_ids=ids, position_ids=pos, use_cache=False,
+                          **varlen.forward_kwargs(layout.offsets(), ids.device)).last_hidden_state
     return hidden.reshape(layout.computed, hidden.shape[-1])
+
+
+def _recomputes(backbone: torch.nn.Module) -> bool:
+    """Whether a layer of ``backbone`` recomputes its forward in the backward now
+    (``models.memory.checkpointing``)."""
+    return any(getattr(m, "gradient_checkpointing", False) is True and m.training for m in backbone.modules())
