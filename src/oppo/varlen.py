@@ -144,13 +144,13 @@ def _flash_attn() -> Callable | None:
     return flash_attn_varlen_func
 
 
-def kernel(q: Tensor, window: int | None, softcap: float | None) -> tuple[str, str]:
-    """(kernel, why) for queries like ``q`` under a sliding ``window`` and a logit ``softcap``:
-    ``torch``, ``flash_attn`` or ``stand-in`` (module docstring)."""
-    if q.device.type != "cuda":
-        return "stand-in", f"on {q.device.type} the variable-length kernels do not run (CUDA only)"
-    if q.dtype not in HALF:
-        return "stand-in", f"the variable-length kernels take fp16 or bf16, the queries are {q.dtype}"
+def kernel(device: str, dtype: torch.dtype, window: int | None, softcap: float | None) -> tuple[str, str]:
+    """(kernel, why) for queries of ``dtype`` on a ``device`` type under a sliding ``window`` and a
+    logit ``softcap``: ``torch``, ``flash_attn`` or ``stand-in`` (module docstring)."""
+    if device != "cuda":
+        return "stand-in", f"on {device} the variable-length kernels do not run (CUDA only)"
+    if dtype not in HALF:
+        return "stand-in", f"the variable-length kernels take fp16 or bf16, the queries are {dtype}"
     tv = _torch_varlen()
     if tv is not None:
         params = tv[1]
@@ -203,7 +203,7 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     Hkv, Dv = key.shape[1], value.shape[-1]
     q, k, v = (x.transpose(1, 2).reshape(B * L, x.shape[1], x.shape[-1]) for x in (query, key, value))  # [N, H, D]
     window = sliding_window if sliding_window is not None and sliding_window < max_length_q else None
-    name, why = kernel(q, window, softcap)
+    name, why = kernel(q.device.type, q.dtype, window, softcap)
     _say(f"packed forwards: attention {NAME} on {name}: {why}")
     if name == "torch":
         out = _run_torch(q, k, v, cu_seq_lens_q, max_length_q, scaling, window, Hq // Hkv)
