@@ -128,7 +128,7 @@ def test_packed_forward_builds_no_mask_and_runs_no_packed_detection(backbone, mo
     assert layout.rows == 1 and layout.varlen and layout.offsets() == (0, 5, 6, 13, 16)
     with torch.no_grad():
         got = packed_hidden(backbone, layout, source, first)
-        assert not found and backbone.config._attn_implementation != varlen.NAME  # (switched back)
+        assert not found and backbone.config._attn_implementation == "oppo_varlen:sdpa"  # (the alias stays)
         mask_layout, _, _ = _layout_inputs(RowPlan(True))  # the same row on transformers' packed mask
         want = packed_hidden(backbone, mask_layout, source, first)
     assert found  # (the count can fail: the mask path detects)
@@ -137,23 +137,47 @@ def test_packed_forward_builds_no_mask_and_runs_no_packed_detection(backbone, mo
 
 
 def test_gradient_checkpointing_recomputes_on_the_varlen_path(backbone):
+    """A checkpointed layer recomputes in the backward with the forward's arguments: the offsets
+    (on CUDA that runs on autograd's own thread, so nothing may hang on the calling one)."""
     from oppo.models import checkpointing, enable_gradient_checkpointing
 
     plain = copy.deepcopy(backbone).requires_grad_(True)
     ckpt = copy.deepcopy(backbone).requires_grad_(True)
     enable_gradient_checkpointing(ckpt)
     layout, source, first = _layout_inputs(row_plan(plain))
+    assert row_plan(ckpt).varlen
     grads = []
     for model in (plain, ckpt):
-        with checkpointing(model), varlen.switched(model):
+        with checkpointing(model):
             loss = packed_hidden(model, layout, source, first).square().sum()
-        with varlen.switched(model):  # the learner's micro-step holds it over the backward
-            loss.backward()
+        before = varlen.calls[0]
+        loss.backward()
+        assert (varlen.calls[0] > before) == (model is ckpt)  # (recomputed on the varlen path)
         grads.append([p.grad for p in model.parameters()])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
-    with checkpointing(ckpt), pytest.raises(RuntimeError, match="over its backward"):
-        packed_hidden(ckpt, layout, source, first)  # not held: its backward would recompute on the mask-less default
+
+
+def test_the_alias_leaves_other_forwards_as_they_were(backbone):
+    """Decode and streamed chunks (a cache, a 2-D or 4-D mask) on a model put on the alias get the
+    aliased path's own masks and numbers, bit for bit."""
+    from transformers import DynamicCache
+
+    row_plan(backbone)
+    assert backbone.config._attn_implementation == "oppo_varlen:sdpa"
+    ids = torch.tensor([[0, 5, 6, 7], [8, 9, 10, 11]])
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    outs = []
+    for on in (True, False):
+        varlen.use(backbone, on)
+        with torch.no_grad():
+            cache = DynamicCache(config=backbone.config)
+            a = backbone(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True).last_hidden_state
+            b = backbone(input_ids=ids[:, :1], attention_mask=torch.cat([mask, mask[:, :1]], 1), past_key_values=cache,
+                         use_cache=True).last_hidden_state
+        outs.append((a, b))
+    varlen.use(backbone)
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
 def test_a_model_whose_attention_takes_no_offsets_keeps_the_packed_mask(backbone):

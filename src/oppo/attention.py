@@ -85,6 +85,9 @@ def other_paths() -> list[str]:
 
 def takes_4d_mask(name: str) -> bool:
     """Whether a path takes the explicit 4-D masks of the static decode engine and the scorer slots."""
+    from .varlen import base
+
+    name = base(name)  # (oppo_varlen:<path> runs <path> for every forward but the packed ones)
     return name in ("sdpa", "eager") or name in SDPA_BACKENDS
 
 

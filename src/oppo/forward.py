@@ -342,8 +342,10 @@ class RowPlan:
         coarse token ladder (:func:`varlen_width`: a few shapes a run, padding a segment of its
         own); ``max_positions`` and ``max_padding`` bound the micro-batch, not its one row."""
         if self.varlen and self.packed and lengths:
-            W = sum(lengths)
-            W = varlen_width(W) if self.buckets else W
+            W = total = sum(lengths)
+            if self.buckets:  # (a rung past the token budget is cut back to it: the budget is one more size)
+                W = varlen_width(total)
+                W = max_positions if max_positions and total <= max_positions < W else W
             return RowLayout(1, W, tuple(_starts(lengths)), tuple(lengths), True, varlen=True)
         if self.one_row and self.packed and len(lengths) > 1:
             W = sum(lengths)
@@ -431,6 +433,8 @@ def row_plan(backbone: torch.nn.Module, mode: str | None = None, buckets: str | 
     keeps transformers' packed mask, said once (a warning).
 
     ``buckets``: ``ppo.shape_buckets`` (None: as recorded on the model by :func:`set_packing`)."""
+    from . import varlen
+
     mode = mode if mode is not None else backbone.__dict__.get("_oppo_packing", "auto")
     if mode not in PACKING_MODES:
         raise ValueError(f"ppo.packing must be one of {', '.join(PACKING_MODES)}, got {mode!r}")
@@ -441,9 +445,9 @@ def row_plan(backbone: torch.nn.Module, mode: str | None = None, buckets: str | 
     plan = RowPlan(False, buckets=bucketed)
     if mode != "off":
         cfg = getattr(backbone, "config", None)
-        impl = str(getattr(cfg, "_attn_implementation", None) or "eager")
+        impl = varlen.base(str(getattr(cfg, "_attn_implementation", None) or "eager"))
         why = _packing_fails(backbone)
-        no_varlen = _packing_fails(backbone, rows=2, varlen=True) if why is None else why
+        no_varlen = _varlen_fails(backbone) if why is None else why
         if why is None and no_varlen is None:
             plan = RowPlan(True, buckets=bucketed, varlen=True)
         elif why is None:
@@ -451,8 +455,9 @@ def row_plan(backbone: torch.nn.Module, mode: str | None = None, buckets: str | 
             one_row = _packing_fails(backbone, rows=2) is not None
             plan = RowPlan(True, 1.0 / (6 * getattr(cfg, "hidden_size", 1024)) if quadratic and not one_row else 0.0,
                            buckets=bucketed, one_row=one_row)
-            warnings.warn(f"{type(backbone).__name__} (attention: {impl}): packed forwards keep transformers' packed "
-                          f"mask, not oppo's variable-length attention: on it, {no_varlen}.", stacklevel=2)
+            if varlen.takes_offsets(impl):  # (flash and flex paths build no dense mask anyway)
+                warnings.warn(f"{type(backbone).__name__} (attention: {impl}): packed forwards keep transformers' "
+                              f"packed mask, not oppo's variable-length attention: on it, {no_varlen}.", stacklevel=2)
         elif mode == "on":
             raise ValueError(f"ppo.packing=on, but {type(backbone).__name__} (attention: {impl}) cannot run packed "
                              f"rows: {why}. Set ppo.packing=auto (runs it padded, with a warning) or off.")
@@ -469,9 +474,10 @@ def _packing_fails(backbone: torch.nn.Module, rows: int = 1, varlen: bool = Fals
     bf16 rounding is ~1%, a leak across the boundary changes them wholesale), else why not.
     ``rows`` = 2: two such rows in one forward (each with its own pair), every second sequence
     checked: a kernel that reads only one row's boundaries lets the other row's sequences meet.
-    ``varlen``: the packed forward on oppo's variable-length attention (sequence offsets, no mask;
-    on CUDA under bf16 autocast when the weights are fp32, so that the kernel a training forward
-    takes is the one probed), the sequences alone on the model's own path."""
+    ``varlen``: the packed forward with sequence offsets, on the alias :func:`oppo.varlen.use` put
+    the model on (on CUDA under bf16 autocast when the weights are fp32, so that the kernel a
+    training forward takes is the one probed), the sequences alone without (the aliased path's own
+    function)."""
     from . import varlen as vl
 
     dev = next(backbone.parameters()).device
@@ -489,9 +495,8 @@ def _packing_fails(backbone: torch.nn.Module, rows: int = 1, varlen: bool = Fals
             if varlen:
                 layout = RowLayout(len(pairs), 7, tuple(7 * k + j for k in range(len(pairs)) for j in (0, 3)),
                                    (3, 4) * len(pairs), True, varlen=True)
-                with vl.switched(backbone):
-                    both = backbone(input_ids=ids, position_ids=pos, use_cache=False,
-                                    **vl.forward_kwargs(layout.offsets(), dev)).last_hidden_state[:, 3:]
+                both = backbone(input_ids=ids, position_ids=pos, use_cache=False,
+                                **vl.forward_kwargs(layout.offsets(), len(pairs), 7, dev)).last_hidden_state[:, 3:]
             else:
                 both = backbone(input_ids=ids, use_cache=False, position_ids=pos).last_hidden_state[:, 3:]  # [rows, 4, H]
             alone = torch.cat([backbone(input_ids=torch.tensor([b], device=dev),
@@ -510,33 +515,30 @@ def _packing_fails(backbone: torch.nn.Module, rows: int = 1, varlen: bool = Fals
     return None if err < 0.05 else f"{where} differs from itself alone by {err:.0%}"
 
 
+def _varlen_fails(backbone: torch.nn.Module) -> str | None:
+    """None if ``backbone``'s packed forwards run on oppo's variable-length attention: it is left
+    on the alias (:func:`oppo.varlen.use`), its other forwards unchanged; else why not, and it is
+    left on its own path."""
+    from . import varlen
+
+    if not varlen.use(backbone):
+        return "its attention path is not one oppo_varlen stands in for (sdpa, eager)"
+    why = _packing_fails(backbone, rows=2, varlen=True)
+    if why is not None:
+        varlen.use(backbone, False)
+    return why
+
+
 def packed_hidden(backbone: torch.nn.Module, layout: RowLayout, source: Tensor, first: Tensor, pad_id: int = 0) -> Tensor:
     """Hidden states [rows * width, H] of one forward over ``layout`` (flat, as ``RowLayout.start``):
     sequence s's tokens read from the flat ``source`` from ``first[s]`` on. No attention mask:
     unpacked rows need only the causal one (their padding is at the end), packed ones get
-    oppo's variable-length attention with the layout's offsets (``layout.varlen``: :mod:`oppo.varlen`,
-    the model switched to it for this forward) or else the model's own packed mask from the
-    position ids.
-
-    With gradient checkpointing on, a layer recomputes its forward in the backward, on the path the
-    model is on then: a varlen forward that builds a graph under it must be inside
-    ``varlen.switched(backbone)`` held over the backward too (the learner's micro-steps)."""
+    oppo's variable-length attention with the layout's offsets (``layout.varlen``: :mod:`oppo.varlen`;
+    a gradient-checkpointed layer recomputes with the same arguments, so on the same path) or else
+    the model's own packed mask from the position ids."""
     from . import varlen
 
     ids, pos = layout.lay_out(source, first, pad_id)  # [rows, width] each
-    if not layout.varlen:
-        hidden = backbone(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
-        return hidden.reshape(layout.computed, hidden.shape[-1])
-    if torch.is_grad_enabled() and not varlen.held(backbone) and _recomputes(backbone):
-        raise RuntimeError("internal error: a varlen forward under gradient checkpointing must hold "
-                           "varlen.switched(backbone) over its backward (the recomputed layers take its path)")
-    with varlen.switched(backbone):
-        hidden = backbone(input_ids=ids, position_ids=pos, use_cache=False,
-                          **varlen.forward_kwargs(layout.offsets(), ids.device)).last_hidden_state
+    extra = varlen.forward_kwargs(layout.offsets(), layout.rows, layout.width, ids.device) if layout.varlen else {}
+    hidden = backbone(input_ids=ids, position_ids=pos, use_cache=False, **extra).last_hidden_state
     return hidden.reshape(layout.computed, hidden.shape[-1])
-
-
-def _recomputes(backbone: torch.nn.Module) -> bool:
-    """Whether a layer of ``backbone`` recomputes its forward in the backward now
-    (``models.memory.checkpointing``)."""
-    return any(getattr(m, "gradient_checkpointing", False) is True and m.training for m in backbone.modules())

@@ -8,21 +8,22 @@ backend and makes it copy K and V to every query head. The peers instead hand th
 offsets to a variable-length kernel (verl's remove-padding, OpenRLHF's packed samples, prime-rl's
 packed micro-batches), and so does oppo where the model lets it:
 
-- :func:`register` makes ``oppo_varlen`` a transformers attention function
-  (``AttentionInterface``) and deliberately gives it no mask function: for an implementation with
-  none, ``create_causal_mask`` returns no mask at once and never looks for packed sequences
-  (``masking_utils._preprocess_mask_arguments``), so neither the mask nor its host read happen.
-- The forward passes the offsets as the keyword arguments transformers' own flash path uses
-  (``cu_seq_lens_q``/``cu_seq_lens_k`` [S+1] int32 and ``max_length_q``/``max_length_k``), built
-  on the host from the layout and copied to the device once per forward (:func:`forward_kwargs`),
-  plus the same offsets as a host tuple (``oppo_offsets``) for the CPU stand-in. The models pass
-  unknown keyword arguments through to their attention function (checked by the packing probe,
-  ``forward.row_plan``: a model that does not keeps the packed mask).
-- :func:`switched` sets the model's attention to ``oppo_varlen`` for a packed forward only: decode
-  and streamed chunks keep their own path and 4-D masks. A module's forwards run one at a time
-  (the learner trains the module it reads), so the switch is not seen by another forward; a
-  gradient-checkpointed layer recomputes in the backward, so the learner holds the switch over its
-  backward too (``learner.local``).
+- :func:`use` puts a model whose packed forwards take this road on an alias of its own path,
+  ``oppo_varlen:<path>`` (``oppo_varlen:sdpa``, ...), registered as a transformers attention
+  function and mask function (:func:`register`). Given no offsets (decode, streamed chunks, every
+  forward but the packed ones) both call the path's own functions: the same masks, the same
+  numbers. So the model is never switched back and forth, and a forward of the same model on
+  another thread (the scorer streaming chunks while the controller scores one-shot) is untouched.
+- A packed forward passes the offsets as the keyword arguments transformers' own flash path uses
+  (``cu_seq_lens_q``/``cu_seq_lens_k`` [S+1] int32, ``max_length_q``/``max_length_k``), built on
+  the host from the layout and copied to the device once per forward, the same offsets as a host
+  tuple (``oppo_offsets``, for the CPU stand-in), and an all-ones 2-D mask marked as such
+  (:func:`forward_kwargs`): given a mask, ``create_causal_mask`` does not look for packed sequences
+  (``masking_utils._preprocess_mask_arguments``: no detection, no host read), and for the marked
+  one the alias's mask function builds none. The models pass keyword arguments through to their
+  attention function, and a gradient-checkpointed layer recomputes with the same ones, so on the
+  same path; the packing probe (``forward.row_plan``) checks it per model, and a model whose
+  attention cannot take offsets keeps transformers' packed mask.
 
 The kernel (:func:`kernel`, chosen per call from the tensors, said once per choice): torch's
 ``torch.nn.attention.varlen.varlen_attn`` on CUDA in half precision (torch 2.13's signature takes
@@ -47,82 +48,102 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-NAME = "oppo_varlen"
+PREFIX = "oppo_varlen:"
+"""A model on variable-length attention runs ``oppo_varlen:<its path>`` (:func:`use`)."""
 HALF = (torch.float16, torch.bfloat16)
 _said: set[str] = set()  # kernel lines already said (once per process and choice)
-_base: dict[int, str] = {}  # id(config) -> the path it is on outside a switched block (its numbers are the model's)
-calls = [0]  # attention calls on this path (the packing probe checks that its forward took it)
+calls = [0]  # attention calls given offsets (the packing probe checks that its forward took this path)
 
 
-def register() -> None:
-    """``oppo_varlen`` as a transformers attention function, with no mask function (module
-    docstring); idempotent."""
-    from transformers import AttentionInterface
-
-    if NAME not in AttentionInterface._global_mapping:
-        AttentionInterface.register(NAME, attention_forward)
+def takes_offsets(path: str) -> bool:
+    """Whether a model on transformers' attention ``path`` can be put on :func:`use`'s alias: the
+    paths that take the explicit masks of decode and streamed chunks (SDPA, its pinned backends,
+    eager), whose functions the alias calls for every forward without offsets."""
+    return path in ("sdpa", "eager") or path.startswith("oppo_sdpa")
 
 
-def forward_kwargs(offsets: tuple[int, ...], device: torch.device) -> dict[str, Any]:
-    """The keyword arguments of a packed forward over segments at ``offsets`` (host, flat
-    positions 0 = offsets[0] < ... < offsets[-1] = positions computed): the device copy is made once."""
+def base(path: str) -> str:
+    """The path an ``oppo_varlen:`` alias stands for (``path`` itself if it is none)."""
+    return path[len(PREFIX):] if path.startswith(PREFIX) else path
+
+
+def register(path: str) -> str:
+    """The alias of ``path``, registered (idempotent) as a transformers attention function and mask
+    function (module docstring); returns its name."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    name = PREFIX + path
+    if name not in AttentionInterface._global_mapping:
+        AttentionInterface.register(name, attention_forward)
+        AttentionMaskInterface.register(name, mask_forward)
+    return name
+
+
+def use(backbone: torch.nn.Module, on: bool = True) -> bool:
+    """Put every attention layer of ``backbone`` on its path's alias (``on``), or back on the
+    path itself; False if some layer's path cannot take one (:func:`takes_offsets`)."""
+    configs = _configs(backbone)
+    paths = [base(str(c._attn_implementation or "eager")) for c in configs]
+    if on and not all(takes_offsets(p) for p in paths):
+        return False
+    for c, p in zip(configs, paths):
+        _set(c, register(p) if on else p)
+    return True
+
+
+def forward_kwargs(offsets: tuple[int, ...], rows: int, width: int, device: torch.device) -> dict[str, Any]:
+    """The keyword arguments of a packed forward of ``rows`` x ``width`` positions cut into
+    segments at ``offsets`` (host, flat: 0 = offsets[0] < ... < offsets[-1] = rows * width): the
+    offsets copied to the device once, and the marked all-ones mask that makes the alias's mask
+    function build none (the marker travels with the tensor, so concurrent forwards of the same
+    model on other threads, the scorer streaming chunks beside a one-shot score, keep their masks)."""
     cu = torch.tensor(offsets, dtype=torch.int32).to(device, non_blocking=True)  # [S+1] one host-to-device copy
     longest = max(b - a for a, b in zip(offsets, offsets[1:]))
-    return dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest, oppo_offsets=offsets)
+    marker = torch.ones(rows, width, dtype=torch.bool, device=device)  # (never read: no mask is built from it)
+    marker._oppo_offsets = True  # type: ignore[attr-defined]
+    return dict(attention_mask=marker, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest,
+                max_length_k=longest, oppo_offsets=offsets)
 
 
 def _configs(backbone: torch.nn.Module) -> list[Any]:
-    """Every distinct config an attention layer of ``backbone`` reads its implementation from
-    (cached on the module)."""
-    got = backbone.__dict__.get("_oppo_attn_configs")
-    if got is None:
-        seen: dict[int, Any] = {}
-        for m in backbone.modules():
-            cfg = getattr(m, "config", None)
-            if cfg is not None and hasattr(cfg, "_attn_implementation"):
-                seen.setdefault(id(cfg), cfg)
-        got = backbone.__dict__["_oppo_attn_configs"] = list(seen.values())
-    return got
+    """Every distinct config an attention layer of ``backbone`` reads its path from."""
+    seen: dict[int, Any] = {}
+    for m in backbone.modules():
+        cfg = getattr(m, "config", None)
+        if cfg is not None and hasattr(cfg, "_attn_implementation"):
+            seen.setdefault(id(cfg), cfg)
+    return list(seen.values())
 
 
-def _set(cfg: Any, name: str | None) -> None:
+def _set(cfg: Any, name: str) -> None:
     if hasattr(cfg, "_attn_implementation_internal"):  # (transformers 5.x: the property's own field, no sub-config walk)
         cfg._attn_implementation_internal = name
     else:
         cfg._attn_implementation = name
 
 
-@contextlib.contextmanager
-def switched(backbone: torch.nn.Module, on: bool = True) -> Iterator[None]:
-    """``backbone``'s attention on ``oppo_varlen`` inside the block (``on``; nested: the outer one
-    restores), its own path again after."""
-    depth = backbone.__dict__.get("_oppo_varlen_depth", 0)
-    if not on or depth:
-        backbone.__dict__["_oppo_varlen_depth"] = depth + (1 if on else 0)
-        try:
-            yield
-        finally:
-            backbone.__dict__["_oppo_varlen_depth"] = depth
-        return
-    register()
-    configs = _configs(backbone)
-    before = [c._attn_implementation for c in configs]
-    backbone.__dict__["_oppo_varlen_depth"] = 1
-    try:
-        for c, name in zip(configs, before):
-            _base[id(c)] = str(name or "eager")
-            _set(c, NAME)
-        yield
-    finally:
-        for c, name in zip(configs, before):
-            _set(c, name)
-            _base.pop(id(c), None)
-        backbone.__dict__["_oppo_varlen_depth"] = 0
+def mask_forward(*args, attention_mask: Tensor | None = None, config: Any = None, **kwargs):
+    """The alias's mask function: none for a packed forward's marked mask (:func:`forward_kwargs`),
+    else the aliased path's own."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    if attention_mask is not None and getattr(attention_mask, "_oppo_offsets", False):
+        return None
+    path = base(str(config._attn_implementation))
+    return ALL_MASK_ATTENTION_FUNCTIONS[path](*args, attention_mask=attention_mask, config=config, **kwargs)
 
 
-def held(backbone: torch.nn.Module) -> bool:
-    """Whether a :func:`switched` block holds ``backbone`` now."""
-    return backbone.__dict__.get("_oppo_varlen_depth", 0) > 0
+def _path_function(module: torch.nn.Module, path: str) -> Callable:
+    """The attention function of ``path`` for ``module``: a registered one, or eager, which each
+    model defines in its own modeling file (as ``get_interface``'s default)."""
+    from transformers import AttentionInterface
+
+    if path in AttentionInterface._global_mapping:
+        return AttentionInterface._global_mapping[path]
+    fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if fn is None:
+        raise ValueError(f"{type(module).__name__}: no attention function for {path!r} (oppo_varlen's alias)")
+    return fn
 
 
 def _torch_varlen() -> tuple[Callable, Any] | None:
@@ -180,31 +201,37 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
                       cu_seq_lens_q: Tensor | None = None, cu_seq_lens_k: Tensor | None = None,
                       max_length_q: int | None = None, max_length_k: int | None = None,
                       oppo_offsets: tuple[int, ...] | None = None, s_aux: Tensor | None = None,
-                      **kwargs) -> tuple[Tensor, None]:
-    """transformers' attention-function interface: query [B, Hq, L, D], key and value [B, Hkv, L, D]
-    of B rows of L positions, flat ``B * L`` positions cut into causal segments at
-    ``cu_seq_lens_q`` -> ([B, L, Hq, Dv], None)."""
-    if cu_seq_lens_q is None or oppo_offsets is None or max_length_q is None:
-        raise RuntimeError(f"internal error: the {NAME} attention runs only oppo's packed forwards (sequence offsets "
-                           f"given); this forward passed none")
+                      **kwargs) -> tuple[Tensor, Tensor | None]:
+    """The alias's attention function (transformers' interface). With offsets (a packed forward):
+    query [B, Hq, L, D], key and value [B, Hkv, L, D] of B rows of L positions, the flat ``B * L``
+    positions cut into causal segments at ``cu_seq_lens_q`` -> ([B, L, Hq, Dv], None). Without
+    (decode, streamed chunks, any other forward): the aliased path's own function, as if unaliased."""
+    path = base(str(module.config._attn_implementation))
+    if cu_seq_lens_q is None:
+        extra = {k: v for k, v in (("sliding_window", sliding_window), ("softcap", softcap), ("is_causal", is_causal),
+                                   ("s_aux", s_aux)) if v is not None}
+        return _path_function(module, path)(module, query, key, value, attention_mask, dropout=dropout,
+                                             scaling=scaling, **extra, **kwargs)
+    if oppo_offsets is None or max_length_q is None:
+        raise RuntimeError("internal error: a packed forward on oppo_varlen passes oppo_offsets and max_length_q")
     if attention_mask is not None:
-        raise RuntimeError(f"internal error: the {NAME} attention takes no mask (got one of shape "
-                           f"{tuple(attention_mask.shape)})")
+        raise ValueError(f"{type(module).__name__} built a mask from the packed forward's marked one (its forward "
+                         f"changes the 2-D mask it is given), so oppo_varlen cannot take its offsets")
     if s_aux is not None:
-        raise ValueError(f"{type(module).__name__} has attention sinks (s_aux), which {NAME} does not implement")
+        raise ValueError(f"{type(module).__name__} has attention sinks (s_aux), which oppo_varlen does not implement")
     if is_causal is False or not getattr(module, "is_causal", True):
-        raise ValueError(f"{type(module).__name__} is not causal attention; {NAME} runs causal segments only")
+        raise ValueError(f"{type(module).__name__} is not causal attention; oppo_varlen runs causal segments only")
     if dropout and module.training:
-        raise ValueError(f"{NAME} runs no attention dropout (the model is in training mode with dropout {dropout})")
+        raise ValueError(f"oppo_varlen runs no attention dropout (the model is in training mode with dropout {dropout})")
     calls[0] += 1
-    if softcap is not None and _drops_softcap(_base.get(id(getattr(module, "config", None)), "sdpa")):
+    if softcap is not None and _drops_softcap(path):
         softcap = None  # the model's own path ignores it: its numbers are the ones to match (sampler, scorers)
     B, Hq, L, _ = query.shape
     Hkv, Dv = key.shape[1], value.shape[-1]
     q, k, v = (x.transpose(1, 2).reshape(B * L, x.shape[1], x.shape[-1]) for x in (query, key, value))  # [N, H, D]
     window = sliding_window if sliding_window is not None and sliding_window < max_length_q else None
     name, why = kernel(q.device.type, q.dtype, window, softcap)
-    _say(f"packed forwards: attention {NAME} on {name}: {why}")
+    _say(f"packed forwards: attention oppo_varlen ({path} otherwise) on {name}: {why}")
     if name == "torch":
         out = _run_torch(q, k, v, cu_seq_lens_q, max_length_q, scaling, window, Hq // Hkv)
     elif name == "flash_attn":

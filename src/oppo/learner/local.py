@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .. import guard, varlen
+from .. import guard
 from ..algo.actor_loss import ActorLossSettings, ActorTokens, actor_loss
 from ..algo.losses import value_loss
 from ..forward import RowPlan, head_logprobs, packed_hidden, row_plan
@@ -183,8 +183,8 @@ class Learner:
         rows = torch.tensor(host_rows, dtype=torch.long).to(exp.mask.device, non_blocking=True)
         T = mb.T
         mask = exp.mask[rows][:, :T]
-        with checkpointing(self.actor), varlen.switched(backbone_and_head(self.actor)[0], mb.layout.varlen):
-            logprobs, entropy = self._actor_logprobs(mb)  # [b, T] each; recomputed in backward if gradient_checkpointing
+        with checkpointing(self.actor):  # recomputes activations in backward if policy.gradient_checkpointing
+            logprobs, entropy = self._actor_logprobs(mb)  # [b, T] each
         if probe is not None:  # (the first optimizer step's forward is pi_k's: the sampler-vs-trainer gap)
             probe.observe(logprobs, exp.sampler_logprobs[rows][:, :T], exp.versions[rows][:, :T], mask)
         kl_in_loss = self.algorithm is not None and self.algorithm.kl_in_loss
@@ -193,8 +193,7 @@ class Learner:
                              exp.is_weights[rows][:, :T], ref)
         loss, stats = actor_loss(self.algorithm, logprobs, entropy, tokens, ActorLossSettings.of(cfg), num_tokens,
                                  num_seqs)
-        with varlen.switched(backbone_and_head(self.actor)[0], mb.layout.varlen):  # (recomputed layers: its path)
-            loss.backward()
+        loss.backward()
         return {**stats, "_frac": mask.sum() / num_tokens}  # (_frac: this micro-batch's weight in the minibatch)
 
 
@@ -254,12 +253,11 @@ def critic_micro_step(critic, batch: CriticBatch, host_rows: list[int], num_toke
     rows = torch.tensor(host_rows, dtype=torch.long).to(batch.mask.device, non_blocking=True)
     T = mb.T
     mask = batch.mask[rows][:, :T]
-    with autocast(rows.device, compute_dtype), checkpointing(critic), varlen.switched(backbone, mb.layout.varlen):
+    with autocast(rows.device, compute_dtype), checkpointing(critic):
         values = mb.spread(head(response_hidden(backbone, mb)).float().reshape(-1))  # [b, T]
     vl, vstats = value_loss(values, batch.values[rows][:, :T], batch.returns[rows][:, :T], mask,
                             clip_eps=cfg.value_clip_eps, loss_agg=cfg.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs)
-    with varlen.switched(backbone, mb.layout.varlen):  # (recomputed layers: the forward's path)
-        vl.backward()
+    vl.backward()
     return {"loss/value": vl.detach(), "value/clipfrac": vstats["vf_clipfrac"].detach(), "_frac": mask.sum() / num_tokens}
 
 
