@@ -1,6 +1,7 @@
 """Forwards the scorers and the learner share: whole sequences as one batch
 (:func:`sequence_batch`), laid out in packed rows (:func:`plan_rows`, :func:`row_plan`: end to end,
-position ids restarting at 0, the model's own packed mask) and run with no fully masked query row
+position ids restarting at 0, kept apart by variable-length attention with the sequences' offsets,
+:mod:`oppo.varlen`, or else by the model's own packed mask) and run with no fully masked query row
 (:func:`packed_hidden`, :func:`full_hidden`), and the sampled tokens' log-probs and entropy from
 hidden states, in chunks (:func:`head_logprobs`).
 
@@ -194,11 +195,14 @@ def full_hidden(backbone: torch.nn.Module, ids: torch.Tensor, valid: torch.Tenso
 
 # ---------------------------------------------------------------------------------------------
 # Packed rows: whole sequences end to end in a row, position ids restarting at 0 for
-# each. With no attention mask, transformers (>= 4.54, 5.x) reads the restarts as sequence
-# boundaries and builds a block-diagonal causal mask itself (``masking_utils.
-# find_packed_sequence_indices``, applied by ``create_causal_mask`` and the sliding-window mask for
-# the sdpa, eager and flex implementations; the flash-attention implementations take the same
-# position ids as variable-length sequences, one row only). No hand-made mask: the model's own.
+# each. Where the model lets it (row_plan's probe), the forward passes the sequences' offsets to a
+# variable-length kernel (oppo.varlen: torch's varlen_attn, flash-attention's, a CPU stand-in) and
+# no mask, as the peers do (issue 50). Elsewhere, with no attention mask, transformers (>= 4.54,
+# 5.x) reads the restarts as sequence boundaries and builds a block-diagonal causal mask itself
+# (``masking_utils.find_packed_sequence_indices``, applied by ``create_causal_mask`` and the
+# sliding-window mask for the sdpa, eager and flex implementations; the flash-attention
+# implementations take the same position ids as variable-length sequences, one row only). No
+# hand-made mask either way.
 
 PACKING_MODES = ("auto", "on", "off")
 
@@ -208,7 +212,8 @@ class RowLayout:
     """Where S sequences sit in ``rows`` rows of ``width`` columns: sequence s's ``lengths[s]``
     tokens at the flat positions ``start[s] ..`` (flat: row * width + column), in order; every other
     position is padding, at the end of its row. ``packed``: rows may hold several sequences (their
-    position ids restart at 0); otherwise one sequence a row, position ids the column indices."""
+    position ids restart at 0); otherwise one sequence a row, position ids the column indices
+    (padding: the row's last real position). ``varlen``: the forward passes :meth:`offsets`."""
 
     rows: int
     width: int

@@ -37,11 +37,9 @@ takes. Every segment attends within itself only: a packed row's padding is a seg
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import inspect
 import sys
-from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
@@ -206,7 +204,8 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     query [B, Hq, L, D], key and value [B, Hkv, L, D] of B rows of L positions, the flat ``B * L``
     positions cut into causal segments at ``cu_seq_lens_q`` -> ([B, L, Hq, Dv], None). Without
     (decode, streamed chunks, any other forward): the aliased path's own function, as if unaliased."""
-    path = base(str(module.config._attn_implementation))
+    config: Any = module.config
+    path = base(str(config._attn_implementation))
     if cu_seq_lens_q is None:
         extra = {k: v for k, v in (("sliding_window", sliding_window), ("softcap", softcap), ("is_causal", is_causal),
                                    ("s_aux", s_aux)) if v is not None}
