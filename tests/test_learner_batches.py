@@ -195,7 +195,8 @@ def test_varlen_rows_of_a_fixed_ladder_give_the_same_gradient(tiny_models):
         for g in groups:
             mb = micro_slices(exp, g, plan, cfg)
             if name == "varlen":
-                assert mb.layout.rows == 1 and mb.layout.varlen and mb.layout.width == 48  # (the rung, 256, past the budget)
+                n = sum(exp.valid[g].sum(1).tolist())
+                assert mb.layout.rows == 1 and mb.layout.varlen and n <= mb.layout.width <= 48  # (a rung, or the budget)
             lp, _ = lr._actor_logprobs(mb)  # [b, T]
             loss = (lp * w[g][:, :mb.T] * exp.mask[g][:, :mb.T]).sum()
             loss.backward()

@@ -251,8 +251,8 @@ def test_varlen_layouts_hold_a_few_shapes_for_a_run():
     from oppo.forward import varlen_width
     from oppo.learner.batch import micro_groups, token_budget
 
-    assert [varlen_width(n) for n in (1, 256, 257, 385, 1000, 1025, 1537, 4097)] == [256, 256, 384, 512, 1024, 1536,
-                                                                                       2048, 6144]
+    assert [varlen_width(n) for n in (1, 17, 256, 257, 385, 1000, 1025, 1537, 4097)] == [16, 24, 256, 384, 512, 1024,
+                                                                                           1536, 2048, 6144]
     rng = random.Random(0)
     runs = [[max(2, min(512, int(rng.lognormvariate(4.6, 0.8)))) for _ in range(32)] for _ in range(20)]
     cfg = PPOConfig(minibatch_size=32, micro_batch_size=32, micro_batch_tokens=16384)

@@ -360,11 +360,11 @@ class RowPlan:
 
 
 VARLEN_ROW_PER_OCTAVE = 2
-"""Sizes of a varlen micro-batch's one row per octave of tokens (``shapes.ladder``): 2 gives 1024,
-1536, 2048, 3072, 4096, ... (at most a third padding); ``docs/gpu-shapes.md`` has the measured shapes
-and padded share."""
+"""Sizes of a varlen micro-batch's one row per octave of tokens (``shapes.ladder``): 2 gives ...,
+1024, 1536, 2048, 3072, 4096, ... (at most a third padding); ``docs/gpu-shapes.md`` has the
+measured shapes and padded share."""
 
-SMALLEST_VARLEN_ROW = 256
+SMALLEST_VARLEN_ROW = shapes.SMALLEST_WIDTH
 
 
 def varlen_width(n: int) -> int:

@@ -17,7 +17,8 @@ packed micro-batches), and so does oppo where the model lets it:
 - A packed forward passes the offsets as the keyword arguments transformers' own flash path uses
   (``cu_seq_lens_q``/``cu_seq_lens_k`` [S+1] int32, ``max_length_q``/``max_length_k``), built on
   the host from the layout and copied to the device once per forward, the same offsets as a host
-  tuple (``oppo_offsets``, for the CPU stand-in), and an all-ones 2-D mask marked as such
+  tuple and a dict for what the forward builds once (``oppo_offsets``, ``oppo_cache``: the CPU
+  stand-in's mask), and an all-ones 2-D mask marked as such
   (:func:`forward_kwargs`): given a mask, ``create_causal_mask`` does not look for packed sequences
   (``masking_utils._preprocess_mask_arguments``: no detection, no host read), and for the marked
   one the alias's mask function builds none. The models pass keyword arguments through to their
@@ -30,9 +31,9 @@ The kernel (:func:`kernel`, chosen per call from the tensors, said once per choi
 ``window_size`` and ``enable_gqa``; torch 2.11's takes no ``enable_gqa``, so the KV heads are
 repeated for it: picked by ``inspect.signature``), else flash-attention's
 ``flash_attn_varlen_func`` where that package is installed, else (the CPU, fp32, a soft-capped
-model on torch's kernel) a stand-in with the same interface: SDPA per sequence (a causal band mask
-under a sliding window; the eager formula with a soft cap), so CI drives the plumbing a GPU user
-takes. Every segment attends within itself only: a packed row's padding is a segment of its own.
+model on torch's kernel) a stand-in with the same interface: one SDPA call per layer under one
+block-diagonal causal mask that oppo builds once per forward (banded under a sliding window; the
+eager formula with a soft cap), so CI drives the plumbing a GPU user takes. Every segment attends within itself only: a packed row's padding is a segment of its own.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def forward_kwargs(offsets: tuple[int, ...], rows: int, width: int, device: torc
     marker = torch.ones(rows, width, dtype=torch.bool, device=device)  # (never read: no mask is built from it)
     marker._oppo_offsets = True  # type: ignore[attr-defined]
     return dict(attention_mask=marker, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest,
-                max_length_k=longest, oppo_offsets=offsets)
+                max_length_k=longest, oppo_offsets=offsets, oppo_cache={})
 
 
 def _configs(backbone: torch.nn.Module) -> list[Any]:
@@ -198,7 +199,8 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
                       sliding_window: int | None = None, softcap: float | None = None, is_causal: bool | None = None,
                       cu_seq_lens_q: Tensor | None = None, cu_seq_lens_k: Tensor | None = None,
                       max_length_q: int | None = None, max_length_k: int | None = None,
-                      oppo_offsets: tuple[int, ...] | None = None, s_aux: Tensor | None = None,
+                      oppo_offsets: tuple[int, ...] | None = None, oppo_cache: dict | None = None,
+                      s_aux: Tensor | None = None,
                       **kwargs) -> tuple[Tensor, Tensor | None]:
     """The alias's attention function (transformers' interface). With offsets (a packed forward):
     query [B, Hq, L, D], key and value [B, Hkv, L, D] of B rows of L positions, the flat ``B * L``
@@ -240,7 +242,7 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
                  max_length_q, max_length_k or max_length_q, dropout_p=0.0, softmax_scale=scaling, causal=True,
                  window_size=(window - 1, 0) if window is not None else (-1, -1), softcap=softcap or 0.0)
     else:
-        out = stand_in(q, k, v, oppo_offsets, scaling, window, softcap)
+        out = stand_in(q, k, v, oppo_offsets, scaling, window, softcap, oppo_cache)
     return out.view(B, L, Hq, Dv), None
 
 
@@ -272,31 +274,38 @@ def _run_torch(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, longest: int, scale:
 
 
 def stand_in(q: Tensor, k: Tensor, v: Tensor, offsets: tuple[int, ...], scale: float | None = None,
-             window: int | None = None, softcap: float | None = None) -> Tensor:
+             window: int | None = None, softcap: float | None = None, cache: dict | None = None) -> Tensor:
     """The variable-length kernel's interface where no kernel runs: q [N, Hq, D], k and v
-    [N, Hkv, D] cut into causal segments at the host ``offsets``; -> [N, Hq, Dv]. Each segment is
-    its own SDPA call (causal; a band mask under a sliding ``window``: key j visible to query i iff
-    0 <= i - j < window, transformers' ``sliding_window_overlay``), or with a ``softcap`` the eager
-    formula (``eager_attention_forward``: scores * scale, capped, masked, softmax in fp32)."""
+    [N, Hkv, D] cut into causal segments at the host ``offsets``; -> [N, Hq, Dv]. One SDPA call
+    over the whole row under one block-diagonal causal mask (:func:`block_mask`, built once per
+    forward: ``cache``, the forward's own dict), so a forward makes one attention call of the row's
+    shape per layer, as the kernel does (what ``benchmarks/shape_probe.py`` counts on the CPU); with a
+    ``softcap`` the eager formula (``eager_attention_forward``: scores * scale, capped, masked,
+    softmax in fp32). Every segment, padding included, attends to itself: no query attends to nothing."""
     groups = q.shape[1] // k.shape[1]
-    outs = []
-    for a, b in zip(offsets, offsets[1:]):
-        qs, ks, vs = (x[a:b].transpose(0, 1)[None] for x in (q, k, v))  # [1, H, n, D]
-        n = b - a
-        band = None
-        if window is not None and n > window:
-            d = torch.arange(n, device=q.device)
-            d = d[:, None] - d[None]
-            band = (d >= 0) & (d < window)  # [n, n]
-        if softcap is None:
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=band, is_causal=band is None, scale=scale,
-                                               enable_gqa=groups > 1)
-        else:
-            ks, vs = ks.repeat_interleave(groups, dim=1), vs.repeat_interleave(groups, dim=1)
-            w = torch.matmul(qs, ks.transpose(2, 3)) * (scale if scale is not None else qs.shape[-1] ** -0.5)
-            w = torch.tanh(w / softcap) * softcap
-            keep = band if band is not None else torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-            w = w.masked_fill(~keep, torch.finfo(w.dtype).min)
-            o = torch.matmul(torch.softmax(w, dim=-1, dtype=torch.float32).to(qs.dtype), vs)
-        outs.append(o[0].transpose(0, 1))  # [n, Hq, Dv]
-    return torch.cat(outs)
+    mask = cache.get(("mask", window)) if cache is not None else None
+    if mask is None:
+        mask = block_mask(offsets, window, q.device)
+        if cache is not None:
+            cache[("mask", window)] = mask
+    qs, ks, vs = (x.transpose(0, 1)[None] for x in (q, k, v))  # [1, H, N, D]
+    if softcap is None:
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=groups > 1)
+    else:
+        ks, vs = ks.repeat_interleave(groups, dim=1), vs.repeat_interleave(groups, dim=1)
+        w = torch.matmul(qs, ks.transpose(2, 3)) * (scale if scale is not None else qs.shape[-1] ** -0.5)
+        w = torch.tanh(w / softcap) * softcap
+        w = w.masked_fill(~mask, torch.finfo(w.dtype).min)
+        o = torch.matmul(torch.softmax(w, dim=-1, dtype=torch.float32).to(qs.dtype), vs)
+    return o[0].transpose(0, 1)  # [N, Hq, Dv]
+
+
+def block_mask(offsets: tuple[int, ...], window: int | None, device: torch.device) -> Tensor:
+    """[N, N] bool: key j visible to query i iff both lie in one segment and 0 <= i - j (< ``window``:
+    transformers' ``sliding_window_overlay``)."""
+    lengths = torch.tensor(offsets).diff()
+    seg = torch.repeat_interleave(torch.arange(len(lengths)), lengths).to(device)  # [N] (one host-to-device copy)
+    i = torch.arange(len(seg), device=device)
+    d = i[:, None] - i[None]
+    keep = (seg[:, None] == seg[None]) & (d >= 0)
+    return keep & (d < window) if window is not None else keep
