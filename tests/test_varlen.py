@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from oppo import varlen
-from oppo.forward import RowPlan, packed_hidden, row_plan
+from oppo.forward import RowLayout, RowPlan, packed_hidden, row_plan
 from oppo.models import backbone_and_head, load_causal_lm
 
 CPU = torch.device("cpu")
@@ -219,3 +219,16 @@ def test_bucketed_padding_stays_inside_learned_positions():
         want = packed_hidden(model, RowPlan(False).layout(lengths), source, first).view(2, 17, -1)
     torch.testing.assert_close(got[0, :17], want[0])
     torch.testing.assert_close(got[1, :2], want[1, :2])
+    # packed on a wide row (the token ladder): the padding run stops at the longest sequence's last position
+    many = [5, 3, 4] * 4  # 48 tokens, a row of 48 + 16 padding: positions would reach 15 < 18, so pad further
+    row = RowPlan(True, varlen=True).layout(many)
+    wide = RowLayout(1, 64 + 20, row.start, row.lengths, True, varlen=True)
+    src = torch.randint(3, 40, (48,))
+    starts = torch.tensor(row.start)
+    assert int(wide.lay_out(src, starts, 0)[1].max()) == 4
+    with torch.no_grad():
+        got = packed_hidden(model, wide, src, starts)  # (puts the model on its alias)
+        alone = packed_hidden(model, RowPlan(False).layout(many), src, starts).view(len(many), 5, -1)
+    assert model.config._attn_implementation == "oppo_varlen:sdpa"
+    for i, (s, n) in enumerate(zip(row.start, many)):
+        torch.testing.assert_close(got[s:s + n], alone[i, :n], atol=1e-5, rtol=1e-5)

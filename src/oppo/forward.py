@@ -239,8 +239,9 @@ class RowLayout:
 
     def lay_out(self, source: Tensor, first: Tensor, pad_id: int) -> tuple[Tensor, Tensor]:
         """(ids, position_ids), both [rows, width]: sequence s's tokens read from the flat ``source``
-        at ``first[s]`` [S] onwards. Padding is its own run of positions from 0, so the packed mask
-        never joins it to a real sequence (and no query row is fully masked: pytorch#110213)."""
+        at ``first[s]`` [S] onwards. Padding is its own run of positions from 0 (capped at the longest
+        sequence's last), so the packed mask never joins it to a real sequence (and no query row is
+        fully masked: pytorch#110213)."""
         dev, N, W = source.device, self.computed, self.width
         n = torch.tensor(self.lengths, device=dev)  # [S]
         seq = torch.repeat_interleave(torch.arange(len(n), device=dev), n)  # [total] owner of each token
@@ -255,6 +256,9 @@ class RowLayout:
             return ids.view(self.rows, W), torch.minimum(col.view(self.rows, W), last[:, None])
         used = torch.zeros(self.rows, dtype=torch.long, device=dev).index_add_(0, at // W, torch.ones_like(at))
         pos = (col - used[torch.arange(N, device=dev) // W]).index_copy(0, at, offset)  # pads: col - row's real tokens
+        # ... up to the longest sequence's last position: a wide row's padding run never passes the model's
+        # limit nor the real positions (as above); past it each pad is a run of one, attending to itself
+        pos = pos.clamp(max=max(self.lengths, default=1) - 1)
         return ids.view(self.rows, W), pos.view(self.rows, W)
 
 
@@ -544,6 +548,11 @@ def packed_hidden(backbone: torch.nn.Module, layout: RowLayout, source: Tensor, 
     from . import varlen
 
     ids, pos = layout.lay_out(source, first, pad_id)  # [rows, width] each
+    cfg = getattr(backbone, "config", None)
+    if layout.varlen and not str(getattr(cfg, "_attn_implementation", "")).startswith(varlen.PREFIX) \
+            and not varlen.use(backbone):  # (a layout made for another model: its own path would mix the sequences)
+        raise ValueError(f"{type(backbone).__name__}'s attention cannot take sequence offsets; lay it out with its "
+                         f"own row plan (forward.row_plan)")
     extra = varlen.forward_kwargs(layout.offsets(), layout.rows, layout.width, ids.device) if layout.varlen else {}
     hidden = backbone(input_ids=ids, position_ids=pos, use_cache=False, **extra).last_hidden_state
     return hidden.reshape(layout.computed, hidden.shape[-1])
