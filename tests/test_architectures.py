@@ -464,7 +464,7 @@ def test_packed_forward_equals_each_sequence_alone(load, arch):
                 half = want.shape[0] // 2 if role == "policy" else want.shape[0]  # (lp | entropy)
                 got_i = torch.cat([out[i, :T], out[i, mb.T: mb.T + T]]) if role == "policy" else out[i, :T]
                 want_i = torch.cat([want[:T], want[half: half + T]]) if role == "policy" else want[:T]
-                torch.testing.assert_close(got_i, want_i, atol=1e-5, rtol=1e-5, msg=f"{arch} {role} row {i}")
+                torch.testing.assert_close(got_i, want_i, atol=1e-5, rtol=1e-5, msg=lambda m: f"{arch} {role} row {i} {packed}: {m}")
             assert abs(lo.item() - alone_loss) <= 1e-4 * max(1.0, abs(alone_loss))
             for g, w in zip(_grads(model), alone_grads):
                 torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4, msg=f"{arch} {role} gradients")

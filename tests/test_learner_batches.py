@@ -82,7 +82,8 @@ def test_micro_slices_lay_whole_sequences_out():
     rows = torch.tensor([1, 2])
     padded = micro_slices(exp, rows, RowPlan(False))  # one a row, its real tokens at columns 0..n-1
     ids_, pos = padded.layout.lay_out(padded.source, padded.first, 0)
-    assert ids_.tolist() == [[5, 6, 7, 1], [8, 2, 3, 0]] and pos.tolist() == [[0, 1, 2, 3], [0, 1, 2, 3]]
+    # padding at its row's last real position (never past the model's limit, nor past the real ones)
+    assert ids_.tolist() == [[5, 6, 7, 1], [8, 2, 3, 0]] and pos.tolist() == [[0, 1, 2, 3], [0, 1, 2, 2]]
     assert padded.tokens.tolist() == [1, 2, 3]  # response tokens, row after row
     assert padded.pre.tolist() == [2, 4, 5]  # the flat position predicting each: prompt length - 1 + t
     assert padded.dest.tolist() == [0, 2, 3] and (padded.b, padded.T) == (2, 2)  # their [b, T] places
@@ -167,3 +168,40 @@ def test_a_model_that_cannot_pack_is_named_once_and_runs_padded(tiny_models):
     ids, valid, _, _ = sequence_batch([[5, 6], [7]], [[8, 9, 10], [11]], 0, torch.device("cpu"))
     with torch.no_grad():  # padded, it is exact: the same hidden states as the model that packs
         torch.testing.assert_close(full_hidden(blind, ids, valid), full_hidden(inner, ids, valid))
+
+
+def test_varlen_rows_of_a_fixed_ladder_give_the_same_gradient(tiny_models):
+    """Variable-length attention with shapes on the ladder (the GPU's default): each micro-batch one
+    row as wide as the token ladder says (padding a segment of its own), cut by the token budget:
+    the minibatch's loss and gradient equal those of one sequence a row, unpadded."""
+    import copy
+
+    from oppo.forward import RowPlan, row_plan
+    from oppo.learner.batch import micro_groups, micro_slices
+    from oppo.models import backbone_and_head, load_causal_lm
+
+    policy = load_causal_lm(str(tiny_models["policy"]), "policy", torch.device("cpu"), torch.float32)
+    lengths = [23, 3, 17, 9, 30, 5, 12, 2]
+    exp = _rows(lengths)
+    w = torch.randn(exp.mask.shape, generator=torch.Generator().manual_seed(0))  # [B, T] per-token weights
+    cfg = PPOConfig(batch_size=8, minibatch_size=8, micro_batch_size=8, micro_batch_tokens=48, shape_buckets="on")
+    assert row_plan(backbone_and_head(policy)[0], "auto", "on").varlen
+    out = {}
+    for name, plan in (("alone", RowPlan(False)), ("varlen", RowPlan(True, buckets=True, varlen=True))):
+        model = copy.deepcopy(policy).requires_grad_(True)
+        lr = Learner(model, None, cfg, temperature=1.0, seed=0)
+        groups = micro_groups(exp, list(range(8)), cfg) if name == "varlen" else [[i] for i in range(8)]
+        total = 0.0
+        for g in groups:
+            mb = micro_slices(exp, g, plan, cfg)
+            if name == "varlen":
+                n = sum(exp.valid[g].sum(1).tolist())
+                assert mb.layout.rows == 1 and mb.layout.varlen and n <= mb.layout.width <= 48  # (a rung, or the budget)
+            lp, _ = lr._actor_logprobs(mb)  # [b, T]
+            loss = (lp * w[g][:, :mb.T] * exp.mask[g][:, :mb.T]).sum()
+            loss.backward()
+            total += loss.item()
+        out[name] = (total, [p.grad.clone() for p in model.parameters()])
+    assert abs(out["alone"][0] - out["varlen"][0]) <= 1e-4 * max(1.0, abs(out["alone"][0]))
+    for a, b in zip(out["alone"][1], out["varlen"][1]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)

@@ -174,7 +174,7 @@ def test_streamed_slots_in_cuda_graphs_equal_one_shot(tiny_models, kind):
 def test_attention_path_by_name_and_probe(tiny_models, tiny_prompts, tmp_path):
     """ppo.attention: auto keeps the loaded path on the CPU; a path by name is set on every model
     and trains; the probe times each path and names one that fails."""
-    from oppo import attention
+    from oppo import attention, varlen
     from oppo.config import load_config
     from oppo.models import load_causal_lm
     from oppo.trainer import Trainer
@@ -193,7 +193,9 @@ def test_attention_path_by_name_and_probe(tiny_models, tiny_prompts, tmp_path):
     t = Trainer(cfg, progress=False)
     try:
         m = t.run_step()
-        assert all(model.config._attn_implementation == "oppo_sdpa_math" for model in t.models().values())
+        # (packed forwards put a model on oppo_varlen:<its path>, which runs the path for every other forward)
+        assert all(varlen.base(model.config._attn_implementation) == "oppo_sdpa_math" for model in t.models().values())
+        assert any(model.config._attn_implementation == "oppo_varlen:oppo_sdpa_math" for model in t.models().values())
         assert math.isfinite(m["loss/policy"])  # it trained
     finally:
         t.close()
@@ -238,3 +240,37 @@ def test_static_engine_bucketed_prefill_decodes_the_same(tiny_models):
     for u in out[False]:
         assert out[True][u][0] == out[False][u][0]
         torch.testing.assert_close(torch.tensor(out[True][u][1]), torch.tensor(out[False][u][1]), atol=1e-5, rtol=1e-5)
+
+
+def test_varlen_layouts_hold_a_few_shapes_for_a_run():
+    """On variable-length attention a micro-batch is one row, its width on the coarse token ladder
+    (``forward.varlen_width``): over 20 minibatches of 32 long-tailed sequences (lognormal, up to
+    512), the mask path's bucketed rows x widths change with nearly every minibatch, the varlen
+    row takes at most three widths, with the padded share the ladder allows (a third at most)."""
+    from oppo.config import PPOConfig
+    from oppo.forward import varlen_width
+    from oppo.learner.batch import micro_groups, token_budget
+
+    assert [varlen_width(n) for n in (1, 17, 256, 257, 385, 1000, 1025, 1537, 4097)] == [16, 24, 256, 384, 512, 1024,
+                                                                                           1536, 2048, 6144]
+    rng = random.Random(0)
+    runs = [[max(2, min(512, int(rng.lognormvariate(4.6, 0.8)))) for _ in range(32)] for _ in range(20)]
+    cfg = PPOConfig(minibatch_size=32, micro_batch_size=32, micro_batch_tokens=16384)
+    seen: dict[str, set] = {"mask": set(), "varlen": set()}
+    real = computed = 0
+    for lens in runs:
+        for group in micro_groups(None, list(range(32)), cfg, lens):
+            n = [lens[i] for i in group]
+            for name, plan in (("mask", RowPlan(True, 1 / 12288, buckets=True)),
+                               ("varlen", RowPlan(True, buckets=True, varlen=True))):
+                lay = plan.layout(n, token_budget(cfg))
+                _placed(lay)
+                seen[name].add((lay.rows, lay.width))
+                if name == "varlen":
+                    assert lay.rows == 1 and lay.varlen and lay.width <= max(sum(n), 16384)
+                    real, computed = real + sum(n), computed + lay.computed
+    assert len(seen["varlen"]) <= 3 < 6 <= len(seen["mask"]), seen
+    assert 1 - real / computed <= 1 / 3
+    # the budget caps a rung past it; a longer sequence takes its own size
+    assert RowPlan(True, buckets=True, varlen=True).layout([700, 200], 1000).width == 1000  # (1024 past it)
+    assert RowPlan(True, buckets=True, varlen=True).layout([1100], 1024).width == 1536  # (its rung)

@@ -232,6 +232,9 @@ def other_paths() -> list[str]:
 
 def takes_4d_mask(name: str) -> bool:
     """Whether a path takes the explicit 4-D masks of the static decode engine and the scorer slots."""
+    from .varlen import base
+
+    name = base(name)  # (oppo_varlen:<path> runs <path> for every forward but the packed ones)
     return name in ("sdpa", "eager", GQA) or name in SDPA_BACKENDS
 
 
@@ -240,7 +243,11 @@ def decode_path(name: str) -> str:
     model whose forwards are to run on ``name``: transformers' ``sdpa`` becomes ``oppo_sdpa_gqa``
     (the same backend order, grouped K/V heads not copied per head: module docstring), and so does a
     path that takes no 4-D mask (``oppo_varlen``, flex, flash: their masked forwards need an
-    SDPA-style one); eager and oppo's SDPA paths stay."""
+    SDPA-style one); eager and oppo's SDPA paths stay. (A model's packed forwards then run on
+    ``oppo_varlen:<that path>``: ``forward.row_plan``.)"""
+    from .varlen import base
+
+    name = base(name)
     if name in SDPA_BACKENDS or name in (GQA, "eager"):
         return name
     return GQA

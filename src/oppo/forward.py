@@ -1,6 +1,7 @@
 """Forwards the scorers and the learner share: whole sequences as one batch
 (:func:`sequence_batch`), laid out in packed rows (:func:`plan_rows`, :func:`row_plan`: end to end,
-position ids restarting at 0, the model's own packed mask) and run with no fully masked query row
+position ids restarting at 0, kept apart by variable-length attention with the sequences' offsets,
+:mod:`oppo.varlen`, or else by the model's own packed mask) and run with no fully masked query row
 (:func:`packed_hidden`, :func:`full_hidden`), and the sampled tokens' log-probs and entropy from
 hidden states, in chunks (:func:`head_logprobs`).
 
@@ -194,11 +195,14 @@ def full_hidden(backbone: torch.nn.Module, ids: torch.Tensor, valid: torch.Tenso
 
 # ---------------------------------------------------------------------------------------------
 # Packed rows: whole sequences end to end in a row, position ids restarting at 0 for
-# each. With no attention mask, transformers (>= 4.54, 5.x) reads the restarts as sequence
-# boundaries and builds a block-diagonal causal mask itself (``masking_utils.
-# find_packed_sequence_indices``, applied by ``create_causal_mask`` and the sliding-window mask for
-# the sdpa, eager and flex implementations; the flash-attention implementations take the same
-# position ids as variable-length sequences, one row only). No hand-made mask: the model's own.
+# each. Where the model lets it (row_plan's probe), the forward passes the sequences' offsets to a
+# variable-length kernel (oppo.varlen: torch's varlen_attn, flash-attention's, a CPU stand-in) and
+# no mask, as the peers do (issue 50). Elsewhere, with no attention mask, transformers (>= 4.54,
+# 5.x) reads the restarts as sequence boundaries and builds a block-diagonal causal mask itself
+# (``masking_utils.find_packed_sequence_indices``, applied by ``create_causal_mask`` and the
+# sliding-window mask for the sdpa, eager and flex implementations; the flash-attention
+# implementations take the same position ids as variable-length sequences, one row only). No
+# hand-made mask either way.
 
 PACKING_MODES = ("auto", "on", "off")
 
@@ -208,23 +212,36 @@ class RowLayout:
     """Where S sequences sit in ``rows`` rows of ``width`` columns: sequence s's ``lengths[s]``
     tokens at the flat positions ``start[s] ..`` (flat: row * width + column), in order; every other
     position is padding, at the end of its row. ``packed``: rows may hold several sequences (their
-    position ids restart at 0); otherwise one sequence a row, position ids the column indices."""
+    position ids restart at 0); otherwise one sequence a row, position ids the column indices
+    (padding: the row's last real position). ``varlen``: the forward passes :meth:`offsets`."""
 
     rows: int
     width: int
     start: tuple[int, ...]
     lengths: tuple[int, ...]
     packed: bool
+    varlen: bool = False  # the forward passes sequence offsets to oppo's variable-length attention (oppo.varlen)
 
     @property
     def computed(self) -> int:
         """Positions the forward computes (rows x width), real or padding."""
         return self.rows * self.width
 
+    def offsets(self) -> tuple[int, ...]:
+        """Where the forward's causal segments start, flat, and where the last ends (``computed``):
+        every sequence is one, and so is each run of padding (it attends to itself only, so no query
+        attends to nothing). Host integers: a variable-length kernel's ``cu_seqlens``."""
+        cuts = {0, self.computed}
+        cuts.update(k * self.width for k in range(self.rows))
+        for s, n in zip(self.start, self.lengths):
+            cuts.update((s, s + n))
+        return tuple(sorted(cuts))
+
     def lay_out(self, source: Tensor, first: Tensor, pad_id: int) -> tuple[Tensor, Tensor]:
         """(ids, position_ids), both [rows, width]: sequence s's tokens read from the flat ``source``
-        at ``first[s]`` [S] onwards. Padding is its own run of positions from 0, so the packed mask
-        never joins it to a real sequence (and no query row is fully masked: pytorch#110213)."""
+        at ``first[s]`` [S] onwards. Padding is its own run of positions from 0 (capped at the longest
+        sequence's last), so the packed mask never joins it to a real sequence (and no query row is
+        fully masked: pytorch#110213)."""
         dev, N, W = source.device, self.computed, self.width
         n = torch.tensor(self.lengths, device=dev)  # [S]
         seq = torch.repeat_interleave(torch.arange(len(n), device=dev), n)  # [total] owner of each token
@@ -232,10 +249,16 @@ class RowLayout:
         at = torch.tensor(self.start, device=dev)[seq] + offset  # [total] flat position in the layout
         ids = torch.full((N,), pad_id, dtype=source.dtype, device=dev).index_copy(0, at, source[first[seq] + offset])
         col = torch.arange(N, device=dev) % W  # [N]
-        if not self.packed:
-            return ids.view(self.rows, W), col.view(self.rows, W)
+        if not self.packed:  # padding at the row's last real position (0 in a row of padding): never past the
+            # model's limit (learned positions) nor past the real ones (dynamic RoPE rescales by the largest)
+            last = torch.zeros(self.rows, dtype=torch.long, device=dev)
+            last[: len(n)] = (n - 1).clamp(min=0)
+            return ids.view(self.rows, W), torch.minimum(col.view(self.rows, W), last[:, None])
         used = torch.zeros(self.rows, dtype=torch.long, device=dev).index_add_(0, at // W, torch.ones_like(at))
         pos = (col - used[torch.arange(N, device=dev) // W]).index_copy(0, at, offset)  # pads: col - row's real tokens
+        # ... up to the longest sequence's last position: a wide row's padding run never passes the model's
+        # limit nor the real positions (as above); past it each pad is a run of one, attending to itself
+        pos = pos.clamp(max=max(self.lengths, default=1) - 1)
         return ids.view(self.rows, W), pos.view(self.rows, W)
 
 
@@ -319,16 +342,49 @@ class RowPlan:
     attention_cost: float = 0.0
     buckets: bool = False  # shapes on the ladders (ppo.shape_buckets, oppo.shapes)
     one_row: bool = False  # packed sequences are kept apart within one row only (a varlen kernel's mask)
+    varlen: bool = False  # packed forwards pass sequence offsets to oppo's variable-length attention (oppo.varlen)
 
     def layout(self, lengths: list[int], max_positions: int = 0, max_padding: float = 0.0) -> RowLayout:
+        """The rows of one forward over sequences of ``lengths``. On oppo's variable-length
+        attention (``varlen``), one row of every sequence end to end (even one: no packed-sequence
+        detection then either), as wide as their tokens or, with ``buckets``, the next size of the
+        coarse token ladder (:func:`varlen_width`: a few shapes a run, padding a segment of its
+        own); ``max_positions`` and ``max_padding`` bound the micro-batch, not its one row."""
+        if self.varlen and self.packed and lengths:
+            W = total = sum(lengths)
+            if self.buckets:  # (a rung past the token budget is cut back to it: the budget is one more size)
+                W = varlen_width(total)
+                W = max_positions if max_positions and total <= max_positions < W else W
+            return RowLayout(1, W, tuple(_starts(lengths)), tuple(lengths), True, varlen=True)
         if self.one_row and self.packed and len(lengths) > 1:
             W = sum(lengths)
             W = shapes.width(W) if self.buckets else W
-            starts = [0]
-            for n in lengths[:-1]:
-                starts.append(starts[-1] + n)
-            return RowLayout(1, W, tuple(starts), tuple(lengths), True)
+            return RowLayout(1, W, tuple(_starts(lengths)), tuple(lengths), True)
         return plan_rows(lengths, self.packed, self.attention_cost, max_positions, max_padding, self.buckets)
+
+
+VARLEN_ROW_PER_OCTAVE = 2
+"""Sizes of a varlen micro-batch's one row per octave of tokens (``shapes.ladder``): 2 gives ...,
+1024, 1536, 2048, 3072, 4096, ... (at most a third padding); ``docs/gpu-shapes.md`` has the
+measured shapes and padded share."""
+
+SMALLEST_VARLEN_ROW = shapes.SMALLEST_WIDTH
+
+
+def varlen_width(n: int) -> int:
+    """The width of a varlen forward's one row over ``n`` tokens under ``ppo.shape_buckets``: a
+    micro-batch's token count varies around the same size all run (its share of a minibatch), so a
+    coarse ladder gives it a few shapes (the learner's cuDNN/flash plans, graphs, compiled kernels
+    are paid a few times a run) where the width ladder would give one per minibatch."""
+    return shapes.ladder(n, VARLEN_ROW_PER_OCTAVE, SMALLEST_VARLEN_ROW)
+
+
+def _starts(lengths: list[int]) -> list[int]:
+    """Each sequence's first position when they lie end to end."""
+    out = [0]
+    for n in lengths[:-1]:
+        out.append(out[-1] + n)
+    return out
 
 
 def set_packing(model: torch.nn.Module, mode: str, buckets: str | None = None) -> None:
@@ -378,7 +434,16 @@ def row_plan(backbone: torch.nn.Module, mode: str | None = None, buckets: str | 
     variable-length kernel that reads one row's position ids as its sequences, as a hub flash
     kernel does) packs into one row only: the probe runs two rows of two sequences each.
 
+    Packed forwards run on oppo's variable-length attention (:mod:`oppo.varlen`: sequence offsets,
+    no mask, no packed-sequence detection and its host read) where the same probe passes on it:
+    through the model's attention interface (the calls are counted) and equal to each sequence
+    alone on the model's own path. A model whose attention cannot take offsets (remote code, an
+    architecture that does not pass keyword arguments to its attention function, attention sinks)
+    keeps transformers' packed mask, said once (a warning).
+
     ``buckets``: ``ppo.shape_buckets`` (None: as recorded on the model by :func:`set_packing`)."""
+    from . import varlen
+
     mode = mode if mode is not None else backbone.__dict__.get("_oppo_packing", "auto")
     if mode not in PACKING_MODES:
         raise ValueError(f"ppo.packing must be one of {', '.join(PACKING_MODES)}, got {mode!r}")
@@ -389,13 +454,19 @@ def row_plan(backbone: torch.nn.Module, mode: str | None = None, buckets: str | 
     plan = RowPlan(False, buckets=bucketed)
     if mode != "off":
         cfg = getattr(backbone, "config", None)
-        impl = str(getattr(cfg, "_attn_implementation", None) or "eager")
+        impl = varlen.base(str(getattr(cfg, "_attn_implementation", None) or "eager"))
         why = _packing_fails(backbone)
-        if why is None:
+        no_varlen = _varlen_fails(backbone) if why is None else why
+        if why is None and no_varlen is None:
+            plan = RowPlan(True, buckets=bucketed, varlen=True)
+        elif why is None:
             quadratic = not impl.startswith(("flash", "flex"))
             one_row = _packing_fails(backbone, rows=2) is not None
             plan = RowPlan(True, 1.0 / (6 * getattr(cfg, "hidden_size", 1024)) if quadratic and not one_row else 0.0,
                            buckets=bucketed, one_row=one_row)
+            if varlen.takes_offsets(impl):  # (flash and flex paths build no dense mask anyway)
+                warnings.warn(f"{type(backbone).__name__} (attention: {impl}): packed forwards keep transformers' "
+                              f"packed mask, not oppo's variable-length attention: on it, {no_varlen}.", stacklevel=2)
         elif mode == "on":
             raise ValueError(f"ppo.packing=on, but {type(backbone).__name__} (attention: {impl}) cannot run packed "
                              f"rows: {why}. Set ppo.packing=auto (runs it padded, with a warning) or off.")
@@ -407,38 +478,81 @@ def row_plan(backbone: torch.nn.Module, mode: str | None = None, buckets: str | 
 
 
 @torch.no_grad()
-def _packing_fails(backbone: torch.nn.Module, rows: int = 1) -> str | None:
+def _packing_fails(backbone: torch.nn.Module, rows: int = 1, varlen: bool = False) -> str | None:
     """None if a packed row's second sequence gets the hidden states it gets alone (within 5%:
     bf16 rounding is ~1%, a leak across the boundary changes them wholesale), else why not.
     ``rows`` = 2: two such rows in one forward (each with its own pair), every second sequence
-    checked: a kernel that reads only one row's boundaries lets the other row's sequences meet."""
+    checked: a kernel that reads only one row's boundaries lets the other row's sequences meet.
+    ``varlen``: the packed forward with sequence offsets, on the alias :func:`oppo.varlen.use` put
+    the model on (on CUDA under bf16 autocast when the weights are fp32, so that the kernel a
+    training forward takes is the one probed), the sequences alone without (the aliased path's own
+    function)."""
+    from . import varlen as vl
+
     dev = next(backbone.parameters()).device
     vocab = int(getattr(getattr(backbone, "config", None), "vocab_size", 16) or 16)
     pairs = [([(3 + i) % vocab for i in range(3)], [(7 + 3 * i) % vocab for i in range(4)]),
              ([(5 + 2 * i) % vocab for i in range(3)], [(11 + i) % vocab for i in range(4)])][:rows]
     modes = [(m, m.training) for m in backbone.modules()]
     backbone.eval()  # (dropout would differ between the two forwards)
+    half = varlen and dev.type == "cuda" and next(backbone.parameters()).dtype == torch.float32
+    calls = vl.calls[0]
     try:
-        both = backbone(input_ids=torch.tensor([a + b for a, b in pairs], device=dev), use_cache=False,
-                        position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3]] * len(pairs), device=dev)
-                        ).last_hidden_state[:, 3:]  # [rows, 4, H]
-        alone = torch.cat([backbone(input_ids=torch.tensor([b], device=dev), position_ids=torch.arange(4, device=dev)[None],
-                                    use_cache=False).last_hidden_state for _, b in pairs])  # [rows, 4, H], each alone
-    except Exception as e:  # a model that takes no position ids
-        return f"its forward with restarting position ids raised {type(e).__name__}: {e}"
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=half):
+            ids = torch.tensor([a + b for a, b in pairs], device=dev)
+            pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3]] * len(pairs), device=dev)
+            if varlen:
+                layout = RowLayout(len(pairs), 7, tuple(7 * k + j for k in range(len(pairs)) for j in (0, 3)),
+                                   (3, 4) * len(pairs), True, varlen=True)
+                both = backbone(input_ids=ids, position_ids=pos, use_cache=False,
+                                **vl.forward_kwargs(layout.offsets(), len(pairs), 7, dev)).last_hidden_state[:, 3:]
+            else:
+                both = backbone(input_ids=ids, use_cache=False, position_ids=pos).last_hidden_state[:, 3:]  # [rows, 4, H]
+            alone = torch.cat([backbone(input_ids=torch.tensor([b], device=dev),
+                                        position_ids=torch.arange(4, device=dev)[None],
+                                        use_cache=False).last_hidden_state for _, b in pairs])  # [rows, 4, H], each alone
+    except Exception as e:  # a model that takes no position ids (or, on varlen, no offsets)
+        what = "sequence offsets" if varlen else "restarting position ids"
+        return f"its forward with {what} raised {type(e).__name__}: {e}"
     finally:
         for m, training in modes:
             m.training = training
+    if varlen and vl.calls[0] == calls:
+        return "its forward did not call the attention interface (no transformers attention functions)"
     err = float((both.float() - alone.float()).norm() / alone.float().norm().clamp(min=1e-12))
     where = "a sequence packed after another" if rows == 1 else f"in {rows} packed rows, a sequence packed after another"
     return None if err < 0.05 else f"{where} differs from itself alone by {err:.0%}"
 
 
+def _varlen_fails(backbone: torch.nn.Module) -> str | None:
+    """None if ``backbone``'s packed forwards run on oppo's variable-length attention: it is left
+    on the alias (:func:`oppo.varlen.use`), its other forwards unchanged; else why not, and it is
+    left on its own path."""
+    from . import varlen
+
+    if not varlen.use(backbone):
+        return "its attention path is not one oppo_varlen stands in for (sdpa, eager)"
+    why = _packing_fails(backbone, rows=2, varlen=True)
+    if why is not None:
+        varlen.use(backbone, False)
+    return why
+
+
 def packed_hidden(backbone: torch.nn.Module, layout: RowLayout, source: Tensor, first: Tensor, pad_id: int = 0) -> Tensor:
     """Hidden states [rows * width, H] of one forward over ``layout`` (flat, as ``RowLayout.start``):
     sequence s's tokens read from the flat ``source`` from ``first[s]`` on. No attention mask:
-    unpacked rows need only the causal one (their padding is at the end), packed ones get the
-    model's own packed mask from the position ids."""
+    unpacked rows need only the causal one (their padding is at the end), packed ones get
+    oppo's variable-length attention with the layout's offsets (``layout.varlen``: :mod:`oppo.varlen`;
+    a gradient-checkpointed layer recomputes with the same arguments, so on the same path) or else
+    the model's own packed mask from the position ids."""
+    from . import varlen
+
     ids, pos = layout.lay_out(source, first, pad_id)  # [rows, width] each
-    hidden = backbone(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
+    cfg = getattr(backbone, "config", None)
+    if layout.varlen and not str(getattr(cfg, "_attn_implementation", "")).startswith(varlen.PREFIX) \
+            and not varlen.use(backbone):  # (a layout made for another model: its own path would mix the sequences)
+        raise ValueError(f"{type(backbone).__name__}'s attention cannot take sequence offsets; lay it out with its "
+                         f"own row plan (forward.row_plan)")
+    extra = varlen.forward_kwargs(layout.offsets(), layout.rows, layout.width, ids.device) if layout.varlen else {}
+    hidden = backbone(input_ids=ids, position_ids=pos, use_cache=False, **extra).last_hidden_state
     return hidden.reshape(layout.computed, hidden.shape[-1])
