@@ -264,7 +264,6 @@ def test_prepare_reuses_a_valid_cache(builtin_home):
 
 
 def test_prepare_force_and_stale_caches_rebuild(tmp_path, monkeypatch):
-    monkeypatch.setattr(prepare_mod, "_load_average", lambda: 0.0)  # one thread count for both builds
     first = prepare("positive", home=tmp_path, seed=0, progress=False, sizes=TINY)
     forced = prepare("positive", home=tmp_path, seed=0, progress=False, sizes=TINY, force=True)
     assert not forced.reused and forced.info["fingerprint"] == first.info["fingerprint"]
@@ -375,10 +374,27 @@ def test_prepare_says_its_step_count_and_time_left(monkeypatch, capsys):
     assert ticks == [2, 4, 5]
 
 
-def test_prepare_takes_only_the_idle_cores():
-    """The build's threads: the cores other work leaves idle, at least one (2 threads on a 2-core
-    machine at load 10 were 2.5-3.5x slower than 1: docs/task.md), all of them (up to 16) when idle."""
-    build = prepare_mod.build_threads
-    assert build(2, 0.1) == 2 and build(2, None) == 2
-    assert build(2, 1.2) == 1 and build(2, 10.3) == 1
-    assert build(64, 0.0) == 16 and build(64, 60.0) == 4
+def test_prepare_gives_the_same_models_whatever_the_load(tmp_path, monkeypatch):
+    """The build runs at ``BUILD_THREADS`` torch threads whatever the caller's count and the
+    machine's load (issue 51: it took the idle cores, so two users with the same seed got models
+    that depended on their load at its start): a build from a process at 2 threads on 2 idle cores
+    and one at 1 thread at load 40 record the same thread count and give the same weights, and the
+    caller's count is restored."""
+    import os
+
+    import torch
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)  # 2 cores
+    before = torch.get_num_threads()
+    infos = []
+    try:
+        for threads, load in ((2, 0.0), (1, 40.0)):
+            monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+            torch.set_num_threads(threads)
+            infos.append(prepare("positive", home=tmp_path / f"t{threads}", seed=0, progress=False,
+                                 sizes=TINY).info)
+            assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(before)
+    assert infos[0]["threads"] == infos[1]["threads"] == prepare_mod.BUILD_THREADS
+    assert infos[0]["weights_sha256"] == infos[1]["weights_sha256"]
