@@ -398,3 +398,60 @@ def test_prepare_gives_the_same_models_whatever_the_load(tmp_path, monkeypatch):
         torch.set_num_threads(before)
     assert infos[0]["threads"] == infos[1]["threads"] == prepare_mod.BUILD_THREADS
     assert infos[0]["weights_sha256"] == infos[1]["weights_sha256"]
+
+
+# --- the shipped build (oppo.task.shipped) ----------------------------------------------------------
+
+
+def _no_training(monkeypatch):
+    """Any training or sampling of a build fails the test (an install must need none)."""
+    def trained(*args, **kwargs):
+        raise AssertionError("prepare trained or sampled a model")
+
+    for name in ("train_sft", "train_reward_model", "sample"):
+        monkeypatch.setattr(models, name, trained)
+
+
+def test_a_shipped_build_installs_exactly_without_training(builtin_home, tmp_path, monkeypatch):
+    """A build exported as the package ships it (weights as float16) installs into an empty home as
+    the very cache the build wrote (the float32 weights' hashes in prepare.json check out), with no
+    training; another seed, or a shipped copy that does not check out, is built instead."""
+    shipped = importlib.import_module("oppo.task.shipped")
+    ship = tmp_path / "shipped"
+    shipped.export(builtin_home.home / "positive", ship / "positive")
+    assert len(list(ship.rglob("model.fp16.safetensors"))) == 2 and not list(ship.rglob("model.safetensors"))
+    monkeypatch.setattr(shipped, "SHIPPED", ship)
+    _no_training(monkeypatch)
+    home = tmp_path / "home"
+    prep = prepare("positive", home=home, seed=0, progress=False, sizes=TINY)
+    assert prep.info["weights_sha256"] == builtin_home.prepared.info["weights_sha256"]
+    assert prepare_mod.verify(prep.root, prep.info["fingerprint"]) is None and "installed_from" in prep.info
+    assert prepare("positive", home=home, seed=0, progress=False, sizes=TINY).reused
+    with pytest.raises(AssertionError, match="trained"):  # not the shipped seed: built
+        prepare("positive", home=home, seed=1, progress=False, sizes=TINY)
+    weights = ship / "positive" / "reward" / "model.fp16.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-2:] = b"\x00\x7c"  # one weight changed (to +inf)
+    weights.write_bytes(bytes(data))
+    with pytest.raises(AssertionError, match="trained"):
+        prepare("positive", home=tmp_path / "home2", seed=0, progress=False, sizes=TINY)
+    assert not [p for p in (tmp_path / "home2").iterdir() if ".tmp-" in p.name]
+
+
+def test_export_refuses_weights_that_float16_does_not_hold(builtin_home, tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shipped = importlib.import_module("oppo.task.shipped")
+    root = tmp_path / "cache"
+    import shutil
+
+    shutil.copytree(builtin_home.home / "positive", root)
+    f = root / "policy" / "model.safetensors"
+    tensors = load_file(str(f))
+    name = next(iter(tensors))
+    tensors[name] = tensors[name] + torch.full_like(tensors[name], 1e-7)
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="not float16 values: rebuild"):
+        shipped.export(root, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
