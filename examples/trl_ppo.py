@@ -20,6 +20,11 @@ in TRL's own quick-start), and the trained model ends up in ``--output_dir`` its
 policy's (``--sft_model_path``), every prompt is trained (TRL holds the last 100 out for its
 completions table), and an existing ``--output_dir`` is refused, not deleted. ``--oppo
 section.key=value`` sets any other oppo setting.
+
+It runs as ``oppo train`` does (:func:`main`): Ctrl-C or SIGTERM finishes the step, writes a
+checkpoint and exits 130 / 143; the same command line plus ``--resume OUTPUT_DIR`` (TRL's
+``--resume_from_checkpoint``) continues. A long step prints a line a minute; errors are one
+message, naming the TRL flags typed.
 """
 
 from __future__ import annotations
