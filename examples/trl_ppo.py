@@ -32,7 +32,9 @@ from __future__ import annotations
 import argparse
 import math
 import shutil
+import signal
 import sys
+import threading
 from pathlib import Path
 
 import oppo
@@ -269,7 +271,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"trl_ppo: {line}", file=sys.stderr)
         resume = ["--resume", "auto" if a.resume.lower() in ("auto", "true") else a.resume] if a.resume else []
         # `oppo train`'s own command: the same run loop, signal handling, progress and messages
-        rc = cli.main(["train", *settings, *resume], signals=True)
+        handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            rc = cli.main(["train", *settings, *resume], signals=True)
+        finally:  # (main() called from Python: the caller's handlers again)
+            if threading.current_thread() is threading.main_thread():
+                for signum, handler in handlers.items():
+                    if handler is not None:  # (None: not set from Python)
+                        signal.signal(signum, handler)
     finally:
         sys.stderr = stderr
     if rc == 0 and save_model(Path(a.output_dir), _steps(settings)):

@@ -40,19 +40,6 @@ def test_trl_arguments_become_oppo_settings():
     assert len(said) == 1 and said[0].startswith("TRL's vf_coef=0.5 has no oppo setting")
 
 
-def test_port_trains_on_tiny_models(tiny_models, tiny_prompts, tmp_path, capsys):
-    out = tmp_path / "run"
-    assert _port().main(["--dataset_name", str(tiny_prompts), "--output_dir", str(out),
-                         "--sft_model_path", str(tiny_models["policy"]),
-                         "--reward_model_path", str(tiny_models["reward"]), "--per_device_train_batch_size", "4",
-                         "--total_episodes", "8", "--response_length", "6", "--num_ppo_epochs", "1",
-                         "--oppo", "overlap.mode=sequential", "--oppo", "placement.threads=1",
-                         "--oppo", "run.samples=0", "--oppo", "log.progress=false",
-                         "--oppo", "run.save_final=none"]) == 0
-    assert [m["step"] for m in read_metrics(out)] == [0, 1]
-    assert "done: 2 steps" in capsys.readouterr().out
-
-
 # the port as a command of its own (clirun: forked from the test's fork server)
 _PORT_CLI = ("import runpy, sys; sys.argv = ['examples/trl_ppo.py', *sys.argv[1:]]; "
              f"runpy.run_path({str(ROOT / 'examples' / 'trl_ppo.py')!r}, run_name='__main__')")
@@ -62,7 +49,8 @@ def test_port_stops_on_ctrl_c_with_a_checkpoint_and_resumes(tiny_models, tiny_pr
     """Ctrl-C (SIGINT to the process group, as a terminal sends it) during a step of the port: as
     ``oppo train``, the step finishes, a checkpoint is written, the exit status is 130 and the last
     line says how to continue, in the port's own command line; ``--resume`` continues from there,
-    each step logged once."""
+    each step logged once, to the end: the summary, and the model at the top of --output_dir.
+    (It is also the test that the port trains: the run and its resume go through it.)"""
     import os
     import signal
     import sys
@@ -106,6 +94,7 @@ def test_port_stops_on_ctrl_c_with_a_checkpoint_and_resumes(tiny_models, tiny_pr
                        "--resume", str(out)], env=_env(), timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert [r["step"] for r in _lines(out / "lengths.jsonl")] == list(range(step + 1)), "every step logged once"
+    assert f"done: {step + 1} steps" in done.stdout  # oppo train's summary
     assert (out / "model.safetensors").is_file(), "the trained model at the top of --output_dir, as TRL leaves it"
 
 
