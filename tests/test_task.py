@@ -455,3 +455,26 @@ def test_export_refuses_weights_that_float16_does_not_hold(builtin_home, tmp_pat
     with pytest.raises(ValueError, match="not float16 values: rebuild"):
         shipped.export(root, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_shipped_models_load_at_once_with_no_training(tmp_path, monkeypatch):
+    """With an empty ``$OPPO_HOME``, the built-in task's models (the default seed and sizes, what
+    ``oppo train`` asks for) come from the package: no training, a second or so, weight hashes
+    checked, the quality bars of docs/task.md held. Fails when the shipped build is stale (the task,
+    its sizes or PREPARE_VERSION changed): refresh it as oppo/task/shipped.py says."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    shipped = importlib.import_module("oppo.task.shipped")
+    fp = prepare_mod.fingerprint(get_task("positive"), 0, prepare_mod.default_sizes("positive"))
+    assert shipped.shipped_build("positive", fp) is not None, "the shipped build is stale: refresh it"
+    _no_training(monkeypatch)
+    monkeypatch.setenv("OPPO_HOME", str(tmp_path))
+    prep = prepare("positive", progress=False)
+    info = prep.info
+    assert prep.root == tmp_path / "positive" and "installed_from" in info
+    assert prepare_mod.verify(prep.root, fp) is None
+    assert info["sft_eos_rate"] >= 0.95 and info["length_ratio_p99_p50"] >= 4  # the long tail
+    assert info["rm_pairwise_accuracy"] >= 0.90
+    policy = AutoModelForCausalLM.from_pretrained(str(prep.policy_path))
+    assert policy.dtype == torch.float32 and prep.reward_path is not None
