@@ -1,6 +1,6 @@
 """The built-in task's prepared models, shipped with the package: a fresh machine's first
-``oppo train`` starts at once instead of building them (3.5 minutes on 2 idle cores, 21 under
-load: ``docs/task.md``).
+``oppo train`` starts at once instead of building them (minutes on idle cores, 50 on 2 cores
+busy with other jobs: ``docs/task.md``).
 
 ``oppo/task/shipped/<task>/`` holds one ``prepare`` build of the default seed and sizes as its
 cache directory holds it (``prepare.json``, prompts, tokenizers, model configs), with each
