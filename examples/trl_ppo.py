@@ -37,7 +37,6 @@ import sys
 import threading
 from pathlib import Path
 
-import oppo
 from oppo import from_trl
 
 # TRL's defaults (PPOConfig and the TrainingArguments it extends, TRL 1.12)
