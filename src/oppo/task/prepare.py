@@ -11,7 +11,9 @@ Layout under ``<home>/<task>/`` (``home``: argument, else ``$OPPO_HOME``, else `
 
 Idempotent: a cache whose ``prepare.json`` fingerprint matches (task, params, seed, sizes,
 ``PREPARE_VERSION``) and whose files check out (configs parse, weight hashes match) is reused;
-``force=True`` rebuilds. Atomic: the build happens in a temporary sibling directory that is
+``force=True`` rebuilds. A missing or stale cache whose fingerprint the package ships a build
+for (``oppo.task.shipped``: the default seed and sizes) is installed from it in about a second,
+its weight hashes checked as above; anything else is built. Atomic: the build happens in a temporary sibling directory that is
 renamed into place only when complete, so an interrupted prepare never leaves a cache that
 looks valid, and a failed rebuild leaves the previous cache untouched.
 
@@ -163,7 +165,8 @@ def _task_digest(task: Task) -> str:
 def prepare(task: str | Task = "positive", home: str | Path | None = None, seed: int = 0,
             force: bool = False, progress: bool = True, *,
             sizes: PrepareSizes | None = None) -> Prepared:
-    """Build (or reuse) the cache of ``task`` under ``<home>/<task>/``; see the module doc."""
+    """Build (or reuse, or install from the package's shipped build) the cache of ``task`` under
+    ``<home>/<task>/``; see the module doc. ``force``: build from scratch whatever is there."""
     task = get_task(task) if isinstance(task, str) else task
     sizes = sizes or default_sizes(task.name)
     home = Path(home) if home is not None else default_home()
