@@ -13,9 +13,10 @@ Idempotent: a cache whose ``prepare.json`` fingerprint matches (task, params, se
 ``PREPARE_VERSION``) and whose files check out (configs parse, weight hashes match) is reused;
 ``force=True`` rebuilds. A missing or stale cache whose fingerprint the package ships a build
 for (``oppo.task.shipped``: the default seed and sizes) is installed from it in about a second,
-its weight hashes checked as above; anything else is built. Atomic: the build happens in a temporary sibling directory that is
-renamed into place only when complete, so an interrupted prepare never leaves a cache that
-looks valid, and a failed rebuild leaves the previous cache untouched.
+its weight hashes checked as above; anything else is built. Atomic: the build happens in a
+temporary sibling directory that is renamed into place only when complete, so an interrupted
+prepare never leaves a cache that looks valid, and a failed rebuild leaves the previous cache
+untouched.
 
 Steps (positive): tokenizer -> SFT policy on the generated corpus -> sample the policy on eval
 prompts (EOS rate, length quantiles) -> preference pairs labelled by the judge (policy vs
