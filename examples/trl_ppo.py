@@ -20,6 +20,11 @@ in TRL's own quick-start), and the trained model ends up in ``--output_dir`` its
 policy's (``--sft_model_path``), every prompt is trained (TRL holds the last 100 out for its
 completions table), and an existing ``--output_dir`` is refused, not deleted. ``--oppo
 section.key=value`` sets any other oppo setting.
+
+It runs as ``oppo train`` does (:func:`main`): Ctrl-C or SIGTERM finishes the step, writes a
+checkpoint and exits 130 / 143; the same command line plus ``--resume OUTPUT_DIR`` (TRL's
+``--resume_from_checkpoint``) continues. A long step prints a line a minute; errors are one
+message, naming the TRL flags typed.
 """
 
 from __future__ import annotations
@@ -27,10 +32,11 @@ from __future__ import annotations
 import argparse
 import math
 import shutil
+import signal
 import sys
+import threading
 from pathlib import Path
 
-import oppo
 from oppo import from_trl
 
 # TRL's defaults (PPOConfig and the TrainingArguments it extends, TRL 1.12)
@@ -116,6 +122,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--stop_token", default=None, choices=[None, "eos"])  # eos: oppo's own (a response ends at EOS)
     add("--stop_token_id", type=int, default=None)
     add("--report_to", nargs="*", default=[])
+    add("--resume", "--resume_from_checkpoint", dest="resume", default=None, metavar="DIR",
+        help="Continue a stopped run: the --output_dir (or 'auto', or one of its checkpoints), with the same flags.")
     add("--oppo", action="append", default=[], metavar="SECTION.KEY=VALUE", help="Any other oppo setting.")
     return p.parse_args(argv)
 
@@ -180,21 +188,106 @@ def notes(a: argparse.Namespace) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
-    a = parse_args(argv)
-    n_prompts = None
-    if a.total_episodes is None:  # TRL's default: num_train_epochs over the prompts
-        from oppo.data import read_prompts
+# The oppo settings the port sets from TRL's flags, and the flags that set them: oppo's messages
+# (errors, the line that says how to resume) are shown with these, the flags the user typed.
+FLAG_OF = {
+    "policy.path": "--sft_model_path", "reward.path": "--reward_model_path", "data.prompts": "--dataset_name",
+    "data.split": "--dataset_train_split", "ppo.micro_batch_size": "--per_device_train_batch_size",
+    "ppo.epochs": "--num_ppo_epochs", "ppo.actor_lr": "--learning_rate", "ppo.critic_lr": "--learning_rate",
+    "ppo.kl_coef": "--kl_coef", "ppo.kl_estimator": "--kl_estimator", "ppo.clip_eps": "--cliprange",
+    "ppo.value_clip_eps": "--cliprange_value", "ppo.gamma": "--gamma", "ppo.lam": "--lam",
+    "ppo.max_grad_norm": "--max_grad_norm", "ppo.weight_decay": "--weight_decay",
+    "ppo.lr_warmup_steps": "--warmup_steps", "generation.max_new_tokens": "--response_length",
+    "generation.temperature": "--temperature", "run.seed": "--seed", "run.out_dir": "--output_dir",
+    "run.save_every": "--save_steps", "ppo.missing_eos_penalty": "--missing_eos_penalty",
+    "policy.trust_remote_code": "--trust_remote_code", "policy.gradient_checkpointing": "--gradient_checkpointing",
+    "lora.r": "--lora_r", "lora.alpha": "--lora_alpha", "lora.target_modules": "--lora_target_modules",
+    # set from several flags: named beside oppo's setting
+    "ppo.batch_size": "--per_device_train_batch_size x --gradient_accumulation_steps x --num_mini_batches",
+    "ppo.minibatch_size": "--per_device_train_batch_size x --gradient_accumulation_steps",
+    "run.steps": "--total_episodes / the batch",
+}
 
-        n_prompts = len(read_prompts(a.dataset_name, "prompt", a.dataset_train_split))
-    for line in notes(a):
-        print(f"trl_ppo: {line}", file=sys.stderr)
-    cfg = oppo.load_config(overrides=overrides(a, n_prompts))
-    run_dir = oppo.train(cfg)
-    saved = save_model(run_dir, cfg.run.steps)
-    if saved:
-        print(f"trl_ppo: the trained model is in {run_dir} (as TRL's save_model leaves it)", file=sys.stderr)
-    return 0
+
+def in_flags(text: str, a: argparse.Namespace, prog: str = "examples/trl_ppo.py") -> str:
+    """``text`` (a message of oppo's) in the port's terms: an oppo setting set from a TRL flag is
+    named by the flag (``policy.path='x'`` -> ``--sft_model_path 'x'``; one set from several flags
+    keeps its name and says which), except where the user set it with ``--oppo``; and the command
+    that continues a run is this script's, with ``--resume``."""
+    import re
+
+    own = {o.partition("=")[0].strip() for o in a.oppo}
+    text = re.sub(r"oppo train --resume (\S+) \(and the same settings\)",
+                  rf"python {prog} with the same flags and --resume \1", text)
+    for key in sorted(FLAG_OF, key=len, reverse=True):
+        if key in own:
+            continue
+        flag = FLAG_OF[key]
+        pattern = rf"(?<![\w.-]){re.escape(key)}(?![\w])(=)?"
+        if " " in flag:  # several flags
+            text = re.sub(pattern + r"(\S*)", lambda m: f"{key}{m.group(1) or ''}{m.group(2)} (from {flag})"
+                          if m.group(1) else f"{key} (from {flag})", text)
+        else:
+            text = re.sub(pattern, lambda m: f"{flag} " if m.group(1) else flag, text)
+    return text
+
+
+class _InFlags:
+    """A text stream that writes what it is given :func:`in_flags` (``sys.stderr`` during the run:
+    oppo's errors, stop and resume lines, in the flags the user typed)."""
+
+    def __init__(self, stream, a: argparse.Namespace) -> None:
+        self._stream, self._a = stream, a
+
+    def write(self, text: str) -> int:
+        return self._stream.write(in_flags(text, self._a))
+
+    def __getattr__(self, name: str):  # flush, isatty, fileno, encoding: the stream's own
+        return getattr(self._stream, name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Train as ``oppo train`` does (``oppo.cli.main``): SIGTERM or Ctrl-C finishes the step, writes a
+    checkpoint and exits 143 / 130 with the command that continues (``--resume``); a long step says
+    where it is (``oppo.run.heartbeat``); errors are oppo's one-line messages, not a traceback, with
+    the TRL flags in place of the oppo settings they set. Returns the exit status."""
+    from oppo import cli
+
+    a = parse_args(argv)
+    stderr, sys.stderr = sys.stderr, _InFlags(sys.stderr, a)  # (restored below)
+    try:
+        try:
+            n_prompts = None
+            if a.total_episodes is None:  # TRL's default: num_train_epochs over the prompts
+                from oppo.data import read_prompts
+
+                n_prompts = len(read_prompts(a.dataset_name, "prompt", a.dataset_train_split))
+            settings = overrides(a, n_prompts)
+        except (ValueError, FileNotFoundError) as e:
+            print(f"trl_ppo: error: {e}", file=sys.stderr)
+            return 2
+        for line in notes(a):
+            print(f"trl_ppo: {line}", file=sys.stderr)
+        resume = ["--resume", "auto" if a.resume.lower() in ("auto", "true") else a.resume] if a.resume else []
+        # `oppo train`'s own command: the same run loop, signal handling, progress and messages
+        handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            rc = cli.main(["train", *settings, *resume], signals=True)
+        finally:  # (main() called from Python: the caller's handlers again)
+            if threading.current_thread() is threading.main_thread():
+                for signum, handler in handlers.items():
+                    if handler is not None:  # (None: not set from Python)
+                        signal.signal(signum, handler)
+    finally:
+        sys.stderr = stderr
+    if rc == 0 and save_model(Path(a.output_dir), _steps(settings)):
+        print(f"trl_ppo: the trained model is in {a.output_dir} (as TRL's save_model leaves it)", file=sys.stderr)
+    return rc
+
+
+def _steps(settings: list[str]) -> int:
+    """run.steps among ``settings`` (the last one given)."""
+    return int([s for s in settings if s.replace(" ", "").startswith("run.steps=")][-1].partition("=")[2])
 
 
 def save_model(run_dir: Path, steps: int) -> bool:

@@ -40,17 +40,77 @@ def test_trl_arguments_become_oppo_settings():
     assert len(said) == 1 and said[0].startswith("TRL's vf_coef=0.5 has no oppo setting")
 
 
-def test_port_trains_on_tiny_models(tiny_models, tiny_prompts, tmp_path, capsys):
+# the port as a command of its own (clirun: forked from the test's fork server)
+_PORT_CLI = ("import runpy, sys; sys.argv = ['examples/trl_ppo.py', *sys.argv[1:]]; "
+             f"runpy.run_path({str(ROOT / 'examples' / 'trl_ppo.py')!r}, run_name='__main__')")
+
+
+def test_port_stops_on_ctrl_c_with_a_checkpoint_and_resumes(tiny_models, tiny_prompts, tmp_path):
+    """Ctrl-C (SIGINT to the process group, as a terminal sends it) during a step of the port: as
+    ``oppo train``, the step finishes, a checkpoint is written, the exit status is 130 and the last
+    line says how to continue, in the port's own command line; ``--resume`` continues from there,
+    each step logged once, to the end: the summary, and the model at the top of --output_dir.
+    (It is also the test that the port trains: the run and its resume go through it.)"""
+    import os
+    import signal
+    import sys
+    import time
+
+    import clirun
+
+    from oppo.checkpoint import latest_checkpoint
+    from test_kill_resume import _env, _lines
+
     out = tmp_path / "run"
-    assert _port().main(["--dataset_name", str(tiny_prompts), "--output_dir", str(out),
-                         "--sft_model_path", str(tiny_models["policy"]),
-                         "--reward_model_path", str(tiny_models["reward"]), "--per_device_train_batch_size", "4",
-                         "--total_episodes", "8", "--response_length", "6", "--num_ppo_epochs", "1",
-                         "--oppo", "overlap.mode=sequential", "--oppo", "placement.threads=1",
-                         "--oppo", "run.samples=0", "--oppo", "log.progress=false",
-                         "--oppo", "run.save_final=none"]) == 0
-    assert [m["step"] for m in read_metrics(out)] == [0, 1]
-    assert "done: 2 steps" in capsys.readouterr().out
+    flags = ["--dataset_name", str(tiny_prompts), "--output_dir", str(out), "--sft_model_path",
+             str(tiny_models["policy"]), "--reward_model_path", str(tiny_models["reward"]),
+             "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2", "--num_ppo_epochs", "1",
+             "--response_length", "8", "--oppo", "placement.threads=1", "--oppo", "run.samples=0",
+             "--oppo", "log.progress=false"]
+    proc = clirun.Popen([sys.executable, "-c", _PORT_CLI, *flags, "--total_episodes", "400000"], env=_env(),
+                        start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not _lines(out / "lengths.jsonl") and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proc.poll() is None, f"the port ended early: {proc.stderr.read()[-2000:]}"
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err
+    ckpt = latest_checkpoint(out)
+    assert ckpt is not None, "no checkpoint written on Ctrl-C"
+    step = json.loads((ckpt / "state.json").read_text())["step"]
+    assert [r["step"] for r in _lines(out / "lengths.jsonl")] == list(range(step))
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"oppo: stopped by SIGINT after {step} of 100000 steps: checkpoint {ckpt}"), last
+    assert last.endswith(f"python examples/trl_ppo.py with the same flags and --resume {out}."), last
+
+    done = clirun.run([sys.executable, "-c", _PORT_CLI, *flags, "--total_episodes", str(4 * (step + 1)),
+                       "--resume", str(out)], env=_env(), timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [r["step"] for r in _lines(out / "lengths.jsonl")] == list(range(step + 1)), "every step logged once"
+    assert f"done: {step + 1} steps" in done.stdout  # oppo train's summary
+    assert (out / "model.safetensors").is_file(), "the trained model at the top of --output_dir, as TRL leaves it"
+
+
+def test_port_errors_name_the_flags_typed():
+    """oppo's messages in the port name the TRL flag that set a setting (one set from several flags
+    says which), except a setting the user gave with --oppo; the resume command is the port's."""
+    port = _port()
+    a = port.parse_args(["--dataset_name", "p.jsonl", "--output_dir", "out", "--oppo", "generation.max_new_tokens=9"])
+    said = port.in_flags("policy.path='x/y' is not in the cache: give policy.path=/local/dir. ppo.batch_size=8 "
+                         "and run.out_dir; generation.max_new_tokens=9; oppo train --resume out (and the same "
+                         "settings).", a)
+    assert said == ("--sft_model_path 'x/y' is not in the cache: give --sft_model_path /local/dir. ppo.batch_size=8 "
+                    "(from --per_device_train_batch_size x --gradient_accumulation_steps x --num_mini_batches) and "
+                    "--output_dir; generation.max_new_tokens=9; python examples/trl_ppo.py with the same flags and "
+                    "--resume out.")
+    assert port.in_flags("ppo.policy.pathology", a) == "ppo.policy.pathology"  # names, not parts of names
 
 
 # TRL's documented PPO command lines (docs/source/ppo_trainer.md, examples/scripts/ppo/ppo.py and

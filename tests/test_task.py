@@ -264,7 +264,6 @@ def test_prepare_reuses_a_valid_cache(builtin_home):
 
 
 def test_prepare_force_and_stale_caches_rebuild(tmp_path, monkeypatch):
-    monkeypatch.setattr(prepare_mod, "_load_average", lambda: 0.0)  # one thread count for both builds
     first = prepare("positive", home=tmp_path, seed=0, progress=False, sizes=TINY)
     forced = prepare("positive", home=tmp_path, seed=0, progress=False, sizes=TINY, force=True)
     assert not forced.reused and forced.info["fingerprint"] == first.info["fingerprint"]
@@ -375,10 +374,105 @@ def test_prepare_says_its_step_count_and_time_left(monkeypatch, capsys):
     assert ticks == [2, 4, 5]
 
 
-def test_prepare_takes_only_the_idle_cores():
-    """The build's threads: the cores other work leaves idle, at least one (2 threads on a 2-core
-    machine at load 10 were 2.5-3.5x slower than 1: docs/task.md), all of them (up to 16) when idle."""
-    build = prepare_mod.build_threads
-    assert build(2, 0.1) == 2 and build(2, None) == 2
-    assert build(2, 1.2) == 1 and build(2, 10.3) == 1
-    assert build(64, 0.0) == 16 and build(64, 60.0) == 4
+def test_prepare_gives_the_same_models_whatever_the_load(builtin_home, tmp_path, monkeypatch):
+    """The build runs at ``BUILD_THREADS`` torch threads whatever the caller's count and the
+    machine's load (issue 51: it took the idle cores, so two users with the same seed got models
+    that depended on their load at its start): a build from a process at 2 threads on 2 idle cores
+    records the same thread count and gives the same weights as the session's build (one core,
+    whatever load the machine has), and the caller's count is restored."""
+    import os
+
+    import torch
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)  # 2 cores
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))  # idle
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        info = prepare("positive", home=tmp_path, seed=0, progress=False, sizes=TINY).info
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    first = builtin_home.prepared.info
+    assert info["threads"] == first["threads"] == prepare_mod.BUILD_THREADS
+    assert info["weights_sha256"] == first["weights_sha256"]
+
+
+# --- the shipped build (oppo.task.shipped) ----------------------------------------------------------
+
+
+def _no_training(monkeypatch):
+    """Any training or sampling of a build fails the test (an install must need none)."""
+    def trained(*args, **kwargs):
+        raise AssertionError("prepare trained or sampled a model")
+
+    for name in ("train_sft", "train_reward_model", "sample"):
+        monkeypatch.setattr(models, name, trained)
+
+
+def test_a_shipped_build_installs_exactly_without_training(builtin_home, tmp_path, monkeypatch):
+    """A build exported as the package ships it (weights as float16) installs into an empty home as
+    the very cache the build wrote (the float32 weights' hashes in prepare.json check out), with no
+    training; another seed, or a shipped copy that does not check out, is built instead."""
+    shipped = importlib.import_module("oppo.task.shipped")
+    ship = tmp_path / "shipped"
+    shipped.export(builtin_home.home / "positive", ship / "positive")
+    assert len(list(ship.rglob("model.fp16.safetensors"))) == 2 and not list(ship.rglob("model.safetensors"))
+    monkeypatch.setattr(shipped, "SHIPPED", ship)
+    _no_training(monkeypatch)
+    home = tmp_path / "home"
+    prep = prepare("positive", home=home, seed=0, progress=False, sizes=TINY)
+    assert prep.info["weights_sha256"] == builtin_home.prepared.info["weights_sha256"]
+    assert prepare_mod.verify(prep.root, prep.info["fingerprint"]) is None and "installed_from" in prep.info
+    assert prepare("positive", home=home, seed=0, progress=False, sizes=TINY).reused
+    with pytest.raises(AssertionError, match="trained"):  # not the shipped seed: built
+        prepare("positive", home=home, seed=1, progress=False, sizes=TINY)
+    weights = ship / "positive" / "reward" / "model.fp16.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-2:] = b"\x00\x7c"  # one weight changed (to +inf)
+    weights.write_bytes(bytes(data))
+    with pytest.raises(AssertionError, match="trained"):
+        prepare("positive", home=tmp_path / "home2", seed=0, progress=False, sizes=TINY)
+    assert not [p for p in (tmp_path / "home2").iterdir() if ".tmp-" in p.name]
+
+
+def test_export_refuses_weights_that_float16_does_not_hold(builtin_home, tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shipped = importlib.import_module("oppo.task.shipped")
+    root = tmp_path / "cache"
+    import shutil
+
+    shutil.copytree(builtin_home.home / "positive", root)
+    f = root / "policy" / "model.safetensors"
+    tensors = load_file(str(f))
+    name = next(iter(tensors))
+    tensors[name] = tensors[name] + torch.full_like(tensors[name], 1e-7)
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="not float16 values: rebuild"):
+        shipped.export(root, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_shipped_models_load_at_once_with_no_training(tmp_path, monkeypatch):
+    """With an empty ``$OPPO_HOME``, the built-in task's models (the default seed and sizes, what
+    ``oppo train`` asks for) come from the package: no training, a second or so, weight hashes
+    checked, the quality bars of docs/task.md held. Fails when the shipped build is stale (the task,
+    its sizes or PREPARE_VERSION changed): refresh it as oppo/task/shipped.py says."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    shipped = importlib.import_module("oppo.task.shipped")
+    fp = prepare_mod.fingerprint(get_task("positive"), 0, prepare_mod.default_sizes("positive"))
+    assert shipped.shipped_build("positive", fp) is not None, "the shipped build is stale: refresh it"
+    _no_training(monkeypatch)
+    monkeypatch.setenv("OPPO_HOME", str(tmp_path))
+    prep = prepare("positive", progress=False)
+    info = prep.info
+    assert prep.root == tmp_path / "positive" and "installed_from" in info
+    assert prepare_mod.verify(prep.root, fp) is None
+    assert info["sft_eos_rate"] >= 0.95 and info["length_ratio_p99_p50"] >= 4  # the long tail
+    assert info["rm_pairwise_accuracy"] >= 0.90
+    policy = AutoModelForCausalLM.from_pretrained(str(prep.policy_path))
+    assert policy.dtype == torch.float32 and prep.reward_path is not None

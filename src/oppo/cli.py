@@ -223,8 +223,12 @@ def _interrupted(e: KeyboardInterrupt, command: str) -> int:
     return 128 + signum
 
 
-def main(argv: list[str] | None = None) -> int:
-    if argv is None:  # the `oppo` command itself (not a call from Python, whose signals are the caller's)
+def main(argv: list[str] | None = None, *, signals: bool | None = None) -> int:
+    """Run the command ``argv`` (default: this process's arguments). ``signals``: SIGTERM and Ctrl-C
+    stop a run at a step boundary (:func:`_terminate_like_ctrl_c`); by default only for the ``oppo``
+    command itself (``argv`` None), not for a call from Python, whose signals are the caller's. A
+    script that runs a command as its own process passes True (``examples/trl_ppo.py``)."""
+    if argv is None if signals is None else signals:
         _terminate_like_ctrl_c()
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:

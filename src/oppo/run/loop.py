@@ -15,6 +15,7 @@ from ..config import Config, to_dict
 from ..metrics import MetricsLogger, ProgressBar
 from .dirs import point_link
 from .files import earlier_spans, keep_lines_before
+from .heartbeat import step_heartbeat
 from .lines import print_samples
 from .stop import STOP, Preempted
 
@@ -59,7 +60,8 @@ def _steps(trainer: Trainer, run_dir: Path, link: Path | None, logger: MetricsLo
     saved_at = time.monotonic()  # run.save_every_minutes counts from the start (or the resume)
     while trainer.step < cfg.run.steps and STOP.signum is None:  # (a stop asked during a save)
         step = trainer.step
-        metrics = trainer.run_step()
+        with step_heartbeat(step, bar.note, trainer.tracer):  # a line a minute while a step runs long
+            metrics = trainer.run_step()
         res = trainer.last_result
         assert res is not None and res.exp.scores is not None  # run_step's trained, scored batch
         if trainer.step >= cfg.run.steps:  # the last step is done: a signal from now on waits for the final

@@ -11,9 +11,12 @@ Layout under ``<home>/<task>/`` (``home``: argument, else ``$OPPO_HOME``, else `
 
 Idempotent: a cache whose ``prepare.json`` fingerprint matches (task, params, seed, sizes,
 ``PREPARE_VERSION``) and whose files check out (configs parse, weight hashes match) is reused;
-``force=True`` rebuilds. Atomic: the build happens in a temporary sibling directory that is
-renamed into place only when complete, so an interrupted prepare never leaves a cache that
-looks valid, and a failed rebuild leaves the previous cache untouched.
+``force=True`` rebuilds. A missing or stale cache whose fingerprint the package ships a build
+for (``oppo.task.shipped``: the default seed and sizes) is installed from it in about a second,
+its weight hashes checked as above; anything else is built. Atomic: the build happens in a
+temporary sibling directory that is renamed into place only when complete, so an interrupted
+prepare never leaves a cache that looks valid, and a failed rebuild leaves the previous cache
+untouched.
 
 Steps (positive): tokenizer -> SFT policy on the generated corpus -> sample the policy on eval
 prompts (EOS rate, length quantiles) -> preference pairs labelled by the judge (policy vs
@@ -47,8 +50,9 @@ from oppo.task.registry import Task, get_task
 from oppo.task.text import detokenize
 from oppo.task.tokenizer import BOS_ID, build_tokenizer
 
-PREPARE_VERSION = 1
-"""Bump when the build changes in a way that makes old caches stale."""
+PREPARE_VERSION = 2
+"""Bump when the build changes in a way that makes old caches stale. 2: one thread whatever the
+load (:data:`BUILD_THREADS`), weights rounded to float16 (:func:`_round_to_fp16`)."""
 
 
 @dataclass(frozen=True)
@@ -162,7 +166,8 @@ def _task_digest(task: Task) -> str:
 def prepare(task: str | Task = "positive", home: str | Path | None = None, seed: int = 0,
             force: bool = False, progress: bool = True, *,
             sizes: PrepareSizes | None = None) -> Prepared:
-    """Build (or reuse) the cache of ``task`` under ``<home>/<task>/``; see the module doc."""
+    """Build (or reuse, or install from the package's shipped build) the cache of ``task`` under
+    ``<home>/<task>/``; see the module doc. ``force``: build from scratch whatever is there."""
     task = get_task(task) if isinstance(task, str) else task
     sizes = sizes or default_sizes(task.name)
     home = Path(home) if home is not None else default_home()
@@ -177,6 +182,10 @@ def prepare(task: str | Task = "positive", home: str | Path | None = None, seed:
                 log(f"reusing {root} (fingerprint {fp})")
                 return _prepared(task, root, json.loads((root / "prepare.json").read_text()),
                                  reused=True)
+            _remove_stale_tmp(home, task.name)
+            installed = _install_shipped(task, fp, home, root, log)
+            if installed is not None:
+                return installed
             if root.exists():
                 log(f"rebuilding {root}: {problem}")
         _remove_stale_tmp(home, task.name)
@@ -190,6 +199,35 @@ def prepare(task: str | Task = "positive", home: str | Path | None = None, seed:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     log(f"done in {info['seconds']:.0f}s: {root}")
+    return _prepared(task, root, info, reused=False)
+
+
+def _install_shipped(task: Task, fp: str, home: Path, root: Path, log: _Log) -> Prepared | None:
+    """The package's shipped build of ``task`` installed as the cache ``root`` (seconds, no
+    training: ``oppo.task.shipped``), or None where none is shipped for ``fp`` or it does not check
+    out (then ``prepare`` builds; said in the log)."""
+    from oppo.task import shipped
+
+    src = shipped.shipped_build(task.name, fp)
+    if src is None:
+        return None
+    t0 = time.time()
+    tmp = home / f".{task.name}.tmp-{os.getpid()}-{time.time_ns()}"
+    tmp.mkdir()
+    try:
+        shipped.install(src, tmp)
+        problem = verify(tmp, fp)
+        if problem is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+            log(f"the shipped build of {task.name!r} does not check out ({problem}); building it instead")
+            return None
+        _swap_into_place(tmp, root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    info = json.loads((root / "prepare.json").read_text())
+    log(f"installed the shipped {task.name!r} models into {root} in {time.time() - t0:.1f}s (fingerprint {fp}, "
+        f"weight hashes checked); `oppo prepare --force` builds them from scratch")
     return _prepared(task, root, info, reused=False)
 
 
@@ -229,12 +267,10 @@ def _build(task: Task, out: Path, seed: int, sizes: PrepareSizes, fp: str, log: 
     t0 = time.time()
     cpu0 = time.process_time()
     log.phases = 4 if task.uses_reward_model else 2
-    busy = _load_average()
-    why = f": the machine is busy, load {busy:.1f}" if busy is not None and torch.get_num_threads() < min(
-        os.cpu_count() or 1, 16) else ""
     n = torch.get_num_threads()
-    log(f"preparing task {task.name!r} (seed {seed}, {n} thread{'s' if n > 1 else ''}{why}) "
-        f"into {out.parent / task.name}; {log.phases} phases")
+    log(f"preparing task {task.name!r} (seed {seed}, {n} thread{'s' if n > 1 else ''}, whatever the "
+        f"load: the same models on every machine of this kind) into {out.parent / task.name}; "
+        f"{log.phases} phases")
     tokenizer = build_tokenizer(task.vocabulary(), model_max_length=sizes.model.max_positions)
     vocab = tokenizer.get_vocab()
     tokenizer.save_pretrained(str(out / "tokenizer"))
@@ -272,6 +308,7 @@ def _build(task: Task, out: Path, seed: int, sizes: PrepareSizes, fp: str, log: 
                             lr=sizes.sft_lr, seed=_sub(seed, 5), progress=log.enabled,
                             tick=log.work(sizes.sft_steps, "step"))
     sft_seconds = time.time() - t
+    _round_to_fp16(policy, "SFT policy")
     _save_model(policy, tokenizer, out / "policy", log.enabled)
 
     # 2. SFT metrics: samples at temperature 1 on the held-out prompts.
@@ -370,6 +407,7 @@ def _build_reward_model(task: Task, policy, tokenizer, ids, out: Path, seed: int
     raw_std = _std(M.reward_model_scores(rm, seqs))
     with torch.no_grad():
         rm.score.weight.div_(max(raw_std, 1e-6))
+    _round_to_fp16(rm, "reward model")
     _save_model(rm, tokenizer, out, log.enabled)
 
     # Held-out pairwise accuracy, overall and by kind of pair.
@@ -563,6 +601,20 @@ def _save_model(model, tokenizer, path: Path, progress: bool) -> None:
     tokenizer.save_pretrained(str(path))
 
 
+def _round_to_fp16(model: torch.nn.Module, name: str) -> None:
+    """Round every weight to the nearest float16 (kept as float32), before the model is measured
+    and saved: the shipped copy stores float16 (half the bytes, ``oppo.task.shipped``) and turns
+    back into exactly the float32 file this build writes, and every metric in ``prepare.json``
+    is of the weights a run loads. The weights of these models are far inside float16's range."""
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            half = p.to(torch.float16)
+            if not torch.isfinite(half).all():
+                raise RuntimeError(f"{name}: weight {pname} does not fit in float16 (largest "
+                                   f"{p.abs().max().item():.3g}); the build went wrong")
+            p.copy_(half)
+
+
 def _quantile(sorted_values: list[int], q: float) -> int:
     return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
 
@@ -621,36 +673,25 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def build_threads(cores: int, load: float | None) -> int:
-    """Torch threads for the build: the cores this process may run on (at most 16) that other
-    work leaves idle (``load``: the 1-minute load average, None where unknown), at least 1.
+BUILD_THREADS = 1
+"""Torch intra-op threads of the build, whatever the machine and its load.
 
-    The models are tiny, so their matmuls split across threads sync often: on a 2-core machine
-    that other jobs keep busy (load 10), 2 threads spun against each other and against them, and 15
-    SFT steps took 139-189 s wall and 46-61 s CPU, against 53-56 s and 12 s with 1 thread
-    (torch 2.13 CPU). On idle cores the threads pay (docs/task.md: 212 s with 2)."""
-    most = max(1, min(cores, 16))
-    if load is None:
-        return most
-    return max(1, min(most, int(cores - load + 0.5)))
-
-
-def _load_average() -> float | None:
-    try:
-        return os.getloadavg()[0]
-    except (AttributeError, OSError):  # not POSIX
-        return None
+Fixed so that the models depend on the seed alone: torch's CPU reductions split their work
+across threads, so a sum (a loss, a gradient norm) rounds differently at another thread count
+(``torch.randn(4_000_000).sum()`` at 1 and 2 threads differs in its 6th digit, torch 2.13 CPU),
+and 700 steps of training carry that into other weights. The build took the idle cores before,
+so two users with the same seed got different models depending on their machine's load at the
+start (issue 51). One thread, because the models are tiny and their matmuls sync often: on the
+2-core machine busy with other jobs, 15 SFT steps took 139-189 s wall with 2 threads against
+53-56 s with 1; on idle cores 2 threads were faster (docs/task.md). The shipped models
+(``oppo.task.shipped``) make the build rare."""
 
 
 @contextlib.contextmanager
 def _threads():
-    """Use the idle cores this process may run on (:func:`build_threads`), then restore."""
+    """The build's :data:`BUILD_THREADS`, then the caller's count again."""
     before = torch.get_num_threads()
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    torch.set_num_threads(build_threads(cores, _load_average()))
+    torch.set_num_threads(BUILD_THREADS)
     try:
         yield
     finally:
