@@ -54,7 +54,7 @@ def test_an_old_name_on_the_command_line_names_the_new_one(old, new):
     special = {"lora_sync": "merged", "learner": "replicate", "address": "auto", "weight_sync": "object_store",
                "spread": "true", "name": "ray", "backend": "eager"}
     leaf_name = new.rsplit(".", 1)[1]
-    value = special.get(leaf_name) or ("true" if new.endswith(("process", "worker")) else "1")
+    value = special.get(leaf_name) or ("true" if new.endswith(("process", "worker", "normalize")) else "1")
     extra = ["placement.name=ray"] if ".ray." in new else []
     with pytest.raises(ConfigError, match=f"{old} is now {new}"):
         load_config(None, [f"{old}={value}", *extra])
