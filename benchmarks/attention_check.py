@@ -26,7 +26,6 @@ or on any error; a refused fast path is a finding, not a failure.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 import time
@@ -68,13 +67,7 @@ def learner(dev: torch.device, dtype: torch.dtype, tiny: bool, say) -> dict:
     notes = []
     if dev.type != "cuda":
         notes.append("oppo_sdpa_cudnn, oppo_sdpa_efficient: skipped: no CUDA")
-    if importlib.util.find_spec("oppo.varlen") is not None:
-        varlen = importlib.import_module("oppo.varlen")
-        if hasattr(varlen, "register"):
-            varlen.register()
-        paths.append(attention.VARLEN)
-    else:
-        notes.append(f"{attention.VARLEN}: skipped: no oppo.varlen in this checkout")
+    paths.append(attention.VARLEN)  # packed rows by their offsets (oppo.varlen; a stand-in kernel off CUDA)
     t = time.time()
     got = attention.measure(model, rows, widths, [REFERENCE, *paths], repeats=5, dtype=dtype if dtype != torch.float32
                             else None)
@@ -85,7 +78,8 @@ def learner(dev: torch.device, dtype: torch.dtype, tiny: bool, say) -> dict:
                                       torch.version.cuda)
         if why is not None:
             refused["oppo_sdpa_cudnn"] = why
-    every = {k: v for k, v in got.items() if k != "sdpa"}  # (auto's candidates: sdpa is GQA's copying twin)
+    every = {k: v for k, v in got.items() if k not in ("sdpa", attention.VARLEN)}  # (auto's candidates: sdpa is
+    # GQA's copying twin; the variable-length path is no choice of auto: packed forwards take it by themselves)
     return {"rows": rows, "widths": widths, "paths": {k: (v.__dict__ if isinstance(v, Measured) else v)
                                                        for k, v in got.items()},
             "verdicts": attention.decide(got, refused)[1], "auto": attention.decide(every, refused)[0],

@@ -178,3 +178,30 @@ def test_tuner_unreadable_format_refused_before_models_load(tmp_path, monkeypatc
     assert advice.startswith("policy.path=")
     fresh = MAKE.settings("oppo", "fresh", 1) + [advice]
     assert plan_run(load_config(None, fresh)).checkpoint is None
+
+
+def test_a_built_in_task_run_whose_models_were_rebuilt_is_told_what_to_do(tmp_path, monkeypatch):
+    """A run of the built-in task made by the previous release trained against that release's build of
+    the task's models; this release builds them anew (``PREPARE_VERSION``), so a resume is refused, and
+    the message says why and what to do (not "restore the files": oppo replaced them itself)."""
+    import json
+    from types import SimpleNamespace
+
+    from oppo.checkpoint import MODELS_FILE, check_models
+    from oppo.config import Config
+    from oppo.models import ModelLoadError
+
+    monkeypatch.setenv("OPPO_HOME", str(tmp_path / "home"))
+    reward = str(tmp_path / "home" / "positive" / "reward")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / MODELS_FILE).write_text(json.dumps({"reward": {"path": reward, "fingerprint": "w1:aaaa"}}))
+    trainer = SimpleNamespace(cfg=Config(), fingerprints={"reward": {"path": reward, "fingerprint": "w1:bbbb"}})
+    with pytest.raises(ModelLoadError, match="built-in task's, which this release of oppo builds anew.*"
+                                             "run.allow_changed_models=true"):
+        check_models(trainer, ckpt)
+    mine = str(tmp_path / "mine" / "reward")  # a user's own model that changed: restore it
+    (ckpt / MODELS_FILE).write_text(json.dumps({"reward": {"path": mine, "fingerprint": "w1:aaaa"}}))
+    trainer.fingerprints = {"reward": {"path": mine, "fingerprint": "w1:bbbb"}}
+    with pytest.raises(ModelLoadError, match="Restore the original files at that path"):
+        check_models(trainer, ckpt)

@@ -373,11 +373,21 @@ def measure(model: torch.nn.Module, rows: int, widths: list[int], paths: list[st
     vocab = int(getattr(getattr(model, "config", None), "vocab_size", 16) or 16)
     trains = any(p.requires_grad for p in backbone.parameters())
 
+    offsets_of = {"on": False}
+
     def call(width: int):
         ids, pos, real = _rows(vocab, rows, width, dev)
         x = embed(ids).detach().requires_grad_(True)
+        extra = {}
+        if offsets_of["on"]:  # the variable-length path: the rows' sequences and padding run by their offsets
+            from . import varlen
+
+            pad = max(1, width // 8)
+            a = (width - pad) // 2
+            cuts = [r * width + c for r in range(rows) for c in (0, a, width - pad)] + [rows * width]
+            extra = varlen.forward_kwargs(tuple(cuts), rows, width, dev)
         with torch.autocast(dev.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-            hidden = backbone(inputs_embeds=x, position_ids=pos, use_cache=False).last_hidden_state
+            hidden = backbone(inputs_embeds=x, position_ids=pos, use_cache=False, **extra).last_hidden_state
         loss = (hidden.float().square().mean(-1) * real).sum() / real.sum()  # padding takes no part
         loss.backward()
         return hidden.detach()[real].float(), x.grad[real].float()
@@ -392,7 +402,16 @@ def measure(model: torch.nn.Module, rows: int, widths: list[int], paths: list[st
     try:
         for name in [REFERENCE, *[p for p in paths if p != REFERENCE]]:
             try:
-                set_path(model, name)
+                offsets_of["on"] = name == VARLEN
+                if name == VARLEN:  # packed rows by their offsets on oppo's variable-length kernel (oppo.varlen),
+                    from . import varlen  # the masked forwards on GQA's path
+
+                    set_path(model, GQA)
+                    if not varlen.use(backbone):
+                        out[name] = "its attention cannot take sequence offsets"
+                        continue
+                else:
+                    set_path(model, name)
                 with torch.autocast(dev.type, dtype=dtype or torch.float32, enabled=dtype is not None):
                     why = _packing_fails(backbone)  # (in the compute dtype: cuDNN takes no fp32 masters)
                 if why is not None:

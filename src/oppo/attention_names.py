@@ -3,8 +3,6 @@ of oppo and no torch: the settings check (``config.validate``) reads them before
 
 from __future__ import annotations
 
-import importlib.util
-
 SDPA_BACKENDS = {"oppo_sdpa_cudnn": "CUDNN_ATTENTION", "oppo_sdpa_efficient": "EFFICIENT_ATTENTION",
                  "oppo_sdpa_math": "MATH"}
 """oppo's SDPA paths pinned to one backend (``torch.nn.attention.SDPBackend`` names)."""
@@ -13,7 +11,9 @@ GQA = "oppo_sdpa_gqa"
 REFERENCE = "oppo_sdpa_math"
 """The path every probed path's gradients are checked against."""
 VARLEN = "oppo_varlen"
-"""Packed rows on variable-length attention: registered by ``oppo.varlen`` (named here for the settings check)."""
+"""Packed rows on variable-length attention (``oppo.varlen``): not a value of ``ppo.attention``, since a model
+whose path can take sequence offsets runs its packed forwards on it by itself (``forward.row_plan``); the
+attention check measures it under this name."""
 MODES = ("auto", "inherit")
 CUDA_CANDIDATES = (GQA, "oppo_sdpa_cudnn", "oppo_sdpa_efficient")
 """The paths ``auto`` probes on CUDA, beside :data:`REFERENCE` (``oppo.attention.candidates``)."""
@@ -23,8 +23,7 @@ TRANSFORMERS_PATHS = ("eager", "sdpa", "flex_attention", "flash_attention_2", "f
 
 def names() -> tuple[str, ...]:
     """Every value ``ppo.attention`` takes by name (a hub kernel ``org/repo`` besides)."""
-    varlen = (VARLEN,) if importlib.util.find_spec("oppo.varlen") is not None else ()
-    return (*MODES, GQA, *SDPA_BACKENDS, *varlen, *TRANSFORMERS_PATHS)
+    return (*MODES, GQA, *SDPA_BACKENDS, *TRANSFORMERS_PATHS)
 
 
 def check_name(value: str) -> str | None:

@@ -301,6 +301,15 @@ DATA_ROLES = ("prompts", "chat_template")
 """Entries of ``models.json`` that fingerprint the data, not a model (fingerprint.run_fingerprints)."""
 
 
+def _builtin_task(changed: list) -> bool:
+    """Whether every changed model of ``changed`` ((role, then, at) each) lies in the built-in task's
+    cache (``oppo.task.prepare.default_home``)."""
+    from .task.prepare import default_home
+
+    home = str(Path(default_home()).resolve())
+    return all(str(Path(at).resolve()).startswith(home + "/") for _, _, at in changed)
+
+
 def check_models(trainer, ckpt: Path) -> None:
     """Refuse, with a :class:`~oppo.models.ModelLoadError` naming each one, its path and the fix, a
     resume whose reference model, reward model, critic initialisation, tokenizer, prompt set or
@@ -340,6 +349,10 @@ def check_models(trainer, ckpt: Path) -> None:
         restore = ("Pass the models as they were when the run started (a policy object is trained in place: load "
                    "it again, e.g. with from_pretrained; the reference and the critic start from its initial "
                    "weights)" if objects else
+                   "They are the built-in task's, which this release of oppo builds anew (oppo.task.prepare's "
+                   "PREPARE_VERSION: the models it ships and the build that gives them whatever the load): the "
+                   "checkpoint's run trained against the previous release's. To go on against the new ones, "
+                   "resume with run.allow_changed_models=true; or start a new run" if _builtin_task(models) else
                    f"Restore the original files at {'that path' if len(models) == 1 else 'those paths'}")
         said.append(f"{named(models)} {'holds' if len(models) == 1 else 'hold'} other weights than when the "
                     f"checkpoint's run started (their fingerprints in {MODELS_FILE} differ), so the resumed run would "
