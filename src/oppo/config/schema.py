@@ -334,6 +334,15 @@ class LoraConfig:
                                     "the output head (peft's all-linear).")
 
 
+def _own_section(section: Any, name: str, what: str, part: str) -> Any:
+    """A part's own settings held in ``section.by_name`` (``cfg.placement.ray``, ``cfg.algo.grpo``), as an
+    attribute of the section (its ``__getattr__``: asked only for names that are no field)."""
+    by_name = section.__dict__.get("by_name")
+    if by_name is not None and name in by_name:
+        return by_name[name]
+    raise AttributeError(f"{what} has no setting or {part} named {name!r}")
+
+
 def _algo_lines() -> list[str]:
     """``algo.name``'s help: each registered algorithm (``oppo.algo``) with its own settings."""
     cfg = Config()
@@ -356,10 +365,7 @@ class AlgoConfig:
     estimator's and the loss's, ``AlgorithmSpec.settings``)."""
 
     def __getattr__(self, name: str) -> Any:  # cfg.algo.grpo: that algorithm's own settings
-        by_name = self.__dict__.get("by_name")
-        if by_name is not None and name in by_name:
-            return by_name[name]
-        raise AttributeError(f"algo has no setting or algorithm named {name!r}")
+        return _own_section(self, name, "algo", "algorithm")
 
 
 @dataclass
@@ -383,10 +389,7 @@ class PlacementConfig:
     """The placements' own settings, ``{name: its settings dataclass}`` (``placement.<name>.<field>``)."""
 
     def __getattr__(self, name: str) -> Any:  # cfg.placement.ray: that placement's own settings
-        by_name = self.__dict__.get("by_name")
-        if by_name is not None and name in by_name:
-            return by_name[name]
-        raise AttributeError(f"placement has no setting or placement named {name!r}")
+        return _own_section(self, name, "placement", "placement")
 
 
 @dataclass
