@@ -205,3 +205,19 @@ def test_a_built_in_task_run_whose_models_were_rebuilt_is_told_what_to_do(tmp_pa
     trainer.fingerprints = {"reward": {"path": mine, "fingerprint": "w1:bbbb"}}
     with pytest.raises(ModelLoadError, match="Restore the original files at that path"):
         check_models(trainer, ckpt)
+
+
+def test_the_checkpoint_reads_the_task_cache_where_the_task_keeps_it(tmp_path, monkeypatch):
+    """``checkpoint._builtin_task`` reads the built-in task's cache by the rule of
+    ``task.prepare.default_home`` (inlined: the task imports the checkpoint module); the two agree."""
+    from oppo.checkpoint import _builtin_task
+    from oppo.task.prepare import default_home
+
+    for home in (str(tmp_path / "h"), None):
+        if home is None:
+            monkeypatch.delenv("OPPO_HOME", raising=False)
+        else:
+            monkeypatch.setenv("OPPO_HOME", home)
+        inside = str(default_home() / "positive" / "reward")
+        assert _builtin_task([("reward", inside, inside)])
+        assert not _builtin_task([("reward", str(tmp_path / "elsewhere"), str(tmp_path / "elsewhere"))])

@@ -303,10 +303,10 @@ DATA_ROLES = ("prompts", "chat_template")
 
 def _builtin_task(changed: list) -> bool:
     """Whether every changed model of ``changed`` ((role, then, at) each) lies in the built-in task's
-    cache (``oppo.task.prepare.default_home``)."""
-    from .task.prepare import default_home
+    cache (``oppo.task.prepare.default_home``'s rule, read here: the task imports this module)."""
+    import os
 
-    home = str(Path(default_home()).resolve())
+    home = str(Path(os.environ.get("OPPO_HOME") or Path.home() / ".cache" / "oppo").resolve())
     return all(str(Path(at).resolve()).startswith(home + "/") for _, _, at in changed)
 
 
