@@ -59,8 +59,9 @@ def _rows(targets):
     return [Rollout(i, i, "", list(p), 0, target_length=t) for i, (p, t) in enumerate(zip(PROMPTS, targets))]
 
 
-def _count_reads(monkeypatch, engine) -> list[int]:
-    """Count the host reads of tensors outside the model's forward (its own are the model step's)."""
+def _count_reads(monkeypatch, engine=None, parts: list | None = None) -> list[int]:
+    """Count the host reads of tensors outside the models' forwards (their own are the model step's):
+    ``engine``'s backbone and head, or the ``(owner, attribute)`` callables of ``parts``."""
     count, inside = [0], [False]
     for name in READS:
         real = getattr(torch.Tensor, name)
@@ -71,8 +72,8 @@ def _count_reads(monkeypatch, engine) -> list[int]:
             return _real(self, *a, **k)
 
         monkeypatch.setattr(torch.Tensor, name, counted)
-    for part in ("backbone", "head"):
-        module = getattr(engine, part)
+    for owner, part in parts if parts is not None else [(engine, "backbone"), (engine, "head")]:
+        module = getattr(owner, part)
 
         def model(*a, _module=module, **k):
             inside[0] = True
@@ -81,7 +82,7 @@ def _count_reads(monkeypatch, engine) -> list[int]:
             finally:
                 inside[0] = False
 
-        setattr(engine, part, model)
+        setattr(owner, part, model)
     return count
 
 
@@ -289,31 +290,9 @@ def test_scorer_outputs_stay_on_the_device_until_the_barrier(tiny_models, monkey
     loop = ScorerLoop(scorers, tracer=Tracer(enabled=False))
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
     responses = [[14, 15, 16, 17, 18, 19, 20], [21, 22, 23, 24, 25], [26, 27, 28, 29, 3, 4, 5, 6, 7]]
-    count, inside = [0], [False]
-    for name in READS:
-        real = getattr(torch.Tensor, name)
-
-        def counted(self, *a, _real=real, **k):
-            if not inside[0]:
-                count[0] += 1
-            return _real(self, *a, **k)
-
-        monkeypatch.setattr(torch.Tensor, name, counted)
-    for s in scorers.values():  # (the models' own reads are the forward's, not the loop's)
-        for part in ("backbone", "head", "kv.select", "kv.repack"):
-            if part.startswith("kv.") and buckets == "on":
-                continue
-            owner, part = (s.kv, part[3:]) if part.startswith("kv.") else (s, part)
-            module = getattr(owner, part)
-
-            def model(*a, _module=module, **k):
-                inside[0] = True
-                try:
-                    return _module(*a, **k)
-                finally:
-                    inside[0] = False
-
-            setattr(owner, part, model)
+    parts = [(s.kv, part[3:]) if part.startswith("kv.") else (s, part) for s in scorers.values()
+             for part in ("backbone", "head", "kv.select", "kv.repack") if not (part.startswith("kv.") and buckets == "on")]
+    count = _count_reads(monkeypatch, parts=parts)  # (the models' own reads are the forward's, not the loop's)
     replies = []
     loop.handle([AdmitMsg((0, 1, 2), tuple(map(tuple, prompts)), 0)], replies.append)
     flush_reads = []

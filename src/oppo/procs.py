@@ -1,8 +1,12 @@
-"""Process helpers shared by the parts that clean up after a killed process."""
+"""Process helpers shared by the parts that clean up after a killed process, and :func:`periodic`,
+the heartbeat thread of long work (a step, the built-in task's build)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
+from typing import Callable, Iterator
 
 
 def pid_alive(pid: int) -> bool:
@@ -44,3 +48,21 @@ def kill_with_parent() -> bool:
         return ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0) == 0  # 1: PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         return False
+
+
+@contextlib.contextmanager
+def periodic(every: float, call: Callable[[], None], name: str = "heartbeat") -> Iterator[None]:
+    """Within: ``call()`` every ``every`` seconds from a daemon thread, stopped and joined on exit."""
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(every):
+            call()
+
+    thread = threading.Thread(target=beat, name=name, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()

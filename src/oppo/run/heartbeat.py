@@ -7,10 +7,10 @@ on), e.g. ``[oppo] step 0 running for 2m00s; done in it: generate 41s, score_rew
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from typing import Callable, Iterator
 
+from ..procs import periodic
 from ..trace import Tracer
 
 HEARTBEAT_S = 60.0
@@ -47,17 +47,6 @@ def step_heartbeat(step: int, note: Callable[[str], None], tracer: Tracer | None
     """Around one step: ``note(status_line(...))`` every ``every`` seconds (default
     :data:`HEARTBEAT_S`) until the step ends, from a daemon thread."""
     every = HEARTBEAT_S if every is None else every
-    stop = threading.Event()
     t0 = time.monotonic()
-
-    def beat() -> None:
-        while not stop.wait(every):
-            note(status_line(step, time.monotonic() - t0, tracer))
-
-    thread = threading.Thread(target=beat, name="step-heartbeat", daemon=True)
-    thread.start()
-    try:
+    with periodic(every, lambda: note(status_line(step, time.monotonic() - t0, tracer)), "step-heartbeat"):
         yield
-    finally:
-        stop.set()
-        thread.join()

@@ -551,24 +551,16 @@ class _Log:
         if not self.enabled or sys.stderr.isatty():
             yield
             return
-        import threading
+        from ..procs import periodic
 
         every = HEARTBEAT_S if every is None else every
 
-        stop = threading.Event()
-
         def beat() -> None:
-            while not stop.wait(every):
-                if self._phase:
-                    self(self.status())
+            if self._phase:
+                self(self.status())
 
-        t = threading.Thread(target=beat, name="prepare-heartbeat", daemon=True)
-        t.start()
-        try:
+        with periodic(every, beat, "prepare-heartbeat"):
             yield
-        finally:
-            stop.set()
-            t.join()
 
     def __call__(self, msg: str) -> None:
         if self.enabled:
