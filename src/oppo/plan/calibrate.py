@@ -1,31 +1,13 @@
 """Fit the stage costs from oppo's own traces, and check the planner against measured speedups.
 
-:func:`validation` (``oppo plan --calibrate``) fits and compares on the same runs: an in-sample
-check (its "held out" column leaves one sigma's runs out of the fit, on the same machine
-session, and compares speed ratios only). The held-out validation, fitted on some runs and
-predicting others measured afterwards, with absolute times and run-to-run spread, is
-``benchmarks/plan/heldout.py`` (it uses :func:`load_run_dir`, :func:`fit` and
-:func:`fit_overhead` from here).
+A measured run directory (``trace.json`` + ``metrics.jsonl``; lengths from ``oppo bench --tail``'s
+sampler or from ``lengths.jsonl``) is replayed by the simulator, which gives every measured span
+the sizes of its work; non-negative least squares turns them into seconds per unit
+(``LinearCosts``). On the CPU two cost sets are fitted (``together``, ``split``: ``cpu_profile``).
+:func:`validation` (``oppo plan --calibrate``) is an in-sample check; the held-out one,
+``benchmarks/plan/heldout.py``, uses :func:`load_run_dir`, :func:`fit` and :func:`fit_overhead`.
 
-A measured run directory (``trace.json`` + ``metrics.jsonl``, as ``oppo bench`` writes them)
-is replayed: the planner simulates the same workload (same batch, the same response lengths,
-the same Delta and chunk size per step), which gives every measured span the sizes of the
-work it did (decode steps and rows, tokens scored, padded tokens trained...). Least squares
-with non-negative coefficients then gives seconds per unit of each size (``LinearCosts``).
-
-Response lengths are known exactly for synthetic-length runs (``oppo bench --tail``:
-``LogNormalLengths(median, sigma, cap, seed)`` reproduces the bench's sampler) and for run
-directories that record every trained sequence's length (``lengths.jsonl`` of ``oppo train`` or
-``benchmarks/plan/heldout.py``: :func:`load_run_dir`; sequences never trained get the length cap,
-which gives the same schedule). ``replay_workload`` checks that the replayed batches have the
-measured mean and maximum response length at every step and refuses a run where they differ.
-
-On the CPU the modes do not run on the same "devices": ``sequential`` and ``inter`` run every
-stage in the controller on all cores, ``intra`` and ``oppo`` run the actor on one core and the
-scorer process on the other. So two cost sets are fitted, ``together`` (from the sequential and
-inter runs) and ``split`` (from the intra and oppo runs), and ``cpu_profile`` maps each mode to
-its costs and placement. The first (warm-up) step of every run is left out of the fit.
-"""
+Design notes: docs/planner.md, "Calibration"."""
 
 from __future__ import annotations
 

@@ -1,36 +1,11 @@
 """Stage cost models: what one piece of work costs on one device.
 
-The simulator (``sim.py``) describes every piece of work as a :class:`Work`: an operation
-(``decode``, ``prefill``, ``stream``, ``oneshot``, ``train``, ``book``), the model it runs
-(``role``), and the sizes that set its cost (calls, rows, tokens, attention pairs, optimizer
-steps). A cost model turns a ``Work`` into seconds on one device. Two kinds:
+The simulator (``sim.py``) describes every piece of work as a :class:`Work` (an operation of
+:data:`OPS`, the model it runs, the sizes that set its cost); a cost model turns it into seconds.
+:class:`LinearCosts` is fitted from oppo's own traces (``calibrate.py``); :class:`Roofline` takes
+a named GPU's spec-sheet figures and the efficiencies stated in :class:`Efficiency`.
 
-- :class:`LinearCosts`, fitted from oppo's own traces (``calibrate.py``): every operation costs
-  a linear function of its sizes (e.g. a decode step ``a + b * rows + c * context``), with
-  non-negative coefficients found by least squares over the measured spans. On a CPU this is
-  what the stages cost: per-call overhead plus per-token work.
-- :class:`Roofline`, for a named GPU and model shape: the larger of the compute time (FLOPs
-  over peak times an efficiency) and the memory time (bytes over HBM bandwidth times an
-  efficiency), plus a fixed per-call overhead, plus gradient traffic for training. The GPU
-  figures are spec-sheet numbers (dense bf16, no sparsity); the efficiencies are assumptions,
-  stated in :class:`Efficiency` and in every output.
-
-Operations (what the runtime does, ``src/oppo/control/``):
-
-==========  ================================================================================
-decode      one lock-step decode step of the actor over ``rows`` sequences whose caches
-            hold ``attn`` tokens in all (``calls`` steps when aggregated)
-prefill     the actor prefilling admitted prompts (``tokens`` padded)
-stream      a scorer's forward over streamed chunks, KV cache kept (``tokens`` new tokens,
-            ``attn`` query-key pairs)
-oneshot     a one-shot forward over whole sequences (``tokens`` padded): sequential scoring,
-            the off-policy recompute of carried rows, a critic's recomputed values
-train       a PPO update of one model (``calls`` micro-batches, ``tokens`` padded,
-            ``opt_steps`` optimizer steps, ``dp`` data-parallel devices)
-book        the controller's own per-step work (experience tensors, advantages)
-sync        the weight sync after an update (the rollout engine takes the new weights)
-==========  ================================================================================
-"""
+Design notes (the operations, the two models): docs/planner.md, "Stage costs"."""
 
 from __future__ import annotations
 

@@ -1,28 +1,11 @@
 """Where inter-step overlap's time goes, and where it pays.
 
-:func:`breakdown` takes two measured runs of one workload, ``sequential`` and ``inter`` (a run
-directory with ``lengths.jsonl``, or an ``oppo bench --tail`` run), and splits the difference
-of their mean step times into its causes. Counts come from the planner's replay of each run
-(exact: on one device the schedule depends on the lengths only), seconds from the runs' traces:
+:func:`breakdown` splits the difference of the mean step times of a ``sequential`` and an ``inter``
+run of one workload into its causes (decode steps, cost per decode step, one-shot scoring,
+experience, training, weight sync, untraced), counts from the planner's replay and seconds from
+the traces. :func:`regime` simulates where the inter-step overlap alone pays.
 
-- **decode steps**: per step, the lock-step decode steps the actor ran. Inter closes when B
-  sequences are finished instead of waiting for the batch's longest, so it runs fewer, unless
-  it **waits for due carried sequences** (a sequence carried ``max_lag`` times must be trained
-  in this step: the step keeps decoding after B are finished; counted apart);
-- **cost per decode step**: B + Delta rows in flight instead of B. On a CPU a decode step's
-  cost grows with its rows (the fitted ``decode.rows``); on a GPU a batch of 32 or 40 costs
-  nearly the same. Seconds per decode step are measured (decode span seconds / decode steps);
-- **one-shot scoring after the close** (reward, reference, critic over the padded batch): the
-  carried rows are the long ones, so the padded width is that of the tail either way;
-- **experience**: the controller's tensors and the off-policy correction (old log-probs of
-  carried rows, recomputed under the new weights);
-- **training**, the **weight sync**, and the **untraced** rest of the step (controller time).
-
-:func:`regime` uses the simulator to find where inter-step overlap alone pays: the same
-workload with the CPU's fitted costs, with a GPU-like decode (a step costs the same at B rows
-but nothing more per extra row), and with decoding the dominant stage (scoring and training
-cheaper, as on a GPU with a large model), across tail heaviness.
-"""
+Design notes (each cause): docs/planner.md, "Where inter-step overlap's time goes"."""
 
 from __future__ import annotations
 

@@ -1,32 +1,15 @@
 """The planner inside a run: from the run's own first steps, predict each overlap setting's cost
-per trained token and stale share, so that the controller (``oppo.scheduler.tuner``) measures only the
-candidates worth a trial.
+per trained token and stale share, so that the controller (``oppo.scheduler.tuner``) measures only
+the candidates worth a trial.
 
-Pure Python (no torch, no numpy). What it learns from each step (:meth:`OnlinePlanner.observe`):
-the trained response lengths (the tail's shape), the decode loop's seconds and its number of
-lock-step decode steps (a decode step costs ``a + b * rows``), and the rest of the step (scoring
-after the close, the update, book-keeping) per trained token, per chunk setting. What it predicts
-(:meth:`OnlinePlanner.predict`): a replay of the scheduler's carrying with ``B + Delta`` rows in
-flight, lengths redrawn from those measured (fixed seed): a step closes when ``B`` rows have
-finished or a row carried ``max_lag`` times finishes, so its decode steps are the ``B``-th
-smallest remaining length (at Delta 0: the longest); carried tokens sampled in an earlier step
-are stale.
+Pure Python (no torch, no numpy). :meth:`OnlinePlanner.observe` takes each step's trained lengths,
+decode seconds and decode steps, and the rest of the step per token; :meth:`OnlinePlanner.predict`
+replays the scheduler's carrying over lengths redrawn from those. Until two Deltas have run, the
+split of a decode step's cost between the step and its rows is not fitted, and the prediction
+says so and carries both extreme splits (issue 51). Unseen chunk settings and groups are not
+predicted.
 
-What it does not know, and so does not guess: a chunk setting it has not seen run (whether
-streaming pays depends on whether the scorers share the actor's hardware: measured, not
-predicted), and groups (``algo.group_size > 1``). The split of a decode step's cost between the
-step (``a``) and its rows (``b``) is fitted, by least squares over the steps' measured seconds per
-decode step against their rows per decode step, once two row counts (two Deltas) have run; each
-Delta keeps its own window of measures, so a Delta tried once stays in the fit while another holds.
-Before that the split is not known: the prediction (:class:`~oppo.scheduler.tuner.Prediction`) is made at
-half per row (the middle of a per-call-bound decode, a GPU's, and a per-row-bound one) and says
-that it is not fitted, and carries the costs under the two extreme splits (all per step, all per
-row), so that the controller rules a setting out only if it loses under every split the measures
-allow (issue 51: a GPU's per-call decode made the half-and-half prior predict half of a larger
-Delta's saving, that Delta was never tried, and the prior was never corrected). The rows per
-decode step come from the replay of the measured lengths (the engine does not count them). The
-controller uses only ratios of two predictions, so a bias common to both cancels.
-"""
+Design notes: docs/planner.md, "The planner inside a run"."""
 
 from __future__ import annotations
 
