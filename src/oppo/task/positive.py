@@ -1,41 +1,16 @@
 """The built-in ``positive`` task: continue short reviews and notes, be positive about it.
 
-In the spirit of the classic RLHF demonstration (steer a language model toward positive
-text), but with nothing downloaded: the texts come from a small grammar over the word lists in
-``lexicon.py``, and the ground truth is ``judge``, a fast lexicon-based scorer with penalties
-for the usual reward hacks.
-
-**Corpus.** A text is an opener sentence that sets the scene ("we stayed at the hotel for
-three nights .") followed by body sentences, each an opinion (positive or negative, drawn from
-the text's *mood*) or a neutral remark. The prompt is the opener plus the first 0-3 words of
-the first body sentence; the response is the rest and ends with EOS. The number of body
-sentences after the first is heavy-tailed: with probability ``1 - tail_prob`` geometric with
-mean ``short_mean``; otherwise lognormal around ``long_median`` -- a rare long mode, as real
-RLHF responses have; long texts open some later sentences with a connective ("then , ..."),
-so the mode shows a sentence or two in (``TaskParams`` sets all of it).
-
-**Judge** (``judge`` / ``judge_score``): for each response,
+Nothing is downloaded: the texts come from a small grammar over the word lists in ``lexicon.py``
+(an opener, then body sentences whose number is heavy-tailed: ``TaskParams``), and the ground
+truth is ``judge`` / ``judge_score``, a fast lexicon-based scorer with penalties for the usual
+reward hacks::
 
     score = sentiment - repetition - malformed - cutoff,   clipped to [-3, 1]
 
-- ``sentiment = tanh(1.5 * (n_pos - n_neg) / sqrt(n_words))`` over the response's words, with
-  the task's own lexicon (``lexicon.POSITIVE_WORDS`` / ``NEGATIVE_WORDS``);
-- ``repetition``: ``2 * max(0, dup4 - 0.25)`` where ``dup4`` is the share of the response's
-  token 4-grams that already occurred earlier in it, plus ``0.5`` per extra use, beyond
-  ``max(3, 15% of the words)``, of the most frequent content word;
-- ``malformed``: 1 per sentence that is not sentence-like (fewer than 3 words, more than 40
-  tokens, or more than half sentiment words: word salad), at most 2. The prompt's unfinished
-  last sentence is counted as the start of the response's first sentence;
-- ``cutoff``: 1.0 when the response does not end with ``.`` or ``!``. Every corpus response
-  ends its last sentence and then EOS, so a decoded response (special tokens skipped) that does
-  not end with a terminator was cut off by ``max_new_tokens`` (or the policy stopped mid-
-  sentence). This is the text-only way to see a missing EOS; a trainer that knows the token
-  ids can also check for EOS directly;
-- an empty response (no words) scores -2.
+(an empty response scores -2; natural corpus text gets no penalty).
 
-Natural corpus text gets no penalty (``tests/test_task.py`` checks the rates), so the judge's
-range on corpus text is the sentiment term, about [-1, 1].
-"""
+Design notes (the corpus and each term of the judge): docs/task.md, "The corpus and the judge in
+full"."""
 
 from __future__ import annotations
 

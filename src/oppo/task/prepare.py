@@ -1,29 +1,12 @@
 """``prepare``: build (once) and cache everything a built-in task needs to train offline.
 
-Layout under ``<home>/<task>/`` (``home``: argument, else ``$OPPO_HOME``, else ``~/.cache/oppo``)::
+The cache is ``<home>/<task>/`` (``home``: argument, else ``$OPPO_HOME``, else ``~/.cache/oppo``):
+tokenizer, policy, reward model, prompts and ``prepare.json``. Idempotent (a cache whose
+fingerprint matches and whose files check out is reused; ``force=True`` rebuilds), installed from
+the package's shipped build where one matches (``oppo.task.shipped``), and atomic (built in a
+temporary sibling directory, renamed into place when complete).
 
-    tokenizer/            the task's word-level tokenizer (also inside each model dir)
-    policy/               SFT LlamaForCausalLM + tokenizer + generation_config
-    reward/               LlamaForSequenceClassification (num_labels=1) + tokenizer (RM tasks)
-    prompts.jsonl         training prompts, {"prompt": ...} per line
-    eval_prompts.jsonl    held-out prompts
-    prepare.json          metrics, parameters, sizes, fingerprint, weight hashes
-
-Idempotent: a cache whose ``prepare.json`` fingerprint matches (task, params, seed, sizes,
-``PREPARE_VERSION``) and whose files check out (configs parse, weight hashes match) is reused;
-``force=True`` rebuilds. A missing or stale cache whose fingerprint the package ships a build
-for (``oppo.task.shipped``: the default seed and sizes) is installed from it in about a second,
-its weight hashes checked as above; anything else is built. Atomic: the build happens in a
-temporary sibling directory that is renamed into place only when complete, so an interrupted
-prepare never leaves a cache that looks valid, and a failed rebuild leaves the previous cache
-untouched.
-
-Steps (positive): tokenizer -> SFT policy on the generated corpus -> sample the policy on eval
-prompts (EOS rate, length quantiles) -> preference pairs labelled by the judge (policy vs
-policy, corpus vs policy, clean vs degenerate, sentiment-flipped) -> Bradley-Terry reward model
-initialised from the policy -> held-out accuracy and correlation with the judge.
-Steps (arith): tokenizer -> brief SFT -> sample on eval prompts -> accuracy.
-"""
+Design notes (the layout, the steps of each task): docs/task.md, "The build"."""
 
 from __future__ import annotations
 

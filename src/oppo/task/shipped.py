@@ -1,24 +1,15 @@
-"""The built-in task's prepared models, shipped with the package: a fresh machine's first
-``oppo train`` starts at once instead of building them (minutes on idle cores, 50 on 2 cores
-busy with other jobs: ``docs/task.md``).
+"""The built-in task's prepared models, shipped with the package, so that a fresh machine's first
+``oppo train`` starts at once instead of building them.
 
-``oppo/task/shipped/<task>/`` holds one ``prepare`` build of the default seed and sizes as its
-cache directory holds it (``prepare.json``, prompts, tokenizers, model configs), with each
-``model.safetensors`` stored as float16 in ``model.fp16.safetensors``: half the bytes, and nothing
-lost, because the build rounds its weights to float16 before it measures and saves them
-(``prepare._round_to_fp16``). :func:`install` turns them back into exactly the float32 files the
-build wrote, whose SHA-256 ``prepare.json`` records, so the installed cache passes the same
-:func:`~oppo.task.prepare.verify` as a built one: the shipped copy is used only when its
-fingerprint is the one asked for (task, its data, seed, sizes, ``PREPARE_VERSION``) and every
-weight file checks out; otherwise ``prepare`` builds. ``oppo prepare --force`` (``force=True``)
-always builds from scratch, and on a CPU of the kind that built the shipped copy (``prepare.json``,
-``versions.cpu``), with the same library versions, gives the same weights bit for bit.
-
-Refresh after a change that makes it stale (``tests/test_task.py`` fails while it is)::
+``oppo/task/shipped/<task>/`` holds one ``prepare`` build of the default seed and sizes, each
+``model.safetensors`` stored as float16 (nothing lost: the build rounds its weights to float16);
+:func:`install` restores exactly the float32 files the build wrote. Refresh after a change that
+makes it stale (``tests/test_task.py`` fails while it is)::
 
     OPPO_HOME=/tmp/home oppo prepare --force
     python -m oppo.task.shipped /tmp/home/positive     # writes src/oppo/task/shipped/positive/
-"""
+
+Design notes: docs/task.md, "The shipped build"."""
 
 from __future__ import annotations
 
