@@ -1,30 +1,12 @@
 """The one shape of a pluggable part, and the one registry every kind of part keeps.
 
 A part (a rollout backend, a learner engine, an algorithm, a placement, a reward term) is a spec:
-its ``name``, a line of ``help``, ``settings`` (the dataclass of its own settings, the config's
-section ``<kind section>.<name>.*``, fields made with :func:`setting`; None: it has none), and
-``checks(own, cfg)`` (why the config cannot run it, one line each with the fix, asked by config
-validation with ``own``, its settings in that config). Whatever else a kind needs (builders,
-availability, facts) is a field of that kind's spec, defined with the kind (``rollout.registry``,
-``learner.registry``, ``placements``, ``algo.core``, ``rewards.terms``).
+``name``, ``help``, ``settings`` (fields made with :func:`setting`) and ``checks(own, cfg)``; each
+kind's spec adds its own fields. Every kind keeps one :class:`Registry`, all of them here: built-ins
+(:data:`BUILT_IN`), entry points, and :meth:`Registry.register`. :func:`modules_by_value` names the
+plugin modules Ray must pickle by value. This module imports nothing of oppo.
 
-Every kind keeps one :class:`Registry`, all of them here: its built-ins named by module path in
-:data:`BUILT_IN` (one line each; a module is imported when the registry is first asked), then the
-items installed packages declare under its entry point group, and those registered at run time
-(:meth:`Registry.register`: a plugin the user imports, a test). A plugin that fails to load is
-skipped, and asking for it by name says why. This module imports nothing of oppo, so any layer (the
-config's schema and help above all, and the parts' own modules) may ask a registry without importing
-a part. (It is no module of ``oppo.api``: that package's Protocols reach the maths in ``oppo.algo``,
-whose specs register here.)
-
-Plugins reach other processes: Ray actors (learner ranks, rollout workers) receive the parts of a
-registered item (an algorithm's loss, a learner engine's update strategy, a rollout backend's
-build) pickled, and a part defined in a module those processes cannot import (a test file, a
-user's module on the controller's path only, another node) would fail to unpickle there. Every
-registry notes the modules that define its items' parts; :func:`modules_by_value` names those no
-installed distribution provides, which ``cluster`` has Ray pickle by value (cloudpickle's
-``register_pickle_by_value``) before it starts actors, so that their code travels with them.
-"""
+Design notes: docs/design.md, "One shape of part, one registry"."""
 
 from __future__ import annotations
 

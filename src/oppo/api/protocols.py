@@ -1,24 +1,11 @@
 """What crosses a role boundary: the rollout backend, the scorer and the learner, as
 ``typing.Protocol`` classes, and the typed events a rollout backend reports.
 
-The controller (``oppo.control``) only calls these methods. Where a role runs (this thread, a
-child process, a Ray actor, another serving engine) is decided once, by ``oppo.setup.build.build_roles``; every
-implementation of one Protocol passes the same conformance suite (``tests/test_conformance.py``).
+The controller (``oppo.control``) only calls these methods. Where a role runs is decided once, by
+``oppo.setup.build.build_roles``; every implementation of one Protocol passes the same conformance
+suite (``tests/test_conformance.py``).
 
-Implementations:
-
-- :class:`RolloutBackend`: ``rollout.RolloutEngine`` (eager), ``rollout.static.StaticRolloutEngine``
-  (static slots, CUDA graphs), ``rollout.ray.RayRolloutGroup`` (N Ray workers, each
-  with its own engine, decoding on their own between two calls and streaming to the scorers
-  themselves).
-- :class:`Scorer`: ``workers.ScorerWorker`` (a thread), ``workers.ProcessScorerWorker`` (a child
-  process), ``scoring.ray.RayScorerWorker`` (Ray actors).
-- :class:`LearnerEngine`: ``learner.local.Learner`` (in process), ``learner.group.LearnerGroup``
-  (Ray ranks: data-parallel replicas, ``learner.dp.Replicated``, or FSDP2 shards,
-  ``learner.fsdp.Sharded``), or any engine of ``learner.registry``.
-- :class:`WeightLinkSender` / :class:`WeightLinkReceiver`: the two ends of the collective weight sync
-  (the weight sync's ``CollectiveSync``): a Ray learner group, the Ray rollout workers.
-"""
+Design notes (the implementations of each): docs/design.md, "The role boundary"."""
 
 from __future__ import annotations
 

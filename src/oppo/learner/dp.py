@@ -1,29 +1,13 @@
 """Data-parallel learner ranks: the :class:`Replicated` update strategy of a
 ``group.LearnerGroup``. Each rank holds a whole replica of actor and critic with their AdamW.
 
-The update (:func:`dp_update`) is the single learner's, split by rows:
+The update (:func:`dp_update`) is the single learner's, split by rows: every rank draws the same
+minibatches, computes its share of each minibatch's micro-batches (``batch.rank_of``) with losses
+divided by the minibatch's global counts, and the gradients are summed over the ranks (one
+all-reduce of one flat buffer), so clipping and AdamW stay identical on every rank. No DDP wrapper.
 
-- every rank draws the same minibatches (``Learner.minibatches`` is seeded by the step only);
-- the learner's own loop (``local.train_minibatches``) runs on every rank over every minibatch, with the
-  minibatch's *global* token and sequence counts as the loss denominators; each rank computes
-  only its share of the minibatch's micro-batches (micro-batch j goes to rank ``batch.rank_of(j, M)``:
-  j mod M, reversed every other round) and passes over the others;
-- after a minibatch's last micro-batch the gradients are summed over the ranks (one all-reduce
-  of one flat buffer). Each micro-batch's loss is already divided by the global counts, so the
-  sum is the single learner's gradient (up to summation order); clipping (on that gradient) and
-  the AdamW step are then the same on every rank, and the replicas stay identical;
-- the statistics are summed over ranks the same way (losses and per-token means are already
-  weighted by the global counts); the gradient norm is every rank's (the same).
-
-A rank gets work only if a minibatch has at least M micro-batches: choose
-``ppo.micro_batch_size <= ppo.minibatch_size / M`` (as DeepSpeed's global batch = micro x
-accumulation x ranks); otherwise the update is still exact, but ranks idle.
-
-We sum gradients by hand rather than wrap the models in DDP: the learner runs the backbone and
-the head separately (``models.backbone_and_head``), which bypasses a DDP wrapper's forward, and
-the SUM over ranks of globally normalised losses is exactly what the single learner computes
-(DDP averages, which would need the loss rescaled by M).
-"""
+Design notes (why a sum, why not DDP, how to size micro-batches): docs/distributed.md,
+"Data-parallel replicas"."""
 
 from __future__ import annotations
 

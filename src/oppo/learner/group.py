@@ -2,29 +2,12 @@
 (:class:`LearnerRank`) and the controller's handle (:class:`LearnerGroup`, a
 :class:`~oppo.api.protocols.LearnerEngine`).
 
-How the ranks split an update is an :class:`UpdateStrategy`, composed in, not inherited:
-:class:`~.dp.Replicated` (each rank a whole replica, gradients summed) or :class:`~.fsdp.Sharded`
-(FSDP2 shards). Every rank runs the single learner's code (``local.Learner``) on its models; the
-strategy only says how the rank builds them, which micro-batches it computes, and whether a read of
-the weights is a collective (sharded: every rank takes part, rank 0 keeps the result).
+How the ranks split an update is an :class:`UpdateStrategy`, composed in: :class:`~.dp.Replicated`
+or :class:`~.fsdp.Sharded`. Every rank runs the single learner's code on its models, in one
+``torch.distributed`` group; a rank that raises or dies stops the whole group.
 
-The ranks (one Ray actor each, gang-scheduled in a placement group: ``cluster.ActorGroup``) join one
-``torch.distributed`` process group (gloo on CPU, NCCL on GPU) at the address of rank 0; rank 0's
-weights are broadcast at start, so the ranks agree even where loading does not (a freshly initialised
-head).
-
-Checkpoints: a replicated group saves rank 0's state in the single learner's format (the ``home``
-modules and the optimizer state dicts), so a checkpoint resumes on any number of ranks; a sharded
-group writes every rank's shards (``sharded.ShardedLearnerState``) and reads any checkpoint.
-
-Weights out: :meth:`LearnerGroup.weights_out` is a ref to rank 0's trained actor parameters in Ray's
-object store (``weights.sync.pack``); the collective sync streams them instead
-(:meth:`LearnerGroup.open_weight_link` / :meth:`LearnerGroup.send_weights`). The critic, when it
-trains here and scores on a Ray scorer actor, goes there from rank 0 (:meth:`LearnerGroup.push_critic`).
-
-Faults: a rank that raises or dies is named (``learner actor (role=learner, rank=1) died: ...``)
-and the whole group is stopped: the other ranks would otherwise wait in a collective.
-"""
+Design notes (the process group, checkpoints, weights out, faults): docs/distributed.md, "Learner
+ranks"."""
 
 from __future__ import annotations
 

@@ -1,25 +1,12 @@
 """How off-policy a trained batch is, and how far the sampler is from the trainer.
 
-Two different things make a token's sampling distribution differ from pi_k, the policy the PPO
-step trains (the step's stages: ``docs/design.md``):
+**Staleness** (a token sampled by an older policy version): per token (:func:`token_lag_stats`),
+corrected by the importance weights (:func:`weight_stats`); per sequence (:func:`seq_lag_stats`).
+**Mismatch** (the same weights' log-probs in the sampler and in the trainer's forward): measured at
+the update's first optimizer step (:class:`MismatchProbe`), not corrected, checked against
+:data:`MISMATCH_THRESHOLDS`. Both compare untruncated log-probs (``Rollout.policy_logprobs``).
 
-- **staleness**: the token was sampled by an older policy version (a carried sequence, or a
-  pipeline run's in-flight decoding). Measured per token, ``step - versions[t]``
-  (:func:`token_lag_stats`), and corrected by the importance weights
-  (``Learner.old_logprobs``; their spread, and how many ``ppo.is_truncate`` cut: :func:`weight_stats`);
-- **mismatch**: the same weights give different log-probs in the sampler (KV-cached decoding, its
-  precision, its batch shapes) and in the trainer's forward. Measured on the tokens sampled by
-  the weights being trained, at the update's first optimizer step (:class:`MismatchProbe`), and
-  not corrected: it should be small (:data:`MISMATCH_THRESHOLDS`).
-
-Both compare log-probs of the untruncated distribution (``Rollout.policy_logprobs``): top-k/top-p
-truncation is a property of the sampling procedure applied alike to every version, not a policy
-change (``rollout`` module docstring).
-
-Sequence lag (``step - start_version``, one number per sequence: how many updates a carried
-sequence waited) is :func:`seq_lag_stats`; in pipeline mode every token of a sequence can be a
-version stale while its sequence's lag is 0, so the two are reported apart.
-"""
+Design notes: docs/implementation-details.md, "Off-policy measures"."""
 
 from __future__ import annotations
 

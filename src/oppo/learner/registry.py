@@ -1,22 +1,13 @@
 """Learner engines by name: ``placement.learner`` picks one entry of this registry.
 
-An engine is one :class:`EngineSpec`, a part (:mod:`oppo.parts`): its name, a line of help, its own
-settings (a dataclass, the config's ``learner.<name>.*``: for an engine that runs on Ray ranks, how
-many and what each gets, :class:`Ranks`), its checks ``checks(own, cfg)`` (run by config validation,
-before any model loads), and a builder for each kind of placement it can run under: ``build_local``
-in the controller's process (a placement whose roles run here: ``local``) and ``build_remote`` as a
-group of Ray ranks (a remote placement: ``ray``). Whatever it builds is a
-:class:`~oppo.api.protocols.LearnerEngine`.
+An engine is one :class:`EngineSpec`, a part (:mod:`oppo.parts`): its name, help, own settings
+(:class:`Ranks` for one on Ray ranks), checks, and ``build_local`` / ``build_remote`` for the
+placements it can run under, each building a :class:`~oppo.api.protocols.LearnerEngine`. Built in:
+``replicate`` and ``fsdp2``; others by :func:`register` or the ``oppo.learner_engines`` entry
+points (:func:`group_builder` composes the built-in ranks with a strategy of one's own). Imports
+no torch.
 
-Built in (``parts.BUILT_IN``, a file each): ``replicate`` (``replicate.py``: the local learner in
-process; data-parallel replicas on Ray) and ``fsdp2`` (``fsdp2.py``: FSDP2 shards on Ray). Others
-register with :func:`register` (a plugin module the user imports, a test) or through the
-``oppo.learner_engines`` entry point group (the entry's value is its :class:`EngineSpec`). A
-``build_remote`` may compose the built-in group of ranks (:func:`group_builder`) with an update
-strategy of its own; the ranks receive that strategy, its code by value where they cannot import its
-module (``cluster.ship_plugins``). This module imports no torch, so the config can list the engines
-without loading one.
-"""
+Design notes: docs/design.md, "Learner engines"."""
 
 from __future__ import annotations
 
