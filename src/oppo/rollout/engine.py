@@ -1,56 +1,15 @@
 """The rollout engine: batched KV-cache sampling with slots.
 
-Rows join (``admit``: prefill the prompt, merge into the running batch), decode in lock-step
-(``decode``: sample one token per row, retire the rows that ended, feed the others), emit chunks of
-new tokens (``take_chunks``), and may stay in the engine across PPO steps (inter-step overlap),
-continuing under new weights. Each sampled token records its behaviour log-prob and the oldest
-policy version that shaped its distribution: the version of the weights that computed its logits,
-or, with ``overlap.stale_kv=keep``, the older version that computed part of the row's KV cache
-(new weights over an old prefix are a hybrid policy, not pi_k: such tokens are off-policy).
+Rows join (``admit``), decode in lock-step (``decode``), emit chunks of new tokens
+(``take_chunks``), and may stay in the engine across PPO steps, continuing under new weights. Each
+token records its behaviour log-prob (``Rollout.logprobs``, after top-k/top-p), its untruncated
+log-prob (``Rollout.policy_logprobs``, what the learner computes) and the oldest policy version
+that shaped it. The records stay in device buffers, read by the host only where a row ends or a
+chunk is due; on CUDA the stop flags are read every :data:`STOP_CHECK_EVERY` steps. Every public
+method runs on the actor's role stream.
 
-Each token records two log-probs. ``Rollout.logprobs``: the behaviour log-prob, that of the
-distribution actually sampled (``log_softmax(logits / temperature)`` after top-k/top-p truncation
-and renormalisation). ``Rollout.policy_logprobs``: the same logits' untruncated log-prob,
-``log_softmax(logits / temperature)`` at the token, which is what the learner's forward computes.
-Off-policy (staleness) weights compare the learner's pi_k with ``policy_logprobs``, never with the
-truncated one: a fresh token's weight is 1, so a carried token with no weight change must get 1
-too, whatever top-k/top-p (``Learner.old_logprobs``). Without truncation the two lists hold the
-same floats.
-
-**Records stay on the device.** Each row has a slot in preallocated device buffers ``[slots,
-max_new_tokens]`` of its tokens, both log-probs and versions, with its length, forced length and
-versions ``[slots]``: a decode step writes them with tensor operations (EOS, the token budget,
-forced lengths included), and the host copies a row's new tokens into its :class:`Rollout` in one
-read of every row's, only at a step where a row ends or a chunk is due (``take_chunks``), and on
-``in_flight``/``recompute``/``step``. What the host still needs per step: whether a row ended.
-With forced lengths on every row (``oppo bench``) the host knows it from the step count, so such a
-step reads nothing; otherwise it reads one flag per row (the step's one CPU-GPU sync point: a row
-may end at any step, and the next step's batch and random draws depend on it). ``host_reads``
-counts the engine's reads.
-
-**On CUDA the flags are read every few steps** (``stop_check_every``: :data:`STOP_CHECK_EVERY` on
-CUDA, 1 elsewhere), not every token (issue 50). Each slot keeps a device flag (``_stopped``: ended,
-non-finite); a row that ended stays in the batch until the next check, sampling tokens that are
-neither recorded nor counted (its records and length stop at its end), and is retired there with
-exactly the tokens and log-probs it had at its end. Rows that end by their length alone (the token
-budget, a forced length) are known to the host and still retire at once. A pull between checks
-(chunks due, ``in_flight``) reads each row's device length and flag with its records, in the same one
-read, so it never takes a token past a row's end, and a row known to have ended gets no non-final
-chunk: its final chunk, at its retirement, carries the same tokens as with a check per step. What
-does change is the random stream: the rows kept a few steps longer take part in each step's draw
-(``torch.multinomial`` draws one number per element of ``[rows, vocab]``), so the other rows' later
-tokens are other valid samples than those of a check every step (greedy decoding gives the same
-tokens). That is why the CPU keeps a check per step: a read there costs nothing, the rows kept would
-cost compute, and CPU runs keep their recorded tokens (``tests/test_golden.py``). Which steps
-retire rows depends on the engine's clock only, never on when chunks were pulled, so a run streaming
-chunks (intra) and one that does not (sequential) still decode the same batches.
-
-**Its own stream.** Every public method runs on the actor's role stream (``cuda_streams``, high
-priority; subclasses' overrides too, :meth:`RolloutEngine.__init_subclass__`), so a read of the
-flags waits for the actor's queued work only, never for the learner's; each decode step reads the
-weights after the learner's last write of them (an event), and ``load_weights`` orders its copy the
-same way (``weights.sync.load_source``).
-"""
+Design notes (the two log-probs, the host reads, deferred stop checks, streams):
+docs/static-engine.md, "The rollout engine it extends"."""
 
 from __future__ import annotations
 

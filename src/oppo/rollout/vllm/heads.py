@@ -1,33 +1,14 @@
 """Serving a model whose attention head size vLLM's CPU attention lacks, exactly, by padding its heads.
 
-vLLM's CPU attention supports a fixed list of head sizes (32, 64, 80, ...); the built-in task's
-policy has 4 heads of 48. Attention with heads of size d is the same function as attention with
-heads of size D > d whose extra dimensions are zero, once three things are matched:
+:class:`HeadPadding` pads heads of size d to a supported size D > d with zero dimensions, moving
+the rotary pairs and rescaling ``theta`` and the query so that every score is unchanged; it
+rewrites the config and every weight on its way into the engine, and the trainer keeps the model
+as it is. Only plain rotary embeddings of Llama, Mistral and Qwen2 are padded.
+:class:`ServedCheckpoint` also serves tied input and output embeddings untied on the CPU, where an
+in-place reload would leave vLLM's repacked head stale.
 
-- **Rotary position embedding** (the "neox" layout of Llama, Mistral and Qwen2: dimension i of a
-  head rotates with dimension i + d/2, at frequency ``theta ** (-2 i / d)``). In a head of size D
-  dimension i rotates with i + D/2 at ``theta' ** (-2 i / D)``. So dimension i < d/2 of the old
-  head goes to i, dimension d/2 + i to D/2 + i, and ``theta' = theta ** (D / d)`` gives every
-  pair the frequency it had. The dimensions d/2..D/2 and D/2 + d/2..D are zero in the query,
-  the key and the value, and add nothing to any dot product.
-- **The softmax scale**: vLLM scales scores by ``D ** -0.5`` where the model used ``d ** -0.5``;
-  the query projection is multiplied by ``sqrt(D / d)``.
-- **The output projection** reads the padded value dimensions through zero columns.
-
-:class:`HeadPadding` rewrites the config, and every weight on its way into the engine (at start-up
-and at each weight load), so the trainer keeps the model as it is and the engine samples from
-the same distribution (up to float rounding: tested against the training forward). It costs
-(D / d) x the attention work, nothing elsewhere. Only plain rotary embeddings (``rope_type``
-default, full rotary dimension) of these three architectures are padded; anything else is refused
-as before, by :func:`oppo.rollout.vllm.backend.vllm_problems`.
-
-**Tied input and output embeddings** (the built-in task, SmolLM2, Qwen2.5-0.5B) are served untied
-on the CPU (:class:`ServedCheckpoint`): vLLM's CPU backend repacks the output head when it loads
-a model, and an in-place weight reload updates the embedding but not that packed copy, so after
-the first update the engine would sample from the old head (figures: ``docs/vllm.md``). Served
-untied, the head is a weight of its own, sent at every load as a copy of the embedding; the
-trainer keeps them tied.
-"""
+Design notes (the rotary mapping, the scale, the figures): docs/vllm.md, "Padded heads and untied
+embeddings"."""
 
 from __future__ import annotations
 

@@ -1,33 +1,13 @@
 """A LoRA policy served by vLLM as base model + adapter: each update sends the adapter only.
 
-With ``rollout.vllm.lora_sync=adapter`` vLLM starts with LoRA enabled (one adapter slot) and serves the frozen
-base with the policy's adapter on top, every request under one adapter id. After each update the
-trainer writes the adapter's tensors (``peft``'s state dict: a few MB, where the merged model is
-the whole model) to a file in ``/dev/shm`` and asks vLLM to reload that adapter in place
-(``LoRARequest(load_inplace=True)``, vLLM's own API for it): between two engine steps, requests
-in flight; their next tokens are sampled under the new adapter. This is the path verl takes for
-LoRA (OpenRLHF merges instead).
+With ``rollout.vllm.lora_sync=adapter`` vLLM serves the frozen base with the policy's adapter on
+top; after each update the trainer writes the adapter to a file in ``/dev/shm`` and vLLM reloads it
+in place (``LoRARequest(load_inplace=True)``) between two engine steps. The base goes to the engine
+once, and again only if it changed. ``auto`` serves the adapter on a GPU and merged weights on the
+CPU; adapters vLLM cannot serve are merged (``auto``) or refused (``adapter``).
 
-The base weights go to the engine once, at the first adapter load (the trainer's copy: its dtype
-and any rewrite the engine needs, not the files on disk), and again only if one of them changed
-since: each frozen base tensor's storage and version counter are recorded (``Tensor._version``
-counts in-place writes, so a restore that copies into the base is seen; no values are compared).
-
-**Exact where the engine is rewritten**: heads padded for vLLM's CPU attention
-(:class:`~oppo.rollout.vllm.heads.HeadPadding`) pad the adapter as they pad the base: padding is
-linear, so ``pad(W + s B A) = pad(W) + s pad(B) A`` for the query, key and value projections
-(rows: ``lora_B``) and ``W + s B A`` padded in its columns is ``pad(W) + s B pad(A)`` for the output
-projection (``lora_A``).
-
-**When it pays**: on the CPU vLLM's LoRA kernels decode slower than the merged model by more than
-the adapter-only load saves, so ``rollout.vllm.lora_sync=auto`` sends merged weights there; on a GPU
-the merged load of a large model is the larger cost and ``auto`` serves the adapter (the figures:
-``docs/benchmarks-notes.md``, "vLLM: LoRA").
-
-Not servable as an adapter (``auto`` then merges; ``adapter`` refuses, naming why): adapters on the
-embedding or the output head, DoRA, adapter biases, ``modules_to_save``, several active adapters,
-ranks above vLLM's largest (512), and layers other than the decoder's linear projections.
-"""
+Design notes (exactness under padded heads, when it pays, what cannot be served): docs/vllm.md,
+"LoRA as an adapter"."""
 
 from __future__ import annotations
 
