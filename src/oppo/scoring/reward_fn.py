@@ -1,24 +1,12 @@
 """How oppo calls a user's reward function (and judge): ``fn(prompts, responses, **asked)``.
 
-The first two parameters are positional, as they always were: the prompts as the policy saw them
-(chat template applied, truncated) and the decoded responses, lists of str. A function may ask
-for more, by naming keyword parameters (TRL's reward functions take the data set's columns the
-same way):
-
-- ``raw_prompts``: each prompt's text as the data set holds it (before the chat template and any
-  truncation);
-- ``formatted_prompts``: the prompts as the policy saw them (the same lists as ``prompts``);
-- any other column of the prompt set by its name (``answer``, ``id``, ...), one value per response.
-
-``**kwargs`` takes all of them. A parameter with a default is filled when the prompt set has it
-and otherwise left to its default; one without a default that the prompt set lacks is refused
-before any model loads (:func:`missing_columns`, called by ``oppo.preflight`` and
-``setup.build``). The values come from the prompt set by each sequence's data position
-(``data.PromptSet.context``), so sequences carried across steps or a checkpoint get their own
-record's values without the checkpoint holding them.
-
+The first two parameters are positional: the prompts as the policy saw them and the decoded
+responses. A function may ask for more by naming keyword parameters (as TRL's reward functions
+take the data set's columns): ``raw_prompts``, ``formatted_prompts``, or any column of the prompt
+set. :func:`missing_columns` refuses a required one the prompt set lacks before any model loads;
 :func:`call_reward` is the one place a reward function is called with them.
-"""
+
+Design notes: docs/python-api.md, "Reward functions that ask for more" and "How oppo calls them"."""
 
 from __future__ import annotations
 

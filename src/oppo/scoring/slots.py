@@ -1,30 +1,14 @@
 """A streaming scorer's KV cache in slots of bucketed shape (``ppo.shape_buckets``).
 
-:class:`KVRows` (the dynamic cache) grows every row by each forward's chunk width: a chunk forward's
-attention sees ``[S, C]`` queries against ``L + C`` keys, where S (rows with a chunk on hand), C
-and L change at nearly every call, so a GPU pays an attention plan (and could replay no CUDA graph)
-per call. :class:`SlotKV` keeps each sequence in a slot of a preallocated ``[rows, kv_heads,
-columns, dim]`` tensor per layer, as the static decode engine does (``rollout/static``): a row's
-tokens sit at columns ``0 .. n-1`` with position ids equal to the columns, so a row never has
-holes and needs no repacking. A chunk forward runs over the slots ``[:Rb]`` (the highest used slot
-+ 1 on the row ladder), ``Cb`` tokens each (the chunk's width on the power-of-two ladder) against
-columns ``[:Lb]`` (the longest row + Cb on the row ladder, from 16), with a 4-D mask built from
-each slot's length: every shape comes from a few values (``oppo.shapes``), so each is paid once
-per run. A slot with no chunk on hand this round computes padding whose keys land past its
-length and are overwritten by its next chunk; its outputs are dropped. Prompts are prefilled
-eagerly at bucketed rows x width (rows of a repeated prompt, their results dropped) and their
-keys copied into the slots. Padding keeps the columns (and so the mask and the cache writes) of
-its place, but never a position id past what the forward's real tokens reach: the row's last real
-position, or 0 in a slot with no chunk (:meth:`SlotKV._forward`); a learned-position model near
-its limit would index past its table, and dynamic RoPE would rescale every row
-(``tests/test_slots.py``).
+:class:`SlotKV` keeps each sequence in a slot of a preallocated ``[rows, kv_heads, columns, dim]``
+tensor per layer, its tokens at columns ``0 .. n-1`` (no holes, no repacking), and runs each chunk
+forward over bucketed rows x chunk width x columns with a 4-D mask from the slots' lengths, so
+every attention shape is paid once per run (the dynamic :class:`~oppo.kv.KVRows` makes one nearly
+every call). The numbers equal the dynamic cache's up to summation order; sliding-window models
+keep the dynamic cache.
 
-The numbers equal the dynamic cache's up to summation order: a query attends to exactly its
-row's earlier columns, and masked columns get exactly zero weight (tested against the one-shot
-forward, as the dynamic cache is). Sliding-window models keep the dynamic cache (their window
-counts columns: ``streaming`` module docstring). The slots grow (rows, columns) on demand, by the
-ladders: capacity is no attention shape.
-"""
+Design notes (the ladders, padding and its position ids): docs/gpu-shapes.md, "A streaming scorer's
+cache in slots"."""
 
 from __future__ import annotations
 

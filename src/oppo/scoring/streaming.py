@@ -1,36 +1,14 @@
 """Scorers: reward score, reference log-probs and critic values, one-shot or streamed.
 
-Alignment (drawn once; ``algo.masks`` uses the same): a sequence is ``prompt p_0..p_{P-1}`` then
-``response a_0..a_{T-1}``. With ``h_j`` the backbone's hidden state after token j of the full
-sequence,
+Reference log-probs and values for response token t are read at the hidden state of position
+P + t - 1 (the state before ``a_t`` is sampled); the score at the last token that is not the
+reward model's pad token (:func:`scored_index`, :func:`reward_pad_id`), where its own forward reads
+it. The one-shot path packs whole sequences into rows (:func:`score_full`); the streaming path
+(:class:`StreamingScorer`) keeps a KV cache per sequence, prefilled chunk by chunk. Both give the
+same numbers up to summation order. Sliding-window models' caches are repacked after every round.
 
-    ref_logprobs[t] = log softmax(lm_head(h_{P+t-1}) / temperature)[a_t]
-    values[t]       = value_head(h_{P+t-1})          (the state before a_t is sampled)
-    score           = score_head(h_s)                (s: the last token of prompt + response that is
-                                                      not the reward model's pad token)
-
-The score is read where the reward model's own Hugging Face forward reads it
-(``GenericForSequenceClassification.forward``, ``LlamaForSequenceClassification``: the rightmost
-token that is not ``config.pad_token_id``; the last token when it has none), because that is the
-position reward models are trained to score (TRL's reward trainer calls that forward). With pad !=
-EOS that is the EOS of a response that ended by itself, or the last token of a truncated one; with
-pad = EOS (many instruct models) it is the token before a final EOS, which the model's forward
-never scores. ``s`` is found per sequence by :func:`scored_index` from the model's config
-(:func:`reward_pad_id`), not from the pad id the scorer pads chunks with (the policy tokenizer's).
-
-The one-shot path runs one forward over whole sequences packed end to end (``forward.row_plan``). The
-streaming path (:class:`StreamingScorer`) keeps a KV cache per sequence: it prefills the prompt
-when the sequence is admitted and each chunk when it arrives, carrying the last hidden state
-``h`` of the previous chunk so that the first token of a chunk is scored against it. Both give
-the same numbers up to floating-point summation order (tested).
-
-Sliding-window models (Mistral, Gemma 2/3): Hugging Face's window counts KV-cache columns, not
-positions, so a masked hole inside a row's cache (a round in which the row had no chunk, a
-chunk shorter than the batch's) would let a token see one column less of real context than a
-full forward does. Their streaming caches are therefore repacked after every round, so each
-row's real columns are contiguous and right-aligned whenever a forward runs: exact, at the cost
-of a gather of the cache per round. Left padding is harmless (it shifts a whole row).
-"""
+Design notes (the alignment, where the score is read, sliding windows): docs/overlap.md, "The
+scorers"."""
 
 from __future__ import annotations
 
