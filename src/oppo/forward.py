@@ -5,27 +5,11 @@ position ids restarting at 0, kept apart by variable-length attention with the s
 (:func:`packed_hidden`, :func:`full_hidden`), and the sampled tokens' log-probs and entropy from
 hidden states, in chunks (:func:`head_logprobs`).
 
-Log-probs and entropy of the sampled tokens straight from hidden states, in chunks of tokens.
+:func:`head_logprobs` never holds more than ``chunk_bytes`` of fp32 logits (a custom autograd
+function that recomputes each chunk's logits in backward) where the full ``[b, T, V]`` logits
+would take 1-5 GB; a head other than a plain ``nn.Linear`` takes the plain path.
 
-The learner needs, per response token, ``log_softmax(lm_head(h) / temperature)`` at the sampled
-token (actor log-probs, old log-probs, reference log-probs) and the entropy of that distribution.
-Computing ``lm_head(h)`` for a whole micro-batch holds a ``[b, T, V]`` logits tensor, its fp32
-copy and, for the backward, the log-softmax's output: at V = 32k (Llama) to 152k (Qwen), b = 16 and
-T = 512 that is 1-5 GB per copy, usually the learner's largest activation.
-
-:func:`head_logprobs` never holds more than ``chunk_bytes`` of fp32 logits: a custom autograd
-function (the fused linear-cross-entropy idea of Liger-Kernel and torchtune's chunked loss) runs
-the head over ``n`` tokens at a time and keeps only the per-token log-sum-exp; its backward
-recomputes each chunk's logits and forms the gradient ``dz = g_lp * (onehot - p)
-+ g_ent * p * (E_p[z] - z)`` in place of autograd's saved ``[N, V]`` tensors. Numerics follow the
-plain path: the head's matmul runs in ``compute_dtype`` (the autocast dtype: bf16 on GPU), its
-output is upcast to fp32 before the softmax, and gradients leave through matmuls in
-``compute_dtype``; the weight's gradient is accumulated over chunks in fp32.
-
-The fused path takes a plain ``nn.Linear`` head (optionally scaled, as Cohere and Granite do).
-Anything else (a soft-capped head, a LoRA-wrapped or sharded one) goes through the plain path:
-the same results, with the full logits in memory.
-"""
+Design notes: docs/implementation-details.md, "Packed forwards and chunked log-probs"."""
 
 from __future__ import annotations
 

@@ -1,28 +1,13 @@
-"""Numbers stay finite: the checks that stop a non-finite loss,
-advantage, gradient norm or weight before it reaches the optimizer or the rollout engine.
+"""Numbers stay finite: the checks that stop a non-finite loss, advantage, gradient norm or weight
+before it reaches the optimizer or the rollout engine.
 
-Where each check runs (``docs/implementation-details.md``, "The non-finite guard"):
+The checks run at the advantage stage, before every optimizer step (losses, gradient norm), after
+an update's last step (weights) and in the sampler, each where the host already reads or with one
+sync. ``ppo.nonfinite=error`` (default) raises :class:`NonFiniteError`; ``skip`` skips the
+optimizer step (or the step's update) and counts it (``guard/skipped_updates``). A non-finite
+updated weight or sampling distribution stops the run in either setting.
 
-- advantages: ``algo.stage.compute_advantages`` checks the scores, values, log-probs, rewards,
-  advantages and returns at response tokens (one host sync per step) and names the first rows;
-- losses and the gradient norm: ``learner.train_minibatches``, before every optimizer step, for the actor and
-  the critic, wherever they train (the local learner, the scorer worker's critic, Ray scorer
-  actors, data-parallel and FSDP2 ranks: the norm is already global there, and the loss flag is
-  agreed over the ranks, so every rank decides alike). The loss is read on the host already
-  (``.item()``) and so is the norm (the ``grad_norm/*`` metric): the check adds no sync;
-- updated weights: ``learner.train_minibatches`` after the last optimizer step of an update (one
-  ``isfinite`` reduction per trained parameter, stacked, one host sync), so a poisoned weight is
-  never synced to the rollout engine nor checkpointed;
-- sampling: ``RolloutEngine._sample_and_record`` (eager and static engines) turns a row whose
-  logits are not finite into an error naming its sequences, read where the host already reads
-  the sampled tokens (no extra sync per decode step).
-
-``ppo.nonfinite=error`` (default) raises :class:`NonFiniteError`; ``skip`` skips the optimizer
-step of a minibatch whose loss or gradient norm is not finite (zeroed gradients, no AdamW step,
-for the actor and the critic alike), or the whole update of a step whose advantages are not, and
-counts them (``guard/skipped_updates``) with a warning naming the same facts. A non-finite
-updated weight or sampling distribution cannot be skipped: the run stops in either setting.
-"""
+Design notes (where each check runs): docs/implementation-details.md, "The non-finite guard"."""
 
 from __future__ import annotations
 

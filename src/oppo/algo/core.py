@@ -2,25 +2,13 @@
 :class:`KLPenalty`, a policy loss), and :class:`AlgorithmSpec`, the record each algorithm's own
 file fills in and registers (``algorithms.register``).
 
-An :class:`Algorithm` is composed, no base class and no hooks:
+An :class:`Algorithm` is composed, no base class and no hooks: ``estimator``, ``kl``,
+``policy_loss`` (:class:`ClippedTokenLoss` unless the spec names another) and ``group_size``. The
+runtime asks it (``needs_critic``, ``needs_reference``, ``kl_in_reward``, ...) instead of testing
+its name. Importing this module does not import torch (the config reads the specs).
 
-* ``estimator``: per-token advantages from the per-token rewards, a frozen dataclass called as
-  ``estimator(rewards, mask, values, group_ids)``; its class says ``needs_critic`` and
-  ``min_group_size``, its fields are the algorithm's own settings.
-* ``kl``: coefficient, estimator, and placement: in the per-token rewards or in the actor loss.
-* ``policy_loss``: the actor's loss on one micro-batch (:class:`PolicyLoss`), a frozen dataclass
-  whose fields are own settings too; :class:`ClippedTokenLoss` (PPO's) unless the spec names
-  another, e.g. a sequence-level ratio.
-* ``group_size``: G responses sampled per prompt, admitted and trained together.
-
-The runtime asks the algorithm (``needs_critic``, ``needs_reference``, ``group_size``,
-``kl_in_reward``, ``kl_in_loss``) instead of testing its name, calls ``advantages`` for stages
-4-5; in stage 6 ``actor_loss.actor_loss`` adds ``policy_loss``, ``actor_loss_extra`` (the KL
-term) and the entropy bonus.
-
-Importing this module does not import torch (the config reads the specs; ``--help`` and a
-config error should not wait for torch): the maths is imported where it runs.
-"""
+Design notes (each part, where the runtime calls it): docs/implementation-details.md, "What every
+algorithm shares"."""
 
 from __future__ import annotations
 

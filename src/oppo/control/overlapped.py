@@ -1,21 +1,12 @@
 """One overlapped loop for every mode but ``sequential``, driven by an :class:`OverlapPolicy`:
+``intra`` streams chunks to the scorers while decoding, ``inter`` carries (B + Delta in flight,
+the step closes when B have finished), ``oppo`` does both, and ``pipeline`` also runs the update in
+the learner thread while this thread decodes the next step's prompts, loading the new weights
+between two decode steps (not bitwise reproducible). With Delta = 0 and max_lag = 0 every mode
+trains exactly the batches of ``sequential``.
 
-- ``intra`` (streams): chunks stream from the rollout backend to the scorers while decoding;
-- ``inter`` (carries): B + Delta sequences in flight, the step closes when B have finished, the
-  rest are carried (scored one-shot after the step closes);
-- ``oppo``: both;
-- ``pipeline`` (both, in flight; PipelineRL): once the batch is closed and scored, the update
-  runs in the learner thread while this thread admits the next step's prompts and goes on
-  decoding with the weights it has, tagging each token with that version. When the update is
-  done, the new weights load between two decode steps; the sequences in flight keep their KV
-  cache (``stale_kv=keep``: their later tokens count as the older version) or have it
-  recomputed. A token is at most ``max_lag + 1`` versions old when trained. Not bitwise
-  reproducible: how far decoding gets during an update depends on timing. No next step starts
-  after the run's last step. A checkpoint after a step whose successor was begun saves that
-  step's sequences in flight with the carried ones (``Run.save_in_flight``).
-
-With Delta = 0 and max_lag = 0 every mode trains exactly the batches of ``sequential``.
-"""
+Design notes (what each mode does, pipeline's versions and checkpoints): docs/overlap.md, "One loop
+for every overlapped mode"."""
 
 from __future__ import annotations
 
