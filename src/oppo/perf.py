@@ -1,21 +1,12 @@
 """Model FLOPs and the device's peaks: what a stage's utilisation (MFU) is computed from.
 
-MFU = the stage's model FLOPs (from the model's shapes and the real, unpadded token counts; no
-padding, no activation recomputation; every forward the stage's window holds, the old-log-prob
-recompute included where it runs inside it) / the stage's time / a peak. Two peaks, reported as
-separate figures:
+MFU = the stage's model FLOPs (real, unpadded tokens; no recomputation) / the stage's time / a
+peak, reported against two peaks: the measured one (:func:`peak_flops`, a square matmul timed in
+the same process) and the device's spec (:func:`spec_peak_flops`, :data:`SPEC_BF16_TFLOPS`; none
+on CPU, unknown GPUs or float32). A token costs ``2 * matmul_params`` plus attention's
+``4 * layers * heads * head_dim * context``; a backward twice its forward.
 
-- measured (:func:`peak_flops`): a square matmul in the compute dtype, timed in the same process,
-  so a CPU run and a GPU run report comparable fractions of what their own machine can do;
-- the device's spec (:func:`spec_peak_flops`): the vendor's dense bf16/fp16 tensor-core figure for
-  a GPU named in :data:`SPEC_BF16_TFLOPS` (the number MFU is usually quoted against, as in the
-  PaLM paper); none on CPU, on an unknown GPU or in float32 (TF32 or not is the run's choice).
-
-FLOPs of one token through a decoder (the usual accounting, as in the PaLM and Megatron papers):
-``2 * matmul_params`` for every weight matrix it passes (the output head included, the input
-embedding lookup not), plus ``4 * layers * heads * head_dim * context`` for attention (scores and
-the weighted sum over ``context`` earlier tokens). A backward costs twice its forward.
-"""
+Design notes: docs/metrics.md, "How MFU is computed"."""
 
 from __future__ import annotations
 

@@ -1,24 +1,12 @@
 """Who was busy when: span recording, Chrome trace-event files, and busy/bubble arithmetic.
 
-Every worker (policy engine, reward / reference / critic scorers, learner) wraps its work in
-``tracer.span(worker, stage, step)``. The spans are saved as Chrome trace-event JSON
-(``trace.json`` in the run directory), which Perfetto (https://ui.perfetto.dev) and
-``chrome://tracing`` open directly, one row per worker; the report draws one step of it as a
-Gantt chart. The format is the "JSON Array/Object Format" of the Trace Event Format document:
-``{"traceEvents": [...], "displayTimeUnit": "ms"}`` with ``"ph": "X"`` complete events
-(``ts`` and ``dur`` in microseconds) and ``"ph": "M"`` metadata events naming the threads.
+Every worker wraps its work in ``tracer.span(worker, stage, step)``; the spans are saved as Chrome
+trace-event JSON (``trace.json``, which Perfetto and ``chrome://tracing`` open, one row per worker).
+From them: a worker's busy fraction (:func:`busy_stats`), a step's ideal bound (the busiest
+worker's busy time), the bubble ratio (:func:`bubble_ratio`) and two workers' overlap seconds
+(:func:`overlap_seconds`).
 
-The measures:
-
-- busy fraction of a worker over a window: length of the union of its spans inside the window
-  divided by the window length (a worker's own overlapping spans are counted once);
-- ideal bound of a step: the busiest worker's busy time in it. With perfect overlap a step can
-  not be shorter than the work of its most loaded worker;
-- bubble ratio of a window: ``1 - busiest busy time / window length``, the fraction of the step
-  that even the busiest worker spent idle (0 means the step ran at its ideal bound);
-- overlap seconds of two workers: time both were busy at once (e.g. the reward scorer
-  prefilling chunks while the policy is still decoding).
-"""
+Design notes (the format, each measure): docs/bench.md, "Who was busy when"."""
 
 from __future__ import annotations
 
