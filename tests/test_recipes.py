@@ -120,7 +120,7 @@ def test_recipe_trains_a_step_on_stand_ins(name, tiny_models, tmp_path):
         section, leaf = key.split(".")
         assert getattr(getattr(cfg, section), leaf) == getattr(getattr(recipe, section), leaf), key
     t0 = time.perf_counter()
-    trainer = oppo.Trainer(cfg, progress=False)
+    trainer = oppo.Trainer.from_config(cfg, progress=False)
     try:
         metrics = trainer.run_step()
         if name in CONVERSATIONAL:

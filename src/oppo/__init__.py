@@ -5,7 +5,7 @@ The Python API, without the CLI::
     import oppo
 
     cfg = oppo.load_config(overrides=["overlap.mode=sequential", "run.steps=20"])  # or a YAML path
-    trainer = oppo.Trainer(cfg)          # loads (or prepares) the models
+    trainer = oppo.Trainer.from_config(cfg)          # loads (or prepares) the models
     try:
         for _ in range(cfg.run.steps):
             metrics = trainer.run_step()     # one PPO step; a dict of numbers (names: docs/metrics.md)
@@ -22,7 +22,7 @@ Your own objects in place of paths (docs/python-api.md)::
     def score(prompts, responses, answer):   # further parameters: columns of the data set, by name
         return [float(str(a) in r) for r, a in zip(responses, answer)]
 
-    trainer = oppo.Trainer(cfg, policy=model, tokenizer=tok, reward_fn=score, prompts=dataset)
+    trainer = oppo.Trainer.from_config(cfg, policy=model, tokenizer=tok, reward_fn=score, prompts=dataset)
     run_dir = oppo.train(cfg, policy=model, tokenizer=tok, reward_model=rm, prompts=["...", "..."])
 
 Names are imported on first use, so ``import oppo`` loads neither torch nor transformers.
@@ -38,7 +38,7 @@ _EXPORTS = {
     "Config": "config", "ConfigError": "config", "load_config": "config", "help_text": "config",
     "Trainer": "trainer",
     "train": "run", "plan_run": "run", "run_summary": "run",
-    "PreflightError": "preflight", "input_problems": "preflight",
+    "PreflightError": "setup.preflight",
     "read_metrics": "metrics",
     "make_report": "report",
     "latest_checkpoint": "checkpoint",
