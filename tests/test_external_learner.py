@@ -141,7 +141,7 @@ def test_the_code_of_the_engines_parts_goes_to_ray_actors_by_value_where_no_inst
     oppo's and an installed package's (here pytest's) they import."""
     import sys
 
-    from oppo.plugins import modules_by_value, part_modules
+    from oppo.parts import modules_by_value, part_modules
 
     assert set(part_modules(registry.get("recording"))) == {"oppo.learner.registry", "builtins", __name__}
     registry.register(registry.EngineSpec("installed", "an installed package's builder", build_local=pytest.approx))

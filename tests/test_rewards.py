@@ -109,7 +109,7 @@ def test_length_penalty_refuses_bad_settings(kwargs, match):
 
 def _config_error(terms, *more: str) -> str:
     with pytest.raises(ConfigError) as e:
-        oppo.load_config(overrides=[f"reward.terms={json.dumps(terms)}", *more])
+        oppo.config.validate(oppo.load_config(overrides=[f"reward.terms={json.dumps(terms)}", *more]))
     return str(e.value)
 
 

@@ -300,7 +300,9 @@ def _file_items(p: Path, what: str) -> list[tuple[str, Any, str]]:
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
                 recipe: str | None = None) -> Config:
     """Build a Config from defaults, then a recipe (``oppo.recipes``), then a YAML file, then
-    ``key=value`` overrides; then validate."""
+    ``key=value`` overrides. Unknown keys and values of the wrong type are refused here; the
+    settings as a whole are validated by the run's one check (``setup.check``, or
+    :func:`~oppo.config.validate` directly)."""
     cfg = Config()
     explicit: set[str] = set()
     items: list[tuple[str, Any, str]] = []  # (key, value, where it came from)
@@ -328,12 +330,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         for key, value in TASK_PRESETS.get(cfg.data.task, {}).items():
             if key not in explicit:
                 _set(cfg, key, value, f"the built-in task {cfg.data.task!r}'s preset")
-                cfg.__dict__.setdefault("_presets", {})[key] = value  # (a policy object drops them: inputs.py)
+                cfg.__dict__.setdefault("_presets", {})[key] = value  # (a policy object drops them: setup/inputs.py)
     return cfg
 
 
 def with_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Config:
-    """A copy of ``cfg`` with ``key=value`` overrides applied, validated (``cfg`` is unchanged)."""
+    """A copy of ``cfg`` with ``key=value`` overrides applied (``cfg`` is unchanged)."""
     out = copy.deepcopy(cfg)
     pairs = _split_overrides(overrides)
     _refuse_unknown(out, [(key, raw or None, "the command line") for key, raw in pairs])

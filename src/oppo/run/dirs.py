@@ -19,7 +19,7 @@ from ..metrics import METRICS_FILE, read_metrics
 
 LINK_NAME = "latest"
 RUN_FILES = ("config.yaml", METRICS_FILE, "trace.json", "lengths.jsonl", CKPT_DIR)
-INPUTS_DIR = "inputs"  # models given as objects, saved for the roles that load them elsewhere (inputs.py)
+INPUTS_DIR = "inputs"  # models given as objects, saved for the roles that load them elsewhere (setup/inputs.py)
 LOCK_FILE = ".oppo.lock"  # held (flock) by the process writing the run; the kernel drops it when that dies
 
 

@@ -12,8 +12,8 @@ same way):
 
 ``**kwargs`` takes all of them. A parameter with a default is filled when the prompt set has it
 and otherwise left to its default; one without a default that the prompt set lacks is refused
-before any model loads (:func:`missing_columns`, called by ``oppo.preflight`` and
-``setup.build``). The values come from the prompt set by each sequence's data position
+before any model loads (:func:`function_problems`, asked by ``setup.preflight``; and
+:func:`missing_columns`, by ``setup.load`` once the prompt set is read). The values come from the prompt set by each sequence's data position
 (``data.PromptSet.context``), so sequences carried across steps or a checkpoint get their own
 record's values without the checkpoint holding them.
 
