@@ -68,7 +68,7 @@ def run(args) -> list[dict]:
             f"policy.device={args.device}", f"ppo.batch_size={args.batch}", f"ppo.minibatch_size={args.batch}",
             f"ppo.micro_batch_size={min(args.batch, 8)}", f"generation.max_new_tokens={args.max_new_tokens}",
             f"overlap.mode={mode}", *args.overrides])
-        t = Trainer(cfg, progress=False)
+        t = Trainer.from_config(cfg, progress=False)
         try:
             t.length_sampler = workload.sampler(cfg.run.seed)
             acc = _timed(t.roles.rollout, sync)

@@ -505,7 +505,7 @@ def build_trainer(settings: list[str], label: str, work: Path, workload, mode: s
     cfg = with_overrides(load_config(None, settings), [
         *mode_overrides(mode), f"run.out_dir={work / 'runs' / label}", "run.save_every=0", "log.trace=true"])
     Path(cfg.run.out_dir).mkdir(parents=True, exist_ok=True)
-    t = Trainer(cfg, progress=False)
+    t = Trainer.from_config(cfg, progress=False)
     t.length_sampler = workload.sampler(cfg.run.seed)
     return t
 

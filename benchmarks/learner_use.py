@@ -88,7 +88,7 @@ def main(argv=None) -> None:
         f"run.out_dir={root / 'run'}", f"placement.threads={a.threads}", "log.progress=false", "overlap.mode=sequential",
         f"ppo.batch_size={a.batch}", f"ppo.minibatch_size={a.minibatch}", f"ppo.micro_batch_size={a.micro}",
         f"generation.max_new_tokens={a.max_new_tokens}", *a.overrides])
-    t = Trainer(cfg, progress=False)
+    t = Trainer.from_config(cfg, progress=False)
     peak = _peak(t.roles.compute_dtype)
     sorts = "lengths" in inspect.signature(t.roles.learner.minibatches).parameters
     try:  # the learner's own measure, where it has one (packed micro-batches, ppo.micro_batch_tokens)

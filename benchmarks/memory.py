@@ -93,7 +93,7 @@ def child(args) -> dict:
         f"generation.max_new_tokens={args.length}", "data.max_prompt_tokens=48", "log.progress=false",
         "run.samples=0", f"run.out_dir={Path(args.out) / 'run'}", *json.loads(args.child)])
     cuda = args.device.startswith("cuda")
-    t = Trainer(cfg, progress=False)
+    t = Trainer.from_config(cfg, progress=False)
     t.length_sampler = lambda i, member: args.length
     loaded = torch.cuda.memory_allocated() / 2**20 if cuda else rss_mb()
     if cuda:

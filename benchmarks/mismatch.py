@@ -23,7 +23,7 @@ def main(names: list[str], steps: int = 4) -> None:
     for name in names:
         cfg = load_config(None, ["placement.threads=2", "log.progress=false", f"run.out_dir=/tmp/oppo-mismatch-{name}",
                                  *RUNS[name]])
-        t = Trainer(cfg, progress=False)
+        t = Trainer.from_config(cfg, progress=False)
         try:
             for _ in range(steps):
                 m = t.run_step()

@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             "overlap.chunk_size=16", "overlap.delta=0", "placement.local.scorer_process=false",
             f"run.out_dir={root / 'runs' / mode}", *args.overrides])
         counter.seen.clear()  # each mode on its own: a mode's shapes are not paid for by another's
-        t = Trainer(cfg, progress=False)
+        t = Trainer.from_config(cfg, progress=False)
         t.length_sampler = work.sampler(cfg.run.seed)
         rows = []
         try:

@@ -30,7 +30,7 @@ def main() -> int:
         cfg = load_config(None, ["overlap.mode=oppo", "overlap.delta=4", "overlap.max_lag=2",
                                  f"overlap.stale_kv={kv}", f"overlap.stale_values={v}", "overlap.chunk_size=32",
                                  f"run.out_dir=/tmp/stale_{kv}_{v}", "log.trace=false"])
-        trainers[(kv, v)] = Trainer(cfg, progress=False)
+        trainers[(kv, v)] = Trainer.from_config(cfg, progress=False)
     hist = {c: [] for c in combos}
     for step in range(args.steps):
         for c, t in trainers.items():

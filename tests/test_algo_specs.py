@@ -21,6 +21,7 @@ from oppo.algo.core import KL_PLACEMENTS, SHARED_SETTINGS
 from oppo.config import AlgoConfig, Config, help_text, load_config
 
 from algo_conformance import check_algorithm
+from validated import load_valid
 
 # ppo.batch_size 8 is a whole number of groups for every default group size
 SIZES = ["ppo.batch_size=8", "ppo.minibatch_size=4", "ppo.micro_batch_size=4"]
@@ -204,6 +205,6 @@ def test_the_registry_refuses_a_taken_name_and_reads_entry_points(monkeypatch, t
         p.write_text("algo:\n  name: mean_baseline\n  mean_baseline:\n    whiten: true\nppo:\n  batch_size: 8\n"
                      "  minibatch_size: 4\n  micro_batch_size: 4\n")
         with pytest.raises(ValueError, match="algo.mean_baseline.whiten: algo.name=mean_baseline reads it from"):
-            load_config(p)  # its from_config reads whiten from ppo.whiten_advantages
+            load_valid(p)  # its from_config reads whiten from ppo.whiten_advantages
     finally:
         unregister("mean_baseline")

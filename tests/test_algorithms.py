@@ -8,6 +8,7 @@ from oppo.checkpoint import latest_checkpoint
 from oppo.config import ConfigError, load_config
 from oppo.run import train
 from oppo.trainer import Trainer
+from validated import load_valid
 
 
 def _cfg(tiny_models, tiny_prompts, tmp_path, *extra):
@@ -22,7 +23,7 @@ def _cfg(tiny_models, tiny_prompts, tmp_path, *extra):
                                        ("reinforce_pp", "intra")])
 def test_critic_free_algorithms_train(tiny_models, tiny_prompts, tmp_path, algo, mode):
     extra = ["overlap.delta=1", "overlap.max_lag=1"] if mode in ("inter", "oppo") else []
-    t = Trainer(_cfg(tiny_models, tiny_prompts, tmp_path, f"algo.name={algo}", f"overlap.mode={mode}", *extra),
+    t = Trainer.from_config(_cfg(tiny_models, tiny_prompts, tmp_path, f"algo.name={algo}", f"overlap.mode={mode}", *extra),
                 progress=False)
     try:
         assert t.roles.critic is None and t.roles.learner.critic_opt is None, "no critic loaded"
@@ -74,14 +75,14 @@ def test_grpo_checkpoint_has_no_critic_and_resumes(tiny_models, tiny_prompts, tm
 ])
 def test_bad_algorithm_settings(bad, msg):
     with pytest.raises(ConfigError, match=msg):
-        load_config(None, ["ppo.batch_size=8", "ppo.minibatch_size=4", "ppo.micro_batch_size=4", *bad])
+        load_valid(None, ["ppo.batch_size=8", "ppo.minibatch_size=4", "ppo.micro_batch_size=4", *bad])
 
 
 @pytest.mark.parametrize("policy", ["carry", "wait"])
 def test_partly_finished_groups_carried_or_waited_for(tiny_models, tiny_prompts, tmp_path, policy):
     """Members of a group with their own forced lengths: under carry some finished members wait
     for a sibling across a close; under wait none does, and every group still trains whole."""
-    t = Trainer(_cfg(tiny_models, tiny_prompts, tmp_path, "algo.name=grpo", "algo.group_size=2", "overlap.mode=oppo",
+    t = Trainer.from_config(_cfg(tiny_models, tiny_prompts, tmp_path, "algo.name=grpo", "algo.group_size=2", "overlap.mode=oppo",
                      "overlap.delta=2", "overlap.max_lag=1", f"overlap.partial_groups={policy}"), progress=False)
     t.length_sampler = lambda i, member: 2 if member == 0 else 2 + (3 * i + 5) % 9  # sibling 2-10 tokens
     try:

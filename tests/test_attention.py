@@ -9,6 +9,7 @@ import torch
 
 from oppo import attention
 from oppo.attention import GQA, REFERENCE, Measured
+from validated import load_valid
 
 
 def _m(first=10.0, steady=1.0, finite=True, err=1e-3) -> Measured:
@@ -146,7 +147,7 @@ def test_attention_setting_checked_before_any_model(tmp_path):
     from oppo.config import ConfigError, load_config
 
     with pytest.raises(ConfigError) as e:
-        load_config(None, ["ppo.attention=nonsense", f"policy.path={tmp_path / 'absent'}"])
+        load_valid(None, ["ppo.attention=nonsense", f"policy.path={tmp_path / 'absent'}"])
     msg = str(e.value)
     assert "ppo.attention='nonsense'" in msg and "oppo_sdpa_gqa" in msg and "flash_attention_2" in msg
     for ok in ("auto", "inherit", "sdpa", "eager", GQA, "oppo_sdpa_cudnn", "flex_attention", "flash_attention_3",

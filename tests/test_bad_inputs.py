@@ -1,4 +1,4 @@
-"""Bad inputs, through the code a user hits (`Trainer(load_config(...))`, `oppo train`): each fails
+"""Bad inputs, through the code a user hits (`Trainer.from_config(load_config(...))`, `oppo train`): each fails
 early with a message that names the culprit, or is handled as documented."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from oppo.checkpoint import checkpoint_dirs, latest_checkpoint, load_checkpoint,
 from oppo.config import load_config
 from oppo.data import DataError, build_prompt_set
 from oppo.models import ModelLoadError, load_tokenizer
-from oppo.preflight import PreflightError
+from oppo.setup.preflight import PreflightError
 from oppo.scoring.streaming import RewardFunction
 from oppo.trainer import Trainer
 
@@ -69,7 +69,7 @@ def test_missing_model_path_fails_first(tiny_models, tiny_prompts, tmp_path, not
     missing = tmp_path / f"no_{role}_here"
     cfg = make_cfg(tiny_models, tiny_prompts, tmp_path, **{f"{role}.path": missing})
     with pytest.raises(ModelLoadError) as info:
-        Trainer(cfg, progress=False)
+        Trainer.from_config(cfg, progress=False)
     msg = str(info.value)
     assert str(missing) in msg and role in msg and "does not exist" in msg
 
@@ -89,7 +89,7 @@ def test_directory_without_config_json(tiny_models, tiny_prompts, tmp_path, noth
     (d / "weights.bin").write_bytes(b"\0")
     cfg = make_cfg(tiny_models, tiny_prompts, tmp_path, **{"reward.path": d})
     with pytest.raises(ModelLoadError) as info:
-        Trainer(cfg, progress=False)
+        Trainer.from_config(cfg, progress=False)
     assert str(d) in str(info.value) and "config.json" in str(info.value)
 
 
@@ -98,7 +98,7 @@ def test_file_instead_of_directory(tiny_models, tiny_prompts, tmp_path, nothing_
     f.write_bytes(b"\0")
     cfg = make_cfg(tiny_models, tiny_prompts, tmp_path, **{"policy.path": f})
     with pytest.raises(ModelLoadError, match="not a directory"):
-        Trainer(cfg, progress=False)
+        Trainer.from_config(cfg, progress=False)
 
 
 def test_prompts_required_with_user_models(tiny_models, tmp_path, nothing_loads, capsys):
@@ -123,7 +123,7 @@ def test_reward_model_with_two_labels(tiny_models, tiny_prompts, tmp_path, monke
 
     monkeypatch.setattr(oppo.setup.load, "load_causal_lm", boom)
     with pytest.raises(ModelLoadError) as info:
-        Trainer(make_cfg(tiny_models, tiny_prompts, tmp_path, **{"reward.path": d}), progress=False)
+        Trainer.from_config(make_cfg(tiny_models, tiny_prompts, tmp_path, **{"reward.path": d}), progress=False)
     msg = str(info.value)
     assert str(d) in msg and "2 labels" in msg and "num_labels=1" in msg
 
@@ -131,7 +131,7 @@ def test_reward_model_with_two_labels(tiny_models, tiny_prompts, tmp_path, monke
 def test_a_causal_lm_as_reward_model_is_named_so(tiny_models, tiny_prompts, tmp_path):
     """A causal LM's config has two labels by default: "has 2 labels" hid what was wrong."""
     from oppo.models import check_scorer_config, load_model_config as model_config
-    from oppo.preflight import input_problems
+    from test_preflight import input_problems
 
     cfg = make_cfg(tiny_models, tiny_prompts, tmp_path, **{"reward.path": tiny_models["policy"]})
     for msg in (" ".join(input_problems(cfg)), _raised(check_scorer_config, model_config(str(tiny_models["policy"]),
@@ -166,7 +166,7 @@ def test_tokenizer_without_eos(tiny_models, tiny_prompts, tmp_path):
     d = _copy_policy(tiny_models, tmp_path / "no_eos")
     _write_tokenizer(d, pad_token="<pad>")
     with pytest.raises(ModelLoadError) as info:
-        Trainer(make_cfg(tiny_models, tiny_prompts, tmp_path, **{"policy.path": d}), progress=False)
+        Trainer.from_config(make_cfg(tiny_models, tiny_prompts, tmp_path, **{"policy.path": d}), progress=False)
     assert str(d) in str(info.value) and "EOS" in str(info.value)
 
 
@@ -177,7 +177,7 @@ def test_tokenizer_without_pad_falls_back_to_eos(tiny_models, tiny_prompts, tmp_
         tok = load_tokenizer(str(d))
     assert tok.pad_token == tok.eos_token == "<eos>" and tok.padding_side == "left"
     with pytest.warns(UserWarning, match="no pad token"):
-        trainer = Trainer(make_cfg(tiny_models, tiny_prompts, tmp_path, **{"policy.path": d}), progress=False)
+        trainer = Trainer.from_config(make_cfg(tiny_models, tiny_prompts, tmp_path, **{"policy.path": d}), progress=False)
     try:
         assert trainer.roles.pad_id == trainer.roles.tokenizer.eos_token_id == tok.eos_token_id
     finally:
@@ -215,7 +215,7 @@ def test_long_prompt_counted_by_trainer(tiny_models, tmp_path, mode, truncated, 
     p = tmp_path / "p.jsonl"
     p.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in [LONG, "a day", "the book"]))
     cfg = make_cfg(tiny_models, p, tmp_path, **{"data.max_prompt_tokens": 6, "data.on_long_prompt": mode})
-    trainer = Trainer(cfg, progress=False)
+    trainer = Trainer.from_config(cfg, progress=False)
     try:
         ps = trainer.roles.prompt_set
         assert (ps.truncated, ps.skipped, len(ps)) == (truncated, skipped, kept)
@@ -234,7 +234,7 @@ def test_empty_prompt_set(tiny_models, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(oppo.setup.load, "load_causal_lm", boom)
     # found by the one preflight, a Trainer's too (before, the prompt set's reader raised DataError)
     with pytest.raises(PreflightError, match="empty"):
-        Trainer(make_cfg(tiny_models, p, tmp_path), progress=False)
+        Trainer.from_config(make_cfg(tiny_models, p, tmp_path), progress=False)
     code = cli.main(["train", *TINY, f"policy.path={tiny_models['policy']}", f"reward.path={tiny_models['reward']}",
                      f"data.prompts={p}", f"run.out_dir={tmp_path / 'run'}"])
     assert code == 2 and "empty" in capsys.readouterr().err
@@ -245,7 +245,7 @@ def test_all_prompts_too_long_with_skip(tiny_models, tmp_path):
     p.write_text(json.dumps({"prompt": LONG}) + "\n")
     cfg = make_cfg(tiny_models, p, tmp_path, **{"data.max_prompt_tokens": 4, "data.on_long_prompt": "skip"})
     with pytest.raises(DataError, match="No usable prompt"):
-        Trainer(cfg, progress=False)
+        Trainer.from_config(cfg, progress=False)
 
 
 # --------------------------------------------------------------------------- reward functions
@@ -274,7 +274,7 @@ def test_reward_function_wrong_count():
 def test_nan_reward_end_to_end(tiny_models, tiny_prompts, tmp_path, monkeypatch):
     mod = _reward_module(tmp_path, monkeypatch, "oppo_test_nan_reward",
                          "def bad(prompts, responses):\n    return [float('nan')] * len(prompts)\n")
-    trainer = Trainer(make_cfg(tiny_models, tiny_prompts, tmp_path, **{"reward.function": f"{mod}:bad"}),
+    trainer = Trainer.from_config(make_cfg(tiny_models, tiny_prompts, tmp_path, **{"reward.function": f"{mod}:bad"}),
                       progress=False)
     try:
         assert trainer.roles.reward_model is None
@@ -291,7 +291,7 @@ def test_nan_reward_end_to_end(tiny_models, tiny_prompts, tmp_path, monkeypatch)
 def test_wrong_count_end_to_end(tiny_models, tiny_prompts, tmp_path, monkeypatch):
     mod = _reward_module(tmp_path, monkeypatch, "oppo_test_short_reward",
                          "def short(prompts, responses):\n    return [1.0]\n")
-    trainer = Trainer(make_cfg(tiny_models, tiny_prompts, tmp_path, **{"reward.function": f"{mod}:short"}),
+    trainer = Trainer.from_config(make_cfg(tiny_models, tiny_prompts, tmp_path, **{"reward.function": f"{mod}:short"}),
                       progress=False)
     try:
         with pytest.raises(ValueError, match="returned 1 scores for 2"):
@@ -303,7 +303,7 @@ def test_wrong_count_end_to_end(tiny_models, tiny_prompts, tmp_path, monkeypatch
 def test_good_reward_function_end_to_end(tiny_models, tiny_prompts, tmp_path, monkeypatch):
     mod = _reward_module(tmp_path, monkeypatch, "oppo_test_len_reward",
                          "def length(prompts, responses):\n    return [len(r.split()) for r in responses]\n")
-    trainer = Trainer(make_cfg(tiny_models, tiny_prompts, tmp_path, **{"reward.function": f"{mod}:length"}),
+    trainer = Trainer.from_config(make_cfg(tiny_models, tiny_prompts, tmp_path, **{"reward.function": f"{mod}:length"}),
                       progress=False)
     try:
         m = trainer.run_step()
@@ -381,7 +381,7 @@ def test_unimportable_reward_module(tiny_models, tiny_prompts, tmp_path, monkeyp
     monkeypatch.setattr(oppo.setup.load, "load_causal_lm", boom)
     cfg = make_cfg(tiny_models, tiny_prompts, tmp_path, **{"reward.function": "no_such_module_xyz:score"})
     with pytest.raises(ModelLoadError) as info:
-        Trainer(cfg, progress=False)
+        Trainer.from_config(cfg, progress=False)
     assert "'no_such_module_xyz'" in str(info.value) and "reward.function" in str(info.value)
 
 
@@ -389,7 +389,7 @@ def test_reward_module_raising_on_import(tiny_models, tiny_prompts, tmp_path, mo
     mod = _reward_module(tmp_path, monkeypatch, "oppo_test_broken_import",
                          "import no_such_dependency_xyz\n\ndef f(p, r):\n    return [0.0] * len(p)\n")
     with pytest.raises(ModelLoadError) as info:
-        Trainer(make_cfg(tiny_models, tiny_prompts, tmp_path, **{"reward.function": f"{mod}:f"}), progress=False)
+        Trainer.from_config(make_cfg(tiny_models, tiny_prompts, tmp_path, **{"reward.function": f"{mod}:f"}), progress=False)
     assert mod in str(info.value)
 
 
@@ -398,7 +398,7 @@ def test_reward_module_raising_on_import(tiny_models, tiny_prompts, tmp_path, mo
 def test_reward_module_broken_at_import(tiny_models, tiny_prompts, tmp_path, monkeypatch, capsys, body, cause):
     mod = _reward_module(tmp_path, monkeypatch, f"oppo_test_broken_{cause.lower()}", body)
     with pytest.raises(ModelLoadError) as info:
-        Trainer(make_cfg(tiny_models, tiny_prompts, tmp_path, **{"reward.function": f"{mod}:f"}), progress=False)
+        Trainer.from_config(make_cfg(tiny_models, tiny_prompts, tmp_path, **{"reward.function": f"{mod}:f"}), progress=False)
     assert mod in str(info.value) and cause in str(info.value)
     code = cli.main(["train", *TINY, f"policy.path={tiny_models['policy']}", f"reward.function={mod}:f",
                      f"data.prompts={tiny_prompts}", f"run.out_dir={tmp_path / 'run'}"])
@@ -408,7 +408,7 @@ def test_reward_module_broken_at_import(tiny_models, tiny_prompts, tmp_path, mon
 def test_reward_module_without_the_function(tiny_models, tiny_prompts, tmp_path, monkeypatch):
     mod = _reward_module(tmp_path, monkeypatch, "oppo_test_no_fn", "y = 1\n")  # (x = 1: test_entry_validation)
     with pytest.raises(ModelLoadError) as info:
-        Trainer(make_cfg(tiny_models, tiny_prompts, tmp_path, **{"reward.function": f"{mod}:x"}), progress=False)
+        Trainer.from_config(make_cfg(tiny_models, tiny_prompts, tmp_path, **{"reward.function": f"{mod}:x"}), progress=False)
     assert mod in str(info.value) and "'x'" in str(info.value)
 
 
@@ -422,7 +422,7 @@ def _digest(d: Path) -> dict[str, str]:
 def test_interrupted_checkpoint_save_keeps_previous(tiny_models, tiny_prompts, tmp_path, monkeypatch):
     import oppo.checkpoint
 
-    trainer = Trainer(make_cfg(tiny_models, tiny_prompts, tmp_path), progress=False)
+    trainer = Trainer.from_config(make_cfg(tiny_models, tiny_prompts, tmp_path), progress=False)
     run_dir = tmp_path / "run"
     try:
         first = save_checkpoint(trainer, run_dir)
@@ -552,7 +552,7 @@ def test_gpt2_policy_object_with_dropout_trains(tiny_models, tmp_path):
     not refused as "not causal" because two probe forwards differed by their dropout masks."""
     policy, tok = _gpt2(tiny_models)
     cfg = load_config(None, [*TINY, "run.steps=1", f"run.out_dir={tmp_path / 'run'}"])
-    with Trainer(cfg, progress=False, policy=policy, tokenizer=tok, prompts=["the film was", "a day", "i liked it"],
+    with Trainer.from_config(cfg, progress=False, policy=policy, tokenizer=tok, prompts=["the film was", "a day", "i liked it"],
                  reward_fn=lambda prompts, responses: [float(len(r)) for r in responses]) as trainer:
         metrics = trainer.run_step()
         assert trainer.roles.critic is not None and not trainer.roles.critic.training
@@ -580,7 +580,7 @@ def test_prompts_longer_than_the_context_are_named_before_the_weights_load(tiny_
                              "data.max_prompt_tokens=64",  # (empty, the default, would cut it to fit: test_data.py)
                              f"run.out_dir={tmp_path / 'run'}"])
     with pytest.raises(ModelLoadError) as info:
-        Trainer(cfg, progress=False)
+        Trainer.from_config(cfg, progress=False)
     msg = str(info.value)
     assert not loaded
     assert "policy (policy.path)" in msg and "at most 12 positions" in msg and "is 11 tokens" in msg
@@ -591,7 +591,7 @@ def test_prompts_longer_than_the_context_are_named_before_the_weights_load(tiny_
     cfg = load_config(None, [*TINY, f"policy.path={tmp_path / 'gpt2'}", f"data.prompts={prompts}", "run.steps=1",
                              "reward.function=oppo.rewards:format_reward", "generation.max_new_tokens=6",
                              "data.max_prompt_tokens=6", f"run.out_dir={tmp_path / 'run2'}"])
-    with Trainer(cfg, progress=False) as trainer:
+    with Trainer.from_config(cfg, progress=False) as trainer:
         assert math.isfinite(trainer.run_step()["loss/policy"])
 
 

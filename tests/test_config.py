@@ -6,11 +6,12 @@ import pytest
 
 from oppo import cli
 from oppo.config import TASK_PRESETS, Config, ConfigError, all_keys, from_dict, help_text, load_config, to_dict, validate
+from validated import load_valid
 
 
 def _error(overrides, path=None) -> str:
     with pytest.raises(ConfigError) as info:
-        load_config(path, overrides)
+        load_valid(path, overrides)
     return str(info.value)
 
 
@@ -228,12 +229,12 @@ def test_adaptive_delta_bounds_are_capped_at_the_batch(tiny_models, tiny_prompts
                              "ppo.micro_batch_size=4", "overlap.mode=inter", "overlap.delta_min=6",
                              "overlap.delta_init=9", "overlap.delta_max=20", f"run.out_dir={tmp_path}",
                              "overlap.delta_rule=reward_slope", "generation.max_new_tokens=8"])  # (256 positions)
-    t = Trainer(cfg, progress=False)
+    t = Trainer.from_config(cfg, progress=False)
     c = t.run.scheduler.controller
     assert (c.delta_min, c.delta, c.delta_max) == (4, 4, 4)
     t.close()
     cfg.overlap.delta_rule, cfg.overlap.delta_max = "cost", 3  # the cost rule's levels, within the same caps
-    t = Trainer(cfg, progress=False)
+    t = Trainer.from_config(cfg, progress=False)
     assert t.run.tuner.deltas == (3,) and t.run.scheduler.delta == 3
     t.close()
 
@@ -352,15 +353,15 @@ def test_cli_train_help(capsys):
 
 @pytest.fixture
 def no_training(monkeypatch):
-    """Fail loudly if anything past validation runs."""
-    import oppo.run
+    """Fail loudly if anything past validation runs: the built-in task's preparation, the Trainer."""
+    import oppo.setup.build
     import oppo.trainer
 
     def boom(*a, **k):
         raise AssertionError("a model was about to load before the config was validated")
 
     monkeypatch.setattr(oppo.trainer.Trainer, "__init__", boom)
-    monkeypatch.setattr(oppo.run, "train", boom)
+    monkeypatch.setattr(oppo.setup.build, "prepared_task", boom)
 
 
 def test_cli_invalid_value_exits_2_before_loading(no_training, capsys):
@@ -491,11 +492,11 @@ def test_algorithm_settings_are_its_section_and_old_ones_upgrade():
     assert (cfg.algo.grpo.std_normalize, cfg.algo.grpo.eps) == (False, 1e-4)
     assert to_dict(cfg)["algo"]["grpo"] == {"std_normalize": False, "eps": 1e-4}
     with pytest.raises(ConfigError, match="algo.std_normalize is now algo.grpo.std_normalize"):
-        load_config(None, ["algo.name=grpo", "algo.std_normalize=false"])
+        load_valid(None, ["algo.name=grpo", "algo.std_normalize=false"])
     with pytest.raises(ConfigError, match=r"algo.settings.*its section, algo.<name>.*Write algo.<algo.name>.eps=0.1"):
-        load_config(None, ["algo.name=grpo", "algo.settings={eps: 0.1}"])
+        load_valid(None, ["algo.name=grpo", "algo.settings={eps: 0.1}"])
     with pytest.raises(ConfigError, match="algo.grpo.eps"):
-        load_config(None, ["algo.name=grpo", "algo.grpo.eps=abc"])
+        load_valid(None, ["algo.name=grpo", "algo.grpo.eps=abc"])
     old = {"algo": {"name": "grpo", "group_size": 0, "kl_placement": "auto", "std_normalize": False,
                     "settings": {"eps": 0.5}}}
     up = from_dict(old)

@@ -1,4 +1,4 @@
-"""Issue 28, items 5, 10, 11, 13: every entry point (the CLI, ``oppo.train(cfg)``, ``Trainer(cfg)``)
+"""Issue 28, items 5, 10, 11, 13: every entry point (the CLI, ``oppo.train(cfg)``, ``Trainer.from_config(cfg)``)
 validates the same way before any model loads, the output directory included; a resume onto a
 model of another shape, a corrupt config.json, a non-callable reward target, numpy rewards and a
 mistyped setting each get a clear message. Error paths: each test fails before a model loads."""
@@ -19,9 +19,11 @@ from oppo import cli
 from oppo.checkpoint import load_checkpoint
 from oppo.config import ConfigError, load_config
 from oppo.models import ModelLoadError, load_tokenizer
-from oppo.preflight import PreflightError, input_problems
+from oppo.setup.preflight import PreflightError
+from test_preflight import input_problems
 from oppo.scoring.streaming import RewardFunction
 from oppo.trainer import Trainer
+from validated import load_valid
 
 
 
@@ -46,7 +48,7 @@ def test_python_entry_points_validate_settings_made_in_code(tiny_models, tiny_pr
     cfg = make_cfg(tiny_models, tiny_prompts, tmp_path)
     setattr(getattr(cfg, section), name, value)
     with pytest.raises(ConfigError, match=named):
-        Trainer(cfg, progress=False) if entry == "Trainer" else oppo.train(cfg, progress=False)
+        Trainer.from_config(cfg, progress=False) if entry == "Trainer" else oppo.train(cfg, progress=False)
     assert not (tmp_path / "run").exists()  # nothing written (no config.yaml with mode: bogus)
 
 
@@ -139,5 +141,5 @@ def test_numpy_rewards_are_numbers():
 def test_unknown_key_suggests_the_learning_rate(typo, want):
     """A typo gets the nearest setting; TRL's learning_rate, which sets both, gets both (issue 45)."""
     with pytest.raises(ConfigError) as info:
-        load_config(None, [f"{typo}=1e-5"])
+        load_valid(None, [f"{typo}=1e-5"])
     assert all(w in str(info.value) for w in want), str(info.value)

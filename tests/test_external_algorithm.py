@@ -22,6 +22,7 @@ from oppo.algo.grpo import GroupNormalized
 from oppo.algo.masks import masked_mean, stat
 
 from algo_conformance import check_algorithm
+from validated import load_valid
 
 CALLS: list[int] = []  # rows each call of the loss saw (the trainer's runs must go through it)
 
@@ -97,14 +98,14 @@ def test_registered_it_is_a_choice_with_its_settings_in_the_help(gspo):
                       (["algo.settings={clip_low: 0.1}"], "algo.<algo.name>.clip_low=0.1"),
                       (["ppo.dual_clip=3"], "leave ppo.dual_clip empty")):
         with pytest.raises(ConfigError, match=says):
-            load_config(None, ["algo.name=gspo_test", *bad])
+            load_valid(None, ["algo.name=gspo_test", *bad])
 
 
 def test_unregistered_it_is_refused():
     from oppo.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match="gspo_test"):
-        load_config(None, ["algo.name=gspo_test"])
+        load_valid(None, ["algo.name=gspo_test"])
 
 
 def test_it_passes_the_conformance_checks(gspo):
@@ -140,7 +141,7 @@ def _trainer(models, prompts, out, mode, *more):
                              "ppo.batch_size=4", "ppo.minibatch_size=4", "ppo.micro_batch_size=2",
                              "ppo.actor_lr=1e-3", "generation.max_new_tokens=6", "overlap.chunk_size=3",
                              "log.progress=false", f"overlap.mode={mode}", *extra, *more])
-    return Trainer(cfg, progress=False)
+    return Trainer.from_config(cfg, progress=False)
 
 
 def _train(models, prompts, out, mode, *more, steps=2):

@@ -24,6 +24,7 @@ import pytest
 
 from oppo.api.protocols import RolloutBackend
 from oppo.rollout import registry
+from validated import load_valid
 
 NAME = "testplug"
 
@@ -125,7 +126,7 @@ def test_registered_plugin_is_a_choice_with_its_settings_then_gone(testplug, tin
     cfg = load_config(None, [f"generation.backend={NAME}", f"rollout.{NAME}.note=hello"])  # any registered name
     assert cfg.rollout[NAME] == PlugSettings("hello")
     with pytest.raises(ConfigError, match=f"rollout.{NAME}.note is empty"):  # its own check, asked by validate
-        load_config(None, [f"generation.backend={NAME}", f"rollout.{NAME}.note=' '"])
+        load_valid(None, [f"generation.backend={NAME}", f"rollout.{NAME}.note=' '"])
     # listed in `oppo train --help` with its settings, their defaults and help
     with pytest.raises(SystemExit):
         main(["train", "--help"])
@@ -143,9 +144,9 @@ def test_registered_plugin_is_a_choice_with_its_settings_then_gone(testplug, tin
     with pytest.raises(KeyError, match=NAME):
         registry.get(NAME)
     with pytest.raises(ConfigError):
-        load_config(None, [f"generation.backend={NAME}"])
+        load_valid(None, [f"generation.backend={NAME}"])
     with pytest.raises(ConfigError, match=f"Unknown setting 'rollout.{NAME}.note'"):
-        load_config(None, [f"rollout.{NAME}.note=hello"])
+        load_valid(None, [f"rollout.{NAME}.note=hello"])
     assert f"rollout.{NAME}" not in help_text()
 
 
@@ -165,7 +166,7 @@ def _run(models, prompts, out, engine: str, mode: str, steps: int):
                              f"data.prompts={prompts}", f"run.out_dir={out}", *BASE, *CASES[mode][0],
                              f"generation.backend={engine}", *([f"rollout.{NAME}.note={mode}"] if engine == NAME else [])])
     rows = []
-    with Trainer(cfg, progress=False) as t:
+    with Trainer.from_config(cfg, progress=False) as t:
         if engine == NAME:
             assert isinstance(t.roles.rollout, Delegating), "the trainer samples with the plugin"
         for _ in range(steps):
@@ -237,7 +238,7 @@ def test_it_runs_in_a_ray_rollout_worker(ray_local, tiny_models, tiny_prompts, t
             "log.progress=false", "overlap.mode=oppo", f"generation.backend={NAME}", "placement.name=ray",
             "placement.ray.rollout_workers=1", "learner.replicate.cpus=0.25", "placement.ray.scorer_cpus=0.25",
             "placement.ray.rollout_cpus=0.25"])
-        with Trainer(cfg, progress=False) as t:
+        with Trainer.from_config(cfg, progress=False) as t:
             worker = t.roles.rollout.workers[0]
             built = ray.get(worker.__ray_call__.remote(lambda host: (type(host.engine).__qualname__, os.getpid())))
             assert built[0] == "Reporting" and built[1] != os.getpid(), "the worker built the plugin's backend"

@@ -12,6 +12,7 @@ from oppo.parts import setting
 from oppo.config import ConfigError, help_text, load_config
 from oppo.learner import registry
 from oppo.trainer import Trainer
+from validated import load_valid
 
 
 class CountingLearner:
@@ -122,17 +123,17 @@ def test_the_engine_is_in_the_help_with_its_settings_and_its_checks_run_before_m
     assert "learner.counting: (the settings of placement.learner=counting)" in help_
     assert "learner.counting.every = 1" in help_
     with pytest.raises(ConfigError, match=r"learner.counting.every=0: count every n >= 1 updates"):
-        load_config(None, ["placement.learner=counting", "learner.counting.every=0"])
+        load_valid(None, ["placement.learner=counting", "learner.counting.every=0"])
     with pytest.raises(ConfigError, match=r"placement.learner=counting runs in this process, not under placement.name=ray: set "
                                              r"placement.name=local, or placement.learner=replicate or fsdp2 or recording"):
-        load_config(None, ["placement.learner=counting", "placement.name=ray"])
+        load_valid(None, ["placement.learner=counting", "placement.name=ray"])
     assert "recording: Ray replicas counting their updates (a test's engine) (runs on Ray ranks). Its settings: " \
            "learner.recording.* (read under placement.learner=recording only)." in help_
     with pytest.raises(ConfigError, match=r"placement.learner=recording runs on Ray ranks, not under placement.name=local: "
                                              r"set placement.name=ray"):
-        load_config(None, ["placement.learner=recording"])
+        load_valid(None, ["placement.learner=recording"])
     with pytest.raises(ConfigError, match=r"placement.learner='nope' is not one of replicate, fsdp2, counting, recording"):
-        load_config(None, ["placement.learner=nope"])
+        load_valid(None, ["placement.learner=nope"])
 
 
 def test_the_code_of_the_engines_parts_goes_to_ray_actors_by_value_where_no_installed_package_has_it():
@@ -140,7 +141,7 @@ def test_the_code_of_the_engines_parts_goes_to_ray_actors_by_value_where_no_inst
     oppo's and an installed package's (here pytest's) they import."""
     import sys
 
-    from oppo.plugins import modules_by_value, part_modules
+    from oppo.parts import modules_by_value, part_modules
 
     assert set(part_modules(registry.get("recording"))) == {"oppo.learner.registry", "builtins", __name__}
     registry.register(registry.EngineSpec("installed", "an installed package's builder", build_local=pytest.approx))
@@ -155,7 +156,7 @@ def test_the_code_of_the_engines_parts_goes_to_ray_actors_by_value_where_no_inst
 @pytest.mark.parametrize("mode", ["sequential", "oppo"])
 def test_the_trainer_trains_through_the_registered_engine(tiny_models, tiny_prompts, tmp_path, mode):
     BUILT.clear()
-    t = Trainer(_cfg(tiny_models, tiny_prompts, tmp_path, f"overlap.mode={mode}", "placement.learner=counting"),
+    t = Trainer.from_config(_cfg(tiny_models, tiny_prompts, tmp_path, f"overlap.mode={mode}", "placement.learner=counting"),
                 progress=False)
     try:
         assert len(BUILT) == 1
@@ -176,7 +177,7 @@ def test_the_trainer_trains_on_ray_through_a_registered_engine_and_strategy(ray_
     (whose process never imported this file) and runs each update there."""
     from oppo.learner.group import LearnerGroup
 
-    t = Trainer(_cfg(tiny_models, tiny_prompts, tmp_path, "overlap.mode=sequential", "placement.name=ray",
+    t = Trainer.from_config(_cfg(tiny_models, tiny_prompts, tmp_path, "overlap.mode=sequential", "placement.name=ray",
                      "placement.learner=recording", "learner.recording.workers=2",
                      "learner.recording.cpus=0.5", "placement.ray.scorer_cpus=0.5", "ppo.micro_batch_size=2"),
                 progress=False)

@@ -13,6 +13,7 @@ from oppo.placements import local
 from oppo.parts import setting
 from oppo.scoring.inline import InlineScorer
 from oppo.trainer import Trainer
+from validated import load_valid
 
 
 @dataclass
@@ -54,11 +55,11 @@ def test_the_placement_is_in_the_help_with_its_section_and_its_checks_run_before
     assert "placement.inline: (the settings of placement.name=inline)" in help_
     assert "placement.inline.decode_threads = 0" in help_
     with pytest.raises(ConfigError, match=r"placement.inline.decode_threads must be >= 0"):
-        load_config(None, ["placement.name=inline", "placement.inline.decode_threads=-1"])
+        load_valid(None, ["placement.name=inline", "placement.inline.decode_threads=-1"])
     cfg = load_config(None, ["placement.name=inline", "placement.inline.decode_threads=2"])
     assert to_dict(cfg)["placement"]["inline"] == {"decode_threads": 2}
     with pytest.raises(ConfigError, match=r"placement.name='nowhere' is not one of local, ray, inline"):
-        load_config(None, ["placement.name=nowhere"])
+        load_valid(None, ["placement.name=nowhere"])
 
 
 @pytest.mark.parametrize("mode", ["sequential", "oppo"])
@@ -69,7 +70,7 @@ def test_the_trainer_trains_under_the_registered_placement(tiny_models, tiny_pro
         "ppo.micro_batch_size=4", "generation.max_new_tokens=6", "overlap.chunk_size=4",
         f"run.out_dir={tmp_path}", "log.progress=false", "run.samples=0", f"overlap.mode={mode}",
         "placement.name=inline", "placement.inline.decode_threads=1"])
-    t = Trainer(cfg, progress=False)
+    t = Trainer.from_config(cfg, progress=False)
     try:
         assert isinstance(t.roles.scorer, InlineScorer) and t.roles.placement.scorer == "inline"
         w0 = t.roles.policy.lm_head.weight.detach().clone()

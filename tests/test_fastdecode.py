@@ -9,6 +9,7 @@ import torch
 from oppo.rollout.static import StaticRolloutEngine, UnsupportedForStaticDecode, bucket_size
 from oppo.rollout.engine import Rollout, RolloutEngine
 from conftest import returned
+from validated import load_valid
 
 EOS, PAD = 1, 0
 
@@ -285,7 +286,7 @@ def test_trainer_with_the_static_engine_trains_the_same_batches(tiny_models, tin
             f"data.prompts={tiny_prompts}", "ppo.batch_size=4", "ppo.minibatch_size=4", "ppo.micro_batch_size=4",
             "generation.max_new_tokens=10", "overlap.mode=oppo", "overlap.delta=2", "overlap.max_lag=1",
             "placement.local.scorer_process=false", f"run.out_dir={tmp_path / str(static)}", "log.progress=false"])
-        t = Trainer(cfg, progress=False)
+        t = Trainer.from_config(cfg, progress=False)
         t.length_sampler = lambda i, member: 2 + (i * 7) % 9  # rows end at different times: some are carried
         if static:
             e = t.roles.rollout
@@ -388,7 +389,7 @@ def test_generation_backend_static_is_wired(tiny_models, tiny_prompts, tmp_path)
             f"data.prompts={tiny_prompts}", "placement.threads=1", "ppo.batch_size=4", "ppo.minibatch_size=2",
             "ppo.micro_batch_size=2", "generation.max_new_tokens=8", "overlap.mode=sequential",
             f"generation.backend={engine}", f"run.out_dir={tmp_path / engine}", "log.progress=false"])
-        t = Trainer(cfg, progress=False)
+        t = Trainer.from_config(cfg, progress=False)
         try:
             assert isinstance(t.roles.rollout, StaticRolloutEngine) == (engine == "static")
             out[engine] = [(t.run_step()["loss/policy"], t.last_result.exp.ids.clone()) for _ in range(2)]
@@ -442,7 +443,7 @@ def test_auto_backend_is_static_with_graphs_on_cuda_for_supported_policies_else_
     ray = ["placement.name=ray", "placement.ray.rollout_workers=2"]
     load_config(None, ray)
     with pytest.raises(ConfigError, match="generation.backend=auto"):
-        load_config(None, [*ray, "generation.backend=static"])
+        load_valid(None, [*ray, "generation.backend=static"])
     shown = help_text().split("generation.backend = ")[1].split("generation.kv_budget_mb")[0]
     assert "[auto|eager|static|vllm]" in shown and "fallback" in shown and "CUDA graphs" in shown
 

@@ -33,6 +33,7 @@ from oppo.rollout.engine import Rollout
 from oppo.api.records import ScoredOutputs
 from oppo.scoring.streaming import score_full
 from oppo.api.records import Scores
+from validated import load_valid
 
 BASE = PPOConfig(batch_size=8, minibatch_size=4, micro_batch_size=3, epochs=2, actor_lr=1e-3, critic_lr=1e-3,
                  weight_decay=0.01, entropy_coef=0.01, max_grad_norm=0.05)  # clipping active (norms ~0.3-1)
@@ -271,7 +272,7 @@ def test_fsdp2_bad_settings_are_refused_before_any_model_loads(overrides, expect
     from oppo.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=expected):
-        load_config(None, overrides)  # validation: the models are loaded only later, by setup.build_roles
+        load_valid(None, overrides)  # validation: the models are loaded only later, by setup.build_roles
 
 
 def test_fsdp2_takes_lora_checkpointing_bf16_critic_free_and_every_overlap_mode():
@@ -305,14 +306,14 @@ def test_trainer_with_fsdp2_on_ray_matches_sequential_and_its_sharded_checkpoint
             f"run.out_dir={out}", "log.progress=false", *extra])
 
     steps = 2
-    seq = Trainer(cfg(tmp_path / "s"), progress=False)
+    seq = Trainer.from_config(cfg(tmp_path / "s"), progress=False)
     try:
         want = [seq.run_step() for _ in range(steps + 1)]
     finally:
         seq.close()
     # One Ray run (a run's Ray start costs about a minute of this 2-core box): the overlapped loop with
     # Delta = 0, which must reproduce the sequential steps; the learner's update is the same in every mode.
-    t = Trainer(cfg(tmp_path / "r", "placement.name=ray", "placement.learner=fsdp2",
+    t = Trainer.from_config(cfg(tmp_path / "r", "placement.name=ray", "placement.learner=fsdp2",
                     "learner.fsdp2.workers=2", "learner.fsdp2.cpus=0.5", "placement.ray.scorer_cpus=0.5",
                     "overlap.mode=oppo", "overlap.delta=0", "overlap.chunk_size=4"), progress=False)
     try:
@@ -327,7 +328,7 @@ def test_trainer_with_fsdp2_on_ray_matches_sequential_and_its_sharded_checkpoint
             assert y[k] == pytest.approx(x[k], abs=1e-4, rel=1e-3), k
     assert abs(mem[0]["params"] - mem[1]["params"]) <= 0.1 * mem[0]["params"], "each rank holds half"
     assert (ckpt / "learner" / ".metadata").is_file() and (ckpt / "policy" / "config.json").is_file()
-    local = Trainer(cfg(tmp_path / "r", "overlap.mode=oppo", "overlap.delta=0", "overlap.chunk_size=4"),
+    local = Trainer.from_config(cfg(tmp_path / "r", "overlap.mode=oppo", "overlap.delta=0", "overlap.chunk_size=4"),
                     progress=False)  # (a checkpoint resumes under its scheduler's settings)
     try:
         load_checkpoint(local, ckpt)
@@ -360,7 +361,7 @@ def test_fsdp2_on_ray_trains_lora_with_checkpointing_critic_free_in_pipeline_mod
             "policy.gradient_checkpointing=true", *extra])
 
     pipeline = ("overlap.mode=pipeline", "overlap.delta=1", "overlap.refill=true", "overlap.max_lag=1")
-    t = Trainer(cfg(*pipeline, "placement.name=ray", "placement.learner=fsdp2",
+    t = Trainer.from_config(cfg(*pipeline, "placement.name=ray", "placement.learner=fsdp2",
                     "learner.fsdp2.workers=2", "learner.fsdp2.cpus=0.5", "placement.ray.scorer_cpus=0.5"),
                 progress=False)
     try:
@@ -382,7 +383,7 @@ def test_fsdp2_on_ray_trains_lora_with_checkpointing_critic_free_in_pipeline_mod
         t.close()
     assert inflight > 0, "decoding went on while the learner trained"
     assert abs(mem[0]["params"] - mem[1]["params"]) <= 0.1 * mem[0]["params"], "each rank holds half"
-    local = Trainer(cfg(*pipeline), progress=False)  # (a checkpoint resumes under its scheduler's settings)
+    local = Trainer.from_config(cfg(*pipeline), progress=False)  # (a checkpoint resumes under its scheduler's settings)
     try:
         load_checkpoint(local, ckpt)
         mine = dict(local.roles.policy.named_parameters())

@@ -47,7 +47,7 @@ def run_case(models: dict, prompts: Path, out: Path, name: str) -> list[dict]:
     extra, steps = CASES[name]
     cfg = load_config(None, [f"policy.path={models['policy']}", f"reward.path={models['reward']}",
                              f"data.prompts={prompts}", f"run.out_dir={out}", *BASE, *extra])
-    t = Trainer(cfg, progress=False)
+    t = Trainer.from_config(cfg, progress=False)
     rows = []
     try:
         for _ in range(steps):

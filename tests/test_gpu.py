@@ -22,7 +22,7 @@ def test_bf16_mixed_precision_on_cuda(tiny_models, tiny_prompts, tmp_path, mode)
         "ppo.batch_size=4", "ppo.minibatch_size=2", "ppo.micro_batch_size=1", "ppo.actor_lr=1e-5",
         "ppo.critic_lr=1e-5", "generation.max_new_tokens=12", f"overlap.mode={mode}", "overlap.delta=2",
         "overlap.max_lag=1", f"run.out_dir={tmp_path}", "log.progress=false"])
-    t = Trainer(cfg, progress=False)
+    t = Trainer.from_config(cfg, progress=False)
     try:
         assert next(t.roles.rollout_policy.parameters()).is_cuda
         m = check_mixed_precision_steps(t)
@@ -48,7 +48,7 @@ def test_static_engine_with_cuda_graphs_in_every_overlapped_mode(tiny_models, ti
         "ppo.batch_size=8", "ppo.minibatch_size=4", "ppo.micro_batch_size=2", "generation.max_new_tokens=24",
         f"overlap.mode={mode}", "overlap.delta=2", "overlap.max_lag=1", f"run.out_dir={tmp_path}",
         "log.progress=false"])
-    t = Trainer(cfg, progress=False)
+    t = Trainer.from_config(cfg, progress=False)
     try:
         engine = t.roles.rollout
         assert isinstance(engine, StaticRolloutEngine) and engine.capture == "cuda_graph", t.roles.backend

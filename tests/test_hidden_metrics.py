@@ -20,6 +20,7 @@ from oppo.forward import RowPlan
 from oppo.learner.batch import Experience, old_logprob_targets, set_old_logprobs
 from oppo.learner.local import Learner
 from oppo.learner.offpolicy import staleness_stats
+from validated import load_valid
 
 L = math.log
 
@@ -95,7 +96,7 @@ def test_kl_coef_help_lists_the_defaults():
 @pytest.mark.parametrize("value", ["-1", "inf", "nan"])
 def test_a_bad_kl_coef_is_refused(value):
     with pytest.raises(ConfigError, match="ppo.kl_coef"):
-        load_config(None, [f"ppo.kl_coef={value}"])
+        load_valid(None, [f"ppo.kl_coef={value}"])
 
 
 def test_resume_compares_the_kl_coef_in_effect():
@@ -135,7 +136,7 @@ def test_dual_clip_from_the_config_reaches_the_loss():
 @pytest.mark.parametrize("value", ["1", "0.5", "-3", "inf", "nan"])
 def test_a_bad_dual_clip_is_refused_at_validation(value):
     with pytest.raises(ConfigError, match="ppo.dual_clip must be a finite number > 1"):
-        load_config(None, [f"ppo.dual_clip={value}"])
+        load_valid(None, [f"ppo.dual_clip={value}"])
 
 
 def test_policy_loss_refuses_a_nan_dual_clip():

@@ -72,7 +72,7 @@ def test_save_load_restores_carried_sequences(tiny_models, tiny_prompts, tmp_pat
     """(GRPO: a finished member of a carried group waits, scored, for its sibling: it is saved
     finished and scored again from its saved response on resume.)"""
     cfg = load_config(None, _settings(tiny_models, tiny_prompts, tmp_path / "run", mode, steps=16) + list(extra))
-    live = Trainer(cfg, progress=False)
+    live = Trainer.from_config(cfg, progress=False)
     try:
         _carried(live, finished=bool(extra))
         before = _snapshot(live)
@@ -86,7 +86,7 @@ def test_save_load_restores_carried_sequences(tiny_models, tiny_prompts, tmp_pat
         assert _snapshot(live) == before, "the live run goes on with the same sequences"
         assert [r.uid for r in live.roles.rollout.in_flight()] == running
 
-        resumed = Trainer(cfg, progress=False)
+        resumed = Trainer.from_config(cfg, progress=False)
         try:
             load_checkpoint(resumed, ckpt)
             assert resumed.step == live.step
@@ -123,7 +123,7 @@ def test_fallback_drain_and_old_checkpoints_load(tiny_models, tiny_prompts, tmp_
     recorded as such; one that cannot take saved rows back requeues them on load; a checkpoint in
     the format before sequences were saved loads the same way."""
     cfg = load_config(None, _settings(tiny_models, tiny_prompts, tmp_path / "run", steps=10))
-    t = Trainer(cfg, progress=False)
+    t = Trainer.from_config(cfg, progress=False)
     try:
         _carried(t)
         n = len(t.run.rollouts)
@@ -134,7 +134,7 @@ def test_fallback_drain_and_old_checkpoints_load(tiny_models, tiny_prompts, tmp_
         assert not t.run.rollouts and t.roles.rollout.active == 0
     finally:
         t.close()
-    r = Trainer(cfg, progress=False)
+    r = Trainer.from_config(cfg, progress=False)
     try:
         r.roles.rollout.in_flight = lambda: None  # (nor take them back)
         load_checkpoint(r, saved)
@@ -150,7 +150,7 @@ def test_fallback_drain_and_old_checkpoints_load(tiny_models, tiny_prompts, tmp_
     for key in ("finished", "complete", "finish_counter"):
         del state["scheduler"][key]
     (ckpt / "state.json").write_text(json.dumps(state))
-    r = Trainer(cfg, progress=False)
+    r = Trainer.from_config(cfg, progress=False)
     try:
         load_checkpoint(r, ckpt)
         assert sorted(r.run.scheduler.requeue) == positions and not r.run.rollouts
@@ -276,7 +276,7 @@ def test_with_stale_kv_recompute_a_checkpoint_changes_nothing(tiny_models, tiny_
                       + ["overlap.stale_kv=recompute"])
     runs = []
     for save in (False, True):
-        t = Trainer(cfg, progress=False)
+        t = Trainer.from_config(cfg, progress=False)
         try:
             out = []
             for k in range(5):

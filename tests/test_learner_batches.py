@@ -11,6 +11,7 @@ from oppo.config import ConfigError, PPOConfig, load_config
 from oppo.learner.batch import Experience, micro_batches, padding_stats
 from oppo.learner.local import Learner
 from oppo.forward import sequence_batch
+from validated import load_valid
 
 
 def _learner(**ppo) -> Learner:
@@ -134,7 +135,7 @@ def test_padding_cap_keeps_every_micro_batch_under_it():
     after = padding_stats(exp, [mb], capped)["perf/train_padded_frac"]
     assert before > 0.1 >= after
     with pytest.raises(ConfigError, match="micro_batch_padding"):
-        load_config(None, ["ppo.micro_batch_padding=1.5"])
+        load_valid(None, ["ppo.micro_batch_padding=1.5"])
 
 
 def test_a_model_that_cannot_pack_is_named_once_and_runs_padded(tiny_models):

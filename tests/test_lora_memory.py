@@ -20,7 +20,7 @@ def _cfg(tiny_models, tiny_prompts, tmp_path, *extra):
 def test_gradient_checkpointing_recomputes_and_changes_nothing(tiny_models, tiny_prompts, tmp_path):
     weights, forwards = {}, {}
     for gc in (False, True):
-        t = Trainer(_cfg(tiny_models, tiny_prompts, tmp_path / str(gc), f"policy.gradient_checkpointing={gc}"),
+        t = Trainer.from_config(_cfg(tiny_models, tiny_prompts, tmp_path / str(gc), f"policy.gradient_checkpointing={gc}"),
                     progress=False)
         try:
             calls = []
@@ -38,7 +38,7 @@ def test_gradient_checkpointing_recomputes_and_changes_nothing(tiny_models, tiny
 
 
 def test_lora_trains_adapters_and_shares_the_base_with_the_reference(tiny_models, tiny_prompts, tmp_path):
-    t = Trainer(_cfg(tiny_models, tiny_prompts, tmp_path, "lora.r=4", "lora.alpha=8"), progress=False)
+    t = Trainer.from_config(_cfg(tiny_models, tiny_prompts, tmp_path, "lora.r=4", "lora.alpha=8"), progress=False)
     try:
         inner = t.roles.policy.get_base_model()
         base = {n: p for n, p in inner.named_parameters() if "lora_" not in n}
@@ -74,7 +74,7 @@ def test_lora_checkpoint_is_an_adapter_and_resumes(tiny_models, tiny_prompts, tm
     assert not (ckpt / "policy" / "model.safetensors").exists(), "the adapter only, not the full weights"
     base = AutoModelForCausalLM.from_pretrained(tiny_models["policy"])
     loaded = PeftModel.from_pretrained(base, ckpt / "policy").eval()
-    t = Trainer(_cfg(tiny_models, tiny_prompts, out, "lora.r=4", "run.steps=2"), progress=False)
+    t = Trainer.from_config(_cfg(tiny_models, tiny_prompts, out, "lora.r=4", "run.steps=2"), progress=False)
     try:
         from oppo.checkpoint import load_checkpoint
 
@@ -93,7 +93,7 @@ def test_lora_checkpoint_is_an_adapter_and_resumes(tiny_models, tiny_prompts, tm
 def test_kv_budget_stops_a_step_with_the_fix(tiny_models, tiny_prompts, tmp_path):
     from oppo.rollout.engine import KVBudgetError
 
-    t = Trainer(_cfg(tiny_models, tiny_prompts, tmp_path, "generation.kv_budget_mb=0.01"), progress=False)
+    t = Trainer.from_config(_cfg(tiny_models, tiny_prompts, tmp_path, "generation.kv_budget_mb=0.01"), progress=False)
     try:
         with pytest.raises(KVBudgetError) as info:
             t.run_step()
@@ -104,7 +104,7 @@ def test_kv_budget_stops_a_step_with_the_fix(tiny_models, tiny_prompts, tmp_path
 
 
 def test_kv_peak_is_reported_per_step_and_within_budget(tiny_models, tiny_prompts, tmp_path):
-    t = Trainer(_cfg(tiny_models, tiny_prompts, tmp_path, "generation.kv_budget_mb=64"), progress=False)
+    t = Trainer.from_config(_cfg(tiny_models, tiny_prompts, tmp_path, "generation.kv_budget_mb=64"), progress=False)
     try:
         m = t.run_step()
         # 4 rows, at most ~16 columns, 2 layers x (k, v) x 2 kv heads x 8 dims x 4 bytes per column

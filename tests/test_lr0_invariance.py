@@ -78,7 +78,7 @@ def run_lr0(tiny_models, tiny_prompts, out, mode: str, engine: str, dtype: str, 
     cfg = load_config(None, [f"policy.path={tiny_models['policy']}", f"reward.path={tiny_models['reward']}",
                              f"data.prompts={tiny_prompts}", f"run.out_dir={out}", *BASE, f"overlap.mode={mode}",
                              f"generation.backend={engine}", f"policy.dtype={dtype}", *extra])
-    t = Trainer(cfg, progress=False)
+    t = Trainer.from_config(cfg, progress=False)
     try:
         roles = t.roles
         actor, critic, served = roles.learner.actor, roles.learner.critic, roles.rollout.model

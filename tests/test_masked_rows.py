@@ -102,7 +102,7 @@ def test_oppo_mode_at_lr0_keeps_weights_with_the_kernel(tiny_models, tiny_prompt
         "ppo.batch_size=4", "ppo.minibatch_size=2", "ppo.micro_batch_size=2", "generation.max_new_tokens=12",
         "overlap.mode=oppo", "overlap.delta=2", "overlap.max_lag=1", "overlap.chunk_size=4",
         "placement.local.scorer_process=false", "policy.dtype=bfloat16", "ppo.actor_lr=0", "ppo.critic_lr=0"])
-    t = Trainer(cfg, progress=False)
+    t = Trainer.from_config(cfg, progress=False)
     try:
         name = lse_kernel.register()
         trained = [m for m in (t.roles.policy, t.roles.critic) if m is not None]

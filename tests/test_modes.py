@@ -20,7 +20,7 @@ def run_steps(cfg, n=3, weights=None):
     """``n`` steps' experience and metrics; ``weights``: a dict that receives the critic's weights
     before the first step, the policy's and the critic's after the last, and the critic's AdamW
     state as the parent holds it."""
-    t = Trainer(cfg, progress=False)
+    t = Trainer.from_config(cfg, progress=False)
     try:
         if weights is not None:
             weights["critic_before"] = {k: v.clone() for k, v in t.roles.critic.state_dict().items()}
@@ -84,7 +84,7 @@ def test_no_deferral_equals_intra(reference_runs, tiny_models, tiny_prompts, tmp
 def test_oppo_carries_and_tags_versions(tiny_models, tiny_prompts, tmp_path):
     cfg = tiny_cfg(tiny_models, tiny_prompts, tmp_path, "overlap.mode=oppo", "overlap.delta=3",
                    "overlap.max_lag=1", "generation.max_new_tokens=24")
-    t = Trainer(cfg, progress=False)
+    t = Trainer.from_config(cfg, progress=False)
     try:
         carried_seen, offpolicy = 0, 0.0
         for _ in range(5):
@@ -109,7 +109,7 @@ def test_micro_batch_split_does_not_change_the_update(tiny_models, tiny_prompts,
     for micro in (1, 2):
         cfg = tiny_cfg(tiny_models, tiny_prompts, tmp_path / str(micro), "overlap.mode=sequential",
                        f"ppo.micro_batch_size={micro}")
-        t = Trainer(cfg, progress=False)
+        t = Trainer.from_config(cfg, progress=False)
         t.run_step()
         weights.append({k: v.clone() for k, v in t.roles.policy.state_dict().items()})
         weights.append({k: v.clone() for k, v in t.roles.critic.state_dict().items()})

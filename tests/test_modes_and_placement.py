@@ -13,6 +13,7 @@ from oppo.checkpoint import CONFIG_FILE, checkpoint_settings, settings_mismatche
 from oppo.config import MOVED, MODES, Config, ConfigError, from_dict, load_config, to_dict, upgrade_settings
 from oppo.control.stages import OverlapPolicy
 from oppo.plan import sim
+from validated import load_valid
 
 # --------------------------------------------------------------------------- the mode table
 
@@ -57,7 +58,7 @@ def test_an_old_name_on_the_command_line_names_the_new_one(old, new):
     value = special.get(leaf_name) or ("true" if new.endswith(("process", "worker", "normalize")) else "1")
     extra = ["placement.name=ray"] if ".ray." in new else []
     with pytest.raises(ConfigError, match=f"{old} is now {new}"):
-        load_config(None, [f"{old}={value}", *extra])
+        load_valid(None, [f"{old}={value}", *extra])
     section, leaf = _at(to_dict(load_config(None, [f"{new}={value}", *extra])), new)
     assert str(section[leaf]).lower() in (value, f"{value}.0")
 
@@ -76,17 +77,17 @@ def test_an_old_name_in_a_yaml_file_names_the_new_one(tmp_path):
     p.write_text("overlap:\n  mode: intra\n  scorer_process: false\n")
     with pytest.raises(ConfigError, match=rf"overlap.scorer_process is now placement.local.scorer_process.*{p.name}|"
                                           rf"{p.name}.*overlap.scorer_process is now placement.local.scorer_process"):
-        load_config(p)
+        load_valid(p)
     p.write_text("run:\n  threads: 2\n")
     with pytest.raises(ConfigError, match="run.threads is now placement.threads"):
-        load_config(p)
+        load_valid(p)
     p.write_text("placement:\n  local:\n    scorer_process: false\n  threads: 2\n")
     cfg = load_config(p)
     assert cfg.placement.local.scorer_process is False and cfg.placement.threads == 2
     p.write_text("placement:\n  backend: ray\n  learner_workers: 2\n")
     with pytest.raises(ConfigError, match="placement.backend is now placement.name(.|\n)*placement.learner_workers is "
                                           "now learner.replicate.workers"):
-        load_config(p)
+        load_valid(p)
 
 
 def _old_saved(cfg: Config) -> dict:
@@ -148,11 +149,11 @@ def test_generation_engine_is_now_generation_backend(tmp_path):
     """generation.engine picked the rollout backend ("engine" is the learner's word): given by hand it
     is refused naming generation.backend; a saved config (a checkpoint's, a run's) reads it as that."""
     with pytest.raises(ConfigError, match="generation.engine is now generation.backend .*placement.learner"):
-        load_config(None, ["generation.engine=eager"])
+        load_valid(None, ["generation.engine=eager"])
     p = tmp_path / "run.yaml"
     p.write_text("generation:\n  engine: eager\n")
     with pytest.raises(ConfigError, match="generation.engine is now generation.backend"):
-        load_config(p)
+        load_valid(p)
     old = {"generation": {"engine": "vllm", "top_k": 0}}
     assert upgrade_settings(old)["generation"] == {"backend": "vllm", "top_k": 0} and "engine" in old["generation"]
     saved = {"generation": {"engine": "static"}}  # (vllm would ask for vLLM installed: from_dict validates)

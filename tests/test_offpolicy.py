@@ -224,7 +224,7 @@ def test_stale_values(tiny_models, tiny_prompts, tmp_path, stale_values):
         "ppo.micro_batch_size=4", "generation.max_new_tokens=24", "overlap.mode=oppo", "overlap.delta=4",
         "overlap.max_lag=2", "overlap.chunk_size=2", f"overlap.stale_values={stale_values}",
         "ppo.critic_lr=1e-2", f"run.out_dir={tmp_path}", "log.progress=false"])
-    t = Trainer(cfg, progress=False)
+    t = Trainer.from_config(cfg, progress=False)
     try:
         carried_seen = 0
         for _ in range(4):

@@ -7,6 +7,7 @@ import pytest
 
 from oppo import parts
 from oppo.config import Config, ConfigError, load_config
+from validated import load_valid
 
 
 KINDS = [parts.BACKENDS, parts.LEARNERS, parts.ALGORITHMS, parts.PLACEMENTS, parts.REWARD_TERMS]
@@ -37,7 +38,7 @@ def test_a_part_with_settings_of_its_own_gets_its_section_in_the_config():
     assert set(cfg.learner) >= {"replicate", "fsdp2"} and set(cfg.placement.by_name) >= {"local", "ray"}
     assert dataclasses.is_dataclass(cfg.learner["fsdp2"]) and cfg.learner["fsdp2"].workers == 1
     with pytest.raises(ConfigError, match=r"learner.fsdp2.workers must be >= 1, got 0"):
-        load_config(None, ["placement.name=ray", "placement.learner=fsdp2", "learner.fsdp2.workers=0"])
+        load_valid(None, ["placement.name=ray", "placement.learner=fsdp2", "learner.fsdp2.workers=0"])
 
 
 def test_a_part_whose_settings_are_no_dataclass_is_refused():

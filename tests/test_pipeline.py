@@ -17,6 +17,7 @@ import torch
 from oppo.checkpoint import load_checkpoint, save_checkpoint
 from oppo.config import load_config
 from oppo.trainer import Trainer
+from validated import load_valid
 
 
 def _cfg(tiny_models, tiny_prompts, tmp_path, *extra):
@@ -50,7 +51,7 @@ def test_pipeline_tokens_carry_the_version_that_sampled_them(tiny_models, tiny_p
     """critic_on_worker: the scorer worker trains the critic it scores with (in message order), as
     in oppo mode; else the learner thread trains it and the scorers get a copy at each load."""
     steps, most, max_lag = 4, 8, 1  # (more steps, up to ``most``, only until the overlaps were seen)
-    t = Trainer(_cfg(tiny_models, tiny_prompts, tmp_path, "overlap.stale_kv=recompute", f"overlap.max_lag={max_lag}",
+    t = Trainer.from_config(_cfg(tiny_models, tiny_prompts, tmp_path, "overlap.stale_kv=recompute", f"overlap.max_lag={max_lag}",
                      f"placement.local.critic_on_worker={critic_on_worker}"), progress=False)
     try:
         assert t.roles.rollout_policy is not t.roles.policy, "the learner trains the master while the engine samples a copy"
@@ -93,7 +94,7 @@ def test_pipeline_tokens_carry_the_version_that_sampled_them(tiny_models, tiny_p
 def test_pipeline_keep_tags_tokens_with_the_oldest_weights_of_their_row(tiny_models, tiny_prompts, tmp_path):
     """stale_kv=keep: a row's KV prefix stays from the weights that computed it, so its later
     tokens count as that (older) version: versions never increase along a row that spans a load."""
-    t = Trainer(_cfg(tiny_models, tiny_prompts, tmp_path, "overlap.stale_kv=keep"), progress=False)
+    t = Trainer.from_config(_cfg(tiny_models, tiny_prompts, tmp_path, "overlap.stale_kv=keep"), progress=False)
     try:
         rows, staler = [], 0
         for _ in range(3):
@@ -122,7 +123,7 @@ def test_pipeline_checkpoint_between_steps_saves_the_begun_step_and_resumes(tiny
     learner trained) saves them with the carried sequences, partial responses included; the resume
     takes them back: every prompt position is trained once."""
     cfg = _cfg(tiny_models, tiny_prompts, tmp_path, "run.steps=4")
-    t = Trainer(cfg, progress=False)
+    t = Trainer.from_config(cfg, progress=False)
     positions = []
     try:
         for _ in range(2):
@@ -138,7 +139,7 @@ def test_pipeline_checkpoint_between_steps_saves_the_begun_step_and_resumes(tiny
             {u: d["response_ids"] for u, d in saved.items()}
     finally:
         t.close()
-    r = Trainer(cfg, progress=False)
+    r = Trainer.from_config(cfg, progress=False)
     try:
         load_checkpoint(r, ckpt)
         assert {u: x.response_ids for u, x in r.run.untrained().items()} == \
@@ -159,4 +160,4 @@ def test_pipeline_is_a_mode_with_its_help():
     cfg = load_config(None, ["overlap.mode=pipeline"])
     assert cfg.in_flight and cfg.streams and cfg.carries
     with pytest.raises(ValueError, match="overlap.mode"):
-        load_config(None, ["overlap.mode=pipelined"])
+        load_valid(None, ["overlap.mode=pipelined"])

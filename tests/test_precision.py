@@ -6,6 +6,7 @@ import torch
 from oppo.config import load_config
 from oppo.trainer import Trainer
 from oppo.weights.precision import copy_weights, master_dtype, serving_copy
+from validated import load_valid
 
 
 def _cfg(tiny_models, tiny_prompts, tmp_path, *extra):
@@ -74,7 +75,7 @@ def check_mixed_precision_steps(t: Trainer, steps: int = 2) -> dict:
 def test_bf16_trains_fp32_masters(tiny_models, tiny_prompts, tmp_path, mode):
     cfg = _cfg(tiny_models, tiny_prompts, tmp_path, "policy.dtype=bfloat16", f"overlap.mode={mode}",
                "overlap.delta=2", "overlap.max_lag=1", "overlap.chunk_size=4")
-    t = Trainer(cfg, progress=False)
+    t = Trainer.from_config(cfg, progress=False)
     try:
         check_mixed_precision_steps(t)
     finally:
@@ -82,7 +83,7 @@ def test_bf16_trains_fp32_masters(tiny_models, tiny_prompts, tmp_path, mode):
 
 
 def test_float32_has_one_model_per_role(tiny_models, tiny_prompts, tmp_path):
-    t = Trainer(_cfg(tiny_models, tiny_prompts, tmp_path, "overlap.mode=sequential"), progress=False)
+    t = Trainer.from_config(_cfg(tiny_models, tiny_prompts, tmp_path, "overlap.mode=sequential"), progress=False)
     try:
         assert t.roles.rollout_policy is t.roles.policy and t.roles.scoring_critic is t.roles.critic
         assert not t.roles.learner.recompute_old, "auto: fp32 sampler log-probs equal the training forward's"
@@ -122,4 +123,4 @@ def test_float16_is_refused_with_the_fix():
     from oppo.config import ConfigError
 
     with pytest.raises(ConfigError, match="bfloat16"):
-        load_config(None, ["policy.dtype=float16"])
+        load_valid(None, ["policy.dtype=float16"])

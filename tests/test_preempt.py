@@ -24,7 +24,7 @@ import clirun
 
 from oppo.checkpoint import MANIFEST_FILE, CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from oppo.config import load_config
-from oppo.preflight import PreflightError
+from oppo.setup.preflight import PreflightError
 from oppo.run import plan_run
 from oppo.trainer import Trainer
 
@@ -85,7 +85,7 @@ def two_checkpoints(tiny_models, tiny_prompts, tmp_path_factory):
     for what is checked here), and its config."""
     out = tmp_path_factory.mktemp("ckpts") / "run"
     cfg = load_config(None, _settings(tiny_models, tiny_prompts, out, steps=4))
-    trainer = Trainer(cfg, progress=False)
+    trainer = Trainer.from_config(cfg, progress=False)
     try:
         save_checkpoint(trainer, out)
         trainer.step = 1
@@ -137,7 +137,7 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous(two_checkpoints,
     with pytest.raises(PreflightError, match="step_000001 is damaged"):  # that checkpoint, named: no fallback
         plan_run(cfg, str(newest))
 
-    trainer = Trainer(cfg, progress=False)
+    trainer = Trainer.from_config(cfg, progress=False)
     try:
         with pytest.raises(CheckpointError, match=f"could not load checkpoint {newest}"):
             load_checkpoint(trainer, newest)

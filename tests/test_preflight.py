@@ -9,13 +9,16 @@ import shutil
 import pytest
 import yaml
 
-import oppo.preflight
+import oppo.models.hub
+import oppo.setup.preflight
 import oppo.run
 import oppo.task
 import oppo.trainer
 from oppo import cli
 from oppo.config import load_config, to_dict
-from oppo.preflight import PreflightError, input_problems
+from oppo.run.dirs import out_dir_problems
+from oppo.setup.check import check
+from oppo.setup.preflight import PreflightError
 
 TINY = ["ppo.batch_size=2", "ppo.minibatch_size=2", "ppo.micro_batch_size=1", "generation.max_new_tokens=4",
         "overlap.mode=sequential", "placement.threads=1", "log.progress=false"]
@@ -29,6 +32,15 @@ def nothing_loads(monkeypatch):
 
     monkeypatch.setattr(oppo.trainer.Trainer, "__init__", boom)
     monkeypatch.setattr(oppo.task, "prepare", boom)
+
+
+def input_problems(cfg, inputs=None) -> list[str]:
+    """Every problem the run's one check (``setup.check``) finds, with the run directory's, as a list."""
+    try:
+        check(cfg, inputs, found=out_dir_problems(cfg.run.out_dir))
+    except PreflightError as e:
+        return e.problems
+    return []
 
 
 def user_cfg(tiny_models, tiny_prompts, tmp_path, *extra):
@@ -106,7 +118,7 @@ def no_network(monkeypatch):
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
-    monkeypatch.setattr(oppo.preflight, "_REACHABLE", {})
+    monkeypatch.setattr(oppo.models.hub, "_REACHABLE", {})
 
 
 def test_hub_name_without_network_is_one_line_about_the_network(tiny_models, tiny_prompts, tmp_path, no_network,
@@ -135,12 +147,12 @@ def test_cached_hub_model_switches_to_offline_mode(tiny_models, tiny_prompts, tm
     """Unreachable hub, model in the local cache: no problem, and loaders read the cache at once."""
     import huggingface_hub.constants as hc
 
-    monkeypatch.setattr(oppo.preflight, "_in_hub_cache", lambda name: True)
+    monkeypatch.setattr(oppo.models.hub, "in_hub_cache", lambda name: True)
     monkeypatch.setattr(hc, "HF_HUB_OFFLINE", False)
     for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.setenv(k, "0")  # restored after the test
     assert input_problems(user_cfg(tiny_models, tiny_prompts, tmp_path, "reward.path=oppo-test-org/rm")) == []
-    assert hc.HF_HUB_OFFLINE is True and oppo.preflight._offline_env()
+    assert hc.HF_HUB_OFFLINE is True and oppo.models.hub.offline_env()
 
 
 # --------------------------------------------------------------------------- resume, before loading
@@ -222,17 +234,18 @@ def validations(monkeypatch):
 
 def test_one_validation_and_one_preflight_per_run(tiny_models, tiny_prompts, tmp_path, validations, monkeypatch):
     """A tiny train validates its settings once and runs the object checks once, whether the Config
-    comes from load_config (the CLI's path), is built in code, or is changed in code after loading:
-    ``plan_run`` is the run's one preflight and the Trainer checks nothing again."""
+    comes from load_config (the CLI's path: it parses, the run's check validates), is built in code,
+    or is changed in code after loading: ``setup.check`` is the run's one check, reached from
+    ``plan_run``, and the Trainer checks nothing again."""
     from oppo.config import Config
 
     checked: list[int] = []
-    real_objects = oppo.preflight.object_problems
-    monkeypatch.setattr(oppo.preflight, "object_problems", lambda *a: checked.append(1) or real_objects(*a))
+    real_objects = oppo.setup.preflight.object_problems
+    monkeypatch.setattr(oppo.setup.preflight, "object_problems", lambda *a: checked.append(1) or real_objects(*a))
     loaded = user_cfg(tiny_models, tiny_prompts, tmp_path, "run.steps=1", "run.save_final=none", "log.trace=false")
-    assert len(validations) == 1  # load_config validated it
+    assert len(validations) == 0  # load_config parses; it does not validate
     oppo.run.train(loaded, progress=False)
-    assert (len(validations), len(checked)) == (1, 1)  # not again: the settings are the ones validated
+    assert (len(validations), len(checked)) == (1, 1)  # once, by the run's one check
     in_code = Config()
     for section, values in to_dict(loaded).items():  # the same settings, set in code
         if section not in ("rollout", "placement", "learner"):
@@ -241,15 +254,15 @@ def test_one_validation_and_one_preflight_per_run(tiny_models, tiny_prompts, tmp
     in_code.placement.threads = 1
     in_code.run.out_dir = str(tmp_path / "in_code")
     oppo.run.train(in_code, progress=False)
-    assert (len(validations), len(checked)) == (2, 2)  # once, by the run's preflight
-    loaded.run.out_dir = str(tmp_path / "changed")  # changed after load_config validated it: validated again
+    assert (len(validations), len(checked)) == (2, 2)  # once, by the run's one check
+    loaded.run.out_dir = str(tmp_path / "changed")  # changed in code after a run: checked again, once
     oppo.run.train(loaded, progress=False)
     assert (len(validations), len(checked)) == (3, 3)
 
 
 def test_a_config_changed_in_code_gets_the_cli_message(tiny_models, tiny_prompts, tmp_path, nothing_loads):
-    """Validated by load_config, then made invalid in code: the run's preflight validates it again,
-    before anything loads, with the message the command line gives."""
+    """Loaded, then made invalid in code: the run's one check refuses it before anything loads,
+    with the message the command line gives."""
     from oppo.config import ConfigError
 
     cfg = user_cfg(tiny_models, tiny_prompts, tmp_path)
@@ -257,7 +270,8 @@ def test_a_config_changed_in_code_gets_the_cli_message(tiny_models, tiny_prompts
     with pytest.raises(ConfigError) as in_code:
         oppo.run.train(cfg, progress=False)
     with pytest.raises(ConfigError) as loaded:
-        user_cfg(tiny_models, tiny_prompts, tmp_path, "ppo.batch_size=0")
+        cli._train([*TINY, f"policy.path={tiny_models['policy']}", f"reward.path={tiny_models['reward']}",
+                  f"data.prompts={tiny_prompts}", f"run.out_dir={tmp_path / 'run'}", "ppo.batch_size=0"])
     assert str(in_code.value) == str(loaded.value)
 
 
@@ -268,7 +282,7 @@ class _Loading(Exception):
 @pytest.mark.parametrize("how", ["cli", "oppo.train", "Trainer"])
 def test_each_path_checked_once_per_run(tiny_models, tiny_prompts, tmp_path, monkeypatch, how):
     """One preflight per run, whichever way the run starts (``oppo train``, ``oppo.train(cfg)``,
-    ``Trainer(cfg)`` in code): each model path is checked once, by the one rule for a model path
+    ``Trainer.from_config(cfg)`` in code): each model path is checked once, by the one rule for a model path
     (``models.paths.model_dir_config``), and before any model loads; nothing after the preflight
     (``setup.resolve``) checks a path again."""
     import oppo.models.paths
@@ -294,6 +308,6 @@ def test_each_path_checked_once_per_run(tiny_models, tiny_prompts, tmp_path, mon
         elif how == "oppo.train":
             oppo.run.train(load_config(None, overrides), progress=False)
         else:
-            oppo.trainer.Trainer(load_config(None, overrides), progress=False)
+            oppo.trainer.Trainer.from_config(load_config(None, overrides), progress=False)
     want = sorted([str(tiny_models["policy"]), str(tiny_models["reward"]), str(tiny_models["reward"])])
     assert loading == [checked] and sorted(checked) == want  # policy.path, reward.path, critic.path: once each

@@ -31,7 +31,7 @@ def test_build_step_read_metrics(tiny_models, tiny_prompts, tmp_path):
     cfg = oppo.load_config(overrides=[*TINY, f"policy.path={tiny_models['policy']}",
                                       f"reward.path={tiny_models['reward']}", f"data.prompts={tiny_prompts}",
                                       "run.steps=2", f"run.out_dir={tmp_path / 'run'}"])
-    trainer = oppo.Trainer(cfg)
+    trainer = oppo.Trainer.from_config(cfg)
     try:
         for _ in range(2):
             metrics = trainer.run_step()
@@ -67,7 +67,7 @@ def test_model_objects_and_a_dataset_train_a_step(tiny_models):
     ds = datasets.Dataset.from_dict({"prompt": list(TINY_PROMPTS)})
     cfg = oppo.load_config(overrides=TINY)  # no policy.path: the built-in task's presets, dropped for policy=
     assert cfg.ppo.actor_lr == 1e-4
-    with oppo.Trainer(cfg, policy=policy, tokenizer=tok, reward_model=rm, prompts=ds, progress=False) as trainer:
+    with oppo.Trainer.from_config(cfg, policy=policy, tokenizer=tok, reward_model=rm, prompts=ds, progress=False) as trainer:
         metrics = trainer.run_step()
         assert trainer.roles.policy is policy and trainer.roles.reward_model is rm  # trained / scored in place
         assert trainer.roles.critic is not None and trainer.roles.critic is not rm  # (from the reward model: a copy)
@@ -129,21 +129,21 @@ def test_bad_objects_get_the_cli_checks(tiny_models, nothing_loads):
     # the reward model must be a one-label sequence classifier (the words of the reward.path check)
     with pytest.raises(oppo.PreflightError, match=r"reward_model=.*is a LlamaForCausalLM: this is not a sequence "
                                                   r"classifier"):
-        oppo.Trainer(cfg, policy=policy, tokenizer=tok, reward_model=policy, prompts=["a day"])
+        oppo.Trainer.from_config(cfg, policy=policy, tokenizer=tok, reward_model=policy, prompts=["a day"])
     with pytest.raises(oppo.PreflightError, match="give its tokenizer too"):
-        oppo.Trainer(cfg, policy=policy, reward_model=rm, prompts=["a day"])
+        oppo.Trainer.from_config(cfg, policy=policy, reward_model=rm, prompts=["a day"])
     with pytest.raises(oppo.PreflightError, match=r"no column 'prompt' \(it has text\); set data.field"):
-        oppo.Trainer(cfg, policy=policy, tokenizer=tok, reward_model=rm,
+        oppo.Trainer.from_config(cfg, policy=policy, tokenizer=tok, reward_model=rm,
                      prompts=datasets.Dataset.from_dict({"text": ["a day"]}))
     with pytest.raises(oppo.PreflightError, match=r"prompts\[1\] has no key 'prompt'"):
-        oppo.Trainer(cfg, policy=policy, tokenizer=tok, reward_model=rm, prompts=[{"prompt": "a"}, {"q": "b"}])
+        oppo.Trainer.from_config(cfg, policy=policy, tokenizer=tok, reward_model=rm, prompts=[{"prompt": "a"}, {"q": "b"}])
     with pytest.raises(oppo.PreflightError, match="cannot be called as fn\\(prompts, responses\\)"):
-        oppo.Trainer(cfg, policy=policy, tokenizer=tok, reward_fn=lambda texts: [0.0], prompts=["a day"])
+        oppo.Trainer.from_config(cfg, policy=policy, tokenizer=tok, reward_fn=lambda texts: [0.0], prompts=["a day"])
     small = type(policy)(type(policy.config)(**{**policy.config.to_dict(), "vocab_size": 5}))
     with pytest.raises(oppo.PreflightError, match="has 5 token embeddings but the policy's tokenizer has"):
-        oppo.Trainer(cfg, policy=policy, tokenizer=tok, reference=small, reward_model=rm, prompts=["a day"])
+        oppo.Trainer.from_config(cfg, policy=policy, tokenizer=tok, reference=small, reward_model=rm, prompts=["a day"])
     with pytest.raises(oppo.ConfigError, match=r"policy= was given and policy.path is set too"):
-        oppo.Trainer(oppo.load_config(overrides=[*TINY, f"policy.path={tiny_models['policy']}",
+        oppo.Trainer.from_config(oppo.load_config(overrides=[*TINY, f"policy.path={tiny_models['policy']}",
                                                  f"reward.path={tiny_models['reward']}"]), policy=policy)
 
 
@@ -190,7 +190,7 @@ def test_models_for_other_processes_are_saved_once(tiny_models, tmp_path, capsys
     object is saved there (the policy with its tokenizer), and said so."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from oppo.inputs import save_for_elsewhere, split_inputs
+    from oppo.setup.inputs import save_for_elsewhere, split_inputs
 
     policy, tok, rm = _objects(tiny_models)
     cfg = oppo.load_config(overrides=[*TINY, "placement.name=ray"])
@@ -226,7 +226,7 @@ def test_one_object_for_two_roles_is_refused_by_name(tiny_models, nothing_loads)
     policy, tok, rm = _objects(tiny_models)
     cfg = oppo.load_config(overrides=TINY)
     with pytest.raises(oppo.PreflightError) as info:
-        oppo.Trainer(cfg, policy=policy, tokenizer=tok, reward_model=rm, critic=rm, prompts=["a day"])
+        oppo.Trainer.from_config(cfg, policy=policy, tokenizer=tok, reward_model=rm, critic=rm, prompts=["a day"])
     msg = str(info.value)
     assert "critic= and reward_model= are the same object (LlamaForSequenceClassification)" in msg
     assert "Leave critic= out" in msg
@@ -283,10 +283,10 @@ def test_callables_as_reward_terms_train_and_are_recorded_as_objects(tiny_models
     recorded = oppo.load_config(run_dir / "config.yaml", ["run.steps=2", f"run.out_dir={tmp_path / 'again'}"])
     with pytest.raises(oppo.PreflightError, match=r"term 'words'\) is '<object: .*words>': a callable the run was "
                                                   r"given from Python, and none is given now"):
-        oppo.Trainer(recorded, progress=False, prompts=data)
+        oppo.Trainer.from_config(recorded, progress=False, prompts=data)
     # a callable that cannot be a reward function: the same check as reward_fn=, before loading
     cfg.reward.terms = [{"function": lambda prompts: [0.0] * len(prompts)}]
     cfg.run.out_dir = str(tmp_path / "bad")
     with pytest.raises(oppo.PreflightError, match=r"reward.terms\[0\].function: .*cannot be called as fn\(prompts, "
                                                   r"responses\)"):
-        oppo.Trainer(cfg, progress=False)
+        oppo.Trainer.from_config(cfg, progress=False)

@@ -26,12 +26,12 @@ RAY = ("placement.name=ray", "learner.replicate.cpus=0.25", "placement.ray.score
 def test_one_rollout_worker_trains_the_local_run(ray_local, tiny_models, tiny_prompts, tmp_path):
     steps = 3
     want = []
-    with Trainer(_cfg(tiny_models, tiny_prompts, tmp_path / "l", "overlap.mode=oppo", "overlap.delta=2"),
+    with Trainer.from_config(_cfg(tiny_models, tiny_prompts, tmp_path / "l", "overlap.mode=oppo", "overlap.delta=2"),
                  progress=False) as t:
         for _ in range(steps):
             m = t.run_step()
             want.append((t.last_result.exp.ids.clone(), m))
-    with Trainer(_cfg(tiny_models, tiny_prompts, tmp_path / "r", "overlap.mode=oppo", "overlap.delta=2",
+    with Trainer.from_config(_cfg(tiny_models, tiny_prompts, tmp_path / "r", "overlap.mode=oppo", "overlap.delta=2",
                       "placement.ray.rollout_workers=1", *RAY), progress=False) as t:
         assert type(t.roles.rollout).__name__ == "RayRolloutGroup" and t.roles.placement.rollout_streams_itself
         for ids, m_local in want:
@@ -46,7 +46,7 @@ def test_one_rollout_worker_trains_the_local_run(ray_local, tiny_models, tiny_pr
 def test_two_rollout_workers_share_the_batch_and_stream_to_the_scorers(ray_local, tiny_models, tiny_prompts, tmp_path):
     cfg = _cfg(tiny_models, tiny_prompts, tmp_path / "r2", "overlap.mode=oppo", "overlap.delta=2",
                "placement.ray.rollout_workers=2", *RAY)
-    t = Trainer(cfg, progress=False)
+    t = Trainer.from_config(cfg, progress=False)
     try:
         for step in range(3):
             m = t.run_step()
@@ -82,7 +82,7 @@ def test_two_rollout_workers_share_the_batch_and_stream_to_the_scorers(ray_local
                 t.run_step()
     finally:
         t.close()
-    with Trainer(cfg, progress=False) as r:  # the checkpoint restores every worker's sampling state
+    with Trainer.from_config(cfg, progress=False) as r:  # the checkpoint restores every worker's sampling state
         load_checkpoint(r, ckpt)
         for a, b in zip(r.roles.rollout.state_dict()["generator"], states):
             assert torch.equal(a, b)
@@ -98,7 +98,7 @@ def test_a_checkpoint_saves_the_rows_the_workers_decode_and_a_resume_takes_them_
     re-admit them) train the same batches, the carried rows' earlier tokens kept."""
     cfg = _cfg(tiny_models, tiny_prompts, tmp_path / "r", "overlap.mode=oppo", "overlap.delta=2", "overlap.max_lag=2",
                "placement.ray.rollout_workers=1", *RAY)
-    with Trainer(cfg, progress=False) as t:
+    with Trainer.from_config(cfg, progress=False) as t:
         for _ in range(6):
             t.run_step()
             if any(not r.finished and r.response_ids for r in t.roles.rollout.in_flight()):
@@ -106,7 +106,7 @@ def test_a_checkpoint_saves_the_rows_the_workers_decode_and_a_resume_takes_them_
         partial = {r.uid: list(r.response_ids) for r in t.roles.rollout.in_flight() if r.response_ids}
         assert partial, "no row in flight with a partial response: the test would prove nothing"
         ckpt = save_checkpoint(t, tmp_path / "r")
-        with Trainer(cfg, progress=False) as r:
+        with Trainer.from_config(cfg, progress=False) as r:
             load_checkpoint(r, ckpt)
             assert {u: list(x.response_ids) for u, x in r.run.untrained().items() if u in partial} == partial
             carried = 0

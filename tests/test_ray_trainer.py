@@ -35,13 +35,13 @@ def test_ray_backend_equals_sequential_and_resumes_on_another_worker_count(ray_l
     from oppo.checkpoint import load_checkpoint, save_checkpoint
 
     steps = 3
-    seq = Trainer(_cfg(tiny_models, tiny_prompts, tmp_path / "s", "overlap.mode=sequential"), progress=False)
+    seq = Trainer.from_config(_cfg(tiny_models, tiny_prompts, tmp_path / "s", "overlap.mode=sequential"), progress=False)
     try:
         want = [_record(seq, seq.run_step()) for _ in range(steps + 1)]
     finally:
         seq.close()
 
-    t = Trainer(_cfg(tiny_models, tiny_prompts, tmp_path / "r", "overlap.mode=intra", "placement.name=ray",
+    t = Trainer.from_config(_cfg(tiny_models, tiny_prompts, tmp_path / "r", "overlap.mode=intra", "placement.name=ray",
                      "learner.replicate.workers=2", "learner.replicate.cpus=0.5", "placement.ray.scorer_cpus=0.5"),
                 progress=False)
     try:
@@ -64,7 +64,7 @@ def test_ray_backend_equals_sequential_and_resumes_on_another_worker_count(ray_l
             assert y["m"][k] == pytest.approx(x["m"][k], abs=1e-4, rel=1e-3), k
     # the 2-rank checkpoint resumes in one local learner (intra mode, local scorer process) and trains
     # the sequential run's next step
-    local = Trainer(_cfg(tiny_models, tiny_prompts, tmp_path / "r", "overlap.mode=intra"), progress=False)
+    local = Trainer.from_config(_cfg(tiny_models, tiny_prompts, tmp_path / "r", "overlap.mode=intra"), progress=False)
     try:
         load_checkpoint(local, ckpt)
         assert local.step == steps
@@ -82,7 +82,7 @@ def test_ray_pipeline_loads_weights_in_flight(ray_local, tiny_models, tiny_promp
     """overlap.mode=pipeline on Ray: the learner group trains in the background while the engine
     decodes; rank 0's weights reach the engine at the end of each step, every rank's training span
     joins the trace, and no token is older than max_lag + 1 versions."""
-    t = Trainer(_cfg(tiny_models, tiny_prompts, tmp_path / "p", "overlap.mode=pipeline", "placement.name=ray",
+    t = Trainer.from_config(_cfg(tiny_models, tiny_prompts, tmp_path / "p", "overlap.mode=pipeline", "placement.name=ray",
                      "learner.replicate.cpus=0.5", "placement.ray.scorer_cpus=0.5", "generation.max_new_tokens=32",
                      "overlap.delta=2", "overlap.refill=true", "overlap.max_lag=1", "run.steps=10"), progress=False)
     try:

@@ -65,7 +65,7 @@ def test_config_file_and_overrides_apply_on_top_of_the_recipe(tmp_path):
     assert cfg.generation.max_new_tokens == 53
     assert cfg.ppo.epochs == 2 and cfg.ppo.actor_lr == 2e-6  # the file over the recipe, the command line over both
     with pytest.raises(ConfigError, match="ppo.epochs"):
-        oppo.load_config(overrides=["ppo.epochs=0"], recipe="tldr")  # the recipe's settings are validated too
+        oppo.config.validate(oppo.load_config(overrides=["ppo.epochs=0"], recipe="tldr"))  # the recipe's settings are validated too
 
 
 def _stand_ins(name: str, tiny_models, tmp_path) -> list[str]:
@@ -120,7 +120,7 @@ def test_recipe_trains_a_step_on_stand_ins(name, tiny_models, tmp_path):
         section, leaf = key.split(".")
         assert getattr(getattr(cfg, section), leaf) == getattr(getattr(recipe, section), leaf), key
     t0 = time.perf_counter()
-    trainer = oppo.Trainer(cfg, progress=False)
+    trainer = oppo.Trainer.from_config(cfg, progress=False)
     try:
         metrics = trainer.run_step()
         if name in CONVERSATIONAL:

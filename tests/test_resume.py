@@ -98,7 +98,7 @@ def test_final_checkpoint_weights_or_none_and_the_link_moves_after_a_step(tiny_m
     from transformers import AutoModelForCausalLM
 
     from oppo.checkpoint import checkpoint_dirs, is_weights_only
-    from oppo.preflight import PreflightError
+    from oppo.setup.preflight import PreflightError
     from oppo.run import plan_run
     from oppo.trainer import Trainer
 

@@ -109,7 +109,7 @@ def test_length_penalty_refuses_bad_settings(kwargs, match):
 
 def _config_error(terms, *more: str) -> str:
     with pytest.raises(ConfigError) as e:
-        oppo.load_config(overrides=[f"reward.terms={json.dumps(terms)}", *more])
+        oppo.config.validate(oppo.load_config(overrides=[f"reward.terms={json.dumps(terms)}", *more]))
     return str(e.value)
 
 
@@ -171,7 +171,7 @@ def test_a_term_returning_a_tensor_is_refused_with_the_fix(tmp_path, monkeypatch
 # ---------------------------------------------------------------------- reward.terms: a step of training
 
 def _step(overrides: list[str]) -> dict[str, float]:
-    trainer = oppo.Trainer(oppo.load_config(overrides=[*TINY, *overrides]), progress=False)
+    trainer = oppo.Trainer.from_config(oppo.load_config(overrides=[*TINY, *overrides]), progress=False)
     try:
         return trainer.run_step()
     finally:
@@ -241,7 +241,7 @@ def test_gsm8k_recipe_trains_a_step_on_stand_ins(name, tiny_models, tmp_path):
     if not _kwargs_support():
         pytest.skip("math_accuracy reads the data set's answer column: reward functions get columns by "
                     "parameter name once the change that passes them (scoring/reward_fn.py) is merged")
-    trainer = oppo.Trainer(cfg, progress=False)
+    trainer = oppo.Trainer.from_config(cfg, progress=False)
     try:
         m = trainer.run_step()
     finally:

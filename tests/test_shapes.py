@@ -190,7 +190,7 @@ def test_attention_path_by_name_and_probe(tiny_models, tiny_prompts, tmp_path):
                              "overlap.mode=sequential", "ppo.batch_size=4", "ppo.minibatch_size=4",
                              "ppo.micro_batch_size=2", "generation.max_new_tokens=8", "log.progress=false",
                              "run.samples=0", f"run.out_dir={tmp_path / 'run'}"])
-    t = Trainer(cfg, progress=False)
+    t = Trainer.from_config(cfg, progress=False)
     try:
         m = t.run_step()
         # (packed forwards put a model on oppo_varlen:<its path>, which runs the path for every other forward)

@@ -42,7 +42,7 @@ def test_a_step_runs_every_role_on_its_stream_and_syncs_weights_by_events(tiny_m
     learner's (its update), the scorer models' in the scorer thread's; the first decode step after
     an update waits on the event the learner recorded at its end, and the learner's next update
     waits for the actor's work on the weights they share (fp32: the engine samples the trained module)."""
-    t = Trainer(_cfg(tiny_models, tiny_prompts, tmp_path, "overlap.mode=intra",
+    t = Trainer.from_config(_cfg(tiny_models, tiny_prompts, tmp_path, "overlap.mode=intra",
                      "placement.local.scorer_process=false"), progress=False)
     try:
         scorers = {f"scorer_{role}": s.model for role, s in t.roles.scorer.scorers.items()}
@@ -101,7 +101,7 @@ def test_deferred_stop_checks_keep_intra_equal_to_sequential(tiny_models, tiny_p
     intra and sequential still sample the same responses and scores."""
     out = {}
     for mode in ("sequential", "intra"):
-        t = Trainer(_cfg(tiny_models, tiny_prompts, tmp_path / mode, f"overlap.mode={mode}",
+        t = Trainer.from_config(_cfg(tiny_models, tiny_prompts, tmp_path / mode, f"overlap.mode={mode}",
                          "generation.max_new_tokens=24"), progress=False)
         try:
             engine = t.roles.rollout

@@ -316,7 +316,7 @@ def test_prepare_arith_builds_policy_only(tmp_path, monkeypatch):
     monkeypatch.setattr(oppo.task, "prepare", lambda **kw: prep)
     cfg = load_config(None, ["data.task=arith", "ppo.batch_size=8", "ppo.minibatch_size=8", "ppo.micro_batch_size=8",
                              "placement.threads=1", f"run.out_dir={tmp_path / 'run'}", "log.progress=false"])
-    t = Trainer(cfg, progress=False)
+    t = Trainer.from_config(cfg, progress=False)
     try:
         m = t.run_step()
         texts = t.last_result.texts

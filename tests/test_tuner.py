@@ -169,7 +169,7 @@ def _cfg(tiny_models, tiny_prompts, tmp_path, *extra):
 def _steps(cfg, n):
     from oppo.trainer import Trainer
 
-    t = Trainer(cfg, progress=False)
+    t = Trainer.from_config(cfg, progress=False)
     try:
         out = []
         for _ in range(n):

@@ -22,7 +22,7 @@ import pytest
 import oppo
 from oppo.config import CHANGED_DEFAULTS, Config, load_config, resumed_config, to_dict, user_set
 from oppo.formats import FormatError, upgraded
-from oppo.preflight import PreflightError
+from oppo.setup.preflight import PreflightError
 from oppo.run import plan_run
 from oppo.scheduler.tuner import OverlapTuner, check_format
 

@@ -146,7 +146,7 @@ def test_trainer_refuses_before_loading_models(tiny_models, tiny_prompts, tmp_pa
     import oppo.setup.load as setup_mod
     from oppo import trainer as trainer_mod
     import oppo.cluster as cluster
-    from oppo.preflight import PreflightError
+    from oppo.setup.preflight import PreflightError
 
     def no_loading(*a, **k):
         raise AssertionError("a model was loaded (or Ray started) before the vLLM check")
@@ -157,7 +157,7 @@ def test_trainer_refuses_before_loading_models(tiny_models, tiny_prompts, tmp_pa
     cfg = trainer_cfg({"policy": _scaled_rope(tiny_models["policy"], tmp_path), "reward": tiny_models["reward"]},
                       tiny_prompts, tmp_path, "overlap.mode=sequential", *placement)
     with pytest.raises(PreflightError, match="head sizes"):  # (the Trainer's preflight, as oppo train's)
-        trainer_mod.Trainer(cfg, progress=False)
+        trainer_mod.Trainer.from_config(cfg, progress=False)
 
 
 # ------------------------------------------------------------------------------ the engine
@@ -541,7 +541,7 @@ def _share(engine, monkeypatch):
 def run_steps(cfg, n=3):
     from oppo.trainer import Trainer
 
-    t = Trainer(cfg, progress=False)
+    t = Trainer.from_config(cfg, progress=False)
     try:
         out = []
         for _ in range(n):
@@ -824,7 +824,7 @@ def test_carried_requests_keep_their_versions(shared, vmodels, tiny_prompts, tmp
 
     cfg = trainer_cfg(vmodels, tiny_prompts, tmp_path, "overlap.mode=oppo", "overlap.delta=3", "overlap.max_lag=1",
                       "generation.max_new_tokens=24", "overlap.stale_kv=recompute")
-    t = Trainer(cfg, progress=False)
+    t = Trainer.from_config(cfg, progress=False)
     try:
         mixed = 0
         for k in range(4):
@@ -897,7 +897,7 @@ def test_ray_rollout_worker_hosts_vllm(ray_local, vmodels, tiny_prompts, tmp_pat
                       "placement.ray.rollout_cpus=0.25")
     initial = hf_policy(vmodels["policy"])
     pi_k = copy.deepcopy(initial)
-    with Trainer(cfg, progress=False) as t:
+    with Trainer.from_config(cfg, progress=False) as t:
         group = t.roles.rollout
         assert type(group).__name__ == "RayRolloutGroup" and t.roles.placement.rollout_streams_itself
         carried = 0
@@ -946,7 +946,7 @@ def test_real_build_path(vmodels_unpadded, tiny_prompts, tmp_path):
     from oppo.trainer import Trainer
 
     torch.set_num_threads(1)
-    t = Trainer(trainer_cfg(vmodels_unpadded, tiny_prompts, tmp_path, "overlap.mode=intra", "placement.threads=2"),
+    t = Trainer.from_config(trainer_cfg(vmodels_unpadded, tiny_prompts, tmp_path, "overlap.mode=intra", "placement.threads=2"),
                 progress=False)
     try:
         assert torch.get_num_threads() == 2

@@ -8,6 +8,7 @@ import torch
 from oppo.config import ConfigError, PPOConfig, load_config
 from oppo.learner.local import train_minibatches
 from oppo.trainer import Trainer
+from validated import load_valid
 
 
 def _run(opt, model, cfg, n_minibatches: int) -> list[float]:
@@ -52,7 +53,7 @@ def test_trainer_ramps_actor_and_critic(tiny_models, tiny_prompts, tmp_path):
         "ppo.micro_batch_size=4", "generation.max_new_tokens=6", "overlap.mode=sequential",
         "ppo.lr_warmup_steps=6", "ppo.actor_lr=3e-4", "ppo.critic_lr=6e-4",
         f"run.out_dir={tmp_path}", "log.progress=false", "run.samples=0"])
-    t = Trainer(cfg, progress=False)
+    t = Trainer.from_config(cfg, progress=False)
     try:
         t.run_step()  # two minibatches: two optimizer steps each
         assert t.roles.learner.actor_opt.param_groups[0]["lr"] == pytest.approx(3e-4 * 2 / 6)
@@ -60,4 +61,4 @@ def test_trainer_ramps_actor_and_critic(tiny_models, tiny_prompts, tmp_path):
     finally:
         t.close()
     with pytest.raises(ConfigError, match="lr_warmup_steps"):
-        load_config(None, ["ppo.lr_warmup_steps=-1"])
+        load_valid(None, ["ppo.lr_warmup_steps=-1"])

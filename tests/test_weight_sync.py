@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from oppo.weights.sync import Manifest, TensorMeta, full_tensors
+from validated import load_valid
 
 MP_TIMEOUT_S = 120.0
 
@@ -320,12 +321,12 @@ def test_trainer_syncs_collectively(ray_local, tiny_models, tiny_prompts, tmp_pa
     from test_ray_trainer import _cfg
 
     steps = 2
-    with Trainer(_cfg(tiny_models, tiny_prompts, tmp_path / "l", "overlap.mode=sequential"), progress=False) as t:
+    with Trainer.from_config(_cfg(tiny_models, tiny_prompts, tmp_path / "l", "overlap.mode=sequential"), progress=False) as t:
         want = []
         for _ in range(steps):
             m = t.run_step()
             want.append((t.last_result.exp.ids.clone(), m))
-    with Trainer(_cfg(tiny_models, tiny_prompts, tmp_path / "r", "overlap.mode=sequential", "placement.name=ray",
+    with Trainer.from_config(_cfg(tiny_models, tiny_prompts, tmp_path / "r", "overlap.mode=sequential", "placement.name=ray",
                       "learner.replicate.workers=2", *placement, "placement.ray.weight_sync=collective",
                       "placement.ray.weight_sync_bucket_mb=0.001", "learner.replicate.cpus=0.25",
                       "placement.ray.scorer_cpus=0.25", "placement.ray.rollout_cpus=0.25"), progress=False) as t:
@@ -358,4 +359,4 @@ def test_bad_weight_sync_settings_are_refused_before_any_model_loads(overrides, 
     from oppo.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=expected):
-        load_config(None, overrides)
+        load_valid(None, overrides)

@@ -136,7 +136,7 @@ def run_one(spec: Spec, steps: int, out: Path) -> None:
     cfg = load_config(None, spec.config_overrides(steps) + [f"run.out_dir={out}"])
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    t = Trainer(cfg, progress=False)
+    t = Trainer.from_config(cfg, progress=False)
     try:
         if spec.sigma is not None:
             t.length_sampler = synthetic_sampler(spec.sigma, t.max_new_tokens, cfg.run.seed)

@@ -156,7 +156,7 @@ def bench_steps(overrides: list[str], out_dir: Path, steps: int, engines=("eager
                                      f"overlap.mode={mode}", f"run.out_dir={out_dir / f'{engine}-{mode}'}",
                                      "log.progress=false", "run.samples=0"])
             t0 = time.perf_counter()
-            t = Trainer(cfg, progress=False)
+            t = Trainer.from_config(cfg, progress=False)
             load = time.perf_counter() - t0
             try:
                 ms = [t.run_step() for _ in range(steps)]

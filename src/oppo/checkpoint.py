@@ -345,7 +345,7 @@ def check_models(trainer, ckpt: Path) -> None:
         return
     said = []
     if models:
-        objects = any(at.startswith("<object") for _, _, at in models)  # given from Python (inputs.py)
+        objects = any(at.startswith("<object") for _, _, at in models)  # given from Python (setup/inputs.py)
         restore = ("Pass the models as they were when the run started (a policy object is trained in place: load "
                    "it again, e.g. with from_pretrained; the reference and the critic start from its initial "
                    "weights)" if objects else

@@ -56,7 +56,7 @@ def _train(argv: list[str]) -> int:
     args = p.parse_intermixed_args(argv)  # settings may come before and after --resume / --config
     if args.recipe == "list":
         return _recipes([])
-    # validated here, before any model loads, and only here: the run's preflight sees the same settings
+    # parsed here; validated, with every input, by the run's one check (setup.check), before any model loads
     cfg = load_config(args.config, args.overrides, recipe=args.recipe)
     if args.print_config:
         print(config_yaml(cfg), end="")

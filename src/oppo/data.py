@@ -187,6 +187,82 @@ def object_problems(obj: Any, field: str, split: str = "train") -> list[str]:
     return []
 
 
+_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet", ".txt")
+
+
+def source_problems(source: str | None, field: str) -> tuple[list[str], str | None]:
+    """``data.prompts``' problems found without reading the whole set (present, not empty, its
+    first record readable with the prompt field ``data.field``), and the hub dataset it names
+    (None: a local file or directory, or nothing). ``source``: a path or hub name, None for none."""
+    if not source:
+        return [], None
+    if source.lstrip().startswith("["):
+        return [f"data.prompts={source!r} looks like a list of prompts, but data.prompts names a file or "
+                f"data set. Write the prompts to a JSONL file (one {{\"{field}\": ...}} per line), "
+                f"or, from Python, pass the list: oppo.train(cfg, prompts=[...])."], None
+    p = Path(source).expanduser()
+    if not (p.exists() or source.startswith(("/", "./", "../", "~")) or p.suffix in _SUFFIXES):
+        return [], source
+    if not p.exists():
+        return [f"data.prompts={source!r}: no such file or directory. Set data.prompts to an existing "
+                f"prompt file (JSONL with a {field!r} field per line)."], None
+    if p.is_dir():
+        return ([f"data.prompts={source!r} is an empty directory."] if not any(p.iterdir()) else []), None
+    if p.suffix not in _SUFFIXES:
+        return [f"data.prompts={source!r}: cannot tell its format from the name; use .jsonl (one "
+                f"{{\"{field}\": ...}} object per line), .json, .csv, .parquet or .txt."], None
+    if p.suffix == ".parquet":
+        return [], None  # binary: the reader checks it
+    first = _first_line(p)
+    if first is None:
+        return [f"data.prompts={source!r} is empty. Give a file with at least one prompt."], None
+    if p.suffix == ".jsonl" or (p.suffix == ".json" and first[1].lstrip().startswith("{")):
+        lineno, line = first
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            return [f"{source}:{lineno}: not valid JSON ({e.msg}). Each line must be one JSON object such as "
+                    f"{{\"{field}\": \"...\"}}."], None
+        if not isinstance(rec, dict) or field not in rec:
+            keys = ", ".join(map(repr, rec)) if isinstance(rec, dict) else "none"
+            return [f"{source}:{lineno}: no field {field!r} (the record has {keys}). Set data.field to the name "
+                    f"of the prompt field."], None
+    return [], None
+
+
+def _first_line(p: Path) -> tuple[int, str] | None:
+    """(line number, text) of a text file's first non-blank line, None if it has none."""
+    with open(p, encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                return lineno, line
+    return None
+
+
+def known_columns(source: str | None, obj: Any, field: str, split: str) -> list[str] | None:
+    """The prompt set's columns where they are known without reading it: an object's (``obj``), a
+    JSONL file's first record's keys, a CSV file's header; else None. ``source``: ``data.prompts``."""
+    if obj is not None:
+        return None if object_problems(obj, field, split) else object_columns(obj, field, split)
+    if source is None:
+        return None
+    p = Path(source).expanduser()
+    if not p.is_file() or p.suffix not in (".jsonl", ".json", ".csv"):
+        return None
+    try:
+        first = _first_line(p)
+        if first is None:
+            return None
+        if p.suffix == ".csv":
+            import csv
+
+            return next(csv.reader([first[1]]), [])
+        rec = json.loads(first[1])
+    except (OSError, ValueError):
+        return None
+    return list(rec) if isinstance(rec, dict) else None
+
+
 def read_prompts(source: str, field: str = "prompt", split: str = "train") -> list[str]:
     """Prompts from a .jsonl file, or a local file/directory or hub name that ``datasets`` loads."""
     return read_records(source, field, split).texts

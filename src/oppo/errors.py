@@ -1,5 +1,5 @@
 """The error a run's inputs raise when they cannot be used, in a module that imports nothing: the
-preflight (``oppo.preflight``), which runs before torch is imported, raises a kind of it, and every
+check (``setup.check``, before any model loads) raises a kind of it, and every
 loader in ``oppo.models`` raises it (re-exported there as ``oppo.models.ModelLoadError``)."""
 
 from __future__ import annotations

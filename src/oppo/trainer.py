@@ -7,9 +7,9 @@ and pipeline, one loop driven by a policy value). ``state_dict`` / ``load_state_
 checkpoint saves and restores (``checkpoint.py`` writes them to disk); ``close`` stops every
 worker. Where a role runs is decided once, in ``setup/build.py``; nothing here asks.
 
-Objects in place of paths (``inputs.py``): ``Trainer(cfg, policy=model, tokenizer=tok,
-reward_model=rm, reward_fn=score, prompts=ds)``; ``self.cfg`` is then the settings with each object's
-marker (what checkpoints record), ``self.inputs`` the objects.
+Objects in place of paths (``setup/inputs.py``): ``Trainer.from_config(cfg, policy=model,
+tokenizer=tok, reward_model=rm, reward_fn=score, prompts=ds)``; ``self.cfg`` is then the settings
+with each object's marker (what checkpoints record), ``self.inputs`` the objects.
 """
 
 from __future__ import annotations
@@ -27,40 +27,25 @@ from .config import Config, to_dict
 from .control import Run, StepResult, overlapped_step, sequential_step
 from .control.step_metrics import step_metrics
 from .fingerprint import run_fingerprints
-from .inputs import Inputs, split_inputs
-from .preflight import check_inputs
 from .api.roles import Roles
 from .setup.build import build_roles
+from .setup.check import Checked, check_objects
+from .setup.inputs import Inputs
 
 
 class Trainer:
-    """``Trainer(cfg)`` builds every role; ``run_step()`` trains one step and returns its metrics.
+    """``Trainer.from_config(cfg, **objects)`` checks the settings and inputs, then builds every
+    role; ``Trainer(checked)`` builds them from a record the one check issued (``setup.check``:
+    ``oppo train`` and :func:`oppo.train` pass theirs, nothing is checked again). ``run_step()``
+    trains one step and returns its metrics."""
 
-    Objects may stand in for the settings that name paths or functions (docs/python-api.md):
-    ``policy`` (a causal LM, trained in place) with its ``tokenizer``, ``reference``, ``critic``
-    (its initialisation), ``reward_model`` (a one-label sequence classifier), ``reward_fn`` and
-    ``judge`` (callables), ``prompts`` (a ``datasets.Dataset``, a list of str or of dicts); a str
-    given for one of them is its setting's value. Paths and objects alike are checked once, before
-    any model loads, by the preflight the CLI's run has (``preflight.check_inputs``). ``save_dir``:
-    where models that a role loads in another process (Ray, vLLM) are saved (default: a temporary
-    directory, removed by :meth:`close`).
-    Callables may stand in for ``reward.terms``' functions (``{"function": fn, ...}`` in
-    ``cfg.reward.terms``); ``reward_terms`` gives them by term name for a config whose terms hold
-    their markers already. ``checked``: the objects of a ``cfg`` that holds their markers and that
-    the preflight has passed with them (``oppo.train``: ``run.plan_run``); nothing is checked again."""
-
-    def __init__(self, cfg: Config, progress: bool = True, *, policy: Any = None, tokenizer: Any = None,
-                 reference: Any = None, critic: Any = None, reward_model: Any = None,
-                 reward_fn: Callable | str | None = None, judge: Callable | str | None = None, prompts: Any = None,
-                 save_dir: str | os.PathLike | None = None, reward_terms: Mapping[str, Callable] | None = None,
-                 checked: Inputs | None = None):
-        if checked is None:
-            cfg, checked = split_inputs(cfg, policy=policy, tokenizer=tokenizer, reference=reference, critic=critic,
-                                        reward_model=reward_model, reward_fn=reward_fn, judge=judge, prompts=prompts,
-                                        save_dir=Path(save_dir) if save_dir is not None else None,
-                                        reward_terms=reward_terms)
-            check_inputs(cfg, checked)  # the one preflight, as the CLI's run has it, before any model loads
-        self.cfg, self.inputs = cfg, checked
+    def __init__(self, checked: Checked, progress: bool = True):
+        if not isinstance(checked, Checked):
+            raise TypeError(f"Trainer(...) takes the record oppo.setup.check issues, not a {type(checked).__name__}; "
+                            f"for settings and objects given in code, use Trainer.from_config(cfg, ...).")
+        cfg = checked.cfg
+        self.checked = checked
+        self.cfg, self.inputs = cfg, checked.inputs
         torch.set_num_threads(cfg.placement.threads or torch.get_num_threads())
         _seed_everything(cfg.run.seed)
         try:
@@ -76,6 +61,28 @@ class Trainer:
         self.wallclock = 0.0
         self.step_windows: dict[int, tuple[float, float]] = {}  # perf_counter bounds of each step
         self.last_result: StepResult | None = None
+
+    @classmethod
+    def from_config(cls, cfg: Config, progress: bool = True, *, policy: Any = None, tokenizer: Any = None,
+                    reference: Any = None, critic: Any = None, reward_model: Any = None,
+                    reward_fn: Callable | str | None = None, judge: Callable | str | None = None, prompts: Any = None,
+                    save_dir: str | os.PathLike | None = None,
+                    reward_terms: Mapping[str, Callable] | None = None) -> "Trainer":
+        """A Trainer for settings and objects given in code: the objects split from the settings,
+        then the one check (``setup.check``: the settings validated, every path and object
+        checked, before any model loads), then the roles built. Objects may stand in for the
+        settings that name paths or functions (docs/python-api.md): ``policy`` (a causal LM,
+        trained in place) with its ``tokenizer``, ``reference``, ``critic`` (its initialisation),
+        ``reward_model`` (a one-label sequence classifier), ``reward_fn`` and ``judge``
+        (callables), ``prompts`` (a ``datasets.Dataset``, a list of str or of dicts); a str given
+        for one of them is its setting's value. ``save_dir``: where models that a role loads in
+        another process (Ray, vLLM) are saved (default: a temporary directory, removed by
+        :meth:`close`). ``reward_terms``: callables for ``reward.terms``' functions by term name,
+        for a config whose terms hold their markers already."""
+        checked = check_objects(cfg, policy=policy, tokenizer=tokenizer, reference=reference, critic=critic,
+                                reward_model=reward_model, reward_fn=reward_fn, judge=judge, prompts=prompts,
+                                save_dir=Path(save_dir) if save_dir is not None else None, reward_terms=reward_terms)
+        return cls(checked, progress)
 
     # ------------------------------------------------------------------ what users and tools read
 

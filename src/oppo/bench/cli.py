@@ -119,9 +119,10 @@ def new_token_room(cfg) -> int | None:
     from ..data import build_prompt_set, read_records
     from ..marker import is_marker
     from ..models import context_length, load_model_config, load_tokenizer
+    from ..setup.build import prepared_task
     from ..setup.resolve import resolve_paths
 
-    paths = resolve_paths(cfg, progress=True)
+    paths = resolve_paths(cfg, prepared_task(cfg))
     limits = []
     for role, path in (("policy", paths.policy), ("reference", paths.reference), ("critic", paths.critic),
                        ("reward", paths.reward)):

@@ -91,7 +91,7 @@ def run_modes(base, modes: list[str], steps: int, out: Path, tail_sigma: float |
         cfg = with_overrides(base, [*mode_overrides(mode), f"run.out_dir={out / slug(mode)}",
                                     f"run.steps={steps}", "run.save_every=0"])
         Path(cfg.run.out_dir).mkdir(parents=True, exist_ok=True)
-        t = Trainer(cfg, progress=False)
+        t = Trainer.from_config(cfg, progress=False)
         trainers[mode] = t
         if tail_sigma is not None:
             t.length_sampler = synthetic_sampler(tail_sigma, t.max_new_tokens, cfg.run.seed)

@@ -300,7 +300,9 @@ def _file_items(p: Path, what: str) -> list[tuple[str, Any, str]]:
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
                 recipe: str | None = None) -> Config:
     """Build a Config from defaults, then a recipe (``oppo.recipes``), then a YAML file, then
-    ``key=value`` overrides; then validate."""
+    ``key=value`` overrides. Unknown keys and values of the wrong type are refused here; the
+    settings as a whole are validated by the run's one check (``setup.check``, or
+    :func:`~oppo.config.validate` directly)."""
     cfg = Config()
     explicit: set[str] = set()
     items: list[tuple[str, Any, str]] = []  # (key, value, where it came from)
@@ -328,12 +330,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         for key, value in TASK_PRESETS.get(cfg.data.task, {}).items():
             if key not in explicit:
                 _set(cfg, key, value, f"the built-in task {cfg.data.task!r}'s preset")
-                cfg.__dict__.setdefault("_presets", {})[key] = value  # (a policy object drops them: inputs.py)
-    return validate_once(cfg)
+                cfg.__dict__.setdefault("_presets", {})[key] = value  # (a policy object drops them: setup/inputs.py)
+    return cfg
 
 
 def with_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Config:
-    """A copy of ``cfg`` with ``key=value`` overrides applied, validated (``cfg`` is unchanged)."""
+    """A copy of ``cfg`` with ``key=value`` overrides applied (``cfg`` is unchanged)."""
     out = copy.deepcopy(cfg)
     pairs = _split_overrides(overrides)
     _refuse_unknown(out, [(key, raw or None, "the command line") for key, raw in pairs])
@@ -341,7 +343,7 @@ def with_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Confi
         _set(out, key, _parse_override(out, key, raw), "the command line")
     if _EXPLICIT in out.__dict__:
         out.__dict__[_EXPLICIT] = out.__dict__[_EXPLICIT] | {key for key, _ in pairs}
-    return validate_once(out)
+    return out
 
 
 def _split_overrides(overrides: list[str] | tuple[str, ...]) -> list[tuple[str, str]]:
@@ -399,7 +401,7 @@ def from_dict(d: dict) -> Config:
     cfg = Config()
     for key, value in _flatten(upgrade_settings(d)).items():
         _set(cfg, key, value, "a saved config")
-    return validate_once(cfg)
+    return cfg
 
 
 _EXPLICIT = "_explicit"  # the keys a file or an override set (load_config, with_overrides); absent: built in code
@@ -436,7 +438,8 @@ def resumed_config(cfg: Config, saved: dict) -> tuple[Config, list[str]]:
         lines.append(f"{key}={value}, the value the checkpoint's run used (the default is {now} since {change.since}"
                      f"; to change it, start a new run)")
     try:
-        return validate_once(out), lines
+        validate(out)  # (a predicate here: are the checkpoint's values valid beside today's other settings?)
+        return out, lines
     except ConfigError:  # (not valid with today's other settings: the resume's settings check names the value)
         return cfg, []
 
@@ -447,15 +450,3 @@ def _setting(cfg: Config, key: str) -> tuple[Any, str]:
     return found
 
 
-_VALIDATED = "_validated"  # the settings (their repr) a Config held when it was last validated
-
-
-def validate_once(cfg: Config) -> Config:
-    """``cfg``, validated unless it holds exactly the settings it held when last validated: a
-    config from :func:`load_config` is not validated again by the run's preflight, one built or
-    changed in code is (then, and only then). One validation per run, with the same messages
-    whichever way the config was made. Raises ConfigError."""
-    if cfg.__dict__.get(_VALIDATED) != (now := repr(cfg)):
-        validate(cfg)  # (raises, never rewrites: the settings are still ``now``)
-        cfg.__dict__[_VALIDATED] = now
-    return cfg

@@ -3,10 +3,13 @@ as an object, every scorer role at once, and the context a prompt and its respon
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from .arch import text_config, context_length, is_causal_architecture
 from .errors import ModelLoadError
 from .lora import is_peft
-from .paths import said_where, load_model_config
+from . import paths as model_paths
+from .paths import said_where, load_model_config, looks_local
 from .tokenizers import check_tokenizer_match
 
 
@@ -168,3 +171,48 @@ def context_problem(lengths: list[int], max_new_tokens: int, configs: dict[str, 
             f"{quoted} is {n} tokens and generation.max_new_tokens={max_new_tokens}"
             f"{' (its default: the setting is empty)' if default_new else ''} adds "
             f"{max_new_tokens}: {n + max_new_tokens} positions. {fix[0].upper()}{fix[1:]}.")
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model", "vocab.json",
+                   "vocab.txt")
+
+
+def dir_problems(role: str, key: str, path: str, hub_names: list[tuple[str, str]],
+                 new_head: bool = False) -> list[str]:
+    """A model directory's problems found without loading it: a directory with ``config.json``
+    (:func:`~oppo.models.paths.model_dir_config`), the policy's with its tokenizer, a reward model
+    with one label (``new_head``: a causal LM is a reward model too, ``reward.new_head``). A path
+    that is not local is a hub name: appended to ``hub_names`` for the hub's check."""
+    if not looks_local(path):
+        hub_names.append((key, path))
+        return []
+    conf, problem = model_paths.model_dir_config(path, f"{key}={path!r}")  # (the one rule for a model path)
+    if problem is not None:
+        return [problem]
+    assert conf is not None  # (a directory with a config.json read)
+    p = Path(path).expanduser()
+    out = []
+    if role == "policy" and not any((p / f).is_file() for f in TOKENIZER_FILES):
+        out.append(f"{key}={path!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES[:2])}, ...); "
+                   f"save it beside the model with tokenizer.save_pretrained(dir).")
+    if role == "reward" and (why := not_a_classifier(conf.get("architectures"))):
+        if not new_head:
+            out.append(f"{key}={path!r} {why}")
+    elif role == "reward":
+        labels = len(conf["id2label"]) if isinstance(conf.get("id2label"), dict) else conf.get("num_labels")
+        if isinstance(labels, int) and labels != 1:
+            out.append(f"{key}={path!r} has {labels} labels; PPO needs a scalar reward "
+                       f"(AutoModelForSequenceClassification with num_labels=1).")
+    return out
+
+
+def device_problems(devices: dict[str, str]) -> list[str]:
+    """Setting -> device asked for (``policy.device``, ...): CUDA asked for where there is none."""
+    asked = {key: dev for key, dev in devices.items() if dev.startswith("cuda")}
+    if not asked:
+        return []
+    import torch
+
+    if torch.cuda.is_available():
+        return []
+    return [f"{key}={dev!r} but CUDA is not available here; use cpu or auto." for key, dev in asked.items()]

@@ -47,7 +47,7 @@ def check_model_path(path: str, role: str) -> None:
     the same rule already): a local path that is no model directory fails here, named, before
     Hugging Face's loader reports it as something else."""
     if is_marker(path):
-        return  # an object given from Python (inputs.py): checked by model_problems
+        return  # an object given from Python (setup/inputs.py): checked by model_problems
     if looks_local(path):
         _, problem = model_dir_config(path, f"{role} model path {path!r}")
         if problem is not None:

@@ -19,7 +19,7 @@ from ..metrics import METRICS_FILE, read_metrics
 
 LINK_NAME = "latest"
 RUN_FILES = ("config.yaml", METRICS_FILE, "trace.json", "lengths.jsonl", CKPT_DIR)
-INPUTS_DIR = "inputs"  # models given as objects, saved for the roles that load them elsewhere (inputs.py)
+INPUTS_DIR = "inputs"  # models given as objects, saved for the roles that load them elsewhere (setup/inputs.py)
 LOCK_FILE = ".oppo.lock"  # held (flock) by the process writing the run; the kernel drops it when that dies
 
 
@@ -129,3 +129,26 @@ def remove_unfinished(run_dir: Path, found: set[Path] | None) -> None:
             shutil.rmtree(p, ignore_errors=True)
         else:
             p.unlink(missing_ok=True)
+
+
+def out_dir_problems(out_dir: str | os.PathLike) -> list[str]:
+    """``run.out_dir`` must be a directory, or creatable as one: not a file, not under a file, and
+    writable. (Found here, before the models load, not by the first write after them.)"""
+    key = f"run.out_dir={str(out_dir)!r}"
+    p = Path(out_dir).expanduser()
+    if p.is_symlink() and not p.exists():
+        return []  # a dangling 'latest' link: the run points it at its new directory
+    if p.exists() and not p.is_dir():
+        return [f"{key} is a file, not a directory. Set run.out_dir to a directory (created if missing), or move "
+                f"the file {p} away."]
+    existing = p
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return [f"{key}: {existing} is a file, so no directory can be made under it. Set run.out_dir to a path "
+                f"outside it (e.g. {existing.parent / 'runs'}), or move the file away."]
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "the run directory" if existing == p else f"its nearest existing parent, {existing},"
+        return [f"{key}: {what} is not writable by this user. Set run.out_dir to a writable directory, or fix "
+                f"the permissions."]
+    return []

@@ -1,8 +1,9 @@
 """``oppo train``: a Trainer in a run directory, with metrics, samples, trace and checkpoints.
 
-One path from a config to a step: the objects split from the settings (:mod:`oppo.inputs`), the
-one preflight (:func:`~oppo.run.plan.plan_run`: the settings validated, the run directory, the
-checkpoint, every path and object, before any model loads), the roles built (``Trainer``), then
+One path from a config to a step: the objects split from the settings (:mod:`oppo.setup.inputs`),
+the one check (:func:`~oppo.run.plan.plan_run`: the run directory and the checkpoint, then
+``setup.check``: the settings validated, every path and object, before any model loads), the
+roles built (``Trainer``), then
 the loop (:mod:`oppo.run.loop`). A resume continues in the run's own directory. SIGTERM or
 Ctrl-C (:data:`~oppo.run.stop.STOP`) finish the step in progress, write a checkpoint with the
 sequences in flight and raise :class:`~oppo.run.stop.Preempted`; a second signal interrupts at
@@ -20,9 +21,9 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ..checkpoint import load_checkpoint
 from ..config import Config
-from ..inputs import Inputs, split_inputs
-from ..preflight import PreflightError
-from .dirs import INPUTS_DIR, create, remove_unfinished, take_lock
+from ..setup.inputs import split_inputs
+from ..setup.preflight import PreflightError
+from .dirs import create, remove_unfinished, take_lock
 from .files import FAILURE_FILE, record_failure, write_config
 from .lines import loading_line, machine_threads, policy_line, threads_lines
 from .loop import train_steps
@@ -54,7 +55,7 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True, *, poli
     """Run PPO as configured; return the run directory.
 
     ``resume``: None for a new run, ``"auto"`` for the latest checkpoint of ``run.out_dir``, or a
-    checkpoint (or run) directory. Raises :class:`~oppo.preflight.PreflightError` before loading
+    checkpoint (or run) directory. Raises :class:`~oppo.setup.preflight.PreflightError` before loading
     anything when the run directory, the checkpoint or the inputs are wrong. The keywords after
     ``progress`` give objects in place of settings, as :class:`~oppo.trainer.Trainer` takes them;
     models that a role loads elsewhere are saved under the run directory's ``inputs/``. With
@@ -67,12 +68,12 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True, *, poli
     cfg, inputs = split_inputs(cfg, policy=policy, tokenizer=tokenizer, reference=reference, critic=critic,
                                reward_model=reward_model, reward_fn=reward_fn, judge=judge, prompts=prompts)
     hf_logging.disable_progress_bar()  # "Loading weights" bars for every role drown the run's own output
-    plan = plan_run(cfg, resume, inputs)  # the one preflight: nothing is checked again below
-    cfg = plan.cfg or cfg  # (a resume: a default changed since the checkpoint takes its value)
+    plan = plan_run(cfg, resume, inputs)  # the one check: nothing is checked again below
+    cfg = plan.checked.cfg  # (a resume: a default changed since the checkpoint takes its value)
     # the entries of an existing run directory before this run (None: this run makes it), so that a
     # run failing before its first step removes only what it wrote
     claim = _Claim(found=set(plan.run_dir.iterdir()) if plan.run_dir.is_dir() else None)
-    trainer = _load(cfg, inputs, plan, progress)
+    trainer = _load(plan, progress)
     try:
         run_dir = _open(trainer, plan, claim, progress)
         first = trainer.step  # (a resume's: the checkpoint's step)
@@ -90,18 +91,18 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True, *, poli
     return run_dir
 
 
-def _load(cfg: Config, inputs: Inputs, plan: RunPlan, progress: bool) -> Trainer:
-    """Build the roles for settings and objects that preflight passed (the Trainer checks nothing
+def _load(plan: RunPlan, progress: bool) -> Trainer:
+    """Build the roles from the run's checked settings and objects (the Trainer checks nothing
     again); objects that a role loads elsewhere are saved under the run directory's ``inputs/``."""
     from ..trainer import Trainer
 
+    cfg = plan.checked.cfg
     if progress:
         for line in threads_lines(cfg, *machine_threads()):
             print(line, file=sys.stderr)
         print(loading_line(cfg), file=sys.stderr, flush=True)
     t_load = time.perf_counter()
-    inputs.save_dir = plan.run_dir / INPUTS_DIR
-    trainer = Trainer(cfg, progress=progress, checked=inputs)
+    trainer = Trainer(plan.checked, progress=progress)
     if progress:
         print(f"models loaded in {time.perf_counter() - t_load:.1f}s", file=sys.stderr)
     return trainer

@@ -11,7 +11,7 @@ from pathlib import Path
 import yaml
 
 from ..config import Config, to_dict
-from ..inputs import SETTINGS, Inputs
+from ..setup.inputs import SETTINGS, Inputs
 from ..marker import is_marker
 
 FAILURE_FILE = "failure.txt"  # a run that failed with an error: when, the error, and how to go on (removed on resume)

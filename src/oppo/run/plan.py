@@ -3,14 +3,15 @@ every check that needs no model: the run's one preflight (:func:`plan_run`)."""
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..checkpoint import CKPT_DIR, latest_checkpoint
-from ..config import Config
-from ..inputs import Inputs
-from ..preflight import PreflightError, input_problems
-from .dirs import LINK_NAME, describe_run, holds_run, is_link, new_run_dir, writer_of
+from ..config import Config, LogConfig
+from ..setup.check import Checked, check
+from ..setup.inputs import Inputs
+from .dirs import INPUTS_DIR, LINK_NAME, describe_run, holds_run, is_link, new_run_dir, out_dir_problems, writer_of
 from .resume import resume_problems, resumed_settings, verified
 
 
@@ -24,10 +25,10 @@ class RunPlan:
     """A ``latest`` link to point at ``run_dir``, or None."""
     checkpoint: Path | None
     """The checkpoint to resume from, or None for a new run."""
+    checked: Checked
+    """The settings the run goes on with (the ones given, but a resumed run's changed defaults at
+    the checkpoint's values: ``run.resume.resumed_settings``) and its inputs, checked."""
     start_step: int = 0
-    cfg: Config | None = None
-    """The settings the run goes on with: the ones given, but a resumed run's changed defaults at
-    the checkpoint's values (``run.resume.resumed_settings``); None: the ones given."""
 
 
 def _new_run(cfg: Config, out: Path, link: Path | None) -> tuple[Path, list[str]]:
@@ -80,10 +81,10 @@ def plan_run(cfg: Config, resume: str | None = None, inputs: Inputs | None = Non
     """Decide the run directory and the checkpoint, and run every check that needs no model.
     ``inputs``: the objects given in place of paths (``cfg`` holds their markers: ``inputs.split_inputs``).
 
-    Writes nothing. Raises :class:`~oppo.preflight.PreflightError` listing every problem found:
-    the run directory's, the checkpoint's and the inputs' (:func:`oppo.preflight.input_problems`,
-    which validates the settings). A resume goes on with the checkpoint's values of the defaults
-    changed since it was saved (:attr:`RunPlan.cfg`, each said on stderr).
+    Writes nothing. Raises :class:`~oppo.setup.preflight.PreflightError` listing every problem
+    found: the run directory's, the checkpoint's, the logging's and the inputs' (the run's one
+    check, :func:`oppo.setup.check.check`, which validates the settings first). A resume goes on
+    with the checkpoint's values of the defaults changed since it was saved (each said on stderr).
     """
     out = Path(cfg.run.out_dir).expanduser()
     link = out if is_link(out) else None
@@ -106,7 +107,17 @@ def plan_run(cfg: Config, resume: str | None = None, inputs: Inputs | None = Non
     if writer is not None:
         problems.append(f"oppo train ({writer}) is still writing {run_dir}; wait for it to end or stop it, "
                         f"then resume with --resume auto.")
-    problems += input_problems(cfg, inputs)
-    if problems:
-        raise PreflightError(problems)
-    return RunPlan(run_dir, link, ckpt, step, cfg)
+    inputs = inputs if inputs is not None else Inputs()
+    inputs.save_dir = run_dir / INPUTS_DIR  # (models that a role loads in another process are saved there)
+    checked = check(cfg, inputs, found=[*out_dir_problems(cfg.run.out_dir), *problems, *logging_problems(cfg.log)])
+    return RunPlan(run_dir, link, ckpt, checked, step)
+
+
+def logging_problems(log: LogConfig) -> list[str]:
+    """The logging packages a run directory's logs ask for (a Trainer built in code logs nothing)."""
+    problems = []
+    for flag, package, extra in ((log.tensorboard, "tensorboard", "tensorboard"), (log.wandb, "wandb", "wandb")):
+        if flag and importlib.util.find_spec(package) is None:
+            problems.append(f"log.{package}=true but the '{package}' package is not installed: "
+                            f"pip install 'oppo[{extra}]', or set log.{package}=false.")
+    return problems

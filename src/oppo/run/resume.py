@@ -14,7 +14,7 @@ from ..checkpoint import (checkpoint_dirs, checkpoint_settings, checkpoint_step,
                           settings_mismatches, verify_checkpoint)
 from ..config import Config, resumed_config, to_dict
 from ..formats import FormatError
-from ..inputs import keyword_of
+from ..setup.inputs import keyword_of
 from ..marker import is_marker
 from ..scheduler.tuner import check_format
 

@@ -3,7 +3,7 @@
 The first two parameters are positional: the prompts as the policy saw them and the decoded
 responses. A function may ask for more by naming keyword parameters (as TRL's reward functions
 take the data set's columns): ``raw_prompts``, ``formatted_prompts``, or any column of the prompt
-set. :func:`missing_columns` refuses a required one the prompt set lacks before any model loads;
+set. :func:`function_problems` refuses a required one the prompt set lacks before any model loads;
 :func:`call_reward` is the one place a reward function is called with them.
 
 Design notes: docs/python-api.md, "Reward functions that ask for more" and "How oppo calls them"."""
@@ -83,6 +83,31 @@ def signature_problems(key: str, fn: Callable, available: list[str] | None) -> l
     if available is None:
         return []
     return [line for line in [missing_columns(key, fn, available)] if line]
+
+
+def function_problems(key: str, spec: str | None, obj: Any, columns: list[str] | None,
+                      bound: Mapping[str, Any] | None = None, keyword: str | None = None) -> list[str]:
+    """Why ``spec`` (imported) or ``obj`` (a callable given from Python, as ``keyword=``) cannot
+    score as a reward function: not importable, not callable, or asking for a column the prompt
+    set lacks (``columns``: its columns, None where not known yet; ``bound``: a reward term's
+    settings, given to the function, not asked of the data)."""
+    if obj is None:
+        from ..models import load_function
+        from ..errors import ModelLoadError
+
+        assert spec is not None
+        try:
+            obj = load_function(spec, key)
+        except ModelLoadError as e:
+            return [str(e)]
+    elif not callable(obj):
+        return [f"{keyword or key}= must be a function fn(prompts, responses) -> list[float], got "
+                f"{type(obj).__name__}."]
+    if bound:
+        import functools
+
+        obj = functools.partial(obj, **bound)
+    return signature_problems(key, obj, columns)
 
 
 def missing_columns(key: str, fn: Callable, available: list[str]) -> str:

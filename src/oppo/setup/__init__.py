@@ -1,5 +1,5 @@
-"""From a config to the roles, in one straight path: load (``config.load_config``) -> validate once
-(``config.parse.validate_once``) -> preflight once, paths and objects alike (``oppo.preflight``:
-``run.plan_run`` for ``oppo train`` and ``oppo.train``, ``Trainer`` for one built in code) -> build
-(:mod:`.build`): decide what to build (:mod:`.resolve`: paths, algorithm, devices, placement), load
-the models (:mod:`.load`), build each role where its placement puts it, compose the weight sync."""
+"""From a config to the roles, in one straight path: the objects split from the settings and every
+input checked once (:mod:`.check`: the settings validated, then :mod:`.preflight`, which asks each
+concern's owner), then :mod:`.build`: the built-in task prepared, objects saved for roles that load
+elsewhere, the run decided (:mod:`.resolve`), the models loaded (:mod:`.load`), each role built
+where its placement puts it, the weight sync composed."""

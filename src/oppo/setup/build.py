@@ -1,28 +1,40 @@
-"""``build_roles(cfg)``, the last step from a config to the roles (after the one validation and the
-one preflight): resolve the run (paths, devices, where each role runs), load the models, build the
-roles where the placement puts them (its spec's ``build``: ``oppo.placements``), and compose the
-weight sync from the steps it names. The controller (``oppo.control``) receives the roles behind
-their Protocols (``api/protocols.py``) and never asks where one runs."""
+"""``build_roles(cfg)``, the last step from a config to the roles (after the one check,
+``setup.check``), in steps the log names: prepare the built-in task where the config names no
+policy, save the model objects a role loads elsewhere, resolve the run (paths, devices, where each
+role runs), load the models, build the roles where the placement puts them (its spec's ``build``:
+``oppo.placements``), and compose the weight sync from the steps it names. The controller
+(``oppo.control``) receives the roles behind their Protocols (``api/protocols.py``)."""
 
 from __future__ import annotations
 
 import dataclasses
+import sys
+from typing import TYPE_CHECKING
 
 from .. import placements
 from ..api.roles import Models, Roles
 from ..config import Config
-from ..inputs import Inputs
+from ..marker import is_marker
+from ..rollout.registry import check_backend
 from ..weights.plan import WeightSync
+from .inputs import Inputs, save_for_elsewhere
 from .load import load_models
 from .resolve import resolve
 
+if TYPE_CHECKING:
+    from ..task.prepare import Prepared
+
 
 def build_roles(cfg: Config, progress: bool = True, inputs: Inputs | None = None) -> Roles:
-    """Every model loaded and every role built, once, for settings and objects that the preflight
-    has passed. ``inputs``: the objects given from Python in place of paths (their settings hold
-    markers: ``inputs.split_inputs``)."""
+    """Every model loaded and every role built, once, for checked settings and objects
+    (``setup.check``). ``inputs``: the objects given from Python in place of paths (their settings
+    hold markers: ``setup.inputs.split_inputs``)."""
     inputs = inputs or Inputs()
-    run = resolve(cfg, inputs, progress)  # decided, nothing loaded yet
+    task = prepared_task(cfg, progress)
+    saved = save_for_elsewhere(cfg, inputs, log=progress)  # objects a role loads in another process
+    if is_marker(cfg.policy.path):  # a policy object: the check had no directory to read; its saved copy has one
+        check_backend(cfg.generation.backend, saved.get("policy", cfg.policy.path), cfg.policy.device)
+    run = resolve(cfg, task, saved)  # decided, nothing loaded yet
     models = load_models(cfg, inputs, run)
     run.placement.threads.use(run.placement.threads.full)
     placed = placements.of(cfg).build(models, run.placement, placements.own(cfg))
@@ -31,4 +43,20 @@ def build_roles(cfg: Config, progress: bool = True, inputs: Inputs | None = None
                  learner=placed.learner, sync=WeightSync(placed.sync), closers=placed.closers, backend=placed.backend)
 
 
-__all__ = ["Roles", "build_roles"]
+def prepared_task(cfg: Config, progress: bool = True) -> Prepared | None:
+    """The built-in task's models and prompts where the config names no policy (``data.task``):
+    installed from the package, or built, on first use (``task.prepare``), and said; None where the
+    config names the models."""
+    if not cfg.uses_builtin_task:
+        return None
+    from ..task import prepare
+
+    prepared = prepare(task=cfg.data.task, progress=progress)
+    if progress:
+        how = "found" if prepared.reused else "prepared"
+        print(f"oppo: the built-in task {cfg.data.task!r}: models and prompts {how} in {prepared.root}",
+              file=sys.stderr, flush=True)
+    return prepared
+
+
+__all__ = ["Roles", "build_roles", "prepared_task"]

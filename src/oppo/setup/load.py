@@ -19,7 +19,7 @@ from ..api.roles import Models
 from ..config import Config
 from ..data import ALL_COLUMNS, DataError, build_prompt_set, read_records, records_from_object
 from ..forward import set_packing
-from ..inputs import Inputs
+from .inputs import Inputs
 from ..marker import is_marker
 from ..models import (ModelLoadError, apply_lora, base_view, check_roles, context_length, context_problem,
                       critic_from_object, enable_gradient_checkpointing, is_causal_lm_checkpoint, load_causal_lm,

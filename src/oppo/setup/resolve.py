@@ -1,11 +1,12 @@
-"""What a run is built from, decided from the config after the preflight and before any model
-loads: the models' paths (the built-in task's where the config names none; a model object's saved
-copy where a role loads it elsewhere), the algorithm, the devices and dtypes, and where every role
-runs (the placement's ``decide``). It checks nothing the preflight has checked."""
+"""What a run is built from, decided from the checked config before any model loads: the models'
+paths (the built-in task's where the config names none; a model object's saved copy where a role
+loads it elsewhere), the algorithm, the devices and dtypes, and where every role runs (the
+placement's ``decide``). It decides only: it checks, writes and builds nothing."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,12 +15,13 @@ from ..algo import build_algorithm
 from ..algo.core import Algorithm
 from ..api.placement import Placement, ResolvedPaths
 from ..config import Config
-from ..inputs import Inputs, save_for_elsewhere
 from ..marker import is_marker
 from ..models import resolve_device, resolve_dtype
 from ..rewards import function_spec, parse_terms
-from ..rollout.registry import check_backend
 from ..weights.precision import master_dtype
+
+if TYPE_CHECKING:
+    from ..task.prepare import Prepared
 
 
 @dataclass
@@ -38,10 +40,11 @@ class Resolved:
     placement: Placement
 
 
-def resolve(cfg: Config, inputs: Inputs, progress: bool = True) -> Resolved:
-    """Paths, devices, dtypes, the algorithm and the placement, decided in that order from settings
-    that the preflight has passed (``preflight.role_problems``): nothing here checks a path again."""
-    paths, critic_source = _paths(cfg, inputs, progress)
+def resolve(cfg: Config, task: Prepared | None, saved: dict[str, str]) -> Resolved:
+    """Paths, devices, dtypes, the algorithm and the placement, decided in that order from checked
+    settings (``setup.check``). ``task``: the built-in task's prepared files where the config names
+    no policy; ``saved``: role -> the saved copy of a model object that a role loads elsewhere."""
+    paths, critic_source = _paths(cfg, task, saved)
     algorithm = build_algorithm(cfg)
     if not algorithm.needs_critic:
         paths.critic = None  # critic-free: no critic is loaded, scored, trained or checkpointed
@@ -55,20 +58,17 @@ def resolve(cfg: Config, inputs: Inputs, progress: bool = True) -> Resolved:
     return Resolved(paths, critic_source, dev, devices, dtype, master, algorithm, placement)
 
 
-def _paths(cfg: Config, inputs: Inputs, progress: bool) -> tuple[ResolvedPaths, str]:
+def _paths(cfg: Config, task: Prepared | None, saved: dict[str, str]) -> tuple[ResolvedPaths, str]:
     """Every role's path (:func:`resolve_paths`), a model object's saved copy in place of its marker
     where a role loads it in another process; and the role the critic starts from (critic.path,
     else the reward model's, else the policy's)."""
-    paths = resolve_paths(cfg, progress=progress)
-    saved = save_for_elsewhere(cfg, inputs, log=progress)  # objects a role loads in another process
+    paths = resolve_paths(cfg, task)
     critic_source = "critic" if cfg.critic.path else "reward" if cfg.reward.path else "policy"
     for role in ("policy", "reward", "reference"):
         if role in saved:
             setattr(paths, role, saved[role])
     if paths.critic is not None and is_marker(paths.critic) and critic_source in saved:
         paths.critic = saved[critic_source]
-    if is_marker(cfg.policy.path):  # a policy object: the preflight could not read it, its saved copy is read here
-        check_backend(cfg.generation.backend, paths.policy, cfg.policy.device)
     return paths, critic_source
 
 
@@ -101,15 +101,15 @@ def _placement(cfg: Config, paths: ResolvedPaths, dev: torch.device, devices: di
 
 DEFAULT_MAX_NEW_TOKENS = 256
 
-def resolve_paths(cfg: Config, progress: bool = True) -> ResolvedPaths:
-    """Fill in the built-in task's models and prompts where the config names none (preparing the
-    task if needed). Checks nothing: the preflight has checked every path (``preflight.role_problems``)."""
+def resolve_paths(cfg: Config, prepared: Prepared | None = None) -> ResolvedPaths:
+    """Every role's path: the built-in task's models and prompts (``prepared``, its files) where the
+    config names none. Checks nothing: ``setup.check`` has checked every path."""
     max_new = cfg.generation.max_new_tokens
     if cfg.uses_builtin_task:
-        from ..task import get_task, prepare
+        from ..task import get_task
 
+        assert prepared is not None, "the built-in task is prepared before its paths are resolved (setup.build)"
         task = get_task(cfg.data.task)
-        prepared = prepare(task=cfg.data.task, progress=progress)
         reward_fn = cfg.reward.function or task.reward_function
         reward_path = cfg.reward.path or (None if reward_fn else str(prepared.reward_path))
         if cfg.reward.terms:  # composite: the first reward model term is the reward role (critic init too)

@@ -1,20 +1,9 @@
-"""What a run is given from Python in place of paths: models, a tokenizer, reward callables, prompts.
-
-``oppo.Trainer(cfg, policy=model, tokenizer=tok, reward_model=rm, reward_fn=score, prompts=ds)``
-and ``oppo.train(cfg, ...)`` take them as keywords, or in the setting they stand for
-(``cfg.reward.function = score``, ``cfg.data.prompts = ds``). :func:`split_inputs` separates them
-from the settings: the run's Config holds, in each setting given an object, a marker that names
-it (``<object: LlamaForCausalLM>``, ``<object: my_rewards.score>``, ``<object: Dataset of 800
-rows, ...>``). So every setting means what it means on the command line (``policy.path`` set:
-the user's own models, validated by ``config.validate`` as is), ``config.yaml`` and checkpoints
-record what the run was given, and a resume compares the markers like any setting: it works with
-the same objects passed again and names the keyword otherwise (``run.plan_run``).
-
-A role that loads its model in another process (Ray actors, a rollout backend that loads the
-policy itself, such as vLLM) gets a copy saved once with ``save_pretrained``
-(:func:`save_for_elsewhere`): in the run directory's ``inputs/`` under ``oppo.train``, else a
-temporary directory removed when the Trainer closes.
-"""
+"""What a run is given from Python in place of paths (models, a tokenizer, reward callables,
+prompts), split from the settings (:func:`split_inputs`: each such setting holds a marker naming
+its object, so config.yaml, checkpoints and a resume see it as any setting), checked by the rules
+a path is checked with (:func:`object_problems`), and saved once (``save_pretrained``) where a role
+loads its model in another process (:func:`save_for_elsewhere`). Design notes: docs/python-api.md,
+"Every setting means what it does on the command line" and "Where objects must be on disk"."""
 
 from __future__ import annotations
 
@@ -26,8 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .config import Config, ConfigError
-from .marker import MARKER, is_marker
+from ..config import Config, ConfigError
+from ..marker import MARKER, is_marker
+from ..scoring.reward_fn import function_problems
 
 
 # keyword -> the setting it stands for (tokenizer: none; it comes from policy.path otherwise)
@@ -85,7 +75,7 @@ def marker(obj: Any, data_field: str = "prompt") -> str:
     if isinstance(obj, torch.nn.Module):
         return f"{MARKER}: {type(obj).__name__}>"
     if callable(obj) and not isinstance(obj, (list, tuple)):
-        from .scoring.reward_fn import describe
+        from ..scoring.reward_fn import describe
 
         return f"{MARKER}: {describe(obj)}>"
     if type(obj).__module__.startswith("datasets."):
@@ -145,8 +135,8 @@ def _split_terms(terms: list, inputs: Inputs) -> list:
     """``reward.terms`` with each callable ``function`` replaced by its marker and kept in
     ``inputs.reward_terms`` under the term's name (its ``name``, else the callable's own name:
     written into the term, so that config.yaml and a resume name it the same)."""
-    from .rewards.terms import term_name
-    from .scoring.reward_fn import describe
+    from ..rewards.terms import term_name
+    from ..scoring.reward_fn import describe
 
     out = []
     for t in terms:
@@ -182,8 +172,8 @@ def _drop_task_presets(cfg: Config) -> None:
 
 def needs_saving(cfg: Config) -> dict[str, str]:
     """Role -> why, for the model objects a role loads elsewhere (from a path)."""
-    from . import placements
-    from .rollout import registry
+    from .. import placements
+    from ..rollout import registry
 
     why: dict[str, str] = {}
     spec = placements.of(cfg)
@@ -224,4 +214,135 @@ def keyword_of(setting: str) -> str | None:
     return next((kw for kw, key in SETTINGS.items() if key == setting), None)
 
 
-__all__ = ["Inputs", "is_marker", "keyword_of", "marker", "needs_saving", "save_for_elsewhere", "split_inputs"]
+
+# --------------------------------------------------------------------------- the objects' checks
+
+def object_problems(cfg: Config, inputs: Inputs) -> list[str]:
+    """What is wrong with the objects given from Python (``oppo.Trainer.from_config(cfg, policy=...)``), by the
+    rules a path or spec is checked with: each model of its role's kind (the policy a causal LM,
+    the reward model a one-label sequence classifier, ...) reading the tokenizer's ids, the
+    tokenizer given with a policy object, the prompts a data set or list with the prompt field.
+    Also a marker (``config.yaml``'s ``<object: ...>``) with no object given for it."""
+    problems = []
+    for kw, key in SETTINGS.items():
+        section, name = key.split(".")
+        if is_marker(getattr(getattr(cfg, section), name)) and getattr(inputs, kw) is None:
+            problems.append(f"{key}={getattr(getattr(cfg, section), name)!r} stands for an object that the run was "
+                            f"given from Python ({kw}=...), and none is given now: pass the same object again "
+                            f"(oppo.train(cfg, {kw}=...)), or set {key} to a path"
+                            + (" or 'module:function'" if section == "reward" and name != "path" else "") + ".")
+    if inputs.prompts is not None:
+        from ..data import object_problems as data_problems
+
+        problems += data_problems(inputs.prompts, cfg.data.field, cfg.data.split)
+    tok = inputs.tokenizer
+    if tok is not None:
+        from ..models import tokenizer_from_object
+
+        try:
+            import warnings
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # (the pad-token warning comes when the run builds it)
+                tok = tokenizer_from_object(tok)
+        except ModelLoadError as e:
+            problems.append(str(e))
+            tok = None
+    elif inputs.policy is not None:
+        problems.append("policy= was given as an object, so give its tokenizer too (tokenizer=AutoTokenizer."
+                        "from_pretrained(...)): oppo tokenises the prompts and decodes the responses with it.")
+    columns = known_columns(cfg, inputs)
+    for key, obj in (("reward.function", inputs.reward_fn), ("reward.judge", inputs.judge)):
+        if obj is not None:
+            problems += function_problems(key, None, obj, columns, keyword=keyword_of(key))
+    problems += _term_object_problems(cfg, inputs, columns)
+    models = [(role, kw, m) for kw, role in (("policy", "policy"), ("reference", "reference"), ("critic", "critic"),
+                                              ("reward_model", "reward")) if (m := getattr(inputs, kw)) is not None]
+    if models:
+        from ..models import model_problems
+        from ..models import object_problems as model_object_problems
+
+        for role, kw, m in models:
+            problems += model_object_problems(tok, role, m, kw) if tok is not None else model_problems(role, kw, m)
+    problems += _shared_objects(models)
+    return problems
+
+
+# why one model object cannot serve two roles (kw pair -> what would go wrong, and the fix)
+_SHARED = {
+    ("policy", "reference"): "the policy trains in place, so the reference would move with it (its KL would "
+                             "stay 0). Leave reference= out: the run makes a frozen copy of the initial policy",
+    ("policy", "critic"): "both train, as two models. Leave critic= out (the critic starts from a copy of the "
+                          "reward model, else of the policy), or give a separately loaded one-label model",
+    ("policy", "reward_model"): "the policy trains in place and the reward model stays frozen",
+    ("reference", "critic"): "the critic trains in place and the reference stays frozen",
+    ("reference", "reward_model"): "they are different kinds of model (a causal LM and a one-label classifier)",
+    ("critic", "reward_model"): "the critic trains in place, so the reward would move with it. Leave critic= out: "
+                                "the run starts the critic from a copy of the reward model",
+}
+
+
+def _term_object_problems(cfg: Config, inputs: Inputs, columns: list[str] | None) -> list[str]:
+    """``reward.terms`` given as callables: each marker has its callable, and each callable takes
+    the prompts, the responses and the columns it asks for (with the term's kwargs bound)."""
+    from ..rewards.terms import parse_terms
+
+    try:
+        terms = parse_terms(cfg.reward.terms) if cfg.reward.terms else []
+    except ValueError:
+        return []  # (validation says how)
+    problems = []
+    for i, term in enumerate(terms):
+        if not (term.function and is_marker(term.function)):
+            continue
+        obj = inputs.reward_terms.get(term.name)
+        if obj is None:
+            problems.append(f"reward.terms[{i}] (term {term.name!r}) is {term.function!r}: a callable the run was "
+                            f"given from Python, and none is given now: pass the config with the same callable as "
+                            f"the term's function, or name it as 'package.module:function'.")
+        else:
+            problems += function_problems(f"reward.terms[{i}].function", None, obj, columns, bound=term.kwargs)
+    return problems
+
+
+def known_columns(cfg: Config, inputs: Inputs) -> list[str] | None:
+    """The prompt set's columns where they are known without reading it (``data.known_columns``):
+    the objects', the file's, or the built-in task's prompt field."""
+    from ..data import known_columns as data_columns
+
+    d = cfg.data
+    if inputs.prompts is None and d.prompts is None:
+        return [d.field] if cfg.uses_builtin_task else None
+    return data_columns(None if inputs.prompts is not None else d.prompts, inputs.prompts, d.field, d.split)
+
+
+# why one model object cannot serve two roles (kw pair -> what would go wrong, and the fix)
+_SHARED = {
+    ("policy", "reference"): "the policy trains in place, so the reference would move with it (its KL would "
+                             "stay 0). Leave reference= out: the run makes a frozen copy of the initial policy",
+    ("policy", "critic"): "both train, as two models. Leave critic= out (the critic starts from a copy of the "
+                          "reward model, else of the policy), or give a separately loaded one-label model",
+    ("policy", "reward_model"): "the policy trains in place and the reward model stays frozen",
+    ("reference", "critic"): "the critic trains in place and the reference stays frozen",
+    ("reference", "reward_model"): "they are different kinds of model (a causal LM and a one-label classifier)",
+    ("critic", "reward_model"): "the critic trains in place, so the reward would move with it. Leave critic= out: "
+                                "the run starts the critic from a copy of the reward model",
+}
+
+
+def _shared_objects(models: list[tuple[str, str, Any]]) -> list[str]:
+    """One problem per pair of roles given the same model object (``models``: (role, keyword,
+    object)), named by keyword, before anything loads: otherwise one role's update or freeze
+    lands on the other, and fails later in PyTorch, naming neither."""
+    out = []
+    for i, (_, kw_a, a) in enumerate(models):
+        for _, kw_b, b in models[i + 1:]:
+            if a is b:
+                why = _SHARED.get((kw_a, kw_b), "each role needs its own model")
+                fix = "" if ". " in why else "; give each its own object (e.g. copy.deepcopy, or load it again)"
+                out.append(f"{kw_a}= and {kw_b}= are the same object ({type(a).__name__}): {why}{fix}.")
+    return out
+
+
+__all__ = ["Inputs", "is_marker", "keyword_of", "known_columns", "marker", "needs_saving", "object_problems",
+           "save_for_elsewhere", "split_inputs"]
