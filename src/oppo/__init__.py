@@ -4,40 +4,14 @@ The Python API, without the CLI::
 
     import oppo
 
-<<<<<<< HEAD
     cfg = oppo.load_config(overrides=["run.steps=20"])   # or a YAML path
-    trainer = oppo.Trainer(cfg)           # run_step() trains one step; close() when done
+    trainer = oppo.Trainer.from_config(cfg)  # run_step() trains one step; close() when done
     run_dir = oppo.train(cfg)             # or all of `oppo train`: run directory, checkpoints
     oppo.make_report([run_dir], run_dir / "report")
 
-Your own objects in place of paths: ``oppo.Trainer(cfg, policy=model, tokenizer=tok,
+Your own objects in place of paths: ``oppo.Trainer.from_config(cfg, policy=model, tokenizer=tok,
 reward_fn=score, prompts=dataset)``. Names are imported on first use, so ``import oppo`` loads
 neither torch nor transformers. Examples in full: docs/python-api.md, "What `import oppo` gives"."""
-=======
-    cfg = oppo.load_config(overrides=["overlap.mode=sequential", "run.steps=20"])  # or a YAML path
-    trainer = oppo.Trainer.from_config(cfg)          # loads (or prepares) the models
-    try:
-        for _ in range(cfg.run.steps):
-            metrics = trainer.run_step()     # one PPO step; a dict of numbers (names: docs/metrics.md)
-            print(trainer.step, metrics["reward/mean"], metrics["kl/mean"])
-    finally:
-        trainer.close()                  # stops the scorer worker
-
-    run_dir = oppo.train(cfg)            # or all of `oppo train`: run directory, metrics, checkpoints,
-                                         # and its summary (done: N steps ..., oppo.run_summary) at the end
-    oppo.make_report([run_dir], run_dir / "report")
-
-Your own objects in place of paths (docs/python-api.md)::
-
-    def score(prompts, responses, answer):   # further parameters: columns of the data set, by name
-        return [float(str(a) in r) for r, a in zip(responses, answer)]
-
-    trainer = oppo.Trainer.from_config(cfg, policy=model, tokenizer=tok, reward_fn=score, prompts=dataset)
-    run_dir = oppo.train(cfg, policy=model, tokenizer=tok, reward_model=rm, prompts=["...", "..."])
-
-Names are imported on first use, so ``import oppo`` loads neither torch nor transformers.
-"""
->>>>>>> h52setup
 
 from __future__ import annotations
 
