@@ -31,17 +31,17 @@ class RunPlan:
     start_step: int = 0
 
 
-def _new_run(cfg: Config, out: Path, link: Path | None) -> tuple[Path, list[str]]:
+def _new_run(mode: str, out_dir: str, out: Path, link: Path | None) -> tuple[Path, list[str]]:
     """A new run: its directory beside the link, or ``run.out_dir`` if that holds no run."""
     if link is not None:
-        return new_run_dir(out.parent, cfg.overlap.mode), []
+        return new_run_dir(out.parent, mode), []
     if not holds_run(out):
         return out, []
     hint = (f" ({out} is a run directory from an older oppo: runs now get their own directories beside a "
             f"'{LINK_NAME}' link; rename it, e.g. mv {out} {out.parent / 'old-run'}, to go on with the "
             f"default)") if out.name == LINK_NAME else ""
-    return out, [f"run.out_dir={cfg.run.out_dir} already holds a run ({describe_run(out)}); a new run never writes "
-                 f"over another. To continue that run: oppo train --resume auto run.out_dir={cfg.run.out_dir} "
+    return out, [f"run.out_dir={out_dir} already holds a run ({describe_run(out)}); a new run never writes "
+                 f"over another. To continue that run: oppo train --resume auto run.out_dir={out_dir} "
                  f"(with its settings). To start a new run: give a fresh directory, e.g. "
                  f"run.out_dir={out.parent / (out.name + '-2')}, or delete {out} first.{hint}"]
 
@@ -59,7 +59,7 @@ def _auto(out: Path, link: Path | None) -> tuple[Path, Path | None, list[str]]:
     return run_dir, ckpt, []
 
 
-def _given(cfg: Config, out: Path, link: Path | None, resume: str) -> tuple[Path, Path | None, list[str]]:
+def _given(out_dir: str, out: Path, link: Path | None, resume: str) -> tuple[Path, Path | None, list[str]]:
     """``--resume DIR``: a checkpoint, or a run directory's latest one; the run continues in its own
     directory (or in an empty ``run.out_dir``)."""
     ckpt = Path(resume).expanduser()
@@ -71,7 +71,7 @@ def _given(cfg: Config, out: Path, link: Path | None, resume: str) -> tuple[Path
     own = ckpt.parent.parent
     run_dir = own if link is not None else out
     if run_dir.resolve() != own.resolve() and holds_run(run_dir):
-        return run_dir, ckpt, [f"--resume {resume}: run.out_dir={cfg.run.out_dir} holds another run "
+        return run_dir, ckpt, [f"--resume {resume}: run.out_dir={out_dir} holds another run "
                                f"({describe_run(run_dir)}); continue the checkpoint's run in its own directory "
                                f"(run.out_dir={own}) or give an empty run.out_dir."]
     return run_dir, ckpt, []
@@ -90,11 +90,11 @@ def plan_run(cfg: Config, resume: str | None = None, inputs: Inputs | None = Non
     link = out if is_link(out) else None
     ckpt, step = None, 0
     if resume is None:
-        run_dir, problems = _new_run(cfg, out, link)
+        run_dir, problems = _new_run(cfg.overlap.mode, cfg.run.out_dir, out, link)
     elif resume == "auto":
         run_dir, ckpt, problems = _auto(out, link)
     else:
-        run_dir, ckpt, problems = _given(cfg, out, link, resume)
+        run_dir, ckpt, problems = _given(cfg.run.out_dir, out, link, resume)
     if ckpt is not None:
         assert resume is not None  # a checkpoint is picked only with --resume
         ckpt, found = verified(ckpt, resume)

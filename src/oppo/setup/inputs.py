@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import Config, ConfigError
+from ..config import Config, ConfigError, DataConfig
+from ..errors import ModelLoadError
 from ..marker import MARKER, is_marker
 from ..scoring.reward_fn import function_problems
 
@@ -251,11 +252,11 @@ def object_problems(cfg: Config, inputs: Inputs) -> list[str]:
     elif inputs.policy is not None:
         problems.append("policy= was given as an object, so give its tokenizer too (tokenizer=AutoTokenizer."
                         "from_pretrained(...)): oppo tokenises the prompts and decodes the responses with it.")
-    columns = known_columns(cfg, inputs)
+    columns = known_columns(cfg.data, cfg.uses_builtin_task, inputs.prompts)
     for key, obj in (("reward.function", inputs.reward_fn), ("reward.judge", inputs.judge)):
         if obj is not None:
             problems += function_problems(key, None, obj, columns, keyword=keyword_of(key))
-    problems += _term_object_problems(cfg, inputs, columns)
+    problems += _term_object_problems(cfg.reward.terms, inputs.reward_terms, columns)
     models = [(role, kw, m) for kw, role in (("policy", "policy"), ("reference", "reference"), ("critic", "critic"),
                                               ("reward_model", "reward")) if (m := getattr(inputs, kw)) is not None]
     if models:
@@ -282,20 +283,20 @@ _SHARED = {
 }
 
 
-def _term_object_problems(cfg: Config, inputs: Inputs, columns: list[str] | None) -> list[str]:
+def _term_object_problems(terms_cfg: Any, given: dict[str, Any], columns: list[str] | None) -> list[str]:
     """``reward.terms`` given as callables: each marker has its callable, and each callable takes
     the prompts, the responses and the columns it asks for (with the term's kwargs bound)."""
     from ..rewards.terms import parse_terms
 
     try:
-        terms = parse_terms(cfg.reward.terms) if cfg.reward.terms else []
+        terms = parse_terms(terms_cfg) if terms_cfg else []
     except ValueError:
         return []  # (validation says how)
     problems = []
     for i, term in enumerate(terms):
         if not (term.function and is_marker(term.function)):
             continue
-        obj = inputs.reward_terms.get(term.name)
+        obj = given.get(term.name)
         if obj is None:
             problems.append(f"reward.terms[{i}] (term {term.name!r}) is {term.function!r}: a callable the run was "
                             f"given from Python, and none is given now: pass the config with the same callable as "
@@ -305,15 +306,14 @@ def _term_object_problems(cfg: Config, inputs: Inputs, columns: list[str] | None
     return problems
 
 
-def known_columns(cfg: Config, inputs: Inputs) -> list[str] | None:
+def known_columns(d: DataConfig, builtin_task: bool, prompts: Any) -> list[str] | None:
     """The prompt set's columns where they are known without reading it (``data.known_columns``):
-    the objects', the file's, or the built-in task's prompt field."""
+    the ``prompts`` object's, the file's (``data.prompts``), or the built-in task's prompt field."""
     from ..data import known_columns as data_columns
 
-    d = cfg.data
-    if inputs.prompts is None and d.prompts is None:
-        return [d.field] if cfg.uses_builtin_task else None
-    return data_columns(None if inputs.prompts is not None else d.prompts, inputs.prompts, d.field, d.split)
+    if prompts is None and d.prompts is None:
+        return [d.field] if builtin_task else None
+    return data_columns(None if prompts is not None else d.prompts, prompts, d.field, d.split)
 
 
 # why one model object cannot serve two roles (kw pair -> what would go wrong, and the fix)

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import copy
 import sys
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 from ..api.roles import Models
-from ..config import Config
+from ..config import Config, DataConfig
 from ..data import ALL_COLUMNS, DataError, build_prompt_set, read_records, records_from_object
 from ..forward import set_packing
 from .inputs import Inputs
@@ -49,13 +49,13 @@ def load_models(cfg: Config, inputs: Inputs, run: Resolved) -> Models:
     asking = {k: f for k, f in (("reward.function", score_fn), ("reward.judge", judge),
                                 ("task accuracy", accuracy)) if f is not None}
     asking.update({f"reward.terms term {name!r}": f.fn for name, f in term_fns.items()})
-    configs = _context_configs(cfg, inputs, run, terms)  # (configs only: before any weights load)
+    configs = _context_configs(cfg.policy.trust_remote_code, inputs, run, terms)  # (configs only: before any weights load)
     limits = [found[0] for c in configs.values() if (found := context_length(c))]
     room = min(limits) - paths.max_new_tokens if limits else None  # (an empty data.max_prompt_tokens' budget)
-    prompt_set = _prompt_set(cfg, inputs, paths.prompts, tok, asking,
+    prompt_set = _prompt_set(cfg.data, cfg.run.seed, inputs.prompts, paths.prompts, tok, asking,
                              room=room if room is not None and room >= 1 else None)  # (none left: refused below)
-    _check_context(cfg, run, prompt_set, configs)
-    new_head, critic_init = _check_roles(cfg, inputs, run, tok)
+    _check_context(cfg.generation.max_new_tokens is None, run, prompt_set, configs)
+    new_head, critic_init = _check_roles(cfg.reward.new_head, inputs, run, tok)
     # the reward first: an invalid reward model or function fails before the big models load
     reward, reward_model, extra_rms = _load_reward(cfg, inputs, run, tok, prompt_set, score_fn, terms, term_fns,
                                                    new_head)
@@ -79,7 +79,7 @@ def load_models(cfg: Config, inputs: Inputs, run: Resolved) -> Models:
                   extra_reward_models=extra_rms, recompute_old=recompute, tracer=Tracer(enabled=cfg.log.trace))
 
 
-def _check_roles(cfg: Config, inputs: Inputs, run: Resolved, tok) -> tuple[bool, torch.nn.Module | None]:
+def _check_roles(new_head: bool, inputs: Inputs, run: Resolved, tok) -> tuple[bool, torch.nn.Module | None]:
     """Every role's config and tokenizer, before any weights load (fast; names the fix). Returns
     whether the reward model gets a new head (``reward.new_head``) and the critic made from an
     object, if one is: made now, before the reward model it may copy is frozen and the policy
@@ -91,7 +91,7 @@ def _check_roles(cfg: Config, inputs: Inputs, run: Resolved, tok) -> tuple[bool,
     if critic_object is not None and critic_source == "critic":  # (a reward model or policy: checked as such)
         objects["critic"] = critic_object
     critic_path = None if critic_object is not None and critic_source != "critic" else paths.critic
-    new_head = cfg.reward.new_head and paths.reward is not None and "reward" not in objects
+    new_head = new_head and paths.reward is not None and "reward" not in objects
     check_roles(tok, reward=paths.reward, critic=critic_path, reference=paths.reference, objects=objects,
                 new_head=new_head)
     if new_head and paths.reward is not None and is_causal_lm_checkpoint(paths.reward):  # said once, here (every process loads the same head)
@@ -205,7 +205,7 @@ class ByRecord(RewardFunction):
         return super().__call__(prompts, responses, step, records, context)
 
 
-def _context_configs(cfg: Config, inputs: Inputs, run: Resolved, terms) -> dict:
+def _context_configs(trust_remote_code: bool, inputs: Inputs, run: Resolved, terms) -> dict:
     """'role (setting)' -> the config of each model the run reads (an object's, else its
     directory's): whose positions bound a prompt and its response."""
     paths = run.paths
@@ -221,18 +221,18 @@ def _context_configs(cfg: Config, inputs: Inputs, run: Resolved, terms) -> dict:
             continue
         try:
             configs[who] = src.config if hasattr(src, "config") else load_model_config(
-                src, who.split()[0], trust_remote_code=cfg.policy.trust_remote_code)
+                src, who.split()[0], trust_remote_code=trust_remote_code)
         except ModelLoadError:
             continue  # (check_roles names a config it cannot read)
     return configs
 
 
-def _check_context(cfg: Config, run: Resolved, prompt_set, configs: dict) -> None:
+def _check_context(default_new: bool, run: Resolved, prompt_set, configs: dict) -> None:
     """Raise ModelLoadError when the longest prompt and its response do not fit a model's positions
     (``models.context_problem``; ``configs``: :func:`_context_configs`)."""
     paths = run.paths
     problem = context_problem([len(ids) for ids in prompt_set.ids], paths.max_new_tokens, configs, prompt_set.texts,
-                              default_new=cfg.generation.max_new_tokens is None)
+                              default_new=default_new)
     if problem:
         raise ModelLoadError(problem)
 
@@ -244,17 +244,18 @@ def _function(obj: Callable | None, spec: str | None, key: str) -> Callable | No
     return load_function(spec, key) if spec else None
 
 
-def _prompt_set(cfg: Config, inputs: Inputs, source: str, tok, fns: dict[str, Callable], room: int | None = None):
+def _prompt_set(d: DataConfig, seed: int, obj: Any, source: str, tok, fns: dict[str, Callable],
+                room: int | None = None):
     """The prompts, tokenised, with the columns the functions ``fns`` (setting -> function) ask
     for; a column one of them needs that the prompt set lacks is refused here, before any model
-    loads (preflight refuses it earlier where the columns can be known without reading the data)."""
+    loads (preflight refuses it earlier where the columns can be known without reading the data).
+    ``obj``: the prompts given as an object, else None (``source`` is read)."""
     asked = [wants(f) for f in fns.values()]
     columns = ALL_COLUMNS if any(w.everything for w in asked) else tuple(dict.fromkeys(
         c for w in asked for c in w.columns))
-    d = cfg.data
-    records = (records_from_object(inputs.prompts, d.field, d.split, columns) if inputs.prompts is not None
+    records = (records_from_object(obj, d.field, d.split, columns) if obj is not None
                else read_records(source, d.field, d.split, columns))
     lacking = [line for key, f in fns.items() if (line := missing_columns(key, f, records.available))]
     if lacking:
         raise DataError("\n".join(lacking))
-    return build_prompt_set(records.texts, tok, d, cfg.run.seed, columns=records.columns, room=room)
+    return build_prompt_set(records.texts, tok, d, seed, columns=records.columns, room=room)

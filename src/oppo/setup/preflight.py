@@ -7,7 +7,7 @@ all at once instead of one per attempt, each attempt costing a model load."""
 
 from __future__ import annotations
 
-from ..config import Config
+from ..config import Config, PolicyConfig, RewardConfig
 from ..errors import ModelLoadError
 from ..marker import is_marker
 from ..models.checks import device_problems, dir_problems
@@ -47,9 +47,9 @@ def problems(cfg: Config, inputs: Inputs) -> list[str]:
     prompts = None if is_marker(cfg.data.prompts) else cfg.data.prompts
     data_found, hub_dataset = source_problems(prompts, cfg.data.field)
     found += data_found
-    found += _reward(cfg, inputs, hub_names)
+    found += _reward(cfg.reward, known_columns(cfg.data, cfg.uses_builtin_task, inputs.prompts), hub_names)
     found += device_problems({f"{role}.device": getattr(cfg, role).device for role in ROLES})
-    found += _backend(cfg)
+    found += _backend(cfg.generation.backend, cfg.policy)
     found += hub_problems(hub_names, hub_dataset)
     return found
 
@@ -74,15 +74,14 @@ def _model_paths(cfg: Config, inputs: Inputs, hub_names: list[tuple[str, str]]) 
     return found
 
 
-def _reward(cfg: Config, inputs: Inputs, hub_names: list[tuple[str, str]]) -> list[str]:
+def _reward(reward: RewardConfig, columns: list[str] | None, hub_names: list[tuple[str, str]]) -> list[str]:
     """``reward.function``, ``reward.judge`` and each ``reward.terms`` term named by path or spec
-    (objects: ``setup.inputs.object_problems``)."""
+    (objects: ``setup.inputs.object_problems``); ``columns``: the prompt set's, where known."""
     found = []
-    columns = known_columns(cfg, inputs)  # (read once: a file's first record or header)
-    for key, spec in (("reward.function", cfg.reward.function), ("reward.judge", cfg.reward.judge)):
+    for key, spec in (("reward.function", reward.function), ("reward.judge", reward.judge)):
         if spec and not is_marker(spec):
             found += function_problems(key, function_spec(spec) if key == "reward.function" else spec, None, columns)
-    for i, term in enumerate(parse_terms(cfg.reward.terms) if cfg.reward.terms else []):  # (validated before)
+    for i, term in enumerate(parse_terms(reward.terms) if reward.terms else []):  # (validated before)
         if term.path:
             found += dir_problems("reward", f"reward.terms[{i}].path", term.path, hub_names)
         elif term.function and not is_marker(term.function):  # (a callable: object_problems)
@@ -91,16 +90,16 @@ def _reward(cfg: Config, inputs: Inputs, hub_names: list[tuple[str, str]]) -> li
     return found
 
 
-def _backend(cfg: Config) -> list[str]:
-    """The rollout backend installed and able to serve a local policy (its config only; a policy
-    object is checked once saved: ``setup.resolve``)."""
-    if cfg.generation.backend == "auto":
+def _backend(name: str, policy: PolicyConfig) -> list[str]:
+    """The rollout backend ``name`` (``generation.backend``) installed and able to serve a local
+    policy (its config only; a policy object is checked once saved: ``setup.build``)."""
+    if name == "auto":
         return []
     from ..rollout import registry
 
-    backend = registry.get(cfg.generation.backend)
-    policy = None if is_marker(cfg.policy.path) else cfg.policy.path
-    return backend.problems(policy, cfg.policy.device) if backend.problems else []
+    backend = registry.get(name)
+    path = None if is_marker(policy.path) else policy.path
+    return backend.problems(path, policy.device) if backend.problems else []
 
 
 __all__ = ["PreflightError", "problems"]

@@ -14,7 +14,7 @@ from .. import placements
 from ..algo import build_algorithm
 from ..algo.core import Algorithm
 from ..api.placement import Placement, ResolvedPaths
-from ..config import Config
+from ..config import Config, CriticConfig, ReferenceConfig, RewardConfig
 from ..marker import is_marker
 from ..models import resolve_device, resolve_dtype
 from ..rewards import function_spec, parse_terms
@@ -53,7 +53,7 @@ def resolve(cfg: Config, task: Prepared | None, saved: dict[str, str]) -> Resolv
     # fp32 masters under bf16 (weights/precision.py)
     dtype = resolve_dtype(cfg.policy.dtype, dev)
     master = master_dtype(dtype)
-    devices = _role_devices(cfg, paths, dev)
+    devices = _role_devices(cfg.reference, cfg.critic, cfg.reward, paths, dev)
     placement = _placement(cfg, paths, dev, devices, computes_in_master=dtype == master)
     return Resolved(paths, critic_source, dev, devices, dtype, master, algorithm, placement)
 
@@ -72,13 +72,14 @@ def _paths(cfg: Config, task: Prepared | None, saved: dict[str, str]) -> tuple[R
     return paths, critic_source
 
 
-def _role_devices(cfg: Config, paths: ResolvedPaths, dev: torch.device) -> dict[str, torch.device]:
+def _role_devices(reference: ReferenceConfig, critic: CriticConfig, reward: RewardConfig, paths: ResolvedPaths,
+                  dev: torch.device) -> dict[str, torch.device]:
     """The other roles' devices (the policy's, ``dev``, where they name none): the reference's, the
     critic's, and the reward model's where one may score (every reward model term's)."""
-    devices = {"reference": resolve_device(cfg.reference.device, str(dev)),
-               "critic": resolve_device(cfg.critic.device, str(dev))}
-    if paths.reward is not None or cfg.reward.terms:
-        devices["reward"] = resolve_device(cfg.reward.device, str(dev))
+    devices = {"reference": resolve_device(reference.device, str(dev)),
+               "critic": resolve_device(critic.device, str(dev))}
+    if paths.reward is not None or reward.terms:
+        devices["reward"] = resolve_device(reward.device, str(dev))
     return devices
 
 
@@ -113,7 +114,7 @@ def resolve_paths(cfg: Config, prepared: Prepared | None = None) -> ResolvedPath
         reward_fn = cfg.reward.function or task.reward_function
         reward_path = cfg.reward.path or (None if reward_fn else str(prepared.reward_path))
         if cfg.reward.terms:  # composite: the first reward model term is the reward role (critic init too)
-            reward_fn, reward_path = None, _first_model_term(cfg)
+            reward_fn, reward_path = None, _first_model_term(cfg.reward.terms)
         return ResolvedPaths(
             policy=str(prepared.policy_path), reward=reward_path,
             reward_function=function_spec(reward_fn) if reward_fn else None,
@@ -123,14 +124,14 @@ def resolve_paths(cfg: Config, prepared: Prepared | None = None) -> ResolvedPath
             accuracy=None if cfg.data.prompts else task.accuracy_function)  # it knows only the task's prompts
     # uses_builtin_task is exactly "no policy.path"; the preflight asks for data.prompts with it
     assert cfg.policy.path is not None and cfg.data.prompts is not None
-    reward_path = _first_model_term(cfg) if cfg.reward.terms else cfg.reward.path
+    reward_path = _first_model_term(cfg.reward.terms) if cfg.reward.terms else cfg.reward.path
     return ResolvedPaths(
         policy=cfg.policy.path, reward=reward_path,
         reward_function=function_spec(cfg.reward.function) if cfg.reward.function else None,
         critic=cfg.critic.path or reward_path or cfg.policy.path, reference=cfg.reference.path,
         prompts=cfg.data.prompts, judge=cfg.reward.judge, max_new_tokens=max_new or DEFAULT_MAX_NEW_TOKENS)
 
-def _first_model_term(cfg: Config) -> str | None:
+def _first_model_term(terms: list) -> str | None:
     """The path of ``reward.terms``' first reward model (the ``reward`` scorer), None if it has none."""
-    return next((t.path for t in parse_terms(cfg.reward.terms) if t.path is not None), None)
+    return next((t.path for t in parse_terms(terms) if t.path is not None), None)
 
