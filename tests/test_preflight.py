@@ -311,3 +311,30 @@ def test_each_path_checked_once_per_run(tiny_models, tiny_prompts, tmp_path, mon
             oppo.trainer.Trainer.from_config(load_config(None, overrides), progress=False)
     want = sorted([str(tiny_models["policy"]), str(tiny_models["reward"]), str(tiny_models["reward"])])
     assert loading == [checked] and sorted(checked) == want  # policy.path, reward.path, critic.path: once each
+
+
+def test_a_checked_record_comes_only_from_the_check(tiny_models, tiny_prompts, tmp_path):
+    """``setup.check`` is the one way to a ``Checked`` record, and the Trainer takes nothing else: a
+    record built by hand, or a Config passed where the record goes, is refused with the way in."""
+    from oppo.setup.check import Checked
+    from oppo.setup.inputs import Inputs
+
+    cfg = user_cfg(tiny_models, tiny_prompts, tmp_path)
+    checked = check(cfg)
+    assert checked.cfg is cfg and checked.backend == cfg.generation.backend
+    with pytest.raises(TypeError, match="oppo.setup.check"):
+        Checked(cfg, Inputs(), "auto")
+    with pytest.raises(TypeError, match="Trainer.from_config"):
+        oppo.trainer.Trainer(cfg)
+    with pytest.raises(Exception):  # frozen
+        checked.cfg = cfg  # type: ignore[misc]
+
+
+def test_a_tokenizer_object_that_cannot_tokenise_is_one_problem(tiny_models, tiny_prompts, tmp_path):
+    """A tokenizer given as an object is checked with the objects, and what is wrong with it is one
+    line among the problems (not an error of the check itself)."""
+    from oppo.setup.inputs import split_inputs
+
+    cfg, inputs = split_inputs(user_cfg(tiny_models, tiny_prompts, tmp_path), tokenizer=object())
+    found = input_problems(cfg, inputs)
+    assert found and any("tokenizer" in p for p in found), found
