@@ -5,13 +5,13 @@
 
 Two parts, in the run's compute dtype (bf16 on CUDA, fp32 in the smoke):
 
-- **learner**: ``oppo.attention.measure`` (the probe ``auto`` runs at start) on two layers of the 1B
+- **learner**: ``oppo.kernels.attention.measure`` (the probe ``auto`` runs at start) on two layers of the 1B
   policy's shape (hidden 2048, 32 query heads, 8 K/V heads of 64), 4 packed rows with a padding
   tail at the run's widths (``probe_widths(640)``: 576, which is 64 mod 128, then 640 and 512 of the
   ladder): first-call milliseconds at each width (plan builds), steady milliseconds, finite
   gradients and the error against the math path, for cuDNN, memory-efficient, torch's order with
   grouped K/V heads (``oppo_sdpa_gqa``), transformers' ``sdpa`` and ``oppo_varlen`` (where
-  ``oppo.varlen`` exists; skipped with a note where not), then :func:`oppo.attention.decide`'s
+  ``oppo.kernels.varlen`` exists; skipped with a note where not), then :func:`oppo.kernels.attention.decide`'s
   verdicts and choice, with and without cuDNN refused by the version rule (``cudnn_refusal``);
 - **decode**: one attention call as the static engine's decode step and a scorer's streamed chunk
   make it (64 rows, 1 or 16 queries against 640 cached columns under a padding mask, 32/8 heads),
@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 
-from oppo import attention
-from oppo.attention import GQA, REFERENCE, Measured
+from oppo.kernels import attention
+from oppo.kernels.attention import GQA, REFERENCE, Measured
 
 DECODE = {"decode": 1, "chunk": 16}
 """The masked calls of the decode case: queries per row against the cached columns."""
@@ -67,7 +67,7 @@ def learner(dev: torch.device, dtype: torch.dtype, tiny: bool, say) -> dict:
     notes = []
     if dev.type != "cuda":
         notes.append("oppo_sdpa_cudnn, oppo_sdpa_efficient: skipped: no CUDA")
-    paths.append(attention.VARLEN)  # packed rows by their offsets (oppo.varlen; a stand-in kernel off CUDA)
+    paths.append(attention.VARLEN)  # packed rows by their offsets (oppo.kernels.varlen; a stand-in kernel off CUDA)
     t = time.time()
     got = attention.measure(model, rows, widths, [REFERENCE, *paths], repeats=5, dtype=dtype if dtype != torch.float32
                             else None)

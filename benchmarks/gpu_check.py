@@ -16,7 +16,7 @@ The parts, in order (:data:`PARTS`):
 
 a. ``versions``: torch, CUDA, cuDNN, transformers, the device and whether torch puts cuDNN first;
 b. ``attention``: ``benchmarks/attention_check.py``, no trainer: cuDNN, memory-efficient, the
-   grouped-K/V decode path and the varlen path (where ``oppo.varlen`` exists) at the learner's shapes
+   grouped-K/V decode path and the varlen path (where ``oppo.kernels.varlen`` exists) at the learner's shapes
    and a decode case: first-call and steady ms, error against the math path, finite gradients at a
    width 64 mod 128 (``attention.md``, ``attention.json``);
 c. ``gpu_tests``: ``pytest -m gpu`` (the scorer slots' CUDA graphs, masked rows, decode graphs, bf16
@@ -61,7 +61,7 @@ def versions() -> None:
 
     import torch
 
-    from oppo import attention
+    from oppo.kernels import attention
 
     print("python", platform.python_version(), "| torch", torch.__version__, "| CUDA", torch.version.cuda,
           "| cuDNN", torch.backends.cudnn.version(), "| transformers", version("transformers"), flush=True)

@@ -1,4 +1,4 @@
-"""oppo.attention: the choice among SDPA paths as a pure function of injected measurements (the CUDA
+"""oppo.kernels.attention: the choice among SDPA paths as a pure function of injected measurements (the CUDA
 branch driven on the CPU), torch's own cuDNN rule, the grouped-K/V path against transformers' copy,
 and ppo.attention checked with the other settings."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oppo import attention
-from oppo.attention import GQA, REFERENCE, Measured
+from oppo.kernels import attention
+from oppo.kernels.attention import GQA, REFERENCE, Measured
 from validated import load_valid
 
 

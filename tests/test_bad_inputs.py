@@ -420,7 +420,7 @@ def _digest(d: Path) -> dict[str, str]:
 
 
 def test_interrupted_checkpoint_save_keeps_previous(tiny_models, tiny_prompts, tmp_path, monkeypatch):
-    import oppo.checkpoint
+    import oppo.checkpoint.store
 
     trainer = Trainer.from_config(make_cfg(tiny_models, tiny_prompts, tmp_path), progress=False)
     run_dir = tmp_path / "run"
@@ -431,7 +431,7 @@ def test_interrupted_checkpoint_save_keeps_previous(tiny_models, tiny_prompts, t
             assert (first / f).is_file(), f
         before = _digest(first)
 
-        real_save = oppo.checkpoint.torch.save
+        real_save = oppo.checkpoint.store.torch.save
         calls = []
 
         def failing_save(obj, f, *a, **k):
@@ -440,7 +440,7 @@ def test_interrupted_checkpoint_save_keeps_previous(tiny_models, tiny_prompts, t
                 raise KeyboardInterrupt("interrupted mid-save")
             return real_save(obj, f, *a, **k)
 
-        monkeypatch.setattr(oppo.checkpoint.torch, "save", failing_save)
+        monkeypatch.setattr(oppo.checkpoint.store.torch, "save", failing_save)
         # a later step (a new directory) and the same step again (replacing the existing one)
         for step in (1, 0):
             calls.clear()

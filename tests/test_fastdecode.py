@@ -334,7 +334,7 @@ def test_captured_step_reads_only_static_buffers():
             r = self.gm()
             self.out.resize_(r.shape).copy_(r)
 
-    def capture(forward):  # in place of the CUDA capture (oppo.graphs); the bucketed prefill runs as on CUDA
+    def capture(forward):  # in place of the CUDA capture (oppo.kernels.graphs); the bucketed prefill runs as on CUDA
         g = Traced(forward)
         return g, g.out
 
@@ -501,7 +501,7 @@ def test_capture_is_thread_local_on_one_side_stream_after_warmups(monkeypatch):
     step = eng._decode_step
     monkeypatch.setattr(eng, "_decode_step", lambda rb, lb: (log.append(("step", on[-1])), step(rb, lb))[1])
     log.clear()
-    # the engine's captures (oppo.graphs, the recipe the scorer slots share), as a first decode step makes them
+    # the engine's captures (oppo.kernels.graphs, the recipe the scorer slots share), as a first decode step makes them
     outs = [eng._graphs.get(key, lambda key=key: eng._decode_step(*key))[1] for key in ((2, 16), (2, 24))]
     assert log[0][0] == "new stream" and log[0][1] is not decoding
     side, pool = log[0][1], eng._graphs._pool

@@ -1,4 +1,4 @@
-"""The one CUDA-graph capture helper (``oppo.graphs``): its bookkeeping on a CPU with a stand-in
+"""The one CUDA-graph capture helper (``oppo.kernels.graphs``): its bookkeeping on a CPU with a stand-in
 for the graph, and the static decode engine capturing only the buckets a run reaches."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oppo.graphs import CapturedGraphs, rerun_capture
+from oppo.kernels.graphs import CapturedGraphs, rerun_capture
 
 EOS, PAD = 1, 0
 

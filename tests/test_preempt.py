@@ -97,13 +97,13 @@ def two_checkpoints(tiny_models, tiny_prompts, tmp_path_factory):
 
 def test_failed_save_removes_its_temporary_directory_and_names_the_disk(tiny_models, tiny_prompts, tmp_path,
                                                                        monkeypatch, capsys):
-    import oppo.checkpoint
+    import oppo.checkpoint.store
     from oppo.cli import main
 
     def full(obj, f, *a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(oppo.checkpoint.torch, "save", full)
+    monkeypatch.setattr(oppo.checkpoint.store.torch, "save", full)
     out = tmp_path / "run"
     settings = [s for s in _settings(tiny_models, tiny_prompts, out, mode="sequential") if "run.steps" not in s]
     assert main(["train", *settings, "run.steps=1"]) == 1

@@ -174,7 +174,7 @@ def test_streamed_slots_in_cuda_graphs_equal_one_shot(tiny_models, kind):
 def test_attention_path_by_name_and_probe(tiny_models, tiny_prompts, tmp_path):
     """ppo.attention: auto keeps the loaded path on the CPU; a path by name is set on every model
     and trains; the probe times each path and names one that fails."""
-    from oppo import attention, varlen
+    from oppo.kernels import attention, varlen
     from oppo.config import load_config
     from oppo.models import load_causal_lm
     from oppo.trainer import Trainer

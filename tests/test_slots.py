@@ -95,10 +95,10 @@ def test_static_engine_bucketed_prefill_keeps_padding_inside_the_limit():
 
 
 def test_slot_graphs_with_a_stand_in_capture():
-    """The scorer slots' graph road on a CPU (``oppo.graphs`` with its stand-in): chunk forwards
+    """The scorer slots' graph road on a CPU (``oppo.kernels.graphs`` with its stand-in): chunk forwards
     replayed from the static buffers (tokens, columns, real counts) give the one-shot values, and
     one capture is made per (Rb, Cb, Lb) the run used."""
-    from oppo.graphs import rerun_capture
+    from oppo.kernels.graphs import rerun_capture
     from oppo.scoring.slots import SlotKV
 
     model = _llama_dynamic("critic")

@@ -1,6 +1,6 @@
 """Actor, learner and scorers each on a stream of their own, hand-offs ordered by events (issue 50).
 
-On the CPU a role's stream is a stand-in (``oppo.cuda_streams``) that orders nothing but logs each
+On the CPU a role's stream is a stand-in (``oppo.kernels.streams``) that orders nothing but logs each
 entry, event record and wait while ``recording`` is open: these tests drive a real trainer's step
 through it and check, from the log, that every model forward runs inside its role (never on the
 default stream) and that the weights pass from the learner to the actor's decode only through an
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from oppo import cuda_streams
+from oppo.kernels import streams
 from oppo.config import load_config
 from oppo.trainer import Trainer
 
@@ -31,7 +31,7 @@ def _where(modules: dict[str, torch.nn.Module]) -> tuple[list[tuple[str, str]], 
     seen: list[tuple[str, str]] = []
 
     def hook(name):
-        return lambda module, args: seen.append((name, cuda_streams.current()))
+        return lambda module, args: seen.append((name, streams.current()))
 
     # (oppo calls a model's backbone and head, not the model)
     return seen, [backbone_and_head(m)[0].register_forward_pre_hook(hook(n)) for n, m in modules.items()]
@@ -47,7 +47,7 @@ def test_a_step_runs_every_role_on_its_stream_and_syncs_weights_by_events(tiny_m
     try:
         scorers = {f"scorer_{role}": s.model for role, s in t.roles.scorer.scorers.items()}
         seen, hooks = _where({"policy": t.roles.policy, **scorers})
-        with cuda_streams.recording() as log:
+        with streams.recording() as log:
             t.run_step()
             t.run_step()
         for h in hooks:
@@ -77,9 +77,9 @@ def test_a_step_runs_every_role_on_its_stream_and_syncs_weights_by_events(tiny_m
 def test_weights_pass_between_roles_only_through_events():
     """The stand-in's log of one weight hand-off: the learner's write waits for the actor's reads,
     the actor's next read waits on the learner's end-of-write event, once per write."""
-    actor, learner = cuda_streams.role("actor", "cpu", follow=False), cuda_streams.role("learner", "cpu")
+    actor, learner = streams.role("actor", "cpu", follow=False), streams.role("learner", "cpu")
     w = torch.nn.Linear(2, 2)
-    with cuda_streams.recording() as log:
+    with streams.recording() as log:
         with actor:
             actor.read(w)  # (nothing written yet: no wait)
         with learner:

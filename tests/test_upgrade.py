@@ -21,7 +21,7 @@ import pytest
 
 import oppo
 from oppo.config import CHANGED_DEFAULTS, Config, load_config, resumed_config, to_dict, user_set
-from oppo.formats import FormatError, upgraded
+from oppo.checkpoint.formats import FormatError, upgraded
 from oppo.setup.preflight import PreflightError
 from oppo.run import plan_run
 from oppo.scheduler.tuner import OverlapTuner, check_format
@@ -210,7 +210,7 @@ def test_a_built_in_task_run_whose_models_were_rebuilt_is_told_what_to_do(tmp_pa
 def test_the_checkpoint_reads_the_task_cache_where_the_task_keeps_it(tmp_path, monkeypatch):
     """``checkpoint._builtin_task`` reads the built-in task's cache by the rule of
     ``task.prepare.default_home`` (inlined: the task imports the checkpoint module); the two agree."""
-    from oppo.checkpoint import _builtin_task
+    from oppo.checkpoint.store import _builtin_task
     from oppo.task.prepare import default_home
 
     for home in (str(tmp_path / "h"), None):

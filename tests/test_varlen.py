@@ -1,4 +1,4 @@
-"""Packed forwards on oppo's variable-length attention (``oppo.varlen``, issue 50): sequence
+"""Packed forwards on oppo's variable-length attention (``oppo.kernels.varlen``, issue 50): sequence
 offsets instead of a 4-D mask, transformers' packed-sequence detection (and its host read) never
 run, the kernel chosen by what the installed torch and flash-attn offer (their CUDA calls driven
 here through stand-ins of their signatures), the CPU stand-in equal to a dense block-diagonal mask,
@@ -15,7 +15,7 @@ import warnings
 import pytest
 import torch
 
-from oppo import varlen
+from oppo.kernels import varlen
 from oppo.forward import RowLayout, RowPlan, packed_hidden, row_plan
 from oppo.models import backbone_and_head, load_causal_lm
 

@@ -18,9 +18,9 @@ class _NotRaised(Exception):
 
 
 def _checkpoint_error() -> type[Exception]:
-    """``checkpoint.CheckpointError`` where ``oppo.checkpoint`` was imported (only then can it have
-    been raised), else :class:`_NotRaised`: importing it here would import torch for every command."""
-    mod = sys.modules.get(f"{__package__}.checkpoint")
+    """``checkpoint.CheckpointError`` where ``oppo.checkpoint.store`` was imported (only then can it
+    have been raised), else :class:`_NotRaised`: importing it here would import torch for every command."""
+    mod = sys.modules.get(f"{__package__}.checkpoint.store")
     return mod.CheckpointError if mod is not None else _NotRaised
 
 

@@ -1,7 +1,7 @@
 """Forwards the scorers and the learner share: whole sequences as one batch
 (:func:`sequence_batch`), laid out in packed rows (:func:`plan_rows`, :func:`row_plan`: end to end,
 position ids restarting at 0, kept apart by variable-length attention with the sequences' offsets,
-:mod:`oppo.varlen`, or else by the model's own packed mask) and run with no fully masked query row
+:mod:`oppo.kernels.varlen`, or else by the model's own packed mask) and run with no fully masked query row
 (:func:`packed_hidden`, :func:`full_hidden`), and the sampled tokens' log-probs and entropy from
 hidden states, in chunks (:func:`head_logprobs`).
 
@@ -180,7 +180,7 @@ def full_hidden(backbone: torch.nn.Module, ids: torch.Tensor, valid: torch.Tenso
 # ---------------------------------------------------------------------------------------------
 # Packed rows: whole sequences end to end in a row, position ids restarting at 0 for
 # each. Where the model lets it (row_plan's probe), the forward passes the sequences' offsets to a
-# variable-length kernel (oppo.varlen: torch's varlen_attn, flash-attention's, a CPU stand-in) and
+# variable-length kernel (oppo.kernels.varlen: torch's varlen_attn, flash-attention's, a CPU stand-in) and
 # no mask, as the peers do (issue 50). Elsewhere, with no attention mask, transformers (>= 4.54,
 # 5.x) reads the restarts as sequence boundaries and builds a block-diagonal causal mask itself
 # (``masking_utils.find_packed_sequence_indices``, applied by ``create_causal_mask`` and the
@@ -204,7 +204,7 @@ class RowLayout:
     start: tuple[int, ...]
     lengths: tuple[int, ...]
     packed: bool
-    varlen: bool = False  # the forward passes sequence offsets to oppo's variable-length attention (oppo.varlen)
+    varlen: bool = False  # the forward passes sequence offsets to oppo's variable-length attention (kernels.varlen)
 
     @property
     def computed(self) -> int:
@@ -326,7 +326,7 @@ class RowPlan:
     attention_cost: float = 0.0
     buckets: bool = False  # shapes on the ladders (ppo.shape_buckets, oppo.shapes)
     one_row: bool = False  # packed sequences are kept apart within one row only (a varlen kernel's mask)
-    varlen: bool = False  # packed forwards pass sequence offsets to oppo's variable-length attention (oppo.varlen)
+    varlen: bool = False  # packed forwards pass sequence offsets to oppo's variable-length attention (kernels.varlen)
 
     def layout(self, lengths: list[int], max_positions: int = 0, max_padding: float = 0.0) -> RowLayout:
         """The rows of one forward over sequences of ``lengths``. On oppo's variable-length
@@ -418,7 +418,7 @@ def row_plan(backbone: torch.nn.Module, mode: str | None = None, buckets: str | 
     variable-length kernel that reads one row's position ids as its sequences, as a hub flash
     kernel does) packs into one row only: the probe runs two rows of two sequences each.
 
-    Packed forwards run on oppo's variable-length attention (:mod:`oppo.varlen`: sequence offsets,
+    Packed forwards run on oppo's variable-length attention (:mod:`oppo.kernels.varlen`: sequence offsets,
     no mask, no packed-sequence detection and its host read) where the same probe passes on it:
     through the model's attention interface (the calls are counted) and equal to each sequence
     alone on the model's own path. A model whose attention cannot take offsets (remote code, an
@@ -426,7 +426,7 @@ def row_plan(backbone: torch.nn.Module, mode: str | None = None, buckets: str | 
     keeps transformers' packed mask, said once (a warning).
 
     ``buckets``: ``ppo.shape_buckets`` (None: as recorded on the model by :func:`set_packing`)."""
-    from . import varlen
+    from .kernels import varlen
 
     mode = mode if mode is not None else backbone.__dict__.get("_oppo_packing", "auto")
     if mode not in PACKING_MODES:
@@ -439,13 +439,13 @@ def row_plan(backbone: torch.nn.Module, mode: str | None = None, buckets: str | 
     if mode != "off":
         cfg = getattr(backbone, "config", None)
         impl = varlen.base(str(getattr(cfg, "_attn_implementation", None) or "eager"))
-        why = _packing_fails(backbone)
+        why = varlen.packing_fails(backbone)
         no_varlen = _varlen_fails(backbone) if why is None else why
         if why is None and no_varlen is None:
             plan = RowPlan(True, buckets=bucketed, varlen=True)
         elif why is None:
             quadratic = not impl.startswith(("flash", "flex"))
-            one_row = _packing_fails(backbone, rows=2) is not None
+            one_row = varlen.packing_fails(backbone, rows=2) is not None
             plan = RowPlan(True, 1.0 / (6 * getattr(cfg, "hidden_size", 1024)) if quadratic and not one_row else 0.0,
                            buckets=bucketed, one_row=one_row)
             if varlen.takes_offsets(impl):  # (flash and flex paths build no dense mask anyway)
@@ -461,62 +461,15 @@ def row_plan(backbone: torch.nn.Module, mode: str | None = None, buckets: str | 
     return plan
 
 
-@torch.no_grad()
-def _packing_fails(backbone: torch.nn.Module, rows: int = 1, varlen: bool = False) -> str | None:
-    """None if a packed row's second sequence gets the hidden states it gets alone (within 5%:
-    bf16 rounding is ~1%, a leak across the boundary changes them wholesale), else why not.
-    ``rows`` = 2: two such rows in one forward (each with its own pair), every second sequence
-    checked: a kernel that reads only one row's boundaries lets the other row's sequences meet.
-    ``varlen``: the packed forward with sequence offsets, on the alias :func:`oppo.varlen.use` put
-    the model on (on CUDA under bf16 autocast when the weights are fp32, so that the kernel a
-    training forward takes is the one probed), the sequences alone without (the aliased path's own
-    function)."""
-    from . import varlen as vl
-
-    dev = next(backbone.parameters()).device
-    vocab = int(getattr(getattr(backbone, "config", None), "vocab_size", 16) or 16)
-    pairs = [([(3 + i) % vocab for i in range(3)], [(7 + 3 * i) % vocab for i in range(4)]),
-             ([(5 + 2 * i) % vocab for i in range(3)], [(11 + i) % vocab for i in range(4)])][:rows]
-    modes = [(m, m.training) for m in backbone.modules()]
-    backbone.eval()  # (dropout would differ between the two forwards)
-    half = varlen and dev.type == "cuda" and next(backbone.parameters()).dtype == torch.float32
-    calls = vl.calls[0]
-    try:
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=half):
-            ids = torch.tensor([a + b for a, b in pairs], device=dev)
-            pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3]] * len(pairs), device=dev)
-            if varlen:
-                layout = RowLayout(len(pairs), 7, tuple(7 * k + j for k in range(len(pairs)) for j in (0, 3)),
-                                   (3, 4) * len(pairs), True, varlen=True)
-                both = backbone(input_ids=ids, position_ids=pos, use_cache=False,
-                                **vl.forward_kwargs(layout.offsets(), len(pairs), 7, dev)).last_hidden_state[:, 3:]
-            else:
-                both = backbone(input_ids=ids, use_cache=False, position_ids=pos).last_hidden_state[:, 3:]  # [rows, 4, H]
-            alone = torch.cat([backbone(input_ids=torch.tensor([b], device=dev),
-                                        position_ids=torch.arange(4, device=dev)[None],
-                                        use_cache=False).last_hidden_state for _, b in pairs])  # [rows, 4, H], each alone
-    except Exception as e:  # a model that takes no position ids (or, on varlen, no offsets)
-        what = "sequence offsets" if varlen else "restarting position ids"
-        return f"its forward with {what} raised {type(e).__name__}: {e}"
-    finally:
-        for m, training in modes:
-            m.training = training
-    if varlen and vl.calls[0] == calls:
-        return "its forward did not call the attention interface (no transformers attention functions)"
-    err = float((both.float() - alone.float()).norm() / alone.float().norm().clamp(min=1e-12))
-    where = "a sequence packed after another" if rows == 1 else f"in {rows} packed rows, a sequence packed after another"
-    return None if err < 0.05 else f"{where} differs from itself alone by {err:.0%}"
-
-
 def _varlen_fails(backbone: torch.nn.Module) -> str | None:
     """None if ``backbone``'s packed forwards run on oppo's variable-length attention: it is left
-    on the alias (:func:`oppo.varlen.use`), its other forwards unchanged; else why not, and it is
+    on the alias (:func:`oppo.kernels.varlen.use`), its other forwards unchanged; else why not, and it is
     left on its own path."""
-    from . import varlen
+    from .kernels import varlen
 
     if not varlen.use(backbone):
         return "its attention path is not one oppo_varlen stands in for (sdpa, eager)"
-    why = _packing_fails(backbone, rows=2, varlen=True)
+    why = varlen.packing_fails(backbone, rows=2, varlen=True)
     if why is not None:
         varlen.use(backbone, False)
     return why
@@ -526,10 +479,10 @@ def packed_hidden(backbone: torch.nn.Module, layout: RowLayout, source: Tensor, 
     """Hidden states [rows * width, H] of one forward over ``layout`` (flat, as ``RowLayout.start``):
     sequence s's tokens read from the flat ``source`` from ``first[s]`` on. No attention mask:
     unpacked rows need only the causal one (their padding is at the end), packed ones get
-    oppo's variable-length attention with the layout's offsets (``layout.varlen``: :mod:`oppo.varlen`;
+    oppo's variable-length attention with the layout's offsets (``layout.varlen``: :mod:`oppo.kernels.varlen`;
     a gradient-checkpointed layer recomputes with the same arguments, so on the same path) or else
     the model's own packed mask from the position ids."""
-    from . import varlen
+    from .kernels import varlen
 
     ids, pos = layout.lay_out(source, first, pad_id)  # [rows, width] each
     cfg = getattr(backbone, "config", None)

@@ -4,7 +4,7 @@
 ``run_step`` runs one PPO step in the configured mode: ``control.sequential_step`` (the
 reference loop, ``overlap.mode=sequential``) or ``control.overlapped_step`` (intra, inter, oppo
 and pipeline, one loop driven by a policy value). ``state_dict`` / ``load_state_dict`` are what a
-checkpoint saves and restores (``checkpoint.py`` writes them to disk); ``close`` stops every
+checkpoint saves and restores (``checkpoint/store.py`` writes them to disk); ``close`` stops every
 worker. Where a role runs is decided once, in ``setup/build.py``; nothing here asks.
 
 Objects in place of paths (``setup/inputs.py``): ``Trainer.from_config(cfg, policy=model,

@@ -218,8 +218,8 @@ class PPOConfig:
                                      "bucketed rows and length. auto: on where the model is on CUDA; on; off: exact "
                                      "shapes. The numbers are the same either way (the added positions are padding, "
                                      "counted in perf/train_padded_frac).", ("auto", "on", "off"))
-    attention: str = opt("auto", "The attention path of every model (oppo.attention). auto: on CUDA, a short probe "
-                                 "at start times a forward and backward of the policy under each SDPA path (torch's "
+    attention: str = opt("auto", "The attention path of every model (oppo.kernels.attention). auto: on CUDA, a short "
+                                 "probe at start times a forward and backward of the policy under each SDPA path (torch's "
                                  "own order with grouped K/V heads not copied, cuDNN, memory-efficient) that keeps "
                                  "packed sequences apart, first calls at several widths and the steady state, refuses "
                                  "a path whose gradients are not finite or differ from the math path, never pins "

@@ -208,9 +208,9 @@ def _check_devices(cfg: Config) -> None:
 
 
 def _check_attention(cfg: Config) -> None:
-    """ppo.attention names a path oppo or transformers knows (oppo.attention.check_name: torch-free),
+    """ppo.attention names a path oppo or transformers knows (oppo.kernels.names.check_name: torch-free),
     so a typo stops here, not after the models load with transformers' message."""
-    from ..attention_names import check_name
+    from ..kernels.names import check_name
 
     why = check_name(cfg.ppo.attention)
     _check(why is None, str(why))

@@ -1,6 +1,6 @@
 """The sequences in flight across a checkpoint: saved between steps (or drained where the rollout
 backend cannot hand them out), restored on resume, and reloaded by the live run so that it goes on
-as a run resumed from that checkpoint would (``checkpoint.py``, ``Trainer.state_dict``).
+as a run resumed from that checkpoint would (``checkpoint/store.py``, ``Trainer.state_dict``).
 """
 
 from __future__ import annotations

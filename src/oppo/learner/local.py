@@ -10,10 +10,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .. import cuda_streams, guard
+from .. import guard
 from ..algo.actor_loss import ActorLossSettings, ActorTokens, actor_loss
 from ..algo.losses import value_loss
 from ..forward import RowPlan, head_logprobs, packed_hidden, row_plan
+from ..kernels import streams
 from .batch import (CriticBatch, Experience, MicroBatch, balanced, micro_groups, micro_slices, old_logprob_targets,
                     padding_stats, row_lengths, set_old_logprobs, token_budget)
 from ..models import backbone_and_head, checkpointing
@@ -39,7 +40,7 @@ def response_hidden(backbone, mb: MicroBatch) -> torch.Tensor:
 
 
 def on_learner(hand_back: bool = False):
-    """Run the decorated method on the learner's stream (``cuda_streams``; after the work its caller
+    """Run the decorated method on the learner's stream (``kernels.streams``; after the work its caller
     queued: the experience it was given). ``hand_back``: it returns device tensors, so the caller's
     stream waits for them."""
     def wrap(method):
@@ -69,7 +70,7 @@ class Learner:
         self.actor, self.critic, self.cfg, self.temperature, self.seed = actor, critic, cfg, temperature, seed
         self.compute_dtype, self.recompute_old, self.algorithm = compute_dtype, recompute_old, algorithm
         self.device = next(actor.parameters()).device
-        self.role = cuda_streams.role("learner", self.device)  # its own stream (cuda_streams)
+        self.role = streams.role("learner", self.device)  # its own stream (kernels.streams)
         # only what trains: with LoRA, the adapters
         self.actor_opt = adamw([p for p in actor.parameters() if p.requires_grad], cfg.actor_lr, cfg.weight_decay)
         self.critic_opt = adamw(critic.parameters(), cfg.critic_lr, cfg.weight_decay) if critic is not None else None

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from .. import cuda_streams
+from ..kernels import streams
 
 from ..guard import NonFiniteError, sampling_message
 from ..kv import KVRows, left_pad
@@ -79,7 +79,7 @@ ACTOR_WORK = ("admit", "recompute", "abort", "load_weights", "decode", "advance"
 
 
 def on_actor(method):
-    """Run ``method`` on its engine's actor stream (``cuda_streams.Role``)."""
+    """Run ``method`` on its engine's actor stream (``kernels.streams.Role``)."""
     if getattr(method, "_on_actor", False):
         return method
 
@@ -112,7 +112,7 @@ class RolloutEngine:
         self.backbone, self.head = backbone_and_head(model)
         self.device = next(model.parameters()).device
         # the actor's own stream, high priority; its first entry waits for the model's loading
-        self.role = cuda_streams.role("actor", self.device, cuda_streams.ACTOR_PRIORITY, follow=False)
+        self.role = streams.role("actor", self.device, streams.ACTOR_PRIORITY, follow=False)
         self.stop_check_every = STOP_CHECK_EVERY if self.device.type == "cuda" else 1  # module docstring
         self.eos_ids = frozenset([eos_id] if isinstance(eos_id, int) else eos_id)
         self.eos_id = eos_id if isinstance(eos_id, int) else eos_id[0]  # forced-length benchmarks end with it

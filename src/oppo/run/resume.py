@@ -1,7 +1,7 @@
 """Resume checks, before any model loads: the checkpoint intact (else the newest intact one before
-it), its saved state in formats this release reads (``formats.py``), saved with the run's settings
-and objects (a changed default taking the checkpoint's value: ``config.resumed_config``), and short
-of ``run.steps``."""
+it), its saved state in formats this release reads (``checkpoint/formats.py``), saved with the run's
+settings and objects (a changed default taking the checkpoint's value: ``config.resumed_config``),
+and short of ``run.steps``."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from pathlib import Path
 
 from ..checkpoint import (checkpoint_dirs, checkpoint_settings, checkpoint_step, is_weights_only,
                           settings_mismatches, verify_checkpoint)
+from ..checkpoint.formats import FormatError
 from ..config import Config, resumed_config, to_dict
-from ..formats import FormatError
+from ..checkpoint.formats import FormatError
 from ..setup.inputs import keyword_of
 from ..marker import is_marker
 from ..scheduler.tuner import check_format

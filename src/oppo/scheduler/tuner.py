@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..formats import FormatError, upgraded
+from ..checkpoint.formats import FormatError, upgraded
 from .records import StepTiming
 
 __all__ = ["OverlapTuner", "Prediction", "Setting", "TunedDelta", "delta_ladder"]
@@ -560,7 +560,7 @@ class OverlapTuner:
 
 
 def check_format(d: dict[str, Any]) -> None:
-    """Raise :class:`~oppo.formats.FormatError` unless :meth:`OverlapTuner.load_state_dict` reads
+    """Raise :class:`~oppo.checkpoint.formats.FormatError` unless :meth:`OverlapTuner.load_state_dict` reads
     ``d``'s format (this one, or an older one it upgrades): a resume checks it before any model loads."""
     upgraded("the checkpoint's overlap controller state", {}, _version(d), _VERSION, {v: dict for v in _UPGRADES})
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import shapes
-from ..graphs import Capture, CapturedGraphs
+from ..kernels.graphs import Capture, CapturedGraphs
 from ..kv import kv_layers
 
 if TYPE_CHECKING:
@@ -28,7 +28,7 @@ def slots_suit(model) -> str | None:
     """Why ``model``'s streamed chunks cannot run in slots (a sentence), or None when they can: an
     attention path that takes no 4-D mask, a sliding window (it counts cache columns), layers
     other than full attention (the static decode engine's test, for chunks)."""
-    from ..attention import takes_4d_mask
+    from ..kernels.attention import takes_4d_mask
     from ..models import uses_sliding_window
 
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -51,7 +51,7 @@ class SlotKV:
     def __init__(self, device: torch.device, graphs: bool | None = None, capture: Capture | None = None):
         """``graphs``: replay each (Rb, Cb, Lb) chunk forward from a CUDA graph captured on its first
         call (None: on CUDA); a model whose forward cannot be captured runs eagerly, said once.
-        ``capture``: a stand-in for the CUDA capture (:class:`oppo.graphs.CapturedGraphs`), which
+        ``capture``: a stand-in for the CUDA capture (:class:`oppo.kernels.graphs.CapturedGraphs`), which
         lets ``graphs`` run on a CPU (tests)."""
         self.device = device
         self.graphs = device.type == "cuda" if graphs is None else graphs
@@ -77,7 +77,7 @@ class SlotKV:
         return self._graphs.captures
 
     def capture_stats(self) -> dict[str, Any]:
-        """Captures, their seconds and (Rb, Cb, Lb) keys (:meth:`oppo.graphs.CapturedGraphs.stats`)."""
+        """Captures, their seconds and (Rb, Cb, Lb) keys (:meth:`oppo.kernels.graphs.CapturedGraphs.stats`)."""
         return self._graphs.stats()
 
     # ------------------------------------------------------------------ capacity
@@ -227,7 +227,7 @@ class SlotKV:
     def _replay(self, backbone, tokens: torch.Tensor, start: torch.Tensor, n: torch.Tensor, rb: int, cb: int,
                 lb: int) -> torch.Tensor:
         """:meth:`_forward` from a CUDA graph per (Rb, Cb, Lb), captured on first use by the recipe
-        the static decode engine's steps share (:mod:`oppo.graphs`: warm-ups, then a thread-local
+        the static decode engine's steps share (:mod:`oppo.kernels.graphs`: warm-ups, then a thread-local
         capture on this scorer's one side stream into its one pool, so the actor's thread may run
         CUDA work meanwhile). The inputs are copied into static buffers; the output is copied out
         (graphs share a pool)."""

@@ -24,8 +24,8 @@ from typing import Callable
 
 import torch
 
-from .. import cuda_streams
-from ..cuda_streams import Role
+from ..kernels import streams
+from ..kernels.streams import Role
 from ..learner.batch import CriticBatch
 from ..learner.critic import CriticTrainer
 from ..api.records import Chunk
@@ -138,7 +138,7 @@ class ScorerLoop:
     name: str = "scorer"
     trainer: CriticTrainer | None = None
     adapt_threads: Callable[[], None] = lambda: None
-    role: Role | None = None  # the thread transport's stream (cuda_streams); synchronised at each barrier
+    role: Role | None = None  # the thread transport's stream (kernels.streams); synchronised at each barrier
     tracer: Tracer = field(default_factory=lambda: Tracer(enabled=True))
 
     def __post_init__(self) -> None:
@@ -220,7 +220,7 @@ class ScorerLoop:
 
 
 class _ThreadTransport:
-    """The loop on a thread of this process, on its own role stream (``cuda_streams``: on GPU a CUDA
+    """The loop on a thread of this process, on its own role stream (``kernels.streams``: on GPU a CUDA
     stream, when the scorers share one device). Each message carries an event recorded on the
     sender's stream when it was sent; the loop's stream waits on it before handling the message (a
     critic batch, or critic weights the controller copied, were made on the sender's stream)."""
@@ -231,13 +231,13 @@ class _ThreadTransport:
         self.error: BaseException | None = None
         devices = {s.device for s in loop.scorers.values()}
         self.device = next(iter(devices)) if len(devices) == 1 else torch.device("cpu")
-        loop.role = cuda_streams.role(f"scorer:{name}", self.device)
+        loop.role = streams.role(f"scorer:{name}", self.device)
         self.loop, self.threads = loop, threads
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
     def put(self, msg) -> None:
-        self.q.put((msg, cuda_streams.caller_event(self.device)))
+        self.q.put((msg, streams.caller_event(self.device)))
 
     def wait_reply(self) -> BarrierReply:
         while True:

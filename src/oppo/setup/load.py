@@ -151,7 +151,8 @@ def _prepare_forwards(cfg: Config, run: Resolved, policy: torch.nn.Module, criti
     CUDA) of the policy and the ``models`` beside it, before any row plan is found for a model;
     gradient checkpointing of the trained models; no dropout anywhere."""
     paths, dtype = run.paths, run.dtype
-    from .. import attention, shapes
+    from .. import shapes
+    from ..kernels import attention
 
     others = {id(m): m for m in models if m is not None and m is not policy}
     attention.choose(policy, list(others.values()), cfg.ppo.attention, rows=4,

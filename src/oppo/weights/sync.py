@@ -26,7 +26,7 @@ import torch
 from .remote import RemoteWeights as RemoteWeights  # (its own file, that api.protocols names; importable here too)
 
 if TYPE_CHECKING:
-    from ..cuda_streams import Role
+    from ..kernels.streams import Role
     from ..api.protocols import WeightLinkReceiver, WeightLinkSender, WeightSource
 
 Packed = dict[str, tuple[object, str]]  # name -> (numpy array, torch dtype name)
@@ -510,7 +510,7 @@ def load_source(target: torch.nn.Module, source: WeightSource, role: Role | None
     pairs or :class:`~oppo.weights.remote.RemoteWeights`) into ``target``, cast to its dtypes; the
     pairs and remote weights may name only some of its tensors (the trained ones).
 
-    ``role`` (the rollout engine's, ``cuda_streams``): the copy runs on its stream, after the last
+    ``role`` (the rollout engine's, ``kernels.streams``): the copy runs on its stream, after the last
     write of ``source`` by another role (the learner's update: an event, no host sync) and after the
     other roles that read ``target``; ``target`` is then marked written by it. A ``source`` that is
     ``target`` (fp32, no in-flight updates: the engine samples with the trained module) copies

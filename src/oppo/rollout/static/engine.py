@@ -7,7 +7,7 @@ tokens in columns ``0 .. n-1`` (position ids = column indices, so a sliding wind
 means in a single-sequence forward). One decode step is one ``[Rb, 1]`` forward over the used slots
 and columns (rounded up to buckets) with a 4-D mask built from each slot's length; with
 ``capture="cuda_graph"`` it is recorded into a CUDA graph on the first step of each bucket a run
-reaches and replayed (``oppo.graphs``: captured thread-locally on a side stream of its own, so the
+reaches and replayed (``oppo.kernels.graphs``: captured thread-locally on a side stream of its own, so the
 scorer and learner threads may work meanwhile), with ``"compile"`` run through ``torch.compile``,
 with ``"none"`` eagerly. Weight updates copy into
 the same parameters, so graphs read the new weights. Prefill stays eager. Only ``sdpa`` and
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, cast
 
 import torch
 
-from ...graphs import Capture, CapturedGraphs
+from ...kernels.graphs import Capture, CapturedGraphs
 from ...kv import kv_layers, right_pad
 from ...kv_slots import SlotCache, slot_cache_class
 from ..engine import KVBudgetError, Rollout, RolloutEngine
@@ -65,7 +65,7 @@ class StaticRolloutEngine(RolloutEngine):
     (``torch.compile``; on CUDA in ``reduce-overhead`` mode, i.e. with CUDA graphs too). A bucket's
     graph (or compiled variant) is made on its first decode step, so a run pays only for the
     (Rb, Lb) buckets its rows reach (:meth:`capture_stats` counts them).
-    ``graph_capture``: a stand-in for the CUDA capture (:class:`oppo.graphs.CapturedGraphs`), with
+    ``graph_capture``: a stand-in for the CUDA capture (:class:`oppo.kernels.graphs.CapturedGraphs`), with
     which ``cuda_graph`` runs on a CPU (tests: the bookkeeping and the bucketed prefill).
     """
 
@@ -307,7 +307,7 @@ class StaticRolloutEngine(RolloutEngine):
                 self._traced.add((rb, lb))
                 self._traced_s += time.perf_counter() - t0
             return out.clone() if self.device.type == "cuda" else out
-        # captured on the bucket's first step (oppo.graphs: the recipe the scorers' slots share)
+        # captured on the bucket's first step (oppo.kernels.graphs: the recipe the scorers' slots share)
         graph, out = self._graphs.get((rb, lb), lambda: self._decode_step(rb, lb))
         graph.replay()
         # graphs share one memory pool: another bucket's replay may overwrite this output, so the
@@ -374,7 +374,7 @@ def static_decode_problem(model, max_len: int | None = None, probe: bool = False
     from ...models import backbone_and_head
 
     cfg = _text_config(model)
-    from ...attention import takes_4d_mask
+    from ...kernels.attention import takes_4d_mask
 
     impl = getattr(cfg, "_attn_implementation", None) or "eager"
     if not takes_4d_mask(impl):

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from .learner.sharded import SHARDED_DIR, ShardedLearnerState
+from ..learner.sharded import SHARDED_DIR, ShardedLearnerState
 
 CKPT_DIR = "checkpoints"
 CONFIG_FILE = "config.yaml"
@@ -71,7 +71,7 @@ def checkpoint_settings(ckpt: Path) -> dict | None:
     """The settings a checkpoint was saved with, as nested dicts; None for checkpoints written
     before checkpoints held them (then the run directory's ``config.yaml`` is the best guess).
     Settings moved to another section since are under their new names (``config.upgrade_settings``)."""
-    from .config import upgrade_settings
+    from ..config import upgrade_settings
 
     ckpt = Path(ckpt)
     for path in (ckpt / CONFIG_FILE, ckpt.parent.parent / CONFIG_FILE):
@@ -94,7 +94,7 @@ def settings_mismatches(saved: dict, now: dict) -> list[tuple[str, object, objec
     """(setting, value in the checkpoint, value now) for every setting that must match on resume
     and does not. Settings the checkpoint does not know (added to oppo since) are not compared; an
     empty ``ppo.kl_coef`` compares as the algorithm's default (``config.resolved_settings``)."""
-    from .config import resolved_settings, upgrade_settings
+    from ..config import resolved_settings, upgrade_settings
 
     a, b = _flat(resolved_settings(upgrade_settings(saved))), _flat(resolved_settings(now))
     out = []
@@ -252,7 +252,7 @@ def load_checkpoint(trainer, ckpt: Path) -> None:
         raise FileNotFoundError(f"{ckpt} is not a complete checkpoint (no state.json). Give a step_* directory "
                                 f"under {CKPT_DIR}/, or --resume auto.")
     from .formats import FormatError
-    from .models import ModelLoadError
+    from ..models import ModelLoadError
 
     try:
         _load(trainer, ckpt)
@@ -269,7 +269,7 @@ def load_checkpoint(trainer, ckpt: Path) -> None:
 def _load(trainer, ckpt: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from .models import check_adapter_shapes, is_peft, load_weights
+    from ..models import check_adapter_shapes, is_peft, load_weights
 
     state = json.loads((ckpt / "state.json").read_text())
     if state.get(WEIGHTS_ONLY):
@@ -318,8 +318,8 @@ def check_models(trainer, ckpt: Path) -> None:
     before fingerprints (or before the data's) resume unchecked (by what they lack)."""
     import warnings
 
-    from .fingerprint import changed_models
-    from .models import ModelLoadError
+    from ..fingerprint import changed_models
+    from ..models import ModelLoadError
 
     path = Path(ckpt) / MODELS_FILE
     now = getattr(trainer, "fingerprints", None)

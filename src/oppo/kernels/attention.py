@@ -1,54 +1,12 @@
 """The attention path every model's forwards take (``ppo.attention``): chosen by a probe, not inherited.
 
-With torch 2.11+ on Hopper, SDPA tries cuDNN first; whether that, the memory-efficient kernel,
-FlexAttention or a variable-length flash kernel is fastest for oppo's forwards (packed rows under a
-block-diagonal mask, streamed chunks against a slot cache under a 4-D mask) depends on the device,
-the shapes and the installed packages. So at start on CUDA (``auto``) a short probe
-(:func:`measure`) runs a forward and backward of the policy under each SDPA-style path, at the
-learner's rows and several widths of the ladder (the first call at each: the plan builds the shape
-buckets exist to pay once) and in a steady state at a width that is 64 mod 128 with padded rows
-(where cuDNN's backward has given NaN: ``benchmarks/gpu_h200/nan_probe.md``), checking the
-gradients against the math path. The choice is a pure function of those measurements
-(:func:`decide`), tested on CPU with injected ones; the choice and every refusal are logged.
-``auto`` tries only the paths that take an explicit 4-D mask (the SDPA ones), which the static
-decode engine and the scorer slots pass; FlexAttention and the flash kernels are there to name.
-
-**cuDNN is never pinned where torch itself would not choose it.** torch puts cuDNN first on Hopper
-and Blackwell only from cuDNN 9.15.1 (its fix for lengths not divisible by 128; CUDA 12 wheels ship
-older cuDNN), in ``check_prefer_cudnn_attention`` (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp,
-pytorch#169849); :func:`cudnn_refusal` mirrors that rule and ``auto`` does not even try
-``oppo_sdpa_cudnn`` where it says no.
-
-**Grouped K/V heads without copies.** transformers' SDPA path copies K and V to every query head
-(``repeat_kv``) whenever a mask is given (``use_gqa_in_sdpa`` in
-transformers/integrations/sdpa_attention.py), about 5 GB of memory traffic per decode step at 1B with
-64 rows of 640 columns. oppo's SDPA paths (``oppo_sdpa_gqa`` and the pinned ones) pass the grouped
-heads with ``enable_gqa=True`` under the mask instead, where the kernel that will run takes grouped
-heads (torch's own ``can_use_*`` checks on CUDA; the math kernel and the CPU always), and copy as
-transformers does elsewhere, so a kernel never silently falls back to math. ``oppo_sdpa_gqa`` is the
-path of the decode and chunk forwards (:func:`decode_path`).
-
-The paths (those the installed torch and transformers bring; nothing is downloaded):
-
-- ``sdpa``: transformers' SDPA with torch's own backend order (K/V copied under a mask);
-- ``oppo_sdpa_gqa``: the same order, grouped K/V heads not copied (above);
-- ``oppo_sdpa_cudnn``, ``oppo_sdpa_efficient``, ``oppo_sdpa_math``: pinned to one SDPA backend
-  (``torch.nn.attention.sdpa_kernel``), grouped heads not copied; registered here as transformers
-  attention functions with SDPA's mask;
-- ``oppo_varlen``: packed rows on variable-length attention (``oppo.varlen``, where present);
-- ``flex_attention``: torch's FlexAttention (transformers builds a document mask from the packed
-  position ids);
-- ``flash_attention_2`` / ``flash_attention_3``: the variable-length kernels, when the
-  ``flash_attn`` package is installed (they keep packed sequences apart within one row only:
-  ``forward.row_plan``'s two-row probe then packs one row); a hub kernel (``kernels-community/...``)
-  as transformers loads it.
-
-Whether a path keeps packed sequences apart is decided by the packing probe
-(``forward._packing_fails``), not by its name. The static decode engine and the scorer slots pass a
-4-D mask, which only SDPA-style and eager paths take (:func:`takes_4d_mask`).
-
-The names ``ppo.attention`` takes live in :mod:`oppo.attention_names` (torch-free: the settings check
-reads them before any model loads) and are re-exported here.
+At start on CUDA (``auto``) a short probe runs the policy under each SDPA-style path (:func:`measure`)
+and the choice is a pure function of its measurements (:func:`decide`). oppo's own SDPA paths,
+registered here as transformers attention functions, pass grouped K/V heads without copies under a
+mask (:func:`gqa_forward`), and cuDNN is never pinned where torch would not choose it
+(:func:`cudnn_refusal`). The names ``ppo.attention`` takes live in :mod:`oppo.kernels.names`
+(torch-free: the settings check reads them before any model loads) and are re-exported here.
+Design, the paths and what the probe measures: ``docs/gpu-shapes.md``, "kernels/attention.py".
 """
 
 from __future__ import annotations
@@ -63,11 +21,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-from .attention_names import (CUDA_CANDIDATES, GQA, MODES, REFERENCE, SDPA_BACKENDS, TRANSFORMERS_PATHS, VARLEN,
-                              check_name, names)
+from .names import (CUDA_CANDIDATES, GQA, MODES, REFERENCE, SDPA_BACKENDS, TRANSFORMERS_PATHS, VARLEN,
+                    check_name, names)
 
 __all__ = ["CUDA_CANDIDATES", "GQA", "MODES", "REFERENCE", "SDPA_BACKENDS", "TRANSFORMERS_PATHS", "VARLEN",
-           "check_name", "names"]  # (re-exported: the settings check reads them torch-free from attention_names)
+           "check_name", "names"]  # (re-exported: the settings check reads them torch-free from kernels.names)
 
 CUDNN_PREFERRED_FROM = 91501
 """torch prefers cuDNN SDPA only from cuDNN 9.15.1 (``check_prefer_cudnn_attention``: version > 91500)."""
@@ -241,7 +199,7 @@ def takes_4d_mask(name: str) -> bool:
 def decode_path(name: str) -> str:
     """The path of the masked forwards (decode steps, streamed chunks, rows under a 4-D mask) of a
     model whose forwards are to run on ``name``: transformers' ``sdpa`` becomes ``oppo_sdpa_gqa``
-    (the same backend order, grouped K/V heads not copied per head: module docstring), and so does a
+    (the same backend order, grouped K/V heads not copied per head: :func:`gqa_forward`), and so does a
     path that takes no 4-D mask (``oppo_varlen``, flex, flash: their masked forwards need an
     SDPA-style one); eager and oppo's SDPA paths stay. (A model's packed forwards then run on
     ``oppo_varlen:<that path>``: ``forward.row_plan``.)"""
@@ -322,7 +280,7 @@ def check_width(width: int) -> int:
 def probe_widths(width: int, n: int = 3) -> list[int]:
     """The widths whose first call the probe times: :func:`check_width` first, then the top ``n - 1``
     widths of the width ladder up to ``width`` (``oppo.shapes``): each a shape the buckets pay once."""
-    from . import shapes
+    from .. import shapes
 
     ladder, w = [], shapes.SMALLEST_WIDTH
     while w <= max(width, shapes.SMALLEST_WIDTH):
@@ -362,8 +320,8 @@ def measure(model: torch.nn.Module, rows: int, widths: list[int], paths: list[st
     gets the reason instead. The model is left on its original path, its gradients cleared."""
     import torch
 
-    from .forward import _packing_fails
-    from .models import backbone_and_head
+    from ..models import backbone_and_head
+    from .varlen import packing_fails
 
     original = _path(model)
     backbone = backbone_and_head(model)[0]
@@ -403,7 +361,7 @@ def measure(model: torch.nn.Module, rows: int, widths: list[int], paths: list[st
         for name in [REFERENCE, *[p for p in paths if p != REFERENCE]]:
             try:
                 offsets_of["on"] = name == VARLEN
-                if name == VARLEN:  # packed rows by their offsets on oppo's variable-length kernel (oppo.varlen),
+                if name == VARLEN:  # packed rows by their offsets on oppo's variable-length kernel (varlen),
                     from . import varlen  # the masked forwards on GQA's path
 
                     set_path(model, GQA)
@@ -413,7 +371,7 @@ def measure(model: torch.nn.Module, rows: int, widths: list[int], paths: list[st
                 else:
                     set_path(model, name)
                 with torch.autocast(dev.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-                    why = _packing_fails(backbone)  # (in the compute dtype: cuDNN takes no fp32 masters)
+                    why = packing_fails(backbone)  # (in the compute dtype: cuDNN takes no fp32 masters)
                 if why is not None:
                     out[name] = f"does not keep packed sequences apart ({why})"
                     continue

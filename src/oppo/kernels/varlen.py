@@ -1,39 +1,11 @@
 """Packed sequences on variable-length attention: sequence offsets, no mask (issue 50).
 
-A packed forward (``forward.packed_hidden`` over a :class:`~oppo.forward.RowLayout`) lays whole
-sequences end to end, position ids restarting at 0. transformers keeps them apart by building a
-dense block-diagonal 4-D mask from the restarts, after reading the device once per forward to find
-them (``masking_utils.find_packed_sequence_indices``); any explicit mask keeps SDPA off its flash
-backend and makes it copy K and V to every query head. The peers instead hand the sequences'
-offsets to a variable-length kernel (verl's remove-padding, OpenRLHF's packed samples, prime-rl's
-packed micro-batches), and so does oppo where the model lets it:
-
-- :func:`use` puts a model whose packed forwards take this road on an alias of its own path,
-  ``oppo_varlen:<path>`` (``oppo_varlen:sdpa``, ...), registered as a transformers attention
-  function and mask function (:func:`register`). Given no offsets (decode, streamed chunks, every
-  forward but the packed ones) both call the path's own functions: the same masks, the same
-  numbers. So the model is never switched back and forth, and a forward of the same model on
-  another thread (the scorer streaming chunks while the controller scores one-shot) is untouched.
-- A packed forward passes the offsets as the keyword arguments transformers' own flash path uses
-  (``cu_seq_lens_q``/``cu_seq_lens_k`` [S+1] int32, ``max_length_q``/``max_length_k``), built on
-  the host from the layout and copied to the device once per forward, the same offsets as a host
-  tuple and a dict for what the forward builds once (``oppo_offsets``, ``oppo_cache``: the CPU
-  stand-in's mask), and an all-ones 2-D mask marked as such
-  (:func:`forward_kwargs`): given a mask, ``create_causal_mask`` does not look for packed sequences
-  (``masking_utils._preprocess_mask_arguments``: no detection, no host read), and for the marked
-  one the alias's mask function builds none. The models pass keyword arguments through to their
-  attention function, and a gradient-checkpointed layer recomputes with the same ones, so on the
-  same path; the packing probe (``forward.row_plan``) checks it per model, and a model whose
-  attention cannot take offsets keeps transformers' packed mask.
-
-The kernel (:func:`kernel`, chosen per call from the tensors, said once per choice): torch's
-``torch.nn.attention.varlen.varlen_attn`` on CUDA in half precision (torch 2.13's signature takes
-``window_size`` and ``enable_gqa``; torch 2.11's takes no ``enable_gqa``, so the KV heads are
-repeated for it: picked by ``inspect.signature``), else flash-attention's
-``flash_attn_varlen_func`` where that package is installed, else (the CPU, fp32, a soft-capped
-model on torch's kernel) a stand-in with the same interface: one SDPA call per layer under one
-block-diagonal causal mask that oppo builds once per forward (banded under a sliding window; the
-eager formula with a soft cap), so CI drives the plumbing a GPU user takes. Every segment attends within itself only: a packed row's padding is a segment of its own.
+:func:`use` puts a model on an alias of its own path, ``oppo_varlen:<path>`` (:func:`register`):
+its packed forwards take the offsets :func:`forward_kwargs` builds, its other forwards run the path's
+own functions. The kernel (:func:`kernel`, per call): torch's ``varlen_attn``, flash-attention's, or
+a stand-in of the same interface (:func:`stand_in`, the CPU's). :func:`packing_fails` is the packing
+probe: whether a model's packed forwards keep their sequences apart.
+Design: ``docs/gpu-shapes.md``, "kernels/varlen.py".
 """
 
 from __future__ import annotations
@@ -68,7 +40,7 @@ def base(path: str) -> str:
 
 def register(path: str) -> str:
     """The alias of ``path``, registered (idempotent) as a transformers attention function and mask
-    function (module docstring); returns its name."""
+    function (``docs/gpu-shapes.md``, "kernels/varlen.py"); returns its name."""
     from transformers import AttentionInterface, AttentionMaskInterface
 
     name = PREFIX + path
@@ -132,6 +104,50 @@ def mask_forward(*args, attention_mask: Tensor | None = None, config: Any = None
     return ALL_MASK_ATTENTION_FUNCTIONS[path](*args, attention_mask=attention_mask, config=config, **kwargs)
 
 
+@torch.no_grad()
+def packing_fails(backbone: torch.nn.Module, rows: int = 1, varlen: bool = False) -> str | None:
+    """None if a packed row's second sequence gets the hidden states it gets alone (within 5%:
+    bf16 rounding is ~1%, a leak across the boundary changes them wholesale), else why not.
+    ``rows`` = 2: two such rows in one forward (each with its own pair), every second sequence
+    checked: a kernel that reads only one row's boundaries lets the other row's sequences meet.
+    ``varlen``: the packed forward with sequence offsets (:func:`forward_kwargs`), on the alias :func:`use` put
+    the model on (on CUDA under bf16 autocast when the weights are fp32, so that the kernel a
+    training forward takes is the one probed), the sequences alone without (the aliased path's own
+    function)."""
+    dev = next(backbone.parameters()).device
+    vocab = int(getattr(getattr(backbone, "config", None), "vocab_size", 16) or 16)
+    pairs = [([(3 + i) % vocab for i in range(3)], [(7 + 3 * i) % vocab for i in range(4)]),
+             ([(5 + 2 * i) % vocab for i in range(3)], [(11 + i) % vocab for i in range(4)])][:rows]
+    modes = [(m, m.training) for m in backbone.modules()]
+    backbone.eval()  # (dropout would differ between the two forwards)
+    half = varlen and dev.type == "cuda" and next(backbone.parameters()).dtype == torch.float32
+    before = calls[0]
+    try:
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=half):
+            ids = torch.tensor([a + b for a, b in pairs], device=dev)
+            pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3]] * len(pairs), device=dev)
+            if varlen:
+                cuts = (*(7 * k + j for k in range(len(pairs)) for j in (0, 3)), 7 * len(pairs))  # each row: 3 + 4
+                both = backbone(input_ids=ids, position_ids=pos, use_cache=False,
+                                **forward_kwargs(cuts, len(pairs), 7, dev)).last_hidden_state[:, 3:]
+            else:
+                both = backbone(input_ids=ids, use_cache=False, position_ids=pos).last_hidden_state[:, 3:]  # [rows, 4, H]
+            alone = torch.cat([backbone(input_ids=torch.tensor([b], device=dev),
+                                        position_ids=torch.arange(4, device=dev)[None],
+                                        use_cache=False).last_hidden_state for _, b in pairs])  # [rows, 4, H], each alone
+    except Exception as e:  # a model that takes no position ids (or, on varlen, no offsets)
+        what = "sequence offsets" if varlen else "restarting position ids"
+        return f"its forward with {what} raised {type(e).__name__}: {e}"
+    finally:
+        for m, training in modes:
+            m.training = training
+    if varlen and calls[0] == before:
+        return "its forward did not call the attention interface (no transformers attention functions)"
+    err = float((both.float() - alone.float()).norm() / alone.float().norm().clamp(min=1e-12))
+    where = "a sequence packed after another" if rows == 1 else f"in {rows} packed rows, a sequence packed after another"
+    return None if err < 0.05 else f"{where} differs from itself alone by {err:.0%}"
+
+
 def _path_function(module: torch.nn.Module, path: str) -> Callable:
     """The attention function of ``path`` for ``module``: a registered one, or eager, which each
     model defines in its own modeling file (as ``get_interface``'s default)."""
@@ -166,7 +182,7 @@ def _flash_attn() -> Callable | None:
 
 def kernel(device: str, dtype: torch.dtype, window: int | None, softcap: float | None) -> tuple[str, str]:
     """(kernel, why) for queries of ``dtype`` on a ``device`` type under a sliding ``window`` and a
-    logit ``softcap``: ``torch``, ``flash_attn`` or ``stand-in`` (module docstring)."""
+    logit ``softcap``: ``torch``, ``flash_attn`` or ``stand-in`` (``docs/gpu-shapes.md``, "kernels/varlen.py")."""
     if device != "cuda":
         return "stand-in", f"on {device} the variable-length kernels do not run (CUDA only)"
     if dtype not in HALF:
@@ -254,7 +270,8 @@ def _drops_softcap(path: str) -> bool:
 
 def _run_torch(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, longest: int, scale: float | None, window: int | None,
                groups: int) -> Tensor:
-    """torch's ``varlen_attn``, called as the installed torch's signature allows (module docstring)."""
+    """torch's ``varlen_attn``, called as the installed torch's signature allows: 2.13's takes ``window_size``
+    and ``enable_gqa``, 2.11's no ``enable_gqa`` (the K/V heads repeated for it)."""
     found = _torch_varlen()
     assert found is not None  # (kernel() found it)
     fn, params = found

@@ -1,4 +1,4 @@
-"""The names ``ppo.attention`` takes (``oppo.attention`` has the paths themselves), importing nothing
+"""The names ``ppo.attention`` takes (``oppo.kernels.attention`` has the paths themselves), importing nothing
 of oppo and no torch: the settings check (``config.validate``) reads them before any model loads."""
 
 from __future__ import annotations
@@ -7,16 +7,16 @@ SDPA_BACKENDS = {"oppo_sdpa_cudnn": "CUDNN_ATTENTION", "oppo_sdpa_efficient": "E
                  "oppo_sdpa_math": "MATH"}
 """oppo's SDPA paths pinned to one backend (``torch.nn.attention.SDPBackend`` names)."""
 GQA = "oppo_sdpa_gqa"
-"""torch's own SDPA order, grouped K/V heads passed with ``enable_gqa`` under a mask (``oppo.attention``)."""
+"""torch's own SDPA order, grouped K/V heads passed with ``enable_gqa`` under a mask (``oppo.kernels.attention``)."""
 REFERENCE = "oppo_sdpa_math"
 """The path every probed path's gradients are checked against."""
 VARLEN = "oppo_varlen"
-"""Packed rows on variable-length attention (``oppo.varlen``): not a value of ``ppo.attention``, since a model
+"""Packed rows on variable-length attention (``oppo.kernels.varlen``): not a value of ``ppo.attention``, since a model
 whose path can take sequence offsets runs its packed forwards on it by itself (``forward.row_plan``); the
 attention check measures it under this name."""
 MODES = ("auto", "inherit")
 CUDA_CANDIDATES = (GQA, "oppo_sdpa_cudnn", "oppo_sdpa_efficient")
-"""The paths ``auto`` probes on CUDA, beside :data:`REFERENCE` (``oppo.attention.candidates``)."""
+"""The paths ``auto`` probes on CUDA, beside :data:`REFERENCE` (``oppo.kernels.attention.candidates``)."""
 TRANSFORMERS_PATHS = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
 """transformers' own implementations a user may name (a hub kernel, ``org/repo``, besides)."""
 

@@ -1,36 +1,11 @@
 """Each role's own CUDA stream, and the events that order what crosses between roles (issue 50).
+(Not ``control/streams.py``, the controller's chunk streams to the scorers.)
 
-(Not to be confused with ``control/streams.py``, the controller's chunk streams to the scorers.)
-
-Roles: the actor's decode (``"actor"``, high priority: a decode step is the critical path of a
-step), the learner (``"learner"``), each scorer worker (``"scorer:<name>"``). On CUDA a :class:`Role`
-owns a ``torch.cuda.Stream``; ``with role:`` makes it the thread's current stream, so the work
-inside never queues on the default stream, and a host read inside waits for that role's queued
-work only (before, the decode loop's stop-flag read waited for the learner's queued forward and
-backward: both were on the default stream). What crosses between roles is ordered by events:
-
-- **Weights** (a module): its writer's stream waits for every other role that read it (the learner's
-  optimizer must not overwrite weights a decode step still queued on the actor's stream reads, when
-  the two share the model: fp32 without in-flight updates) and records an event when done
-  (:meth:`Role.write`, :meth:`Role.wrote`); a reader's stream waits on that event before reading
-  (:meth:`Role.read`). The learner marks the actor's weights written at the end of each update; the
-  rollout engine reads them in ``load_weights`` (``weights.sync.load_source``) and at each decode step.
-- **Inputs from the caller** (the controller's stream: an ``Experience`` built there, a critic batch):
-  a role with ``follow=True`` (learner, scorers) waits on the caller's stream at each entry. The
-  actor takes host lists only, so it waits on its caller once, at its first entry (the model and
-  buffers were made on the caller's stream); it never waits on the controller after that, which could
-  carry a wait on the learner.
-- **Device outputs** a role returns (the learner's recomputed log-probs): the caller's stream waits
-  on an event recorded on the role's stream (:meth:`Role.hand_back`); a tensor that outlives its
-  stream's use elsewhere gets ``record_stream`` (:meth:`Role.keep`).
-- **Messages to a worker thread** (the scorers): the sender records an event on its stream with each
-  message (:func:`caller_event`); the worker's stream waits on it before it handles the message.
-
-On the CPU a role has no stream: :class:`Role` and :class:`Event` are stand-ins with the same
-interface that order nothing (the CPU runs in program order) but, while :func:`recording` is open,
-log each enter, record and wait, so a CPU test checks that every hand-off between roles is ordered by
-an event and that the roles' work runs inside a role (``tests/test_streams.py``). What only a GPU can
-show is that the streams then overlap: see ``docs/gpu-shapes.md``.
+A :class:`Role` (the actor's decode, high priority; the learner; each scorer) owns a stream that
+``with role:`` makes the thread's current one; weights, the caller's inputs, device outputs and
+messages to a worker thread pass between roles by events. On the CPU :class:`Role` and
+:class:`Event` are stand-ins that order nothing but log what they would order while
+:func:`recording` is open. Design: ``docs/gpu-shapes.md``, "kernels/streams.py".
 """
 
 from __future__ import annotations
@@ -133,7 +108,7 @@ def _mark(obj: object) -> _Mark:
 
 
 class Role:
-    """One role's stream (CUDA) or its stand-in (CPU); see the module docstring."""
+    """One role's stream (CUDA) or its stand-in (CPU); see ``docs/gpu-shapes.md``, "kernels/streams.py"."""
 
     def __init__(self, name: str, device: torch.device | str, priority: int = 0, follow: bool = True):
         self.name, self.device, self.follow = name, torch.device(device), follow
