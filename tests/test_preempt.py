@@ -25,7 +25,7 @@ import clirun
 from oppo.checkpoint import MANIFEST_FILE, CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from oppo.config import load_config
 from oppo.setup.preflight import PreflightError
-from oppo.run import plan_run
+from oppo.run import start_run
 from oppo.trainer import Trainer
 
 from test_child_exit import alive, descendants, wait_until
@@ -128,14 +128,14 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous(two_checkpoints,
     data = weights.read_bytes()
     weights.write_bytes(data[: len(data) // 2])
 
-    plan = plan_run(cfg, "auto")
+    plan = start_run(cfg, "auto")
     assert plan.checkpoint == previous
     err = capsys.readouterr().err
     assert f"the newest checkpoint {newest} is damaged (policy/model.safetensors is {len(data) // 2} bytes" in err
     assert f"resuming from the previous one, {previous}" in err
 
     with pytest.raises(PreflightError, match="step_000001 is damaged"):  # that checkpoint, named: no fallback
-        plan_run(cfg, str(newest))
+        start_run(cfg, str(newest))
 
     trainer = Trainer.from_config(cfg, progress=False)
     try:
@@ -143,7 +143,7 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous(two_checkpoints,
             load_checkpoint(trainer, newest)
         (previous / MANIFEST_FILE).unlink()  # a checkpoint from before manifests: loads unchecked
         shutil.rmtree(newest)
-        assert plan_run(cfg, "auto").checkpoint == previous
+        assert start_run(cfg, "auto").checkpoint == previous
         load_checkpoint(trainer, previous)
         assert trainer.step == 0
     finally:

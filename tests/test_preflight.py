@@ -1,5 +1,5 @@
 """Checks that need no model run before any model loads (and before `oppo prepare`), and report
-every problem at once: `oppo.run.plan_run` / `oppo.run.train` with loaders that must not run."""
+every problem at once: `oppo.run.start_run` / `oppo.run.train` with loaders that must not run."""
 
 from __future__ import annotations
 
@@ -178,9 +178,9 @@ def test_resume_mismatch_and_steps_named_in_user_terms(tiny_models, tiny_prompts
     assert "run.save_every" not in mismatch and "log.trace" not in mismatch  # may change on resume
     assert "run.steps=4" in steps and "step 4" in steps and "run.steps above 4" in steps
     ok = user_cfg(tiny_models, tiny_prompts, tmp_path, "overlap.mode=oppo", "ppo.kl_coef=0.1", "run.steps=5")
-    plan = oppo.run.plan_run(ok, resume="auto")
+    plan = oppo.run.start_run(ok, resume="auto")
     assert plan.checkpoint == ckpt and plan.start_step == 4 and plan.run_dir == tmp_path / "run"
-    assert oppo.run.plan_run(ok, resume=str(tmp_path / "run")).checkpoint == ckpt  # a run directory works too
+    assert oppo.run.start_run(ok, resume=str(tmp_path / "run")).checkpoint == ckpt  # a run directory works too
 
 
 def test_resume_without_a_run(tmp_path, nothing_loads):
@@ -206,8 +206,8 @@ def test_a_run_still_writing_its_directory_is_not_resumed(tiny_models, tiny_prom
         held.flush()
         fcntl.flock(held, fcntl.LOCK_EX)
         with pytest.raises(PreflightError, match="pid 12345.* is still writing"):
-            oppo.run.plan_run(cfg, resume="auto")
-    assert oppo.run.plan_run(cfg, resume="auto").checkpoint == ckpt  # released (the writer ended or died)
+            oppo.run.start_run(cfg, resume="auto")
+    assert oppo.run.start_run(cfg, resume="auto").checkpoint == ckpt  # released (the writer ended or died)
     assert (tmp_path / "run" / oppo.run.LOCK_FILE).read_text() == "12345\n"  # the check wrote nothing
     assert os.path.exists(ckpt / "state.json")
 
@@ -236,7 +236,7 @@ def test_one_validation_and_one_preflight_per_run(tiny_models, tiny_prompts, tmp
     """A tiny train validates its settings once and runs the object checks once, whether the Config
     comes from load_config (the CLI's path: it parses, the run's check validates), is built in code,
     or is changed in code after loading: ``setup.check`` is the run's one check, reached from
-    ``plan_run``, and the Trainer checks nothing again."""
+    ``start_run``, and the Trainer checks nothing again."""
     from oppo.config import Config
 
     checked: list[int] = []

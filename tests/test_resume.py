@@ -99,7 +99,7 @@ def test_final_checkpoint_weights_or_none_and_the_link_moves_after_a_step(tiny_m
 
     from oppo.checkpoint import checkpoint_dirs, is_weights_only
     from oppo.setup.preflight import PreflightError
-    from oppo.run import plan_run
+    from oppo.run import start_run
     from oppo.trainer import Trainer
 
     latest = tmp_path / "runs" / "latest"
@@ -110,7 +110,7 @@ def test_final_checkpoint_weights_or_none_and_the_link_moves_after_a_step(tiny_m
     assert is_weights_only(final) and not (final / "optim.pt").exists() and not (final / "rng.pt").exists()
     AutoModelForCausalLM.from_pretrained(final / "policy")
     with pytest.raises(PreflightError, match=f"weights only.*--resume {full}"):
-        plan_run(cfg_for(tiny_models, tiny_prompts, latest, 4, "sequential"), resume="auto")
+        start_run(cfg_for(tiny_models, tiny_prompts, latest, 4, "sequential"), resume="auto")
 
     def fail(self):
         raise RuntimeError("the first step fails")

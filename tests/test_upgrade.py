@@ -23,7 +23,7 @@ import oppo
 from oppo.config import CHANGED_DEFAULTS, Config, load_config, resumed_config, to_dict, user_set
 from oppo.checkpoint.formats import FormatError, upgraded
 from oppo.setup.preflight import PreflightError
-from oppo.run import plan_run
+from oppo.run import start_run
 from oppo.scheduler.tuner import OverlapTuner, check_format
 
 RELEASES = Path(__file__).parent / "fixtures" / "releases"
@@ -93,12 +93,12 @@ def test_set_default_refused_with_advice_that_works(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = load_config(None, MAKE.settings("oppo", run, 4) + ["ppo.micro_batch_tokens=-1"])
     with pytest.raises(PreflightError) as e:
-        plan_run(cfg, resume=run)
+        start_run(cfg, resume=run)
     said = str(e.value)
     assert "ppo.micro_batch_tokens is 0 in the checkpoint, -1 now" in said
     fix = said.split("resume with its settings (")[1].split(")")[0].split()
     assert fix == ["ppo.micro_batch_tokens=0"]
-    plan = plan_run(load_config(None, MAKE.settings("oppo", run, 4) + fix), resume=run)
+    plan = start_run(load_config(None, MAKE.settings("oppo", run, 4) + fix), resume=run)
     assert plan.checkpoint is not None and plan.start_step == 2
 
 
@@ -171,13 +171,13 @@ def test_tuner_unreadable_format_refused_before_models_load(tmp_path, monkeypatc
     state.write_text(json.dumps(d))  # (state.json is not in the manifest: it marks the checkpoint complete)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(PreflightError) as e:
-        plan_run(load_config(None, MAKE.settings("oppo", run, 4)), resume=run)
+        start_run(load_config(None, MAKE.settings("oppo", run, 4)), resume=run)
     said = str(e.value)
     assert "format 3, written by a newer oppo" in said
     advice = said.split("start a new run from its weights (")[1].split(",")[0]
     assert advice.startswith("policy.path=")
     fresh = MAKE.settings("oppo", "fresh", 1) + [advice]
-    assert plan_run(load_config(None, fresh)).checkpoint is None
+    assert start_run(load_config(None, fresh)).checkpoint is None
 
 
 def test_a_built_in_task_run_whose_models_were_rebuilt_is_told_what_to_do(tmp_path, monkeypatch):

@@ -22,7 +22,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "Config": "config", "ConfigError": "config", "load_config": "config", "help_text": "config",
     "Trainer": "trainer",
-    "train": "run", "plan_run": "run", "run_summary": "run",
+    "train": "run", "start_run": "run", "run_summary": "run",
     "PreflightError": "setup.preflight",
     "read_metrics": "metrics",
     "make_report": "report",

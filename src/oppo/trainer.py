@@ -168,7 +168,7 @@ class Trainer:
         them), their prompts are requeued."""
         roles, st = self.roles, state["state"]
         roles.learner.load_checkpoint_state(state["optim"])  # the learner takes the checkpoint's weights and states
-        roles.sync(st["step"])  # then every role that serves them, as after an update (weights.plan.WeightSync)
+        roles.sync(st["step"])  # then every role that serves them, as after an update (weights.steps.WeightSync)
         rng = state["rng"]
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])

@@ -11,7 +11,7 @@ from .placement import Placement, ResolvedPaths
 from .protocols import LearnerEngine, RolloutBackend, Scorer
 
 if TYPE_CHECKING:
-    from ..weights.plan import WeightSync  # (the weights import the Protocols: only a type here)
+    from ..weights.steps import WeightSync  # (the weights import the Protocols: only a type here)
     from ..algo.core import Algorithm
     from ..config import Config
     from ..data import PromptSet

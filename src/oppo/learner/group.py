@@ -417,7 +417,7 @@ class LearnerGroup:
 
     def update(self, exp: Experience, step: int, critic: bool = True) -> dict[str, float]:
         """Stage 6 on the group; returns the learner's stats (the weight sync is the trainer's:
-        ``weights.plan.WeightSync``)."""
+        ``weights.steps.WeightSync``)."""
         import ray
 
         ref = ray.put(portable(exp))  # once, read by every rank

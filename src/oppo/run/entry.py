@@ -1,7 +1,7 @@
 """``oppo train``: a Trainer in a run directory, with metrics, samples, trace and checkpoints.
 
 One path from a config to a step: the objects split from the settings (:mod:`oppo.setup.inputs`),
-the one check (:func:`~oppo.run.plan.plan_run`: the run directory and the checkpoint, then
+the one check (:func:`~oppo.run.start.start_run`: the run directory and the checkpoint, then
 ``setup.check``: the settings validated, every path and object, before any model loads), the
 roles built (``Trainer``), then
 the loop (:mod:`oppo.run.loop`). A resume continues in the run's own directory. SIGTERM or
@@ -27,7 +27,7 @@ from .dirs import create, remove_unfinished, take_lock
 from .files import FAILURE_FILE, record_failure, write_config
 from .lines import loading_line, machine_threads, policy_line, threads_lines
 from .loop import train_steps
-from .plan import RunPlan, plan_run
+from .start import RunStart, start_run
 from .stop import STOP
 from .summary import recovery_line, run_summary
 
@@ -68,18 +68,18 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True, *, poli
     cfg, inputs = split_inputs(cfg, policy=policy, tokenizer=tokenizer, reference=reference, critic=critic,
                                reward_model=reward_model, reward_fn=reward_fn, judge=judge, prompts=prompts)
     hf_logging.disable_progress_bar()  # "Loading weights" bars for every role drown the run's own output
-    plan = plan_run(cfg, resume, inputs)  # the one check: nothing is checked again below
-    cfg = plan.checked.cfg  # (a resume: a default changed since the checkpoint takes its value)
+    start = start_run(cfg, resume, inputs)  # the one check: nothing is checked again below
+    cfg = start.checked.cfg  # (a resume: a default changed since the checkpoint takes its value)
     # the entries of an existing run directory before this run (None: this run makes it), so that a
     # run failing before its first step removes only what it wrote
-    claim = _Claim(found=set(plan.run_dir.iterdir()) if plan.run_dir.is_dir() else None)
-    trainer = _load(plan, progress)
+    claim = _Claim(found=set(start.run_dir.iterdir()) if start.run_dir.is_dir() else None)
+    trainer = _load(start, progress)
     try:
-        run_dir = _open(trainer, plan, claim, progress)
+        run_dir = _open(trainer, start, claim, progress)
         first = trainer.step  # (a resume's: the checkpoint's step)
-        train_steps(trainer, run_dir, plan.link, resumed=plan.checkpoint is not None, objects=bool(inputs))
+        train_steps(trainer, run_dir, start.link, resumed=start.checkpoint is not None, objects=bool(inputs))
     except BaseException as e:
-        _on_failure(e, trainer, plan, claim, objects=bool(inputs))
+        _on_failure(e, trainer, start, claim, objects=bool(inputs))
         raise
     finally:
         STOP.active = STOP.final = False
@@ -91,39 +91,39 @@ def train(cfg: Config, resume: str | None = None, progress: bool = True, *, poli
     return run_dir
 
 
-def _load(plan: RunPlan, progress: bool) -> Trainer:
+def _load(start: RunStart, progress: bool) -> Trainer:
     """Build the roles from the run's checked settings and objects (the Trainer checks nothing
     again); objects that a role loads elsewhere are saved under the run directory's ``inputs/``."""
     from ..trainer import Trainer
 
-    cfg = plan.checked.cfg
+    cfg = start.checked.cfg
     if progress:
         for line in threads_lines(cfg, *machine_threads()):
             print(line, file=sys.stderr)
         print(loading_line(cfg), file=sys.stderr, flush=True)
     t_load = time.perf_counter()
-    trainer = Trainer(plan.checked, progress=progress)
+    trainer = Trainer(start.checked, progress=progress)
     if progress:
         print(f"models loaded in {time.perf_counter() - t_load:.1f}s", file=sys.stderr)
     return trainer
 
 
-def _open(trainer: Trainer, plan: RunPlan, claim: _Claim, progress: bool) -> Path:
+def _open(trainer: Trainer, start: RunStart, claim: _Claim, progress: bool) -> Path:
     """Restore the checkpoint, create and lock the run directory, say where the run writes and
     which rollout backend runs, and write its ``config.yaml``."""
-    cfg, ckpt = trainer.cfg, plan.checkpoint
+    cfg, ckpt = trainer.cfg, start.checkpoint
     if ckpt is not None:
         load_checkpoint(trainer, ckpt)
         print(f"resumed from {ckpt} at step {trainer.step}", file=sys.stderr)
     made = bool(trainer.inputs.saved)  # (models given as objects, saved in the run directory for other processes)
-    run_dir = create(plan.run_dir, fresh=plan.link is not None and ckpt is None and not made)
+    run_dir = create(start.run_dir, fresh=start.link is not None and ckpt is None and not made)
     claim.run_dir, claim.lock = run_dir, take_lock(run_dir)
     if claim.lock is None:  # another run took the directory since the check
         raise PreflightError([f"another oppo train is writing {run_dir} (started since the checks); "
                               f"give a fresh run.out_dir."])
     backend = trainer.roles.backend  # generation.backend=auto resolved: which backend runs, and why
     if progress:
-        linked = f" ({plan.link} will point to it once a step has finished)" if plan.link is not None else ""
+        linked = f" ({start.link} will point to it once a step has finished)" if start.link is not None else ""
         print(f"run directory: {run_dir}{linked}", file=sys.stderr)
         if backend:
             print(f"rollout backend: {backend}", file=sys.stderr)
@@ -133,13 +133,13 @@ def _open(trainer: Trainer, plan: RunPlan, claim: _Claim, progress: bool) -> Pat
     return run_dir
 
 
-def _on_failure(e: BaseException, trainer: Trainer, plan: RunPlan, claim: _Claim, objects: bool) -> None:
+def _on_failure(e: BaseException, trainer: Trainer, start: RunStart, claim: _Claim, objects: bool) -> None:
     """A run that this process had claimed failed: a new run with no finished step removes what it
     wrote; an error (not a signal's stop, which has its own message: cli.py) prints how to go on,
     and a run that is kept records it in ``failure.txt``."""
     if claim.lock is None or claim.run_dir is None:
         return
-    removed = plan.checkpoint is None and trainer.step == 0  # a new run of ours, no step done
+    removed = start.checkpoint is None and trainer.step == 0  # a new run of ours, no step done
     if removed:
         remove_unfinished(claim.run_dir, claim.found)
     if isinstance(e, Exception):

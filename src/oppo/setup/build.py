@@ -16,7 +16,7 @@ from ..api.roles import Models, Roles
 from ..config import Config
 from ..marker import is_marker
 from ..rollout.registry import check_backend
-from ..weights.plan import WeightSync
+from ..weights.steps import WeightSync
 from .inputs import Inputs, save_for_elsewhere
 from .load import load_models
 from .resolve import resolve

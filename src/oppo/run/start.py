@@ -1,5 +1,5 @@
 """Where a run writes and what it starts from, decided before anything is written or loaded, with
-every check that needs no model: the run's one preflight (:func:`plan_run`)."""
+every check that needs no model, then the one check of its inputs (:func:`start_run`)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from .resume import resume_problems, resumed_settings, verified
 
 
 @dataclass
-class RunPlan:
+class RunStart:
     """Where a run writes and what it starts from, decided before anything is written."""
 
     run_dir: Path
@@ -77,7 +77,7 @@ def _given(out_dir: str, out: Path, link: Path | None, resume: str) -> tuple[Pat
     return run_dir, ckpt, []
 
 
-def plan_run(cfg: Config, resume: str | None = None, inputs: Inputs | None = None) -> RunPlan:
+def start_run(cfg: Config, resume: str | None = None, inputs: Inputs | None = None) -> RunStart:
     """Decide the run directory and the checkpoint, and run every check that needs no model.
     ``inputs``: the objects given in place of paths (``cfg`` holds their markers: ``inputs.split_inputs``).
 
@@ -110,7 +110,7 @@ def plan_run(cfg: Config, resume: str | None = None, inputs: Inputs | None = Non
     inputs = inputs if inputs is not None else Inputs()
     inputs.save_dir = run_dir / INPUTS_DIR  # (models that a role loads in another process are saved there)
     checked = check(cfg, inputs, found=[*out_dir_problems(cfg.run.out_dir), *problems, *logging_problems(cfg.log)])
-    return RunPlan(run_dir, link, ckpt, checked, step)
+    return RunStart(run_dir, link, ckpt, checked, step)
 
 
 def logging_problems(log: LogConfig) -> list[str]:
