@@ -1,19 +1,32 @@
-"""Reward and judge curves of `oppo train` on the built-in task over several seeds and modes.
+"""Reward and judge curves of `oppo train` over several seeds and modes, and their table.
 
     python benchmarks/learning_curves.py --seeds 0,1,2 --modes sequential,oppo --out benchmarks/curves
+    python benchmarks/learning_curves.py --seeds 0,1,2 --modes sequential,oppo,pipeline --out benchmarks/real_model \
+        --recipe sentiment policy.path=/path/to/model
 
-Each (mode, seed) is one full `oppo train` run with the default settings (plus any overrides);
-the script writes the run directories, `curves.json` (per-step reward/judge per run and the
-first/last-5-step means), and the report pictures (mean over seeds with a min-max band).
+Each (mode, seed) is one full `oppo train` run with the default settings (the built-in task), or a
+recipe's (``--recipe``), plus any overrides; the script writes the run directories, `curves.json`
+(per-step reward/judge per run, the first/last-5-step means, the per-mode summary and the table's
+numbers), the report pictures (reward and judge against step and wall-clock, mean over seeds with
+a min-max band) and `table.md` (``learning_table.py``: per mode the rise against the seeds'
+spread, the windows inside sequential's band, the speed against sequential and the time to
+sequential's final reward), which it also prints.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
+import shlex
 import statistics
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # (learning_table beside this file)
+
+import learning_table  # noqa: E402
 
 from oppo.config import load_config
 from oppo.metrics import read_metrics
@@ -29,9 +42,16 @@ def main() -> int:
     p.add_argument("--merge", default=None,
                    help="Comma-separated output directories of earlier invocations (e.g. seeds run in two "
                         "batches): train nothing, write their runs' combined summary and pictures to --out.")
+    p.add_argument("--recipe", default=None,
+                   help="Start every run from this shipped recipe (`oppo recipes` lists them), as "
+                        "`oppo train --recipe NAME`; the overrides apply on top.")
+    p.add_argument("--machine", default="",
+                   help="What machine this is, for table.md (the versions of torch and transformers and the "
+                        "device are added).")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
     out = Path(args.out)
+    command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
     runs, labels, summary = [], [], {}
     if args.merge:
         out.mkdir(parents=True, exist_ok=True)
@@ -43,14 +63,17 @@ def main() -> int:
                     labels.append(v["mode"])
         order = sorted(range(len(runs)), key=lambda i: (labels[i], summary_key(runs[i])))
         runs, labels = [runs[i] for i in order], [labels[i] for i in order]
-        return finish(out, runs, labels, summary)
+        return finish(out, runs, labels, summary, args.machine, command)
     for mode in args.modes.split(","):
         for seed in (int(s) for s in args.seeds.split(",")):
             run_dir = out / f"{mode}_seed{seed}"
             cfg = load_config(None, [*args.overrides, f"overlap.mode={mode}", f"run.seed={seed}",
-                                     f"run.out_dir={run_dir}", "log.progress=false", "run.samples=0"])
+                                     f"run.out_dir={run_dir}", "log.progress=false", "run.samples=0"],
+                              recipe=args.recipe)
             print(f"{mode} seed {seed} -> {run_dir}", file=sys.stderr, flush=True)
+            load_before = load_average()
             train(cfg, progress=False)
+            load = [load_before, load_average()]
             ms = read_metrics(run_dir)
             first, last = ms[:5], ms[-5:]
             summary[f"{mode}_seed{seed}"] = {
@@ -66,6 +89,7 @@ def main() -> int:
                 "wallclock": [m["time/wallclock"] for m in ms],
                 "judge": [m.get("judge/mean") for m in ms],
                 "response_length_mean": [m["response_length/mean"] for m in ms],
+                "load_average_1m": load,  # the machine's, as the run started and ended (a shared box's)
             }
             if "task/accuracy" in ms[0]:  # tasks with one right answer (arith)
                 acc = [m["task/accuracy"] for m in ms]
@@ -74,16 +98,26 @@ def main() -> int:
                     accuracy_last20=statistics.mean(acc[-20:]))
             runs.append(run_dir)
             labels.append(mode)
-    return finish(out, runs, labels, summary)
+    return finish(out, runs, labels, summary, args.machine, command)
 
 
 def summary_key(run_dir: Path) -> int:
     return int(run_dir.name.rsplit("seed", 1)[1])
 
 
-def finish(out: Path, runs: list[Path], labels: list[str], summary: dict) -> int:
+def finish(out: Path, runs: list[Path], labels: list[str], summary: dict, machine: str = "",
+           command: str = "") -> int:
     summary["_by_mode"] = by_mode(summary)
+    table = learning_table.mode_rows([v for k, v in summary.items() if not k.startswith("_")])
+    summary["_table"] = table
     (out / "curves.json").write_text(json.dumps(summary, indent=1))
+    loads = [x for k, v in summary.items() if not k.startswith("_") for x in v.get("load_average_1m") or []
+             if x is not None]
+    if loads:
+        load = f"1-minute load average {min(loads):.1f}-{max(loads):.1f} at the runs' starts and ends"
+        machine = f"{machine}; {load}" if machine else load
+    page = learning_table.markdown(table, f"Learning benchmark: {out}", machine_line(machine), command)
+    (out / "table.md").write_text(page)
     for path in make_report(runs, out, labels=labels):
         print(path)
     for mode, agg in summary["_by_mode"].items():
@@ -93,7 +127,29 @@ def finish(out: Path, runs: list[Path], labels: list[str], summary: dict) -> int
             continue
         print(f"{k}: reward {v['reward_first5']:.3f} -> {v['reward_last5']:.3f}, judge {v['judge_first5']} -> "
               f"{v['judge_last5']}, kl {v['kl_last5']:.3f}, step {v['step_time_median_s']:.2f}s")
+    print(page)
+    print(out / "table.md")
     return 0
+
+
+def load_average() -> float | None:
+    """The 1-minute load average (None where the platform has none)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def machine_line(described: str) -> str:
+    """``described`` (``--machine``), then the device, the torch and transformers versions."""
+    import torch
+    import transformers
+
+    device = (f"GPU {torch.cuda.get_device_name(0)}" if torch.cuda.is_available()
+              else f"CPU only, {len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()} "
+                   f"cores visible ({platform.processor() or platform.machine()})")
+    return "; ".join(x for x in (described, device, f"torch {torch.__version__}",
+                                 f"transformers {transformers.__version__}", f"Python {platform.python_version()}") if x)
 
 
 def by_mode(summary: dict) -> dict:

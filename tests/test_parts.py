@@ -52,7 +52,8 @@ def test_a_part_whose_settings_are_no_dataclass_is_refused():
 def test_the_built_in_reward_terms_come_from_the_registry():
     from oppo import rewards
 
-    assert tuple(rewards.BUILTINS) == parts.REWARD_TERMS.names()[:6] == (
-        "math_accuracy", "format_reward", "boxed_format", "gsm8k_format", "think_format", "length_penalty")
+    assert tuple(rewards.BUILTINS) == parts.REWARD_TERMS.names()[:8] == (
+        "math_accuracy", "format_reward", "boxed_format", "gsm8k_format", "think_format", "length_penalty",
+        "vader_sentiment", "afinn_sentiment")
     assert rewards.length_penalty is parts.REWARD_TERMS.get("length_penalty").function
     assert rewards.BUILTIN_FUNCTIONS["math_accuracy"] is rewards.math_accuracy

@@ -234,7 +234,8 @@ BUILT_IN: dict[str, tuple[str, ...]] = {
     "placement": ("oppo.placements.local:SPEC", "oppo.placements.ray:SPEC"),
     "reward": ("oppo.rewards.mathcheck:MATH_ACCURACY", "oppo.rewards.shape:FORMAT_REWARD",
                "oppo.rewards.shape:BOXED_FORMAT", "oppo.rewards.shape:GSM8K_FORMAT", "oppo.rewards.shape:THINK_FORMAT",
-               "oppo.rewards.shape:LENGTH_PENALTY"),
+               "oppo.rewards.shape:LENGTH_PENALTY", "oppo.rewards.sentiment:VADER_SENTIMENT",
+               "oppo.rewards.sentiment:AFINN_SENTIMENT"),
 }
 """oppo's own parts by kind, ``"module:attribute"`` each: adding one is its file and a line here."""
 

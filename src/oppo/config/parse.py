@@ -313,7 +313,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if found is None:
             raise ConfigError(f"Unknown recipe {recipe!r}; the recipes are: {', '.join(recipes.names()) or 'none'} "
                               f"(`oppo recipes` says what each trains).")
-        items += _file_items(found, "Recipe")
+        # (a prompt file the recipe ships beside it: its bare name read as its path there)
+        items += [(key, recipes.shipped_path(value) if key == "data.prompts" else value, source)
+                  for key, value, source in _file_items(found, "Recipe")]
     if path is not None:
         p = Path(path)
         if not p.is_file():

@@ -4,7 +4,9 @@ A recipe is an ordinary ``--config`` YAML file in this folder, named ``NAME.yaml
 comment block says what it trains, with which public models and data sets, and what GPU and memory
 it was sized for; the block's first line is the one-line description ``oppo recipes`` lists.
 ``oppo train --recipe NAME`` (``oppo.load_config(recipe=NAME)``) reads it first; a ``--config`` file
-and ``key=value`` overrides apply on top. Imports nothing of oppo's (the config module reads it).
+and ``key=value`` overrides apply on top. A recipe may ship its prompts as a file in this folder:
+its ``data.prompts`` then names the bare file (``sentiment_prompts.jsonl``), which the config reads as
+that file's path here (:func:`shipped_path`). Imports nothing of oppo's (the config module reads it).
 """
 
 from __future__ import annotations
@@ -23,6 +25,16 @@ def find(name: str) -> Path | None:
     """The file of recipe ``name``, or None if there is none."""
     p = DIR / f"{name}.yaml"
     return p if name in names() else None
+
+
+def shipped_path(value):
+    """A recipe's ``data.prompts``: a bare file name of a file shipped in this folder, as that
+    file's absolute path; any other value (a path of the user's, a hub name) as it is."""
+    if isinstance(value, str) and value and Path(value).name == value and value.endswith((".jsonl", ".json", ".csv")):
+        p = DIR / value
+        if p.is_file():
+            return str(p)
+    return value
 
 
 def description(name: str) -> str:

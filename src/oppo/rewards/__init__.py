@@ -7,7 +7,9 @@ docs/rewards.md.
 
 - :func:`math_accuracy`: the final answer equals the data set's ``answer`` column (math-verify);
 - :func:`format_reward` (``boxed_format``, ``gsm8k_format``, ``think_format``): a layout is kept;
-- :func:`length_penalty`: a penalty past a length, hard or DAPO's soft overlong one.
+- :func:`length_penalty`: a penalty past a length, hard or DAPO's soft overlong one;
+- :func:`vader_sentiment`, :func:`afinn_sentiment`: a response's sentiment by two third-party
+  lexicon scorers (the ``[sentiment]`` extra: vaderSentiment, afinn).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any, Callable
 
 from ..parts import REWARD_TERMS
 from .mathcheck import gold_answer, is_correct, math_accuracy
+from .sentiment import afinn_sentiment, vader_sentiment
 from .shape import FORMATS, boxed_format, format_reward, gsm8k_format, length_penalty, think_format
 from .terms import BUILTINS, CompositeReward, RewardTermSpec, RewardTerm, check_settings, function_spec, parse_terms
 
@@ -38,4 +41,5 @@ def __getattr__(name: str) -> Any:
 
 __all__ = ["BUILTINS", "FORMATS", "CompositeReward", "RewardTermSpec", "RewardTerm", "boxed_format",
            "builtin_functions", "check_settings", "format_reward", "function_spec", "gold_answer", "gsm8k_format",
-           "is_correct", "length_penalty", "math_accuracy", "parse_terms", "think_format"]
+           "is_correct", "length_penalty", "math_accuracy", "parse_terms", "think_format", "vader_sentiment",
+           "afinn_sentiment"]
