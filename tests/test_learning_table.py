@@ -199,8 +199,8 @@ def test_vader_and_afinn_adapters():
 
 def test_a_bad_setting_of_the_sentiment_terms_stops_the_config():
     with pytest.raises(ConfigError, match="empty must be a number"):
-        oppo.load_config(recipe="sentiment",
-                         overrides=["reward.terms=[{function: vader_sentiment, kwargs: {empty: low}}]"])
+        oppo.config.validate(oppo.load_config(
+            recipe="sentiment", overrides=["reward.terms=[{function: vader_sentiment, kwargs: {empty: low}}]"]))
 
 
 # ------------------------------------------------------------------------------ the recipe
@@ -222,12 +222,13 @@ def test_the_recipe_ships_its_prompts_and_names_its_reward_and_judge():
 
 
 def test_the_recipes_hub_model_offline_is_refused_with_the_fix(monkeypatch):
-    from oppo import preflight
+    import oppo.models.hub
+    from test_preflight import input_problems
 
-    monkeypatch.setattr(preflight, "hub_reachable", lambda timeout=3.0: False)
-    monkeypatch.setattr(preflight, "_in_hub_cache", lambda name: False)
+    monkeypatch.setattr(oppo.models.hub, "hub_reachable", lambda timeout=3.0: False)
+    monkeypatch.setattr(oppo.models.hub, "in_hub_cache", lambda name: False)
     cfg = oppo.load_config(recipe="sentiment")
-    found = [p for p in preflight.input_problems(cfg) if p.startswith("policy.path=")]
+    found = [p for p in input_problems(cfg) if p.startswith("policy.path=")]
     assert len(found) == 1 and "policy.path=/local/dir" in found[0] and "hf download" in found[0]
 
 
@@ -249,7 +250,7 @@ def test_sentiment_recipe_two_steps_on_the_builtin_policy(builtin_home, tmp_path
         section, leaf = key.split(".")
         assert getattr(getattr(cfg, section), leaf) == getattr(getattr(recipe, section), leaf), key
     t0 = time.perf_counter()
-    trainer = oppo.Trainer(cfg, progress=False)
+    trainer = oppo.Trainer.from_config(cfg, progress=False)
     try:
         seen = []
         for _ in range(2):
