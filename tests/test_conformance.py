@@ -452,7 +452,7 @@ def _beside_scorer(tiny_models, ppo):
 
     inner = _local_learner(tiny_models, ppo).learner
     scorers = {"critic": StreamingScorer("critic", inner.critic, PAD)}
-    worker = ScorerWorker(scorers, 1, Tracer(), trainer=CriticTrainer(inner.critic_opt, ppo))
+    worker = ScorerWorker(scorers, 1, Tracer(), trainer=CriticTrainer(inner.critic_opt, inner.critic_settings))
     learner = CriticBesideScorer(inner, worker, Tracer(), ThreadBudget(1, 1, 1), in_flight=False)
     return Built(learner, (inner.actor, inner.critic), [worker])
 

@@ -25,7 +25,8 @@ import torch
 from oppo.algo import get_algorithm
 from oppo.config import PPOConfig
 from oppo.algo.stage import compute_advantages
-from oppo.learner.batch import attach_scores, build_experience, old_logprob_targets, set_old_logprobs
+from oppo.learner.batch import (OldLogprobSettings, attach_scores, build_experience, old_logprob_targets,
+                                set_old_logprobs)
 from oppo.models import backbone_and_head, load_tokenizer
 from oppo.learner.group import LearnerSpec, learner_state
 from oppo.api.specs import ModelSpec
@@ -162,7 +163,8 @@ def _rank_main(rank: int, world: int, port: int, paths: dict) -> None:
         shares: list = [None] * world
         dist.all_gather_object(shares, (rows, new))
         redo, off = old_logprob_targets(exp, 0, False)
-        set_old_logprobs(exp, torch.cat([s[0] for s in shares]), torch.cat([s[1] for s in shares]), redo, off, cfg)
+        set_old_logprobs(exp, torch.cat([s[0] for s in shares]), torch.cat([s[1] for s in shares]), redo, off,
+                         OldLogprobSettings.of(cfg))
         tol = dict(atol=BF16_LOGPROB_ATOL, rtol=0) if bf16 else dict(atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(exp.old_logprobs, want.old_logprobs, **tol)
         torch.testing.assert_close(exp.is_weights, want.is_weights, **tol)
