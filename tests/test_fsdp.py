@@ -24,7 +24,7 @@ import torch
 
 from oppo.algo import get_algorithm
 from oppo.config import PPOConfig
-from oppo.algo.stage import compute_advantages
+from oppo.algo.stage import AdvantageSettings, compute_advantages
 from oppo.learner.batch import (OldLogprobSettings, attach_scores, build_experience, old_logprob_targets,
                                 set_old_logprobs)
 from oppo.models import backbone_and_head, load_tokenizer
@@ -100,7 +100,8 @@ def _experience(actor, critic, pad: int, cfg: PPOConfig, algo, seed: int):
         r.logprobs = o.logprobs
     exp = build_experience(rollouts, pad, torch.device("cpu"))
     ref = [ScoredOutputs(logprobs=[x - 0.05 * rng.random() for x in o.logprobs]) for o in old]
-    return compute_advantages(attach_scores(exp, Scores([rng.gauss(0, 1) for _ in rollouts], ref, values)), cfg, algo)
+    return compute_advantages(attach_scores(exp, Scores([rng.gauss(0, 1) for _ in rollouts], ref, values)),
+                              AdvantageSettings.of(cfg), algo)
 
 
 def _close(got: dict, want: dict, what: str, atol: float):

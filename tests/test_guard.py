@@ -16,7 +16,7 @@ import torch
 
 from oppo.config import PPOConfig
 from oppo.guard import NonFiniteError, NonFiniteWarning
-from oppo.algo.stage import compute_advantages
+from oppo.algo.stage import AdvantageSettings, compute_advantages
 from oppo.learner.batch import build_experience
 from oppo.learner.local import UpdateSettings, train_minibatches
 from oppo.api.records import Rollout
@@ -142,11 +142,13 @@ def test_non_finite_advantages_name_the_cause_and_its_rows():
     exp = _experience([0.5, float("nan"), 1.0, float("inf")])
     with pytest.raises(NonFiniteError, match=r"non-finite scores at step 5, advantages: rows 1, 3 of 4 \(sequences "
                                              r"11, 13\).*check that the reward"):
-        compute_advantages(exp, PPOConfig(), get_algorithm("ppo"), step=5)
+        compute_advantages(exp, AdvantageSettings.of(PPOConfig()), get_algorithm("ppo"), step=5)
     with pytest.warns(NonFiniteWarning, match="non-finite scores"):
-        out = compute_advantages(exp, dataclasses.replace(PPOConfig(), nonfinite="skip"), get_algorithm("ppo"), 5)
+        out = compute_advantages(exp, AdvantageSettings.of(dataclasses.replace(PPOConfig(), nonfinite="skip")),
+                                 get_algorithm("ppo"), 5)
     assert not out.trainable
-    assert compute_advantages(_experience([0.5, 0.1, 1.0, 0.0]), PPOConfig(), get_algorithm("ppo")).trainable
+    assert compute_advantages(_experience([0.5, 0.1, 1.0, 0.0]), AdvantageSettings.of(PPOConfig()),
+                              get_algorithm("ppo")).trainable
 
 
 @pytest.mark.parametrize("engine", ["eager", "static"])

@@ -22,7 +22,7 @@ def test_every_mode_reads_the_table(mode):
     cfg = load_config(None, [f"overlap.mode={mode.name}"])
     flags = (mode.streams, mode.carries, mode.in_flight)
     assert (cfg.streams, cfg.carries, cfg.in_flight) == flags
-    policy = OverlapPolicy.of(cfg)
+    policy = OverlapPolicy.of(cfg.overlap)
     assert (policy.streams, policy.carries, policy.in_flight) == flags
     assert mode.help in dataclasses.fields(cfg.overlap)[0].metadata["help"]
 
