@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..parts import setting
-from . import Facts, Placed, PlacementSpec, local_rollout
+from . import Facts, Placed, PlacementSpec, local_rollout, rollout_settings
 
 if TYPE_CHECKING:
     import torch
@@ -153,13 +153,11 @@ def _with_rollout_workers(m: Models, placement: Placement, own: RaySettings, act
     import torch
 
     from ..api.specs import ModelSpec
-    from ..rollout import registry
     from ..rollout.ray import RayRolloutGroup
     from ..scoring.ray import FedByRollout
 
     cfg = m.cfg
-    settings = registry.backend_settings(cfg, m.stop_ids, m.pad_id, m.max_new_tokens, torch.device("cpu"),
-                                        prompt_width=m.prompt_set.width)
+    settings = rollout_settings(m, torch.device("cpu"))
     policy_spec = ModelSpec("policy", m.paths.policy, m.compute_dtype, pad_id=m.pad_id,
                             trust_remote_code=cfg.policy.trust_remote_code)
     stream = placement.rollout_streams_itself  # (the scorer actors serve every other mode)
