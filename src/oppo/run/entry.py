@@ -96,7 +96,7 @@ def _load(cfg: Config, inputs: Inputs, plan: RunPlan, progress: bool) -> Trainer
     from ..trainer import Trainer
 
     if progress:
-        for line in threads_lines(cfg, *machine_threads()):
+        for line in threads_lines(cfg.placement, cfg.streams, *machine_threads()):
             print(line, file=sys.stderr)
         print(loading_line(cfg), file=sys.stderr, flush=True)
     t_load = time.perf_counter()
@@ -126,7 +126,7 @@ def _open(trainer: Trainer, plan: RunPlan, claim: _Claim, progress: bool) -> Pat
         print(f"run directory: {run_dir}{linked}", file=sys.stderr)
         if backend:
             print(f"rollout backend: {backend}", file=sys.stderr)
-        print(policy_line(cfg), file=sys.stderr)
+        print(policy_line(cfg.overlap, cfg.ppo), file=sys.stderr)
     (run_dir / FAILURE_FILE).unlink(missing_ok=True)  # (an earlier failure of this run: it goes on now)
     write_config(run_dir, cfg, trainer.inputs, backend)
     return run_dir
