@@ -24,7 +24,7 @@ import random
 
 from oppo.config import PPOConfig
 from oppo.forward import RowPlan
-from oppo.learner.batch import micro_groups, token_budget
+from oppo.learner.batch import MicroBatching, micro_groups, token_budget
 
 
 def lengths(n: int, rng: random.Random, cap: int = 512) -> list[int]:
@@ -32,12 +32,13 @@ def lengths(n: int, rng: random.Random, cap: int = 512) -> list[int]:
 
 
 def measure(plan: RowPlan, cfg: PPOConfig, minibatches: list[list[int]]) -> tuple[int, float, list]:
+    micro = MicroBatching.of(cfg)
     shapes: dict[tuple[int, int], int] = {}
     computed = real = 0
     for lens in minibatches:
-        for group in micro_groups(None, list(range(len(lens))), cfg, lens):
+        for group in micro_groups(None, list(range(len(lens))), micro, lens):
             n = [lens[i] for i in group]
-            layout = plan.layout(n, token_budget(cfg), cfg.micro_batch_padding)
+            layout = plan.layout(n, token_budget(micro), micro.micro_batch_padding)
             shapes[(layout.rows, layout.width)] = shapes.get((layout.rows, layout.width), 0) + 1
             computed += layout.computed
             real += sum(n)

@@ -31,7 +31,8 @@ def _step(cast_once_on: bool, monkeypatch) -> tuple[int, list[torch.Tensor]]:
 
     cfg = PPOConfig(micro_batch_size=1, minibatch_size=MICRO, batch_size=MICRO, packing="off")  # (a bare batch: no lengths)
     with profile() as prof:
-        local.train_minibatches(model, opt, SimpleNamespace(mask=torch.ones(MICRO, 1)), [torch.arange(MICRO)], cfg, "actor",
+        local.train_minibatches(model, opt, SimpleNamespace(mask=torch.ones(MICRO, 1)), [torch.arange(MICRO)],
+                                local.UpdateSettings.of(cfg, "actor"), "actor",
                      micro, compute_dtype=torch.bfloat16)
     casts = sum(e.count for e in prof.key_averages() if e.key == "aten::_to_copy")
     return casts, [p.detach().clone() for p in model.parameters()]

@@ -150,17 +150,17 @@ def test_threads_lines_warn_only_on_an_oversubscribed_machine():
 
     cfg = Config()
     cfg.overlap.mode = "sequential"
-    calm = threads_lines(cfg, torch_threads=8, cores=16, usable=8, load=3.0)
+    calm = threads_lines(cfg.placement, cfg.streams, torch_threads=8, cores=16, usable=8, load=3.0)
     assert calm == ["threads: torch 8 (placement.threads=0: torch's default); 8 usable of 16 cores; "
                     "load average 3.0"]
-    busy = threads_lines(cfg, torch_threads=8, cores=16, usable=8, load=12.5)
+    busy = threads_lines(cfg.placement, cfg.streams, torch_threads=8, cores=16, usable=8, load=12.5)
     assert len(busy) == 2 and "oversubscribed (load average 12.5 over 8 usable cores" in busy[1]
     assert "placement.threads=1" in busy[1]
     cfg.placement.threads = 1
-    one = threads_lines(cfg, torch_threads=8, cores=8, usable=None, load=12.5)
+    one = threads_lines(cfg.placement, cfg.streams, torch_threads=8, cores=8, usable=None, load=12.5)
     assert one[0].startswith("threads: torch 1 (placement.threads=1); 8 cores")
     assert "already uses one thread" in one[1]
-    assert len(threads_lines(cfg, torch_threads=8, cores=8, usable=None, load=None)) == 1  # no load average
+    assert len(threads_lines(cfg.placement, cfg.streams, torch_threads=8, cores=8, usable=None, load=None)) == 1  # no load average
     # the load: the 1-minute average, but no more than what runs now besides this process (it lags a
     # minute: after `make demo`'s pip install it warned on an idle 2-core machine, issue 53)
     from oppo.run.lines import machine_threads, others_runnable

@@ -452,7 +452,7 @@ def _beside_scorer(tiny_models, ppo):
 
     inner = _local_learner(tiny_models, ppo).learner
     scorers = {"critic": StreamingScorer("critic", inner.critic, PAD)}
-    worker = ScorerWorker(scorers, 1, Tracer(), trainer=CriticTrainer(inner.critic_opt, ppo))
+    worker = ScorerWorker(scorers, 1, Tracer(), trainer=CriticTrainer(inner.critic_opt, inner.critic_settings))
     learner = CriticBesideScorer(inner, worker, Tracer(), ThreadBudget(1, 1, 1), in_flight=False)
     return Built(learner, (inner.actor, inner.critic), [worker])
 
@@ -522,7 +522,7 @@ def test_learner_conforms_and_round_trips(learner, tiny_models, tmp_path):
     """An update moves the policy the rollout side gets; the checkpoint state taken before it, with the
     controller's modules back at their weights then, restores the learner: the same update again
     gives the same stats."""
-    from oppo.algo.stage import compute_advantages
+    from oppo.algo.stage import AdvantageSettings, compute_advantages
     from oppo.learner.batch import attach_scores
     from oppo.learner.sharded import ShardedLearnerState
     from oppo.api.records import ScoredOutputs
@@ -537,7 +537,7 @@ def test_learner_conforms_and_round_trips(learner, tiny_models, tmp_path):
     T = exp.mask.shape[1]
     scored = Scores([0.5, -0.5, 1.0, 0.0], [ScoredOutputs(logprobs=[-1.0] * T)] * 4,
                     [ScoredOutputs(values=[0.1] * T)] * 4)
-    exp = compute_advantages(attach_scores(exp, scored), ppo, get_algorithm("ppo"))
+    exp = compute_advantages(attach_scores(exp, scored), AdvantageSettings.of(ppo), get_algorithm("ppo"))
     state0 = _stored(lrn.checkpoint_state(), tmp_path / "before")
     home0 = [copy.deepcopy(m.state_dict()) for m in (policy, critic)]  # (the weights the state goes with)
     weights0 = _actor_weights(lrn, tiny_models)

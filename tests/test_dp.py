@@ -15,7 +15,7 @@ ray = pytest.importorskip("ray")
 
 from oppo.algo import get_algorithm  # noqa: E402
 from oppo.config import PPOConfig  # noqa: E402
-from oppo.algo.stage import compute_advantages  # noqa: E402
+from oppo.algo.stage import AdvantageSettings, compute_advantages  # noqa: E402
 from oppo.learner.batch import Experience, attach_scores, build_experience  # noqa: E402
 from oppo.api.records import Scores  # noqa: E402
 from oppo.models import load_tokenizer  # noqa: E402
@@ -68,7 +68,8 @@ def _experience(learner, pad: int, seed: int) -> Experience:
         r.logprobs = o.logprobs
     exp.behaviour_logprobs = exp.old_logprobs = build_experience(rollouts, pad, torch.device("cpu")).old_logprobs
     ref = [ScoredOutputs(logprobs=[x - 0.05 * rng.random() for x in o.logprobs]) for o in old]
-    return compute_advantages(attach_scores(exp, Scores([rng.gauss(0, 1) for _ in rollouts], ref, values)), CFG, ALGO)
+    return compute_advantages(attach_scores(exp, Scores([rng.gauss(0, 1) for _ in rollouts], ref, values)),
+                              AdvantageSettings.of(CFG), ALGO)
 
 
 def _assert_state_close(got: dict, want: dict, moved_from: dict | None = None):

@@ -422,13 +422,18 @@ def test_auto_backend_is_static_with_graphs_on_cuda_for_supported_policies_else_
     # the settings a trainer builds its engine with: the policy is checked (config + a 2-token probe)
     cfg, model = Config(), _model()
     assert cfg.generation.backend == "auto"
-    s = backend_settings(cfg, (EOS,), PAD, 8, cuda, model=model, prompt_width=8)
+
+    def settings(stop_ids, pad_id, max_new_tokens, device, model):  # (as placements.rollout_settings reads cfg)
+        return backend_settings(cfg.generation, cfg.rollout, stop_ids, pad_id, max_new_tokens, device,
+                                seed=cfg.run.seed, max_rows=cfg.ppo.batch_size, prompt_width=8, model=model)
+
+    s = settings((EOS,), PAD, 8, cuda, model=model)
     assert (s.kind, s.backend.capture) == ("static", "cuda_graph") and "CUDA graphs" in s.reason
-    s = backend_settings(cfg, (EOS,), PAD, 8, torch.device("cpu"), model=model, prompt_width=8)
+    s = settings((EOS,), PAD, 8, torch.device("cpu"), model=model)
     assert s.kind == "eager" and s.backend is None
     model.config._attn_implementation = "flash_attention_2"
     try:
-        s = backend_settings(cfg, (EOS,), PAD, 8, cuda, model=model, prompt_width=8)
+        s = settings((EOS,), PAD, 8, cuda, model=model)
         assert s.kind == "eager" and "sdpa" in s.reason
     finally:
         model.config._attn_implementation = "sdpa"
@@ -437,7 +442,7 @@ def test_auto_backend_is_static_with_graphs_on_cuda_for_supported_policies_else_
     hybrid = Lfm2ForCausalLM(Lfm2Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                         num_attention_heads=4, num_key_value_heads=2,
                                         layer_types=["conv", "full_attention"]))
-    s = backend_settings(cfg, (EOS,), PAD, 8, cuda, model=hybrid, prompt_width=8)
+    s = settings((EOS,), PAD, 8, cuda, model=hybrid)
     assert s.kind == "eager" and "conv" in s.reason
     # Ray rollout workers run eager under auto (settings for cpu); static is refused there
     ray = ["placement.name=ray", "placement.ray.rollout_workers=2"]

@@ -24,8 +24,9 @@ import torch
 
 from oppo.algo import get_algorithm
 from oppo.config import PPOConfig
-from oppo.algo.stage import compute_advantages
-from oppo.learner.batch import attach_scores, build_experience, old_logprob_targets, set_old_logprobs
+from oppo.algo.stage import AdvantageSettings, compute_advantages
+from oppo.learner.batch import (OldLogprobSettings, attach_scores, build_experience, old_logprob_targets,
+                                set_old_logprobs)
 from oppo.models import backbone_and_head, load_tokenizer
 from oppo.learner.group import LearnerSpec, learner_state
 from oppo.api.specs import ModelSpec
@@ -100,7 +101,8 @@ def _experience(actor, critic, pad: int, cfg: PPOConfig, algo, seed: int):
         r.logprobs = o.logprobs
     exp = build_experience(rollouts, pad, torch.device("cpu"))
     ref = [ScoredOutputs(logprobs=[x - 0.05 * rng.random() for x in o.logprobs]) for o in old]
-    return compute_advantages(attach_scores(exp, Scores([rng.gauss(0, 1) for _ in rollouts], ref, values)), cfg, algo)
+    return compute_advantages(attach_scores(exp, Scores([rng.gauss(0, 1) for _ in rollouts], ref, values)),
+                              AdvantageSettings.of(cfg), algo)
 
 
 def _close(got: dict, want: dict, what: str, atol: float):
@@ -163,7 +165,8 @@ def _rank_main(rank: int, world: int, port: int, paths: dict) -> None:
         shares: list = [None] * world
         dist.all_gather_object(shares, (rows, new))
         redo, off = old_logprob_targets(exp, 0, False)
-        set_old_logprobs(exp, torch.cat([s[0] for s in shares]), torch.cat([s[1] for s in shares]), redo, off, cfg)
+        set_old_logprobs(exp, torch.cat([s[0] for s in shares]), torch.cat([s[1] for s in shares]), redo, off,
+                         OldLogprobSettings.of(cfg))
         tol = dict(atol=BF16_LOGPROB_ATOL, rtol=0) if bf16 else dict(atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(exp.old_logprobs, want.old_logprobs, **tol)
         torch.testing.assert_close(exp.is_weights, want.is_weights, **tol)

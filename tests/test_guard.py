@@ -16,9 +16,9 @@ import torch
 
 from oppo.config import PPOConfig
 from oppo.guard import NonFiniteError, NonFiniteWarning
-from oppo.algo.stage import compute_advantages
+from oppo.algo.stage import AdvantageSettings, compute_advantages
 from oppo.learner.batch import build_experience
-from oppo.learner.local import train_minibatches
+from oppo.learner.local import UpdateSettings, train_minibatches
 from oppo.api.records import Rollout
 
 
@@ -63,6 +63,10 @@ def _micro(model, bad_minibatches=(0,), nan_loss_rows=()):
     return step
 
 
+def _update(name: str, **kw) -> UpdateSettings:
+    return UpdateSettings.of(_cfg(**kw), name)
+
+
 def _cfg(**kw):
     # packing off: the bare batches below have no tokens to balance micro-batches by (runs of rows, in order)
     return dataclasses.replace(PPOConfig(), minibatch_size=2, micro_batch_size=1, packing="off", **kw)
@@ -76,7 +80,7 @@ def test_nan_gradient_stops_before_the_optimizer_step_naming_the_parameter():
     model, opt = _model_and_opt()
     snap = _snapshot(model, opt)
     with pytest.raises(NonFiniteError) as info:
-        train_minibatches(model, opt, SimpleNamespace(mask=MASK), MBS, _cfg(), "actor", _micro(model), step=7)
+        train_minibatches(model, opt, SimpleNamespace(mask=MASK), MBS, _update("actor"), "actor", _micro(model), step=7)
     msg = str(info.value)
     assert "non-finite gradient norm (nan) at step 7, actor update, optimizer step 1 of 2" in msg
     assert "parameters with non-finite gradients: 1.weight" in msg and "0.weight" not in msg
@@ -88,12 +92,14 @@ def test_skip_setting_skips_that_step_and_counts_it():
     model, opt = _model_and_opt()
     snap = _snapshot(model, opt)
     with pytest.warns(NonFiniteWarning, match="1.weight.*skipped"):
-        out = train_minibatches(model, opt, SimpleNamespace(mask=MASK), MBS[:1], _cfg(nonfinite="skip"), "critic", _micro(model), step=7)
+        out = train_minibatches(model, opt, SimpleNamespace(mask=MASK), MBS[:1], _update("critic", nonfinite="skip"), "critic",
+                                _micro(model), step=7)
     assert out == {"guard/skipped/critic": 1}  # no loss or norm of a skipped step in the means
     _assert_same(model, opt, snap)
     # the bad minibatch is skipped, the good one steps: its loss and norm are the update's
     with pytest.warns(NonFiniteWarning):
-        out = train_minibatches(model, opt, SimpleNamespace(mask=MASK), MBS, _cfg(nonfinite="skip"), "critic", _micro(model), step=8)
+        out = train_minibatches(model, opt, SimpleNamespace(mask=MASK), MBS, _update("critic", nonfinite="skip"), "critic",
+                                _micro(model), step=8)
     assert out["guard/skipped/critic"] == 1 and math.isfinite(out["grad_norm/critic"]) and math.isfinite(out["loss/policy"])
     assert not torch.equal(model[1].weight, snap[0]["1.weight"])
     assert all(torch.isfinite(p).all() for p in model.parameters())
@@ -104,7 +110,8 @@ def test_nan_loss_names_its_rows():
     snap = _snapshot(model, opt)
     with pytest.raises(NonFiniteError, match=r"non-finite loss at step 3, actor update, optimizer step 2 of 2: "
                                              r"rows 3 of the batch"):
-        train_minibatches(model, opt, SimpleNamespace(mask=MASK), MBS, _cfg(), "actor", _micro(model, bad_minibatches=(), nan_loss_rows=(3,)), step=3)
+        train_minibatches(model, opt, SimpleNamespace(mask=MASK), MBS, _update("actor"), "actor",
+                          _micro(model, bad_minibatches=(), nan_loss_rows=(3,)), step=3)
     assert not torch.equal(model[1].weight, snap[0]["1.weight"])  # (the first minibatch stepped, finite)
 
 
@@ -113,7 +120,8 @@ def test_non_finite_updated_weights_stop_before_the_sync():
     opt.param_groups[0]["lr"] = float("inf")  # finite gradients, an update that overflows every weight
     with pytest.raises(NonFiniteError, match=r"non-finite updated weights at step 2, actor update: 0.weight, 0.bias, "
                                              r"1.weight and 1 more; the run stopped before the weight sync"):
-        train_minibatches(model, opt, SimpleNamespace(mask=MASK), MBS[:1], _cfg(nonfinite="skip"), "actor", _micro(model, bad_minibatches=()), step=2)
+        train_minibatches(model, opt, SimpleNamespace(mask=MASK), MBS[:1], _update("actor", nonfinite="skip"), "actor",
+                          _micro(model, bad_minibatches=()), step=2)
 
 
 def _experience(scores):
@@ -134,11 +142,13 @@ def test_non_finite_advantages_name_the_cause_and_its_rows():
     exp = _experience([0.5, float("nan"), 1.0, float("inf")])
     with pytest.raises(NonFiniteError, match=r"non-finite scores at step 5, advantages: rows 1, 3 of 4 \(sequences "
                                              r"11, 13\).*check that the reward"):
-        compute_advantages(exp, PPOConfig(), get_algorithm("ppo"), step=5)
+        compute_advantages(exp, AdvantageSettings.of(PPOConfig()), get_algorithm("ppo"), step=5)
     with pytest.warns(NonFiniteWarning, match="non-finite scores"):
-        out = compute_advantages(exp, dataclasses.replace(PPOConfig(), nonfinite="skip"), get_algorithm("ppo"), 5)
+        out = compute_advantages(exp, AdvantageSettings.of(dataclasses.replace(PPOConfig(), nonfinite="skip")),
+                                 get_algorithm("ppo"), 5)
     assert not out.trainable
-    assert compute_advantages(_experience([0.5, 0.1, 1.0, 0.0]), PPOConfig(), get_algorithm("ppo")).trainable
+    assert compute_advantages(_experience([0.5, 0.1, 1.0, 0.0]), AdvantageSettings.of(PPOConfig()),
+                              get_algorithm("ppo")).trainable
 
 
 @pytest.mark.parametrize("engine", ["eager", "static"])

@@ -17,7 +17,7 @@ from oppo.algo import build_algorithm
 from oppo.checkpoint import settings_mismatches
 from oppo.config import Config, ConfigError, PPOConfig, load_config, to_dict
 from oppo.forward import RowPlan
-from oppo.learner.batch import Experience, old_logprob_targets, set_old_logprobs
+from oppo.learner.batch import Experience, OldLogprobSettings, old_logprob_targets, set_old_logprobs
 from oppo.learner.local import Learner
 from oppo.learner.offpolicy import staleness_stats
 from validated import load_valid
@@ -44,7 +44,7 @@ def _weights_at_step_1(pi_k: list[float], sampler: list[float], versions: list[i
     redo, off = old_logprob_targets(exp, version=1, recompute_all=False)
     rows = redo.any(1).nonzero().squeeze(1)
     new = torch.tensor([[L(p) for p in pi_k] + [0.0]])  # pi_k's log-probs (the training forward's)
-    exp = set_old_logprobs(exp, rows, new, redo, off, PPOConfig(is_truncate=is_truncate))
+    exp = set_old_logprobs(exp, rows, new, redo, off, OldLogprobSettings.of(PPOConfig(is_truncate=is_truncate)))
     return staleness_stats(exp, step=1, seq_lags=[1])
 
 

@@ -8,7 +8,7 @@ import torch
 import pytest
 
 from oppo.config import ConfigError, PPOConfig, load_config
-from oppo.learner.batch import Experience, micro_batches, padding_stats
+from oppo.learner.batch import Experience, MicroBatching, micro_batches, padding_stats
 from oppo.learner.local import Learner
 from oppo.forward import sequence_batch
 from validated import load_valid
@@ -38,13 +38,13 @@ def test_packed_minibatches_are_runs_of_balanced_micro_batches():
     (plain,), (mb,) = lr.minibatches(16, step=1), lr.minibatches(16, step=1, lengths=lengths)
     plain, mb = torch.tensor(plain), torch.tensor(mb)
     assert sorted(plain.tolist()) == sorted(mb.tolist())
-    cuts = micro_batches(None, mb, cfg, lengths.tolist())
+    cuts = micro_batches(None, mb, MicroBatching.of(cfg), lengths.tolist())
     assert torch.equal(torch.cat(cuts), mb) and len(cuts) == 4  # runs, minibatch / micro_batch_size of them
     loads = [int(lengths[c].sum()) for c in cuts]
     assert max(loads) - min(loads) <= 120 and loads == sorted(loads, reverse=True)
     # a token budget: more micro-batches, none of several rows over it
     tight = PPOConfig(batch_size=16, minibatch_size=16, micro_batch_size=4, micro_batch_tokens=100)
-    cuts = micro_batches(None, mb, tight, lengths.tolist())
+    cuts = micro_batches(None, mb, MicroBatching.of(tight), lengths.tolist())
     assert len(cuts) > 4 and all(len(c) == 1 or int(lengths[c].sum()) <= 100 for c in cuts)
 
 
@@ -62,13 +62,14 @@ def test_padding_stats_counts_rows_times_width():
     exp = Experience(rollouts=[], ids=ids, valid=valid, P=P, mask=rmask.float(), versions=rmask.long(),
                      behaviour_logprobs=rmask.float(), old_logprobs=rmask.float(), is_weights=rmask.float())
     # packed left, a micro-batch is as wide as its longest row: [0, 1] 2 x 6 = 12 for 10 real; [2] 3 for 3
-    stats = padding_stats(exp, [torch.tensor([0, 1, 2])], PPOConfig(micro_batch_size=2, packing="off"))
+    stats = padding_stats(exp, [torch.tensor([0, 1, 2])], MicroBatching.of(PPOConfig(micro_batch_size=2, packing="off")))
     assert stats["perf/train_tokens"] == 13
     assert abs(stats["perf/train_padded_frac"] - (1 - 13 / 15)) < 1e-9
     # packed: two micro-batches ([0] alone, [1, 2] of 7 tokens), one row each at this attention cost
     from oppo.forward import RowPlan
 
-    stats = padding_stats(exp, [torch.tensor([0, 1, 2])], PPOConfig(micro_batch_size=2), RowPlan(True, 1e-3))
+    stats = padding_stats(exp, [torch.tensor([0, 1, 2])], MicroBatching.of(PPOConfig(micro_batch_size=2)),
+                          RowPlan(True, 1e-3))
     assert stats == {"perf/train_tokens": 13.0, "perf/train_padded_frac": 0.0}
 
 
@@ -105,16 +106,17 @@ def test_token_budget_cuts_long_rows_few_and_short_rows_many():
     exp = _rows([40, 38, 10, 9, 9, 8, 2, 1])  # rows of 1 prompt token + these responses
     mb = torch.arange(8)
     cfg = PPOConfig(batch_size=8, minibatch_size=8, micro_batch_size=8, micro_batch_tokens=80, packing="off")
-    cuts = [c.tolist() for c in micro_batches(exp, mb, cfg)]
+    cuts = [c.tolist() for c in micro_batches(exp, mb, MicroBatching.of(cfg))]
     # [0, 1] would be 2 x 41 = 82 > 80: row 0 alone; [1, 2]: 2 x 39 = 78 (a third: 117); [3..7]: 5 x 10 = 50
     assert cuts == [[0], [1, 2], [3, 4, 5, 6, 7]]
     assert sum(cuts, []) == mb.tolist()  # every row once, in order
     # the row cap still holds; a row wider than the budget goes alone
     small = PPOConfig(batch_size=8, minibatch_size=8, micro_batch_size=2, micro_batch_tokens=30, packing="off")
-    assert [c.tolist() for c in micro_batches(exp, mb, small)] == [[0], [1], [2, 3], [4, 5], [6, 7]]
+    assert [c.tolist() for c in micro_batches(exp, mb, MicroBatching.of(small))] == [[0], [1], [2, 3], [4, 5], [6, 7]]
     # padding: less than with rows only
-    rows_only = padding_stats(exp, [mb], PPOConfig(batch_size=8, minibatch_size=8, micro_batch_size=4, packing="off"))
-    budget = padding_stats(exp, [mb], cfg)
+    rows_only = padding_stats(exp, [mb], MicroBatching.of(PPOConfig(batch_size=8, minibatch_size=8, micro_batch_size=4,
+                                                                 packing="off")))
+    budget = padding_stats(exp, [mb], MicroBatching.of(cfg))
     assert budget["perf/train_padded_frac"] < rows_only["perf/train_padded_frac"]
 
 
@@ -126,13 +128,13 @@ def test_padding_cap_keeps_every_micro_batch_under_it():
     mb = torch.arange(len(lengths))
     rows_only = PPOConfig(batch_size=12, minibatch_size=12, micro_batch_size=4, packing="off")
     capped = PPOConfig(batch_size=12, minibatch_size=12, micro_batch_size=4, micro_batch_padding=0.1, packing="off")
-    cuts = [c.tolist() for c in micro_batches(exp, mb, capped)]
+    cuts = [c.tolist() for c in micro_batches(exp, mb, MicroBatching.of(capped))]
     assert sum(cuts, []) == mb.tolist()  # every row once, in order
     real = [n + 1 for n in lengths]  # (each row: one prompt token + its response)
     for c in cuts:
         assert len(c) <= 4 and 1 - sum(real[i] for i in c) / (len(c) * max(real[i] for i in c)) <= 0.1, c
-    before = padding_stats(exp, [mb], rows_only)["perf/train_padded_frac"]
-    after = padding_stats(exp, [mb], capped)["perf/train_padded_frac"]
+    before = padding_stats(exp, [mb], MicroBatching.of(rows_only))["perf/train_padded_frac"]
+    after = padding_stats(exp, [mb], MicroBatching.of(capped))["perf/train_padded_frac"]
     assert before > 0.1 >= after
     with pytest.raises(ConfigError, match="micro_batch_padding"):
         load_valid(None, ["ppo.micro_batch_padding=1.5"])
@@ -191,10 +193,10 @@ def test_varlen_rows_of_a_fixed_ladder_give_the_same_gradient(tiny_models):
     for name, plan in (("alone", RowPlan(False)), ("varlen", RowPlan(True, buckets=True, varlen=True))):
         model = copy.deepcopy(policy).requires_grad_(True)
         lr = Learner(model, None, cfg, temperature=1.0, seed=0)
-        groups = micro_groups(exp, list(range(8)), cfg) if name == "varlen" else [[i] for i in range(8)]
+        groups = micro_groups(exp, list(range(8)), lr.micro) if name == "varlen" else [[i] for i in range(8)]
         total = 0.0
         for g in groups:
-            mb = micro_slices(exp, g, plan, cfg)
+            mb = micro_slices(exp, g, plan, lr.micro)
             if name == "varlen":
                 n = sum(exp.valid[g].sum(1).tolist())
                 assert mb.layout.rows == 1 and mb.layout.varlen and n <= mb.layout.width <= 48  # (a rung, or the budget)

@@ -28,31 +28,31 @@ class _OnCuda(torch.nn.Module):
 
 def _learner(model, **ppo):
     cfg = PPOConfig(batch_size=64, minibatch_size=32, micro_batch_size=4, **ppo)
-    return SimpleNamespace(cfg=cfg, actor=model, critic=None, device=torch.device("cpu"))
+    return SimpleNamespace(ppo=cfg, actor=model, critic=None, device=torch.device("cpu"))
 
 
 def test_a_rank_on_cuda_gets_a_budget_and_the_ranks_agree_on_the_smallest(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (100 * GIB, 141 * GIB))
     said: list[str] = []
     one = _learner(_OnCuda())
-    assert one.cfg.micro_batch_tokens == -1
+    assert one.ppo.micro_batch_tokens == -1
     resolve_token_budget(one, False, 1, say=said.append)
     # 35% of 100 GiB over (20 h + 8 i) x 16 layers = 1.63 MiB a token: 21,504 tokens (1024s), in [4096, 131072]
-    assert one.cfg.micro_batch_tokens == 21504 and one.cfg.micro_batch_size == 32  # the budget alone cuts
+    assert one.ppo.micro_batch_tokens == 21504 and one.ppo.micro_batch_size == 32  # the budget alone cuts
     assert any("21504 tokens" in line for line in said), said
     two = _learner(_OnCuda())
     resolve_token_budget(two, False, 2, smallest=lambda n: min(n, 9216), say=said.append)  # another rank: less free
-    assert two.cfg.micro_batch_tokens == 9216 and "smallest of the 2 ranks" in said[-1]
+    assert two.ppo.micro_batch_tokens == 9216 and "smallest of the 2 ranks" in said[-1]
 
 
 def test_cpu_ranks_and_a_given_budget_are_left_as_they_mean():
     cpu = _learner(torch.nn.Linear(2, 2))
     resolve_token_budget(cpu, False, 1, say=print)
-    assert cpu.cfg.micro_batch_tokens == 0 and cpu.cfg.micro_batch_size == 4  # no budget, as before
+    assert cpu.ppo.micro_batch_tokens == 0 and cpu.ppo.micro_batch_size == 4  # no budget, as before
     given = _learner(_OnCuda(), micro_batch_tokens=2048)
-    before = dataclasses.replace(given.cfg)
+    before = dataclasses.replace(given.ppo)
     resolve_token_budget(given, False, 2, smallest=lambda n: pytest.fail("no agreement needed"), say=print)
-    assert given.cfg == before
+    assert given.ppo == before
 
 
 def test_the_data_parallel_engine_resolves_it_on_its_rank(tiny_models, tmp_path):
@@ -72,4 +72,4 @@ def test_the_data_parallel_engine_resolves_it_on_its_rank(tiny_models, tmp_path)
         learner = Replicated().build(spec, 1, "cpu")
     finally:
         dist.destroy_process_group()
-    assert learner.cfg.micro_batch_tokens == 0
+    assert learner.ppo.micro_batch_tokens == 0 and learner.micro.micro_batch_tokens == 0

@@ -23,7 +23,7 @@ def test_every_mode_reads_the_table(mode):
     cfg = load_config(None, [f"overlap.mode={mode.name}"])
     flags = (mode.streams, mode.carries, mode.in_flight)
     assert (cfg.streams, cfg.carries, cfg.in_flight) == flags
-    policy = OverlapPolicy.of(cfg)
+    policy = OverlapPolicy.of(cfg.overlap)
     assert (policy.streams, policy.carries, policy.in_flight) == flags
     assert mode.help in dataclasses.fields(cfg.overlap)[0].metadata["help"]
 
@@ -139,7 +139,8 @@ def test_a_saved_config_with_old_names_loads_with_the_new_ones(tmp_path):
 def test_the_start_line_says_whether_tokens_may_be_off_policy(overrides, on_policy):
     from oppo.run import policy_line
 
-    line = policy_line(load_config(None, overrides))
+    cfg = load_config(None, overrides)
+    line = policy_line(cfg.overlap, cfg.ppo)
     assert "\n" not in line
     assert line.startswith("on-policy:" if on_policy else "may train off-policy tokens:"), line
     assert "overlap.mode=sequential ppo.epochs=4" in line  # how to get TRL's behaviour

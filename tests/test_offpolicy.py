@@ -2,6 +2,7 @@
 stale state of carried sequences (stale_kv, stale_values)."""
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -56,7 +57,7 @@ def test_off_policy_tokens_get_pi_k_and_a_truncated_weight():
 def test_untruncated_weight():
     exp = _hand_experience()
     lrn = _hand_learner(recompute_old=False)
-    lrn.cfg.is_truncate = None
+    lrn.ppo = dataclasses.replace(lrn.ppo, is_truncate=None)  # (its records built again)
     exp = lrn.old_logprobs(exp, version=1)
     assert exp.is_weights[0, 0].item() == pytest.approx(2.0)
 
@@ -83,7 +84,7 @@ def test_staleness_weights_use_the_untruncated_sampler_distribution():
     exp.behaviour_logprobs = torch.tensor([[L(0.8), L(0.4)], [L(1.0), 0.0]])  # truncated, renormalised
     exp.old_logprobs = exp.policy_logprobs.clone()  # (as build_experience sets it)
     lrn = _hand_learner(recompute_old=False)
-    lrn.cfg.is_truncate = None
+    lrn.ppo = dataclasses.replace(lrn.ppo, is_truncate=None)  # (its records built again)
     exp = lrn.old_logprobs(exp, version=1)
     # off-policy token: pi_1 / pi_0 = .5 / .4 = 1.25 (against the truncated .8 it would be .625)
     torch.testing.assert_close(exp.is_weights, torch.tensor([[1.25, 1.0], [1.0, 1.0]]))

@@ -17,7 +17,7 @@ ray = pytest.importorskip("ray")
 
 from oppo.config import PPOConfig  # noqa: E402
 from oppo.learner.batch import CriticBatch  # noqa: E402
-from oppo.learner.local import critic_update
+from oppo.learner.local import CriticSettings, critic_update
 from oppo.models import load_critic, load_tokenizer  # noqa: E402
 from oppo.scoring.ray import RayScorerWorker  # noqa: E402
 from oppo.api.specs import ModelSpec  # noqa: E402
@@ -154,7 +154,7 @@ def test_ray_critic_trains_like_locally_and_failures_are_named(ray_worker, specs
                         torch.randn(rmask.shape, generator=g) * rmask)
     mbs = [torch.tensor([2, 0]), torch.tensor([3, 1])]
     opt = torch.optim.AdamW(local.parameters(), lr=CFG.critic_lr, weight_decay=CFG.weight_decay)
-    want_stats = critic_update(local, opt, batch, mbs, CFG)
+    want_stats = critic_update(local, opt, batch, mbs, CriticSettings.of(CFG))
 
     before = w.critic_state()
     w.train_critic(batch, mbs, step=0)

@@ -207,14 +207,14 @@ def test_micro_batch_token_budget_sized_to_the_device(tiny_models):
     from types import SimpleNamespace
 
     from oppo.config import PPOConfig
-    from oppo.learner.batch import token_budget
+    from oppo.learner.batch import MicroBatching, token_budget
     from oppo.learner.budget import activation_bytes, sized
     from oppo.models import load_causal_lm
 
     one_b = SimpleNamespace(config=SimpleNamespace(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16))
     assert activation_bytes(one_b) == 16 * (20 * 2048 + 8 * 5632)
     assert activation_bytes(one_b, checkpointing=True) == 2 * 2048 * 16 + 20 * 2048 + 8 * 5632
-    assert PPOConfig().micro_batch_tokens == -1 and token_budget(PPOConfig()) == 0  # unresolved: no budget
+    assert PPOConfig().micro_batch_tokens == -1 and token_budget(MicroBatching.of(PPOConfig())) == 0  # unresolved: no budget
     policy = load_causal_lm(str(tiny_models["policy"]), "policy", torch.device("cpu"), torch.float32)
     cpu = sized(PPOConfig(), [policy])
     assert cpu.micro_batch_tokens == 0 and cpu.micro_batch_size == PPOConfig().micro_batch_size
@@ -249,21 +249,21 @@ def test_varlen_layouts_hold_a_few_shapes_for_a_run():
     row takes at most three widths, with the padded share the ladder allows (a third at most)."""
     from oppo.config import PPOConfig
     from oppo.forward import varlen_width
-    from oppo.learner.batch import micro_groups, token_budget
+    from oppo.learner.batch import MicroBatching, micro_groups, token_budget
 
     assert [varlen_width(n) for n in (1, 17, 256, 257, 385, 1000, 1025, 1537, 4097)] == [16, 24, 256, 384, 512, 1024,
                                                                                            1536, 2048, 6144]
     rng = random.Random(0)
     runs = [[max(2, min(512, int(rng.lognormvariate(4.6, 0.8)))) for _ in range(32)] for _ in range(20)]
-    cfg = PPOConfig(minibatch_size=32, micro_batch_size=32, micro_batch_tokens=16384)
+    micro = MicroBatching.of(PPOConfig(minibatch_size=32, micro_batch_size=32, micro_batch_tokens=16384))
     seen: dict[str, set] = {"mask": set(), "varlen": set()}
     real = computed = 0
     for lens in runs:
-        for group in micro_groups(None, list(range(32)), cfg, lens):
+        for group in micro_groups(None, list(range(32)), micro, lens):
             n = [lens[i] for i in group]
             for name, plan in (("mask", RowPlan(True, 1 / 12288, buckets=True)),
                                ("varlen", RowPlan(True, buckets=True, varlen=True))):
-                lay = plan.layout(n, token_budget(cfg))
+                lay = plan.layout(n, token_budget(micro))
                 _placed(lay)
                 seen[name].add((lay.rows, lay.width))
                 if name == "varlen":

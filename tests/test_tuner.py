@@ -387,14 +387,16 @@ def test_every_overlap_controller_is_driven_one_way(extra, kind):
     cfg = load_config(None, ["policy.path=p", "reward.path=r", "data.prompts=d", "overlap.mode=oppo", "overlap.delta=-1",
                              "overlap.delta_min=0", "overlap.delta_max=8", "overlap.chunk_candidates=[4,8]",
                              "ppo.batch_size=8", "ppo.minibatch_size=8", "ppo.micro_batch_size=8", *extra])
-    controller, delta = build_controller(cfg, streams=True, in_flight=False)
+    controller, delta = build_controller(cfg.overlap, cfg.ppo.batch_size, cfg.group_size, cfg.run.steps,
+                                         streams=True, in_flight=False)
     assert type(controller).__name__ == kind
     assert controller.chunk_size() == 4 and hasattr(delta, "update")  # Delta moves: a rule, not a number
     for k in range(6):
         controller.observe(StepTiming(1.0 + 0.1 * k, 100.0, 0.1, (10,) * 8, 10.0, 0.5))
     assert all(isinstance(line, str) for line in controller.take_decisions())
     assert isinstance(controller.step_metrics(), dict)
-    again, _ = build_controller(cfg, streams=True, in_flight=False)
+    again, _ = build_controller(cfg.overlap, cfg.ppo.batch_size, cfg.group_size, cfg.run.steps,
+                                streams=True, in_flight=False)
     again.load_state_dict(controller.state_dict())
     assert again.chunk_size() == controller.chunk_size()
 

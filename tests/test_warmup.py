@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from oppo.config import ConfigError, PPOConfig, load_config
-from oppo.learner.local import train_minibatches
+from oppo.learner.local import UpdateSettings, train_minibatches
 from oppo.trainer import Trainer
 from validated import load_valid
 
@@ -27,7 +27,8 @@ def _run(opt, model, cfg, n_minibatches: int) -> list[float]:
         return {"_frac": 1.0}
 
     mask = torch.ones(n_minibatches, 3)
-    train_minibatches(model, opt, SimpleNamespace(mask=mask), list(torch.arange(n_minibatches).split(1)), cfg, "actor", micro)
+    train_minibatches(model, opt, SimpleNamespace(mask=mask), list(torch.arange(n_minibatches).split(1)),
+                      UpdateSettings.of(cfg, "actor"), "actor", micro)
     opt.step = step
     return used
 

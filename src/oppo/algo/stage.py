@@ -4,7 +4,8 @@ algorithm's rewards and advantages, with the non-finite guard, for every mode al
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -17,8 +18,24 @@ if TYPE_CHECKING:
     from ..learner.batch import Experience
 
 
+@dataclass(frozen=True)
+class AdvantageSettings:
+    """What the advantage stage reads of the ``ppo`` section besides the algorithm: the penalty of
+    a response without EOS (``ppo.missing_eos_penalty``) and what the guard does with a non-finite
+    value (``ppo.nonfinite``). A record, so the stage reads no config object."""
+
+    missing_eos_penalty: Optional[float] = None
+    nonfinite: str = "error"
+
+    @classmethod
+    def of(cls, ppo: PPOConfig) -> "AdvantageSettings":
+        """The settings a ``ppo`` section holds (any object with these fields)."""
+        return cls(ppo.missing_eos_penalty, ppo.nonfinite)
+
+
 @torch.no_grad()
-def compute_advantages(exp: Experience, cfg: PPOConfig, algorithm: Algorithm, step: int = -1) -> Experience:
+def compute_advantages(exp: Experience, settings: AdvantageSettings, algorithm: Algorithm, step: int = -1
+                       ) -> Experience:
     """Stages 4 and 5 (a new record): per-token rewards (KL-shaped when the KL goes in the reward),
     then the algorithm's advantages and, with a critic, returns.
 
@@ -28,7 +45,7 @@ def compute_advantages(exp: Experience, cfg: PPOConfig, algorithm: Algorithm, st
     back ``trainable=False`` (the step's update is skipped: ``control.stages.update``)."""
     assert exp.scores is not None  # (attach_scores runs first)
     ended = torch.tensor([r.ended_with_eos for r in exp.rollouts], device=exp.scores.device)
-    scores = missing_eos_penalty(exp.scores, ended, cfg.missing_eos_penalty)
+    scores = missing_eos_penalty(exp.scores, ended, settings.missing_eos_penalty)
     res = algorithm.advantages(scores, exp.mask, exp.old_logprobs, exp.ref_logprobs, exp.values, exp.group_ids)
     bad = guard.nonfinite_rows({"scores": scores, "values": exp.values, "reference log-probs": exp.ref_logprobs,
                                 "old log-probs": exp.old_logprobs, "importance weights": exp.is_weights,
@@ -38,7 +55,7 @@ def compute_advantages(exp: Experience, cfg: PPOConfig, algorithm: Algorithm, st
         name, rows = bad
         guard.report(f"non-finite {name} at {guard.at_step(step)}, advantages: rows {guard.first(rows)} of "
                      f"{exp.mask.shape[0]} (sequences {guard.first([exp.rollouts[i].uid for i in rows])})",
-                     skip=cfg.nonfinite == "skip")
+                     skip=settings.nonfinite == "skip")
     return dataclasses.replace(exp, rewards=res.rewards, kl=res.kl, advantages=res.advantages, returns=res.returns,
                                stats={**(exp.stats or {}), **{k: float(v) for k, v in res.stats.items()}},
                                trainable=bad is None)

@@ -62,7 +62,7 @@ def _decode_while_training(run: s.Run, step: int, chunk: int | None, update) -> 
     """Pipeline: admit the next step's sequences (sampled by this step's weights) and decode them
     until the update is done."""
     nxt, decoded, rollout = step + 1, 0, run.roles.rollout
-    if nxt < run.cfg.run.steps:
+    if nxt < run.steps:
         s.admit(run, run.scheduler.begin_step().seqs, step)
         run.streams.next_begun = True
         t_span = time.perf_counter()

@@ -17,8 +17,8 @@ from typing import cast
 import torch
 
 from .. import modes
-from ..algo.stage import compute_advantages
-from ..config import Config
+from ..algo.stage import AdvantageSettings, compute_advantages
+from ..config import OverlapConfig
 from ..learner.batch import Experience, attach_scores, build_experience
 from ..learner.offpolicy import staleness_stats
 from ..scheduler import Scheduler, StepTiming
@@ -45,10 +45,11 @@ class OverlapPolicy:
     recompute_values: bool  # overlap.stale_values=recompute
 
     @classmethod
-    def of(cls, cfg: Config) -> "OverlapPolicy":
-        mode = modes.get(cfg.overlap.mode)
-        return cls(mode.streams, mode.carries, mode.in_flight, cfg.overlap.stale_kv == "recompute",
-                   cfg.overlap.stale_values == "recompute")
+    def of(cls, overlap: OverlapConfig) -> "OverlapPolicy":
+        """The policy the ``overlap`` section sets."""
+        mode = modes.get(overlap.mode)
+        return cls(mode.streams, mode.carries, mode.in_flight, overlap.stale_kv == "recompute",
+                   overlap.stale_values == "recompute")
 
 
 @dataclass
@@ -64,13 +65,17 @@ class Run:
     """The controller's state over the roles, one part per job: the scheduler's tickets; the
     overlap controller that sets Delta and the chunk size (``controller.py``); the rows in
     flight and which of them stream to the scorers (``streams.py``); their checkpoint save,
-    restore and drain (``inflight.py``); and (pipeline) the learner thread."""
+    restore and drain (``inflight.py``); and (pipeline) the learner thread. It reads the settings it
+    needs from the roles' config once, here: ``policy`` (``overlap.*``), ``steps`` (``run.steps``) and
+    ``advantage`` (what the advantage stage reads of ``ppo.*``)."""
 
     def __init__(self, roles: Roles):
         cfg = roles.cfg
-        self.roles, self.cfg, self.policy = roles, cfg, OverlapPolicy.of(cfg)
+        self.roles, self.policy = roles, OverlapPolicy.of(cfg.overlap)
+        self.steps, self.advantage = cfg.run.steps, AdvantageSettings.of(cfg.ppo)
         self.threads, self.tracer = roles.placement.threads, roles.tracer
-        self.controller, delta = build_controller(cfg, self.policy.streams, self.policy.in_flight)
+        self.controller, delta = build_controller(cfg.overlap, cfg.ppo.batch_size, cfg.group_size, cfg.run.steps,
+                                                  self.policy.streams, self.policy.in_flight)
         o = cfg.overlap
         self.scheduler = Scheduler(cfg.ppo.batch_size, o.max_lag if cfg.carries else 0, delta,
                                    refill=o.refill and cfg.carries, group_size=cfg.group_size,
@@ -345,14 +350,14 @@ def update(run: Run, exp: Experience, txt: list[str], scores: Scores, step: int)
     ``ppo.nonfinite=skip`` the skipped optimizer steps are counted (``guard/skipped_updates``)."""
     batch = exp.rollouts
     with run.tracer.span("learner", "advantages", step):
-        exp = compute_advantages(attach_scores(exp, scores), run.cfg.ppo, run.roles.algorithm, step)
+        exp = compute_advantages(attach_scores(exp, scores), run.advantage, run.roles.algorithm, step)
     if exp.trainable:
         with run.tracer.span("learner", "train", step):
             stats = run.roles.learner.update(exp, step)
     else:  # non-finite advantages under ppo.nonfinite=skip (warned): every optimizer step of the update skipped
         n = len(run.roles.learner.minibatches(exp.mask.shape[0], step))
         stats = {"guard/skipped/actor": n, **({"guard/skipped/critic": n} if run.roles.critic is not None else {})}
-    if run.cfg.ppo.nonfinite == "skip":
+    if run.advantage.nonfinite == "skip":
         stats["guard/skipped_updates"] = sum(v for k, v in stats.items() if k.startswith("guard/skipped/"))
         run.skipped_updates += stats["guard/skipped_updates"]
         stats["guard/skipped_updates_total"] = run.skipped_updates

@@ -22,6 +22,41 @@ if TYPE_CHECKING:  # (the config lists the learner engines: no import back at ru
     from ..config import PPOConfig
 
 
+@dataclass(frozen=True)
+class MicroBatching:
+    """How a minibatch is cut into micro-batches and laid out in rows (``ppo.packing``,
+    ``micro_batch_size``, ``micro_batch_tokens``, ``micro_batch_padding``, ``shape_buckets``): a
+    record built once from the ``ppo`` section (:meth:`of`), so that the cutting reads no config."""
+
+    packing: str = "auto"
+    micro_batch_size: int = 8
+    micro_batch_tokens: int = 0
+    micro_batch_padding: float = 0.0
+    shape_buckets: str = "auto"
+
+    @classmethod
+    def of(cls, ppo: PPOConfig) -> "MicroBatching":
+        """The settings a ``ppo`` section holds (its token budget as given: -1 until ``learner.budget``
+        resolves it)."""
+        return cls(ppo.packing, ppo.micro_batch_size, ppo.micro_batch_tokens, ppo.micro_batch_padding,
+                   ppo.shape_buckets)
+
+
+@dataclass(frozen=True)
+class OldLogprobSettings:
+    """What :func:`set_old_logprobs` reads of the ``ppo`` section: the importance weights'
+    truncation (``ppo.is_truncate``) and the ratio's clip range its statistic counts against
+    (``clip_eps``, ``clip_eps_high``)."""
+
+    is_truncate: float | None = 2.0
+    clip_eps: float = 0.2
+    clip_eps_high: float | None = None
+
+    @classmethod
+    def of(cls, ppo: PPOConfig) -> "OldLogprobSettings":
+        return cls(ppo.is_truncate, ppo.clip_eps, ppo.clip_eps_high)
+
+
 @dataclass
 class Experience:
     """B finished sequences as response-aligned tensors (alignment: ``algo.masks`` docstring).
@@ -113,7 +148,7 @@ def old_logprob_targets(exp: Experience, version: int, recompute_all: bool) -> t
 
 
 def set_old_logprobs(exp: Experience, rows: torch.Tensor, new: torch.Tensor, redo: torch.Tensor, off: torch.Tensor,
-                     cfg: PPOConfig) -> Experience:
+                     settings: OldLogprobSettings) -> Experience:
     """A new record with ``old_logprobs`` (``new`` [len(rows), T] where ``redo``), ``is_weights``
     (``algo.actor_loss.importance_weights``) and ``stats`` (``Learner.old_logprobs``); wherever
     ``new`` was computed (one learner, or its share by each sharded rank)."""
@@ -123,8 +158,8 @@ def set_old_logprobs(exp: Experience, rows: torch.Tensor, new: torch.Tensor, red
     sampler = exp.sampler_logprobs  # [B, T] untruncated
     old = exp.old_logprobs.clone()
     old[rows] = torch.where(redo[rows], new.to(old.device), old[rows])
-    weights = importance_weights(old, sampler, off, cfg.is_truncate)  # [B, T]
-    stats = sampler_ratio_outside_clip(old, sampler, mask & ~off & redo, cfg.clip_eps, cfg.clip_eps_high)
+    weights = importance_weights(old, sampler, off, settings.is_truncate)  # [B, T]
+    stats = sampler_ratio_outside_clip(old, sampler, mask & ~off & redo, settings.clip_eps, settings.clip_eps_high)
     return dataclasses.replace(exp, old_logprobs=old, is_weights=weights,
                                stats={k: v.item() for k, v in stats.items()})
 
@@ -169,10 +204,10 @@ def host_lengths(batch: "Experience | CriticBatch") -> tuple[list[int], list[int
 
 
 def micro_slices(exp: "Experience | CriticBatch", rows: "torch.Tensor | list[int]", plan: RowPlan,
-                 cfg: PPOConfig | None = None) -> MicroBatch:
+                 micro: MicroBatching | None = None) -> MicroBatch:
     """``rows`` of ``exp`` laid out by ``plan`` (``MicroBatch``): whole sequences, prompt then
     response, packed end to end where the model can, else one a row as wide as the longest (never
-    ``exp``'s longest prompt plus longest response). ``cfg``: its micro_batch_tokens and
+    ``exp``'s longest prompt plus longest response). ``micro``: its micro_batch_tokens and
     micro_batch_padding bound the rows (``forward.plan_rows``). Positions count from 0 along each
     sequence either way, so the numbers are each sequence's own forward's.
 
@@ -184,7 +219,7 @@ def micro_slices(exp: "Experience | CriticBatch", rows: "torch.Tensor | list[int
     n = [total[i] for i in idx]
     n_prompt = [prompt[i] for i in idx]
     resp = [response[i] for i in idx]
-    layout = plan.layout(n, token_budget(cfg) if cfg else 0, cfg.micro_batch_padding if cfg else 0.0)
+    layout = plan.layout(n, token_budget(micro) if micro else 0, micro.micro_batch_padding if micro else 0.0)
     b, T, L, P = len(idx), max(resp, default=0), exp.valid.shape[1], exp.P
     first = [i * L + P - k for i, k in zip(idx, n_prompt)]  # [b] each sequence's first token, flat
     pre: list[int] = []
@@ -235,7 +270,7 @@ Rows = "list[int] | torch.Tensor"
 """A minibatch's rows: a host list (the learner's own loop), or an index tensor (read once)."""
 
 
-def micro_batches(batch: "Experience | CriticBatch | None", mb: torch.Tensor, cfg: PPOConfig,
+def micro_batches(batch: "Experience | CriticBatch | None", mb: torch.Tensor, micro: MicroBatching,
                   lengths: list[int] | None = None) -> list[torch.Tensor]:
     """``mb``'s rows cut into the micro-batches of one optimizer step (the same for actor and critic,
     every learner rank and ``padding_stats``; ``lengths``: every row's real tokens, else ``batch``'s).
@@ -250,32 +285,32 @@ def micro_batches(batch: "Experience | CriticBatch | None", mb: torch.Tensor, cf
     ``ppo.micro_batch_tokens`` > 0 a run also ends before its rows x width would pass the budget,
     and with ``ppo.micro_batch_padding`` > 0 before its padded share of rows x width would pass that
     share (a micro-batch is as wide as its longest row; at least one row each)."""
-    groups = micro_groups(batch, mb.tolist(), cfg, lengths)
+    groups = micro_groups(batch, mb.tolist(), micro, lengths)
     return [torch.tensor(g, dtype=mb.dtype, device=mb.device) for g in groups]
 
 
-def token_budget(cfg: PPOConfig) -> int:
+def token_budget(micro: MicroBatching) -> int:
     """``ppo.micro_batch_tokens`` in effect: -1 (sized to the device) not resolved for one
     (``learner.budget.sized``: the local learner resolves it) is no budget."""
-    return max(0, cfg.micro_batch_tokens)
+    return max(0, micro.micro_batch_tokens)
 
 
-def micro_groups(batch: "Experience | CriticBatch | None", mb: list[int], cfg: PPOConfig,
+def micro_groups(batch: "Experience | CriticBatch | None", mb: list[int], micro: MicroBatching,
                  lengths: list[int] | None = None) -> list[list[int]]:
     """:func:`micro_batches` on the host: ``mb``'s rows (a list) -> each micro-batch's rows (lists)."""
-    if cfg.packing != "off":
+    if micro.packing != "off":
         lengths = lengths if lengths is not None else row_lengths(batch)  # type: ignore[arg-type]
-        return balanced(mb, lengths, -(-len(mb) // cfg.micro_batch_size), token_budget(cfg) or math.inf)
-    if not token_budget(cfg) and not cfg.micro_batch_padding:
-        return [mb[i: i + cfg.micro_batch_size] for i in range(0, len(mb), cfg.micro_batch_size)]
+        return balanced(mb, lengths, -(-len(mb) // micro.micro_batch_size), token_budget(micro) or math.inf)
+    if not token_budget(micro) and not micro.micro_batch_padding:
+        return [mb[i: i + micro.micro_batch_size] for i in range(0, len(mb), micro.micro_batch_size)]
     lengths = lengths if lengths is not None else row_lengths(batch)  # type: ignore[arg-type]
-    budget, cap = token_budget(cfg) or math.inf, cfg.micro_batch_padding or 1.0
+    budget, cap = token_budget(micro) or math.inf, micro.micro_batch_padding or 1.0
     out: list[list[int]] = []
     cur: list[int] = []
     width = real = 0
     for i in mb:
         n, w = len(cur) + 1, max(width, lengths[i])
-        if cur and (n > cfg.micro_batch_size or n * w > budget or 1.0 - (real + lengths[i]) / (n * w) > cap):
+        if cur and (n > micro.micro_batch_size or n * w > budget or 1.0 - (real + lengths[i]) / (n * w) > cap):
             out.append(cur)
             cur, w, real = [], lengths[i], 0
         cur.append(i)
@@ -293,7 +328,7 @@ def rank_of(j: int, world: int) -> int:
     return r if (j // world) % 2 == 0 else world - 1 - r
 
 
-def padding_stats(exp: Experience, minibatches: "list[list[int]] | list[torch.Tensor]", cfg: PPOConfig,
+def padding_stats(exp: Experience, minibatches: "list[list[int]] | list[torch.Tensor]", micro: MicroBatching,
                   plan: RowPlan | None = None) -> dict[str, float]:
     """What the actor's update computes: ``perf/train_tokens``, the real (prompt and response) tokens
     of every micro-batch, and ``perf/train_padded_frac``, the share of the computed positions (each
@@ -303,9 +338,9 @@ def padding_stats(exp: Experience, minibatches: "list[list[int]] | list[torch.Te
     plan = plan or RowPlan(False)
     computed = real = 0
     for mb in minibatches:
-        for rows in micro_groups(exp, mb if isinstance(mb, list) else mb.tolist(), cfg, lengths):
+        for rows in micro_groups(exp, mb if isinstance(mb, list) else mb.tolist(), micro, lengths):
             n = [lengths[i] for i in rows]
-            computed += plan.layout(n, token_budget(cfg), cfg.micro_batch_padding).computed
+            computed += plan.layout(n, token_budget(micro), micro.micro_batch_padding).computed
             real += sum(n)
     return {"perf/train_tokens": float(real), "perf/train_padded_frac": 1.0 - real / computed if computed else 0.0}
 

@@ -14,7 +14,7 @@ from ..api.placement import ThreadBudget
 from ..trace import Tracer
 from ..weights.precision import copy_weights, master_dtype, serving_copy
 from .batch import CriticBatch, row_lengths
-from .local import Learner, critic_update, load_optimizer_state_in_place
+from .local import CriticSettings, Learner, critic_update, load_optimizer_state_in_place
 
 if TYPE_CHECKING:
     from ..api.protocols import LearnerEngine
@@ -40,28 +40,30 @@ class CriticHost(Protocol):
 
 @dataclass
 class CriticTrainer:
-    """The critic's PPO update where it is scored: its AdamW, the PPO settings, and its fp32 master
-    weights when they are not the scored module (bf16, weights.py; None: the scorer's critic is the
-    trained one)."""
+    """The critic's PPO update where it is scored: its AdamW, its update's settings
+    (:class:`~.local.CriticSettings`), and its fp32 master weights when they are not the scored module
+    (bf16, weights.py; None: the scorer's critic is the trained one)."""
 
     opt: torch.optim.Optimizer
-    cfg: PPOConfig
+    settings: CriticSettings
     master: torch.nn.Module | None = None
     compute_dtype: torch.dtype = torch.float32
 
     @classmethod
-    def load(cls, spec: ModelSpec, cfg: PPOConfig) -> tuple["CriticTrainer", torch.nn.Module]:
-        """Load the critic of ``spec`` as fp32 masters with their AdamW; returns the trainer and the
-        serving copy the scorer reads (``spec``'s dtype: the masters themselves in fp32)."""
+    def load(cls, spec: ModelSpec, ppo: PPOConfig) -> tuple["CriticTrainer", torch.nn.Module]:
+        """Load the critic of ``spec`` as fp32 masters with their AdamW (``ppo``: the section its
+        settings are read from, once); returns the trainer and the serving copy the scorer reads
+        (``spec``'s dtype: the masters themselves in fp32)."""
+        settings = CriticSettings.of(ppo)
         master = spec.with_dtype(master_dtype(spec.dtype)).load()
-        opt = torch.optim.AdamW(master.parameters(), lr=cfg.critic_lr, weight_decay=cfg.weight_decay)
-        return cls(opt, cfg, master, spec.dtype), serving_copy(master, spec.dtype)
+        opt = torch.optim.AdamW(master.parameters(), lr=settings.update.lr, weight_decay=settings.update.weight_decay)
+        return cls(opt, settings, master, spec.dtype), serving_copy(master, spec.dtype)
 
     def train(self, scored: torch.nn.Module, batch: CriticBatch, minibatches, step: int,
               adapt: Callable[[], None]) -> dict[str, float]:
         """One update on ``batch``'s ``minibatches``; then the scored copy takes the new weights."""
         master = self.master if self.master is not None else scored
-        stats = critic_update(master, self.opt, batch, list(minibatches), self.cfg, adapt, self.compute_dtype, step)
+        stats = critic_update(master, self.opt, batch, list(minibatches), self.settings, adapt, self.compute_dtype, step)
         copy_weights(master, scored)  # the bf16 copy it scores with (no-op in fp32)
         return stats
 

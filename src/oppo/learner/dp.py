@@ -69,24 +69,23 @@ def dp_update(learner: Learner, exp: Experience, step: int, rank: int, world: in
               ) -> dict[str, float]:
     """``learner.update(exp, step, critic)`` as rank ``rank`` of ``world`` in the default process
     group (module docstring). Every rank gets the whole batch and returns the same stats."""
-    cfg = learner.cfg
     mbs = learner.minibatches(exp.mask.shape[0], step, row_lengths(exp))  # (host rows)
     probe = MismatchProbe(learner.actor_opt, step)  # each rank sees its share of the first minibatch
     actor_steps = _Shard(mbs, rank, world, learner.actor,
                          lambda rows, nt, ns: learner._actor_micro_step(exp, rows, nt, ns, probe))
     agree = any_rank(world, learner.device)
-    stats = train_minibatches(learner.actor, learner.actor_opt, exp, mbs, cfg, "actor", actor_steps, step, agree,
-                   compute_dtype=learner.compute_dtype)
+    stats = train_minibatches(learner.actor, learner.actor_opt, exp, mbs, learner.actor_update, "actor", actor_steps,
+                              step, agree, compute_dtype=learner.compute_dtype)
     actor_steps.check_done()
     if critic and learner.critic is not None:
         batch = CriticBatch.of(exp)
         critic_steps = _Shard(mbs, rank, world, learner.critic,
-                              lambda rows, nt, ns: critic_micro_step(learner.critic, batch, rows, nt, ns, cfg,
-                                                                      learner.compute_dtype))
-        stats.update(train_minibatches(learner.critic, learner.critic_opt, batch, mbs, cfg, "critic", critic_steps, step,
-                            agree, compute_dtype=learner.compute_dtype))
+                              lambda rows, nt, ns: critic_micro_step(learner.critic, batch, rows, nt, ns,
+                                                                      learner.critic_settings, learner.compute_dtype))
+        stats.update(train_minibatches(learner.critic, learner.critic_opt, batch, mbs, learner.critic_settings.update,
+                                       "critic", critic_steps, step, agree, compute_dtype=learner.compute_dtype))
         critic_steps.check_done()
-    return {**merge_rank_stats(stats, world, probe), **padding_stats(exp, mbs, cfg, learner.row_plan())}
+    return {**merge_rank_stats(stats, world, probe), **padding_stats(exp, mbs, learner.micro, learner.row_plan())}
 
 
 def merge_rank_stats(stats: dict[str, float], world: int, probe: MismatchProbe) -> dict[str, float]:
@@ -142,7 +141,7 @@ def resolve_token_budget(learner: Learner, checkpointing: bool, world: int,
                          smallest: Callable[[int], int] | None = None, say: Callable[[str], None] | None = None) -> None:
     """``ppo.micro_batch_tokens=-1`` resolved on a learner rank, for its own device, as the local
     learner's is on the controller's (``budget.sized``: on CUDA a share of the free memory at start,
-    the budget alone cutting a minibatch; elsewhere no budget); sets ``learner.cfg``. Every rank must
+    the budget alone cutting a minibatch; elsewhere no budget); sets ``learner.ppo``. Every rank must
     cut the same micro-batches (data-parallel ranks pass over each other's; sharded ranks' forwards are
     collectives), so the budget is the smallest of the ranks' (``smallest``: that reduction, one
     all-reduce by default; a collective, so every rank calls this). Rank 0 logs it (``say``: stderr).
@@ -153,10 +152,10 @@ def resolve_token_budget(learner: Learner, checkpointing: bool, world: int,
 
     from .budget import sized
 
-    if learner.cfg.micro_batch_tokens != -1:
+    if learner.ppo.micro_batch_tokens != -1:
         return
     lines: list[str] = []
-    ppo = sized(learner.cfg, [m for m in (learner.actor, learner.critic) if m is not None], checkpointing,
+    ppo = sized(learner.ppo, [m for m in (learner.actor, learner.critic) if m is not None], checkpointing,
                 say=lines.append)
     if world > 1:
         agreed = (smallest or _smallest_over_ranks(learner.device))(ppo.micro_batch_tokens)
@@ -164,7 +163,7 @@ def resolve_token_budget(learner: Learner, checkpointing: bool, world: int,
             lines.append(f"micro-batches: up to {agreed} tokens each on every learner rank (the smallest of the "
                          f"{world} ranks' budgets)")
         ppo = dataclasses.replace(ppo, micro_batch_tokens=agreed)
-    learner.cfg = ppo
+    learner.ppo = ppo  # (its records read the resolved budget)
     if say is None:
         import torch.distributed as dist
 

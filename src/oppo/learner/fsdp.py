@@ -105,22 +105,22 @@ def fsdp_update(learner: Learner, exp: Experience, step: int, rank: int, world: 
                 ) -> dict[str, float]:
     """``learner.update(exp, step, critic)`` on rank ``rank`` of ``world`` sharded ranks (module
     docstring). Every rank gets the whole batch and returns the same stats."""
-    cfg = learner.cfg
     mbs = learner.minibatches(exp.mask.shape[0], step, row_lengths(exp))  # (host rows)
     probe = MismatchProbe(learner.actor_opt, step)  # each rank sees its share of the first minibatch
     actor_steps = _Rounds(mbs, rank, world, lambda rows, nt, ns: learner._actor_micro_step(exp, rows, nt, ns, probe),
                           pad=lambda rows, nt, ns: learner._actor_micro_step(exp, rows, nt, ns))
     agree = any_rank(world, learner.device)
-    stats = train_minibatches(learner.actor, learner.actor_opt, exp, mbs, cfg, "actor", actor_steps, step, agree)
+    stats = train_minibatches(learner.actor, learner.actor_opt, exp, mbs, learner.actor_update, "actor", actor_steps,
+                              step, agree)
     actor_steps.check_done()
     if critic and learner.critic is not None:
         batch = CriticBatch.of(exp)
         critic_steps = _Rounds(mbs, rank, world, lambda rows, nt, ns: critic_micro_step(
-            learner.critic, batch, rows, nt, ns, cfg, learner.compute_dtype))
-        stats.update(train_minibatches(learner.critic, learner.critic_opt, batch, mbs, cfg, "critic", critic_steps, step,
-                            agree))
+            learner.critic, batch, rows, nt, ns, learner.critic_settings, learner.compute_dtype))
+        stats.update(train_minibatches(learner.critic, learner.critic_opt, batch, mbs, learner.critic_settings.update,
+                                       "critic", critic_steps, step, agree))
         critic_steps.check_done()
-    return {**merge_rank_stats(stats, world, probe), **padding_stats(exp, mbs, cfg, learner.row_plan())}
+    return {**merge_rank_stats(stats, world, probe), **padding_stats(exp, mbs, learner.micro, learner.row_plan())}
 
 
 class _Rounds:
@@ -171,7 +171,7 @@ def fsdp_old_logprobs(learner: Learner, exp: Experience, version: int, rank: int
     redo, _ = old_logprob_targets(exp, version, learner.recompute_old)
     rows = redo.any(1).nonzero().squeeze(1)  # [n], the same on every rank
     mine = rows[rank::world]
-    per = learner.cfg.micro_batch_size
+    per = learner.micro.micro_batch_size
     new = learner.recompute_logprobs(exp, mine, budget=False)  # (a count every rank can predict)
     for _ in range(math.ceil(math.ceil(len(rows) / world) / per) - math.ceil(len(mine) / per)):
         learner.recompute_logprobs(exp, rows[:1], budget=False)

@@ -21,7 +21,7 @@ def checks(own: Ranks, cfg: Config) -> list[str]:
     """Its ranks, and enough micro-batches in a minibatch that no rank only pads."""
     p, n = cfg.ppo, own.workers
     micro = p.minibatch_size // p.micro_batch_size
-    out = check_ranks(own, cfg, "fsdp2")
+    out = check_ranks(own, "fsdp2")
     if n > micro:
         out.append(f"learner.fsdp2.workers={n} sharded ranks, but a minibatch has only {micro} micro-batches "
                    f"(ppo.minibatch_size={p.minibatch_size} / ppo.micro_batch_size={p.micro_batch_size}): some "

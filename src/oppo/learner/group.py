@@ -24,11 +24,11 @@ from ..api.specs import ModelSpec
 from ..cluster import ActorGroup
 from ..weights.sync import (Manifest, Packed, RemoteWeights, SyncGroup, WeightSender, WeightSyncError, full_tensors,
                             pack_state, trained_parameters)
-from .batch import Experience, old_logprob_targets, set_old_logprobs
-from .local import Learner, draw_rows
+from .batch import Experience, OldLogprobSettings, old_logprob_targets, set_old_logprobs
+from .local import Draw, Learner, draw_rows
 
 if TYPE_CHECKING:  # (the config lists the learner engines: no import back at run time)
-    from ..config import PPOConfig
+    from ..config import LoraConfig, PolicyConfig, PPOConfig
 
 
 @dataclass(frozen=True)
@@ -75,24 +75,25 @@ class LearnerSpec:
                        recompute_old=self.recompute_old, algorithm=self.algorithm)
 
 
-def learner_spec(cfg, paths, pad_id: int, compute_dtype: torch.dtype, algorithm, recompute_old: bool,
-                 critic: bool = True, device: str = "auto") -> LearnerSpec:
+def learner_spec(policy: PolicyConfig, lora: LoraConfig, ppo: PPOConfig, temperature: float, seed: int, paths,
+                 pad_id: int, compute_dtype: torch.dtype, algorithm, recompute_old: bool, critic: bool = True,
+                 device: str = "auto") -> LearnerSpec:
     """The learner the trainer builds (``setup.build.build_roles``), as a spec for the ranks: the policy in
     its master dtype (the compute dtype under LoRA: only the fp32 adapters train), the critic in
     its master dtype (``critic`` False: none here, e.g. it trains on its scorer actor, or a
-    critic-free algorithm), LoRA and gradient checkpointing as configured. ``cfg``: the Config."""
+    critic-free algorithm), LoRA and gradient checkpointing as configured (the ``policy``, ``lora``
+    and ``ppo`` sections; ``temperature``: ``generation.temperature``, ``seed``: ``run.seed``)."""
     from ..weights.precision import master_dtype
 
     master = master_dtype(compute_dtype)
-    lora = cfg.lora
     return LearnerSpec(
         actor=ModelSpec("policy", paths.policy, compute_dtype if lora.r else master, device,
-                        trust_remote_code=cfg.policy.trust_remote_code),
+                        trust_remote_code=policy.trust_remote_code),
         critic=ModelSpec("critic", paths.critic, master, device, pad_id) if critic and paths.critic else None,
-        ppo=cfg.ppo, temperature=cfg.generation.temperature, seed=cfg.run.seed, compute_dtype=compute_dtype,
+        ppo=ppo, temperature=temperature, seed=seed, compute_dtype=compute_dtype,
         recompute_old=recompute_old, algorithm=algorithm,
         lora=(lora.r, lora.alpha, lora.dropout, list(lora.target_modules)) if lora.r else None,
-        gradient_checkpointing=cfg.policy.gradient_checkpointing)
+        gradient_checkpointing=policy.gradient_checkpointing)
 
 
 def portable(exp: Experience) -> Experience:
@@ -401,7 +402,7 @@ class LearnerGroup:
             raise ValueError("critic_scorer given but the learner has no critic (a critic-free algorithm)")
         self.world, self.strategy, self.critic_scorer, self.tracer, self.home = (world_size, strategy, critic_scorer,
                                                                                  tracer, home)
-        self._draw = _Draw(spec.ppo, spec.seed, spec.recompute_old)
+        self._draw = _Draw(Draw.of(spec.ppo, spec.seed), OldLogprobSettings.of(spec.ppo), spec.recompute_old)
         self.group = ActorGroup(LearnerRank, world_size, lambda r: (spec, r, world_size, threads, strategy),
                                 role="learner actor", num_cpus=num_cpus, num_gpus=num_gpus, placement=placement,
                                 timeout_s=timeout_s, stop_on_failure=True)
@@ -437,7 +438,7 @@ class LearnerGroup:
     def minibatches(self, B: int, step: int, lengths: torch.Tensor | list[int] | None = None) -> list[list[int]]:
         """The rows of each minibatch, as every rank draws them (``Learner.minibatches``: seeded by
         the step only); for a critic trained elsewhere on the same minibatches."""
-        return draw_rows(self._draw.cfg, self._draw.seed, B, step, lengths)
+        return draw_rows(self._draw.minibatches, B, step, lengths)
 
     def weights_out(self) -> RemoteWeights:
         """A ref to rank 0's trained actor parameters (``weights.sync.pack``'s arrays) in Ray's object
@@ -472,7 +473,7 @@ class LearnerGroup:
         rows = torch.cat([s[0] for s in shares]).to(exp.mask.device)
         new = torch.cat([s[1] for s in shares]).to(exp.mask.device)
         redo, off = old_logprob_targets(exp, version, self._draw.recompute_old)
-        return set_old_logprobs(exp, rows, new, redo, off, self._draw.cfg)
+        return set_old_logprobs(exp, rows, new, redo, off, self._draw.old)
 
     def nodes(self) -> list[str]:
         """The Ray node id each rank runs on."""
@@ -560,8 +561,9 @@ class LearnerGroup:
 @dataclass(frozen=True)
 class _Draw:
     """What the controller needs of the ranks' settings: ``Learner.minibatches``'s
-    (``local.draw_minibatches``) and whether on-policy old log-probs are recomputed."""
+    (``local.draw_minibatches``), what ``set_old_logprobs`` reads, and whether on-policy old
+    log-probs are recomputed."""
 
-    cfg: PPOConfig
-    seed: int
+    minibatches: Draw
+    old: OldLogprobSettings
     recompute_old: bool

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -15,14 +16,65 @@ from ..algo.actor_loss import ActorLossSettings, ActorTokens, actor_loss
 from ..algo.losses import value_loss
 from ..forward import RowPlan, head_logprobs, packed_hidden, row_plan
 from ..kernels import streams
-from .batch import (CriticBatch, Experience, MicroBatch, balanced, micro_groups, micro_slices, old_logprob_targets,
-                    padding_stats, row_lengths, set_old_logprobs, token_budget)
+from .batch import (CriticBatch, Experience, MicroBatch, MicroBatching, OldLogprobSettings, balanced, micro_groups,
+                    micro_slices, old_logprob_targets, padding_stats, row_lengths, set_old_logprobs, token_budget)
 from ..models import backbone_and_head, checkpointing
 from .offpolicy import MismatchProbe
 from ..weights.precision import autocast, cast_once
 
 if TYPE_CHECKING:  # (the config lists the learner engines: no import back at run time)
     from ..config import PPOConfig
+
+
+@dataclass(frozen=True)
+class Draw:
+    """How a learner draws its minibatches (:func:`draw_rows`): ``ppo.epochs`` permutations of the
+    rows, seeded by ``run.seed`` and the step, cut into minibatches of ``ppo.minibatch_size``
+    rows, each listed micro-batch after micro-batch (``micro``)."""
+
+    epochs: int
+    minibatch_size: int
+    seed: int
+    micro: MicroBatching
+
+    @classmethod
+    def of(cls, ppo: PPOConfig, seed: int) -> "Draw":
+        return cls(ppo.epochs, ppo.minibatch_size, seed, MicroBatching.of(ppo))
+
+
+@dataclass(frozen=True)
+class UpdateSettings:
+    """One model's optimizer steps (:func:`train_minibatches`): its micro-batches, its learning rate
+    (``ppo.actor_lr`` or ``ppo.critic_lr``: AdamW's, and the warm-up's ramp) and weight decay, the
+    gradient clipping (``ppo.max_grad_norm``), the warm-up (``ppo.lr_warmup_steps``) and what the
+    guard does with a non-finite step (``ppo.nonfinite``)."""
+
+    micro: MicroBatching
+    lr: float
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    lr_warmup_steps: int = 0
+    nonfinite: str = "error"
+
+    @classmethod
+    def of(cls, ppo: PPOConfig, model: str) -> "UpdateSettings":
+        """``model``'s (``"actor"`` or ``"critic"``: the learning rate) from a ``ppo`` section."""
+        lr = ppo.actor_lr if model == "actor" else ppo.critic_lr
+        return cls(MicroBatching.of(ppo), lr, ppo.weight_decay, ppo.max_grad_norm, ppo.lr_warmup_steps, ppo.nonfinite)
+
+
+@dataclass(frozen=True)
+class CriticSettings:
+    """The critic's update (:func:`critic_update`): its optimizer steps and its value loss
+    (``ppo.value_clip_eps``, ``ppo.loss_agg``); what a scorer that trains the critic receives."""
+
+    update: UpdateSettings
+    value_clip_eps: float | None = 0.2
+    loss_agg: str = "token_mean"
+
+    @classmethod
+    def of(cls, ppo: PPOConfig) -> "CriticSettings":
+        return cls(UpdateSettings.of(ppo, "critic"), ppo.value_clip_eps, ppo.loss_agg)
 
 
 def adamw(params, lr: float, weight_decay: float) -> torch.optim.AdamW:
@@ -61,23 +113,44 @@ class Learner:
     ``actor`` and ``critic`` are the trained weights (fp32 masters under mixed precision,
     ``weights.py``); their forwards run under ``compute_dtype`` autocast. ``recompute_old``:
     recompute every token's ``old_logprobs`` with this training forward (see ``old_logprobs``).
+
+    It reads its ``ppo`` section once, into the records its parts take (:attr:`ppo`): ``micro``,
+    ``draw``, ``loss``, ``old``, ``actor_update``, ``critic_settings``.
     """
 
-    def __init__(self, actor: torch.nn.Module, critic: torch.nn.Module | None, cfg: PPOConfig, temperature: float,
+    def __init__(self, actor: torch.nn.Module, critic: torch.nn.Module | None, ppo: PPOConfig, temperature: float,
                  seed: int, compute_dtype: torch.dtype = torch.float32, recompute_old: bool = False, algorithm=None):
         """``critic`` None: a critic-free algorithm. ``algorithm`` (``algo.Algorithm``): adds its
         term to the actor loss (the KL, when it goes in the loss); None: plain PPO."""
-        self.actor, self.critic, self.cfg, self.temperature, self.seed = actor, critic, cfg, temperature, seed
+        self.actor, self.critic, self.temperature, self.seed = actor, critic, temperature, seed
+        self.ppo = ppo
         self.compute_dtype, self.recompute_old, self.algorithm = compute_dtype, recompute_old, algorithm
         self.device = next(actor.parameters()).device
         self.role = streams.role("learner", self.device)  # its own stream (kernels.streams)
         # only what trains: with LoRA, the adapters
-        self.actor_opt = adamw([p for p in actor.parameters() if p.requires_grad], cfg.actor_lr, cfg.weight_decay)
-        self.critic_opt = adamw(critic.parameters(), cfg.critic_lr, cfg.weight_decay) if critic is not None else None
+        self.actor_opt = adamw([p for p in actor.parameters() if p.requires_grad], ppo.actor_lr, ppo.weight_decay)
+        self.critic_opt = adamw(critic.parameters(), ppo.critic_lr, ppo.weight_decay) if critic is not None else None
+
+    @property
+    def ppo(self) -> PPOConfig:
+        """The ``ppo`` section it trains with; setting it (``dp.resolve_token_budget``: the token
+        budget resolved on a rank) builds the records its parts read again."""
+        return self._ppo
+
+    @ppo.setter
+    def ppo(self, ppo: PPOConfig) -> None:
+        self._ppo = ppo
+        self.micro = MicroBatching.of(ppo)
+        self.draw = Draw.of(ppo, self.seed)
+        self.loss = ActorLossSettings.of(ppo)
+        self.old = OldLogprobSettings.of(ppo)
+        self.actor_update = UpdateSettings.of(ppo, "actor")
+        self.critic_settings = CriticSettings.of(ppo)
+        self.entropy_grad = bool(ppo.entropy_coef)
 
     def row_plan(self) -> RowPlan:
         """How the actor's forwards lay out their sequences (``forward.row_plan``, ``ppo.packing``)."""
-        return row_plan(backbone_and_head(self.actor)[0], self.cfg.packing, self.cfg.shape_buckets)
+        return row_plan(backbone_and_head(self.actor)[0], self.micro.packing, self.micro.shape_buckets)
 
     def _actor_logprobs(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-probs, entropies) [b, T] of ``mb``'s response tokens under the actor, from the head
@@ -87,7 +160,7 @@ class Learner:
         backbone, head = backbone_and_head(self.actor)
         with autocast(self.device, self.compute_dtype):
             logprobs, entropy = head_logprobs(head, response_hidden(backbone, mb), mb.tokens[None], self.temperature,
-                                              entropy=True, entropy_grad=bool(self.cfg.entropy_coef))  # [1, N]
+                                              entropy=True, entropy_grad=self.entropy_grad)  # [1, N]
         assert entropy is not None  # (asked for)
         return mb.spread(logprobs[0]), mb.spread(entropy[0])
 
@@ -111,7 +184,7 @@ class Learner:
         """
         redo, off = old_logprob_targets(exp, version, self.recompute_old)
         rows = redo.any(1).nonzero().squeeze(1)
-        return set_old_logprobs(exp, rows, self.recompute_logprobs(exp, rows), redo, off, self.cfg)
+        return set_old_logprobs(exp, rows, self.recompute_logprobs(exp, rows), redo, off, self.old)
 
     @on_learner(hand_back=True)
     @torch.no_grad()
@@ -127,10 +200,10 @@ class Learner:
         host = rows.tolist()  # CPU-GPU sync point (once per update)
         lengths = [total[i] for i in host]
         # ceil(rows / micro_batch_size) forwards (fsdp_old_logprobs counts on it), of balanced token counts
-        tokens = (token_budget(self.cfg) or math.inf) if budget else math.inf
-        for group in balanced(list(range(len(host))), lengths, -(-len(host) // self.cfg.micro_batch_size), tokens):
+        tokens = (token_budget(self.micro) or math.inf) if budget else math.inf
+        for group in balanced(list(range(len(host))), lengths, -(-len(host) // self.micro.micro_batch_size), tokens):
             at = torch.tensor(group, device=rows.device)
-            mb = micro_slices(exp, [host[g] for g in group], plan, self.cfg)
+            mb = micro_slices(exp, [host[g] for g in group], plan, self.micro)
             out[at, :mb.T] = self._actor_logprobs(mb)[0]  # [b, T]
         return out
 
@@ -142,7 +215,7 @@ class Learner:
         balanced token counts; unpacked, longest first, so that a micro-batch's rows are of similar
         length and pad little: ``padding_stats``). Which rows make a minibatch is unchanged, so is
         its loss: only the summation order of its gradient."""
-        return draw_rows(self.cfg, self.seed, B, step, lengths)
+        return draw_rows(self.draw, B, step, lengths)
 
     @on_learner()
     def update(self, exp: Experience, step: int, critic: bool = True) -> dict[str, float]:
@@ -168,15 +241,15 @@ class Learner:
         # the minibatches' rows stay on the host: the loop reads them, the device never needs them whole
         mbs = self.minibatches(exp.mask.shape[0], step, row_lengths(exp))
         probe = MismatchProbe(self.actor_opt, step)
-        stats = train_minibatches(self.actor, self.actor_opt, exp, mbs, self.cfg, "actor",
+        stats = train_minibatches(self.actor, self.actor_opt, exp, mbs, self.actor_update, "actor",
                        lambda rows, nt, ns: self._actor_micro_step(exp, rows, nt, ns, probe), step,
                        compute_dtype=self.compute_dtype)
         stats.update(MismatchProbe.stats(probe.partial()))
-        stats.update(padding_stats(exp, mbs, self.cfg, self.row_plan()))
+        stats.update(padding_stats(exp, mbs, self.micro, self.row_plan()))
         if critic and self.critic is not None:
             assert self.critic_opt is not None  # (built with the critic)
-            stats.update(critic_update(self.critic, self.critic_opt, CriticBatch.of(exp), mbs, self.cfg,
-                                       compute_dtype=self.compute_dtype, step=step))
+            stats.update(critic_update(self.critic, self.critic_opt, CriticBatch.of(exp), mbs,
+                                       self.critic_settings, compute_dtype=self.compute_dtype, step=step))
         return stats
 
     def weights_out(self) -> torch.nn.Module:
@@ -213,10 +286,9 @@ class Learner:
         """One micro-batch of the actor's update (``host_rows``: its rows, a host list): the forward,
         the loss (``algo.actor_loss``: policy, KL, entropy), the backward; the statistics stay on
         the device (``train_minibatches`` reads them once per update)."""
-        cfg = self.cfg
         assert exp.advantages is not None  # (compute_advantages runs before the update)
         host_rows = host_rows if isinstance(host_rows, list) else host_rows.tolist()
-        mb = micro_slices(exp, host_rows, self.row_plan(), cfg)
+        mb = micro_slices(exp, host_rows, self.row_plan(), self.micro)
         rows = torch.tensor(host_rows, dtype=torch.long).to(exp.mask.device, non_blocking=True)
         T = mb.T
         mask = exp.mask[rows][:, :T]
@@ -228,38 +300,37 @@ class Learner:
         ref = exp.ref_logprobs[rows][:, :T] if kl_in_loss and exp.ref_logprobs is not None else None
         tokens = ActorTokens(exp.old_logprobs[rows][:, :T], exp.advantages[rows][:, :T], mask,
                              exp.is_weights[rows][:, :T], ref)
-        loss, stats = actor_loss(self.algorithm, logprobs, entropy, tokens, ActorLossSettings.of(cfg), num_tokens,
-                                 num_seqs)
+        loss, stats = actor_loss(self.algorithm, logprobs, entropy, tokens, self.loss, num_tokens, num_seqs)
         loss.backward()
         return {**stats, "_frac": mask.sum() / num_tokens}  # (_frac: this micro-batch's weight in the minibatch)
 
 
-def draw_minibatches(cfg: PPOConfig, seed: int, B: int, step: int, lengths: "torch.Tensor | list[int] | None" = None
+def draw_minibatches(draw: Draw, B: int, step: int, lengths: "torch.Tensor | list[int] | None" = None
                      ) -> list[torch.Tensor]:
-    """:meth:`Learner.minibatches` of a learner with these settings (``ppo``, ``run.seed``): the
+    """:meth:`Learner.minibatches` of a learner with these settings (``Draw.of(ppo, run.seed)``): the
     data-parallel group's controller draws the ranks' minibatches without a learner of its own."""
-    return [torch.tensor(rows, dtype=torch.long) for rows in draw_rows(cfg, seed, B, step, lengths)]
+    return [torch.tensor(rows, dtype=torch.long) for rows in draw_rows(draw, B, step, lengths)]
 
 
-def draw_rows(cfg: PPOConfig, seed: int, B: int, step: int, lengths: "torch.Tensor | list[int] | None" = None
+def draw_rows(draw: Draw, B: int, step: int, lengths: "torch.Tensor | list[int] | None" = None
               ) -> list[list[int]]:
     """:func:`draw_minibatches` as host lists (what the learner's loop reads; ``lengths``: a host
     list, or a tensor read once)."""
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    perms = [torch.randperm(B, generator=gen) for _ in range(cfg.epochs)]
+    gen = torch.Generator().manual_seed(draw.seed * 1_000_003 + step)
+    perms = [torch.randperm(B, generator=gen) for _ in range(draw.epochs)]
     order = torch.cat(perms).tolist() if perms else []  # (host tensors: no device read)
-    mbs = [order[e * B + i: e * B + min(B, i + cfg.minibatch_size)]
-           for e in range(cfg.epochs) for i in range(0, B, cfg.minibatch_size)]
+    mbs = [order[e * B + i: e * B + min(B, i + draw.minibatch_size)]
+           for e in range(draw.epochs) for i in range(0, B, draw.minibatch_size)]
     if lengths is None:
         return mbs
     host = lengths if isinstance(lengths, list) else lengths.cpu().long().tolist()
-    if cfg.packing != "off":
-        return [[r for g in micro_groups(None, mb, cfg, host) for r in g] for mb in mbs]
+    if draw.micro.packing != "off":
+        return [[r for g in micro_groups(None, mb, draw.micro, host) for r in g] for mb in mbs]
     return [sorted(mb, key=lambda r: -host[r]) for mb in mbs]  # longest first (stable: ties keep the draw's order)
 
 
 def critic_update(critic, opt: torch.optim.Optimizer, batch: CriticBatch, minibatches: "list[list[int]] | list[torch.Tensor]",
-                  cfg: PPOConfig, before_micro=None, compute_dtype: torch.dtype = torch.float32,
+                  settings: CriticSettings, before_micro=None, compute_dtype: torch.dtype = torch.float32,
                   step: int = -1) -> dict[str, float]:
     """Stage 6 for the critic: clipped value loss over the given minibatches.
 
@@ -274,32 +345,34 @@ def critic_update(critic, opt: torch.optim.Optimizer, batch: CriticBatch, miniba
     def micro(rows, num_tokens, num_seqs):
         if before_micro is not None:
             before_micro()
-        return critic_micro_step(critic, batch, rows, num_tokens, num_seqs, cfg, compute_dtype)
+        return critic_micro_step(critic, batch, rows, num_tokens, num_seqs, settings, compute_dtype)
 
-    return train_minibatches(critic, opt, batch, minibatches, cfg, "critic", micro, step,
+    return train_minibatches(critic, opt, batch, minibatches, settings.update, "critic", micro, step,
                   compute_dtype=compute_dtype)
 
 
-def critic_micro_step(critic, batch: CriticBatch, host_rows: list[int], num_tokens, num_seqs: int, cfg: PPOConfig,
-                      compute_dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def critic_micro_step(critic, batch: CriticBatch, host_rows: list[int], num_tokens, num_seqs: int,
+                      settings: CriticSettings, compute_dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """One micro-batch of the critic's update: clipped value loss, backward (gradients accumulate);
     ``host_rows`` a host list, the statistics left on the device."""
     backbone, head = backbone_and_head(critic)
     host_rows = host_rows if isinstance(host_rows, list) else host_rows.tolist()
-    mb = micro_slices(batch, host_rows, row_plan(backbone, cfg.packing, cfg.shape_buckets), cfg)
+    micro = settings.update.micro
+    mb = micro_slices(batch, host_rows, row_plan(backbone, micro.packing, micro.shape_buckets), micro)
     rows = torch.tensor(host_rows, dtype=torch.long).to(batch.mask.device, non_blocking=True)
     T = mb.T
     mask = batch.mask[rows][:, :T]
     with autocast(rows.device, compute_dtype), checkpointing(critic):
         values = mb.spread(head(response_hidden(backbone, mb)).float().reshape(-1))  # [b, T]
     vl, vstats = value_loss(values, batch.values[rows][:, :T], batch.returns[rows][:, :T], mask,
-                            clip_eps=cfg.value_clip_eps, loss_agg=cfg.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs)
+                            clip_eps=settings.value_clip_eps, loss_agg=settings.loss_agg, num_tokens=num_tokens,
+                            num_seqs=num_seqs)
     vl.backward()
     return {"loss/value": vl.detach(), "value/clipfrac": vstats["vf_clipfrac"].detach(), "_frac": mask.sum() / num_tokens}
 
 
 def train_minibatches(model, opt, batch: "Experience | CriticBatch", minibatches: "list[list[int]] | list[torch.Tensor]",
-                      cfg: PPOConfig, name: str,
+                      update: UpdateSettings, name: str,
            micro_step, step: int = -1, agree=None, compute_dtype: torch.dtype = torch.float32) -> dict[str, float]:
     """Optimizer steps over ``minibatches`` of ``batch``'s rows; each is cut into micro-batches
     (:func:`micro_batches`) that accumulate gradients.
@@ -323,37 +396,38 @@ def train_minibatches(model, opt, batch: "Experience | CriticBatch", minibatches
     taken = skipped = 0
     stage = f"{name} update"
     mask = batch.mask
-    lengths = row_lengths(batch) if token_budget(cfg) or cfg.packing != "off" else None
+    micro = update.micro
+    lengths = row_lengths(batch) if token_budget(micro) or micro.packing != "off" else None
     rows_of: list = list(minibatches)
     for i, mb_rows in enumerate(rows_of):
         mb: list[int] = mb_rows if isinstance(mb_rows, list) else mb_rows.tolist()  # (the learner's are host lists)
         num_tokens = mask[torch.tensor(mb, dtype=torch.long).to(mask.device, non_blocking=True)].sum().clamp(min=1)
         opt.zero_grad(set_to_none=True)
         with cast_once(mask.device, compute_dtype):
-            mb_sums, losses = _accumulate(micro_step, micro_groups(batch, mb, cfg, lengths), num_tokens, len(mb))
+            mb_sums, losses = _accumulate(micro_step, micro_groups(batch, mb, micro, lengths), num_tokens, len(mb))
         params = [p for p in model.parameters() if p.grad is not None]
         norm = _grad_norm(params)
         norm_f, bad_rows, bad_loss = _guard_reads(norm, losses, agree)
         if bad_loss or not math.isfinite(norm_f):
             guard.report(guard.grad_norm_message(model, norm_f, bad_rows, step, stage, i, len(minibatches)),
-                         skip=cfg.nonfinite == "skip")
+                         skip=update.nonfinite == "skip")
             opt.zero_grad(set_to_none=True)  # skipped: AdamW leaves parameters without gradients alone
             skipped += 1
             continue
-        if norm is not None and cfg.max_grad_norm > 0:
-            _clip(params, cfg.max_grad_norm, norm)
+        if norm is not None and update.max_grad_norm > 0:
+            _clip(params, update.max_grad_norm, norm)
         mb_sums[f"grad_norm/{name}"] = norm_f
         for k, v in mb_sums.items():
             sums[k] = sums.get(k, 0.0) + v  # type: ignore[operator]
         taken += 1
-        if cfg.lr_warmup_steps > 0:
-            warm_up(opt, cfg.actor_lr if name == "actor" else cfg.critic_lr, cfg.lr_warmup_steps)
+        if update.lr_warmup_steps > 0:
+            warm_up(opt, update.lr, update.lr_warmup_steps)
         opt.step()
     if taken:
         guard.check_weights(model, step, stage)
     keys = list(sums)
     out = {k: v / taken for k, v in zip(keys, host_values([sums[k] for k in keys]))}  # (one read per update)
-    if cfg.nonfinite == "skip":
+    if update.nonfinite == "skip":
         out[f"guard/skipped/{name}"] = skipped
     return out
 

@@ -12,6 +12,7 @@ Design notes: docs/design.md, "Learner engines"."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
 from ..parts import LEARNERS, Registry, setting
@@ -74,7 +75,7 @@ class Ranks:
                                   "possible (PACK).")
 
 
-def check_ranks(own: Ranks, cfg: Any, name: str) -> list[str]:
+def check_ranks(own: Ranks, name: str) -> list[str]:
     """Ranks that can start: at least one, no negative CPUs or GPUs (``learner.<name>.*``)."""
     out = []
     if own.workers < 1:
@@ -84,10 +85,11 @@ def check_ranks(own: Ranks, cfg: Any, name: str) -> list[str]:
     return out
 
 
-def ranks(cfg: Config) -> Ranks:
-    """The chosen engine's ranks (its own settings, where they are :class:`Ranks`; else one rank of
-    the defaults)."""
-    own = cfg.learner.get(cfg.placement.learner)
+def ranks(learner: Mapping[str, Any], name: str) -> Ranks:
+    """The ranks of the engine ``name`` (``placement.learner``): its own settings in ``learner`` (the
+    config's ``learner`` section, ``{engine: its settings}``), where they are :class:`Ranks`; else
+    one rank of the defaults."""
+    own = learner.get(name)
     return own if isinstance(own, Ranks) else Ranks()
 
 

@@ -18,4 +18,4 @@ ENGINE = EngineSpec(
     "replicate", "each rank holds all of actor, critic and AdamW: one learner in this process, or data-parallel "
                  "replicas on Ray ranks (gradients summed once per minibatch: the same update as one learner)",
     build_local=local, build_remote=group_builder(_replicated), settings=Ranks,
-    checks=lambda own, cfg: check_ranks(own, cfg, "replicate"))
+    checks=lambda own, cfg: check_ranks(own, "replicate"))

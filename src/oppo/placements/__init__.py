@@ -18,10 +18,13 @@ from typing import TYPE_CHECKING, Any, Callable
 from ..parts import PLACEMENTS, Registry
 
 if TYPE_CHECKING:
+    import torch
+
     from ..api.placement import Placement
     from ..api.protocols import LearnerEngine, RolloutBackend, Scorer
     from ..api.roles import Models
-    from ..config import Config
+    from ..config import Config, PlacementConfig
+    from ..rollout.registry import BackendSettings
 
 ENTRY_POINTS = PLACEMENTS.entry_points
 BUILT_IN = PLACEMENTS.built_in
@@ -85,13 +88,28 @@ default_settings = REGISTRY.default_settings
 help_lines = REGISTRY.help_lines
 
 
-def own(cfg: Config) -> Any:
-    """The chosen placement's own settings (``placement.<name>.*``), or None."""
-    return cfg.placement.by_name.get(cfg.placement.name)
+def own(placement: PlacementConfig) -> Any:
+    """The chosen placement's own settings (``placement.<name>.*``; ``placement``: the config's
+    section), or None."""
+    return placement.by_name.get(placement.name)
 
 
-def of(cfg: Config) -> PlacementSpec:
-    return get(cfg.placement.name)
+def of(placement: PlacementConfig) -> PlacementSpec:
+    """The chosen placement's spec (``placement.name``; ``placement``: the config's section)."""
+    return get(placement.name)
+
+
+def rollout_settings(models: Models, device: torch.device, model: torch.nn.Module | None = None) -> BackendSettings:
+    """The rollout backend's settings (``rollout.registry.backend_settings``) for an engine on
+    ``device`` decoding ``model`` (None: not given to check), read from the run's config once here:
+    ``generation.*``, the backends' own ``rollout.*``, ``run.seed`` and the rows in flight."""
+    from ..rollout import registry
+
+    m, cfg = models, models.cfg
+    B = cfg.ppo.batch_size
+    return registry.backend_settings(cfg.generation, cfg.rollout, m.stop_ids, m.pad_id, m.max_new_tokens, device,
+                                     seed=cfg.run.seed, max_rows=2 * B if cfg.carries else B,  # B + Delta, refill: <= 2B
+                                     prompt_width=m.prompt_set.width, model=model)
 
 
 def local_rollout(models: Models) -> tuple[RolloutBackend, str]:
@@ -101,12 +119,11 @@ def local_rollout(models: Models) -> tuple[RolloutBackend, str]:
     from ..rollout import registry
 
     m = models
-    settings = registry.backend_settings(m.cfg, m.stop_ids, m.pad_id, m.max_new_tokens, m.device,
-                                        model=m.rollout_policy, prompt_width=m.prompt_set.width)
+    settings = rollout_settings(m, m.device, model=m.rollout_policy)
     backend = registry.build(registry.BuildRequest(settings, m.rollout_policy, m.paths.policy, m.compute_dtype,
                                                    m.device.type))
     return backend, settings.reason
 
 
 __all__ = ["BUILT_IN", "Facts", "PlacementSpec", "Placed", "default_settings", "get", "help_lines", "local_rollout",
-           "names", "of", "own", "register", "unregister"]
+           "names", "of", "own", "register", "rollout_settings", "unregister"]

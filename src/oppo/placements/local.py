@@ -86,7 +86,7 @@ def build(models: Models, placement: Placement, own: LocalSettings) -> Placed:
         critic_trainer = None
         if trains_beside:  # (a critic, so its optimizer)
             assert learner.critic_opt is not None
-            critic_trainer = CriticTrainer(learner.critic_opt, ppo,
+            critic_trainer = CriticTrainer(learner.critic_opt, learner.critic_settings,
                                            None if placement.scorer == "process" else m.critic, m.compute_dtype)
         scorer = ScorerWorker(scorers, cfg.placement.scorer_threads, m.tracer, trainer=critic_trainer,
                               transport=placement.scorer)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..parts import setting
-from . import Facts, Placed, PlacementSpec, local_rollout
+from . import Facts, Placed, PlacementSpec, local_rollout, rollout_settings
 
 if TYPE_CHECKING:
     import torch
@@ -115,10 +115,11 @@ def build(models: Models, placement: Placement, own: RaySettings) -> Placed:
     actors = RayScorerWorker(specs, m.tracer, temperature=cfg.generation.temperature, threads=pl.scorer_threads,
                              num_cpus=own.scorer_cpus, num_gpus=own.scorer_gpus, seed=cfg.run.seed)
     closers = [actors.close]
-    engine, ranks = learners.get(pl.learner), learners.ranks(cfg)
+    engine, ranks = learners.get(pl.learner), learners.ranks(cfg.learner, pl.learner)
     assert engine.build_remote is not None  # (config validation: the engine runs under this placement)
     learner = engine.build_remote(learners.RemoteRequest(
-        learner_spec(cfg, m.paths, m.pad_id, m.compute_dtype, m.algorithm, m.recompute_old), ranks.workers,
+        learner_spec(cfg.policy, cfg.lora, cfg.ppo, cfg.generation.temperature, cfg.run.seed, m.paths, m.pad_id,
+                     m.compute_dtype, m.algorithm, m.recompute_old), ranks.workers,
         ranks.cpus, ranks.gpus, pl.actor_threads, "STRICT_SPREAD" if ranks.spread else "PACK",
         actors if m.critic is not None else None, m.tracer, (m.policy, m.critic)))
     closers.insert(0, learner.close)
@@ -152,13 +153,11 @@ def _with_rollout_workers(m: Models, placement: Placement, own: RaySettings, act
     import torch
 
     from ..api.specs import ModelSpec
-    from ..rollout import registry
     from ..rollout.ray import RayRolloutGroup
     from ..scoring.ray import FedByRollout
 
     cfg = m.cfg
-    settings = registry.backend_settings(cfg, m.stop_ids, m.pad_id, m.max_new_tokens, torch.device("cpu"),
-                                        prompt_width=m.prompt_set.width)
+    settings = rollout_settings(m, torch.device("cpu"))
     policy_spec = ModelSpec("policy", m.paths.policy, m.compute_dtype, pad_id=m.pad_id,
                             trust_remote_code=cfg.policy.trust_remote_code)
     stream = placement.rollout_streams_itself  # (the scorer actors serve every other mode)
@@ -223,7 +222,8 @@ def collective_sync(models: Models, own: RaySettings, learner, rollout=None, loc
             serving_on_gpu = next(local.parameters()).is_cuda
         from ..learner import registry as learners
 
-        if not (learners.ranks(models.cfg).gpus > 0 and serving_on_gpu):
+        cfg = models.cfg
+        if not (learners.ranks(cfg.learner, cfg.placement.learner).gpus > 0 and serving_on_gpu):
             return None  # on CPU the object store (shared memory on a node) beats gloo: benchmarks/weight_sync
     wire = {n: t.dtype for n, t in models.rollout_policy.state_dict().items()}  # the serving side's dtypes
     try:

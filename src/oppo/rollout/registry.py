@@ -17,6 +17,7 @@ A backend is a part (:mod:`oppo.parts`): oppo's own engines are named in ``parts
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     import torch
 
     from ..api.protocols import RolloutBackend
+    from ..config import GenerationConfig
 
 ENTRY_POINTS = BACKENDS.entry_points
 AUTO = "auto"  # not a backend: resolved per run (resolve_backend)
@@ -207,19 +209,19 @@ def resolve_backend(requested: str, device: torch.device | str, unfit: Callable[
 resolve_engine = resolve_backend  # (its name before issue 44 named generation.backend "engine": imports keep working)
 
 
-def backend_settings(cfg: Any, stop_ids, pad_id: int, max_new_tokens: int, device: torch.device,
-                    model: torch.nn.Module | None = None, prompt_width: int | None = None) -> BackendSettings:
-    """The rollout engine's settings from the config ``cfg`` (``generation.*``, and the backend's
-    own ``rollout.<kind>.*`` resolved for ``device``), for an engine on ``device``;
-    ``generation.backend=auto`` resolved there (:func:`resolve_backend`: the fast engine on CUDA when
-    ``model``, the policy it will decode, suits it; else eager). Ray rollout workers get settings
-    for ``cpu``, so ``auto`` runs the eager engine in them. ``prompt_width``: the prompt columns
-    (``data.PromptSet.width``: ``data.max_prompt_tokens``, or where it is empty the longest prompt)."""
-    g, B = cfg.generation, cfg.ppo.batch_size
-    width = prompt_width if prompt_width is not None else cfg.data.max_prompt_tokens
-    if width is None:
-        raise ValueError("backend_settings: data.max_prompt_tokens is empty; give prompt_width (PromptSet.width)")
-    max_len = width + max_new_tokens
+def backend_settings(generation: GenerationConfig, rollout: Mapping[str, Any], stop_ids, pad_id: int,
+                     max_new_tokens: int, device: torch.device, *, seed: int, max_rows: int, prompt_width: int,
+                     model: torch.nn.Module | None = None) -> BackendSettings:
+    """The rollout engine's settings from the config's ``generation`` section and ``rollout`` (the
+    backends' own settings, ``{kind: its settings}``: the chosen one's resolved for ``device``), for
+    an engine on ``device``; ``generation.backend=auto`` resolved there (:func:`resolve_backend`: the
+    fast engine on CUDA when ``model``, the policy it will decode, suits it; else eager). Ray rollout
+    workers get settings for ``cpu``, so ``auto`` runs the eager engine in them. ``seed``:
+    ``run.seed``; ``max_rows``: the most rows in flight (B + Delta); ``prompt_width``: the prompt
+    columns (``data.PromptSet.width``: ``data.max_prompt_tokens``, or where it is empty the longest
+    prompt)."""
+    g = generation
+    max_len = prompt_width + max_new_tokens
 
     def unfit() -> str | None:
         check = get(FAST).unfit
@@ -227,13 +229,12 @@ def backend_settings(cfg: Any, stop_ids, pad_id: int, max_new_tokens: int, devic
             return "the policy was not given to check"
         return check(model, max_len) if check else None
     kind, reason = resolve_backend(g.backend, device, unfit)
-    spec, own = get(kind), cfg.rollout.get(kind)
+    spec, own = get(kind), rollout.get(kind)
     if own is not None:  # a copy: the engine's settings do not change with the config object
         own = spec.for_device(own, device.type) if spec.for_device else dataclasses.replace(own)
     return BackendSettings(tuple(stop_ids), pad_id, max_new_tokens, g.temperature, g.top_k, g.top_p,
-                          g.kv_budget_mb or None, cfg.run.seed, kind,
-                          max_rows=2 * B if cfg.carries else B,  # B + Delta, refill: <= 2B
-                          max_len=max_len, reason=reason, backend=own)
+                          g.kv_budget_mb or None, seed, kind, max_rows=max_rows, max_len=max_len, reason=reason,
+                          backend=own)
 
 
 def check_backend(engine: str, policy_path: str | None, device: str) -> None:

@@ -98,7 +98,7 @@ def _load(start: RunStart, progress: bool) -> Trainer:
 
     cfg = start.checked.cfg
     if progress:
-        for line in threads_lines(cfg, *machine_threads()):
+        for line in threads_lines(cfg.placement, cfg.streams, *machine_threads()):
             print(line, file=sys.stderr)
         print(loading_line(cfg), file=sys.stderr, flush=True)
     t_load = time.perf_counter()
@@ -127,7 +127,7 @@ def _open(trainer: Trainer, start: RunStart, claim: _Claim, progress: bool) -> P
         print(f"run directory: {run_dir}{linked}", file=sys.stderr)
         if backend:
             print(f"rollout backend: {backend}", file=sys.stderr)
-        print(policy_line(cfg), file=sys.stderr)
+        print(policy_line(cfg.overlap, cfg.ppo), file=sys.stderr)
     (run_dir / FAILURE_FILE).unlink(missing_ok=True)  # (an earlier failure of this run: it goes on now)
     write_config(run_dir, cfg, trainer.inputs, backend)
     return run_dir

@@ -6,7 +6,8 @@ from __future__ import annotations
 import os
 import sys
 
-from ..config import Config
+from .. import modes
+from ..config import Config, OverlapConfig, PlacementConfig, PPOConfig
 
 
 def print_samples(title: str, texts, scores, n: int) -> None:
@@ -19,18 +20,20 @@ def print_samples(title: str, texts, scores, n: int) -> None:
 
 
 
-def policy_line(cfg: Config) -> str:
+def policy_line(overlap: OverlapConfig, ppo: PPOConfig) -> str:
     """One line for the run's start: whether it trains on-policy tokens only (no sequence outlives
     the weights that began it) or may train off-policy ones (carried across an update, or sampled
-    while the learner trained), and the settings that give TRL's PPOTrainer behaviour."""
-    o, B = cfg.overlap, cfg.ppo.batch_size
+    while the learner trained), and the settings that give TRL's PPOTrainer behaviour (from the
+    ``overlap`` and ``ppo`` sections)."""
+    o, B = overlap, ppo.batch_size
+    mode = modes.get(o.mode)
     trl = (f"for TRL's PPOTrainer (on-policy, its defaults): overlap.mode=sequential ppo.epochs=4 "
            f"ppo.minibatch_size={B} generation.temperature=0.7 (docs/from-trl.md)")
     extra = o.delta if o.delta >= 0 else o.delta_max  # adaptive Delta goes up to delta_max
-    if cfg.in_flight:
+    if mode.in_flight:
         why = (f"overlap.mode={o.mode} loads new weights while sequences decode and carries up to Delta unfinished "
                f"ones into the next step (overlap.max_lag={o.max_lag})")
-    elif cfg.carries and extra > 0 and o.max_lag > 0:
+    elif mode.carries and extra > 0 and o.max_lag > 0:
         delta = (f"overlap.delta={o.delta}" if o.delta >= 0 else
                  f"adaptive Delta up to overlap.delta_max={o.delta_max}, starting at overlap.delta_min={o.delta_min}"
                  + (f" and kept only where carrying measurably shortens the step, adding at most "
@@ -39,12 +42,12 @@ def policy_line(cfg: Config) -> str:
         why = (f"overlap.mode={o.mode} keeps extra sequences in flight ({delta}) and carries unfinished ones into "
                f"the next step (overlap.max_lag={o.max_lag})")
     else:
-        how = ("stage after stage" if o.mode == "sequential" else "with no extra sequences in flight" if cfg.carries
+        how = ("stage after stage" if o.mode == "sequential" else "with no extra sequences in flight" if mode.carries
                else "scoring while decoding, carrying nothing")
         return (f"on-policy: overlap.mode={o.mode} ({how}) trains every step on tokens the step's own policy "
                 f"sampled; {trl}")
     return (f"may train off-policy tokens: {why}, their PPO ratios importance-weighted by the behaviour "
-            f"log-probs (ppo.is_truncate={cfg.ppo.is_truncate}); {trl}")
+            f"log-probs (ppo.is_truncate={ppo.is_truncate}); {trl}")
 
 
 def loading_line(cfg: Config) -> str:
@@ -114,17 +117,18 @@ def others_runnable(loadavg: str) -> int | None:
         return None
 
 
-def threads_lines(cfg: Config, torch_threads: int, cores: int, usable: int | None,
+def threads_lines(placement: PlacementConfig, streams: bool, torch_threads: int, cores: int, usable: int | None,
                   load: float | None) -> list[str]:
-    """The start-up lines on CPU threads: the count torch uses and where it comes from, and, when
-    the machine is already busier than the cores this run may use, a warning with the fix: there
-    torch's threads wait on each other and steps can be many times slower (``docs/guide.md``)."""
-    pl = cfg.placement
+    """The start-up lines on CPU threads: the count torch uses and where it comes from (the
+    ``placement`` section; ``streams``: the mode scores while decoding, ``Config.streams``), and,
+    when the machine is already busier than the cores this run may use, a warning with the fix:
+    there torch's threads wait on each other and steps can be many times slower (``docs/guide.md``)."""
+    pl = placement
     full = pl.threads or torch_threads
     source = f"placement.threads={pl.threads}" if pl.threads else "placement.threads=0: torch's default"
     cpus = f"{usable} usable of {cores} cores" if usable is not None and usable != cores else f"{cores} cores"
     line = f"threads: torch {full} ({source}); {cpus}"
-    if cfg.streams:
+    if streams:
         line += (f"; while decoding, actor {pl.actor_threads} and scorer {pl.scorer_threads} "
                  f"(placement.actor_threads, placement.scorer_threads)")
     if load is not None:

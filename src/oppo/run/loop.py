@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 from ..checkpoint import save_checkpoint
-from ..config import Config, to_dict
+from ..config import RunConfig, to_dict
 from ..metrics import MetricsLogger, ProgressBar
 from .dirs import point_link
 from .files import earlier_spans, keep_lines_before
@@ -47,11 +47,12 @@ def train_steps(trainer: Trainer, run_dir: Path, link: Path | None, resumed: boo
     _finish(trainer, run_dir, logger, first, objects)
 
 
-def _save_due(cfg: Config, step: int, minutes: float) -> bool:
-    """A periodic checkpoint is due after ``step`` steps, ``minutes`` after the last save."""
-    due = (cfg.run.save_every and step % cfg.run.save_every == 0
-           or cfg.run.save_every_minutes and minutes >= cfg.run.save_every_minutes)
-    return bool(due) and step < cfg.run.steps
+def _save_due(run: RunConfig, step: int, minutes: float) -> bool:
+    """A periodic checkpoint is due after ``step`` steps, ``minutes`` after the last save (the
+    ``run`` section: ``save_every``, ``save_every_minutes``, ``steps``)."""
+    due = (run.save_every and step % run.save_every == 0
+           or run.save_every_minutes and minutes >= run.save_every_minutes)
+    return bool(due) and step < run.steps
 
 
 def _steps(trainer: Trainer, run_dir: Path, link: Path | None, logger: MetricsLogger, lengths: IO[str],
@@ -77,7 +78,7 @@ def _steps(trainer: Trainer, run_dir: Path, link: Path | None, logger: MetricsLo
             bar.note(f"[oppo] {line}")
         if STOP.signum is not None:  # preempted: the step is whole; save below
             break
-        if _save_due(cfg, trainer.step, (time.monotonic() - saved_at) / 60):
+        if _save_due(cfg.run, trainer.step, (time.monotonic() - saved_at) / 60):
             save_checkpoint(trainer, run_dir, cfg.run.keep_checkpoints)
             saved_at = time.monotonic()
 

@@ -307,7 +307,7 @@ class _ProcessTransport:
         if trainer is not None:
             if trainer.master is not None:
                 raise ValueError("internal error: the scorer process trains the critic it scores with (fp32 only)")
-            opt_spec = (share_adam_state(trainer.opt), trainer.cfg)
+            opt_spec = (share_adam_state(trainer.opt), trainer.settings)
         self.q, self.out = ctx.Queue(), ctx.Queue()
         # set while the controller blocks at a barrier: the child may then use the controller's cores too
         self.boost = ctx.Value("b", 0, lock=False)

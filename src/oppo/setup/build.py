@@ -37,7 +37,7 @@ def build_roles(cfg: Config, progress: bool = True, inputs: Inputs | None = None
     run = resolve(cfg, task, saved)  # decided, nothing loaded yet
     models = load_models(cfg, inputs, run)
     run.placement.threads.use(run.placement.threads.full)
-    placed = placements.of(cfg).build(models, run.placement, placements.own(cfg))
+    placed = placements.of(cfg.placement).build(models, run.placement, placements.own(cfg.placement))
     loaded = {f.name: getattr(models, f.name) for f in dataclasses.fields(Models)}
     return Roles(**loaded, placement=run.placement, rollout=placed.rollout, scorer=placed.scorer,
                  learner=placed.learner, sync=WeightSync(placed.sync), closers=placed.closers, backend=placed.backend)

@@ -177,7 +177,7 @@ def needs_saving(cfg: Config) -> dict[str, str]:
     from ..rollout import registry
 
     why: dict[str, str] = {}
-    spec = placements.of(cfg)
+    spec = placements.of(cfg.placement)
     if spec.remote:
         for role in ("policy", "reference", "critic", "reward"):
             why[role] = spec.where or f"placement.name={spec.name}, whose roles load their models from a directory"

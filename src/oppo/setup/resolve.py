@@ -97,7 +97,7 @@ def _placement(cfg: Config, paths: ResolvedPaths, dev: torch.device, devices: di
     facts = placements.Facts(needs_critic=paths.critic is not None,
                              scorers_on_cpu=all(d.type == "cpu" for d in scorer_devices),
                              computes_in_master=computes_in_master)
-    return placements.of(cfg).decide(cfg, placements.own(cfg), facts)
+    return placements.of(cfg.placement).decide(cfg, placements.own(cfg.placement), facts)
 
 
 DEFAULT_MAX_NEW_TOKENS = 256

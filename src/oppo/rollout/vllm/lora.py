@@ -48,9 +48,10 @@ def _peft_config(module: PeftModel):
     return module.peft_config[module.active_adapter]
 
 
-def _rank(cfg) -> int:
-    """The adapter's largest rank (peft's ``rank_pattern`` may raise it for some layers)."""
-    return max([cfg.r, *(getattr(cfg, "rank_pattern", None) or {}).values()])
+def _rank(adapter) -> int:
+    """The adapter's largest rank (``adapter``: its peft ``LoraConfig``, not oppo's; peft's
+    ``rank_pattern`` may raise it for some layers)."""
+    return max([adapter.r, *(getattr(adapter, "rank_pattern", None) or {}).values()])
 
 
 def adapter_problem(module: torch.nn.Module) -> str:
