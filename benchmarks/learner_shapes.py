@@ -3,7 +3,7 @@
     python benchmarks/learner_shapes.py            # 20 minibatches of 32, lognormal lengths up to 512
 
 No model runs: the micro-batches are cut (``learner.batch.micro_groups``) and laid out
-(``RowPlan.layout``) exactly as the learner does, for sequences of long-tailed lengths (prompt
+(``LayoutRule.layout``) exactly as the learner does, for sequences of long-tailed lengths (prompt
 and response together, lognormal, median ~100, capped at 512), under ``ppo.shape_buckets=on``.
 It prints, per layout, the distinct (rows x width) shapes the learner's forwards take over the
 run and the padded share of the positions they compute:
@@ -23,7 +23,7 @@ import argparse
 import random
 
 from oppo.config import PPOConfig
-from oppo.forward import RowPlan
+from oppo.forward import LayoutRule
 from oppo.learner.batch import MicroBatching, micro_groups, token_budget
 
 
@@ -31,7 +31,7 @@ def lengths(n: int, rng: random.Random, cap: int = 512) -> list[int]:
     return [max(2, min(cap, int(rng.lognormvariate(4.6, 0.8)))) for _ in range(n)]
 
 
-def measure(plan: RowPlan, cfg: PPOConfig, minibatches: list[list[int]]) -> tuple[int, float, list]:
+def measure(plan: LayoutRule, cfg: PPOConfig, minibatches: list[list[int]]) -> tuple[int, float, list]:
     micro = MicroBatching.of(cfg)
     shapes: dict[tuple[int, int], int] = {}
     computed = real = 0
@@ -57,7 +57,7 @@ def main() -> None:
     mbs = [lengths(a.size, rng) for _ in range(a.minibatches)]
     print(f"{a.minibatches} minibatches of {a.size}; lengths median {sorted(sum(mbs, []))[a.size * a.minibatches // 2]},"
           f" max {max(max(m) for m in mbs)}; tokens per minibatch {min(map(sum, mbs))}..{max(map(sum, mbs))}")
-    plans = {"mask": RowPlan(True, 1.0 / (6 * a.hidden), buckets=True), "varlen": RowPlan(True, buckets=True, varlen=True)}
+    plans = {"mask": LayoutRule(True, 1.0 / (6 * a.hidden), buckets=True), "varlen": LayoutRule(True, buckets=True, varlen=True)}
     cfgs = {"no budget (micro_batch_size 8)": PPOConfig(minibatch_size=a.size, micro_batch_size=8, micro_batch_tokens=0),
             f"budget {a.budget}": PPOConfig(minibatch_size=a.size, micro_batch_size=a.size, micro_batch_tokens=a.budget)}
     print(f"{'layout':8} {'micro-batches':32} {'shapes':>6} {'padded':>7}  most used (rows, width): count")

@@ -70,7 +70,7 @@ def saved_by_actor_forward(t, micro: int) -> float:
     from oppo.models import checkpointing
 
     learner = t.roles.learner
-    mb = micro_slices(t.last_result.exp, torch.arange(micro), learner.row_plan(), learner.micro)
+    mb = micro_slices(t.last_result.exp, torch.arange(micro), learner.layout_rule(), learner.micro)
     with saved_for_backward(learner.actor) as seen, checkpointing(learner.actor):
         logprobs, entropy = learner._actor_logprobs(mb)
     del logprobs, entropy

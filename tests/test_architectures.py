@@ -416,7 +416,7 @@ def _grads(model) -> list[torch.Tensor]:
 
 @each_arch
 def test_packed_forward_equals_each_sequence_alone(load, arch):
-    from oppo.forward import RowPlan, row_plan
+    from oppo.forward import LayoutRule, layout_rule
     from oppo.learner.batch import CriticBatch, micro_slices
     from oppo.learner.local import response_hidden
     from oppo.models import backbone_and_head
@@ -432,7 +432,7 @@ def test_packed_forward_equals_each_sequence_alone(load, arch):
     for role in roles:
         model = copy.deepcopy(load(arch, role, "fp32")).requires_grad_(True)
         backbone, head = backbone_and_head(model)
-        plan = row_plan(backbone)
+        plan = layout_rule(backbone)
         assert plan.packed, f"{arch} {role}: the model's own attention should keep packed sequences apart"
         lp_learner = Learner(model, None, PPOConfig(entropy_coef=0.01), TEMP, seed=0)  # (entropy in the loss)
 
@@ -448,13 +448,13 @@ def test_packed_forward_equals_each_sequence_alone(load, arch):
         alone_out, alone_loss = [], 0.0
         for i in rows.tolist():
             r = torch.tensor([i])
-            out, lo = loss(micro_slices(exp, r, RowPlan(False)), r)
+            out, lo = loss(micro_slices(exp, r, LayoutRule(False)), r)
             lo.backward()
             alone_out.append(out[0])
             alone_loss += lo.item()
         alone_grads = _grads(model)
         # the model's own plan (one row here) and a costly attention (several rows, padding at their ends)
-        for packed in (plan, RowPlan(True, attention_cost=0.05)):
+        for packed in (plan, LayoutRule(True, attention_cost=0.05)):
             mb = micro_slices(exp if role == "policy" else CriticBatch.of(_with_values(exp)), rows, packed)
             assert packed.attention_cost < 0.05 or mb.layout.rows > 1  # (the several-rows case is one)
             out, lo = loss(mb, rows)

@@ -230,12 +230,12 @@ def test_adaptive_delta_bounds_are_capped_at_the_batch(tiny_models, tiny_prompts
                              "overlap.delta_init=9", "overlap.delta_max=20", f"run.out_dir={tmp_path}",
                              "overlap.delta_rule=reward_slope", "generation.max_new_tokens=8"])  # (256 positions)
     t = Trainer.from_config(cfg, progress=False)
-    c = t.run.scheduler.controller
+    c = t.loop.scheduler.controller
     assert (c.delta_min, c.delta, c.delta_max) == (4, 4, 4)
     t.close()
     cfg.overlap.delta_rule, cfg.overlap.delta_max = "cost", 3  # the cost rule's levels, within the same caps
     t = Trainer.from_config(cfg, progress=False)
-    assert t.run.tuner.deltas == (3,) and t.run.scheduler.delta == 3
+    assert t.loop.tuner.deltas == (3,) and t.loop.scheduler.delta == 3
     t.close()
 
 

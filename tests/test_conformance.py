@@ -55,7 +55,7 @@ def _built_in(name):
     def make(models, seed=0):
         from oppo.parts import BACKENDS
         from oppo.rollout import registry
-        from oppo.rollout.engine import BackendSettings
+        from oppo.rollout.registry import BackendSettings
 
         spec = BACKENDS.get(name)
         own = spec.settings() if spec.settings is not None else None
@@ -68,7 +68,7 @@ def _ray_group(n):
     def make(models, seed=0):
         from oppo.rollout.ray import RayRolloutGroup
         from oppo.api.specs import ModelSpec
-        from oppo.rollout.engine import BackendSettings
+        from oppo.rollout.registry import BackendSettings
 
         spec = ModelSpec("policy", str(models["policy"]), pad_id=PAD, device="cpu")
         return RayRolloutGroup(spec, BackendSettings((EOS,), PAD, 10), n, seed=seed, tracer=Tracer(), num_cpus=0.25)
@@ -78,7 +78,7 @@ def _ray_group(n):
 def _plugin(models, seed=0, builds=None):
     """The test's backend, as the trainer gets one: through the registry (``testplug`` registered it)."""
     from oppo.rollout import registry
-    from oppo.rollout.engine import BackendSettings
+    from oppo.rollout.registry import BackendSettings
 
     builds.cls = Delegating  # the Protocol's members, nothing else
     return registry.build(registry.BuildRequest(BackendSettings((EOS,), PAD, 10, seed=seed, kind=PLUGIN,

@@ -405,7 +405,6 @@ def test_auto_backend_is_static_with_graphs_on_cuda_for_supported_policies_else_
     and the golden metrics are unchanged); explicit values are kept. ``torch.device("cuda")``
     stands for the device: nothing runs there."""
     from oppo.config import Config, ConfigError, help_text, load_config
-    from oppo.rollout.engine import resolve_engine
     from oppo.rollout.registry import backend_settings, resolve_backend
 
     def never():
@@ -418,7 +417,6 @@ def test_auto_backend_is_static_with_graphs_on_cuda_for_supported_policies_else_
     assert kind == "eager" and "flex" in why
     for asked in ("eager", "static", "vllm"):
         assert resolve_backend(asked, cuda, never)[0] == asked
-    assert resolve_engine is resolve_backend  # (its name before issue 44: imports of it keep working)
     # the settings a trainer builds its engine with: the policy is checked (config + a 2-token probe)
     cfg, model = Config(), _model()
     assert cfg.generation.backend == "auto"

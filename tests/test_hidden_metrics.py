@@ -16,7 +16,7 @@ import torch
 from oppo.algo import build_algorithm
 from oppo.checkpoint import settings_mismatches
 from oppo.config import Config, ConfigError, PPOConfig, load_config, to_dict
-from oppo.forward import RowPlan
+from oppo.forward import LayoutRule
 from oppo.learner.batch import Experience, OldLogprobSettings, old_logprob_targets, set_old_logprobs
 from oppo.learner.local import Learner
 from oppo.learner.offpolicy import staleness_stats
@@ -121,7 +121,7 @@ def _micro_step_stats(ppo: PPOConfig) -> dict:
     theta = torch.nn.Parameter(torch.full((1, 2), L(5.0)))  # log ratio
     lrn = Learner(torch.nn.Linear(2, 2), None, ppo, temperature=1.0, seed=0)
     lrn._actor_logprobs = lambda mb: (exp.old_logprobs[:, :2] + theta, torch.zeros(1, 2))  # no model forward
-    lrn.row_plan = lambda: RowPlan(False)  # (no model to lay the rows out for)
+    lrn.layout_rule = lambda: LayoutRule(False)  # (no model to lay the rows out for)
     return lrn._actor_micro_step(exp, torch.tensor([0]), num_tokens=torch.tensor(2.0), num_seqs=1)
 
 

@@ -51,7 +51,7 @@ def _run_settings(out, mode="oppo"):
 
 def _snapshot(trainer) -> dict[int, dict]:
     """The untrained sequences, a decoding one's progress as the rollout backend holds it."""
-    return {u: {f: getattr(r, f) for f in FIELDS} for u, r in trainer.run.untrained().items()}
+    return {u: {f: getattr(r, f) for f in FIELDS} for u, r in trainer.loop.untrained().items()}
 
 
 def _carried(trainer, finished: bool = False):
@@ -59,7 +59,7 @@ def _carried(trainer, finished: bool = False):
     (``finished``: and a finished one waits to be trained)."""
     for _ in range(12):
         trainer.run_step()
-        rows = trainer.run.untrained().values()  # (a decoding one's progress: the backend's record)
+        rows = trainer.loop.untrained().values()  # (a decoding one's progress: the backend's record)
         if any(not r.finished and r.response_ids for r in rows) and (not finished or any(r.finished for r in rows)):
             return
     pytest.fail("no sequence was carried with a partial response (or finished and waiting): the test would "
@@ -76,8 +76,8 @@ def test_save_load_restores_carried_sequences(tiny_models, tiny_prompts, tmp_pat
     try:
         _carried(live, finished=bool(extra))
         before = _snapshot(live)
-        tickets = {u: live.run.scheduler.ticket(u) for u in before}
-        running = list(live.run.scheduler.in_flight)
+        tickets = {u: live.loop.scheduler.ticket(u) for u in before}
+        running = list(live.loop.scheduler.in_flight)
         ckpt = save_checkpoint(live, tmp_path / "run")
         saved = json.loads((ckpt / "in_flight.json").read_text())
         state = json.loads((ckpt / "state.json").read_text())
@@ -91,11 +91,11 @@ def test_save_load_restores_carried_sequences(tiny_models, tiny_prompts, tmp_pat
             load_checkpoint(resumed, ckpt)
             assert resumed.step == live.step
             assert _snapshot(resumed) == before, "partial responses, versions and log-probs restored"
-            assert {u: resumed.run.scheduler.ticket(u) for u in before} == tickets
-            assert list(resumed.run.scheduler.in_flight) == running
-            assert resumed.run.scheduler.finished_pool == live.run.scheduler.finished_pool
+            assert {u: resumed.loop.scheduler.ticket(u) for u in before} == tickets
+            assert list(resumed.loop.scheduler.in_flight) == running
+            assert resumed.loop.scheduler.finished_pool == live.loop.scheduler.finished_pool
             assert [r.uid for r in resumed.roles.rollout.in_flight()] == running, "back in the engine"
-            assert not resumed.run.scheduler.requeue
+            assert not resumed.loop.scheduler.requeue
             # both go on alike: the carried sequences continue where they stopped
             trained = []
             for _ in range(3):
@@ -126,19 +126,19 @@ def test_fallback_drain_and_old_checkpoints_load(tiny_models, tiny_prompts, tmp_
     t = Trainer.from_config(cfg, progress=False)
     try:
         _carried(t)
-        n = len(t.run.rollouts)
-        positions = sorted({r.prompt_index for r in t.run.rollouts.values()})
+        n = len(t.loop.rollouts)
+        positions = sorted({r.prompt_index for r in t.loop.rollouts.values()})
         saved = save_checkpoint(t, tmp_path / "saved")
         t.roles.rollout.in_flight = lambda: None  # (a backend that cannot save its rows)
         ckpt = save_checkpoint(t, tmp_path / "run")
-        assert not t.run.rollouts and t.roles.rollout.active == 0
+        assert not t.loop.rollouts and t.roles.rollout.active == 0
     finally:
         t.close()
     r = Trainer.from_config(cfg, progress=False)
     try:
         r.roles.rollout.in_flight = lambda: None  # (nor take them back)
         load_checkpoint(r, saved)
-        assert sorted(r.run.scheduler.requeue) == positions and not r.run.rollouts and not r.roles.rollout.active
+        assert sorted(r.loop.scheduler.requeue) == positions and not r.loop.rollouts and not r.roles.rollout.active
     finally:
         r.close()
     state = json.loads((ckpt / "state.json").read_text())
@@ -153,10 +153,10 @@ def test_fallback_drain_and_old_checkpoints_load(tiny_models, tiny_prompts, tmp_
     r = Trainer.from_config(cfg, progress=False)
     try:
         load_checkpoint(r, ckpt)
-        assert sorted(r.run.scheduler.requeue) == positions and not r.run.rollouts
+        assert sorted(r.loop.scheduler.requeue) == positions and not r.loop.rollouts
         r.run_step()
         admitted = ({x.prompt_index for x in r.last_result.exp.rollouts}
-                    | {x.prompt_index for x in r.run.rollouts.values()})
+                    | {x.prompt_index for x in r.loop.rollouts.values()})
         assert set(positions) <= admitted, "the requeued prompts were admitted first"
     finally:
         r.close()
@@ -284,7 +284,7 @@ def test_with_stale_kv_recompute_a_checkpoint_changes_nothing(tiny_models, tiny_
                 out.append(([r.response_ids for r in t.last_result.exp.rollouts],
                             [r.versions for r in t.last_result.exp.rollouts], m["reward/mean"]))
                 if save and k in (1, 2):
-                    assert t.run.rollouts, "nothing in flight at the checkpoint"
+                    assert t.loop.rollouts, "nothing in flight at the checkpoint"
                     save_checkpoint(t, tmp_path / f"ckpt{k}")
             runs.append(out)
         finally:

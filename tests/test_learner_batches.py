@@ -66,15 +66,15 @@ def test_padding_stats_counts_rows_times_width():
     assert stats["perf/train_tokens"] == 13
     assert abs(stats["perf/train_padded_frac"] - (1 - 13 / 15)) < 1e-9
     # packed: two micro-batches ([0] alone, [1, 2] of 7 tokens), one row each at this attention cost
-    from oppo.forward import RowPlan
+    from oppo.forward import LayoutRule
 
     stats = padding_stats(exp, [torch.tensor([0, 1, 2])], MicroBatching.of(PPOConfig(micro_batch_size=2)),
-                          RowPlan(True, 1e-3))
+                          LayoutRule(True, 1e-3))
     assert stats == {"perf/train_tokens": 13.0, "perf/train_padded_frac": 0.0}
 
 
 def test_micro_slices_lay_whole_sequences_out():
-    from oppo.forward import RowPlan
+    from oppo.forward import LayoutRule
     from oppo.learner.batch import micro_slices
 
     ids, valid, P, rmask = sequence_batch([[5, 6], [5, 6, 7], [8]], [[1, 2, 3, 4], [1], [2, 3]], 0,
@@ -82,14 +82,14 @@ def test_micro_slices_lay_whole_sequences_out():
     exp = Experience(rollouts=[], ids=ids, valid=valid, P=P, mask=rmask.float(), versions=rmask.long(),
                      behaviour_logprobs=rmask.float(), old_logprobs=rmask.float(), is_weights=rmask.float())
     rows = torch.tensor([1, 2])
-    padded = micro_slices(exp, rows, RowPlan(False))  # one a row, its real tokens at columns 0..n-1
+    padded = micro_slices(exp, rows, LayoutRule(False))  # one a row, its real tokens at columns 0..n-1
     ids_, pos = padded.layout.lay_out(padded.source, padded.first, 0)
     # padding at its row's last real position (never past the model's limit, nor past the real ones)
     assert ids_.tolist() == [[5, 6, 7, 1], [8, 2, 3, 0]] and pos.tolist() == [[0, 1, 2, 3], [0, 1, 2, 2]]
     assert padded.tokens.tolist() == [1, 2, 3]  # response tokens, row after row
     assert padded.pre.tolist() == [2, 4, 5]  # the flat position predicting each: prompt length - 1 + t
     assert padded.dest.tolist() == [0, 2, 3] and (padded.b, padded.T) == (2, 2)  # their [b, T] places
-    packed = micro_slices(exp, rows, RowPlan(True))  # end to end in one row, positions restarting
+    packed = micro_slices(exp, rows, LayoutRule(True))  # end to end in one row, positions restarting
     ids_, pos = packed.layout.lay_out(packed.source, packed.first, 0)
     assert ids_.tolist() == [[5, 6, 7, 1, 8, 2, 3]] and pos.tolist() == [[0, 1, 2, 3, 0, 1, 2]]
     assert packed.pre.tolist() == [2, 4, 5] and packed.tokens.tolist() == [1, 2, 3]
@@ -146,7 +146,7 @@ def test_a_model_that_cannot_pack_is_named_once_and_runs_padded(tiny_models):
     and runs padded (exact), on stops with the fix, off never probes."""
     import warnings
 
-    from oppo.forward import RowPlan, full_hidden, row_plan
+    from oppo.forward import LayoutRule, full_hidden, layout_rule
     from oppo.models import backbone_and_head, load_causal_lm
 
     inner = backbone_and_head(load_causal_lm(str(tiny_models["policy"]), "policy", torch.device("cpu"),
@@ -163,11 +163,11 @@ def test_a_model_that_cannot_pack_is_named_once_and_runs_padded(tiny_models):
     blind = NoPositions()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert row_plan(blind) == row_plan(blind) == RowPlan(False)
+        assert layout_rule(blind) == layout_rule(blind) == LayoutRule(False)
     assert len(caught) == 1 and "cannot run packed rows" in str(caught[0].message)
     with pytest.raises(ValueError, match="ppo.packing=auto"):
-        row_plan(blind, "on")
-    assert row_plan(blind, "off") == RowPlan(False) and row_plan(inner).packed
+        layout_rule(blind, "on")
+    assert layout_rule(blind, "off") == LayoutRule(False) and layout_rule(inner).packed
     ids, valid, _, _ = sequence_batch([[5, 6], [7]], [[8, 9, 10], [11]], 0, torch.device("cpu"))
     with torch.no_grad():  # padded, it is exact: the same hidden states as the model that packs
         torch.testing.assert_close(full_hidden(blind, ids, valid), full_hidden(inner, ids, valid))
@@ -179,7 +179,7 @@ def test_varlen_rows_of_a_fixed_ladder_give_the_same_gradient(tiny_models):
     the minibatch's loss and gradient equal those of one sequence a row, unpadded."""
     import copy
 
-    from oppo.forward import RowPlan, row_plan
+    from oppo.forward import LayoutRule, layout_rule
     from oppo.learner.batch import micro_groups, micro_slices
     from oppo.models import backbone_and_head, load_causal_lm
 
@@ -188,9 +188,9 @@ def test_varlen_rows_of_a_fixed_ladder_give_the_same_gradient(tiny_models):
     exp = _rows(lengths)
     w = torch.randn(exp.mask.shape, generator=torch.Generator().manual_seed(0))  # [B, T] per-token weights
     cfg = PPOConfig(batch_size=8, minibatch_size=8, micro_batch_size=8, micro_batch_tokens=48, shape_buckets="on")
-    assert row_plan(backbone_and_head(policy)[0], "auto", "on").varlen
+    assert layout_rule(backbone_and_head(policy)[0], "auto", "on").varlen
     out = {}
-    for name, plan in (("alone", RowPlan(False)), ("varlen", RowPlan(True, buckets=True, varlen=True))):
+    for name, plan in (("alone", LayoutRule(False)), ("varlen", LayoutRule(True, buckets=True, varlen=True))):
         model = copy.deepcopy(policy).requires_grad_(True)
         lr = Learner(model, None, cfg, temperature=1.0, seed=0)
         groups = micro_groups(exp, list(range(8)), lr.micro) if name == "varlen" else [[i] for i in range(8)]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from oppo.config import PPOConfig, load_config
-from oppo.forward import RowPlan
+from oppo.forward import LayoutRule
 from oppo.learner.batch import Experience, build_experience
 from oppo.learner.local import Learner
 from oppo.models import load_causal_lm, load_tokenizer
@@ -40,7 +40,7 @@ def _hand_learner(recompute_old: bool) -> Learner:
                   recompute_old=recompute_old)
     # pi_1 gives every token probability 1/2: equal logits at every position ([b, T] each)
     lrn._actor_logprobs = lambda mb: (torch.full((mb.b, mb.T), L(0.5)), torch.full((mb.b, mb.T), L(2.0)))
-    lrn.row_plan = lambda: RowPlan(False)  # (no model to lay the rows out for)
+    lrn.layout_rule = lambda: LayoutRule(False)  # (no model to lay the rows out for)
     return lrn
 
 

@@ -129,30 +129,30 @@ def test_pipeline_checkpoint_between_steps_saves_the_begun_step_and_resumes(tiny
         for _ in range(2):
             t.run_step()
             positions += [r.prompt_index for r in t.last_result.exp.rollouts]
-        assert t.run.next_begun, "step 2 was begun while step 1's update trained"
-        begun = {u for u, r in t.run.rollouts.items() if r.start_version == 2}
+        assert t.loop.next_begun, "step 2 was begun while step 1's update trained"
+        begun = {u for u, r in t.loop.rollouts.items() if r.start_version == 2}
         ckpt = save_checkpoint(t, tmp_path / "out")
-        assert not t.run.next_begun
+        assert not t.loop.next_begun
         saved = {d["uid"]: d for d in json.loads((ckpt / "in_flight.json").read_text())}
         assert begun and begun <= set(saved), "the begun step's sequences are saved"
-        assert {u: r.response_ids for u, r in t.run.untrained().items()} == \
+        assert {u: r.response_ids for u, r in t.loop.untrained().items()} == \
             {u: d["response_ids"] for u, d in saved.items()}
     finally:
         t.close()
     r = Trainer.from_config(cfg, progress=False)
     try:
         load_checkpoint(r, ckpt)
-        assert {u: x.response_ids for u, x in r.run.untrained().items()} == \
+        assert {u: x.response_ids for u, x in r.loop.untrained().items()} == \
             {u: d["response_ids"] for u, d in saved.items()}, "taken back with their partial responses"
         while r.step < 4:
             r.run_step()
             positions += [x.prompt_index for x in r.last_result.exp.rollouts]
-        assert not r.run.next_begun, "no step begins after the run's last"
-        in_flight = set(r.run.scheduler.in_flight) | set(r.run.scheduler.finished_pool)
+        assert not r.loop.next_begun, "no step begins after the run's last"
+        in_flight = set(r.loop.scheduler.in_flight) | set(r.loop.scheduler.finished_pool)
     finally:
         r.close()
     assert len(positions) == len(set(positions)) == 16, "no prompt position trained twice"
-    untrained = {r.run.rollouts[u].prompt_index for u in in_flight}
+    untrained = {r.loop.rollouts[u].prompt_index for u in in_flight}
     assert set(range(max(positions) + 1)) <= set(positions) | untrained, "no prompt position lost"
 
 

@@ -108,7 +108,7 @@ def test_a_checkpoint_saves_the_rows_the_workers_decode_and_a_resume_takes_them_
         ckpt = save_checkpoint(t, tmp_path / "r")
         with Trainer.from_config(cfg, progress=False) as r:
             load_checkpoint(r, ckpt)
-            assert {u: list(x.response_ids) for u, x in r.run.untrained().items() if u in partial} == partial
+            assert {u: list(x.response_ids) for u, x in r.loop.untrained().items() if u in partial} == partial
             carried = 0
             for _ in range(2):
                 t.run_step()

@@ -1,7 +1,7 @@
 """Shapes from a small fixed set (issue 46): what a GPU would pay per new shape, checked on the CPU.
 
 The ladders (``oppo.shapes``), the learner's and one-shot scorers' layouts on them
-(``forward.plan_rows`` with buckets), the streamed chunks' slots (``scoring.slots``), and the packing
+(``forward.lay_out_rows`` with buckets), the streamed chunks' slots (``scoring.slots``), and the packing
 probe that decides whether packed sequences may share more than one row.
 """
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from oppo import shapes
-from oppo.forward import RowLayout, RowPlan, plan_rows, row_plan
+from oppo.forward import RowLayout, LayoutRule, lay_out_rows, layout_rule
 
 
 def test_ladders_by_hand():
@@ -52,24 +52,24 @@ def test_bucketed_layouts_come_from_few_shapes_with_little_padding(cost):
     exact, bucketed, real, computed = set(), set(), 0, 0
     for _ in range(200):
         lengths = [max(2, min(300, int(40 * 2.718 ** rng.gauss(0, 0.75)))) + rng.randint(8, 48) for _ in range(16)]
-        lay = plan_rows(lengths, True, cost, buckets=True)
+        lay = lay_out_rows(lengths, True, cost, buckets=True)
         _placed(lay)
         assert lay.rows == shapes.rows(lay.rows) and lay.width == shapes.width(lay.width)
         bucketed.add((lay.rows, lay.width))
-        exact.add((lambda e: (e.rows, e.width))(plan_rows(lengths, True, cost)))
+        exact.add((lambda e: (e.rows, e.width))(lay_out_rows(lengths, True, cost)))
         real, computed = real + sum(lengths), computed + lay.computed
     assert len(bucketed) <= 25 < 150 <= len(exact), (len(bucketed), len(exact))
     assert 1 - real / computed <= 0.11
 
 
 def test_unpacked_buckets_add_rows_and_columns_of_padding():
-    lay = plan_rows([5, 9, 7, 3, 30], False, buckets=True)
+    lay = lay_out_rows([5, 9, 7, 3, 30], False, buckets=True)
     assert (lay.rows, lay.width) == (6, 32) and lay.start == (0, 32, 64, 96, 128) and not lay.packed
     _placed(lay)
 
 
 def test_one_row_plan_packs_everything_in_one_row():
-    lay = RowPlan(True, 0.0, buckets=True, one_row=True).layout([5, 9, 7])
+    lay = LayoutRule(True, 0.0, buckets=True, one_row=True).layout([5, 9, 7])
     assert (lay.rows, lay.width, lay.start) == (1, 24, (0, 5, 14))
 
 
@@ -88,7 +88,7 @@ class _RowsMeet(torch.nn.Module):
 
 
 def test_packing_probe_runs_two_rows():
-    plan = row_plan(_RowsMeet(), "auto", "off")
+    plan = layout_rule(_RowsMeet(), "auto", "off")
     assert plan.packed and plan.one_row and plan.attention_cost == 0.0
     lay = plan.layout([3, 4, 5, 6])
     assert lay.rows == 1 and lay.packed
@@ -261,8 +261,8 @@ def test_varlen_layouts_hold_a_few_shapes_for_a_run():
     for lens in runs:
         for group in micro_groups(None, list(range(32)), micro, lens):
             n = [lens[i] for i in group]
-            for name, plan in (("mask", RowPlan(True, 1 / 12288, buckets=True)),
-                               ("varlen", RowPlan(True, buckets=True, varlen=True))):
+            for name, plan in (("mask", LayoutRule(True, 1 / 12288, buckets=True)),
+                               ("varlen", LayoutRule(True, buckets=True, varlen=True))):
                 lay = plan.layout(n, token_budget(micro))
                 _placed(lay)
                 seen[name].add((lay.rows, lay.width))
@@ -272,5 +272,5 @@ def test_varlen_layouts_hold_a_few_shapes_for_a_run():
     assert len(seen["varlen"]) <= 3 < 6 <= len(seen["mask"]), seen
     assert 1 - real / computed <= 1 / 3
     # the budget caps a rung past it; a longer sequence takes its own size
-    assert RowPlan(True, buckets=True, varlen=True).layout([700, 200], 1000).width == 1000  # (1024 past it)
-    assert RowPlan(True, buckets=True, varlen=True).layout([1100], 1024).width == 1536  # (its rung)
+    assert LayoutRule(True, buckets=True, varlen=True).layout([700, 200], 1000).width == 1000  # (1024 past it)
+    assert LayoutRule(True, buckets=True, varlen=True).layout([1100], 1024).width == 1536  # (its rung)

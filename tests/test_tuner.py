@@ -175,7 +175,7 @@ def _steps(cfg, n):
         for _ in range(n):
             m = t.run_step()
             out.append((t.last_result.exp.ids.tolist(), m))
-        return out, t.run.tuner
+        return out, t.loop.tuner
     finally:
         t.close()
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from oppo.kernels import varlen
-from oppo.forward import RowLayout, RowPlan, packed_hidden, row_plan
+from oppo.forward import RowLayout, LayoutRule, packed_hidden, layout_rule
 from oppo.models import backbone_and_head, load_causal_lm
 
 CPU = torch.device("cpu")
@@ -107,7 +107,7 @@ def backbone(tiny_models):
     return backbone_and_head(load_causal_lm(str(tiny_models["policy"]), "policy", CPU, torch.float32))[0]
 
 
-def _layout_inputs(plan: RowPlan, lengths=(5, 1, 7, 3)):
+def _layout_inputs(plan: LayoutRule, lengths=(5, 1, 7, 3)):
     g = torch.Generator().manual_seed(2)
     source = torch.randint(3, 20, (sum(lengths),), generator=g)
     first = torch.tensor((0,) + tuple(torch.tensor(lengths).cumsum(0)[:-1].tolist()))
@@ -119,7 +119,7 @@ def test_packed_forward_builds_no_mask_and_runs_no_packed_detection(backbone, mo
     on the varlen path it never runs, and the numbers are the packed mask's."""
     import transformers.masking_utils as mu
 
-    plan = row_plan(backbone)  # (its probe runs the mask path too)
+    plan = layout_rule(backbone)  # (its probe runs the mask path too)
     found = []
     real = mu.find_packed_sequence_indices
     monkeypatch.setattr(mu, "find_packed_sequence_indices", lambda p: found.append(1) or real(p))
@@ -129,7 +129,7 @@ def test_packed_forward_builds_no_mask_and_runs_no_packed_detection(backbone, mo
     with torch.no_grad():
         got = packed_hidden(backbone, layout, source, first)
         assert not found and backbone.config._attn_implementation == "oppo_varlen:sdpa"  # (the alias stays)
-        mask_layout, _, _ = _layout_inputs(RowPlan(True))  # the same row on transformers' packed mask
+        mask_layout, _, _ = _layout_inputs(LayoutRule(True))  # the same row on transformers' packed mask
         want = packed_hidden(backbone, mask_layout, source, first)
     assert found  # (the count can fail: the mask path detects)
     for s, n, t in zip(layout.start, layout.lengths, mask_layout.start):  # each sequence's states, wherever it sits
@@ -144,8 +144,8 @@ def test_gradient_checkpointing_recomputes_on_the_varlen_path(backbone):
     plain = copy.deepcopy(backbone).requires_grad_(True)
     ckpt = copy.deepcopy(backbone).requires_grad_(True)
     enable_gradient_checkpointing(ckpt)
-    layout, source, first = _layout_inputs(row_plan(plain))
-    assert row_plan(ckpt).varlen
+    layout, source, first = _layout_inputs(layout_rule(plain))
+    assert layout_rule(ckpt).varlen
     grads = []
     for model in (plain, ckpt):
         with checkpointing(model):
@@ -163,7 +163,7 @@ def test_the_alias_leaves_other_forwards_as_they_were(backbone):
     aliased path's own masks and numbers, bit for bit."""
     from transformers import DynamicCache
 
-    row_plan(backbone)
+    layout_rule(backbone)
     assert backbone.config._attn_implementation == "oppo_varlen:sdpa"
     ids = torch.tensor([[0, 5, 6, 7], [8, 9, 10, 11]])
     mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
@@ -195,8 +195,8 @@ def test_a_model_whose_attention_takes_no_offsets_keeps_the_packed_mask(backbone
     model = NoKwargs()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        plan = row_plan(model)
-        assert row_plan(model) is plan  # (found once)
+        plan = layout_rule(model)
+        assert layout_rule(model) is plan  # (found once)
     assert plan.packed and not plan.varlen
     assert len(caught) == 1 and "packed mask" in str(caught[0].message) and "TypeError" in str(caught[0].message)
 
@@ -212,23 +212,23 @@ def test_bucketed_padding_stays_inside_learned_positions():
     lengths = [17, 2]
     source = torch.randint(3, 40, (19,))
     first = torch.tensor([0, 17])
-    wide = RowPlan(False, buckets=True).layout(lengths)
+    wide = LayoutRule(False, buckets=True).layout(lengths)
     assert wide.width == 20 and int(wide.lay_out(source, first, 0)[1].max()) == 16
     with torch.no_grad():
         got = packed_hidden(model, wide, source, first).view(2, 20, -1)
-        want = packed_hidden(model, RowPlan(False).layout(lengths), source, first).view(2, 17, -1)
+        want = packed_hidden(model, LayoutRule(False).layout(lengths), source, first).view(2, 17, -1)
     torch.testing.assert_close(got[0, :17], want[0])
     torch.testing.assert_close(got[1, :2], want[1, :2])
     # packed on a wide row (the token ladder): the padding run stops at the longest sequence's last position
     many = [5, 3, 4] * 4  # 48 tokens, a row of 48 + 16 padding: positions would reach 15 < 18, so pad further
-    row = RowPlan(True, varlen=True).layout(many)
+    row = LayoutRule(True, varlen=True).layout(many)
     wide = RowLayout(1, 64 + 20, row.start, row.lengths, True, varlen=True)
     src = torch.randint(3, 40, (48,))
     starts = torch.tensor(row.start)
     assert int(wide.lay_out(src, starts, 0)[1].max()) == 4
     with torch.no_grad():
         got = packed_hidden(model, wide, src, starts)  # (puts the model on its alias)
-        alone = packed_hidden(model, RowPlan(False).layout(many), src, starts).view(len(many), 5, -1)
+        alone = packed_hidden(model, LayoutRule(False).layout(many), src, starts).view(len(many), 5, -1)
     assert model.config._attn_implementation == "oppo_varlen:sdpa"
     for i, (s, n) in enumerate(zip(row.start, many)):
         torch.testing.assert_close(got[s:s + n], alone[i, :n], atol=1e-5, rtol=1e-5)

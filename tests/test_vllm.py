@@ -113,7 +113,8 @@ def perturbed(model, scale=0.3, seed=1):
 
 
 def test_check_vllm_refuses_unservable_model_and_missing_install(tiny_models, monkeypatch, tmp_path):
-    from oppo.rollout.vllm.backend import VLLMUnavailable, check_vllm, vllm_problems
+    from oppo.rollout.vllm.backend import VLLMUnavailable, check_vllm
+    from oppo.rollout.vllm.checks import vllm_problems
 
     # conftest's tiny policy: hidden 32 / 4 heads = head size 8, which vLLM's CPU attention lacks;
     # oppo serves it padded to 32 heads (vllm_heads.py), but not with scaled rotary embeddings
@@ -377,7 +378,7 @@ def test_lora_policy_is_sent_merged(vmodels):
     import copy
 
     from oppo.models import apply_lora
-    from oppo.rollout.vllm.backend import hf_weights
+    from oppo.rollout.vllm.loads import hf_weights
 
     peft = apply_lora(hf_policy(vmodels["policy"]), 4, 8.0, 0.0, [])
     with torch.no_grad():
@@ -932,7 +933,7 @@ def test_ray_rollout_worker_hosts_vllm(ray_local, vmodels, tiny_prompts, tmp_pat
         partial = {r.uid: list(r.response_ids) for r in group.in_flight()}
         ckpt = save_checkpoint(t, tmp_path / "ckpt")
         assert json.loads((ckpt / "state.json").read_text())["in_flight"]["how"] == "saved"
-        assert {u: list(r.response_ids) for u, r in t.run.untrained().items() if u in partial} == partial
+        assert {u: list(r.response_ids) for u, r in t.loop.untrained().items() if u in partial} == partial
         for _ in range(2):
             t.run_step()
             for r in t.last_result.exp.rollouts:

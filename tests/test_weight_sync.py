@@ -195,7 +195,7 @@ def _rows(start_uid: int = 0):
 
 
 def _settings(pad: int):
-    from oppo.rollout.engine import BackendSettings
+    from oppo.rollout.registry import BackendSettings
 
     return BackendSettings((1,), pad, 8, 1.0, 0, 1.0, None, 0, "eager", max_rows=4, max_len=16)
 

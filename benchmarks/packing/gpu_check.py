@@ -12,7 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from oppo.config import PPOConfig
-from oppo.forward import RowPlan, row_plan
+from oppo.forward import LayoutRule, layout_rule
 from oppo.learner.batch import build_experience, micro_slices
 from oppo.learner.local import Learner
 from oppo.models import backbone_and_head
@@ -29,7 +29,7 @@ lens = [(rng.randrange(3, 40), rng.randrange(1, 90)) for _ in range(8)]
 rolls = [Rollout(i, i, "", [rng.randrange(2, 512) for _ in range(p)], 0, response_ids=[rng.randrange(2, 512) for _ in range(r)],
                  logprobs=[0.0] * r, versions=[0] * r, finished=True, ended_with_eos=False) for i, (p, r) in enumerate(lens)]
 exp = build_experience(rolls, 0, dev)
-out = {"plan": str(row_plan(backbone_and_head(model)[0])), "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"}
+out = {"plan": str(layout_rule(backbone_and_head(model)[0])), "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"}
 for dtype in (torch.float32, torch.bfloat16):
     lrn = Learner(model, None, PPOConfig(entropy_coef=0.01), 1.0, seed=0, compute_dtype=dtype)
     w = torch.randn(exp.mask.shape, device=dev)
@@ -42,13 +42,13 @@ for dtype in (torch.float32, torch.bfloat16):
     alone_lp, alone_g = [], None
     for i in range(len(rolls)):
         r = torch.tensor([i], device=dev)
-        lp, lo = loss(micro_slices(exp, r, RowPlan(False)), r)
+        lp, lo = loss(micro_slices(exp, r, LayoutRule(False)), r)
         lo.backward()
         alone_lp.append(lp[0, : len(rolls[i].response_ids)])
     alone_g = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
     rows = torch.arange(len(rolls), device=dev)
-    for name, plan in (("own_plan", row_plan(backbone_and_head(model)[0])), ("rows", RowPlan(True, 0.05))):
+    for name, plan in (("own_plan", layout_rule(backbone_and_head(model)[0])), ("rows", LayoutRule(True, 0.05))):
         mb = micro_slices(exp, rows, plan)
         lp, lo = loss(mb, rows)
         lo.backward()

@@ -1,5 +1,5 @@
 """Forwards the scorers and the learner share: whole sequences as one batch
-(:func:`sequence_batch`), laid out in packed rows (:func:`plan_rows`, :func:`row_plan`: end to end,
+(:func:`sequence_batch`), laid out in packed rows (:func:`lay_out_rows`, :func:`layout_rule`: end to end,
 position ids restarting at 0, kept apart by variable-length attention with the sequences' offsets,
 :mod:`oppo.kernels.varlen`, or else by the model's own packed mask) and run with no fully masked query row
 (:func:`packed_hidden`, :func:`full_hidden`), and the sampled tokens' log-probs and entropy from
@@ -151,8 +151,8 @@ def full_hidden(backbone: torch.nn.Module, ids: torch.Tensor, valid: torch.Tenso
     """One forward without cache over rows whose real tokens are contiguous (left-padded prompt
     then right-padded response); hidden states [R, L, H] in the input's layout (zeros at padding).
 
-    The rows' real tokens are laid out afresh (:func:`plan_rows`): packed end to end where the
-    model can (``ppo.packing``, :func:`row_plan`), else each row's tokens at columns 0..n-1 with
+    The rows' real tokens are laid out afresh (:func:`lay_out_rows`): packed end to end where the
+    model can (``ppo.packing``, :func:`layout_rule`), else each row's tokens at columns 0..n-1 with
     all its padding on the right. Either way the forward takes no padding mask, so no query
     position attends to no key, and position ids count from 0 along each sequence.
 
@@ -169,7 +169,7 @@ def full_hidden(backbone: torch.nn.Module, ids: torch.Tensor, valid: torch.Tenso
     if bool((inside != valid.bool()).any()):  # CPU-GPU sync point (one per forward)
         raise ValueError("internal error: full_hidden needs each row's real tokens contiguous "
                          "(left-padded prompt, then right-padded response)")
-    layout = row_plan(backbone, packing).layout(n.tolist())
+    layout = layout_rule(backbone, packing).layout(n.tolist())
     hidden = packed_hidden(backbone, layout, ids.reshape(-1), torch.arange(R, device=ids.device) * L + lead)
     start = torch.tensor(layout.start, device=ids.device)  # [R]
     src = (start[:, None] + col[None] - lead[:, None]).clamp(0, layout.computed - 1)  # [R, L]
@@ -179,7 +179,7 @@ def full_hidden(backbone: torch.nn.Module, ids: torch.Tensor, valid: torch.Tenso
 
 # ---------------------------------------------------------------------------------------------
 # Packed rows: whole sequences end to end in a row, position ids restarting at 0 for
-# each. Where the model lets it (row_plan's probe), the forward passes the sequences' offsets to a
+# each. Where the model lets it (layout_rule's probe), the forward passes the sequences' offsets to a
 # variable-length kernel (oppo.kernels.varlen: torch's varlen_attn, flash-attention's, a CPU stand-in) and
 # no mask, as the peers do (issue 50). Elsewhere, with no attention mask, transformers (>= 4.54,
 # 5.x) reads the restarts as sequence boundaries and builds a block-diagonal causal mask itself
@@ -247,7 +247,7 @@ class RowLayout:
 
 
 
-def plan_rows(lengths: list[int], packed: bool, attention_cost: float = 0.0, max_positions: int = 0,
+def lay_out_rows(lengths: list[int], packed: bool, attention_cost: float = 0.0, max_positions: int = 0,
               max_padding: float = 0.0, buckets: bool = False) -> RowLayout:
     """The rows of one forward over sequences of ``lengths``.
 
@@ -318,9 +318,9 @@ def _narrowest(lengths: list[int], order: list[int], r: int, low: int, lpt: int)
 
 
 @dataclass(frozen=True)
-class RowPlan:
-    """How a model's forwards over many sequences lay them out (:func:`row_plan`): packed or one a
-    row, and the relative cost of an attention pair (:func:`plan_rows`)."""
+class LayoutRule:
+    """How a model's forwards over many sequences lay them out (:func:`layout_rule`): packed or one a
+    row, and the relative cost of an attention pair (:func:`lay_out_rows`)."""
 
     packed: bool
     attention_cost: float = 0.0
@@ -344,7 +344,7 @@ class RowPlan:
             W = sum(lengths)
             W = shapes.width(W) if self.buckets else W
             return RowLayout(1, W, tuple(_starts(lengths)), tuple(lengths), True)
-        return plan_rows(lengths, self.packed, self.attention_cost, max_positions, max_padding, self.buckets)
+        return lay_out_rows(lengths, self.packed, self.attention_cost, max_positions, max_padding, self.buckets)
 
 
 VARLEN_ROW_PER_OCTAVE = 2
@@ -373,7 +373,7 @@ def _starts(lengths: list[int]) -> list[int]:
 
 def set_packing(model: torch.nn.Module, mode: str, buckets: str | None = None) -> None:
     """Record ``ppo.packing`` (and ``ppo.shape_buckets``, when given) on ``model`` (a scorer's: the
-    one-shot scoring forwards read them through :func:`row_plan`, wherever the model goes, as they
+    one-shot scoring forwards read them through :func:`layout_rule`, wherever the model goes, as they
     travel with the module)."""
     if mode not in PACKING_MODES:
         raise ValueError(f"ppo.packing must be one of {', '.join(PACKING_MODES)}, got {mode!r}")
@@ -401,8 +401,8 @@ def _backbone_of(model: torch.nn.Module) -> torch.nn.Module:
         return model
 
 
-def row_plan(backbone: torch.nn.Module, mode: str | None = None, buckets: str | None = None) -> RowPlan:
-    """The :class:`RowPlan` of ``backbone`` under ``ppo.packing`` = ``mode`` (None: the mode
+def layout_rule(backbone: torch.nn.Module, mode: str | None = None, buckets: str | None = None) -> LayoutRule:
+    """The :class:`LayoutRule` of ``backbone`` under ``ppo.packing`` = ``mode`` (None: the mode
     :func:`set_packing` recorded on it, else auto), found once per model and mode (cached on the
     module, as ``models.backbone_and_head`` caches its split).
 
@@ -432,21 +432,21 @@ def row_plan(backbone: torch.nn.Module, mode: str | None = None, buckets: str | 
     if mode not in PACKING_MODES:
         raise ValueError(f"ppo.packing must be one of {', '.join(PACKING_MODES)}, got {mode!r}")
     bucketed = uses_buckets(backbone, buckets)
-    cache = backbone.__dict__.setdefault("_oppo_row_plans", {})
+    cache = backbone.__dict__.setdefault("_oppo_layout_rules", {})
     if (mode, bucketed) in cache:
         return cache[(mode, bucketed)]
-    plan = RowPlan(False, buckets=bucketed)
+    plan = LayoutRule(False, buckets=bucketed)
     if mode != "off":
         cfg = getattr(backbone, "config", None)
         impl = varlen.base(str(getattr(cfg, "_attn_implementation", None) or "eager"))
         why = varlen.packing_fails(backbone)
         no_varlen = _varlen_fails(backbone) if why is None else why
         if why is None and no_varlen is None:
-            plan = RowPlan(True, buckets=bucketed, varlen=True)
+            plan = LayoutRule(True, buckets=bucketed, varlen=True)
         elif why is None:
             quadratic = not impl.startswith(("flash", "flex"))
             one_row = varlen.packing_fails(backbone, rows=2) is not None
-            plan = RowPlan(True, 1.0 / (6 * getattr(cfg, "hidden_size", 1024)) if quadratic and not one_row else 0.0,
+            plan = LayoutRule(True, 1.0 / (6 * getattr(cfg, "hidden_size", 1024)) if quadratic and not one_row else 0.0,
                            buckets=bucketed, one_row=one_row)
             if varlen.takes_offsets(impl):  # (flash and flex paths build no dense mask anyway)
                 warnings.warn(f"{type(backbone).__name__} (attention: {impl}): packed forwards keep transformers' "
@@ -489,7 +489,7 @@ def packed_hidden(backbone: torch.nn.Module, layout: RowLayout, source: Tensor, 
     if layout.varlen and not str(getattr(cfg, "_attn_implementation", "")).startswith(varlen.PREFIX) \
             and not varlen.use(backbone):  # (a layout made for another model: its own path would mix the sequences)
         raise ValueError(f"{type(backbone).__name__}'s attention cannot take sequence offsets; lay it out with its "
-                         f"own row plan (forward.row_plan)")
+                         f"own layout rule (forward.layout_rule)")
     extra = varlen.forward_kwargs(layout.offsets(), layout.rows, layout.width, ids.device) if layout.varlen else {}
     hidden = backbone(input_ids=ids, position_ids=pos, use_cache=False, **extra).last_hidden_state
     return hidden.reshape(layout.computed, hidden.shape[-1])

@@ -24,7 +24,7 @@ from typing import Any, Callable, Literal, Mapping
 import torch
 
 from .config import Config, to_dict
-from .control import Run, StepResult, overlapped_step, sequential_step
+from .control import Loop, StepResult, overlapped_step, sequential_step
 from .control.step_metrics import step_metrics
 from .fingerprint import run_fingerprints
 from .api.roles import Roles
@@ -56,7 +56,7 @@ class Trainer:
         # the models the run reads, as loaded (before any step trains the critic): saved with every
         # checkpoint, compared on resume (checkpoint.check_models)
         self.fingerprints = run_fingerprints(self.roles)
-        self.run = Run(self.roles)
+        self.loop = Loop(self.roles)
         self.step = 0
         self.wallclock = 0.0
         self.step_windows: dict[int, tuple[float, float]] = {}  # perf_counter bounds of each step
@@ -98,28 +98,28 @@ class Trainer:
     def length_sampler(self):
         """Benchmarks: ``(prompt_index, member of its group) -> forced response length`` (None: the
         model's own lengths)."""
-        return self.run.length_sampler
+        return self.loop.length_sampler
 
     @length_sampler.setter
     def length_sampler(self, fn) -> None:
-        self.run.length_sampler = fn
+        self.loop.length_sampler = fn
 
     # ------------------------------------------------------------------ the loop
 
     def run_step(self) -> dict[str, float]:
         step = self.step
         t0, c0 = time.perf_counter(), time.process_time()
-        self.run.threads.use(self.run.threads.full)
+        self.loop.threads.use(self.loop.threads.full)
         if self.cfg.overlap.mode == "sequential":
-            result, times = sequential_step(self.run, step)
+            result, times = sequential_step(self.loop, step)
         else:
-            result, times = overlapped_step(self.run, step)  # (each ends the scheduler's step: stages.end_step)
+            result, times = overlapped_step(self.loop, step)  # (each ends the scheduler's step: stages.end_step)
         t1 = time.perf_counter()
         dt = t1 - t0
         self.step_windows[step] = (t0, t1)
         self.wallclock += dt
-        metrics = step_metrics(self.run, result, times, dt, self.wallclock)
-        self.run.record(dt, float(result.exp.mask.sum()), metrics.get("overlap/offpolicy_token_frac", 0.0), metrics)
+        metrics = step_metrics(self.loop, result, times, dt, self.wallclock)
+        self.loop.record(dt, float(result.exp.mask.sum()), metrics.get("overlap/offpolicy_token_frac", 0.0), metrics)
         # share of the machine's CPU capacity this process used during the step
         metrics["perf/cpu_util"] = (time.process_time() - c0) / (dt * (os.cpu_count() or 1))
         self.step += 1
@@ -138,12 +138,12 @@ class Trainer:
 
     def state_dict(self) -> dict:
         """Everything but the models' weights that a checkpoint saves, with the sequences in
-        flight (``in_flight``: :meth:`Run.save_in_flight`; drained where the rollout backend cannot
+        flight (``in_flight``: :meth:`Loop.save_in_flight`; drained where the rollout backend cannot
         hand them out). Brings trained weights that live elsewhere (Ray learner ranks) into
         :meth:`models`. Then re-admits the saved sequences, as a resume from this state does
-        (:meth:`Run.reload_in_flight`), so that the live run and a resumed one go on alike."""
-        in_flight = self.run.save_in_flight()
-        sched = self.run.scheduler.state_dict()
+        (:meth:`Loop.reload_in_flight`), so that the live run and a resumed one go on alike."""
+        in_flight = self.loop.save_in_flight()
+        sched = self.loop.scheduler.state_dict()
         import numpy as np
 
         rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
@@ -152,12 +152,12 @@ class Trainer:
         out = {"optim": self.roles.learner.checkpoint_state(), "rng": rng, "config": to_dict(self.cfg),
                "tokenizer": self.roles.tokenizer, "in_flight": in_flight["sequences"], "models": self.fingerprints,
                "state": {"step": self.step, "wallclock": self.wallclock,
-                         "scheduler": sched, "tuner": self.run.tuner.state_dict(),
+                         "scheduler": sched, "tuner": self.loop.tuner.state_dict(),
                          # how the sequences in flight were checkpointed: "saved" or "drained", and how many
                          "in_flight": {"how": in_flight["how"], "count": in_flight["count"]},
                          "drained": in_flight["count"] if in_flight["how"] == "drained" else 0}}
         if in_flight["how"] == "saved":
-            self.run.reload_in_flight(in_flight, self.step)
+            self.loop.reload_in_flight(in_flight, self.step)
         return out
 
     def load_state_dict(self, state: dict) -> None:
@@ -181,19 +181,19 @@ class Trainer:
             torch.cuda.set_rng_state_all(rng["cuda"])
         saved: list[dict] = state.get("in_flight") or []  # empty: a checkpoint that drained (or predates saving)
         keep = bool(saved) and roles.rollout.in_flight() is not None
-        self.run.scheduler.load_state_dict(st["scheduler"], keep_untrained=keep)
-        self.run.tuner.load_state_dict(st["tuner"])
+        self.loop.scheduler.load_state_dict(st["scheduler"], keep_untrained=keep)
+        self.loop.tuner.load_state_dict(st["tuner"])
         self.step, self.wallclock = st["step"], st["wallclock"]
         if keep:
-            sched = self.run.scheduler
+            sched = self.loop.scheduler
             if ({d["uid"] for d in saved if not d["finished"]} != set(sched.in_flight)
                     or {d["uid"] for d in saved if d["finished"]} != set(sched.finished_pool)):
                 raise ValueError("the checkpoint's saved sequences in flight do not match its scheduler's "
                                  "untrained tickets; the checkpoint is corrupt")
-            self.run.restore_in_flight(saved, self.step)
+            self.loop.restore_in_flight(saved, self.step)
 
     def close(self) -> None:
-        self.run.close()
+        self.loop.close()
         self.roles.close()
         self._remove_saved()
 

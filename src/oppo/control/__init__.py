@@ -7,6 +7,6 @@ rows' checkpoint save, restore and drain (``inflight``). Nothing here asks where
 from ..scheduler import OverlapController
 from .overlapped import overlapped_step
 from .sequential import sequential_step
-from .stages import OverlapPolicy, Run, StepResult
+from .stages import OverlapPolicy, Loop, StepResult
 
 __all__ = ["OverlapController", "OverlapPolicy", "Run", "StepResult", "overlapped_step", "sequential_step"]

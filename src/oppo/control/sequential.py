@@ -9,12 +9,12 @@ import time
 from . import stages as s
 
 
-def sequential_step(run: s.Run, step: int) -> tuple[s.StepResult, dict[str, float]]:
+def sequential_step(loop: s.Loop, step: int) -> tuple[s.StepResult, dict[str, float]]:
     """One PPO step, stage after stage."""
-    rollout, tracer = run.roles.rollout, run.tracer
+    rollout, tracer = loop.roles.rollout, loop.tracer
     times: dict[str, float] = {}
     # 1. take B prompts
-    batch = s.start(run, run.scheduler.begin_step().seqs)
+    batch = s.start(loop, loop.scheduler.begin_step().seqs)
     # 2. generate: sample responses from pi_k with their behaviour log-probs and version
     t = time.perf_counter()
     rollout.set_version(step)
@@ -22,24 +22,24 @@ def sequential_step(run: s.Run, step: int) -> tuple[s.StepResult, dict[str, floa
         rollout.admit(batch)
         done = {r.uid: r for r in rollout.generate_all()}  # the backend's records
     batch = [done[r.uid] for r in batch]
-    run.streams.add(batch)
+    loop.streams.add(batch)
     times["time/generate"] = time.perf_counter() - t
     for r in batch:
-        run.scheduler.on_finished(r.uid)
-    close = run.scheduler.try_close()
+        loop.scheduler.on_finished(r.uid)
+    close = loop.scheduler.try_close()
     assert close is not None  # the whole batch has finished
     # 3. score: reward at the last token, reference log-probs, critic values
     t = time.perf_counter()
-    texts = s.texts(run, batch)
-    scores = s.score(run, batch, texts, step)
+    texts = s.texts(loop, batch)
+    scores = s.score(loop, batch, texts, step)
     times["time/score"] = time.perf_counter() - t
     # 4-6. rewards, advantages, PPO epochs; then the weight sync
     t = time.perf_counter()
-    exp = s.experience(run, batch, step)  # the old-log-prob recompute: inside time/train (perf/train_mfu counts it)
+    exp = s.experience(loop, batch, step)  # the old-log-prob recompute: inside time/train (perf/train_mfu counts it)
     times["time/old_logprobs"] = time.perf_counter() - t
-    result = s.update(run, exp, texts, scores, step)
-    s.end_step(run, scores)
-    s.sync_weights(run, result.stats, step)
+    result = s.update(loop, exp, texts, scores, step)
+    s.end_step(loop, scores)
+    s.sync_weights(loop, result.stats, step)
     times["time/train"] = time.perf_counter() - t
-    s.finish(run, close.uids)
+    s.finish(loop, close.uids)
     return result, times

@@ -1,4 +1,4 @@
-"""The stages of one PPO step as functions of a :class:`Run`.
+"""The stages of one PPO step as functions of a :class:`Loop` (the controller's state over the roles).
 
 ``sequential.py`` calls them in their numbered order; ``overlapped.py`` calls the same ones in
 another order (streaming chunks while decoding, carrying unfinished sequences, training while
@@ -61,7 +61,7 @@ class StepResult:
     texts: list[tuple[str, str]]
 
 
-class Run:
+class Loop:
     """The controller's state over the roles, one part per job: the scheduler's tickets; the
     overlap controller that sets Delta and the chunk size (``controller.py``); the rows in
     flight and which of them stream to the scorers (``streams.py``); their checkpoint save,
@@ -144,64 +144,64 @@ class Run:
 # ====================================================================== stage 1: take prompts
 
 
-def start(run: Run, tickets) -> list[Rollout]:
+def start(loop: Loop, tickets) -> list[Rollout]:
     """Stage 1: turn admitted tickets into rollouts (prompt text and ids from the data stream)."""
     new = []
     for t in tickets:
-        text, ids = run.roles.prompt_set.at(t.prompt_index)
+        text, ids = loop.roles.prompt_set.at(t.prompt_index)
         r = Rollout(t.uid, t.prompt_index, text, list(ids), t.start_version, group=t.group)
-        if run.length_sampler is not None:
-            r.target_length = run.length_sampler(t.prompt_index, t.uid - t.group)  # (its place in its group)
+        if loop.length_sampler is not None:
+            r.target_length = loop.length_sampler(t.prompt_index, t.uid - t.group)  # (its place in its group)
         new.append(r)
-    run.streams.add(new)
+    loop.streams.add(new)
     return new
 
 
-def admit(run: Run, tickets, step: int) -> None:
+def admit(loop: Loop, tickets, step: int) -> None:
     """Stage 1 for sequences that start while others decode: into the rollout backend and, when
     chunks stream, the scorers."""
-    new = start(run, tickets)
+    new = start(loop, tickets)
     if not new:
         return
-    rollout = run.roles.rollout
+    rollout = loop.roles.rollout
     for r in new:
         r.scored_version = rollout.version
-    with run.tracer.span("actor", "prefill_prompt", step):
+    with loop.tracer.span("actor", "prefill_prompt", step):
         rollout.admit(new)
-    if run.streams.streaming:
-        run.roles.scorer.admit([r.uid for r in new], [r.prompt_ids for r in new], step)
-        run.streams.stream(new)
+    if loop.streams.streaming:
+        loop.roles.scorer.admit([r.uid for r in new], [r.prompt_ids for r in new], step)
+        loop.streams.stream(new)
 
 
-def finish(run: Run, uids) -> None:
+def finish(loop: Loop, uids) -> None:
     """The trained rows leave flight."""
-    run.streams.forget(uids)
+    loop.streams.forget(uids)
 
 
 # ====================================================================== stage 2: generate
 
 
-def decode_until_close(run: Run, step: int, chunk: int | None):
+def decode_until_close(loop: Loop, step: int, chunk: int | None):
     """Decode (streaming chunks to the scorers) until the scheduler closes the step."""
     close, t_span = None, time.perf_counter()
     while close is None:
-        if run.roles.rollout.active == 0:  # (pipeline: the batch may have finished while the learner trained)
-            close = run.scheduler.try_close()
+        if loop.roles.rollout.active == 0:  # (pipeline: the batch may have finished while the learner trained)
+            close = loop.scheduler.try_close()
             if close is None:
                 raise RuntimeError("internal error: the step cannot close but nothing is decoding")
             break
-        t_span = decode_once(run, step, chunk, t_span)
-        close = run.scheduler.try_close()
-    run.tracer.add("actor", "decode", step, t_span, time.perf_counter())
+        t_span = decode_once(loop, step, chunk, t_span)
+        close = loop.scheduler.try_close()
+    loop.tracer.add("actor", "decode", step, t_span, time.perf_counter())
     return close
 
 
-def decode_once(run: Run, step: int, chunk: int | None, t_span: float, stage: str = "decode") -> float:
+def decode_once(loop: Loop, step: int, chunk: int | None, t_span: float, stage: str = "decode") -> float:
     """Advance the rollout backend once (``api.decode.decode_and_stream``): finished sequences go to
     the scheduler (refills are admitted), chunks to the scorers. Returns the start of the open trace
     span."""
-    sink = _ControllerSink(run, step, stage, t_span)
-    decode_and_stream(run.roles.rollout, chunk, sink)
+    sink = _ControllerSink(loop, step, stage, t_span)
+    decode_and_stream(loop.roles.rollout, chunk, sink)
     return sink.t_span
 
 
@@ -209,52 +209,52 @@ class _ControllerSink:
     """The controller's :class:`~oppo.api.decode.DecodeSink`: a finished sequence to the scheduler, the
     chunks of streamed sequences to the scorers (one trace span per stretch between two feeds)."""
 
-    def __init__(self, run: Run, step: int, stage: str, t_span: float):
-        self.run, self.step, self.stage, self.t_span = run, step, stage, t_span
+    def __init__(self, loop: Loop, step: int, stage: str, t_span: float):
+        self.loop, self.step, self.stage, self.t_span = loop, step, stage, t_span
 
     def advancing(self) -> None:
         pass
 
     def finished(self, rollout: Rollout) -> None:
-        run = self.run
-        run.streams.add([rollout])  # the backend's record (it never changes ours)
-        refill = run.scheduler.on_finished(rollout.uid)
+        loop = self.loop
+        loop.streams.add([rollout])  # the backend's record (it never changes ours)
+        refill = loop.scheduler.on_finished(rollout.uid)
         if refill is not None:
-            admit(run, refill.seqs, self.step)
+            admit(loop, refill.seqs, self.step)
 
     def chunks(self, chunks: list[Chunk]) -> None:
-        run = self.run
-        mine = run.streams.fed(chunks)
+        loop = self.loop
+        mine = loop.streams.fed(chunks)
         if mine:
             now = time.perf_counter()
-            run.tracer.add("actor", self.stage, self.step, self.t_span, now)
-            run.roles.scorer.feed(mine, self.step)
+            loop.tracer.add("actor", self.stage, self.step, self.t_span, now)
+            loop.roles.scorer.feed(mine, self.step)
             self.t_span = now
 
 
-def texts(run: Run, batch: list[Rollout]) -> list[str]:
+def texts(loop: Loop, batch: list[Rollout]) -> list[str]:
     """Each response decoded once per step (reward function, judge and samples share it)."""
-    return run.roles.tokenizer.batch_decode([r.response_ids for r in batch], skip_special_tokens=True)
+    return loop.roles.tokenizer.batch_decode([r.response_ids for r in batch], skip_special_tokens=True)
 
 
-def experience(run: Run, batch: list[Rollout], step: int) -> Experience:
+def experience(loop: Loop, batch: list[Rollout], step: int) -> Experience:
     """The batch as tensors, with the off-policy correction of carried tokens (needs no scores)."""
-    with run.tracer.span("learner", "experience", step):
-        return run.roles.learner.old_logprobs(build_experience(batch, run.roles.pad_id, run.roles.device), step)
+    with loop.tracer.span("learner", "experience", step):
+        return loop.roles.learner.old_logprobs(build_experience(batch, loop.roles.pad_id, loop.roles.device), step)
 
 
 # ====================================================================== stage 3: score
 
 
-def score(run: Run, batch: list[Rollout], txt: list[str], step: int) -> Scores:
+def score(loop: Loop, batch: list[Rollout], txt: list[str], step: int) -> Scores:
     """Stage 3, one-shot: the scoring models' outputs of whole sequences, and the reward."""
-    return reward_scores(run, batch, txt, score_models(run, batch, step), step)
+    return reward_scores(loop, batch, txt, score_models(loop, batch, step), step)
 
 
-def score_models(run: Run, batch: list[Rollout], step: int) -> dict[str, list[ScoredOutputs]]:
+def score_models(loop: Loop, batch: list[Rollout], step: int) -> dict[str, list[ScoredOutputs]]:
     """The scoring models' one-shot outputs for whole sequences, by role: each reward model term's,
     the reference's, and the critic's where there is one."""
-    roles, tracer = run.roles, run.tracer
+    roles, tracer = loop.roles, loop.tracer
     prompts, responses = [r.prompt_ids for r in batch], [r.response_ids for r in batch]
     out = {}
     for role in roles.reward.model_roles:
@@ -268,16 +268,16 @@ def score_models(run: Run, batch: list[Rollout], step: int) -> dict[str, list[Sc
     return out
 
 
-def reward_scores(run: Run, batch: list[Rollout], txt: list[str], out: dict[str, list[ScoredOutputs]],
+def reward_scores(loop: Loop, batch: list[Rollout], txt: list[str], out: dict[str, list[ScoredOutputs]],
                   step: int) -> Scores:
     """Stage 3's record, given the scoring models' outputs ``out`` by role: the trained reward
     (``roles.reward``: its terms' weighted sum, a one-term reward's own scores) with each term's
     mean in ``terms`` (``reward.terms``), the reference log-probs and the critic's values."""
-    reward = run.roles.reward
-    with run.tracer.span("scorer", "score_reward", step):
+    reward = loop.roles.reward
+    with loop.tracer.span("scorer", "score_reward", step):
         indices = [r.prompt_index for r in batch]  # data positions: the records' other inputs (columns) by position
         scores, terms = reward([r.prompt for r in batch], txt, {role: _scores(out[role]) for role in reward.model_roles},
-                               step=step, indices=indices, context=run.roles.prompt_set.context(indices))
+                               step=step, indices=indices, context=loop.roles.prompt_set.context(indices))
     return Scores(scores, out["reference"], out.get("critic"), terms)
 
 
@@ -286,47 +286,47 @@ def _scores(outputs: list[ScoredOutputs]) -> list[float]:
     return [cast(float, o.score) for o in outputs]
 
 
-def close_batch(run: Run, close, step: int) -> tuple[list[Rollout], list[str], Experience, Scores]:
+def close_batch(loop: Loop, close, step: int) -> tuple[list[Rollout], list[str], Experience, Scores]:
     """The closed step's batch, its texts, experience and scores. Streamed: the scorers finish
     the last chunks while this thread does the batch's own work."""
-    scorer = run.roles.scorer
-    batch = [run.streams.rollouts[u] for u in sorted(close.uids)]  # admission order, as the sequential loop trains
-    if not run.policy.streams:
-        txt = texts(run, batch)
-        return batch, txt, experience(run, batch, step), score(run, batch, txt, step)
+    scorer = loop.roles.scorer
+    batch = [loop.streams.rollouts[u] for u in sorted(close.uids)]  # admission order, as the sequential loop trains
+    if not loop.policy.streams:
+        txt = texts(loop, batch)
+        return batch, txt, experience(loop, batch, step), score(loop, batch, txt, step)
     # Rows the scorers did not get whole (admitted, or finished, while the controller scored
     # one-shot) are scored one-shot below; a prefix the scorers hold of one is dropped.
-    whole, rest, partial = run.streams.split(batch)
+    whole, rest, partial = loop.streams.split(batch)
     if partial:
         scorer.forget(partial)
-        run.streams.unstream(partial)
+        loop.streams.unstream(partial)
     # While the scorers finish the last chunks, this process does the batch's own work on its
     # core: texts, the off-policy correction, and the values of carried prefixes (reading the
     # critic alongside the scorer is safe: nothing writes it until the update).
-    run.threads.use(run.threads.decode)
-    txt = texts(run, batch)
-    exp = experience(run, batch, step)
-    fresh = fresh_values(run, batch, whole, step)
-    run.threads.use(run.threads.full)
-    with run.tracer.span("controller", "wait_scorers", step):  # waiting: not actor work
+    loop.threads.use(loop.threads.decode)
+    txt = texts(loop, batch)
+    exp = experience(loop, batch, step)
+    fresh = fresh_values(loop, batch, whole, step)
+    loop.threads.use(loop.threads.full)
+    with loop.tracer.span("controller", "wait_scorers", step):  # waiting: not actor work
         scorer.barrier()  # also: no scorer work may touch the critic while it trains
     streamed = scorer.take([batch[i].uid for i in whole]) if whole else {}
-    one_shot = score_models(run, [batch[i] for i in rest], step) if rest else {}
+    one_shot = score_models(loop, [batch[i] for i in rest], step) if rest else {}
     out = {role: _merged(len(batch), (whole, streamed.get(role)), (rest, one_shot.get(role)))
            for role in set(streamed) | set(one_shot)}
     for i, v in fresh.items():
         out["critic"][i] = v
-    return batch, txt, exp, reward_scores(run, batch, txt, out, step)
+    return batch, txt, exp, reward_scores(loop, batch, txt, out, step)
 
 
-def fresh_values(run: Run, batch: list[Rollout], whole: list[int], step: int) -> dict[int, ScoredOutputs]:
+def fresh_values(loop: Loop, batch: list[Rollout], whole: list[int], step: int) -> dict[int, ScoredOutputs]:
     """``overlap.stale_values=recompute``: the critic's values of the streamed rows whose prefix was
     scored before the critic's last update, by position in ``batch``, recomputed one-shot."""
     stale = [i for i in whole if (sv := batch[i].scored_version) is not None and sv < step]
-    if not (stale and run.roles.critic is not None and run.policy.recompute_values):
+    if not (stale and loop.roles.critic is not None and loop.policy.recompute_values):
         return {}
-    with run.tracer.span("learner", "recompute_values", step):
-        fresh = run.roles.scorer.score_full("critic", [batch[i].prompt_ids for i in stale],
+    with loop.tracer.span("learner", "recompute_values", step):
+        fresh = loop.roles.scorer.score_full("critic", [batch[i].prompt_ids for i in stale],
                                             [batch[i].response_ids for i in stale])
     return dict(zip(stale, fresh))
 
@@ -343,72 +343,72 @@ def _merged(n: int, *parts: tuple[list[int], list | None]) -> list:
 # ====================================================================== stages 4-6: learn
 
 
-def update(run: Run, exp: Experience, txt: list[str], scores: Scores, step: int) -> StepResult:
+def update(loop: Loop, exp: Experience, txt: list[str], scores: Scores, step: int) -> StepResult:
     """Stages 4-6: KL-shaped rewards, advantages, PPO epochs. Changes the trained weights only
     (the pipeline's learner thread runs it while the engine decodes with the weights it has).
     Non-finite numbers stop the run here (``guard.py``), before the weight sync; with
     ``ppo.nonfinite=skip`` the skipped optimizer steps are counted (``guard/skipped_updates``)."""
     batch = exp.rollouts
-    with run.tracer.span("learner", "advantages", step):
-        exp = compute_advantages(attach_scores(exp, scores), run.advantage, run.roles.algorithm, step)
+    with loop.tracer.span("learner", "advantages", step):
+        exp = compute_advantages(attach_scores(exp, scores), loop.advantage, loop.roles.algorithm, step)
     if exp.trainable:
-        with run.tracer.span("learner", "train", step):
-            stats = run.roles.learner.update(exp, step)
+        with loop.tracer.span("learner", "train", step):
+            stats = loop.roles.learner.update(exp, step)
     else:  # non-finite advantages under ppo.nonfinite=skip (warned): every optimizer step of the update skipped
-        n = len(run.roles.learner.minibatches(exp.mask.shape[0], step))
-        stats = {"guard/skipped/actor": n, **({"guard/skipped/critic": n} if run.roles.critic is not None else {})}
-    if run.advantage.nonfinite == "skip":
+        n = len(loop.roles.learner.minibatches(exp.mask.shape[0], step))
+        stats = {"guard/skipped/actor": n, **({"guard/skipped/critic": n} if loop.roles.critic is not None else {})}
+    if loop.advantage.nonfinite == "skip":
         stats["guard/skipped_updates"] = sum(v for k, v in stats.items() if k.startswith("guard/skipped/"))
-        run.skipped_updates += stats["guard/skipped_updates"]
-        stats["guard/skipped_updates_total"] = run.skipped_updates
+        loop.skipped_updates += stats["guard/skipped_updates"]
+        stats["guard/skipped_updates_total"] = loop.skipped_updates
     stats.update(exp.stats or {})
     stats.update(scores.terms)  # reward.terms: each term's mean
     return StepResult(exp, stats, [(r.prompt, t) for r, t in zip(batch, txt)])
 
 
-def sync_weights(run: Run, stats: dict[str, float], step: int) -> None:
+def sync_weights(loop: Loop, stats: dict[str, float], step: int) -> None:
     """The weight sync after step ``step``'s update: the rollout backend samples as version
     ``step + 1`` from here on, the critic's scorer reads the new critic; adds the seconds to
     ``time/weight_sync``. With ``stale_kv=recompute`` the carried rows' KV is rebuilt."""
-    with run.tracer.span("learner", "weight_sync", step):
-        dt = run.roles.sync(step + 1)
+    with loop.tracer.span("learner", "weight_sync", step):
+        dt = loop.roles.sync(step + 1)
     stats["time/weight_sync"] = stats.get("time/weight_sync", 0.0) + dt
-    refresh_kv(run, step + 1)
+    refresh_kv(loop, step + 1)
 
 
-def new_weights(run: Run, version: int) -> None:
+def new_weights(loop: Loop, version: int) -> None:
     """The rollout backend samples as ``version`` (a run's or a resume's first step)."""
-    run.roles.rollout.set_version(version)
-    refresh_kv(run, version)
+    loop.roles.rollout.set_version(version)
+    refresh_kv(loop, version)
 
 
-def refresh_kv(run: Run, version: int) -> None:
-    if run.policy.carries and run.policy.recompute_kv and run.roles.rollout.active:
-        with run.tracer.span("actor", "recompute_kv", version):
-            run.roles.rollout.recompute()
+def refresh_kv(loop: Loop, version: int) -> None:
+    if loop.policy.carries and loop.policy.recompute_kv and loop.roles.rollout.active:
+        with loop.tracer.span("actor", "recompute_kv", version):
+            loop.roles.rollout.recompute()
 
 
-def overlap_stats(run: Run, close, exp: Experience, chunk: int | None) -> dict[str, float]:
+def overlap_stats(loop: Loop, close, exp: Experience, chunk: int | None) -> dict[str, float]:
     trained = set(close.uids)
-    run.trained_lengths = [len(r.response_ids) for r in exp.rollouts]
+    loop.trained_lengths = [len(r.response_ids) for r in exp.rollouts]
     # the carried rows' progress is the backend's (one read of its records); none carried: no call
-    untrained = run.untrained() if set(run.streams.rollouts) - trained else {}
+    untrained = loop.untrained() if set(loop.streams.rollouts) - trained else {}
     return {
-        "overlap/delta": run.scheduler.delta, "overlap/carried": len(run.scheduler.in_flight),
-        "overlap/waiting_members": run.scheduler.waiting_members,
+        "overlap/delta": loop.scheduler.delta, "overlap/carried": len(loop.scheduler.in_flight),
+        "overlap/waiting_members": loop.scheduler.waiting_members,
         **staleness_stats(exp, close.step, close.lags),  # token and sequence lags, IS weights
-        "overlap/chunk_size": chunk or 0, "overlap/streaming": float(run.streams.streaming),
-        **run.controller.step_metrics(),
+        "overlap/chunk_size": chunk or 0, "overlap/streaming": float(loop.streams.streaming),
+        **loop.controller.step_metrics(),
         "overlap/in_flight_length_mean": mean_or_nan([len(r.response_ids) for u, r in untrained.items()
                                                 if u not in trained] or [0]),
     }
 
 
-def end_step(run: Run, scores: Scores) -> None:
+def end_step(loop: Loop, scores: Scores) -> None:
     """The scheduler's step ends (its version moves on; a reward-slope Delta reads the step's
     mean reward): after the update, or (pipeline) once it is handed to the learner thread, before
     the next step begins."""
-    run.scheduler.end_step(mean_reward(scores.scores))
+    loop.scheduler.end_step(mean_reward(scores.scores))
 
 
 def mean_reward(scores) -> float:

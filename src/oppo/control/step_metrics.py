@@ -10,12 +10,12 @@ import torch
 from ..algo.losses import explained_variance
 from ..api.records import RolloutStats
 from ..perf import forward_flops, peak_flops, spec_peak_flops
-from .stages import Run, StepResult, mean_or_nan, mean_reward
+from .stages import Loop, StepResult, mean_or_nan, mean_reward
 
 
-def step_metrics(run: Run, result: StepResult, times: dict[str, float], dt: float, wallclock: float
+def step_metrics(loop: Loop, result: StepResult, times: dict[str, float], dt: float, wallclock: float
                  ) -> dict[str, float]:
-    exp, roles = result.exp, run.roles
+    exp, roles = result.exp, loop.roles
     assert exp.scores is not None and exp.kl is not None  # a trained batch was scored and shaped
     lengths = exp.mask.sum(1)
     kl_seq = (exp.kl * exp.mask).sum(1)
@@ -33,8 +33,8 @@ def step_metrics(run: Run, result: StepResult, times: dict[str, float], dt: floa
         m["value/explained_var"] = explained_variance(exp.values, exp.returns, exp.mask).item()
     m.update({k: v for k, v in result.stats.items() if not k.startswith("_")})
     rollout = roles.rollout.take_stats()  # once per step: the backend's counters restart
-    m.update(utilisation(run, result, times, rollout))
-    m.update(memory(run, rollout))
+    m.update(utilisation(loop, result, times, rollout))
+    m.update(memory(loop, rollout))
     prompts, responses = [p for p, _ in result.texts], [r for _, r in result.texts]
     context = roles.prompt_set.context([r.prompt_index for r in exp.rollouts])  # (the records' columns)
     if roles.judge_fn is not None:
@@ -44,7 +44,7 @@ def step_metrics(run: Run, result: StepResult, times: dict[str, float], dt: floa
     return m
 
 
-def utilisation(run: Run, result: StepResult, times: dict[str, float], rollout: RolloutStats) -> dict[str, float]:
+def utilisation(loop: Loop, result: StepResult, times: dict[str, float], rollout: RolloutStats) -> dict[str, float]:
     """How hard the stages drive the hardware (``oppo.perf``): each stage's model FLOPs utilisation
     against the device's measured peak (``perf/peak_tflops``, compute dtype, once per process) and,
     where the device is known, against its spec peak (``perf/peak_spec_tflops``: ``*_mfu_spec``):
@@ -62,7 +62,7 @@ def utilisation(run: Run, result: StepResult, times: dict[str, float], rollout: 
     decode steps the engine took, where the backend counts them). Exact for ``sequential``; in the
     overlapped modes a step's stages also hold other steps' work (carried rows, the update beside
     decoding), so read their figures as rates, not utilisations."""
-    roles, exp = run.roles, result.exp
+    roles, exp = loop.roles, result.exp
     out: dict[str, float] = {}
     generate = times.get("time/generate", 0.0) + times.get("time/inflight_decode", 0.0)  # (pipeline: both)
     done = rollout.decode_steps  # (counted by oppo's engines)
@@ -109,14 +109,14 @@ def recomputed_lengths(exp, recompute_all: bool) -> list[int]:
     return exp.valid[rows].sum(1).tolist()
 
 
-def memory(run: Run, rollout: RolloutStats) -> dict[str, float]:
+def memory(loop: Loop, rollout: RolloutStats) -> dict[str, float]:
     """Memory of this step (MiB): the actor's KV-cache peak, the streaming scorers' (peak so
     far), on GPU each device's peak allocation during the step (reset after reading), and the
     process's peak resident memory (all roles of this process; the scorer process apart)."""
     mb = 1024 * 1024
     out = {"memory/actor_kv_peak_mb": rollout.kv_peak_bytes / mb}
-    if run.policy.streams:
-        for role, peak in run.roles.scorer.peak_cache_bytes.items():
+    if loop.policy.streams:
+        for role, peak in loop.roles.scorer.peak_cache_bytes.items():
             out[f"memory/{role}_kv_peak_mb"] = peak / mb
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):

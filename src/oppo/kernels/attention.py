@@ -202,7 +202,7 @@ def decode_path(name: str) -> str:
     (the same backend order, grouped K/V heads not copied per head: :func:`gqa_forward`), and so does a
     path that takes no 4-D mask (``oppo_varlen``, flex, flash: their masked forwards need an
     SDPA-style one); eager and oppo's SDPA paths stay. (A model's packed forwards then run on
-    ``oppo_varlen:<that path>``: ``forward.row_plan``.)"""
+    ``oppo_varlen:<that path>``: ``forward.layout_rule``.)"""
     from .varlen import base
 
     name = base(name)
@@ -212,7 +212,7 @@ def decode_path(name: str) -> str:
 
 
 def set_path(model: torch.nn.Module, name: str) -> None:
-    """Every attention layer of ``model`` on path ``name``; the cached row plans (``forward.row_plan``)
+    """Every attention layer of ``model`` on path ``name``; the cached layout rules (``forward.layout_rule``)
     are dropped, since whether sequences may share rows depends on the path."""
     register()
     target: Any = model if hasattr(model, "set_attn_implementation") else getattr(model, "base_model", model)
@@ -221,7 +221,7 @@ def set_path(model: torch.nn.Module, name: str) -> None:
                          f"use ppo.attention=inherit")
     target.set_attn_implementation(name)
     for m in model.modules():
-        m.__dict__.pop("_oppo_row_plans", None)
+        m.__dict__.pop("_oppo_layout_rules", None)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ REFERENCE = "oppo_sdpa_math"
 """The path every probed path's gradients are checked against."""
 VARLEN = "oppo_varlen"
 """Packed rows on variable-length attention (``oppo.kernels.varlen``): not a value of ``ppo.attention``, since a model
-whose path can take sequence offsets runs its packed forwards on it by itself (``forward.row_plan``); the
+whose path can take sequence offsets runs its packed forwards on it by itself (``forward.layout_rule``); the
 attention check measures it under this name."""
 MODES = ("auto", "inherit")
 CUDA_CANDIDATES = (GQA, "oppo_sdpa_cudnn", "oppo_sdpa_efficient")

@@ -16,7 +16,7 @@ import torch
 
 from ..algo.actor_loss import importance_weights, sampler_ratio_outside_clip
 from ..api.records import Rollout, Scores
-from ..forward import RowLayout, RowPlan, sequence_batch
+from ..forward import RowLayout, LayoutRule, sequence_batch
 
 if TYPE_CHECKING:  # (the config lists the learner engines: no import back at run time)
     from ..config import PPOConfig
@@ -203,12 +203,12 @@ def host_lengths(batch: "Experience | CriticBatch") -> tuple[list[int], list[int
     return total, prompt, response
 
 
-def micro_slices(exp: "Experience | CriticBatch", rows: "torch.Tensor | list[int]", plan: RowPlan,
+def micro_slices(exp: "Experience | CriticBatch", rows: "torch.Tensor | list[int]", plan: LayoutRule,
                  micro: MicroBatching | None = None) -> MicroBatch:
     """``rows`` of ``exp`` laid out by ``plan`` (``MicroBatch``): whole sequences, prompt then
     response, packed end to end where the model can, else one a row as wide as the longest (never
     ``exp``'s longest prompt plus longest response). ``micro``: its micro_batch_tokens and
-    micro_batch_padding bound the rows (``forward.plan_rows``). Positions count from 0 along each
+    micro_batch_padding bound the rows (``forward.lay_out_rows``). Positions count from 0 along each
     sequence either way, so the numbers are each sequence's own forward's.
 
     ``rows``: a host list (the learner's loop; a tensor is read to the host first). Every index is
@@ -329,13 +329,13 @@ def rank_of(j: int, world: int) -> int:
 
 
 def padding_stats(exp: Experience, minibatches: "list[list[int]] | list[torch.Tensor]", micro: MicroBatching,
-                  plan: RowPlan | None = None) -> dict[str, float]:
+                  plan: LayoutRule | None = None) -> dict[str, float]:
     """What the actor's update computes: ``perf/train_tokens``, the real (prompt and response) tokens
     of every micro-batch, and ``perf/train_padded_frac``, the share of the computed positions (each
     forward's rows x width: ``plan``'s layout, the actor's; None: one sequence a row) that are
     padding."""
     lengths = row_lengths(exp)
-    plan = plan or RowPlan(False)
+    plan = plan or LayoutRule(False)
     computed = real = 0
     for mb in minibatches:
         for rows in micro_groups(exp, mb if isinstance(mb, list) else mb.tolist(), micro, lengths):

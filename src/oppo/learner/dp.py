@@ -85,7 +85,7 @@ def dp_update(learner: Learner, exp: Experience, step: int, rank: int, world: in
         stats.update(train_minibatches(learner.critic, learner.critic_opt, batch, mbs, learner.critic_settings.update,
                                        "critic", critic_steps, step, agree, compute_dtype=learner.compute_dtype))
         critic_steps.check_done()
-    return {**merge_rank_stats(stats, world, probe), **padding_stats(exp, mbs, learner.micro, learner.row_plan())}
+    return {**merge_rank_stats(stats, world, probe), **padding_stats(exp, mbs, learner.micro, learner.layout_rule())}
 
 
 def merge_rank_stats(stats: dict[str, float], world: int, probe: MismatchProbe) -> dict[str, float]:

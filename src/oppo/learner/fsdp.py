@@ -120,7 +120,7 @@ def fsdp_update(learner: Learner, exp: Experience, step: int, rank: int, world: 
         stats.update(train_minibatches(learner.critic, learner.critic_opt, batch, mbs, learner.critic_settings.update,
                                        "critic", critic_steps, step, agree))
         critic_steps.check_done()
-    return {**merge_rank_stats(stats, world, probe), **padding_stats(exp, mbs, learner.micro, learner.row_plan())}
+    return {**merge_rank_stats(stats, world, probe), **padding_stats(exp, mbs, learner.micro, learner.layout_rule())}
 
 
 class _Rounds:

@@ -14,7 +14,7 @@ import torch
 from .. import guard
 from ..algo.actor_loss import ActorLossSettings, ActorTokens, actor_loss
 from ..algo.losses import value_loss
-from ..forward import RowPlan, head_logprobs, packed_hidden, row_plan
+from ..forward import LayoutRule, head_logprobs, packed_hidden, layout_rule
 from ..kernels import streams
 from .batch import (CriticBatch, Experience, MicroBatch, MicroBatching, OldLogprobSettings, balanced, micro_groups,
                     micro_slices, old_logprob_targets, padding_stats, row_lengths, set_old_logprobs, token_budget)
@@ -148,9 +148,9 @@ class Learner:
         self.critic_settings = CriticSettings.of(ppo)
         self.entropy_grad = bool(ppo.entropy_coef)
 
-    def row_plan(self) -> RowPlan:
-        """How the actor's forwards lay out their sequences (``forward.row_plan``, ``ppo.packing``)."""
-        return row_plan(backbone_and_head(self.actor)[0], self.micro.packing, self.micro.shape_buckets)
+    def layout_rule(self) -> LayoutRule:
+        """How the actor's forwards lay out their sequences (``forward.layout_rule``, ``ppo.packing``)."""
+        return layout_rule(backbone_and_head(self.actor)[0], self.micro.packing, self.micro.shape_buckets)
 
     def _actor_logprobs(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-probs, entropies) [b, T] of ``mb``'s response tokens under the actor, from the head
@@ -196,7 +196,7 @@ class Learner:
         out = torch.zeros(len(rows), exp.mask.shape[1], device=exp.mask.device)
         if not len(rows):
             return out
-        plan, total = self.row_plan(), row_lengths(exp)
+        plan, total = self.layout_rule(), row_lengths(exp)
         host = rows.tolist()  # CPU-GPU sync point (once per update)
         lengths = [total[i] for i in host]
         # ceil(rows / micro_batch_size) forwards (fsdp_old_logprobs counts on it), of balanced token counts
@@ -245,7 +245,7 @@ class Learner:
                        lambda rows, nt, ns: self._actor_micro_step(exp, rows, nt, ns, probe), step,
                        compute_dtype=self.compute_dtype)
         stats.update(MismatchProbe.stats(probe.partial()))
-        stats.update(padding_stats(exp, mbs, self.micro, self.row_plan()))
+        stats.update(padding_stats(exp, mbs, self.micro, self.layout_rule()))
         if critic and self.critic is not None:
             assert self.critic_opt is not None  # (built with the critic)
             stats.update(critic_update(self.critic, self.critic_opt, CriticBatch.of(exp), mbs,
@@ -288,7 +288,7 @@ class Learner:
         the device (``train_minibatches`` reads them once per update)."""
         assert exp.advantages is not None  # (compute_advantages runs before the update)
         host_rows = host_rows if isinstance(host_rows, list) else host_rows.tolist()
-        mb = micro_slices(exp, host_rows, self.row_plan(), self.micro)
+        mb = micro_slices(exp, host_rows, self.layout_rule(), self.micro)
         rows = torch.tensor(host_rows, dtype=torch.long).to(exp.mask.device, non_blocking=True)
         T = mb.T
         mask = exp.mask[rows][:, :T]
@@ -358,7 +358,7 @@ def critic_micro_step(critic, batch: CriticBatch, host_rows: list[int], num_toke
     backbone, head = backbone_and_head(critic)
     host_rows = host_rows if isinstance(host_rows, list) else host_rows.tolist()
     micro = settings.update.micro
-    mb = micro_slices(batch, host_rows, row_plan(backbone, micro.packing, micro.shape_buckets), micro)
+    mb = micro_slices(batch, host_rows, layout_rule(backbone, micro.packing, micro.shape_buckets), micro)
     rows = torch.tensor(host_rows, dtype=torch.long).to(batch.mask.device, non_blocking=True)
     T = mb.T
     mask = batch.mask[rows][:, :T]

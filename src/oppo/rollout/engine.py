@@ -26,10 +26,9 @@ from ..kv import KVRows, left_pad
 from ..api.protocols import WeightSource
 from ..api.records import Chunk, ChunkReady, Event, Rollout, RolloutStats, SequenceFinished
 from .chunks import take_chunks
-from .registry import BackendSettings, resolve_backend, resolve_engine  # (their old home: imports keep working)
+from .registry import BackendSettings
 
-__all__ = ["Chunk", "BackendSettings", "KVBudgetError", "Rollout", "RolloutEngine", "resolve_backend",
-           "resolve_engine", "sample_tokens", "take_chunks"]
+__all__ = ["Chunk", "KVBudgetError", "Rollout", "RolloutEngine", "sample_tokens", "take_chunks"]
 
 
 def sample_tokens(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,

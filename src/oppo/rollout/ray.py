@@ -20,8 +20,8 @@ import torch
 
 from ..models import resolve_device
 from . import registry
-from .engine import BackendSettings, Rollout
-from .registry import BuildRequest
+from .engine import Rollout
+from .registry import BackendSettings, BuildRequest
 from ..trace import Tracer
 from ..api.decode import decode_and_stream
 from ..api.records import Event, RolloutStats, SequenceFinished

@@ -206,7 +206,6 @@ def resolve_backend(requested: str, device: torch.device | str, unfit: Callable[
     return FAST, f"{FAST} with CUDA graphs (generation.backend=auto; generation.backend={FALLBACK} is the fallback)"
 
 
-resolve_engine = resolve_backend  # (its name before issue 44 named generation.backend "engine": imports keep working)
 
 
 def backend_settings(generation: GenerationConfig, rollout: Mapping[str, Any], stop_ids, pad_id: int,

@@ -74,7 +74,7 @@ def _steps(trainer: Trainer, run_dir: Path, link: Path | None, logger: MetricsLo
             point_link(link, run_dir)
         _write_lengths(lengths, step, res.exp)
         bar.update(step, metrics)
-        for line in trainer.run.take_decisions():  # the overlap controller's changes, with reasons
+        for line in trainer.loop.take_decisions():  # the overlap controller's changes, with reasons
             bar.note(f"[oppo] {line}")
         if STOP.signum is not None:  # preempted: the step is whole; save below
             break

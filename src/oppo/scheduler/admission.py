@@ -351,7 +351,7 @@ class Scheduler:
         ``start_position`` is taken from the checkpoint. Sequences that were untrained when the
         state was saved (no drain) are restored as they were (running or finished, same uids,
         start versions and finish order) with ``keep_untrained=True``: the caller then re-admits
-        the running ones with their partial work (``control.stages.Run.restore_in_flight``).
+        the running ones with their partial work (``control.stages.Loop.restore_in_flight``).
         Otherwise, or when the state predates finish orders, they are put on the requeue, after
         the saved requeue, one position per group. A checkpoint without ``group_size`` (older)
         has group size 1.

@@ -20,7 +20,7 @@ import torch
 from ..api.records import ScoredOutputs
 from ..kv import KVRows, left_pad, right_pad
 from ..models import backbone_and_head, text_config, uses_sliding_window
-from ..forward import full_hidden, head_logprobs, packed_hidden, row_plan, uses_buckets
+from ..forward import full_hidden, head_logprobs, packed_hidden, layout_rule, uses_buckets
 from .slots import SlotKV, slots_suit
 from ..forward import sequence_batch  # noqa: F401  (re-exported: benchmarks/nan_probe.py imports it from here)
 
@@ -69,7 +69,7 @@ def response_outputs(kind: Kind, model, ids: torch.Tensor, valid: torch.Tensor, 
 def score_full(kind: Kind, model, prompts: list[list[int]], responses: list[list[int]], pad_id: int,
                temperature: float = 1.0, packing: str | None = None) -> list[ScoredOutputs]:
     """One-shot scoring of whole sequences (the sequential mode's scorer): one forward over them
-    packed end to end where the model can (``forward.row_plan``; ``packing``: ``ppo.packing``, None:
+    packed end to end where the model can (``forward.layout_rule``; ``packing``: ``ppo.packing``, None:
     the model's own, ``forward.set_packing``),
     the head run on the response tokens (the reward head on each sequence's scored token,
     :func:`scored_index`) only."""
@@ -77,7 +77,7 @@ def score_full(kind: Kind, model, prompts: list[list[int]], responses: list[list
     backbone, head = backbone_and_head(model)
     seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]
     n = [len(x) for x in seqs]
-    layout = row_plan(backbone, packing).layout(n)
+    layout = layout_rule(backbone, packing).layout(n)
     source = torch.tensor([t for x in seqs for t in x], dtype=torch.long, device=device)
     first = torch.tensor([0] + n[:-1], device=device).cumsum(0)  # [R] each sequence's first token in source
     hidden = packed_hidden(backbone, layout, source, first, pad_id)  # [rows * width, H]

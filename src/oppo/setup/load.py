@@ -148,7 +148,7 @@ def _trained_models(cfg: Config, inputs: Inputs, run: Resolved, pad_id: int, cri
 def _prepare_forwards(cfg: Config, run: Resolved, policy: torch.nn.Module, critic: torch.nn.Module | None,
                       models: tuple[torch.nn.Module | None, ...], prompt_width: int) -> None:
     """The models' forwards as the run uses them: the attention path (``ppo.attention``: probed on
-    CUDA) of the policy and the ``models`` beside it, before any row plan is found for a model;
+    CUDA) of the policy and the ``models`` beside it, before any layout rule is found for a model;
     gradient checkpointing of the trained models; no dropout anywhere."""
     paths, dtype = run.paths, run.dtype
     from .. import shapes

@@ -31,8 +31,7 @@ from ...api.records import Chunk, ChunkReady, Event, Rollout, RolloutStats, Sequ
 from ...weights.sync import as_pairs
 from . import loads, lora
 from .checks import VLLMEngineDied, VLLMUnavailable, check_vllm, served_checkpoint
-from .checks import vllm_problems  # noqa: F401 (its old home)
-from .loads import WEIGHT_RUNS, hf_weights  # noqa: F401 (their old home)
+from .loads import hf_weights
 from .weights import SharedWeights
 from .worker import UNTRUNCATED_ID, die_with_trainer, install_untruncated_sampler, untruncated_id
 
