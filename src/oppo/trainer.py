@@ -27,7 +27,7 @@ from .config import Config, to_dict
 from .control import Loop, StepResult, overlapped_step, sequential_step
 from .control.step_metrics import step_metrics
 from .fingerprint import run_fingerprints
-from .api.roles import Roles
+from .api.roles import RoleHandles, Roles
 from .setup.build import build_roles
 from .setup.check import Checked, check_objects
 from .setup.inputs import Inputs
@@ -56,7 +56,7 @@ class Trainer:
         # the models the run reads, as loaded (before any step trains the critic): saved with every
         # checkpoint, compared on resume (checkpoint.check_models)
         self.fingerprints = run_fingerprints(self.roles)
-        self.loop = Loop(self.roles)
+        self.loop = Loop(RoleHandles.of(self.roles))  # the controller gets the roles and what a step reads, no model
         self.step = 0
         self.wallclock = 0.0
         self.step_windows: dict[int, tuple[float, float]] = {}  # perf_counter bounds of each step

@@ -6,7 +6,7 @@ as a run resumed from that checkpoint would (``checkpoint/store.py``, ``Trainer.
 from __future__ import annotations
 
 from ..api.records import Rollout
-from ..api.roles import Roles
+from ..api.roles import RoleHandles
 from ..scheduler import Scheduler
 from .streams import Streams
 
@@ -15,7 +15,7 @@ class InFlight:
     """Checkpoint save, restore and drain of the rows in flight (``streams``) over the roles and
     the scheduler's tickets. ``streams_mode``: the run streams chunks to the scorers."""
 
-    def __init__(self, roles: Roles, scheduler: Scheduler, streams: Streams, streams_mode: bool):
+    def __init__(self, roles: RoleHandles, scheduler: Scheduler, streams: Streams, streams_mode: bool):
         self.roles, self.scheduler, self.streams, self.streams_mode = roles, scheduler, streams, streams_mode
 
     def between_steps(self) -> None:

@@ -22,7 +22,7 @@ from ..config import OverlapConfig
 from ..learner.batch import Experience, attach_scores, build_experience
 from ..learner.offpolicy import staleness_stats
 from ..scheduler import Scheduler, StepTiming
-from ..api.roles import Roles
+from ..api.roles import RoleHandles
 from ..api.decode import decode_and_stream
 from ..api.records import Chunk, Rollout, ScoredOutputs, Scores
 from ..scheduler import OverlapController
@@ -66,19 +66,19 @@ class Loop:
     overlap controller that sets Delta and the chunk size (``controller.py``); the rows in
     flight and which of them stream to the scorers (``streams.py``); their checkpoint save,
     restore and drain (``inflight.py``); and (pipeline) the learner thread. It reads the settings it
-    needs from the roles' config once, here: ``policy`` (``overlap.*``), ``steps`` (``run.steps``) and
-    ``advantage`` (what the advantage stage reads of ``ppo.*``)."""
+    needs from the roles' step settings once, here: ``policy`` (``overlap.*``), ``steps``
+    (``run.steps``) and ``advantage`` (what the advantage stage reads of ``ppo.*``)."""
 
-    def __init__(self, roles: Roles):
-        cfg = roles.cfg
-        self.roles, self.policy = roles, OverlapPolicy.of(cfg.overlap)
-        self.steps, self.advantage = cfg.run.steps, AdvantageSettings.of(cfg.ppo)
+    def __init__(self, roles: RoleHandles):
+        s = roles.settings
+        self.roles, self.policy = roles, OverlapPolicy.of(s.overlap)
+        self.steps, self.advantage = s.steps, AdvantageSettings.of(s.ppo)
         self.threads, self.tracer = roles.placement.threads, roles.tracer
-        self.controller, delta = build_controller(cfg.overlap, cfg.ppo.batch_size, cfg.group_size, cfg.run.steps,
+        self.controller, delta = build_controller(s.overlap, s.ppo.batch_size, s.group_size, s.steps,
                                                   self.policy.streams, self.policy.in_flight)
-        o = cfg.overlap
-        self.scheduler = Scheduler(cfg.ppo.batch_size, o.max_lag if cfg.carries else 0, delta,
-                                   refill=o.refill and cfg.carries, group_size=cfg.group_size,
+        o = s.overlap
+        self.scheduler = Scheduler(s.ppo.batch_size, o.max_lag if s.carries else 0, delta,
+                                   refill=o.refill and s.carries, group_size=s.group_size,
                                    partial_groups=o.partial_groups)
         self.streams = Streams()
         self.inflight = InFlight(roles, self.scheduler, self.streams, self.policy.streams)
@@ -262,7 +262,7 @@ def score_models(loop: Loop, batch: list[Rollout], step: int) -> dict[str, list[
             out[role] = roles.scorer.score_full(role, prompts, responses)
     with tracer.span("scorer", "score_reference", step):
         out["reference"] = roles.scorer.score_full("reference", prompts, responses)
-    if roles.critic is not None:
+    if roles.has_critic:
         with tracer.span("scorer", "score_critic", step):
             out["critic"] = roles.scorer.score_full("critic", prompts, responses)
     return out
@@ -323,7 +323,7 @@ def fresh_values(loop: Loop, batch: list[Rollout], whole: list[int], step: int) 
     """``overlap.stale_values=recompute``: the critic's values of the streamed rows whose prefix was
     scored before the critic's last update, by position in ``batch``, recomputed one-shot."""
     stale = [i for i in whole if (sv := batch[i].scored_version) is not None and sv < step]
-    if not (stale and loop.roles.critic is not None and loop.policy.recompute_values):
+    if not (stale and loop.roles.has_critic and loop.policy.recompute_values):
         return {}
     with loop.tracer.span("learner", "recompute_values", step):
         fresh = loop.roles.scorer.score_full("critic", [batch[i].prompt_ids for i in stale],
@@ -356,7 +356,7 @@ def update(loop: Loop, exp: Experience, txt: list[str], scores: Scores, step: in
             stats = loop.roles.learner.update(exp, step)
     else:  # non-finite advantages under ppo.nonfinite=skip (warned): every optimizer step of the update skipped
         n = len(loop.roles.learner.minibatches(exp.mask.shape[0], step))
-        stats = {"guard/skipped/actor": n, **({"guard/skipped/critic": n} if loop.roles.critic is not None else {})}
+        stats = {"guard/skipped/actor": n, **({"guard/skipped/critic": n} if loop.roles.has_critic else {})}
     if loop.advantage.nonfinite == "skip":
         stats["guard/skipped_updates"] = sum(v for k, v in stats.items() if k.startswith("guard/skipped/"))
         loop.skipped_updates += stats["guard/skipped_updates"]

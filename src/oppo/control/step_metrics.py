@@ -9,7 +9,7 @@ import torch
 
 from ..algo.losses import explained_variance
 from ..api.records import RolloutStats
-from ..perf import forward_flops, peak_flops, spec_peak_flops
+from ..perf import peak_flops, spec_peak_flops
 from .stages import Loop, StepResult, mean_or_nan, mean_reward
 
 
@@ -70,7 +70,7 @@ def utilisation(loop: Loop, result: StepResult, times: dict[str, float], rollout
         out["perf/decode_steps"] = float(done)
         if done and generate:
             out["perf/decode_step_ms"] = 1e3 * generate / done
-    if roles.policy is None:
+    if roles.actor_flops is None:
         return out
     lengths = exp.valid.sum(1).tolist()
     peak = peak_flops(str(roles.device), roles.compute_dtype, torch.get_num_threads())
@@ -78,12 +78,13 @@ def utilisation(loop: Loop, result: StepResult, times: dict[str, float], rollout
     spec = spec_peak_flops(str(roles.device), roles.compute_dtype)
     if spec is not None:
         out["perf/peak_spec_tflops"] = spec / 1e12
-    actor = forward_flops(roles.policy, lengths)
-    train = 3 * roles.cfg.ppo.epochs * actor
-    if roles.critic is not None:
-        train += 3 * roles.cfg.ppo.epochs * forward_flops(roles.critic, lengths)
+    actor = roles.actor_flops(lengths)
+    epochs = roles.settings.ppo.epochs
+    train = 3 * epochs * actor
+    if roles.critic_flops is not None:
+        train += 3 * epochs * roles.critic_flops(lengths)
     if "time/old_logprobs" in times:  # the recompute ran inside time/train
-        train += forward_flops(roles.policy, recomputed_lengths(exp, roles.recompute_old))
+        train += roles.actor_flops(recomputed_lengths(exp, roles.recompute_old))
     if generate:
         out["perf/generate_mfu"] = actor / generate / peak
         if spec is not None:
