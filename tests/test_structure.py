@@ -1,0 +1,56 @@
+"""The shape of the package that issue 52 set, held by the code itself: short module docstrings
+(the design notes live in docs/), few top-level modules (the rest in their rooms), and a config
+that does not travel (parts and roles receive their own settings records). Measured by reading
+the source, nothing imported."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import oppo
+
+SRC = Path(oppo.__file__).parent
+MODULES = sorted(SRC.rglob("*.py"))
+
+
+def _tree(p: Path) -> ast.Module:
+    return ast.parse(p.read_text(encoding="utf-8"), filename=str(p))
+
+
+def test_module_docstrings_say_what_a_module_is_for_in_a_few_lines():
+    long = {}
+    for p in MODULES:
+        doc = ast.get_docstring(_tree(p), clean=False)
+        if doc and len(doc.strip().splitlines()) > 15:
+            long[str(p.relative_to(SRC))] = len(doc.strip().splitlines())
+    assert not long, f"module docstrings over 15 lines (move the design notes to docs/): {long}"
+
+
+def test_at_most_24_top_level_modules():
+    top = sorted(p.name for p in SRC.glob("*.py") if p.name != "__init__.py")
+    assert len(top) <= 24, f"{len(top)} top-level modules in oppo/ (put new ones in the package they serve): {top}"
+
+
+def _takes_whole_config(f: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    for a in [*f.args.posonlyargs, *f.args.args, *f.args.kwonlyargs]:
+        ann = ast.unparse(a.annotation).strip("'\"") if a.annotation is not None else ""
+        if a.arg == "cfg" or ann in ("Config", "config.Config"):
+            return True
+    return False
+
+
+def test_the_config_does_not_travel():
+    """At most 80 functions take the whole config (a parameter named ``cfg`` or typed ``Config``):
+    the config package itself, the setup that reads it, the part-spec hooks whose shape is
+    ``checks(own, cfg)``, and what writes the whole config out. Everything else takes the
+    sections or settings records it reads."""
+    found = [f"{p.relative_to(SRC)}:{n.lineno}:{n.name}" for p in MODULES for n in ast.walk(_tree(p))
+             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and _takes_whole_config(n)]
+    assert len(found) <= 80, f"{len(found)} functions take the whole config:\n" + "\n".join(found)
+
+
+def test_the_measure_counts_what_it_says():
+    """The measure above is not vacuous: it sees a function that takes the config by either sign."""
+    tree = ast.parse("def a(cfg): pass\ndef b(x: Config): pass\ndef c(ppo: PPOConfig): pass\n")
+    assert [f.name for f in tree.body if _takes_whole_config(f)] == ["a", "b"]
