@@ -8,7 +8,6 @@ role runs), load the models, build the roles where the placement puts them (its 
 from __future__ import annotations
 
 import dataclasses
-import sys
 from typing import TYPE_CHECKING
 
 from .. import placements
@@ -45,18 +44,13 @@ def build_roles(cfg: Config, progress: bool = True, inputs: Inputs | None = None
 
 def prepared_task(cfg: Config, progress: bool = True) -> Prepared | None:
     """The built-in task's models and prompts where the config names no policy (``data.task``):
-    installed from the package, or built, on first use (``task.prepare``), and said; None where the
-    config names the models."""
+    installed from the package, or built, on first use (``task.prepare``, whose log line names the
+    step: reusing, installing or building); None where the config names the models."""
     if not cfg.uses_builtin_task:
         return None
     from ..task import prepare
 
-    prepared = prepare(task=cfg.data.task, progress=progress)
-    if progress:
-        how = "found" if prepared.reused else "prepared"
-        print(f"oppo: the built-in task {cfg.data.task!r}: models and prompts {how} in {prepared.root}",
-              file=sys.stderr, flush=True)
-    return prepared
+    return prepare(task=cfg.data.task, progress=progress)  # (it says what it reuses, installs or builds)
 
 
 __all__ = ["Roles", "build_roles", "prepared_task"]
