@@ -38,7 +38,20 @@ def test_oppo_train_two_steps(tiny_models, tiny_prompts, tmp_path):
                 assert 0 <= line[key] <= bound, (line["step"], key, line[key], bound)
     assert (out / "checkpoints" / "step_000002" / "state.json").is_file()
     assert list(out.glob("events.out.tfevents*")) or list(out.rglob("events.out.tfevents*"))
-    assert "samples at step 0" in proc.stderr
+    assert proc.stderr.count("samples at step 0:") == 1 and proc.stderr.count("samples at step 1:") == 1
+
+
+def test_a_one_step_run_prints_its_samples_once(builtin_task, tmp_path, capsys):
+    """The first step's samples are printed when it finishes; a run whose last step is its first does
+    not print them again at the end."""
+    from oppo.config import load_config
+    from oppo.run import train
+
+    cfg = load_config(None, ["run.steps=1", "run.save_final=none", "log.trace=false", "placement.threads=1",
+                             f"run.out_dir={tmp_path / 'run'}", "ppo.batch_size=4", "ppo.minibatch_size=4",
+                             "ppo.micro_batch_size=4", "generation.max_new_tokens=4", "overlap.mode=sequential"])
+    train(cfg, progress=True)
+    assert capsys.readouterr().err.count("samples at step 0:") == 1
 
 
 def test_cli_rejects_bad_setting_before_loading(tmp_path):

@@ -106,7 +106,7 @@ def _finish(trainer: Trainer, run_dir: Path, logger: MetricsLogger, first: int, 
         saved = save_checkpoint(trainer, run_dir, cfg.run.keep_checkpoints)
         logger.close()
         raise Preempted(STOP.signum, run_dir, saved, cfg.run.steps, objects=objects)
-    if trainer.step > first:
+    if trainer.step - 1 > first:  # (the first step's samples were printed when it finished)
         res = trainer.last_result
         assert res is not None and res.exp.scores is not None  # the last step's trained, scored batch
         print_samples(f"samples at step {trainer.step - 1}:", res.texts, res.exp.scores.tolist(), cfg.run.samples)

@@ -269,20 +269,6 @@ def object_problems(cfg: Config, inputs: Inputs) -> list[str]:
     return problems
 
 
-# why one model object cannot serve two roles (kw pair -> what would go wrong, and the fix)
-_SHARED = {
-    ("policy", "reference"): "the policy trains in place, so the reference would move with it (its KL would "
-                             "stay 0). Leave reference= out: the run makes a frozen copy of the initial policy",
-    ("policy", "critic"): "both train, as two models. Leave critic= out (the critic starts from a copy of the "
-                          "reward model, else of the policy), or give a separately loaded one-label model",
-    ("policy", "reward_model"): "the policy trains in place and the reward model stays frozen",
-    ("reference", "critic"): "the critic trains in place and the reference stays frozen",
-    ("reference", "reward_model"): "they are different kinds of model (a causal LM and a one-label classifier)",
-    ("critic", "reward_model"): "the critic trains in place, so the reward would move with it. Leave critic= out: "
-                                "the run starts the critic from a copy of the reward model",
-}
-
-
 def _term_object_problems(terms_cfg: Any, given: dict[str, Any], columns: list[str] | None) -> list[str]:
     """``reward.terms`` given as callables: each marker has its callable, and each callable takes
     the prompts, the responses and the columns it asks for (with the term's kwargs bound)."""
