@@ -221,3 +221,28 @@ def test_the_checkpoint_reads_the_task_cache_where_the_task_keeps_it(tmp_path, m
         inside = str(default_home() / "positive" / "reward")
         assert _builtin_task([("reward", inside, inside)])
         assert not _builtin_task([("reward", str(tmp_path / "elsewhere"), str(tmp_path / "elsewhere"))])
+
+
+def test_scheduler_state_of_another_format_refused_with_advice(tmp_path, monkeypatch):
+    """The scheduler's saved state in a format this release does not read: refused by the resume's
+    checks before any model loads, saying which release to use and how to go on (it said only
+    'unknown scheduler state format')."""
+    from oppo.scheduler.admission import Scheduler, check_state_format
+
+    check_state_format({"format": 1})  # (this release's)
+    with pytest.raises(FormatError, match="newer oppo"):
+        check_state_format({"format": 2})
+    with pytest.raises(FormatError, match="older than this oppo reads"):
+        check_state_format({})
+    with pytest.raises(FormatError, match="newer oppo"):
+        Scheduler(4, 0, 0).load_state_dict({"format": 2})
+    run = _copy(CURRENT, "sequential", tmp_path)
+    state = tmp_path / run / "checkpoints" / "step_000002" / "state.json"
+    d = json.loads(state.read_text())
+    d["scheduler"]["format"] = 2
+    state.write_text(json.dumps(d))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(PreflightError) as e:
+        start_run(load_config(None, MAKE.settings("sequential", run, 4)), resume=run)
+    said = str(e.value)
+    assert "scheduler state is in format 2, written by a newer oppo" in said and "policy.path=" in said

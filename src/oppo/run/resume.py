@@ -14,9 +14,9 @@ from ..checkpoint import (checkpoint_dirs, checkpoint_settings, checkpoint_step,
                           settings_mismatches, verify_checkpoint)
 from ..checkpoint.formats import FormatError
 from ..config import Config, resumed_config, to_dict
-from ..checkpoint.formats import FormatError
 from ..setup.inputs import keyword_of
 from ..marker import is_marker
+from ..scheduler.admission import check_state_format
 from ..scheduler.tuner import check_format
 
 
@@ -72,8 +72,11 @@ def resumed_settings(cfg: Config, ckpt: Path) -> Config:
 def _format_problems(ckpt: Path, arg: str) -> list[str]:
     """The saved state a format this release cannot read (``formats.FormatError``), found from
     ``state.json`` alone, before any model loads."""
-    tuner = json.loads((ckpt / "state.json").read_text()).get("tuner")
+    state = json.loads((ckpt / "state.json").read_text())
+    tuner, scheduler = state.get("tuner"), state.get("scheduler")
     try:
+        if isinstance(scheduler, dict):
+            check_state_format(scheduler)
         if isinstance(tuner, dict) and "format" in tuner:  # (the cost rule's; the reward-slope rule's has none)
             check_format(tuner)
     except FormatError as e:

@@ -359,8 +359,7 @@ class Scheduler:
         self._require(Phase.IDLE, "load_state_dict")
         if self._tickets or self._step or self._next_uid:
             raise RuntimeError("load_state_dict needs a freshly constructed Scheduler")
-        if d.get("format") != STATE_FORMAT:
-            raise ValueError(f"unknown scheduler state format {d.get('format')!r}")
+        check_state_format(d)
         saved = dict(d["config"])
         saved.setdefault("group_size", 1)  # written before groups existed
         mine = self._config()
@@ -473,3 +472,11 @@ class Scheduler:
         return tuple(out)
 
 
+def check_state_format(d: dict[str, Any]) -> None:
+    """Raise :class:`~oppo.checkpoint.formats.FormatError`, with what to do, unless
+    :meth:`Scheduler.load_state_dict` reads ``d``'s format: a resume checks it before any model
+    loads (``run.resume``), and the scheduler again as it loads."""
+    from ..checkpoint.formats import upgraded
+
+    version = d.get("format")
+    upgraded("the checkpoint's scheduler state", {}, version if isinstance(version, int) else 0, STATE_FORMAT, {})
