@@ -476,10 +476,27 @@ def _ray_learners(name: str):
     return make
 
 
+def _local_engine(name: str):
+    """A built-in learner engine that runs in this process, built through the registry over the local
+    learner as a local placement builds it (``LocalRequest``). A new built-in is run here with no edit."""
+    def make(tiny_models, ppo):
+        from oppo.config import Config
+        from oppo.learner.registry import LocalRequest
+
+        inner = _local_learner(tiny_models, ppo).learner
+        cfg = Config()
+        cfg.ppo = ppo
+        build = LEARNER_ENGINES.get(name).build_local
+        assert build is not None
+        return Built(build(LocalRequest(inner, cfg)), (inner.actor, inner.critic), [])
+    return make
+
+
 with LEARNER_ENGINES.built_ins_only():
     REMOTE = [n for n in LEARNER_ENGINES.names() if LEARNER_ENGINES.get(n).build_remote is not None]
+    LOCAL = [n for n in LEARNER_ENGINES.names() if LEARNER_ENGINES.get(n).build_local is not None]
 LEARNERS = {"local": _local_learner, "critic_beside_scorer": _beside_scorer,
-            **{f"ray_{n}": _ray_learners(n) for n in REMOTE}}
+            **{f"local_{n}": _local_engine(n) for n in LOCAL}, **{f"ray_{n}": _ray_learners(n) for n in REMOTE}}
 
 
 @pytest.fixture(scope="module", params=[pytest.param(n, marks=RAY if n.startswith("ray_") else []) for n in LEARNERS])

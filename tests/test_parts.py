@@ -52,8 +52,60 @@ def test_a_part_whose_settings_are_no_dataclass_is_refused():
 def test_the_built_in_reward_terms_come_from_the_registry():
     from oppo import rewards
 
-    assert tuple(rewards.BUILTINS) == parts.REWARD_TERMS.names()[:8] == (
-        "math_accuracy", "format_reward", "boxed_format", "gsm8k_format", "think_format", "length_penalty",
-        "vader_sentiment", "afinn_sentiment")
+    # every name of the registry, in its order (a new built-in joins without editing this test)
+    assert tuple(rewards.BUILTINS) == parts.REWARD_TERMS.names()
+    assert {"math_accuracy", "format_reward", "boxed_format", "gsm8k_format", "think_format", "length_penalty",
+            "vader_sentiment", "afinn_sentiment"} <= set(rewards.BUILTINS)
     assert rewards.length_penalty is parts.REWARD_TERMS.get("length_penalty").function
     assert rewards.BUILTIN_FUNCTIONS["math_accuracy"] is rewards.math_accuracy
+
+
+# Conformance of the parts that test_conformance.py (the role Protocols) and the algorithms' own tests
+# (tests/test_algo_specs.py, tests/test_algo_math.py, parametrized by the registry) do not drive: every
+# built-in placement and reward term, read from the registries, so a new built-in runs here with no edit.
+with parts.PLACEMENTS.built_ins_only():
+    BUILT_IN_PLACEMENTS = parts.PLACEMENTS.names()
+with parts.REWARD_TERMS.built_ins_only():
+    BUILT_IN_TERMS = parts.REWARD_TERMS.names()
+
+
+@pytest.mark.parametrize("name", BUILT_IN_PLACEMENTS)
+def test_a_built_in_placement_decides_from_its_defaults(name):
+    """Its defaults are valid settings, and ``decide`` gives a Placement that says where every role
+    runs, whatever the run's facts; a local one builds in this process, a remote one says where."""
+    from oppo import placements
+    from oppo.api.placement import Placement
+    from oppo.config import load_config, validate
+
+    cfg = load_config(None, [f"placement.name={name}"])
+    validate(cfg)
+    spec = placements.of(cfg.placement)
+    assert spec.name == name and spec.help and callable(spec.decide) and callable(spec.build)
+    for critic in (True, False):
+        facts = placements.Facts(needs_critic=critic, scorers_on_cpu=True, computes_in_master=True)
+        placed = spec.decide(cfg, placements.own(cfg.placement), facts)
+        assert isinstance(placed, Placement)
+        assert placed.threads.full >= 1
+
+
+@pytest.mark.parametrize("name", BUILT_IN_TERMS)
+def test_a_built_in_reward_term_scores_a_batch_by_its_bare_name(name):
+    """A term named bare resolves to the registered function; the function takes (prompts, responses)
+    and gives one finite float a response, for a batch of two with the keywords its signature asks for
+    (columns: given as the data would; settings: their defaults)."""
+    import inspect
+    import math
+
+    from oppo.models import load_function
+    from oppo.rewards import function_spec
+
+    spec = parts.REWARD_TERMS.get(name)
+    assert spec.help and load_function(function_spec(name), "reward.function") is spec.function
+    params = inspect.signature(spec.function).parameters
+    asked: dict = {n: ["42", "7"] for n, p in list(params.items())[2:]
+                   if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty}
+    if "max_length" in params:  # (length_penalty's setting, which a term's kwargs must give)
+        asked["max_length"] = 8
+    scores = spec.function(["What is 6 * 7?", "Say something kind."], ["The answer is \\boxed{42}.", "You did great!"],
+                           **asked)
+    assert len(scores) == 2 and all(isinstance(s, float) and math.isfinite(s) for s in scores), scores
