@@ -88,9 +88,10 @@ def test_train_flops_count_the_old_logprob_recompute_where_the_window_holds_it()
     assert recomputed_lengths(exp, recompute_all=True) == [4, 4, 3]
     assert recomputed_lengths(exp, recompute_all=False) == [4]  # row 1 only
     lengths = [4, 4, 3]
-    cfg = SimpleNamespace(ppo=SimpleNamespace(epochs=2))
-    roles = SimpleNamespace(policy=model, critic=None, device=torch.device("cpu"), compute_dtype=torch.float32,
-                            cfg=cfg, recompute_old=True)
+    settings = SimpleNamespace(ppo=SimpleNamespace(epochs=2))
+    roles = SimpleNamespace(actor_flops=lambda lengths: forward_flops(model, lengths), critic_flops=None,
+                            device=torch.device("cpu"), compute_dtype=torch.float32, settings=settings,
+                            recompute_old=True)  # (api.roles.RoleHandles' fields that utilisation reads)
     run, result = SimpleNamespace(roles=roles), SimpleNamespace(exp=exp)
     rollout = SimpleNamespace(decode_steps=None)
     update = 3 * 2 * forward_flops(model, lengths)
