@@ -63,3 +63,20 @@ def test_the_measure_counts_what_it_says():
                      "def checks(own, cfg): pass\n")
     assert [f.name for f in tree.body if _takes_whole_config(f)] == ["a", "b", "checks"]
     assert [f.name for f in tree.body if _part_hook(f)] == ["checks"]
+
+
+def test_the_ppo_maths_imports_only_torch_and_itself():
+    """``algo/masks.py``, ``losses.py`` and ``advantages.py`` import torch, the standard library and each
+    other (and ``algo.choices``' names), nothing else of oppo: an allow-list, so a new algorithm's
+    module is kept out as the import rules' named list (pyproject.toml) keeps out the ones it names."""
+    allowed = {"masks", "losses", "advantages", "choices"}
+    for name in ("masks", "losses", "advantages"):
+        tree = _tree(SRC / "algo" / f"{name}.py")
+        for n in ast.walk(tree):
+            if isinstance(n, ast.ImportFrom) and n.level:  # relative: within oppo
+                target = (n.module or "").split(".")[0]
+                assert n.level == 1 and target in allowed, f"algo/{name}.py imports {'.' * n.level}{n.module}"
+            elif isinstance(n, (ast.Import, ast.ImportFrom)):
+                mods = [a.name for a in n.names] if isinstance(n, ast.Import) else [n.module or ""]
+                for m in mods:
+                    assert not m.startswith("oppo"), f"algo/{name}.py imports {m}"
