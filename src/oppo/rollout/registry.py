@@ -236,13 +236,19 @@ def backend_settings(generation: GenerationConfig, rollout: Mapping[str, Any], s
                           backend=own)
 
 
-def check_backend(engine: str, policy_path: str | None, device: str) -> None:
-    """Raise :class:`BackendUnavailable` naming every reason the rollout backend ``engine`` cannot
-    serve the policy here (``BackendSpec.problems``: not installed, an architecture it lacks), with the
-    fixes; nothing for ``auto`` and oppo's own engines."""
+def backend_problems(engine: str, policy_path: str | None, device: str) -> list[str]:
+    """Every reason the rollout backend ``engine`` cannot serve the policy at ``policy_path`` (None:
+    not readable yet) on ``device`` (``BackendSpec.problems``: not installed, an architecture it
+    lacks), with the fixes; none for ``auto`` and for a backend that names none. The run's one check
+    asks it (``setup.preflight``)."""
     if engine == AUTO:
-        return
+        return []
     backend = get(engine)
-    problems = backend.problems(policy_path, device) if backend.problems else []
+    return backend.problems(policy_path, device) if backend.problems else []
+
+
+def check_backend(engine: str, policy_path: str | None, device: str) -> None:
+    """Raise :class:`BackendUnavailable` with :func:`backend_problems`, if there are any."""
+    problems = backend_problems(engine, policy_path, device)
     if problems:
         raise BackendUnavailable("\n".join(problems))

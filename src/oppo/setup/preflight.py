@@ -7,12 +7,13 @@ all at once instead of one per attempt, each attempt costing a model load."""
 
 from __future__ import annotations
 
-from ..config import Config, PolicyConfig, RewardConfig
+from ..config import Config, RewardConfig
 from ..errors import ModelLoadError
 from ..marker import is_marker
 from ..models.checks import device_problems, dir_problems
 from ..models.hub import hub_problems
 from ..rewards import function_spec, parse_terms
+from ..rollout.registry import backend_problems
 from ..scoring.reward_fn import function_problems
 from .inputs import Inputs, known_columns, object_problems
 
@@ -49,7 +50,8 @@ def problems(cfg: Config, inputs: Inputs) -> list[str]:
     found += data_found
     found += _reward(cfg.reward, known_columns(cfg.data, cfg.uses_builtin_task, inputs.prompts), hub_names)
     found += device_problems({f"{role}.device": getattr(cfg, role).device for role in ROLES})
-    found += _backend(cfg.generation.backend, cfg.policy)
+    found += backend_problems(cfg.generation.backend, None if is_marker(cfg.policy.path) else cfg.policy.path,
+                              cfg.policy.device)  # (a policy object: checked once saved, setup.build)
     found += hub_problems(hub_names, hub_dataset)
     return found
 
@@ -88,18 +90,6 @@ def _reward(reward: RewardConfig, columns: list[str] | None, hub_names: list[tup
             found += function_problems(f"reward.terms[{i}].function", term.function, None, columns,
                                        bound=term.kwargs)
     return found
-
-
-def _backend(name: str, policy: PolicyConfig) -> list[str]:
-    """The rollout backend ``name`` (``generation.backend``) installed and able to serve a local
-    policy (its config only; a policy object is checked once saved: ``setup.build``)."""
-    if name == "auto":
-        return []
-    from ..rollout import registry
-
-    backend = registry.get(name)
-    path = None if is_marker(policy.path) else policy.path
-    return backend.problems(path, policy.device) if backend.problems else []
 
 
 __all__ = ["PreflightError", "problems"]
