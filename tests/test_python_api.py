@@ -290,3 +290,14 @@ def test_callables_as_reward_terms_train_and_are_recorded_as_objects(tiny_models
     with pytest.raises(oppo.PreflightError, match=r"reward.terms\[0\].function: .*cannot be called as fn\(prompts, "
                                                   r"responses\)"):
         oppo.Trainer.from_config(cfg, progress=False)
+
+
+def test_a_renamed_public_name_says_its_new_one():
+    """``oppo.plan_run`` (the release before) fails naming ``oppo.start_run``; no alias keeps it."""
+    import oppo
+
+    with pytest.raises(AttributeError, match=r"oppo.plan_run is now oppo.start_run"):
+        oppo.plan_run  # noqa: B018
+    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
+        oppo.nope  # noqa: B018
+    assert oppo.start_run.__name__ == "start_run"

@@ -33,9 +33,14 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
 
+_RENAMED = {"plan_run": "start_run"}  # old name -> new (issue 52): an error that names the new one, no alias
+
+
 def __getattr__(name: str):
     module = _EXPORTS.get(name)
     if module is None:
+        if name in _RENAMED:
+            raise AttributeError(f"oppo.{name} is now oppo.{_RENAMED[name]} (docs/python-api.md, \"Moved and renamed\")")
         raise AttributeError(f"module 'oppo' has no attribute {name!r}")
     value = getattr(importlib.import_module(f".{module}", __name__), name)
     globals()[name] = value  # later lookups skip this function
