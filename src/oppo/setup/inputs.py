@@ -218,12 +218,13 @@ def keyword_of(setting: str) -> str | None:
 
 # --------------------------------------------------------------------------- the objects' checks
 
-def object_problems(cfg: Config, inputs: Inputs) -> list[str]:
+def object_problems(cfg: Config, inputs: Inputs, columns: list[str] | None) -> list[str]:
     """What is wrong with the objects given from Python (``oppo.Trainer.from_config(cfg, policy=...)``), by the
     rules a path or spec is checked with: each model of its role's kind (the policy a causal LM,
     the reward model a one-label sequence classifier, ...) reading the tokenizer's ids, the
     tokenizer given with a policy object, the prompts a data set or list with the prompt field.
-    Also a marker (``config.yaml``'s ``<object: ...>``) with no object given for it."""
+    Also a marker (``config.yaml``'s ``<object: ...>``) with no object given for it. ``columns``: the
+    prompt set's, where known without reading it (:func:`known_columns`)."""
     problems = []
     for kw, key in SETTINGS.items():
         section, name = key.split(".")
@@ -252,7 +253,6 @@ def object_problems(cfg: Config, inputs: Inputs) -> list[str]:
     elif inputs.policy is not None:
         problems.append("policy= was given as an object, so give its tokenizer too (tokenizer=AutoTokenizer."
                         "from_pretrained(...)): oppo tokenises the prompts and decodes the responses with it.")
-    columns = known_columns(cfg.data, cfg.uses_builtin_task, inputs.prompts)
     for key, obj in (("reward.function", inputs.reward_fn), ("reward.judge", inputs.judge)):
         if obj is not None:
             problems += function_problems(key, None, obj, columns, keyword=keyword_of(key))

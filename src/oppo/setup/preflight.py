@@ -42,13 +42,14 @@ def problems(cfg: Config, inputs: Inputs) -> list[str]:
     model is cached). The one place a run's inputs are checked."""
     from ..data import source_problems
 
-    found = object_problems(cfg, inputs)
+    columns = known_columns(cfg.data, cfg.uses_builtin_task, inputs.prompts)  # (a file's first line, read once)
+    found = object_problems(cfg, inputs, columns)
     hub_names: list[tuple[str, str]] = []  # (setting, hub name) of each model that is not a local path
     found += _model_paths(cfg, inputs, hub_names)
     prompts = None if is_marker(cfg.data.prompts) else cfg.data.prompts
     data_found, hub_dataset = source_problems(prompts, cfg.data.field)
     found += data_found
-    found += _reward(cfg.reward, known_columns(cfg.data, cfg.uses_builtin_task, inputs.prompts), hub_names)
+    found += _reward(cfg.reward, columns, hub_names)
     found += device_problems({f"{role}.device": getattr(cfg, role).device for role in ROLES})
     found += backend_problems(cfg.generation.backend, None if is_marker(cfg.policy.path) else cfg.policy.path,
                               cfg.policy.device)  # (a policy object: checked once saved, setup.build)

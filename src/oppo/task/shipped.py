@@ -40,19 +40,13 @@ def install(src: Path, out: Path) -> None:
     every file as it is, float16 weights back to the float32 ``model.safetensors`` the build wrote.
     ``prepare.json`` says where the cache came from (``installed_from``)."""
     import torch
-    from safetensors import safe_open
     from safetensors.torch import save_file
 
-    for f in sorted(src.rglob("*")):
-        if not f.is_file():
-            continue
-        dest = out / f.relative_to(src)
-        dest.parent.mkdir(parents=True, exist_ok=True)
+    for f, dest in _files(src, out):
         if f.name == WEIGHTS_FP16:
-            with safe_open(str(f), "pt") as h:
-                tensors = {k: h.get_tensor(k).to(torch.float32) for k in h.keys()}
-                metadata = h.metadata()
-            save_file(tensors, str(dest.with_name(WEIGHTS)), metadata=metadata)
+            tensors, metadata = _read_weights(f)
+            save_file({k: t.to(torch.float32) for k, t in tensors.items()}, str(dest.with_name(WEIGHTS)),
+                      metadata=metadata)
         elif f.name != "prepare.json":
             shutil.copyfile(f, dest)
     info = json.loads((src / "prepare.json").read_text())
@@ -65,22 +59,15 @@ def export(root: Path, dest: Path) -> None:
     what is there: weights as float16. Refuses weights that float16 does not hold exactly (a cache
     built before ``PREPARE_VERSION`` 2 rounded them)."""
     import torch
-    from safetensors import safe_open
     from safetensors.torch import save_file
 
     if not (root / "prepare.json").is_file():
         raise FileNotFoundError(f"{root} holds no prepare.json: give a cache directory that oppo prepare built")
     tmp = dest.with_name(f".{dest.name}.export")
     shutil.rmtree(tmp, ignore_errors=True)
-    for f in sorted(root.rglob("*")):
-        if not f.is_file():
-            continue
-        out = tmp / f.relative_to(root)
-        out.parent.mkdir(parents=True, exist_ok=True)
+    for f, out in _files(root, tmp):
         if f.name == WEIGHTS:
-            with safe_open(str(f), "pt") as h:
-                tensors = {k: h.get_tensor(k) for k in h.keys()}
-                metadata = h.metadata()
+            tensors, metadata = _read_weights(f)
             half = {k: t.to(torch.float16) for k, t in tensors.items()}
             lossy = [k for k, t in tensors.items() if not torch.equal(half[k].to(t.dtype), t)]
             if lossy:
@@ -92,6 +79,23 @@ def export(root: Path, dest: Path) -> None:
             shutil.copyfile(f, out)
     shutil.rmtree(dest, ignore_errors=True)
     tmp.rename(dest)
+
+
+def _files(src: Path, out: Path):
+    """(file, its place under ``out``) for every file under ``src``, in order, the place's folder made."""
+    for f in sorted(src.rglob("*")):
+        if f.is_file():
+            dest = out / f.relative_to(src)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            yield f, dest
+
+
+def _read_weights(f: Path) -> tuple[dict, dict | None]:
+    """A safetensors file's tensors, by name, and its metadata."""
+    from safetensors import safe_open
+
+    with safe_open(str(f), "pt") as h:
+        return {k: h.get_tensor(k) for k in h.keys()}, h.metadata()
 
 
 def main(argv: list[str]) -> int:
