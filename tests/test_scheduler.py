@@ -532,7 +532,7 @@ def test_property_drained_resume_is_exact(cfg, data):
 
 
 def feed(ctl: DeltaController, rewards) -> list[int]:
-    return [ctl.update(r) for r in rewards]
+    return [ctl.after_step(r) for r in rewards]
 
 
 def test_delta_controller_hand_computed():
@@ -554,7 +554,7 @@ def test_delta_controller_waits_for_window_then_clips():
 
 def test_delta_controller_proportional_step():
     ctl = DeltaController(delta_init=8, delta_min=0, delta_max=20, window=1, proportional=True)
-    ctl.update(0.0)
+    ctl.after_step(0.0)
     # step = max(1, delta // 4): 8->10 (2), ->12 (2), ->15 (3), ->18 (3), ->20 (4, clipped)
     assert feed(ctl, [1, 2, 3, 4, 5]) == [10, 12, 15, 18, 20]
     # down: 20->15 (5), ->12 (3), ->9 (3), ->7 (2), ->6 (1), ->5, ->4, ->3
@@ -571,7 +571,7 @@ def test_delta_controller_validation_and_state():
         with pytest.raises(ValueError):
             DeltaController(**kw)
     with pytest.raises(ValueError, match="finite"):
-        DeltaController().update(float("nan"))
+        DeltaController().after_step(float("nan"))
     a = DeltaController(delta_init=1, delta_max=4, window=2, proportional=True)
     feed(a, [0.0, 0.5, 0.7])
     b = DeltaController(delta_init=1, delta_max=4, window=2, proportional=True)

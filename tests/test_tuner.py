@@ -390,7 +390,7 @@ def test_every_overlap_controller_is_driven_one_way(extra, kind):
     controller, delta = build_controller(cfg.overlap, cfg.ppo.batch_size, cfg.group_size, cfg.run.steps,
                                          streams=True, in_flight=False)
     assert type(controller).__name__ == kind
-    assert controller.chunk_size() == 4 and hasattr(delta, "update")  # Delta moves: a rule, not a number
+    assert controller.chunk_size() == 4 and hasattr(delta, "after_step")  # Delta moves: a rule, not a number
     for k in range(6):
         controller.observe(StepTiming(1.0 + 0.1 * k, 100.0, 0.1, (10,) * 8, 10.0, 0.5))
     assert all(isinstance(line, str) for line in controller.take_decisions())

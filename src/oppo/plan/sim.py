@@ -207,7 +207,7 @@ class _DeltaSchedule(DeltaController):
         super().__init__(values[0], min(values), max(values), 1)
         self._values, self._k = values, 0
 
-    def update(self, mean_reward: float) -> int:
+    def after_step(self, mean_reward: float) -> int:
         self._k += 1
         self._delta = self._values[min(self._k, len(self._values) - 1)]
         return self._delta

@@ -292,7 +292,7 @@ class Scheduler:
         """
         self._require(Phase.UPDATING, "end_step")
         if self._controller is not None:
-            self._controller.update(mean_reward)
+            self._controller.after_step(mean_reward)
         self._step += 1
         self._phase = Phase.IDLE
 

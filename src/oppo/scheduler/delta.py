@@ -10,14 +10,14 @@ from .records import check_int, check_reward, state_mismatch
 
 class DeltaRule(Protocol):
     """What the scheduler needs of an adaptive Delta: the value for the next step, its bound, an
-    update with the mean reward of each trained step, and a checkpointable state."""
+    ``after_step`` with the mean reward of each trained step, and a checkpointable state."""
 
     delta_max: int
 
     @property
     def delta(self) -> int: ...
 
-    def update(self, mean_reward: float) -> int: ...
+    def after_step(self, mean_reward: float) -> int: ...
 
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -27,7 +27,7 @@ class DeltaRule(Protocol):
 class DeltaController:
     """Adaptive Delta by the reward-slope rule of the OPPO paper (``overlap.delta_rule=reward_slope``).
 
-    ``update(R_t)`` is called once per step with the step's mean reward. With the last
+    ``after_step(R_t)`` is called once per step with the step's mean reward. With the last
     ``window`` differences ``d_i = R_i - R_{i-1}``, the slope is ``s_t = mean(d)``;
     ``s_t > 0`` -> ``Delta + step``, otherwise (flat or falling) ``Delta - step``; the result is
     clipped to ``[delta_min, delta_max]``. ``step`` is 1, or with ``proportional=True``
@@ -71,10 +71,10 @@ class DeltaController:
 
     @property
     def slope(self) -> float | None:
-        """Slope computed by the last ``update`` (None until ``window`` differences exist)."""
+        """Slope computed by the last ``after_step`` (None until ``window`` differences exist)."""
         return self._slope
 
-    def update(self, mean_reward: float) -> int:
+    def after_step(self, mean_reward: float) -> int:
         """Feed one step's mean reward; return the Delta for the next step."""
         self._rewards.append(check_reward(mean_reward, "mean_reward"))
         del self._rewards[: -(self.window + 1)]

@@ -610,7 +610,7 @@ class TunedDelta:
     def delta(self) -> int:
         return self._tuner.current().delta
 
-    def update(self, mean_reward: float) -> int:
+    def after_step(self, mean_reward: float) -> int:
         return self.delta
 
     def state_dict(self) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import Config, ConfigError, DataConfig
+from ..config import Config, ConfigError
 from ..errors import ModelLoadError
 from ..marker import MARKER, is_marker
 from ..scoring.reward_fn import function_problems
@@ -224,7 +224,7 @@ def object_problems(cfg: Config, inputs: Inputs, columns: list[str] | None) -> l
     the reward model a one-label sequence classifier, ...) reading the tokenizer's ids, the
     tokenizer given with a policy object, the prompts a data set or list with the prompt field.
     Also a marker (``config.yaml``'s ``<object: ...>``) with no object given for it. ``columns``: the
-    prompt set's, where known without reading it (:func:`known_columns`)."""
+    prompt set's, where known without reading it (``setup.preflight``)."""
     problems = []
     for kw, key in SETTINGS.items():
         section, name = key.split(".")
@@ -292,16 +292,6 @@ def _term_object_problems(terms_cfg: Any, given: dict[str, Any], columns: list[s
     return problems
 
 
-def known_columns(d: DataConfig, builtin_task: bool, prompts: Any) -> list[str] | None:
-    """The prompt set's columns where they are known without reading it (``data.known_columns``):
-    the ``prompts`` object's, the file's (``data.prompts``), or the built-in task's prompt field."""
-    from ..data import known_columns as data_columns
-
-    if prompts is None and d.prompts is None:
-        return [d.field] if builtin_task else None
-    return data_columns(None if prompts is not None else d.prompts, prompts, d.field, d.split)
-
-
 # why one model object cannot serve two roles (kw pair -> what would go wrong, and the fix)
 _SHARED = {
     ("policy", "reference"): "the policy trains in place, so the reference would move with it (its KL would "
@@ -330,5 +320,5 @@ def _shared_objects(models: list[tuple[str, str, Any]]) -> list[str]:
     return out
 
 
-__all__ = ["Inputs", "is_marker", "keyword_of", "known_columns", "marker", "needs_saving", "object_problems",
+__all__ = ["Inputs", "is_marker", "keyword_of", "marker", "needs_saving", "object_problems",
            "save_for_elsewhere", "split_inputs"]

@@ -7,7 +7,9 @@ all at once instead of one per attempt, each attempt costing a model load."""
 
 from __future__ import annotations
 
-from ..config import Config, RewardConfig
+from typing import Any
+
+from ..config import Config, DataConfig, RewardConfig
 from ..errors import ModelLoadError
 from ..marker import is_marker
 from ..models.checks import device_problems, dir_problems
@@ -15,7 +17,7 @@ from ..models.hub import hub_problems
 from ..rewards import function_spec, parse_terms
 from ..rollout.registry import backend_problems
 from ..scoring.reward_fn import function_problems
-from .inputs import Inputs, known_columns, object_problems
+from .inputs import Inputs, object_problems
 
 ROLES = ("policy", "reward", "critic", "reference")
 
@@ -40,21 +42,30 @@ def problems(cfg: Config, inputs: Inputs) -> list[str]:
     prompt set, each model path, the reward's functions and models, the devices, the rollout
     backend, the hub names (offline mode switched on when the hub cannot be reached and every hub
     model is cached). The one place a run's inputs are checked."""
-    from ..data import source_problems
-
-    columns = known_columns(cfg.data, cfg.uses_builtin_task, inputs.prompts)  # (a file's first line, read once)
-    found = object_problems(cfg, inputs, columns)
+    columns, found, hub_dataset = _prompt_set(cfg.data, cfg.uses_builtin_task, inputs.prompts)
+    found += object_problems(cfg, inputs, columns)
     hub_names: list[tuple[str, str]] = []  # (setting, hub name) of each model that is not a local path
     found += _model_paths(cfg, inputs, hub_names)
-    prompts = None if is_marker(cfg.data.prompts) else cfg.data.prompts
-    data_found, hub_dataset = source_problems(prompts, cfg.data.field)
-    found += data_found
     found += _reward(cfg.reward, columns, hub_names)
     found += device_problems({f"{role}.device": getattr(cfg, role).device for role in ROLES})
     found += backend_problems(cfg.generation.backend, None if is_marker(cfg.policy.path) else cfg.policy.path,
                               cfg.policy.device)  # (a policy object: checked once saved, setup.build)
     found += hub_problems(hub_names, hub_dataset)
     return found
+
+
+def _prompt_set(d: DataConfig, builtin_task: bool, prompts: Any) -> tuple[list[str] | None, list[str], str | None]:
+    """The prompt set checked without reading it (``data``'s rules): its columns where they are
+    known (the ``prompts`` object's, the file's first line, or the built-in task's prompt field),
+    ``data.prompts``' problems, and the hub dataset it names (None: a local file, or none)."""
+    from ..data import known_columns, source_problems
+
+    if prompts is None and d.prompts is None:
+        columns = [d.field] if builtin_task else None
+    else:
+        columns = known_columns(None if prompts is not None else d.prompts, prompts, d.field, d.split)
+    found, hub_dataset = source_problems(None if is_marker(d.prompts) else d.prompts, d.field)
+    return columns, found, hub_dataset
 
 
 def _model_paths(cfg: Config, inputs: Inputs, hub_names: list[tuple[str, str]]) -> list[str]:
