@@ -28,13 +28,13 @@ def train_steps(trainer: Trainer, run_dir: Path, link: Path | None, resumed: boo
     at it once a step has finished); a resumed run's files are cut back to its step first. A stop
     (:data:`STOP`) ends the step in progress and raises :class:`Preempted` with its checkpoint."""
     cfg, first = trainer.cfg, trainer.step
+    lengths_path = run_dir / "lengths.jsonl"
+    keep_lines_before(lengths_path, first)
+    earlier = earlier_spans(run_dir / "trace.json", first) if cfg.log.trace else []
     logger = MetricsLogger(run_dir, tensorboard=cfg.log.tensorboard, wandb=cfg.log.wandb,
                            wandb_project=cfg.log.wandb_project, config=to_dict(cfg), resume=resumed)
     if resumed:
         logger.truncate_after(first - 1)
-    lengths_path = run_dir / "lengths.jsonl"
-    keep_lines_before(lengths_path, first)
-    earlier = earlier_spans(run_dir / "trace.json", first) if cfg.log.trace else []
     bar = ProgressBar(cfg.run.steps, initial=first, enabled=cfg.log.progress)
     STOP.signum, STOP.active, STOP.final, STOP.run_dir = None, True, False, run_dir
     try:
