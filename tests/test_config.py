@@ -502,3 +502,8 @@ def test_algorithm_settings_are_its_section_and_old_ones_upgrade():
     up = from_dict(old)
     assert (up.algo.grpo.std_normalize, up.algo.grpo.eps) == (False, 0.5)
     assert from_dict(to_dict(cfg)).algo.grpo == cfg.algo.grpo
+    # every config.yaml of the release before wrote the empty mapping: read, it sets nothing (ppo has no
+    # section); given by hand, the fix is to delete the line
+    assert from_dict({"algo": {"name": "ppo", "settings": {}}}).algo.name == "ppo"
+    with pytest.raises(ConfigError, match="sets none: delete the line"):
+        load_valid(None, ["algo.settings={}"])

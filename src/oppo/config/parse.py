@@ -104,8 +104,9 @@ def upgrade_settings(d: dict) -> dict:
             out[within][leaf] = changed.before
     algo = out.get("algo")
     if isinstance(algo, dict) and isinstance(algo.get("settings"), dict):  # before issue 52: one mapping
-        own = algo.pop("settings")
-        algo[algo.get("name") or "ppo"] = {**own, **(algo.get(algo.get("name") or "ppo") or {})}
+        own = algo.pop("settings")  # (empty, as every config.yaml wrote it: nothing to move)
+        if own:
+            algo[algo.get("name") or "ppo"] = {**own, **(algo.get(algo.get("name") or "ppo") or {})}
     placed = out["placement"] if isinstance(out.get("placement"), dict) else {}
     learner = placed.get("learner") or placed.get("learner_sharding") or "replicate"
     for old, new in MOVED.items():
@@ -179,6 +180,9 @@ def _unknown(cfg: Config, key: str, value: Any, source: str) -> str | None:
         except yaml.YAMLError:
             given = None
         given = given if isinstance(given, dict) else {}
+        if not given:  # (an older run's config.yaml: it wrote the empty mapping)
+            return (f"Unknown setting '{key}' (from {source}): an algorithm's own settings are now its section, "
+                    f"algo.<name>.*, and this one sets none: delete the line.")
         shown = ", ".join(f"algo.{name}.{k}={v}" for k, v in given.items()) or f"algo.{name}.<setting>=<value>"
         return (f"Unknown setting '{key}' (from {source}): an algorithm's own settings are now its section, "
                 f"algo.<name>.* (`oppo train --help` lists each algorithm's). Write {shown}.")
