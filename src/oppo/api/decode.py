@@ -2,7 +2,7 @@
 and each batch of chunks to whoever listens.
 
 The controller (``control.stages.decode_once``: one advance, finished sequences to the scheduler,
-chunks to the scorers) and a Ray rollout worker (``rollout.ray.RolloutHost.advance``: advances until
+chunks to the scorers) and a Ray rollout replica (``rollout.ray.RolloutHost.advance``: advances until
 a row ends or a chunk is due, chunks straight to the scorer actors) run this same function; only
 their :class:`DecodeSink` differs. It lives beside the Protocols because the controller may not
 import the rollout package.

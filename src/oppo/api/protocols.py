@@ -136,7 +136,7 @@ class Scorer(Protocol):
                        step: int) -> None:
         """Score sequences that finished elsewhere (restored from a checkpoint): prefill each prompt,
         then its whole response as its final chunk. The controller sends these itself, also where
-        rollout workers feed the scorers (``FedByRollout``)."""
+        rollout replicas feed the scorers (``FedByRollout``)."""
 
     def forget(self, uids: set[int]) -> None:
         """Drop these sequences' state."""
@@ -207,7 +207,7 @@ class WeightLinkSender(Protocol):
 
 
 class WeightLinkReceiver(Protocol):
-    """Rollout workers that take the weights from that group (ranks ``first .. first + members - 1``)."""
+    """Rollout replicas that take the weights from that group (ranks ``first .. first + members - 1``)."""
 
     @property
     def link_members(self) -> int:

@@ -452,7 +452,7 @@ class CollectiveSync:
         import ray
 
         if (rollout is None) == (local is None):
-            raise ValueError("internal error: a collective weight sync goes to rollout workers or to a local module")
+            raise ValueError("internal error: a collective weight sync goes to rollout replicas or to a local module")
         self.learner, self.rollout, self.local = learner, rollout, local
         self.store = serve_store(timeout_s)
         host, port = ray.util.get_node_ip_address(), self.store.port
@@ -482,7 +482,7 @@ class CollectiveSync:
 
     def __call__(self, version: int) -> None:
         """One sync: the learner sends the trained actor as ``version``; every receiver loads it (the
-        rollout workers' engines then sample as ``version``; a local engine's version is the
+        rollout replicas' engines then sample as ``version``; a local engine's version is the
         caller's to set)."""
         sent = self.learner.send_weights(version)
         received = self.rollout.receive_weights(version) if self.rollout is not None else None

@@ -67,7 +67,7 @@ class VLLMRolloutBackend:
                  weight_transport: str = "auto", lora_sync: str = "auto"):
         """``weights``: a module whose weights replace the checkpoint's at once (the trainer's
         serving policy: fresh LoRA adapters or value heads differ from what is on disk).
-        ``threads``: the model worker's OpenMP threads, unbound (a Ray rollout worker's CPU
+        ``threads``: the model worker's OpenMP threads, unbound (a Ray rollout replica's CPU
         share: docs/vllm.md, "Threads"); None: vLLM binds them itself. ``weight_transport``: how
         :meth:`load_weights` reaches vLLM's worker: "shared" (a buffer both map, ``weights.py``),
         "rpc" (every tensor pickled through ``collective_rpc``), "auto" (shared where it works, else
@@ -434,7 +434,7 @@ def _request_seed(seed: int, uid: int, done: int) -> int:
 def build(request: BuildRequest) -> VLLMRolloutBackend:
     """The one place a vLLM engine is built (the registry's entry, ``rollout/vllm/__init__.py``): by
     the controller's setup, with ``request.model`` the trainer's serving policy loaded into it, and by
-    every Ray rollout worker (no model; ``request.threads``: docs/vllm.md, "Threads"). ``max_rows`` (B +
+    every Ray rollout replica (no model; ``request.threads``: docs/vllm.md, "Threads"). ``max_rows`` (B +
     Delta and refills: at most 2B in flight) bounds vLLM's batch, ``max_len`` its context."""
     s = request.settings
     return VLLMRolloutBackend(
