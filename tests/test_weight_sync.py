@@ -327,7 +327,7 @@ def test_trainer_syncs_collectively(ray_local, tiny_models, tiny_prompts, tmp_pa
             m = t.run_step()
             want.append((t.last_result.exp.ids.clone(), m))
     with Trainer.from_config(_cfg(tiny_models, tiny_prompts, tmp_path / "r", "overlap.mode=sequential", "placement.name=ray",
-                      "learner.replicate.workers=2", *placement, "placement.ray.weight_sync=collective",
+                      "learner.replicate.ranks=2", *placement, "placement.ray.weight_sync=collective",
                       "placement.ray.weight_sync_bucket_mb=0.001", "learner.replicate.cpus=0.25",
                       "placement.ray.scorer_cpus=0.25", "placement.ray.rollout_cpus=0.25"), progress=False) as t:
         links = [c.__self__ for c in t.roles.closers if isinstance(getattr(c, "__self__", None), CollectiveSync)]
