@@ -20,7 +20,7 @@ class DecodeSink(Protocol):
     """Where the loop's output goes."""
 
     def advancing(self) -> None:
-        """Called before each ``advance`` (a worker opens its decode span here)."""
+        """Called before each ``advance`` (a Ray rollout replica opens its decode span here)."""
 
     def finished(self, rollout: Rollout) -> None:
         """A sequence ended (the backend's record), in the order the backend reported them."""

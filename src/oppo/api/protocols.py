@@ -72,7 +72,7 @@ class RolloutBackend(Protocol):
         ``chunk_size``: emit a chunk for each sequence with that many unstreamed tokens, and a
         final chunk for each finished one. None: no chunks (no streaming scorer listens, or the
         backend streams to them itself). A backend may sample several tokens per call (a Ray
-        worker decodes on its own until a sequence ends or a chunk is due); it returns no
+        rollout replica decodes on its own until a sequence ends or a chunk is due); it returns no
         later than the first sequence that finishes.
         """
 
@@ -142,7 +142,7 @@ class Scorer(Protocol):
         """Drop these sequences' state."""
 
     def barrier(self) -> None:
-        """Wait until every message sent so far has been processed (re-raises a worker error)."""
+        """Wait until every message sent so far has been processed (re-raises the scorer worker's error)."""
 
     def take(self, uids: list[int]) -> dict[str, list[ScoredOutputs]]:
         """Completed outputs of these sequences, per role (after a barrier)."""

@@ -284,7 +284,7 @@ class RayScorerWorker:
 
 class FedByRollout:
     """The scorer as the controller sees it when the Ray rollout replicas admit and feed the scorer
-    actors themselves: the controller sends nothing, and a barrier first flushes the workers."""
+    actors themselves: the controller sends nothing, and a barrier first flushes the rollout replicas."""
 
     def __init__(self, scorer):
         self.inner = scorer

@@ -439,7 +439,7 @@ class CollectiveSync:
     once, then each call is one sync of the actor's trained parameters as a version.
 
     Members: the learner (rank 0 of the group: a :class:`~oppo.api.protocols.WeightLinkSender`), the
-    ``rollout`` workers (a :class:`~oppo.api.protocols.WeightLinkReceiver`) and, when the engine is
+    ``rollout`` replicas (a :class:`~oppo.api.protocols.WeightLinkReceiver`) and, when the engine is
     local, this process receiving into ``local``. Only those Protocols' methods are called. This
     process hosts the group's ``TCPStore``. ``wire_dtype``: the serving models' dtypes (per name).
     Raises :class:`WeightSyncUnavailable` if the group cannot form, :class:`WeightSyncError` if a
