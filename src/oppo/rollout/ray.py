@@ -301,8 +301,8 @@ class RayRolloutGroup:
         """A list from a group of the same size restores each replica's; anything else (another
         count, a local engine's single state) restores replica 0's where it can and leaves the
         others at their seeds: the resume is then not bitwise the uninterrupted run."""
-        if "replicas" in state or "workers" in state:  # ("workers": the key before issue 52's rename)
-            states = state.get("replicas", state.get("workers"))
+        if "replicas" in state or "workers" in state:  # ("workers": the key before the rename to replicas)
+            states = state["replicas" if "replicas" in state else "workers"]
         else:
             gen = state.get("generator")
             if gen is None:  # another kind of backend's state (module docstring of rollout/engine.py)
