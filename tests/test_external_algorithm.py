@@ -189,7 +189,7 @@ def test_it_trains_on_ray_learner_ranks(gspo, ray_local, tiny_models, tiny_promp
     small = ("ppo.minibatch_size=2", "ppo.micro_batch_size=1")
     runs = []
     for place in (("placement.local.scorer_process=false",),
-                  ("placement.name=ray", "learner.replicate.workers=2", "learner.replicate.cpus=0.5",
+                  ("placement.name=ray", "learner.replicate.ranks=2", "learner.replicate.cpus=0.5",
                    "placement.ray.scorer_cpus=0.5")):
         t = _trainer(tiny_models, tiny_prompts, tmp_path / place[0], "sequential", *small, *place)
         try:

@@ -7,8 +7,8 @@ Protocol and one :class:`~oppo.rollout.registry.BackendSpec` are all a backend n
 :class:`PlugSettings` (``rollout.testplug.note``), a check of it, and its build; the config, ``--help``
 and the trainer find them through the registry alone. The RolloutBackend conformance suite runs against
 it (``tests/test_conformance.py``: ``ROLLOUTS["plugin"]`` builds it through the registry), and here the
-Trainer runs every overlap mode (the fixture's spec runs in no Ray worker, so every local one) with
-``generation.backend=testplug``, and, declared able to (``in_workers``), in a Ray rollout worker; in ``sequential`` and ``oppo`` its metrics and tokens equal
+Trainer runs every overlap mode (the fixture's spec runs in no Ray replica, so every local one) with
+``generation.backend=testplug``, and, declared able to (``in_replicas``), in a Ray rollout replica; in ``sequential`` and ``oppo`` its metrics and tokens equal
 ``generation.backend=eager``'s (``tests/test_golden.py``'s configurations). The trainer has read one
 member beyond the Protocol (``peak_cache_bytes``, until the Protocol's ``take_stats`` replaces it):
 :class:`Reporting` adds it for the mode runs, and ``test_trainer_needs_nothing_beyond_the_protocol``
@@ -108,7 +108,7 @@ def testplug():
     """The plugin registered for one test (then gone); yields its ``build`` (its record of builds)."""
     builds = Builds()
     registry.register(registry.BackendSpec(NAME, "a test's backend: oppo's eager engine behind the Protocol", builds,
-                                       in_workers=False, settings=PlugSettings, checks=_checks))
+                                       in_replicas=False, settings=PlugSettings, checks=_checks))
     try:
         yield builds
     finally:
@@ -217,9 +217,9 @@ def test_trainer_needs_nothing_beyond_the_protocol(testplug, tiny_models, tiny_p
 
 
 @pytest.mark.ray
-def test_it_runs_in_a_ray_rollout_worker(ray_local, tiny_models, tiny_prompts, tmp_path):
-    """The plugin declared able to run in workers (``in_workers=True``): with
-    ``placement.ray.rollout_workers=1`` the worker, whose process never imported this file, builds it
+def test_it_runs_in_a_ray_rollout_replica(ray_local, tiny_models, tiny_prompts, tmp_path):
+    """The plugin declared able to run in replicas (``in_replicas=True``): with
+    ``placement.ray.rollout_replicas=1`` the replica, whose process never imported this file, builds it
     from the spec the controller sends (its code travels with it: ``cluster.ship_plugins``) and
     samples every step with it, streaming its chunks to the scorer actor (``oppo`` mode)."""
     import os
@@ -236,16 +236,16 @@ def test_it_runs_in_a_ray_rollout_worker(ray_local, tiny_models, tiny_prompts, t
             f"data.prompts={tiny_prompts}", f"run.out_dir={tmp_path}", "placement.threads=1", "ppo.batch_size=4",
             "ppo.minibatch_size=4", "ppo.micro_batch_size=2", "generation.max_new_tokens=6", "overlap.chunk_size=3",
             "log.progress=false", "overlap.mode=oppo", f"generation.backend={NAME}", "placement.name=ray",
-            "placement.ray.rollout_workers=1", "learner.replicate.cpus=0.25", "placement.ray.scorer_cpus=0.25",
+            "placement.ray.rollout_replicas=1", "learner.replicate.cpus=0.25", "placement.ray.scorer_cpus=0.25",
             "placement.ray.rollout_cpus=0.25"])
         with Trainer.from_config(cfg, progress=False) as t:
-            worker = t.roles.rollout.workers[0]
-            built = ray.get(worker.__ray_call__.remote(lambda host: (type(host.engine).__qualname__, os.getpid())))
-            assert built[0] == "Reporting" and built[1] != os.getpid(), "the worker built the plugin's backend"
+            replica = t.roles.rollout.replicas[0]
+            built = ray.get(replica.__ray_call__.remote(lambda host: (type(host.engine).__qualname__, os.getpid())))
+            assert built[0] == "Reporting" and built[1] != os.getpid(), "the replica built the plugin's backend"
             for _ in range(2):
                 m = t.run_step()
                 assert math.isfinite(m["loss/policy"]) and len(t.last_result.exp.rollouts) == 4
-            assert "rollout0" in {s.worker for s in t.tracer.spans}, "the worker sampled"
-            assert t.roles.rollout.chunks_sent > 0, "the worker streamed its chunks to the scorer actor"
+            assert "rollout0" in {s.worker for s in t.tracer.spans}, "the replica sampled"
+            assert t.roles.rollout.chunks_sent > 0, "the replica streamed its chunks to the scorer actor"
     finally:
         registry.unregister(NAME)

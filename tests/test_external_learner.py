@@ -178,7 +178,7 @@ def test_the_trainer_trains_on_ray_through_a_registered_engine_and_strategy(ray_
     from oppo.learner.group import LearnerGroup
 
     t = Trainer.from_config(_cfg(tiny_models, tiny_prompts, tmp_path, "overlap.mode=sequential", "placement.name=ray",
-                     "placement.learner=recording", "learner.recording.workers=2",
+                     "placement.learner=recording", "learner.recording.ranks=2",
                      "learner.recording.cpus=0.5", "placement.ray.scorer_cpus=0.5", "ppo.micro_batch_size=2"),
                 progress=False)
     try:

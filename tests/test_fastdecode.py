@@ -443,8 +443,8 @@ def test_auto_backend_is_static_with_graphs_on_cuda_for_supported_policies_else_
                                         layer_types=["conv", "full_attention"]))
     s = settings((EOS,), PAD, 8, cuda, model=hybrid)
     assert s.kind == "eager" and "conv" in s.reason
-    # Ray rollout workers run eager under auto (settings for cpu); static is refused there
-    ray = ["placement.name=ray", "placement.ray.rollout_workers=2"]
+    # Ray rollout replicas run eager under auto (settings for cpu); static is refused there
+    ray = ["placement.name=ray", "placement.ray.rollout_replicas=2"]
     load_config(None, ray)
     with pytest.raises(ConfigError, match="generation.backend=auto"):
         load_valid(None, [*ray, "generation.backend=static"])

@@ -267,9 +267,9 @@ def test_fsdp2_ranks_train_like_one_learner_and_resume_across_rank_counts(fsdp_m
 @pytest.mark.parametrize("overrides, expected", [
     (["placement.learner=fsdp2"], r"placement.learner=fsdp2 runs on Ray ranks, not under placement.name=local: "
                                   r"set placement.name=ray"),
-    (["placement.name=ray", "placement.learner=fsdp2", "learner.fsdp2.workers=3",
+    (["placement.name=ray", "placement.learner=fsdp2", "learner.fsdp2.ranks=3",
       "ppo.batch_size=8", "ppo.minibatch_size=4", "ppo.micro_batch_size=2"],
-     r"learner.fsdp2.workers=3 sharded ranks, but a minibatch has only 2 micro-batches"),
+     r"learner.fsdp2.ranks=3 sharded ranks, but a minibatch has only 2 micro-batches"),
 ])
 def test_fsdp2_bad_settings_are_refused_before_any_model_loads(overrides, expected):
     from oppo.config import ConfigError, load_config
@@ -282,7 +282,7 @@ def test_fsdp2_takes_lora_checkpointing_bf16_critic_free_and_every_overlap_mode(
     from oppo.config import MODES, load_config
 
     for mode in MODES:
-        load_config(None, ["placement.name=ray", "placement.learner=fsdp2", "learner.fsdp2.workers=2",
+        load_config(None, ["placement.name=ray", "placement.learner=fsdp2", "learner.fsdp2.ranks=2",
                            "ppo.micro_batch_size=8", "lora.r=4", "policy.gradient_checkpointing=true",
                            "policy.dtype=bfloat16", "algo.name=rloo", f"overlap.mode={mode}"])
 
@@ -317,7 +317,7 @@ def test_trainer_with_fsdp2_on_ray_matches_sequential_and_its_sharded_checkpoint
     # One Ray run (a run's Ray start costs about a minute of this 2-core box): the overlapped loop with
     # Delta = 0, which must reproduce the sequential steps; the learner's update is the same in every mode.
     t = Trainer.from_config(cfg(tmp_path / "r", "placement.name=ray", "placement.learner=fsdp2",
-                    "learner.fsdp2.workers=2", "learner.fsdp2.cpus=0.5", "placement.ray.scorer_cpus=0.5",
+                    "learner.fsdp2.ranks=2", "learner.fsdp2.cpus=0.5", "placement.ray.scorer_cpus=0.5",
                     "overlap.mode=oppo", "overlap.delta=0", "overlap.chunk_size=4"), progress=False)
     try:
         assert type(t.roles.learner).__name__ == "LearnerGroup" and t.roles.learner.strategy.sharded
@@ -365,7 +365,7 @@ def test_fsdp2_on_ray_trains_lora_with_checkpointing_critic_free_in_pipeline_mod
 
     pipeline = ("overlap.mode=pipeline", "overlap.delta=1", "overlap.refill=true", "overlap.max_lag=1")
     t = Trainer.from_config(cfg(*pipeline, "placement.name=ray", "placement.learner=fsdp2",
-                    "learner.fsdp2.workers=2", "learner.fsdp2.cpus=0.5", "placement.ray.scorer_cpus=0.5"),
+                    "learner.fsdp2.ranks=2", "learner.fsdp2.cpus=0.5", "placement.ray.scorer_cpus=0.5"),
                 progress=False)
     try:
         assert type(t.roles.learner).__name__ == "LearnerGroup" and t.roles.learner.strategy.sharded and t.roles.critic is None

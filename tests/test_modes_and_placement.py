@@ -51,7 +51,8 @@ def test_known_modes_keep_their_behaviour():
 
 @pytest.mark.parametrize("old,new", sorted(MOVED.items()))
 def test_an_old_name_on_the_command_line_names_the_new_one(old, new):
-    new = new.format(learner="replicate")  # (a learner engine's ranks: the chosen engine's section)
+    old, new = old.format(learner="replicate"), new.format(learner="replicate")  # (a learner engine's ranks: the
+    # chosen engine's section)
     special = {"lora_sync": "merged", "learner": "replicate", "address": "auto", "weight_sync": "object_store",
                "spread": "true", "name": "ray", "backend": "eager"}
     leaf_name = new.rsplit(".", 1)[1]
@@ -86,7 +87,7 @@ def test_an_old_name_in_a_yaml_file_names_the_new_one(tmp_path):
     assert cfg.placement.local.scorer_process is False and cfg.placement.threads == 2
     p.write_text("placement:\n  backend: ray\n  learner_workers: 2\n")
     with pytest.raises(ConfigError, match="placement.backend is now placement.name(.|\n)*placement.learner_workers is "
-                                          "now learner.replicate.workers"):
+                                          "now learner.replicate.ranks"):
         load_valid(p)
 
 
@@ -107,8 +108,8 @@ def test_a_saved_config_from_before_issue_44_reads_the_engines_ranks_and_the_pla
            "ppo": {"minibatch_size": 16, "micro_batch_size": 8}}
     cfg = from_dict(old)
     assert cfg.placement.name == "ray" and cfg.placement.ray.scorer_cpus == 0.5
-    assert (cfg.learner["fsdp2"].workers, cfg.learner["fsdp2"].cpus, cfg.learner["fsdp2"].spread) == (2, 0.5, True)
-    assert cfg.learner["replicate"].workers == 1 and old["placement"]["ray"]["learner_workers"] == 2  # (unchanged)
+    assert (cfg.learner["fsdp2"].ranks, cfg.learner["fsdp2"].cpus, cfg.learner["fsdp2"].spread) == (2, 0.5, True)
+    assert cfg.learner["replicate"].ranks == 1 and old["placement"]["ray"]["learner_workers"] == 2  # (unchanged)
 
 
 def test_a_saved_config_with_old_names_loads_with_the_new_ones(tmp_path):

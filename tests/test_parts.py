@@ -36,9 +36,9 @@ def test_an_unknown_part_is_a_key_error_and_a_value_error_naming_the_known_ones(
 def test_a_part_with_settings_of_its_own_gets_its_section_in_the_config():
     cfg = Config()
     assert set(cfg.learner) >= {"replicate", "fsdp2"} and set(cfg.placement.by_name) >= {"local", "ray"}
-    assert dataclasses.is_dataclass(cfg.learner["fsdp2"]) and cfg.learner["fsdp2"].workers == 1
-    with pytest.raises(ConfigError, match=r"learner.fsdp2.workers must be >= 1, got 0"):
-        load_valid(None, ["placement.name=ray", "placement.learner=fsdp2", "learner.fsdp2.workers=0"])
+    assert dataclasses.is_dataclass(cfg.learner["fsdp2"]) and cfg.learner["fsdp2"].ranks == 1
+    with pytest.raises(ConfigError, match=r"learner.fsdp2.ranks must be >= 1, got 0"):
+        load_valid(None, ["placement.name=ray", "placement.learner=fsdp2", "learner.fsdp2.ranks=0"])
 
 
 def test_a_part_whose_settings_are_no_dataclass_is_refused():

@@ -1,9 +1,9 @@
-"""Rollout workers on Ray (placement.ray.rollout_workers): the policy's engines in Ray actors that
+"""Rollout replicas on Ray (placement.ray.rollout_replicas): the policy's engines in Ray actors that
 stream their chunks straight to the scorer actor.
 
-One worker samples what the local engine samples, so a run with one rollout worker trains the
-local run's batches step for step; with two workers the B + Delta sequences are shared, the
-streamed scores equal one-shot scoring of the same sequences, and a dead worker is named."""
+One replica samples what the local engine samples, so a run with one rollout replica trains the
+local run's batches step for step; with two replicas the B + Delta sequences are shared, the
+streamed scores equal one-shot scoring of the same sequences, and a dead replica is named."""
 
 import pytest
 import torch
@@ -23,7 +23,7 @@ RAY = ("placement.name=ray", "learner.replicate.cpus=0.25", "placement.ray.score
 
 
 @pytest.mark.slow
-def test_one_rollout_worker_trains_the_local_run(ray_local, tiny_models, tiny_prompts, tmp_path):
+def test_one_rollout_replica_trains_the_local_run(ray_local, tiny_models, tiny_prompts, tmp_path):
     steps = 3
     want = []
     with Trainer.from_config(_cfg(tiny_models, tiny_prompts, tmp_path / "l", "overlap.mode=oppo", "overlap.delta=2"),
@@ -32,20 +32,20 @@ def test_one_rollout_worker_trains_the_local_run(ray_local, tiny_models, tiny_pr
             m = t.run_step()
             want.append((t.last_result.exp.ids.clone(), m))
     with Trainer.from_config(_cfg(tiny_models, tiny_prompts, tmp_path / "r", "overlap.mode=oppo", "overlap.delta=2",
-                      "placement.ray.rollout_workers=1", *RAY), progress=False) as t:
+                      "placement.ray.rollout_replicas=1", *RAY), progress=False) as t:
         assert type(t.roles.rollout).__name__ == "RayRolloutGroup" and t.roles.placement.rollout_streams_itself
         for ids, m_local in want:
             m = t.run_step()
             assert torch.equal(t.last_result.exp.ids, ids), "the same responses"
             for k in ("reward/mean", "kl/mean", "loss/policy", "loss/value"):
                 assert m[k] == pytest.approx(m_local[k], abs=1e-4, rel=1e-3), k
-        assert "rollout0" in {s.worker for s in t.tracer.spans}, "the worker's spans join the trace"
+        assert "rollout0" in {s.worker for s in t.tracer.spans}, "the replica's spans join the trace"
 
 
 @pytest.mark.slow
-def test_two_rollout_workers_share_the_batch_and_stream_to_the_scorers(ray_local, tiny_models, tiny_prompts, tmp_path):
+def test_two_rollout_replicas_share_the_batch_and_stream_to_the_scorers(ray_local, tiny_models, tiny_prompts, tmp_path):
     cfg = _cfg(tiny_models, tiny_prompts, tmp_path / "r2", "overlap.mode=oppo", "overlap.delta=2",
-               "placement.ray.rollout_workers=2", *RAY)
+               "placement.ray.rollout_replicas=2", *RAY)
     t = Trainer.from_config(cfg, progress=False)
     try:
         for step in range(3):
@@ -69,20 +69,20 @@ def test_two_rollout_workers_share_the_batch_and_stream_to_the_scorers(ray_local
                     torch.testing.assert_close(exp.values[i, :n], torch.tensor(o.values), atol=1e-4, rtol=1e-4)
             for r in exp.rollouts:
                 assert all(step - 1 <= v <= step for v in r.versions)
-        assert min(t.roles.rollout.admitted) >= 4, f"both workers decoded a share: {t.roles.rollout.admitted}"
+        assert min(t.roles.rollout.admitted) >= 4, f"both replicas decoded a share: {t.roles.rollout.admitted}"
         # chunks of 4 tokens (overlap.chunk_size) while decoding, not only each sequence at its end
         assert t.roles.rollout.chunks_sent > sum(t.roles.rollout.admitted), t.roles.rollout.chunks_sent
         assert {"rollout0", "rollout1"} <= {s.worker for s in t.tracer.spans}
         ckpt = save_checkpoint(t, tmp_path / "r2")
         states = t.roles.rollout.state_dict()["generator"]
-        assert len(states) == 2 and not torch.equal(states[0], states[1]), "each worker samples with its own stream"
-        ray.kill(t.roles.rollout.workers[1])
-        with pytest.raises(RuntimeError, match=r"rollout worker \(role=rollout, rank=1\) died"):
+        assert len(states) == 2 and not torch.equal(states[0], states[1]), "each replica samples with its own stream"
+        ray.kill(t.roles.rollout.replicas[1])
+        with pytest.raises(RuntimeError, match=r"rollout replica \(role=rollout, rank=1\) died"):
             for _ in range(3):
                 t.run_step()
     finally:
         t.close()
-    with Trainer.from_config(cfg, progress=False) as r:  # the checkpoint restores every worker's sampling state
+    with Trainer.from_config(cfg, progress=False) as r:  # the checkpoint restores every replica's sampling state
         load_checkpoint(r, ckpt)
         for a, b in zip(r.roles.rollout.state_dict()["generator"], states):
             assert torch.equal(a, b)
@@ -91,13 +91,13 @@ def test_two_rollout_workers_share_the_batch_and_stream_to_the_scorers(ray_local
 
 
 @pytest.mark.slow
-def test_a_checkpoint_saves_the_rows_the_workers_decode_and_a_resume_takes_them_back(ray_local, tiny_models,
-                                                                                    tiny_prompts, tmp_path):
-    """oppo mode, one rollout worker: the rows in flight at a checkpoint come home from the worker
+def test_a_checkpoint_saves_the_rows_the_replicas_decode_and_a_resume_takes_them_back(ray_local, tiny_models,
+                                                                                     tiny_prompts, tmp_path):
+    """oppo mode, one rollout replica: the rows in flight at a checkpoint come home from the replica
     with their partial responses and are saved; a Trainer resumed from it and the live one (both
     re-admit them) train the same batches, the carried rows' earlier tokens kept."""
     cfg = _cfg(tiny_models, tiny_prompts, tmp_path / "r", "overlap.mode=oppo", "overlap.delta=2", "overlap.max_lag=2",
-               "placement.ray.rollout_workers=1", *RAY)
+               "placement.ray.rollout_replicas=1", *RAY)
     with Trainer.from_config(cfg, progress=False) as t:
         for _ in range(6):
             t.run_step()

@@ -42,7 +42,7 @@ def test_ray_backend_equals_sequential_and_resumes_on_another_worker_count(ray_l
         seq.close()
 
     t = Trainer.from_config(_cfg(tiny_models, tiny_prompts, tmp_path / "r", "overlap.mode=intra", "placement.name=ray",
-                     "learner.replicate.workers=2", "learner.replicate.cpus=0.5", "placement.ray.scorer_cpus=0.5"),
+                     "learner.replicate.ranks=2", "learner.replicate.cpus=0.5", "placement.ray.scorer_cpus=0.5"),
                 progress=False)
     try:
         assert type(t.roles.learner).__name__ == "LearnerGroup" and not t.roles.learner.strategy.sharded and type(t.roles.scorer).__name__ == "RayScorerWorker"

@@ -246,3 +246,85 @@ def test_scheduler_state_of_another_format_refused_with_advice(tmp_path, monkeyp
         start_run(load_config(None, MAKE.settings("sequential", run, 4)), resume=run)
     said = str(e.value)
     assert "scheduler state is in format 2, written by a newer oppo" in said and "policy.path=" in said
+
+
+@pytest.mark.parametrize("old, new", [("placement.ray.rollout_workers", "placement.ray.rollout_replicas"),
+                                      ("placement.rollout_workers", "placement.ray.rollout_replicas"),
+                                      ("learner.fsdp2.workers", "learner.fsdp2.ranks"),
+                                      ("learner.replicate.workers", "learner.replicate.ranks"),
+                                      ("placement.ray.learner_workers", "learner.replicate.ranks")])
+def test_a_worker_key_by_hand_is_refused_naming_the_new_one(old, new, tmp_path):
+    """"worker" names the scorer worker alone: Ray's rollout copies are replicas, a learner engine's
+    ranks its ranks. The old keys given by hand (an override, a YAML file) are refused, the new one named."""
+    from oppo.config import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"{old} is now {new}\b.*Rename it to {new}\."):
+        load_config(None, [f"{old}=2"])
+    p = tmp_path / "run.yaml"
+    *sections, leaf = old.split(".")
+    text, indent = "", ""
+    for s in sections:
+        text, indent = f"{text}{indent}{s}:\n", indent + "  "
+    p.write_text(f"{text}{indent}{leaf}: 2\n")
+    with pytest.raises(ConfigError, match=rf"{old} is now {new}\b"):
+        load_config(p)
+
+
+def test_a_saved_config_with_worker_keys_resumes_under_the_new_ones(tmp_path):
+    """A checkpoint's config.yaml of the release before (learner.<engine>.workers,
+    placement.ray.rollout_workers) and of the one before that (placement.learner_workers) reads with
+    the values under learner.<engine>.ranks and placement.ray.rollout_replicas, and compares equal to
+    today's same settings; the saved dict is unchanged."""
+    import yaml
+
+    from oppo.checkpoint import checkpoint_settings, settings_mismatches
+    from oppo.config import from_dict, upgrade_settings
+
+    saved = yaml.safe_load((RELEASES / CURRENT / "oppo" / "checkpoints" / "step_000002" / "config.yaml").read_text())
+    saved["learner"]["fsdp2"]["workers"] = 3
+    saved["placement"]["ray"]["rollout_workers"] = 2
+    up = upgrade_settings(saved)
+    assert up["learner"]["fsdp2"] == {"ranks": 3, "cpus": 1.0, "gpus": 0.0, "spread": False}
+    assert up["learner"]["replicate"]["ranks"] == 1 and "workers" not in up["learner"]["replicate"]
+    assert up["placement"]["ray"]["rollout_replicas"] == 2 and "rollout_workers" not in up["placement"]["ray"]
+    assert saved["learner"]["fsdp2"]["workers"] == 3 and "rollout_workers" in saved["placement"]["ray"]
+    cfg = from_dict({k: saved[k] for k in ("learner", "placement")})  # (the whole dict: its algo.settings={}
+    assert (cfg.learner["fsdp2"].ranks, cfg.placement.ray.rollout_replicas) == (3, 2)  # reads as algo.ppo, refused)
+    today = load_config(None, ["learner.fsdp2.ranks=3", "placement.ray.rollout_replicas=2"])
+    assert (today.learner["fsdp2"].ranks, today.placement.ray.rollout_replicas) == (3, 2)
+    ckpt = tmp_path / "checkpoints" / "step_2"
+    ckpt.mkdir(parents=True)
+    (ckpt / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
+    assert checkpoint_settings(ckpt)["learner"]["fsdp2"]["ranks"] == 3
+    older = yaml.safe_load((RELEASES / PREVIOUS / "oppo" / "checkpoints" / "step_000002" / "config.yaml").read_text())
+    older["placement"]["learner_workers"], older["placement"]["rollout_workers"] = 4, 1
+    older["placement"]["learner"] = "fsdp2"
+    cfg = from_dict({"placement": older["placement"]})
+    assert (cfg.learner["fsdp2"].ranks, cfg.placement.ray.rollout_replicas) == (4, 1)
+    now = to_dict(load_config(None, ["placement.learner=fsdp2", "learner.fsdp2.ranks=4",
+                                     "placement.ray.rollout_replicas=1"]))
+    assert not [k for k, _, _ in settings_mismatches(older, now) if "rank" in k or "replica" in k]
+
+
+def test_an_engine_whose_own_setting_is_named_workers_keeps_it():
+    """``learner.{learner}.workers`` moves only a key that is no setting today: an engine of one's own
+    with a field named ``workers`` keeps it, by hand and in a saved config."""
+    from dataclasses import dataclass
+
+    from oppo.config import from_dict, upgrade_settings
+    from oppo.learner import registry
+    from oppo.parts import setting
+
+    @dataclass
+    class Own:
+        workers: int = setting(1, "Threads of one's own.")
+
+    spec = registry.EngineSpec("ownworkers", "test engine", build_local=lambda request: None, settings=Own)
+    registry.register(spec)
+    try:
+        assert load_config(None, ["learner.ownworkers.workers=3"]).learner["ownworkers"].workers == 3
+        saved = {"learner": {"ownworkers": {"workers": 3}, "replicate": {"workers": 2}}}
+        assert upgrade_settings(saved)["learner"] == {"ownworkers": {"workers": 3}, "replicate": {"ranks": 2}}
+        assert from_dict(saved).learner["ownworkers"].workers == 3
+    finally:
+        registry.unregister("ownworkers")

@@ -141,9 +141,9 @@ def _scaled_rope(policy: Path, tmp_path: Path) -> Path:
     return out
 
 
-@pytest.mark.parametrize("placement", [(), ("placement.name=ray", "placement.ray.rollout_workers=1")])
+@pytest.mark.parametrize("placement", [(), ("placement.name=ray", "placement.ray.rollout_replicas=1")])
 def test_trainer_refuses_before_loading_models(tiny_models, tiny_prompts, tmp_path, monkeypatch, placement):
-    """Locally, and with Ray rollout workers: refused before any model loads or Ray actor starts."""
+    """Locally, and with Ray rollout replicas: refused before any model loads or Ray actor starts."""
     import oppo.setup.load as setup_mod
     from oppo import trainer as trainer_mod
     import oppo.cluster as cluster
@@ -870,7 +870,7 @@ def test_resume_equals_uninterrupted(shared, vmodels, tiny_prompts, tmp_path):
 
 @pytest.mark.ray
 def test_ray_learner_reloads_the_local_vllm_engine(ray_local, shared, vmodels, tiny_prompts, tmp_path):
-    """Ray learner ranks with vLLM in the controller (``placement.ray.rollout_workers=0``): after each
+    """Ray learner ranks with vLLM in the controller (``placement.ray.rollout_replicas=0``): after each
     update the engine reloads rank 0's weights. (It used to only take the new version number and
     sample on from the initial weights: a mismatch of the sampler against the trainer's pi_k.)"""
     steps = run_steps(trainer_cfg(vmodels, tiny_prompts, tmp_path, "overlap.mode=sequential",
@@ -881,8 +881,8 @@ def test_ray_learner_reloads_the_local_vllm_engine(ray_local, shared, vmodels, t
 
 
 @pytest.mark.ray
-def test_ray_rollout_worker_hosts_vllm(ray_local, vmodels, tiny_prompts, tmp_path):
-    """placement.ray.rollout_workers=1 with vLLM, oppo mode: the worker's vLLM engine (built in the
+def test_ray_rollout_replica_hosts_vllm(ray_local, vmodels, tiny_prompts, tmp_path):
+    """placement.ray.rollout_replicas=1 with vLLM, oppo mode: the replica's vLLM engine (built in the
     actor, its model in a process it spawns) streams to the scorer actors, its rows come back
     with their versions, and each update's weights reach it: the tokens tagged with version k
     have the log-probs of pi_k (rank 0's weights when step k starts), not those of the initial
@@ -894,7 +894,7 @@ def test_ray_rollout_worker_hosts_vllm(ray_local, vmodels, tiny_prompts, tmp_pat
 
     cfg = trainer_cfg(vmodels, tiny_prompts, tmp_path, "overlap.mode=oppo", "overlap.delta=2", "overlap.max_lag=1",
                       "generation.top_p=0.9", "ppo.actor_lr=1e-2", "placement.name=ray",
-                      "placement.ray.rollout_workers=1", "learner.replicate.cpus=0.25", "placement.ray.scorer_cpus=0.25",
+                      "placement.ray.rollout_replicas=1", "learner.replicate.cpus=0.25", "placement.ray.scorer_cpus=0.25",
                       "placement.ray.rollout_cpus=0.25")
     initial = hf_policy(vmodels["policy"])
     pi_k = copy.deepcopy(initial)
@@ -907,7 +907,7 @@ def test_ray_rollout_worker_hosts_vllm(ray_local, vmodels, tiny_prompts, tmp_pat
             m = t.run_step()
             exp = t.last_result.exp
             assert len(exp.rollouts) == 4 and torch.isfinite(torch.tensor(m["loss/policy"]))
-            fresh = []  # (untruncated log-prob from the worker, pi_k's, the initial policy's) of version-k tokens
+            fresh = []  # (untruncated log-prob from vLLM's worker, pi_k's, the initial policy's) of version-k tokens
             for r in exp.rollouts:
                 assert r.versions == sorted(r.versions) and all(max(0, k - 2) <= v <= k for v in r.versions)
                 assert len(r.policy_logprobs) == len(r.logprobs) == len(r.response_ids)
@@ -922,10 +922,10 @@ def test_ray_rollout_worker_hosts_vllm(ray_local, vmodels, tiny_prompts, tmp_pat
                 assert (got - before).abs().mean() > 0.02, "pi_k differs from the initial policy"
         assert carried > 0, "no sequence was carried across a step close: the test covers less than it says"
         assert "rollout0" in {sp.worker for sp in t.tracer.spans}
-        assert group.state_dict() == {"workers": [{"seed": 0}]}
+        assert group.state_dict() == {"replicas": [{"seed": 0}]}
         assert m["time/weight_sync"] > 0
-        # a checkpoint brings home the rows the worker's engine decodes, saves them and re-adds them
-        # there with their partial responses (the worker's vLLM re-prefills them): they decode on
+        # a checkpoint brings home the rows the replica's engine decodes, saves them and re-adds them
+        # there with their partial responses (the replica's vLLM re-prefills them): they decode on
         import json
 
         from oppo.checkpoint import save_checkpoint

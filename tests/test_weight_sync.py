@@ -8,11 +8,11 @@
   manifest makes every member raise before any weights move, and the group still works after; a receiver whose model does not match the manifest (a wrong
   shape, a missing name) makes every member raise, naming the tensors;
 - FSDP2: 2 learner ranks (``group.LearnerRank`` with the ``fsdp.Sharded`` strategy, as Ray runs it, without Ray) gather one parameter at
-  a time and rank 0 streams it to a rollout worker (``RolloutHost``), whose engine then samples
+  a time and rank 0 streams it to a rollout replica (``RolloutHost``), whose engine then samples
   exactly as a local engine given the learner's weights; a refused version fails on every rank
   (no rank left waiting in a gather);
-- on Ray, the Trainer with FSDP2 ranks and a rollout worker synced collectively trains as the
-  local sequential run; a vLLM rollout worker synced collectively samples from each update's
+- on Ray, the Trainer with FSDP2 ranks and a rollout replica synced collectively trains as the
+  local sequential run; a vLLM rollout replica synced collectively samples from each update's
   weights;
 - bad settings are refused before any model loads.
 """
@@ -183,7 +183,7 @@ def test_sender_and_three_receivers_exact_versions_checked_and_bad_models_refuse
     mp.spawn(_members_main, args=(_free_port(),), nprocs=4, join=True)
 
 
-# ====================================================================== FSDP2 ranks -> a rollout worker
+# ====================================================================== FSDP2 ranks -> a rollout replica
 
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
 
@@ -201,7 +201,7 @@ def _settings(pad: int):
 
 
 def _fsdp_main(rank: int, ports: tuple[int, int], paths: dict) -> None:
-    """Ranks 0 and 1: FSDP2 learner ranks (their own default group); rank 2: a rollout worker
+    """Ranks 0 and 1: FSDP2 learner ranks (their own default group); rank 2: a rollout replica
     (bf16, no default group). Rank 0 writes the learner's full weights for rank 2 to compare."""
     import torch.distributed as dist
 
@@ -289,7 +289,7 @@ def _fsdp_main(rank: int, ports: tuple[int, int], paths: dict) -> None:
     del store
 
 
-def test_fsdp2_ranks_stream_to_a_rollout_worker_one_parameter_at_a_time(tiny_models, tmp_path):
+def test_fsdp2_ranks_stream_to_a_rollout_replica_one_parameter_at_a_time(tiny_models, tmp_path):
     import torch.multiprocessing as mp
 
     from oppo.models import load_tokenizer
@@ -305,12 +305,12 @@ def test_fsdp2_ranks_stream_to_a_rollout_worker_one_parameter_at_a_time(tiny_mod
 @pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.parametrize("placement", [
-    ("placement.learner=fsdp2", "placement.ray.rollout_workers=1"),  # FSDP2 ranks -> a rollout worker
+    ("placement.learner=fsdp2", "placement.ray.rollout_replicas=1"),  # FSDP2 ranks -> a rollout replica
     ("placement.learner=replicate",),  # replica rank 0 -> the controller's engine
-], ids=["fsdp2-to-worker", "replicas-to-controller"])
+], ids=["fsdp2-to-replica", "replicas-to-controller"])
 def test_trainer_syncs_collectively(ray_local, tiny_models, tiny_prompts, tmp_path, placement):
     """2 learner ranks stream each update to the rollout engine (placement.ray.weight_sync=collective,
-    buckets of ~1 KB): a Ray rollout worker, or the engine in the controller. The run samples and
+    buckets of ~1 KB): a Ray rollout replica, or the engine in the controller. The run samples and
     trains as the local sequential run, step for step (its step-2 samples come from the synced
     weights), and the engine ends holding the learner's weights exactly, as the last version."""
     pytest.importorskip("ray")
@@ -327,7 +327,7 @@ def test_trainer_syncs_collectively(ray_local, tiny_models, tiny_prompts, tmp_pa
             m = t.run_step()
             want.append((t.last_result.exp.ids.clone(), m))
     with Trainer.from_config(_cfg(tiny_models, tiny_prompts, tmp_path / "r", "overlap.mode=sequential", "placement.name=ray",
-                      "learner.replicate.workers=2", *placement, "placement.ray.weight_sync=collective",
+                      "learner.replicate.ranks=2", *placement, "placement.ray.weight_sync=collective",
                       "placement.ray.weight_sync_bucket_mb=0.001", "learner.replicate.cpus=0.25",
                       "placement.ray.scorer_cpus=0.25", "placement.ray.rollout_cpus=0.25"), progress=False) as t:
         links = [c.__self__ for c in t.roles.closers if isinstance(getattr(c, "__self__", None), CollectiveSync)]
@@ -338,10 +338,10 @@ def test_trainer_syncs_collectively(ray_local, tiny_models, tiny_prompts, tmp_pa
             for k in ("reward/mean", "kl/mean", "loss/policy", "loss/value"):
                 assert m[k] == pytest.approx(m_local[k], abs=1e-4, rel=1e-3), k
             assert m["time/weight_sync"] > 0
-        if "placement.ray.rollout_workers=1" in placement:
-            worker = t.roles.rollout.workers[0]
-            got, version = ray.get(worker.__ray_call__.remote(lambda self: (self.model.state_dict(),
-                                                                             self.engine.version)))
+        if "placement.ray.rollout_replicas=1" in placement:
+            replica = t.roles.rollout.replicas[0]
+            got, version = ray.get(replica.__ray_call__.remote(lambda self: (self.model.state_dict(),
+                                                                              self.engine.version)))
         else:
             got, version = t.roles.rollout_policy.state_dict(), t.roles.rollout.version
             assert links[0].receiver.version == steps, "the controller received every sync"

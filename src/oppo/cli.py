@@ -171,7 +171,7 @@ def _terminate_like_ctrl_c() -> None:
     progress finishes, a checkpoint is written and the command exits 143 / 130
     (``run.STOP``, ``run.Preempted``); elsewhere, or on a second signal, it is interrupted at
     once: ``finally`` blocks run, so the trace of the steps so far is saved, the scorer worker stops
-    and a half-built cache or checkpoint is removed. (SIGKILL runs nothing; the worker's child exits
+    and a half-built cache or checkpoint is removed. (SIGKILL runs nothing; the scorer worker's child exits
     on its own, see ``scoring/worker.py``.)"""
     import signal
     import threading
@@ -306,7 +306,7 @@ def _child_died(e: BaseException):
 
 
 def non_finite(e: BaseException):
-    """The guard's ``NonFiniteError`` behind ``e`` (itself, or the cause of a worker's, a Ray
+    """The guard's ``NonFiniteError`` behind ``e`` (itself, or the cause of the scorer worker's, a Ray
     actor's or a learner rank's failure), or None: the CLI prints its message, not a traceback."""
     from .guard import NonFiniteError
 

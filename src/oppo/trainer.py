@@ -5,7 +5,8 @@
 reference loop, ``overlap.mode=sequential``) or ``control.overlapped_step`` (intra, inter, oppo
 and pipeline, one loop driven by a policy value). ``state_dict`` / ``load_state_dict`` are what a
 checkpoint saves and restores (``checkpoint/store.py`` writes them to disk); ``close`` stops every
-worker. Where a role runs is decided once, in ``setup/build.py``; nothing here asks.
+role's thread, process or actor. Where a role runs is decided once, in ``setup/build.py``;
+nothing here asks.
 
 Objects in place of paths (``setup/inputs.py``): ``Trainer.from_config(cfg, policy=model,
 tokenizer=tok, reward_model=rm, reward_fn=score, prompts=ds)``; ``self.cfg`` is then the settings

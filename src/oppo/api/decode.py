@@ -2,7 +2,7 @@
 and each batch of chunks to whoever listens.
 
 The controller (``control.stages.decode_once``: one advance, finished sequences to the scheduler,
-chunks to the scorers) and a Ray rollout worker (``rollout.ray.RolloutHost.advance``: advances until
+chunks to the scorers) and a Ray rollout replica (``rollout.ray.RolloutHost.advance``: advances until
 a row ends or a chunk is due, chunks straight to the scorer actors) run this same function; only
 their :class:`DecodeSink` differs. It lives beside the Protocols because the controller may not
 import the rollout package.
@@ -20,7 +20,7 @@ class DecodeSink(Protocol):
     """Where the loop's output goes."""
 
     def advancing(self) -> None:
-        """Called before each ``advance`` (a worker opens its decode span here)."""
+        """Called before each ``advance`` (a Ray rollout replica opens its decode span here)."""
 
     def finished(self, rollout: Rollout) -> None:
         """A sequence ended (the backend's record), in the order the backend reported them."""

@@ -32,8 +32,8 @@ class Placement:
     scorer: str  # "inline": in the controller's thread; "thread"; "process"; "ray"
     critic_trains_on: str  # "learner", "scorer" (placement.local.critic_on_worker) or "none" (critic-free)
     learner: str  # "local" or "ray" (data-parallel ranks)
-    rollout: str  # "local" or "ray" (rollout workers)
-    rollout_streams_itself: bool  # Ray rollout workers feed the scorer actors directly
+    rollout: str  # "local" or "ray" (rollout replicas)
+    rollout_streams_itself: bool  # Ray rollout replicas feed the scorer actors directly
     threads: ThreadBudget
 
 

@@ -72,7 +72,7 @@ class RolloutBackend(Protocol):
         ``chunk_size``: emit a chunk for each sequence with that many unstreamed tokens, and a
         final chunk for each finished one. None: no chunks (no streaming scorer listens, or the
         backend streams to them itself). A backend may sample several tokens per call (a Ray
-        worker decodes on its own until a sequence ends or a chunk is due); it returns no
+        rollout replica decodes on its own until a sequence ends or a chunk is due); it returns no
         later than the first sequence that finishes.
         """
 
@@ -136,13 +136,13 @@ class Scorer(Protocol):
                        step: int) -> None:
         """Score sequences that finished elsewhere (restored from a checkpoint): prefill each prompt,
         then its whole response as its final chunk. The controller sends these itself, also where
-        rollout workers feed the scorers (``FedByRollout``)."""
+        rollout replicas feed the scorers (``FedByRollout``)."""
 
     def forget(self, uids: set[int]) -> None:
         """Drop these sequences' state."""
 
     def barrier(self) -> None:
-        """Wait until every message sent so far has been processed (re-raises a worker error)."""
+        """Wait until every message sent so far has been processed (re-raises the scorer worker's error)."""
 
     def take(self, uids: list[int]) -> dict[str, list[ScoredOutputs]]:
         """Completed outputs of these sequences, per role (after a barrier)."""
@@ -207,7 +207,7 @@ class WeightLinkSender(Protocol):
 
 
 class WeightLinkReceiver(Protocol):
-    """Rollout workers that take the weights from that group (ranks ``first .. first + members - 1``)."""
+    """Rollout replicas that take the weights from that group (ranks ``first .. first + members - 1``)."""
 
     @property
     def link_members(self) -> int:

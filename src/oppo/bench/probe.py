@@ -15,7 +15,7 @@ def engine_step_probe(t, rows: int, prompt_len: int = 32, new_tokens: int = 16, 
     ``prompt_len`` random tokens for ``new_tokens`` sampled steps (the run's temperature, top-k and
     top-p) with no EOS; the median of
     ``repeats`` passes after an untimed one (``benchmarks/decode_speed.py``'s measure). None for a
-    backend oppo does not build here (one that loads its own weights, Ray workers). All ``rows`` rows decode every step,
+    backend oppo does not build here (one that loads its own weights, Ray rollout replicas). All ``rows`` rows decode every step,
     where a trained step's rows finish one by one: the probe's step is the costlier, so the decode
     overhead it gives (``summarize``) errs low."""
     from ..rollout import registry

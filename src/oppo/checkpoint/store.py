@@ -43,7 +43,7 @@ RESUMABLE_CHANGES = frozenset({
     # the same math, other machinery: the decode engine, a memory cap, activation recomputation
     "generation.backend", "generation.kv_budget_mb", "policy.gradient_checkpointing",
 })
-# placement: a checkpoint of a data-parallel Ray run resumes on another worker count or locally, a
+# placement: a checkpoint of a data-parallel Ray run resumes on another rank count or locally, a
 # local one with other thread counts, the scorers in a thread or a process, the critic trained beside
 # them or in the learner (the same weights and saved state either way)
 RESUMABLE_SECTIONS = frozenset({"log", "placement"})

@@ -39,12 +39,12 @@ _ALIASES = {"learning_rate": ("actor_lr", "critic_lr"), "lr": ("actor_lr", "crit
             "init_kl_coef": ("kl_coef",), "prompt_key": ("field",), "input_key": ("field",),
             "prompt_field": ("field",)}
 
-# settings that moved to another section (old key -> new key): given by hand (a YAML file, an
-# override) the old name is refused with the new one named; a saved config (a checkpoint's, a
-# bench's) is read with the old names moved (upgrade_settings)
-_RAY = ("address", "scorer_cpus", "scorer_gpus", "rollout_workers", "rollout_cpus", "rollout_gpus", "weight_sync",
-        "weight_sync_bucket_mb")
-_RANKS = {"learner_workers": "workers", "learner_cpus": "cpus", "learner_gpus": "gpus", "spread": "spread"}
+# settings that moved to another section or were renamed (old key -> new key; every old spelling
+# straight to today's): given by hand (a YAML file, an override) the old name is refused with the new
+# one named; a saved config (a checkpoint's, a bench's) is read with the old names moved
+# (upgrade_settings). {learner} in a key: a learner engine's name (moved_to)
+_RAY = ("address", "scorer_cpus", "scorer_gpus", "rollout_cpus", "rollout_gpus", "weight_sync", "weight_sync_bucket_mb")
+_RANKS = {"learner_workers": "ranks", "learner_cpus": "cpus", "learner_gpus": "gpus", "spread": "spread"}
 MOVED = {"overlap.scorer_process": "placement.local.scorer_process",
          "overlap.critic_on_worker": "placement.local.critic_on_worker",
          "overlap.actor_threads": "placement.actor_threads", "overlap.scorer_threads": "placement.scorer_threads",
@@ -57,6 +57,7 @@ MOVED = {"overlap.scorer_process": "placement.local.scorer_process",
          "placement.scorer_process": "placement.local.scorer_process",
          "placement.critic_on_worker": "placement.local.critic_on_worker",
          **{f"placement.{k}": f"placement.ray.{k}" for k in _RAY},
+         "placement.rollout_workers": "placement.ray.rollout_replicas",
          "placement.learner_sharding": "placement.learner",
          # issue 44: a learner engine's ranks are its own section ({learner}: placement.learner's value);
          # placement.backend named the placement
@@ -65,7 +66,25 @@ MOVED = {"overlap.scorer_process": "placement.local.scorer_process",
          # generation.engine picked the rollout backend ("engine" is the learner's word: placement.learner)
          "generation.engine": "generation.backend",
          # issue 52: an algorithm's own settings are its section of algo (algo.settings={k: v} -> algo.<name>.k)
-         "algo.std_normalize": "algo.grpo.std_normalize"}
+         "algo.std_normalize": "algo.grpo.std_normalize",
+         # "worker" names the scorer worker alone: Ray's copies of the policy are rollout replicas, and a
+         # learner engine's ranks are its ranks
+         "placement.ray.rollout_workers": "placement.ray.rollout_replicas",
+         "learner.{learner}.workers": "learner.{learner}.ranks"}
+
+
+def moved_to(key: str, learner: str) -> str | None:
+    """The key a setting of :data:`MOVED` is now under, or None for a key that did not move. An old
+    key with ``{learner}`` matches any engine's name there, and the new key takes that name; else
+    the new key's ``{learner}`` is ``learner``, placement.learner's value."""
+    if key in MOVED:
+        return MOVED[key].format(learner=learner)
+    for old, new in MOVED.items():
+        head, templated, tail = old.partition("{learner}")
+        name = key[len(head):len(key) - len(tail)]
+        if templated and key.startswith(head) and key.endswith(tail) and name and "." not in name:
+            return new.format(learner=name)
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,8 +128,14 @@ def upgrade_settings(d: dict) -> dict:
             algo[algo.get("name") or "ppo"] = {**own, **(algo.get(algo.get("name") or "ppo") or {})}
     placed = out["placement"] if isinstance(out.get("placement"), dict) else {}
     learner = placed.get("learner") or placed.get("learner_sharding") or "replicate"
+    engines = [e for e, own in (out.get("learner") or {}).items() if isinstance(own, dict)]
+    known = set(all_keys())  # (an engine of today whose own setting has an old key's name keeps it)
+    moves: list[tuple[str, str]] = []  # (in MOVED's order: of two old names of one setting, the older one wins)
     for old, new in MOVED.items():
-        (*os_, ok), (*ns, nk) = old.split("."), new.format(learner=learner).split(".")
+        moves += ([(old.format(learner=e), new.format(learner=e)) for e in engines if old.format(learner=e) not in known]
+                  if "{learner}" in old else [(old, new.format(learner=learner))])
+    for old, new in moves:
+        (*os_, ok), (*ns, nk) = old.split("."), new.split(".")
         src: dict | None = out
         for part in os_:  # (placement.ray.<key>: a section within a section, copied before a key leaves it)
             inner = src.get(part) if src is not None else None
@@ -162,9 +187,11 @@ def _suggest(key: str, known: list[str]) -> str:
 def _unknown(cfg: Config, key: str, value: Any, source: str) -> str | None:
     """One line saying why ``key`` is not a setting and what to write instead; None for a setting."""
     known = all_keys(cfg)
-    if key in MOVED:
-        new = MOVED[key].format(learner=cfg.placement.learner)
-        why = (f" (a placement's own settings are its section, placement.{new.split('.')[1]})" if new.count(".") == 2
+    new = moved_to(key, cfg.placement.learner) if key in MOVED or key not in known else None
+    if new is not None:
+        why = (" (\"worker\" names the scorer worker alone)" if "worker" in key.rpartition(".")[2] and
+               key.rpartition(".")[0] == new.rpartition(".")[0] else
+               f" (a placement's own settings are its section, placement.{new.split('.')[1]})" if new.count(".") == 2
                and new.startswith("placement.") else " (a rollout backend's own settings are its section)"
                if new.startswith("rollout.") else " (a learner engine's own settings are its section, "
                "learner.<placement.learner>)" if new.startswith("learner.") else " (where a role runs and how much "

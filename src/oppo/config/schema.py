@@ -383,7 +383,7 @@ class PlacementConfig:
     threads: int = opt(0, "torch CPU threads of this process for sequential work (0: all cores).")
     actor_threads: int = opt(1, "CPU: torch threads of the actor (decoding and, with "
                                 "placement.local.critic_on_worker, training) in overlapped modes; also each "
-                                "Ray rank's and rollout worker's.")
+                                "Ray rank's and rollout replica's.")
     scorer_threads: int = opt(1, "CPU: torch threads of the scorer worker (or Ray scorer actor) in overlapped modes.")
     by_name: dict = field(default_factory=PLACEMENTS.default_settings, metadata={"sections": True})
     """The placements' own settings, ``{name: its settings dataclass}`` (``placement.<name>.<field>``)."""

@@ -3,7 +3,7 @@
 
 A :class:`Role` (the actor's decode, high priority; the learner; each scorer) owns a stream that
 ``with role:`` makes the thread's current one; weights, the caller's inputs, device outputs and
-messages to a worker thread pass between roles by events. On the CPU :class:`Role` and
+messages to the scorer worker's thread pass between roles by events. On the CPU :class:`Role` and
 :class:`Event` are stand-ins that order nothing but log what they would order while
 :func:`recording` is open. Design: ``docs/gpu-shapes.md``, "kernels/streams.py".
 """
@@ -75,7 +75,7 @@ def current() -> str:
 
 def caller_event(device: torch.device) -> Event:
     """An event recorded now on this thread's current stream (a role's, or the default stream):
-    what a message to a worker carries so that the worker's stream waits for what the sender queued."""
+    what a message to the scorer worker carries so that its stream waits for what the sender queued."""
     who = current()
     ev = Event(who, next(_serial))
     if device.type == "cuda":

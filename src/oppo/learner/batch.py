@@ -347,7 +347,7 @@ def padding_stats(exp: Experience, minibatches: "list[list[int]] | list[torch.Te
 
 @dataclass
 class CriticBatch:
-    """What the critic's update needs from an Experience (small enough to send to a worker)."""
+    """What the critic's update needs from an Experience (small enough to send to the scorer worker)."""
 
     ids: torch.Tensor
     valid: torch.Tensor

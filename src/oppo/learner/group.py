@@ -383,7 +383,7 @@ class LearnerGroup:
     """M learner ranks on Ray behind the :class:`~oppo.api.protocols.LearnerEngine` Protocol:
     ``update`` = ``Learner.update`` on the same batch, split by ``strategy`` (module docstring).
 
-    ``tracer``: where each rank's training span goes (worker ``learner<rank>``; on another node its
+    ``tracer``: where each rank's training span goes (trace row ``learner<rank>``; on another node its
     clock differs). ``critic_scorer``: a ``scoring.ray.RayScorerWorker`` scoring with the critic
     trained here: rank 0's critic weights go to it once at start and at each :meth:`push_critic`.
     ``home``: the controller's (policy, critic) modules, which checkpoints save and restore. Each rank
@@ -423,7 +423,7 @@ class LearnerGroup:
 
         ref = ray.put(portable(exp))  # once, read by every rank
         per_rank = self.group.call("update", ref, step, critic)
-        for r, st in enumerate(per_rank):  # each rank's busy span joins the trace as worker learner<r>
+        for r, st in enumerate(per_rank):  # each rank's busy span joins the trace as row learner<r>
             t0, t1 = st.pop("_t0"), st.pop("_t1")
             if self.tracer is not None:
                 self.tracer.add(f"learner{r}", "train", step, t0, t1)

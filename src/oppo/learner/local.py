@@ -336,7 +336,7 @@ def critic_update(critic, opt: torch.optim.Optimizer, batch: CriticBatch, miniba
 
     A plain function of its arguments, so the scorer worker that holds the critic can run it
     while the actor trains (``placement.local.critic_on_worker``). ``before_micro()``, if given, runs
-    before each micro-batch (the worker adapts its thread count there). ``critic`` holds the
+    before each micro-batch (the scorer worker adapts its thread count there). ``critic`` holds the
     trained (master) weights; its forward runs under ``compute_dtype`` autocast.
     """
     dev = next(critic.parameters()).device

@@ -67,8 +67,8 @@ class Ranks:
     """The Ray ranks of an engine that runs as a group of them (``learner.<engine>.*``); under a
     placement that runs the learner in this process, one learner and none of these."""
 
-    workers: int = setting(1, "Learner ranks under a remote placement (placement.name=ray): each holds actor, "
-                              "critic and AdamW, or a shard of them (the engine's help says which).")
+    ranks: int = setting(1, "Learner ranks under a remote placement (placement.name=ray): each holds actor, "
+                            "critic and AdamW, or a shard of them (the engine's help says which).")
     cpus: float = setting(1.0, "CPUs per learner rank.")
     gpus: float = setting(0.0, "GPUs per learner rank.")
     spread: bool = setting(False, "Place the learner ranks on different nodes (STRICT_SPREAD) instead of as few as "
@@ -78,8 +78,8 @@ class Ranks:
 def check_ranks(own: Ranks, name: str) -> list[str]:
     """Ranks that can start: at least one, no negative CPUs or GPUs (``learner.<name>.*``)."""
     out = []
-    if own.workers < 1:
-        out.append(f"learner.{name}.workers must be >= 1, got {own.workers}.")
+    if own.ranks < 1:
+        out.append(f"learner.{name}.ranks must be >= 1, got {own.ranks}.")
     if min(own.cpus, own.gpus) < 0:
         out.append(f"learner.{name}.cpus and learner.{name}.gpus must be >= 0.")
     return out

@@ -30,7 +30,7 @@ def apply_lora(model, r: int, alpha: float, dropout: float, target_modules: list
 def base_view(peft_model) -> torch.nn.Module:
     """The LoRA policy's base model without adapters, as a separate module whose weights are the
     *same tensors* as the policy's frozen base weights (no second copy in memory): the
-    reference policy. Separate modules, so the reference can score on a worker while the actor
+    reference policy. Separate modules, so the reference can score on the scorer worker while the actor
     decodes with its adapters on (toggling ``disable_adapter`` would race)."""
     import copy
 

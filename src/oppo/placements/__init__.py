@@ -6,7 +6,7 @@ the config's ``placement.<name>.*`` section), its checks (asked by config valida
 ``build`` (the learner, the rollout backend and the scorer from the loaded models, with the weight
 sync steps that connect them). Built in: ``local`` (every role in this process, the scorer inline,
 on a thread or in a child process) and ``ray`` (scorers and learner ranks as Ray actors, rollout
-workers optional), named in ``parts.BUILT_IN``. Others register with :func:`register` or through
+replicas optional), named in ``parts.BUILT_IN``. Others register with :func:`register` or through
 the ``oppo.placements`` entry point group. This module imports no torch, so the config can list the placements without loading one.
 """
 

@@ -37,7 +37,7 @@ def decide(cfg: Config, own: LocalSettings, facts: Facts) -> Placement:
     else:
         # the child process shares the scorers' weights in place; when the critic trains in the
         # child, it trains the copy it scores with, so that must be the fp32 master: a bf16 run
-        # then uses the thread worker
+        # then uses the scorer worker on a thread
         process = own.scorer_process and facts.scorers_on_cpu and (facts.computes_in_master or not critic_on_scorer)
         scorer = "process" if process else "thread"
     full = pl.threads or torch.get_num_threads()

@@ -1,7 +1,7 @@
 """``placement.name=ray``: the scorers (reward, reference, critic) in Ray actors, the learner a
 group of Ray ranks (the learner engine's ``build_remote``: data-parallel replicas or FSDP2 shards;
 how many and what each gets are the engine's own settings, ``learner.<engine>.*``),
-and the rollout engine in the controller or in ``rollout_workers`` Ray workers that stream their
+and the rollout engine in the controller or in ``rollout_replicas`` Ray replicas that stream their
 chunks to the scorer actors themselves. After each update rank 0's actor weights reach the rollout
 engine, streamed in buckets over a process group of their own or through the object store
 (``weight_sync``), and its critic the scorer actor."""
@@ -28,16 +28,16 @@ class RaySettings:
                                    "else a new local one), or host:port / ray://host:port.")
     scorer_cpus: float = setting(1.0, "CPUs of the scorer actor.")
     scorer_gpus: float = setting(0.0, "GPUs of the scorer actor.")
-    rollout_workers: int = setting(0, "Rollout workers, each a copy of the policy with its own engine "
-                                      "(generation.backend: eager under auto, or a backend that runs in workers), "
-                                      "sharing the B + Delta sequences and streaming their chunks straight to the "
-                                      "scorer actors; each computes with placement.actor_threads threads. 0: the "
-                                      "engine runs in the controller process.")
-    rollout_cpus: float = setting(1.0, "CPUs per rollout worker.")
-    rollout_gpus: float = setting(0.0, "GPUs per rollout worker.")
+    rollout_replicas: int = setting(0, "Rollout replicas, each a copy of the policy in a Ray actor with its own "
+                                       "engine (generation.backend: eager under auto, or a backend that runs in "
+                                       "replicas), sharing the B + Delta sequences and streaming their chunks "
+                                       "straight to the scorer actors; each computes with placement.actor_threads "
+                                       "threads. 0: the engine runs in the controller process.")
+    rollout_cpus: float = setting(1.0, "CPUs of each rollout replica (placement.ray.rollout_replicas).")
+    rollout_gpus: float = setting(0.0, "GPUs of each rollout replica (placement.ray.rollout_replicas).")
     weight_sync: str = setting(
         "auto", "How the actor's trained weights reach the rollout engine after each update. collective: learner "
-                "rank 0 and the rollout workers (or the controller, when the engine runs there) form a "
+                "rank 0 and the rollout replicas (or the controller, when the engine runs there) form a "
                 "torch.distributed group of their own and the weights stream in buckets of "
                 "placement.ray.weight_sync_bucket_mb (NCCL when every member has a GPU of its own, else gloo), cast "
                 "to the serving dtype, with the version checked; an FSDP2 learner gathers one parameter at a time. "
@@ -56,20 +56,20 @@ def checks(own: RaySettings, cfg: Config) -> list[str]:
     out = []
     if min(own.scorer_cpus, own.scorer_gpus, own.rollout_cpus, own.rollout_gpus) < 0:
         out.append("placement.ray.*_cpus and *_gpus must be >= 0.")
-    if own.rollout_workers < 0:
-        out.append(f"placement.ray.rollout_workers must be >= 0, got {own.rollout_workers}.")
+    if own.rollout_replicas < 0:
+        out.append(f"placement.ray.rollout_replicas must be >= 0, got {own.rollout_replicas}.")
     if own.weight_sync_bucket_mb < 0:
         out.append(f"placement.ray.weight_sync_bucket_mb must be >= 0 (MiB; 0: by transport), got "
                    f"{own.weight_sync_bucket_mb}.")
     engine = cfg.generation.backend
-    if own.rollout_workers and engine != registry.AUTO and not registry.get(engine).in_workers:
-        fits = [n for n in registry.names() if registry.get(n).in_workers]
-        out.append(f"placement.ray.rollout_workers runs generation.backend={engine} in each worker, which that "
-                   f"backend does not support yet; set generation.backend=auto (eager in workers) or one of "
+    if own.rollout_replicas and engine != registry.AUTO and not registry.get(engine).in_replicas:
+        fits = [n for n in registry.names() if registry.get(n).in_replicas]
+        out.append(f"placement.ray.rollout_replicas runs generation.backend={engine} in each replica, which that "
+                   f"backend does not support yet; set generation.backend=auto (eager in replicas) or one of "
                    f"{', '.join(fits)}.")
-    if own.rollout_workers and cfg.lora.r:
-        out.append("placement.ray.rollout_workers does not carry LoRA adapters yet; set lora.r=0 or "
-                   "placement.ray.rollout_workers=0.")
+    if own.rollout_replicas and cfg.lora.r:
+        out.append("placement.ray.rollout_replicas does not carry LoRA adapters yet; set lora.r=0 or "
+                   "placement.ray.rollout_replicas=0.")
     if cfg.reward.terms:
         from ..rewards.terms import parse_terms
 
@@ -90,8 +90,8 @@ def decide(cfg: Config, own: RaySettings, facts: Facts) -> Placement:
 
     pl = cfg.placement
     return Placement(scorer="ray", critic_trains_on="learner" if facts.needs_critic else "none", learner="ray",
-                     rollout="ray" if own.rollout_workers else "local",
-                     rollout_streams_itself=bool(own.rollout_workers and cfg.overlap.mode != "sequential"),
+                     rollout="ray" if own.rollout_replicas else "local",
+                     rollout_streams_itself=bool(own.rollout_replicas and cfg.overlap.mode != "sequential"),
                      threads=ThreadBudget(pl.threads or torch.get_num_threads(), pl.actor_threads, pl.actor_threads))
 
 
@@ -115,19 +115,19 @@ def build(models: Models, placement: Placement, own: RaySettings) -> Placed:
     actors = RayScorerWorker(specs, m.tracer, temperature=cfg.generation.temperature, threads=pl.scorer_threads,
                              num_cpus=own.scorer_cpus, num_gpus=own.scorer_gpus, seed=cfg.run.seed)
     closers = [actors.close]
-    engine, ranks = learners.get(pl.learner), learners.ranks(cfg.learner, pl.learner)
+    engine, group = learners.get(pl.learner), learners.ranks(cfg.learner, pl.learner)
     assert engine.build_remote is not None  # (config validation: the engine runs under this placement)
     learner = engine.build_remote(learners.RemoteRequest(
         learner_spec(cfg.policy, cfg.lora, cfg.ppo, cfg.generation.temperature, cfg.run.seed, m.paths, m.pad_id,
-                     m.compute_dtype, m.algorithm, m.recompute_old), ranks.workers,
-        ranks.cpus, ranks.gpus, pl.actor_threads, "STRICT_SPREAD" if ranks.spread else "PACK",
+                     m.compute_dtype, m.algorithm, m.recompute_old), group.ranks,
+        group.cpus, group.gpus, pl.actor_threads, "STRICT_SPREAD" if group.spread else "PACK",
         actors if m.critic is not None else None, m.tracer, (m.policy, m.critic)))
     closers.insert(0, learner.close)
     load_source(m.policy, learner.weights_out())  # rank 0's initialisation, here too
     copy_weights(m.policy, m.rollout_policy)
     sync: list[Callable[[int], object]] = [learner.push_critic] if isinstance(learner, learners.PushesCritic) else []  # rank 0's critic -> actors
     if placement.rollout == "ray":
-        return _with_rollout_workers(m, placement, own, actors, learner, sync, closers)
+        return _with_rollout_replicas(m, placement, own, actors, learner, sync, closers)
     rollout, line = local_rollout(m)
     closers.insert(0, rollout.close)
     link = collective_sync(m, own, learner, local=m.rollout_policy)
@@ -145,9 +145,9 @@ def build(models: Models, placement: Placement, own: RaySettings) -> Placed:
     return Placed(learner, rollout, actors, sync, closers, line)
 
 
-def _with_rollout_workers(m: Models, placement: Placement, own: RaySettings, actors: Any, learner: Any,
-                          sync: list[Callable[[int], object]], closers: list[Callable[[], None]]) -> Placed:
-    """``build``'s roles with the rollout engine in ``rollout_workers`` Ray workers, which stream their
+def _with_rollout_replicas(m: Models, placement: Placement, own: RaySettings, actors: Any, learner: Any,
+                           sync: list[Callable[[int], object]], closers: list[Callable[[], None]]) -> Placed:
+    """``build``'s roles with the rollout engine in ``rollout_replicas`` Ray replicas, which stream their
     chunks to the scorer ``actors`` themselves where the mode streams, and load rank 0's weights
     after each update (over a group of their own, or from the object store)."""
     import torch
@@ -161,18 +161,18 @@ def _with_rollout_workers(m: Models, placement: Placement, own: RaySettings, act
     policy_spec = ModelSpec("policy", m.paths.policy, m.compute_dtype, pad_id=m.pad_id,
                             trust_remote_code=cfg.policy.trust_remote_code)
     stream = placement.rollout_streams_itself  # (the scorer actors serve every other mode)
-    rollout = RayRolloutGroup(policy_spec, settings, own.rollout_workers, seed=cfg.run.seed, tracer=m.tracer,
+    rollout = RayRolloutGroup(policy_spec, settings, own.rollout_replicas, seed=cfg.run.seed, tracer=m.tracer,
                               scorer=actors if stream else None, num_cpus=own.rollout_cpus,
                               num_gpus=own.rollout_gpus, threads=cfg.placement.actor_threads)
     closers.insert(0, rollout.close)
-    line = f"{settings.kind} in {own.rollout_workers} Ray rollout workers ({settings.reason})"
+    line = f"{settings.kind} in {own.rollout_replicas} Ray rollout replicas ({settings.reason})"
     rollout.load_weights(m.policy, 0)
     scorer: Any = FedByRollout(actors) if stream else actors
     link = collective_sync(m, own, learner, rollout=rollout)
-    if link is not None:  # rank 0 streams to the workers over a group of their own
+    if link is not None:  # rank 0 streams to the replicas over a group of their own
         sync.append(link)
         closers.append(link.close)
-    else:  # the workers load rank 0's weights straight from the object store
+    else:  # the replicas load rank 0's weights straight from the object store
         sync.append(lambda version: rollout.load_weights(learner.weights_out(), version))
     return Placed(learner, rollout, scorer, sync, closers, line)
 
@@ -197,7 +197,7 @@ def scorer_specs(paths, pad_id: int, dtype: torch.dtype, *, reward_model: bool, 
 
 
 def collective_sync(models: Models, own: RaySettings, learner, rollout=None, local=None):
-    """``weight_sync``: the collective, bucketed sync from the learner to the ``rollout`` workers
+    """``weight_sync``: the collective, bucketed sync from the learner to the ``rollout`` replicas
     or the ``local`` engine's model (``weights.sync.CollectiveSync``), or None for the object store:
     asked for, or ``auto`` without GPUs on both sides or when the group cannot form (a warning says
     why)."""
@@ -218,7 +218,7 @@ def collective_sync(models: Models, own: RaySettings, learner, rollout=None, loc
         if rollout is not None:
             serving_on_gpu = own.rollout_gpus > 0
         else:
-            assert local is not None  # (the sink: the workers, or the local engine's model)
+            assert local is not None  # (the sink: the replicas, or the local engine's model)
             serving_on_gpu = next(local.parameters()).is_cuda
         from ..learner import registry as learners
 
@@ -239,6 +239,6 @@ def collective_sync(models: Models, own: RaySettings, learner, rollout=None, loc
 SPEC = PlacementSpec(
     "ray", "the scorers (reward, reference, critic) in Ray actors and the learner as a group of Ray ranks "
            "(torch.distributed: gloo on CPU, NCCL on GPU); the rollout engine stays with the controller unless "
-           "placement.ray.rollout_workers is set", decide=decide, build=build, remote=True,
+           "placement.ray.rollout_replicas is set", decide=decide, build=build, remote=True,
     where="the Ray actors (placement.name=ray), which load their models from a directory",
     settings=RaySettings, checks=checks)

@@ -6,7 +6,7 @@
 - :mod:`.engine`: oppo's eager engine (batched KV-cache sampling with slots), :mod:`.eager` its spec;
 - :mod:`.chunks`: the chunks every stepwise backend streams to the scorers;
 - :mod:`.static`: the static-shape engine (preallocated KV slots, a capturable decode step);
-- :mod:`.ray`: the Ray rollout group, N workers hosting any registered backend;
+- :mod:`.ray`: the Ray rollout group, N replicas hosting any registered backend;
 - backends shipped as plugins in their own folders (``vllm/``; ``pyproject.toml``'s
   ``oppo.rollout_backends`` entry points).
 """

@@ -375,7 +375,7 @@ class RolloutEngine:
         gen = state.get("generator")
         if gen is None:
             return
-        if isinstance(gen, list):  # saved by Ray rollout workers (one state each): rank 0's, as theirs do
+        if isinstance(gen, list):  # saved by Ray rollout replicas (one state each): rank 0's, as theirs do
             gen = gen[0]
         self.generator.set_state(gen)
 

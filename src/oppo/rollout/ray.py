@@ -1,14 +1,14 @@
-"""Rollout workers on Ray: N replicas of the policy, each with its own engine, that decode on
-their own and stream their chunks straight to the scorer actors (``placement.ray.rollout_workers``).
+"""Rollout replicas on Ray: N copies of the policy, each with its own engine, that decode on
+their own and stream their chunks straight to the scorer actors (``placement.ray.rollout_replicas``).
 
-:class:`RayRolloutGroup` is a ``RolloutBackend``: ``admit`` spreads sequences over the workers,
+:class:`RayRolloutGroup` is a ``RolloutBackend``: ``admit`` spreads sequences over the replicas,
 ``advance`` lets each decode a stretch on its own (one Ray round trip per stretch, not per token)
 and returns the rows that ended anywhere. The controller relays no token: each
 :class:`RolloutHost` feeds the scorer actors itself, and ``flush`` makes the controller's barrier
-cover those chunks. Each worker hosts any registered backend (its spec sent from the controller's
+cover those chunks. Each replica hosts any registered backend (its spec sent from the controller's
 registry, which alone holds run-time plugins), samples with its own generator
-(``run.seed + rank``: one worker samples what the local engine samples) and receives weights from
-the object store or the collective sync. Design: ``docs/distributed.md``, "Rollout workers".
+(``run.seed + rank``: one replica samples what the local engine samples) and receives weights from
+the object store or the collective sync. Design: ``docs/distributed.md``, "Rollout replicas".
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ class RolloutHost:
             return self.engine.generate_all()
 
     def flush(self) -> tuple[list, int, int]:
-        """Wait until every call sent to the scorers has run; return (this worker's spans since
+        """Wait until every call sent to the scorers has run; return (this replica's spans since
         the last flush, its KV-cache peak in bytes, the chunks it streamed)."""
         import ray
 
@@ -118,7 +118,7 @@ class RolloutHost:
         self.engine.recompute()
 
     def abort(self, uids: set[int]) -> None:
-        """Drop these sequences (the group sends each worker only its own)."""
+        """Drop these sequences (the group sends each replica only its own)."""
         self.engine.abort(uids)
 
     def load_weights(self, weights: Packed, version: int) -> None:
@@ -162,30 +162,30 @@ class RolloutHost:
         self.engine.load_state_dict(state)
 
     def close(self) -> None:
-        """End the engine's own processes (a backend's model worker) before the actor is killed."""
+        """End the engine's own processes (vLLM's workers, say) before the actor is killed."""
         self.engine.close()
 
 
 class RayRolloutGroup:
-    """N rollout workers behind the ``RolloutBackend`` Protocol (module docstring).
+    """N rollout replicas behind the ``RolloutBackend`` Protocol (module docstring).
     ``scorer``: the :class:`~.ray_scorer.RayScorerWorker` to stream to (None: no streaming). Call
     :func:`.cluster.init_ray` first."""
 
     def __init__(self, spec: ModelSpec, settings: BackendSettings, n: int, *, seed: int, tracer: Tracer,
                  scorer=None, num_cpus: float = 1, num_gpus: float = 0, threads: int = 1):
         handles = list(scorer.actors) if scorer is not None else None
-        backend = registry.get(settings.kind)  # (the workers' registries lack run-time plugins: docs/distributed.md)
+        backend = registry.get(settings.kind)  # (the replicas' registries lack run-time plugins: docs/distributed.md)
         self.group = ActorGroup(RolloutHost, n, lambda i: (spec, settings, seed + i, threads, f"rollout{i}", handles,
                                                            backend),
-                                role="rollout worker", num_cpus=num_cpus, num_gpus=num_gpus)
-        self.workers = self.group.actors
+                                role="rollout replica", num_cpus=num_cpus, num_gpus=num_gpus)
+        self.replicas = self.group.actors
         self.tracer, self.scorer = tracer, scorer
         if scorer is not None:
-            scorer.feeders.append(self)  # its barrier flushes the workers' chunks first
+            scorer.feeders.append(self)  # its barrier flushes the replicas' chunks first
         self.version = 0
-        self.rows: dict[int, int] = {}  # uid -> worker of every row decoding
-        self.admitted = [0] * n  # sequences admitted to each worker so far
-        self.chunks_sent = 0  # chunks the workers streamed to the scorers so far
+        self.rows: dict[int, int] = {}  # uid -> replica of every row decoding
+        self.admitted = [0] * n  # sequences admitted to each replica so far
+        self.chunks_sent = 0  # chunks the replicas streamed to the scorers so far
         self.peak_cache_bytes = 0
         self.group.call("set_version", 0)  # up, and named if it failed to load
 
@@ -194,26 +194,26 @@ class RayRolloutGroup:
         return len(self.rows)
 
     def admit(self, rollouts: list[Rollout]) -> None:
-        """Each new row to the worker with the fewest rows (the lowest rank on a tie)."""
+        """Each new row to the replica with the fewest rows (the lowest rank on a tie)."""
         if not rollouts:
             return
-        load = [0] * len(self.workers)
+        load = [0] * len(self.replicas)
         for w in self.rows.values():
             load[w] += 1
-        share: list[list[Rollout]] = [[] for _ in self.workers]
+        share: list[list[Rollout]] = [[] for _ in self.replicas]
         for r in rollouts:
             w = min(range(len(load)), key=lambda i: (load[i], i))
             load[w] += 1
             self.admitted[w] += 1
             share[w].append(r)
             self.rows[r.uid] = w
-        self.group.gather([self.workers[i].admit.remote(rs, self.version) for i, rs in enumerate(share) if rs],
+        self.group.gather([self.replicas[i].admit.remote(rs, self.version) for i, rs in enumerate(share) if rs],
                           [i for i, rs in enumerate(share) if rs])
 
     def advance(self, chunk_size: int | None) -> list[Event]:
-        """Every worker with rows decodes on its own (streaming chunks of ``chunk_size`` tokens to
+        """Every replica with rows decodes on its own (streaming chunks of ``chunk_size`` tokens to
         the scorers) until one of its rows ends or for ``chunk_size`` steps; the rows that ended,
-        in worker order. No chunk events: the workers sent them."""
+        in replica order. No chunk events: the replicas sent them."""
         busy = sorted(set(self.rows.values()))
         done = self.group.call("advance", chunk_size, self.version, ranks=busy)
         return [SequenceFinished(self._take(r)) for rows in done for r in rows]
@@ -221,11 +221,11 @@ class RayRolloutGroup:
     def generate_all(self) -> list[Rollout]:
         busy = sorted(set(self.rows.values()))
         done = self.group.call("generate_all", self.version, ranks=busy)
-        self.flush()  # (the sequential loop has no scorer barrier to bring the workers' spans home)
+        self.flush()  # (the sequential loop has no scorer barrier to bring the replicas' spans home)
         return [self._take(r) for rows in done for r in rows]
 
     def flush(self) -> None:
-        """Every chunk the workers sent has reached the scorers; their spans join the trace."""
+        """Every chunk the replicas sent has reached the scorers; their spans join the trace."""
         for spans, peak, sent in self.group.call("flush"):
             for sp in spans:
                 self.tracer.add(sp.worker, sp.stage, sp.step, sp.start, sp.end, **sp.args)
@@ -240,16 +240,16 @@ class RayRolloutGroup:
         self.group.call("recompute")
 
     def abort(self, uids: set[int]) -> None:
-        mine: list[set[int]] = [set() for _ in self.workers]  # each worker's rows among uids
+        mine: list[set[int]] = [set() for _ in self.replicas]  # each replica's rows among uids
         for u in uids:
             if u in self.rows:
                 mine[self.rows[u]].add(u)
-        self.group.gather([w.abort.remote(m) for w, m in zip(self.workers, mine)])
+        self.group.gather([w.abort.remote(m) for w, m in zip(self.replicas, mine)])
         for u in uids:
             self.rows.pop(u, None)
 
     def load_weights(self, source: WeightSource, version: int) -> None:
-        """New policy weights into every worker, which then sample as ``version``: a learner's
+        """New policy weights into every replica, which then sample as ``version``: a learner's
         ``RemoteWeights`` (loaded straight from the object store: not through the controller), or a
         module or ``(name, tensor)`` pairs (put there once here)."""
         import ray
@@ -266,11 +266,11 @@ class RayRolloutGroup:
     # the collective weight sync's receiving end (api.protocols.WeightLinkReceiver)
     @property
     def link_members(self) -> int:
-        return len(self.workers)
+        return len(self.replicas)
 
     def open_weight_link(self, host: str, port: int, first: int, world: int, timeout_s: float) -> Wait:
-        refs = [w.join_weight_sync.remote(host, port, first + k, world, timeout_s) for k, w in enumerate(self.workers)]
-        return lambda: [f"rollout worker {k}: {w}" if w else "" for k, w in enumerate(self.group.gather(refs))]
+        refs = [w.join_weight_sync.remote(host, port, first + k, world, timeout_s) for k, w in enumerate(self.replicas)]
+        return lambda: [f"rollout replica {k}: {w}" if w else "" for k, w in enumerate(self.group.gather(refs))]
 
     def receive_weights(self, version: int) -> Wait:
         refs = self.group.submit("receive_weights", version)
@@ -281,48 +281,48 @@ class RayRolloutGroup:
         return wait
 
     def in_flight(self) -> list[Rollout] | None:
-        """The rows decoding on every worker, as the workers hold them (``RolloutBackend.in_flight``),
-        in admission order; None where a worker's backend cannot hand them out. ``admit`` takes them back: a worker prefills prompt + response so far and
+        """The rows decoding on every replica, as the replicas hold them (``RolloutBackend.in_flight``),
+        in admission order; None where a replica's backend cannot hand them out. ``admit`` takes them back: a replica prefills prompt + response so far and
         streams the response to the scorers again."""
-        per_worker = self.group.call("in_flight")
-        if any(rs is None for rs in per_worker):
+        per_replica = self.group.call("in_flight")
+        if any(rs is None for rs in per_replica):
             return None
-        return sorted((r for rs in per_worker for r in rs), key=lambda r: r.uid)
+        return sorted((r for rs in per_replica for r in rs), key=lambda r: r.uid)
 
     def state_dict(self) -> dict:
-        """Eager engines: every worker's generator state (``{"generator": [...]}``, in rank
-        order); a backend without a generator: every worker's engine state (``{"workers": [...]}``)."""
+        """Eager engines: every replica's generator state (``{"generator": [...]}``, in rank
+        order); a backend without a generator: every replica's engine state (``{"replicas": [...]}``)."""
         states = self.group.call("state_dict")
         if all("generator" in st for st in states):
             return {"generator": [st["generator"] for st in states]}
-        return {"workers": states}
+        return {"replicas": states}
 
     def load_state_dict(self, state: dict) -> None:
-        """A list from a group of the same size restores each worker's; anything else (another
-        count, a local engine's single state) restores worker 0's where it can and leaves the
+        """A list from a group of the same size restores each replica's; anything else (another
+        count, a local engine's single state) restores replica 0's where it can and leaves the
         others at their seeds: the resume is then not bitwise the uninterrupted run."""
-        if "workers" in state:
-            states = state["workers"]
+        if "replicas" in state or "workers" in state:  # ("workers": the key before the rename to replicas)
+            states = state["replicas" if "replicas" in state else "workers"]
         else:
             gen = state.get("generator")
             if gen is None:  # another kind of backend's state (module docstring of rollout/engine.py)
                 return
             states = [{"generator": g} for g in (gen if isinstance(gen, list) else [gen])]
-        if len(states) != len(self.workers):
+        if len(states) != len(self.replicas):
             states = states[:1]
-        self.group.gather([w.load_state_dict.remote(st) for w, st in zip(self.workers, states)])
+        self.group.gather([w.load_state_dict.remote(st) for w, st in zip(self.replicas, states)])
 
     def take_stats(self) -> RolloutStats:
-        stats = RolloutStats(self.peak_cache_bytes)  # (the workers' peaks, gathered at each flush)
+        stats = RolloutStats(self.peak_cache_bytes)  # (the replicas' peaks, gathered at each flush)
         self.peak_cache_bytes = 0
         return stats
 
     def close(self) -> None:
-        # the engines' own processes first (a backend's model workers); a dead actor has none left
+        # the engines' own processes first (vLLM's workers, say); a dead actor has none left
         self.group.shutdown("close", timeout_s=30)
-        self.workers = []
+        self.replicas = []
 
     def _take(self, remote: Rollout) -> Rollout:
-        """A worker's finished row, no longer decoding anywhere."""
+        """A replica's finished row, no longer decoding anywhere."""
         del self.rows[remote.uid]
         return remote

@@ -3,8 +3,8 @@
 A backend is one :class:`BackendSpec` that owns its whole vertical: its settings (a dataclass, the
 config's ``rollout.<name>.*`` section), its checks (config validation, then the pre-run checks before
 any model loads), its ``build`` (called in the controller's process and, unchanged, inside every Ray
-rollout worker), its decode-step probe for ``oppo bench``, and the few facts the rest of oppo needs
-(does it load the policy itself, may it run in Ray workers, does it sample with other numerics than
+rollout replica), its decode-step probe for ``oppo bench``, and the few facts the rest of oppo needs
+(does it load the policy itself, may it run in Ray replicas, does it sample with other numerics than
 the trainer's forward). Its weight endpoint is the Protocol's ``load_weights``. Nothing outside a
 backend's own folder names it: config, preflight, setup, the Ray group and the bench ask this registry.
 
@@ -72,7 +72,7 @@ class BuildRequest:
     policy module to sample with, or None where the backend loads the policy itself
     (:attr:`BackendSpec.loads_own_weights`: then only ``policy_path`` and ``dtype`` matter, and
     ``model``, when given, holds the weights to start from). ``device``: a device type (``cpu``,
-    ``cuda``, or ``auto``). ``role``: the name in messages; ``threads``: the CPU threads a worker was
+    ``cuda``, or ``auto``). ``role``: the name in messages; ``threads``: the CPU threads a replica was
     granted (None: the process's)."""
 
     settings: BackendSettings
@@ -94,7 +94,7 @@ class BackendSpec:
     """One rollout backend.
 
     - ``build(request)``: the :class:`~oppo.api.protocols.RolloutBackend`, in the controller's
-      process or in a Ray rollout worker (the same call; ``request.model`` is None there for a
+      process or in a Ray rollout replica (the same call; ``request.model`` is None there for a
       backend that ``loads_own_weights``).
     - ``settings``: the dataclass of its own settings (fields made with :func:`setting`), the
       config's ``rollout.<name>.*``; None: it has none.
@@ -111,8 +111,8 @@ class BackendSpec:
       built) for ``rows`` rows, to time its decode step alone (``oppo bench``); None: not one of its
       engines, or it cannot.
     - ``loads_own_weights``: it loads the policy from its path and takes weight updates as
-      ``(name, tensor)`` pairs; a Ray rollout worker then loads no Hugging Face copy for it.
-    - ``in_workers``: it can run inside ``placement.ray.rollout_workers``.
+      ``(name, tensor)`` pairs; a Ray rollout replica then loads no Hugging Face copy for it.
+    - ``in_replicas``: it can run inside ``placement.ray.rollout_replicas``.
     - ``other_numerics``: it samples with another implementation than the trainer's forward, so
       ``ppo.old_logprobs=auto`` recomputes the old log-probs with the trainer's.
     """
@@ -122,7 +122,7 @@ class BackendSpec:
     build: Callable[[BuildRequest], RolloutBackend]
     problems: Callable[[str | None, str], list[str]] | None = None
     loads_own_weights: bool = False
-    in_workers: bool = True
+    in_replicas: bool = True
     other_numerics: bool = False
     settings: type | None = None
     checks: Callable[[Any, Any], list[str]] | None = None
@@ -215,7 +215,7 @@ def backend_settings(generation: GenerationConfig, rollout: Mapping[str, Any], s
     backends' own settings, ``{kind: its settings}``: the chosen one's resolved for ``device``), for
     an engine on ``device``; ``generation.backend=auto`` resolved there (:func:`resolve_backend`: the
     fast engine on CUDA when ``model``, the policy it will decode, suits it; else eager). Ray rollout
-    workers get settings for ``cpu``, so ``auto`` runs the eager engine in them. ``seed``:
+    replicas get settings for ``cpu``, so ``auto`` runs the eager engine in them. ``seed``:
     ``run.seed``; ``max_rows``: the most rows in flight (B + Delta); ``prompt_width``: the prompt
     columns (``data.PromptSet.width``: ``data.max_prompt_tokens``, or where it is empty the longest
     prompt)."""

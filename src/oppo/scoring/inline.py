@@ -11,7 +11,7 @@ from .worker import AdmitMsg, ChunksMsg, ForgetMsg, ScorerLoop
 class InlineScorer:
     """The scorers in the controller's own thread: one-shot scoring (the sequential loop, and the
     modes that do not stream), and the streaming messages handled at once by the same
-    :class:`~oppo.scoring.worker.ScorerLoop` the workers run."""
+    :class:`~oppo.scoring.worker.ScorerLoop` the scorer workers run."""
 
     def __init__(self, scorers: dict[str, StreamingScorer]):
         self.scorers, self.roles = scorers, tuple(scorers)

@@ -149,7 +149,7 @@ class RayScorerWorker:
         self.critic_trains_here = critic_trainer is not None
         self.labels: list[str] = ["+".join(g) for g in groups]  # each actor's roles, "+"-joined
         self._pending: list[list[Any]] = [[] for _ in groups]  # per actor: the refs of the calls not waited on yet
-        self.feeders: list = []  # others that feed the actors (rollout workers): flushed before a barrier
+        self.feeders: list = []  # others that feed the actors (rollout replicas): flushed before a barrier
 
         def args(i: int) -> tuple:
             g = groups[i]
@@ -283,8 +283,8 @@ class RayScorerWorker:
 
 
 class FedByRollout:
-    """The scorer as the controller sees it when the Ray rollout workers admit and feed the scorer
-    actors themselves: the controller sends nothing, and a barrier first flushes the workers."""
+    """The scorer as the controller sees it when the Ray rollout replicas admit and feed the scorer
+    actors themselves: the controller sends nothing, and a barrier first flushes the rollout replicas."""
 
     def __init__(self, scorer):
         self.inner = scorer
@@ -295,20 +295,20 @@ class FedByRollout:
         return self.inner.peak_cache_bytes
 
     def admit(self, uids, prompts, step: int) -> None:
-        pass  # (sent by the rollout workers, before their first chunk)
+        pass  # (sent by the rollout replicas, before their first chunk)
 
     def feed(self, chunks, step: int) -> None:
         if chunks:
-            raise RuntimeError("internal error: rollout workers that stream themselves reported chunks")
+            raise RuntimeError("internal error: rollout replicas that stream themselves reported chunks")
 
     def admit_finished(self, uids, prompts, responses, step: int) -> None:
-        self.inner.admit_finished(uids, prompts, responses, step)  # (no rollout worker holds these)
+        self.inner.admit_finished(uids, prompts, responses, step)  # (no rollout replica holds these)
 
     def forget(self, uids) -> None:
         self.inner.forget(uids)
 
     def barrier(self) -> None:
-        self.inner.barrier()  # (flushes the rollout workers first: they are its feeders)
+        self.inner.barrier()  # (flushes the rollout replicas first: they are its feeders)
 
     def take(self, uids):
         return self.inner.take(uids)

@@ -439,7 +439,7 @@ class CollectiveSync:
     once, then each call is one sync of the actor's trained parameters as a version.
 
     Members: the learner (rank 0 of the group: a :class:`~oppo.api.protocols.WeightLinkSender`), the
-    ``rollout`` workers (a :class:`~oppo.api.protocols.WeightLinkReceiver`) and, when the engine is
+    ``rollout`` replicas (a :class:`~oppo.api.protocols.WeightLinkReceiver`) and, when the engine is
     local, this process receiving into ``local``. Only those Protocols' methods are called. This
     process hosts the group's ``TCPStore``. ``wire_dtype``: the serving models' dtypes (per name).
     Raises :class:`WeightSyncUnavailable` if the group cannot form, :class:`WeightSyncError` if a
@@ -452,7 +452,7 @@ class CollectiveSync:
         import ray
 
         if (rollout is None) == (local is None):
-            raise ValueError("internal error: a collective weight sync goes to rollout workers or to a local module")
+            raise ValueError("internal error: a collective weight sync goes to rollout replicas or to a local module")
         self.learner, self.rollout, self.local = learner, rollout, local
         self.store = serve_store(timeout_s)
         host, port = ray.util.get_node_ip_address(), self.store.port
@@ -482,7 +482,7 @@ class CollectiveSync:
 
     def __call__(self, version: int) -> None:
         """One sync: the learner sends the trained actor as ``version``; every receiver loads it (the
-        rollout workers' engines then sample as ``version``; a local engine's version is the
+        rollout replicas' engines then sample as ``version``; a local engine's version is the
         caller's to set)."""
         sent = self.learner.send_weights(version)
         received = self.rollout.receive_weights(version) if self.rollout is not None else None

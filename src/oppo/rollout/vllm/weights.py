@@ -4,7 +4,7 @@
 share one buffer of checkpoint-format weights (:class:`BufferLayout`): a ``/dev/shm`` file on the CPU
 (:class:`SharedWeights`), a CUDA tensor shared by its IPC handle on a GPU. The layout and handle
 go once (:func:`map_in_worker`); each update copies every weight into its slot and sends a tiny RPC
-(:func:`load_in_worker`). The worker loads into the live model (:class:`LiveLoader`: vLLM's
+(:func:`load_in_worker`). vLLM's worker loads into the live model (:class:`LiveLoader`: vLLM's
 ``load_weights`` plus its post-load processing), checks that every element arrived and that no
 parameter aliases the buffer. The CUDA IPC path has not run yet. Design and costs: ``docs/vllm.md``,
 "Weight loads".
@@ -54,7 +54,7 @@ class Slot:
 
 @dataclass(frozen=True)
 class BufferLayout:
-    """Every served tensor's slot, in the order the trainer sends them (the worker loads in this
+    """Every served tensor's slot, in the order the trainer sends them (vLLM's worker loads in this
     order: vLLM's loaders see the checkpoint's order)."""
 
     slots: tuple[Slot, ...]
@@ -198,7 +198,7 @@ class SharedWeights:
             for (_, w), i in zip(pairs, index):
                 self._views[i].copy_(w)
         if self.kind == "cuda-ipc":
-            torch.cuda.synchronize(self._buf.device)  # CPU-GPU sync point: the worker reads next
+            torch.cuda.synchronize(self._buf.device)  # CPU-GPU sync point: vLLM's worker reads next
 
     def close(self) -> None:
         """Free the buffer; on the CPU unlink its file (idempotent)."""
@@ -215,7 +215,7 @@ class SharedWeights:
                 pass
 
 
-# ------------------------------------------------------------------------------------- worker side
+# --------------------------------------------------------------------------------- vLLM's worker side
 
 
 class _VLLMModel(Protocol):
@@ -378,7 +378,7 @@ def _layers_loaded(model: torch.nn.Module, loaded: set[str] | None) -> list[str]
 
 @dataclass
 class _Mapped:
-    """The worker's view of the buffer (kept on the worker object between RPCs)."""
+    """vLLM's worker's view of the buffer (kept on vLLM's worker object between RPCs)."""
 
     buf: torch.Tensor
     layout: BufferLayout

@@ -1,6 +1,6 @@
 """Code oppo runs inside vLLM's worker process (through ``collective_rpc``): an in-place reload in
 checkpoint format, the sampler wrap that returns each sampled token's untruncated log-prob beside
-the behaviour one, and the parent-death signal that ends the worker with the trainer
+the behaviour one, and the parent-death signal that ends vLLM's worker with the trainer
 (``docs/vllm.md`` says why each is needed)."""
 
 from __future__ import annotations
@@ -87,8 +87,8 @@ def install_untruncated_sampler(worker) -> bool:
 
 def die_with_trainer(worker, trainer_pid: int) -> bool:
     """Runs in vLLM's worker process (``collective_rpc``): have the kernel SIGKILL it when the
-    thread that started it exits (docs/vllm.md, "Parent death"). False where it cannot: not Linux, or the
-    worker is not ``trainer_pid``'s child."""
+    thread that started it exits (docs/vllm.md, "Parent death"). False where it cannot: not Linux, or
+    vLLM's worker is not ``trainer_pid``'s child."""
     from ...procs import kill_with_parent
 
     if os.getppid() != trainer_pid or not kill_with_parent():
