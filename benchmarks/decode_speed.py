@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 
 from oppo.bench import machine, synthetic_config
-from oppo.rollout.static import StaticRolloutEngine
-from oppo.rollout.engine import Rollout, RolloutEngine
+from oppo.rollout.static import StaticBackend
+from oppo.rollout.eager.backend import Rollout, EagerBackend
 
 NOMINAL_HBM = {"H200": 4.8e12, "H100 NVL": 3.9e12, "H100 PCIe": 2.0e12, "H100": 3.35e12, "A100-SXM4-80GB": 2.04e12,
                "A100 80GB PCIe": 1.94e12, "A100": 1.55e12, "L40S": 0.864e12, "A10G": 0.6e12}
@@ -122,8 +122,8 @@ def run(args) -> dict:
     vocab = model.config.vocab_size
     captures = ["none"] + (["cuda_graph"] if device.type == "cuda" else []) + (["compile"] if args.compile else [])
     # one instance per engine, reused across passes and batch sizes (the static slots reserved once)
-    engines = {"eager": RolloutEngine(model, -1, 0, args.new_tokens, greedy=True)}
-    static = {c: StaticRolloutEngine(model, -1, 0, args.new_tokens, greedy=True, max_rows=max(batches),
+    engines = {"eager": EagerBackend(model, -1, 0, args.new_tokens, greedy=True)}
+    static = {c: StaticBackend(model, -1, 0, args.new_tokens, greedy=True, max_rows=max(batches),
                                      max_len=args.prompt_len + args.new_tokens, capture=c) for c in captures}
     engines.update({f"static/{c}": e for c, e in static.items()})
     load_start = os.getloadavg()[0]

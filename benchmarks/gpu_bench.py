@@ -91,7 +91,7 @@ def parse(argv):
     p.add_argument("--workload", default="representative", choices=sorted(WORKLOADS))
     p.add_argument("--engine", default="trainer", choices=tuple(ENGINES),
                    help="trainer: the trainer's own choice (generation.backend=auto: static with CUDA graphs on "
-                        "CUDA, eager on CPU); eager: the eager engine; static: StaticRolloutEngine (CUDA "
+                        "CUDA, eager on CPU); eager: the eager engine; static: StaticBackend (CUDA "
                         "graphs on CUDA, uncaptured on CPU).")
     p.add_argument("--schedule", default="auto", choices=("auto", "interleaved", "one-at-a-time"),
                    help="interleaved: every mode's trainer resident, steps interleaved; one-at-a-time: one mode's "

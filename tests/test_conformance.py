@@ -413,9 +413,9 @@ def test_one_shot_scores_are_the_models(tiny_models, scorer):
 
 
 def _experience(tiny_models):
-    from oppo.rollout.engine import RolloutEngine
+    from oppo.rollout.eager.backend import EagerBackend
 
-    eng = RolloutEngine(_load(tiny_models, "policy"), (EOS,), PAD, 8, seed=0)
+    eng = EagerBackend(_load(tiny_models, "policy"), (EOS,), PAD, 8, seed=0)
     eng.admit(_rows())
     rows = sorted(eng.generate_all(), key=lambda r: r.uid)
     return build_experience(rows, PAD, torch.device("cpu"))

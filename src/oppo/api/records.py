@@ -22,7 +22,7 @@ class Rollout:
 
     ``response_ids[t]`` was sampled by policy version ``versions[t]`` with behaviour log-prob
     ``logprobs[t]`` (the truncated distribution it was drawn from) and untruncated log-prob
-    ``policy_logprobs[t]`` under the weights that sampled it (``rollout/engine.py``'s docstring; an engine
+    ``policy_logprobs[t]`` under the weights that sampled it (``rollout/eager/backend.py``'s docstring; an engine
     that samples without truncation may leave ``policy_logprobs`` empty: ``logprobs`` are then
     both). ``emitted`` counts the tokens already streamed to the scorers.
     """

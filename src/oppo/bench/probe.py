@@ -1,5 +1,5 @@
 """The rollout engine's decode step alone, timed on a fresh engine its backend builds
-(``rollout.registry.probe_engine``): the decode overhead a bench reports is measured against it."""
+(``rollout.registry.probe_backend``): the decode overhead a bench reports is measured against it."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def engine_step_probe(t, rows: int, prompt_len: int = 32, new_tokens: int = 16, 
     from ..api.records import Rollout
 
     eng = t.roles.rollout
-    probe = registry.probe_engine(eng, rows, prompt_len + new_tokens, new_tokens)
+    probe = registry.probe_backend(eng, rows, prompt_len + new_tokens, new_tokens)
     if probe is None:
         return None
     sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)

@@ -305,7 +305,7 @@ class RayRolloutGroup:
             states = state["workers"]
         else:
             gen = state.get("generator")
-            if gen is None:  # another kind of backend's state (module docstring of rollout/engine.py)
+            if gen is None:  # another kind of backend's state (module docstring of rollout/eager/backend.py)
                 return
             states = [{"generator": g} for g in (gen if isinstance(gen, list) else [gen])]
         if len(states) != len(self.workers):

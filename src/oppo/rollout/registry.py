@@ -164,12 +164,12 @@ def build(request: BuildRequest) -> RolloutBackend:
     return get(request.settings.kind).build(request)
 
 
-def build_engine(model: torch.nn.Module, settings: BackendSettings) -> RolloutBackend:
+def build_backend(model: torch.nn.Module, settings: BackendSettings) -> RolloutBackend:
     """A backend that samples with ``model`` (oppo's own engines): :func:`build` without the rest."""
     return build(BuildRequest(settings, model))
 
 
-def probe_engine(engine: Any, rows: int, max_len: int, new_tokens: int) -> Any:
+def probe_backend(engine: Any, rows: int, max_len: int, new_tokens: int) -> Any:
     """A fresh engine like ``engine`` for ``rows`` rows from the backend that built it (its
     :attr:`BackendSpec.probe`), or None when no backend offers one."""
     for n in names():

@@ -340,7 +340,7 @@ class VLLMRolloutBackend:
         return events
 
     def take_chunks(self, chunk_size: int) -> list[Chunk]:
-        """As :meth:`oppo.rollout.engine.RolloutEngine.take_chunks`."""
+        """As :meth:`oppo.rollout.eager.backend.EagerBackend.take_chunks`."""
         out = take_chunks(self.finished, self.rows.values(), chunk_size)
         self.finished = []
         return out

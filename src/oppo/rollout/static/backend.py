@@ -1,6 +1,6 @@
 """A static-shape rollout engine: preallocated KV slots and a decode step that can be captured.
 
-:class:`StaticRolloutEngine` is a drop-in for :class:`oppo.rollout.engine.RolloutEngine` (same
+:class:`StaticBackend` is a drop-in for :class:`oppo.rollout.eager.backend.EagerBackend` (same
 constructor arguments, methods, attributes and outputs). Each layer's keys and values are one
 tensor ``[max_rows, kv_heads, max_len, dim]`` allocated once; a row takes the lowest free slot, its
 tokens in columns ``0 .. n-1`` (position ids = column indices, so a sliding window means what it
@@ -12,7 +12,7 @@ scorer and learner threads may work meanwhile), with ``"compile"`` run through `
 with ``"none"`` eagerly. Weight updates copy into
 the same parameters, so graphs read the new weights. Prefill stays eager. Only ``sdpa`` and
 ``eager`` attention take the 4-D mask; other implementations are refused at construction.
-``docs/static-engine.md`` has the design in full and why capture is safe beside other threads.
+``docs/static-backend.md`` has the design in full and why capture is safe beside other threads.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from ...kernels.graphs import Capture, CapturedGraphs
 from ...kv import kv_layers, right_pad
 from ...kv_slots import SlotCache, slot_cache_class
-from ..engine import KVBudgetError, Rollout, RolloutEngine
+from ..eager.backend import EagerBackend, KVBudgetError, Rollout
 
 if TYPE_CHECKING:
     from transformers import DynamicCache
@@ -49,8 +49,8 @@ def bucket_size(n: int, cap: int, smallest: int = 16) -> int:
     return min(b, cap)
 
 
-class StaticRolloutEngine(RolloutEngine):
-    """:class:`RolloutEngine` over preallocated KV slots with a capturable decode step (module
+class StaticBackend(EagerBackend):
+    """:class:`EagerBackend` over preallocated KV slots with a capturable decode step (module
     docstring). It subclasses the eager engine to share what does not touch the cache (the device
     records of tokens, log-probs and versions, whose slots are its KV slots; forced lengths,
     chunks, ``generate_all``); everything that does is overridden here. The slots' lengths live
@@ -245,7 +245,7 @@ class StaticRolloutEngine(RolloutEngine):
     def _retire(self, keep: list[int]) -> None:
         kept = set(keep)
         gone = [s for i, s in enumerate(self.slot_of) if i not in kept]
-        if gone:  # a free slot decodes into its column 0 (docs/static-engine.md)
+        if gone:  # a free slot decodes into its column 0 (docs/static-backend.md)
             self._pos.index_fill_(0, torch.tensor(gone, dtype=torch.long, device=self.device), 0)
         super()._retire(keep)
 
@@ -362,7 +362,7 @@ def _plain_kv_problem(cache) -> str | None:
 
 
 def static_decode_problem(model, max_len: int | None = None, probe: bool = False) -> str | None:
-    """Why :class:`StaticRolloutEngine` cannot decode ``model``, as a sentence naming the fix, or
+    """Why :class:`StaticBackend` cannot decode ``model``, as a sentence naming the fix, or
     None when it can. From the config: an attention implementation that takes no 4-D mask, layers
     other than full or sliding-window attention, or windowed and full layers under a forward that
     takes no per-type masks (``max_len``: the slots' columns, a window at least that wide never

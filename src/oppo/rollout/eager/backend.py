@@ -9,7 +9,7 @@ chunk is due; on CUDA the stop flags are read every :data:`STOP_CHECK_EVERY` ste
 method runs on the actor's role stream.
 
 Design notes (the two log-probs, the host reads, deferred stop checks, streams):
-docs/static-engine.md, "The rollout engine it extends"."""
+docs/static-backend.md, "The rollout engine it extends"."""
 
 from __future__ import annotations
 
@@ -19,16 +19,16 @@ import math
 
 import torch
 
-from ..kernels import streams
+from ...kernels import streams
 
-from ..guard import NonFiniteError, sampling_message
-from ..kv import KVRows, left_pad
-from ..api.protocols import WeightSource
-from ..api.records import Chunk, ChunkReady, Event, Rollout, RolloutStats, SequenceFinished
-from .chunks import take_chunks
-from .registry import BackendSettings
+from ...guard import NonFiniteError, sampling_message
+from ...kv import KVRows, left_pad
+from ...api.protocols import WeightSource
+from ...api.records import Chunk, ChunkReady, Event, Rollout, RolloutStats, SequenceFinished
+from ..chunks import take_chunks
+from ..registry import BackendSettings
 
-__all__ = ["Chunk", "KVBudgetError", "Rollout", "RolloutEngine", "sample_tokens", "take_chunks"]
+__all__ = ["Chunk", "KVBudgetError", "Rollout", "EagerBackend", "sample_tokens", "take_chunks"]
 
 
 def sample_tokens(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
@@ -91,7 +91,7 @@ def on_actor(method):
     return run
 
 
-class RolloutEngine:
+class EagerBackend:
     """Slots of in-flight sequences over one policy model (see the module docstring)."""
 
     def __init_subclass__(cls, **kwargs):
@@ -105,7 +105,7 @@ class RolloutEngine:
     def __init__(self, model, eos_id: int | tuple[int, ...], pad_id: int, max_new_tokens: int,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0, greedy: bool = False):
         """``eos_id``: the id, or every id, that ends a response (``models.stop_token_ids``)."""
-        from ..models import backbone_and_head
+        from ...models import backbone_and_head
 
         self.model = model
         self.backbone, self.head = backbone_and_head(model)
@@ -353,7 +353,7 @@ class RolloutEngine:
         """The trained policy's weights into the model this engine samples with (a no-op when it
         is that model: fp32 without in-flight updates), then sample as ``version``. Rows in
         flight keep their KV cache (``recompute`` rebuilds it)."""
-        from ..weights.sync import load_source
+        from ...weights.sync import load_source
 
         load_source(self.model, weights, self.role)  # (ordered after the learner's write by an event)
         self.set_version(version)
@@ -588,4 +588,4 @@ class RolloutEngine:
 
 
 for _name in ACTOR_WORK:  # (the base class's own: __init_subclass__ wraps a subclass's)
-    setattr(RolloutEngine, _name, on_actor(getattr(RolloutEngine, _name)))
+    setattr(EagerBackend, _name, on_actor(getattr(EagerBackend, _name)))
