@@ -240,7 +240,7 @@ def test_it_runs_in_a_ray_rollout_worker(ray_local, tiny_models, tiny_prompts, t
             "placement.ray.rollout_cpus=0.25"])
         with Trainer.from_config(cfg, progress=False) as t:
             worker = t.roles.rollout.workers[0]
-            built = ray.get(worker.__ray_call__.remote(lambda host: (type(host.engine).__qualname__, os.getpid())))
+            built = ray.get(worker.__ray_call__.remote(lambda host: (type(host.backend).__qualname__, os.getpid())))
             assert built[0] == "Reporting" and built[1] != os.getpid(), "the worker built the plugin's backend"
             for _ in range(2):
                 m = t.run_step()

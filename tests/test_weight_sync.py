@@ -270,8 +270,8 @@ def _fsdp_main(rank: int, ports: tuple[int, int], paths: dict) -> None:
         moved += 1
     assert moved == len(list(host.model.parameters()))
     # the engine samples from the new weights: exactly as a local engine holding them
-    host.engine.admit(_rows())
-    remote = {r.uid: (r.response_ids, r.logprobs, r.versions) for r in host.engine.generate_all()}
+    host.backend.admit(_rows())
+    remote = {r.uid: (r.response_ids, r.logprobs, r.versions) for r in host.backend.generate_all()}
     local_model = spec.load().requires_grad_(False)
     local_model.load_state_dict(want, strict=False)
     local = build_backend(local_model, dataclasses.replace(_settings(paths["pad"]), seed=3))
@@ -285,7 +285,7 @@ def _fsdp_main(rank: int, ports: tuple[int, int], paths: dict) -> None:
     assert any(r.logprobs != remote[r.uid][1] for r in stale.generate_all()), "the old weights sample otherwise"
     _expect_refusal(lambda: host.receive_weights(9), "version 8", "expects version 9")
     host.receive_weights(9)
-    assert host.engine.version == 9
+    assert host.backend.version == 9
     del store
 
 
@@ -341,7 +341,7 @@ def test_trainer_syncs_collectively(ray_local, tiny_models, tiny_prompts, tmp_pa
         if "placement.ray.rollout_workers=1" in placement:
             worker = t.roles.rollout.workers[0]
             got, version = ray.get(worker.__ray_call__.remote(lambda self: (self.model.state_dict(),
-                                                                             self.engine.version)))
+                                                                             self.backend.version)))
         else:
             got, version = t.roles.rollout_policy.state_dict(), t.roles.rollout.version
             assert links[0].receiver.version == steps, "the controller received every sync"

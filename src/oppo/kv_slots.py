@@ -1,4 +1,4 @@
-"""KV cache slots of fixed shape, shared by the static decode engine (``rollout/static``) and the
+"""KV cache slots of fixed shape, shared by the static backend (``rollout/static``) and the
 streaming scorers' slots (``scoring/slots``): each layer's keys and values are one tensor
 ``[rows, kv_heads, columns, dim]`` allocated once; a forward over slots ``[:Rb]`` writes its tokens'
 keys and values at each slot's own columns and attends over columns ``[:Lb]`` (a transformers

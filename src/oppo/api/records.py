@@ -116,7 +116,7 @@ class ScoredOutputs:
 @dataclass(frozen=True)
 class RolloutStats:
     """What a rollout backend measured since the controller last asked (``RolloutBackend.take_stats``,
-    once per step): its KV cache's peak in bytes (``memory/actor_kv_peak_mb``; a static engine's is
+    once per step): its KV cache's peak in bytes (``memory/actor_kv_peak_mb``; a static backend's is
     its reservation), and the decode steps its engine took (``perf/decode_steps``,
     ``perf/decode_step_ms``; None where the backend does not count them)."""
 

@@ -3,7 +3,7 @@
 - :mod:`.cli`: the command line (``main``);
 - :mod:`.runner`: the modes' Trainers, their steps interleaved (``run_modes``);
 - :mod:`.workloads`: forced response lengths and synthetic models;
-- :mod:`.probe`: the rollout engine's decode step alone;
+- :mod:`.probe`: the rollout backend's decode step alone;
 - :mod:`.summaries`: bench.json's figures and bench.md's tables.
 
 What it measures and why (interleaving, warm-up, timing-only runs, the stage profile): ``docs/bench.md``.

@@ -1,4 +1,4 @@
-"""The rollout engine's decode step alone, timed on a fresh engine its backend builds
+"""The rollout backend's decode step alone, timed on a fresh engine its backend builds
 (``rollout.registry.probe_backend``): the decode overhead a bench reports is measured against it."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 
 def engine_step_probe(t, rows: int, prompt_len: int = 32, new_tokens: int = 16, repeats: int = 3) -> float | None:
-    """Seconds per decode step of the trainer's rollout engine alone: a fresh engine of the same
+    """Seconds per decode step of the trainer's rollout backend alone: a fresh engine of the same
     kind (its backend's ``probe``: eager, or static with the same capture) on the same model decodes ``rows`` rows of
     ``prompt_len`` random tokens for ``new_tokens`` sampled steps (the run's temperature, top-k and
     top-p) with no EOS; the median of

@@ -118,7 +118,7 @@ def run_modes(base, modes: list[str], steps: int, out: Path, tail_sigma: float |
         if probe is not None:
             records[mode]["engine_step_ms"] = 1e3 * probe
             records[mode]["engine_probe_rows"] = t.cfg.ppo.batch_size
-        stats = getattr(t.roles.rollout, "capture_stats", None)  # the static engine's decode graphs
+        stats = getattr(t.roles.rollout, "capture_stats", None)  # the static backend's decode graphs
         if callable(stats):
             records[mode]["decode_captures"] = stats()
         t.tracer.save(Path(t.cfg.run.out_dir) / "trace.json")

@@ -72,7 +72,7 @@ def hardware_markdown(modes: dict) -> list[str]:
              f"compute dtype, same run). Exact for sequential; in overlapped modes a stage also holds other steps' "
              f"work. Decode overhead: the generate stage's time per decode step over the engine's own step (a probe "
              f"of the same engine alone, every row decoding: it errs low). Padded: the share of the learner's "
-             f"computed positions that are padding. Decode graphs: the static engine's captures over the run (each "
+             f"computed positions that are padding. Decode graphs: the static backend's captures over the run (each "
              f"on its bucket's first step, inside that step) and their seconds.", "",
              "| mode | generate MFU | train MFU | train TFLOP/s | padded | decode ms/step | engine ms/step (probe) "
              "| decode overhead | decode graphs (s) |", "|---|---|---|---|---|---|---|---|---|"]

@@ -65,7 +65,7 @@ def utilisation(loop: Loop, result: StepResult, times: dict[str, float], rollout
     roles, exp = loop.roles, result.exp
     out: dict[str, float] = {}
     generate = times.get("time/generate", 0.0) + times.get("time/inflight_decode", 0.0)  # (pipeline: both)
-    done = rollout.decode_steps  # (counted by oppo's engines)
+    done = rollout.decode_steps  # (counted by oppo's backends)
     if done is not None:
         out["perf/decode_steps"] = float(done)
         if done and generate:

@@ -44,7 +44,7 @@ class Facts:
 @dataclass
 class Placed:
     """What a placement built: the three roles, the weight sync steps run in order after each
-    update (each ``step(version)``), the closers in the order they run, and the rollout engine's
+    update (each ``step(version)``), the closers in the order they run, and the rollout backend's
     line for the log."""
 
     learner: LearnerEngine

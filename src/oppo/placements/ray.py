@@ -1,7 +1,7 @@
 """``placement.name=ray``: the scorers (reward, reference, critic) in Ray actors, the learner a
 group of Ray ranks (the learner engine's ``build_remote``: data-parallel replicas or FSDP2 shards;
 how many and what each gets are the engine's own settings, ``learner.<engine>.*``),
-and the rollout engine in the controller or in ``rollout_workers`` Ray workers that stream their
+and the rollout backend in the controller or in ``rollout_workers`` Ray workers that stream their
 chunks to the scorer actors themselves. After each update rank 0's actor weights reach the rollout
 engine, streamed in buckets over a process group of their own or through the object store
 (``weight_sync``), and its critic the scorer actor."""
@@ -36,13 +36,13 @@ class RaySettings:
     rollout_cpus: float = setting(1.0, "CPUs per rollout worker.")
     rollout_gpus: float = setting(0.0, "GPUs per rollout worker.")
     weight_sync: str = setting(
-        "auto", "How the actor's trained weights reach the rollout engine after each update. collective: learner "
+        "auto", "How the actor's trained weights reach the rollout backend after each update. collective: learner "
                 "rank 0 and the rollout workers (or the controller, when the engine runs there) form a "
                 "torch.distributed group of their own and the weights stream in buckets of "
                 "placement.ray.weight_sync_bucket_mb (NCCL when every member has a GPU of its own, else gloo), cast "
                 "to the serving dtype, with the version checked; an FSDP2 learner gathers one parameter at a time. "
                 "object_store: rank 0's whole actor through Ray's object store (shared memory within a node). "
-                "auto: collective when the learner ranks and the rollout engine have GPUs, else the object store "
+                "auto: collective when the learner ranks and the rollout backend have GPUs, else the object store "
                 "(faster on one CPU node: benchmarks/weight_sync); also the object store if the group cannot form "
                 "(a warning says why).", ("auto", "collective", "object_store"))
     weight_sync_bucket_mb: float = setting(0.0, "Collective weight sync: bucket size in MiB (0: 256 over NCCL, 4 "
@@ -98,7 +98,7 @@ def decide(cfg: Config, own: RaySettings, facts: Facts) -> Placement:
 def build(models: Models, placement: Placement, own: RaySettings) -> Placed:
     """The scorer actors (all stage-3 scoring goes to them, streamed or one-shot), the learner ranks
     (started from the controller's models: fresh heads and adapters are initialised per process,
-    so rank 0's become everyone's), then the rollout engine and the weight sync."""
+    so rank 0's become everyone's), then the rollout backend and the weight sync."""
     from ..cluster import init_ray
     from ..learner import registry as learners
     from ..learner.group import learner_spec
@@ -137,7 +137,7 @@ def build(models: Models, placement: Placement, own: RaySettings) -> Placed:
             link(version)
         else:
             load_source(m.rollout_policy, learner.weights_out())
-        # (oppo's engines sample with that model: no copy; a backend with weights of its own reloads from it)
+        # (oppo's backends sample with that model: no copy; a backend with weights of its own reloads from it)
         rollout.load_weights(m.rollout_policy, version)
     sync.append(actor_home)
     if link is not None:
@@ -147,7 +147,7 @@ def build(models: Models, placement: Placement, own: RaySettings) -> Placed:
 
 def _with_rollout_workers(m: Models, placement: Placement, own: RaySettings, actors: Any, learner: Any,
                           sync: list[Callable[[int], object]], closers: list[Callable[[], None]]) -> Placed:
-    """``build``'s roles with the rollout engine in ``rollout_workers`` Ray workers, which stream their
+    """``build``'s roles with the rollout backend in ``rollout_workers`` Ray workers, which stream their
     chunks to the scorer ``actors`` themselves where the mode streams, and load rank 0's weights
     after each update (over a group of their own, or from the object store)."""
     import torch
@@ -238,7 +238,7 @@ def collective_sync(models: Models, own: RaySettings, learner, rollout=None, loc
 
 SPEC = PlacementSpec(
     "ray", "the scorers (reward, reference, critic) in Ray actors and the learner as a group of Ray ranks "
-           "(torch.distributed: gloo on CPU, NCCL on GPU); the rollout engine stays with the controller unless "
+           "(torch.distributed: gloo on CPU, NCCL on GPU); the rollout backend stays with the controller unless "
            "placement.ray.rollout_workers is set", decide=decide, build=build, remote=True,
     where="the Ray actors (placement.name=ray), which load their models from a directory",
     settings=RaySettings, checks=checks)

@@ -200,8 +200,8 @@ class Efficiency:
     """Fractions of the spec-sheet peaks a real run reaches, and fixed overheads (assumptions).
 
     Defaults describe an eager PyTorch / Hugging Face stack like the paper's TRL baseline and
-    oppo's eager engine (``generation.backend=eager``): no CUDA graphs, no paged attention. oppo's
-    static engine (the default on CUDA: CUDA graphs) and a serving engine decode with
+    oppo's eager backend (``generation.backend=eager``): no CUDA graphs, no paged attention. oppo's
+    static backend (the default on CUDA: CUDA graphs) and a serving engine decode with
     about a third of ``decode_step_s`` (measured: ``docs/benchmarks-notes.md``, "Static engine").
     """
 

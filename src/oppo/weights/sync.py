@@ -1,4 +1,4 @@
-"""Weights from the learner to the rollout engines: two paths, chosen by ``placement.ray.weight_sync``.
+"""Weights from the learner to the rollout backends: two paths, chosen by ``placement.ray.weight_sync``.
 
 **Object store** (:func:`pack` / :func:`unpack_into`): numpy views, which Ray stores out of band and
 hands a reader on the same node without a copy (torch tensors would be pickled); bf16 travels as its
@@ -510,7 +510,7 @@ def load_source(target: torch.nn.Module, source: WeightSource, role: Role | None
     pairs or :class:`~oppo.weights.remote.RemoteWeights`) into ``target``, cast to its dtypes; the
     pairs and remote weights may name only some of its tensors (the trained ones).
 
-    ``role`` (the rollout engine's, ``kernels.streams``): the copy runs on its stream, after the last
+    ``role`` (the rollout backend's, ``kernels.streams``): the copy runs on its stream, after the last
     write of ``source`` by another role (the learner's update: an event, no host sync) and after the
     other roles that read ``target``; ``target`` is then marked written by it. A ``source`` that is
     ``target`` (fp32, no in-flight updates: the engine samples with the trained module) copies
