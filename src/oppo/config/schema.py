@@ -496,7 +496,7 @@ class Config:
     @property
     def in_flight(self) -> bool:
         """In-flight weight updates (PipelineRL): the learner trains in the background while the
-        engine decodes; new weights load between decode steps."""
+        backend decodes; new weights load between decode steps."""
         return modes.get(self.overlap.mode).in_flight
 
 

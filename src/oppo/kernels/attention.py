@@ -440,7 +440,7 @@ def choose(policy: torch.nn.Module, others: list[torch.nn.Module], mode: str, ro
     ``rows`` x the widths of :func:`probe_widths` and sets the path :func:`decide` picks, through
     :func:`decode_path` (so the decode and chunk forwards copy no K/V per head). Returns the path
     (the policy's). A path that takes no 4-D mask is refused for a model that needs one (the static
-    engine and the scorer slots check). ``measure_fn`` (default :func:`measure`) and ``cudnn_why``
+    backend and the scorer slots check). ``measure_fn`` (default :func:`measure`) and ``cudnn_why``
     (default: the device's :func:`cudnn_refusal`) are for tests, which drive the CUDA branch on the
     CPU with injected measurements."""
     dev = next(policy.parameters()).device

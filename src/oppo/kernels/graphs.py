@@ -1,5 +1,5 @@
 """CUDA graphs captured once per shape key and replayed: the one capture recipe of the static
-decode engine's steps (``rollout/static/backend.py``) and the streamed scorers' chunk forwards
+backend's decode steps (``rollout/static/backend.py``) and the streamed scorers' chunk forwards
 (``scoring/slots.py``), with its bookkeeping (how many captures, how many seconds, which keys).
 
 The recipe (``docs/static-backend.md``, "Capture while other threads work"): the owner's one side

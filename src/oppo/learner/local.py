@@ -227,7 +227,7 @@ class Learner:
 
         On the learner's stream: it first waits for the roles that read the weights (a decode step
         still queued on the actor's stream, when both share the model), and marks them written at
-        the end (the rollout engine's next load or decode step waits on that event).
+        the end (the rollout backend's next load or decode step waits on that event).
         """
         trained = [self.actor] + ([self.critic] if critic and self.critic is not None else [])
         for module in trained:

@@ -3,7 +3,7 @@ group of Ray ranks (the learner engine's ``build_remote``: data-parallel replica
 how many and what each gets are the engine's own settings, ``learner.<engine>.*``),
 and the rollout backend in the controller or in ``rollout_workers`` Ray workers that stream their
 chunks to the scorer actors themselves. After each update rank 0's actor weights reach the rollout
-engine, streamed in buckets over a process group of their own or through the object store
+backend, streamed in buckets over a process group of their own or through the object store
 (``weight_sync``), and its critic the scorer actor."""
 
 from __future__ import annotations
@@ -28,16 +28,16 @@ class RaySettings:
                                    "else a new local one), or host:port / ray://host:port.")
     scorer_cpus: float = setting(1.0, "CPUs of the scorer actor.")
     scorer_gpus: float = setting(0.0, "GPUs of the scorer actor.")
-    rollout_workers: int = setting(0, "Rollout workers, each a copy of the policy with its own engine "
+    rollout_workers: int = setting(0, "Rollout workers, each a copy of the policy with its own backend "
                                       "(generation.backend: eager under auto, or a backend that runs in workers), "
                                       "sharing the B + Delta sequences and streaming their chunks straight to the "
                                       "scorer actors; each computes with placement.actor_threads threads. 0: the "
-                                      "engine runs in the controller process.")
+                                      "backend runs in the controller process.")
     rollout_cpus: float = setting(1.0, "CPUs per rollout worker.")
     rollout_gpus: float = setting(0.0, "GPUs per rollout worker.")
     weight_sync: str = setting(
         "auto", "How the actor's trained weights reach the rollout backend after each update. collective: learner "
-                "rank 0 and the rollout workers (or the controller, when the engine runs there) form a "
+                "rank 0 and the rollout workers (or the controller, when the backend runs there) form a "
                 "torch.distributed group of their own and the weights stream in buckets of "
                 "placement.ray.weight_sync_bucket_mb (NCCL when every member has a GPU of its own, else gloo), cast "
                 "to the serving dtype, with the version checked; an FSDP2 learner gathers one parameter at a time. "
@@ -61,10 +61,10 @@ def checks(own: RaySettings, cfg: Config) -> list[str]:
     if own.weight_sync_bucket_mb < 0:
         out.append(f"placement.ray.weight_sync_bucket_mb must be >= 0 (MiB; 0: by transport), got "
                    f"{own.weight_sync_bucket_mb}.")
-    engine = cfg.generation.backend
-    if own.rollout_workers and engine != registry.AUTO and not registry.get(engine).in_workers:
+    backend = cfg.generation.backend
+    if own.rollout_workers and backend != registry.AUTO and not registry.get(backend).in_workers:
         fits = [n for n in registry.names() if registry.get(n).in_workers]
-        out.append(f"placement.ray.rollout_workers runs generation.backend={engine} in each worker, which that "
+        out.append(f"placement.ray.rollout_workers runs generation.backend={backend} in each worker, which that "
                    f"backend does not support yet; set generation.backend=auto (eager in workers) or one of "
                    f"{', '.join(fits)}.")
     if own.rollout_workers and cfg.lora.r:
@@ -132,7 +132,7 @@ def build(models: Models, placement: Placement, own: RaySettings) -> Placed:
     closers.insert(0, rollout.close)
     link = collective_sync(m, own, learner, local=m.rollout_policy)
 
-    def actor_home(version: int) -> None:  # rank 0's actor -> the engine's model (the policy is
+    def actor_home(version: int) -> None:  # rank 0's actor -> the rollout backend's model (the policy is
         if link is not None:  # brought home only for checkpoints)
             link(version)
         else:
@@ -198,7 +198,7 @@ def scorer_specs(paths, pad_id: int, dtype: torch.dtype, *, reward_model: bool, 
 
 def collective_sync(models: Models, own: RaySettings, learner, rollout=None, local=None):
     """``weight_sync``: the collective, bucketed sync from the learner to the ``rollout`` workers
-    or the ``local`` engine's model (``weights.sync.CollectiveSync``), or None for the object store:
+    or the local backend's model (``weights.sync.CollectiveSync``), or None for the object store:
     asked for, or ``auto`` without GPUs on both sides or when the group cannot form (a warning says
     why)."""
     import warnings
@@ -218,7 +218,7 @@ def collective_sync(models: Models, own: RaySettings, learner, rollout=None, loc
         if rollout is not None:
             serving_on_gpu = own.rollout_gpus > 0
         else:
-            assert local is not None  # (the sink: the workers, or the local engine's model)
+            assert local is not None  # (the sink: the workers, or the local backend's model)
             serving_on_gpu = next(local.parameters()).is_cuda
         from ..learner import registry as learners
 

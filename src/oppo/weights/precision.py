@@ -10,7 +10,7 @@ refreshes after every update (the weight sync a distributed runtime does by broa
 
 In float32 there is one model per role and no copy: :func:`serving_copy` returns the master,
 except with in-flight updates (``overlap.mode=pipeline``), where the learner trains the master
-while the engine and the scorers go on with the copies.
+while the rollout backend and the scorers go on with the copies.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def master_dtype(compute: torch.dtype) -> torch.dtype:
 
 
 def serving_copy(master: torch.nn.Module, compute: torch.dtype, separate: bool = False) -> torch.nn.Module:
-    """The model the engine/scorer runs: ``master`` itself when it already computes in ``compute``
+    """The model the rollout backend/scorer runs: ``master`` itself when it already computes in ``compute``
     (unless ``separate``: in-flight updates train the master while the copy serves), else a
     frozen copy cast to ``compute``."""
     if next(master.parameters()).dtype == compute and not separate:

@@ -1,4 +1,4 @@
-"""vLLM as the rollout backend (``generation.backend=vllm``): a :class:`RolloutBackend` driven one
+"""vLLM as a rollout backend (``generation.backend=vllm``): a :class:`RolloutBackend` driven one
 engine step at a time (the engine core in this process, the model in vLLM's worker process), so
 that chunks stream to the scorers and weights load between two steps. Each request samples with
 its own seed; a token's version is the oldest of the weights that computed its logits and its KV;
