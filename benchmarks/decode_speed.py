@@ -1,4 +1,4 @@
-"""Decode speed per token: the eager rollout engine vs the static one (vs captured, on GPU),
+"""Decode speed per token: the eager rollout backend vs the static one (vs captured, on GPU),
 against the bandwidth bound.
 
     python benchmarks/decode_speed.py --device cpu --size small --threads 1 --out benchmarks/decode/cpu
@@ -160,7 +160,7 @@ def run(args) -> dict:
 def to_markdown(r: dict) -> str:
     names = r["engines"]
     gb = r["bandwidth_measured_Bps"] / 1e9
-    lines = ["# Decode speed: eager vs static engine", "", f"Machine: {r['machine']}", "",
+    lines = ["# Decode speed: eager vs static backend", "", f"Machine: {r['machine']}", "",
              f"Command: `{r['command']}`", "",
              f"Model: synthetic Llama `{r['size']}` ({r['params'] / 1e6:.1f}M parameters, {r['dtype']}, random "
              f"weights), prompts of {r['prompt_len']} tokens, {r['new_tokens']} greedy new tokens per row; the "
@@ -182,7 +182,7 @@ def to_markdown(r: dict) -> str:
         lines.append(f"| {row['batch']} | " + " | ".join(f"{row[f'{n}_ms_per_step']:.2f}" for n in names)
                      + f" | {bound} | " + " | ".join(f"{row[f'{n}_us_per_token']:.0f}" for n in names)
                      + f" | {row['eager_ms_per_step'] / best_static:.2f}x | {best_static / row['bound_ms_per_step']:.1f}x |")
-    lines += ["", "static vs eager: the eager engine's step time over the best static engine's (higher is better). "
+    lines += ["", "static vs eager: the eager backend's step time over the best static backend's (higher is better). "
               "static / bound: how far the best static step is above the bandwidth bound (1.0x is the bound).", ""]
     return "\n".join(lines)
 

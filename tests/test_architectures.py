@@ -340,7 +340,7 @@ def test_learner_logprobs(load, arch, dtype):
 
 
 # ---------------------------------------------------------------------------------------------
-# 3. behaviour log-probs from the rollout engine
+# 3. behaviour log-probs from the rollout backend
 
 
 @each_arch

@@ -1,7 +1,7 @@
 """One conformance suite per role Protocol (``oppo/api/protocols.py``), run against every
 implementation: what the controller relies on must hold wherever the role runs.
 
-- RolloutBackend: the eager engine, the static engine, Ray rollout workers (one and two), a backend
+- RolloutBackend: the eager backend, the static backend, Ray rollout workers (one and two), a backend
   registered at run time from a test (``tests/test_external_backend.py``: the Protocol's members only,
   built through ``rollout.registry``), vLLM (the test session's one engine, ``conftest.vllm_engine``, shared
   with ``tests/test_vllm.py``: a start costs ~25 s; skipped where vLLM is not installed);

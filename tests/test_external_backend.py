@@ -107,7 +107,7 @@ class Builds:
 def testplug():
     """The plugin registered for one test (then gone); yields its ``build`` (its record of builds)."""
     builds = Builds()
-    registry.register(registry.BackendSpec(NAME, "a test's backend: oppo's eager engine behind the Protocol", builds,
+    registry.register(registry.BackendSpec(NAME, "a test's backend: oppo's eager backend behind the Protocol", builds,
                                        in_workers=False, settings=PlugSettings, checks=_checks))
     try:
         yield builds
@@ -228,7 +228,7 @@ def test_it_runs_in_a_ray_rollout_worker(ray_local, tiny_models, tiny_prompts, t
     from oppo.config import load_config
     from oppo.trainer import Trainer
 
-    registry.register(registry.BackendSpec(NAME, "a test's backend: oppo's eager engine behind the Protocol", Builds(),
+    registry.register(registry.BackendSpec(NAME, "a test's backend: oppo's eager backend behind the Protocol", Builds(),
                                        settings=PlugSettings, checks=_checks))
     try:
         cfg = load_config(None, [

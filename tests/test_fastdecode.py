@@ -1,4 +1,4 @@
-"""The static-shape rollout engine (oppo.rollout.static) against the eager engine and Hugging Face:
+"""The static-shape rollout backend (oppo.rollout.static) against the eager backend and Hugging Face:
 greedy token-for-token equality under continuous batching (staggered admission, rows ending at
 different times, slots reused), behaviour log-probs against a full forward, sliding windows that
 bite, and the engine bookkeeping the trainer relies on. CUDA-graph capture is opt-in (gpu)."""
@@ -159,7 +159,7 @@ def test_sampled_logprobs_equal_a_full_forward(top_k):
 
 
 def _eager_continuous(eng, rows, first, slots):
-    """As ``_continuous`` for the eager engine (``slots`` rows at most); its finished records."""
+    """As ``_continuous`` for the eager backend (``slots`` rows at most); its finished records."""
     queue = list(rows)
     done = []
     eng.admit([queue.pop(0) for _ in range(first)])
@@ -276,7 +276,7 @@ def test_buckets_cover_every_size_with_bounded_waste():
 
 
 def test_trainer_with_the_static_engine_trains_the_same_batches(tiny_models, tiny_prompts, tmp_path):
-    """The trainer drives the static engine exactly as the eager one: in oppo mode (streamed
+    """The trainer drives the static backend exactly as the eager one: in oppo mode (streamed
     chunks, carried rows) the same seed samples the same responses and the same rewards."""
     from oppo.config import load_config
     from oppo.trainer import Trainer
@@ -378,7 +378,7 @@ def test_cuda_graph_decode_equals_eager_on_gpu(dtype):
 
 
 def test_generation_backend_static_is_wired(tiny_models, tiny_prompts, tmp_path):
-    """generation.backend=static builds the static engine and trains the eager engine's run."""
+    """generation.backend=static builds the static backend and trains the eager backend's run."""
     from oppo.config import load_config
     from oppo.rollout.static import StaticBackend
     from oppo.trainer import Trainer
@@ -402,7 +402,7 @@ def test_generation_backend_static_is_wired(tiny_models, tiny_prompts, tmp_path)
 
 def test_auto_backend_is_static_with_graphs_on_cuda_for_supported_policies_else_eager():
     """generation.backend=auto (the default): static with CUDA graphs on a CUDA device when the
-    policy suits the static engine, eager otherwise (on CPU without asking the model, so CPU runs
+    policy suits the static backend, eager otherwise (on CPU without asking the model, so CPU runs
     and the golden metrics are unchanged); explicit values are kept. ``torch.device("cuda")``
     stands for the device: nothing runs there."""
     from oppo.config import Config, ConfigError, help_text, load_config

@@ -1,5 +1,5 @@
 """The one CUDA-graph capture helper (``oppo.kernels.graphs``): its bookkeeping on a CPU with a stand-in
-for the graph, and the static decode engine capturing only the buckets a run reaches."""
+for the graph, and the static backend capturing only the buckets a run reaches."""
 
 from __future__ import annotations
 

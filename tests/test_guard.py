@@ -1,6 +1,6 @@
 """The non-finite guard (issue 26; docs/implementation-details.md, "Non-finite numbers"): a
 non-finite loss, advantage, gradient norm or updated weight stops the update before the optimizer
-or the rollout engine, naming the step, the stage, the tensor and the first rows or parameters;
+or the rollout backend, naming the step, the stage, the tensor and the first rows or parameters;
 ``ppo.nonfinite=skip`` skips and counts instead; the sampler names a diverged policy's rows."""
 
 from __future__ import annotations

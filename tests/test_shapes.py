@@ -222,7 +222,7 @@ def test_micro_batch_token_budget_sized_to_the_device(tiny_models):
 
 
 def test_static_engine_bucketed_prefill_decodes_the_same(tiny_models):
-    """The static engine's prefill on the ladders (rows of a repeated prompt, columns of padding;
+    """The static backend's prefill on the ladders (rows of a repeated prompt, columns of padding;
     on by default with CUDA graphs) samples the same tokens and log-probs as the exact prefill."""
     from oppo.api.records import Rollout
     from oppo.models import load_causal_lm

@@ -78,9 +78,9 @@ def test_bucketed_slots_near_the_position_limit(arch, kind):
 
 
 def test_static_engine_bucketed_prefill_keeps_padding_inside_the_limit():
-    """The static decode engine's bucketed prefill (on with CUDA graphs; forced here) pads a prompt
+    """The static backend's bucketed prefill (on with CUDA graphs; forced here) pads a prompt
     of 33 tokens to width 40, past dynamic RoPE's 36: its next-token logits still equal the
-    eager engine's, which pads nothing."""
+    eager backend's, which pads nothing."""
     from oppo.rollout.eager.backend import Rollout, EagerBackend
     from oppo.rollout.static.backend import StaticBackend
 

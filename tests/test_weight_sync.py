@@ -309,7 +309,7 @@ def test_fsdp2_ranks_stream_to_a_rollout_worker_one_parameter_at_a_time(tiny_mod
     ("placement.learner=replicate",),  # replica rank 0 -> the controller's engine
 ], ids=["fsdp2-to-worker", "replicas-to-controller"])
 def test_trainer_syncs_collectively(ray_local, tiny_models, tiny_prompts, tmp_path, placement):
-    """2 learner ranks stream each update to the rollout engine (placement.ray.weight_sync=collective,
+    """2 learner ranks stream each update to the rollout backend (placement.ray.weight_sync=collective,
     buckets of ~1 KB): a Ray rollout worker, or the engine in the controller. The run samples and
     trains as the local sequential run, step for step (its step-2 samples come from the synced
     weights), and the engine ends holding the learner's weights exactly, as the last version."""
