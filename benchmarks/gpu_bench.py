@@ -209,7 +209,7 @@ def check_one(spec: str, settings: list[str], steps: int, workload, out: Path, s
     result = {"engine": engine, "mode": mode, "steps": 0, "ok": False, "error": None, "ran": None}
 
     def guard(mode_: str, step: int, metrics: dict, trainer) -> None:
-        result["ran"] = trainer.roles.engine
+        result["ran"] = trainer.roles.backend
         bad = non_finite(metrics)
         if bad:
             raise NonFinite(f"step {step}: non-finite " + ", ".join(f"{k}={metrics[k]}" for k in bad[:8])

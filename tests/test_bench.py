@@ -192,7 +192,7 @@ def test_gpu_bench_check_names_engine_mode_step_and_metric(tmp_path, monkeypatch
     mod = _gpu_bench()
     policy, critic = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)
     trainer = SimpleNamespace(models=lambda: {"policy": policy, "critic": critic},
-                              roles=SimpleNamespace(rollout_policy=policy, engine="static with CUDA graphs"))
+                              roles=SimpleNamespace(rollout_policy=policy, backend="static with CUDA graphs"))
     assert mod.non_finite({"loss/policy": 0.5, "grad_norm/actor": math.nan, "kl/mean": -math.inf, "n": 3}) == \
         ["grad_norm/actor", "kl/mean"]
     assert mod.non_finite_weights(trainer) == []
