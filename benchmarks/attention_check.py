@@ -13,7 +13,7 @@ Two parts, in the run's compute dtype (bf16 on CUDA, fp32 in the smoke):
   grouped K/V heads (``oppo_sdpa_gqa``), transformers' ``sdpa`` and ``oppo_varlen`` (where
   ``oppo.kernels.varlen`` exists; skipped with a note where not), then :func:`oppo.kernels.attention.decide`'s
   verdicts and choice, with and without cuDNN refused by the version rule (``cudnn_refusal``);
-- **decode**: one attention call as the static engine's decode step and a scorer's streamed chunk
+- **decode**: one attention call as the static backend's decode step and a scorer's streamed chunk
   make it (64 rows, 1 or 16 queries against 640 cached columns under a padding mask, 32/8 heads),
   through each registered attention function: first-call and steady milliseconds, error against
   the fp32 math kernel, and whether ``repeat_kv`` ran (transformers' copy of K/V per head).

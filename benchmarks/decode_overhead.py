@@ -4,7 +4,7 @@
 
 A synthetic policy of ``--size`` (``oppo.bench.MODEL_SIZES``, random weights) and a tiny reward
 model (also the critic) train for ``--steps`` steps per mode on forced long-tailed lengths (the
-representative workload scaled to ``--max-new-tokens``). The rollout engine's ``admit`` and
+representative workload scaled to ``--max-new-tokens``). The rollout backend's ``admit`` and
 one decode step (``decode``; ``step`` in engines before it, whose ``step`` also read every row's
 tokens) are timed inside the run (wrapped, so the script measures older code the same way), and
 per step the report gives:

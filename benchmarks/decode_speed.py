@@ -1,4 +1,4 @@
-"""Decode speed per token: the eager rollout engine vs the static one (vs captured, on GPU),
+"""Decode speed per token: the eager rollout backend vs the static one (vs captured, on GPU),
 against the bandwidth bound.
 
     python benchmarks/decode_speed.py --device cpu --size small --threads 1 --out benchmarks/decode/cpu
@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 
 from oppo.bench import machine, synthetic_config
-from oppo.rollout.static import StaticRolloutEngine
-from oppo.rollout.engine import Rollout, RolloutEngine
+from oppo.rollout.static import StaticBackend
+from oppo.rollout.eager.backend import Rollout, EagerBackend
 
 NOMINAL_HBM = {"H200": 4.8e12, "H100 NVL": 3.9e12, "H100 PCIe": 2.0e12, "H100": 3.35e12, "A100-SXM4-80GB": 2.04e12,
                "A100 80GB PCIe": 1.94e12, "A100": 1.55e12, "L40S": 0.864e12, "A10G": 0.6e12}
@@ -122,8 +122,8 @@ def run(args) -> dict:
     vocab = model.config.vocab_size
     captures = ["none"] + (["cuda_graph"] if device.type == "cuda" else []) + (["compile"] if args.compile else [])
     # one instance per engine, reused across passes and batch sizes (the static slots reserved once)
-    engines = {"eager": RolloutEngine(model, -1, 0, args.new_tokens, greedy=True)}
-    static = {c: StaticRolloutEngine(model, -1, 0, args.new_tokens, greedy=True, max_rows=max(batches),
+    engines = {"eager": EagerBackend(model, -1, 0, args.new_tokens, greedy=True)}
+    static = {c: StaticBackend(model, -1, 0, args.new_tokens, greedy=True, max_rows=max(batches),
                                      max_len=args.prompt_len + args.new_tokens, capture=c) for c in captures}
     engines.update({f"static/{c}": e for c, e in static.items()})
     load_start = os.getloadavg()[0]
@@ -160,7 +160,7 @@ def run(args) -> dict:
 def to_markdown(r: dict) -> str:
     names = r["engines"]
     gb = r["bandwidth_measured_Bps"] / 1e9
-    lines = ["# Decode speed: eager vs static engine", "", f"Machine: {r['machine']}", "",
+    lines = ["# Decode speed: eager vs static backend", "", f"Machine: {r['machine']}", "",
              f"Command: `{r['command']}`", "",
              f"Model: synthetic Llama `{r['size']}` ({r['params'] / 1e6:.1f}M parameters, {r['dtype']}, random "
              f"weights), prompts of {r['prompt_len']} tokens, {r['new_tokens']} greedy new tokens per row; the "
@@ -182,7 +182,7 @@ def to_markdown(r: dict) -> str:
         lines.append(f"| {row['batch']} | " + " | ".join(f"{row[f'{n}_ms_per_step']:.2f}" for n in names)
                      + f" | {bound} | " + " | ".join(f"{row[f'{n}_us_per_token']:.0f}" for n in names)
                      + f" | {row['eager_ms_per_step'] / best_static:.2f}x | {best_static / row['bound_ms_per_step']:.1f}x |")
-    lines += ["", "static vs eager: the eager engine's step time over the best static engine's (higher is better). "
+    lines += ["", "static vs eager: the eager backend's step time over the best static backend's (higher is better). "
               "static / bound: how far the best static step is above the bandwidth bound (1.0x is the bound).", ""]
     return "\n".join(lines)
 

@@ -22,7 +22,7 @@ interleaved (tiny models: all fit).
 
 Random weights make rewards meaningless: read step times, busy fractions and the stage profile,
 not reward curves. ``--engine``: ``trainer`` (``generation.backend`` as configured: auto, i.e. the
-static engine with CUDA graphs on CUDA, eager on CPU), ``eager`` or ``static``.
+static backend with CUDA graphs on CUDA, eager on CPU), ``eager`` or ``static``.
 
 ``--check`` runs a few steps (``--steps``, default 3) of every mode with the eager and the static
 engine, each combination in a child process of its own (freed memory, and a device-side assert,
@@ -91,13 +91,13 @@ def parse(argv):
     p.add_argument("--workload", default="representative", choices=sorted(WORKLOADS))
     p.add_argument("--engine", default="trainer", choices=tuple(ENGINES),
                    help="trainer: the trainer's own choice (generation.backend=auto: static with CUDA graphs on "
-                        "CUDA, eager on CPU); eager: the eager engine; static: StaticRolloutEngine (CUDA "
+                        "CUDA, eager on CPU); eager: the eager backend; static: StaticBackend (CUDA "
                         "graphs on CUDA, uncaptured on CPU).")
     p.add_argument("--schedule", default="auto", choices=("auto", "interleaved", "one-at-a-time"),
                    help="interleaved: every mode's trainer resident, steps interleaved; one-at-a-time: one mode's "
                         "models resident at a time (built, stepped, freed); auto: one at a time on CUDA.")
     p.add_argument("--check", action="store_true",
-                   help="Run --steps (default 3) steps of every mode with the eager and the static engine, each in "
+                   help="Run --steps (default 3) steps of every mode with the eager and the static backend, each in "
                         "a child process, and exit 1 naming engine, mode, step and metric if any failed or any "
                         "number was not finite.")
     p.add_argument("--check-engines", default=",".join(CHECK_ENGINES),
@@ -191,7 +191,7 @@ def non_finite(metrics: dict) -> list[str]:
 
 def non_finite_weights(trainer) -> list[str]:
     """``model.parameter`` names holding a non-finite element: the trained actor and critic and
-    the rollout engine's copy of the policy (one device sync per model)."""
+    the rollout backend's copy of the policy (one device sync per model)."""
     models = {**trainer.models(), "rollout_policy": trainer.roles.rollout_policy}
     bad = []
     for name, model in models.items():
@@ -209,7 +209,7 @@ def check_one(spec: str, settings: list[str], steps: int, workload, out: Path, s
     result = {"engine": engine, "mode": mode, "steps": 0, "ok": False, "error": None, "ran": None}
 
     def guard(mode_: str, step: int, metrics: dict, trainer) -> None:
-        result["ran"] = trainer.roles.engine
+        result["ran"] = trainer.roles.backend
         bad = non_finite(metrics)
         if bad:
             raise NonFinite(f"step {step}: non-finite " + ", ".join(f"{k}={metrics[k]}" for k in bad[:8])

@@ -42,7 +42,7 @@ from oppo.config import PPOConfig
 from oppo.learner.batch import build_experience
 from oppo.learner.local import Learner
 from oppo.models import ModelLoadError, load_causal_lm, load_critic, load_reward_model
-from oppo.rollout.engine import Rollout, RolloutEngine
+from oppo.rollout.eager.backend import Rollout, EagerBackend
 from oppo.forward import sequence_batch
 from oppo.scoring.streaming import StreamingScorer, response_outputs, score_full
 
@@ -340,7 +340,7 @@ def test_learner_logprobs(load, arch, dtype):
 
 
 # ---------------------------------------------------------------------------------------------
-# 3. behaviour log-probs from the rollout engine
+# 3. behaviour log-probs from the rollout backend
 
 
 @each_arch
@@ -354,7 +354,7 @@ def test_behaviour_logprobs(load, arch, dtype):
 
     # three groups join 0, 2 and 5 steps in (rows of different ages, merged with left padding);
     # the older groups retire while the younger decode (rows removed, cache compacted)
-    eng = RolloutEngine(model, EOS, PAD, max_new_tokens=8, temperature=TEMP, top_k=0, top_p=1.0, seed=11)
+    eng = EagerBackend(model, EOS, PAD, max_new_tokens=8, temperature=TEMP, top_k=0, top_p=1.0, seed=11)
     groups = [group([0, 1], [2, 8]), group([2, 3], [6, 1]), group([4, 5], [7, 3])]
     joins = {0: groups[0], 2: groups[1], 5: groups[2]}
     done = {}  # the engine's records (it never changes the rows it is given)

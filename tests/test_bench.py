@@ -167,7 +167,7 @@ def test_gpu_bench_smoke_on_cpu(tmp_path):
     for mode, v in res["modes"].items():
         hw = v["hardware"]
         assert hw["peak_tflops"] > 0 and 0 < hw["train_mfu"] and 0 <= hw["train_padded_frac"] < 1, mode
-        assert hw["engine_step_ms"] > 0, mode
+        assert hw["backend_step_ms"] > 0, mode
         # pipeline: the timed (last) step may take no decode step of its own (every row finished
         # while the previous update ran, as it does on a loaded machine); then there is no overhead
         if mode != "pipeline" or "decode_step_ms" in hw:
@@ -192,7 +192,7 @@ def test_gpu_bench_check_names_engine_mode_step_and_metric(tmp_path, monkeypatch
     mod = _gpu_bench()
     policy, critic = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)
     trainer = SimpleNamespace(models=lambda: {"policy": policy, "critic": critic},
-                              roles=SimpleNamespace(rollout_policy=policy, engine="static with CUDA graphs"))
+                              roles=SimpleNamespace(rollout_policy=policy, backend="static with CUDA graphs"))
     assert mod.non_finite({"loss/policy": 0.5, "grad_norm/actor": math.nan, "kl/mean": -math.inf, "n": 3}) == \
         ["grad_norm/actor", "kl/mean"]
     assert mod.non_finite_weights(trainer) == []

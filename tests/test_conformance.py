@@ -1,7 +1,7 @@
 """One conformance suite per role Protocol (``oppo/api/protocols.py``), run against every
 implementation: what the controller relies on must hold wherever the role runs.
 
-- RolloutBackend: the eager engine, the static engine, Ray rollout replicas (one and two), a backend
+- RolloutBackend: the eager backend, the static backend, Ray rollout replicas (one and two), a backend
   registered at run time from a test (``tests/test_external_backend.py``: the Protocol's members only,
   built through ``rollout.registry``), vLLM (the test session's one engine, ``conftest.vllm_engine``, shared
   with ``tests/test_vllm.py``: a start costs ~25 s; skipped where vLLM is not installed);
@@ -413,9 +413,9 @@ def test_one_shot_scores_are_the_models(tiny_models, scorer):
 
 
 def _experience(tiny_models):
-    from oppo.rollout.engine import RolloutEngine
+    from oppo.rollout.eager.backend import EagerBackend
 
-    eng = RolloutEngine(_load(tiny_models, "policy"), (EOS,), PAD, 8, seed=0)
+    eng = EagerBackend(_load(tiny_models, "policy"), (EOS,), PAD, 8, seed=0)
     eng.admit(_rows())
     rows = sorted(eng.generate_all(), key=lambda r: r.uid)
     return build_experience(rows, PAD, torch.device("cpu"))

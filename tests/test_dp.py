@@ -22,7 +22,7 @@ from oppo.models import load_tokenizer  # noqa: E402
 from oppo.learner.dp import Replicated  # noqa: E402
 from oppo.learner.group import LearnerGroup, LearnerSpec, learner_state, load_learner_state  # noqa: E402
 from oppo.api.specs import ModelSpec  # noqa: E402
-from oppo.rollout.engine import Rollout  # noqa: E402
+from oppo.rollout.eager.backend import Rollout  # noqa: E402
 from oppo.api.records import ScoredOutputs
 from oppo.scoring.streaming import score_full  # noqa: E402
 from oppo.weights.sync import load_source  # noqa: E402
@@ -95,7 +95,7 @@ def test_dp_group_trains_like_one_learner_resumes_across_sizes_and_stops_on_a_de
     single = spec.build()
     initial = learner_state(single)
     exp0 = _experience(single, pad, seed=0)
-    rollout = spec.actor.load()  # what the rollout engine would sample with
+    rollout = spec.actor.load()  # what the rollout backend would sample with
     group = LearnerGroup(spec, 2, Replicated(), num_cpus=1, placement="STRICT_SPREAD", timeout_s=120)
     try:
         assert len(set(group.nodes())) == 2, "one rank per node: gloo and the weights cross nodes"

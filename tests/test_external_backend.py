@@ -3,7 +3,7 @@
 Protocol and one :class:`~oppo.rollout.registry.BackendSpec` are all a backend needs to be.
 
 :class:`Delegating` subclasses nothing and exposes the Protocol's members only (generated from it; no
-``__getattr__``): it samples with a private eager ``RolloutEngine``. Its spec declares
+``__getattr__``): it samples with a private eager ``EagerBackend``. Its spec declares
 :class:`PlugSettings` (``rollout.testplug.note``), a check of it, and its build; the config, ``--help``
 and the trainer find them through the registry alone. The RolloutBackend conformance suite runs against
 it (``tests/test_conformance.py``: ``ROLLOUTS["plugin"]`` builds it through the registry), and here the
@@ -94,12 +94,12 @@ class Builds:
     requests: list = field(default_factory=list)
 
     def __call__(self, req: registry.BuildRequest) -> Delegating:
-        from oppo.rollout.engine import RolloutEngine
+        from oppo.rollout.eager.backend import EagerBackend
 
         self.requests.append(req)
         s = req.settings
         assert s.kind == NAME and req.model is not None and isinstance(req.own, PlugSettings)
-        return self.cls(RolloutEngine(req.model, s.stop_ids, s.pad_id, s.max_new_tokens, s.temperature, s.top_k,
+        return self.cls(EagerBackend(req.model, s.stop_ids, s.pad_id, s.max_new_tokens, s.temperature, s.top_k,
                                       s.top_p, seed=s.seed))
 
 
@@ -107,7 +107,7 @@ class Builds:
 def testplug():
     """The plugin registered for one test (then gone); yields its ``build`` (its record of builds)."""
     builds = Builds()
-    registry.register(registry.BackendSpec(NAME, "a test's backend: oppo's eager engine behind the Protocol", builds,
+    registry.register(registry.BackendSpec(NAME, "a test's backend: oppo's eager backend behind the Protocol", builds,
                                        in_replicas=False, settings=PlugSettings, checks=_checks))
     try:
         yield builds
@@ -228,7 +228,7 @@ def test_it_runs_in_a_ray_rollout_replica(ray_local, tiny_models, tiny_prompts, 
     from oppo.config import load_config
     from oppo.trainer import Trainer
 
-    registry.register(registry.BackendSpec(NAME, "a test's backend: oppo's eager engine behind the Protocol", Builds(),
+    registry.register(registry.BackendSpec(NAME, "a test's backend: oppo's eager backend behind the Protocol", Builds(),
                                        settings=PlugSettings, checks=_checks))
     try:
         cfg = load_config(None, [
@@ -240,7 +240,7 @@ def test_it_runs_in_a_ray_rollout_replica(ray_local, tiny_models, tiny_prompts, 
             "placement.ray.rollout_cpus=0.25"])
         with Trainer.from_config(cfg, progress=False) as t:
             replica = t.roles.rollout.replicas[0]
-            built = ray.get(replica.__ray_call__.remote(lambda host: (type(host.engine).__qualname__, os.getpid())))
+            built = ray.get(replica.__ray_call__.remote(lambda host: (type(host.backend).__qualname__, os.getpid())))
             assert built[0] == "Reporting" and built[1] != os.getpid(), "the replica built the plugin's backend"
             for _ in range(2):
                 m = t.run_step()

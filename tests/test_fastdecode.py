@@ -1,4 +1,4 @@
-"""The static-shape rollout engine (oppo.rollout.static) against the eager engine and Hugging Face:
+"""The static-shape rollout backend (oppo.rollout.static) against the eager backend and Hugging Face:
 greedy token-for-token equality under continuous batching (staggered admission, rows ending at
 different times, slots reused), behaviour log-probs against a full forward, sliding windows that
 bite, and the engine bookkeeping the trainer relies on. CUDA-graph capture is opt-in (gpu)."""
@@ -7,8 +7,8 @@ import re
 import pytest
 import torch
 
-from oppo.rollout.static import StaticRolloutEngine, UnsupportedForStaticDecode, bucket_size
-from oppo.rollout.engine import Rollout, RolloutEngine
+from oppo.rollout.static import StaticBackend, UnsupportedForStaticDecode, bucket_size
+from oppo.rollout.eager.backend import Rollout, EagerBackend
 from conftest import returned
 from validated import load_valid
 
@@ -95,7 +95,7 @@ def test_greedy_equals_eager_engine_and_generate_with_continuous_batching():
     n = 20
     refs = _generate(model, PROMPTS, n)
     assert len({len(r) for r in refs}) > 2 and any(r[-1] == EOS for r in refs), "fixture: varied lengths"
-    eng = StaticRolloutEngine(model, EOS, PAD, n, greedy=True, max_rows=3, max_len=64)
+    eng = StaticBackend(model, EOS, PAD, n, greedy=True, max_rows=3, max_len=64)
     hosted, rows = _continuous(eng, _rows())
     assert max(len(u) for u in hosted.values()) > 1, "a retired row's slot was reused"
     assert len(hosted) <= 3
@@ -103,7 +103,7 @@ def test_greedy_equals_eager_engine_and_generate_with_continuous_batching():
         assert r.response_ids == ref
         assert r.ended_with_eos == (ref[-1] == EOS)
         assert r.finished and r.versions == [0] * len(ref)
-    eager = RolloutEngine(model, EOS, PAD, n, greedy=True)
+    eager = EagerBackend(model, EOS, PAD, n, greedy=True)
     erows = _rows()
     eager.admit(erows)
     erows = returned(erows, eager.generate_all())
@@ -114,8 +114,8 @@ def test_greedy_equals_eager_engine_and_generate_with_continuous_batching():
 def test_next_logits_equal_the_eager_engine_step_by_step():
     """Same admissions into both engines; every step's next-token logits agree (fp32)."""
     model = _model(eos_bias=1.5, seed=1)
-    a = RolloutEngine(model, EOS, PAD, 16, greedy=True)
-    b = StaticRolloutEngine(model, EOS, PAD, 16, greedy=True, max_rows=8, max_len=40)
+    a = EagerBackend(model, EOS, PAD, 16, greedy=True)
+    b = StaticBackend(model, EOS, PAD, 16, greedy=True, max_rows=8, max_len=40)
     ra, rb = _rows(), _rows()
     for eng, rows in ((a, ra), (b, rb)):
         eng.admit(rows[:3])
@@ -142,9 +142,9 @@ def test_sampled_logprobs_equal_a_full_forward(top_k):
     engine samples."""
     model = _model(seed=2)
     temp = 0.7
-    eng = StaticRolloutEngine(model, EOS, PAD, 12, temperature=temp, top_k=top_k, seed=3, max_rows=4, max_len=40)
+    eng = StaticBackend(model, EOS, PAD, 12, temperature=temp, top_k=top_k, seed=3, max_rows=4, max_len=40)
     _, rows = _continuous(eng, _rows(), first=3)
-    eager = RolloutEngine(model, EOS, PAD, 12, temperature=temp, top_k=top_k, seed=3)
+    eager = EagerBackend(model, EOS, PAD, 12, temperature=temp, top_k=top_k, seed=3)
     erows = _eager_continuous(eager, _rows(), first=3, slots=4)
     assert [r.response_ids for r in rows] == [r.response_ids for r in erows]
     for r in rows:
@@ -159,7 +159,7 @@ def test_sampled_logprobs_equal_a_full_forward(top_k):
 
 
 def _eager_continuous(eng, rows, first, slots):
-    """As ``_continuous`` for the eager engine (``slots`` rows at most); its finished records."""
+    """As ``_continuous`` for the eager backend (``slots`` rows at most); its finished records."""
     queue = list(rows)
     done = []
     eng.admit([queue.pop(0) for _ in range(first)])
@@ -178,7 +178,7 @@ def test_sliding_window_equals_generate(kind):
     model = _model(kind, window=4, seed=4)
     prompts = PROMPTS[:5]
     refs = _generate(model, prompts, 18)
-    eng = StaticRolloutEngine(model, EOS, PAD, 18, greedy=True, max_rows=2, max_len=32)
+    eng = StaticBackend(model, EOS, PAD, 18, greedy=True, max_rows=2, max_len=32)
     assert eng.window == 4 and eng._masks_as_dict == (kind == "qwen2")
     _, rows = _continuous(eng, _rows(prompts), first=1)
     assert [r.response_ids for r in rows] == refs
@@ -189,7 +189,7 @@ def test_sliding_window_equals_generate(kind):
 
 def test_forced_lengths_stop_ids_versions_recompute_and_abort():
     model = _model(seed=5)
-    eng = StaticRolloutEngine(model, (EOS, 9), PAD, 30, seed=0, max_rows=4, max_len=48)
+    eng = StaticBackend(model, (EOS, 9), PAD, 30, seed=0, max_rows=4, max_len=48)
     assert eng.eos_id == EOS and eng.eos_ids == frozenset({EOS, 9})
     rows = _rows(PROMPTS[:3])
     for r, t in zip(rows, (3, 7, 12)):
@@ -230,16 +230,16 @@ def test_forced_lengths_stop_ids_versions_recompute_and_abort():
 
 
 def test_peak_cache_bytes_is_the_reservation_and_the_budget_is_checked():
-    from oppo.rollout.engine import KVBudgetError
+    from oppo.rollout.eager.backend import KVBudgetError
 
     model = _model()
-    eng = StaticRolloutEngine(model, EOS, PAD, 8, greedy=True, max_rows=4, max_len=32)
+    eng = StaticBackend(model, EOS, PAD, 8, greedy=True, max_rows=4, max_len=32)
     eng.admit(_rows(PROMPTS[:1]))
     # 2 layers x (K + V) x 4 slots x 2 kv heads x 32 columns x head dim 8 x 4 bytes
     assert eng.peak_cache_bytes == 2 * 2 * 4 * 2 * 32 * 8 * 4
     eng.peak_cache_bytes = 0  # the trainer's per-step reset: the reservation stays
     assert eng.peak_cache_bytes == 2 * 2 * 4 * 2 * 32 * 8 * 4
-    small = StaticRolloutEngine(model, EOS, PAD, 8, greedy=True, max_rows=4, max_len=32)
+    small = StaticBackend(model, EOS, PAD, 8, greedy=True, max_rows=4, max_len=32)
     small.kv_budget_mb = 0.01
     with pytest.raises(KVBudgetError, match="kv_budget_mb"):
         small.admit(_rows(PROMPTS[:1]))
@@ -247,20 +247,20 @@ def test_peak_cache_bytes_is_the_reservation_and_the_budget_is_checked():
 
 def test_refusals_name_the_fix():
     model = _model()
-    eng = StaticRolloutEngine(model, EOS, PAD, 8, greedy=True, max_rows=2, max_len=16)
+    eng = StaticBackend(model, EOS, PAD, 8, greedy=True, max_rows=2, max_len=16)
     with pytest.raises(ValueError, match="max_rows"):
         eng.admit(_rows(PROMPTS[:3]))
     with pytest.raises(ValueError, match="max_len"):
         eng.admit([Rollout(0, 0, "", list(range(2, 12)), 0)])  # 10 + 8 - 1 > 16
     assert sorted(eng._free) == [0, 1], "a refused admission frees its slots"
     with pytest.raises(ValueError, match="cuda_graph"):
-        StaticRolloutEngine(model, EOS, PAD, 8, capture="cuda_graph")  # the model is on the CPU
+        StaticBackend(model, EOS, PAD, 8, capture="cuda_graph")  # the model is on the CPU
     with pytest.raises(ValueError, match="capture"):
-        StaticRolloutEngine(model, EOS, PAD, 8, capture="graphs")
+        StaticBackend(model, EOS, PAD, 8, capture="graphs")
     model.config._attn_implementation = "flash_attention_2"
     try:
         with pytest.raises(UnsupportedForStaticDecode, match="sdpa"):
-            StaticRolloutEngine(model, EOS, PAD, 8)
+            StaticBackend(model, EOS, PAD, 8)
     finally:
         model.config._attn_implementation = "sdpa"
 
@@ -276,7 +276,7 @@ def test_buckets_cover_every_size_with_bounded_waste():
 
 
 def test_trainer_with_the_static_engine_trains_the_same_batches(tiny_models, tiny_prompts, tmp_path):
-    """The trainer drives the static engine exactly as the eager one: in oppo mode (streamed
+    """The trainer drives the static backend exactly as the eager one: in oppo mode (streamed
     chunks, carried rows) the same seed samples the same responses and the same rewards."""
     from oppo.config import load_config
     from oppo.trainer import Trainer
@@ -291,7 +291,7 @@ def test_trainer_with_the_static_engine_trains_the_same_batches(tiny_models, tin
         t.length_sampler = lambda i, member: 2 + (i * 7) % 9  # rows end at different times: some are carried
         if static:
             e = t.roles.rollout
-            t.roles.rollout = StaticRolloutEngine(t.roles.rollout_policy, t.roles.stop_ids, t.roles.pad_id, t.max_new_tokens,
+            t.roles.rollout = StaticBackend(t.roles.rollout_policy, t.roles.stop_ids, t.roles.pad_id, t.max_new_tokens,
                                            cfg.generation.temperature, cfg.generation.top_k, cfg.generation.top_p,
                                            seed=cfg.run.seed, max_rows=cfg.ppo.batch_size + 2,
                                            max_len=t.roles.prompt_set.width + t.max_new_tokens)
@@ -339,7 +339,7 @@ def test_captured_step_reads_only_static_buffers():
         g = Traced(forward)
         return g, g.out
 
-    eng = StaticRolloutEngine(model, EOS, PAD, 20, greedy=True, max_rows=3, max_len=64, capture="cuda_graph",
+    eng = StaticBackend(model, EOS, PAD, 20, greedy=True, max_rows=3, max_len=64, capture="cuda_graph",
                               graph_capture=capture)
     hosted, rows = _continuous(eng, _rows())
     assert max(len(u) for u in hosted.values()) > 1
@@ -352,7 +352,7 @@ def test_compiled_decode_equals_eager_on_cpu():
     """capture='compile' (torch.compile of the same step; one variant per bucket)."""
     model = _model(eos_bias=2.0)
     refs = _generate(model, PROMPTS[:4], 12)
-    eng = StaticRolloutEngine(model, EOS, PAD, 12, greedy=True, max_rows=2, max_len=24, capture="compile")
+    eng = StaticBackend(model, EOS, PAD, 12, greedy=True, max_rows=2, max_len=24, capture="compile")
     _, rows = _continuous(eng, _rows(PROMPTS[:4]), first=2)
     assert [r.response_ids for r in rows] == refs
     assert eng.captures >= 1
@@ -367,7 +367,7 @@ def test_cuda_graph_decode_equals_eager_on_gpu(dtype):
     model = _model(eos_bias=2.0).to("cuda", dtype)
     outs = {}
     for capture in ("none", "cuda_graph"):
-        eng = StaticRolloutEngine(model, EOS, PAD, 20, greedy=True, max_rows=3, max_len=64, capture=capture)
+        eng = StaticBackend(model, EOS, PAD, 20, greedy=True, max_rows=3, max_len=64, capture=capture)
         _, rows = _continuous(eng, _rows())
         outs[capture] = [r.response_ids for r in rows]
         if capture == "cuda_graph":
@@ -378,9 +378,9 @@ def test_cuda_graph_decode_equals_eager_on_gpu(dtype):
 
 
 def test_generation_backend_static_is_wired(tiny_models, tiny_prompts, tmp_path):
-    """generation.backend=static builds the static engine and trains the eager engine's run."""
+    """generation.backend=static builds the static backend and trains the eager backend's run."""
     from oppo.config import load_config
-    from oppo.rollout.static import StaticRolloutEngine
+    from oppo.rollout.static import StaticBackend
     from oppo.trainer import Trainer
 
     out = {}
@@ -392,7 +392,7 @@ def test_generation_backend_static_is_wired(tiny_models, tiny_prompts, tmp_path)
             f"generation.backend={engine}", f"run.out_dir={tmp_path / engine}", "log.progress=false"])
         t = Trainer.from_config(cfg, progress=False)
         try:
-            assert isinstance(t.roles.rollout, StaticRolloutEngine) == (engine == "static")
+            assert isinstance(t.roles.rollout, StaticBackend) == (engine == "static")
             out[engine] = [(t.run_step()["loss/policy"], t.last_result.exp.ids.clone()) for _ in range(2)]
         finally:
             t.close()
@@ -402,7 +402,7 @@ def test_generation_backend_static_is_wired(tiny_models, tiny_prompts, tmp_path)
 
 def test_auto_backend_is_static_with_graphs_on_cuda_for_supported_policies_else_eager():
     """generation.backend=auto (the default): static with CUDA graphs on a CUDA device when the
-    policy suits the static engine, eager otherwise (on CPU without asking the model, so CPU runs
+    policy suits the static backend, eager otherwise (on CPU without asking the model, so CPU runs
     and the golden metrics are unchanged); explicit values are kept. ``torch.device("cuda")``
     stands for the device: nothing runs there."""
     from oppo.config import Config, ConfigError, help_text, load_config
@@ -461,7 +461,7 @@ def test_capture_is_thread_local_on_one_side_stream_after_warmups(monkeypatch):
 
     real = inspect.signature(torch.cuda.graph).parameters
     assert {"pool", "stream", "capture_error_mode"} <= set(real), "the fakes take what torch.cuda.graph takes"
-    eng = StaticRolloutEngine(_model(), EOS, PAD, 8, greedy=True, max_rows=2, max_len=32)
+    eng = StaticBackend(_model(), EOS, PAD, 8, greedy=True, max_rows=2, max_len=32)
     eng.admit(_rows(PROMPTS[:2]))
     log, on = [], []
 

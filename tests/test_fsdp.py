@@ -30,7 +30,7 @@ from oppo.learner.batch import (OldLogprobSettings, attach_scores, build_experie
 from oppo.models import backbone_and_head, load_tokenizer
 from oppo.learner.group import LearnerSpec, learner_state
 from oppo.api.specs import ModelSpec
-from oppo.rollout.engine import Rollout
+from oppo.rollout.eager.backend import Rollout
 from oppo.api.records import ScoredOutputs
 from oppo.scoring.streaming import score_full
 from oppo.api.records import Scores

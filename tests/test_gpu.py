@@ -33,14 +33,14 @@ def test_bf16_mixed_precision_on_cuda(tiny_models, tiny_prompts, tmp_path, mode)
 
 @pytest.mark.parametrize("mode", ["intra", "inter", "oppo", "pipeline"])
 def test_static_engine_with_cuda_graphs_in_every_overlapped_mode(tiny_models, tiny_prompts, tmp_path, mode):
-    """generation.backend=auto is the static engine with CUDA graphs on CUDA, and its captures
+    """generation.backend=auto is the static backend with CUDA graphs on CUDA, and its captures
     survive the scorer worker's and the learner thread's CUDA work (thread-local capture; issue 26
     item 2: the global mode failed with CUBLAS_STATUS_EXECUTION_FAILED, then
     cudaErrorStreamCaptureInvalidated). A few steps with rows carried and chunks streamed; every
     number finite, weights included."""
     import math
 
-    from oppo.rollout.static import StaticRolloutEngine
+    from oppo.rollout.static import StaticBackend
 
     cfg = load_config(None, [
         f"policy.path={tiny_models['policy']}", f"reward.path={tiny_models['reward']}",
@@ -51,7 +51,7 @@ def test_static_engine_with_cuda_graphs_in_every_overlapped_mode(tiny_models, ti
     t = Trainer.from_config(cfg, progress=False)
     try:
         engine = t.roles.rollout
-        assert isinstance(engine, StaticRolloutEngine) and engine.capture == "cuda_graph", t.roles.backend
+        assert isinstance(engine, StaticBackend) and engine.capture == "cuda_graph", t.roles.backend
         for step in range(4):
             m = t.run_step()
             bad = {k: v for k, v in m.items() if isinstance(v, (int, float)) and not math.isfinite(v)}

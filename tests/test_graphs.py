@@ -1,5 +1,5 @@
 """The one CUDA-graph capture helper (``oppo.kernels.graphs``): its bookkeeping on a CPU with a stand-in
-for the graph, and the static decode engine capturing only the buckets a run reaches."""
+for the graph, and the static backend capturing only the buckets a run reaches."""
 
 from __future__ import annotations
 
@@ -55,14 +55,14 @@ def test_static_engine_captures_only_the_buckets_a_run_reaches():
     """capture=cuda_graph with the stand-in: two rows in an engine of 16 slots x 64 columns capture
     the row bucket of 2 and the length buckets up to their prompt + new tokens, one graph each on
     first use (none at build), and decode the uncaptured engine's tokens."""
-    from oppo.rollout.engine import Rollout
-    from oppo.rollout.static.engine import StaticRolloutEngine, bucket_size
+    from oppo.rollout.eager.backend import Rollout
+    from oppo.rollout.static.backend import StaticBackend, bucket_size
 
     model = _policy()
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
     tokens = {}
     for capture in ("none", "cuda_graph"):
-        eng = StaticRolloutEngine(model, EOS, PAD, 12, greedy=True, max_rows=16, max_len=64, capture=capture,
+        eng = StaticBackend(model, EOS, PAD, 12, greedy=True, max_rows=16, max_len=64, capture=capture,
                                   graph_capture=rerun_capture if capture == "cuda_graph" else None)
         assert eng.captures == 0, "nothing is captured at build"
         rows = [Rollout(i, i, "", p, 0) for i, p in enumerate(prompts)]

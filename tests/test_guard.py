@@ -1,6 +1,6 @@
 """The non-finite guard (issue 26; docs/implementation-details.md, "Non-finite numbers"): a
 non-finite loss, advantage, gradient norm or updated weight stops the update before the optimizer
-or the rollout engine, naming the step, the stage, the tensor and the first rows or parameters;
+or the rollout backend, naming the step, the stage, the tensor and the first rows or parameters;
 ``ppo.nonfinite=skip`` skips and counts instead; the sampler names a diverged policy's rows."""
 
 from __future__ import annotations
@@ -157,14 +157,14 @@ def test_sampler_names_rows_of_a_diverged_policy(tiny_models, engine):
     CUDA a device-side assert): the rows, their sequences and the likely cause."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from oppo.rollout.static import StaticRolloutEngine
-    from oppo.rollout.engine import RolloutEngine
+    from oppo.rollout.static import StaticBackend
+    from oppo.rollout.eager.backend import EagerBackend
 
     tok = AutoTokenizer.from_pretrained(tiny_models["policy"])
     model = AutoModelForCausalLM.from_pretrained(tiny_models["policy"])
     with torch.no_grad():
         model.lm_head.weight[3] = float("inf")  # the logit of token 3: inf or NaN in every row
-    kind, extra = (RolloutEngine, {}) if engine == "eager" else (StaticRolloutEngine, {"max_rows": 2, "max_len": 16})
+    kind, extra = (EagerBackend, {}) if engine == "eager" else (StaticBackend, {"max_rows": 2, "max_len": 16})
     eng = kind(model, tok.eos_token_id, tok.pad_token_id, max_new_tokens=4, seed=0, **extra)
     eng.set_version(4)
     eng.admit([Rollout(20 + i, i, "p", tok(p)["input_ids"], 4) for i, p in enumerate(["the film", "a day"])])

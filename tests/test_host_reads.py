@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from oppo.api.records import ChunkReady, Rollout, SequenceFinished
-from oppo.rollout.engine import RolloutEngine
-from oppo.rollout.static import StaticRolloutEngine
+from oppo.rollout.eager.backend import EagerBackend
+from oppo.rollout.static import StaticBackend
 
 EOS, PAD = 1, 0
 PROMPTS = [[5, 6, 7, 8, 9], [3, 4], [12, 13, 14, 15, 16, 17, 18, 19], [20], [21, 22, 23], [30, 31, 32, 33]]
@@ -48,9 +48,9 @@ def _model(eos_bias: float):
 def _engine(kind: str, model, greedy: bool = False, every: int = 1):
     """``every``: the engine's ``stop_check_every`` (1, the CPU's default; CUDA's is larger)."""
     if kind == "eager":
-        eng = RolloutEngine(model, EOS, PAD, 16, seed=3, greedy=greedy)
+        eng = EagerBackend(model, EOS, PAD, 16, seed=3, greedy=greedy)
     else:
-        eng = StaticRolloutEngine(model, EOS, PAD, 16, seed=3, max_rows=8, max_len=40, greedy=greedy)
+        eng = StaticBackend(model, EOS, PAD, 16, seed=3, max_rows=8, max_len=40, greedy=greedy)
     eng.stop_check_every = every
     return eng
 

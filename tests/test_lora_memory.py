@@ -91,7 +91,7 @@ def test_lora_checkpoint_is_an_adapter_and_resumes(tiny_models, tiny_prompts, tm
 
 
 def test_kv_budget_stops_a_step_with_the_fix(tiny_models, tiny_prompts, tmp_path):
-    from oppo.rollout.engine import KVBudgetError
+    from oppo.rollout.eager.backend import KVBudgetError
 
     t = Trainer.from_config(_cfg(tiny_models, tiny_prompts, tmp_path, "generation.kv_budget_mb=0.01"), progress=False)
     try:

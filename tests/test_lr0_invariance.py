@@ -1,4 +1,4 @@
-"""At learning rate 0 nothing moves, in every mode, with both of oppo's rollout engines, in
+"""At learning rate 0 nothing moves, in every mode, with both of oppo's rollout backends, in
 float32 and under bf16 mixed precision (docs/implementation-details.md, "Non-finite numbers";
 issue 26).
 
@@ -88,12 +88,12 @@ def run_lr0(tiny_models, tiny_prompts, out, mode: str, engine: str, dtype: str, 
         separate = dtype == "bfloat16" or mode == "pipeline"
         assert (served is not actor) == separate, "a copy serves under bf16 or in-flight updates, else the master"
         a0, c0 = ({n: t.clone() for n, t in weights(m).items()} for m in (actor, critic))
-        assert_serves(served, actor, "the rollout engine's model at the start")
+        assert_serves(served, actor, "the rollout backend's model at the start")
         assert_serves(roles.scoring_critic, critic, "the critic's scorer copy at the start")
         synced = []
 
         def check(version: int) -> None:  # the last step of every weight sync
-            assert_serves(served, actor, f"the rollout engine's model after sync {version}")
+            assert_serves(served, actor, f"the rollout backend's model after sync {version}")
             assert_serves(roles.scoring_critic, critic, f"the critic's scorer copy after sync {version}")
             synced.append(version)
 

@@ -13,7 +13,7 @@ from oppo.forward import LayoutRule
 from oppo.learner.batch import Experience, build_experience
 from oppo.learner.local import Learner
 from oppo.models import load_causal_lm, load_tokenizer
-from oppo.rollout.engine import Rollout, RolloutEngine
+from oppo.rollout.eager.backend import Rollout, EagerBackend
 from oppo.scoring.streaming import score_full
 from oppo.trainer import Trainer
 
@@ -99,7 +99,7 @@ def test_no_weight_change_means_every_weight_is_1(tiny_models, top_k, top_p, rec
     the truncated behaviour log-prob they weighed the kept mass: about top_p.)"""
     tok = load_tokenizer(str(tiny_models["policy"]))
     model = load_causal_lm(str(tiny_models["policy"]), "policy", torch.device("cpu"), torch.float32).eval()
-    eng = RolloutEngine(model, tok.eos_token_id, tok.pad_token_id, max_new_tokens=10, temperature=0.8,
+    eng = EagerBackend(model, tok.eos_token_id, tok.pad_token_id, max_new_tokens=10, temperature=0.8,
                         top_k=top_k, top_p=top_p, seed=1)
     eng.admit([Rollout(i, i, p, tok(p)["input_ids"], 0) for i, p in enumerate(["the film was", "a day", "we"])])
     for _ in range(4):
@@ -187,7 +187,7 @@ def test_stale_kv_recompute_rebuilds_the_cache_under_new_weights(tiny_models):
     the new weights; keeping the cache does not (the prefix was computed by the old ones)."""
     tok = load_tokenizer(str(tiny_models["policy"]))
     model = load_causal_lm(str(tiny_models["policy"]), "policy", torch.device("cpu"), torch.float32).eval()
-    eng = RolloutEngine(model, tok.eos_token_id, tok.pad_token_id, max_new_tokens=30, seed=0)
+    eng = EagerBackend(model, tok.eos_token_id, tok.pad_token_id, max_new_tokens=30, seed=0)
     eng.admit([Rollout(0, 0, "p", tok("the film was")["input_ids"], 0),
                Rollout(1, 1, "q", tok("a day")["input_ids"], 0)])
     for _ in range(4):

@@ -21,7 +21,7 @@ from oppo.learner.local import CriticSettings, critic_update
 from oppo.models import load_critic, load_tokenizer  # noqa: E402
 from oppo.scoring.ray import RayScorerWorker  # noqa: E402
 from oppo.api.specs import ModelSpec  # noqa: E402
-from oppo.rollout.engine import Chunk  # noqa: E402
+from oppo.rollout.eager.backend import Chunk  # noqa: E402
 from oppo.scoring.streaming import StreamingScorer, score_full  # noqa: E402
 from oppo.trace import Tracer  # noqa: E402
 from oppo.scoring.worker import ScorerWorker  # noqa: E402

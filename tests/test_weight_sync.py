@@ -189,7 +189,7 @@ PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
 
 
 def _rows(start_uid: int = 0):
-    from oppo.rollout.engine import Rollout
+    from oppo.rollout.eager.backend import Rollout
 
     return [Rollout(start_uid + i, i, "", list(p), 0) for i, p in enumerate(PROMPTS)]
 
@@ -210,7 +210,7 @@ def _fsdp_main(rank: int, ports: tuple[int, int], paths: dict) -> None:
     from oppo.learner.group import LearnerRank, LearnerSpec
     from oppo.rollout.ray import RolloutHost
     from oppo.api.specs import ModelSpec
-    from oppo.rollout.registry import build_engine
+    from oppo.rollout.registry import build_backend
 
     torch.set_num_threads(1)
     learn_port, sync_port = ports
@@ -270,22 +270,22 @@ def _fsdp_main(rank: int, ports: tuple[int, int], paths: dict) -> None:
         moved += 1
     assert moved == len(list(host.model.parameters()))
     # the engine samples from the new weights: exactly as a local engine holding them
-    host.engine.admit(_rows())
-    remote = {r.uid: (r.response_ids, r.logprobs, r.versions) for r in host.engine.generate_all()}
+    host.backend.admit(_rows())
+    remote = {r.uid: (r.response_ids, r.logprobs, r.versions) for r in host.backend.generate_all()}
     local_model = spec.load().requires_grad_(False)
     local_model.load_state_dict(want, strict=False)
-    local = build_engine(local_model, dataclasses.replace(_settings(paths["pad"]), seed=3))
+    local = build_backend(local_model, dataclasses.replace(_settings(paths["pad"]), seed=3))
     local.set_version(7)
     local.admit(_rows())
     for r in local.generate_all():
         assert remote[r.uid] == (r.response_ids, r.logprobs, r.versions)
         assert set(r.versions) == {7}
-    stale = build_engine(spec.load().requires_grad_(False), dataclasses.replace(_settings(paths["pad"]), seed=3))
+    stale = build_backend(spec.load().requires_grad_(False), dataclasses.replace(_settings(paths["pad"]), seed=3))
     stale.admit(_rows())
     assert any(r.logprobs != remote[r.uid][1] for r in stale.generate_all()), "the old weights sample otherwise"
     _expect_refusal(lambda: host.receive_weights(9), "version 8", "expects version 9")
     host.receive_weights(9)
-    assert host.engine.version == 9
+    assert host.backend.version == 9
     del store
 
 
@@ -309,8 +309,8 @@ def test_fsdp2_ranks_stream_to_a_rollout_replica_one_parameter_at_a_time(tiny_mo
     ("placement.learner=replicate",),  # replica rank 0 -> the controller's engine
 ], ids=["fsdp2-to-replica", "replicas-to-controller"])
 def test_trainer_syncs_collectively(ray_local, tiny_models, tiny_prompts, tmp_path, placement):
-    """2 learner ranks stream each update to the rollout engine (placement.ray.weight_sync=collective,
-    buckets of ~1 KB): a Ray rollout replica, or the engine in the controller. The run samples and
+    """2 learner ranks stream each update to the rollout backend (placement.ray.weight_sync=collective,
+    buckets of ~1 KB): a Ray rollout replica, or the backend in the controller. The run samples and
     trains as the local sequential run, step for step (its step-2 samples come from the synced
     weights), and the engine ends holding the learner's weights exactly, as the last version."""
     pytest.importorskip("ray")
@@ -341,7 +341,7 @@ def test_trainer_syncs_collectively(ray_local, tiny_models, tiny_prompts, tmp_pa
         if "placement.ray.rollout_replicas=1" in placement:
             replica = t.roles.rollout.replicas[0]
             got, version = ray.get(replica.__ray_call__.remote(lambda self: (self.model.state_dict(),
-                                                                              self.engine.version)))
+                                                                              self.backend.version)))
         else:
             got, version = t.roles.rollout_policy.state_dict(), t.roles.rollout.version
             assert links[0].receiver.version == steps, "the controller received every sync"

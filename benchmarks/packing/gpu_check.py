@@ -16,7 +16,7 @@ from oppo.forward import LayoutRule, layout_rule
 from oppo.learner.batch import build_experience, micro_slices
 from oppo.learner.local import Learner
 from oppo.models import backbone_and_head
-from oppo.rollout.engine import Rollout
+from oppo.rollout.eager.backend import Rollout
 
 dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 torch.manual_seed(0)

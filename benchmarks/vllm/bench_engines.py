@@ -73,7 +73,7 @@ def prompts_for(path: Path, n: int, seed: int = 0) -> list[list[int]]:
 
 
 def rounds(engine, prompts, new_tokens: int, repeats: int) -> dict:
-    from oppo.rollout.engine import Rollout
+    from oppo.rollout.eager.backend import Rollout
 
     def one(base: int) -> float:
         rows = [Rollout(base + i, i, "", list(p), 0, target_length=new_tokens) for i, p in enumerate(prompts)]
@@ -93,8 +93,8 @@ def rounds(engine, prompts, new_tokens: int, repeats: int) -> dict:
 def bench_rollout(path: Path, B: int, new_tokens: int, repeats: int) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from oppo.rollout.static import StaticRolloutEngine
-    from oppo.rollout.engine import RolloutEngine
+    from oppo.rollout.static import StaticBackend
+    from oppo.rollout.eager.backend import EagerBackend
     from oppo.rollout.vllm.backend import VLLMRolloutBackend
 
     prompts = prompts_for(path, B)
@@ -103,9 +103,9 @@ def bench_rollout(path: Path, B: int, new_tokens: int, repeats: int) -> dict:
     eos = eos if isinstance(eos, int) else eos[0]
     out = {"params_m": sum(p.numel() for p in model.parameters()) / 1e6, "B": B, "new_tokens": new_tokens}
     torch.set_num_threads(THREADS)
-    out["eager"] = rounds(RolloutEngine(model, eos, 0, new_tokens + 1, seed=0), prompts, new_tokens, repeats)
+    out["eager"] = rounds(EagerBackend(model, eos, 0, new_tokens + 1, seed=0), prompts, new_tokens, repeats)
     print("eager", out["eager"]["tokens_per_s"], flush=True)
-    static = StaticRolloutEngine(model, eos, 0, new_tokens + 1, seed=0, max_rows=B, max_len=16 + new_tokens + 2)
+    static = StaticBackend(model, eos, 0, new_tokens + 1, seed=0, max_rows=B, max_len=16 + new_tokens + 2)
     out["static"] = rounds(static, prompts, new_tokens, repeats)
     print("static", out["static"]["tokens_per_s"], flush=True)
     for label, bind in (("vllm", None), ("vllm_2cores", "0-1")):

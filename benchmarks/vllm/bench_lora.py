@@ -114,7 +114,7 @@ def main() -> None:
 
 def generate(eng, batch: int, new_tokens: int, start: int) -> float:
     """Tokens per second of ``batch`` sequences of exactly ``new_tokens`` tokens."""
-    from oppo.rollout.engine import Rollout
+    from oppo.rollout.eager.backend import Rollout
 
     rows = [Rollout(start + u, u, "", [1 + u, 2 + 3 * u, 100 + u, 7, 40 + u, 9], 0, target_length=new_tokens)
             for u in range(batch)]
@@ -127,7 +127,7 @@ def generate(eng, batch: int, new_tokens: int, start: int) -> float:
 
 def logprob_gap(eng, model) -> float:
     """The largest |log p_vLLM - log p_peft| over a short generation (4 prompts, ``max_new_tokens`` each)."""
-    from oppo.rollout.engine import Rollout
+    from oppo.rollout.eager.backend import Rollout
 
     # no stop token and no forced length (a forced length bans EOS before it: vLLM's log-probs are
     # then of the renormalised distribution), so every token is drawn from the policy as it is

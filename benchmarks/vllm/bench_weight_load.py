@@ -117,7 +117,7 @@ def use_live_loader(worker, on: bool) -> None:
 
 def logprob_gap(eng, model) -> float:
     """The largest |log p_vLLM - log p_HF| over a short generation (4 prompts x 8 tokens)."""
-    from oppo.rollout.engine import Rollout
+    from oppo.rollout.eager.backend import Rollout
 
     start = 1000 * eng.weight_loads  # (new uids: new requests)
     rows = [Rollout(start + u, start + u, "", [1 + u, 2 + 3 * u, 100 + u, 7], 0) for u in range(4)]

@@ -354,7 +354,7 @@ class PromptSet:
 
     @property
     def width(self) -> int:
-        """The prompt columns a rollout engine reserves: ``data.max_prompt_tokens`` where set (the
+        """The prompt columns a rollout backend reserves: ``data.max_prompt_tokens`` where set (the
         shapes stay the setting's), else the longest prompt kept (with the setting empty the budget
         can be a large model's whole context: no column for a prompt that is not there)."""
         return self.setting if self.setting is not None else max(map(len, self.ids))

@@ -1,5 +1,5 @@
 """Numbers stay finite: the checks that stop a non-finite loss, advantage, gradient norm or weight
-before it reaches the optimizer or the rollout engine.
+before it reaches the optimizer or the rollout backend.
 
 The checks run at the advantage stage, before every optimizer step (losses, gradient norm), after
 an update's last step (weights) and in the sampler, each where the host already reads or with one
@@ -49,7 +49,7 @@ def report(msg: str, skip: bool) -> None:
     """Raise :class:`NonFiniteError` (``ppo.nonfinite=error``) or warn that the update was skipped."""
     if not skip:
         raise NonFiniteError(f"{msg}; the run stopped before the optimizer step: no weight was updated from it, "
-                             f"synced to the rollout engine or checkpointed. Fix: {FIX}.")
+                             f"synced to the rollout backend or checkpointed. Fix: {FIX}.")
     warnings.warn(f"{msg}; skipped (ppo.nonfinite=skip, counted in guard/skipped_updates)", NonFiniteWarning,
                   stacklevel=2)
 
@@ -97,7 +97,7 @@ def check_weights(model: torch.nn.Module, step: int, stage: str) -> None:
     bad = nonfinite_weights(model)
     if bad:
         raise NonFiniteError(f"non-finite updated weights at {at_step(step)}, {stage}: {first(bad)}; the run stopped "
-                             f"before the weight sync: nothing was synced to the rollout engine or checkpointed. "
+                             f"before the weight sync: nothing was synced to the rollout backend or checkpointed. "
                              f"Fix: {FIX}.")
 
 

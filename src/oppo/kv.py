@@ -1,4 +1,4 @@
-"""Rows of KV cache that can be extended, retired and merged: the slots of the rollout engine
+"""Rows of KV cache that can be extended, retired and merged: the slots of the rollout backend
 and of the streaming scorers.
 
 A :class:`KVRows` holds, for R rows (one per sequence):

@@ -1,4 +1,4 @@
-"""KV cache slots of fixed shape, shared by the static decode engine (``rollout/static``) and the
+"""KV cache slots of fixed shape, shared by the static backend (``rollout/static``) and the
 streaming scorers' slots (``scoring/slots``): each layer's keys and values are one tensor
 ``[rows, kv_heads, columns, dim]`` allocated once; a forward over slots ``[:Rb]`` writes its tokens'
 keys and values at each slot's own columns and attends over columns ``[:Lb]`` (a transformers
@@ -15,7 +15,7 @@ class _SlotLayer:
     """One layer's slots: keys/values ``[max_rows, kv_heads, max_len, dim]``.
 
     ``update`` writes the fed tokens' keys/values at each slot's own column (``cols``, set by the
-    engine before the forward) and returns the ``[:Rb, :, :Lb]`` view the attention reads.
+    backend before the forward) and returns the ``[:Rb, :, :Lb]`` view the attention reads.
     Duck-types transformers' ``CacheLayerMixin`` (the methods a decoder layer calls).
     """
 
@@ -47,7 +47,7 @@ class _SlotLayer:
 
 
 class SlotCache(Protocol):
-    """What the engine and its layers use of the ``_SlotCache`` that :func:`slot_cache_class`
+    """What the backend and its layers use of the ``_SlotCache`` that :func:`slot_cache_class`
     defines (a transformers ``Cache``, defined on first use: importing this module imports no
     transformers)."""
 

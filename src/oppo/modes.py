@@ -18,7 +18,7 @@ class Mode:
     name: str
     streams: bool  # intra-step overlap: chunks stream to the scorers while the actor decodes
     carries: bool  # inter-step overlap: overcommit, carry unfinished sequences into the next step
-    in_flight: bool  # in-flight weight updates (PipelineRL): the learner trains while the engine decodes
+    in_flight: bool  # in-flight weight updates (PipelineRL): the learner trains while the rollout backend decodes
     help: str  # one line for ``oppo train --help``
 
 

@@ -22,7 +22,7 @@ class Rollout:
 
     ``response_ids[t]`` was sampled by policy version ``versions[t]`` with behaviour log-prob
     ``logprobs[t]`` (the truncated distribution it was drawn from) and untruncated log-prob
-    ``policy_logprobs[t]`` under the weights that sampled it (``rollout/engine.py``'s docstring; an engine
+    ``policy_logprobs[t]`` under the weights that sampled it (``rollout/eager/backend.py``'s docstring; a backend
     that samples without truncation may leave ``policy_logprobs`` empty: ``logprobs`` are then
     both). ``emitted`` counts the tokens already streamed to the scorers.
     """
@@ -116,8 +116,8 @@ class ScoredOutputs:
 @dataclass(frozen=True)
 class RolloutStats:
     """What a rollout backend measured since the controller last asked (``RolloutBackend.take_stats``,
-    once per step): its KV cache's peak in bytes (``memory/actor_kv_peak_mb``; a static engine's is
-    its reservation), and the decode steps its engine took (``perf/decode_steps``,
+    once per step): its KV cache's peak in bytes (``memory/actor_kv_peak_mb``; a static backend's is
+    its reservation), and the decode steps its backend took (``perf/decode_steps``,
     ``perf/decode_step_ms``; None where the backend does not count them)."""
 
     kv_peak_bytes: int = 0

@@ -38,7 +38,7 @@ class Models:
     policy: torch.nn.Module  # the trained weights (what checkpoints save)
     critic: torch.nn.Module | None
     reference: torch.nn.Module
-    rollout_policy: torch.nn.Module  # what a local engine samples with (the policy, or its bf16 copy)
+    rollout_policy: torch.nn.Module  # what a local rollout backend samples with (the policy, or its bf16 copy)
     scoring_critic: torch.nn.Module | None
     reward: CompositeReward  # the trained reward: reward.terms, or reward.path / reward.function as one term
     reward_model: torch.nn.Module | None  # the ``reward`` scorer's model (a model term's; None: functions only)

@@ -3,7 +3,7 @@
 - :mod:`.cli`: the command line (``main``);
 - :mod:`.runner`: the modes' Trainers, their steps interleaved (``run_modes``);
 - :mod:`.workloads`: forced response lengths and synthetic models;
-- :mod:`.probe`: the rollout engine's decode step alone;
+- :mod:`.probe`: the rollout backend's decode step alone;
 - :mod:`.summaries`: bench.json's figures and bench.md's tables.
 
 What it measures and why (interleaving, warm-up, timing-only runs, the stage profile): ``docs/bench.md``.
@@ -12,7 +12,7 @@ What it measures and why (interleaving, warm-up, timing-only runs, the stage pro
 from __future__ import annotations
 
 from .cli import main
-from .probe import engine_step_probe
+from .probe import backend_step_probe
 from .runner import (CHECKED, LEARNING_PREFIXES, LOCAL_BASELINE, QUICK, mode_overrides, run_modes, slug, split_mode,
                      timing_only)
 from .summaries import (HARDWARE, hardware_markdown, jsonable, machine, settings_yaml, stage_profile,
@@ -21,6 +21,6 @@ from .workloads import (MODEL_SIZES, WORKLOADS, LengthWorkload, LlamaShape, leng
                         synthetic_sampler, synthetic_tokenizer, write_synthetic_models)
 
 __all__ = ["CHECKED", "HARDWARE", "LEARNING_PREFIXES", "LOCAL_BASELINE", "MODEL_SIZES", "QUICK", "WORKLOADS",
-           "LengthWorkload", "LlamaShape", "engine_step_probe", "hardware_markdown", "machine", "main",
+           "LengthWorkload", "LlamaShape", "backend_step_probe", "hardware_markdown", "machine", "main",
            "mode_overrides", "run_modes", "split_mode", "stage_profile", "stage_profile_markdown", "summarize",
            "synthetic_config", "synthetic_tokenizer", "timing_only", "to_markdown", "write_synthetic_models"]

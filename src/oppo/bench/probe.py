@@ -1,5 +1,5 @@
-"""The rollout engine's decode step alone, timed on a fresh engine its backend builds
-(``rollout.registry.probe_engine``): the decode overhead a bench reports is measured against it."""
+"""The rollout backend's decode step alone, timed on a fresh one its spec builds
+(``rollout.registry.probe_backend``): the decode overhead a bench reports is measured against it."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import time
 import torch
 
 
-def engine_step_probe(t, rows: int, prompt_len: int = 32, new_tokens: int = 16, repeats: int = 3) -> float | None:
-    """Seconds per decode step of the trainer's rollout engine alone: a fresh engine of the same
+def backend_step_probe(t, rows: int, prompt_len: int = 32, new_tokens: int = 16, repeats: int = 3) -> float | None:
+    """Seconds per decode step of the trainer's rollout backend alone: a fresh backend of the same
     kind (its backend's ``probe``: eager, or static with the same capture) on the same model decodes ``rows`` rows of
     ``prompt_len`` random tokens for ``new_tokens`` sampled steps (the run's temperature, top-k and
     top-p) with no EOS; the median of
@@ -21,11 +21,11 @@ def engine_step_probe(t, rows: int, prompt_len: int = 32, new_tokens: int = 16, 
     from ..rollout import registry
     from ..api.records import Rollout
 
-    eng = t.roles.rollout
-    probe = registry.probe_engine(eng, rows, prompt_len + new_tokens, new_tokens)
+    backend = t.roles.rollout
+    probe = registry.probe_backend(backend, rows, prompt_len + new_tokens, new_tokens)
     if probe is None:
         return None
-    sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)
+    sync = torch.cuda.synchronize if backend.device.type == "cuda" else (lambda: None)
     vocab = t.roles.tokenizer.vocab_size if hasattr(t.roles.tokenizer, "vocab_size") else 100
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, max(4, vocab), (prompt_len,), generator=g).tolist() for _ in range(rows)]

@@ -11,7 +11,7 @@ import torch
 
 from ..config import MODES, with_overrides
 from ..metrics import MetricsLogger
-from .probe import engine_step_probe
+from .probe import backend_step_probe
 from .workloads import LengthWorkload, synthetic_sampler
 
 
@@ -114,11 +114,11 @@ def run_modes(base, modes: list[str], steps: int, out: Path, tail_sigma: float |
 
     def finish(mode: str) -> None:
         t = trainers[mode]
-        probe = engine_step_probe(t, t.cfg.ppo.batch_size)
+        probe = backend_step_probe(t, t.cfg.ppo.batch_size)
         if probe is not None:
-            records[mode]["engine_step_ms"] = 1e3 * probe
-            records[mode]["engine_probe_rows"] = t.cfg.ppo.batch_size
-        stats = getattr(t.roles.rollout, "capture_stats", None)  # the static engine's decode graphs
+            records[mode]["backend_step_ms"] = 1e3 * probe
+            records[mode]["backend_probe_rows"] = t.cfg.ppo.batch_size
+        stats = getattr(t.roles.rollout, "capture_stats", None)  # the static backend's decode graphs
         if callable(stats):
             records[mode]["decode_captures"] = stats()
         t.tracer.save(Path(t.cfg.run.out_dir) / "trace.json")

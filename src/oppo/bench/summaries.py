@@ -40,17 +40,17 @@ HARDWARE = {"generate_mfu": "perf/generate_mfu", "train_mfu": "perf/train_mfu", 
 
 def _hardware(rec: dict, ms: list[dict]) -> dict:
     """How hard a mode drove the hardware (``control.step_metrics.utilisation``), with the decode
-    overhead: the generate stage's time per decode step over the engine's own (probe) step."""
+    overhead: the generate stage's time per decode step over the backend's own (probe) step."""
     out = {}
     for name, key in HARDWARE.items():
         vals = [m[key] for m in ms if key in m]
         if vals:
             out[name] = statistics.median(vals)
-    if "engine_step_ms" in rec:
-        out["engine_step_ms"] = rec["engine_step_ms"]
-        out["engine_probe_rows"] = rec["engine_probe_rows"]
+    if "backend_step_ms" in rec:
+        out["backend_step_ms"] = rec["backend_step_ms"]
+        out["backend_probe_rows"] = rec["backend_probe_rows"]
         if "decode_step_ms" in out:
-            out["decode_overhead"] = out["decode_step_ms"] / rec["engine_step_ms"]
+            out["decode_overhead"] = out["decode_step_ms"] / rec["backend_step_ms"]
     if "decode_captures" in rec:  # graphs (or compiled variants) made on a bucket's first step: in some timed step
         out["decode_captures"] = rec["decode_captures"]["captures"]
         out["decode_capture_s"] = rec["decode_captures"]["seconds"]
@@ -70,17 +70,17 @@ def hardware_markdown(modes: dict) -> list[str]:
     lines = ["## Hardware use", "",
              f"Model FLOPs utilisation against this device's measured peak ({peak:.3g} TFLOP/s: a matmul in the "
              f"compute dtype, same run). Exact for sequential; in overlapped modes a stage also holds other steps' "
-             f"work. Decode overhead: the generate stage's time per decode step over the engine's own step (a probe "
-             f"of the same engine alone, every row decoding: it errs low). Padded: the share of the learner's "
-             f"computed positions that are padding. Decode graphs: the static engine's captures over the run (each "
+             f"work. Decode overhead: the generate stage's time per decode step over the backend's own step (a probe "
+             f"of the same backend alone, every row decoding: it errs low). Padded: the share of the learner's "
+             f"computed positions that are padding. Decode graphs: the static backend's captures over the run (each "
              f"on its bucket's first step, inside that step) and their seconds.", "",
-             "| mode | generate MFU | train MFU | train TFLOP/s | padded | decode ms/step | engine ms/step (probe) "
+             "| mode | generate MFU | train MFU | train TFLOP/s | padded | decode ms/step | backend ms/step (probe) "
              "| decode overhead | decode graphs (s) |", "|---|---|---|---|---|---|---|---|---|"]
     for m, h in rows.items():
         graphs = f"{h['decode_captures']} ({h['decode_capture_s']:.1f} s)" if "decode_captures" in h else "-"
         lines.append(f"| {m} | {f(h, 'generate_mfu', '.2%')} | {f(h, 'train_mfu', '.2%')} | "
                      f"{f(h, 'train_tflops', '.3g')} | {f(h, 'train_padded_frac', '.1%')} | "
-                     f"{f(h, 'decode_step_ms', '.2f')} | {f(h, 'engine_step_ms', '.2f')} | "
+                     f"{f(h, 'decode_step_ms', '.2f')} | {f(h, 'backend_step_ms', '.2f')} | "
                      f"{f(h, 'decode_overhead', '.2f')}{'x' if 'decode_overhead' in h else ''} | {graphs} |")
     return lines + [""]
 

@@ -40,7 +40,7 @@ RESUMABLE_CHANGES = frozenset({
     "run.allow_changed_models",  # (the override itself: resuming with it is its purpose)
     "policy.device", "reference.device", "critic.device", "reward.device",
     "reward.retries", "reward.retry_backoff_s",  # (a run stopped by a flaky remote scorer resumes with retries)
-    # the same math, other machinery: the decode engine, a memory cap, activation recomputation
+    # the same math, other machinery: the rollout backend, a memory cap, activation recomputation
     "generation.backend", "generation.kv_budget_mb", "policy.gradient_checkpointing",
 })
 # placement: a checkpoint of a data-parallel Ray run resumes on another rank count or locally, a

@@ -84,7 +84,7 @@ TASK_PRESETS: dict[str, dict[str, Any]] = {
 @dataclass
 class PolicyConfig:
     path: str | None = opt(None, "Policy (actor) model: local directory or hub name. Empty: the built-in task's SFT policy.")
-    device: str = opt("auto", "Device of the policy and its rollout engine: cpu, cuda, cuda:N or auto (cuda if available).")
+    device: str = opt("auto", "Device of the policy and its rollout backend: cpu, cuda, cuda:N or auto (cuda if available).")
     dtype: str = opt("auto", "Compute dtype of every role: float32, bfloat16 or auto (float32 on cpu, bfloat16 on "
                              "cuda). Under bfloat16 the actor and critic train fp32 master weights with fp32 AdamW "
                              "state (bf16 autocast forward); rollout and scorers run bf16 copies synced after each "
@@ -227,7 +227,7 @@ class PPOConfig:
                                  "(logged); on CPU the models keep the path they loaded with. inherit: as loaded. "
                                  "Or a path by name: sdpa, oppo_sdpa_gqa, oppo_sdpa_cudnn, oppo_sdpa_efficient, "
                                  "oppo_sdpa_math, eager, flex_attention, flash_attention_2, flash_attention_3, a hub "
-                                 "kernel (org/repo) (flex and flash take no 4-D mask: the static decode engine then "
+                                 "kernel (org/repo) (flex and flash take no 4-D mask: the static backend then "
                                  "runs eager and the scorers a dynamic cache).")
     epochs: int = opt(1, "PPO epochs over each batch.")
     actor_lr: float = opt(1e-5, "Actor (policy) learning rate (AdamW).")
@@ -496,7 +496,7 @@ class Config:
     @property
     def in_flight(self) -> bool:
         """In-flight weight updates (PipelineRL): the learner trains in the background while the
-        engine decodes; new weights load between decode steps."""
+        backend decodes; new weights load between decode steps."""
         return modes.get(self.overlap.mode).in_flight
 
 

@@ -47,7 +47,7 @@ class InFlight:
         does, so their next tokens carry the current version) and decodes on where each stopped.
         Saved tokens keep their versions and behaviour log-probs, so the off-policy correction
         and the staleness metrics see them as before. Streaming scorers prefill each prompt and
-        get the response so far as the sequence's first chunk (``emitted`` is reset: the engine
+        get the response so far as the sequence's first chunk (``emitted`` is reset: the backend
         sends it with its next chunk); a finished one gets it as its final chunk."""
         rows = [Rollout.from_state_dict(d) for d in sequences]
         if not rows:

@@ -36,7 +36,7 @@ class OverlapPolicy:
     """What the overlapped loop does, from ``overlap.mode``'s row of the mode table
     (:data:`oppo.modes.TABLE`) and two stale-state settings: ``streams`` chunks to the scorers
     while decoding; ``carries`` unfinished sequences into the next step; trains ``in_flight``
-    while the engine decodes the next step."""
+    while the rollout backend decodes the next step."""
 
     streams: bool
     carries: bool
@@ -345,7 +345,7 @@ def _merged(n: int, *parts: tuple[list[int], list | None]) -> list:
 
 def update(loop: Loop, exp: Experience, txt: list[str], scores: Scores, step: int) -> StepResult:
     """Stages 4-6: KL-shaped rewards, advantages, PPO epochs. Changes the trained weights only
-    (the pipeline's learner thread runs it while the engine decodes with the weights it has).
+    (the pipeline's learner thread runs it while the rollout backend decodes with the weights it has).
     Non-finite numbers stop the run here (``guard.py``), before the weight sync; with
     ``ppo.nonfinite=skip`` the skipped optimizer steps are counted (``guard/skipped_updates``)."""
     batch = exp.rollouts

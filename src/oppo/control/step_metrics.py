@@ -58,14 +58,14 @@ def utilisation(loop: Loop, result: StepResult, times: dict[str, float], rollout
       a quarter of the actor's FLOPs in the window; left out, sequential and overlapped train MFU
       were not comparable (issue 46).
 
-    And the decode loop's time per engine step (``perf/decode_step_ms``: that generate time / the
-    decode steps the engine took, where the backend counts them). Exact for ``sequential``; in the
+    And the decode loop's time per decode step (``perf/decode_step_ms``: that generate time / the
+    decode steps the backend took, where it counts them). Exact for ``sequential``; in the
     overlapped modes a step's stages also hold other steps' work (carried rows, the update beside
     decoding), so read their figures as rates, not utilisations."""
     roles, exp = loop.roles, result.exp
     out: dict[str, float] = {}
     generate = times.get("time/generate", 0.0) + times.get("time/inflight_decode", 0.0)  # (pipeline: both)
-    done = rollout.decode_steps  # (counted by oppo's engines)
+    done = rollout.decode_steps  # (counted by oppo's backends)
     if done is not None:
         out["perf/decode_steps"] = float(done)
         if done and generate:

@@ -168,14 +168,14 @@ def _device_cudnn_refusal(device: torch.device) -> str | None:
 
 def candidates(device: torch.device) -> list[str]:
     """The paths ``auto`` probes on ``device`` (beside :data:`REFERENCE`, which every path is checked
-    against): those that take the 4-D masks of the static decode engine and the scorer slots
+    against): those that take the 4-D masks of the static backend and the scorer slots
     (:func:`other_paths`: the rest)."""
     return ["sdpa", GQA, "eager"] if device.type != "cuda" else list(CUDA_CANDIDATES)
 
 
 def other_paths() -> list[str]:
     """Paths a user may name (``ppo.attention``) that ``auto`` does not try, because they take no
-    4-D mask: the static decode engine would run eager and the scorers' slots a dynamic cache."""
+    4-D mask: the static backend would run eager and the scorers' slots a dynamic cache."""
     out = []
     try:
         from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
@@ -189,7 +189,7 @@ def other_paths() -> list[str]:
 
 
 def takes_4d_mask(name: str) -> bool:
-    """Whether a path takes the explicit 4-D masks of the static decode engine and the scorer slots."""
+    """Whether a path takes the explicit 4-D masks of the static backend and the scorer slots."""
     from .varlen import base
 
     name = base(name)  # (oppo_varlen:<path> runs <path> for every forward but the packed ones)
@@ -440,7 +440,7 @@ def choose(policy: torch.nn.Module, others: list[torch.nn.Module], mode: str, ro
     ``rows`` x the widths of :func:`probe_widths` and sets the path :func:`decide` picks, through
     :func:`decode_path` (so the decode and chunk forwards copy no K/V per head). Returns the path
     (the policy's). A path that takes no 4-D mask is refused for a model that needs one (the static
-    engine and the scorer slots check). ``measure_fn`` (default :func:`measure`) and ``cudnn_why``
+    backend and the scorer slots check). ``measure_fn`` (default :func:`measure`) and ``cudnn_why``
     (default: the device's :func:`cudnn_refusal`) are for tests, which drive the CUDA branch on the
     CPU with injected measurements."""
     dev = next(policy.parameters()).device

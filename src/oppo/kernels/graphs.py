@@ -1,8 +1,8 @@
 """CUDA graphs captured once per shape key and replayed: the one capture recipe of the static
-decode engine's steps (``rollout/static/engine.py``) and the streamed scorers' chunk forwards
+backend's decode steps (``rollout/static/backend.py``) and the streamed scorers' chunk forwards
 (``scoring/slots.py``), with its bookkeeping (how many captures, how many seconds, which keys).
 
-The recipe (``docs/static-engine.md``, "Capture while other threads work"): the owner's one side
+The recipe (``docs/static-backend.md``, "Capture while other threads work"): the owner's one side
 stream, waiting for the current stream; two warm-up runs of the forward on it (the same inputs
 and cache writes the replays make, so they are harmless, and lazy initialisations happen outside
 the capture); then a thread-local capture on that stream into the owner's one memory pool, so the

@@ -119,7 +119,7 @@ def build_experience(rollouts: list[Rollout], pad_id: int, device) -> Experience
         if r.policy_logprobs and len(r.policy_logprobs) != len(r.logprobs):
             raise RuntimeError(f"internal error: sequence {r.uid} has {len(r.logprobs)} behaviour log-probs but "
                                f"{len(r.policy_logprobs)} untruncated ones")
-    # an engine that samples without truncation may leave policy_logprobs empty (Rollout)
+    # a rollout backend that samples without truncation may leave policy_logprobs empty (Rollout)
     plp = _pad_rows([r.policy_logprobs or r.logprobs for r in rollouts], T, device)
     return Experience(
         rollouts=rollouts, ids=ids, valid=valid, P=P, mask=rmask.float(),

@@ -170,7 +170,7 @@ class Learner:
         """A new record with ``old_logprobs`` (the ratio's centre, pi_k) and ``is_weights`` set.
 
         - Off-policy tokens (sampled by a version older than ``version``, or, with
-          ``stale_kv=keep``, by new weights over an older KV prefix: ``RolloutEngine``) get
+          ``stale_kv=keep``, by new weights over an older KV prefix: ``EagerBackend``) get
           old_logprobs recomputed under pi_k by the training forward, and an importance weight
           pi_k / pi_v truncated at ``ppo.is_truncate`` (decoupled PPO, as AReaL does). pi_v is
           the sampling version's untruncated log-prob (``Experience.policy_logprobs``), not the
@@ -227,7 +227,7 @@ class Learner:
 
         On the learner's stream: it first waits for the roles that read the weights (a decode step
         still queued on the actor's stream, when both share the model), and marks them written at
-        the end (the rollout engine's next load or decode step waits on that event).
+        the end (the rollout backend's next load or decode step waits on that event).
         """
         trained = [self.actor] + ([self.critic] if critic and self.critic is not None else [])
         for module in trained:

@@ -44,7 +44,7 @@ class Facts:
 @dataclass
 class Placed:
     """What a placement built: the three roles, the weight sync steps run in order after each
-    update (each ``step(version)``), the closers in the order they run, and the rollout engine's
+    update (each ``step(version)``), the closers in the order they run, and the rollout backend's
     line for the log."""
 
     learner: LearnerEngine
@@ -100,7 +100,7 @@ def of(placement: PlacementConfig) -> PlacementSpec:
 
 
 def rollout_settings(models: Models, device: torch.device, model: torch.nn.Module | None = None) -> BackendSettings:
-    """The rollout backend's settings (``rollout.registry.backend_settings``) for an engine on
+    """The rollout backend's settings (``rollout.registry.backend_settings``) for a backend on
     ``device`` decoding ``model`` (None: not given to check), read from the run's config once here:
     ``generation.*``, the backends' own ``rollout.*``, ``run.seed`` and the rows in flight."""
     from ..rollout import registry
@@ -115,7 +115,7 @@ def rollout_settings(models: Models, device: torch.device, model: torch.nn.Modul
 def local_rollout(models: Models) -> tuple[RolloutBackend, str]:
     """The rollout backend in this process (``generation.backend``), sampling with (or, for a
     backend that loads the policy itself, starting from) the serving policy's weights; and which
-    engine runs and why, for the log."""
+    backend runs and why, for the log."""
     from ..rollout import registry
 
     m = models

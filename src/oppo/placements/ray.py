@@ -1,9 +1,9 @@
 """``placement.name=ray``: the scorers (reward, reference, critic) in Ray actors, the learner a
 group of Ray ranks (the learner engine's ``build_remote``: data-parallel replicas or FSDP2 shards;
 how many and what each gets are the engine's own settings, ``learner.<engine>.*``),
-and the rollout engine in the controller or in ``rollout_replicas`` Ray replicas that stream their
+and the rollout backend in the controller or in ``rollout_replicas`` Ray replicas that stream their
 chunks to the scorer actors themselves. After each update rank 0's actor weights reach the rollout
-engine, streamed in buckets over a process group of their own or through the object store
+backend, streamed in buckets over a process group of their own or through the object store
 (``weight_sync``), and its critic the scorer actor."""
 
 from __future__ import annotations
@@ -29,20 +29,20 @@ class RaySettings:
     scorer_cpus: float = setting(1.0, "CPUs of the scorer actor.")
     scorer_gpus: float = setting(0.0, "GPUs of the scorer actor.")
     rollout_replicas: int = setting(0, "Rollout replicas, each a copy of the policy in a Ray actor with its own "
-                                       "engine (generation.backend: eager under auto, or a backend that runs in "
+                                       "backend (generation.backend: eager under auto, or a backend that runs in "
                                        "replicas), sharing the B + Delta sequences and streaming their chunks "
                                        "straight to the scorer actors; each computes with placement.actor_threads "
-                                       "threads. 0: the engine runs in the controller process.")
+                                       "threads. 0: the backend runs in the controller process.")
     rollout_cpus: float = setting(1.0, "CPUs of each rollout replica (placement.ray.rollout_replicas).")
     rollout_gpus: float = setting(0.0, "GPUs of each rollout replica (placement.ray.rollout_replicas).")
     weight_sync: str = setting(
-        "auto", "How the actor's trained weights reach the rollout engine after each update. collective: learner "
-                "rank 0 and the rollout replicas (or the controller, when the engine runs there) form a "
+        "auto", "How the actor's trained weights reach the rollout backend after each update. collective: learner "
+                "rank 0 and the rollout replicas (or the controller, when the backend runs there) form a "
                 "torch.distributed group of their own and the weights stream in buckets of "
                 "placement.ray.weight_sync_bucket_mb (NCCL when every member has a GPU of its own, else gloo), cast "
                 "to the serving dtype, with the version checked; an FSDP2 learner gathers one parameter at a time. "
                 "object_store: rank 0's whole actor through Ray's object store (shared memory within a node). "
-                "auto: collective when the learner ranks and the rollout engine have GPUs, else the object store "
+                "auto: collective when the learner ranks and the rollout backend have GPUs, else the object store "
                 "(faster on one CPU node: benchmarks/weight_sync); also the object store if the group cannot form "
                 "(a warning says why).", ("auto", "collective", "object_store"))
     weight_sync_bucket_mb: float = setting(0.0, "Collective weight sync: bucket size in MiB (0: 256 over NCCL, 4 "
@@ -61,10 +61,10 @@ def checks(own: RaySettings, cfg: Config) -> list[str]:
     if own.weight_sync_bucket_mb < 0:
         out.append(f"placement.ray.weight_sync_bucket_mb must be >= 0 (MiB; 0: by transport), got "
                    f"{own.weight_sync_bucket_mb}.")
-    engine = cfg.generation.backend
-    if own.rollout_replicas and engine != registry.AUTO and not registry.get(engine).in_replicas:
+    backend = cfg.generation.backend
+    if own.rollout_replicas and backend != registry.AUTO and not registry.get(backend).in_replicas:
         fits = [n for n in registry.names() if registry.get(n).in_replicas]
-        out.append(f"placement.ray.rollout_replicas runs generation.backend={engine} in each replica, which that "
+        out.append(f"placement.ray.rollout_replicas runs generation.backend={backend} in each replica, which that "
                    f"backend does not support yet; set generation.backend=auto (eager in replicas) or one of "
                    f"{', '.join(fits)}.")
     if own.rollout_replicas and cfg.lora.r:
@@ -98,7 +98,7 @@ def decide(cfg: Config, own: RaySettings, facts: Facts) -> Placement:
 def build(models: Models, placement: Placement, own: RaySettings) -> Placed:
     """The scorer actors (all stage-3 scoring goes to them, streamed or one-shot), the learner ranks
     (started from the controller's models: fresh heads and adapters are initialised per process,
-    so rank 0's become everyone's), then the rollout engine and the weight sync."""
+    so rank 0's become everyone's), then the rollout backend and the weight sync."""
     from ..cluster import init_ray
     from ..learner import registry as learners
     from ..learner.group import learner_spec
@@ -132,12 +132,12 @@ def build(models: Models, placement: Placement, own: RaySettings) -> Placed:
     closers.insert(0, rollout.close)
     link = collective_sync(m, own, learner, local=m.rollout_policy)
 
-    def actor_home(version: int) -> None:  # rank 0's actor -> the engine's model (the policy is
+    def actor_home(version: int) -> None:  # rank 0's actor -> the rollout backend's model (the policy is
         if link is not None:  # brought home only for checkpoints)
             link(version)
         else:
             load_source(m.rollout_policy, learner.weights_out())
-        # (oppo's engines sample with that model: no copy; a backend with weights of its own reloads from it)
+        # (oppo's backends sample with that model: no copy; a backend with weights of its own reloads from it)
         rollout.load_weights(m.rollout_policy, version)
     sync.append(actor_home)
     if link is not None:
@@ -147,7 +147,7 @@ def build(models: Models, placement: Placement, own: RaySettings) -> Placed:
 
 def _with_rollout_replicas(m: Models, placement: Placement, own: RaySettings, actors: Any, learner: Any,
                            sync: list[Callable[[int], object]], closers: list[Callable[[], None]]) -> Placed:
-    """``build``'s roles with the rollout engine in ``rollout_replicas`` Ray replicas, which stream their
+    """``build``'s roles with the rollout backend in ``rollout_replicas`` Ray replicas, which stream their
     chunks to the scorer ``actors`` themselves where the mode streams, and load rank 0's weights
     after each update (over a group of their own, or from the object store)."""
     import torch
@@ -198,7 +198,7 @@ def scorer_specs(paths, pad_id: int, dtype: torch.dtype, *, reward_model: bool, 
 
 def collective_sync(models: Models, own: RaySettings, learner, rollout=None, local=None):
     """``weight_sync``: the collective, bucketed sync from the learner to the ``rollout`` replicas
-    or the ``local`` engine's model (``weights.sync.CollectiveSync``), or None for the object store:
+    or the local backend's model (``weights.sync.CollectiveSync``), or None for the object store:
     asked for, or ``auto`` without GPUs on both sides or when the group cannot form (a warning says
     why)."""
     import warnings
@@ -218,7 +218,7 @@ def collective_sync(models: Models, own: RaySettings, learner, rollout=None, loc
         if rollout is not None:
             serving_on_gpu = own.rollout_gpus > 0
         else:
-            assert local is not None  # (the sink: the replicas, or the local engine's model)
+            assert local is not None  # (the sink: the replicas, or the local backend's model)
             serving_on_gpu = next(local.parameters()).is_cuda
         from ..learner import registry as learners
 
@@ -238,7 +238,7 @@ def collective_sync(models: Models, own: RaySettings, learner, rollout=None, loc
 
 SPEC = PlacementSpec(
     "ray", "the scorers (reward, reference, critic) in Ray actors and the learner as a group of Ray ranks "
-           "(torch.distributed: gloo on CPU, NCCL on GPU); the rollout engine stays with the controller unless "
+           "(torch.distributed: gloo on CPU, NCCL on GPU); the rollout backend stays with the controller unless "
            "placement.ray.rollout_replicas is set", decide=decide, build=build, remote=True,
     where="the Ray actors (placement.name=ray), which load their models from a directory",
     settings=RaySettings, checks=checks)

@@ -200,9 +200,9 @@ class Efficiency:
     """Fractions of the spec-sheet peaks a real run reaches, and fixed overheads (assumptions).
 
     Defaults describe an eager PyTorch / Hugging Face stack like the paper's TRL baseline and
-    oppo's eager engine (``generation.backend=eager``): no CUDA graphs, no paged attention. oppo's
-    static engine (the default on CUDA: CUDA graphs) and a serving engine decode with
-    about a third of ``decode_step_s`` (measured: ``docs/benchmarks-notes.md``, "Static engine").
+    oppo's eager backend (``generation.backend=eager``): no CUDA graphs, no paged attention. oppo's
+    static backend (the default on CUDA: CUDA graphs) and a serving engine decode with
+    about a third of ``decode_step_s`` (measured: ``docs/benchmarks-notes.md``, "Static backend").
     """
 
     decode_bw: float = 0.6  # of HBM bandwidth, decode (reads the weights and the KV cache every step)
@@ -274,7 +274,7 @@ class Roofline:
             return self._forward_s(self._model(w.role or "policy"), w.calls, w.tokens, w.attn, e.forward)
         if w.op == "train":
             return self._train_s(w)
-        if w.op == "sync":  # colocated: the engine reads the learner's weights (no copy); see sim.py for pipeline
+        if w.op == "sync":  # colocated: the rollout backend reads the learner's weights (no copy); see sim.py for pipeline
             return 0.0
         return 0.001 * w.calls  # book: the controller's tensors, negligible next to a GPU step
 

@@ -313,7 +313,7 @@ class _Sim:
             for j, q in enumerate(q_next):  # the scorers take those chunks as they come, after their own update
                 self._score_queue(k, j, q)
             ready = max(learned, stopped)
-        # the weight sync: the engine samples with the new weights from here on
+        # the weight sync: the rollout backend samples with the new weights from here on
         sync = Work("sync", "policy", 1)
         end = _group_run(self, self.actors, ready, self.costs.time(sync), "learner", "weight_sync", k, [sync])
         self.clock = end

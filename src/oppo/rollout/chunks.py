@@ -1,5 +1,5 @@
 """What every stepwise rollout backend does with its rows' new tokens: cut them into the chunks the
-streaming scorers prefill (oppo's engines and vLLM alike)."""
+streaming scorers prefill (oppo's backends and vLLM alike)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Rollout replicas on Ray: N copies of the policy, each with its own engine, that decode on
+"""Rollout replicas on Ray: N copies of the policy, each with its own backend, that decode on
 their own and stream their chunks straight to the scorer actors (``placement.ray.rollout_replicas``).
 
 :class:`RayRolloutGroup` is a ``RolloutBackend``: ``admit`` spreads sequences over the replicas,
@@ -7,7 +7,7 @@ and returns the rows that ended anywhere. The controller relays no token: each
 :class:`RolloutHost` feeds the scorer actors itself, and ``flush`` makes the controller's barrier
 cover those chunks. Each replica hosts any registered backend (its spec sent from the controller's
 registry, which alone holds run-time plugins), samples with its own generator
-(``run.seed + rank``: one replica samples what the local engine samples) and receives weights from
+(``run.seed + rank``: one replica samples what the local backend samples) and receives weights from
 the object store or the collective sync. Design: ``docs/distributed.md``, "Rollout replicas".
 """
 
@@ -20,11 +20,10 @@ import torch
 
 from ..models import resolve_device
 from . import registry
-from .engine import Rollout
 from .registry import BackendSettings, BuildRequest
 from ..trace import Tracer
 from ..api.decode import decode_and_stream
-from ..api.records import Event, RolloutStats, SequenceFinished
+from ..api.records import Event, Rollout, RolloutStats, SequenceFinished
 from ..cluster import ActorGroup, one_line
 from ..api.specs import ModelSpec
 from ..api.protocols import Wait, WeightSource
@@ -33,7 +32,7 @@ from ..weights.sync import (Packed, RemoteWeights, SyncGroup, WeightReceiver, We
 
 
 class RolloutHost:
-    """The actor: a policy loaded from ``spec`` and its engine. ``scorers``: the scorer actors'
+    """The actor: a policy loaded from ``spec`` and its rollout backend. ``scorers``: the scorer actors'
     handles (None: no streaming; the sequential loop scores one-shot). Plain class;
     :class:`RayRolloutGroup` wraps it with ``ray.remote``. ``backend``: the spec of
     ``settings.kind`` (None: the registry's here)."""
@@ -43,11 +42,11 @@ class RolloutHost:
         torch.set_num_threads(threads)
         self.name = name
         settings = dataclasses.replace(settings, seed=seed)
-        backend = backend if backend is not None else registry.get(settings.kind)
+        entry = backend if backend is not None else registry.get(settings.kind)
         # a backend that loads the checkpoint itself gets no Hugging Face copy here (docs/distributed.md)
-        self.model = None if backend.loads_own_weights else spec.load().requires_grad_(False)
-        self.engine = backend.build(BuildRequest(settings, self.model, spec.path, spec.dtype,
-                                                 resolve_device(spec.device).type, role=name, threads=threads))
+        self.model = None if entry.loads_own_weights else spec.load().requires_grad_(False)
+        self.backend = entry.build(BuildRequest(settings, self.model, spec.path, spec.dtype,
+                                                resolve_device(spec.device).type, role=name, threads=threads))
         self.scorers = scorers or []
         self.sent: list = []  # refs of the calls made to the scorers since the last flush
         self.chunks_sent = 0  # chunks streamed since the last flush
@@ -60,7 +59,7 @@ class RolloutHost:
             uids, prompts = [r.uid for r in rollouts], [list(r.prompt_ids) for r in rollouts]
             self.sent += [a.admit.remote(uids, prompts, step) for a in self.scorers]
         with self.tracer.span(self.name, "prefill_prompt", step):
-            self.engine.admit(rollouts)
+            self.backend.admit(rollouts)
 
     def advance(self, chunk: int | None, step: int) -> list[Rollout]:
         """Decode on its own until a row ends, or for ``chunk`` steps (None: until a row ends);
@@ -68,8 +67,8 @@ class RolloutHost:
         (``api.decode.decode_and_stream``, the controller's loop). Returns the rows that ended
         (whole: tokens, log-probs, versions)."""
         self._step = step
-        done = decode_and_stream(self.engine, (chunk or 1 << 30) if self.scorers else None, self, max_steps=chunk)
-        if done and not self.engine.active:
+        done = decode_and_stream(self.backend, (chunk or 1 << 30) if self.scorers else None, self, max_steps=chunk)
+        if done and not self.backend.active:
             self._close_span()
         return done
 
@@ -93,7 +92,7 @@ class RolloutHost:
 
     def generate_all(self, step: int) -> list[Rollout]:
         with self.tracer.span(self.name, "generate", step):
-            return self.engine.generate_all()
+            return self.backend.generate_all()
 
     def flush(self) -> tuple[list, int, int]:
         """Wait until every call sent to the scorers has run; return (this replica's spans since
@@ -106,40 +105,40 @@ class RolloutHost:
             ray.get(sent)
         except ray.exceptions.RayActorError as e:
             raise RuntimeError(f"a scorer actor that {self.name} streams to died: {one_line(e)}") from None
-        spans, peak, sent_chunks = self.tracer.spans, self.engine.take_stats().kv_peak_bytes, self.chunks_sent
+        spans, peak, sent_chunks = self.tracer.spans, self.backend.take_stats().kv_peak_bytes, self.chunks_sent
         self.tracer.clear()
         self.chunks_sent = 0
         return spans, peak, sent_chunks
 
     def set_version(self, version: int) -> None:
-        self.engine.set_version(version)
+        self.backend.set_version(version)
 
     def recompute(self) -> None:
-        self.engine.recompute()
+        self.backend.recompute()
 
     def abort(self, uids: set[int]) -> None:
         """Drop these sequences (the group sends each replica only its own)."""
-        self.engine.abort(uids)
+        self.backend.abort(uids)
 
     def load_weights(self, weights: Packed, version: int) -> None:
         if self.model is None:  # a backend with weights of its own: its reload, from the object store's arrays
-            self.engine.load_weights(unpacked_tensors(weights), version)
+            self.backend.load_weights(unpacked_tensors(weights), version)
             return
         unpack_into(self.model, weights, partial=True)
-        self.engine.set_version(version)
+        self.backend.set_version(version)
 
     def in_flight(self) -> list[Rollout] | None:
-        return self.engine.in_flight()
+        return self.backend.in_flight()
 
     def join_weight_sync(self, host: str, port: int, rank: int, world: int, timeout_s: float) -> str:
         """Join the collective weight sync (``weight_sync.CollectiveSync``) as receiver ``rank``:
-        into the model's tensors, or (a backend with weights of its own: no model here) whole tensors handed to the engine's
+        into the model's tensors, or (a backend with weights of its own: no model here) whole tensors handed to the backend's
         in-place reload after each sync. Returns "" or why the group could not form; a manifest this
         model cannot take raises."""
         try:
             if self.model is None:  # its reload takes CPU tensors here, so this member is on CPU
                 group = SyncGroup(host, port, rank, world, "cpu", timeout_s=timeout_s)
-                self.weight_receiver = WeightReceiver.connect(group, None, sink=self.engine.load_weights)
+                self.weight_receiver = WeightReceiver.connect(group, None, sink=self.backend.load_weights)
                 return ""
             group = SyncGroup(host, port, rank, world, next(self.model.parameters()).device, timeout_s=timeout_s)
             self.weight_receiver = WeightReceiver.connect(group, self.model, partial=True)
@@ -153,17 +152,17 @@ class RolloutHost:
         """One collective sync into the model (the learner must send ``version``); then sample as
         ``version``."""
         self.weight_receiver.receive(version)  # (a backend's own reload sets the version itself)
-        self.engine.set_version(version)
+        self.backend.set_version(version)
 
     def state_dict(self) -> dict:
-        return self.engine.state_dict()
+        return self.backend.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        self.engine.load_state_dict(state)
+        self.backend.load_state_dict(state)
 
     def close(self) -> None:
-        """End the engine's own processes (vLLM's workers, say) before the actor is killed."""
-        self.engine.close()
+        """End the backend's own processes (vLLM's workers, say) before the actor is killed."""
+        self.backend.close()
 
 
 class RayRolloutGroup:
@@ -290,8 +289,8 @@ class RayRolloutGroup:
         return sorted((r for rs in per_replica for r in rs), key=lambda r: r.uid)
 
     def state_dict(self) -> dict:
-        """Eager engines: every replica's generator state (``{"generator": [...]}``, in rank
-        order); a backend without a generator: every replica's engine state (``{"replicas": [...]}``)."""
+        """oppo's own backends: every replica's generator state (``{"generator": [...]}``, in rank
+        order); a backend without a generator: every replica's backend state (``{"replicas": [...]}``)."""
         states = self.group.call("state_dict")
         if all("generator" in st for st in states):
             return {"generator": [st["generator"] for st in states]}
@@ -299,13 +298,13 @@ class RayRolloutGroup:
 
     def load_state_dict(self, state: dict) -> None:
         """A list from a group of the same size restores each replica's; anything else (another
-        count, a local engine's single state) restores replica 0's where it can and leaves the
+        count, a local backend's single state) restores replica 0's where it can and leaves the
         others at their seeds: the resume is then not bitwise the uninterrupted run."""
         if "replicas" in state or "workers" in state:  # ("workers": the key before the rename to replicas)
             states = state["replicas" if "replicas" in state else "workers"]
         else:
             gen = state.get("generator")
-            if gen is None:  # another kind of backend's state (module docstring of rollout/engine.py)
+            if gen is None:  # another kind of backend's state (module docstring of rollout/eager/backend.py)
                 return
             states = [{"generator": g} for g in (gen if isinstance(gen, list) else [gen])]
         if len(states) != len(self.replicas):
@@ -318,7 +317,7 @@ class RayRolloutGroup:
         return stats
 
     def close(self) -> None:
-        # the engines' own processes first (vLLM's workers, say); a dead actor has none left
+        # the backends' own processes first (vLLM's workers, say); a dead actor has none left
         self.group.shutdown("close", timeout_s=30)
         self.replicas = []
 

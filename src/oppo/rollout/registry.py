@@ -8,7 +8,7 @@ rollout replica), its decode-step probe for ``oppo bench``, and the few facts th
 the trainer's forward). Its weight endpoint is the Protocol's ``load_weights``. Nothing outside a
 backend's own folder names it: config, preflight, setup, the Ray group and the bench ask this registry.
 
-A backend is a part (:mod:`oppo.parts`): oppo's own engines are named in ``parts.BUILT_IN``
+A backend is a part (:mod:`oppo.parts`): oppo's own backends are named in ``parts.BUILT_IN``
 (one line each); other backends live in folders of their own and register through the
 ``oppo.rollout_backends`` entry point group (``pyproject.toml``; the entry's value is its
 :class:`BackendSpec`), or by calling :func:`register` (a plugin imported by the user, a test). This module imports no torch, so the config can list the backends without loading one.
@@ -45,7 +45,7 @@ class BackendSettings:
 
     ``kind``: the backend's name (``generation.backend=auto`` resolved: :func:`resolve_backend`);
     ``max_rows``: the most rows in flight (B + Delta and refills: at most 2B); ``max_len``: the
-    longest prompt plus response; ``reason``: which engine and why, for the run's log;
+    longest prompt plus response; ``reason``: which backend and why, for the run's log;
     ``backend``: the backend's own settings (its :attr:`BackendSpec.settings` dataclass, from
     ``rollout.<kind>.*``; None when it declares none)."""
 
@@ -101,15 +101,15 @@ class BackendSpec:
     - ``checks(own, cfg)``: problems of its settings against the whole config (a list of one-line
       messages naming the fix); asked by config validation when ``generation.backend`` names it.
     - ``for_device(own, device_type)``: its settings with ``auto`` values resolved for the device
-      the engine will run on.
+      the backend will run on.
     - ``problems(policy_path, device)``: why it cannot serve that policy here (not installed, an
       architecture it lacks), each with its fix; reads config files only, loads no weights. Run by
       the pre-run checks and again before the models load.
     - ``unfit(model, max_len)``: why it cannot decode ``model`` (asked by ``generation.backend=auto``
       before choosing it); None: it can.
-    - ``probe(engine, rows, max_len, new_tokens)``: a fresh engine like ``engine`` (one this backend
-      built) for ``rows`` rows, to time its decode step alone (``oppo bench``); None: not one of its
-      engines, or it cannot.
+    - ``probe(like, rows, max_len, new_tokens)``: a fresh backend like ``like`` (one this backend
+      built) for ``rows`` rows, to time its decode step alone (``oppo bench``); None: ``like`` is
+      not one of its own, or it cannot.
     - ``loads_own_weights``: it loads the policy from its path and takes weight updates as
       ``(name, tensor)`` pairs; a Ray rollout replica then loads no Hugging Face copy for it.
     - ``in_replicas``: it can run inside ``placement.ray.rollout_replicas``.
@@ -164,17 +164,17 @@ def build(request: BuildRequest) -> RolloutBackend:
     return get(request.settings.kind).build(request)
 
 
-def build_engine(model: torch.nn.Module, settings: BackendSettings) -> RolloutBackend:
-    """A backend that samples with ``model`` (oppo's own engines): :func:`build` without the rest."""
+def build_backend(model: torch.nn.Module, settings: BackendSettings) -> RolloutBackend:
+    """A backend that samples with ``model`` (oppo's own backends): :func:`build` without the rest."""
     return build(BuildRequest(settings, model))
 
 
-def probe_engine(engine: Any, rows: int, max_len: int, new_tokens: int) -> Any:
-    """A fresh engine like ``engine`` for ``rows`` rows from the backend that built it (its
+def probe_backend(like: Any, rows: int, max_len: int, new_tokens: int) -> Any:
+    """A fresh backend like ``like`` for ``rows`` rows from the spec that built it (its
     :attr:`BackendSpec.probe`), or None when no backend offers one."""
     for n in names():
         probe = get(n).probe
-        fresh = probe(engine, rows, max_len, new_tokens) if probe else None
+        fresh = probe(like, rows, max_len, new_tokens) if probe else None
         if fresh is not None:
             return fresh
     return None
@@ -190,8 +190,8 @@ def resolve_backend(requested: str, device: torch.device | str, unfit: Callable[
 
     ``auto``: :data:`FAST` on a CUDA device unless ``unfit()`` (asked only then: that backend's
     :attr:`BackendSpec.unfit` on the policy, which may run a two-token forward) names something it
-    refuses; else :data:`FALLBACK`. On CPU the eager engine runs: CPU runs and their golden metrics
-    stay as they were (without graphs the static engine is no faster there). Any other value is
+    refuses; else :data:`FALLBACK`. On CPU the eager backend runs: CPU runs and their golden metrics
+    stay as they were (without graphs the static backend is no faster there). Any other value is
     returned as asked.
     """
     if requested != AUTO:
@@ -201,7 +201,7 @@ def resolve_backend(requested: str, device: torch.device | str, unfit: Callable[
         return FALLBACK, f"{FALLBACK} (generation.backend=auto: no CUDA graphs on {kind})"
     problem = unfit()
     if problem:
-        return FALLBACK, (f"{FALLBACK} (generation.backend=auto: the {FAST} engine cannot decode this policy: "
+        return FALLBACK, (f"{FALLBACK} (generation.backend=auto: the {FAST} backend cannot decode this policy: "
                           f"{problem})")
     return FAST, f"{FAST} with CUDA graphs (generation.backend=auto; generation.backend={FALLBACK} is the fallback)"
 
@@ -211,11 +211,11 @@ def resolve_backend(requested: str, device: torch.device | str, unfit: Callable[
 def backend_settings(generation: GenerationConfig, rollout: Mapping[str, Any], stop_ids, pad_id: int,
                      max_new_tokens: int, device: torch.device, *, seed: int, max_rows: int, prompt_width: int,
                      model: torch.nn.Module | None = None) -> BackendSettings:
-    """The rollout engine's settings from the config's ``generation`` section and ``rollout`` (the
+    """The rollout backend's settings from the config's ``generation`` section and ``rollout`` (the
     backends' own settings, ``{kind: its settings}``: the chosen one's resolved for ``device``), for
-    an engine on ``device``; ``generation.backend=auto`` resolved there (:func:`resolve_backend`: the
-    fast engine on CUDA when ``model``, the policy it will decode, suits it; else eager). Ray rollout
-    replicas get settings for ``cpu``, so ``auto`` runs the eager engine in them. ``seed``:
+    a backend on ``device``; ``generation.backend=auto`` resolved there (:func:`resolve_backend`: the
+    fast backend on CUDA when ``model``, the policy it will decode, suits it; else eager). Ray rollout
+    replicas get settings for ``cpu``, so ``auto`` runs the eager backend in them. ``seed``:
     ``run.seed``; ``max_rows``: the most rows in flight (B + Delta); ``prompt_width``: the prompt
     columns (``data.PromptSet.width``: ``data.max_prompt_tokens``, or where it is empty the longest
     prompt)."""
@@ -229,26 +229,26 @@ def backend_settings(generation: GenerationConfig, rollout: Mapping[str, Any], s
         return check(model, max_len) if check else None
     kind, reason = resolve_backend(g.backend, device, unfit)
     spec, own = get(kind), rollout.get(kind)
-    if own is not None:  # a copy: the engine's settings do not change with the config object
+    if own is not None:  # a copy: the backend's settings do not change with the config object
         own = spec.for_device(own, device.type) if spec.for_device else dataclasses.replace(own)
     return BackendSettings(tuple(stop_ids), pad_id, max_new_tokens, g.temperature, g.top_k, g.top_p,
                           g.kv_budget_mb or None, seed, kind, max_rows=max_rows, max_len=max_len, reason=reason,
                           backend=own)
 
 
-def backend_problems(engine: str, policy_path: str | None, device: str) -> list[str]:
-    """Every reason the rollout backend ``engine`` cannot serve the policy at ``policy_path`` (None:
+def backend_problems(name: str, policy_path: str | None, device: str) -> list[str]:
+    """Every reason the rollout backend ``name`` cannot serve the policy at ``policy_path`` (None:
     not readable yet) on ``device`` (``BackendSpec.problems``: not installed, an architecture it
     lacks), with the fixes; none for ``auto`` and for a backend that names none. The run's one check
     asks it (``setup.preflight``)."""
-    if engine == AUTO:
+    if name == AUTO:
         return []
-    backend = get(engine)
+    backend = get(name)
     return backend.problems(policy_path, device) if backend.problems else []
 
 
-def check_backend(engine: str, policy_path: str | None, device: str) -> None:
+def check_backend(name: str, policy_path: str | None, device: str) -> None:
     """Raise :class:`BackendUnavailable` with :func:`backend_problems`, if there are any."""
-    problems = backend_problems(engine, policy_path, device)
+    problems = backend_problems(name, policy_path, device)
     if problems:
         raise BackendUnavailable("\n".join(problems))

@@ -2,7 +2,7 @@
 
 Everything here is pure: no torch, no threads, no I/O, no clocks. Events go in (a sequence
 finished, a step's update is done, a step took this long), decisions come out (admit these
-prompts, train these sequences); the runtime owns the engine, the clock and the models.
+prompts, train these sequences); the runtime owns the rollout backend, the clock and the models.
 
 - :mod:`.admission`: :class:`Scheduler`, the inter-step overlap (B + Delta in flight, ``max_lag``,
   refill, groups carried whole, checkpoints); its rules and their reasons: ``docs/scheduler.md``;

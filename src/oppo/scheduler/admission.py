@@ -222,7 +222,7 @@ class Scheduler:
         """Open step ``step``; admit prompts until ``B + Delta`` are admitted-but-untrained.
 
         Requeued positions (from a checkpoint drain) come first. With ``refill=True`` the
-        engine is also filled to ``B + Delta`` running, within the ``2B`` untrained cap.
+        backend is also filled to ``B + Delta`` running, within the ``2B`` untrained cap.
         """
         self._require(Phase.IDLE, "begin_step")
         self._phase = Phase.OPEN
@@ -238,7 +238,7 @@ class Scheduler:
         if uid not in self._running:
             raise ValueError(
                 f"uid {uid} is not in flight (never admitted, already finished, trained or "
-                "drained for a checkpoint); the engine must abort drained sequences"
+                "drained for a checkpoint); the rollout backend must abort drained sequences"
             )
         del self._running[uid]
         self._pool[uid] = self._finish_counter
@@ -309,7 +309,7 @@ class Scheduler:
         """Forget all admitted-but-untrained sequences and requeue their prompt positions.
 
         Call between steps (IDLE), before ``state_dict()``. Returns the drained tickets in
-        admission order; the caller must abort them in the engine (their partial or complete
+        admission order; the caller must abort them in the rollout backend (their partial or complete
         generations are discarded; the prompts are regenerated under new uids, first in line
         at the next ``begin_step``). Whole groups only: each drained group's position is
         requeued once and comes back as a whole new group of G.

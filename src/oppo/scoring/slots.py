@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 def slots_suit(model) -> str | None:
     """Why ``model``'s streamed chunks cannot run in slots (a sentence), or None when they can: an
     attention path that takes no 4-D mask, a sliding window (it counts cache columns), layers
-    other than full attention (the static decode engine's test, for chunks)."""
+    other than full attention (the static backend's test, for chunks)."""
     from ..kernels.attention import takes_4d_mask
     from ..models import uses_sliding_window
 
@@ -227,7 +227,7 @@ class SlotKV:
     def _replay(self, backbone, tokens: torch.Tensor, start: torch.Tensor, n: torch.Tensor, rb: int, cb: int,
                 lb: int) -> torch.Tensor:
         """:meth:`_forward` from a CUDA graph per (Rb, Cb, Lb), captured on first use by the recipe
-        the static decode engine's steps share (:mod:`oppo.kernels.graphs`: warm-ups, then a thread-local
+        the static backend's steps share (:mod:`oppo.kernels.graphs`: warm-ups, then a thread-local
         capture on this scorer's one side stream into its one pool, so the actor's thread may run
         CUDA work meanwhile). The inputs are copied into static buffers; the output is copied out
         (graphs share a pool)."""

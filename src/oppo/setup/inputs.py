@@ -181,9 +181,9 @@ def needs_saving(cfg: Config) -> dict[str, str]:
     if spec.remote:
         for role in ("policy", "reference", "critic", "reward"):
             why[role] = spec.where or f"placement.name={spec.name}, whose roles load their models from a directory"
-    engine = cfg.generation.backend
-    if engine != registry.AUTO and registry.get(engine).loads_own_weights:
-        why.setdefault("policy", f"generation.backend={engine}, which loads the policy from a directory")
+    backend = cfg.generation.backend
+    if backend != registry.AUTO and registry.get(backend).loads_own_weights:
+        why.setdefault("policy", f"generation.backend={backend}, which loads the policy from a directory")
     return why
 
 

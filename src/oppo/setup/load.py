@@ -112,7 +112,7 @@ def _trained_models(cfg: Config, inputs: Inputs, run: Resolved, pad_id: int, cri
                                torch.nn.Module | None]:
     """(policy, rollout_policy, reference, critic, scoring_critic), loaded or prepared from objects."""
     paths, dev, dtype, master, critic_dev = run.paths, run.device, run.dtype, run.master, run.devices["critic"]
-    # policy / critic: the trained weights; rollout_policy / scoring_critic: what the engine and
+    # policy / critic: the trained weights; rollout_policy / scoring_critic: what the rollout backend and
     # scorers run, the same objects in fp32, bf16 copies refreshed after each update under mixed
     # precision; LoRA: the frozen base stays in the compute dtype (only the fp32 adapters train)
     lora = cfg.lora

@@ -5,12 +5,12 @@ loses most small updates: bf16 keeps 8 mantissa bits, so an update below ~1/256 
 rounds away (a 512x512 layer, 10 AdamW steps at lr 1e-5: 8.5% of the weights changed in bf16,
 100% in fp32). As DeepSpeed and FSDP mixed precision do, the trained models (actor, critic) keep
 fp32 master weights and fp32 optimizer state, their training forward runs under bf16 autocast,
-and the rollout engine and the critic's scorer read bf16 copies that :func:`copy_weights`
+and the rollout backend and the critic's scorer read bf16 copies that :func:`copy_weights`
 refreshes after every update (the weight sync a distributed runtime does by broadcast).
 
 In float32 there is one model per role and no copy: :func:`serving_copy` returns the master,
 except with in-flight updates (``overlap.mode=pipeline``), where the learner trains the master
-while the engine and the scorers go on with the copies.
+while the rollout backend and the scorers go on with the copies.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def master_dtype(compute: torch.dtype) -> torch.dtype:
 
 
 def serving_copy(master: torch.nn.Module, compute: torch.dtype, separate: bool = False) -> torch.nn.Module:
-    """The model the engine/scorer runs: ``master`` itself when it already computes in ``compute``
+    """The model the rollout backend/scorer runs: ``master`` itself when it already computes in ``compute``
     (unless ``separate``: in-flight updates train the master while the copy serves), else a
     frozen copy cast to ``compute``."""
     if next(master.parameters()).dtype == compute and not separate:

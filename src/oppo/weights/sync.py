@@ -1,4 +1,4 @@
-"""Weights from the learner to the rollout engines: two paths, chosen by ``placement.ray.weight_sync``.
+"""Weights from the learner to the rollout backends: two paths, chosen by ``placement.ray.weight_sync``.
 
 **Object store** (:func:`pack` / :func:`unpack_into`): numpy views, which Ray stores out of band and
 hands a reader on the same node without a copy (torch tensors would be pickled); bf16 travels as its
@@ -6,7 +6,7 @@ int16 bit pattern. **Collective** (:class:`WeightSender` / :class:`WeightReceive
 :class:`SyncGroup`): a process group of its own (NCCL between GPUs, gloo otherwise) streaming a fixed
 :class:`Manifest` in buckets, so a sync needs two buckets of memory beside the models whatever their
 size, and an FSDP2 learner gathers one parameter at a time. Every sync first agrees on (version,
-manifest digest), so an engine never samples silently from other weights than it was told.
+manifest digest), so a rollout backend never samples silently from other weights than it was told.
 Design, figures and why ``auto`` picks as it does: ``docs/distributed.md``, "The weight sync".
 """
 
@@ -344,7 +344,7 @@ class WeightReceiver:
     """A receiving member of a :class:`SyncGroup`: copies every sync's bytes straight into
     ``module``'s tensors (or, where the dtype differs, through a staging buffer and a cast). With no
     module, ``sink(pairs, version)`` gets every tensor whole, as (name, tensor) pairs, at the end of
-    each sync (an engine that loads weights itself, in place)."""
+    each sync (a backend that loads weights itself, in place)."""
 
     def __init__(self, group: SyncGroup, module: torch.nn.Module | None, manifest: Manifest, bucket_bytes: int,
                  sink=None):
@@ -361,7 +361,7 @@ class WeightReceiver:
         """Read the sender's manifest and check it against ``module`` (every name it sends must be
         one of the module's, of the same shape; unless ``partial``, every one of the module's must
         be sent); every member raises if any receiver refuses (naming the tensors). With ``sink``
-        instead of a module, the engine behind it checks the names when it loads them."""
+        instead of a module, the backend behind it checks the names when it loads them."""
         if (module is None) == (sink is None):
             raise ValueError("internal error: a weight receiver writes into a module or hands tensors to a sink")
         manifest, bucket_bytes = pickle.loads(group.store.get("manifest"))
@@ -412,7 +412,7 @@ class WeightReceiver:
                       for m in metas if m.nbytes == 0]  # (no bytes: never in a bucket)
             self.sink(whole, version)
         if dev.type == "cuda":
-            torch.cuda.current_stream(dev).synchronize()  # the engine may read the weights from any stream
+            torch.cuda.current_stream(dev).synchronize()  # the backend may read the weights from any stream
         self.version = version
 
 
@@ -439,7 +439,7 @@ class CollectiveSync:
     once, then each call is one sync of the actor's trained parameters as a version.
 
     Members: the learner (rank 0 of the group: a :class:`~oppo.api.protocols.WeightLinkSender`), the
-    ``rollout`` replicas (a :class:`~oppo.api.protocols.WeightLinkReceiver`) and, when the engine is
+    ``rollout`` replicas (a :class:`~oppo.api.protocols.WeightLinkReceiver`) and, when the rollout backend is
     local, this process receiving into ``local``. Only those Protocols' methods are called. This
     process hosts the group's ``TCPStore``. ``wire_dtype``: the serving models' dtypes (per name).
     Raises :class:`WeightSyncUnavailable` if the group cannot form, :class:`WeightSyncError` if a
@@ -482,7 +482,7 @@ class CollectiveSync:
 
     def __call__(self, version: int) -> None:
         """One sync: the learner sends the trained actor as ``version``; every receiver loads it (the
-        rollout replicas' engines then sample as ``version``; a local engine's version is the
+        rollout replicas' backends then sample as ``version``; a local backend's version is the
         caller's to set)."""
         sent = self.learner.send_weights(version)
         received = self.rollout.receive_weights(version) if self.rollout is not None else None
@@ -510,11 +510,11 @@ def load_source(target: torch.nn.Module, source: WeightSource, role: Role | None
     pairs or :class:`~oppo.weights.remote.RemoteWeights`) into ``target``, cast to its dtypes; the
     pairs and remote weights may name only some of its tensors (the trained ones).
 
-    ``role`` (the rollout engine's, ``kernels.streams``): the copy runs on its stream, after the last
+    ``role`` (the rollout backend's, ``kernels.streams``): the copy runs on its stream, after the last
     write of ``source`` by another role (the learner's update: an event, no host sync) and after the
     other roles that read ``target``; ``target`` is then marked written by it. A ``source`` that is
-    ``target`` (fp32, no in-flight updates: the engine samples with the trained module) copies
-    nothing; the engine's next decode step waits on the learner's event all the same."""
+    ``target`` (fp32, no in-flight updates: the backend samples with the trained module) copies
+    nothing; the backend's next decode step waits on the learner's event all the same."""
     from .precision import copy_weights
 
     if role is not None:

@@ -1,9 +1,9 @@
-"""The static engine as a rollout backend (``generation.backend=static``; ``auto`` picks it on CUDA):
-preallocated KV slots and a decode step captured in CUDA graphs (:mod:`.engine`).
+"""The static rollout backend (``generation.backend=static``; ``auto`` picks it on CUDA):
+preallocated KV slots and a decode step captured in CUDA graphs (:mod:`.backend`).
 
 This module is its spec: its settings (``rollout.static.*``), checks, build and bench probe. It
-imports no torch; the engine's names (``StaticRolloutEngine``, ``static_decode_problem``, ...) are
-read from :mod:`.engine` when first asked for.
+imports no torch; the backend's names (``StaticBackend``, ``static_decode_problem``, ...) are
+read from :mod:`.backend` when first asked for.
 """
 
 from __future__ import annotations
@@ -37,52 +37,52 @@ def _checks(own: StaticSettings, cfg: Any) -> list[str]:
 
 
 def _build(req: BuildRequest):
-    from .engine import StaticRolloutEngine
+    from .backend import StaticBackend
 
     s = req.settings
     own = req.own if req.own is not None else StaticSettings()
     if own.capture == "auto":
-        assert req.model is not None  # (oppo's own engines sample with the trainer's module)
+        assert req.model is not None  # (oppo's own backends sample with the trainer's module)
         own = _for_device(own, next(req.model.parameters()).device.type)
-    engine = StaticRolloutEngine(req.model, s.stop_ids, s.pad_id, s.max_new_tokens, s.temperature, s.top_k, s.top_p,
-                                 seed=s.seed, max_rows=s.max_rows, max_len=s.max_len, capture=own.capture)
-    engine.kv_budget_mb = s.kv_budget_mb or None
+    backend = StaticBackend(req.model, s.stop_ids, s.pad_id, s.max_new_tokens, s.temperature, s.top_k, s.top_p,
+                            seed=s.seed, max_rows=s.max_rows, max_len=s.max_len, capture=own.capture)
+    backend.kv_budget_mb = s.kv_budget_mb or None
     # cuda_graph: each (Rb, Lb) bucket is captured on its first decode step, so a run pays only for
-    # the buckets its rows reach (engine.capture_stats(); the bench reports them)
-    return engine
+    # the buckets its rows reach (backend.capture_stats(); the bench reports them)
+    return backend
 
 
 def _unfit(model: Any, max_len: int) -> str | None:
-    from .engine import static_decode_problem
+    from .backend import static_decode_problem
 
     return static_decode_problem(model, max_len, probe=True)
 
 
-def _probe(eng: Any, rows: int, max_len: int, new_tokens: int):
-    from .engine import StaticRolloutEngine
+def _probe(like: Any, rows: int, max_len: int, new_tokens: int):
+    from .backend import StaticBackend
 
-    if type(eng) is not StaticRolloutEngine:
+    if type(like) is not StaticBackend:
         return None
-    return StaticRolloutEngine(eng.model, -1, eng.pad_id, new_tokens, eng.temperature, eng.top_k, eng.top_p,
-                               max_rows=rows, max_len=max_len, capture=eng.capture)
+    return StaticBackend(like.model, -1, like.pad_id, new_tokens, like.temperature, like.top_k, like.top_p,
+                         max_rows=rows, max_len=max_len, capture=like.capture)
 
 
 BACKEND = BackendSpec(
-    "static", "oppo's engine with preallocated KV slots of 2B rows x (max_prompt_tokens + max_new_tokens) "
+    "static", "oppo's backend with preallocated KV slots of 2B rows x (max_prompt_tokens + max_new_tokens) "
               "columns; on CUDA its decode step is captured in CUDA graphs (docs/benchmarks-notes.md has "
               "the measured speed-up); attention-only decoders with sdpa or eager attention", _build,
     in_replicas=False, settings=StaticSettings, checks=_checks, for_device=_for_device, unfit=_unfit, probe=_probe)
 
 
 def __getattr__(name: str) -> Any:
-    """The engine module's names (``from oppo.rollout.static import StaticRolloutEngine``), imported
+    """The backend module's names (``from oppo.rollout.static import StaticBackend``), imported
     on first use so that reading this spec loads no torch."""
-    if name.startswith("__") or name == "engine":  # (the submodule itself: imported, never looked up here)
+    if name.startswith("__") or name == "backend":  # (the submodule itself: imported, never looked up here)
         raise AttributeError(name)
     from importlib import import_module
 
-    engine = import_module(f"{__name__}.engine")
+    backend = import_module(f"{__name__}.backend")
     try:
-        return getattr(engine, name)
+        return getattr(backend, name)
     except AttributeError:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None

@@ -1,4 +1,4 @@
-"""vLLM as the rollout engine (``generation.backend=vllm``): a :class:`RolloutBackend` driven one
+"""vLLM as a rollout backend (``generation.backend=vllm``): a :class:`RolloutBackend` driven one
 engine step at a time (the engine core in this process, the model in vLLM's worker process), so
 that chunks stream to the scorers and weights load between two steps. Each request samples with
 its own seed; a token's version is the oldest of the weights that computed its logits and its KV;
@@ -307,9 +307,9 @@ class VLLMRolloutBackend:
             if out.finished:
                 if r.target_length is not None and len(r.response_ids) >= r.target_length:
                     lps = c.logprobs[-1] if c.logprobs else None
-                    r.response_ids[-1] = self.eos_id  # forced at its target length, as the eager engine does
+                    r.response_ids[-1] = self.eos_id  # forced at its target length, as the eager backend does
                     # (timing-only runs: the token was forced, not drawn, so the policy's own,
-                    # untruncated log-prob stands in for both, as in the eager engine; the
+                    # untruncated log-prob stands in for both, as in the eager backend; the
                     # truncated one is -inf when top-k/top-p cut EOS)
                     key = untruncated_id(self.eos_id) if self.untruncated else self.eos_id
                     if lps is not None and key in lps:
@@ -340,7 +340,7 @@ class VLLMRolloutBackend:
         return events
 
     def take_chunks(self, chunk_size: int) -> list[Chunk]:
-        """As :meth:`oppo.rollout.engine.RolloutEngine.take_chunks`."""
+        """As :meth:`oppo.rollout.eager.backend.EagerBackend.take_chunks`."""
         out = take_chunks(self.finished, self.rows.values(), chunk_size)
         self.finished = []
         return out

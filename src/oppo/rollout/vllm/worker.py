@@ -34,7 +34,7 @@ class _UntruncatedSampler:
     output, with one more log-prob column right after the sampled token's: the sampled token's
     ``log_softmax(logits / temperature)``, under the id :data:`UNTRUNCATED_ID`. Computed from
     the logits the sampler receives (the model's, before temperature, top-k and top-p: what the
-    eager engine's ``policy_logprobs`` and the learner's forward use), before the sampler runs,
+    eager backend's ``policy_logprobs`` and the learner's forward use), before the sampler runs,
     since it divides them by the temperature in place."""
 
     def __init__(self, forward):

@@ -1,7 +1,7 @@
-"""The rollout engine: batched KV-cache sampling with slots.
+"""The eager rollout backend: batched KV-cache sampling with slots.
 
 Rows join (``admit``), decode in lock-step (``decode``), emit chunks of new tokens
-(``take_chunks``), and may stay in the engine across PPO steps, continuing under new weights. Each
+(``take_chunks``), and may stay in the backend across PPO steps, continuing under new weights. Each
 token records its behaviour log-prob (``Rollout.logprobs``, after top-k/top-p), its untruncated
 log-prob (``Rollout.policy_logprobs``, what the learner computes) and the oldest policy version
 that shaped it. The records stay in device buffers, read by the host only where a row ends or a
@@ -9,7 +9,7 @@ chunk is due; on CUDA the stop flags are read every :data:`STOP_CHECK_EVERY` ste
 method runs on the actor's role stream.
 
 Design notes (the two log-probs, the host reads, deferred stop checks, streams):
-docs/static-engine.md, "The rollout engine it extends"."""
+docs/static-backend.md, "The eager backend it extends"."""
 
 from __future__ import annotations
 
@@ -19,16 +19,16 @@ import math
 
 import torch
 
-from ..kernels import streams
+from ...kernels import streams
 
-from ..guard import NonFiniteError, sampling_message
-from ..kv import KVRows, left_pad
-from ..api.protocols import WeightSource
-from ..api.records import Chunk, ChunkReady, Event, Rollout, RolloutStats, SequenceFinished
-from .chunks import take_chunks
-from .registry import BackendSettings
+from ...guard import NonFiniteError, sampling_message
+from ...kv import KVRows, left_pad
+from ...api.protocols import WeightSource
+from ...api.records import Chunk, ChunkReady, Event, Rollout, RolloutStats, SequenceFinished
+from ..chunks import take_chunks
+from ..registry import BackendSettings
 
-__all__ = ["Chunk", "KVBudgetError", "Rollout", "RolloutEngine", "sample_tokens", "take_chunks"]
+__all__ = ["Chunk", "KVBudgetError", "Rollout", "EagerBackend", "sample_tokens", "take_chunks"]
 
 
 def sample_tokens(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
@@ -50,7 +50,7 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
     probs = logp.exp()
     # A row with NaN or inf logits (a diverged policy) has NaN log-probs: it draws from ones instead,
     # so multinomial neither raises (CPU) nor asserts on the device (CUDA), and its NaN log-prob
-    # marks it for the engine's check where the host reads the tokens (guard.py: no extra sync).
+    # marks it for the backend's check where the host reads the tokens (guard.py: no extra sync).
     probs = probs.masked_fill(torch.isnan(probs).any(-1, keepdim=True), 1.0)
     # torch.multinomial's own algorithm for one sample (argmax of p / q, q ~ Exp(1): the same draws,
     # the same tokens on the CPU, checked against it), without its argument checks, which read the
@@ -70,15 +70,15 @@ STOP_CHECK_EVERY = 8
 """Decode steps between two reads of the stop flags on CUDA (module docstring). A row that ended
 decodes at most this many - 1 steps more (of a step's few hundred, long-tailed): a few percent of
 one row's work, against a CPU-GPU sync per token that waits for the whole queued forward (the
-H200's decode loop took 1.5x its engine's step in sequential, issue 50)."""
+H200's decode loop took 1.5x its backend's step in sequential, issue 50)."""
 
 ACTOR_WORK = ("admit", "recompute", "abort", "load_weights", "decode", "advance", "in_flight", "take_chunks", "step",
               "generate_all")
-"""The engine's methods that run on the actor's stream (wrapped by ``on_actor``, subclasses' too)."""
+"""The backend's methods that run on the actor's stream (wrapped by ``on_actor``, subclasses' too)."""
 
 
 def on_actor(method):
-    """Run ``method`` on its engine's actor stream (``kernels.streams.Role``)."""
+    """Run ``method`` on its backend's actor stream (``kernels.streams.Role``)."""
     if getattr(method, "_on_actor", False):
         return method
 
@@ -91,11 +91,11 @@ def on_actor(method):
     return run
 
 
-class RolloutEngine:
+class EagerBackend:
     """Slots of in-flight sequences over one policy model (see the module docstring)."""
 
     def __init_subclass__(cls, **kwargs):
-        """A subclass's own ``ACTOR_WORK`` methods run on the actor's stream too (the static engine's
+        """A subclass's own ``ACTOR_WORK`` methods run on the actor's stream too (the static backend's
         ``admit``, ``decode``, ...)."""
         super().__init_subclass__(**kwargs)
         for name in ACTOR_WORK:
@@ -105,7 +105,7 @@ class RolloutEngine:
     def __init__(self, model, eos_id: int | tuple[int, ...], pad_id: int, max_new_tokens: int,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0, greedy: bool = False):
         """``eos_id``: the id, or every id, that ends a response (``models.stop_token_ids``)."""
-        from ..models import backbone_and_head
+        from ...models import backbone_and_head
 
         self.model = model
         self.backbone, self.head = backbone_and_head(model)
@@ -126,10 +126,10 @@ class RolloutEngine:
         self.finished: list[Rollout] = []  # retired since the last take_chunks()
         self.peak_cache_bytes = 0
         self.decode_steps = 0  # decode steps taken so far (``perf/decode_step_ms``)
-        self.host_reads = 0  # device-to-host reads by the engine itself (``tests/test_host_reads.py``)
+        self.host_reads = 0  # device-to-host reads by the backend itself (``tests/test_host_reads.py``)
         self._eos_index: dict[torch.device, torch.Tensor] = {}  # the stop ids as an index (``_forced``)
         self.kv_budget_mb: float | None = None  # generation.kv_budget_mb; None: unlimited
-        # Device records, one slot per row (the static engine: its KV slot), grown by _grow. [S]:
+        # Device records, one slot per row (the static backend: its KV slot), grown by _grow. [S]:
         # response tokens so far, forced length (0: none), the policy version of the row's next-token
         # logits and the oldest in its KV cache. [4, S, N]: per response position, the token, its
         # behaviour and untruncated log-probs and its version, as float64 (exact for token ids below
@@ -177,7 +177,7 @@ class RolloutEngine:
         return [r.uid for r in self.rows]
 
     def in_flight(self) -> list[Rollout]:
-        """The rows decoding (``RolloutBackend.in_flight``), as copies of the engine's records
+        """The rows decoding (``RolloutBackend.in_flight``), as copies of the backend's records
         brought up to date (a caller that changes them changes nothing here)."""
         self._settle()
         self._pull()
@@ -312,7 +312,7 @@ class RolloutEngine:
         """Prefill the new rows' prompts (and any response so far) and add them to the batch."""
         if not rollouts:
             return
-        rollouts = [r.copy() for r in rollouts]  # the engine's own records (RolloutBackend.admit)
+        rollouts = [r.copy() for r in rollouts]  # the backend's own records (RolloutBackend.admit)
         kv, logits = self._prefill([r.prompt_ids + r.response_ids for r in rollouts])
         self.kv.merge(kv)
         self._add_rows(rollouts, self._take_slots(len(rollouts)))
@@ -350,10 +350,10 @@ class RolloutEngine:
         self.version = version
 
     def load_weights(self, weights: WeightSource, version: int) -> None:
-        """The trained policy's weights into the model this engine samples with (a no-op when it
+        """The trained policy's weights into the model this backend samples with (a no-op when it
         is that model: fp32 without in-flight updates), then sample as ``version``. Rows in
         flight keep their KV cache (``recompute`` rebuilds it)."""
-        from ..weights.sync import load_source
+        from ...weights.sync import load_source
 
         load_source(self.model, weights, self.role)  # (ordered after the learner's write by an event)
         self.set_version(version)
@@ -391,7 +391,7 @@ class RolloutEngine:
         """Sample one token per row from ``next_logits`` and write it, its behaviour and untruncated
         log-probs and its version into the rows' device records. Returns (tokens [R], the indices of
         the rows that go on or None when none ended, the rows that ended: their records pulled,
-        marked finished). Shared by every engine's ``decode``."""
+        marked finished). Shared by every backend's ``decode``."""
         self.decode_steps += 1
         self._clock += 1
         self.role.read(self.model)  # this step's forward after the learner's last write (once per write)
@@ -495,7 +495,7 @@ class RolloutEngine:
             done = self._finish(ended)
             self._settling = True
             try:
-                self.abort({r.uid for r in done})  # (a subclass's own retirement: the static engine's slots)
+                self.abort({r.uid for r in done})  # (a subclass's own retirement: the static backend's slots)
             finally:
                 self._settling = False
             self._settled.extend(done)
@@ -546,7 +546,7 @@ class RolloutEngine:
         log-prob is the policy's own, and no learning metric of theirs is reported.
 
         ``length`` [R]: each row's response tokens so far, ``target`` [R]: its target length (0:
-        none), on the device (the engine's records); by default from ``self.rows``."""
+        none), on the device (the backend's records); by default from ``self.rows``."""
         if length is None or target is None:  # (given together)
             if all(r.target_length is None for r in self.rows):
                 return logits
@@ -588,4 +588,4 @@ class RolloutEngine:
 
 
 for _name in ACTOR_WORK:  # (the base class's own: __init_subclass__ wraps a subclass's)
-    setattr(RolloutEngine, _name, on_actor(getattr(RolloutEngine, _name)))
+    setattr(EagerBackend, _name, on_actor(getattr(EagerBackend, _name)))

@@ -1,6 +1,6 @@
-"""A static-shape rollout engine: preallocated KV slots and a decode step that can be captured.
+"""A static-shape rollout backend: preallocated KV slots and a decode step that can be captured.
 
-:class:`StaticRolloutEngine` is a drop-in for :class:`oppo.rollout.engine.RolloutEngine` (same
+:class:`StaticBackend` is a drop-in for :class:`oppo.rollout.eager.backend.EagerBackend` (same
 constructor arguments, methods, attributes and outputs). Each layer's keys and values are one
 tensor ``[max_rows, kv_heads, max_len, dim]`` allocated once; a row takes the lowest free slot, its
 tokens in columns ``0 .. n-1`` (position ids = column indices, so a sliding window means what it
@@ -12,7 +12,7 @@ scorer and learner threads may work meanwhile), with ``"compile"`` run through `
 with ``"none"`` eagerly. Weight updates copy into
 the same parameters, so graphs read the new weights. Prefill stays eager. Only ``sdpa`` and
 ``eager`` attention take the 4-D mask; other implementations are refused at construction.
-``docs/static-engine.md`` has the design in full and why capture is safe beside other threads.
+``docs/static-backend.md`` has the design in full and why capture is safe beside other threads.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from ...kernels.graphs import Capture, CapturedGraphs
 from ...kv import kv_layers, right_pad
 from ...kv_slots import SlotCache, slot_cache_class
-from ..engine import KVBudgetError, Rollout, RolloutEngine
+from ..eager.backend import EagerBackend, KVBudgetError, Rollout
 
 if TYPE_CHECKING:
     from transformers import DynamicCache
@@ -36,7 +36,7 @@ CAPTURE_MODES = ("none", "cuda_graph", "compile")
 
 
 class UnsupportedForStaticDecode(ValueError):
-    """The model cannot run in the static engine; the message says why and what to use instead."""
+    """The model cannot run in the static backend; the message says why and what to use instead."""
 
 
 def bucket_size(n: int, cap: int, smallest: int = 16) -> int:
@@ -49,9 +49,9 @@ def bucket_size(n: int, cap: int, smallest: int = 16) -> int:
     return min(b, cap)
 
 
-class StaticRolloutEngine(RolloutEngine):
-    """:class:`RolloutEngine` over preallocated KV slots with a capturable decode step (module
-    docstring). It subclasses the eager engine to share what does not touch the cache (the device
+class StaticBackend(EagerBackend):
+    """:class:`EagerBackend` over preallocated KV slots with a capturable decode step (module
+    docstring). It subclasses the eager backend to share what does not touch the cache (the device
     records of tokens, log-probs and versions, whose slots are its KV slots; forced lengths,
     chunks, ``generate_all``); everything that does is overridden here. The slots' lengths live
     on the device too (``_pos``, advanced in place after each forward); the host derives Rb and Lb
@@ -74,7 +74,7 @@ class StaticRolloutEngine(RolloutEngine):
                  max_rows: int = 64, max_len: int | None = None, capture: str = "none",
                  graph_capture: Capture | None = None):
         super().__init__(model, eos_id, pad_id, max_new_tokens, temperature, top_k, top_p, seed, greedy)
-        del self.kv  # the eager engine's cache; this engine has slots instead
+        del self.kv  # the eager backend's cache; this backend has slots instead
         if capture not in CAPTURE_MODES:
             raise ValueError(f"capture must be one of {', '.join(CAPTURE_MODES)}, got {capture!r}.")
         if capture == "cuda_graph" and self.device.type != "cuda" and graph_capture is None:
@@ -126,7 +126,7 @@ class StaticRolloutEngine(RolloutEngine):
     @property
     def peak_cache_bytes(self) -> int:
         """The slots' bytes: reserved once, the same at every step (assignments are ignored: the
-        trainer resets the eager engine's per-step peak, which has no meaning here)."""
+        trainer resets the eager backend's per-step peak, which has no meaning here)."""
         return self.cache.nbytes() if self.cache is not None else 0
 
     @peak_cache_bytes.setter
@@ -150,7 +150,7 @@ class StaticRolloutEngine(RolloutEngine):
         if budget:
             if need > budget * 2**20:
                 raise KVBudgetError(
-                    f"The static engine's KV slots take {need / 2**20:.3g} MiB ({self.max_rows} slots x "
+                    f"The static backend's KV slots take {need / 2**20:.3g} MiB ({self.max_rows} slots x "
                     f"{self.max_len} columns), over generation.kv_budget_mb={budget:g}. Lower the slots "
                     f"(ppo.batch_size, overlap.delta_max) or the columns (generation.max_new_tokens, "
                     f"data.max_prompt_tokens), or raise generation.kv_budget_mb if the device has room.")
@@ -171,7 +171,7 @@ class StaticRolloutEngine(RolloutEngine):
             if len(r.prompt_ids) + self.max_new_tokens - 1 > self.max_len:
                 raise ValueError(
                     f"A row of {len(r.prompt_ids)} prompt tokens + {self.max_new_tokens} new tokens does not fit "
-                    f"the static engine's max_len={self.max_len} columns; raise max_len (longest prompt + "
+                    f"the static backend's max_len={self.max_len} columns; raise max_len (longest prompt + "
                     f"max_new_tokens).")
         n = len(rows)
         if self.bucket_prefill:  # prefill shapes from the ladders too (oppo.shapes): rows of a
@@ -217,10 +217,10 @@ class StaticRolloutEngine(RolloutEngine):
             return
         if len(rollouts) > len(self._free):
             raise ValueError(
-                f"The static engine has {len(self._free)} free slots of max_rows={self.max_rows} for {len(rollouts)} "
+                f"The static backend has {len(self._free)} free slots of max_rows={self.max_rows} for {len(rollouts)} "
                 f"new rows; raise max_rows to the most rows in flight (ppo.batch_size + overlap.delta_max, in "
                 f"groups times algo.group_size).")
-        rollouts = [r.copy() for r in rollouts]  # the engine's own records (RolloutBackend.admit)
+        rollouts = [r.copy() for r in rollouts]  # the backend's own records (RolloutBackend.admit)
         slots = self._take_slots(len(rollouts))
         try:
             logits = self._prefill_into(rollouts, slots)
@@ -245,7 +245,7 @@ class StaticRolloutEngine(RolloutEngine):
     def _retire(self, keep: list[int]) -> None:
         kept = set(keep)
         gone = [s for i, s in enumerate(self.slot_of) if i not in kept]
-        if gone:  # a free slot decodes into its column 0 (docs/static-engine.md)
+        if gone:  # a free slot decodes into its column 0 (docs/static-backend.md)
             self._pos.index_fill_(0, torch.tensor(gone, dtype=torch.long, device=self.device), 0)
         super()._retire(keep)
 
@@ -267,7 +267,7 @@ class StaticRolloutEngine(RolloutEngine):
 
     @torch.no_grad()
     def decode(self) -> list[Rollout]:
-        """Sample one token for every row; retire rows that ended; return them (as the eager engine)."""
+        """Sample one token for every row; retire rows that ended; return them (as the eager backend)."""
         if not self.rows:
             return []
         tokens, keep, done = self._sample_and_record()
@@ -356,13 +356,13 @@ def _plain_kv_problem(cache) -> str | None:
 
     for i, layer in enumerate(cache.layers):
         if type(layer) is not DynamicLayer or layer.keys is None:
-            return (f"layer {i} keeps a {type(layer).__name__} cache (not plain keys/values): the static decode "
-                    f"engine supports attention-only decoders; use the eager engine (generation.backend=eager).")
-    return None if cache.layers else "the model's forward filled no KV cache; use the eager engine."
+            return (f"layer {i} keeps a {type(layer).__name__} cache (not plain keys/values): the static "
+                    f"backend supports attention-only decoders; use the eager backend (generation.backend=eager).")
+    return None if cache.layers else "the model's forward filled no KV cache; use the eager backend."
 
 
 def static_decode_problem(model, max_len: int | None = None, probe: bool = False) -> str | None:
-    """Why :class:`StaticRolloutEngine` cannot decode ``model``, as a sentence naming the fix, or
+    """Why :class:`StaticBackend` cannot decode ``model``, as a sentence naming the fix, or
     None when it can. From the config: an attention implementation that takes no 4-D mask, layers
     other than full or sliding-window attention, or windowed and full layers under a forward that
     takes no per-type masks (``max_len``: the slots' columns, a window at least that wide never
@@ -370,7 +370,7 @@ def static_decode_problem(model, max_len: int | None = None, probe: bool = False
     one forward of two tokens: a layer that keeps no plain keys/values, or a forward that takes no
     ``DynamicCache``. The constructor refuses on the config's reasons
     (``UnsupportedForStaticDecode``); ``generation.backend=auto`` asks with ``probe`` before
-    choosing this engine (:func:`oppo.rollout.registry.resolve_backend`), so such a policy runs eager."""
+    choosing this backend (:func:`oppo.rollout.registry.resolve_backend`), so such a policy runs eager."""
     from ...models import backbone_and_head
 
     cfg = _text_config(model)
@@ -378,18 +378,18 @@ def static_decode_problem(model, max_len: int | None = None, probe: bool = False
 
     impl = getattr(cfg, "_attn_implementation", None) or "eager"
     if not takes_4d_mask(impl):
-        return (f"The static decode engine passes a 4-D attention mask, which attention implementation {impl!r} "
-                f"does not take; load the policy with attn_implementation='sdpa' or use the eager engine "
+        return (f"The static backend passes a 4-D attention mask, which attention implementation {impl!r} "
+                f"does not take; load the policy with attn_implementation='sdpa' or use the eager backend "
                 f"(generation.backend=eager).")
     other = sorted(set(getattr(cfg, "layer_types", None) or ()) - {"full_attention", "sliding_attention"})
     if other:  # state-space, convolution, linear or chunked attention: not plain keys/values under our masks
-        return (f"{type(model).__name__} has {', '.join(other)} layers; the static decode engine runs full and "
-                f"sliding-window attention only; use the eager engine (generation.backend=eager).")
+        return (f"{type(model).__name__} has {', '.join(other)} layers; the static backend runs full and "
+                f"sliding-window attention only; use the eager backend (generation.backend=eager).")
     backbone = backbone_and_head(model)[0]
     if _window(model, max_len) is not None and not _forward_takes_mask_dict(backbone) \
             and len(set(getattr(cfg, "layer_types", None) or ())) > 1:
         return (f"{type(model).__name__} mixes windowed and full attention layers but its forward takes no "
-                f"per-type masks; use the eager engine (generation.backend=eager).")
+                f"per-type masks; use the eager backend (generation.backend=eager).")
     if not probe:
         return None
     from transformers import DynamicCache
@@ -401,8 +401,8 @@ def static_decode_problem(model, max_len: int | None = None, probe: bool = False
         with torch.no_grad():
             backbone(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=torch.arange(2, device=dev)[None],
                      past_key_values=cache, use_cache=True)
-    except Exception as e:  # a forward the slots cannot host; the eager engine names its own errors
-        return f"a trial prefill into a DynamicCache failed ({type(e).__name__}: {e}); use the eager engine."
+    except Exception as e:  # a forward the slots cannot host; the eager backend names its own errors
+        return f"a trial prefill into a DynamicCache failed ({type(e).__name__}: {e}); use the eager backend."
     return _plain_kv_problem(cache)
 
 
