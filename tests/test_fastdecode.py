@@ -502,11 +502,11 @@ def test_capture_is_thread_local_on_one_side_stream_after_warmups(monkeypatch):
     monkeypatch.setattr(torch.cuda, "graph", Graph)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
-    step = eng._decode_step
-    monkeypatch.setattr(eng, "_decode_step", lambda rb, lb: (log.append(("step", on[-1])), step(rb, lb))[1])
+    step = eng._captured_step
+    monkeypatch.setattr(eng, "_captured_step", lambda rb, lb: (log.append(("step", on[-1])), step(rb, lb))[1])
     log.clear()
     # the engine's captures (oppo.kernels.graphs, the recipe the scorer slots share), as a first decode step makes them
-    outs = [eng._graphs.get(key, lambda key=key: eng._decode_step(*key))[1] for key in ((2, 16), (2, 24))]
+    outs = [eng._graphs.get(key, lambda key=key: eng._captured_step(*key))[1] for key in ((2, 16), (2, 24))]
     assert log[0][0] == "new stream" and log[0][1] is not decoding
     side, pool = log[0][1], eng._graphs._pool
     name = {id(side): "side", id(decoding): "decoding", id(pool): "pool"}

@@ -1,6 +1,6 @@
 """The eager rollout backend: batched KV-cache sampling with slots.
 
-Rows join (``admit``), decode in lock-step (``decode``), emit chunks of new tokens
+Rows join (``admit``), decode in lock-step (``decode_step``), emit chunks of new tokens
 (``take_chunks``), and may stay in the backend across PPO steps, continuing under new weights. Each
 token records its behaviour log-prob (``Rollout.logprobs``, after top-k/top-p), its untruncated
 log-prob (``Rollout.policy_logprobs``, what the learner computes) and the oldest policy version
@@ -72,7 +72,7 @@ decodes at most this many - 1 steps more (of a step's few hundred, long-tailed):
 one row's work, against a CPU-GPU sync per token that waits for the whole queued forward (the
 H200's decode loop took 1.5x its backend's step in sequential, issue 50)."""
 
-ACTOR_WORK = ("admit", "recompute", "abort", "load_weights", "decode", "advance", "in_flight", "take_chunks", "step",
+ACTOR_WORK = ("admit", "recompute", "abort", "load_weights", "decode_step", "advance", "in_flight", "take_chunks", "step",
               "generate_all")
 """The backend's methods that run on the actor's stream (wrapped by ``on_actor``, subclasses' too)."""
 
@@ -96,7 +96,7 @@ class EagerBackend:
 
     def __init_subclass__(cls, **kwargs):
         """A subclass's own ``ACTOR_WORK`` methods run on the actor's stream too (the static backend's
-        ``admit``, ``decode``, ...)."""
+        ``admit``, ``decode_step``, ...)."""
         super().__init_subclass__(**kwargs)
         for name in ACTOR_WORK:
             if name in cls.__dict__:
@@ -170,7 +170,7 @@ class EagerBackend:
 
     @property
     def active(self) -> int:
-        """Rows decoding, and rows retired outside ``decode`` that the next one reports (``_settle``)."""
+        """Rows decoding, and rows retired outside ``decode_step`` that the next one reports (``_settle``)."""
         return len(self.rows) + len(self._settled)
 
     def uids(self) -> list[int]:
@@ -360,7 +360,7 @@ class EagerBackend:
 
     def advance(self, chunk_size: int | None) -> list[Event]:
         """One decode step (``RolloutBackend.advance``): the rows that ended, then the chunks due."""
-        events: list[Event] = [SequenceFinished(r) for r in self._take_settled() + self.decode()]
+        events: list[Event] = [SequenceFinished(r) for r in self._take_settled() + self.decode_step()]
         if chunk_size is None:
             self.finished.clear()  # no scorer streams: no final chunks to send
             return events
@@ -391,7 +391,7 @@ class EagerBackend:
         """Sample one token per row from ``next_logits`` and write it, its behaviour and untruncated
         log-probs and its version into the rows' device records. Returns (tokens [R], the indices of
         the rows that go on or None when none ended, the rows that ended: their records pulled,
-        marked finished). Shared by every backend's ``decode``."""
+        marked finished). Shared by every backend's ``decode_step``."""
         self.decode_steps += 1
         self._clock += 1
         self.role.read(self.model)  # this step's forward after the learner's last write (once per write)
@@ -501,7 +501,7 @@ class EagerBackend:
             self._settled.extend(done)
 
     @torch.no_grad()
-    def decode(self) -> list[Rollout]:
+    def decode_step(self) -> list[Rollout]:
         """One decode step: sample a token for every row; retire the rows that ended and return
         them (their records pulled); the other rows' records stay on the device."""
         if not self.rows:
@@ -525,9 +525,9 @@ class EagerBackend:
         return done
 
     def step(self) -> list[Rollout]:
-        """``decode``, then every row's records brought up to date (one read per step: for callers
+        """``decode_step``, then every row's records brought up to date (one read per step: for callers
         that read the rows after every token; the trainer's loop calls ``advance``)."""
-        done = self._take_settled() + self.decode()
+        done = self._take_settled() + self.decode_step()
         self._pull()
         return done
 
@@ -582,7 +582,7 @@ class EagerBackend:
         """Decode until every row has ended (the sequential rollout, with early exit)."""
         done = []
         while self.rows or self._settled:
-            done.extend(self._take_settled() + self.decode())
+            done.extend(self._take_settled() + self.decode_step())
         self.finished = []
         return done
 

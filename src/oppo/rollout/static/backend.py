@@ -266,7 +266,7 @@ class StaticBackend(EagerBackend):
     # ------------------------------------------------------------------ decode
 
     @torch.no_grad()
-    def decode(self) -> list[Rollout]:
+    def decode_step(self) -> list[Rollout]:
         """Sample one token for every row; retire rows that ended; return them (as the eager backend)."""
         if not self.rows:
             return []
@@ -280,7 +280,7 @@ class StaticBackend(EagerBackend):
             slots = self._slots  # [R]
             self._tok.index_copy_(0, slots, tokens[:, None])
             # the fed token takes column _pos[s] (= its position id); free slots write their column 0
-            out = self._decode(self._rb, self._lb + self._clock)  # [Rb, V]
+            out = self._step_logits(self._rb, self._lb + self._clock)  # [Rb, V]
             self._pos.index_add_(0, slots, torch.ones_like(slots))
             self.next_logits = out.index_select(0, slots).float()  # [R, V] (a copy: graph outputs are reused)
             self._lv.index_fill_(0, slots, self.version)
@@ -288,10 +288,10 @@ class StaticBackend(EagerBackend):
             self.next_logits = torch.zeros(0, 0, device=self.device)
         return done
 
-    def _decode(self, rows: int, cols: int) -> torch.Tensor:
+    def _step_logits(self, rows: int, cols: int) -> torch.Tensor:
         """One decode forward over slots [:Rb] and columns [:Lb]; returns logits [Rb, V]."""
         if self.capture == "none":
-            return self._decode_step(rows, cols)
+            return self._captured_step(rows, cols)
         rb, lb = bucket_size(rows, self.max_rows, smallest=1), bucket_size(cols, self.max_len)
         if self.capture == "compile":
             if self._compiled is None:
@@ -299,7 +299,7 @@ class StaticBackend(EagerBackend):
 
                 torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
                 mode = "reduce-overhead" if self.device.type == "cuda" else None
-                self._compiled = torch.compile(self._decode_step, mode=mode, dynamic=False)
+                self._compiled = torch.compile(self._captured_step, mode=mode, dynamic=False)
             new = (rb, lb) not in self._traced
             t0 = time.perf_counter()
             out = self._compiled(rb, lb)
@@ -308,13 +308,13 @@ class StaticBackend(EagerBackend):
                 self._traced_s += time.perf_counter() - t0
             return out.clone() if self.device.type == "cuda" else out
         # captured on the bucket's first step (oppo.kernels.graphs: the recipe the scorers' slots share)
-        graph, out = self._graphs.get((rb, lb), lambda: self._decode_step(rb, lb))
+        graph, out = self._graphs.get((rb, lb), lambda: self._captured_step(rb, lb))
         graph.replay()
         # graphs share one memory pool: another bucket's replay may overwrite this output, so the
         # caller copies it (index_select) before the next replay
         return out
 
-    def _decode_step(self, rb: int, lb: int) -> torch.Tensor:
+    def _captured_step(self, rb: int, lb: int) -> torch.Tensor:
         """The captured region: static inputs ``_tok``/``_pos`` in, logits [rb, V] out."""
         pos = self._pos[:rb]  # [Rb] the fed token's column = position id
         cache = self.cache
