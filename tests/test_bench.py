@@ -236,6 +236,18 @@ def test_gpu_bench_check_names_engine_mode_step_and_metric(tmp_path, monkeypatch
     assert json.loads((tmp_path / "all" / "check.json").read_text())["rows"][0]["ok"]
 
 
+def test_gpu_bench_check_one_drives_a_real_trainer(builtin_task, tmp_path):
+    """The guard of ``gpu_bench --check`` reads a real Trainer (one eager step of the built-in task on
+    the CPU): what it reads of the trainer and its roles exists. The test above drives it with a
+    stand-in, which hid that it read ``roles.engine``, a field Roles no longer had: the GPU session's
+    check part would have failed every combination."""
+    mod = _gpu_bench()
+    assert mod.check_one("eager:sequential", ["log.progress=false"], 1, None, tmp_path, lambda s: None) == 0
+    row = json.loads((tmp_path / "check.json").read_text())
+    assert (row["ok"], row["steps"], row["error"]) == (True, 1, None)
+    assert row["ran"].startswith("eager")  # the backend that ran, as the run's log names it
+
+
 def test_bench_quick_on_the_builtin_task(builtin_task, tmp_path, capsys):
     """``make bench``'s command, ``oppo bench --quick``, on the built-in task (prepared at its tiny
     sizes: 256 positions), shortened by its own flags only (fewer steps, one sigma): the settings
