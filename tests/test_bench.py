@@ -193,6 +193,11 @@ def test_gpu_bench_check_names_engine_mode_step_and_metric(tmp_path, monkeypatch
     policy, critic = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)
     trainer = SimpleNamespace(models=lambda: {"policy": policy, "critic": critic},
                               roles=SimpleNamespace(rollout_policy=policy, backend="static with CUDA graphs"))
+    import dataclasses
+
+    from oppo.api.roles import Roles
+
+    assert set(vars(trainer.roles)) <= {f.name for f in dataclasses.fields(Roles)}  # the stand-in holds real fields
     assert mod.non_finite({"loss/policy": 0.5, "grad_norm/actor": math.nan, "kl/mean": -math.inf, "n": 3}) == \
         ["grad_norm/actor", "kl/mean"]
     assert mod.non_finite_weights(trainer) == []

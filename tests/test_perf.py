@@ -92,6 +92,11 @@ def test_train_flops_count_the_old_logprob_recompute_where_the_window_holds_it()
     roles = SimpleNamespace(actor_flops=lambda lengths: forward_flops(model, lengths), critic_flops=None,
                             device=torch.device("cpu"), compute_dtype=torch.float32, settings=settings,
                             recompute_old=True)  # (api.roles.RoleHandles' fields that utilisation reads)
+    import dataclasses
+
+    from oppo.api.roles import RoleHandles
+
+    assert set(vars(roles)) <= {f.name for f in dataclasses.fields(RoleHandles)}  # the stand-in reads real fields
     run, result = SimpleNamespace(roles=roles), SimpleNamespace(exp=exp)
     rollout = SimpleNamespace(decode_steps=None)
     update = 3 * 2 * forward_flops(model, lengths)
