@@ -217,10 +217,11 @@ def _check_attention(cfg: Config) -> None:
 
 
 def validate(cfg: Config) -> None:
-    """Raise ConfigError on the first invalid value. Never changes a value."""
+    """Raise ConfigError on the first invalid value. Never changes a value. The settings that the
+    config's own rules decide come first, then the two that ask a lower module (the attention
+    kernels' names, the reward terms' registry)."""
     _check_choices(cfg)
     _check_ppo_batches(cfg)
-    _check_attention(cfg)
     _check_lora(cfg)
     _check_algorithm(cfg)
     _check_ppo_loss(cfg)
@@ -230,5 +231,6 @@ def validate(cfg: Config) -> None:
     _check_placement(cfg)
     _check_rollout_backend(cfg)
     _check_run(cfg)
-    _check_reward(cfg)
     _check_devices(cfg)
+    _check_attention(cfg)
+    _check_reward(cfg)
