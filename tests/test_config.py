@@ -505,5 +505,5 @@ def test_algorithm_settings_are_its_section_and_old_ones_upgrade():
     # every config.yaml of the release before wrote the empty mapping: read, it sets nothing (ppo has no
     # section); given by hand, the fix is to delete the line
     assert from_dict({"algo": {"name": "ppo", "settings": {}}}).algo.name == "ppo"
-    with pytest.raises(ConfigError, match="sets none: delete the line"):
+    with pytest.raises(ConfigError, match="sets none: delete it"):
         load_valid(None, ["algo.settings={}"])

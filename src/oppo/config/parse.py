@@ -209,7 +209,7 @@ def _unknown(cfg: Config, key: str, value: Any, source: str) -> str | None:
         given = given if isinstance(given, dict) else {}
         if not given:  # (an older run's config.yaml: it wrote the empty mapping)
             return (f"Unknown setting '{key}' (from {source}): an algorithm's own settings are now its section, "
-                    f"algo.<name>.*, and this one sets none: delete the line.")
+                    f"algo.<name>.*, and this one sets none: delete it.")
         shown = ", ".join(f"algo.{name}.{k}={v}" for k, v in given.items())
         return (f"Unknown setting '{key}' (from {source}): an algorithm's own settings are now its section, "
                 f"algo.<name>.* (`oppo train --help` lists each algorithm's). Write {shown}.")
