@@ -65,7 +65,7 @@ from oppo.config import ConfigError, load_config, with_overrides
 from oppo.perf import forward_flops, peak_flops, spec_peak_flops
 
 WINDOWS = {"actor": "generate", "scorer": "score", "learner": "train"}
-"""A tracer span's worker -> the sequential window it belongs to (``control/sequential.py``)."""
+"""A tracer span's lane -> the sequential window it belongs to (``control/sequential.py``)."""
 MARK = "gpu_profile:"  # record_function names: the stage spans, the step, each attention call
 ATTN = "gpu_profile:attention#"
 
@@ -176,12 +176,12 @@ def recording_attention(calls: list[AttentionCall]):
 @contextlib.contextmanager
 def marked_spans(tracer):
     """Each ``tracer.span`` (the trainer's stage spans) also a profiler range named ``MARK`` +
-    worker/stage: the windows, on the profiler's own clock."""
+    lane/stage: the windows, on the profiler's own clock."""
     original = tracer.span
 
     @contextlib.contextmanager
-    def span(worker, stage, step, **args):
-        with torch.profiler.record_function(f"{MARK}{worker}/{stage}"), original(worker, stage, step, **args) as a:
+    def span(lane, stage, step, **args):
+        with torch.profiler.record_function(f"{MARK}{lane}/{stage}"), original(lane, stage, step, **args) as a:
             yield a
 
     tracer.span = span
@@ -287,9 +287,9 @@ def analyse_trace(events: list[dict], calls: list[AttentionCall], cuda: bool, to
     step = (step_ev[0]["ts"], step_ev[0]["ts"] + step_ev[0]["dur"])
     spans: dict[str, list[float]] = {}
     for e in ann:
-        worker = e["name"][len(MARK):].split("/")[0]
-        if worker in WINDOWS:
-            w = spans.setdefault(WINDOWS[worker], [math.inf, -math.inf])
+        lane = e["name"][len(MARK):].split("/")[0]
+        if lane in WINDOWS:
+            w = spans.setdefault(WINDOWS[lane], [math.inf, -math.inf])
             w[0], w[1] = min(w[0], e["ts"]), max(w[1], e["ts"] + e["dur"])
     windows = sorted(((s, e, name) for name, (s, e) in spans.items()), key=lambda w: w[0])
 

@@ -245,7 +245,7 @@ def test_it_runs_in_a_ray_rollout_replica(ray_local, tiny_models, tiny_prompts, 
             for _ in range(2):
                 m = t.run_step()
                 assert math.isfinite(m["loss/policy"]) and len(t.last_result.exp.rollouts) == 4
-            assert "rollout0" in {s.worker for s in t.tracer.spans}, "the replica sampled"
+            assert "rollout0" in {s.lane for s in t.tracer.spans}, "the replica sampled"
             assert t.roles.rollout.chunks_sent > 0, "the replica streamed its chunks to the scorer actor"
     finally:
         registry.unregister(NAME)

@@ -309,7 +309,7 @@ def _measured_from_sim(mode, coef, lengths, steps=4, batch=8, needs_critic=True)
                   delta=2, chunk=4, minibatch=4, micro=4)
     res = simulate(mode, wl, LinearCosts(coef), cpu_placement(mode, True, needs_critic), steps=steps, warmup=0,
                    fine=True)
-    spans = [Span(s.worker, s.stage, s.step, s.start, s.end,
+    spans = [Span(s.lane, s.stage, s.step, s.start, s.end,
                   {"tokens": s.args["works"][0]["tokens"]} if s.stage.startswith("score_") else {})
              for s in res.spans]
     metrics = [{"time/step": s.time, "response_length/mean": float(np.mean(s.lengths)),
@@ -337,8 +337,8 @@ def test_fit_counts_a_nested_span_of_one_stage_once():
     from oppo.trace import Span
 
     run = _measured_from_sim("oppo", SPLIT_TRUE, FIT_LENGTHS)
-    outer = [Span(s.worker, s.stage, s.step, s.start - 1e-3, s.end + 1e-3)
-             for s in run.spans if (s.worker, s.stage) == ("learner", "train")]
+    outer = [Span(s.lane, s.stage, s.step, s.start - 1e-3, s.end + 1e-3)
+             for s in run.spans if (s.lane, s.stage) == ("learner", "train")]
     assert outer
     for spans in (run.spans, run.spans + outer):
         run.spans = spans

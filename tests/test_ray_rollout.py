@@ -39,7 +39,7 @@ def test_one_rollout_replica_trains_the_local_run(ray_local, tiny_models, tiny_p
             assert torch.equal(t.last_result.exp.ids, ids), "the same responses"
             for k in ("reward/mean", "kl/mean", "loss/policy", "loss/value"):
                 assert m[k] == pytest.approx(m_local[k], abs=1e-4, rel=1e-3), k
-        assert "rollout0" in {s.worker for s in t.tracer.spans}, "the replica's spans join the trace"
+        assert "rollout0" in {s.lane for s in t.tracer.spans}, "the replica's spans join the trace"
 
 
 @pytest.mark.slow
@@ -72,7 +72,7 @@ def test_two_rollout_replicas_share_the_batch_and_stream_to_the_scorers(ray_loca
         assert min(t.roles.rollout.admitted) >= 4, f"both replicas decoded a share: {t.roles.rollout.admitted}"
         # chunks of 4 tokens (overlap.chunk_size) while decoding, not only each sequence at its end
         assert t.roles.rollout.chunks_sent > sum(t.roles.rollout.admitted), t.roles.rollout.chunks_sent
-        assert {"rollout0", "rollout1"} <= {s.worker for s in t.tracer.spans}
+        assert {"rollout0", "rollout1"} <= {s.lane for s in t.tracer.spans}
         ckpt = save_checkpoint(t, tmp_path / "r2")
         states = t.roles.rollout.state_dict()["generator"]
         assert len(states) == 2 and not torch.equal(states[0], states[1]), "each replica samples with its own stream"

@@ -133,7 +133,7 @@ def test_ray_scorer_streams_like_the_local_worker(ray_worker, local_outputs):
     _check_same(_stream(w, prompts, responses, chunk=3), want)
     assert set(w.results) == {"reward", "reference", "critic"} and not any(w.results.values()), "take() empties"
     assert all(p > 0 for p in w.peak_cache_bytes.values()), "peak cache sizes come back"
-    assert {s.worker for s in tracer.spans} == {"scorer/reward+reference", "scorer/critic"}
+    assert {s.lane for s in tracer.spans} == {"scorer/reward+reference", "scorer/critic"}
     assert {s.stage for s in tracer.spans} >= {"prefill_prompt", "score_critic"}, "the actors' spans come back"
     _check_same({r: w.score_full(r, prompts, responses) for r in ("reward", "reference", "critic")}, one_shot)
 

@@ -52,7 +52,7 @@ def test_ray_backend_equals_sequential_and_resumes_on_another_worker_count(ray_l
             assert m["time/weight_sync"] >= 0.0
             got.append(_record(t, m))
         ckpt = save_checkpoint(t, tmp_path / "r")
-        assert {s.worker for s in t.tracer.spans} >= {"actor", "scorer"}, "the Ray scorer's spans join the trace"
+        assert {s.lane for s in t.tracer.spans} >= {"actor", "scorer"}, "the Ray scorer's spans join the trace"
     finally:
         t.close()
     for x, y in zip(want, got):
@@ -97,7 +97,7 @@ def test_ray_pipeline_loads_weights_in_flight(ray_local, tiny_models, tiny_promp
         rank0 = t.roles.learner.actor_state()
         for name, p in t.roles.rollout_policy.named_parameters():
             assert torch.equal(p, rank0[name]), name
-        assert {"learner0", "scorer", "actor"} <= {s.worker for s in t.tracer.spans}
+        assert {"learner0", "scorer", "actor"} <= {s.lane for s in t.tracer.spans}
     finally:
         t.close()
     assert inflight > 0 and early > 0, "decoding went on while the learner trained"

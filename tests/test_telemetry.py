@@ -158,9 +158,9 @@ def test_progress_bar_every_zero_is_silent():
 def test_tracer_two_threads_saved_as_chrome_trace(tmp_path):
     tracer = Tracer()
 
-    def work(worker: str, stage: str) -> None:
+    def work(lane: str, stage: str) -> None:
         for step in range(3):
-            with tracer.span(worker, stage, step, batch=4) as args:
+            with tracer.span(lane, stage, step, batch=4) as args:
                 time.sleep(0.002)
                 args["tokens"] = 10 * step
 
@@ -172,7 +172,7 @@ def test_tracer_two_threads_saved_as_chrome_trace(tmp_path):
 
     spans = tracer.spans
     assert len(spans) == 6
-    assert {(s.worker, s.stage) for s in spans} == {("policy", "generate"), ("reward", "score")}
+    assert {(s.lane, s.stage) for s in spans} == {("policy", "generate"), ("reward", "score")}
     assert all(s.end > s.start for s in spans)
 
     path = tracer.save(tmp_path / "trace.json")
@@ -193,7 +193,7 @@ def test_tracer_two_threads_saved_as_chrome_trace(tmp_path):
     # round trip: seconds relative to the tracer's start
     loaded = load_trace(path)
     original = sorted(spans, key=lambda s: s.start)
-    assert [(s.worker, s.stage, s.step) for s in loaded] == [(s.worker, s.stage, s.step) for s in original]
+    assert [(s.lane, s.stage, s.step) for s in loaded] == [(s.lane, s.stage, s.step) for s in original]
     for a, b in zip(loaded, original):
         assert a.start == pytest.approx(b.start - tracer.t0, abs=1e-6)
         assert a.duration == pytest.approx(b.duration, abs=1e-6)
@@ -213,6 +213,23 @@ def test_add_rejects_reversed_span():
         Tracer().add("policy", "generate", 0, 2.0, 1.0)
 
 
+def test_a_trace_row_is_a_lane(tmp_path):
+    """``Span.lane`` (was ``Span.worker``: "worker" is the scorer worker's word alone); the file
+    keeps the lane as a thread's name, so traces written before the rename read back the same."""
+    tracer = Tracer()
+    tracer.add(lane="scorer", stage="score_reward", step=0, start=1.0, end=2.0)
+    with tracer.span(lane="actor", stage="decode", step=0):
+        pass
+    assert {s.lane for s in tracer.spans} == {"scorer", "actor"}
+    with pytest.raises(AttributeError, match="Span.lane"):
+        tracer.spans[0].worker
+    text = tracer.save(tmp_path / "trace.json").read_text()
+    assert '"lane"' not in text and '"worker"' not in text
+    assert {s.lane for s in load_trace(tmp_path / "trace.json")} == {"scorer", "actor"}
+    spans = [Span("actor", "decode", 0, 0.0, 2.0), Span("scorer", "score_reward", 0, 1.0, 3.0)]
+    assert overlap_seconds(spans, lane_a="actor", lane_b="scorer") == pytest.approx(1.0)
+
+
 # Hand-made spans over the window [0, 10] s:
 #   policy: generate [0, 6], generate [4, 8]       -> union [0, 8]           = 8 s busy
 #   reward: score    [1, 3], score    [5, 7]       -> 2 + 2                  = 4 s busy
@@ -226,7 +243,7 @@ SPANS = [
 ]
 
 
-def test_busy_stats_does_not_double_count_a_workers_overlap():
+def test_busy_stats_does_not_double_count_a_lanes_overlap():
     assert busy_seconds(SPANS) == pytest.approx({"policy": 8.0, "reward": 4.0, "learner": 2.0})
     # fractions of the whole trace [0, 10]
     assert busy_stats(SPANS) == pytest.approx({"policy": 0.8, "reward": 0.4, "learner": 0.2})
@@ -240,11 +257,11 @@ def test_step_windows():
 
 
 def test_bubble_ratio():
-    # busiest worker in [0, 10] is policy with 8 s: bubble = 1 - 8 / 10 = 0.2
+    # busiest lane in [0, 10] is policy with 8 s: bubble = 1 - 8 / 10 = 0.2
     assert bubble_ratio(SPANS, (0.0, 10.0)) == pytest.approx(0.2)
     # window [0, 16]: 1 - 8 / 16 = 0.5 (the idle tail counts)
     assert bubble_ratio(SPANS, (0.0, 16.0)) == pytest.approx(0.5)
-    # a step with one worker busy throughout is at its ideal bound
+    # a step with one lane busy throughout is at its ideal bound
     assert bubble_ratio([Span("policy", "generate", 0, 1.0, 3.0)]) == pytest.approx(0.0)
     assert bubble_ratio([], (0.0, 0.0)) == 0.0
 

@@ -921,7 +921,7 @@ def test_ray_rollout_replica_hosts_vllm(ray_local, vmodels, tiny_prompts, tmp_pa
             if k >= 1:
                 assert (got - before).abs().mean() > 0.02, "pi_k differs from the initial policy"
         assert carried > 0, "no sequence was carried across a step close: the test covers less than it says"
-        assert "rollout0" in {sp.worker for sp in t.tracer.spans}
+        assert "rollout0" in {sp.lane for sp in t.tracer.spans}
         assert group.state_dict() == {"replicas": [{"seed": 0}]}
         assert m["time/weight_sync"] > 0
         # a checkpoint brings home the rows the replica's engine decodes, saves them and re-adds them

@@ -35,7 +35,7 @@ MODE_COLORS = {"sequential": "#1f77b4", "intra": "#ff7f0e", "inter": "#2ca02c", 
 """One colour per overlap mode, in every picture (a label that starts with a mode name takes its colour)."""
 
 STAGE_COLORS = {
-    # the actor (policy worker): reds and oranges
+    # the actor (the policy's lane): reds and oranges
     "generate": "#d62728", "prefill_prompt": "#9467bd", "decode": "#ff7f0e", "recompute_kv": "#ffbb78",
     "decode_inflight": "#f7b6d2",
     # the scorers: olive, slate, pink; the critic's update on the scorer worker: dark blue
@@ -50,7 +50,7 @@ STAGE_COLORS = {
 """One colour per stage, in every picture; other stages get a colour from their name."""
 
 _WAITING = ("wait_",)
-_WORKER_ORDER = ("policy", "actor", "scorer", "reward", "reference", "critic", "learner", "controller")
+_LANE_ORDER = ("policy", "actor", "scorer", "reward", "reference", "critic", "learner", "controller")
 _EXTRA = ["#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#5254a3", "#8ca252", "#bd9e39", "#ad494a",
           "#a55194"]
 
@@ -250,14 +250,14 @@ def _reward_panels(groups: dict[str, list[_Run]]) -> list[tuple[str, list[tuple[
     return [("reward / judge score" if len(keys) > 1 else "reward/mean", keys)]
 
 
-def _workers_in_order(spans: list[Span]) -> list[str]:
-    """Rows top-down in pipeline order, the same in every run: oppo's workers in a fixed order,
+def _lanes_in_order(spans: list[Span]) -> list[str]:
+    """Rows top-down in pipeline order, the same in every run: oppo's lanes in a fixed order,
     then any others by their first span's start."""
     first: dict[str, float] = {}
     for s in spans:
-        first[s.worker] = min(first.get(s.worker, s.start), s.start)
-    rank = {w: i for i, w in enumerate(_WORKER_ORDER)}
-    return sorted(first, key=lambda w: (rank.get(w, len(rank)), first[w], w))
+        first[s.lane] = min(first.get(s.lane, s.start), s.start)
+    rank = {lane: i for i, lane in enumerate(_LANE_ORDER)}
+    return sorted(first, key=lambda lane: (rank.get(lane, len(rank)), first[lane], lane))
 
 
 def _stages_in_order(stages: set[str]) -> list[str]:
@@ -276,32 +276,32 @@ def timeline_figure(runs: list[_Run]) -> Figure | None:
         return None
     stages = _stages_in_order({s.stage for _, spans in traced for s in spans})
     stage_colors = {st: stage_color(st) for st in stages}
-    rows = [_workers_in_order(spans) for _, spans in traced]
-    fig = Figure(figsize=(10, sum(0.45 * len(w) + 1.1 for w in rows) + 0.8), layout="constrained")
+    rows = [_lanes_in_order(spans) for _, spans in traced]
+    fig = Figure(figsize=(10, sum(0.45 * len(r) + 1.1 for r in rows) + 0.8), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(
-        len(traced), 1, sharex=True, squeeze=False, height_ratios=[len(w) + 1.5 for w in rows]
+        len(traced), 1, sharex=True, squeeze=False, height_ratios=[len(r) + 1.5 for r in rows]
     )[:, 0]
     other_steps_drawn = False
     longest = 0.0
-    for ax, (run, spans), workers in zip(axes, traced, rows):
+    for ax, (run, spans), lanes in zip(axes, traced, rows):
         windows = step_windows(s for s in spans if s.step >= 0) or step_windows(spans)
         steps = list(windows)
         step = steps[len(steps) // 2]  # the median step: past warm-up, not the ragged last one
         w0, w1 = windows[step]
         longest = max(longest, w1 - w0)
-        # One broken_barh call per (worker, stage, own step?): chunked stages give many spans.
+        # One broken_barh call per (lane, stage, own step?): chunked stages give many spans.
         bars: dict[tuple[str, str, bool], list[tuple[float, float]]] = {}
         for s in spans:
             if s.end <= w0 or s.start >= w1:
                 continue
             a, b = max(s.start, w0), min(s.end, w1)
-            bars.setdefault((s.worker, s.stage, s.step == step), []).append((a - w0, b - a))
-        for (worker, stage, own), xranges in bars.items():
+            bars.setdefault((s.lane, s.stage, s.step == step), []).append((a - w0, b - a))
+        for (lane, stage, own), xranges in bars.items():
             other_steps_drawn |= not own
             ax.broken_barh(
                 xranges,
-                (workers.index(worker) - 0.38, 0.76),
+                (lanes.index(lane) - 0.38, 0.76),
                 gid=stage,  # tests read the stage of each bar back
                 facecolors=stage_colors[stage],
                 edgecolor="black" if own else "grey",
@@ -309,8 +309,8 @@ def timeline_figure(runs: list[_Run]) -> Figure | None:
                 alpha=1.0 if own else 0.45,
                 hatch=None if own else "///",
             )
-        ax.set_yticks(range(len(workers)), workers)
-        ax.set_ylim(len(workers) - 0.5, -0.5)  # first worker on top
+        ax.set_yticks(range(len(lanes)), lanes)
+        ax.set_ylim(len(lanes) - 0.5, -0.5)  # first lane on top
         ax.grid(axis="x", alpha=0.3)
         name = run.label if run.label == run.path.name else f"{run.label} ({run.path.name})"
         bubble = bubble_ratio(spans, (w0, w1))

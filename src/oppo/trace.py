@@ -1,10 +1,11 @@
 """Who was busy when: span recording, Chrome trace-event files, and busy/bubble arithmetic.
 
-Every worker wraps its work in ``tracer.span(worker, stage, step)``; the spans are saved as Chrome
-trace-event JSON (``trace.json``, which Perfetto and ``chrome://tracing`` open, one row per worker).
-From them: a worker's busy fraction (:func:`busy_stats`), a step's ideal bound (the busiest
-worker's busy time), the bubble ratio (:func:`bubble_ratio`) and two workers' overlap seconds
-(:func:`overlap_seconds`).
+A trace has one row per lane: ``actor``, ``scorer`` (the scorer worker's), ``learner``,
+``learner0``, ``rollout0``, ``controller``, ... Work is wrapped in ``tracer.span(lane, stage, step)``;
+the spans are saved as Chrome trace-event JSON (``trace.json``, which Perfetto and
+``chrome://tracing`` open, a lane's name as its thread's name). From them: a lane's busy
+fraction (:func:`busy_stats`), a step's ideal bound (the busiest lane's busy time), the bubble
+ratio (:func:`bubble_ratio`) and two lanes' overlap seconds (:func:`overlap_seconds`).
 
 Design notes (the format, each measure): docs/bench.md, "Who was busy when"."""
 
@@ -35,13 +36,13 @@ Interval = tuple[float, float]
 
 @dataclass(frozen=True)
 class Span:
-    """One busy interval of one worker. Times are seconds on one clock.
+    """One busy interval of one lane (a row of the trace). Times are seconds on one clock.
 
     In a live :class:`Tracer` the clock is ``time.perf_counter()``; spans read back by
     :func:`load_trace` are relative to the tracer's start.
     """
 
-    worker: str
+    lane: str
     stage: str
     step: int
     start: float
@@ -52,15 +53,19 @@ class Span:
     def duration(self) -> float:
         return self.end - self.start
 
+    @property
+    def worker(self) -> str:  # the name before the rename; "worker" is the scorer worker's word alone
+        raise AttributeError('Span.worker is now Span.lane (docs/python-api.md, "Moved and renamed")')
+
 
 class _SpanContext:
     """Records a span on exit. ``__enter__`` returns the args dict, to add results found late."""
 
-    __slots__ = ("_tracer", "_worker", "_stage", "_step", "_args", "_start")
+    __slots__ = ("_tracer", "_lane", "_stage", "_step", "_args", "_start")
 
-    def __init__(self, tracer: Tracer, worker: str, stage: str, step: int, args: dict) -> None:
+    def __init__(self, tracer: Tracer, lane: str, stage: str, step: int, args: dict) -> None:
         self._tracer = tracer
-        self._worker = worker
+        self._lane = lane
         self._stage = stage
         self._step = step
         self._args = args
@@ -72,7 +77,7 @@ class _SpanContext:
     def __exit__(self, *exc) -> None:
         end = time.perf_counter()
         self._tracer._append(
-            Span(self._worker, self._stage, self._step, self._start, end, self._args)
+            Span(self._lane, self._stage, self._step, self._start, end, self._args)
         )
 
 
@@ -106,19 +111,19 @@ class Tracer:
         self._lock = threading.Lock()
         self._spans: list[Span] = []
 
-    def span(self, worker: str, stage: str, step: int, **args: Any):
-        """Context manager timing its body as one span of ``worker`` doing ``stage``."""
+    def span(self, lane: str, stage: str, step: int, **args: Any):
+        """Context manager timing its body as one span of ``lane`` doing ``stage``."""
         if not self.enabled:
             return _NULL_SPAN
-        return _SpanContext(self, worker, stage, step, args)
+        return _SpanContext(self, lane, stage, step, args)
 
-    def add(self, worker: str, stage: str, step: int, start: float, end: float, **args: Any) -> None:
+    def add(self, lane: str, stage: str, step: int, start: float, end: float, **args: Any) -> None:
         """Record a span timed elsewhere (``start``/``end`` from ``time.perf_counter()``)."""
         if not self.enabled:
             return
         if end < start:
-            raise ValueError(f"span {worker}/{stage} ends before it starts ({start} > {end})")
-        self._append(Span(worker, stage, int(step), float(start), float(end), args))
+            raise ValueError(f"span {lane}/{stage} ends before it starts ({start} > {end})")
+        self._append(Span(lane, stage, int(step), float(start), float(end), args))
 
     def _append(self, span: Span) -> None:
         with self._lock:  # list.append is atomic in CPython, but save() must see a consistent list
@@ -151,7 +156,7 @@ class Tracer:
         previous = list(previous)
         if previous:
             shift = max(s.end for s in previous) + 1.0 - self.t0
-            spans = previous + [Span(s.worker, s.stage, s.step, s.start + shift, s.end + shift, s.args)
+            spans = previous + [Span(s.lane, s.stage, s.step, s.start + shift, s.end + shift, s.args)
                                 for s in self.spans]
             data = spans_to_chrome(spans, t0=0.0)
         else:
@@ -170,17 +175,17 @@ class Tracer:
 def spans_to_chrome(spans: Iterable[Span], t0: float = 0.0, pid: int = 0) -> dict[str, Any]:
     """Chrome trace-event dict for ``spans``; ``ts`` = microseconds since ``t0``.
 
-    Thread ids are assigned per worker in sorted name order (1, 2, ...), so the same workers
-    get the same rows in every mode's trace.
+    Thread ids are assigned per lane in sorted name order (1, 2, ...), so the same lanes get
+    the same rows in every mode's trace; a lane's name is its thread's ``thread_name``.
     """
     spans = list(spans)
-    workers = sorted({s.worker for s in spans})
-    tids = {w: i + 1 for i, w in enumerate(workers)}
+    lanes = sorted({s.lane for s in spans})
+    tids = {lane: i + 1 for i, lane in enumerate(lanes)}
     events: list[dict[str, Any]] = [
         {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": "oppo"}}
     ]
-    for w, tid in tids.items():
-        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": w}})
+    for lane, tid in tids.items():
+        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": lane}})
         events.append(
             {"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": tid}}
         )
@@ -191,7 +196,7 @@ def spans_to_chrome(spans: Iterable[Span], t0: float = 0.0, pid: int = 0) -> dic
                 "name": s.stage,
                 "cat": s.stage,
                 "pid": pid,
-                "tid": tids[s.worker],
+                "tid": tids[s.lane],
                 "ts": (s.start - t0) * 1e6,
                 "dur": (s.end - s.start) * 1e6,
                 "args": {**s.args, "step": s.step},
@@ -204,7 +209,7 @@ def load_trace(path: str | Path) -> list[Span]:
     """Read a trace written by :meth:`Tracer.save` back into spans (seconds since its start).
 
     Complete events without a step in their args get step -1; events of threads without a
-    ``thread_name`` are given the worker name ``"tid<N>"``.
+    ``thread_name`` are given the lane name ``"tid<N>"``.
     """
     path = Path(path)
     data = json.loads(path.read_text(encoding="utf-8"))
@@ -223,7 +228,7 @@ def load_trace(path: str | Path) -> list[Span]:
         start = float(e["ts"]) / 1e6
         spans.append(
             Span(
-                worker=names.get(key, f"tid{e.get('tid')}"),
+                lane=names.get(key, f"tid{e.get('tid')}"),
                 stage=str(e.get("name", "")),
                 step=step,
                 start=start,
@@ -257,8 +262,8 @@ def _clip(intervals: Iterable[Interval], t0: float, t1: float) -> list[Interval]
     return [(max(a, t0), min(b, t1)) for a, b in intervals if b > t0 and a < t1]
 
 
-def _worker_union(spans: Iterable[Span], worker: str, t0: float, t1: float) -> list[Interval]:
-    return _union(_clip(((s.start, s.end) for s in spans if s.worker == worker), t0, t1))
+def _lane_union(spans: Iterable[Span], lane: str, t0: float, t1: float) -> list[Interval]:
+    return _union(_clip(((s.start, s.end) for s in spans if s.lane == lane), t0, t1))
 
 
 def _window(spans: list[Span], t0: float | None, t1: float | None) -> Interval:
@@ -270,25 +275,25 @@ def _window(spans: list[Span], t0: float | None, t1: float | None) -> Interval:
 
 
 def busy_seconds(spans: Iterable[Span], t0: float | None = None, t1: float | None = None) -> dict[str, float]:
-    """Seconds each worker was busy inside [t0, t1] (default: the whole trace)."""
+    """Seconds each lane was busy inside [t0, t1] (default: the whole trace)."""
     spans = list(spans)
     t0, t1 = _window(spans, t0, t1)
     return {
-        w: sum(b - a for a, b in _worker_union(spans, w, t0, t1))
-        for w in sorted({s.worker for s in spans})
+        lane: sum(b - a for a, b in _lane_union(spans, lane, t0, t1))
+        for lane in sorted({s.lane for s in spans})
     }
 
 
 def busy_stats(spans: Iterable[Span], t0: float | None = None, t1: float | None = None) -> dict[str, float]:
-    """Busy fraction per worker over [t0, t1] (default: first start to last end of all spans).
+    """Busy fraction per lane over [t0, t1] (default: first start to last end of all spans).
 
-    A worker's spans are merged before measuring, so overlapping spans of one worker (e.g. two
-    streams) are not counted twice. An empty window gives 0.0 for every worker.
+    A lane's spans are merged before measuring, so overlapping spans of one lane (e.g. two
+    streams) are not counted twice. An empty window gives 0.0 for every lane.
     """
     spans = list(spans)
     t0, t1 = _window(spans, t0, t1)
     length = t1 - t0
-    return {w: (b / length if length > 0 else 0.0) for w, b in busy_seconds(spans, t0, t1).items()}
+    return {lane: (b / length if length > 0 else 0.0) for lane, b in busy_seconds(spans, t0, t1).items()}
 
 
 def step_windows(spans: Iterable[Span]) -> dict[int, Interval]:
@@ -305,10 +310,10 @@ def step_windows(spans: Iterable[Span]) -> dict[int, Interval]:
 
 
 def bubble_ratio(spans: Iterable[Span], window: Interval | None = None) -> float:
-    """``1 - busiest worker's busy time / window length`` over ``window`` (default: all spans).
+    """``1 - busiest lane's busy time / window length`` over ``window`` (default: all spans).
 
-    The ideal bound of a step is its busiest worker's busy time: however well the stages
-    overlap, the step cannot end before that worker's work is done. The ratio is the fraction
+    The ideal bound of a step is its busiest lane's busy time: however well the stages
+    overlap, the step cannot end before that lane's work is done. The ratio is the fraction
     of the window by which the step exceeds that bound (0 = ideal). Spans are clipped to the
     window by time, whatever step they are tagged with: with inter-step overlap, work of step
     k+1 running during step k fills step k's bubbles, and should count.
@@ -324,16 +329,16 @@ def bubble_ratio(spans: Iterable[Span], window: Interval | None = None) -> float
 
 def overlap_seconds(
     spans: Iterable[Span],
-    worker_a: str,
-    worker_b: str,
+    lane_a: str,
+    lane_b: str,
     t0: float | None = None,
     t1: float | None = None,
 ) -> float:
-    """Seconds during which ``worker_a`` and ``worker_b`` were both busy (within [t0, t1])."""
+    """Seconds during which ``lane_a`` and ``lane_b`` were both busy (within [t0, t1])."""
     spans = list(spans)
     t0, t1 = _window(spans, t0, t1)
-    a = _worker_union(spans, worker_a, t0, t1)
-    b = _worker_union(spans, worker_b, t0, t1)
+    a = _lane_union(spans, lane_a, t0, t1)
+    b = _lane_union(spans, lane_b, t0, t1)
     total, i, j = 0.0, 0, 0
     while i < len(a) and j < len(b):  # two-pointer sweep over the sorted disjoint intervals
         lo = max(a[i][0], b[j][0])

@@ -423,7 +423,7 @@ class LogConfig:
     tensorboard: bool = opt(False, "Also write TensorBoard event files into the run directory.")
     wandb: bool = opt(False, "Also log to Weights & Biases (needs `pip install wandb`).")
     wandb_project: str = opt("oppo", "Weights & Biases project.")
-    trace: bool = opt(True, "Record each worker's busy spans to trace.json (Chrome trace format, open in Perfetto).")
+    trace: bool = opt(True, "Record each lane's busy spans (actor, scorer, learner, ...) to trace.json (Chrome trace format, open in Perfetto).")
     progress: bool = opt(True, "Show a progress bar.")
 
 

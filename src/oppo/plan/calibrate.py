@@ -184,11 +184,11 @@ def _samples(run: MeasuredRun, warmup: int = 1) -> list[tuple[dict[str, float], 
     sim = simulate(run.mode, wl, _UNIT, cpu_placement(run.mode, on_worker, run.needs_critic),
                    steps=len(run.metrics), warmup=0, fine=True)
     simulated: dict[tuple[str, str, int], list[tuple[Work, ...]]] = {}
-    for _dev, worker, stage, step, _s, _e, works in sim_log(sim):
-        simulated.setdefault((worker, stage, step), []).append(works)
+    for _dev, lane, stage, step, _s, _e, works in sim_log(sim):
+        simulated.setdefault((lane, stage, step), []).append(works)
     measured: dict[tuple[str, str, int], list[Span]] = {}
     for s in run.spans:
-        measured.setdefault((s.worker, s.stage, s.step), []).append(s)
+        measured.setdefault((s.lane, s.stage, s.step), []).append(s)
     measured = {k: _innermost(v) for k, v in measured.items()}
     out: list[tuple[dict[str, float], float, str]] = []  # (features, seconds, kind of span)
 
@@ -200,26 +200,26 @@ def _samples(run: MeasuredRun, warmup: int = 1) -> list[tuple[dict[str, float], 
         if f:
             out.append((f, seconds, label))
 
-    for (worker, stage, step), spans in measured.items():
-        if step < warmup or worker == "controller":
+    for (lane, stage, step), spans in measured.items():
+        if step < warmup or lane == "controller":
             continue
-        if worker == "scorer" and stage.startswith("score_") and run.mode in STREAMING:
-            role = stage[len("score_"):]  # the worker's own batching is timing-dependent: use its token count
+        if lane == "scorer" and stage.startswith("score_") and run.mode in STREAMING:
+            role = stage[len("score_"):]  # the scorer worker's own batching is timing-dependent: use its token count
             for s in spans:
                 add([Work("stream", role, 1, 0, s.args.get("tokens", 0))], s.duration, f"stream.{role}")
             continue
-        if (worker, stage) == ("actor", "generate"):  # the sequential loop: prefill + decode in one span
+        if (lane, stage) == ("actor", "generate"):  # the sequential loop: prefill + decode in one span
             sim_works = [w for key in (("actor", "prefill_prompt", step), ("actor", "decode", step))
                          for ws in simulated.get(key, []) for w in ws]
             add(sim_works, sum(s.duration for s in spans), "generate")
             continue
-        sim_spans = simulated.get((worker, stage, step), [])
+        sim_spans = simulated.get((lane, stage, step), [])
         if not sim_spans:
             continue
         if stage == "decode" and len(spans) == len(sim_spans) + 1:
             # the runtime closes its last decode span after the loop (the close check): fold it in
             last = spans[-2]
-            spans = spans[:-2] + [Span(last.worker, last.stage, last.step, last.start, spans[-1].end)]
+            spans = spans[:-2] + [Span(last.lane, last.stage, last.step, last.start, spans[-1].end)]
         if len(sim_spans) == len(spans):  # one to one (decode segments between chunk hand-offs)
             for s, ws in zip(spans, sim_spans):
                 add(ws, s.duration, stage)
@@ -229,7 +229,7 @@ def _samples(run: MeasuredRun, warmup: int = 1) -> list[tuple[dict[str, float], 
 
 
 def _innermost(spans: list[Span]) -> list[Span]:
-    """The spans of one (worker, stage, step) less every span that encloses another of them.
+    """The spans of one (lane, stage, step) less every span that encloses another of them.
 
     The runtime records some work twice, nested: with the critic trained beside the actor
     (``learner.critic.CriticBesideScorer``, every intra/oppo/pipeline run with a critic) the actor's
@@ -247,11 +247,11 @@ def _innermost(spans: list[Span]) -> list[Span]:
 
 
 def sim_log(result) -> list:
-    """The simulated spans with the work each did: (device, worker, stage, step, start, end, works)."""
+    """The simulated spans with the work each did: (device, lane, stage, step, start, end, works)."""
     out = []
     for s in result.spans:
         works = tuple(Work(**w) for w in s.args.get("works", []))
-        out.append(("", s.worker, s.stage, s.step, s.start, s.end, works))
+        out.append(("", s.lane, s.stage, s.step, s.start, s.end, works))
     return out
 
 
@@ -374,7 +374,7 @@ class Comparison:
     predicted_mean: dict[str, float] = field(default_factory=dict)
     # set by validation / check_bench; outside to_dict, equality and repr
     held_out: dict[str, float] | None = field(default=None, compare=False, repr=False)  # mode -> speedup, sigma left out of the fit
-    busy: dict[str, dict[str, dict[str, float]]] | None = field(default=None, compare=False, repr=False)  # mode -> measured/predicted -> worker -> fraction
+    busy: dict[str, dict[str, dict[str, float]]] | None = field(default=None, compare=False, repr=False)  # mode -> measured/predicted -> lane -> fraction
 
     def error(self, mode: str) -> float:
         return self.predicted[mode] / self.measured[mode] - 1.0
@@ -439,8 +439,9 @@ def check_bench(profile: CpuProfile, bench_dir: str | Path, lengths: tuple[float
         sim = prof.simulate(mode, wl, res["steps"])
         pred_s[mode] = sim.step_time_median
         meas_s[mode] = v["step_time_median_s"]
-        busy[mode] = {"measured": {w: v["busy_fraction"].get(w, 0.0) for w in ("actor", "scorer", "learner")},
-                      "predicted": {w: sim.busy_fraction("worker").get(w, 0.0) for w in ("actor", "scorer", "learner")}}
+        busy[mode] = {"measured": {lane: v["busy_fraction"].get(lane, 0.0) for lane in ("actor", "scorer", "learner")},
+                      "predicted": {lane: sim.busy_fraction("lane").get(lane, 0.0)
+                                    for lane in ("actor", "scorer", "learner")}}
     cmp = Comparison(f"built-in task, {bench_dir.name} ({res['steps']} steps)",
                      {m: meas_s["sequential"] / v for m, v in meas_s.items()},
                      {m: pred_s["sequential"] / v for m, v in pred_s.items()}, meas_s, pred_s,

@@ -29,9 +29,9 @@ def _stage_seconds(run: MeasuredRun, warmup: int) -> dict[str, float]:
     for s in run.spans:
         if s.step not in steps:
             continue
-        if s.worker == "actor" and s.stage in ("generate", "decode", "prefill_prompt"):
+        if s.lane == "actor" and s.stage in ("generate", "decode", "prefill_prompt"):
             key = "decode"  # (the sequential loop's one generate span holds its prefill and decoding)
-        elif s.worker == "scorer" and s.stage.startswith("score_"):
+        elif s.lane == "scorer" and s.stage.startswith("score_"):
             key = "score"
         elif s.stage in ("experience", "recompute_values"):
             key = "experience"

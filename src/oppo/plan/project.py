@@ -103,7 +103,7 @@ def summarize(results: dict[str, RunResult]) -> dict[str, dict]:
             "speedup": results["sequential"].step_time_mean / r.step_time_mean if base else None,
             "speedup_median": base / r.step_time_median if base else None,
             "utilization": util,
-            "busy_fraction_worker": r.busy_fraction("worker"),
+            "busy_fraction_worker": r.busy_fraction("lane"),  # (the key predates the word "lane"; saved plans have it)
             "tokens_per_s": r.tokens_per_s(),
             "decode_share_of_step": statistics.mean((s.close - s.start) / s.time for s in timed),
             "offpolicy_token_frac": sum(s.offpolicy_tokens for s in timed) / max(1, sum(s.tokens for s in timed)),

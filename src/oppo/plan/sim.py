@@ -4,7 +4,7 @@ It replays what ``control.sequential_step`` and ``control.overlapped_step`` do, 
 duration taken from a cost model (``costs.py``) instead of a clock, and lets oppo's own pure
 scheduler (``oppo.scheduler``) decide admission and closing, so the simulated steps follow the
 runtime's rules rather than a copy of them. A :class:`DeviceSplit` says which devices do what; each
-step yields its time, every device's and worker's busy seconds and ``oppo.trace.Span`` records.
+step yields its time, every device's and lane's busy seconds and ``oppo.trace.Span`` records.
 What each stage models and what is left out: ``docs/planner.md``, "What the simulation models".
 """
 
@@ -133,7 +133,7 @@ class SimulatedStep:
     tokens: int
     carried: int
     device_busy: dict[str, float]
-    worker_busy: dict[str, float]
+    lane_busy: dict[str, float]  # per trace lane (actor, scorer, learner): one device of each group
     full: float = 0.0  # when B sequences were first finished (before the close: waiting for due ones)
 
     @property
@@ -162,10 +162,11 @@ class RunResult:
         return statistics.mean(s.time for s in self.timed)
 
     def busy_fraction(self, by: str = "device") -> dict[str, float]:
-        """Busy seconds over wall seconds of the timed steps, per device or per worker."""
+        """Busy seconds over wall seconds of the timed steps, per device (``by="device"``) or per
+        trace lane (``by="lane"``; any other value, such as the older ``"worker"``, means lanes too)."""
         total = sum(s.time for s in self.timed)
-        keys = sorted({k for s in self.timed for k in (s.device_busy if by == "device" else s.worker_busy)})
-        return {k: sum((s.device_busy if by == "device" else s.worker_busy).get(k, 0.0) for s in self.timed) / total
+        keys = sorted({k for s in self.timed for k in (s.device_busy if by == "device" else s.lane_busy)})
+        return {k: sum((s.device_busy if by == "device" else s.lane_busy).get(k, 0.0) for s in self.timed) / total
                 for k in keys}
 
     def utilization(self) -> dict[str, float]:
@@ -214,27 +215,27 @@ class _DeltaSchedule(DeltaController):
 
 
 class _Device:
-    """One device (or one CPU worker): does one thing at a time."""
+    """One device (or one CPU thread): does one thing at a time."""
 
     def __init__(self, name: str):
         self.name = name
         self.free = 0.0
 
-    def run(self, sim: "_Sim", ready: float, seconds: float, worker: str, stage: str, step: int,
+    def run(self, sim: "_Sim", ready: float, seconds: float, lane: str, stage: str, step: int,
             works: Sequence[Work] = ()) -> float:
         start = max(ready, self.free)
         self.free = start + max(0.0, seconds)
-        sim.record(self, worker, stage, step, start, self.free, works)
+        sim.record(self, lane, stage, step, start, self.free, works)
         return self.free
 
 
-def _group_run(sim: "_Sim", devs: list[_Device], ready: float, seconds: float, worker: str, stage: str,
+def _group_run(sim: "_Sim", devs: list[_Device], ready: float, seconds: float, lane: str, stage: str,
                step: int, works: Sequence[Work] = ()) -> float:
     """A data-parallel piece of work on every device of a group, starting together."""
     start = max([ready] + [d.free for d in devs])
     for d in devs:
         d.free = start
-        d.run(sim, start, seconds, worker, stage, step, works)
+        d.run(sim, start, seconds, lane, stage, step, works)
     return start + max(0.0, seconds)
 
 
@@ -267,10 +268,10 @@ class _Sim:
         self.next_begun = False  # pipeline: the next step's prompts were admitted while the learner trained
         self.stage_log: list[tuple[str, str, str, int, float, float, tuple[Work, ...]]] = []
 
-    def record(self, dev: _Device, worker: str, stage: str, step: int, start: float, end: float,
+    def record(self, dev: _Device, lane: str, stage: str, step: int, start: float, end: float,
                works: Sequence[Work]) -> None:
         if end > start or works:
-            self.stage_log.append((dev.name, worker, stage, step, start, end, tuple(works)))
+            self.stage_log.append((dev.name, lane, stage, step, start, end, tuple(works)))
 
     def _length(self, t) -> int:
         if self.wl.group_size > 1:  # each member of a group draws its own length, as oppo bench forces them
@@ -317,9 +318,9 @@ class _Sim:
         sync = Work("sync", "policy", 1)
         end = _group_run(self, self.actors, ready, self.costs.time(sync), "learner", "weight_sync", k, [sync])
         self.clock = end
-        dev_busy, work_busy = self._busy(t0, end)
+        dev_busy, lane_busy = self._busy(t0, end)
         return SimulatedStep(k, t0, end, close_t, lengths, list(close.lags), off_tokens, sum(lengths),
-                          sum(1 for r in self.rows.values() if not r.finished), dev_busy, work_busy,
+                          sum(1 for r in self.rows.values() if not r.finished), dev_busy, lane_busy,
                           self.full_at if self.full_at is not None else close_t)
 
     def _admit(self, k: int, tickets, t: float, queues, first: bool = False) -> list[_Row]:
@@ -527,14 +528,14 @@ class _Sim:
         for d in self.actors:
             d.free = max(d.free, t_close)
 
-        def oneshot(role: str, rows: list[_Row], devs: list[_Device], worker: str, stage: str, ready: float) -> float:
+        def oneshot(role: str, rows: list[_Row], devs: list[_Device], lane: str, stage: str, ready: float) -> float:
             if not rows:
                 return ready
             parts = _split(len(rows), len(devs))
             width = wl.pad + max(r.length for r in rows)  # one padded batch, as score_full pads it
             n = parts[0]
             w = Work("oneshot", role, 1, n, n * width, n * width ** 2 / 2)
-            return _group_run(self, devs, ready, costs.time(w), worker, stage, k, [w])
+            return _group_run(self, devs, ready, costs.time(w), lane, stage, k, [w])
 
         # the controller's own work: experience tensors, the off-policy correction of carried rows
         t = _group_run(self, self.actors, t_close, costs.time(Work("book", "", 1, B / A)), "learner", "experience", k,
@@ -592,18 +593,18 @@ class _Sim:
 
     def _busy(self, t0: float, t1: float) -> tuple[dict[str, float], dict[str, float]]:
         dev: dict[str, float] = {d.name: 0.0 for d in self.actors + self.scorers}
-        work: dict[str, float] = {}
-        seen_worker: dict[str, list[tuple[float, float]]] = {}
-        for name, worker, stage, step, s, e, _ in self.stage_log[self.log_start:]:
+        lanes: dict[str, float] = {}
+        seen_lane: dict[str, list[tuple[float, float]]] = {}
+        for name, lane, stage, step, s, e, _ in self.stage_log[self.log_start:]:
             a, b = max(s, t0), min(e, t1)
             if b <= a:
                 continue
             dev[name] = dev.get(name, 0.0) + (b - a)
-            if name in ("actor0", "scorer0"):  # per-worker figures: one device of each group, like a bench trace
-                seen_worker.setdefault(worker, []).append((a, b))
-        for w, iv in seen_worker.items():
-            work[w] = _union_len(iv)
-        return dev, work
+            if name in ("actor0", "scorer0"):  # per-lane figures: one device of each group, like a bench trace
+                seen_lane.setdefault(lane, []).append((a, b))
+        for lane, iv in seen_lane.items():
+            lanes[lane] = _union_len(iv)
+        return dev, lanes
 
 
 def _union_len(iv: list[tuple[float, float]]) -> float:
@@ -636,7 +637,7 @@ def simulate(mode: str, workload: Workload, costs: CostModel, placement: DeviceS
             r.end += overhead_s
             sim.clock = r.end
         out.append(r)
-    spans = [] if not keep_spans else [Span(worker if len(sim.actors) == 1 else f"{worker}:{dev}", stage, step, s, e,
+    spans = [] if not keep_spans else [Span(lane if len(sim.actors) == 1 else f"{lane}:{dev}", stage, step, s, e,
                   {"works": [w.__dict__ for w in works]} if works else {})
-             for dev, worker, stage, step, s, e, works in sim.stage_log]
+             for dev, lane, stage, step, s, e, works in sim.stage_log]
     return RunResult(mode, placement, out, spans, warmup)

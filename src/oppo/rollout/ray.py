@@ -227,7 +227,7 @@ class RayRolloutGroup:
         """Every chunk the replicas sent has reached the scorers; their spans join the trace."""
         for spans, peak, sent in self.group.call("flush"):
             for sp in spans:
-                self.tracer.add(sp.worker, sp.stage, sp.step, sp.start, sp.end, **sp.args)
+                self.tracer.add(sp.lane, sp.stage, sp.step, sp.start, sp.end, **sp.args)
             self.peak_cache_bytes = max(self.peak_cache_bytes, peak)
             self.chunks_sent += sent
 

@@ -210,7 +210,7 @@ class RayScorerWorker:
             for role, res in reply.results.items():
                 self.results[role].update(res)
             for sp in reply.spans:
-                self.tracer.add(sp.worker, sp.stage, sp.step, sp.start, sp.end, **sp.args)
+                self.tracer.add(sp.lane, sp.stage, sp.step, sp.start, sp.end, **sp.args)
             self.peak_cache_bytes.update(reply.peaks)
             self.train_stats.update(reply.train_stats)
 
