@@ -16,7 +16,7 @@ import threading
 from functools import lru_cache
 from typing import Any, Sequence
 
-from .terms import RewardTermSpec
+from .terms import RewardTermSpec, optional_module
 
 _GSM8K = re.compile(r"####\s*(.+?)\s*$", re.S)
 
@@ -31,12 +31,7 @@ def gold_answer(text: Any) -> str:
 
 
 def _math_verify():
-    try:
-        import math_verify
-    except ImportError:
-        raise ImportError('oppo.rewards.math_accuracy needs the math-verify package: pip install "oppo[math]" '
-                          '(or pip install math-verify).') from None
-    return math_verify
+    return optional_module("math_verify", "math_accuracy", "math-verify", "math")
 
 
 def _timeout() -> int | None:

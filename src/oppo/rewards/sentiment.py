@@ -18,27 +18,18 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any, Sequence
 
-from .terms import RewardTermSpec
+from .terms import RewardTermSpec, optional_module
 
 
 @lru_cache(maxsize=1)
-def _vader():
-    try:
-        from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
-    except ImportError:
-        raise ImportError('oppo.rewards.vader_sentiment needs the vaderSentiment package: pip install '
-                          '"oppo[sentiment]" (or pip install vaderSentiment).') from None
-    return SentimentIntensityAnalyzer()  # (reads its lexicon files once; scoring only reads them)
+def _vader():  # (reads its lexicon files once; scoring only reads them)
+    return optional_module("vaderSentiment.vaderSentiment", "vader_sentiment", "vaderSentiment",
+                           "sentiment").SentimentIntensityAnalyzer()
 
 
 @lru_cache(maxsize=1)
 def _afinn():
-    try:
-        from afinn import Afinn
-    except ImportError:
-        raise ImportError('oppo.rewards.afinn_sentiment needs the afinn package: pip install "oppo[sentiment]" '
-                          '(or pip install afinn).') from None
-    return Afinn(language="en")
+    return optional_module("afinn", "afinn_sentiment", "afinn", "sentiment").Afinn(language="en")
 
 
 def _number(name: str, key: str, v: Any) -> float:

@@ -15,6 +15,7 @@ and reports each term's batch mean as ``reward/<name>/mean``. ``reward.path`` an
 from __future__ import annotations
 
 import difflib
+import importlib
 import inspect
 import math
 import numbers
@@ -149,6 +150,16 @@ def _builtin(spec: str) -> Callable:
     if found is None:
         raise ValueError(f"oppo.rewards has no reward {name!r}; the built-ins are {', '.join(BUILTINS)}.")
     return found.function
+
+
+def optional_module(module: str, term: str, package: str, extra: str) -> Any:
+    """``module`` imported for the built-in reward ``term``, or an ImportError naming the package it
+    needs and the extra that installs it (the built-ins' scorers are optional dependencies)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ImportError(f'oppo.rewards.{term} needs the {package} package: pip install "oppo[{extra}]" '
+                          f"(or pip install {package}).") from None
 
 
 def check_settings(fn: Callable, kwargs: dict, where: str, strict: bool = False) -> None:
