@@ -435,18 +435,18 @@ def layout_rule(backbone: torch.nn.Module, mode: str | None = None, buckets: str
     cache = backbone.__dict__.setdefault("_oppo_layout_rules", {})
     if (mode, bucketed) in cache:
         return cache[(mode, bucketed)]
-    plan = LayoutRule(False, buckets=bucketed)
+    rule = LayoutRule(False, buckets=bucketed)
     if mode != "off":
         cfg = getattr(backbone, "config", None)
         impl = varlen.base(str(getattr(cfg, "_attn_implementation", None) or "eager"))
         why = varlen.packing_fails(backbone)
         no_varlen = _varlen_fails(backbone) if why is None else why
         if why is None and no_varlen is None:
-            plan = LayoutRule(True, buckets=bucketed, varlen=True)
+            rule = LayoutRule(True, buckets=bucketed, varlen=True)
         elif why is None:
             quadratic = not impl.startswith(("flash", "flex"))
             one_row = varlen.packing_fails(backbone, rows=2) is not None
-            plan = LayoutRule(True, 1.0 / (6 * getattr(cfg, "hidden_size", 1024)) if quadratic and not one_row else 0.0,
+            rule = LayoutRule(True, 1.0 / (6 * getattr(cfg, "hidden_size", 1024)) if quadratic and not one_row else 0.0,
                            buckets=bucketed, one_row=one_row)
             if varlen.takes_offsets(impl):  # (flash and flex paths build no dense mask anyway)
                 warnings.warn(f"{type(backbone).__name__} (attention: {impl}): packed forwards keep transformers' "
@@ -457,8 +457,8 @@ def layout_rule(backbone: torch.nn.Module, mode: str | None = None, buckets: str
         else:
             warnings.warn(f"{type(backbone).__name__} (attention: {impl}) cannot run packed rows: {why}; its "
                           f"forwards run padded (ppo.packing=off silences this).", stacklevel=2)
-    cache[(mode, bucketed)] = plan
-    return plan
+    cache[(mode, bucketed)] = rule
+    return rule
 
 
 def _varlen_fails(backbone: torch.nn.Module) -> str | None:

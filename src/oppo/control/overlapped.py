@@ -40,7 +40,7 @@ def overlapped_step(loop: s.Loop, step: int) -> tuple[s.StepResult, dict[str, fl
     stats = s.overlap_stats(loop, close, exp, chunk)  # before the next step is admitted
     # 4-6. the update: here, or in the learner thread while the next step decodes
     if pol.in_flight:
-        assert loop.learner_thread is not None  # Run starts it for an in-flight policy
+        assert loop.learner_thread is not None  # Loop starts it for an in-flight policy
         update = loop.learner_thread.submit(s.update, loop, exp, texts, scores, step)
     else:
         result = s.update(loop, exp, texts, scores, step)

@@ -196,14 +196,14 @@ class Learner:
         out = torch.zeros(len(rows), exp.mask.shape[1], device=exp.mask.device)
         if not len(rows):
             return out
-        plan, total = self.layout_rule(), row_lengths(exp)
+        rule, total = self.layout_rule(), row_lengths(exp)
         host = rows.tolist()  # CPU-GPU sync point (once per update)
         lengths = [total[i] for i in host]
         # ceil(rows / micro_batch_size) forwards (fsdp_old_logprobs counts on it), of balanced token counts
         tokens = (token_budget(self.micro) or math.inf) if budget else math.inf
         for group in balanced(list(range(len(host))), lengths, -(-len(host) // self.micro.micro_batch_size), tokens):
             at = torch.tensor(group, device=rows.device)
-            mb = micro_slices(exp, [host[g] for g in group], plan, self.micro)
+            mb = micro_slices(exp, [host[g] for g in group], rule, self.micro)
             out[at, :mb.T] = self._actor_logprobs(mb)[0]  # [b, T]
         return out
 
